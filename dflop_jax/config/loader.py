@@ -1,0 +1,233 @@
+"""Typed config loading: YAML data + `key.sub=value` overrides (+ gin-style binding files) -> frozen dataclasses.
+
+The schema is the dataclasses (one per component, defaults only there); YAML is data. Every error is a
+one-line `ConfigError` naming the dotted key, the bad value and what is allowed.
+
+    cfg = load_config(TrainConfig, "configs/demo.yaml", ["scheduler.time_limit_s=2", "train.steps=10"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the person who wrote the config."""
+
+
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+    gin_files: typing.Sequence[str | Path] = (),
+) -> T:
+    """Builds `cls` from an optional YAML file, then gin binding files, then `key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = read_yaml(path)
+    for gin_file in gin_files:
+        data = apply_overrides(data, read_gin_bindings(gin_file))
+    data = apply_overrides(data, overrides)
+    return from_dict(cls, data)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+_GIN_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*=\s*(.+?)\s*$")
+
+
+def read_gin_bindings(path: str | Path) -> list[str]:
+    """Reads gin-style bindings (`scheduler.time_limit_s = 2.0`, one per line, `#` comments).
+
+    Bindings set config fields only (never functions deep in the code); they become overrides.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"gin file not found: {path}")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0]
+        if not line.strip():
+            continue
+        m = _GIN_LINE.match(line)
+        if not m:
+            raise ConfigError(f"{path}:{lineno}: expected `key.sub = value`, got {line.strip()!r}")
+        out.append(f"{m.group(1)}={m.group(2)}")
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """Returns a copy of `data` with each `a.b.c=value` set; values are parsed as YAML scalars/lists."""
+    data = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {part} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Builds dataclass `cls` from a mapping, checking keys and types; nested dataclasses recurse."""
+    where = prefix or "<root>"
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{_join(prefix, unknown[0])}: unknown key; allowed keys of {where}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, _join(prefix, name))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if origin is tuple and args:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        elem = args[0] if args else Any
+        return [_convert(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        kt, vt = args if args else (Any, Any)
+        return {_convert(kt, k, key): _convert(vt, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise ConfigError(f"{key}: expected a path, got {value!r}")
+    raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain YAML-able data of a config (tuples become lists, paths strings)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, Path):
+        return str(cfg)
+    return cfg
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    """Writes the resolved config (what a run actually used) as YAML."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def require(condition: bool, key: str, value: Any, fix: str) -> None:
+    """Validation helper for `__post_init__`: raises a one-line ConfigError naming key, value and fix."""
+    if not condition:
+        raise ConfigError(f"{key}={value!r}: {fix}")

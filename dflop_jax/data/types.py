@@ -1,0 +1,105 @@
+"""What the data layer hands on: processed samples, and packed static-shape microbatches (DESIGN section 3).
+
+The packed arrays are the contract between the loader (which fills them), the models' feature placement
+(which reads `feature_index`) and the runtime (which shards them over stage meshes).
+
+Index conventions:
+  feature_index == TEXT (-1): embed `tokens` at this position.
+  feature_index == NEWLINE (-2): the learned image-newline embedding (LLaVA-OV).
+  feature_index >= 0: row of the microbatch's flattened projected image features
+    [num_tile_slots * tokens_per_tile, D], tile slot s covering rows s*tokens_per_tile ... +tokens_per_tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+TEXT = -1
+NEWLINE = -2
+
+
+@dataclasses.dataclass
+class ProcessedSample:
+    """One sample after decoding, tiling and tokenization, before packing.
+
+    Attributes:
+      id: the sample's id.
+      token_ids: [L] int32, the whole LLM sequence; image positions hold the image placeholder id.
+      assistant_mask: [L] bool, True on tokens the model must learn to produce (assistant turns).
+      feature_source: [L] int32, TEXT / NEWLINE / index into this sample's own image features
+        (tile t, feature j -> t * tokens_per_tile + j).
+      tiles: [n_tiles, H, W, 3] float32 pixels, normalized as the encoder expects (n_tiles may be 0).
+      tile_pool: [n_tiles] bool, True for video frames pooled 2x2 after the projector.
+      modality: "text", "image", "multi_image" or "video".
+    """
+
+    id: Any
+    token_ids: np.ndarray
+    assistant_mask: np.ndarray
+    feature_source: np.ndarray
+    tiles: np.ndarray
+    tile_pool: np.ndarray
+    modality: str = "text"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tiles.shape[0])
+
+
+@dataclasses.dataclass
+class PackedMicrobatch:
+    """One microbatch in static shapes, global over data-parallel shards.
+
+    Encoder side (v_dp shards of T tiles; shard e owns rows e*T ... e*T+T-1):
+      tiles: [v_dp*T, H, W, 3] float32; tile_valid: [v_dp*T] bool; tile_pool: [v_dp*T] bool.
+    LLM side (l_dp shards, one packed row of S tokens each):
+      tokens: [l_dp, S] int32 input ids (0 on padding).
+      segment_ids: [l_dp, S] int32, 1.. per sample within the row, 0 on padding; attention never
+        crosses segments.
+      positions: [l_dp, S] int32, restarting at 0 for every sample.
+      targets: [l_dp, S] int32, the next token of the same sample (labels shifted by one).
+      loss_mask: [l_dp, S] float32, 1 where targets[...] is an assistant token of the same sample.
+      feature_index: [l_dp, S] int32, see the module docstring.
+    """
+
+    tiles: np.ndarray
+    tile_valid: np.ndarray
+    tile_pool: np.ndarray
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    feature_index: np.ndarray
+
+    @property
+    def tile_bucket_total(self) -> int:
+        return int(self.tiles.shape[0])
+
+    @property
+    def length_bucket(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclasses.dataclass
+class GlobalBatch:
+    """A global batch as the trainer consumes it.
+
+    Attributes:
+      microbatches: packed microbatches in execution order.
+      num_loss_tokens: loss tokens of the whole global batch (the loss normalizer).
+      schedule: the scheduler's `Schedule` (report and buckets).
+      stats: real/padded token and tile counts, skipped-sample counts by reason, scheduler latency.
+    """
+
+    microbatches: list[PackedMicrobatch]
+    num_loss_tokens: int
+    schedule: Any
+    stats: dict = dataclasses.field(default_factory=dict)
