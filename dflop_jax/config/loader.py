@@ -158,14 +158,19 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(arg, value, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}"
+        )
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, args))}"
+            )
         return value
     if origin in (tuple, list):
         if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+            # `a.b=4,8,16` on a command line: each item is a YAML scalar.
+            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             value = [value]
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:

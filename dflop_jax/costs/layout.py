@@ -38,7 +38,9 @@ class StageSpec:
         if self.module not in ("encoder", "llm"):
             raise ValueError(f"module={self.module!r}: must be 'encoder' or 'llm'")
         if self.first_layer < 0 or self.num_layers < 0:
-            raise ValueError(f"layers [{self.first_layer}, +{self.num_layers}): must be non-negative")
+            raise ValueError(
+                f"layers [{self.first_layer}, +{self.num_layers}): must be non-negative"
+            )
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"tp={self.tp}, dp={self.dp}: both must be >= 1")
 

@@ -50,7 +50,9 @@ class BucketSet:
     def __post_init__(self):
         for name, values in (("tiles", self.tiles), ("lengths", self.lengths)):
             if not values or list(values) != sorted(set(values)) or values[0] < 1:
-                raise ValueError(f"buckets.{name}={values}: need distinct positive sizes, ascending")
+                raise ValueError(
+                    f"buckets.{name}={values}: need distinct positive sizes, ascending"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,9 @@ class MicrobatchPlan:
     def samples(self) -> tuple[int, ...]:
         return tuple(i for shard in self.shards for i in shard)
 
-    def encoder_tiles(self, shapes: Sequence[SampleShape], encoder_dp: int) -> list[list[tuple[int, int]]]:
+    def encoder_tiles(
+        self, shapes: Sequence[SampleShape], encoder_dp: int
+    ) -> list[list[tuple[int, int]]]:
         """Tiles per encoder shard as (sample index, tile index), filled in order: shard 0 up to T, ...
 
         The encoder's tiles are independent, so any sample's tiles may be split across shards.
