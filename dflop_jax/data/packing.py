@@ -1,0 +1,289 @@
+"""Packing processed samples into the static-shape arrays of a schedule (DESIGN section 3).
+
+`pack_global_batch(schedule, samples, shapes, ...)` turns the scheduler's answer for one global batch into
+`PackedMicrobatch`es: encoder tiles placed per encoder data-parallel shard in the order
+`MicrobatchPlan.encoder_tiles()` gives, and one packed LLM row per LLM shard (segment ids, positions
+restarting per sample, next-token targets of the same sample, assistant-only loss mask, and the indices
+that place image features into the row).
+
+Multi-host: with a `HostShardSpec`, only the host's own shards are materialised. The leading dimension of
+the encoder arrays is then `len(host.encoder_shards) * T` (local shards in the spec's order) and of the
+LLM arrays `len(host.llm_shards)`; `feature_index` always holds GLOBAL tile-slot rows, because the
+encoder features of the whole microbatch reach the LLM's first stage. Samples a host does not need may be
+`None` in `samples`; their slots are computed from `shapes`, so every host agrees on the placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflop_jax.data.types import TEXT, GlobalBatch, PackedMicrobatch, ProcessedSample
+from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShardSpec:
+    """Which data-parallel shards this process feeds.
+
+    Attributes:
+      encoder_shards: encoder data-parallel shard ids owned by this process, ascending.
+      llm_shards: LLM data-parallel shard ids owned by this process, ascending.
+    """
+
+    encoder_shards: tuple[int, ...]
+    llm_shards: tuple[int, ...]
+
+    def __post_init__(self):
+        for name, ids in (("encoder_shards", self.encoder_shards), ("llm_shards", self.llm_shards)):
+            if list(ids) != sorted(set(ids)) or (ids and ids[0] < 0):
+                raise ValueError(
+                    f"HostShardSpec.{name}={ids}: need distinct shard ids >= 0, ascending"
+                )
+
+    @classmethod
+    def contiguous(
+        cls, process_index: int, process_count: int, encoder_dp: int, llm_dp: int
+    ) -> HostShardSpec:
+        """Process p owns a contiguous 1/process_count share of each side's shards.
+
+        A side with fewer shards than processes (dp < process_count) gives shard s to process
+        s * process_count // dp (the process holding the shard's first device in a contiguous layout).
+        """
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index}: need 0 <= index < {process_count}")
+
+        def share(dp: int) -> tuple[int, ...]:
+            return tuple(s for s in range(dp) if s * process_count // dp == process_index)
+
+        return cls(share(encoder_dp), share(llm_dp))
+
+    def check(self, encoder_dp: int, llm_dp: int) -> None:
+        if self.encoder_shards and self.encoder_shards[-1] >= encoder_dp:
+            raise ValueError(
+                f"HostShardSpec.encoder_shards={self.encoder_shards}: encoder_dp={encoder_dp}"
+            )
+        if self.llm_shards and self.llm_shards[-1] >= llm_dp:
+            raise ValueError(f"HostShardSpec.llm_shards={self.llm_shards}: llm_dp={llm_dp}")
+
+
+def all_shards(encoder_dp: int, llm_dp: int) -> HostShardSpec:
+    """The single-process spec: every shard is local."""
+    return HostShardSpec(tuple(range(encoder_dp)), tuple(range(llm_dp)))
+
+
+def needed_samples(
+    plan: MicrobatchPlan, shapes: Sequence[SampleShape], encoder_dp: int, host: HostShardSpec
+) -> set[int]:
+    """Indices of the samples whose tiles or tokens land on this host's shards in microbatch `plan`."""
+    out = {i for r in host.llm_shards for i in plan.shards[r]}
+    placement = _checked_tiles(plan, shapes, encoder_dp)
+    for e in host.encoder_shards:
+        out.update(i for i, _ in placement[e])
+    return out
+
+
+def _checked_tiles(
+    plan: MicrobatchPlan, shapes: Sequence[SampleShape], encoder_dp: int
+) -> list[list[tuple[int, int]]]:
+    total = sum(shapes[i].tiles for i in plan.samples())
+    if total > encoder_dp * plan.tile_bucket:
+        raise ValueError(
+            f"microbatch has {total} tiles > encoder_dp {encoder_dp} x tile bucket {plan.tile_bucket}"
+        )
+    return plan.encoder_tiles(shapes, encoder_dp)
+
+
+def pack_microbatch(
+    plan: MicrobatchPlan,
+    samples: Sequence[ProcessedSample | None],
+    shapes: Sequence[SampleShape] | None = None,
+    *,
+    encoder_dp: int,
+    llm_dp: int,
+    tile_shape: tuple[int, int, int],
+    tokens_per_tile: int,
+    host: HostShardSpec | None = None,
+) -> tuple[PackedMicrobatch, dict]:
+    """Packs one microbatch of the global batch.
+
+    Args:
+      plan: the microbatch's buckets and per-LLM-shard sample indices.
+      samples: the global batch's processed samples (indexed like `shapes`); None for samples this host
+        does not need or that failed to load (their tiles and tokens stay padding).
+      shapes: the metadata the schedule was built from; defaults to the samples' own sizes.
+      encoder_dp, llm_dp: data-parallel degrees of the encoder and the LLM.
+      tile_shape: (H, W, 3) of one encoder tile.
+      tokens_per_tile: feature rows per tile slot in the flattened feature array.
+      host: the shards this process materialises (default: all).
+
+    Returns:
+      (PackedMicrobatch, stats) with stats {tokens_real, tokens_computed, tiles_real, tiles_computed,
+      loss_tokens} counted over the materialised (local) shards.
+    """
+    if shapes is None:
+        shapes = [_shape_of(s) for s in samples]
+    host = host or all_shards(encoder_dp, llm_dp)
+    host.check(encoder_dp, llm_dp)
+    if len(plan.shards) != llm_dp:
+        raise ValueError(f"microbatch has {len(plan.shards)} LLM shards, llm_dp={llm_dp}")
+    T, S = plan.tile_bucket, plan.length_bucket
+    placement = _checked_tiles(plan, shapes, encoder_dp)
+    slot_of = {it: e * T + k for e, tiles in enumerate(placement) for k, it in enumerate(tiles)}
+
+    n_enc = len(host.encoder_shards)
+    tiles = np.zeros((n_enc * T, *tile_shape), np.float32)
+    tile_valid = np.zeros((n_enc * T,), bool)
+    tile_pool = np.zeros((n_enc * T,), bool)
+    for local, e in enumerate(host.encoder_shards):
+        for k, (i, t) in enumerate(placement[e]):
+            sample = samples[i]
+            if sample is None:
+                continue
+            row = local * T + k
+            tiles[row] = sample.tiles[t]
+            tile_valid[row] = True
+            tile_pool[row] = sample.tile_pool[t]
+
+    rows = [
+        _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile)
+        for r in host.llm_shards
+    ]
+    fields = ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index")
+    arrays = {f: np.stack([row[f] for row in rows]) if rows else _empty_rows(f, S) for f in fields}
+    mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
+    stats = {
+        "tokens_real": int((mb.segment_ids > 0).sum()),
+        "tokens_computed": len(host.llm_shards) * S,
+        "tiles_real": int(tile_valid.sum()),
+        "tiles_computed": n_enc * T,
+        "loss_tokens": int(mb.loss_mask.sum()),
+    }
+    return mb, stats
+
+
+def _shape_of(sample: ProcessedSample | None) -> SampleShape:
+    if sample is None:
+        raise ValueError("pack_microbatch: pass `shapes` when some samples are None")
+    return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality)
+
+
+def _empty_rows(field: str, S: int) -> np.ndarray:
+    return np.zeros((0, S), np.float32 if field == "loss_mask" else np.int32)
+
+
+def _pack_row(
+    indices: Sequence[int],
+    samples: Sequence[ProcessedSample | None],
+    shapes: Sequence[SampleShape],
+    S: int,
+    slot_of: dict[tuple[int, int], int],
+    tokens_per_tile: int,
+) -> dict[str, np.ndarray]:
+    """One LLM shard's packed row [S]: samples back to back, then padding (segment 0)."""
+    row = {
+        "tokens": np.zeros(S, np.int32),
+        "segment_ids": np.zeros(S, np.int32),
+        "positions": np.zeros(S, np.int32),
+        "targets": np.zeros(S, np.int32),
+        "loss_mask": np.zeros(S, np.float32),
+        "feature_index": np.full(S, TEXT, np.int32),
+    }
+    need = sum(shapes[i].tokens for i in indices)
+    if need > S:
+        raise ValueError(
+            f"LLM shard holds {need} tokens > length bucket {S} (samples {list(indices)})"
+        )
+    offset = 0
+    for segment, i in enumerate(indices, start=1):
+        sample = samples[i]
+        if sample is None:
+            # A sample that failed to load keeps its scheduled room as padding.
+            offset += shapes[i].tokens
+            continue
+        _check_sample(sample, shapes[i], i)
+        L = sample.num_tokens
+        span = slice(offset, offset + L)
+        row["tokens"][span] = sample.token_ids
+        row["segment_ids"][span] = segment
+        row["positions"][span] = np.arange(L)
+        # Next token of the same sample; the sample's last token has no target.
+        row["targets"][offset : offset + L - 1] = sample.token_ids[1:]
+        row["loss_mask"][offset : offset + L - 1] = sample.assistant_mask[1:]
+        row["feature_index"][span] = _global_features(
+            sample.feature_source, i, slot_of, tokens_per_tile
+        )
+        offset += L
+    return row
+
+
+def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int) -> None:
+    if sample.num_tokens != shape.tokens or sample.num_tiles != shape.tiles:
+        raise ValueError(
+            f"sample {i} ({sample.id!r}): processed {sample.num_tiles} tiles/{sample.num_tokens} tokens, "
+            f"metadata said {shape.tiles}/{shape.tokens}"
+        )
+
+
+def _global_features(
+    source: np.ndarray, i: int, slot_of: dict[tuple[int, int], int], tokens_per_tile: int
+) -> np.ndarray:
+    """Maps tile-local feature ids t*tpt+j of sample i to global rows slot(i, t)*tpt+j; TEXT/NEWLINE stay."""
+    source = np.asarray(source, np.int64)
+    out = source.copy()
+    image = source >= 0
+    if image.any():
+        t, j = np.divmod(source[image], tokens_per_tile)
+        slots = np.array([slot_of[(i, int(x))] for x in t], np.int64)
+        out[image] = slots * tokens_per_tile + j
+    return out.astype(np.int32)
+
+
+def pack_global_batch(
+    schedule: Schedule,
+    samples: Sequence[ProcessedSample | None],
+    shapes: Sequence[SampleShape] | None = None,
+    *,
+    encoder_dp: int,
+    llm_dp: int,
+    tile_shape: tuple[int, int, int],
+    tokens_per_tile: int,
+    host: HostShardSpec | None = None,
+) -> GlobalBatch:
+    """Packs every microbatch of `schedule`; see `pack_microbatch` for the arguments.
+
+    `num_loss_tokens` and the stats count the materialised shards: the whole global batch in a
+    single-process run, this host's shards with a `HostShardSpec`.
+    """
+    microbatches, totals = (
+        [],
+        dict.fromkeys(
+            ("tokens_real", "tokens_computed", "tiles_real", "tiles_computed", "loss_tokens"), 0
+        ),
+    )
+    for plan in schedule.microbatches:
+        mb, stats = pack_microbatch(
+            plan,
+            samples,
+            shapes,
+            encoder_dp=encoder_dp,
+            llm_dp=llm_dp,
+            tile_shape=tile_shape,
+            tokens_per_tile=tokens_per_tile,
+            host=host,
+        )
+        microbatches.append(mb)
+        for k in totals:
+            totals[k] += stats[k]
+    stats = dict(totals)
+    stats["llm_padding_ratio"] = _padding(totals["tokens_real"], totals["tokens_computed"])
+    stats["encoder_padding_ratio"] = _padding(totals["tiles_real"], totals["tiles_computed"])
+    stats["num_microbatches"] = len(microbatches)
+    return GlobalBatch(microbatches, totals["loss_tokens"], schedule, stats)
+
+
+def _padding(real: int, computed: int) -> float:
+    """DESIGN section 9: 1 - real / computed (0 when nothing is computed)."""
+    return 1.0 - real / computed if computed else 0.0

@@ -1,0 +1,246 @@
+"""Packing a schedule into static-shape arrays: shapes, segments, shifted targets, feature placement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
+from dflop_jax.data.types import NEWLINE, TEXT, ProcessedSample
+from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
+
+TPT = 3  # feature rows per tile
+TILE = (2, 2, 3)
+IMAGE_TOKEN = 9
+
+
+def make_sample(idx: int, n_tiles: int, n_text: int, rng: np.random.Generator, newline=True):
+    """Text, then each tile's TPT image tokens (+ a newline token), then text.
+
+    Tile t of sample idx holds pixels == idx * 1000 + t, so a feature row can be traced to its tile.
+    """
+    head = n_text // 2
+    ids, src = [], []
+    ids += list(rng.integers(100, 10_000, head))
+    src += [TEXT] * head
+    for t in range(n_tiles):
+        ids += [IMAGE_TOKEN] * TPT
+        src += [t * TPT + j for j in range(TPT)]
+        if newline:
+            ids.append(IMAGE_TOKEN)
+            src.append(NEWLINE)
+    tail = n_text - head
+    ids += list(rng.integers(100, 10_000, tail))
+    src += [TEXT] * tail
+    ids = np.array(ids, np.int32)
+    src = np.array(src, np.int32)
+    assistant = (rng.random(len(ids)) < 0.5) & (src == TEXT)
+    tiles = (
+        np.stack([np.full(TILE, idx * 1000 + t, np.float32) for t in range(n_tiles)])
+        if n_tiles
+        else (np.zeros((0, *TILE), np.float32))
+    )
+    pool = np.arange(n_tiles) % 2 == 1
+    modality = "image" if n_tiles else "text"
+    return ProcessedSample(idx, ids, assistant, src, tiles, pool, modality)
+
+
+def shape_of(s: ProcessedSample) -> SampleShape:
+    return SampleShape(s.id, s.num_tiles, s.num_tokens, s.modality)
+
+
+def check_microbatch(mb, plan, samples, encoder_dp, llm_dp):
+    """Independent check of one packed microbatch against the samples it should hold."""
+    T, S = plan.tile_bucket, plan.length_bucket
+    assert mb.tiles.shape == (encoder_dp * T, *TILE)
+    assert mb.tile_valid.shape == mb.tile_pool.shape == (encoder_dp * T,)
+    for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
+        assert getattr(mb, name).shape == (llm_dp, S), name
+    # Every sample tile appears exactly once among valid slots.
+    want = sorted((i, t) for i in plan.samples() for t in range(samples[i].num_tiles))
+    got = sorted(divmod(int(v), 1000) for v in mb.tiles[mb.tile_valid][:, 0, 0, 0])
+    assert got == want
+    assert not mb.tiles[~mb.tile_valid].any()
+    for r in range(llm_dp):
+        seg = mb.segment_ids[r]
+        members = plan.shards[r]
+        # Segments are contiguous 1..n then padding 0.
+        n = sum(samples[i].num_tokens for i in members)
+        assert (seg[n:] == 0).all() and (mb.loss_mask[r, n:] == 0).all()
+        offset = 0
+        for k, i in enumerate(members, start=1):
+            s = samples[i]
+            L = s.num_tokens
+            span = slice(offset, offset + L)
+            assert (seg[span] == k).all()
+            np.testing.assert_array_equal(mb.tokens[r, span], s.token_ids)
+            np.testing.assert_array_equal(mb.positions[r, span], np.arange(L))
+            np.testing.assert_array_equal(mb.targets[r, offset : offset + L - 1], s.token_ids[1:])
+            np.testing.assert_array_equal(
+                mb.loss_mask[r, offset : offset + L - 1], s.assistant_mask[1:]
+            )
+            assert mb.loss_mask[r, offset + L - 1] == 0
+            for p in range(L):
+                f = int(mb.feature_index[r, offset + p])
+                src = int(s.feature_source[p])
+                if src < 0:
+                    assert f == src
+                    continue
+                slot, j = divmod(f, TPT)
+                assert mb.tile_valid[slot]
+                assert divmod(int(mb.tiles[slot, 0, 0, 0]), 1000) == (i, src // TPT)
+                assert j == src % TPT
+                assert mb.tile_pool[slot] == s.tile_pool[src // TPT]
+            offset += L
+    # No position attends across samples: a target is only learned within its own segment.
+    same_next = np.zeros_like(mb.segment_ids, bool)
+    same_next[:, :-1] = (mb.segment_ids[:, 1:] == mb.segment_ids[:, :-1]) & (
+        mb.segment_ids[:, :-1] > 0
+    )
+    assert (mb.loss_mask[~same_next] == 0).all()
+
+
+def test_hand_built_microbatch():
+    rng = np.random.default_rng(0)
+    samples = [make_sample(0, 3, 4, rng), make_sample(1, 0, 5, rng), make_sample(2, 2, 3, rng)]
+    # Encoder: 5 tiles over 2 shards of T=3: shard 0 gets s0 t0..t2, shard 1 gets s2 t0..t1.
+    plan = MicrobatchPlan(tile_bucket=3, length_bucket=32, shards=((0, 1), (2,)))
+    mb, stats = pack_microbatch(
+        plan, samples, encoder_dp=2, llm_dp=2, tile_shape=TILE, tokens_per_tile=TPT
+    )
+    check_microbatch(mb, plan, samples, 2, 2)
+    assert mb.tile_valid.tolist() == [True, True, True, True, True, False]
+    # Sample 2's tile 1 is in slot 4 -> its feature j lands at row 4*TPT + j.
+    row = mb.feature_index[1]
+    assert row[row >= 0].tolist()[TPT:] == [4 * TPT + j for j in range(TPT)]
+    n_tokens = sum(s.num_tokens for s in samples)
+    assert stats["tokens_real"] == n_tokens and stats["tokens_computed"] == 64
+    assert stats["tiles_real"] == 5 and stats["tiles_computed"] == 6
+    want_loss = sum(int(s.assistant_mask[1:].sum()) for s in samples)
+    assert stats["loss_tokens"] == want_loss == int(mb.loss_mask.sum())
+
+
+def test_overflow_is_rejected():
+    rng = np.random.default_rng(1)
+    samples = [make_sample(0, 2, 10, rng), make_sample(1, 2, 10, rng)]
+    too_short = MicrobatchPlan(tile_bucket=4, length_bucket=16, shards=((0, 1),))
+    with pytest.raises(ValueError, match="length bucket"):
+        pack_microbatch(
+            too_short, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
+        )
+    few_tiles = MicrobatchPlan(tile_bucket=3, length_bucket=64, shards=((0, 1),))
+    with pytest.raises(ValueError, match="tiles"):
+        pack_microbatch(
+            few_tiles, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
+        )
+
+
+def test_metadata_mismatch_is_rejected():
+    rng = np.random.default_rng(2)
+    samples = [make_sample(0, 1, 4, rng)]
+    shapes = [SampleShape(0, 1, samples[0].num_tokens + 1)]
+    plan = MicrobatchPlan(tile_bucket=1, length_bucket=32, shards=((0,),))
+    with pytest.raises(ValueError, match="metadata said"):
+        pack_microbatch(
+            plan, samples, shapes, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
+        )
+
+
+@st.composite
+def batches(draw):
+    encoder_dp = draw(st.integers(1, 3))
+    llm_dp = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 10))
+    sizes = [(draw(st.integers(0, 4)), draw(st.integers(1, 6))) for _ in range(n)]
+    n_mb = draw(st.integers(1, 3))
+    bins = [draw(st.integers(0, n_mb * llm_dp - 1)) for _ in range(n)]
+    extra_s = draw(st.integers(0, 5))
+    extra_t = draw(st.integers(0, 2))
+    seed = draw(st.integers(0, 2**16))
+    return encoder_dp, llm_dp, sizes, n_mb, bins, extra_s, extra_t, seed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_random_schedules(case):
+    encoder_dp, llm_dp, sizes, n_mb, bins, extra_s, extra_t, seed = case
+    rng = np.random.default_rng(seed)
+    samples = [make_sample(i, t, x, rng, newline=bool(i % 2)) for i, (t, x) in enumerate(sizes)]
+    plans = []
+    for k in range(n_mb):
+        shards = tuple(
+            tuple(i for i, b in enumerate(bins) if b == k * llm_dp + r) for r in range(llm_dp)
+        )
+        tokens = max(sum(samples[i].num_tokens for i in sh) for sh in shards)
+        tiles = sum(samples[i].num_tiles for sh in shards for i in sh)
+        T = -(-tiles // encoder_dp) + extra_t or 1
+        plans.append(MicrobatchPlan(T, max(tokens, 1) + extra_s, shards))
+    schedule = Schedule(tuple(plans), 1.0, 1.0, "test", 0.0)
+    gb = pack_global_batch(
+        schedule,
+        samples,
+        encoder_dp=encoder_dp,
+        llm_dp=llm_dp,
+        tile_shape=TILE,
+        tokens_per_tile=TPT,
+    )
+    for mb, plan in zip(gb.microbatches, plans):
+        check_microbatch(mb, plan, samples, encoder_dp, llm_dp)
+    assert gb.num_loss_tokens == sum(int(s.assistant_mask[1:].sum()) for s in samples)
+    assert gb.stats["tokens_real"] == sum(s.num_tokens for s in samples)
+    assert gb.stats["tiles_real"] == sum(s.num_tiles for s in samples)
+    computed = sum(llm_dp * p.length_bucket for p in plans)
+    assert gb.stats["llm_padding_ratio"] == pytest.approx(1 - gb.stats["tokens_real"] / computed)
+
+
+def test_host_shards_materialise_local_rows_only():
+    rng = np.random.default_rng(3)
+    samples = [make_sample(i, t, 4, rng) for i, t in enumerate([2, 1, 3, 0])]
+    shapes = [shape_of(s) for s in samples]
+    plan = MicrobatchPlan(tile_bucket=2, length_bucket=40, shards=((0,), (1, 3), (2,), ()))
+    full, _ = pack_microbatch(
+        plan, samples, encoder_dp=3, llm_dp=4, tile_shape=TILE, tokens_per_tile=TPT
+    )
+    host = HostShardSpec.contiguous(1, 2, encoder_dp=3, llm_dp=4)
+    assert host == HostShardSpec(encoder_shards=(2,), llm_shards=(2, 3))
+    need = needed_samples(plan, shapes, 3, host)
+    # Shard 2 of the encoder holds s2's tiles 1..2; LLM shards 2, 3 hold s2.
+    assert need == {2}
+    partial = [s if i in need else None for i, s in enumerate(samples)]
+    local, stats = pack_microbatch(
+        plan,
+        partial,
+        shapes,
+        encoder_dp=3,
+        llm_dp=4,
+        tile_shape=TILE,
+        tokens_per_tile=TPT,
+        host=host,
+    )
+    np.testing.assert_array_equal(local.tiles, full.tiles[4:6])
+    np.testing.assert_array_equal(local.tile_valid, full.tile_valid[4:6])
+    for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
+        np.testing.assert_array_equal(getattr(local, name), getattr(full, name)[2:4])
+    assert stats["tiles_computed"] == 2 and stats["tokens_computed"] == 80
+
+
+def test_failed_sample_leaves_padding_in_place():
+    rng = np.random.default_rng(4)
+    samples = [make_sample(i, 1, 3, rng) for i in range(3)]
+    shapes = [shape_of(s) for s in samples]
+    plan = MicrobatchPlan(tile_bucket=3, length_bucket=64, shards=((0, 1, 2),))
+    full, _ = pack_microbatch(
+        plan, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
+    )
+    broken = [samples[0], None, samples[2]]
+    mb, _ = pack_microbatch(
+        plan, broken, shapes, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
+    )
+    assert mb.tile_valid.tolist() == [True, False, True]
+    L0, L1 = samples[0].num_tokens, samples[1].num_tokens
+    assert (mb.segment_ids[0, L0 : L0 + L1] == 0).all()
+    # Sample 2 keeps its scheduled place, segment id and global feature rows.
+    np.testing.assert_array_equal(mb.segment_ids[0, L0 + L1 :], full.segment_ids[0, L0 + L1 :])
+    np.testing.assert_array_equal(mb.feature_index[0, L0 + L1 :], full.feature_index[0, L0 + L1 :])
