@@ -1,0 +1,44 @@
+"""Online scheduler (DESIGN section 4): global batch -> microbatches x LLM shards with static-shape buckets.
+
+Pure Python / NumPy / OR-Tools (no jax). `schedule_batch` is one-shot; `Scheduler` is the stateful
+per-step object the data loader uses (adds adaptive cost correction and checkpointable state).
+"""
+
+from dflop_jax.scheduler.config import SchedulerConfig
+from dflop_jax.scheduler.objective import CostTable, surrogate_step_time
+from dflop_jax.scheduler.solve import schedule_batch
+from dflop_jax.scheduler.types import (
+    BucketSet,
+    MicrobatchPlan,
+    SampleShape,
+    Schedule,
+    ScheduleProblem,
+    StageCostFn,
+)
+from dflop_jax.scheduler.workloads import (
+    default_buckets,
+    llava_ov_mix,
+    load_shape_distribution,
+    omnibal_shapes,
+    sample_global_batch,
+    save_shape_distribution,
+)
+
+__all__ = [
+    "BucketSet",
+    "CostTable",
+    "MicrobatchPlan",
+    "SampleShape",
+    "Schedule",
+    "ScheduleProblem",
+    "SchedulerConfig",
+    "StageCostFn",
+    "default_buckets",
+    "llava_ov_mix",
+    "load_shape_distribution",
+    "omnibal_shapes",
+    "sample_global_batch",
+    "save_shape_distribution",
+    "schedule_batch",
+    "surrogate_step_time",
+]

@@ -1,0 +1,87 @@
+"""SchedulerConfig: how the online scheduler solves and whether it corrects its cost predictions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflop_jax.config import require
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler settings (DESIGN section 4).
+
+    Attributes:
+      solver: "greedy" (milliseconds), "cpsat" / "auto" (greedy, then CP-SAT refinement seeded with the
+        greedy answer as hint and cap, within `time_limit_s`; any solver problem falls back to greedy).
+      time_limit_s: hard wall-clock limit of the CP-SAT refinement (model building included).
+      num_workers: CP-SAT worker threads.
+      deterministic: CP-SAT runs interleaved (deterministic) search with a deterministic-time limit of
+        `time_limit_s`; the wall limit stays as a backstop, and `info["cpsat_wall_limited"]` says when it
+        fired (then that one answer may depend on machine load).
+      max_cpsat_vars: above this many assignment variables (samples x bins) CP-SAT is skipped (the model
+        would not even be built within a step); the report says so.
+      correction: "off", "on", or "auto" (on once the raw prediction MAPE exceeds `correction_threshold`
+        after `correction_min_observations` observed microbatches).
+      correction_rate: EMA rate of the per (stage, bucket pair) correction factors.
+      correction_threshold: MAPE above which "auto" switches correction on.
+      correction_min_observations: microbatch observations before "auto" decides.
+      seed: default seed (CP-SAT random seed, greedy tie-breaks).
+    """
+
+    solver: Literal["greedy", "cpsat", "auto"] = "auto"
+    time_limit_s: float = 1.0
+    num_workers: int = 2
+    deterministic: bool = True
+    max_cpsat_vars: int = 40000
+    correction: Literal["off", "on", "auto"] = "auto"
+    correction_rate: float = 0.2
+    correction_threshold: float = 0.1
+    correction_min_observations: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        require(
+            self.solver in ("greedy", "cpsat", "auto"),
+            "scheduler.solver",
+            self.solver,
+            "use greedy, cpsat or auto",
+        )
+        require(
+            self.time_limit_s > 0,
+            "scheduler.time_limit_s",
+            self.time_limit_s,
+            "must be > 0 seconds",
+        )
+        require(self.num_workers >= 1, "scheduler.num_workers", self.num_workers, "must be >= 1")
+        require(
+            self.max_cpsat_vars >= 1,
+            "scheduler.max_cpsat_vars",
+            self.max_cpsat_vars,
+            "must be >= 1",
+        )
+        require(
+            self.correction in ("off", "on", "auto"),
+            "scheduler.correction",
+            self.correction,
+            "use off, on or auto",
+        )
+        require(
+            0 < self.correction_rate <= 1,
+            "scheduler.correction_rate",
+            self.correction_rate,
+            "must be in (0, 1]",
+        )
+        require(
+            self.correction_threshold >= 0,
+            "scheduler.correction_threshold",
+            self.correction_threshold,
+            "must be >= 0 (a relative error, e.g. 0.1)",
+        )
+        require(
+            self.correction_min_observations >= 1,
+            "scheduler.correction_min_observations",
+            self.correction_min_observations,
+            "must be >= 1",
+        )

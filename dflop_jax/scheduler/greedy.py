@@ -1,0 +1,191 @@
+"""Greedy scheduler: two-resource LPT into (microbatch, shard) bins, then bucket-shrinking moves.
+
+1. Vector LPT: samples in decreasing order of (tokens / mean bin tokens + tiles / mean microbatch
+   tiles); each goes to the bin whose worse normalized load (its tokens, or its microbatch's tiles)
+   grows least. This balances the shards of a microbatch (the max shard sets S_k) and the tiles per
+   microbatch (which set T_k).
+2. Bucket shrinking: buckets are discrete, so perfectly balanced loads just above a bucket boundary waste
+   a whole bucket step. For each microbatch, most expensive first, we try the next cheaper bucket pairs
+   and move the excess samples into bins that have room under their *current* buckets (so no other
+   microbatch gets dearer). Each accepted move strictly lowers the surrogate.
+3. The microbatch count is tried over the allowed range (at most `MAX_COUNTS` values, evenly spread,
+   ends included) and the best surrogate wins (ties: fewer microbatches).
+
+Deterministic: no randomness, stable sorts with the sample index as tie-break.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflop_jax.scheduler.objective import CostTable, evaluate
+from dflop_jax.scheduler.types import ScheduleProblem
+
+MAX_COUNTS = 8
+_SHRINK_CANDIDATES = 4
+
+
+def candidate_counts(problem: ScheduleProblem, n: int) -> list[int]:
+    """Microbatch counts the greedy tries: the allowed range (capped at n when possible), <= MAX_COUNTS."""
+    lo, hi = problem.microbatches
+    hi = max(lo, min(hi, n))
+    if hi - lo + 1 <= MAX_COUNTS:
+        return list(range(lo, hi + 1))
+    return sorted({int(round(x)) for x in np.linspace(lo, hi, MAX_COUNTS)})
+
+
+def lpt_assign(
+    tokens: np.ndarray, tiles: np.ndarray, m: int, problem: ScheduleProblem
+) -> np.ndarray:
+    """Vector LPT. Returns bin_of [N] with bins k * l_dp + r."""
+    ldp = problem.llm_dp
+    nb = m * ldp
+    tok_t = max(tokens.sum() / nb, 1.0)
+    tile_t = max(tiles.sum() / m, 1.0)
+    key = tokens / tok_t + tiles / tile_t
+    order = np.lexsort((np.arange(len(tokens)), -key))
+    tok_load = np.zeros(nb)
+    tile_load = np.zeros(m)
+    mb = np.arange(nb) // ldp
+    bin_of = np.empty(len(tokens), dtype=np.int64)
+    for i in order:
+        score = np.maximum((tok_load + tokens[i]) / tok_t, (tile_load[mb] + tiles[i]) / tile_t)
+        # tie-break on the token load so equal scores spread over shards
+        b = int(np.lexsort((tok_load, score))[0])
+        bin_of[i] = b
+        tok_load[b] += tokens[i]
+        tile_load[mb[b]] += tiles[i]
+    return bin_of
+
+
+class _State:
+    """Mutable loads of one assignment, for cheap shrinking moves."""
+
+    def __init__(self, bin_of, m, tokens, tiles, problem: ScheduleProblem, table: CostTable):
+        self.bin_of, self.m, self.tokens, self.tiles = bin_of.copy(), m, tokens, tiles
+        self.p, self.table, self.ldp = problem, table, problem.llm_dp
+        self.tok_load = np.bincount(bin_of, weights=tokens, minlength=m * self.ldp)
+        self.tile_load = np.bincount(bin_of // self.ldp, weights=tiles, minlength=m)
+        self.mb_of_bin = np.arange(m * self.ldp) // self.ldp
+        self.ti, self.si = self._pairs(np.arange(m))
+
+    def _pairs(self, ks):
+        need_t = np.ceil(self.tile_load[ks] / self.p.encoder_dp - 1e-9)
+        need_s = self.tok_load.reshape(self.m, self.ldp)[ks].max(axis=1)
+        return self.table.pair_for(need_t, need_s)
+
+    def w(self) -> np.ndarray:
+        return self.table.w[self.ti, self.si]
+
+    def move(self, i: int, b: int) -> None:
+        a = self.bin_of[i]
+        self.tok_load[a] -= self.tokens[i]
+        self.tok_load[b] += self.tokens[i]
+        self.tile_load[a // self.ldp] -= self.tiles[i]
+        self.tile_load[b // self.ldp] += self.tiles[i]
+        self.bin_of[i] = b
+
+    def try_shrink(self, k: int) -> bool:
+        """Tries cheaper bucket pairs for microbatch k; commits the first that can be reached."""
+        w = self.table.w
+        cur = w[self.ti[k], self.si[k]]
+        cheaper = [
+            (w[t, s], t, s) for t in range(w.shape[0]) for s in range(w.shape[1]) if w[t, s] < cur
+        ]
+        for _, t, s in sorted(cheaper, reverse=True)[:_SHRINK_CANDIDATES]:
+            moves = self._plan_moves(
+                k, int(self.table.tiles[t]) * self.p.encoder_dp, int(self.table.lengths[s])
+            )
+            if moves is not None:
+                touched = {k} | {int(b) // self.ldp for _, b in moves}
+                ks = np.array(sorted(touched))
+                self.ti[ks], self.si[ks] = self._pairs(ks)
+                return True
+        return False
+
+    def _plan_moves(self, k: int, tile_cap: int, tok_cap: int) -> list[tuple[int, int]] | None:
+        """Moves (sample, bin) getting microbatch k under the caps; applied, or undone and None."""
+        done: list[tuple[int, int]] = []
+        bins_k = range(k * self.ldp, (k + 1) * self.ldp)
+        ok = True
+        for b in bins_k:
+            while ok and self.tok_load[b] > tok_cap:
+                ok = self._move_one(
+                    b, k, self.tok_load[b] - tok_cap, tok_cap, tile_cap, done, by_tiles=False
+                )
+        while ok and self.tile_load[k] > tile_cap:
+            src = [
+                b
+                for b in bins_k
+                if any(self.tiles[i] > 0 for i in np.flatnonzero(self.bin_of == b))
+            ]
+            ok = bool(src) and self._move_one(
+                src[0], k, self.tile_load[k] - tile_cap, tok_cap, tile_cap, done, by_tiles=True
+            )
+        if ok:
+            return done
+        for i, b in reversed(done):
+            self.move(i, b)
+        return None
+
+    def _move_one(self, src, k, excess, tok_cap, tile_cap, done, by_tiles) -> bool:
+        members = np.flatnonzero(self.bin_of == src)
+        size = self.tiles[members] if by_tiles else self.tokens[members]
+        members = members[size > 0]
+        size = size[size > 0]
+        # smallest sample covering the excess first, then the largest ones
+        order = np.concatenate(
+            [
+                np.flatnonzero(size >= excess)[np.argsort(size[size >= excess], kind="stable")],
+                np.flatnonzero(size < excess)[np.argsort(-size[size < excess], kind="stable")],
+            ]
+        )
+        s_of_bin = self.table.lengths[self.si][self.mb_of_bin].astype(np.float64)
+        t_cap_of_mb = self.table.tiles[self.ti].astype(np.float64) * self.p.encoder_dp
+        s_of_bin[self.mb_of_bin == k] = tok_cap
+        t_cap_of_mb[k] = tile_cap
+        for j in order:
+            i = members[j]
+            tok_room = s_of_bin - self.tok_load - self.tokens[i]
+            tile_room = t_cap_of_mb[self.mb_of_bin] - self.tile_load[self.mb_of_bin] - self.tiles[i]
+            same_mb = self.mb_of_bin == k
+            tile_room[same_mb] = 0.0  # tiles stay inside microbatch k: never the problem
+            fits = (tok_room >= 0) & (tile_room >= 0) & (np.arange(len(tok_room)) != src)
+            if by_tiles:
+                fits &= ~same_mb
+            if not fits.any():
+                continue
+            cand = np.flatnonzero(fits)
+            b = int(cand[np.argmin(tok_room[cand])])  # best fit
+            done.append((int(i), int(src)))
+            self.move(int(i), b)
+            return True
+        return False
+
+
+def shrink(
+    bin_of, m, tokens, tiles, problem: ScheduleProblem, table: CostTable, max_passes: int = 4
+) -> np.ndarray:
+    """Bucket-shrinking local search; returns an assignment whose surrogate is <= the input's."""
+    st = _State(bin_of, m, tokens, tiles, problem, table)
+    for _ in range(max_passes):
+        improved = False
+        for k in np.argsort(-st.w(), kind="stable"):
+            while st.try_shrink(int(k)):
+                improved = True
+        if not improved:
+            break
+    return st.bin_of
+
+
+def greedy_schedule(
+    tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable
+) -> tuple[np.ndarray, int, float]:
+    """Best greedy assignment over candidate counts: (bin_of [N], microbatches, surrogate)."""
+    best = None
+    for m in candidate_counts(problem, len(tokens)):
+        bin_of = shrink(lpt_assign(tokens, tiles, m, problem), m, tokens, tiles, problem, table)
+        obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+        if best is None or obj < best[2] - 1e-15:
+            best = (bin_of, m, obj)
+    return best

@@ -1,0 +1,232 @@
+"""The scheduler's objective: per-microbatch costs at buckets, the 1F1B surrogate, and a lower bound.
+
+The surrogate (DESIGN section 4) of a pipeline step over microbatches k = 1..M and stages s = 1..P, with
+c_s(k) = forward + backward seconds of stage s at microbatch k's buckets, is
+
+    step ~= sum_k max_s c_s(k) + (P - 1) * max_k max_s c_s(k)
+
+(every microbatch passes the slowest stage once; the fill and drain of 1F1B cost P-1 more slots of the
+slowest microbatch). It depends on a microbatch only through W(T_k, S_k) = max_s c_s(T_k, S_k), so the
+scheduler precomputes W over all bucket pairs once (`CostTable`). Microbatches whose samples have no
+tiles still run the encoder program at the smallest tile bucket (static shapes: every microbatch goes
+through every stage), so they cost W(smallest T, S_k).
+
+Lower bound (`lower_bound`): for any assignment with M microbatches, sum_k S_k >= tokens / l_dp and
+sum_k T_k >= tiles / v_dp, and the microbatch holding the largest sample costs at least the cheapest
+pair fitting it. The linear relaxation "choose M bucket pairs covering both totals, all cheaper than a
+cap C >= that cost, minimizing sum W + (P-1) C" is bounded below through weak duality: for any
+lambda, mu >= 0, sum_k W_k >= M * min_p (W_p - lambda S_p - mu T_p) + lambda A + mu B. We take the best
+bound over a grid of (lambda, mu) and minimize over caps and M, so the result is always valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dflop_jax.scheduler.types import BucketSet, MicrobatchPlan, SampleShape, ScheduleProblem
+
+
+def surrogate_step_time(costs: np.ndarray) -> float:
+    """1F1B surrogate step time of `costs` [M, P, 2] (fwd, bwd seconds per microbatch and stage)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.ndim != 3 or costs.shape[2] != 2:
+        raise ValueError(f"costs shape {costs.shape}: expected [microbatches, stages, 2]")
+    if costs.shape[0] == 0:
+        return 0.0
+    per_mb = costs.sum(axis=2).max(axis=1)  # [M]
+    return float(per_mb.sum() + (costs.shape[1] - 1) * per_mb.max())
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """W over all bucket pairs plus the cheapest pair fitting any (tile, token) need.
+
+    Attributes:
+      tiles: tile buckets [nT]; lengths: length buckets [nS].
+      stage: per-stage (fwd, bwd) seconds [nT, nS, P, 2].
+      w: max_s (fwd + bwd) [nT, nS].
+      best: [nT, nS, 2] index pair (ti, si) of the cheapest pair with T >= tiles[ti] and S >= lengths[si].
+    """
+
+    tiles: np.ndarray
+    lengths: np.ndarray
+    stage: np.ndarray
+    w: np.ndarray
+    best: np.ndarray
+
+    @classmethod
+    def build(cls, problem: ScheduleProblem) -> CostTable:
+        b = problem.buckets
+        stage = np.zeros((len(b.tiles), len(b.lengths), problem.num_stages, 2))
+        for ti, t in enumerate(b.tiles):
+            for si, s in enumerate(b.lengths):
+                c = np.asarray(problem.stage_costs(t, s), dtype=np.float64)
+                if (
+                    c.shape != (problem.num_stages, 2)
+                    or not np.all(np.isfinite(c))
+                    or np.any(c < 0)
+                ):
+                    raise ValueError(
+                        f"stage_costs({t}, {s}) gave {c!r}: need finite, non-negative, shape "
+                        f"({problem.num_stages}, 2)"
+                    )
+                stage[ti, si] = c
+        w = stage.sum(axis=3).max(axis=2)
+        return cls(np.asarray(b.tiles), np.asarray(b.lengths), stage, w, _suffix_argmin(w))
+
+    def pair_for(
+        self, tile_need: np.ndarray, token_need: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Cheapest bucket-pair indices (ti [M], si [M]) with T >= tile_need and S >= token_need."""
+        ti = np.searchsorted(self.tiles, tile_need, side="left")
+        si = np.searchsorted(self.lengths, token_need, side="left")
+        if np.any(ti >= len(self.tiles)) or np.any(si >= len(self.lengths)):
+            raise ValueError("a microbatch needs more than the largest bucket")
+        p = self.best[ti, si]
+        return p[..., 0], p[..., 1]
+
+
+def _suffix_argmin(w: np.ndarray) -> np.ndarray:
+    """[nT, nS, 2]: argmin of w over the quadrant ti' >= ti, si' >= si (ties: smallest buckets)."""
+    nt, ns = w.shape
+    best = np.zeros((nt, ns, 2), dtype=np.int64)
+    for ti in range(nt - 1, -1, -1):
+        for si in range(ns - 1, -1, -1):
+            cand = [(ti, si)]
+            if ti + 1 < nt:
+                cand.append(tuple(best[ti + 1, si]))
+            if si + 1 < ns:
+                cand.append(tuple(best[ti, si + 1]))
+            best[ti, si] = min(cand, key=lambda p: (w[p], p[0] + p[1], p))
+    return best
+
+
+@dataclasses.dataclass
+class Assignment:
+    """A candidate schedule in array form: sample i goes to bin `bin_of[i]` = k * l_dp + r."""
+
+    bin_of: np.ndarray  # [N] int
+    microbatches: int
+
+
+def evaluate(
+    bin_of: np.ndarray,
+    m: int,
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    problem: ScheduleProblem,
+    table: CostTable,
+) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (objective, W per microbatch [M], tile-bucket idx [M], length-bucket idx [M])."""
+    ldp = problem.llm_dp
+    tok_load = np.bincount(bin_of, weights=tokens, minlength=m * ldp).reshape(m, ldp)
+    tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
+    ti, si = table.pair_for(np.ceil(tile_load / problem.encoder_dp - 1e-9), tok_load.max(axis=1))
+    w = table.w[ti, si]
+    obj = float(w.sum() + (problem.num_stages - 1) * w.max()) if m else 0.0
+    return obj, w, ti, si
+
+
+def to_plans(
+    bin_of: np.ndarray,
+    m: int,
+    ti: np.ndarray,
+    si: np.ndarray,
+    problem: ScheduleProblem,
+    table: CostTable,
+) -> tuple[MicrobatchPlan, ...]:
+    """Array assignment -> MicrobatchPlans (samples within a shard keep their batch order)."""
+    ldp = problem.llm_dp
+    shards: list[list[list[int]]] = [[[] for _ in range(ldp)] for _ in range(m)]
+    for i, b in enumerate(bin_of.tolist()):
+        shards[b // ldp][b % ldp].append(i)
+    return tuple(
+        MicrobatchPlan(
+            int(table.tiles[ti[k]]), int(table.lengths[si[k]]), tuple(tuple(s) for s in shards[k])
+        )
+        for k in range(m)
+    )
+
+
+def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
+    """Raises ValueError naming the first sample no bucket can hold (the data layer filters these)."""
+    b: BucketSet = problem.buckets
+    for i, s in enumerate(shapes):
+        if s.tiles < 0 or s.tokens < 1:
+            raise ValueError(
+                f"sample {s.id!r} (index {i}): tiles={s.tiles}, tokens={s.tokens}: need tiles >= 0, tokens >= 1"
+            )
+        if s.tokens > b.lengths[-1]:
+            raise ValueError(
+                f"sample {s.id!r} (index {i}) has {s.tokens} tokens > largest length bucket {b.lengths[-1]}"
+            )
+        if s.tiles > problem.encoder_dp * b.tiles[-1]:
+            raise ValueError(
+                f"sample {s.id!r} (index {i}) has {s.tiles} tiles > encoder_dp*largest tile bucket "
+                f"{problem.encoder_dp}*{b.tiles[-1]}"
+            )
+
+
+def padding_ratios(
+    plans: tuple[MicrobatchPlan, ...],
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    problem: ScheduleProblem,
+) -> dict[str, float]:
+    """1 - real / computed, per side (LLM tokens, encoder tiles)."""
+    comp_tok = sum(p.length_bucket for p in plans) * problem.llm_dp
+    comp_tile = sum(p.tile_bucket for p in plans) * problem.encoder_dp
+    return {
+        "padding_tokens": 1.0 - float(tokens.sum()) / comp_tok if comp_tok else 0.0,
+        "padding_tiles": 1.0 - float(tiles.sum()) / comp_tile if comp_tile else 0.0,
+    }
+
+
+def load_balance(
+    bin_of: np.ndarray, m: int, tokens: np.ndarray, tiles: np.ndarray, ldp: int
+) -> dict[str, float]:
+    """max/mean of real LLM tokens per (microbatch, shard) bin and of real tiles per microbatch."""
+    tok = np.bincount(bin_of, weights=tokens, minlength=m * ldp)
+    til = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
+    return {
+        "bin_tokens_max_over_mean": float(tok.max() / tok.mean()) if tok.mean() > 0 else 1.0,
+        "mb_tiles_max_over_mean": float(til.max() / til.mean()) if til.mean() > 0 else 1.0,
+    }
+
+
+def lower_bound(
+    tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable, counts: range
+) -> float:
+    """A valid lower bound on the surrogate over every schedule with a microbatch count in `counts`."""
+    s = np.repeat(table.lengths[None, :], len(table.tiles), 0).ravel().astype(np.float64)  # [nP]
+    t = np.repeat(table.tiles[:, None], len(table.lengths), 1).ravel().astype(np.float64)
+    w = table.w.ravel()
+    a = float(tokens.sum()) / problem.llm_dp
+    bt = float(tiles.sum()) / problem.encoder_dp
+    # the largest sample by tiles and the largest by tokens may differ: each alone forces a pair
+    ti, si = table.pair_for(
+        np.array([np.ceil(tiles.max() / problem.encoder_dp - 1e-9), 0.0]),
+        np.array([0.0, tokens.max()]),
+    )
+    w_big = float(table.w[ti, si].max())
+    wscale = max(float(w.max()), 1e-30)
+    lam = np.concatenate([[0.0], np.geomspace(1e-3, 10.0, 60)]) * wscale / s.max()
+    mu = np.concatenate([[0.0], np.geomspace(1e-3, 10.0, 60)]) * wscale / t.max()
+    reduced = (
+        w[None, None, :]
+        - lam[:, None, None] * s[None, None, :]
+        - mu[None, :, None] * t[None, None, :]
+    )
+    best = np.inf
+    for cap in np.unique(w[w >= w_big - 1e-15]):
+        ok = w <= cap + 1e-15
+        min_red = reduced[:, :, ok].min(axis=2)  # [L, U]
+        ms = np.asarray(list(counts), dtype=np.float64)
+        dual = ms[:, None, None] * min_red[None] + lam[None, :, None] * a + mu[None, None, :] * bt
+        # each microbatch costs at least min W and one costs >= w_big
+        floor = (ms - 1) * float(w[ok].min()) + w_big
+        bound = np.maximum(dual.reshape(len(ms), -1).max(axis=1), floor)
+        best = min(best, float(bound.min()) + (problem.num_stages - 1) * float(cap))
+    return float(best)

@@ -1,0 +1,169 @@
+"""Sample-shape distributions: the shared file format, the real OmniBal statistics, a LLaVA-OV-like mix.
+
+File format (data profiler writes, planner reads):
+    {"version": 1, "source": "...", "samples": [{"tiles": int, "tokens": int, "modality": str}, ...],
+     "summary": {...}}
+
+The real per-sample statistics live in `<shared>/workload_stats/omnibal_internvl/*.json.gz` where
+`<shared>` is `$DFLOP_SHARED_DIR` if set, else `<repo root>/../shared`.
+
+LLaVA-OV-like mix (DESIGN section 10; proportions roughly those of the DFLOP paper's mix of LLaVA-OV
+single-image subsets, M4-Instruct and LLaVA-Video-178K, plus some text-only turns):
+    single image 45%  anyres_max_9: a base tile + an a x b grid (a, b in 1..6) -> 1 + a*b tiles;
+                      LLM tokens 729 * (1 + min(a*b, 9)) + newline tokens + text
+    multi-image  20%  2..16 images, one tile and 729 tokens each, + text
+    video        25%  1..32 frames at 1 fps (0-32 s clips), one tile and 196 tokens per frame, + text
+    text         10%  short QA to long chats (log-normal, 20..4000 tokens)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+import dflop_jax
+from dflop_jax.scheduler.types import BucketSet, SampleShape
+
+FORMAT_VERSION = 1
+OMNIBAL_SUBSETS = ("ai2d", "chartqa", "docvqa", "synthdog_en")
+LLAVA_OV_MIX = {"image": 0.45, "multi_image": 0.20, "video": 0.25, "text": 0.10}
+
+
+def shared_dir() -> Path:
+    """`$DFLOP_SHARED_DIR`, else the `shared` directory beside the repository."""
+    env = os.environ.get("DFLOP_SHARED_DIR")
+    if env:
+        return Path(env)
+    return Path(dflop_jax.__file__).resolve().parents[1].parent / "shared"
+
+
+def load_shape_distribution(path: str | Path) -> list[SampleShape]:
+    """Reads a shape-distribution JSON file; sample ids are their positions in the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a shape distribution: {e}") from None
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or "samples" not in data:
+        raise ValueError(f"{path}: expected {{'version': {FORMAT_VERSION}, 'samples': [...]}}")
+    out = []
+    for i, s in enumerate(data["samples"]):
+        try:
+            out.append(
+                SampleShape(i, int(s["tiles"]), int(s["tokens"]), str(s.get("modality", "text")))
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}: samples[{i}]={s!r}: need tiles and tokens integers ({e})"
+            ) from None
+    return out
+
+
+def save_shape_distribution(
+    shapes: Sequence[SampleShape], path: str | Path, source: str, summary: dict
+) -> None:
+    """Writes `shapes` in the shared shape-distribution format."""
+    samples = [
+        {"tiles": int(s.tiles), "tokens": int(s.tokens), "modality": s.modality} for s in shapes
+    ]
+    data = {"version": FORMAT_VERSION, "source": source, "samples": samples, "summary": summary}
+    Path(path).write_text(json.dumps(data))
+
+
+def omnibal_shapes(subsets: Sequence[str] | None = None) -> list[SampleShape]:
+    """The real InternVL single-image statistics (tiles = vit_num, tokens = token_num), ids "subset:j"."""
+    root = shared_dir() / "workload_stats" / "omnibal_internvl"
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root} not found: set DFLOP_SHARED_DIR to the directory holding workload_stats/"
+        )
+    out: list[SampleShape] = []
+    for name in subsets if subsets is not None else OMNIBAL_SUBSETS:
+        files = sorted(root.glob(f"{name}_*wh_token_lengths.json.gz"))
+        if not files:
+            raise ValueError(
+                f"omnibal subset {name!r} not in {root}; known: {', '.join(OMNIBAL_SUBSETS)}"
+            )
+        with gzip.open(files[0], "rt") as f:
+            records = json.load(f)
+        out += [
+            SampleShape(f"{name}:{j}", int(r["vit_num"]), int(r["token_num"]), "image")
+            for j, r in enumerate(records)
+        ]
+    return out
+
+
+def llava_ov_mix(n: int, seed: int = 0) -> list[SampleShape]:
+    """n synthetic LLaVA-OV-like samples (module docstring), ids "ov:j", reproducible for a seed."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.choice(list(LLAVA_OV_MIX), size=n, p=list(LLAVA_OV_MIX.values()))
+    return [SampleShape(f"ov:{j}", *_ov_sample(str(k), rng), str(k)) for j, k in enumerate(kinds)]
+
+
+def _text_tokens(rng: np.random.Generator, median: float, lo: int, hi: int) -> int:
+    return int(np.clip(rng.lognormal(math.log(median), 0.9), lo, hi))
+
+
+def _ov_sample(kind: str, rng: np.random.Generator) -> tuple[int, int]:
+    """(tiles, tokens) of one sample of `kind`."""
+    if kind == "image":
+        a, b = (
+            int(x)
+            for x in rng.choice(np.arange(1, 7), size=2, p=[0.3, 0.25, 0.17, 0.12, 0.09, 0.07])
+        )
+        kept = min(a * b, 9)  # anyres_max_9: the grid's features are pooled down to at most 9 tiles
+        rows = round(27 * a * math.sqrt(kept / (a * b)))
+        return 1 + a * b, 729 * (1 + kept) + rows + _text_tokens(rng, 120, 10, 2000)
+    if kind == "multi_image":
+        k = int(rng.integers(2, 17))
+        return k, 729 * k + _text_tokens(rng, 150, 10, 2000)
+    if kind == "video":
+        f = int(rng.integers(1, 33))
+        return f, 196 * f + _text_tokens(rng, 200, 10, 2000)
+    return 0, _text_tokens(rng, 250, 20, 4000)
+
+
+def sample_global_batch(
+    shapes: Sequence[SampleShape], n: int, rng: np.random.Generator
+) -> list[SampleShape]:
+    """n samples drawn from `shapes` (without replacement when possible), ids kept."""
+    idx = rng.choice(len(shapes), size=n, replace=n > len(shapes))
+    return [shapes[int(i)] for i in idx]
+
+
+def default_buckets(
+    shapes: Sequence[SampleShape],
+    microbatches: int,
+    encoder_dp: int = 1,
+    llm_dp: int = 1,
+    batch_size: int | None = None,
+    num_lengths: int = 6,
+    num_tiles: int = 5,
+    multiple: int = 128,
+) -> BucketSet:
+    """Geometric (ratio sqrt 2) bucket sets whose largest covers the largest sample and 1.5x the mean load.
+
+    Args:
+      shapes: a batch or a distribution of samples.
+      microbatches: microbatches per global batch (the mean load is per microbatch and shard).
+      batch_size: samples per global batch (default len(shapes)).
+      multiple: length buckets are multiples of this.
+    """
+    n = batch_size if batch_size is not None else len(shapes)
+    tok = np.array([s.tokens for s in shapes], dtype=np.float64)
+    til = np.array([s.tiles for s in shapes], dtype=np.float64)
+    mean_bin_tok = tok.mean() * n / (microbatches * llm_dp)
+    mean_mb_tiles = til.mean() * n / (microbatches * encoder_dp)
+    top_s = max(tok.max(), 1.5 * mean_bin_tok)
+    top_t = max(math.ceil(til.max() / encoder_dp), 1.5 * mean_mb_tiles, 1.0)
+    lengths = {
+        int(math.ceil(top_s / 2 ** (j / 2) / multiple) * multiple) for j in range(num_lengths)
+    }
+    tiles = {max(1, int(math.ceil(top_t / 2 ** (j / 2)))) for j in range(num_tiles)}
+    return BucketSet(tuple(sorted(tiles)), tuple(sorted(x for x in lengths if x > 0)))
