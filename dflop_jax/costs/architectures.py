@@ -1,0 +1,221 @@
+"""Named model architectures with their real sizes, for cost and memory modelling (no weights).
+
+`get_arch("siglip-so400m+qwen2.5-7b")` builds an `MLLMArch` from a vision preset and an LLM preset; the
+projector follows the vision family (SigLIP -> LLaVA-OneVision `mlp2x_gelu`; InternViT -> InternVL's
+LayerNorm + MLP after a 0.5 pixel shuffle). Sizes are copied from the published HF configs:
+
+- siglip-so400m: google/siglip-so400m-patch14-384 as LLaVA-OneVision uses it: 384 px, patch 14 -> 27x27 =
+  729 tokens/tile, hidden 1152, 16 heads, MLP 4304. The published tower has 27 layers + a pooling head
+  (428M params); LLaVA-OV drops the last layer and the head (transformers' LlavaOnevisionConfig default
+  vision config has `num_hidden_layers=26, vision_use_head=False` and `vision_feature_layer=-1`, i.e. the
+  output of layer 26 before post_layernorm), so the preset has 26 layers (~398M params).
+- internvit-300m: OpenGVLab/InternViT-300M-448px: 24 layers, hidden 1024, 16 heads, MLP 4096, qkv bias,
+  448 px, patch 14 -> 1024 patches (+1 class token in the encoder), pixel shuffle 0.5 -> 256 tokens/tile.
+- internvit-6b: OpenGVLab/InternViT-6B-448px-V1-5 (InternVL 1.5/2): 45 layers (the 48-layer original minus
+  its last 3 blocks, published as 5.54B params), hidden 3200, 25 heads, MLP 12800, RMSNorm, qk-norm,
+  layer scale, no qkv bias.
+- LLMs: Qwen/Qwen2.5-{0.5B,7B,32B,72B} and meta-llama/Meta-Llama-3-{8B,70B} config.json values.
+- tiny: a small demo model (may be changed later to match configs/demo.yaml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+ProjectorKind = Literal["mlp2x_gelu", "internvl_mlp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionArch:
+    """A ViT encoder.
+
+    Attributes:
+      num_layers, hidden_size (D), num_heads (H), intermediate_size (F): transformer sizes.
+      patch_size, image_size: pixels; patches per tile = (image_size // patch_size) ** 2 (a stride-p
+        conv drops the remainder: 384 // 14 = 27).
+      tokens_per_tile: LLM tokens one tile becomes (after pixel shuffle if any).
+      qk_norm: RMSNorm over q and k (InternViT-6B).
+      pixel_shuffle: the projector input is pixel-shuffled (InternVL).
+      qkv_bias: q/k/v projections carry a bias.
+      class_token: a class token is prepended (sequence = patches + 1; dropped before the projector).
+      norm: "layer_norm" (weight + bias) or "rms_norm" (weight only).
+      layer_scale: per-channel layer-scale vectors on both residual branches (InternViT).
+      head_dim: Dh; defaults to hidden_size // num_heads.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    image_size: int
+    tokens_per_tile: int
+    qk_norm: bool = False
+    pixel_shuffle: bool = False
+    qkv_bias: bool = True
+    class_token: bool = False
+    norm: Literal["layer_norm", "rms_norm"] = "layer_norm"
+    layer_scale: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads and self.head_dim is None:
+            raise ValueError(f"{self.name}: hidden_size={self.hidden_size} not divisible by heads")
+        if self.image_size < self.patch_size:
+            raise ValueError(f"{self.name}: image_size={self.image_size} < patch_size")
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens the encoder's transformer layers see per tile (patches + class token)."""
+        return self.patches_per_tile + int(self.class_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMArch:
+    """A decoder LLM (Llama/Qwen2 style: RMSNorm, RoPE, GQA, SwiGLU MLP).
+
+    Attributes:
+      num_layers (L), hidden_size (D), num_heads (H), num_kv_heads (K), intermediate_size (F),
+      vocab_size (V): transformer sizes.
+      tie_embeddings: the LM head reuses the token embedding.
+      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      head_dim: Dh; defaults to hidden_size // num_heads.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: heads={self.num_heads} not divisible by kv={self.num_kv_heads}"
+            )
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectorArch:
+    """Vision -> LLM projector.
+
+    Attributes:
+      kind: "mlp2x_gelu" (LLaVA: Linear(in,out), GELU, Linear(out,out)) or "internvl_mlp"
+        (LayerNorm(in), Linear(in,out), GELU, Linear(out,out)).
+      in_dim: projector input width (after pixel shuffle: vision hidden / factor**2).
+      out_dim: LLM hidden size.
+      pixel_shuffle_factor: spatial downsample per side (0.5 for InternVL, 1.0 = none).
+    """
+
+    kind: ProjectorKind
+    in_dim: int
+    out_dim: int
+    pixel_shuffle_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in ("mlp2x_gelu", "internvl_mlp"):
+            raise ValueError(f"projector kind={self.kind!r}: use 'mlp2x_gelu' or 'internvl_mlp'")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLLMArch:
+    """A multimodal LLM: vision encoder + projector + LLM."""
+
+    name: str
+    vision: VisionArch
+    projector: ProjectorArch
+    llm: LLMArch
+
+
+VISION_PRESETS: dict[str, VisionArch] = {
+    v.name: v
+    for v in (
+        VisionArch("siglip-so400m", 26, 1152, 16, 4304, 14, 384, 729),
+        VisionArch("internvit-300m", 24, 1024, 16, 4096, 14, 448, 256, pixel_shuffle=True,
+                   class_token=True, layer_scale=True),
+        VisionArch("internvit-6b", 45, 3200, 25, 12800, 14, 448, 256, qk_norm=True,
+                   pixel_shuffle=True, qkv_bias=False, class_token=True, norm="rms_norm",
+                   layer_scale=True),
+        VisionArch("tiny", 2, 64, 4, 128, 14, 56, 16),
+    )
+}  # fmt: skip
+
+LLM_PRESETS: dict[str, LLMArch] = {
+    m.name: m
+    for m in (
+        LLMArch("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, tie_embeddings=True, qkv_bias=True),
+        LLMArch("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True),
+        LLMArch("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, qkv_bias=True),
+        LLMArch("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, qkv_bias=True),
+        LLMArch("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+        LLMArch("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
+        LLMArch("tiny", 4, 64, 4, 2, 128, 512),
+    )
+}
+
+# The two-part names a user may pass (and "tiny"); any vision preset pairs with any LLM preset.
+DEFAULT_ARCH = "siglip-so400m+qwen2.5-7b"
+
+
+def projector_for(vision: VisionArch, llm: LLMArch) -> ProjectorArch:
+    """The projector the vision family uses: InternViT -> InternVL MLP after pixel shuffle, else LLaVA."""
+    if vision.pixel_shuffle:
+        return ProjectorArch("internvl_mlp", vision.hidden_size * 4, llm.hidden_size, 0.5)
+    return ProjectorArch("mlp2x_gelu", vision.hidden_size, llm.hidden_size, 1.0)
+
+
+def list_archs() -> list[str]:
+    """Every name `get_arch` accepts: "tiny" and "<vision>+<llm>" for all real presets."""
+    real_v = [v for v in VISION_PRESETS if v != "tiny"]
+    real_l = [m for m in LLM_PRESETS if m != "tiny"]
+    return ["tiny"] + [f"{v}+{m}" for v in real_v for m in real_l]
+
+
+def get_vision(name: str) -> VisionArch:
+    if name not in VISION_PRESETS:
+        raise ValueError(f"unknown vision arch {name!r}; known: {', '.join(VISION_PRESETS)}")
+    return VISION_PRESETS[name]
+
+
+def get_llm(name: str) -> LLMArch:
+    if name not in LLM_PRESETS:
+        raise ValueError(f"unknown LLM arch {name!r}; known: {', '.join(LLM_PRESETS)}")
+    return LLM_PRESETS[name]
+
+
+def get_arch(name: str) -> MLLMArch:
+    """An `MLLMArch` by name: "tiny" or "<vision>+<llm>" (e.g. "siglip-so400m+qwen2.5-7b").
+
+    Raises:
+      ValueError: unknown name, listing the known vision and LLM presets.
+    """
+    if name == "tiny":
+        vision, llm = VISION_PRESETS["tiny"], LLM_PRESETS["tiny"]
+    else:
+        parts = name.split("+")
+        if len(parts) != 2 or parts[0] not in VISION_PRESETS or parts[1] not in LLM_PRESETS:
+            raise ValueError(
+                f"unknown arch {name!r}: use 'tiny' or '<vision>+<llm>' with vision in "
+                f"{{{', '.join(VISION_PRESETS)}}} and llm in {{{', '.join(LLM_PRESETS)}}}"
+            )
+        vision, llm = VISION_PRESETS[parts[0]], LLM_PRESETS[parts[1]]
+    return MLLMArch(name, vision, projector_for(vision, llm), llm)

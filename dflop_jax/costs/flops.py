@@ -1,0 +1,156 @@
+"""Model FLOPs and parameter counts of the vision tower, projector and LLM (pure arithmetic).
+
+Conventions (the usual ones, e.g. Kaplan et al. 2020 / Narayanan et al. 2021 "Megatron-LM at scale"):
+- A matmul [n, a] x [a, b] costs 2*n*a*b FLOPs, so a linear layer costs 2 * params per token.
+- Attention scores QK^T and the weighted sum AV cost 2*Dh per (query, key) pair per head each, so
+  attention costs 2 * 2 * Dh * H * pairs. Bidirectional (ViT): pairs = n^2 per tile. Causal within a
+  segment of length L: pairs = L * (L + 1) / 2 (the diagonal included); a packed row's pairs are the sum
+  over its segments (attention never crosses samples).
+- GQA: the K and V projections are D x (K * Dh) each, i.e. 2 * D * K * Dh FLOPs per token each (the
+  reference scales them by H / K instead of K / H; that is its bug, not ours).
+- Norms, activations, softmax, RoPE, residual adds and the embedding gather are ignored (< 1%).
+- Model FLOPs of training = 3 x forward (backward = 2 x forward) with no recompute; MFU uses these.
+  `hardware_flops(recompute=True)` adds one extra forward of the transformer layers (full remat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
+
+# ---------------------------------------------------------------- parameter counts
+
+
+def _norm_params(width: int, kind: str) -> int:
+    return 2 * width if kind == "layer_norm" else width
+
+
+def vision_layer_params(v: VisionArch) -> int:
+    """One ViT block: 2 norms, qkv (+bias), out proj (+bias), fc1/fc2 (+bias), optional qk-norm/scale."""
+    d, f, inner = v.hidden_size, v.intermediate_size, v.num_heads * v.dh
+    attn = 3 * d * inner + (3 * inner if v.qkv_bias else 0) + inner * d + d
+    mlp = d * f + f + f * d + d
+    extra = (2 * inner if v.qk_norm else 0) + (2 * d if v.layer_scale else 0)
+    return attn + mlp + 2 * _norm_params(d, v.norm) + extra
+
+
+def vision_embedding_params(v: VisionArch) -> int:
+    """Patch conv (+bias), position embeddings, class token."""
+    d = v.hidden_size
+    return 3 * v.patch_size**2 * d + d + v.seq_len * d + (d if v.class_token else 0)
+
+
+def vision_params(v: VisionArch) -> int:
+    """The whole tower as used by the MLLM (embeddings + layers; SigLIP's unused post-norm excluded)."""
+    return vision_embedding_params(v) + v.num_layers * vision_layer_params(v)
+
+
+def projector_params(p: ProjectorArch) -> int:
+    norm = 2 * p.in_dim if p.kind == "internvl_mlp" else 0
+    return norm + p.in_dim * p.out_dim + p.out_dim + p.out_dim * p.out_dim + p.out_dim
+
+
+def llm_layer_params(m: LLMArch) -> int:
+    """One decoder block: q/k/v (GQA, optional bias), o, SwiGLU gate/up/down, 2 RMSNorms."""
+    d, q, kv = m.hidden_size, m.num_heads * m.dh, m.num_kv_heads * m.dh
+    attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if m.qkv_bias else 0)
+    return attn + 3 * d * m.intermediate_size + 2 * d
+
+
+def llm_params(m: LLMArch) -> int:
+    """Embedding + layers + final norm + LM head (unless tied)."""
+    emb = m.vocab_size * m.hidden_size
+    head = 0 if m.tie_embeddings else emb
+    return emb + m.num_layers * llm_layer_params(m) + m.hidden_size + head
+
+
+def param_count(part: VisionArch | ProjectorArch | LLMArch | MLLMArch) -> int:
+    """Parameters of a vision tower, projector, LLM, or a whole MLLM."""
+    if isinstance(part, VisionArch):
+        return vision_params(part)
+    if isinstance(part, ProjectorArch):
+        return projector_params(part)
+    if isinstance(part, LLMArch):
+        return llm_params(part)
+    if isinstance(part, MLLMArch):
+        return vision_params(part.vision) + projector_params(part.projector) + llm_params(part.llm)
+    raise TypeError(f"param_count: unsupported {type(part).__name__}")
+
+
+# ---------------------------------------------------------------- forward FLOPs
+
+
+def vision_layer_flops(v: VisionArch, tiles: float = 1.0) -> float:
+    """Forward FLOPs of one ViT block over `tiles` tiles (bidirectional attention within a tile)."""
+    n, d, f, inner = v.seq_len, v.hidden_size, v.intermediate_size, v.num_heads * v.dh
+    linear = 2 * n * (3 * d * inner + inner * d + 2 * d * f)
+    attn = 2 * 2 * v.dh * v.num_heads * n * n
+    return tiles * (linear + attn)
+
+
+def vision_embedding_flops(v: VisionArch) -> float:
+    """Forward FLOPs of the patch embedding (a [patches, 3*p*p] x [3*p*p, D] matmul) per tile."""
+    return 2.0 * v.patches_per_tile * 3 * v.patch_size**2 * v.hidden_size
+
+
+def vision_flops_per_tile(v: VisionArch) -> float:
+    """Forward FLOPs of the whole tower (patch embedding + all layers) for one tile."""
+    return vision_embedding_flops(v) + v.num_layers * vision_layer_flops(v)
+
+
+def projector_flops_per_tile(arch: MLLMArch) -> float:
+    """Forward FLOPs of the projector for one tile's tokens (after pixel shuffle for InternVL)."""
+    p = arch.projector
+    return 2.0 * arch.vision.tokens_per_tile * (p.in_dim * p.out_dim + p.out_dim * p.out_dim)
+
+
+def causal_pairs(segment_lengths: Sequence[int]) -> float:
+    """(query, key) pairs of segment-causal attention: sum of L*(L+1)/2 over segments."""
+    return float(sum(n * (n + 1) // 2 for n in segment_lengths))
+
+
+def llm_layer_flops(llm: LLMArch, seq_len_linear: float, attn_pairs: float) -> float:
+    """Forward FLOPs of one decoder block.
+
+    Args:
+      seq_len_linear: tokens through the projections and MLP.
+      attn_pairs: (query, key) pairs attended, summed over heads' shared pattern (per head).
+    """
+    d, q, kv = llm.hidden_size, llm.num_heads * llm.dh, llm.num_kv_heads * llm.dh
+    linear = 2.0 * seq_len_linear * (d * q + 2 * d * kv + q * d + 3 * d * llm.intermediate_size)
+    return linear + 2.0 * 2 * llm.dh * llm.num_heads * attn_pairs
+
+
+def llm_head_flops(llm: LLMArch, tokens: float) -> float:
+    """Forward FLOPs of the LM head ([tokens, D] x [D, V])."""
+    return 2.0 * tokens * llm.hidden_size * llm.vocab_size
+
+
+def llm_flops(llm: LLMArch, segment_lengths: Sequence[int], include_head: bool = True) -> float:
+    """Forward FLOPs of all decoder layers (+ LM head) over one packed row of the given segments."""
+    tokens = float(sum(segment_lengths))
+    body = llm.num_layers * llm_layer_flops(llm, tokens, causal_pairs(segment_lengths))
+    return body + (llm_head_flops(llm, tokens) if include_head else 0.0)
+
+
+def sample_model_flops(arch: MLLMArch, tiles: int, tokens: int) -> float:
+    """Training model FLOPs (3 x forward, no recompute) of one sample: its tiles and its LLM tokens."""
+    enc = tiles * (vision_flops_per_tile(arch.vision) + projector_flops_per_tile(arch))
+    return 3.0 * (enc + llm_flops(arch.llm, [tokens]) if tokens else 3.0 * enc)
+
+
+def hardware_flops(arch: MLLMArch, tiles: int, tokens: int, recompute: bool = True) -> float:
+    """FLOPs the hardware executes for one sample's training step.
+
+    With full recompute the transformer layers (vision and LLM; not the patch embedding, projector or
+    LM head) run their forward twice, adding one forward of those layers to the model FLOPs.
+    """
+    model = sample_model_flops(arch, tiles, tokens)
+    if not recompute:
+        return model
+    v = arch.vision
+    extra = tiles * v.num_layers * vision_layer_flops(v)
+    if tokens:
+        extra += llm_flops(arch.llm, [tokens], include_head=False)
+    return model + extra

@@ -1,0 +1,261 @@
+"""The cost-table interface ("cost of stage s at bucket b on tp t") and its analytic provider.
+
+Everything downstream (scheduler, simulator, planner) uses only `CostProvider` and the `layout_*`
+helpers here, so a measured provider (profiling issue) can replace the analytic one without changes.
+
+    provider = AnalyticCostProvider(get_arch("siglip-so400m+qwen2.5-7b"), get_device("h100"))
+    costs = layout_stage_costs(provider, layout)      # (tile_bucket, length_bucket) -> [P, 2] seconds
+    fwd, bwd = provider.stage_time(layout.llm_stages[0], 8192)
+
+Analytic model, per data-parallel shard of one microbatch on a stage with tensor parallelism tp:
+  time = FLOPs / (peak * matmul_efficiency * tp)
+         + tp communication: Megatron-style 2 all-reduces of the [tokens, D] activations per layer in
+           forward and 2 in backward (+2 more for the recomputed forward under remat), ring all-reduce
+           2 (tp-1)/tp * bytes / intra-host bandwidth
+         + layer_overhead_s per layer (and per embedding/head block) per pass.
+  Backward = 2 x forward FLOPs (+1 x forward of the layers under remat).
+  LLM attention at a static bucket S costs S*S/2 (query, key) pairs: a flash-style kernel skips the
+  blocks above the causal diagonal but cannot skip cross-segment blocks it only learns of at run time
+  (an assumption; a measured table replaces it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from dflop_jax.costs import flops
+from dflop_jax.costs.architectures import MLLMArch
+from dflop_jax.costs.devices import DeviceSpec
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.memory import StageMemory, stage_memory
+
+if TYPE_CHECKING:  # costs sits below the scheduler; only its type names are used here
+    from dflop_jax.scheduler.types import BucketSet, StageCostFn
+
+TransferCostFn = Callable[[int, int], np.ndarray]
+
+
+class CostProvider(Protocol):
+    """Stage costs for one data-parallel shard of one microbatch.
+
+    `bucket` is tiles per encoder shard for encoder stages and tokens of the one packed row per LLM
+    shard for LLM stages; bucket 0 costs nothing.
+    """
+
+    name: str
+    device: DeviceSpec
+    arch: MLLMArch
+
+    def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        """(forward seconds, backward seconds)."""
+        ...
+
+    def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
+        """Bytes per device (in_flight = 1)."""
+        ...
+
+    def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
+        """Seconds to send this stage's output activations (one shard) to the next stage."""
+        ...
+
+
+class AnalyticCostProvider:
+    """FLOPs / effective peak + tp all-reduces + per-layer overhead (see the module docstring)."""
+
+    def __init__(
+        self, arch: MLLMArch, device: DeviceSpec, *, remat: bool = False, compute_bytes: int = 2
+    ):
+        if compute_bytes not in (2, 4):
+            raise ValueError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
+        self.arch = arch
+        self.device = device
+        self.remat = remat
+        self.compute_bytes = compute_bytes
+        self.name = f"analytic:{arch.name}@{device.name}" + ("+remat" if remat else "")
+
+    # ------------------------------------------------------------ compute
+
+    def _allreduce_s(self, nbytes: float, tp: int) -> float:
+        if tp == 1:
+            return 0.0
+        return 2.0 * (tp - 1) / tp * nbytes / self.device.intra_host_bandwidth
+
+    def _time(
+        self, stage: StageSpec, fwd_flops: float, layer_flops: float, ar_bytes: float, blocks: int
+    ) -> tuple[float, float]:
+        """Forward/backward seconds from forward FLOPs, the recomputable layers' FLOPs, per-layer
+        all-reduce bytes and the number of blocks (layers + embedding/head) paying the fixed overhead."""
+        dev, tp, layers = self.device, stage.tp, stage.num_layers
+        rate = dev.effective_flops * tp
+        ar = self._allreduce_s(ar_bytes, tp)
+        fwd = fwd_flops / rate + 2 * layers * ar + blocks * dev.layer_overhead_s
+        bwd = 2 * fwd_flops / rate + 2 * layers * ar + 2 * blocks * dev.layer_overhead_s
+        if self.remat:
+            bwd += layer_flops / rate + 2 * layers * ar + layers * dev.layer_overhead_s
+        return fwd, bwd
+
+    def _encoder_time(self, stage: StageSpec, tiles: int) -> tuple[float, float]:
+        v = self.arch.vision
+        layer = stage.num_layers * flops.vision_layer_flops(v, tiles)
+        total = layer
+        total += tiles * flops.vision_embedding_flops(v) if stage.has_embedding else 0.0
+        total += tiles * flops.projector_flops_per_tile(self.arch) if stage.has_head else 0.0
+        ar_bytes = tiles * v.seq_len * v.hidden_size * self.compute_bytes
+        blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
+        return self._time(stage, total, layer, ar_bytes, blocks)
+
+    def _llm_time(self, stage: StageSpec, tokens: int) -> tuple[float, float]:
+        m = self.arch.llm
+        layer = stage.num_layers * flops.llm_layer_flops(m, tokens, tokens * tokens / 2.0)
+        total = layer + (flops.llm_head_flops(m, tokens) if stage.has_head else 0.0)
+        ar_bytes = tokens * m.hidden_size * self.compute_bytes
+        blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
+        fwd, bwd = self._time(stage, total, layer, ar_bytes, blocks)
+        if stage.has_embedding:  # vocab-parallel embedding: one all-reduce forward, none backward
+            fwd += self._allreduce_s(ar_bytes, stage.tp)
+        return fwd, bwd
+
+    def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        if bucket < 0:
+            raise ValueError(f"bucket={bucket}: must be >= 0")
+        if bucket == 0:
+            return 0.0, 0.0
+        if stage.module == "encoder":
+            return self._encoder_time(stage, bucket)
+        return self._llm_time(stage, bucket)
+
+    def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
+        return stage_memory(self.arch, stage, bucket, self.remat, self.compute_bytes)
+
+    def output_bytes(self, stage: StageSpec, bucket: int) -> float:
+        """Bytes of one shard's output activations (the projector output if the stage holds it)."""
+        a, cb = self.arch, self.compute_bytes
+        if stage.module == "encoder":
+            if stage.has_head:
+                return float(bucket * a.vision.tokens_per_tile * a.llm.hidden_size * cb)
+            return float(bucket * a.vision.seq_len * a.vision.hidden_size * cb)
+        return 0.0 if stage.has_head else float(bucket * a.llm.hidden_size * cb)
+
+    def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
+        bw = self.device.inter_host_bandwidth if cross_host else self.device.intra_host_bandwidth
+        return self.output_bytes(stage, bucket) / bw
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def colocated_encoder_stage(arch: MLLMArch, llm_first: StageSpec) -> StageSpec:
+    """The whole encoder (+ embedding + projector) on LLM stage 0's devices (data-blind baseline)."""
+    return StageSpec("encoder", 0, arch.vision.num_layers, tp=llm_first.tp, dp=llm_first.dp,
+                     has_embedding=True, has_head=True)  # fmt: skip
+
+
+def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list[int]:
+    return [tile_bucket if s.module == "encoder" else length_bucket for s in layout.stages]
+
+
+def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
+    """(tile_bucket, length_bucket) -> [num_stages, 2] (fwd, bwd) seconds, stages in pipeline order.
+
+    With no encoder stages, the encoder runs colocated on LLM stage 0 and its cost at the tile bucket is
+    added to stage 0. Results are memoized per bucket pair.
+    """
+    stages = layout.stages
+    coloc = (
+        None
+        if layout.encoder_stages
+        else colocated_encoder_stage(provider.arch, layout.llm_stages[0])
+    )
+    cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
+        key = (int(tile_bucket), int(length_bucket))
+        if key not in cache:
+            buckets = _stage_buckets(layout, *key)
+            out = np.array(
+                [provider.stage_time(s, b) for s, b in zip(stages, buckets)], dtype=np.float64
+            )
+            if coloc is not None:
+                out[0] += provider.stage_time(coloc, key[0])
+            out.setflags(write=False)
+            cache[key] = out
+        return cache[key]
+
+    return costs
+
+
+def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> bool:
+    """Whether stages `index` and `index + 1` span more than one host, placing stages on consecutive
+    device ids in pipeline order (host = device_id // devices_per_host)."""
+    start = sum(s.num_devices for s in layout.stages[:index])
+    end = start + layout.stages[index].num_devices + layout.stages[index + 1].num_devices - 1
+    return start // devices_per_host != end // devices_per_host
+
+
+def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:
+    """(tile_bucket, length_bucket) -> [num_stages - 1] seconds to move activations across each boundary."""
+    stages = layout.stages
+    cross = [
+        stage_crosses_host(layout, i, provider.device.devices_per_host)
+        for i in range(len(stages) - 1)
+    ]
+
+    def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
+        buckets = _stage_buckets(layout, tile_bucket, length_bucket)
+        return np.array(
+            [
+                provider.transfer_time(stages[i], buckets[i], cross[i])
+                for i in range(len(stages) - 1)
+            ],
+            dtype=np.float64,
+        )
+
+    return costs
+
+
+def one_f_one_b_in_flight(num_stages: int, microbatches: int | None = None) -> list[int]:
+    """Microbatches whose activations are alive at once on each stage under 1F1B: min(P - i, M)."""
+    return [
+        num_stages - i if microbatches is None else min(num_stages - i, microbatches)
+        for i in range(num_stages)
+    ]
+
+
+def layout_memory(
+    provider: CostProvider,
+    layout: Layout,
+    buckets: BucketSet | tuple[int, int],
+    in_flight: int | Sequence[int] | None = None,
+) -> list[StageMemory]:
+    """Per-stage memory at the largest buckets, each with its 1F1B in-flight count set.
+
+    Args:
+      buckets: a `BucketSet` (its largest sizes are used) or (tile_bucket, length_bucket).
+      in_flight: None -> P - i; an int M (microbatch count) -> min(P - i, M); a sequence -> per stage.
+
+    Returns:
+      one `StageMemory` per stage in pipeline order; `.total()` is the stage's peak bytes per device.
+    """
+    if hasattr(buckets, "tiles"):  # a BucketSet
+        tile_bucket, length_bucket = buckets.tiles[-1], buckets.lengths[-1]
+    else:
+        tile_bucket, length_bucket = buckets
+    p = layout.num_stages
+    counts = (
+        list(in_flight) if isinstance(in_flight, Sequence) else one_f_one_b_in_flight(p, in_flight)
+    )
+    if len(counts) != p:
+        raise ValueError(f"in_flight has {len(counts)} entries for {p} stages")
+    mems = [
+        provider.stage_memory(s, b)
+        for s, b in zip(layout.stages, _stage_buckets(layout, tile_bucket, length_bucket))
+    ]
+    if not layout.encoder_stages:
+        mems[0] = mems[0] + provider.stage_memory(
+            colocated_encoder_stage(provider.arch, layout.llm_stages[0]), tile_bucket
+        )
+    return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]

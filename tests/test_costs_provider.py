@@ -1,0 +1,127 @@
+"""AnalyticCostProvider and the layout helpers: monotonicity, tp scaling, colocated encoder, memory."""
+
+import numpy as np
+import pytest
+
+from dflop_jax.costs import (
+    AnalyticCostProvider,
+    Layout,
+    StageSpec,
+    get_arch,
+    get_device,
+    layout_memory,
+    layout_stage_costs,
+    layout_transfer_costs,
+    llm_layer_flops,
+)
+from dflop_jax.scheduler.types import BucketSet
+
+ARCH = get_arch("siglip-so400m+qwen2.5-7b")
+H100 = get_device("h100")
+
+
+def _layout(enc=True, tp=2, dp=2):
+    encs = (
+        (StageSpec("encoder", 0, 26, tp=1, dp=dp, has_embedding=True, has_head=True),)
+        if enc
+        else ()
+    )
+    llms = (
+        StageSpec("llm", 0, 14, tp=tp, dp=dp, has_embedding=True),
+        StageSpec("llm", 14, 14, tp=tp, dp=dp, has_head=True),
+    )
+    return Layout(encs, llms)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_stage_time_monotone_in_bucket_and_tp(remat):
+    prov = AnalyticCostProvider(ARCH, H100, remat=remat)
+    for module, buckets, layers in (
+        ("encoder", [1, 2, 4, 8, 16], 26),
+        ("llm", [512, 1024, 4096, 8192], 28),
+    ):
+        prev = (0.0, 0.0)
+        for b in buckets:
+            fb = prov.stage_time(StageSpec(module, 0, layers), b)
+            assert fb[0] > prev[0] and fb[1] > prev[1] and fb[1] > fb[0]
+            prev = fb
+        times = [
+            sum(prov.stage_time(StageSpec(module, 0, layers, tp=tp), buckets[-1]))
+            for tp in (1, 2, 4, 8)
+        ]
+        assert all(a > b for a, b in zip(times, times[1:]))
+
+
+def test_bucket_zero_costs_nothing():
+    prov = AnalyticCostProvider(ARCH, H100)
+    assert prov.stage_time(StageSpec("encoder", 0, 26, has_embedding=True), 0) == (0.0, 0.0)
+    assert prov.stage_time(StageSpec("llm", 0, 28), 0) == (0.0, 0.0)
+
+
+def test_tp1_llm_time_is_flops_over_effective_peak():
+    prov = AnalyticCostProvider(ARCH, H100)
+    s = 4096
+    fwd, bwd = prov.stage_time(StageSpec("llm", 0, 10), s)
+    flops = 10 * llm_layer_flops(ARCH.llm, s, s * s / 2)
+    overhead = 10 * H100.layer_overhead_s
+    assert fwd == pytest.approx(flops / (989e12 * H100.matmul_efficiency) + overhead)
+    assert bwd == pytest.approx(2 * flops / (989e12 * H100.matmul_efficiency) + 2 * overhead)
+    remat_bwd = AnalyticCostProvider(ARCH, H100, remat=True).stage_time(StageSpec("llm", 0, 10), s)[
+        1
+    ]
+    assert remat_bwd == pytest.approx(bwd + fwd)
+
+
+def test_colocated_encoder_adds_to_first_llm_stage():
+    prov = AnalyticCostProvider(ARCH, H100)
+    split = layout_stage_costs(prov, _layout(enc=True))(8, 8192)
+    coloc = layout_stage_costs(prov, _layout(enc=False))(8, 8192)
+    assert split.shape == (3, 2) and coloc.shape == (2, 2)
+    np.testing.assert_allclose(coloc[1], split[2])
+    enc_on_tp2 = prov.stage_time(
+        StageSpec("encoder", 0, 26, tp=2, has_embedding=True, has_head=True), 8
+    )
+    np.testing.assert_allclose(coloc[0], split[1] + np.array(enc_on_tp2))
+    # Text-only microbatch: the colocated encoder costs nothing.
+    np.testing.assert_allclose(layout_stage_costs(prov, _layout(enc=False))(0, 8192)[0], split[1])
+
+
+def test_transfer_costs_use_host_boundaries():
+    prov = AnalyticCostProvider(ARCH, H100)
+    t = layout_transfer_costs(prov, _layout(enc=True, tp=2, dp=2))(8, 8192)
+    # encoder (2 devices) + llm0 (4) fit one host; llm0 + llm1 span devices 2..9 -> inter-host.
+    assert t[0] == pytest.approx(8 * 729 * 3584 * 2 / H100.intra_host_bandwidth)
+    assert t[1] == pytest.approx(8192 * 3584 * 2 / H100.inter_host_bandwidth)
+
+
+def test_memory_scales_with_tp_and_in_flight():
+    prov = AnalyticCostProvider(ARCH, H100)
+    m1 = prov.stage_memory(StageSpec("llm", 0, 14, tp=1), 8192)
+    m4 = prov.stage_memory(StageSpec("llm", 0, 14, tp=4), 8192)
+    assert m4.params == pytest.approx(m1.params / 4, rel=0.01)
+    assert m4.optimizer == pytest.approx(m1.optimizer / 4, rel=0.01)
+    assert m1.grads == 2 * m1.params and m1.optimizer == 6 * m1.params
+    assert (
+        m1.activations_per_microbatch / 4
+        < m4.activations_per_microbatch
+        < m1.activations_per_microbatch
+    )
+    remat = AnalyticCostProvider(ARCH, H100, remat=True).stage_memory(StageSpec("llm", 0, 14), 8192)
+    assert remat.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 2)
+    mems = layout_memory(prov, _layout(), BucketSet((4, 8), (4096, 8192)))
+    assert [m.in_flight for m in mems] == [3, 2, 1]
+    assert mems[0].total() == pytest.approx(
+        mems[0].total(1) + 2 * mems[0].activations_per_microbatch
+    )
+    assert [m.in_flight for m in layout_memory(prov, _layout(), (8, 8192), in_flight=2)] == [
+        2,
+        2,
+        1,
+    ]
+
+
+def test_bad_device_and_arch_names():
+    with pytest.raises(ValueError, match="h100"):
+        get_device("tpu9")
+    with pytest.raises(ValueError, match="tiny"):
+        get_arch("bogus")
