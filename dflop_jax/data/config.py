@@ -1,0 +1,140 @@
+"""`DataConfig`: where samples come from and how they become tiles and tokens (one frozen dataclass).
+
+Defaults are the demo's: synthetic LLaVA-OV data, the bundled byte tokenizer, Qwen2.5 chat template.
+Family-dependent values (tile size, pixel mean/std) are derived when left at 0 / empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflop_jax.config import require
+
+# Pixel normalization as the HF image processors use it.
+SIGLIP_MEAN = (0.5, 0.5, 0.5)
+SIGLIP_STD = (0.5, 0.5, 0.5)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+SYNTH_MIXES = ("llava-ov", "internvl", "text", "single-image", "multi-image", "video", "dflop")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Data source and per-sample processing.
+
+    Attributes:
+      source: a dataset-mix YAML, one JSON/JSONL file, or "synthetic" (generated into `synth_dir`).
+      synth_dir: where synthetic data is written (reused if already complete).
+      synth_samples, synth_mix, synth_seed: the synthetic dataset (see `dflop_jax.data.synth`).
+      image_root, video_root: folders relative image/video paths resolve against ("" = the JSON's folder).
+      model_family: "llava_ov" (SigLIP anyres, 729 tokens/tile) or "internvl" (448 px dynamic tiles, 256).
+      tile_size: encoder tile side in pixels; 0 = 384 (llava_ov) / 448 (internvl).
+      anyres_max: LLaVA-OV anyres_max_N feature budget for the grid.
+      max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid.
+      max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one).
+      use_thumbnail: InternVL thumbnail tile.
+      video_fps: frames sampled per second of video; max_frames: upper bound (uniform if more).
+      tokenizer: "bundled" (byte-level, ships with the package) or an HF model/tokenizer directory.
+      chat_template: "qwen2.5" | "llama3" (built in) | "from_tokenizer" (tokenizer_config.json's).
+      system_prompt: a system turn added when the record has none; None = the template's own default.
+      max_tokens: longest sample (LLM tokens) the scheduler may see; longer ones per `too_long`.
+      too_long: "skip" (BadSample too_long) or "truncate" (text cut; refused if images would be cut).
+      strict: raise on the first bad record instead of counting and skipping it.
+      cache_dir: shape-metadata cache ("" disables caching).
+      pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
+    """
+
+    source: str = "synthetic"
+    synth_dir: str = "runs/synth_data"
+    synth_samples: int = 512
+    synth_mix: str = "llava-ov"
+    synth_seed: int = 0
+    image_root: str = ""
+    video_root: str = ""
+    model_family: Literal["llava_ov", "internvl"] = "llava_ov"
+    tile_size: int = 0
+    anyres_max: int = 9
+    max_grid: int = 6
+    max_tiles: int = 12
+    use_thumbnail: bool = True
+    video_fps: float = 1.0
+    max_frames: int = 32
+    tokenizer: str = "bundled"
+    chat_template: Literal["qwen2.5", "llama3", "from_tokenizer"] = "qwen2.5"
+    system_prompt: str | None = None
+    max_tokens: int = 32768
+    too_long: Literal["skip", "truncate"] = "skip"
+    strict: bool = False
+    cache_dir: str = ".dflop_cache/metadata"
+    pixel_mean: tuple[float, ...] = ()
+    pixel_std: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        require(
+            bool(self.source),
+            "data.source",
+            self.source,
+            "give a mix YAML, a JSON/JSONL file or 'synthetic'",
+        )
+        require(self.synth_samples > 0, "data.synth_samples", self.synth_samples, "must be >= 1")
+        require(
+            self.synth_mix in SYNTH_MIXES,
+            "data.synth_mix",
+            self.synth_mix,
+            f"choose one of {SYNTH_MIXES}",
+        )
+        require(
+            self.tile_size >= 0,
+            "data.tile_size",
+            self.tile_size,
+            "use 0 (family default) or a pixel size",
+        )
+        require(
+            self.tile_size % 14 == 0,
+            "data.tile_size",
+            self.tile_size,
+            "must be a multiple of 14 (patch size)",
+        )
+        require(self.anyres_max >= 1, "data.anyres_max", self.anyres_max, "must be >= 1")
+        require(
+            1 <= self.max_grid <= 12, "data.max_grid", self.max_grid, "use 1..12 (LLaVA-OV uses 6)"
+        )
+        require(self.max_tiles >= 1, "data.max_tiles", self.max_tiles, "must be >= 1")
+        require(
+            self.video_fps > 0, "data.video_fps", self.video_fps, "must be > 0 frames per second"
+        )
+        require(self.max_frames >= 1, "data.max_frames", self.max_frames, "must be >= 1")
+        require(self.max_tokens >= 16, "data.max_tokens", self.max_tokens, "must be >= 16")
+        for name in ("pixel_mean", "pixel_std"):
+            value = getattr(self, name)
+            require(len(value) in (0, 3), f"data.{name}", value, "give 3 values (RGB) or none")
+        require(all(s > 0 for s in self.pixel_std), "data.pixel_std", self.pixel_std, "must be > 0")
+
+    @property
+    def tile_px(self) -> int:
+        """The encoder tile side in pixels."""
+        if self.tile_size:
+            return self.tile_size
+        return 384 if self.model_family == "llava_ov" else 448
+
+    @property
+    def mean(self) -> tuple[float, float, float]:
+        if self.pixel_mean:
+            return tuple(self.pixel_mean)
+        return SIGLIP_MEAN if self.model_family == "llava_ov" else IMAGENET_MEAN
+
+    @property
+    def std(self) -> tuple[float, float, float]:
+        if self.pixel_std:
+            return tuple(self.pixel_std)
+        return SIGLIP_STD if self.model_family == "llava_ov" else IMAGENET_STD
+
+    def processing_key(self) -> dict:
+        """Every field that changes a sample's tiles or tokens (the metadata cache key)."""
+        keep = (
+            "model_family", "tile_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
+            "video_fps", "max_frames", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
+        )  # fmt: skip
+        return {k: getattr(self, k) for k in keep}

@@ -1,0 +1,41 @@
+"""Bad input: one exception type with a machine-readable reason, so the loader can count skips by reason.
+
+try:
+    shape = processor.shape(record)
+except BadSample as e:
+    counts[e.reason] += 1   # logged once with e.location, skipped (or re-raised in strict mode)
+"""
+
+from __future__ import annotations
+
+REASONS = (
+    "missing_file",  # an image/video/frame folder named by the record does not exist
+    "corrupt_image",  # Pillow cannot read the header or the pixels (truncated, not an image)
+    "unreadable_video",  # PyAV cannot open/decode it, or a frame folder is empty
+    "invalid_json",  # a JSONL line (or a whole JSON file) does not parse, or a record is not an object
+    "no_conversations",  # no `conversations`/`text`, empty, or no assistant turn to learn from
+    "unknown_fields",  # a record key the data layer does not understand
+    "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
+    "bad_markers",  # more `<image>` markers than images (or markers in a non-user turn)
+)
+
+
+class BadSample(Exception):
+    """A record that cannot become a training sample.
+
+    Attributes:
+      reason: one of `REASONS`.
+      location: where the record came from (`file:line`, `file[index]`, or the record's id).
+      detail: a short human explanation.
+    """
+
+    def __init__(self, reason: str, location: str, detail: str = ""):
+        if reason not in REASONS:
+            raise ValueError(f"BadSample reason {reason!r} is not one of {REASONS}")
+        self.reason = reason
+        self.location = location
+        self.detail = detail
+        super().__init__(f"{location}: {reason}" + (f": {detail}" if detail else ""))
+
+    def __reduce__(self):  # picklable across grain worker processes
+        return (BadSample, (self.reason, self.location, self.detail))

@@ -1,0 +1,94 @@
+"""Images: size from the header (no pixel decoding), full decoding, and tiling as the layouts assume.
+
+Tile orders follow `models/layouts.py`: LLaVA-OV anyres = base tile (whole image squashed to one tile),
+then the best-fit grid row-major; LLaVA-OV multi-image = one padded-square tile; InternVL = the grid
+row-major, then the thumbnail last when there is more than one grid tile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from dflop_jax.data.errors import BadSample
+
+_RESAMPLE = Image.Resampling.BICUBIC
+
+
+def image_size(path: Path, location: str) -> tuple[int, int]:
+    """(height, width) from the file header; Pillow opens lazily and decodes no pixels here."""
+    if not path.is_file():
+        raise BadSample("missing_file", location, f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise BadSample("corrupt_image", location, f"{path}: {e}") from None
+    if h < 1 or w < 1:
+        raise BadSample("corrupt_image", location, f"{path}: empty image {w}x{h}")
+    return h, w
+
+
+def load_image(path: Path, location: str) -> Image.Image:
+    """Decodes the whole image as RGB; truncated or corrupt files raise BadSample("corrupt_image")."""
+    if not path.is_file():
+        raise BadSample("missing_file", location, f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise BadSample("corrupt_image", location, f"{path}: {e}") from None
+
+
+def _array(img: Image.Image) -> np.ndarray:
+    return np.asarray(img, np.uint8)
+
+
+def squash_tile(img: Image.Image, tile: int) -> np.ndarray:
+    """[tile, tile, 3] uint8: the whole image resized to one tile (LLaVA-OV base tile, video frames)."""
+    return _array(img.resize((tile, tile), _RESAMPLE))
+
+
+def pad_square_tile(img: Image.Image, tile: int, mean: tuple[float, float, float]) -> np.ndarray:
+    """[tile, tile, 3] uint8: padded to a centered square with the mean colour, then resized (LLaVA "pad")."""
+    w, h = img.size
+    side = max(w, h)
+    canvas = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    canvas.paste(img, ((side - w) // 2, (side - h) // 2))
+    return squash_tile(canvas, tile)
+
+
+def anyres_grid_tiles(img: Image.Image, rows: int, cols: int, tile: int) -> np.ndarray:
+    """[rows*cols, tile, tile, 3] uint8: fit inside (rows*tile, cols*tile) keeping aspect, pad centered, cut."""
+    w, h = img.size
+    target_h, target_w = rows * tile, cols * tile
+    scale = min(target_w / w, target_h / h)
+    new_w, new_h = max(1, min(target_w, round(w * scale))), max(1, min(target_h, round(h * scale)))
+    canvas = Image.new("RGB", (target_w, target_h), (0, 0, 0))
+    canvas.paste(
+        img.resize((new_w, new_h), _RESAMPLE), ((target_w - new_w) // 2, (target_h - new_h) // 2)
+    )
+    return _cut(_array(canvas), rows, cols, tile)
+
+
+def resize_grid_tiles(img: Image.Image, rows: int, cols: int, tile: int) -> np.ndarray:
+    """[rows*cols, tile, tile, 3] uint8: resized to exactly (rows*tile, cols*tile), cut row-major (InternVL)."""
+    return _cut(_array(img.resize((cols * tile, rows * tile), _RESAMPLE)), rows, cols, tile)
+
+
+def _cut(canvas: np.ndarray, rows: int, cols: int, tile: int) -> np.ndarray:
+    # [rows*tile, cols*tile, 3] -> [rows, tile, cols, tile, 3] -> [rows, cols, tile, tile, 3] -> row-major tiles
+    return (
+        canvas.reshape(rows, tile, cols, tile, 3)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(-1, tile, tile, 3)
+    )
+
+
+def normalize(tiles: np.ndarray, mean, std) -> np.ndarray:
+    """[n, H, W, 3] uint8 -> float32 ((x / 255) - mean) / std, as the HF image processors do."""
+    x = tiles.astype(np.float32) / 255.0
+    return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)

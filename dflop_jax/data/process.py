@@ -1,0 +1,351 @@
+"""Records -> shapes (metadata only) and -> processed samples (pixels, tokens, masks), sharing one plan.
+
+    proc = Processor(DataConfig(model_family="llava_ov"))
+    proc.shape(record)    # SampleShape(tiles, tokens, modality): image headers, frame counts, tokenized text
+    proc.process(record)  # ProcessedSample: decoded + tiled + normalized pixels, ids, assistant mask, sources
+
+Both go through `_plan` (the same text, the same layouts), so the counts cannot drift apart; `process`
+additionally checks that the tiles it cut from real pixels are as many as the layouts promised.
+Image placeholders in the token stream: LLaVA-OV one `<image>` (`<video>`) id per feature token of the
+layout, InternVL `<img>` + `<IMG_CONTEXT>` per feature token + `</img>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from dflop_jax.data import images, video
+from dflop_jax.data.chat import ROLES, ChatTemplate, to_messages
+from dflop_jax.data.config import DataConfig
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
+from dflop_jax.data.types import TEXT, ProcessedSample
+from dflop_jax.scheduler.types import SampleShape
+from models import layouts
+
+KNOWN_FIELDS = frozenset({"id", "image", "video", "conversations", "text", "data_source", "source"})
+MARKER = "<image>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Media:
+    """One image or video of a sample: where it is, how it is tiled, which features its tokens take."""
+
+    kind: str  # "image" (anyres / dynamic), "multi" (one tile), "video"
+    path: Path
+    layout: layouts.FeatureLayout
+    grid: tuple[int, int] = (0, 0)  # (rows, cols) of the image grid, if any
+    frames: np.ndarray | None = None  # video frame indices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    sample_id: object
+    location: str
+    modality: str
+    pieces: tuple[
+        str, ...
+    ]  # text between media placeholders (len = len(media) + 1), or the plain text
+    spans: tuple[tuple[int, int], ...]  # assistant character spans in "".join(pieces); None = all
+    media: tuple[_Media, ...]
+    plain: bool
+
+
+class Processor:
+    """Turns records into `SampleShape`s (cheap) and `ProcessedSample`s (pixels); both raise BadSample."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer | None = None):
+        self.cfg = cfg
+        self.tok = tokenizer or load_tokenizer(cfg.tokenizer)
+        self.template = ChatTemplate.for_config(cfg.chat_template, self.tok)
+        tile = cfg.tile_px
+        self.patches = tile // 14
+        self.pinpoints = tuple(
+            (tile * r, tile * c)
+            for r in range(1, cfg.max_grid + 1)
+            for c in range(1, cfg.max_grid + 1)
+        )
+        if cfg.model_family == "llava_ov":
+            self.image_id, self.video_id = (
+                self.tok.token_id("<image>"),
+                self.tok.token_id("<video>"),
+            )
+        else:
+            self.img_ids = tuple(self.tok.token_id(t) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
+        eos = self.tok.hf.token_to_id(self.tok.eos_token) if self.tok.eos_token else None
+        self.eos_ids = np.asarray([] if eos is None else [eos], np.int32)
+
+    # ---- public API ---------------------------------------------------------------------------------
+    def shape(self, record: dict) -> SampleShape:
+        """Tiles and LLM tokens of the sample from metadata only (no pixel is decoded)."""
+        plan = self._plan(record, with_spans=False)
+        ids, _, _ = self._tokens(plan, with_mask=False)
+        return SampleShape(
+            plan.sample_id, sum(m.layout.num_tiles for m in plan.media), len(ids), plan.modality
+        )
+
+    def process(self, record: dict) -> ProcessedSample:
+        """Decodes, tiles and normalizes the pixels and builds ids, assistant mask and feature sources."""
+        plan = self._plan(record, with_spans=True)
+        ids, mask, source = self._tokens(plan, with_mask=True)
+        tiles, pool = self._pixels(plan)
+        expected = sum(m.layout.num_tiles for m in plan.media)
+        if tiles.shape[0] != expected:  # header and pixels disagree (e.g. a lying video header)
+            raise BadSample(
+                "corrupt_image",
+                plan.location,
+                f"{tiles.shape[0]} tiles decoded, {expected} expected",
+            )
+        return ProcessedSample(plan.sample_id, ids, mask, source, tiles, pool, plan.modality)
+
+    # ---- planning (metadata) ------------------------------------------------------------------------
+    def _plan(self, record: dict, with_spans: bool) -> _Plan:
+        location = str(
+            record["_location"] if "_location" in record else record.get("id", "<record>")
+        )
+        if "_error" in record:
+            raise BadSample(record["_error"], location, record.get("_detail", ""))
+        unknown = sorted(k for k in record if not k.startswith("_") and k not in KNOWN_FIELDS)
+        if unknown:
+            raise BadSample(
+                "unknown_fields",
+                location,
+                f"unknown field(s) {unknown}; known: {sorted(KNOWN_FIELDS)}",
+            )
+        sample_id = record.get("id", location)
+        if "conversations" not in record and "text" in record:
+            if not isinstance(record["text"], str) or not record["text"]:
+                raise BadSample("no_conversations", location, "`text` must be a non-empty string")
+            return _Plan(sample_id, location, "text", (record["text"],), (), (), True)
+        conversations = _check_conversations(record, location)
+        media, modality = self._media(record, location)
+        messages = _place_markers(conversations, len(media), location)
+        messages = to_messages(messages, self.cfg.system_prompt)
+        if with_spans:
+            text, spans = self.template.render_with_spans(messages)
+        else:
+            text, spans = self.template.render(messages), []
+        pieces = tuple(text.split(MARKER))
+        if len(pieces) != len(media) + 1:
+            raise BadSample(
+                "bad_markers",
+                location,
+                f"{len(pieces) - 1} `<image>` after templating, {len(media)} media",
+            )
+        return _Plan(sample_id, location, modality, pieces, tuple(spans), tuple(media), False)
+
+    def _media(self, record: dict, location: str) -> tuple[list[_Media], str]:
+        if "image" in record and "video" in record:
+            raise BadSample("unknown_fields", location, "a record has `image` or `video`, not both")
+        if "video" in record:
+            path = _resolve(record, "video", "_video_root", location)
+            idx = video.video_indices(path, location, self.cfg.video_fps, self.cfg.max_frames)
+            return [_Media("video", path, self._video_layout(len(idx)), frames=idx)], "video"
+        if "image" not in record:
+            return [], "text"
+        names = record["image"] if isinstance(record["image"], list) else [record["image"]]
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise BadSample(
+                "missing_file",
+                location,
+                f"`image` must be a path or a list of paths: {record['image']!r}",
+            )
+        paths = [_resolve({**record, "image": n}, "image", "_image_root", location) for n in names]
+        kind = "image" if len(paths) == 1 or self.cfg.model_family == "internvl" else "multi"
+        media = [self._image_media(p, kind, location) for p in paths]
+        return media, ("image" if len(paths) == 1 else "multi_image")
+
+    def _image_media(self, path: Path, kind: str, location: str) -> _Media:
+        hw = images.image_size(path, location)
+        cfg, tile = self.cfg, self.cfg.tile_px
+        if cfg.model_family == "internvl":
+            grid = (
+                layouts.internvl_grid(hw, tile_size=tile, max_tiles=cfg.max_tiles)
+                if cfg.max_tiles > 1
+                else (1, 1)
+            )
+            layout = layouts.internvl_image_layout(
+                hw, tile_size=tile, max_tiles=cfg.max_tiles, use_thumbnail=cfg.use_thumbnail,
+                tokens_per_tile=(self.patches // 2) ** 2,
+            )  # fmt: skip
+            return _Media(kind, path, layout, grid)
+        if kind == "multi":
+            return _Media(
+                kind, path, layouts.llava_ov_multi_image_layout(patches_per_side=self.patches)
+            )
+        grid = layouts.llava_ov_grid(hw, self.pinpoints, tile)
+        layout = layouts.llava_ov_image_layout(
+            hw,
+            pinpoints=self.pinpoints,
+            tile_size=tile,
+            patches_per_side=self.patches,
+            max_num_patches=cfg.anyres_max,
+        )
+        return _Media(kind, path, layout, grid)
+
+    def _video_layout(self, frames: int) -> layouts.FeatureLayout:
+        if self.cfg.model_family == "llava_ov":
+            return layouts.llava_ov_video_layout(frames, patches_per_side=self.patches)
+        tpt = (self.patches // 2) ** 2  # InternVL: one 448 px tile per frame, 256 tokens
+        return layouts.FeatureLayout(frames, tpt, np.arange(frames * tpt, dtype=np.int32))
+
+    # ---- tokens -------------------------------------------------------------------------------------
+    def _tokens(self, plan: _Plan, with_mask: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([L] int32 ids, [L] bool assistant mask, [L] int32 feature source), truncated per policy."""
+        ids, mask, source = [], [], []
+        char0, tile0, media_end = 0, 0, 0
+        for i, piece in enumerate(plan.pieces):
+            piece_ids, offsets = self.tok.encode(piece)
+            ids.append(piece_ids)
+            source.append(np.full(len(piece_ids), TEXT, np.int32))
+            if with_mask:
+                mask.append(
+                    _in_spans(offsets[:, 0] + char0, plan.spans)
+                    if not plan.plain
+                    else np.ones(len(piece_ids), bool)
+                )
+            char0 += len(piece) + len(MARKER)
+            if i < len(plan.media):
+                m = plan.media[i]
+                m_ids, m_src = self._placeholder(m, tile0)
+                tile0 += m.layout.num_tiles
+                ids.append(m_ids)
+                source.append(m_src)
+                mask.append(np.zeros(len(m_ids), bool))
+                media_end = sum(len(a) for a in ids)
+        if plan.plain:
+            ids.append(self.eos_ids)
+            source.append(np.full(len(self.eos_ids), TEXT, np.int32))
+            mask.append(np.ones(len(self.eos_ids), bool))
+        ids_a, src_a = np.concatenate(ids).astype(np.int32), np.concatenate(source).astype(np.int32)
+        mask_a = np.concatenate(mask) if with_mask else np.zeros(0, bool)
+        return self._fit(plan, ids_a, mask_a, src_a, media_end, with_mask)
+
+    def _placeholder(self, m: _Media, tile0: int) -> tuple[np.ndarray, np.ndarray]:
+        src = m.layout.offset(tile0)
+        if self.cfg.model_family == "llava_ov":
+            tid = self.video_id if m.kind == "video" else self.image_id
+            return np.full(len(src), tid, np.int32), src
+        start, ctx, end = self.img_ids
+        if m.kind != "video":
+            ids = np.concatenate([[start], np.full(len(src), ctx), [end]])
+            return ids.astype(np.int32), np.concatenate([[TEXT], src, [TEXT]]).astype(np.int32)
+        per = m.layout.tokens_per_tile  # each frame wrapped in <img> ... </img>
+        frame = np.concatenate([[start], np.full(per, ctx), [end]])
+        frame_src = [
+            np.concatenate([[TEXT], src[f * per : (f + 1) * per], [TEXT]])
+            for f in range(m.layout.num_tiles)
+        ]
+        return np.tile(frame, m.layout.num_tiles).astype(np.int32), np.concatenate(
+            frame_src
+        ).astype(np.int32)
+
+    def _fit(self, plan, ids, mask, source, media_end, with_mask):
+        limit = self.cfg.max_tokens
+        if len(ids) <= limit:
+            return ids, mask, source
+        if self.cfg.too_long == "skip" or media_end > limit:
+            raise BadSample("too_long", plan.location, f"{len(ids)} tokens > max_tokens={limit}")
+        ids, source = ids[:limit], source[:limit]
+        if with_mask:
+            mask = mask[:limit]
+            if not mask.any():
+                raise BadSample(
+                    "too_long", plan.location, f"no assistant token within max_tokens={limit}"
+                )
+        return ids, mask, source
+
+    # ---- pixels -------------------------------------------------------------------------------------
+    def _pixels(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+        """([n_tiles, H, W, 3] float32 normalized, [n_tiles] bool pooled) in layout order."""
+        tile = self.cfg.tile_px
+        chunks, pools = [np.zeros((0, tile, tile, 3), np.uint8)], [np.zeros(0, bool)]
+        for m in plan.media:
+            t = self._media_tiles(m, plan.location)
+            chunks.append(t)
+            pools.append(np.full(len(t), m.kind == "video" and self.cfg.model_family == "llava_ov"))
+        tiles = np.concatenate(chunks)
+        return images.normalize(tiles, self.cfg.mean, self.cfg.std), np.concatenate(pools)
+
+    def _media_tiles(self, m: _Media, location: str) -> np.ndarray:
+        tile, cfg = self.cfg.tile_px, self.cfg
+        if m.kind == "video":
+            frames = video.load_frames(m.path, location, m.frames)
+            return np.stack([images.squash_tile(f, tile) for f in frames])
+        img = images.load_image(m.path, location)
+        if m.kind == "multi":
+            return images.pad_square_tile(img, tile, cfg.mean)[None]
+        rows, cols = m.grid
+        if cfg.model_family == "llava_ov":
+            return np.concatenate(
+                [
+                    images.squash_tile(img, tile)[None],
+                    images.anyres_grid_tiles(img, rows, cols, tile),
+                ]
+            )
+        grid = images.resize_grid_tiles(img, rows, cols, tile)
+        if rows * cols > 1 and cfg.use_thumbnail:
+            grid = np.concatenate([grid, images.squash_tile(img, tile)[None]])
+        return grid
+
+
+def _check_conversations(record: dict, location: str) -> list[dict]:
+    conv = record.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        raise BadSample("no_conversations", location, "missing or empty `conversations`")
+    for turn in conv:
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("value"), str)
+            or "from" not in turn
+        ):
+            raise BadSample(
+                "no_conversations", location, f"a turn must be {{from, value}}: {turn!r}"
+            )
+        if turn["from"] not in ROLES or set(turn) - {"from", "value"}:
+            raise BadSample(
+                "unknown_fields",
+                location,
+                f"turn {turn!r}: from in {sorted(ROLES)}, keys from/value",
+            )
+    if not any(ROLES[t["from"]] == "assistant" for t in conv):
+        raise BadSample("no_conversations", location, "no assistant (gpt) turn to learn from")
+    return conv
+
+
+def _place_markers(conversations: list[dict], n_media: int, location: str) -> list[dict]:
+    """Normalizes `<video>` to `<image>`; adds missing markers to the first user turn (LLaVA does)."""
+    conv = [
+        {"from": t["from"], "value": t["value"].replace("<video>", MARKER)} for t in conversations
+    ]
+    if any(ROLES[t["from"]] != "user" and MARKER in t["value"] for t in conv):
+        raise BadSample("bad_markers", location, "`<image>` marker outside a user turn")
+    count = sum(t["value"].count(MARKER) for t in conv)
+    if count == 0 and n_media:
+        first = next(i for i, t in enumerate(conv) if ROLES[t["from"]] == "user")
+        conv[first] = {**conv[first], "value": (MARKER + "\n") * n_media + conv[first]["value"]}
+    elif count != n_media:
+        raise BadSample(
+            "bad_markers", location, f"{count} `<image>` markers for {n_media} images/videos"
+        )
+    return conv
+
+
+def _resolve(record: dict, key: str, root_key: str, location: str) -> Path:
+    value = record[key]
+    if not isinstance(value, str) or not value:
+        raise BadSample("missing_file", location, f"`{key}` must be a path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and root_key in record:
+        path = Path(record[root_key]) / path
+    return path
+
+
+def _in_spans(starts: np.ndarray, spans) -> np.ndarray:
+    out = np.zeros(len(starts), bool)
+    for a, b in spans:
+        out |= (starts >= a) & (starts < b)
+    return out

@@ -1,0 +1,305 @@
+"""Synthetic datasets on disk: LLaVA-format JSONL + real image files, frame folders, short videos, text.
+
+    python -m dflop_jax.data.synth --out runs/synth --samples 500 --mix llava-ov --seed 0
+
+Mixes (DESIGN section 10): `llava-ov` (single image anyres, multi-image, video, text), `dflop` (the paper's:
+single image, multi-image, video), `single-image`, `multi-image`, `video`, `text`, and `internvl` (the four
+InternVL SFT subsets of `shared/workload_stats/omnibal_internvl`: per subset the real tile histogram and
+text-length quantiles). Profiled with `configs/data_internvl_stats.yaml` (InternVL family, max_tiles 4,
+empty system prompt) its tiles and token means reproduce the shared statistics.
+Images are solid colours: only their SIZE in pixels matters for tiling, and they stay tiny in bytes.
+Output: one JSONL per subset, `images/`, `videos/`, and `mix.yaml` (the path `synth_dataset` returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+from PIL import Image
+
+VERSION = 1
+# Real InternVL SFT subsets (OmniBal stats): sample count, histogram of tiles 1..5, text-token quantiles
+# (token_num - 256 * tiles) at 0, 5, ..., 100 %.
+INTERNVL_SUBSETS = {
+    "ai2d": (12413, (5793, 0, 3710, 603, 2307),
+             (37, 41, 43, 44, 45, 47, 48, 49, 50, 51, 52, 53, 54, 55, 57, 58, 60, 63, 67, 75, 347)),
+    "chartqa": (18317, (579, 0, 1096, 14, 16628),
+                (33, 39, 40, 41, 42, 43, 44, 45, 47, 49, 66, 77, 81, 85, 92, 119, 139, 153, 170, 218, 552)),
+    "docvqa": (10211, (15, 0, 1895, 35, 8266),
+               (53, 66, 73, 82, 123, 135, 146, 167, 193, 210, 231, 257, 282, 307, 339, 378, 429, 491, 577, 697, 1258)),
+    "synthdog_en": (29765, (0, 0, 17276, 0, 12489),
+                    (36, 61, 68, 74, 79, 84, 89, 94, 99, 105, 110, 116, 122, 129, 137, 146, 156, 169, 187, 216, 503)),
+}  # fmt: skip
+# Tokens an InternVL single-image, single-turn sample has besides its text and IMG_CONTEXT tokens, with
+# the bundled tokenizer, the Qwen2.5 template and an empty system prompt (checked by a test).
+INTERNVL_OVERHEAD = 34
+_WORDS_TEXT = (
+    "the a chart shows value year red blue left right top bottom of in and with image figure text label "
+    "number total increase decrease between document page table column row answer question what which how "
+    "many is are was there this that scene person car tree building sky water animal small large color"
+)
+WORDS = tuple(_WORDS_TEXT.split(" "))
+MIXES = {  # mix -> [(subset, weight)]
+    "llava-ov": [("single_image", 0.45), ("multi_image", 0.15), ("video", 0.15), ("text", 0.25)],
+    "dflop": [("single_image", 0.6), ("multi_image", 0.2), ("video", 0.2)],
+    "single-image": [("single_image", 1.0)],
+    "multi-image": [("multi_image", 1.0)],
+    "video": [("video", 1.0)],
+    "text": [("text", 1.0)],
+    "internvl": [(name, float(v[0])) for name, v in INTERNVL_SUBSETS.items()],
+}
+
+
+class _Writer:
+    """Writes media files under `out` and makes text; every choice comes from one seeded generator."""
+
+    def __init__(self, out: Path, rng: np.random.Generator, scale: float):
+        self.out, self.rng, self.scale, self.n = out, rng, scale, 0
+        (out / "images").mkdir(parents=True, exist_ok=True)
+        (out / "videos").mkdir(parents=True, exist_ok=True)
+
+    def image(self, h: int, w: int) -> str:
+        """A solid-colour image of h x w (times the tile scale) pixels; returns its path relative to `out`."""
+        h, w = max(8, round(h * self.scale)), max(8, round(w * self.scale))
+        self.n += 1
+        colour = [int(c) for c in self.rng.integers(0, 256, 3)]
+        if self.n % 4:  # palette PNG: fast to write, a few KB whatever the size
+            name = f"images/{self.n:06d}.png"
+            img = Image.new("P", (w, h), 0)
+            img.putpalette(colour)
+            img.save(self.out / name, compress_level=1)
+        else:
+            name = f"images/{self.n:06d}.jpg"
+            Image.new("RGB", (w, h), tuple(colour)).save(self.out / name, quality=75)
+        return name
+
+    def frames(self, count: int) -> str:
+        """A folder of `count` small frames (already at 1 fps)."""
+        self.n += 1
+        name = f"videos/{self.n:06d}"
+        (self.out / name).mkdir()
+        for i in range(count):
+            Image.new("RGB", (64, 48), (i * 8 % 256, 64, 128)).save(
+                self.out / name / f"{i:05d}.jpg"
+            )
+        return name
+
+    def mp4(self, seconds: int, fps: int = 4) -> str:
+        """A short H.264 clip of `seconds` at `fps` (PyAV)."""
+        import av
+
+        self.n += 1
+        name = f"videos/{self.n:06d}.mp4"
+        with av.open(str(self.out / name), "w") as container:
+            stream = container.add_stream("libx264", rate=fps)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            for i in range(seconds * fps):
+                frame = np.full((48, 64, 3), (i * 5) % 256, np.uint8)
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        return name
+
+    def text(self, n_bytes: int, end: str = ".") -> str:
+        """Plausible-looking ASCII text of exactly `n_bytes` bytes (one token each with the byte tokenizer)."""
+        words, size = [], 0
+        while size < n_bytes:
+            w = WORDS[int(self.rng.integers(len(WORDS)))]
+            words.append(w)
+            size += len(w) + 1
+        s = " ".join(words)[: max(0, n_bytes - len(end))] + end
+        s = s[:n_bytes]
+        return s[0].upper() + s[1:] if s else s
+
+
+def _turns(w: _Writer, question: str, answer: str, prefix: str = "<image>\n") -> list[dict]:
+    return [{"from": "human", "value": prefix + question}, {"from": "gpt", "value": answer}]
+
+
+def _single_image(w: _Writer) -> dict:
+    rng = w.rng
+    h, w_px = (int(384 * x) for x in rng.uniform(0.4, 6.2, 2))  # grids 1x1 .. 6x6 of 384 px tiles
+    conv = _turns(w, w.text(int(rng.integers(15, 80)), "?"), w.text(int(rng.integers(10, 400))))
+    for _ in range(int(rng.integers(0, 3))):  # some multi-turn follow-ups
+        conv += _turns(
+            w, w.text(int(rng.integers(10, 60)), "?"), w.text(int(rng.integers(5, 150))), ""
+        )
+    return {"image": w.image(h, w_px), "conversations": conv}
+
+
+def _multi_image(w: _Writer) -> dict:
+    rng = w.rng
+    n = int(min(16, 2 + rng.geometric(0.3) - 1))  # 2..16 images, mostly few
+    paths = [w.image(*(int(x) for x in rng.uniform(200, 900, 2))) for _ in range(n)]
+    prefix = "".join(f"Image {i + 1}: <image>\n" for i in range(n))
+    conv = _turns(
+        w, w.text(int(rng.integers(20, 100)), "?"), w.text(int(rng.integers(20, 300))), prefix
+    )
+    return {"image": paths, "conversations": conv}
+
+
+def _video(w: _Writer) -> dict:
+    rng = w.rng
+    seconds = int(rng.integers(2, 31))  # LLaVA-Video-178K 0-30 s, sampled at 1 fps
+    path = w.mp4(seconds) if rng.random() < 0.2 and _has_av() else w.frames(seconds)
+    conv = _turns(
+        w, w.text(int(rng.integers(15, 80)), "?"), w.text(int(rng.integers(30, 500))), "<video>\n"
+    )
+    return {"video": path, "conversations": conv}
+
+
+def _text(w: _Writer) -> dict:
+    rng = w.rng
+    kind = rng.random()
+    if kind < 0.5:  # short QA: tens of tokens
+        return {
+            "conversations": _turns(
+                w, w.text(int(rng.integers(10, 60)), "?"), w.text(int(rng.integers(5, 60))), ""
+            )
+        }
+    if kind < 0.8:  # long caption: hundreds
+        return {
+            "conversations": _turns(
+                w, w.text(int(rng.integers(20, 60)), "?"), w.text(int(rng.integers(200, 900))), ""
+            )
+        }
+    conv = []
+    for _ in range(int(rng.integers(2, 6))):  # multi-turn chat
+        conv += _turns(
+            w, w.text(int(rng.integers(10, 80)), "?"), w.text(int(rng.integers(10, 200))), ""
+        )
+    return {"conversations": conv}
+
+
+def _internvl(name: str):
+    _, hist, quantiles = INTERNVL_SUBSETS[name]
+    probs = np.asarray(hist, float) / sum(hist)
+
+    def make(w: _Writer) -> dict:
+        rng = w.rng
+        tiles = int(rng.choice(5, p=probs)) + 1
+        h, w_px = _internvl_size(rng, tiles)
+        text = int(round(np.interp(rng.random(), np.linspace(0, 1, len(quantiles)), quantiles)))
+        budget = max(6, text - INTERNVL_OVERHEAD)
+        q = max(3, int(budget * rng.uniform(0.3, 0.6)))
+        return {
+            "image": w.image(h, w_px),
+            "conversations": _turns(w, w.text(q, "?"), w.text(max(2, budget - q))),
+        }
+
+    return make
+
+
+def _internvl_size(rng: np.random.Generator, tiles: int) -> tuple[int, int]:
+    """An (h, w) whose InternVL dynamic tiling (448 px, max_tiles >= 4) gives `tiles` tiles incl. thumbnail.
+
+    Exact integer aspect ratios k:1 with a short side <= 630 px keep the k x 1 grid for any max_tiles
+    (a finer grid of the same ratio needs more area), and a square of 640..940 px gives 2x2.
+    """
+    if tiles == 1:
+        s = int(rng.integers(200, 449))
+        return s, s
+    if tiles == 5 and rng.random() < 0.7:
+        s = int(rng.integers(640, 941))
+        return s, s
+    k = {3: 2, 4: 3, 5: 4}[tiles]
+    short = int(rng.integers(250, 631))
+    return (short, short * k) if rng.random() < 0.7 else (short * k, short)
+
+
+GENERATORS = {
+    "single_image": _single_image,
+    "multi_image": _multi_image,
+    "video": _video,
+    "text": _text,
+}
+
+
+def _has_av() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def synth_dataset(
+    out_dir, num_samples: int, mix: str = "llava-ov", seed: int = 0, tile: int | None = None
+) -> Path:
+    """Writes (or reuses, if already written with the same arguments) a dataset; returns its mix.yaml.
+
+    Args:
+      out_dir: target folder (created; refused if it holds files that are not a synthetic dataset).
+      num_samples: total records over all subsets.
+      mix: one of `MIXES`.
+      seed: every size, length and colour derives from it.
+      tile: the encoder tile size the image sizes are scaled to (default 384, 448 for "internvl").
+    """
+    if mix not in MIXES:
+        raise ValueError(f"mix={mix!r}: choose one of {sorted(MIXES)}")
+    out = Path(out_dir)
+    base = 448 if mix == "internvl" else 384
+    params = {
+        "version": VERSION,
+        "samples": int(num_samples),
+        "mix": mix,
+        "seed": int(seed),
+        "tile": tile or base,
+    }
+    marker = out / "synth.json"
+    if marker.is_file() and json.loads(marker.read_text()) == params:
+        return out / "mix.yaml"
+    if out.exists() and any(out.iterdir()):
+        if not marker.is_file():
+            raise ValueError(
+                f"synth: {out} is not empty and not a synthetic dataset; choose another --out"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    writer = _Writer(out, rng, (tile or base) / base)
+    subsets, weights = zip(*MIXES[mix])
+    counts = np.bincount(
+        rng.choice(len(subsets), size=num_samples, p=np.asarray(weights) / sum(weights)),
+        minlength=len(subsets),
+    )
+    datasets = []
+    for name, count in zip(subsets, counts):
+        make = _internvl(name) if mix == "internvl" else GENERATORS[name]
+        with (out / f"{name}.jsonl").open("w") as f:
+            for i in range(count):
+                f.write(
+                    json.dumps({"id": f"{name}-{i}", "data_source": name, **make(writer)}) + "\n"
+                )
+        datasets.append({"path": f"{name}.jsonl", "sampling": "all"})
+    (out / "mix.yaml").write_text(yaml.safe_dump({"datasets": datasets}, sort_keys=False))
+    marker.write_text(json.dumps(params))
+    return out / "mix.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dflop_jax.data.synth", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--samples", type=int, default=500)
+    p.add_argument("--mix", default="llava-ov", choices=sorted(MIXES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tile", type=int, default=None, help="tile size the image sizes scale to")
+    args = p.parse_args(argv)
+    try:
+        path = synth_dataset(args.out, args.samples, args.mix, args.seed, args.tile)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.samples} samples ({args.mix}) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
