@@ -4,7 +4,9 @@ Pure Python / NumPy / OR-Tools (no jax). `schedule_batch` is one-shot; `Schedule
 per-step object the data loader uses (adds adaptive cost correction and checkpointable state).
 """
 
+from dflop_jax.scheduler.baselines import data_blind_schedule, reference_like_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
+from dflop_jax.scheduler.correction import CostCorrection, Scheduler
 from dflop_jax.scheduler.objective import CostTable, surrogate_step_time
 from dflop_jax.scheduler.solve import schedule_batch
 from dflop_jax.scheduler.types import (
@@ -26,17 +28,21 @@ from dflop_jax.scheduler.workloads import (
 
 __all__ = [
     "BucketSet",
+    "CostCorrection",
     "CostTable",
     "MicrobatchPlan",
     "SampleShape",
     "Schedule",
     "ScheduleProblem",
+    "Scheduler",
     "SchedulerConfig",
     "StageCostFn",
+    "data_blind_schedule",
     "default_buckets",
     "llava_ov_mix",
     "load_shape_distribution",
     "omnibal_shapes",
+    "reference_like_schedule",
     "sample_global_batch",
     "save_shape_distribution",
     "schedule_batch",

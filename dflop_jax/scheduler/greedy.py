@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflop_jax.scheduler.bound import aggregate_bound
 from dflop_jax.scheduler.objective import CostTable, evaluate
 from dflop_jax.scheduler.types import ScheduleProblem
 
@@ -52,6 +53,49 @@ def lpt_assign(
         score = np.maximum((tok_load + tokens[i]) / tok_t, (tile_load[mb] + tiles[i]) / tile_t)
         # tie-break on the token load so equal scores spread over shards
         b = int(np.lexsort((tok_load, score))[0])
+        bin_of[i] = b
+        tok_load[b] += tokens[i]
+        tile_load[mb[b]] += tiles[i]
+    return bin_of
+
+
+def targeted_assign(
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    target: list[tuple[int, int]],
+    problem: ScheduleProblem,
+    table: CostTable,
+) -> np.ndarray | None:
+    """Best-fit decreasing into microbatches with preset bucket pairs `target` [(ti, si)] * M.
+
+    A sample that fits nowhere goes where it overflows least (evaluation then picks larger buckets for
+    that microbatch); None if even the largest buckets cannot take it.
+    """
+    ldp, m = problem.llm_dp, len(target)
+    cap_s = np.array([table.lengths[s] for _, s in target], dtype=np.float64)[
+        np.arange(m * ldp) // ldp
+    ]
+    cap_t = np.array([table.tiles[t] * problem.encoder_dp for t, _ in target], dtype=np.float64)
+    mb = np.arange(m * ldp) // ldp
+    key = tokens / max(tokens.mean(), 1.0) + tiles / max(tiles.mean(), 1.0)
+    order = np.lexsort((np.arange(len(tokens)), -key))
+    tok_load = np.zeros(m * ldp)
+    tile_load = np.zeros(m)
+    bin_of = np.empty(len(tokens), dtype=np.int64)
+    for i in order:
+        tok_room = (cap_s - tok_load - tokens[i]) / cap_s
+        tile_room = (cap_t[mb] - tile_load[mb] - tiles[i]) / cap_t[mb]
+        fits = (tok_room >= 0) & (tile_room >= 0)
+        if fits.any():
+            score = np.where(fits, tok_room + (tile_room if tiles[i] > 0 else 0.0), np.inf)
+        else:  # overflow least, but never past the largest buckets
+            hard = (tok_load + tokens[i] <= table.lengths[-1]) & (
+                tile_load[mb] + tiles[i] <= table.tiles[-1] * problem.encoder_dp
+            )
+            if not hard.any():
+                return None
+            score = np.where(hard, -np.minimum(tok_room, tile_room), np.inf)
+        b = int(np.argmin(score))
         bin_of[i] = b
         tok_load[b] += tokens[i]
         tile_load[mb[b]] += tiles[i]
@@ -180,12 +224,26 @@ def shrink(
 
 def greedy_schedule(
     tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable
-) -> tuple[np.ndarray, int, float]:
-    """Best greedy assignment over candidate counts: (bin_of [N], microbatches, surrogate)."""
+) -> tuple[np.ndarray, int, float, float]:
+    """Best greedy assignment: (bin_of [N], microbatches, surrogate, lower bound).
+
+    Candidates: vector LPT at each candidate count, and best-fit packing into the bucket pairs of the
+    aggregate lower bound's optimum (`bound.aggregate_bound`); each is then shrunk.
+    """
+    lb, target = aggregate_bound(tokens, tiles, problem, table)
+    starts = [
+        (m, lambda m=m: lpt_assign(tokens, tiles, m, problem))
+        for m in candidate_counts(problem, len(tokens))
+    ]
+    if target:
+        starts.append((len(target), lambda: targeted_assign(tokens, tiles, target, problem, table)))
     best = None
-    for m in candidate_counts(problem, len(tokens)):
-        bin_of = shrink(lpt_assign(tokens, tiles, m, problem), m, tokens, tiles, problem, table)
+    for m, make in starts:
+        bin_of = make()
+        if bin_of is None:
+            continue
+        bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
         obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
         if best is None or obj < best[2] - 1e-15:
             best = (bin_of, m, obj)
-    return best
+    return (*best, lb)

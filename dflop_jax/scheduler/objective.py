@@ -11,12 +11,7 @@ scheduler precomputes W over all bucket pairs once (`CostTable`). Microbatches w
 tiles still run the encoder program at the smallest tile bucket (static shapes: every microbatch goes
 through every stage), so they cost W(smallest T, S_k).
 
-Lower bound (`lower_bound`): for any assignment with M microbatches, sum_k S_k >= tokens / l_dp and
-sum_k T_k >= tiles / v_dp, and the microbatch holding the largest sample costs at least the cheapest
-pair fitting it. The linear relaxation "choose M bucket pairs covering both totals, all cheaper than a
-cap C >= that cost, minimizing sum W + (P-1) C" is bounded below through weak duality: for any
-lambda, mu >= 0, sum_k W_k >= M * min_p (W_p - lambda S_p - mu T_p) + lambda A + mu B. We take the best
-bound over a grid of (lambda, mu) and minimize over caps and M, so the result is always valid.
+The lower bound is in `bound.py`.
 """
 
 from __future__ import annotations
@@ -194,39 +189,3 @@ def load_balance(
         "bin_tokens_max_over_mean": float(tok.max() / tok.mean()) if tok.mean() > 0 else 1.0,
         "mb_tiles_max_over_mean": float(til.max() / til.mean()) if til.mean() > 0 else 1.0,
     }
-
-
-def lower_bound(
-    tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable, counts: range
-) -> float:
-    """A valid lower bound on the surrogate over every schedule with a microbatch count in `counts`."""
-    s = np.repeat(table.lengths[None, :], len(table.tiles), 0).ravel().astype(np.float64)  # [nP]
-    t = np.repeat(table.tiles[:, None], len(table.lengths), 1).ravel().astype(np.float64)
-    w = table.w.ravel()
-    a = float(tokens.sum()) / problem.llm_dp
-    bt = float(tiles.sum()) / problem.encoder_dp
-    # the largest sample by tiles and the largest by tokens may differ: each alone forces a pair
-    ti, si = table.pair_for(
-        np.array([np.ceil(tiles.max() / problem.encoder_dp - 1e-9), 0.0]),
-        np.array([0.0, tokens.max()]),
-    )
-    w_big = float(table.w[ti, si].max())
-    wscale = max(float(w.max()), 1e-30)
-    lam = np.concatenate([[0.0], np.geomspace(1e-3, 10.0, 60)]) * wscale / s.max()
-    mu = np.concatenate([[0.0], np.geomspace(1e-3, 10.0, 60)]) * wscale / t.max()
-    reduced = (
-        w[None, None, :]
-        - lam[:, None, None] * s[None, None, :]
-        - mu[None, :, None] * t[None, None, :]
-    )
-    best = np.inf
-    for cap in np.unique(w[w >= w_big - 1e-15]):
-        ok = w <= cap + 1e-15
-        min_red = reduced[:, :, ok].min(axis=2)  # [L, U]
-        ms = np.asarray(list(counts), dtype=np.float64)
-        dual = ms[:, None, None] * min_red[None] + lam[None, :, None] * a + mu[None, None, :] * bt
-        # each microbatch costs at least min W and one costs >= w_big
-        floor = (ms - 1) * float(w[ok].min()) + w_big
-        bound = np.maximum(dual.reshape(len(ms), -1).max(axis=1), floor)
-        best = min(best, float(bound.min()) + (problem.num_stages - 1) * float(cap))
-    return float(best)

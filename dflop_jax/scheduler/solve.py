@@ -20,7 +20,6 @@ from dflop_jax.scheduler.objective import (
     check_fits,
     evaluate,
     load_balance,
-    lower_bound,
     padding_ratios,
     to_plans,
 )
@@ -59,7 +58,7 @@ def schedule_batch(
     if not shapes:
         raise ValueError("schedule_batch got an empty batch: need at least one sample")
 
-    bin_of, m, greedy_obj = greedy_schedule(tokens, tiles, problem, table)
+    bin_of, m, greedy_obj, lb = greedy_schedule(tokens, tiles, problem, table)
     info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": time.perf_counter() - t0}
     solver = "greedy"
     if config.solver in ("cpsat", "auto"):
@@ -69,8 +68,6 @@ def schedule_batch(
 
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
     plans = to_plans(bin_of, m, ti, si, problem, table)
-    counts = range(problem.microbatches[0], problem.microbatches[1] + 1)
-    lb = lower_bound(tokens, tiles, problem, table, counts)
     info.update(padding_ratios(plans, tokens, tiles, problem))
     info.update(load_balance(bin_of, m, tokens, tiles, problem.llm_dp))
     info["microbatches"] = m

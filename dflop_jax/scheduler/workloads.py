@@ -146,14 +146,16 @@ def default_buckets(
     num_lengths: int = 6,
     num_tiles: int = 5,
     multiple: int = 128,
+    growth: float = 2**0.5,
 ) -> BucketSet:
-    """Geometric (ratio sqrt 2) bucket sets whose largest covers the largest sample and 1.5x the mean load.
+    """Geometric (ratio `growth`) bucket sets whose largest covers the largest sample and 1.5x the mean load.
 
     Args:
       shapes: a batch or a distribution of samples.
       microbatches: microbatches per global batch (the mean load is per microbatch and shard).
       batch_size: samples per global batch (default len(shapes)).
       multiple: length buckets are multiples of this.
+      growth: ratio between consecutive buckets (finer buckets: less padding, more compiled programs).
     """
     n = batch_size if batch_size is not None else len(shapes)
     tok = np.array([s.tokens for s in shapes], dtype=np.float64)
@@ -162,8 +164,6 @@ def default_buckets(
     mean_mb_tiles = til.mean() * n / (microbatches * encoder_dp)
     top_s = max(tok.max(), 1.5 * mean_bin_tok)
     top_t = max(math.ceil(til.max() / encoder_dp), 1.5 * mean_mb_tiles, 1.0)
-    lengths = {
-        int(math.ceil(top_s / 2 ** (j / 2) / multiple) * multiple) for j in range(num_lengths)
-    }
-    tiles = {max(1, int(math.ceil(top_t / 2 ** (j / 2)))) for j in range(num_tiles)}
+    lengths = {int(math.ceil(top_s / growth**j / multiple) * multiple) for j in range(num_lengths)}
+    tiles = {max(1, int(math.ceil(top_t / growth**j))) for j in range(num_tiles)}
     return BucketSet(tuple(sorted(tiles)), tuple(sorted(x for x in lengths if x > 0)))

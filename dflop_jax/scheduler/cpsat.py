@@ -1,0 +1,162 @@
+"""CP-SAT refinement of a greedy schedule, at the greedy's microbatch count (OR-Tools cp_model).
+
+Model (M fixed, bins b = (k, r)):
+  x[i, b]  sample i in bin b                    exactly one b per i
+  u[k, p]  microbatch k uses bucket pair p      exactly one p per k (non-dominated pairs only)
+  tokens of bin (k, r) <= sum_p S_p u[k, p];  tiles of microbatch k <= v_dp * sum_p T_p u[k, p]
+  cost_k = sum_p W_p u[k, p] (W in integer units of max W / 1e5)
+  minimize sum_k cost_k + (P - 1) cost_0,  capped at the greedy's value
+Symmetry breaking: cost_k >= cost_{k+1} (so cost_0 is the max) and, inside a microbatch, shard loads
+non-increasing. The greedy answer, relabelled to satisfy both orders, is the hint, so the model always
+starts from a feasible solution at the cap.
+
+Determinism: with `config.deterministic` the search is interleaved (`interleave_search`) and stopped by
+`max_deterministic_time`, so a seed gives the same answer on any machine load; the wall-clock
+`max_time_in_seconds` stays as the hard backstop and `info["cpsat_wall_limited"]` flags the rare runs it
+cut. Without it, `num_workers` parallel workers race and results can vary run to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from dflop_jax.scheduler.config import SchedulerConfig
+from dflop_jax.scheduler.objective import CostTable
+from dflop_jax.scheduler.types import ScheduleProblem
+
+_W_UNITS = 100_000
+
+
+@dataclasses.dataclass
+class RefineResult:
+    bin_of: np.ndarray | None  # None: keep the greedy
+    reason: str
+    info: dict
+
+
+def _pairs(table: CostTable) -> list[tuple[int, int, float]]:
+    """Non-dominated bucket pairs (ti, si, W): no other pair is at least as large on both sides and cheaper."""
+    nt, ns = table.w.shape
+    allp = [(t, s, float(table.w[t, s])) for t in range(nt) for s in range(ns)]
+    keep = []
+    for t, s, w in allp:
+        dominated = any(
+            (t2 >= t and s2 >= s and w2 < w)
+            or (t2 >= t and s2 >= s and w2 == w and (t2, s2) != (t, s))
+            for t2, s2, w2 in allp
+        )
+        if not dominated:
+            keep.append((t, s, w))
+    return keep
+
+
+def refine_cpsat(
+    bin_of: np.ndarray,
+    m: int,
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    problem: ScheduleProblem,
+    table: CostTable,
+    config: SchedulerConfig,
+    seed: int,
+) -> RefineResult:
+    """Tries to improve `bin_of` within config.time_limit_s; see the module docstring."""
+    t0 = time.perf_counter()
+    n, ldp, nb = len(tokens), problem.llm_dp, m * problem.llm_dp
+    if n * nb > config.max_cpsat_vars:
+        return RefineResult(
+            None, f"cpsat skipped: {n}x{nb} assignment variables > max_cpsat_vars", {}
+        )
+    pairs = _pairs(table)
+    wmax = max(w for _, _, w in pairs) or 1.0
+    wint = [int(round(w / wmax * _W_UNITS)) for _, _, w in pairs]
+    tok = [int(v) for v in tokens]
+    til = [int(v) for v in tiles]
+
+    hint_bins, hint_pairs = _relabelled_hint(bin_of, m, tokens, tiles, problem, table, pairs, wint)
+    model = cp_model.CpModel()
+    x = [[model.new_bool_var(f"x{i}_{b}") for b in range(nb)] for i in range(n)]
+    u = [[model.new_bool_var(f"u{k}_{p}") for p in range(len(pairs))] for k in range(m)]
+    for i in range(n):
+        model.add_exactly_one(x[i])
+    cost = []
+    for k in range(m):
+        model.add_exactly_one(u[k])
+        cap_s = sum(int(table.lengths[s]) * u[k][p] for p, (_, s, _) in enumerate(pairs))
+        cap_t = sum(
+            int(table.tiles[t]) * problem.encoder_dp * u[k][p] for p, (t, _, _) in enumerate(pairs)
+        )
+        loads = [sum(tok[i] * x[i][k * ldp + r] for i in range(n)) for r in range(ldp)]
+        for r in range(ldp):
+            model.add(loads[r] <= cap_s)
+            if r + 1 < ldp:
+                model.add(loads[r] >= loads[r + 1])
+        model.add(
+            sum(til[i] * x[i][k * ldp + r] for i in range(n) for r in range(ldp) if til[i]) <= cap_t
+        )
+        cost.append(sum(wint[p] * u[k][p] for p in range(len(pairs))))
+    for k in range(m - 1):
+        model.add(cost[k] >= cost[k + 1])
+    objective = sum(cost) + (problem.num_stages - 1) * cost[0]
+    hint_obj = sum(wint[p] for p in hint_pairs) + (problem.num_stages - 1) * wint[hint_pairs[0]]
+    model.add(objective <= hint_obj)
+    model.minimize(objective)
+    for i in range(n):
+        for b in range(nb):
+            model.add_hint(x[i][b], b == hint_bins[i])
+    for k in range(m):
+        for p in range(len(pairs)):
+            model.add_hint(u[k][p], p == hint_pairs[k])
+
+    build_s = time.perf_counter() - t0
+    remaining = config.time_limit_s - build_s
+    info = {"cpsat_build_s": build_s, "cpsat_vars": n * nb + m * len(pairs)}
+    if remaining <= 0.01:
+        return RefineResult(
+            None, f"cpsat skipped: model building took {build_s:.3f}s of the time limit", info
+        )
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = remaining
+    solver.parameters.num_workers = config.num_workers
+    solver.parameters.random_seed = seed
+    if config.deterministic:
+        solver.parameters.interleave_search = True
+        solver.parameters.max_deterministic_time = config.time_limit_s
+    status = solver.solve(model)
+    info["cpsat_status"] = solver.status_name(status)
+    info["cpsat_solve_s"] = solver.wall_time
+    info["cpsat_wall_limited"] = bool(solver.wall_time >= remaining * 0.98)
+    info["cpsat_bound_units"] = solver.best_objective_bound / _W_UNITS * wmax
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return RefineResult(None, f"cpsat status {solver.status_name(status)}", info)
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        out[i] = next(b for b in range(nb) if solver.boolean_value(x[i][b]))
+    return RefineResult(out, "", info)
+
+
+def _relabelled_hint(bin_of, m, tokens, tiles, problem, table, pairs, wint):
+    """Greedy bins relabelled to the symmetry-breaking orders, and each microbatch's cheapest fitting pair."""
+    ldp = problem.llm_dp
+    tok_load = np.bincount(bin_of, weights=tokens, minlength=m * ldp).reshape(m, ldp)
+    tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
+    chosen = []
+    for k in range(m):
+        fit = [
+            p
+            for p, (t, s, _) in enumerate(pairs)
+            if table.lengths[s] >= tok_load[k].max()
+            and table.tiles[t] * problem.encoder_dp >= tile_load[k]
+        ]
+        chosen.append(min(fit, key=lambda p: (wint[p], p)))
+    mb_order = sorted(range(m), key=lambda k: (-wint[chosen[k]], k))  # new k -> old k
+    new_bin = np.empty(m * ldp, dtype=np.int64)  # old bin -> new bin
+    for new_k, old_k in enumerate(mb_order):
+        shard_order = sorted(range(ldp), key=lambda r: (-tok_load[old_k, r], r))
+        for new_r, old_r in enumerate(shard_order):
+            new_bin[old_k * ldp + old_r] = new_k * ldp + new_r
+    return new_bin[bin_of], [chosen[k] for k in mb_order]
