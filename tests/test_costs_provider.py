@@ -125,3 +125,22 @@ def test_bad_device_and_arch_names():
         get_device("tpu9")
     with pytest.raises(ValueError, match="tiny"):
         get_arch("bogus")
+
+
+def test_stage_beyond_model_layers_is_rejected():
+    prov = AnalyticCostProvider(ARCH, H100)
+    with pytest.raises(ValueError, match="exceed the 28 layers"):
+        prov.stage_time(StageSpec("llm", 20, 10), 1024)
+    with pytest.raises(ValueError, match="exceed the 26 layers"):
+        prov.stage_memory(StageSpec("encoder", 0, 27), 4)
+
+
+def test_tp_adds_allreduce_time_over_ideal_split():
+    prov = AnalyticCostProvider(ARCH, H100)
+    f1, b1 = prov.stage_time(StageSpec("llm", 0, 4), 8192)
+    f2, b2 = prov.stage_time(StageSpec("llm", 0, 4, tp=2), 8192)
+    overhead = 4 * H100.layer_overhead_s
+    # 2 all-reduces per layer of [8192, 3584] bf16, ring: 2 (tp-1)/tp * bytes / NVLink
+    ar = 2 * (2 - 1) / 2 * 8192 * 3584 * 2 / H100.intra_host_bandwidth
+    assert f2 == pytest.approx((f1 - overhead) / 2 + overhead + 4 * 2 * ar)
+    assert b2 == pytest.approx((b1 - 2 * overhead) / 2 + 2 * overhead + 4 * 2 * ar)

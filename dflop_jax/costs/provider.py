@@ -99,14 +99,19 @@ class AnalyticCostProvider:
         return fwd, bwd
 
     def _encoder_time(self, stage: StageSpec, tiles: int) -> tuple[float, float]:
-        v = self.arch.vision
+        v, p, cb = self.arch.vision, self.arch.projector, self.compute_bytes
         layer = stage.num_layers * flops.vision_layer_flops(v, tiles)
         total = layer
         total += tiles * flops.vision_embedding_flops(v) if stage.has_embedding else 0.0
         total += tiles * flops.projector_flops_per_tile(self.arch) if stage.has_head else 0.0
-        ar_bytes = tiles * v.seq_len * v.hidden_size * self.compute_bytes
+        ar_bytes = tiles * v.seq_len * v.hidden_size * cb
         blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
-        return self._time(stage, total, layer, ar_bytes, blocks)
+        fwd, bwd = self._time(stage, total, layer, ar_bytes, blocks)
+        if stage.has_head:  # tp projector: column- then row-parallel, one all-reduce each way
+            out_tokens = tiles * v.tokens_per_tile
+            fwd += self._allreduce_s(out_tokens * p.out_dim * cb, stage.tp)
+            bwd += self._allreduce_s(out_tokens * p.in_dim * cb, stage.tp)
+        return fwd, bwd
 
     def _llm_time(self, stage: StageSpec, tokens: int) -> tuple[float, float]:
         m = self.arch.llm
@@ -115,13 +120,26 @@ class AnalyticCostProvider:
         ar_bytes = tokens * m.hidden_size * self.compute_bytes
         blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
         fwd, bwd = self._time(stage, total, layer, ar_bytes, blocks)
-        if stage.has_embedding:  # vocab-parallel embedding: one all-reduce forward, none backward
-            fwd += self._allreduce_s(ar_bytes, stage.tp)
+        # Vocab-parallel embedding: all-reduce of its output forward; vocab-parallel head: all-reduce
+        # of its input gradient backward (the cross-entropy's [tokens] reductions are negligible).
+        fwd += self._allreduce_s(ar_bytes, stage.tp) if stage.has_embedding else 0.0
+        bwd += self._allreduce_s(ar_bytes, stage.tp) if stage.has_head else 0.0
         return fwd, bwd
+
+    def _check_stage(self, stage: StageSpec) -> None:
+        total = (
+            self.arch.vision.num_layers if stage.module == "encoder" else self.arch.llm.num_layers
+        )
+        if stage.first_layer + stage.num_layers > total:
+            raise ValueError(
+                f"{stage.module} stage layers [{stage.first_layer}, {stage.first_layer + stage.num_layers})"
+                f" exceed the {total} layers of {self.arch.name}"
+            )
 
     def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         if bucket < 0:
             raise ValueError(f"bucket={bucket}: must be >= 0")
+        self._check_stage(stage)
         if bucket == 0:
             return 0.0, 0.0
         if stage.module == "encoder":
@@ -129,6 +147,7 @@ class AnalyticCostProvider:
         return self._llm_time(stage, bucket)
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
+        self._check_stage(stage)
         return stage_memory(self.arch, stage, bucket, self.remat, self.compute_bytes)
 
     def output_bytes(self, stage: StageSpec, bucket: int) -> float:
