@@ -141,3 +141,14 @@ def test_bad_names_list_known_ones():
         get_arch("nonsense")
     with pytest.raises(ValueError, match="llama3-8b"):
         get_llm("llama2")
+
+
+def test_mfu_definition():
+    from dflop_jax.costs import batch_model_flops, mfu
+
+    arch = get_arch("tiny")
+    total = batch_model_flops(arch, [(2, 40), (0, 30)])
+    assert total == pytest.approx(sample_model_flops(arch, 2, 40) + sample_model_flops(arch, 0, 30))
+    assert mfu(total, 0.5, 4, 1e9) == pytest.approx(total / (0.5 * 4 * 1e9))
+    with pytest.raises(ValueError, match="step_time_s"):
+        mfu(total, 0.0, 4, 1e9)

@@ -144,3 +144,32 @@ def test_tp_adds_allreduce_time_over_ideal_split():
     ar = 2 * (2 - 1) / 2 * 8192 * 3584 * 2 / H100.intra_host_bandwidth
     assert f2 == pytest.approx((f1 - overhead) / 2 + overhead + 4 * 2 * ar)
     assert b2 == pytest.approx((b1 - 2 * overhead) / 2 + 2 * overhead + 4 * 2 * ar)
+
+
+def test_cli_json_and_bad_model(capsys):
+    import json
+
+    from dflop_jax.costs.__main__ import main
+
+    assert (
+        main(
+            [
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--tp",
+                "1,2",
+                "--tiles",
+                "4",
+                "--lengths",
+                "256",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"]["llm"] == 213568 and set(out["llm_s"]) == {"1", "2"}
+    assert main(["--model", "nope"]) == 2
+    assert "unknown arch" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from dflop_jax.costs.architectures import (
 )
 from dflop_jax.costs.devices import DEVICE_PRESETS, DeviceSpec, get_device, list_devices
 from dflop_jax.costs.flops import (
+    batch_model_flops,
     causal_pairs,
     hardware_flops,
     llm_flops,
@@ -26,6 +27,7 @@ from dflop_jax.costs.flops import (
     llm_layer_flops,
     llm_layer_params,
     llm_params,
+    mfu,
     param_count,
     projector_flops_per_tile,
     projector_params,
@@ -67,6 +69,7 @@ __all__ = [
     "StageMemory",
     "StageSpec",
     "VisionArch",
+    "batch_model_flops",
     "causal_pairs",
     "colocated_encoder_stage",
     "get_arch",
@@ -85,6 +88,7 @@ __all__ = [
     "llm_layer_flops",
     "llm_layer_params",
     "llm_params",
+    "mfu",
     "one_f_one_b_in_flight",
     "param_count",
     "projector_flops_per_tile",

@@ -154,3 +154,17 @@ def hardware_flops(arch: MLLMArch, tiles: int, tokens: int, recompute: bool = Tr
     if tokens:
         extra += llm_flops(arch.llm, [tokens], include_head=False)
     return model + extra
+
+
+def batch_model_flops(arch: MLLMArch, shapes: Sequence[tuple[int, int]]) -> float:
+    """Training model FLOPs of a batch of (tiles, tokens) samples (real work only, no padding)."""
+    return float(sum(sample_model_flops(arch, tiles, tokens) for tiles, tokens in shapes))
+
+
+def mfu(model_flops: float, step_time_s: float, num_devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilization (DESIGN section 9): model FLOPs / (step time x devices x peak FLOP/s)."""
+    if step_time_s <= 0 or num_devices < 1 or peak_flops <= 0:
+        raise ValueError(
+            f"mfu: step_time_s={step_time_s}, num_devices={num_devices}, peak={peak_flops} must be > 0"
+        )
+    return model_flops / (step_time_s * num_devices * peak_flops)
