@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflop_jax.costs import LLM_PRESETS, get_vision, param_count
+from dflop_jax.costs import LLM_PRESETS, get_arch, get_vision, param_count
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -52,3 +52,23 @@ def test_llm_presets(name):
     model_cls = transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM
     with torch.device("meta"):
         assert param_count(m) == _count(model_cls(cfg))
+
+
+@pytest.mark.parametrize("name", ["siglip-so400m+qwen2.5-7b", "internvit-300m+qwen2.5-0.5b"])
+def test_projectors(name):
+    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionMultiModalProjector,
+    )
+
+    arch = get_arch(name)
+    vision = {"hidden_size": arch.vision.hidden_size}
+    text = {"hidden_size": arch.llm.hidden_size}
+    with torch.device("meta"):
+        if arch.projector.kind == "mlp2x_gelu":
+            cfg = transformers.LlavaOnevisionConfig(vision_config=vision, text_config=text)
+            hf = LlavaOnevisionMultiModalProjector(cfg)
+        else:
+            cfg = transformers.InternVLConfig(vision_config=vision, text_config=text)
+            hf = InternVLMultiModalProjector(cfg)
+    assert param_count(arch.projector) == _count(hf)
