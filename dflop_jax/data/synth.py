@@ -176,23 +176,32 @@ def _text(w: _Writer) -> dict:
     return {"conversations": conv}
 
 
-def _internvl(name: str):
+def _internvl(name: str, count: int, rng: np.random.Generator):
+    """A generator of `count` records of one subset, stratified so that small datasets keep the real
+    means: tiles allotted by the histogram (largest remainders), text lengths at stratified quantiles."""
     _, hist, quantiles = INTERNVL_SUBSETS[name]
-    probs = np.asarray(hist, float) / sum(hist)
+    tiles = np.repeat(np.arange(1, 6), _allot(count, hist))
+    u = (np.arange(count) + rng.random(count)) / max(count, 1)
+    texts = np.round(np.interp(u, np.linspace(0, 1, len(quantiles)), quantiles)).astype(int)
+    plan = list(zip(rng.permutation(tiles), rng.permutation(texts)))
 
     def make(w: _Writer) -> dict:
-        rng = w.rng
-        tiles = int(rng.choice(5, p=probs)) + 1
-        h, w_px = _internvl_size(rng, tiles)
-        text = int(round(np.interp(rng.random(), np.linspace(0, 1, len(quantiles)), quantiles)))
-        budget = max(6, text - INTERNVL_OVERHEAD)
-        q = max(3, int(budget * rng.uniform(0.3, 0.6)))
-        return {
-            "image": w.image(h, w_px),
-            "conversations": _turns(w, w.text(q, "?"), w.text(max(2, budget - q))),
-        }
+        n_tiles, text = plan.pop()
+        h, w_px = _internvl_size(w.rng, int(n_tiles))
+        budget = max(6, int(text) - INTERNVL_OVERHEAD)
+        q = max(3, int(budget * w.rng.uniform(0.3, 0.6)))
+        conv = _turns(w, w.text(q, "?"), w.text(max(2, budget - q)))
+        return {"image": w.image(h, w_px), "conversations": conv}
 
     return make
+
+
+def _allot(total: int, weights) -> np.ndarray:
+    """Integer counts summing to `total`, proportional to `weights` (largest remainders)."""
+    exact = total * np.asarray(weights, float) / sum(weights)
+    counts = np.floor(exact).astype(int)
+    counts[np.argsort(counts - exact)[: total - counts.sum()]] += 1
+    return counts
 
 
 def _internvl_size(rng: np.random.Generator, tiles: int) -> tuple[int, int]:
@@ -264,13 +273,9 @@ def synth_dataset(
     rng = np.random.default_rng(seed)
     writer = _Writer(out, rng, (tile or base) / base)
     subsets, weights = zip(*MIXES[mix])
-    counts = np.bincount(
-        rng.choice(len(subsets), size=num_samples, p=np.asarray(weights) / sum(weights)),
-        minlength=len(subsets),
-    )
     datasets = []
-    for name, count in zip(subsets, counts):
-        make = _internvl(name) if mix == "internvl" else GENERATORS[name]
+    for name, count in zip(subsets, _allot(num_samples, weights)):
+        make = _internvl(name, count, rng) if mix == "internvl" else GENERATORS[name]
         with (out / f"{name}.jsonl").open("w") as f:
             for i in range(count):
                 f.write(

@@ -1,0 +1,127 @@
+"""Per-sample shape metadata with an on-disk cache, so profiling or loading a dataset twice costs nothing.
+
+    cache = MetadataCache(cfg.cache_dir, processor)
+    shapes = cache.shapes(records)          # [SampleShape | BadSample], in record order
+
+One cache file per (dataset file, media roots): keyed by the file's content hash and a hash of every
+processing setting (`DataConfig.processing_key()`), holding each record's (tiles, tokens, modality) or its
+bad-sample reason by location. A changed dataset or setting is a new key; media files are trusted not to
+change under an unchanged dataset file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.process import Processor
+from dflop_jax.scheduler.types import SampleShape
+
+
+def file_hash(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of the file's bytes (hex)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def compute_shape(processor: Processor, record: dict) -> SampleShape | BadSample:
+    """The record's shape, or the BadSample it raises (returned, so callers count instead of crash)."""
+    try:
+        return processor.shape(record)
+    except BadSample as e:
+        return e
+
+
+class MetadataCache:
+    """Shape metadata per record, cached per dataset file under `cache_dir` ("" = no caching).
+
+    Attributes:
+      hits, misses: records answered from the cache / computed since construction.
+    """
+
+    def __init__(self, cache_dir: str | Path, processor: Processor):
+        self.dir = Path(cache_dir) if cache_dir else None
+        self.processor = processor
+        settings = json.dumps(processor.cfg.processing_key(), sort_keys=True, default=str)
+        self._settings = hashlib.sha256(settings.encode()).hexdigest()[:16]
+        self._file_hashes: dict[str, str] = {}
+        self.hits = self.misses = 0
+
+    def shapes(self, records: list[dict]) -> list[SampleShape | BadSample]:
+        """[SampleShape | BadSample] for `records`, in order; cached records are not re-read."""
+        out: list[SampleShape | BadSample | None] = [None] * len(records)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, r in enumerate(records):
+            if self.dir is None or "_file" not in r:
+                out[i] = compute_shape(self.processor, r)
+                self.misses += 1
+            else:
+                groups[(r["_file"], r.get("_image_root", ""), r.get("_video_root", ""))].append(i)
+        for key, idx in groups.items():
+            for i, shape in zip(idx, self._group(key, [records[i] for i in idx])):
+                out[i] = shape
+        return out
+
+    def _group(self, key: tuple, records: list[dict]) -> list[SampleShape | BadSample]:
+        path = self._path(*key)
+        table = _read_table(path)
+        result, changed = [], False
+        for r in records:
+            loc = r["_location"]
+            if loc in table:
+                self.hits += 1
+                result.append(_decode(table[loc], loc))
+                continue
+            self.misses += 1
+            shape = compute_shape(self.processor, r)
+            table[loc] = _encode(shape)
+            changed = True
+            result.append(shape)
+        if changed:
+            _write_table(path, table)
+        return result
+
+    def _path(self, file: str, image_root: str, video_root: str) -> Path:
+        if file not in self._file_hashes:
+            self._file_hashes[file] = file_hash(Path(file))
+        roots = hashlib.sha256(
+            f"{Path(image_root).resolve()}|{Path(video_root).resolve()}".encode()
+        ).hexdigest()
+        name = f"{Path(file).stem}-{self._file_hashes[file][:16]}-{self._settings}-{roots[:8]}.json"
+        return self.dir / name
+
+
+def _encode(shape: SampleShape | BadSample) -> list | dict:
+    if isinstance(shape, BadSample):
+        return {"error": shape.reason, "detail": shape.detail}
+    return [shape.id, shape.tiles, shape.tokens, shape.modality]
+
+
+def _decode(entry, location: str) -> SampleShape | BadSample:
+    if isinstance(entry, dict):
+        return BadSample(entry["error"], location, entry["detail"])
+    return SampleShape(entry[0], int(entry[1]), int(entry[2]), entry[3])
+
+
+def _read_table(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):  # a torn or foreign file: recompute and overwrite
+        return {}
+
+
+def _write_table(path: Path, table: dict) -> None:
+    """Atomic replace, so concurrent readers (other hosts, grain workers) never see a torn file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)

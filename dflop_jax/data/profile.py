@@ -1,0 +1,182 @@
+"""Data profiler: the (tiles, tokens, modality) distribution of a dataset sample, from metadata only.
+
+    python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml profile.num_samples=2000
+
+Writes `<out>/shape_distribution.json` (the shared shape-distribution format the planner reads),
+`<out>/shape_histogram.png`, and prints percentiles per modality and means per source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from dflop_jax.config import require
+from dflop_jax.data.config import DataConfig
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.metadata import MetadataCache
+from dflop_jax.data.process import Processor
+from dflop_jax.data.sources import load_source
+from dflop_jax.scheduler.types import SampleShape
+from dflop_jax.scheduler.workloads import save_shape_distribution
+
+log = logging.getLogger(__name__)
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSection:
+    """Attributes: num_samples (records drawn, seeded; all if fewer), seed, out (output folder)."""
+
+    num_samples: int = 10000
+    seed: int = 0
+    out: str = "runs/profile"
+
+    def __post_init__(self):
+        require(self.num_samples >= 1, "profile.num_samples", self.num_samples, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataProfileConfig:
+    """Root config of `python -m dflop_jax.profile data`."""
+
+    data: DataConfig = DataConfig()
+    profile: ProfileSection = ProfileSection()
+
+
+def profile_data(
+    cfg: DataConfig, num_samples: int = 10000, seed: int = 0, out_dir: str | Path = "runs/profile"
+) -> Path:
+    """Profiles up to `num_samples` records (seeded draw); returns the shape-distribution file's path."""
+    records = load_source(cfg, seed)
+    if len(records) > num_samples:
+        keep = np.sort(np.random.default_rng(seed).choice(len(records), num_samples, replace=False))
+        records = [records[i] for i in keep]
+    cache = MetadataCache(cfg.cache_dir, Processor(cfg))
+    results = cache.shapes(records)
+    shapes, sources, bad = [], [], Counter()
+    for record, res in zip(records, results):
+        if isinstance(res, BadSample):
+            bad[res.reason] += 1
+            log.warning("skipping %s", res)
+            continue
+        shapes.append(res)
+        sources.append(_source_name(record))
+    if not shapes:
+        raise ValueError(
+            f"data.source={cfg.source!r}: no usable sample among {len(records)} ({dict(bad)})"
+        )
+    summary = summarize(shapes, sources)
+    summary.update(
+        bad=dict(bad), records=len(records), cache_hits=cache.hits, cache_misses=cache.misses
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "shape_distribution.json"
+    save_shape_distribution(shapes, path, str(cfg.source), summary)
+    plot_histogram(shapes, out / "shape_histogram.png")
+    print_summary(summary)
+    return path
+
+
+def _source_name(record: dict) -> str:
+    if "data_source" in record:
+        return str(record["data_source"])
+    return Path(record["_file"]).stem if "_file" in record else "-"
+
+
+def _stats(values: np.ndarray) -> dict:
+    out = {"mean": float(values.mean()), "max": int(values.max())}
+    out.update({f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES})
+    return out
+
+
+def summarize(shapes: list[SampleShape], sources: list[str]) -> dict:
+    """{"all"|modality: {count, tiles: stats, tokens: stats}, "by_source": {name: {count, tiles_mean, tokens_mean}}}."""
+    groups: dict[str, list[SampleShape]] = defaultdict(list)
+    for s in shapes:
+        groups[s.modality].append(s)
+    summary = {}
+    for name, group in [("all", shapes), *sorted(groups.items())]:
+        tiles = np.array([s.tiles for s in group])
+        tokens = np.array([s.tokens for s in group])
+        summary[name] = {"count": len(group), "tiles": _stats(tiles), "tokens": _stats(tokens)}
+    by_source: dict[str, list[SampleShape]] = defaultdict(list)
+    for s, src in zip(shapes, sources):
+        by_source[src].append(s)
+    summary["by_source"] = {
+        src: {
+            "count": len(g),
+            "tiles_mean": float(np.mean([s.tiles for s in g])),
+            "tokens_mean": float(np.mean([s.tokens for s in g])),
+        }
+        for src, g in sorted(by_source.items())
+    }
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Data shape distribution (tiles / LLM tokens per sample)")
+    for col in (
+        "group",
+        "n",
+        "tiles mean",
+        "tiles p50/p90/p99/max",
+        "tokens mean",
+        "tokens p50/p90/p99/max",
+    ):
+        table.add_column(col, justify="right")
+    rows = [(k, v) for k, v in summary.items() if isinstance(v, dict) and "tiles" in v]
+    for name, v in rows:
+        t, k = v["tiles"], v["tokens"]
+        table.add_row(
+            name, str(v["count"]), f"{t['mean']:.2f}", _pcts(t), f"{k['mean']:.0f}", _pcts(k),
+        )  # fmt: skip
+    for src, v in summary["by_source"].items():
+        table.add_row(
+            f"source {src}",
+            str(v["count"]),
+            f"{v['tiles_mean']:.2f}",
+            "",
+            f"{v['tokens_mean']:.0f}",
+            "",
+        )
+    console = Console()
+    console.print(table)
+    if summary.get("bad"):
+        console.print(f"skipped records by reason: {summary['bad']}")
+
+
+def _pcts(s: dict) -> str:
+    return "/".join(f"{s[f'p{p}']:.0f}" for p in PERCENTILES) + f"/{s['max']}"
+
+
+def plot_histogram(shapes: list[SampleShape], path: Path) -> None:
+    """Two panels: LLM tokens and encoder tiles per sample, stacked by modality."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modalities = sorted({s.modality for s in shapes})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, field, bins in (
+        (axes[0], "tokens", 40),
+        (axes[1], "tiles", max(2, max(s.tiles for s in shapes) + 1)),
+    ):
+        data = [[getattr(s, field) for s in shapes if s.modality == m] for m in modalities]
+        ax.hist(data, bins=bins, stacked=True, label=modalities)
+        ax.set_xlabel(f"{field} per sample")
+        ax.set_ylabel("samples")
+    axes[0].legend()
+    fig.suptitle(f"{len(shapes)} samples")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
