@@ -1,0 +1,205 @@
+"""The grain loader with a fake processor: batches, skips by reason, epochs, exact resume, multi-host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_loader_fakes import (
+    TILE,
+    TPT,
+    CountingProcessor,
+    FakeProcessor,
+    FirstFit,
+    fake_problem,
+    fake_records,
+)
+
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.loader import Loader, PackSpec, build_dataset
+from dflop_jax.data.packing import HostShardSpec
+
+ARRAYS = ("tiles", "tile_valid", "tile_pool", "tokens", "segment_ids", "positions", "targets")
+ARRAYS += ("loss_mask", "feature_index")
+
+
+def make(
+    records,
+    *,
+    batch=8,
+    seed=0,
+    problem=None,
+    host=None,
+    strict=False,
+    epochs=None,
+    workers=0,
+    processor=None,
+):
+    problem = problem or fake_problem()
+    spec = PackSpec.from_problem(problem, TILE, TPT)
+    ds = build_dataset(
+        records,
+        processor or FakeProcessor(),
+        FirstFit(problem),
+        spec,
+        global_batch_size=batch,
+        seed=seed,
+        host=host,
+        strict=strict,
+        num_epochs=epochs,
+    )
+    return Loader(ds, num_workers=workers, prefetch=2)
+
+
+def batch_ids(gb) -> list[int]:
+    """Sample ids in the batch, recovered from the packed token ids (id * 100 + 1 starts each sample)."""
+    ids = []
+    for mb in gb.microbatches:
+        starts = (mb.positions == 0) & (mb.segment_ids > 0)
+        ids += [int(t - 1) // 100 for t in mb.tokens[starts]]
+    return ids
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.stats["schedule_digest"] == y.stats["schedule_digest"]
+        assert x.num_loss_tokens == y.num_loss_tokens
+        assert len(x.microbatches) == len(y.microbatches)
+        for mx, my in zip(x.microbatches, y.microbatches):
+            for name in ARRAYS:
+                np.testing.assert_array_equal(getattr(mx, name), getattr(my, name), err_msg=name)
+
+
+def test_one_epoch_covers_every_record_once_in_bucket_shapes():
+    records = fake_records(32)
+    problem = fake_problem()
+    with make(records, epochs=1, problem=problem) as loader:
+        batches = list(loader)
+    assert len(batches) == 4
+    seen = [i for gb in batches for i in batch_ids(gb)]
+    assert sorted(seen) == list(range(32))
+    assert seen != list(range(32))  # shuffled
+    for gb in batches:
+        for mb, plan in zip(gb.microbatches, gb.schedule.microbatches):
+            assert mb.tiles.shape == (problem.encoder_dp * plan.tile_bucket, *TILE)
+            assert (
+                plan.tile_bucket in problem.buckets.tiles
+                and plan.length_bucket in problem.buckets.lengths
+            )
+            assert mb.tokens.shape == (problem.llm_dp, plan.length_bucket)
+        want = sum((records[i]["text"] + records[i]["tiles"] * TPT - 1) // 2 for i in batch_ids(gb))
+        # FakeProcessor marks even positions as assistant; loss is on targets = positions 1..L-1.
+        assert gb.num_loss_tokens == want
+        assert gb.stats["scheduler_latency_s"] >= 0 and gb.stats["data_wait_s"] >= 0
+        assert 0 <= gb.stats["llm_padding_ratio"] < 1
+    assert loader.stats()["batches"] == 4 and loader.stats()["samples"] == 32
+
+
+def test_every_epoch_is_a_new_permutation():
+    with make(fake_records(16), epochs=3) as loader:
+        epochs = [[i for _ in range(2) for i in batch_ids(next(loader))] for _ in range(3)]
+    assert all(sorted(e) == list(range(16)) for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+
+
+def test_bad_records_are_counted_by_reason_and_skipped():
+    bad = {
+        1: "missing_file",
+        2: "corrupt_image",
+        3: "invalid_json",
+        4: "no_conversations",
+        5: "unknown_fields",
+    }
+    bad_load = {6: "corrupt_image", 7: "unreadable_video"}
+    records = fake_records(24, bad=bad, bad_load=bad_load)
+    records[8]["text"] = 200  # longer than the largest length bucket (64)
+    records[9]["tiles"] = 9  # more tiles than encoder_dp x largest tile bucket (8)
+    with make(records, epochs=1) as loader:
+        batches = list(loader)
+        totals = loader.stats()["skipped"]
+    want = {"missing_file": 1, "corrupt_image": 2, "invalid_json": 1, "no_conversations": 1}
+    want |= {"unknown_fields": 1, "unreadable_video": 1, "too_long": 2}
+    assert totals == want
+    per_batch = {}
+    for gb in batches:
+        for k, v in gb.stats["skipped"].items():
+            per_batch[k] = per_batch.get(k, 0) + v
+    assert per_batch == want
+    seen = sorted(i for gb in batches for i in batch_ids(gb))
+    # Shape-stage skips never reach the scheduler; load failures keep their room as padding.
+    assert seen == sorted(set(range(24)) - set(bad) - set(bad_load) - {8, 9})
+    assert sum(gb.stats["num_samples"] for gb in batches) == 24 - len(bad) - 2
+
+
+@pytest.mark.parametrize("where", ["shape", "load"])
+def test_strict_mode_raises(where):
+    kind = {"bad": {3: "corrupt_image"}} if where == "shape" else {"bad_load": {3: "corrupt_image"}}
+    with make(fake_records(8, **kind), strict=True, epochs=1) as loader, pytest.raises(BadSample):
+        list(loader)
+
+
+def test_all_bad_batch_yields_an_empty_batch():
+    records = fake_records(4, bad=dict.fromkeys(range(4), "missing_file"))
+    with make(records, batch=4, epochs=1) as loader:
+        (gb,) = list(loader)
+    assert (
+        gb.microbatches == []
+        and gb.num_loss_tokens == 0
+        and gb.stats["skipped"] == {"missing_file": 4}
+    )
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_resume_is_exact(workers):
+    records = fake_records(40, bad={5: "missing_file"}, bad_load={11: "corrupt_image"})
+    # Worker processes take slices of the batch indices in turn, so they yield the in-process order.
+    with make(records) as loader:
+        full = [next(loader) for _ in range(8)]  # crosses the epoch boundary (5 batches per epoch)
+    with make(records, workers=workers) as loader:
+        first = [next(loader) for _ in range(4)]
+        state = loader.get_state()
+        stats_at_4 = loader.stats()
+    with make(records, workers=workers) as loader:
+        loader.set_state(state)
+        assert loader.stats()["skipped"] == stats_at_4["skipped"]
+        rest = [next(loader) for _ in range(4)]
+        final_stats = loader.stats()
+    assert_same_batches(full, first + rest)
+    assert final_stats["batches"] == 8
+
+
+def test_hosts_agree_on_schedule_and_load_only_their_shards():
+    records = fake_records(24)
+    problem = fake_problem(encoder_dp=2, llm_dp=4)
+    with make(records, problem=problem, epochs=1) as loader:
+        full = list(loader)
+    hosts = [HostShardSpec.contiguous(p, 2, encoder_dp=2, llm_dp=4) for p in range(2)]
+    parts, processed = [], []
+    for host in hosts:
+        proc = CountingProcessor()
+        with make(records, problem=problem, host=host, epochs=1, processor=proc) as loader:
+            parts.append(list(loader))
+        processed.append(proc.processed)
+    # Each host decodes exactly the samples whose tokens or tiles its own arrays hold.
+    for part, done in zip(parts, processed):
+        tile_ids = {
+            int(v) // 1000
+            for gb in part
+            for mb in gb.microbatches
+            for v in mb.tiles[mb.tile_valid][:, 0, 0, 0]
+        }
+        assert sorted(done) == sorted({i for gb in part for i in batch_ids(gb)} | tile_ids)
+    assert set(processed[0]) | set(processed[1]) == set(range(24))
+    for k, gb in enumerate(full):
+        for part in parts:
+            assert part[k].stats["schedule_digest"] == gb.stats["schedule_digest"]
+        for m, mb in enumerate(gb.microbatches):
+            T = gb.schedule.microbatches[m].tile_bucket
+            tiles = np.concatenate([p[k].microbatches[m].tiles for p in parts])
+            np.testing.assert_array_equal(tiles, mb.tiles)
+            for name in ("tokens", "segment_ids", "targets", "loss_mask", "feature_index"):
+                got = np.concatenate([getattr(p[k].microbatches[m], name) for p in parts])
+                np.testing.assert_array_equal(got, getattr(mb, name))
+            assert parts[0][k].microbatches[m].tiles.shape[0] == T
+        # Each host's loss tokens are its own rows; together they are the global count.
+        assert sum(p[k].num_loss_tokens for p in parts) == gb.num_loss_tokens
