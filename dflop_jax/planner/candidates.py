@@ -1,0 +1,144 @@
+"""Enumerating candidate layouts: device split, per-module tp/pp/dp, microbatch count, bucket ladder size.
+
+DFLOP search: LLM (tp, pp, dp) times either a separate encoder (tp, pp, dp) on its own devices or the
+encoder colocated on the first LLM stage, using between `num_devices - max_idle_devices` and
+`num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
+(it must suit both modules' heads), dp = devices / (tp x pp).
+
+Rules: tp divides the module's attention heads (and KV heads) and is at most a host's devices; pp is at
+most the module's layers and layers are split into balanced contiguous ranges (sizes differ by <= 1);
+M x llm_dp <= global batch (every bin can hold a sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.planner.config import PlannerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search space (buckets are derived from it and the data; planner/buckets.py)."""
+
+    layout: Layout
+    microbatches: int
+    num_buckets: int
+
+    @property
+    def key(self) -> tuple:
+        """A stable, total order of candidates (the last tie-break)."""
+        return (
+            tuple((s.module, s.first_layer, s.num_layers, s.tp, s.dp) for s in self.layout.stages),
+            self.microbatches,
+            self.num_buckets,
+        )
+
+    def describe(self) -> str:
+        return f"{describe_layout(self.layout)} | M={self.microbatches} buckets={self.num_buckets}"
+
+
+def describe_layout(layout: Layout) -> str:
+    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2 dp7" or "enc@llm0 | llm tp2 pp4 dp8"."""
+
+    def part(name: str, stages: tuple[StageSpec, ...]) -> str:
+        return f"{name} tp{stages[0].tp} pp{len(stages)} dp{stages[0].dp}"
+
+    enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
+    return f"{enc} | {part('llm', layout.llm_stages)}"
+
+
+def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Balanced contiguous ranges [(first, count)]: the first `num_layers % pp` stages get one more."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pp={pp}: must be in [1, {num_layers}] for {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    out, first = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append((first, n))
+        first += n
+    return out
+
+
+def module_stages(module: str, num_layers: int, tp: int, pp: int, dp: int) -> tuple[StageSpec, ...]:
+    """The pp stages of one module: embedding on the first, head (projector / LM head) on the last."""
+    ranges = split_layers(num_layers, pp)
+    return tuple(
+        StageSpec(module, first, n, tp=tp, dp=dp, has_embedding=(s == 0), has_head=(s == pp - 1))
+        for s, (first, n) in enumerate(ranges)
+    )
+
+
+def valid_tp(candidates: tuple[int, ...], heads: tuple[int, ...], per_host: int) -> list[int]:
+    """The candidate tp degrees dividing every head count in `heads` and fitting in a host."""
+    return sorted(t for t in candidates if t <= per_host and all(h % t == 0 for h in heads))
+
+
+def _module_shapes(
+    tps: list[int], pps: tuple[int, ...], layers: int, budget: int
+) -> Iterator[tuple[int, int, int]]:
+    """(tp, pp, dp) with tp * pp * dp <= budget."""
+    for tp in tps:
+        for pp in sorted(p for p in pps if p <= layers):
+            for dp in range(1, budget // (tp * pp) + 1):
+                yield tp, pp, dp
+
+
+def enumerate_candidates(
+    arch, num_devices: int, devices_per_host: int, config: PlannerConfig
+) -> list[Candidate]:
+    """The DFLOP search space (see the module docstring), in a stable order.
+
+    Args:
+      arch: an MLLMArch (uses vision/llm num_layers, num_heads, llm num_kv_heads).
+      num_devices: devices available.
+      devices_per_host: tp limit.
+      config: the planner config.
+    """
+    v, lm = arch.vision, arch.llm
+    llm_tps = valid_tp(config.tp, (lm.num_heads, lm.num_kv_heads), devices_per_host)
+    enc_tps = valid_tp(config.tp, (v.num_heads,), devices_per_host)
+    low = num_devices - config.max_idle_devices
+    layouts: list[Layout] = []
+    for tp, pp, dp in _module_shapes(llm_tps, config.llm_pp, lm.num_layers, num_devices):
+        llm = module_stages("llm", lm.num_layers, tp, pp, dp)
+        used = tp * pp * dp
+        if config.colocate and used >= low and tp in enc_tps:
+            layouts.append(Layout((), llm))
+        for etp, epp, edp in _module_shapes(
+            enc_tps, config.encoder_pp, v.num_layers, num_devices - used
+        ):
+            if used + etp * epp * edp >= low:
+                layouts.append(Layout(module_stages("encoder", v.num_layers, etp, epp, edp), llm))
+    return _with_microbatches(layouts, config)
+
+
+def enumerate_uniform(
+    arch, num_devices: int, devices_per_host: int, config: PlannerConfig
+) -> list[Candidate]:
+    """The data-blind search space: encoder colocated, one tp for both modules, all devices in use, one
+    bucket size per module (its fixed maximum length)."""
+    v, lm = arch.vision, arch.llm
+    tps = valid_tp(config.tp, (lm.num_heads, lm.num_kv_heads, v.num_heads), devices_per_host)
+    layouts = []
+    for tp, pp, dp in _module_shapes(tps, config.llm_pp, lm.num_layers, num_devices):
+        if tp * pp * dp >= num_devices - config.max_idle_devices:
+            layouts.append(Layout((), module_stages("llm", lm.num_layers, tp, pp, dp)))
+    return _with_microbatches(layouts, config, num_buckets=(1,))
+
+
+def _with_microbatches(
+    layouts: list[Layout], config: PlannerConfig, num_buckets=None
+) -> list[Candidate]:
+    num_buckets = config.num_buckets if num_buckets is None else num_buckets
+    out = [
+        Candidate(layout, m, nb)
+        for layout in layouts
+        for m in sorted(config.microbatches)
+        if m * layout.llm_dp <= config.global_batch
+        for nb in sorted(num_buckets)
+    ]
+    return sorted(out, key=lambda c: c.key)

@@ -1,0 +1,113 @@
+"""The planner's search space and scoring settings (DESIGN section 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflop_jax.config import require
+
+
+def _positive_ints(values: tuple[int, ...], key: str) -> None:
+    require(len(values) > 0, key, values, "give at least one value")
+    require(
+        all(isinstance(v, int) and v >= 1 for v in values),
+        key,
+        values,
+        "all values must be integers >= 1",
+    )
+    require(len(set(values)) == len(values), key, values, "values must be distinct")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner may choose and how it scores a candidate.
+
+    Attributes:
+      tp: candidate tensor-parallel degrees (per module; kept only if they divide the module's heads,
+        its KV heads, and fit in one host of the device preset).
+      encoder_pp: candidate encoder pipeline depths (separate encoder stages).
+      llm_pp: candidate LLM pipeline depths (layers split into balanced contiguous ranges).
+      microbatches: candidate microbatch counts M per global batch.
+      microbatch_slack: the scheduler may use M .. ceil(M x (1 + slack)) microbatches (absorbs batches
+        that do not fit M microbatches of the largest buckets; the simulation scores what it picks).
+      num_buckets: candidate sizes (>= 2) of the tile and length bucket ladders (planner/buckets.py;
+        the uniform baseline always uses one size).
+      length_align: length buckets are multiples of this many tokens.
+      memory_margin: fraction of device memory kept free (a layout must fit in (1 - margin) x capacity).
+      samples: K global batches sampled from the shape distribution to score a candidate.
+      global_batch: samples per global batch.
+      max_idle_devices: candidates may leave at most this many of the requested devices unused.
+      colocate: also consider layouts with the encoder colocated on the first LLM stage.
+      screen_top: candidates that pass memory are first ranked by a mean-shape simulation; this many
+        go on to the full expected-step-time scoring.
+      solver: scheduler solver used for scoring ("greedy" is fast; "auto"/"cpsat" refine).
+      refine_top: re-score the best few with `refine_solver` (0 = off).
+      refine_solver, refine_time_limit_s: solver and per-batch time box of that refinement.
+      schedule: pipeline schedule simulated ("1f1b" or "gpipe").
+      seed: seeds batch sampling and the scheduler.
+      top_n: alternatives written to plan.yaml.
+    """
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    encoder_pp: tuple[int, ...] = (1, 2)
+    llm_pp: tuple[int, ...] = (1, 2, 4, 7, 8)
+    microbatches: tuple[int, ...] = (8, 16, 32, 64)
+    microbatch_slack: float = 0.25
+    num_buckets: tuple[int, ...] = (6,)
+    length_align: int = 64
+    memory_margin: float = 0.1
+    samples: int = 4
+    global_batch: int = 256
+    max_idle_devices: int = 0
+    colocate: bool = True
+    screen_top: int = 12
+    solver: Literal["greedy", "auto", "cpsat"] = "greedy"
+    refine_top: int = 0
+    refine_solver: Literal["auto", "cpsat"] = "auto"
+    refine_time_limit_s: float = 1.0
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    seed: int = 0
+    top_n: int = 5
+
+    def __post_init__(self):
+        for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets"):
+            _positive_ints(getattr(self, key), f"planner.{key}")
+        require(
+            min(self.num_buckets) >= 2,
+            "planner.num_buckets",
+            self.num_buckets,
+            "ladders need >= 2 sizes each",
+        )
+        require(
+            self.microbatch_slack >= 0,
+            "planner.microbatch_slack",
+            self.microbatch_slack,
+            "must be >= 0",
+        )
+        require(self.length_align >= 1, "planner.length_align", self.length_align, "must be >= 1")
+        require(
+            0.0 <= self.memory_margin < 1.0,
+            "planner.memory_margin",
+            self.memory_margin,
+            "must be in [0, 1), e.g. 0.1 keeps 10% free",
+        )
+        require(
+            self.samples >= 1, "planner.samples", self.samples, "must be >= 1 (K sampled batches)"
+        )
+        require(self.global_batch >= 1, "planner.global_batch", self.global_batch, "must be >= 1")
+        require(
+            self.max_idle_devices >= 0,
+            "planner.max_idle_devices",
+            self.max_idle_devices,
+            "must be >= 0",
+        )
+        require(self.screen_top >= 1, "planner.screen_top", self.screen_top, "must be >= 1")
+        require(self.refine_top >= 0, "planner.refine_top", self.refine_top, "must be >= 0")
+        require(
+            self.refine_time_limit_s > 0,
+            "planner.refine_time_limit_s",
+            self.refine_time_limit_s,
+            "must be > 0 seconds",
+        )
+        require(self.top_n >= 0, "planner.top_n", self.top_n, "must be >= 0")

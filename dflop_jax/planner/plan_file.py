@@ -1,0 +1,230 @@
+"""The planner's answer (`Plan`) and its `plan.yaml` form, written for people and read back by the runtime.
+
+    plan = make_plan(...); save_plan(plan, "plan.yaml"); plan = load_plan("plan.yaml")
+
+plan.yaml lists each stage (module, layer range, tp, dp, devices, predicted memory vs capacity), the
+buckets, the microbatch count, the predicted step time (mean, p90 over the sampled batches), the
+cost provider, and the top alternatives with the reason each lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.scheduler.types import BucketSet
+
+PLAN_VERSION = 1
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """A runner-up (or a rejected layout) and why it lost: "slower by 4.1%", "over memory by 3.2 GiB"."""
+
+    description: str
+    microbatches: int
+    step_time_s: float | None
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A chosen layout with its predictions.
+
+    Attributes:
+      model, device, num_devices: the request.
+      cost_provider: name of the cost provider used.
+      mode: "dflop" (data-aware search) or "uniform" (data-blind baseline layout).
+      layout: the stages.
+      buckets: tile and length buckets.
+      microbatches: M per global batch (the fewest the scheduler uses).
+      max_microbatches: the most the scheduler may use (a batch that does not fit M microbatches of the
+        largest buckets gets more); `ScheduleProblem.microbatches = (microbatches, max_microbatches)`.
+      global_batch: samples per global batch.
+      schedule: simulated pipeline schedule ("1f1b" / "gpipe").
+      step_time_mean_s, step_time_p90_s: simulated step time over the sampled global batches.
+      idle_fraction: mean simulated idle fraction (DESIGN section 9).
+      stage_memory_bytes: predicted peak bytes per device of each stage (layout order).
+      memory_capacity_bytes: usable device memory (capacity x (1 - margin)).
+      device_memory_bytes: device capacity.
+      alternatives: the next best candidates and notable rejections.
+      search: counts of the search (enumerated, over memory, screened, scored) and its wall time.
+      planner_config: the PlannerConfig as a dict.
+    """
+
+    model: str
+    device: str
+    num_devices: int
+    cost_provider: str
+    mode: str
+    layout: Layout
+    buckets: BucketSet
+    microbatches: int
+    max_microbatches: int
+    global_batch: int
+    schedule: str
+    step_time_mean_s: float
+    step_time_p90_s: float
+    idle_fraction: float
+    stage_memory_bytes: tuple[float, ...]
+    memory_capacity_bytes: float
+    device_memory_bytes: float
+    alternatives: tuple[Alternative, ...] = ()
+    search: dict = dataclasses.field(default_factory=dict)
+    planner_config: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.stage_memory_bytes) != self.layout.num_stages:
+            raise ValueError(
+                f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for {self.layout.num_stages} stages"
+            )
+
+    @property
+    def microbatch_range(self) -> tuple[int, int]:
+        """For `ScheduleProblem.microbatches`."""
+        return (self.microbatches, self.max_microbatches)
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    stages = []
+    for i, (s, mem) in enumerate(zip(plan.layout.stages, plan.stage_memory_bytes)):
+        stages.append(
+            {
+                "stage": i,
+                "module": s.module,
+                "first_layer": s.first_layer,
+                "num_layers": s.num_layers,
+                "tp": s.tp,
+                "dp": s.dp,
+                "devices": s.num_devices,
+                "has_embedding": s.has_embedding,
+                "has_head": s.has_head,
+                "memory_gib": round(mem / _GIB, 2),
+            }
+        )
+    return {
+        "dflop_plan": PLAN_VERSION,
+        "model": plan.model,
+        "device": plan.device,
+        "num_devices": plan.num_devices,
+        "devices_used": plan.layout.num_devices,
+        "cost_provider": plan.cost_provider,
+        "mode": plan.mode,
+        "encoder_colocated": not plan.layout.encoder_stages,
+        "schedule": plan.schedule,
+        "global_batch": plan.global_batch,
+        "microbatches": plan.microbatches,
+        "max_microbatches": plan.max_microbatches,
+        "predicted": {
+            "step_time_mean_s": float(plan.step_time_mean_s),
+            "step_time_p90_s": float(plan.step_time_p90_s),
+            "idle_fraction": float(plan.idle_fraction),
+        },
+        "memory": {
+            "device_gib": round(plan.device_memory_bytes / _GIB, 2),
+            "usable_gib": round(plan.memory_capacity_bytes / _GIB, 2),
+            "peak_stage_gib": round(max(plan.stage_memory_bytes) / _GIB, 2),
+        },
+        "layout": stages,
+        "buckets": {"tiles": list(plan.buckets.tiles), "lengths": list(plan.buckets.lengths)},
+        "alternatives": [
+            {
+                "layout": a.description,
+                "microbatches": a.microbatches,
+                "step_time_s": None if a.step_time_s is None else float(a.step_time_s),
+                "lost_because": a.reason,
+            }
+            for a in plan.alternatives
+        ],
+        "search": dict(plan.search),
+        "planner_config": dict(plan.planner_config),
+        # exact bytes for a lossless round trip (memory_gib above is rounded for people)
+        "stage_memory_bytes": [float(m) for m in plan.stage_memory_bytes],
+        "memory_capacity_bytes": float(plan.memory_capacity_bytes),
+        "device_memory_bytes": float(plan.device_memory_bytes),
+    }
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Writes `plan` as YAML (parent directories created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# DFLOP plan: {plan.model} on {plan.num_devices} x {plan.device} ({plan.mode}).\n"
+        f"# Predicted step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f} ms), "
+        f"idle {plan.idle_fraction:.1%}. Written by python -m dflop_jax.plan.\n"
+    )
+    path.write_text(header + yaml.safe_dump(plan_to_dict(plan), sort_keys=False, width=110))
+    return path
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Reads a plan.yaml written by `save_plan`.
+
+    Raises:
+      ValueError: missing file, wrong version, or a malformed entry (naming it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"plan file not found: {path}")
+    d = yaml.safe_load(path.read_text())
+    if not isinstance(d, dict) or d.get("dflop_plan") != PLAN_VERSION:
+        raise ValueError(
+            f"{path}: not a dflop plan (expected `dflop_plan: {PLAN_VERSION}` at the top level)"
+        )
+    try:
+        return _plan_from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: malformed plan: {type(e).__name__}: {e}") from None
+
+
+def _plan_from_dict(d: dict[str, Any]) -> Plan:
+    stages = [
+        StageSpec(
+            s["module"],
+            int(s["first_layer"]),
+            int(s["num_layers"]),
+            int(s["tp"]),
+            int(s["dp"]),
+            bool(s["has_embedding"]),
+            bool(s["has_head"]),
+        )  # fmt: skip
+        for s in d["layout"]
+    ]
+    layout = Layout(
+        tuple(s for s in stages if s.module == "encoder"),
+        tuple(s for s in stages if s.module == "llm"),
+    )
+    pred = d["predicted"]
+    return Plan(
+        model=str(d["model"]),
+        device=str(d["device"]),
+        num_devices=int(d["num_devices"]),
+        cost_provider=str(d["cost_provider"]),
+        mode=str(d["mode"]),
+        layout=layout,
+        buckets=BucketSet(tuple(d["buckets"]["tiles"]), tuple(d["buckets"]["lengths"])),
+        microbatches=int(d["microbatches"]),
+        max_microbatches=int(d["max_microbatches"]),
+        global_batch=int(d["global_batch"]),
+        schedule=str(d["schedule"]),
+        step_time_mean_s=float(pred["step_time_mean_s"]),
+        step_time_p90_s=float(pred["step_time_p90_s"]),
+        idle_fraction=float(pred["idle_fraction"]),
+        stage_memory_bytes=tuple(float(m) for m in d["stage_memory_bytes"]),
+        memory_capacity_bytes=float(d["memory_capacity_bytes"]),
+        device_memory_bytes=float(d["device_memory_bytes"]),
+        alternatives=tuple(
+            Alternative(
+                str(a["layout"]), int(a["microbatches"]), a["step_time_s"], str(a["lost_because"])
+            )
+            for a in d["alternatives"]
+        ),
+        search=dict(d["search"]),
+        planner_config=dict(d["planner_config"]),
+    )

@@ -1,0 +1,98 @@
+"""`PlanRunConfig`: the root config of `python -m dflop_jax.plan` (model, device, devices, data, planner).
+
+python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml planner.samples=8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from dflop_jax.config import require
+from dflop_jax.planner.config import PlannerConfig
+
+SYNTHETIC_DATA = ("llava-ov", "omnibal")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the shape distribution comes from.
+
+    Attributes:
+      source: a shape-distribution JSON file (the data profiler's output), or "llava-ov" (synthetic
+        LLaVA-OV-like mix of `synthetic_samples` samples) or "omnibal" (the real InternVL statistics).
+      synthetic_samples: size of the synthetic llava-ov mix.
+      seed: seed of the synthetic mix.
+    """
+
+    source: str = "llava-ov"
+    synthetic_samples: int = 4000
+    seed: int = 0
+
+    def __post_init__(self):
+        require(
+            bool(self.source),
+            "data.source",
+            self.source,
+            f"give a shape file or one of {SYNTHETIC_DATA}",
+        )
+        require(
+            self.synthetic_samples >= 1,
+            "data.synthetic_samples",
+            self.synthetic_samples,
+            "must be >= 1",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRunConfig:
+    """One planning run.
+
+    Attributes:
+      model: architecture name (`dflop_jax.costs.list_archs()`).
+      device: device preset ("h100", "a100", "cpu").
+      num_devices: devices available.
+      remat: the cost provider assumes full activation recomputation (less memory, more time).
+      mode: "dflop" (data-aware) or "uniform" (the data-blind baseline layout).
+      data: the shape distribution.
+      planner: search space and scoring.
+      out: where plan.yaml goes (the resolved config is written beside it as plan.config.yaml).
+    """
+
+    model: str = "siglip-so400m+qwen2.5-7b"
+    device: str = "h100"
+    num_devices: int = 8
+    remat: bool = False
+    mode: Literal["dflop", "uniform"] = "dflop"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    out: Path = Path("plan.yaml")
+
+    def __post_init__(self):
+        from dflop_jax.costs import list_archs, list_devices
+
+        require(
+            self.model in list_archs(),
+            "model",
+            self.model,
+            f"choose one of {', '.join(list_archs())}",
+        )
+        require(
+            self.device in list_devices(),
+            "device",
+            self.device,
+            f"choose one of {', '.join(list_devices())}",
+        )
+        require(self.num_devices >= 1, "num_devices", self.num_devices, "need at least 1 device")
+
+
+def load_shapes(data: DataConfig):
+    """The shape distribution named by `data` (list of SampleShape)."""
+    from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
+
+    if data.source == "llava-ov":
+        return llava_ov_mix(data.synthetic_samples, data.seed)
+    if data.source == "omnibal":
+        return omnibal_shapes()
+    return load_shape_distribution(data.source)

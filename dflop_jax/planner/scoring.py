@@ -1,0 +1,205 @@
+"""Scoring a candidate layout: memory check, a mean-shape screen, and the expected step time.
+
+Expected step time (DESIGN section 7): the mean over K global batches sampled from the shape
+distribution of the simulated makespan of the scheduler's actual output -- `schedule_batch` (or a
+baseline scheduler) on the layout's `ScheduleProblem`, then the discrete-event simulator with each
+microbatch's per-stage costs and transfers at its buckets. The same K batches score every candidate
+(common random numbers), so differences between candidates are not sampling noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dflop_jax.costs import layout_memory, layout_stage_costs, layout_transfer_costs
+from dflop_jax.costs.layout import Layout
+from dflop_jax.planner.buckets import ShapeStats, bucket_set
+from dflop_jax.planner.candidates import Candidate
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.scheduler import (
+    BucketSet,
+    SampleShape,
+    Schedule,
+    ScheduleProblem,
+    SchedulerConfig,
+    schedule_batch,
+)
+from dflop_jax.sim import SimResult, simulate
+
+# (shapes, problem) -> Schedule: the online scheduler or a baseline
+ScheduleFn = Callable[[Sequence[SampleShape], ScheduleProblem], Schedule]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCosts:
+    """A layout's cost functions, memoized per bucket pair."""
+
+    layout: Layout
+    stage: Callable[[int, int], np.ndarray]  # (T, S) -> [P, 2]
+    transfer: Callable[[int, int], np.ndarray]  # (T, S) -> [P - 1]
+
+    @classmethod
+    def build(cls, provider, layout: Layout) -> LayoutCosts:
+        xfer = layout_transfer_costs(provider, layout)
+        cache: dict[tuple[int, int], np.ndarray] = {}
+
+        def transfer(t: int, s: int) -> np.ndarray:
+            if (t, s) not in cache:
+                cache[t, s] = xfer(t, s)
+            return cache[t, s]
+
+        return cls(layout, layout_stage_costs(provider, layout), transfer)
+
+
+def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig) -> BucketSet:
+    lay = cand.layout
+    return bucket_set(
+        stats,
+        config.global_batch,
+        cand.microbatches,
+        lay.encoder_dp,
+        lay.llm_dp,
+        cand.num_buckets,
+        config.length_align,
+    )
+
+
+def in_flight(num_stages: int, microbatches: int, schedule: str) -> list[int]:
+    """Microbatches alive at once per stage: 1F1B min(P - s, M) (sim/pipeline.py); GPipe all M."""
+    if schedule == "gpipe":
+        return [microbatches] * num_stages
+    return [min(num_stages - s, microbatches) for s in range(num_stages)]
+
+
+def stage_memory_bytes(
+    provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig
+) -> list[float]:
+    """Peak bytes per device of each stage at the largest buckets with its in-flight activations."""
+    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
+    counts = in_flight(cand.layout.num_stages, most, config.schedule)
+    return [m.total() for m in layout_memory(provider, cand.layout, buckets, counts)]
+
+
+def microbatch_range(microbatches: int, slack: float) -> tuple[int, int]:
+    """(M, ceil(M x (1 + slack))): the counts the scheduler may use for a candidate with M."""
+    return microbatches, math.ceil(microbatches * (1.0 + slack) - 1e-9)
+
+
+def problem_for(
+    costs: LayoutCosts, microbatches: tuple[int, int], buckets: BucketSet
+) -> ScheduleProblem:
+    lay = costs.layout
+    return ScheduleProblem(
+        encoder_dp=lay.encoder_dp,
+        llm_dp=lay.llm_dp,
+        num_stages=lay.num_stages,
+        microbatches=microbatches,
+        buckets=buckets,
+        stage_costs=costs.stage,
+    )
+
+
+def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b") -> SimResult:
+    """Simulates one step of `schedule`: per-microbatch stage costs [M, P, 2] and transfers at its buckets."""
+    mbs = schedule.microbatches
+    times = np.stack([costs.stage(mb.tile_bucket, mb.length_bucket) for mb in mbs])
+    xfer = np.stack([costs.transfer(mb.tile_bucket, mb.length_bucket) for mb in mbs])
+    return simulate(times, xfer, kind)
+
+
+def mean_shape_step_time(
+    costs: LayoutCosts,
+    cand: Candidate,
+    buckets: BucketSet,
+    stats: ShapeStats,
+    config: PlannerConfig,
+    simulated: bool = True,
+) -> float:
+    """Screening score: M identical microbatches at the smallest buckets holding the mean load,
+    simulated, or (simulated=False) the scheduler's 1F1B surrogate of the same step (no transfers)."""
+    lay = costs.layout
+    g, m = config.global_batch, cand.microbatches
+    tok = stats.mean_tokens * g / (m * lay.llm_dp)
+    til = stats.mean_tiles * g / (m * lay.encoder_dp)
+    t = _smallest_at_least(buckets.tiles, math.ceil(til - 1e-9))
+    s = _smallest_at_least(buckets.lengths, tok)
+    per_stage = costs.stage(t, s)  # [P, 2]
+    if not simulated:
+        return float((m + lay.num_stages - 1) * per_stage.sum(axis=1).max())
+    times = np.broadcast_to(per_stage, (m, lay.num_stages, 2))
+    return simulate(times, costs.transfer(t, s)[None, :], config.schedule).step_time
+
+
+def _smallest_at_least(sizes: tuple[int, ...], need: float) -> int:
+    for x in sizes:
+        if x >= need:
+            return x
+    return sizes[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """Simulated step times and idle fractions of a candidate over the K sampled batches."""
+
+    step_times: tuple[float, ...]
+    idle_fractions: tuple[float, ...]
+    solver: str
+
+    @property
+    def failed(self) -> bool:
+        return self.solver.startswith("failed")
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.step_times))
+
+    @property
+    def p90(self) -> float:
+        return float(np.percentile(self.step_times, 90))
+
+    @property
+    def idle(self) -> float:
+        return float(np.mean(self.idle_fractions))
+
+
+def expected_step_time(
+    batches: Sequence[Sequence[SampleShape]],
+    costs: LayoutCosts,
+    problem: ScheduleProblem,
+    scheduler: ScheduleFn,
+    kind: str,
+) -> Score:
+    """Schedules and simulates each batch; see the module docstring."""
+    steps, idles, solvers = [], [], set()
+    for batch in batches:
+        try:
+            sched = scheduler(batch, problem)
+        except (
+            ValueError
+        ) as e:  # e.g. a batch the candidate's buckets cannot hold: the candidate fails
+            return Score((math.inf,), (1.0,), f"failed: {e}")
+        res = simulate_schedule(sched, costs, kind)
+        steps.append(res.step_time)
+        idles.append(res.idle_fraction)
+        solvers.add(sched.solver)
+    return Score(tuple(steps), tuple(idles), "+".join(sorted(solvers)))
+
+
+def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> ScheduleFn:
+    """The online scheduler (`schedule_batch`) with a fixed solver and seed."""
+    config = SchedulerConfig(solver=solver, time_limit_s=time_limit_s, correction="off", seed=seed)
+    return lambda batch, problem: schedule_batch(batch, problem, config, seed)
+
+
+def sample_batches(
+    shapes: Sequence[SampleShape], global_batch: int, k: int, seed: int
+) -> list[list[SampleShape]]:
+    """K global batches drawn from `shapes` with one generator (reproducible for a seed)."""
+    from dflop_jax.scheduler import sample_global_batch
+
+    rng = np.random.default_rng(seed)
+    return [sample_global_batch(shapes, global_batch, rng) for _ in range(k)]

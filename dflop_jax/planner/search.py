@@ -1,0 +1,249 @@
+"""The planner's search: enumerate, memory-check, screen, score by expected step time, pick, explain.
+
+    plan = make_plan("siglip-so400m+qwen2.5-7b", "h100", 64, shapes, PlannerConfig())
+
+Stages of the search (DESIGN section 7):
+1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
+2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
+   exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
+3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top`;
+4. score: expected step time over K sampled global batches through the online scheduler (greedy) and
+   the simulator; optionally re-score the best `refine_top` with the refining solver;
+5. pick the fastest. Ties (equal to the microsecond) go to: fewer unused devices, then fewer
+   microbatches, then fewer stages, then fewer buckets (fewer compiled programs), then the candidate's
+   stable key -- so the choice never depends on enumeration or dict order.
+
+Uniform mode (the data-blind baseline of DESIGN section 8): encoder colocated on the first LLM stage, one
+tp/pp/dp for the whole model, chosen with MEAN shapes through the data-blind scheduler, then evaluated
+on the K sampled batches with that same scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from dflop_jax.config import to_dict
+from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.planner.buckets import ShapeStats
+from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.planner.explain import (
+    PlanningError,
+    alternatives_for,
+    explain_no_candidates,
+    explain_over_memory,
+)
+from dflop_jax.planner.plan_file import Plan
+from dflop_jax.planner.scoring import (
+    LayoutCosts,
+    ScheduleFn,
+    Score,
+    candidate_buckets,
+    expected_step_time,
+    mean_shape_step_time,
+    microbatch_range,
+    online_scheduler,
+    problem_for,
+    sample_batches,
+    stage_memory_bytes,
+)
+from dflop_jax.scheduler import BucketSet, SampleShape
+
+log = logging.getLogger(__name__)
+
+# progress(phase, done, total): called as the search advances (the CLI draws a rich progress bar)
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass
+class Evaluated:
+    """A candidate as the search sees it."""
+
+    cand: Candidate
+    buckets: BucketSet
+    costs: LayoutCosts
+    memory: list[float]
+    screen: float  # simulated mean-shape step time (inf when over memory: not simulated)
+    surrogate: (
+        float  # 1F1B surrogate of the same mean-shape step (cheap, computed for every candidate)
+    )
+    score: Score | None = None
+
+    def rank_key(self, num_devices: int, step: float) -> tuple:
+        c = self.cand
+        return (round(step, 6), num_devices - c.layout.num_devices, c.microbatches, c.layout.num_stages,
+                c.num_buckets, c.key)  # fmt: skip
+
+
+def make_plan(
+    arch,
+    device,
+    num_devices: int,
+    shapes: Sequence[SampleShape],
+    config: PlannerConfig,
+    provider=None,
+    progress: ProgressFn | None = None,
+    mode: str = "dflop",
+) -> Plan:
+    """Finds the layout with the lowest expected step time (see the module docstring).
+
+    Args:
+      arch: an MLLMArch or its name (`dflop_jax.costs.list_archs()`).
+      device: a DeviceSpec or preset name ("h100", "a100", "cpu").
+      num_devices: devices available.
+      shapes: the shape distribution (samples to draw global batches from).
+      config: search space and scoring settings.
+      provider: a CostProvider; None -> AnalyticCostProvider(arch, device).
+      progress: optional progress callback.
+      mode: "dflop" (data-aware search) or "uniform" (data-blind baseline layout).
+    Raises:
+      PlanningError: an infeasible request, with the constraint and by how much.
+    """
+    t0 = time.perf_counter()
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    device = get_device(device) if isinstance(device, str) else device
+    shapes = list(shapes)
+    _check_request(num_devices, shapes, mode)
+    provider = provider if provider is not None else AnalyticCostProvider(arch, device)
+    report = progress if progress is not None else (lambda *_: None)
+    usable = device.memory_bytes * (1.0 - config.memory_margin)
+
+    enum = enumerate_uniform if mode == "uniform" else enumerate_candidates
+    cands = enum(arch, num_devices, device.devices_per_host, config)
+    if not cands:
+        raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode))
+    evaluated = _screen_all(cands, shapes, config, provider, usable, report)
+    fits = [e for e in evaluated if max(e.memory) <= usable]
+    if not fits:
+        raise PlanningError(explain_over_memory(evaluated, device, config))
+    by_screen = sorted(fits, key=lambda e: e.rank_key(num_devices, e.screen))
+
+    batches = sample_batches(shapes, config.global_batch, config.samples, config.seed)
+    if mode == "uniform":
+        ranked = _score_uniform(by_screen, shapes, batches, config, num_devices)
+    else:
+        ranked = _score_dflop(by_screen, batches, config, num_devices, report)
+    best = ranked[0]
+    if best.score is None or best.score.failed:
+        raise PlanningError(
+            f"the scheduler could not pack the sampled batches for any memory-feasible layout "
+            f"(first: {best.cand.describe()}: {best.score.solver if best.score else 'not scored'}); "
+            "check the shape distribution and planner.global_batch"
+        )
+    search = {
+        "mode": mode,
+        "candidates": len(cands),
+        "over_memory": len(evaluated) - len(fits),
+        "scored": sum(e.score is not None for e in ranked),
+        "sampled_batches": config.samples,
+        "solver": best.score.solver,
+        "wall_time_s": round(time.perf_counter() - t0, 3),
+    }
+    log.info("plan: %s in %.1fs", best.cand.describe(), search["wall_time_s"])
+    return Plan(
+        model=arch.name,
+        device=device.name,
+        num_devices=num_devices,
+        cost_provider=str(provider.name),
+        mode=mode,
+        layout=best.cand.layout,
+        buckets=best.buckets,
+        microbatches=best.cand.microbatches,
+        max_microbatches=microbatch_range(best.cand.microbatches, config.microbatch_slack)[1],
+        global_batch=config.global_batch,
+        schedule=config.schedule,
+        step_time_mean_s=best.score.mean,
+        step_time_p90_s=best.score.p90,
+        idle_fraction=best.score.idle,
+        stage_memory_bytes=tuple(best.memory),
+        memory_capacity_bytes=usable,
+        device_memory_bytes=device.memory_bytes,
+        alternatives=alternatives_for(ranked, evaluated, usable, config.top_n, mode),
+        search=search,
+        planner_config=to_dict(config),
+    )
+
+
+def _check_request(num_devices: int, shapes: list[SampleShape], mode: str) -> None:
+    if mode not in ("dflop", "uniform"):
+        raise PlanningError(f"mode={mode!r}: choose 'dflop' or 'uniform'")
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise PlanningError(f"num_devices={num_devices!r}: need at least 1 device")
+    if not shapes:
+        raise PlanningError(
+            "the shape distribution is empty: give at least one sample (tiles, tokens)"
+        )
+
+
+def _screen_all(
+    cands, shapes, config: PlannerConfig, provider, usable: float, report
+) -> list[Evaluated]:
+    """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits)."""
+    stats = ShapeStats.of(shapes)
+    costs_of: dict = {}
+    out = []
+    for i, cand in enumerate(cands):
+        if cand.layout not in costs_of:
+            costs_of[cand.layout] = LayoutCosts.build(provider, cand.layout)
+        costs = costs_of[cand.layout]
+        buckets = candidate_buckets(cand, stats, config)
+        memory = stage_memory_bytes(provider, cand, buckets, config)
+        surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
+        fits = max(memory) <= usable
+        screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
+        out.append(Evaluated(cand, buckets, costs, memory, screen, surrogate))
+        if i % 64 == 0 or i == len(cands) - 1:
+            report("screen", i + 1, len(cands))
+    return out
+
+
+def _score_dflop(
+    by_screen: list[Evaluated], batches, config: PlannerConfig, num_devices: int, report
+):
+    """Scores screened candidates in screen order until `screen_top` of them schedule successfully."""
+    scheduler = online_scheduler(config.solver, config.seed)
+    top, ok = [], 0
+    for e in by_screen:
+        if ok >= config.screen_top:
+            break
+        e.score = _score(e, batches, scheduler, config)
+        top.append(e)
+        ok += not e.score.failed
+        report("score", ok, min(config.screen_top, len(by_screen)))
+    ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
+    if config.refine_top:
+        refiner = online_scheduler(config.refine_solver, config.seed, config.refine_time_limit_s)
+        for i, e in enumerate(ranked[: config.refine_top]):
+            refined = _score(e, batches, refiner, config)
+            e.score = refined if refined.mean < e.score.mean else e.score
+            report("refine", i + 1, min(config.refine_top, len(ranked)))
+        ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
+    return ranked + by_screen[len(top) :]
+
+
+def _score(e: Evaluated, batches, scheduler: ScheduleFn, config: PlannerConfig) -> Score:
+    problem = problem_for(
+        e.costs, microbatch_range(e.cand.microbatches, config.microbatch_slack), e.buckets
+    )
+    return expected_step_time(batches, e.costs, problem, scheduler, config.schedule)
+
+
+def _score_uniform(
+    by_screen: list[Evaluated], shapes, batches, config: PlannerConfig, num_devices: int
+):
+    """Data-blind: rank by the data-blind scheduler on a batch of mean-shape samples, then evaluate the
+    winner (and the listed alternatives) on the sampled batches with the same scheduler."""
+    from dflop_jax.planner.baseline import data_blind_scheduler, mean_shape_batch
+
+    mean_batch = [mean_shape_batch(shapes, config.global_batch)]
+    scheduler = data_blind_scheduler()
+    for e in by_screen:
+        e.screen = _score(e, mean_batch, scheduler, config).mean
+    ranked = sorted(by_screen, key=lambda e: e.rank_key(num_devices, e.screen))
+    for e in ranked[: 1 + config.top_n]:
+        e.score = _score(e, batches, scheduler, config)
+    return ranked
