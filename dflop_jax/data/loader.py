@@ -243,6 +243,7 @@ class _PackStage:
         stats = dict(packed)
         stats.update(
             num_samples=len(item.shapes),
+            sample_ids=[shape.id for shape in item.shapes],
             skipped=dict(skipped),
             scheduler_latency_s=item.scheduler_latency_s,
             load_s=load_s,
@@ -292,7 +293,8 @@ class Loader:
 
     Per batch, `batch.stats` holds: scheduler_latency_s (time in the scheduler hook), data_wait_s (time
     the consumer waited in `__next__`), load_s, skipped (counts by reason in this batch), padding ratios
-    (llm_padding_ratio, encoder_padding_ratio), token/tile counts and schedule_digest.
+    (llm_padding_ratio, encoder_padding_ratio), token/tile counts, schedule_digest, and sample_ids (the
+    `SampleShape.id`s the schedule's sample indices refer to).
     """
 
     _SUMS = (
