@@ -94,20 +94,8 @@ def test_transfer_costs_use_host_boundaries():
     assert t[1] == pytest.approx(8192 * 3584 * 2 / H100.inter_host_bandwidth)
 
 
-def test_memory_scales_with_tp_and_in_flight():
+def test_layout_memory_in_flight_counts():
     prov = AnalyticCostProvider(ARCH, H100)
-    m1 = prov.stage_memory(StageSpec("llm", 0, 14, tp=1), 8192)
-    m4 = prov.stage_memory(StageSpec("llm", 0, 14, tp=4), 8192)
-    assert m4.params == pytest.approx(m1.params / 4, rel=0.01)
-    assert m4.optimizer == pytest.approx(m1.optimizer / 4, rel=0.01)
-    assert m1.grads == 2 * m1.params and m1.optimizer == 6 * m1.params
-    assert (
-        m1.activations_per_microbatch / 4
-        < m4.activations_per_microbatch
-        < m1.activations_per_microbatch
-    )
-    remat = AnalyticCostProvider(ARCH, H100, remat=True).stage_memory(StageSpec("llm", 0, 14), 8192)
-    assert remat.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 2)
     mems = layout_memory(prov, _layout(), BucketSet((4, 8), (4096, 8192)))
     assert [m.in_flight for m in mems] == [3, 2, 1]
     assert mems[0].total() == pytest.approx(
@@ -118,6 +106,16 @@ def test_memory_scales_with_tp_and_in_flight():
         2,
         1,
     ]
+    assert [
+        m.in_flight for m in layout_memory(prov, _layout(), (8, 8192), in_flight=[5, 4, 1])
+    ] == [5, 4, 1]
+    # the colocated encoder's memory lands on LLM stage 0
+    coloc = layout_memory(prov, _layout(enc=False), (8, 8192))
+    enc = prov.stage_memory(
+        StageSpec("encoder", 0, 26, tp=2, dp=2, has_embedding=True, has_head=True), 8
+    )
+    assert coloc[0].params == pytest.approx(mems[1].params + enc.params)
+    assert coloc[0].total(1) > mems[1].total(1)
 
 
 def test_bad_device_and_arch_names():

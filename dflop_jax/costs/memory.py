@@ -1,18 +1,30 @@
 """Per-device memory of a pipeline stage: parameters, gradients, optimizer state, activations.
 
-Precision (DESIGN section 5): bf16 parameters for compute (2 B), fp32 gradient accumulators (4 B), fp32
-master weights + AdamW m and v (12 B) -> 18 B per parameter, replicated across data parallelism (no
-ZeRO), sharded by tensor parallelism (matrices split over tp, norms replicated).
+State, per parameter, replicated across data parallelism (no ZeRO) and sharded by tensor parallelism
+(matrices split over tp, norms replicated): fp32 parameters that double as the master copy (4 B; the
+models keep `param_dtype=float32` and cast to the compute dtype per use), fp32 gradient accumulators
+(4 B), AdamW m and v (8 B). With bf16 compute, jax autodiff also saves each cast weight for backward, so
+every in-flight microbatch holds a bf16 copy of the stage's weights (2 B/param, in
+`activations_per_microbatch`): 18 B/param at one microbatch in flight, as for the usual "bf16 params +
+fp32 grads + fp32 master/m/v" accounting.
 
-Activations saved for backward, per token per layer, in `compute_bytes` units, with flash-style
-attention (no S x S score matrix is stored) and no sequence parallelism (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", without the dropout masks and the
-5*a*s/h score term):
-- LLM block: replicated [norm-1 input, qkv input, norm-2 input, mlp input] = 4D, plus sharded over tp
-  q, k, v (H + 2K) * Dh, attention output H * Dh, gate, up and act (3F).
-- ViT block: 4D replicated, plus sharded q, k, v, attention output (4 * H * Dh) and fc1/gelu outputs (2F).
-With full remat only each layer's input (D, replicated) is kept, and backward rebuilds one layer at a
-time (counted in `temp`).
+Activations saved for backward per token per layer, calibrated against
+`jax.ad_checkpoint.print_saved_residuals` of the runtime's layers (models/decoder.py: RMSNorm with f32
+statistics, f32 RoPE tables, SwiGLU; tests/test_costs_memory.py re-derives it from a hand-written
+layer). `cb` = compute bytes, no sequence parallelism:
+- each norm: its f32 input and f32 normalized value, and the cb-byte cast and scaled output:
+  (8 + 2 cb) * D (replicated over tp);
+- RoPE: cos and sin broadcast for q and for k, f32: 8 * Dh (replicated);
+- LLM: q, k, v after RoPE and the attention output, cb * ((H + 2K) Dh + H Dh) / tp; SwiGLU gate, up,
+  three silu internals and the product, 6F * cb / tp;
+- ViT (no RoPE, assumed analogous, not yet calibrated against models/siglip.py): q, k, v, attention output
+  4 H Dh cb / tp; fc1 output, GELU internals and output 4F * cb / tp;
+- attention scores: a flash kernel keeps only a per-head f32 log-sum-exp (4 H / tp per token); XLA's
+  dense attention (`flash_attention=False`, as on CPU) keeps per head and (query, key) pair of the full
+  S x S square (n x n per tile) the mask (1 B, causal LLM only), the f32 masked scores and f32 exp, and
+  the cb-byte probabilities: 11 B (LLM) / 10 B (ViT) at bf16.
+With full remat a layer keeps only its input (cb * D per token); backward rebuilds one layer at a time
+(counted in `temp`, with the head's f32 logits and their gradient on the last stage).
 """
 
 from __future__ import annotations
@@ -23,10 +35,11 @@ from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import LLMArch, MLLMArch, VisionArch
 from dflop_jax.costs.layout import StageSpec
 
-PARAM_BYTES = 2  # bf16 compute copy
+PARAM_BYTES = 4  # fp32 parameters = master copy
 GRAD_BYTES = 4  # fp32 accumulation across microbatches
-OPTIMIZER_BYTES = 12  # fp32 master + AdamW m + v
+OPTIMIZER_BYTES = 8  # AdamW m + v, fp32
 LOGIT_BYTES = 4  # the loss is computed from fp32 logits
+F32 = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,27 +90,45 @@ def state_bytes(num_params: float) -> tuple[float, float, float]:
     return num_params * PARAM_BYTES, num_params * GRAD_BYTES, num_params * OPTIMIZER_BYTES
 
 
+def weight_copy_bytes(num_params: float, compute_bytes: int) -> float:
+    """Bytes of the compute-dtype weight casts autodiff saves per in-flight microbatch."""
+    return num_params * compute_bytes if compute_bytes < PARAM_BYTES else 0.0
+
+
+def _norm_bytes(d: int, cb: int) -> float:
+    return (2 * F32 + 2 * cb) * d
+
+
 def llm_activation_bytes_per_token(
     m: LLMArch, tp: int = 1, remat: bool = False, compute_bytes: int = 2
 ) -> float:
-    """Activation bytes saved per token per decoder layer on one device."""
-    d = m.hidden_size
+    """Activation bytes saved per token per decoder layer on one device (flash attention; the dense
+    attention square is `dense_attention_bytes`)."""
+    d, cb = m.hidden_size, compute_bytes
     if remat:
-        return float(d * compute_bytes)
-    sharded = (
-        (m.num_heads + 2 * m.num_kv_heads) * m.dh + m.num_heads * m.dh + 3 * m.intermediate_size
-    )
-    return (4 * d + sharded / tp) * compute_bytes
+        return float(d * cb)
+    qkvo = (m.num_heads + 2 * m.num_kv_heads) * m.dh + m.num_heads * m.dh
+    sharded = (qkvo + 6 * m.intermediate_size) * cb + F32 * m.num_heads
+    return 2 * _norm_bytes(d, cb) + 8 * m.dh + sharded / tp
 
 
 def vision_activation_bytes_per_token(
     v: VisionArch, tp: int = 1, remat: bool = False, compute_bytes: int = 2
 ) -> float:
-    """Activation bytes saved per token per ViT layer on one device."""
-    d = v.hidden_size
+    """Activation bytes saved per token per ViT layer on one device (flash attention)."""
+    d, cb = v.hidden_size, compute_bytes
     if remat:
-        return float(d * compute_bytes)
-    return (4 * d + (4 * v.num_heads * v.dh + 2 * v.intermediate_size) / tp) * compute_bytes
+        return float(d * cb)
+    sharded = (4 * v.num_heads * v.dh + 4 * v.intermediate_size) * cb + F32 * v.num_heads
+    return 2 * _norm_bytes(d, cb) + sharded / tp
+
+
+def dense_attention_bytes(
+    heads: int, length: int, tp: int, causal: bool, compute_bytes: int = 2
+) -> float:
+    """Bytes XLA's dense attention saves per layer for one [length x length] square (all heads)."""
+    per_pair = int(causal) + 2 * F32 + compute_bytes
+    return heads / tp * length**2 * per_pair
 
 
 def _sharded(layer_params: float, replicated: float, tp: int) -> float:
@@ -105,7 +136,12 @@ def _sharded(layer_params: float, replicated: float, tp: int) -> float:
 
 
 def encoder_stage_memory(
-    arch: MLLMArch, stage: StageSpec, tiles: int, remat: bool = False, compute_bytes: int = 2
+    arch: MLLMArch,
+    stage: StageSpec,
+    tiles: int,
+    remat: bool = False,
+    compute_bytes: int = 2,
+    flash_attention: bool = True,
 ) -> StageMemory:
     """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at `tiles`."""
     v, p, tp = arch.vision, arch.projector, stage.tp
@@ -114,42 +150,64 @@ def encoder_stage_memory(
     tokens = tiles * v.seq_len
     per_tok = vision_activation_bytes_per_token(v, tp, remat, compute_bytes)
     full_tok = vision_activation_bytes_per_token(v, tp, False, compute_bytes)
-    acts = stage.num_layers * per_tok * tokens
-    temp = full_tok * tokens if stage.num_layers else 0.0
+    cb = compute_bytes
+    scores = (
+        0.0
+        if flash_attention
+        else tiles * dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb)
+    )
+    acts = stage.num_layers * (per_tok * tokens + (0.0 if remat else scores))
+    temp = full_tok * tokens + scores if stage.num_layers else 0.0
     if stage.has_embedding:
         n_params += flops.vision_embedding_params(v)
-        acts += tiles * v.patches_per_tile * 3 * v.patch_size**2 * compute_bytes  # patch pixels
+        acts += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
     if stage.has_head:
         n_params += flops.projector_params(p) / tp
         out_tokens = tiles * v.tokens_per_tile
-        acts += out_tokens * (p.in_dim + 2 * p.out_dim / tp) * compute_bytes
+        # norm/fc1 input, fc1 output, GELU internals and output
+        acts += out_tokens * (_norm_bytes(p.in_dim, cb) + 4 * p.out_dim * cb / tp)
+    acts += weight_copy_bytes(n_params, cb)
     return StageMemory(*state_bytes(n_params), acts, temp)
 
 
 def llm_stage_memory(
-    arch: MLLMArch, stage: StageSpec, tokens: int, remat: bool = False, compute_bytes: int = 2
+    arch: MLLMArch,
+    stage: StageSpec,
+    tokens: int,
+    remat: bool = False,
+    compute_bytes: int = 2,
+    flash_attention: bool = True,
 ) -> StageMemory:
     """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of `tokens`."""
     m, tp = arch.llm, stage.tp
     n_params = stage.num_layers * _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
     per_tok = llm_activation_bytes_per_token(m, tp, remat, compute_bytes)
     full_tok = llm_activation_bytes_per_token(m, tp, False, compute_bytes)
-    acts = stage.num_layers * per_tok * tokens
-    temp = full_tok * tokens if stage.num_layers else 0.0
+    cb = compute_bytes
+    scores = 0.0 if flash_attention else dense_attention_bytes(m.num_heads, tokens, tp, True, cb)
+    acts = stage.num_layers * (per_tok * tokens + (0.0 if remat else scores))
+    temp = full_tok * tokens + scores if stage.num_layers else 0.0
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
     if stage.has_embedding:
         n_params += embed
     if stage.has_head:
         # A tied head on a different stage than the embedding still holds its own copy.
         n_params += m.hidden_size + (0 if (m.tie_embeddings and stage.has_embedding) else embed)
-        acts += tokens * m.hidden_size * compute_bytes  # final-norm output, input of the head
-        temp = max(temp, 2 * tokens * m.vocab_size / tp * LOGIT_BYTES)  # logits + their gradient
+        acts += tokens * _norm_bytes(m.hidden_size, cb)  # final norm, input of the head
+        # cb-byte logits, their f32 upcast and its gradient (the last stage runs F and B back to back)
+        temp = max(temp, tokens * m.vocab_size / tp * (cb + 2 * LOGIT_BYTES))
+    acts += weight_copy_bytes(n_params, cb)
     return StageMemory(*state_bytes(n_params), acts, temp)
 
 
 def stage_memory(
-    arch: MLLMArch, stage: StageSpec, bucket: int, remat: bool = False, compute_bytes: int = 2
+    arch: MLLMArch,
+    stage: StageSpec,
+    bucket: int,
+    remat: bool = False,
+    compute_bytes: int = 2,
+    flash_attention: bool = True,
 ) -> StageMemory:
     """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)."""
     fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
-    return fn(arch, stage, bucket, remat, compute_bytes)
+    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention)

@@ -16,7 +16,8 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   Backward = 2 x forward FLOPs (+1 x forward of the layers under remat).
   LLM attention at a static bucket S costs S*S/2 (query, key) pairs: a flash-style kernel skips the
   blocks above the causal diagonal but cannot skip cross-segment blocks it only learns of at run time
-  (an assumption; a measured table replaces it).
+  (an assumption; a measured table replaces it). With `flash_attention=False` (XLA's dense attention,
+  e.g. on CPU) the full S*S square is computed and its scores are stored (see memory.py).
 """
 
 from __future__ import annotations
@@ -67,7 +68,13 @@ class AnalyticCostProvider:
     """FLOPs / effective peak + tp all-reduces + per-layer overhead (see the module docstring)."""
 
     def __init__(
-        self, arch: MLLMArch, device: DeviceSpec, *, remat: bool = False, compute_bytes: int = 2
+        self,
+        arch: MLLMArch,
+        device: DeviceSpec,
+        *,
+        remat: bool = False,
+        compute_bytes: int = 2,
+        flash_attention: bool = True,
     ):
         if compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
@@ -75,7 +82,12 @@ class AnalyticCostProvider:
         self.device = device
         self.remat = remat
         self.compute_bytes = compute_bytes
-        self.name = f"analytic:{arch.name}@{device.name}" + ("+remat" if remat else "")
+        self.flash_attention = flash_attention
+        self.name = (
+            f"analytic:{arch.name}@{device.name}"
+            + ("+remat" if remat else "")
+            + ("" if flash_attention else "+dense-attn")
+        )
 
     # ------------------------------------------------------------ compute
 
@@ -115,7 +127,8 @@ class AnalyticCostProvider:
 
     def _llm_time(self, stage: StageSpec, tokens: int) -> tuple[float, float]:
         m = self.arch.llm
-        layer = stage.num_layers * flops.llm_layer_flops(m, tokens, tokens * tokens / 2.0)
+        pairs = tokens * tokens / 2.0 if self.flash_attention else float(tokens * tokens)
+        layer = stage.num_layers * flops.llm_layer_flops(m, tokens, pairs)
         total = layer + (flops.llm_head_flops(m, tokens) if stage.has_head else 0.0)
         ar_bytes = tokens * m.hidden_size * self.compute_bytes
         blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
@@ -148,7 +161,9 @@ class AnalyticCostProvider:
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         self._check_stage(stage)
-        return stage_memory(self.arch, stage, bucket, self.remat, self.compute_bytes)
+        return stage_memory(
+            self.arch, stage, bucket, self.remat, self.compute_bytes, self.flash_attention
+        )
 
     def output_bytes(self, stage: StageSpec, bucket: int) -> float:
         """Bytes of one shard's output activations (the projector output if the stage holds it)."""

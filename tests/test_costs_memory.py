@@ -1,0 +1,136 @@
+"""Memory model: state bytes and tp sharding, and activations against what jax autodiff actually saves."""
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from dflop_jax.costs import (
+    AnalyticCostProvider,
+    LLMArch,
+    StageSpec,
+    get_arch,
+    get_device,
+    llm_activation_bytes_per_token,
+    llm_layer_params,
+)
+from dflop_jax.costs.memory import dense_attention_bytes
+
+ARCH = get_arch("siglip-so400m+qwen2.5-7b")
+H100 = get_device("h100")
+
+
+def test_state_bytes_and_tp_sharding():
+    prov = AnalyticCostProvider(ARCH, H100)
+    m1 = prov.stage_memory(StageSpec("llm", 0, 14, tp=1), 8192)
+    m4 = prov.stage_memory(StageSpec("llm", 0, 14, tp=4), 8192)
+    n = 14 * llm_layer_params(ARCH.llm)
+    assert m1.params == pytest.approx(4 * n) and m1.grads == pytest.approx(4 * n)
+    assert m1.optimizer == pytest.approx(8 * n)
+    assert m4.params == pytest.approx(m1.params / 4, rel=0.01)
+    assert m4.optimizer == pytest.approx(m1.optimizer / 4, rel=0.01)
+    assert (
+        m1.activations_per_microbatch / 4
+        < m4.activations_per_microbatch
+        < m1.activations_per_microbatch
+    )
+
+
+def test_remat_keeps_layer_inputs_and_weight_casts():
+    remat = AnalyticCostProvider(ARCH, H100, remat=True)
+    m = remat.stage_memory(StageSpec("llm", 0, 14), 8192)
+    n = 14 * llm_layer_params(ARCH.llm)
+    assert m.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 2 + 2 * n)
+    fp32 = AnalyticCostProvider(ARCH, H100, remat=True, compute_bytes=4).stage_memory(
+        StageSpec("llm", 0, 14), 8192
+    )
+    assert fp32.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 4)  # no cast copies
+
+
+def test_dense_attention_adds_the_square():
+    flash = AnalyticCostProvider(ARCH, H100).stage_memory(StageSpec("llm", 0, 2), 4096)
+    dense = AnalyticCostProvider(ARCH, H100, flash_attention=False).stage_memory(
+        StageSpec("llm", 0, 2), 4096
+    )
+    extra = 2 * 28 * 4096**2 * (1 + 4 + 4 + 2)
+    assert dense.activations_per_microbatch - flash.activations_per_microbatch == pytest.approx(
+        extra
+    )
+
+
+_BYTES = {"bf16": 2, "f32": 4, "bool": 1}
+
+
+def _saved_bytes(fn, args, s):
+    """(per-token bytes, bytes of [.., s, s] squares) of the residuals autodiff saves, args excluded."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(fn, *args)
+    per_token = square = 0
+    for line in buf.getvalue().splitlines():
+        m = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+        if not m or "from the argument" in m.group(3):
+            continue
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        size = _BYTES[m.group(1)] * int(jnp.prod(jnp.array(dims))) if dims else 0
+        if dims.count(s) >= 2:
+            square += size
+        elif dims.count(s) == 1:
+            per_token += size
+    return per_token / s, square
+
+
+def test_llm_activations_match_jax_saved_residuals():
+    # A Qwen2-style layer written as the runtime computes it: RMSNorm with f32 statistics, f32 RoPE,
+    # GQA dense attention with a causal mask, SwiGLU; bf16 compute from fp32 weights.
+    s, d, h, k, dh, f = 96, 256, 4, 2, 64, 1024
+    bf = jnp.bfloat16
+
+    def norm(x, w):
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(xf), -1, keepdims=True)
+        return w.astype(bf) * (xf * jax.lax.rsqrt(var + 1e-6)).astype(bf)
+
+    def rope(x, cos, sin):
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        c, sn = cos[:, None, :], sin[:, None, :]
+        return jnp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], -1).astype(bf)
+
+    def layer(x, n1, n2, wq, wk, wv, wo, wg, wu, wd, positions):
+        angles = positions.astype(jnp.float32)[:, None] * (1e4 ** -(jnp.arange(0, dh, 2) / dh))
+        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [s, dh/2], from integer positions
+        y = norm(x, n1)
+        q = rope((y @ wq.astype(bf)).reshape(s, h, dh), cos, sin)
+        kk = rope((y @ wk.astype(bf)).reshape(s, k, dh), cos, sin)
+        v = (y @ wv.astype(bf)).reshape(s, k, dh)
+        qg = q.reshape(s, k, h // k, dh)
+        logits = jnp.einsum("skgd,tkd->kgst", qg, kk, preferred_element_type=jnp.float32)
+        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -1e30)
+        p = jax.nn.softmax(logits, -1).astype(bf)
+        a = jnp.einsum("kgst,tkd->skgd", p, v).reshape(s, h * dh)
+        x = x + a @ wo.astype(bf)
+        y = norm(x, n2)
+        return x + (jax.nn.silu(y @ wg.astype(bf)) * (y @ wu.astype(bf))) @ wd.astype(bf)
+
+    shapes = [
+        (d,),
+        (d,),
+        (d, h * dh),
+        (d, k * dh),
+        (d, k * dh),
+        (h * dh, d),
+        (d, f),
+        (d, f),
+        (f, d),
+    ]
+    args = [jnp.ones((s, d), bf)] + [jnp.ones(sh, jnp.float32) for sh in shapes]
+    args += [jnp.arange(s)]
+    per_token, square = _saved_bytes(layer, args, s)
+    llm = LLMArch("probe", 1, d, h, k, f, 1000)
+    flash_lse = 4 * h  # the formula's flash log-sum-exp, absent from this dense layer
+    assert per_token == pytest.approx(llm_activation_bytes_per_token(llm) - flash_lse, rel=0.01)
+    assert square == pytest.approx(dense_attention_bytes(h, s, 1, causal=True), rel=0.01)
