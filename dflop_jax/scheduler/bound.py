@@ -14,6 +14,7 @@ counts are also a packing target for the greedy (`greedy.targeted_assign`).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from dflop_jax.scheduler.objective import CostTable
 from dflop_jax.scheduler.types import ScheduleProblem
 
 _UNITS = 1_000_000
+log = logging.getLogger(__name__)
 
 
 def aggregate_bound(
@@ -30,13 +32,15 @@ def aggregate_bound(
     tiles: np.ndarray,
     problem: ScheduleProblem,
     table: CostTable,
-    time_limit_s: float = 0.2,
+    time_limit_s: float = 1.0,
+    deterministic_limit: float = 0.05,
 ) -> tuple[float, list[tuple[int, int]] | None]:
     """(lower bound in seconds, target pairs [(ti, si)] * M or None), see the module docstring."""
     dual = _dual_bound(tokens, tiles, problem, table)
     lo, hi = problem.microbatches
     nt, ns = table.w.shape
-    pairs = [(t, s) for t in range(nt) for s in range(ns)]
+    # a dominated pair can always be swapped for its dominator without breaking any constraint
+    pairs = [(t, s) for t, s, _ in table.nondominated()]
     wmax = float(table.w.max()) or 1.0
     wint = [math.floor(table.w[t, s] / wmax * _UNITS) for t, s in pairs]
     ldp, edp = problem.llm_dp, problem.encoder_dp
@@ -71,12 +75,15 @@ def aggregate_bound(
             )
     model.minimize(sum(n[p] * wint[p] for p in range(len(pairs))) + (problem.num_stages - 1) * top)
     solver = cp_model.CpSolver()
+    # deterministic stop (same bound for the same batch under any load); wall clock as a backstop
+    solver.parameters.max_deterministic_time = deterministic_limit
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return dual, None
     bound = solver.best_objective_bound * wmax / _UNITS
+    log.debug("aggregate bound: %s in %.3fs", solver.status_name(status), solver.wall_time)
     target = [pairs[p] for p in range(len(pairs)) for _ in range(solver.value(n[p]))]
     return max(dual, bound), target
 

@@ -15,7 +15,8 @@ class SchedulerConfig:
     Attributes:
       solver: "greedy" (milliseconds), "cpsat" / "auto" (greedy, then CP-SAT refinement seeded with the
         greedy answer as hint and cap, within `time_limit_s`; any solver problem falls back to greedy).
-      time_limit_s: hard wall-clock limit of the CP-SAT refinement (model building included).
+      time_limit_s: wall-clock budget of one `schedule_batch` call: the greedy always runs (milliseconds
+        to ~1 s at N=1024), CP-SAT (model building included) gets what is left of it.
       num_workers: CP-SAT worker threads.
       deterministic: CP-SAT runs interleaved (deterministic) search with a deterministic-time limit of
         `time_limit_s`; the wall limit stays as a backstop, and `info["cpsat_wall_limited"]` says when it

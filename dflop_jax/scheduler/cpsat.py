@@ -11,7 +11,7 @@ non-increasing. The greedy answer, relabelled to satisfy both orders, is the hin
 starts from a feasible solution at the cap.
 
 Determinism: with `config.deterministic` the search is interleaved (`interleave_search`) and stopped by
-`max_deterministic_time`, so a seed gives the same answer on any machine load; the wall-clock
+`max_deterministic_time` (DETERMINISTIC_FRACTION x time_limit_s), so a seed gives the same answer on any machine load; the wall-clock
 `max_time_in_seconds` stays as the hard backstop and `info["cpsat_wall_limited"]` flags the rare runs it
 cut. Without it, `num_workers` parallel workers race and results can vary run to run.
 """
@@ -29,6 +29,9 @@ from dflop_jax.scheduler.objective import CostTable
 from dflop_jax.scheduler.types import ScheduleProblem
 
 _W_UNITS = 100_000
+# deterministic-time budget as a fraction of the wall limit, so the deterministic stop usually comes
+# first even after the greedy used part of the wall budget
+DETERMINISTIC_FRACTION = 0.5
 
 
 @dataclasses.dataclass
@@ -36,22 +39,6 @@ class RefineResult:
     bin_of: np.ndarray | None  # None: keep the greedy
     reason: str
     info: dict
-
-
-def _pairs(table: CostTable) -> list[tuple[int, int, float]]:
-    """Non-dominated bucket pairs (ti, si, W): no other pair is at least as large on both sides and cheaper."""
-    nt, ns = table.w.shape
-    allp = [(t, s, float(table.w[t, s])) for t in range(nt) for s in range(ns)]
-    keep = []
-    for t, s, w in allp:
-        dominated = any(
-            (t2 >= t and s2 >= s and w2 < w)
-            or (t2 >= t and s2 >= s and w2 == w and (t2, s2) != (t, s))
-            for t2, s2, w2 in allp
-        )
-        if not dominated:
-            keep.append((t, s, w))
-    return keep
 
 
 def refine_cpsat(
@@ -63,15 +50,16 @@ def refine_cpsat(
     table: CostTable,
     config: SchedulerConfig,
     seed: int,
+    budget_s: float,
 ) -> RefineResult:
-    """Tries to improve `bin_of` within config.time_limit_s; see the module docstring."""
+    """Tries to improve `bin_of` within `budget_s` wall seconds; see the module docstring."""
     t0 = time.perf_counter()
     n, ldp, nb = len(tokens), problem.llm_dp, m * problem.llm_dp
     if n * nb > config.max_cpsat_vars:
         return RefineResult(
             None, f"cpsat skipped: {n}x{nb} assignment variables > max_cpsat_vars", {}
         )
-    pairs = _pairs(table)
+    pairs = table.nondominated()
     wmax = max(w for _, _, w in pairs) or 1.0
     wint = [int(round(w / wmax * _W_UNITS)) for _, _, w in pairs]
     tok = [int(v) for v in tokens]
@@ -113,7 +101,7 @@ def refine_cpsat(
             model.add_hint(u[k][p], p == hint_pairs[k])
 
     build_s = time.perf_counter() - t0
-    remaining = config.time_limit_s - build_s
+    remaining = budget_s - build_s
     info = {"cpsat_build_s": build_s, "cpsat_vars": n * nb + m * len(pairs)}
     if remaining <= 0.01:
         return RefineResult(
@@ -125,7 +113,7 @@ def refine_cpsat(
     solver.parameters.random_seed = seed
     if config.deterministic:
         solver.parameters.interleave_search = True
-        solver.parameters.max_deterministic_time = config.time_limit_s
+        solver.parameters.max_deterministic_time = DETERMINISTIC_FRACTION * config.time_limit_s
     status = solver.solve(model)
     info["cpsat_status"] = solver.status_name(status)
     info["cpsat_solve_s"] = solver.wall_time

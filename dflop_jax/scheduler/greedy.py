@@ -24,6 +24,9 @@ from dflop_jax.scheduler.types import ScheduleProblem
 
 MAX_COUNTS = 8
 _SHRINK_CANDIDATES = 4
+# moves per shrink attempt and per shrink() call: a deterministic bound on the greedy's time
+_MAX_MOVES = 24
+_MOVE_BUDGET = 1500
 
 
 def candidate_counts(problem: ScheduleProblem, n: int) -> list[int]:
@@ -112,6 +115,8 @@ class _State:
         self.tile_load = np.bincount(bin_of // self.ldp, weights=tiles, minlength=m)
         self.mb_of_bin = np.arange(m * self.ldp) // self.ldp
         self.ti, self.si = self._pairs(np.arange(m))
+        self._pairs_nd = table.nondominated()
+        self.moves_made = 0
 
     def _pairs(self, ks):
         need_t = np.ceil(self.tile_load[ks] / self.p.encoder_dp - 1e-9)
@@ -122,6 +127,7 @@ class _State:
         return self.table.w[self.ti, self.si]
 
     def move(self, i: int, b: int) -> None:
+        self.moves_made += 1
         a = self.bin_of[i]
         self.tok_load[a] -= self.tokens[i]
         self.tok_load[b] += self.tokens[i]
@@ -131,19 +137,14 @@ class _State:
 
     def try_shrink(self, k: int) -> bool:
         """Tries cheaper bucket pairs for microbatch k; commits the first that can be reached."""
-        w = self.table.w
-        cur = w[self.ti[k], self.si[k]]
-        cheaper = [
-            (w[t, s], t, s) for t in range(w.shape[0]) for s in range(w.shape[1]) if w[t, s] < cur
-        ]
-        for _, t, s in sorted(cheaper, reverse=True)[:_SHRINK_CANDIDATES]:
+        cur = self.table.w[self.ti[k], self.si[k]]
+        cheaper = sorted(((w, t, s) for t, s, w in self._pairs_nd if w < cur), reverse=True)
+        for _, t, s in cheaper[:_SHRINK_CANDIDATES]:
             moves = self._plan_moves(
                 k, int(self.table.tiles[t]) * self.p.encoder_dp, int(self.table.lengths[s])
             )
             if moves is not None:
-                touched = {k} | {int(b) // self.ldp for _, b in moves}
-                ks = np.array(sorted(touched))
-                self.ti[ks], self.si[ks] = self._pairs(ks)
+                self.ti, self.si = self._pairs(np.arange(self.m))
                 return True
         return False
 
@@ -151,13 +152,15 @@ class _State:
         """Moves (sample, bin) getting microbatch k under the caps; applied, or undone and None."""
         done: list[tuple[int, int]] = []
         bins_k = range(k * self.ldp, (k + 1) * self.ldp)
+        if not self._room_for(k, tile_cap, tok_cap):
+            return None
         ok = True
         for b in bins_k:
-            while ok and self.tok_load[b] > tok_cap:
+            while ok and self.tok_load[b] > tok_cap and len(done) < _MAX_MOVES:
                 ok = self._move_one(
                     b, k, self.tok_load[b] - tok_cap, tok_cap, tile_cap, done, by_tiles=False
                 )
-        while ok and self.tile_load[k] > tile_cap:
+        while ok and self.tile_load[k] > tile_cap and len(done) < _MAX_MOVES:
             src = [
                 b
                 for b in bins_k
@@ -166,11 +169,24 @@ class _State:
             ok = bool(src) and self._move_one(
                 src[0], k, self.tile_load[k] - tile_cap, tok_cap, tile_cap, done, by_tiles=True
             )
+        ok = ok and self.tile_load[k] <= tile_cap and self.tok_load[bins_k].max() <= tok_cap
         if ok:
             return done
         for i, b in reversed(done):
             self.move(i, b)
         return None
+
+    def _room_for(self, k: int, tile_cap: int, tok_cap: int) -> bool:
+        """Necessary condition: the other microbatches have room for k's excess under their buckets."""
+        caps = self.table.lengths[self.si].astype(np.float64)
+        caps[k] = tok_cap
+        tok = self.tok_load.reshape(self.m, self.ldp)
+        excess = np.maximum(tok[k] - tok_cap, 0.0).sum()
+        room = np.maximum(caps[:, None] - tok, 0.0).sum()
+        tile_caps = self.table.tiles[self.ti].astype(np.float64) * self.p.encoder_dp
+        tile_excess = max(self.tile_load[k] - tile_cap, 0.0)
+        tile_room = np.maximum(np.delete(tile_caps - self.tile_load, k), 0.0).sum()
+        return excess <= room and tile_excess <= tile_room
 
     def _move_one(self, src, k, excess, tok_cap, tile_cap, done, by_tiles) -> bool:
         members = np.flatnonzero(self.bin_of == src)
@@ -204,7 +220,41 @@ class _State:
             done.append((int(i), int(src)))
             self.move(int(i), b)
             return True
+        for j in order:  # no plain move: swap with a smaller sample elsewhere
+            if self._swap_one(
+                int(members[j]), src, k, excess, s_of_bin, t_cap_of_mb, done, by_tiles
+            ):
+                return True
         return False
+
+    def _swap_one(self, i, src, k, excess, s_of_bin, t_cap_of_mb, done, by_tiles) -> bool:
+        """Swaps sample i (bin src of microbatch k) with a smaller one that fits; True if done."""
+        tok, til, bins = self.tokens, self.tiles, self.bin_of
+        mb_j = self.mb_of_bin[bins]  # [N] microbatch of every sample
+        d_tok, d_til = tok[i] - tok, til[i] - til  # [N] what moves into j's bin / out of src
+        other = mb_j != k
+        ok = (bins != src) & ((d_til if by_tiles else d_tok) > 0)
+        ok &= self.tok_load[bins] + d_tok <= s_of_bin[bins]
+        ok &= ~other | (self.tile_load[mb_j] + d_til <= t_cap_of_mb[mb_j])
+        ok &= self.tok_load[src] - d_tok <= (s_of_bin[src] if by_tiles else np.inf)
+        if not by_tiles:  # do not undo tile progress of k
+            ok &= ~other | (d_til >= 0) | (self.tile_load[k] - d_til <= t_cap_of_mb[k])
+        else:
+            ok &= other
+        if not ok.any():
+            return False
+        gain = (d_til if by_tiles else d_tok)[ok]
+        cand = np.flatnonzero(ok)
+        covering = gain >= excess
+        pick = (
+            cand[covering][np.argmin(gain[covering])] if covering.any() else cand[np.argmax(gain)]
+        )
+        j, bj = int(pick), int(bins[pick])
+        done.append((i, src))
+        done.append((j, bj))
+        self.move(i, bj)
+        self.move(j, src)
+        return True
 
 
 def shrink(
@@ -215,7 +265,7 @@ def shrink(
     for _ in range(max_passes):
         improved = False
         for k in np.argsort(-st.w(), kind="stable"):
-            while st.try_shrink(int(k)):
+            while st.moves_made < _MOVE_BUDGET and st.try_shrink(int(k)):
                 improved = True
         if not improved:
             break
@@ -236,14 +286,34 @@ def greedy_schedule(
         for m in candidate_counts(problem, len(tokens))
     ]
     if target:
-        starts.append((len(target), lambda: targeted_assign(tokens, tiles, target, problem, table)))
+        packed = targeted_assign(tokens, tiles, target, problem, table)
+        if packed is not None:
+            obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
+            if obj <= lb * (1 + 1e-9):  # the packing reached the bound: nothing left to gain
+                return packed, len(target), obj, lb
+            starts.append((len(target), lambda: packed))
     best = None
     for m, make in starts:
         bin_of = make()
         if bin_of is None:
             continue
-        bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
-        obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+        try:
+            # a start already worse than the best before shrinking rarely wins: skip its shrink
+            raw = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+            if best is not None and raw >= best[2]:
+                continue
+            bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
+            obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+        except ValueError:  # this start overflows the largest buckets; others may not
+            continue
         if best is None or obj < best[2] - 1e-15:
             best = (bin_of, m, obj)
+    if best is None:
+        lo, hi = problem.microbatches
+        raise ValueError(
+            f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
+            f"microbatches of llm_dp={problem.llm_dp} x {problem.buckets.lengths[-1]} tokens and "
+            f"encoder_dp={problem.encoder_dp} x {problem.buckets.tiles[-1]} tiles: raise the largest "
+            "buckets or the microbatch count"
+        )
     return (*best, lb)

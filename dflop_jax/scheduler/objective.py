@@ -71,6 +71,20 @@ class CostTable:
         w = stage.sum(axis=3).max(axis=2)
         return cls(np.asarray(b.tiles), np.asarray(b.lengths), stage, w, _suffix_argmin(w))
 
+    def nondominated(self) -> list[tuple[int, int, float]]:
+        """Pairs (ti, si, W) no other pair beats: none at least as large on both sides and cheaper
+        (or as cheap and different)."""
+        nt, ns = self.w.shape
+        allp = [(t, s, float(self.w[t, s])) for t in range(nt) for s in range(ns)]
+        return [
+            (t, s, w)
+            for t, s, w in allp
+            if not any(
+                t2 >= t and s2 >= s and (w2 < w or (w2 == w and (t2, s2) != (t, s)))
+                for t2, s2, w2 in allp
+            )
+        ]
+
     def pair_for(
         self, tile_need: np.ndarray, token_need: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:

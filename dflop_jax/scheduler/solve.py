@@ -1,6 +1,6 @@
 """schedule_batch: greedy, then time-boxed CP-SAT refinement, then the report (DESIGN section 4).
 
-Never blocks past `config.time_limit_s` (plus the greedy's milliseconds) and never fails because of the
+Never blocks past `config.time_limit_s` (the greedy always runs; CP-SAT gets what is left) and never fails because of the
 solver: a timeout without a better answer, an infeasible or invalid model, or any exception inside the
 refinement leaves the greedy answer in place, with the reason in `info["fallback"]`.
 """
@@ -61,9 +61,14 @@ def schedule_batch(
     bin_of, m, greedy_obj, lb = greedy_schedule(tokens, tiles, problem, table)
     info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": time.perf_counter() - t0}
     solver = "greedy"
-    if config.solver in ("cpsat", "auto"):
+    remaining = config.time_limit_s - (time.perf_counter() - t0)
+    if config.solver in ("cpsat", "auto") and remaining < 0.05:
+        info["fallback"] = (
+            f"cpsat skipped: the greedy used {config.time_limit_s - remaining:.3f}s of the time limit"
+        )
+    elif config.solver in ("cpsat", "auto"):
         bin_of, solver = _refine(
-            bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, info
+            bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, remaining, info
         )
 
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
@@ -74,12 +79,12 @@ def schedule_batch(
     return Schedule(plans, obj, lb, solver, time.perf_counter() - t0, info)
 
 
-def _refine(bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, info):
+def _refine(bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, budget, info):
     """CP-SAT refinement; returns (bin_of, solver name). Falls back to the greedy on any problem."""
     from dflop_jax.scheduler.cpsat import refine_cpsat
 
     try:
-        res = refine_cpsat(bin_of, m, tokens, tiles, problem, table, config, seed)
+        res = refine_cpsat(bin_of, m, tokens, tiles, problem, table, config, seed, budget)
     except Exception as e:  # the step must never fail because of the solver
         log.warning("CP-SAT refinement failed, keeping greedy: %r", e)
         info["fallback"] = f"exception: {e!r}"
