@@ -1,6 +1,10 @@
 """Data layer: sources, processing, shape metadata, synthetic data, packing and the grain loader."""
 
-# Packing and loader (data-B); data-A adds the sources/processing names.
+# Sources, processing, metadata, synthetic data, profiling (data-A).
+from dflop_jax.data.config import DataConfig
+from dflop_jax.data.errors import REASONS, BadSample
+
+# Packing and loader (data-B).
 from dflop_jax.data.loader import (
     Loader,
     PackSpec,
@@ -9,9 +13,26 @@ from dflop_jax.data.loader import (
     make_loader,
     pack_geometry,
 )
+from dflop_jax.data.metadata import MetadataCache
+from dflop_jax.data.mix import load_mix
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
+from dflop_jax.data.process import Processor
+from dflop_jax.data.sources import load_source, read_records
+from dflop_jax.data.synth import synth_dataset
+from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "REASONS",
+    "BadSample",
+    "DataConfig",
+    "MetadataCache",
+    "Processor",
+    "Tokenizer",
+    "load_mix",
+    "load_source",
+    "load_tokenizer",
+    "read_records",
+    "synth_dataset",
     "HostShardSpec",
     "Loader",
     "PackSpec",
