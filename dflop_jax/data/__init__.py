@@ -1,10 +1,8 @@
 """Data layer: sources, processing, shape metadata, synthetic data, packing and the grain loader."""
 
-# Sources, processing, metadata, synthetic data, profiling (data-A).
+# data-A: config, errors, metadata, mix, process, sources, synth, tokenizer. data-B: loader, packing.
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import REASONS, BadSample
-
-# Packing and loader (data-B).
 from dflop_jax.data.loader import (
     Loader,
     PackSpec,
