@@ -159,8 +159,22 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
         f"# Predicted step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f} ms), "
         f"idle {plan.idle_fraction:.1%}. Written by python -m dflop_jax.plan.\n"
     )
-    path.write_text(header + yaml.safe_dump(plan_to_dict(plan), sort_keys=False, width=110))
+    path.write_text(
+        header + yaml.dump(plan_to_dict(plan), Dumper=_Dumper, sort_keys=False, width=110)
+    )
     return path
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with short scalar lists on one line (`tiles: [16, 19, 21]`)."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list):
+    flow = all(isinstance(v, (int, float, str, bool)) or v is None for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
 
 
 def load_plan(path: str | Path) -> Plan:

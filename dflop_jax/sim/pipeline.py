@@ -166,7 +166,9 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b") -> SimResult
         raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked")
     step = float(max(free_at))
     busy = times.sum(axis=0).sum(axis=1)  # [P]
-    idle = float(np.sum(step - busy) / (p * step)) if step > 0 else 0.0
+    idle = (
+        max(0.0, float(np.sum(step - busy) / (p * step))) if step > 0 else 0.0
+    )  # clamp fp round-off
     return SimResult(step, busy, idle, tuple(tuple(e) for e in events), schedule)
 
 

@@ -1,0 +1,108 @@
+"""plan.yaml round trip, the plan/simulate CLIs on tiny inputs, and every planner config in configs/."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflop_jax import plan as plan_cli
+from dflop_jax import simulate as simulate_cli
+from dflop_jax.config import load_config
+from dflop_jax.planner import PlannerConfig, load_plan, make_plan, save_plan
+from dflop_jax.planner.run_config import PlanRunConfig
+from dflop_jax.scheduler import llava_ov_mix
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN_CONFIGS = ["llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml"]
+TINY = ["model=tiny", "device=cpu", "num_devices=4", "data.synthetic_samples=200", "planner.global_batch=8",
+        "planner.microbatches=[2,4]", "planner.samples=1", "planner.screen_top=2", "planner.llm_pp=[1,2]"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    cfg = PlannerConfig(
+        global_batch=8, microbatches=(2, 4), samples=2, screen_top=2, llm_pp=(1, 2), top_n=2
+    )
+    return make_plan("tiny", "cpu", 4, llava_ov_mix(200, 0), cfg)
+
+
+def test_plan_yaml_round_trip(tiny_plan, tmp_path):
+    path = save_plan(tiny_plan, tmp_path / "p" / "plan.yaml")
+    assert load_plan(path) == tiny_plan
+    text = path.read_text()
+    d = yaml.safe_load(text)
+    assert d["layout"][0]["devices"] == tiny_plan.layout.stages[0].num_devices
+    assert "lost_because" in text and "memory_gib" in text and "step_time_p90_s" in text
+    assert f"tiles: {list(tiny_plan.buckets.tiles)}" in text  # short lists stay on one line
+
+
+def test_load_plan_rejects_other_files(tmp_path):
+    (tmp_path / "x.yaml").write_text("a: 1\n")
+    with pytest.raises(ValueError, match="not a dflop plan"):
+        load_plan(tmp_path / "x.yaml")
+    with pytest.raises(ValueError, match="not found"):
+        load_plan(tmp_path / "missing.yaml")
+
+
+def test_plan_cli_writes_plan_and_config(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert plan_cli.main(["--no-progress", "--json", *TINY, f"out={out}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "tiny" and report["num_devices"] == 4
+    assert load_plan(out).num_devices == 4
+    resolved = load_config(PlanRunConfig, tmp_path / "plan.config.yaml")
+    assert resolved.planner.global_batch == 8
+
+
+def test_plan_cli_infeasible_is_one_line(tmp_path, capsys):
+    assert (
+        plan_cli.main(["--no-progress", *TINY, "planner.tp=[3]", f"out={tmp_path / 'p.yaml'}"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no tensor-parallel degree fits") and "\n" not in err
+    assert plan_cli.main(["--no-progress", "planner.bogus=1"]) == 2
+    assert "planner.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
+    path = save_plan(tiny_plan, tmp_path / "plan.yaml")
+    samples = tmp_path / "batch.jsonl"
+    samples.write_text(
+        "".join(
+            json.dumps({"id": i, "tiles": i % 3, "tokens": 100 + 50 * i}) + "\n" for i in range(8)
+        )
+    )
+    png = tmp_path / "t.png"
+    assert (
+        simulate_cli.main(
+            ["--plan", str(path), "--samples", str(samples), "--png", str(png), "--json"]
+        )
+        == 0
+    )
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["batches"][0]["samples"] == 8 and rep["step_time_mean_s"] > 0
+    assert 0 <= rep["idle_fraction_mean"] < 1 and png.read_bytes()[:4] == b"\x89PNG"
+    args = [
+        "--plan",
+        str(path),
+        "--mix",
+        "llava-ov",
+        "--batches",
+        "2",
+        "--scheduler",
+        "data-blind",
+        "--schedule",
+        "gpipe",
+    ]
+    assert simulate_cli.main(args) == 0
+    assert "mean: step" in capsys.readouterr().out
+    samples.write_text('{"id": 1}\n')
+    assert simulate_cli.main(["--plan", str(path), "--samples", str(samples)]) == 2
+    assert "batch.jsonl:1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", PLAN_CONFIGS)
+def test_planner_configs_load(name):
+    cfg = load_config(PlanRunConfig, ROOT / "configs" / name)
+    assert cfg.num_devices >= 1 and cfg.planner.global_batch >= 1

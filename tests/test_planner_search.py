@@ -1,0 +1,196 @@
+"""Planner search: memory rejection, infeasible-request explanations, determinism, tie-break, scoring path."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dflop_jax.costs import AnalyticCostProvider, StageMemory, get_arch, get_device
+from dflop_jax.planner import PlannerConfig, PlanningError, make_plan
+from dflop_jax.planner.buckets import ShapeStats, bucket_set, ladder
+from dflop_jax.planner.candidates import enumerate_candidates, enumerate_uniform, split_layers
+from dflop_jax.planner.scoring import LayoutCosts, problem_for, simulate_schedule
+from dflop_jax.planner.search import Evaluated
+from dflop_jax.scheduler import SampleShape, SchedulerConfig, sample_global_batch, schedule_batch
+from dflop_jax.sim import simulate
+
+ARCH, DEVICE = get_arch("tiny"), get_device("cpu")
+_GIB = 2**30
+
+
+def _shapes(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        SampleShape(i, int(t), int(64 + 16 * t + rng.integers(10, 400)), "image" if t else "text")
+        for i, t in enumerate(rng.integers(0, 9, size=n))
+    ]
+
+
+SMALL = PlannerConfig(
+    global_batch=16, microbatches=(2, 4), samples=2, screen_top=3, top_n=3, llm_pp=(1, 2)
+)
+
+
+class HugeMemory:
+    """Delegates to the analytic provider, but `stage_memory` reports `scale` x the real figure, plus
+    `extra` bytes on stages with more than `max_layers` layers."""
+
+    def __init__(self, scale=1.0, extra=0.0, max_layers=None):
+        self.inner = AnalyticCostProvider(ARCH, DEVICE)
+        self.name, self.arch, self.device = "huge-memory", ARCH, DEVICE
+        self.scale, self.extra, self.max_layers = scale, extra, max_layers
+
+    def stage_time(self, stage, bucket):
+        return self.inner.stage_time(stage, bucket)
+
+    def transfer_time(self, stage, bucket, cross_host=True):
+        return self.inner.transfer_time(stage, bucket, cross_host)
+
+    def stage_memory(self, stage, bucket):
+        m = self.inner.stage_memory(stage, bucket)
+        big = (
+            self.max_layers is not None
+            and stage.module == "llm"
+            and stage.num_layers > self.max_layers
+        )
+        return StageMemory(m.params * self.scale + (self.extra if big else 0.0), m.grads, m.optimizer,
+                           m.activations_per_microbatch, m.temp)  # fmt: skip
+
+
+def test_all_layouts_over_memory_is_explained():
+    with pytest.raises(PlanningError) as e:
+        make_plan(ARCH, DEVICE, 8, _shapes(), SMALL, provider=HugeMemory(scale=1e6))
+    msg = str(e.value)
+    assert msg.startswith("no layout fits in memory")
+    assert "GiB per device on stage" in msg and "usable" in msg and "over by" in msg
+    assert "memory_margin 0.1" in msg
+
+
+def test_over_memory_layouts_rejected_and_listed():
+    # Any LLM stage holding all 4 layers gets +100 GiB: only pp=2 layouts fit.
+    provider = HugeMemory(extra=100 * _GIB, max_layers=2)
+    plan = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL, provider=provider)
+    assert len(plan.layout.llm_stages) == 2
+    assert max(plan.stage_memory_bytes) <= plan.memory_capacity_bytes
+    assert plan.search["over_memory"] > 0
+    # the unconstrained best is a pp=1 layout, so it shows up as rejected for memory
+    free = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL)
+    assert len(free.layout.llm_stages) == 1
+    assert any("over memory by" in a.reason for a in plan.alternatives)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_devices": 0}, "num_devices=0: need at least 1 device"),
+        ({"shapes": []}, "shape distribution is empty"),
+        (
+            {"config": dataclasses.replace(SMALL, tp=(3,))},
+            "no tensor-parallel degree fits: planner.tp=\\[3\\]",
+        ),
+        ({"config": dataclasses.replace(SMALL, global_batch=1)}, "global_batch=1 is smaller than"),
+        (
+            {"config": dataclasses.replace(SMALL, colocate=False), "num_devices": 1},
+            "separate encoder needs at least 2",
+        ),
+        ({"mode": "bogus"}, "mode='bogus'"),
+    ],
+)
+def test_infeasible_requests_are_explained(kwargs, match):
+    args = {"num_devices": 8, "shapes": _shapes(), "config": SMALL, "mode": "dflop"} | kwargs
+    with pytest.raises(PlanningError, match=match):
+        make_plan(
+            ARCH, DEVICE, args["num_devices"], args["shapes"], args["config"], mode=args["mode"]
+        )
+
+
+def test_choice_is_deterministic_and_fastest():
+    a = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL)
+    b = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL)
+    strip = lambda p: dataclasses.replace(
+        p, search={k: v for k, v in p.search.items() if k != "wall_time_s"}
+    )
+    assert strip(a) == strip(b)
+    scored = [x.step_time_s for x in a.alternatives if x.step_time_s is not None]
+    assert all(a.step_time_mean_s <= s for s in scored)
+    assert a.layout.num_devices == 8
+
+
+def test_tie_break_prefers_fewer_idle_devices_then_fewer_microbatches():
+    cands = enumerate_candidates(ARCH, 8, 8, dataclasses.replace(SMALL, max_idle_devices=4))
+    by = {(c.layout.num_devices, c.microbatches): c for c in cands}
+    full, part = by[8, 4], by[6, 2]
+    ev = lambda c: Evaluated(c, None, None, [0.0], 1.0, 1.0)
+    order = sorted([ev(part), ev(full)], key=lambda e: e.rank_key(8, 1.0))
+    assert order[0].cand is full  # same step time: fewer unused devices wins
+    same_dev = [c for c in cands if c.layout == full.layout]
+    order = sorted([ev(c) for c in reversed(same_dev)], key=lambda e: e.rank_key(8, 1.0))
+    assert order[0].cand.microbatches == min(c.microbatches for c in same_dev)
+
+
+def test_plan_score_is_scheduler_then_simulator():
+    """The plan's prediction equals schedule_batch + simulate on the same sampled batches."""
+    shapes = _shapes()
+    plan = make_plan(ARCH, DEVICE, 8, shapes, SMALL)
+    costs = LayoutCosts.build(AnalyticCostProvider(ARCH, DEVICE), plan.layout)
+    problem = problem_for(costs, plan.microbatch_range, plan.buckets)
+    rng = np.random.default_rng(SMALL.seed)
+    steps = []
+    for _ in range(SMALL.samples):
+        batch = sample_global_batch(shapes, SMALL.global_batch, rng)
+        sched = schedule_batch(
+            batch, problem, SchedulerConfig(solver="greedy", correction="off"), SMALL.seed
+        )
+        times = np.stack(
+            [problem.stage_costs(m.tile_bucket, m.length_bucket) for m in sched.microbatches]
+        )
+        xfer = np.stack(
+            [costs.transfer(m.tile_bucket, m.length_bucket) for m in sched.microbatches]
+        )
+        steps.append(simulate(times, xfer).step_time)
+        assert simulate_schedule(sched, costs).step_time == pytest.approx(steps[-1])
+    assert plan.step_time_mean_s == pytest.approx(np.mean(steps))
+
+
+def test_uniform_mode_is_colocated_single_bucket():
+    plan = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL, mode="uniform")
+    assert plan.mode == "uniform" and not plan.layout.encoder_stages
+    assert len(plan.buckets.tiles) == 1 and len(plan.buckets.lengths) == 1
+    assert len({s.tp for s in plan.layout.stages}) == 1 and plan.layout.num_devices == 8
+
+
+def test_enumeration_rules():
+    cfg = PlannerConfig(tp=(1, 2, 4, 8), llm_pp=(1, 2, 4, 8), global_batch=64)
+    cands = enumerate_candidates(ARCH, 8, 4, cfg)
+    for c in cands:
+        for s in c.layout.stages:
+            heads = ARCH.vision.num_heads if s.module == "encoder" else ARCH.llm.num_kv_heads
+            assert heads % s.tp == 0 and s.tp <= 4
+        assert c.layout.num_devices == 8
+        assert sum(s.num_layers for s in c.layout.llm_stages) == ARCH.llm.num_layers
+        assert c.microbatches * c.layout.llm_dp <= 64
+    assert all(not c.layout.encoder_stages for c in enumerate_uniform(ARCH, 8, 4, cfg))
+    assert split_layers(28, 3) == [(0, 10), (10, 9), (19, 9)]
+    with pytest.raises(ValueError, match="pp=5"):
+        split_layers(4, 5)
+
+
+def test_bucket_ladder_covers_mean_and_largest():
+    sizes = ladder(mean_load=1000, largest_item=4000, n=5, align=64)
+    assert list(sizes) == sorted(sizes) and all(s % 64 == 0 for s in sizes)
+    assert sizes[0] >= 800 and sizes[-1] == 4032  # max(largest, 1.5 x mean), aligned up
+    assert ladder(1000, 100, 1, 1) == (1500,)
+    stats = ShapeStats.of(_shapes())
+    b = bucket_set(stats, 16, 4, 2, 2, 6, 64)
+    assert b.lengths[-1] >= stats.max_tokens and b.tiles[-1] * 2 >= stats.max_tiles
+
+
+def test_config_validation():
+    from dflop_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="planner.memory_margin=1.5"):
+        PlannerConfig(memory_margin=1.5)
+    with pytest.raises(ConfigError, match="planner.num_buckets"):
+        PlannerConfig(num_buckets=(1,))
+    with pytest.raises(ConfigError, match="planner.tp"):
+        PlannerConfig(tp=())
