@@ -1,0 +1,201 @@
+"""Stage programs: one pipeline stage's jitted forward / backward / fused last step on its submesh.
+
+A stage is given as pure functions over (params, x, side):
+  forward(params, x, side) -> y                      every stage but the last
+  loss(params, x, side) -> (loss_sum, count)         the last stage (forward + loss)
+where `x` is the activation from the previous stage (None for the pipeline's first stage), `side` a dict
+of this stage's microbatch arrays (tiles, segment ids, targets, ...), and `params` fp32 master weights.
+
+Backward design: recompute-in-backward. The forward program returns only its output; the backward
+program re-runs the forward under `jax.vjp` from the saved stage input and pulls the cotangent through.
+No residuals cross the Python boundary, so memory per in-flight microbatch is one stage input (what 1F1B
+bounds), at the price of one extra stage forward (the usual activation-recompute trade). The last stage
+fuses forward, loss and backward in one program. Gradients accumulate in a donated fp32 buffer with the
+parameters' shardings; the data-parallel reduction is implicit in SPMD over the mesh's "data" axis.
+
+Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
+w.r.t. the fp32 masters come back in fp32.
+
+Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
+counts the distinct signatures seen, which is exactly the number of XLA compilations JAX performs for
+these jits (a jit recompiles iff the abstract signature changes; shardings and dtypes are fixed here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
+LossFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
+
+
+def enable_compilation_cache(cache_dir: str | Path) -> None:
+    """Turns on JAX's persistent compilation cache (every program, however fast it compiles)."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+    """The pure functions of one stage (exactly one of `forward` / `loss` is set).
+
+    Attributes:
+      forward: (params, x, side) -> y, for every stage but the last.
+      loss: (params, x, side) -> (loss_sum, count) for the last stage; loss_sum is un-normalized.
+      side_keys: the microbatch fields this stage reads (keys of `side`).
+      x_spec: PartitionSpec of the stage input x on this stage's mesh (None: the stage has no x).
+      y_spec: PartitionSpec of the stage output y (unused for the last stage).
+    """
+
+    forward: ForwardFn | None = None
+    loss: LossFn | None = None
+    side_keys: tuple[str, ...] = ()
+    x_spec: P | None = None
+    y_spec: P = P("data")
+
+    def __post_init__(self):
+        if (self.forward is None) == (self.loss is None):
+            raise ValueError(
+                "StageFns: set exactly one of forward (inner stage) or loss (last stage)"
+            )
+
+
+def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
+    """Casts the floating leaves of `tree` to `dtype` (integer leaves untouched)."""
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
+
+
+class StageProgram:
+    """One stage's params and jitted programs on its submesh.
+
+    Args:
+      mesh: the stage's ("data", "model") mesh.
+      fns: the stage's pure functions.
+      params: fp32 parameters, already placed on `mesh` (each leaf a NamedSharding on it).
+      compute_dtype: dtype of the stage's matmuls (bf16 by default in training, fp32 in parity tests).
+    """
+
+    def __init__(self, mesh: Mesh, fns: StageFns, params: PyTree, compute_dtype=jnp.bfloat16):
+        self.mesh = mesh
+        self.fns = fns
+        self.params = params
+        self.compute_dtype = compute_dtype
+        self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
+        self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+        self.y_sharding = NamedSharding(mesh, fns.y_spec)
+        self.side_sharding = NamedSharding(mesh, P("data"))
+        self._signatures: set[tuple] = set()
+        self._build()
+
+    @property
+    def is_last(self) -> bool:
+        return self.fns.loss is not None
+
+    @property
+    def has_x(self) -> bool:
+        return self.fns.x_spec is not None
+
+    @property
+    def compiles(self) -> int:
+        """Distinct (program, input-shape) signatures seen = XLA compilations of this stage."""
+        return len(self._signatures)
+
+    def _apply(self, params, x, side):
+        p = cast_floating(params, self.compute_dtype)
+        if x is not None:
+            x = x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        if self.is_last:
+            return self.fns.loss(p, x, side)
+        return self.fns.forward(p, x, side)
+
+    def _build(self):
+        ps, xs, ys = self.param_shardings, self.x_sharding, self.y_sharding
+        side_s = self.side_sharding
+        scalar = NamedSharding(self.mesh, P())
+
+        def fwd(params, x, side):
+            return self._apply(params, x, side)
+
+        def bwd(params, x, side, gy, gacc):
+            if x is None:
+                _, vjp = jax.vjp(lambda p: self._apply(p, None, side), params)
+                (gp,) = vjp(gy)
+                gx = None
+            else:
+                _, vjp = jax.vjp(lambda p, x_: self._apply(p, x_, side), params, x)
+                gp, gx = vjp(gy)
+            return gx, jax.tree.map(jnp.add, gacc, gp)
+
+        def last(params, x, side, normalizer, gacc):
+            def objective(p, x_):
+                loss_sum, count = self._apply(p, x_, side)
+                return loss_sum.astype(jnp.float32) / normalizer, count
+
+            if x is None:
+                (loss, count), gp = jax.value_and_grad(lambda p: objective(p, None), has_aux=True)(
+                    params
+                )
+                gx = None
+            else:
+                (loss, count), (gp, gx) = jax.value_and_grad(
+                    objective, argnums=(0, 1), has_aux=True
+                )(params, x)
+            return loss, count, gx, jax.tree.map(jnp.add, gacc, gp)
+
+        self._fwd = jax.jit(fwd, in_shardings=(ps, xs, side_s), out_shardings=ys)
+        self._bwd = jax.jit(
+            bwd, in_shardings=(ps, xs, side_s, ys, ps), out_shardings=(xs, ps), donate_argnums=(4,)
+        )
+        self._last = jax.jit(
+            last,
+            in_shardings=(ps, xs, side_s, scalar, ps),
+            out_shardings=(scalar, scalar, xs, ps),
+            donate_argnums=(4,),
+        )
+        self._zeros = jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, p), in_shardings=(ps,), out_shardings=ps
+        )
+
+    def _record(self, kind: str, x, side) -> None:
+        shapes = tuple((k, side[k].shape, str(side[k].dtype)) for k in sorted(side))
+        xshape = None if x is None else (x.shape, str(x.dtype))
+        self._signatures.add((kind, xshape, shapes))
+
+    def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
+        return {k: jax.device_put(batch[k], self.side_sharding) for k in self.fns.side_keys}
+
+    def zero_grads(self) -> PyTree:
+        return self._zeros(self.params)
+
+    def forward(self, x, side) -> jax.Array:
+        self._record("fwd", x, side)
+        with jax.set_mesh(self.mesh):
+            return self._fwd(self.params, x, side)
+
+    def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
+        """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""
+        self._record("bwd", x, side)
+        with jax.set_mesh(self.mesh):
+            return self._bwd(self.params, x, side, gy, gacc)
+
+    def forward_backward_loss(self, x, side, normalizer, gacc):
+        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams)."""
+        self._record("last", x, side)
+        norm = jax.device_put(np.float32(normalizer), NamedSharding(self.mesh, P()))
+        with jax.set_mesh(self.mesh):
+            return self._last(self.params, x, side, norm, gacc)

@@ -1,0 +1,150 @@
+"""Per-stage optimizer state and update, with gradient clipping by the GLOBAL norm over all stages.
+
+Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule) on its
+submesh. Clipping needs the norm of the whole model's gradient: each stage computes its squared norm
+on its mesh, the host sums the scalars (one tiny pull per stage, which the step's loss pull needs
+anyway), and each stage's update scales its gradients by min(1, max_norm / global_norm) -- the
+`optax.clip_by_global_norm` rule applied across stages.
+
+Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
+(a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
+
+Tied embeddings (one matrix used by the first and last LLM stage) are not supported: the demo and test
+models untie them; a tied HF checkpoint is loaded as two copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflop_jax.config import require
+from dflop_jax.runtime.stages import PyTree, StageProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay; clipping by the global gradient norm.
+
+    Attributes:
+      lr: peak learning rate.
+      warmup_steps: linear warmup from 0 to `lr`.
+      decay_steps: total schedule length (cosine decays to `end_lr_ratio * lr` by then).
+      end_lr_ratio: final learning rate as a fraction of `lr`.
+      b1, b2, eps: Adam moments.
+      weight_decay: decoupled decay, applied to matrices only (ndim >= 2).
+      clip_norm: max global gradient norm (0 disables clipping).
+    """
+
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    decay_steps: int = 100
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        require(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
+        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(
+            self.decay_steps > self.warmup_steps,
+            "optimizer.decay_steps",
+            self.decay_steps,
+            "must exceed optimizer.warmup_steps",
+        )
+        require(
+            0 <= self.end_lr_ratio <= 1, "optimizer.end_lr_ratio", self.end_lr_ratio, "in [0, 1]"
+        )
+        require(
+            self.clip_norm >= 0, "optimizer.clip_norm", self.clip_norm, "must be >= 0 (0 = off)"
+        )
+
+    def schedule(self) -> optax.Schedule:
+        return optax.warmup_cosine_decay_schedule(
+            0.0, self.lr, self.warmup_steps, self.decay_steps, self.lr * self.end_lr_ratio
+        )
+
+    def build(self) -> optax.GradientTransformation:
+        """The per-stage transformation (clipping is applied before it, across stages)."""
+        return optax.adamw(
+            self.schedule(),
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            mask=lambda params: jax.tree.map(lambda a: a.ndim >= 2, params),
+        )
+
+
+class StageOptimizer:
+    """One stage's optimizer state and jitted update on the stage's mesh."""
+
+    def __init__(self, stage: StageProgram, tx: optax.GradientTransformation):
+        self.stage = stage
+        self.tx = tx
+        ps = stage.param_shardings
+        scalar = NamedSharding(stage.mesh, P())
+        abstract = jax.eval_shape(tx.init, stage.params)
+        self.state_shardings = optax.tree_map_params(
+            tx, lambda _, s: s, abstract, ps, transform_non_params=lambda _: scalar
+        )
+        self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
+        self.state = self.init_state()
+        self._sq_norm = jax.jit(
+            lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)),
+            in_shardings=(ps,),
+            out_shardings=scalar,
+        )
+
+        def update(params, state, grads, scale):
+            grads = jax.tree.map(lambda g: g * scale, grads)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._update = jax.jit(
+            update,
+            in_shardings=(ps, self.state_shardings, ps, scalar),
+            out_shardings=(ps, self.state_shardings),
+            donate_argnums=(0, 1),
+        )
+        self._scalar = scalar
+
+    def init_state(self) -> PyTree:
+        """Fresh optimizer state for the stage's current params, sharded like them."""
+        with jax.set_mesh(self.stage.mesh):
+            return self._init(self.stage.params)
+
+    def sq_norm(self, grads: PyTree) -> jax.Array:
+        with jax.set_mesh(self.stage.mesh):
+            return self._sq_norm(grads)
+
+    def apply(self, grads: PyTree, scale: float) -> None:
+        """Updates the stage's params and state in place (old buffers donated)."""
+        s = jax.device_put(jnp.float32(scale), self._scalar)
+        with jax.set_mesh(self.stage.mesh):
+            self.stage.params, self.state = self._update(self.stage.params, self.state, grads, s)
+
+
+def clip_scale(global_norm: float, clip_norm: float) -> float:
+    """optax.clip_by_global_norm's factor: 1 below the threshold, clip_norm / norm above."""
+    if clip_norm <= 0 or global_norm < clip_norm:
+        return 1.0
+    return clip_norm / global_norm
+
+
+def apply_updates(optimizers: list[StageOptimizer], grads: list[PyTree], clip_norm: float) -> float:
+    """Clips by the global norm over all stages and updates every stage; returns the global norm."""
+    sq = [opt.sq_norm(g) for opt, g in zip(optimizers, grads)]
+    global_norm = float(sum(float(x) for x in sq)) ** 0.5
+    scale = clip_scale(global_norm, clip_norm)
+    for opt, g in zip(optimizers, grads):
+        opt.apply(g, scale)
+    return global_norm
