@@ -10,10 +10,16 @@ Pipeline (grain, all `MapDataset` up to prefetching, so the iterator state is an
   source(records).shuffle(seed).repeat(epochs)      # a new permutation every epoch
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
                              larger than the largest bucket becomes a counted skip, never a scheduler input
-  .batch(B, batch_fn=...)    the whole global batch (B records, minus skips) goes to the scheduler
+  .batch(B, batch_fn=list)
+  .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the scheduler, with
+                             the batch index k as its seed (so a resumed run re-solves batch k the same way)
   .map(pack stage)           decode/tokenize only the samples this host's shards need, then pack
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
+
+Skipped records are not replaced: a global batch holds B records minus its skips (`stats["skipped"]`);
+a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
+keeps its scheduled room as padding (counted), so every process still agrees on the layout.
 
 Every process of a multi-host run computes the same schedule from the same records, seed and scheduler
 (use the scheduler's deterministic mode); `stats["schedule_digest"]` lets the runtime compare. Scheduler

@@ -212,9 +212,8 @@ def _pack_row(
         # Next token of the same sample; the sample's last token has no target.
         row["targets"][offset : offset + L - 1] = sample.token_ids[1:]
         row["loss_mask"][offset : offset + L - 1] = sample.assistant_mask[1:]
-        row["feature_index"][span] = _global_features(
-            sample.feature_source, i, slot_of, tokens_per_tile
-        )
+        slots = np.array([slot_of[(i, t)] for t in range(sample.num_tiles)], np.int64)
+        row["feature_index"][span] = _global_features(sample.feature_source, slots, tokens_per_tile)
         offset += L
     return row
 
@@ -227,17 +226,22 @@ def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int) -> None:
         )
 
 
-def _global_features(
-    source: np.ndarray, i: int, slot_of: dict[tuple[int, int], int], tokens_per_tile: int
-) -> np.ndarray:
-    """Maps tile-local feature ids t*tpt+j of sample i to global rows slot(i, t)*tpt+j; TEXT/NEWLINE stay."""
+def _global_features(source: np.ndarray, slots: np.ndarray, tokens_per_tile: int) -> np.ndarray:
+    """Maps a sample's tile-local feature ids t*tpt+j to global rows slots[t]*tpt+j; TEXT/NEWLINE stay.
+
+    Args:
+      source: [L] the sample's `feature_source`.
+      slots: [n_tiles] the microbatch tile slot each of the sample's tiles landed in.
+    """
     source = np.asarray(source, np.int64)
-    out = source.copy()
     image = source >= 0
-    if image.any():
-        t, j = np.divmod(source[image], tokens_per_tile)
-        slots = np.array([slot_of[(i, int(x))] for x in t], np.int64)
-        out[image] = slots * tokens_per_tile + j
+    if not image.any():
+        return source.astype(np.int32)
+    t, j = np.divmod(source[image], tokens_per_tile)
+    if t.max() >= len(slots):
+        raise ValueError(f"feature_source names tile {t.max()} of a sample with {len(slots)} tiles")
+    out = source.copy()
+    out[image] = slots[t] * tokens_per_tile + j
     return out.astype(np.int32)
 
 
