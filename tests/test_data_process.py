@@ -261,3 +261,28 @@ def test_strict_invalid_json_raises_while_reading(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"id": 1, "text": "a"}\nnot json\n')
     with pytest.raises(BadSample, match="invalid_json"):
         load_source(DataConfig(source=str(tmp_path / "d.jsonl"), strict=True))
+
+
+@pytest.mark.parametrize(
+    "family, tile, patch, tpt", [("llava_ov", 32, 16, 4), ("internvl", 56, 14, 4)]
+)
+def test_tiny_tiles_for_demo_models(dataset, family, tile, patch, tpt):
+    cfg, recs = _records(dataset, model_family=family, tile_size=tile, patch_size=patch)
+    proc = Processor(cfg)
+    for rid in ("wide", "multi", "frames"):
+        shape, sample = proc.shape(recs[rid]), proc.process(recs[rid])
+        assert (shape.tiles, shape.tokens) == (sample.num_tiles, sample.num_tokens)
+        assert sample.tiles.shape[1:] == (tile, tile, 3)
+        assert sample.feature_source.max() < sample.num_tiles * tpt
+    frames = proc.process(recs["frames"])
+    per_frame = 1 if family == "llava_ov" else tpt  # llava: 2x2 patches pooled to 1x1
+    assert int((frames.feature_source >= 0).sum()) == 32 * per_frame
+
+
+def test_patch_size_validation():
+    from dflop_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.tile_size"):
+        DataConfig(tile_size=30, patch_size=14)
+    with pytest.raises(ConfigError, match="even number"):
+        DataConfig(model_family="internvl", tile_size=42, patch_size=14)

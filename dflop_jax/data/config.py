@@ -31,6 +31,7 @@ class DataConfig:
       image_root, video_root: folders relative image/video paths resolve against ("" = the JSON's folder).
       model_family: "llava_ov" (SigLIP anyres, 729 tokens/tile) or "internvl" (448 px dynamic tiles, 256).
       tile_size: encoder tile side in pixels; 0 = 384 (llava_ov) / 448 (internvl).
+      patch_size: encoder patch side; tokens per tile = (tile/patch)^2 (InternVL: ((tile/patch)/2)^2).
       anyres_max: LLaVA-OV anyres_max_N feature budget for the grid.
       max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid.
       max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one).
@@ -55,6 +56,7 @@ class DataConfig:
     video_root: str = ""
     model_family: Literal["llava_ov", "internvl"] = "llava_ov"
     tile_size: int = 0
+    patch_size: int = 14
     anyres_max: int = 9
     max_grid: int = 6
     max_tiles: int = 12
@@ -91,12 +93,12 @@ class DataConfig:
             self.tile_size,
             "use 0 (family default) or a pixel size",
         )
-        require(
-            self.tile_size % 14 == 0,
-            "data.tile_size",
-            self.tile_size,
-            "must be a multiple of 14 (patch size)",
-        )
+        require(self.patch_size >= 1, "data.patch_size", self.patch_size, "must be >= 1")
+        fix = f"must be a multiple of data.patch_size={self.patch_size}"
+        require(self.tile_px % self.patch_size == 0, "data.tile_size", self.tile_px, fix)
+        if self.model_family == "internvl":  # pixel shuffle halves each side
+            fix = "InternVL needs an even number of patches per tile side"
+            require((self.tile_px // self.patch_size) % 2 == 0, "data.tile_size", self.tile_px, fix)
         require(self.anyres_max >= 1, "data.anyres_max", self.anyres_max, "must be >= 1")
         require(
             1 <= self.max_grid <= 12, "data.max_grid", self.max_grid, "use 1..12 (LLaVA-OV uses 6)"
@@ -134,7 +136,7 @@ class DataConfig:
     def processing_key(self) -> dict:
         """Every field that changes a sample's tiles or tokens (the metadata cache key)."""
         keep = (
-            "model_family", "tile_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
+            "model_family", "tile_size", "patch_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
             "video_fps", "max_frames", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keep}

@@ -90,5 +90,8 @@ def _cut(canvas: np.ndarray, rows: int, cols: int, tile: int) -> np.ndarray:
 
 def normalize(tiles: np.ndarray, mean, std) -> np.ndarray:
     """[n, H, W, 3] uint8 -> float32 ((x / 255) - mean) / std, as the HF image processors do."""
-    x = tiles.astype(np.float32) / 255.0
-    return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    std = np.asarray(std, np.float32)
+    x = tiles.astype(np.float32)
+    x *= 1.0 / (255.0 * std)  # in place: these arrays are tens of MB for a 37-tile image
+    x -= np.asarray(mean, np.float32) / std
+    return x

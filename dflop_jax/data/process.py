@@ -62,7 +62,7 @@ class Processor:
         self.tok = tokenizer or load_tokenizer(cfg.tokenizer)
         self.template = ChatTemplate.for_config(cfg.chat_template, self.tok)
         tile = cfg.tile_px
-        self.patches = tile // 14
+        self.patches = tile // cfg.patch_size
         self.pinpoints = tuple(
             (tile * r, tile * c)
             for r in range(1, cfg.max_grid + 1)

@@ -93,7 +93,9 @@ def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
     if cfg.source == "synthetic":
         from dflop_jax.data.synth import synth_dataset
 
-        path = synth_dataset(cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed)
+        path = synth_dataset(
+            cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed, cfg.tile_px
+        )
     else:
         path = Path(cfg.source)
     if path.suffix in (".yaml", ".yml"):
