@@ -13,10 +13,12 @@ from dflop_jax.costs import (
     AnalyticCostProvider,
     LLMArch,
     StageSpec,
+    VisionArch,
     get_arch,
     get_device,
     llm_activation_bytes_per_token,
     llm_layer_params,
+    vision_activation_bytes_per_token,
 )
 from dflop_jax.costs.memory import dense_attention_bytes
 
@@ -134,3 +136,44 @@ def test_llm_activations_match_jax_saved_residuals():
     flash_lse = 4 * h  # the formula's flash log-sum-exp, absent from this dense layer
     assert per_token == pytest.approx(llm_activation_bytes_per_token(llm) - flash_lse, rel=0.01)
     assert square == pytest.approx(dense_attention_bytes(h, s, 1, causal=True), rel=0.01)
+
+
+def test_vit_activations_match_jax_saved_residuals():
+    # A SigLIP-style block as the runtime computes it: LayerNorm with f32 statistics, biased q/k/v,
+    # bidirectional dense attention, tanh-GELU MLP; bf16 compute from fp32 weights; 3 tiles of 100.
+    t, n, d, h, dh, f = 3, 100, 256, 4, 64, 1024
+    bf = jnp.bfloat16
+
+    def norm(x, w, b):
+        xf = x.astype(jnp.float32)
+        xf = xf - jnp.mean(xf, -1, keepdims=True)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + 1e-6)
+        return (y * w + b).astype(bf)
+
+    def layer(x, n1w, n1b, n2w, n2b, wq, wk, wv, bq, bk, bv, wo, bo, w1, b1, w2, b2):
+        y = norm(x, n1w, n1b)
+        q, k, v = (
+            (y @ w.astype(bf) + b.astype(bf)).reshape(t, n, h, dh)
+            for w, b in ((wq, bq), (wk, bk), (wv, bv))
+        )
+        logits = jnp.einsum("tqhd,tkhd->thqk", q, k, preferred_element_type=jnp.float32)
+        p = jax.nn.softmax(logits, -1).astype(bf)
+        a = jnp.einsum("thqk,tkhd->tqhd", p, v).reshape(t, n, h * dh)
+        x = x + a @ wo.astype(bf) + bo.astype(bf)
+        y = norm(x, n2w, n2b)
+        g = jax.nn.gelu(y @ w1.astype(bf) + b1.astype(bf), approximate=True)
+        return x + g @ w2.astype(bf) + b2.astype(bf)
+
+    shapes = (
+        [(d,)] * 4
+        + [(d, h * dh)] * 3
+        + [(h * dh,)] * 3
+        + [(h * dh, d), (d,), (d, f), (f,), (f, d), (d,)]
+    )
+    args = [jnp.ones((t, n, d), bf)] + [jnp.ones(sh, jnp.float32) for sh in shapes]
+    per_token, square = _saved_bytes(layer, args, n)
+    per_token /= t  # _saved_bytes divides by n only
+    vit = VisionArch("probe", 1, d, h, f, 14, 140, 100)  # 10 x 10 patches
+    flash_lse = 4 * h
+    assert per_token == pytest.approx(vision_activation_bytes_per_token(vit) - flash_lse, rel=0.01)
+    assert square == pytest.approx(t * dense_attention_bytes(h, n, 1, causal=False), rel=0.01)

@@ -12,17 +12,18 @@ Activations saved for backward per token per layer, calibrated against
 `jax.ad_checkpoint.print_saved_residuals` of the runtime's layers (models/decoder.py: RMSNorm with f32
 statistics, f32 RoPE tables, SwiGLU; tests/test_costs_memory.py re-derives it from a hand-written
 layer). `cb` = compute bytes, no sequence parallelism:
-- each norm: its f32 input and f32 normalized value, and the cb-byte cast and scaled output:
-  (8 + 2 cb) * D (replicated over tp);
+- LLM RMSNorm: its f32 input and f32 normalized value, and the cb-byte cast and scaled output:
+  (8 + 2 cb) * D each (replicated over tp);
 - RoPE: cos and sin broadcast for q and for k, f32: 8 * Dh (replicated);
 - LLM: q, k, v after RoPE and the attention output, cb * ((H + 2K) Dh + H Dh) / tp; SwiGLU gate, up,
   three silu internals and the product, 6F * cb / tp;
-- ViT (no RoPE, assumed analogous, not yet calibrated against models/siglip.py): q, k, v, attention output
-  4 H Dh cb / tp; fc1 output, GELU internals and output 4F * cb / tp;
+- ViT (models/vit.py): each norm keeps three f32 [N, D] values and its cast output, (12 + cb) * D;
+  q, k, v, attention output 4 H Dh cb / tp; fc1 output plus the five tanh-GELU intermediates,
+  6F * cb / tp; qk-norm (8 + cb) H Dh / tp for each of q and k; layer scale the two scaled branches (2 cb D);
 - attention scores: a flash kernel keeps only a per-head f32 log-sum-exp (4 H / tp per token); XLA's
   dense attention (`flash_attention=False`, as on CPU) keeps per head and (query, key) pair of the full
-  S x S square (n x n per tile) the mask (1 B, causal LLM only), the f32 masked scores and f32 exp, and
-  the cb-byte probabilities: 11 B (LLM) / 10 B (ViT) at bf16.
+  S x S square (n x n per tile) the f32 exp and the cb-byte probabilities, plus for a masked (causal
+  LLM) square the mask and the f32 masked scores: 11 B (LLM) / 6 B (ViT) at bf16.
 With full remat a layer keeps only its input (cb * D per token); backward rebuilds one layer at a time
 (counted in `temp`, with the head's f32 logits and their gradient on the last stage).
 """
@@ -116,18 +117,21 @@ def vision_activation_bytes_per_token(
     v: VisionArch, tp: int = 1, remat: bool = False, compute_bytes: int = 2
 ) -> float:
     """Activation bytes saved per token per ViT layer on one device (flash attention)."""
-    d, cb = v.hidden_size, compute_bytes
+    d, cb, inner = v.hidden_size, compute_bytes, v.num_heads * v.dh
     if remat:
         return float(d * cb)
-    sharded = (4 * v.num_heads * v.dh + 4 * v.intermediate_size) * cb + F32 * v.num_heads
-    return 2 * _norm_bytes(d, cb) + sharded / tp
+    replicated = 2 * (3 * F32 + cb) * d + (2 * cb * d if v.layer_scale else 0)
+    sharded = (4 * inner + 6 * v.intermediate_size) * cb + F32 * v.num_heads
+    if v.qk_norm:
+        sharded += 2 * (2 * F32 + cb) * inner  # f32 input and normalized value, cast output
+    return replicated + sharded / tp
 
 
 def dense_attention_bytes(
     heads: int, length: int, tp: int, causal: bool, compute_bytes: int = 2
 ) -> float:
     """Bytes XLA's dense attention saves per layer for one [length x length] square (all heads)."""
-    per_pair = int(causal) + 2 * F32 + compute_bytes
+    per_pair = (1 + F32 if causal else 0) + F32 + compute_bytes
     return heads / tp * length**2 * per_pair
 
 
