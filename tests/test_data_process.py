@@ -283,6 +283,6 @@ def test_patch_size_validation():
     from dflop_jax.config import ConfigError
 
     with pytest.raises(ConfigError, match="data.tile_size"):
-        DataConfig(tile_size=30, patch_size=14)
+        DataConfig(tile_size=12, patch_size=14)
     with pytest.raises(ConfigError, match="even number"):
         DataConfig(model_family="internvl", tile_size=42, patch_size=14)

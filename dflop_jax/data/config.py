@@ -94,8 +94,9 @@ class DataConfig:
             "use 0 (family default) or a pixel size",
         )
         require(self.patch_size >= 1, "data.patch_size", self.patch_size, "must be >= 1")
-        fix = f"must be a multiple of data.patch_size={self.patch_size}"
-        require(self.tile_px % self.patch_size == 0, "data.tile_size", self.tile_px, fix)
+        # Patches per side = tile // patch (SigLIP 384 / 14 -> 27: the convolution drops the remainder).
+        fix = f"must be at least data.patch_size={self.patch_size}"
+        require(self.tile_px >= self.patch_size, "data.tile_size", self.tile_px, fix)
         if self.model_family == "internvl":  # pixel shuffle halves each side
             fix = "InternVL needs an even number of patches per tile side"
             require((self.tile_px // self.patch_size) % 2 == 0, "data.tile_size", self.tile_px, fix)
