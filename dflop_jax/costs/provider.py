@@ -17,7 +17,8 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   LLM attention at a static bucket S costs S*S/2 (query, key) pairs: a flash-style kernel skips the
   blocks above the causal diagonal but cannot skip cross-segment blocks it only learns of at run time
   (an assumption; a measured table replaces it). With `flash_attention=False` (XLA's dense attention,
-  e.g. on CPU) the full S*S square is computed and its scores are stored (see memory.py).
+  what the runtime runs on CPU) the full S*S square is computed and its scores are stored (memory.py);
+  the default stays True on every device so plans for long rows remain possible on CPU previews.
 """
 
 from __future__ import annotations
@@ -82,11 +83,14 @@ class AnalyticCostProvider:
         self.device = device
         self.remat = remat
         self.compute_bytes = compute_bytes
-        self.flash_attention = flash_attention
+        # None: what the runtime uses on this device (fused kernel on GPUs, dense XLA on CPU)
+        self.flash_attention = (
+            device.flash_attention if flash_attention is None else flash_attention
+        )
         self.name = (
             f"analytic:{arch.name}@{device.name}"
             + ("+remat" if remat else "")
-            + ("" if flash_attention else "+dense-attn")
+            + ("" if self.flash_attention else "+dense-attn")
         )
 
     # ------------------------------------------------------------ compute
