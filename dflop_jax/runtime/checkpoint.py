@@ -1,0 +1,144 @@
+"""Checkpoints: orbax `CheckpointManager` (async, keep last K, atomic) over every stage's state.
+
+Layout independence: params and optimizer state are NOT stored per stage. Each stage's trees are
+flattened with GLOBAL layer indices (a path component after a `layers` key is offset by the stage's
+`first_layer`) and merged per module, so a checkpoint is a model-level tree
+`{"encoder": {...}, "llm": {...}}` that any other layout of the same model restores from: each new
+stage picks its own keys and orbax reads them straight into the new stage's shardings. Leaves shared by
+all stages of a module (optimizer step counts) are stored once.
+
+Beside the arrays, a JSON item holds the step, the data loader state (grain iterator + counters), the
+scheduler's correction state, the plan/layout and anything else the trainer passes in `meta`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.runtime.stages import PyTree
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _global_path(path, spec: StageSpec) -> tuple[str, ...]:
+    names = [_key_name(k) for k in path]
+    for i in range(1, len(names)):
+        if names[i - 1] == "layers" and names[i].isdigit():
+            names[i] = str(int(names[i]) + spec.first_layer)
+    return tuple(names)
+
+
+def _insert(tree: dict, path: tuple[str, ...], value) -> None:
+    node = tree
+    for name in path[:-1]:
+        node = node.setdefault(name, {})
+    node.setdefault(path[-1], value)
+
+
+def _lookup(tree: dict, path: tuple[str, ...]):
+    node = tree
+    for name in path:
+        if name not in node:
+            raise KeyError(
+                f"checkpoint has no entry {'/'.join(path)}; was it saved from another model?"
+            )
+        node = node[name]
+    return node
+
+
+def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[PyTree]) -> dict:
+    """The layout-independent tree {module: {"params": ..., "opt": ...}} of all stages' state."""
+    tree: dict = {}
+    for spec, p, o in zip(specs, params, opt_states):
+        for kind, sub in (("params", p), ("opt", o)):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+                _insert(tree, (spec.module, kind, *_global_path(path, spec)), leaf)
+    return tree
+
+
+def stage_trees(specs, params, opt_states, tree: dict) -> tuple[list[PyTree], list[PyTree]]:
+    """Inverse of `model_tree`: per-stage (params, opt state) shaped like the given templates."""
+
+    def pick(spec, kind, template):
+        def leaf(path, t):
+            value = _lookup(tree, (spec.module, kind, *_global_path(path, spec)))
+            sharding = getattr(t, "sharding", None)
+            if sharding is not None and getattr(value, "sharding", None) != sharding:
+                value = jax.device_put(value, sharding)
+            return value
+
+        return jax.tree_util.tree_map_with_path(leaf, template)
+
+    new_p = [pick(s, "params", p) for s, p in zip(specs, params)]
+    new_o = [pick(s, "opt", o) for s, o in zip(specs, opt_states)]
+    return new_p, new_o
+
+
+class Checkpointer:
+    """Saves/restores the run state every `every` steps under `directory` (last `keep` kept).
+
+    Args:
+      directory: checkpoint root (created).
+      keep: checkpoints kept (older ones deleted).
+      async_save: write in a background thread (the step loop continues).
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+        )
+        self.manager = ocp.CheckpointManager(
+            Path(directory).absolute(), item_names=("state", "meta"), options=options
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, specs, params, opt_states, meta: dict[str, Any]) -> None:
+        """Starts saving (async); `meta` must be JSON-serializable."""
+        tree = model_tree(specs, params, opt_states)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(dict(meta, step=step))
+            ),
+        )
+
+    def restore(self, specs, params, opt_states, step: int | None = None):
+        """Restores onto the CURRENT stages' shapes and shardings (any layout of the same model).
+
+        Returns:
+          (params per stage, opt state per stage, meta dict).
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.manager.directory}")
+        target = model_tree(specs, params, opt_states)
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target
+        )
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        new_p, new_o = stage_trees(specs, params, opt_states, out.state)
+        return new_p, new_o, out.meta
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
