@@ -11,11 +11,14 @@ from dflop_jax.costs.architectures import (
     MLLMArch,
     ProjectorArch,
     VisionArch,
+    arch_from_configs,
     get_arch,
     get_llm,
     get_vision,
     list_archs,
+    llm_arch_from_config,
     projector_for,
+    vision_arch_from_config,
 )
 from dflop_jax.costs.devices import DEVICE_PRESETS, DeviceSpec, get_device, list_devices
 from dflop_jax.costs.flops import (
@@ -69,6 +72,7 @@ __all__ = [
     "StageMemory",
     "StageSpec",
     "VisionArch",
+    "arch_from_configs",
     "batch_model_flops",
     "causal_pairs",
     "colocated_encoder_stage",
@@ -83,6 +87,7 @@ __all__ = [
     "list_archs",
     "list_devices",
     "llm_activation_bytes_per_token",
+    "llm_arch_from_config",
     "llm_flops",
     "llm_head_flops",
     "llm_layer_flops",
@@ -97,6 +102,7 @@ __all__ = [
     "sample_model_flops",
     "stage_memory",
     "vision_activation_bytes_per_token",
+    "vision_arch_from_config",
     "vision_flops_per_tile",
     "vision_layer_flops",
     "vision_layer_params",

@@ -219,3 +219,35 @@ def get_arch(name: str) -> MLLMArch:
             )
         vision, llm = VISION_PRESETS[parts[0]], LLM_PRESETS[parts[1]]
     return MLLMArch(name, vision, projector_for(vision, llm), llm)
+
+
+def llm_arch_from_config(cfg, name: str = "custom-llm") -> LLMArch:
+    """An `LLMArch` from any decoder config with the usual fields (e.g. `models.decoder_config.
+    DecoderConfig`: hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size,
+    head_dim, tie_embeddings, qkv_bias). Duck-typed, so this package never imports the models."""
+    return LLMArch(
+        name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+        cfg.intermediate_size, cfg.vocab_size, tie_embeddings=cfg.tie_embeddings,
+        qkv_bias=cfg.qkv_bias, head_dim=cfg.head_dim,
+    )  # fmt: skip
+
+
+def vision_arch_from_config(cfg, tokens_per_tile: int, name: str = "custom-vision") -> VisionArch:
+    """A `VisionArch` from a ViT config (e.g. `models.vit.ViTConfig`: hidden_size, num_layers,
+    num_heads, intermediate_size, patch_size, image_size, qk_norm, qkv_bias, cls_token, norm,
+    layer_scale), with the LLM tokens each tile becomes (after pixel shuffle if any)."""
+    patches = (cfg.image_size // cfg.patch_size) ** 2
+    return VisionArch(
+        name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size,
+        cfg.patch_size, cfg.image_size, tokens_per_tile, qk_norm=cfg.qk_norm,
+        pixel_shuffle=tokens_per_tile < patches, qkv_bias=cfg.qkv_bias,
+        class_token=cfg.cls_token, norm=cfg.norm, layer_scale=cfg.layer_scale,
+    )  # fmt: skip
+
+
+def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "custom") -> MLLMArch:
+    """An `MLLMArch` for a model built from config objects (the runtime's own model, for MFU and
+    plans); the projector follows the vision family as in `get_arch`."""
+    vision = vision_arch_from_config(vision_cfg, tokens_per_tile, f"{name}-vision")
+    llm = llm_arch_from_config(llm_cfg, f"{name}-llm")
+    return MLLMArch(name, vision, projector_for(vision, llm), llm)
