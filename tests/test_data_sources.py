@@ -113,3 +113,8 @@ def test_data_config_validation():
         DataConfig(synth_mix="nope")
     assert DataConfig(model_family="internvl").tile_px == 448 and DataConfig().tile_px == 384
     assert DataConfig(model_family="internvl").mean == (0.485, 0.456, 0.406)
+
+
+def test_missing_source_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="data.source"):
+        load_source(DataConfig(source=str(tmp_path / "nope.jsonl")))

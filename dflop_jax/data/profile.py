@@ -148,7 +148,7 @@ def print_summary(summary: dict) -> None:
             f"{v['tokens_mean']:.0f}",
             "",
         )
-    console = Console()
+    console = Console(width=max(130, Console().width))  # piped output defaults to 80 columns
     console.print(table)
     if summary.get("bad"):
         console.print(f"skipped records by reason: {summary['bad']}")

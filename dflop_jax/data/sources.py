@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from dflop_jax.config import ConfigError
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import BadSample
 
@@ -97,7 +98,11 @@ def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
             cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed, cfg.tile_px
         )
     else:
-        path = Path(cfg.source)
+        path = Path(cfg.source).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"data.source={cfg.source!r}: file not found; give a mix YAML, JSON/JSONL or 'synthetic'"
+            )
     if path.suffix in (".yaml", ".yml"):
         return load_mix(
             path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root
