@@ -416,6 +416,34 @@ def _mark_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+class LazyProcessor:
+    """`Processor(data_cfg)` built on first use in each process; pickles as its config only.
+
+    Grain worker processes receive the pipeline by pickling; a built Processor holds a tokenizer and a
+    compiled chat template, which need not (and do not all) survive pickling.
+    """
+
+    def __init__(self, data_cfg: Any):
+        self.data_cfg = data_cfg
+        self._processor = None
+
+    def _get(self) -> SampleProcessor:
+        if self._processor is None:
+            from dflop_jax.data.process import Processor
+
+            self._processor = Processor(self.data_cfg)
+        return self._processor
+
+    def shape(self, record: Any) -> SampleShape:
+        return self._get().shape(record)
+
+    def process(self, record: Any) -> ProcessedSample:
+        return self._get().process(record)
+
+    def __getstate__(self) -> dict:
+        return {"data_cfg": self.data_cfg, "_processor": None}
+
+
 class SchedulerHook:
     """Adapts the online `Scheduler` to `ScheduleFn`: batch k is solved with seed `scheduler.seed + k`.
 
@@ -473,13 +501,12 @@ def make_loader(
       processor: overrides `Processor(data_cfg)` (tests, custom processing).
       schedule_fn: overrides the scheduler (`(shapes, batch_index) -> Schedule`).
     """
-    from dflop_jax.data.process import Processor
     from dflop_jax.data.sources import load_source
     from dflop_jax.scheduler.correction import Scheduler
 
     if records is None:
         records = load_source(data_cfg, seed)
-    processor = processor or Processor(data_cfg)
+    processor = processor or LazyProcessor(data_cfg)
     scheduler = None
     if schedule_fn is None:
         scheduler = Scheduler(problem, scheduler_config, seed=seed)
@@ -501,6 +528,7 @@ def make_loader(
 
 
 __all__ = [
+    "LazyProcessor",
     "Loader",
     "PackSpec",
     "SampleProcessor",
