@@ -109,6 +109,14 @@ def test_layout_memory_in_flight_counts():
     assert [
         m.in_flight for m in layout_memory(prov, _layout(), (8, 8192), in_flight=[5, 4, 1])
     ] == [5, 4, 1]
+    counts = np.array([3, 1, 1])
+    assert [m.in_flight for m in layout_memory(prov, _layout(), (8, 8192), in_flight=counts)] == [
+        3,
+        1,
+        1,
+    ]
+    with pytest.raises(ValueError, match="2 entries for 3 stages"):
+        layout_memory(prov, _layout(), (8, 8192), in_flight=[1, 1])
     # the colocated encoder's memory lands on LLM stage 0
     coloc = layout_memory(prov, _layout(enc=False), (8, 8192))
     enc = prov.stage_memory(

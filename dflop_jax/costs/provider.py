@@ -283,9 +283,10 @@ def layout_memory(
     else:
         tile_bucket, length_bucket = buckets
     p = layout.num_stages
-    counts = (
-        list(in_flight) if isinstance(in_flight, Sequence) else one_f_one_b_in_flight(p, in_flight)
-    )
+    if in_flight is None or isinstance(in_flight, (int, np.integer)):
+        counts = one_f_one_b_in_flight(p, None if in_flight is None else int(in_flight))
+    else:  # any sequence or array of per-stage counts
+        counts = [int(c) for c in in_flight]
     if len(counts) != p:
         raise ValueError(f"in_flight has {len(counts)} entries for {p} stages")
     mems = [
