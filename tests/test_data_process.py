@@ -286,3 +286,14 @@ def test_patch_size_validation():
         DataConfig(tile_size=12, patch_size=14)
     with pytest.raises(ConfigError, match="even number"):
         DataConfig(model_family="internvl", tile_size=42, patch_size=14)
+
+
+def test_processor_pickles_for_grain_workers(dataset):
+    import pickle
+
+    cfg, recs = _records(dataset, model_family="internvl")
+    proc = Processor(cfg)
+    clone = pickle.loads(pickle.dumps(proc))
+    a, b = proc.process(recs["wide"]), clone.process(recs["wide"])
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.assistant_mask, b.assistant_mask)

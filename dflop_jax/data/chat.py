@@ -83,6 +83,10 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The sandboxed environment HF transformers renders chat templates with (same options and helpers)."""
     env = ImmutableSandboxedEnvironment(
@@ -90,7 +94,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["strftime_now"] = _strftime_now
     return env
 
 
@@ -105,6 +109,12 @@ class ChatTemplate:
                 f"chat template: jinja syntax error at line {e.lineno}: {e.message}"
             ) from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+        self._source = source
+
+    def __reduce__(
+        self,
+    ):  # compiled jinja templates do not pickle; grain workers need the processor
+        return (ChatTemplate, (self._source, self._tokens["bos_token"], self._tokens["eos_token"]))
 
     @classmethod
     def for_config(cls, name: str, tokenizer) -> ChatTemplate:
