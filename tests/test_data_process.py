@@ -297,3 +297,25 @@ def test_processor_pickles_for_grain_workers(dataset):
     a, b = proc.process(recs["wide"]), clone.process(recs["wide"])
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.assistant_mask, b.assistant_mask)
+
+
+def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
+    img = np.zeros((448, 896, 3), np.uint8)
+    img[:, :448, 0] = 255
+    img[:, 448:, 2] = 255
+    Image.fromarray(img).save(tmp_path / "rb.png")
+    cfg = DataConfig(source="x", model_family="internvl", pixel_mean=(0, 0, 0), pixel_std=(1, 1, 1))
+    rec = {
+        "id": 0,
+        "image": "rb.png",
+        "conversations": _conv(),
+        "_location": "t",
+        "_image_root": str(tmp_path),
+    }
+    s = Processor(cfg).process(rec)
+    assert s.num_tiles == 3  # 1x2 grid + thumbnail
+    np.testing.assert_allclose(s.tiles[0].mean((0, 1)), [1, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[1].mean((0, 1)), [0, 0, 1], atol=1e-6)
+    np.testing.assert_allclose(
+        s.tiles[2].mean((0, 1)), [0.5, 0, 0.5], atol=0.01
+    )  # the whole image, squashed
