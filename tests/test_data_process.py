@@ -319,3 +319,11 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     np.testing.assert_allclose(
         s.tiles[2].mean((0, 1)), [0.5, 0, 0.5], atol=0.01
     )  # the whole image, squashed
+
+
+def test_extra_fields_are_accepted_when_configured(dataset):
+    cfg, recs = _records(dataset, extra_fields=("meta",))
+    rec = {**recs["text"], "meta": {"k": 1}}
+    assert Processor(cfg).shape(rec).tokens == Processor(cfg).shape(recs["text"]).tokens
+    with pytest.raises(BadSample, match="unknown_fields"):
+        Processor(_records(dataset)[0]).shape(rec)

@@ -43,6 +43,7 @@ class DataConfig:
       max_tokens: longest sample (LLM tokens) the scheduler may see; longer ones per `too_long`.
       too_long: "skip" (BadSample too_long) or "truncate" (text cut; refused if images would be cut).
       strict: raise on the first bad record instead of counting and skipping it.
+      extra_fields: record keys to accept and ignore beyond id/image/video/conversations/text/data_source.
       cache_dir: shape-metadata cache ("" disables caching).
       pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
     """
@@ -69,6 +70,7 @@ class DataConfig:
     max_tokens: int = 32768
     too_long: Literal["skip", "truncate"] = "skip"
     strict: bool = False
+    extra_fields: tuple[str, ...] = ()
     cache_dir: str = ".dflop_cache/metadata"
     pixel_mean: tuple[float, ...] = ()
     pixel_std: tuple[float, ...] = ()

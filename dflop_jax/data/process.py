@@ -61,6 +61,7 @@ class Processor:
         self.cfg = cfg
         self.tok = tokenizer or load_tokenizer(cfg.tokenizer)
         self.template = ChatTemplate.for_config(cfg.chat_template, self.tok)
+        self.known_fields = KNOWN_FIELDS | set(cfg.extra_fields)
         tile = cfg.tile_px
         self.patches = tile // cfg.patch_size
         self.pinpoints = tuple(
@@ -108,12 +109,12 @@ class Processor:
         )
         if "_error" in record:
             raise BadSample(record["_error"], location, record.get("_detail", ""))
-        unknown = sorted(k for k in record if not k.startswith("_") and k not in KNOWN_FIELDS)
+        unknown = sorted(k for k in record if not k.startswith("_") and k not in self.known_fields)
         if unknown:
             raise BadSample(
                 "unknown_fields",
                 location,
-                f"unknown field(s) {unknown}; known: {sorted(KNOWN_FIELDS)}",
+                f"unknown field(s) {unknown}; known: {sorted(self.known_fields)} (or set data.extra_fields)",
             )
         sample_id = record.get("id", location)
         if "conversations" not in record and "text" in record:
