@@ -195,3 +195,21 @@ def test_every_bad_input_kind_is_counted_or_raised(synth, tmp_path, strict):
     assert "corrupt" in gb.stats["sample_ids"]
     kept = [i for mb in gb.schedule.microbatches for i in mb.samples()]
     assert len(kept) == gb.stats["num_samples"]
+
+
+def test_truncate_policy_cuts_long_text_to_the_largest_bucket(synth):
+    cfg, records = synth
+    long = {"id": "long", "text": "word " * 3000, "_location": "inline:0"}
+    long |= {k: v for k, v in records[0].items() if k in ("_image_root", "_video_root", "_file")}
+    data = [long] + [r for r in records if r["data_source"] == "text"][:7]
+    cut = DataConfig(source="synthetic", tile_size=TILE_PX, cache_dir="", too_long="truncate")
+    with loader_for(cut, data, global_batch_size=8, num_epochs=1) as loader:
+        (gb,) = list(loader)
+    assert gb.stats["skipped"] == {} and "long" in gb.stats["sample_ids"]
+    i = gb.stats["sample_ids"].index("long")
+    plan = next(p for p in gb.schedule.microbatches if i in p.samples())
+    assert plan.length_bucket == PROBLEM.buckets.lengths[-1]
+    skip = DataConfig(source="synthetic", tile_size=TILE_PX, cache_dir="", too_long="skip")
+    with loader_for(skip, data, global_batch_size=8, num_epochs=1) as loader:
+        (gb,) = list(loader)
+    assert gb.stats["skipped"] == {"too_long": 1} and "long" not in gb.stats["sample_ids"]

@@ -487,7 +487,8 @@ def make_loader(
     """Builds the loader for one run.
 
     Args:
-      data_cfg: `DataConfig` (processing, strict mode, and the source when `records` is None).
+      data_cfg: `DataConfig` (processing, strict mode, and the source when `records` is None); its
+        `max_tokens` is lowered to the largest length bucket, so `too_long="truncate"` cuts to fit.
       records: the dataset's records (a list or any random-access sequence); None = `load_source(data_cfg)`.
       problem: the plan's scheduling problem (dp degrees and buckets).
       scheduler_config: `SchedulerConfig` of the online `Scheduler` built here (see `Loader.scheduler`);
@@ -506,6 +507,11 @@ def make_loader(
 
     if records is None:
         records = load_source(data_cfg, seed)
+    # The largest length bucket caps a sample: the processor truncates to it ("truncate") or skips
+    # longer samples as too_long ("skip"), before any scheduler sees them.
+    cap = problem.buckets.lengths[-1]
+    if data_cfg.max_tokens > cap:
+        data_cfg = dataclasses.replace(data_cfg, max_tokens=cap)
     processor = processor or LazyProcessor(data_cfg)
     scheduler = None
     if schedule_fn is None:
