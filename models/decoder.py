@@ -1,0 +1,227 @@
+"""Decoder-only LLM (Qwen2 / Qwen2.5 and Llama 3 in one config-driven implementation), cut into stages.
+
+`DecoderStage` holds only a contiguous layer range (plus the embedding table when it is the first
+stage, plus final norm and head when it is the last), so a pipeline stage materializes only its own
+weights. `Decoder` is the whole model: `Decoder(cfg, rngs=...)(input_ids) -> logits`.
+
+Tied embeddings across stages: a head stage that does not also hold the embedding keeps its own copy
+of the embedding matrix in `embed_tokens` (used as the output head). The runtime must keep the two
+copies equal (sum their gradients) — exactly what a tied parameter means under pipeline parallelism.
+
+Parameter layouts (head-aligned, Megatron column/row split on "heads"/"kv_heads"/"mlp"):
+  q_kernel [D,H,Dh] k_kernel/v_kernel [D,K,Dh] o_kernel [H,Dh,D]; gate/up [D,F] down [F,D];
+  embed_tokens.weight [V,D]; lm_head [D,V]; norms [D].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import attention
+from models.decoder_config import DecoderConfig
+from models.layers import (
+    Embedding,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    constrain,
+    make_param,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections
+}
+
+
+class SelfAttention(nnx.Module):
+    """GQA self-attention with optional q/k/v bias and RoPE, causal within packed segments."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = cfg.param_jnp_dtype
+        init = nnx.initializers.lecun_normal()
+        self.cfg = cfg
+        self.q_kernel = make_param(rngs, init, (d, h, dh), ("embed", "heads", "head_dim"), pd)
+        self.k_kernel = make_param(rngs, init, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_kernel = make_param(rngs, init, (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_kernel = make_param(rngs, init, (h, dh, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = make_param(rngs, zeros, (h, dh), ("heads", "head_dim"), pd)
+            self.k_bias = make_param(rngs, zeros, (k, dh), ("kv_heads", "head_dim"), pd)
+            self.v_bias = make_param(rngs, zeros, (k, dh), ("kv_heads", "head_dim"), pd)
+
+    def _project(self, x, kernel, bias, axes):
+        y = jnp.einsum("bsd,dhk->bshk", x, kernel[...].astype(x.dtype))
+        if bias is not None:
+            y = y + bias[...].astype(x.dtype)
+        return constrain(y, ("batch", "length", axes, "head_dim"))
+
+    def __call__(self, x, segment_ids, cos, sin):
+        """x [B,S,D]; segment_ids [B,S] or None; cos, sin [B,S,Dh/2] -> [B,S,D]."""
+        bias = self.cfg.qkv_bias
+        q = self._project(x, self.q_kernel, self.q_bias if bias else None, "act_heads")
+        k = self._project(x, self.k_kernel, self.k_bias if bias else None, "act_kv_heads")
+        v = self._project(x, self.v_kernel, self.v_bias if bias else None, "act_kv_heads")
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(
+            q, k, v, segment_ids=segment_ids, causal=True, implementation=self.cfg.attention_impl
+        )
+        return jnp.einsum("bshk,hkd->bsd", o, self.o_kernel[...].astype(x.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        pd = cfg.param_jnp_dtype
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+        self.attn = SelfAttention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(
+            cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs
+        )
+        self.mlp = SwiGLU(
+            cfg.hidden_size, cfg.intermediate_size, dtype=cfg.jnp_dtype, param_dtype=pd, rngs=rngs
+        )
+
+    def __call__(self, h, segment_ids, cos, sin):
+        """h [B,S,D] -> [B,S,D]."""
+        h = h + self.attn(self.input_norm(h), segment_ids, cos, sin)
+        h = h + self.mlp(self.post_attn_norm(h))
+        return constrain(h, ("batch", "length", "act_embed"))
+
+
+def _run_layer(layer: DecoderLayer, h, segment_ids, cos, sin):
+    return layer(h, segment_ids, cos, sin)
+
+
+class DecoderStage(nnx.Module):
+    """Layers [first_layer, first_layer + num_layers) of the decoder, plus embedding and/or head."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        *,
+        first_layer: int,
+        num_layers: int,
+        has_embedding: bool,
+        has_head: bool,
+        rngs: nnx.Rngs,
+    ):
+        if first_layer < 0 or num_layers < 0 or first_layer + num_layers > cfg.num_layers:
+            raise ValueError(
+                f"stage layers [{first_layer}, {first_layer + num_layers}) fall outside the "
+                f"model's {cfg.num_layers} layers; pick a range inside it"
+            )
+        dt, pd = cfg.jnp_dtype, cfg.param_jnp_dtype
+        self.cfg = cfg
+        self.first_layer, self.num_layers = first_layer, num_layers
+        self.has_embedding, self.has_head = has_embedding, has_head
+        if has_embedding or (has_head and cfg.tie_embeddings):
+            self.embed_tokens = Embedding(
+                cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pd, rngs=rngs
+            )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(num_layers)])
+        if has_head:
+            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            if not cfg.tie_embeddings:
+                init = nnx.initializers.normal(stddev=0.02)
+                self.lm_head = make_param(
+                    rngs, init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd
+                )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B,S] int32 -> [B,S,D] in the compute dtype."""
+        if not self.has_embedding:
+            raise ValueError("this stage holds no embedding (has_embedding=False)")
+        return self.embed_tokens(tokens)
+
+    def __call__(self, h: jax.Array, segment_ids: jax.Array | None, positions: jax.Array):
+        """Runs this stage's layers. h [B,S,D]; segment_ids [B,S] or None; positions [B,S]."""
+        cfg = self.cfg
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        h = constrain(h.astype(cfg.jnp_dtype), ("batch", "length", "act_embed"))
+        block = _run_layer
+        if cfg.remat != "none":
+            block = nnx.remat(_run_layer, policy=_REMAT_POLICIES[cfg.remat])
+        for layer in self.layers:
+            h = block(layer, h, segment_ids, cos, sin)
+        return h
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [B,S,D] -> logits [B,S,V] (final norm + head), in the compute dtype."""
+        if not self.has_head:
+            raise ValueError("this stage holds no head (has_head=False)")
+        h = self.norm(h.astype(self.cfg.jnp_dtype))
+        if self.cfg.tie_embeddings:
+            out = self.embed_tokens.attend(h)
+        else:
+            out = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype))
+        return constrain(out, ("batch", "length", "act_vocab"))
+
+
+def default_positions(input_ids: jax.Array) -> jax.Array:
+    """[B,S] -> positions 0..S-1 for every row (one segment per row)."""
+    b, s = input_ids.shape
+    return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+
+class Decoder(nnx.Module):
+    """The whole decoder: one stage holding every layer, the embedding and the head."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.stage = DecoderStage(
+            cfg,
+            first_layer=0,
+            num_layers=cfg.num_layers,
+            has_embedding=True,
+            has_head=True,
+            rngs=rngs,
+        )
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """[B,S] int32 -> [B,S,D]."""
+        return self.stage.embed(input_ids)
+
+    def forward_embeddings(self, h, segment_ids=None, positions=None) -> jax.Array:
+        """Embeddings h [B,S,D] (e.g. text with image features placed in) -> logits [B,S,V]."""
+        if positions is None:
+            positions = default_positions(h[..., 0])
+        return self.stage.logits(self.stage(h, segment_ids, positions))
+
+    def __call__(self, input_ids, segment_ids=None, positions=None) -> jax.Array:
+        """input_ids [B,S] int32 -> logits [B,S,V]; defaults: one segment, positions 0..S-1."""
+        return self.forward_embeddings(self.embed(input_ids), segment_ids, positions)
+
+
+def extract_stage(
+    decoder: Decoder, *, first_layer: int, num_layers: int, has_embedding: bool, has_head: bool
+) -> DecoderStage:
+    """A `DecoderStage` sharing the arrays of `decoder` for the given layer range (no copy)."""
+    cfg = decoder.cfg
+    abstract = nnx.eval_shape(
+        lambda: DecoderStage(
+            cfg,
+            first_layer=first_layer,
+            num_layers=num_layers,
+            has_embedding=has_embedding,
+            has_head=has_head,
+            rngs=nnx.Rngs(0),
+        )
+    )
+    graphdef, abs_state = nnx.split(abstract)
+    full = dict(nnx.to_flat_state(nnx.state(decoder.stage)))
+    flat = []
+    for path, _ in nnx.to_flat_state(abs_state):
+        src = path
+        if path[0] == "layers":
+            src = ("layers", first_layer + path[1], *path[2:])
+        flat.append((path, full[src]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

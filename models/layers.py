@@ -1,0 +1,160 @@
+"""Building blocks shared by the decoders and encoders: parameters with logical axes, RMSNorm,
+rotary embeddings (default and llama3 scaling), SwiGLU MLP, token embedding, activation constraints.
+
+Every parameter carries logical axis names (`out_sharding` metadata, as `nnx.with_partitioning`
+sets); `dflop_jax/runtime/sharding.py` maps them to mesh axes. Logical names used here:
+  "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"  (parameters)
+  "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"  (activations)
+No mesh axis name appears in models/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import spmd as core_spmd
+from jax.sharding import PartitionSpec
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+
+def _on_mesh() -> bool:
+    return not jax.sharding.get_abstract_mesh().empty
+
+
+def make_param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: Sequence[int],
+    axes: Sequence[str | None],
+    dtype: jnp.dtype,
+) -> nnx.Param:
+    """A parameter with logical axis names.
+
+    Sharded eagerly only when built under a mesh (`with jax.set_mesh(mesh), nnx.logical_axis_rules(..)`),
+    so the same module also builds on a single device without any mesh.
+    """
+    assert len(shape) == len(axes), (shape, axes)
+    value = init(rngs.params(), tuple(shape), dtype)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=_on_mesh())
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Activation sharding hint by logical axes; a no-op outside a mesh or without rules."""
+    rules = core_spmd.get_logical_axis_rules()
+    if not _on_mesh() or not rules:
+        return x
+    table: dict = {}
+    for name, mesh_axes in rules:  # first match wins, as in flax
+        table.setdefault(name, mesh_axes)
+    spec = PartitionSpec(*(table.get(a) if a is not None else None for a in axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+class RMSNorm(nnx.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as HF Qwen2/Llama)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., D] -> [..., D] in x.dtype."""
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+        normed = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * normed
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency scaling (HF `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> jax.Array:
+    """Inverse frequencies [Dh/2] in float32, llama3-scaled if `scaling` is given."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B,S] int -> (cos, sin) each [B,S,Dh/2] float32."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,S,Dh/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention: first and second halves of Dh are the pair).
+
+    x: [B,S,H,Dh]; cos, sin: [B,S,Dh/2]. Computed in float32, returned in x.dtype.
+    """
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(x @ gate) * (x @ up)); gate/up column-split and down row-split on "mlp"."""
+
+    def __init__(
+        self, dim: int, hidden: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        init = nnx.initializers.lecun_normal()
+        self.dtype = dtype
+        self.gate = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+        self.up = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+        self.down = make_param(rngs, init, (hidden, dim), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [B,S,D] -> [B,S,D]."""
+        x = x.astype(self.dtype)
+        g = jnp.einsum("bsd,df->bsf", x, self.gate[...].astype(self.dtype))
+        u = jnp.einsum("bsd,df->bsf", x, self.up[...].astype(self.dtype))
+        h = constrain(jax.nn.silu(g) * u, ("batch", "length", "act_mlp"))
+        return jnp.einsum("bsf,fd->bsd", h, self.down[...].astype(self.dtype))
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V, D] ("vocab", "embed"); `attend` gives tied-head logits."""
+
+    def __init__(
+        self, vocab: int, dim: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        self.dtype = dtype
+        init = nnx.initializers.normal(stddev=0.02)
+        self.weight = make_param(rngs, init, (vocab, dim), ("vocab", "embed"), param_dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B,S] int -> [B,S,D] in the compute dtype."""
+        out = jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+        return constrain(out, ("batch", "length", "act_embed"))
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """h [B,S,D] -> logits [B,S,V] against the table (tied head)."""
+        w = self.weight[...].astype(self.dtype)
+        return jnp.einsum("bsd,vd->bsv", h.astype(self.dtype), w)

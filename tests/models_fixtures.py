@@ -1,0 +1,123 @@
+"""Dummy model builders shared by the models tests: tiny decoder configs and tiny random HF models
+written with `save_pretrained` to a tmp dir (no download). HF builders import torch/transformers
+lazily; callers skip with `pytest.importorskip` first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.decoder_config import DecoderConfig
+from models.layers import Llama3RopeScaling
+
+
+def tiny_decoder_config(**changes) -> DecoderConfig:
+    """A 3-layer GQA decoder (H=4, K=2, Dh=8) small enough for CPU gradient tests."""
+    base = DecoderConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        qkv_bias=True,
+        tie_embeddings=False,
+        max_position_embeddings=128,
+    )
+    return base.replace(**changes)
+
+
+TINY_LLAMA3_SCALING = Llama3RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
+
+
+def _save(model, path: Path) -> Path:
+    model.eval()
+    model.save_pretrained(path)
+    return path
+
+
+def save_tiny_qwen2(path: Path, *, tied: bool, seed: int = 0, **changes) -> Path:
+    """Tiny random Qwen2ForCausalLM (GQA 4/2 heads, qkv bias) saved to `path`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        tie_word_embeddings=tied,
+    )
+    kwargs.update(changes)
+    model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    _randomize_biases(model, seed)
+    return _save(model, path)
+
+
+def save_tiny_llama(path: Path, *, llama3_scaling: bool, seed: int = 0, **changes) -> Path:
+    """Tiny random LlamaForCausalLM (GQA 4/2 heads), optionally with llama3 rope scaling."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    if llama3_scaling:
+        s = TINY_LLAMA3_SCALING
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    kwargs = dict(
+        vocab_size=89,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(changes)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    return _save(model, path)
+
+
+def _randomize_biases(model, seed: int) -> None:
+    """HF initializes biases to zero; random ones make the bias mapping observable in parity tests."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0)
+                )
+
+
+def hf_logits(path: Path, input_ids):
+    """Logits [B,S,V] float32 numpy of the HF model saved at `path` (torch CPU, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(input_ids, dtype=torch.long))
+    return out.logits.float().numpy()
