@@ -40,7 +40,8 @@ class PlannerConfig:
       max_idle_devices: candidates may leave at most this many of the requested devices unused.
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
       screen_top: candidates that pass memory are first ranked by a mean-shape simulation; this many
-        go on to the full expected-step-time scoring.
+        go on to the full expected-step-time scoring,
+      screen_per_group: plus this many of each (microbatch count, colocated encoder or not) group.
       solver: scheduler solver used for scoring ("greedy" is fast; "auto"/"cpsat" refine).
       refine_top: re-score the best few with `refine_solver` (0 = off).
       refine_solver, refine_time_limit_s: solver and per-batch time box of that refinement.
@@ -61,7 +62,8 @@ class PlannerConfig:
     global_batch: int = 256
     max_idle_devices: int = 0
     colocate: bool = True
-    screen_top: int = 12
+    screen_top: int = 8
+    screen_per_group: int = 2
     solver: Literal["greedy", "auto", "cpsat"] = "greedy"
     refine_top: int = 0
     refine_solver: Literal["auto", "cpsat"] = "auto"
@@ -103,6 +105,12 @@ class PlannerConfig:
             "must be >= 0",
         )
         require(self.screen_top >= 1, "planner.screen_top", self.screen_top, "must be >= 1")
+        require(
+            self.screen_per_group >= 0,
+            "planner.screen_per_group",
+            self.screen_per_group,
+            "must be >= 0",
+        )
         require(self.refine_top >= 0, "planner.refine_top", self.refine_top, "must be >= 0")
         require(
             self.refine_time_limit_s > 0,

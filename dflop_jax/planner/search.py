@@ -6,7 +6,8 @@ Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
    exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
-3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top`;
+3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
+   `screen_per_group` per (microbatch count, colocated encoder or not);
 4. score: expected step time over K sampled global batches through the online scheduler (greedy) and
    the simulator; optionally re-score the best `refine_top` with the refining solver;
 5. pick the fastest. Ties (equal to the microsecond) go to: fewer unused devices, then fewer
@@ -201,19 +202,29 @@ def _screen_all(
     return out
 
 
+def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:
+    """The candidates worth the full scoring, in screen order: the best `screen_top` overall plus the
+    best `screen_per_group` of every (microbatch count, encoder colocated or not) group -- the mean-shape
+    screen is blind to batch-to-batch variance, which favours some groups unfairly."""
+    keep = {id(e) for e in by_screen[: config.screen_top]}
+    seen: dict[tuple, int] = {}
+    for e in by_screen:
+        group = (e.cand.microbatches, not e.cand.layout.encoder_stages)
+        seen[group] = seen.get(group, 0) + 1
+        if seen[group] <= config.screen_per_group:
+            keep.add(id(e))
+    return [e for e in by_screen if id(e) in keep]
+
+
 def _score_dflop(
     by_screen: list[Evaluated], batches, config: PlannerConfig, num_devices: int, report
 ):
-    """Scores screened candidates in screen order until `screen_top` of them schedule successfully."""
+    """Scores the shortlist on the sampled batches, optionally refines the best few."""
     scheduler = online_scheduler(config.solver, config.seed)
-    top, ok = [], 0
-    for e in by_screen:
-        if ok >= config.screen_top:
-            break
+    top = shortlist(by_screen, config)
+    for i, e in enumerate(top):
         e.score = _score(e, batches, scheduler, config)
-        top.append(e)
-        ok += not e.score.failed
-        report("score", ok, min(config.screen_top, len(by_screen)))
+        report("score", i + 1, len(top))
     ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
     if config.refine_top:
         refiner = online_scheduler(config.refine_solver, config.seed, config.refine_time_limit_s)
@@ -222,7 +233,7 @@ def _score_dflop(
             e.score = refined if refined.mean < e.score.mean else e.score
             report("refine", i + 1, min(config.refine_top, len(ranked)))
         ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
-    return ranked + by_screen[len(top) :]
+    return ranked + [e for e in by_screen if e.score is None]
 
 
 def _score(e: Evaluated, batches, scheduler: ScheduleFn, config: PlannerConfig) -> Score:
