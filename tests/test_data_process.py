@@ -327,3 +327,19 @@ def test_extra_fields_are_accepted_when_configured(dataset):
     assert Processor(cfg).shape(rec).tokens == Processor(cfg).shape(recs["text"]).tokens
     with pytest.raises(BadSample, match="unknown_fields"):
         Processor(_records(dataset)[0]).shape(rec)
+
+
+def test_decompression_bomb_is_a_corrupt_image(tmp_path, monkeypatch):
+    Image.new("RGB", (300, 300)).save(tmp_path / "big.png")
+    monkeypatch.setattr(
+        Image, "MAX_IMAGE_PIXELS", 1000
+    )  # 300x300 > 2x the limit: Pillow refuses it
+    rec = {
+        "id": 0,
+        "image": "big.png",
+        "conversations": _conv(),
+        "_location": "t",
+        "_image_root": str(tmp_path),
+    }
+    with pytest.raises(BadSample, match="corrupt_image"):
+        Processor(DataConfig(source="x")).shape(rec)

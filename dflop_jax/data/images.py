@@ -24,7 +24,13 @@ def image_size(path: Path, location: str) -> tuple[int, int]:
     try:
         with Image.open(path) as img:
             w, h = img.size
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (
+        UnidentifiedImageError,
+        Image.DecompressionBombError,
+        OSError,
+        SyntaxError,
+        ValueError,
+    ) as e:
         raise BadSample("corrupt_image", location, f"{path}: {e}") from None
     if h < 1 or w < 1:
         raise BadSample("corrupt_image", location, f"{path}: empty image {w}x{h}")
@@ -39,7 +45,13 @@ def load_image(path: Path, location: str) -> Image.Image:
         with Image.open(path) as img:
             img.load()
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (
+        UnidentifiedImageError,
+        Image.DecompressionBombError,
+        OSError,
+        SyntaxError,
+        ValueError,
+    ) as e:
         raise BadSample("corrupt_image", location, f"{path}: {e}") from None
 
 
