@@ -17,6 +17,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -96,44 +97,41 @@ def assign(
     *,
     ignore: Callable[[str], bool] = lambda key: False,
     what: str = "model",
+    shardings: Mapping[Path, jax.sharding.Sharding] | None = None,
 ) -> None:
-    """Fills every parameter of `module` from HF `tensors` through `entries` (in place).
+    """Fills every parameter of `module` (real, or abstract from `nnx.eval_shape`) from HF `tensors`.
 
-    Raises ValueError listing unused HF keys (not `ignore`d), missing keys, shape mismatches and
-    parameters no entry fills.
+    Each array goes from host memory straight to its sharding when `shardings` ({param path:
+    Sharding}, e.g. from `nnx.get_named_sharding`) is given, else to the default device. Raises
+    ValueError listing unused HF keys (not `ignore`d), missing keys, shape mismatches and parameters
+    no entry fills.
     """
     params = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
     by_key = {e.hf_key: e for e in entries}
+    filled = {e.path for e in entries}
     problems = [
         f"unsupported key {k}" for k in sorted(tensors) if k not in by_key and not ignore(k)
     ]
     problems += [f"missing key {k}" for k in sorted(by_key) if k not in tensors]
-    problems += [
-        f"no entry fills parameter {'/'.join(map(str, p))}"
-        for p in params
-        if p not in {e.path for e in entries}
-    ]
+    problems += [f"no entry fills {'/'.join(map(str, p))}" for p in params if p not in filled]
     updates = []
     for key, entry in by_key.items():
+        if entry.path not in params:
+            problems.append(f"entry {key} -> {entry.path} names no parameter")
         if key not in tensors or entry.path not in params:
-            if entry.path not in params:
-                problems.append(f"entry {key} -> {entry.path} names no parameter")
             continue
-        var = params[entry.path]
+        current = params[entry.path].get_value()
         value = entry.to_ours(np.asarray(tensors[key]))
-        if tuple(value.shape) != tuple(var.shape):
-            problems.append(
-                f"shape mismatch {key}: checkpoint {value.shape} vs model {tuple(var.shape)}"
-            )
+        if tuple(value.shape) != tuple(current.shape):
+            problems.append(f"shape mismatch {key}: file {value.shape} vs model {current.shape}")
             continue
-        updates.append((entry.path, jnp.asarray(value, dtype=var.dtype)))
+        updates.append((entry.path, value.astype(current.dtype)))
     if problems:
-        shown = "; ".join(problems[:20]) + (
-            f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
-        )
-        raise ValueError(f"cannot load {what}: {shown}")
+        more = f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValueError(f"cannot load {what}: " + "; ".join(problems[:20]) + more)
     for path, value in updates:
-        params[path].set_value(value)
+        placed = jax.device_put(value, shardings[path]) if shardings else jnp.asarray(value)
+        params[path].set_value(placed)
 
 
 def export(module: nnx.Module, entries: list[Entry]) -> dict[str, np.ndarray]:

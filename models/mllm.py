@@ -1,0 +1,245 @@
+"""A ViT + projector + decoder multimodal LLM expressed as pipeline STAGES (used by LLaVA-OneVision in
+`models/llava_onevision.py` and InternVL in `models/internvl.py`).
+
+Stages (each a module holding only its own parameters, so it can live on its own submesh):
+  EncoderStage  vision layers [a, b) (+ patch embedding if first) (+ feature head and projector if
+                last): tiles [T,H,W,3] or hidden [T,N,Dv] -> hidden [T,N,Dv], or on the last encoder
+                stage projected per-tile features [T, tokens_per_tile, D].
+  LLMStage      decoder layers [a, b) (+ token embedding, image-newline and feature placement if first)
+                (+ final norm, head and loss if last).
+`MLLM` is the unsplit model (one EncoderStage + one LLMStage holding everything) and
+`extract_stages` cuts it into stages that share its arrays, so split == unsplit by construction and
+gradients flow through every cut (each cut is an ordinary array boundary).
+
+The config object (`LlavaOnevisionConfig` / `InternVLConfig`) provides: vision (ViTConfig, trimmed to
+the layers the feature layer needs), text (DecoderConfig), tokens_per_tile, drop_cls, shuffle_ratio,
+projector_in, projector_bias, projector_act, projector_norm_eps, has_newline, pool_video.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.decoder import DecoderStage
+from models.layers import make_param
+from models.loss import cross_entropy_sum
+from models.placement import flatten_tiles, place_features
+from models.projector import MlpProjector, pixel_shuffle, pool_tiles
+from models.vit import VisionStage
+
+
+class EncoderStage(nnx.Module):
+    """Vision layers [first_layer, first_layer + num_layers) with optional embedding / projector head."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        first_layer: int,
+        num_layers: int,
+        has_embedding: bool,
+        has_head: bool,
+        rngs: nnx.Rngs,
+    ):
+        self.cfg = cfg
+        self.has_head = has_head
+        self.vision = VisionStage(
+            cfg.vision,
+            first_layer=first_layer,
+            num_layers=num_layers,
+            has_embedding=has_embedding,
+            has_head=has_head,
+            rngs=rngs,
+        )
+        if has_head:
+            self.projector = MlpProjector(
+                cfg.projector_in,
+                cfg.text.hidden_size,
+                bias=cfg.projector_bias,
+                act=cfg.projector_act,
+                pre_norm_eps=cfg.projector_norm_eps,
+                dtype=jnp.dtype(cfg.vision.dtype),
+                param_dtype=jnp.dtype(cfg.vision.param_dtype),
+                rngs=rngs,
+            )
+
+    def __call__(self, x: jax.Array, tile_pool: jax.Array | None = None) -> jax.Array:
+        """x: tiles [T,H,W,3] (first stage) or hidden [T,N,Dv]; tile_pool [T] bool (video frames).
+
+        Returns hidden [T,N,Dv], or on the head stage features [T, tokens_per_tile, D].
+        """
+        h = self.vision(x)
+        if not self.has_head:
+            return h
+        cfg = self.cfg
+        if cfg.drop_cls:
+            h = h[:, 1:]
+        if cfg.shuffle_ratio is not None:
+            h = pixel_shuffle(h, cfg.shuffle_ratio)
+        features = self.projector(h)
+        if cfg.pool_video and tile_pool is not None:
+            features = pool_tiles(features, tile_pool, cfg.vision.patches_per_side)
+        return features
+
+
+class LLMStage(nnx.Module):
+    """Decoder layers [first_layer, first_layer + num_layers) with optional placement / head + loss."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        first_layer: int,
+        num_layers: int,
+        has_embedding: bool,
+        has_head: bool,
+        rngs: nnx.Rngs,
+    ):
+        self.cfg = cfg
+        self.has_embedding, self.has_head = has_embedding, has_head
+        self.decoder = DecoderStage(
+            cfg.text,
+            first_layer=first_layer,
+            num_layers=num_layers,
+            has_embedding=has_embedding,
+            has_head=has_head,
+            rngs=rngs,
+        )
+        if has_embedding and cfg.has_newline:
+            init = nnx.initializers.normal(cfg.text.hidden_size**-0.5)
+            self.image_newline = make_param(
+                rngs, init, (cfg.text.hidden_size,), ("embed",), cfg.text.param_jnp_dtype
+            )
+
+    def embed(
+        self,
+        tokens: jax.Array,
+        features: jax.Array | None,
+        feature_index: jax.Array | None,
+        feature_weight: jax.Array | None = None,
+    ) -> jax.Array:
+        """tokens [B,S]; features [T, tokens_per_tile, D] or None (text only); feature_index [B,S](,K)."""
+        h = self.decoder.embed(tokens)
+        if features is None:
+            return h
+        newline = self.image_newline[...] if self.cfg.has_newline else None
+        return place_features(
+            h, flatten_tiles(features.astype(h.dtype)), feature_index, newline, feature_weight
+        )
+
+    def __call__(
+        self, h: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
+    ) -> jax.Array:
+        """h [B,S,D] -> [B,S,D] through this stage's layers."""
+        return self.decoder(h, segment_ids, positions)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [B,S,D] -> [B,S,V]."""
+        return self.decoder.logits(h)
+
+    def loss(
+        self, h: jax.Array, targets: jax.Array, loss_mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(summed cross-entropy, loss-token count) of the head stage's output."""
+        return cross_entropy_sum(self.logits(h), targets, loss_mask)
+
+
+class MLLM(nnx.Module):
+    """The unsplit model: `encoder` (every vision layer + projector) and `llm` (every decoder layer)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.encoder = EncoderStage(
+            cfg,
+            first_layer=0,
+            num_layers=cfg.vision.num_layers,
+            has_embedding=True,
+            has_head=True,
+            rngs=rngs,
+        )
+        self.llm = LLMStage(
+            cfg,
+            first_layer=0,
+            num_layers=cfg.text.num_layers,
+            has_embedding=True,
+            has_head=True,
+            rngs=rngs,
+        )
+
+    def hidden(
+        self, tiles, tile_pool, tokens, segment_ids, positions, feature_index, feature_weight=None
+    ):
+        """Final hidden states [B,S,D] (before the final norm)."""
+        features = self.encoder(tiles, tile_pool) if tiles is not None and tiles.shape[0] else None
+        h = self.llm.embed(tokens, features, feature_index, feature_weight)
+        return self.llm(h, segment_ids, positions)
+
+    def __call__(
+        self, tiles, tile_pool, tokens, segment_ids, positions, feature_index, feature_weight=None
+    ):
+        """tiles [T,H,W,3], tile_pool [T] bool, tokens/segment_ids/positions/feature_index [B,S] -> logits [B,S,V]."""
+        return self.llm.logits(
+            self.hidden(
+                tiles, tile_pool, tokens, segment_ids, positions, feature_index, feature_weight
+            )
+        )
+
+    def loss(
+        self, tiles, tile_pool, tokens, segment_ids, positions, feature_index, targets, loss_mask
+    ):
+        """(summed cross-entropy, loss-token count)."""
+        h = self.hidden(tiles, tile_pool, tokens, segment_ids, positions, feature_index)
+        return self.llm.loss(h, targets, loss_mask)
+
+
+def _extract(stage_factory, full_state: dict, prefix: tuple, layer_key: tuple, first_layer: int):
+    """A stage built abstractly and filled with the arrays of the full model's `prefix` subtree."""
+    graphdef, abs_state = nnx.split(nnx.eval_shape(stage_factory))
+    n = len(layer_key)
+    flat = []
+    for path, _ in nnx.to_flat_state(abs_state):
+        src = path
+        if path[:n] == layer_key:
+            src = (*layer_key, first_layer + path[n], *path[n + 1 :])
+        flat.append((path, full_state[(*prefix, *src)]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def extract_stages(
+    model: MLLM, encoder_layers: Sequence[int], llm_layers: Sequence[int]
+) -> tuple[list[EncoderStage], list[LLMStage]]:
+    """Cuts `model` into stages sharing its arrays.
+
+    Args:
+      encoder_layers: vision layers per encoder stage (sum = cfg.vision.num_layers, each >= 0).
+      llm_layers: decoder layers per LLM stage (sum = cfg.text.num_layers).
+    """
+    cfg = model.cfg
+    for name, split, total in (
+        ("encoder", encoder_layers, cfg.vision.num_layers),
+        ("llm", llm_layers, cfg.text.num_layers),
+    ):
+        if sum(split) != total or min(split) < 0 or not split:
+            raise ValueError(f"{name} stage layers {list(split)} must be >= 0 and sum to {total}")
+    full = dict(nnx.to_flat_state(nnx.state(model)))
+    encoders, first = [], 0
+    for i, n in enumerate(encoder_layers):
+        last = i == len(encoder_layers) - 1
+        factory = lambda f=first, n=n, i=i, last=last: EncoderStage(  # noqa: E731
+            cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last, rngs=nnx.Rngs(0)
+        )
+        encoders.append(_extract(factory, full, ("encoder",), ("vision", "layers"), first))
+        first += n
+    llms, first = [], 0
+    for i, n in enumerate(llm_layers):
+        last = i == len(llm_layers) - 1
+        factory = lambda f=first, n=n, i=i, last=last: LLMStage(  # noqa: E731
+            cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last, rngs=nnx.Rngs(0)
+        )
+        llms.append(_extract(factory, full, ("llm",), ("decoder", "layers"), first))
+        first += n
+    return encoders, llms

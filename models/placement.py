@@ -1,0 +1,63 @@
+"""Placing projected image features into packed token rows: a gather with indices the loader precomputes.
+
+`feature_index` follows `dflop_jax/data/types.py` (restated here because models/ does not import
+dflop_jax): TEXT (-1) keeps the token embedding, NEWLINE (-2) takes the learned image-newline vector,
+i >= 0 takes row i of the microbatch's flattened features [num_tile_slots * tokens_per_tile, D].
+The exact form for interpolated LLaVA-OV features (`models/layouts.py` `taps`) passes a trailing axis
+of K taps with weights; a plain gather is K = 1 (or no trailing axis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TEXT = -1
+NEWLINE = -2
+
+
+def place_features(
+    embeds: jax.Array,
+    features: jax.Array,
+    feature_index: jax.Array,
+    newline: jax.Array | None = None,
+    feature_weight: jax.Array | None = None,
+) -> jax.Array:
+    """Token embeddings with image positions replaced by their features.
+
+    Args:
+      embeds: [B,S,D] token embeddings.
+      features: [F,D] flattened projected features of the microbatch.
+      feature_index: [B,S] int32, or [B,S,K] with `feature_weight` (weighted sum of K rows).
+      newline: [D] image-newline embedding, or None when the model has none (NEWLINE is then an error
+        in the data, and such positions get zeros).
+      feature_weight: [B,S,K] weights of the K taps (None: a plain gather).
+
+    Returns:
+      [B,S,D] in embeds.dtype. Gradients flow to `embeds` (TEXT positions), `features`, `newline`.
+    """
+    d = embeds.shape[-1]
+    extra = (
+        newline[None].astype(features.dtype)
+        if newline is not None
+        else jnp.zeros((1, d), features.dtype)
+    )
+    table = jnp.concatenate([features, extra], axis=0)  # [F+1, D]; row F is the newline
+    if feature_weight is None and feature_index.ndim == embeds.ndim:
+        feature_index, feature_weight = feature_index[..., None], None
+    idx = jnp.where(feature_index == NEWLINE, features.shape[0], jnp.maximum(feature_index, 0))
+    gathered = jnp.take(table, idx, axis=0)  # [B,S,K,D]
+    if feature_weight is None:
+        gathered = gathered[..., 0, :]
+    else:
+        gathered = jnp.einsum("bskd,bsk->bsd", gathered, feature_weight.astype(gathered.dtype))
+    is_text = feature_index[..., 0] == TEXT
+    return jnp.where(is_text[..., None], embeds, gathered.astype(embeds.dtype))
+
+
+def flatten_tiles(features: jax.Array) -> jax.Array:
+    """[T, tokens_per_tile, D] -> [T * tokens_per_tile, D] (tile slot s covers rows s*tpt ...)."""
+    return features.reshape(-1, features.shape[-1])
+
+
+__all__ = ["NEWLINE", "TEXT", "flatten_tiles", "place_features"]
