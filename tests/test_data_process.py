@@ -343,3 +343,16 @@ def test_decompression_bomb_is_a_corrupt_image(tmp_path, monkeypatch):
     }
     with pytest.raises(BadSample, match="corrupt_image"):
         Processor(DataConfig(source="x")).shape(rec)
+
+
+def test_template_refusal_is_a_bad_sample(dataset, tmp_path):
+    from dflop_jax.data.chat import ChatTemplate
+
+    cfg, recs = _records(dataset)
+    proc = Processor(cfg)
+    strict = "{% if messages|length > 2 %}{{ raise_exception('roles must alternate') }}{% endif %}x"
+    proc.template = ChatTemplate(strict)
+    with pytest.raises(
+        BadSample, match="no_conversations: chat template refused it: roles must alternate"
+    ):
+        proc.shape({**recs["text"], "_location": "here"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
 from dflop_jax.data import images, video
@@ -125,10 +126,17 @@ class Processor:
         media, modality = self._media(record, location)
         messages = _place_markers(conversations, len(media), location)
         messages = to_messages(messages, self.cfg.system_prompt)
-        if with_spans:
-            text, spans = self.template.render_with_spans(messages)
-        else:
-            text, spans = self.template.render(messages), []
+        try:
+            if with_spans:
+                text, spans = self.template.render_with_spans(messages)
+            else:
+                text, spans = self.template.render(messages), []
+        except (
+            jinja2.TemplateError
+        ) as e:  # e.g. a template's raise_exception("roles must alternate")
+            raise BadSample(
+                "no_conversations", location, f"chat template refused it: {e}"
+            ) from None
         pieces = tuple(text.split(MARKER))
         if len(pieces) != len(media) + 1:
             raise BadSample(
