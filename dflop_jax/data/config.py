@@ -71,7 +71,7 @@ class DataConfig:
     too_long: Literal["skip", "truncate"] = "skip"
     strict: bool = False
     extra_fields: tuple[str, ...] = ()
-    cache_dir: str = ".dflop_cache/metadata"
+    cache_dir: str = "data_cache/metadata"
     pixel_mean: tuple[float, ...] = ()
     pixel_std: tuple[float, ...] = ()
 
