@@ -8,7 +8,7 @@
   (a cost per token and per tile read off the cost table), min-max over all (microbatch, shard) bins by
   LPT, blind to buckets; each microbatch then gets the cheapest buckets that fit what it was given. A
   microbatch that fits no bucket is repaired by moving its largest samples to the emptiest bins that can
-  take them (`info["repaired_moves"]`).
+  take them (`info["repaired_moves"]`); if none can, an extra microbatch (`info["extra_microbatches"]`).
 """
 
 from __future__ import annotations
@@ -115,42 +115,37 @@ def reference_like_schedule(
         b = int(np.argmin(load))
         bin_of[i] = b
         load[b] += cost[i]
-    moves = _repair(bin_of, m, tokens, tiles, problem, table)
-    _, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
-    return _report(
-        "reference-like",
-        bin_of,
-        m,
-        ti,
-        si,
-        tokens,
-        tiles,
-        problem,
-        table,
-        t0,
-        {"repaired_moves": moves},
-    )
+    bin_of, m2, moves = _repair(bin_of, m, tokens, tiles, problem, table)
+    _, _, ti, si = evaluate(bin_of, m2, tokens, tiles, problem, table)
+    info = {"repaired_moves": moves, "extra_microbatches": m2 - m}
+    return _report("reference-like", bin_of, m2, ti, si, tokens, tiles, problem, table, t0, info)
 
 
-def _repair(bin_of, m, tokens, tiles, problem, table) -> int:
-    """Moves samples out of bins/microbatches over the largest buckets, in place; returns the move count."""
+def _repair(bin_of, m, tokens, tiles, problem, table) -> tuple[np.ndarray, int, int]:
+    """Moves samples out of bins over the largest buckets (largest first, to the emptiest bin that
+    takes them); samples no bin takes open extra microbatches. Returns (bin_of, microbatches, moves)."""
     ldp, smax = problem.llm_dp, table.lengths[-1]
     tmax = table.tiles[-1] * problem.encoder_dp
     moves = 0
-    for _ in range(len(bin_of)):
-        tok = np.bincount(bin_of, weights=tokens, minlength=m * ldp)
+    while True:
+        nb = m * ldp
+        mb = np.arange(nb) // ldp
+        tok = np.bincount(bin_of, weights=tokens, minlength=nb)
         til = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
-        over = np.flatnonzero((tok > smax) | (til[np.arange(m * ldp) // ldp] > tmax))
+        over = np.flatnonzero((tok > smax) | (til[mb] > tmax))
         if over.size == 0:
-            return moves
+            return bin_of, m, moves
         src = int(over[0])
         by_tiles = til[src // ldp] > tmax
         members = np.flatnonzero(bin_of == src)
-        i = int(members[np.argmax(tiles[members] if by_tiles else tokens[members])])
-        ok = (tok + tokens[i] <= smax) & (til[np.arange(m * ldp) // ldp] + tiles[i] <= tmax)
-        ok[src] = False
-        if not ok.any():
-            raise ValueError("reference-like baseline: the batch does not fit the largest buckets")
-        bin_of[i] = int(np.flatnonzero(ok)[np.argmin(tok[ok])])
+        key = tiles[members] if by_tiles else tokens[members]
+        for i in members[np.argsort(-key, kind="stable")]:
+            ok = (tok + tokens[i] <= smax) & (til[mb] + tiles[i] <= tmax) & (mb != src // ldp)
+            if ok.any():
+                bin_of[i] = int(np.flatnonzero(ok)[np.argmin(tok[ok])])
+                break
+        else:  # nowhere to go: an extra microbatch takes the largest one
+            i = members[np.argmax(key)]
+            bin_of[i] = m * ldp
+            m += 1
         moves += 1
-    return moves

@@ -282,7 +282,7 @@ def greedy_schedule(
     """
     lb, target = aggregate_bound(tokens, tiles, problem, table)
     starts = [
-        (m, lambda m=m: lpt_assign(tokens, tiles, m, problem))
+        (m, False, lambda m=m: lpt_assign(tokens, tiles, m, problem))
         for m in candidate_counts(problem, len(tokens))
     ]
     if target:
@@ -291,16 +291,15 @@ def greedy_schedule(
             obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
             if obj <= lb * (1 + 1e-9):  # the packing reached the bound: nothing left to gain
                 return packed, len(target), obj, lb
-            starts.append((len(target), lambda: packed))
+            starts.append((len(target), True, lambda: packed))
     best = None
-    for m, make in starts:
+    for m, prunable, make in starts:
         bin_of = make()
-        if bin_of is None:
-            continue
         try:
-            # a start already worse than the best before shrinking rarely wins: skip its shrink
+            # a targeted packing that overflowed (worse than the best already, before shrinking)
+            # rarely wins and is slow to shrink: skip it
             raw = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
-            if best is not None and raw >= best[2]:
+            if prunable and best is not None and raw >= best[2]:
                 continue
             bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
             obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]

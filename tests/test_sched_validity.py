@@ -1,0 +1,125 @@
+"""Scheduler validity under random inputs: every sample exactly once, bucket capacities respected,
+microbatch counts in range, lower bound <= objective, objective = surrogate of the chosen buckets."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from dflop_jax.scheduler import (
+    BucketSet,
+    SampleShape,
+    ScheduleProblem,
+    SchedulerConfig,
+    data_blind_schedule,
+    reference_like_schedule,
+    schedule_batch,
+    surrogate_step_time,
+)
+
+# no shrinking: a failure prints its (small) example as drawn, and the run stays fast
+FAST = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def linear_costs(num_stages, a, b):
+    """Encoder-ish stage 0 grows with tiles, the others with tokens (plus attention-like S^2)."""
+
+    def fn(t, s):
+        rows = [[a * t + 1e-3, 2 * (a * t + 1e-3)]]
+        rows += [[b * s + 1e-9 * s * s, 2 * (b * s + 1e-9 * s * s)]] * (num_stages - 1)
+        return np.array(rows)
+
+    return fn
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 40))
+    shapes = [
+        SampleShape(f"s{i}", draw(st.integers(0, 12)), draw(st.integers(1, 3000)), "image")
+        for i in range(n)
+    ]
+    edp, ldp = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lo = draw(st.integers(1, 4))
+    hi = lo + draw(st.integers(0, 3))
+    tok = [s.tokens for s in shapes]
+    til = [s.tiles for s in shapes]
+    # largest buckets hold an LPT packing at the smallest count: mean load + largest item
+    smax = max(tok) + sum(tok) // (lo * ldp) + 1
+    tmax = max(1, -(-max(til) // edp) + -(-sum(til) // (lo * edp)) + 1)
+    ns = draw(st.integers(1, 5))
+    nt = draw(st.integers(1, 4))
+    lengths = tuple(sorted({max(1, smax >> j) for j in range(ns)}))
+    tiles = tuple(sorted({max(1, tmax >> j) for j in range(nt)}))
+    p = draw(st.integers(1, 4))
+    fn = linear_costs(p, draw(st.floats(1e-4, 1e-2)), draw(st.floats(1e-7, 1e-5)))
+    return shapes, ScheduleProblem(edp, ldp, p, (lo, hi), BucketSet(tiles, lengths), fn)
+
+
+def check_valid(schedule, shapes, problem, count_range=True):
+    seen = sorted(i for mb in schedule.microbatches for i in mb.samples())
+    assert seen == list(range(len(shapes))), "every sample exactly once"
+    if count_range:
+        assert problem.microbatches[0] <= len(schedule.microbatches) <= problem.microbatches[1]
+    costs = []
+    for mb in schedule.microbatches:
+        assert len(mb.shards) == problem.llm_dp
+        assert mb.tile_bucket in problem.buckets.tiles
+        assert mb.length_bucket in problem.buckets.lengths
+        for shard in mb.shards:
+            assert sum(shapes[i].tokens for i in shard) <= mb.length_bucket
+        tiles = sum(shapes[i].tiles for i in mb.samples())
+        assert tiles <= problem.encoder_dp * mb.tile_bucket
+        per_shard = mb.encoder_tiles(shapes, problem.encoder_dp)
+        assert all(len(x) <= mb.tile_bucket for x in per_shard)
+        costs.append(problem.stage_costs(mb.tile_bucket, mb.length_bucket))
+    assert schedule.objective == pytest.approx(surrogate_step_time(np.array(costs)), rel=1e-12)
+    assert schedule.lower_bound <= schedule.objective * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=FAST)
+@given(instances())
+def test_greedy_valid(inst):
+    shapes, problem = inst
+    s = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
+    check_valid(s, shapes, problem)
+    assert s.solver == "greedy"
+    assert 0.0 <= s.info["padding_tokens"] < 1.0
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=FAST)
+@given(instances())
+def test_cpsat_valid_and_never_worse(inst):
+    shapes, problem = inst
+    s = schedule_batch(shapes, problem, SchedulerConfig(solver="cpsat", time_limit_s=0.3))
+    check_valid(s, shapes, problem)
+    assert s.objective <= s.info["greedy_objective"] * (1 + 1e-12)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=FAST)
+@given(instances())
+def test_baselines_valid(inst):
+    shapes, problem = inst
+    m = problem.microbatches[0]
+    blind = data_blind_schedule(shapes, problem, m)
+    check_valid(blind, shapes, problem, count_range=False)
+    assert len(blind.microbatches) >= m
+    assert all(mb.length_bucket == problem.buckets.lengths[-1] for mb in blind.microbatches)
+    ref = reference_like_schedule(shapes, problem, m)
+    check_valid(ref, shapes, problem, count_range=False)
+    assert len(ref.microbatches) == m + ref.info["extra_microbatches"]
+
+
+def test_surrogate_hand_computed():
+    # 2 microbatches, 3 stages: per-mb max stage (fwd+bwd) = 3 and 5 -> 3 + 5 + 2 * 5 = 18
+    costs = np.array([[[1, 2], [0.5, 0.5], [1, 1]], [[1, 1], [2, 3], [0, 1]]], dtype=float)
+    assert surrogate_step_time(costs) == pytest.approx(18.0)
+
+
+def test_oversized_sample_named():
+    problem = ScheduleProblem(1, 1, 1, (1, 1), BucketSet((2,), (100,)), linear_costs(1, 1e-3, 1e-6))
+    with pytest.raises(ValueError, match="'big'"):
+        schedule_batch([SampleShape("big", 0, 101)], problem, SchedulerConfig(solver="greedy"))
+    with pytest.raises(ValueError, match="'wide'"):
+        schedule_batch([SampleShape("wide", 3, 10)], problem, SchedulerConfig(solver="greedy"))
