@@ -200,14 +200,19 @@ def main(argv: list[str]) -> int:
         return 2
     eval_batches = args.eval_batches or (3 if args.quick else 8)
     samples = args.samples or (2 if args.quick else 4)
-    rows = []
+    rows, failed = [], 0
     with progress_bar() as progress:
         for model in models:
             for n in gpus:
                 cfg = PlannerConfig(
                     global_batch=4 * n, samples=samples, screen_per_group=1 if args.quick else 2
                 )
-                rows.append(run_case(model, n, cfg, eval_batches, not args.no_remat, progress))
+                try:
+                    rows.append(run_case(model, n, cfg, eval_batches, not args.no_remat, progress))
+                except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
+                    print(f"error: {model} x{n}: {e}", file=sys.stderr)
+                    failed += 1
+                    continue
                 r = rows[-1]
                 print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
                       f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
@@ -215,4 +220,4 @@ def main(argv: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0
+    return 1 if failed else 0
