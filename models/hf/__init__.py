@@ -1,0 +1,118 @@
+"""HF checkpoint import/export: `load_pretrained(path) -> (model, config)`, `save_pretrained`.
+
+Dispatches on config.json `model_type` through `MODEL_TYPES` (each family registers one line here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from models.hf import llama, qwen2
+from models.hf.causal_lm import decoder_name_map, load_decoder_stage
+from models.hf.io import (
+    CheckpointError,
+    CheckpointReader,
+    ModelAdapter,
+    NameMap,
+    TensorMap,
+    export_tensors,
+    load_state,
+    read_config,
+    write_safetensors,
+)
+
+MODEL_TYPES: dict[str, ModelAdapter] = {
+    "qwen2": qwen2.ADAPTER,
+    "llama": llama.ADAPTER,
+}
+
+
+def adapter_for(model_type: str) -> ModelAdapter:
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"model_type={model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}"
+        )
+    return MODEL_TYPES[model_type]
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+):
+    """Loads an HF model directory (config.json + safetensors, single or sharded index).
+
+    Args:
+      dtype: compute dtype ("float32" default, "bfloat16").
+      param_dtype: stored parameter dtype ("float32" default: fp32 master weights).
+      mesh, rules: if given, every tensor goes straight into its NamedSharding on `mesh` (logical
+        axes mapped by `rules`, e.g. `dflop_jax.runtime.sharding.rules_for("decoder")`).
+
+    Returns:
+      (model, config): an nnx.Module (a `Decoder` for qwen2/llama: `model(input_ids) -> logits`)
+      and its config dataclass.
+    """
+    hf_config = read_config(path)
+    adapter = adapter_for(hf_config.get("model_type"))
+    cfg = adapter.config_from_hf(hf_config, dtype or "float32", param_dtype or "float32")
+    model = load_state(
+        CheckpointReader(path),
+        lambda: adapter.build(cfg, nnx.Rngs(0)),
+        adapter.name_map(cfg),
+        ignored=adapter.ignored_keys,
+        mesh=mesh,
+        rules=rules,
+    )
+    return model, cfg
+
+
+def save_pretrained(
+    model: nnx.Module,
+    config,
+    path: str | Path,
+    *,
+    model_type: str | None = None,
+    max_shard_bytes: int | None = None,
+) -> list[Path]:
+    """Exports `model` in HF layout: config.json + model.safetensors (or shards + index).
+
+    model_type: the HF family to write; default the first registered adapter that `matches(config)`
+    (for a DecoderConfig: qwen2 when it has qkv bias, else llama).
+    """
+    if model_type is None:
+        found = [name for name, a in MODEL_TYPES.items() if a.matches(config)]
+        if not found:
+            raise CheckpointError(f"no HF adapter exports {type(config).__name__}; pass model_type")
+        model_type = found[0]
+    adapter = adapter_for(model_type)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(adapter.config_to_hf(config), indent=2))
+    tensors = dict(export_tensors(model, adapter.name_map(config)))
+    return [path / "config.json", *write_safetensors(tensors, path, max_shard_bytes)]
+
+
+__all__ = [
+    "MODEL_TYPES",
+    "CheckpointError",
+    "CheckpointReader",
+    "ModelAdapter",
+    "NameMap",
+    "TensorMap",
+    "adapter_for",
+    "decoder_name_map",
+    "export_tensors",
+    "load_decoder_stage",
+    "load_pretrained",
+    "load_state",
+    "read_config",
+    "save_pretrained",
+    "write_safetensors",
+]

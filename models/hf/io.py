@@ -1,0 +1,254 @@
+"""HF checkpoint I/O: safetensors (single file or sharded index) read/write, name/layout mapping,
+loading straight onto a (sharded) mesh, and export back to HF layout.
+
+A model family describes itself with a `ModelAdapter` (config conversion, module factory, name map);
+`models.hf.load_pretrained` dispatches on config.json `model_type` to one.
+
+Name map: our flat state path (e.g. ("stage", "layers", 0, "attn", "q_kernel")) -> `TensorMap` (HF key,
+HF->ours and ours->HF array transforms). Loading places every tensor with `jax.make_array_from_callback`
+under its NamedSharding, so a device only ever receives its own shard; the host holds one whole
+tensor at a time (memory-mapped from the safetensors file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+Path_ = tuple[Any, ...]
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_LISTED = 12
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model: lists every missing / unsupported / mis-shaped key."""
+
+
+def identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One parameter's HF name and layout transforms (both directions).
+
+    Transforms use array methods only (`.T`, `.reshape`, `.transpose`) so they work on numpy arrays
+    and, for shape checks, on abstract values under `jax.eval_shape`.
+    """
+
+    hf_key: str
+    to_ours: Callable[[np.ndarray], np.ndarray] = identity
+    to_hf: Callable[[np.ndarray], np.ndarray] = identity
+
+
+NameMap = dict[Path_, TensorMap]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAdapter:
+    """How one HF `model_type` maps onto a models/ module.
+
+    config_from_hf(hf_config: dict, dtype: str, param_dtype: str) -> our config
+    config_to_hf(config) -> dict written as config.json
+    build(config, rngs) -> nnx.Module
+    name_map(config) -> NameMap for the module `build` returns
+    matches(config) -> bool: whether `save_pretrained` should export this config with this adapter
+    ignored_keys: HF keys that carry nothing we need (e.g. rotary caches), skipped silently.
+    """
+
+    config_from_hf: Callable[[dict, str, str], Any]
+    config_to_hf: Callable[[Any], dict]
+    build: Callable[[Any, nnx.Rngs], nnx.Module]
+    name_map: Callable[[Any], NameMap]
+    matches: Callable[[Any], bool]
+    ignored_keys: tuple[str, ...] = ()
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of an HF model directory."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json; pass an HF model directory")
+    return json.loads(file.read_text())
+
+
+class CheckpointReader:
+    """Reads tensors by HF key from `model.safetensors` or a sharded `model.safetensors.index.json`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {key: self.path / name for key, name in weight_map.items()}
+        elif (self.path / SINGLE_FILE).is_file():
+            self._files = self._keys_of(self.path / SINGLE_FILE)
+        else:
+            raise CheckpointError(
+                f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; export the model with "
+                "save_pretrained(..., safe_serialization=True)"
+            )
+        self._handles: dict[Path, Any] = {}
+
+    @staticmethod
+    def _keys_of(file: Path) -> dict[str, Path]:
+        with safe_open(str(file), framework="np") as f:
+            return {key: file for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+    def keys(self) -> list[str]:
+        return sorted(self._files)
+
+    def _handle(self, key: str):
+        file = self._files[key]
+        if file not in self._handles:
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{self.path}: {file.name} (listed in {INDEX_FILE}) is missing"
+                )
+            self._handles[file] = safe_open(str(file), framework="np")
+        return self._handles[file]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def get(self, key: str) -> np.ndarray:
+        return self._handle(key).get_tensor(key)
+
+
+def write_safetensors(
+    tensors: Mapping[str, np.ndarray], path: str | Path, max_shard_bytes: int | None = None
+) -> list[Path]:
+    """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when the total
+    exceeds `max_shard_bytes`. Returns the files written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[key])
+        if max_shard_bytes and size and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return [path / SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+        "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+    }
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return [path / n for n in names] + [path / INDEX_FILE]
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    more = f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return f"{title} ({len(items)}): {shown}{more}"
+
+
+def _check_coverage(
+    reader: CheckpointReader, abs_flat: list, name_map: NameMap, ignored: tuple[str, ...], full_keys
+) -> None:
+    """Raises one CheckpointError naming every missing, unsupported and mis-shaped tensor."""
+    problems = []
+    unmapped = [repr(p) for p, _ in abs_flat if p not in name_map]
+    if unmapped:
+        problems.append(_listing("model parameters without an HF name (adapter bug)", unmapped))
+    available = set(reader.keys())
+    missing = [name_map[p].hf_key for p, _ in abs_flat if p in name_map]
+    missing = [k for k in missing if k not in available]
+    if missing:
+        problems.append(_listing("missing from checkpoint", missing))
+    unsupported = sorted(
+        k for k in available - set(full_keys) if not any(k.endswith(s) for s in ignored)
+    )
+    if unsupported:
+        problems.append(_listing("unsupported checkpoint keys", unsupported))
+    mismatched = []
+    for p, var in abs_flat:
+        tm = name_map.get(p)
+        if tm is None or tm.hf_key not in available:
+            continue
+        hf_shape = reader.shape(tm.hf_key)
+        ours = jax.eval_shape(tm.to_ours, jax.ShapeDtypeStruct(hf_shape, jnp.float32)).shape
+        if tuple(ours) != tuple(var.shape):
+            mismatched.append(f"{tm.hf_key} {hf_shape} -> {tuple(ours)} != expected {var.shape}")
+    if mismatched:
+        problems.append(_listing("shape mismatches", mismatched))
+    if problems:
+        raise CheckpointError(
+            f"{reader.path}: checkpoint does not fit the model; " + "; ".join(problems)
+        )
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def load_state(
+    reader: CheckpointReader,
+    module_factory: Callable[[], nnx.Module],
+    name_map: NameMap,
+    *,
+    full_keys: list[str] | None = None,
+    ignored: tuple[str, ...] = (),
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> nnx.Module:
+    """Builds `module_factory()` abstractly and fills it from the checkpoint, tensor by tensor.
+
+    Args:
+      full_keys: every HF key the whole model uses (default: those of `name_map`); keys outside it
+        are reported as unsupported. Pass the full model's keys when loading a single stage.
+      mesh, rules: place each parameter directly in its NamedSharding (logical axes -> mesh via rules).
+    """
+    if (mesh is None) != (rules is None):
+        raise ValueError("load_state: pass mesh and rules together (or neither)")
+    if mesh is None:
+        graphdef, abs_state = nnx.split(nnx.eval_shape(module_factory))
+        shardings = None
+    else:
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+            graphdef, abs_state = nnx.split(nnx.eval_shape(module_factory))
+            shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(abs_state, mesh)))
+    abs_flat = list(nnx.to_flat_state(abs_state))
+    if full_keys is None:
+        full_keys = [tm.hf_key for tm in name_map.values()]
+    _check_coverage(reader, abs_flat, name_map, ignored, full_keys)
+    flat = []
+    for path, var in abs_flat:
+        tm = name_map[path]
+        host = np.asarray(tm.to_ours(reader.get(tm.hf_key))).astype(var.dtype)
+        sharding = None if shardings is None else shardings[path].get_value()
+        flat.append((path, var.replace(_place(host, sharding))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def export_tensors(module: nnx.Module, name_map: NameMap) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF key, host array in HF layout) for every parameter; a key shared by several parameters
+    (e.g. tied copies) is emitted once."""
+    seen = set()
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        tm = name_map[path]
+        if tm.hf_key in seen:
+            continue
+        seen.add(tm.hf_key)
+        yield tm.hf_key, np.asarray(tm.to_hf(np.asarray(jax.device_get(var[...]))))
