@@ -78,6 +78,7 @@ class Processor:
         else:
             self.img_ids = tuple(self.tok.token_id(t) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
         eos = self.tok.hf.token_to_id(self.tok.eos_token) if self.tok.eos_token else None
+        self._layouts: dict[tuple, tuple[layouts.FeatureLayout, tuple[int, int]]] = {}
         self.eos_ids = np.asarray([] if eos is None else [eos], np.int32)
 
     # ---- public API ---------------------------------------------------------------------------------
@@ -169,6 +170,17 @@ class Processor:
 
     def _image_media(self, path: Path, kind: str, location: str) -> _Media:
         hw = images.image_size(path, location)
+        key = (kind, hw)  # datasets repeat image sizes; layouts (bilinear taps) cost milliseconds
+        if key not in self._layouts:
+            if len(self._layouts) >= 4096:
+                self._layouts.clear()
+            self._layouts[key] = self._image_layout(kind, hw)
+        layout, grid = self._layouts[key]
+        return _Media(kind, path, layout, grid)
+
+    def _image_layout(
+        self, kind: str, hw: tuple[int, int]
+    ) -> tuple[layouts.FeatureLayout, tuple[int, int]]:
         cfg, tile = self.cfg, self.cfg.tile_px
         if cfg.model_family == "internvl":
             grid = (
@@ -180,11 +192,9 @@ class Processor:
                 hw, tile_size=tile, max_tiles=cfg.max_tiles, use_thumbnail=cfg.use_thumbnail,
                 tokens_per_tile=(self.patches // 2) ** 2,
             )  # fmt: skip
-            return _Media(kind, path, layout, grid)
+            return layout, grid
         if kind == "multi":
-            return _Media(
-                kind, path, layouts.llava_ov_multi_image_layout(patches_per_side=self.patches)
-            )
+            return layouts.llava_ov_multi_image_layout(patches_per_side=self.patches), (1, 1)
         grid = layouts.llava_ov_grid(hw, self.pinpoints, tile)
         layout = layouts.llava_ov_image_layout(
             hw,
@@ -193,7 +203,7 @@ class Processor:
             patches_per_side=self.patches,
             max_num_patches=cfg.anyres_max,
         )
-        return _Media(kind, path, layout, grid)
+        return layout, grid
 
     def _video_layout(self, frames: int) -> layouts.FeatureLayout:
         if self.cfg.model_family == "llava_ov":
