@@ -132,15 +132,19 @@ def _repair(bin_of, m, tokens, tiles, problem, table) -> tuple[np.ndarray, int, 
         mb = np.arange(nb) // ldp
         tok = np.bincount(bin_of, weights=tokens, minlength=nb)
         til = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
-        over = np.flatnonzero((tok > smax) | (til[mb] > tmax))
-        if over.size == 0:
+        over_bins, over_mbs = np.flatnonzero(tok > smax), np.flatnonzero(til > tmax)
+        if over_bins.size:
+            src_mb = int(over_bins[0]) // ldp
+            members = np.flatnonzero(bin_of == over_bins[0])
+            key = tokens[members]
+        elif over_mbs.size:
+            src_mb = int(over_mbs[0])
+            members = np.flatnonzero(bin_of // ldp == src_mb)
+            key = tiles[members]
+        else:
             return bin_of, m, moves
-        src = int(over[0])
-        by_tiles = til[src // ldp] > tmax
-        members = np.flatnonzero(bin_of == src)
-        key = tiles[members] if by_tiles else tokens[members]
         for i in members[np.argsort(-key, kind="stable")]:
-            ok = (tok + tokens[i] <= smax) & (til[mb] + tiles[i] <= tmax) & (mb != src // ldp)
+            ok = (tok + tokens[i] <= smax) & (til[mb] + tiles[i] <= tmax) & (mb != src_mb)
             if ok.any():
                 bin_of[i] = int(np.flatnonzero(ok)[np.argmin(tok[ok])])
                 break

@@ -272,6 +272,28 @@ def shrink(
     return st.bin_of
 
 
+def balance_shards(bin_of: np.ndarray, m: int, tokens: np.ndarray, ldp: int) -> np.ndarray:
+    """Re-packs each microbatch's samples over its shards by LPT when that lowers its largest shard.
+
+    Tiles stay in the microbatch and no shard grows past the old maximum, so buckets (and the
+    objective) can only stay or shrink; the real work per shard gets even, which matters when kernels
+    skip padded blocks.
+    """
+    out = bin_of.copy()
+    for k in range(m):
+        members = np.flatnonzero(bin_of // ldp == k)
+        old_max = np.bincount(bin_of[members] % ldp, weights=tokens[members], minlength=ldp).max()
+        load = np.zeros(ldp)
+        new = np.empty(len(members), dtype=np.int64)
+        for j in np.lexsort((members, -tokens[members])):
+            r = int(np.argmin(load))
+            new[j] = r
+            load[r] += tokens[members[j]]
+        if load.max() < old_max:
+            out[members] = k * ldp + new
+    return out
+
+
 def greedy_schedule(
     tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable
 ) -> tuple[np.ndarray, int, float, float]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.greedy import greedy_schedule
+from dflop_jax.scheduler.greedy import balance_shards, greedy_schedule
 from dflop_jax.scheduler.objective import (
     CostTable,
     check_fits,
@@ -62,7 +62,9 @@ def schedule_batch(
     info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": time.perf_counter() - t0}
     solver = "greedy"
     remaining = config.time_limit_s - (time.perf_counter() - t0)
-    if config.solver in ("cpsat", "auto") and remaining < 0.05:
+    if config.solver in ("cpsat", "auto") and greedy_obj <= lb * (1 + 1e-4):
+        info["fallback"] = "cpsat skipped: the greedy reached the lower bound"
+    elif config.solver in ("cpsat", "auto") and remaining < 0.05:
         info["fallback"] = (
             f"cpsat skipped: the greedy used {config.time_limit_s - remaining:.3f}s of the time limit"
         )
@@ -71,6 +73,7 @@ def schedule_batch(
             bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, remaining, info
         )
 
+    bin_of = balance_shards(bin_of, m, tokens, problem.llm_dp)
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
     plans = to_plans(bin_of, m, ti, si, problem, table)
     info.update(padding_ratios(plans, tokens, tiles, problem))
