@@ -43,7 +43,7 @@ def place_features(
         else jnp.zeros((1, d), features.dtype)
     )
     table = jnp.concatenate([features, extra], axis=0)  # [F+1, D]; row F is the newline
-    if feature_weight is None and feature_index.ndim == embeds.ndim:
+    if feature_index.ndim == embeds.ndim - 1:  # [B,S]: a plain gather, one tap
         feature_index, feature_weight = feature_index[..., None], None
     idx = jnp.where(feature_index == NEWLINE, features.shape[0], jnp.maximum(feature_index, 0))
     gathered = jnp.take(table, idx, axis=0)  # [B,S,K,D]
