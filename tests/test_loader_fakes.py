@@ -127,3 +127,17 @@ class FirstFit:
             T = next(b for b in p.buckets.tiles if b * p.encoder_dp >= tiles)
             plans.append(MicrobatchPlan(T, S, tuple(tuple(row) for row in mb)))
         return Schedule(tuple(plans), 1.0, 1.0, "firstfit", 0.0)
+
+
+class DyingProcessor(FakeProcessor):
+    """Kills its (worker) process when asked to process record `die_at`: the loader must raise, not hang."""
+
+    def __init__(self, die_at: int):
+        self.die_at = die_at
+
+    def process(self, record) -> ProcessedSample:
+        if record["id"] == self.die_at:
+            import os
+
+            os._exit(3)
+        return super().process(record)

@@ -10,6 +10,7 @@ from test_loader_fakes import (
     TILE,
     TPT,
     CountingProcessor,
+    DyingProcessor,
     FakeProcessor,
     FirstFit,
     fake_problem,
@@ -205,3 +206,11 @@ def test_hosts_agree_on_schedule_and_load_only_their_shards():
             assert parts[0][k].microbatches[m].tiles.shape[0] == T
         # Each host's loss tokens are its own rows; together they are the global count.
         assert sum(p[k].num_loss_tokens for p in parts) == gb.num_loss_tokens
+
+
+@pytest.mark.slow
+def test_dead_worker_process_raises_instead_of_hanging():
+    loader = make(fake_records(32), workers=1, processor=DyingProcessor(die_at=3))
+    with loader, pytest.raises(RuntimeError, match="terminated unexpectedly"):
+        for _ in range(8):
+            next(loader)
