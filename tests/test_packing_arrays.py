@@ -244,3 +244,21 @@ def test_failed_sample_leaves_padding_in_place():
     # Sample 2 keeps its scheduled place, segment id and global feature rows.
     np.testing.assert_array_equal(mb.segment_ids[0, L0 + L1 :], full.segment_ids[0, L0 + L1 :])
     np.testing.assert_array_equal(mb.feature_index[0, L0 + L1 :], full.feature_index[0, L0 + L1 :])
+
+
+def test_contiguous_host_specs_partition_the_shards():
+    for procs, enc, llm in [(2, 4, 2), (4, 2, 8), (3, 1, 3), (2, 3, 5)]:
+        specs = [HostShardSpec.contiguous(p, procs, enc, llm) for p in range(procs)]
+        assert sorted(e for s in specs for e in s.encoder_shards) == list(range(enc))
+        assert sorted(r for s in specs for r in s.llm_shards) == list(range(llm))
+    # Fewer shards than processes: shard s goes to the process holding its first device.
+    assert [HostShardSpec.contiguous(p, 4, 2, 4).encoder_shards for p in range(4)] == [
+        (0,),
+        (),
+        (1,),
+        (),
+    ]
+    with pytest.raises(ValueError, match="ascending"):
+        HostShardSpec((1, 0), (0,))
+    with pytest.raises(ValueError, match="encoder_dp"):
+        HostShardSpec((0, 2), (0,)).check(encoder_dp=2, llm_dp=1)
