@@ -36,13 +36,15 @@ def make(
     epochs=None,
     workers=0,
     processor=None,
+    prefetch=2,
+    scheduler=None,
 ):
     problem = problem or fake_problem()
     spec = PackSpec.from_problem(problem, TILE, TPT)
     ds = build_dataset(
         records,
         processor or FakeProcessor(),
-        FirstFit(problem),
+        scheduler or FirstFit(problem),
         spec,
         global_batch_size=batch,
         seed=seed,
@@ -50,7 +52,7 @@ def make(
         strict=strict,
         num_epochs=epochs,
     )
-    return Loader(ds, num_workers=workers, prefetch=2)
+    return Loader(ds, num_workers=workers, prefetch=prefetch)
 
 
 def batch_ids(gb) -> list[int]:
@@ -214,3 +216,14 @@ def test_dead_worker_process_raises_instead_of_hanging():
     with loader, pytest.raises(RuntimeError, match="terminated unexpectedly"):
         for _ in range(8):
             next(loader)
+
+
+def test_without_prefetch_batch_k_is_scheduled_inside_next_k():
+    """prefetch=0: scheduler state the runtime updates before next() applies to exactly that batch (the
+    deterministic setting for adaptive correction across hosts)."""
+    sched = FirstFit(fake_problem())
+    with make(fake_records(32), prefetch=0, scheduler=sched) as loader:
+        for k in range(3):
+            assert sched.calls == k
+            next(loader)
+            assert sched.calls == k + 1

@@ -22,9 +22,12 @@ a batch whose records are all bad has no microbatches. A sample that passed meta
 keeps its scheduled room as padding (counted), so every process still agrees on the layout.
 
 Every process of a multi-host run computes the same schedule from the same records, seed and scheduler
-(use the scheduler's deterministic mode); `stats["schedule_digest"]` lets the runtime compare. Scheduler
-corrections made by the runtime reach the schedule function only with `num_workers=0` (workers hold
-copies), and with a lag of `prefetch` batches.
+(use the scheduler's deterministic mode); `stats["schedule_digest"]` lets the runtime compare.
+Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
+`num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
+time that depends on timing, so which observations it sees is not deterministic: for exact resume and
+cross-host agreement with correction on, use `prefetch=0` (batch k is scheduled inside the k-th
+`next()`, after the observations of step k-1), or correction "off".
 """
 
 from __future__ import annotations
