@@ -227,3 +227,14 @@ def test_without_prefetch_batch_k_is_scheduled_inside_next_k():
             assert sched.calls == k
             next(loader)
             assert sched.calls == k + 1
+
+
+def test_processed_size_differing_from_metadata_is_counted_or_raised():
+    records = fake_records(8)
+    records[2]["lie"] = 1  # process() yields one token more than shape() promised
+    with make(records, epochs=1) as loader:
+        (gb,) = list(loader)
+    assert gb.stats["skipped"] == {"metadata_mismatch": 1}
+    assert sorted(batch_ids(gb)) == [0, 1, 3, 4, 5, 6, 7]
+    with make(records, epochs=1, strict=True) as loader, pytest.raises(ValueError, match="fake:2"):
+        list(loader)

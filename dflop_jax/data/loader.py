@@ -225,28 +225,31 @@ class _PackStage:
         """Processes one sample; a failure after scheduling leaves its room as padding (counted)."""
         try:
             sample = self.processor.process(record)
-            if sample.num_tokens != shape.tokens or sample.num_tiles != shape.tiles:
-                raise ValueError(
-                    f"processed {sample.num_tiles} tiles/{sample.num_tokens} tokens, metadata said "
-                    f"{shape.tiles}/{shape.tokens}"
-                )
-            if sample.num_tiles and tuple(sample.tiles.shape[1:]) != self.spec.tile_shape:
-                raise ValueError(
-                    f"tiles of shape {sample.tiles.shape[1:]}, expected {self.spec.tile_shape}"
-                )
         except BadSample as e:
             if self.strict:
                 raise
             self._log("load", e.reason, e.location, e.detail)
             skipped[e.reason] += 1
             return None
-        except ValueError as e:
+        problem = self._mismatch(sample, shape)
+        if problem:
+            # The schedule reserved room for the metadata's sizes; another size cannot be packed.
             if self.strict:
-                raise ValueError(f"{_location(record)}: {e}") from None
-            self._log("load", "metadata_mismatch", _location(record), str(e))
+                raise ValueError(f"{_location(record)}: {problem}")
+            self._log("load", "metadata_mismatch", _location(record), problem)
             skipped["metadata_mismatch"] += 1
             return None
         return sample
+
+    def _mismatch(self, sample: ProcessedSample, shape: SampleShape) -> str:
+        if sample.num_tokens != shape.tokens or sample.num_tiles != shape.tiles:
+            return (
+                f"processed {sample.num_tiles} tiles/{sample.num_tokens} tokens, metadata said "
+                f"{shape.tiles}/{shape.tokens}"
+            )
+        if sample.num_tiles and tuple(sample.tiles.shape[1:]) != self.spec.tile_shape:
+            return f"tiles of shape {sample.tiles.shape[1:]}, expected {self.spec.tile_shape}"
+        return ""
 
     def _stats(self, item: _Scheduled, skipped, packed: dict, load_s: float) -> dict:
         stats = dict(packed)
