@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -149,9 +150,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     rows = run(sizes, 1 if args.quick else args.batches, args.time_limit, args.seed)
+    load = os.getloadavg()[0]  # wall times on a shared machine stretch with its load
     if args.json:
-        print(json.dumps({"rows": rows, "targets": targets(rows)}, indent=1))
+        print(json.dumps({"rows": rows, "targets": targets(rows), "loadavg": load}, indent=1))
     else:
         print(markdown(rows))
         print("\n".join(targets(rows)))
+        print(f"load average {load:.1f} on {os.cpu_count()} CPUs")
     return 0

@@ -32,7 +32,8 @@ _W_UNITS = 100_000
 # deterministic-time budget as a fraction of the wall limit, so the deterministic stop usually comes
 # first even after the greedy used part of the wall budget
 DETERMINISTIC_FRACTION = 0.5
-WALL_FRACTION = 0.7
+WALL_FRACTION = 0.6
+BUILD_FRACTION = 0.5  # of the budget, for building the model
 
 
 _STATUS_NAMES = {
@@ -76,8 +77,14 @@ def refine_cpsat(
     til = [int(v) for v in tiles]
 
     hint_bins, hint_pairs = _relabelled_hint(bin_of, m, tokens, tiles, problem, table, pairs, wint)
+    # building is plain Python and cannot be interrupted by the solver's limit: check a deadline
+    deadline = t0 + BUILD_FRACTION * budget_s
     model = cp_model.CpModel()
-    x = [[model.new_bool_var("") for _ in range(nb)] for _ in range(n)]
+    x = []
+    for _ in range(n):
+        x.append([model.new_bool_var("") for _ in range(nb)])
+        if time.perf_counter() > deadline:
+            return _too_slow(t0, budget_s)
     u = [[model.new_bool_var("") for _ in pairs] for _ in range(m)]
     for i in range(n):
         model.add_exactly_one(x[i])
@@ -98,6 +105,8 @@ def refine_cpsat(
             tile_vars = [x[i][k * ldp + r] for i in with_tiles for r in range(ldp)]
             model.add(ws(tile_vars, [til[i] for i in with_tiles for _ in range(ldp)]) <= cap_t)
         cost.append(ws(u[k], wint))
+        if time.perf_counter() > deadline:
+            return _too_slow(t0, budget_s)
     for k in range(m - 1):
         model.add(cost[k] >= cost[k + 1])
     objective = sum(cost) + (problem.num_stages - 1) * cost[0]
@@ -143,6 +152,14 @@ def refine_cpsat(
     # one value() per sample: the bin index as a linear expression of its booleans
     out = np.array([solver.value(ws(x[i], list(range(nb)))) for i in range(n)], dtype=np.int64)
     return RefineResult(out, "", info)
+
+
+def _too_slow(t0: float, budget_s: float) -> RefineResult:
+    build_s = time.perf_counter() - t0
+    reason = (
+        f"cpsat skipped: model building passed {BUILD_FRACTION:.0%} of the {budget_s:.3f}s budget"
+    )
+    return RefineResult(None, reason, {"cpsat_build_s": build_s})
 
 
 def _solve(solver: cp_model.CpSolver, model: cp_model.CpModel):
