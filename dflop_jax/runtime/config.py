@@ -1,0 +1,149 @@
+"""`TrainConfig`: the root config of `python -m dflop_jax.train` (one frozen dataclass per component).
+
+python -m dflop_jax.train --config configs/demo.yaml steps=10 optimizer.lr=1e-3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflop_jax.config import require
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.data.config import DataConfig
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.runtime.train_state import OptimizerConfig
+from dflop_jax.scheduler.config import SchedulerConfig
+from dflop_jax.scheduler.types import BucketSet
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model trained: a decoder built from the fields below, or loaded from an HF directory.
+
+    Attributes:
+      hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from the fields.
+      vocab_size: 0 = the tokenizer's vocabulary size.
+      hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
+      init_seed: seed of the random initialization (ignored when loading).
+    """
+
+    hf_dir: str = ""
+    vocab_size: int = 0
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    init_seed: int = 0
+
+    def __post_init__(self):
+        require(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "0 (tokenizer's) or > 0")
+        require(self.num_layers >= 1, "model.num_layers", self.num_layers, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutConfig:
+    """An explicit plan (used when `plan: explicit`): stages, degrees, buckets, microbatch counts.
+
+    Attributes:
+      llm_layers: decoder layers held by each LLM stage (sum = model layers).
+      llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
+      llm_dp: LLM data-parallel degree.
+      tiles, lengths: bucket sets (tiles per encoder shard, tokens per LLM row).
+      microbatches: (min, max) microbatches per global batch.
+    """
+
+    llm_layers: tuple[int, ...] = (2, 2)
+    llm_tp: tuple[int, ...] = (1,)
+    llm_dp: int = 1
+    tiles: tuple[int, ...] = (4,)
+    lengths: tuple[int, ...] = (1024, 2048)
+    microbatches: tuple[int, int] = (2, 6)
+
+    def __post_init__(self):
+        require(len(self.llm_layers) >= 1, "layout.llm_layers", self.llm_layers, "need >= 1 stage")
+        require(
+            len(self.llm_tp) in (1, len(self.llm_layers)),
+            "layout.llm_tp",
+            self.llm_tp,
+            "give one value or one per LLM stage",
+        )
+        require(
+            1 <= self.microbatches[0] <= self.microbatches[1],
+            "layout.microbatches",
+            self.microbatches,
+            "need 1 <= min <= max",
+        )
+
+    def layout(self) -> Layout:
+        stages, first = [], 0
+        n = len(self.llm_layers)
+        for i, layers in enumerate(self.llm_layers):
+            tp = self.llm_tp[i] if len(self.llm_tp) > 1 else self.llm_tp[0]
+            stages.append(
+                StageSpec(
+                    "llm", first, layers, tp, self.llm_dp, has_embedding=i == 0, has_head=i == n - 1
+                )
+            )
+            first += layers
+        return Layout((), tuple(stages))
+
+    def buckets(self) -> BucketSet:
+        return BucketSet(tuple(self.tiles), tuple(self.lengths))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Attributes: every (steps between saves, 0 = off), keep (last K kept), resume (from the latest)."""
+
+    every: int = 0
+    keep: int = 2
+    resume: bool = True
+    async_save: bool = True
+
+    def __post_init__(self):
+        require(self.every >= 0, "checkpoint.every", self.every, "0 (off) or steps between saves")
+        require(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Root config of a training run.
+
+    Attributes:
+      plan: "explicit" (the `layout` section) or a plan.yaml path written by `python -m dflop_jax.plan`.
+      steps: optimizer steps; global_batch: records drawn per step.
+      pipeline: dispatch order of the stage programs ("1f1b" or "gpipe").
+      compute_dtype: dtype of the stage programs (params stay fp32).
+      num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call).
+      peak_flops: per-device peak FLOP/s for MFU; 0 = measure one device's matmul peak at start.
+      tensorboard: also write TensorBoard event files to run_dir/tb.
+    """
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    plan: str = "explicit"
+    layout: LayoutConfig = LayoutConfig()
+    planner: PlannerConfig = PlannerConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    steps: int = 30
+    global_batch: int = 16
+    log_every: int = 1
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    pipeline: Literal["1f1b", "gpipe"] = "1f1b"
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    num_cpu_devices: int = 8
+    peak_flops: float = 0.0
+    tensorboard: bool = False
+    compilation_cache: str = "runs/jax_cache"
+
+    def __post_init__(self):
+        require(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
+        require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")

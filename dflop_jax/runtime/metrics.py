@@ -1,0 +1,118 @@
+"""Run metrics: one JSON line per step (`run_dir/metrics.jsonl`), a live console line, TensorBoard.
+
+Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
+real work / (step time x devices x peak FLOP/s), where on CPU the peak is the measured matmul peak of
+one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+
+CONSOLE_KEYS = (
+    ("step", "{:d}"),
+    ("loss", "{:.4f}"),
+    ("grad_norm", "{:.3f}"),
+    ("lr", "{:.2e}"),
+    ("step_time_s", "{:.2f}s"),
+    ("tokens_per_s", "{:.0f} tok/s"),
+    ("mfu", "mfu {:.2%}"),
+    ("llm_padding_ratio", "pad {:.1%}"),
+    ("microbatches", "mb {:d}"),
+    ("recompiles", "compiles {:d}"),
+)
+
+
+def measure_peak_flops(n: int = 512, repeats: int = 5) -> float:
+    """Matmul FLOP/s of one device (fp32, [n,n] @ [n,n], best of `repeats` after a warm-up)."""
+    dev = jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class MetricsLog:
+    """Writes per-step metrics to JSONL (+ TensorBoard) and prints a console line every `every` steps."""
+
+    def __init__(
+        self, run_dir: str | Path, every: int, tensorboard: bool, console: Console | None = None
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self.every = every
+        self.console = console or Console()
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self._file.write(json.dumps(row, default=_jsonable) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, row["step"])
+        if row["step"] % self.every == 0 or row["step"] == 1:
+            parts = [
+                fmt.format(row[k]) if k != "step" else f"step {row[k]:d}"
+                for k, fmt in CONSOLE_KEYS
+                if k in row
+            ]
+            self.console.print(" | ".join(parts), highlight=False, soft_wrap=True)
+
+    def summary(self, skip_first: int = 1) -> dict[str, Any]:
+        """Means over the steps after the first `skip_first` (compile steps), plus totals."""
+        rows = self.history[skip_first:] or self.history
+        if not rows:
+            return {}
+
+        def mean(k):
+            vals = [r[k] for r in rows if k in r and r[k] is not None]
+            return float(np.mean(vals)) if vals else None
+
+        return {
+            "steps": self.history[-1]["step"],
+            "first_loss": self.history[0]["loss"],
+            "final_loss": self.history[-1]["loss"],
+            "step_time_s_mean": mean("step_time_s"),
+            "tokens_per_s_mean": mean("tokens_per_s"),
+            "samples_per_s_mean": mean("samples_per_s"),
+            "mfu_mean": mean("mfu"),
+            "llm_padding_ratio_mean": mean("llm_padding_ratio"),
+            "scheduler_latency_s_mean": mean("scheduler_latency_s"),
+            "data_wait_s_mean": mean("data_wait_s"),
+            "predicted_step_time_s_mean": mean("predicted_step_time_s"),
+            "recompiles": self.history[-1]["recompiles"],
+            "skipped_samples": sum(r["skipped"] for r in self.history),
+        }
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return str(x)

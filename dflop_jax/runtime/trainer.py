@@ -1,0 +1,253 @@
+"""The training loop: plan -> stage meshes -> stage programs -> loader -> pipelined steps -> metrics.
+
+    from dflop_jax.runtime.trainer import run
+    report = run(TrainConfig(...))
+
+Per step: the loader yields a scheduled, packed `GlobalBatch`; the driver runs its microbatches through
+the pipeline (1F1B or GPipe) with the loss normalized by the batch's loss tokens; every stage updates
+with AdamW after global-norm clipping; metrics go to the console / JSONL / TensorBoard; checkpoints are
+saved every `checkpoint.every` steps and the run resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+
+from dflop_jax.config import dump_yaml
+from dflop_jax.costs import (
+    AnalyticCostProvider,
+    MLLMArch,
+    get_device,
+    get_vision,
+    layout_stage_costs,
+    llm_arch_from_config,
+    projector_for,
+    sample_model_flops,
+)
+from dflop_jax.costs.layout import Layout
+from dflop_jax.runtime.checkpoint import Checkpointer
+from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.driver import run_pipeline
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
+from dflop_jax.runtime.model_stages import build_llm_stages
+from dflop_jax.runtime.stages import enable_compilation_cache
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
+from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainReport:
+    """What a run did: per-step losses (this invocation), the summary, where it wrote."""
+
+    losses: list[float]
+    summary: dict
+    run_dir: Path
+    layout: Layout
+    first_step: int
+
+
+def resolve_plan(cfg: TrainConfig) -> tuple[Layout, BucketSet, tuple[int, int]]:
+    """The layout, buckets and microbatch range from `plan: explicit` or a plan.yaml path."""
+    if cfg.plan == "explicit":
+        return cfg.layout.layout(), cfg.layout.buckets(), tuple(cfg.layout.microbatches)
+    from dflop_jax.planner import load_plan
+
+    plan = load_plan(cfg.plan)
+    return plan.layout, plan.buckets, plan.microbatch_range
+
+
+def build_decoder(cfg: TrainConfig, vocab_size: int):
+    """The full decoder with fp32 master params (random or loaded from `model.hf_dir`)."""
+    from flax import nnx
+
+    from models.decoder import Decoder
+    from models.decoder_config import DecoderConfig
+
+    m = cfg.model
+    if m.hf_dir:
+        from models.hf import load_pretrained
+
+        model, dcfg = load_pretrained(m.hf_dir, dtype=cfg.compute_dtype, param_dtype="float32")
+        return model, dcfg
+    dcfg = DecoderConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        dtype=cfg.compute_dtype,
+        param_dtype="float32",
+    )
+    with jax.default_device(jax.devices()[0]):
+        return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), dcfg
+
+
+def _arch(dcfg) -> MLLMArch:
+    llm = llm_arch_from_config(dcfg, "run-llm")
+    vision = get_vision(
+        "tiny"
+    )  # decoder-only runs: the encoder only matters for tiles (none trained)
+    return MLLMArch("run", vision, projector_for(vision, llm), llm)
+
+
+def _model_flops(arch: MLLMArch, microbatches) -> float:
+    """Model FLOPs of the real samples of a batch (segments of the packed rows)."""
+    total = 0.0
+    for mb in microbatches:
+        for row in mb.segment_ids:
+            _, counts = np.unique(row[row > 0], return_counts=True)
+            total += sum(sample_model_flops(arch, 0, int(c)) for c in counts)
+    return total
+
+
+def _print_plan(console: Console, layout: Layout, buckets: BucketSet, mbs, meshes) -> None:
+    console.print("[bold]plan[/bold]")
+    for i, (s, m) in enumerate(zip(layout.stages, meshes)):
+        ids = [d.id for d in m.devices.flat]
+        console.print(
+            f"  stage {i}: {s.module} layers {s.first_layer}..{s.first_layer + s.num_layers - 1}"
+            f" dp={s.dp} tp={s.tp} emb={s.has_embedding} head={s.has_head} devices={ids}",
+            highlight=False,
+        )
+    console.print(
+        f"  buckets tiles={buckets.tiles} lengths={buckets.lengths} microbatches={mbs}",
+        highlight=False,
+    )
+
+
+def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
+    """Trains per `cfg` (resuming from `run_dir/checkpoints` when present); returns the report."""
+    from dflop_jax.data import load_tokenizer, make_loader
+
+    console = console or Console()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_yaml(cfg, run_dir / "config.yaml")
+    if cfg.compilation_cache:
+        enable_compilation_cache(cfg.compilation_cache)
+
+    layout, buckets, mb_range = resolve_plan(cfg)
+    if layout.encoder_stages:
+        raise NotImplementedError(
+            "plans with encoder stages need the vision model adapter (pending)"
+        )
+    meshes = stage_meshes(layout)
+    _print_plan(console, layout, buckets, mb_range, meshes)
+
+    decoder, dcfg = build_decoder(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    stages = build_llm_stages(decoder, layout, meshes, compute_dtype=dtype)
+    del decoder
+    opts = [StageOptimizer(s, cfg.optimizer.build()) for s in stages]
+    arch = _arch(dcfg)
+    costs = layout_stage_costs(AnalyticCostProvider(arch, get_device("cpu")), layout)
+    problem = ScheduleProblem(
+        layout.encoder_dp, layout.llm_dp, layout.num_stages, mb_range, buckets, costs
+    )
+    loader = make_loader(
+        cfg.data, None, problem, cfg.scheduler, global_batch_size=cfg.global_batch, seed=cfg.seed
+    )
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    specs = list(layout.stages)
+    start = 0
+    if cfg.checkpoint.resume and ckpt.latest_step() is not None:
+        params, states, meta = ckpt.restore(
+            specs, [s.params for s in stages], [o.state for o in opts]
+        )
+        for s, o, p, st in zip(stages, opts, params, states):
+            s.params, o.state = p, st
+        loader.set_state(meta["loader"])
+        if loader.scheduler is not None and meta.get("scheduler") is not None:
+            loader.scheduler.load_state_dict(meta["scheduler"])
+        start = meta["step"]
+        console.print(f"resumed from step {start}", highlight=False)
+
+    peak = cfg.peak_flops or measure_peak_flops()
+    metrics = MetricsLog(run_dir, cfg.log_every, cfg.tensorboard, console)
+    schedule_fn = cfg.optimizer.schedule()
+    losses: list[float] = []
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            row = _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn)
+            losses.append(row["loss"])
+            metrics.log(row)
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
+                meta = {
+                    "loader": loader.get_state(),
+                    "scheduler": loader.scheduler.state_dict() if loader.scheduler else None,
+                    "layout": dataclasses.asdict(layout),
+                    "seed": cfg.seed,
+                }
+                ckpt.save(step, specs, [s.params for s in stages], [o.state for o in opts], meta)
+    finally:
+        ckpt.close()
+        loader.close()
+        metrics.close()
+    summary = metrics.summary()
+    if summary:
+        console.print(
+            "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
+            highlight=False,
+        )
+    return TrainReport(losses, summary, run_dir, layout, start)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn) -> dict:
+    compiles_before = sum(s.compiles for s in stages)
+    batch = next(loader)
+    if not batch.microbatches:
+        raise RuntimeError(
+            f"step {step}: the loader produced an empty global batch (all samples skipped)"
+        )
+    t0 = time.perf_counter()
+    mbs = [dataclasses.asdict(mb) for mb in batch.microbatches]
+    out = run_pipeline(stages, mbs, float(batch.num_loss_tokens), cfg.pipeline)
+    loss = float(sum(float(x) for x in out.loss))
+    if not np.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {loss} at step {step}")
+    grad_norm = apply_updates(opts, out.grads, cfg.optimizer.clip_norm)
+    jax.block_until_ready([s.params for s in stages])
+    step_time = time.perf_counter() - t0
+    st = batch.stats
+    tokens_real = float(st.get("tokens_real", 0))  # noqa: SIM910 - absent when the batch is empty
+    flops = _model_flops(arch, batch.microbatches)
+    compiles = sum(s.compiles for s in stages)
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": float(schedule_fn(step - 1)),
+        "step_time_s": step_time,
+        "tokens_per_s": tokens_real / step_time,
+        "samples_per_s": st["num_samples"] / step_time,
+        "mfu": flops / (step_time * layout.num_devices * peak),
+        "llm_padding_ratio": st.get("llm_padding_ratio", 0.0),  # noqa: SIM910
+        "encoder_padding_ratio": st.get("encoder_padding_ratio", 0.0),  # noqa: SIM910
+        "microbatches": len(batch.microbatches),
+        "loss_tokens": batch.num_loss_tokens,
+        "scheduler_latency_s": st["scheduler_latency_s"],
+        "scheduler_gap": batch.schedule.gap,
+        "scheduler_solver": batch.schedule.solver,
+        "data_wait_s": st["data_wait_s"],
+        "predicted_step_time_s": batch.schedule.objective,
+        "compiles": compiles,
+        "recompiles": compiles - compiles_before,
+        "skipped": sum(st["skipped"].values()),
+    }
