@@ -116,3 +116,38 @@ def test_llava_ov_tokens_and_tiles_match_hf_processor(hf_tokenizer, tmp_path):
         hf_pixels = np.transpose(hf_pixels, (0, 1, 3, 4, 2)).reshape(sample.tiles.shape)
         diffs = np.abs(sample.tiles - hf_pixels).mean((1, 2, 3))
         assert diffs.max() < 0.01, (rec["id"], diffs)  # resampling rounding only
+
+
+@pytest.mark.parametrize("max_tiles", [4, 12])
+def test_internvl_tiles_match_hf_image_processor(tmp_path, max_tiles):
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    cfg = DataConfig(source="x", model_family="internvl", max_tiles=max_tiles)
+    hf = GotOcr2ImageProcessorPil(
+        crop_to_patches=True, min_patches=1, max_patches=max_tiles, size={"height": 448, "width": 448},
+        image_mean=list(cfg.mean), image_std=list(cfg.std),
+    )  # fmt: skip
+    ours = Processor(cfg)
+    for i, (h, w) in enumerate([(600, 1000), (1700, 300), (900, 880), (300, 300), (448, 1344)]):
+        pixels = np.zeros((h, w, 3), np.uint8)
+        pixels[..., 0] = np.linspace(0, 255, w)[None, :]
+        pixels[..., 1] = np.linspace(0, 255, h)[:, None]
+        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
+        conv = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "Ok."}]
+        rec = {
+            "id": i,
+            "image": f"{i}.png",
+            "conversations": conv,
+            "_location": "t",
+            "_image_root": str(tmp_path),
+        }
+        theirs = np.transpose(
+            hf(images=[Image.open(tmp_path / f"{i}.png")], return_tensors="np")["pixel_values"],
+            (0, 2, 3, 1),
+        )
+        sample = ours.process(rec)
+        assert sample.num_tiles == len(theirs) == ours.shape(rec).tiles, (h, w)
+        np.testing.assert_allclose(sample.tiles, theirs, atol=1e-5)
+        assert int((sample.token_ids == ours.tok.token_id("<IMG_CONTEXT>")).sum()) == 256 * len(
+            theirs
+        )
