@@ -149,9 +149,14 @@ def refine_cpsat(
     )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return RefineResult(None, f"cpsat status {name}", info)
-    # one value() per sample: the bin index as a linear expression of its booleans
-    out = np.array([solver.value(ws(x[i], list(range(nb)))) for i in range(n)], dtype=np.int64)
-    return RefineResult(out, "", info)
+    # read the assignment straight from the response (one value per model variable)
+    sol = np.asarray(solver.response_proto.solution, dtype=np.int64)
+    xv = sol[np.array([[v.index for v in row] for row in x])]  # [N, bins] 0/1
+    if xv.shape != (n, nb) or not np.all(xv.sum(axis=1) == 1):
+        return RefineResult(
+            None, "cpsat returned an assignment that is not one bin per sample", info
+        )
+    return RefineResult(xv.argmax(axis=1), "", info)
 
 
 def _too_slow(t0: float, budget_s: float) -> RefineResult:

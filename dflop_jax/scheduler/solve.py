@@ -88,15 +88,15 @@ def _refine(bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, 
 
     try:
         res = refine_cpsat(bin_of, m, tokens, tiles, problem, table, config, seed, budget)
+        info.update(res.info)
+        if res.bin_of is None:
+            info["fallback"] = res.reason
+            return bin_of, "greedy"
+        obj = evaluate(res.bin_of, m, tokens, tiles, problem, table)[0]
     except Exception as e:  # the step must never fail because of the solver
         log.warning("CP-SAT refinement failed, keeping greedy: %r", e)
         info["fallback"] = f"exception: {e!r}"
         return bin_of, "greedy"
-    info.update(res.info)
-    if res.bin_of is None:
-        info["fallback"] = res.reason
-        return bin_of, "greedy"
-    obj = evaluate(res.bin_of, m, tokens, tiles, problem, table)[0]
     info["cpsat_objective"] = obj
     if obj < greedy_obj - 1e-12:
         return res.bin_of, "cpsat"
