@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from models.hf import llama, qwen2
+from models.hf import internvl, llama, llava_onevision, qwen2, siglip
 from models.hf.causal_lm import decoder_name_map, load_decoder_stage
 from models.hf.io import (
     CheckpointError,
@@ -28,6 +28,11 @@ from models.hf.io import (
 MODEL_TYPES: dict[str, ModelAdapter] = {
     "qwen2": qwen2.ADAPTER,
     "llama": llama.ADAPTER,
+    "siglip_vision_model": siglip.VISION_ADAPTER,
+    "siglip": siglip.DUAL_ADAPTER,
+    "internvl_vision": internvl.VISION_ADAPTER,
+    "internvl": internvl.ADAPTER,
+    "llava_onevision": llava_onevision.ADAPTER,
 }
 
 
@@ -61,9 +66,10 @@ def load_pretrained(
     """
     hf_config = read_config(path)
     adapter = adapter_for(hf_config.get("model_type"))
+    reader = CheckpointReader(path)
     cfg = adapter.config_from_hf(hf_config, dtype or "float32", param_dtype or "float32")
     model = load_state(
-        CheckpointReader(path),
+        reader,
         lambda: adapter.build(cfg, nnx.Rngs(0)),
         adapter.name_map(cfg),
         ignored=adapter.ignored_keys,

@@ -27,6 +27,15 @@ from models.hf.io import (
 from models.layers import Llama3RopeScaling
 
 IGNORED_KEYS = ("rotary_emb.inv_freq",)
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
 
 
 def _transpose() -> dict:
@@ -133,6 +142,9 @@ def decoder_config_from_hf(
     hf: dict, *, qkv_bias: bool, dtype: str, param_dtype: str
 ) -> DecoderConfig:
     """DecoderConfig from a Qwen2 / Llama config.json dict."""
+    missing = [k for k in _REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise CheckpointError(f"config.json lacks {missing}; is this a Qwen2/Llama causal LM?")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
     heads = hf["num_attention_heads"]

@@ -1,259 +1,191 @@
-"""HF LLaVA-OneVision checkpoints (`LlavaOnevisionForConditionalGeneration`) <-> `models.llava_onevision`.
+"""HF LLaVA-OneVision checkpoints (`LlavaOnevisionForConditionalGeneration`, `model_type:
+llava_onevision`) <-> `models.llava_onevision`; the adapter of `models.hf.load_pretrained`.
 
-`load_llava_onevision(path, mesh=None, rules=None) -> (model, cfg)` reads config.json and the
-safetensors (one file or a sharded index), builds the model abstractly, and fills every parameter;
-with a mesh (and logical-axis rules) each parameter goes straight to its sharding from host memory.
-`export_llava_onevision(model) -> {hf_key: np.ndarray}` gives HF-layout arrays (keys in the layout
-transformers 5 saves). Keys are accepted with either prefix layout (`model.vision_tower.` /
-`vision_tower.`, `model.language_model.` / `language_model.model.`, ...). Vision layers past
-`vision_feature_layer` and SigLIP's `post_layernorm` are never read by LLaVA-OV: they are skipped on
-import (logged) and absent from the export.
+Key layouts: transformers 5 `save_pretrained` writes `vision_tower.*` (SigLIP keys without
+`vision_model.`), `multi_modal_projector.*`, `image_newline`, `language_model.model.*` and
+`language_model.lm_head.weight` (`LAYOUT_SAVED`, what the registry's adapter and export use). Older
+llava-hf checkpoints use `vision_tower.vision_model.*` and module-style variants (`model.*`, `lm_head`):
+`load_llava_onevision(path)` detects the layout from the checkpoint's keys and handles all of them.
+Vision layers past `vision_feature_layer` and SigLIP's `post_layernorm` are never read by LLaVA-OV:
+they are skipped on import and absent from the export.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Mapping
-from pathlib import Path as FsPath
+import dataclasses
+from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 
-from models.decoder_config import DecoderConfig
+from models.hf import qwen2
+from models.hf.causal_lm import decoder_config_to_hf, decoder_name_map
+from models.hf.io import (
+    CheckpointError,
+    CheckpointReader,
+    ModelAdapter,
+    NameMap,
+    TensorMap,
+    load_state,
+    read_config,
+)
 from models.hf.siglip import (
-    Entry,
-    assign,
-    export,
-    heads_vec,
-    linear_in,
-    linear_out,
-    prefixed,
-    same,
+    IGNORED_KEYS,
     siglip_config_from_hf,
-    siglip_entries,
-    strip_prefix,
+    siglip_config_to_hf,
+    siglip_name_map,
     transpose,
 )
+from models.layouts import LLAVA_OV_PINPOINTS
 from models.llava_onevision import LlavaOnevision, LlavaOnevisionConfig, llava_onevision_config
 
-log = logging.getLogger(__name__)
 
-# Canonical key layout: vision.<siglip keys>, projector.linear_{1,2}, image_newline, text.<qwen2 keys>.
-PREFIX_RULES = [
-    (r"^(model\.)?vision_tower\.(vision_model\.)?", "vision."),
-    (r"^(model\.)?multi_modal_projector\.", "projector."),
-    (r"^(model\.)?image_newline$", "image_newline"),
-    (r"^(language_model\.model\.|model\.language_model\.)", "text.model."),
-    (r"^(language_model\.)?lm_head\.", "text.lm_head."),
-]
-EXPORT_PREFIXES = {"vision.": "model.vision_tower.", "projector.": "model.multi_modal_projector.",
-                   "image_newline": "model.image_newline", "text.model.": "model.language_model.",
-                   "text.lm_head.": "lm_head."}  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+    """HF key prefixes of one checkpoint layout."""
+
+    vision: str
+    projector: str
+    newline: str
+    text_body: str
+    text_head: str
 
 
-def read_safetensors(path: str | FsPath) -> dict[str, np.ndarray]:
-    """All tensors of an HF model directory (single file or sharded `model.safetensors.index.json`)."""
-    from safetensors.numpy import load_file
-
-    path = FsPath(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}; pass an HF model directory")
-    out: dict[str, np.ndarray] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
-
-
-def decoder_config_from_hf(d: Mapping, **overrides) -> DecoderConfig:
-    """Qwen2 `text_config` dict -> DecoderConfig (rope from `rope_parameters` or `rope_theta`)."""
-    if d.get("model_type", "qwen2") != "qwen2":
-        raise ValueError(
-            f"LLaVA-OV text model_type={d.get('model_type')!r} is not supported; expected 'qwen2'"
-        )
-    rope = d.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"Qwen2 rope_type={rope['rope_type']!r} is not supported; expected 'default'"
-        )
-    heads = d["num_attention_heads"]
-    return DecoderConfig(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_layers=d["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads", heads),
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-        rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        qkv_bias=True,
-        tie_embeddings=d.get("tie_word_embeddings", False),
-        max_position_embeddings=d.get("max_position_embeddings", 32768),
-        **overrides,
-    )
+LAYOUT_SAVED = KeyLayout(
+    "vision_tower.",
+    "multi_modal_projector.",
+    "image_newline",
+    "language_model.model.",
+    "language_model.lm_head.weight",
+)
+_CANDIDATES = {
+    "vision": (
+        "vision_tower.vision_model.",
+        "model.vision_tower.vision_model.",
+        "vision_tower.",
+        "model.vision_tower.",
+    ),
+    "projector": ("multi_modal_projector.", "model.multi_modal_projector."),
+    "newline": ("image_newline", "model.image_newline"),
+    "text_body": ("language_model.model.", "model.language_model.", "language_model."),
+    "text_head": ("language_model.lm_head.weight", "lm_head.weight"),
+}
 
 
-def decoder_entries(
-    cfg: DecoderConfig, *, first_layer: int, num_layers: int, embedding: bool, head: bool
-) -> list[Entry]:
-    """Qwen2 keys (`model.*`, `lm_head.weight`) of a `DecoderStage`."""
-    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    ti, to = transpose()
-    out: list[Entry] = []
-    if embedding or (head and cfg.tie_embeddings):
-        out.append(Entry("model.embed_tokens.weight", ("embed_tokens", "weight"), same, same))
-    for i in range(num_layers):
-        key, p = f"model.layers.{first_layer + i}.", ("layers", i)
-        for n, heads in (("q", h), ("k", k), ("v", k)):
-            wi, wo = linear_in(d, heads, dh)
-            bi, bo = heads_vec(heads, dh)
-            out.append(
-                Entry(f"{key}self_attn.{n}_proj.weight", (*p, "attn", f"{n}_kernel"), wi, wo)
-            )
-            if cfg.qkv_bias:
-                out.append(
-                    Entry(f"{key}self_attn.{n}_proj.bias", (*p, "attn", f"{n}_bias"), bi, bo)
-                )
-        oi, oo = linear_out(d, h, dh)
-        out += [
-            Entry(f"{key}self_attn.o_proj.weight", (*p, "attn", "o_kernel"), oi, oo),
-            Entry(f"{key}mlp.gate_proj.weight", (*p, "mlp", "gate"), ti, to),
-            Entry(f"{key}mlp.up_proj.weight", (*p, "mlp", "up"), ti, to),
-            Entry(f"{key}mlp.down_proj.weight", (*p, "mlp", "down"), ti, to),
-            Entry(f"{key}input_layernorm.weight", (*p, "input_norm", "weight"), same, same),
-            Entry(
-                f"{key}post_attention_layernorm.weight",
-                (*p, "post_attn_norm", "weight"),
-                same,
-                same,
-            ),
-        ]
-    if head:
-        out.append(Entry("model.norm.weight", ("norm", "weight"), same, same))
-        if not cfg.tie_embeddings:
-            out.append(Entry("lm_head.weight", ("lm_head",), ti, to))
-    return out
+def detect_layout(keys: list[str]) -> KeyLayout:
+    """The layout whose prefixes the checkpoint's keys use (first candidate that matches, per part)."""
+    found = {}
+    for part, candidates in _CANDIDATES.items():
+        hits = [c for c in candidates if any(k.startswith(c) for k in keys)]
+        found[part] = hits[0] if hits else getattr(LAYOUT_SAVED, part)
+    return KeyLayout(**found)
 
 
-def config_from_hf(
-    d: Mapping, *, dtype: str = "float32", param_dtype: str = "float32"
-) -> LlavaOnevisionConfig:
+def config_from_hf(hf: dict, dtype: str, param_dtype: str) -> LlavaOnevisionConfig:
     """`LlavaOnevisionConfig` from an HF config.json dict."""
-    if d.get("vision_feature_select_strategy", "full") != "full":
-        raise ValueError(
+    if hf.get("vision_feature_select_strategy", "full") != "full":
+        raise CheckpointError(
             "LLaVA-OV vision_feature_select_strategy must be 'full' (SigLIP has no CLS token)"
         )
-    layer = d.get("vision_feature_layer", -1)
+    layer = hf.get("vision_feature_layer", -1)
     if not isinstance(layer, int):
-        raise ValueError(
+        raise CheckpointError(
             f"LLaVA-OV vision_feature_layer={layer!r}: only a single int layer is supported"
         )
-    vision = siglip_config_from_hf(d["vision_config"], dtype=dtype, param_dtype=param_dtype)
-    text_d = dict(d["text_config"])
-    text_d.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
-    text = decoder_config_from_hf(text_d, dtype=dtype, param_dtype=param_dtype)
     acts = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if hf.get("projector_hidden_act", "gelu") not in acts:
+        raise CheckpointError(
+            f"projector_hidden_act={hf['projector_hidden_act']!r}; use one of {sorted(acts)}"
+        )
+    text_d = dict(hf["text_config"])
+    if text_d.get("model_type", "qwen2") != "qwen2":
+        raise CheckpointError(
+            f"LLaVA-OV text model_type={text_d.get('model_type')!r}; only 'qwen2' is supported"
+        )
+    text_d["tie_word_embeddings"] = hf.get("tie_word_embeddings", False) or text_d.get(
+        "tie_word_embeddings", False
+    )
     return llava_onevision_config(
-        vision,
-        text,
+        siglip_config_from_hf(hf["vision_config"], dtype=dtype, param_dtype=param_dtype),
+        qwen2.config_from_hf(text_d, dtype, param_dtype),
         vision_feature_layer=layer,
-        image_token_id=d.get("image_token_index", d.get("image_token_id", 151646)),
-        video_token_id=d.get("video_token_index", d.get("video_token_id", 151647)),
-        projector_bias=d.get("multimodal_projector_bias", True),
-        projector_act=acts[d.get("projector_hidden_act", "gelu")],
-        pinpoints=tuple(tuple(p) for p in d.get("image_grid_pinpoints") or ())
-        or llava_config_default_pinpoints(),
-        vision_aspect_ratio=d.get("vision_aspect_ratio", "anyres_max_9"),
+        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 151646)),
+        video_token_id=hf.get("video_token_index", hf.get("video_token_id", 151647)),
+        projector_bias=hf.get("multimodal_projector_bias", True),
+        projector_act=acts[hf.get("projector_hidden_act", "gelu")],
+        pinpoints=tuple(tuple(p) for p in hf.get("image_grid_pinpoints") or LLAVA_OV_PINPOINTS),
+        vision_aspect_ratio=hf.get("vision_aspect_ratio", "anyres_max_9"),
     )
 
 
-def llava_config_default_pinpoints():
-    from models.layouts import LLAVA_OV_PINPOINTS
+def config_to_hf(cfg: LlavaOnevisionConfig) -> dict:
+    """config.json of `cfg` (the vision tower holds exactly the layers read: feature layer -1)."""
+    return {
+        "architectures": ["LlavaOnevisionForConditionalGeneration"],
+        "model_type": "llava_onevision",
+        "vision_config": siglip_config_to_hf(cfg.vision),
+        "text_config": decoder_config_to_hf(cfg.text, "qwen2", "Qwen2ForCausalLM"),
+        "image_token_index": cfg.image_token_id,
+        "video_token_index": cfg.video_token_id,
+        "projector_hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[
+            cfg.projector_act
+        ],
+        "multimodal_projector_bias": cfg.projector_bias,
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+        "image_grid_pinpoints": [list(p) for p in cfg.pinpoints],
+        "vision_aspect_ratio": cfg.vision_aspect_ratio,
+        "tie_word_embeddings": cfg.text.tie_embeddings,
+    }
 
-    return LLAVA_OV_PINPOINTS
 
-
-def entries(cfg: LlavaOnevisionConfig) -> list[Entry]:
-    """Every parameter of `LlavaOnevision(cfg)` with its canonical HF key."""
-    v, t = cfg.vision, cfg.text
-    out = prefixed(
-        siglip_entries(v, first_layer=0, num_layers=v.num_layers, embedding=True, head=True),
-        "vision.",
-        ("encoder", "vision"),
-    )
-    ti, to = transpose()
-    out.append(Entry("projector.linear_1.weight", ("encoder", "projector", "linear_1"), ti, to))
-    out.append(Entry("projector.linear_2.weight", ("encoder", "projector", "linear_2"), ti, to))
-    if cfg.projector_bias:
-        out.append(Entry("projector.linear_1.bias", ("encoder", "projector", "bias_1"), same, same))
-        out.append(Entry("projector.linear_2.bias", ("encoder", "projector", "bias_2"), same, same))
-    out.append(Entry("image_newline", ("llm", "image_newline"), same, same))
-    out += prefixed(
-        decoder_entries(t, first_layer=0, num_layers=t.num_layers, embedding=True, head=True),
-        "text.",
-        ("llm", "decoder"),
+def name_map(cfg: LlavaOnevisionConfig, layout: KeyLayout = LAYOUT_SAVED) -> NameMap:
+    """Every parameter of `LlavaOnevision(cfg)` with its HF key in `layout`."""
+    out = siglip_name_map(cfg.vision, prefix=("encoder", "vision"), hf_prefix=layout.vision)
+    proj = ("encoder", "projector")
+    for j in (1, 2):
+        out[(*proj, f"linear_{j}")] = TensorMap(
+            f"{layout.projector}linear_{j}.weight", **transpose()
+        )
+        if cfg.projector_bias:
+            out[(*proj, f"bias_{j}")] = TensorMap(f"{layout.projector}linear_{j}.bias")
+    out[("llm", "image_newline")] = TensorMap(layout.newline)
+    out.update(
+        decoder_name_map(
+            cfg.text, prefix=("llm", "decoder"), hf_body=layout.text_body, hf_head=layout.text_head
+        )
     )
     return out
 
 
-def _unused_vision_key(cfg: LlavaOnevisionConfig):
-    def ignore(key: str) -> bool:
-        if key.startswith(("vision.post_layernorm.", "vision.head.")):
-            return True
-        parts = key.split(".")
-        return key.startswith("vision.encoder.layers.") and int(parts[3]) >= cfg.vision.num_layers
-
-    return ignore
+ADAPTER = ModelAdapter(
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    build=lambda cfg, rngs: LlavaOnevision(cfg, rngs=rngs),
+    name_map=name_map,
+    matches=lambda cfg: isinstance(cfg, LlavaOnevisionConfig),
+    ignored_keys=IGNORED_KEYS,
+)
 
 
 def load_llava_onevision(
-    path: str | FsPath, *, mesh: jax.sharding.Mesh | None = None, rules=None, dtype: str = "float32",
+    path: str | Path,
+    *,
+    dtype: str = "float32",
     param_dtype: str = "float32",
-) -> tuple[LlavaOnevision, LlavaOnevisionConfig]:  # fmt: skip
-    """(model, cfg) from an HF LLaVA-OneVision directory; sharded onto `mesh` by `rules` if given."""
-    path = FsPath(path)
-    cfg = config_from_hf(
-        json.loads((path / "config.json").read_text()), dtype=dtype, param_dtype=param_dtype
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> tuple[LlavaOnevision, LlavaOnevisionConfig]:
+    """(model, cfg) from an HF LLaVA-OneVision directory in any key layout; sharded if mesh + rules."""
+    cfg = config_from_hf(read_config(path), dtype, param_dtype)
+    reader = CheckpointReader(path)
+    layout = detect_layout(reader.keys())
+    model = load_state(
+        reader,
+        lambda: LlavaOnevision(cfg, rngs=nnx.Rngs(0)),
+        name_map(cfg, layout),
+        ignored=(*IGNORED_KEYS, layout.text_head if cfg.text.tie_embeddings else "\0"),
+        mesh=mesh,
+        rules=rules,
     )
-    tensors = strip_prefix(read_safetensors(path), PREFIX_RULES)
-    if "text.lm_head.weight" in tensors and cfg.text.tie_embeddings:
-        tensors.pop(
-            "text.lm_head.weight"
-        )  # a tied head saved explicitly: same array as the embedding
-    ignore = _unused_vision_key(cfg)
-    skipped = sorted(k for k in tensors if ignore(k))
-    if skipped:
-        log.info(
-            "LLaVA-OV import: %d vision keys unused by vision_feature_layer (e.g. %s)",
-            len(skipped),
-            skipped[0],
-        )
-    model, shardings = build_abstract(lambda: LlavaOnevision(cfg, rngs=nnx.Rngs(0)), mesh, rules)
-    what = f"LLaVA-OneVision from {path}"
-    assign(model, entries(cfg), tensors, ignore=ignore, what=what, shardings=shardings)
     return model, cfg
-
-
-def build_abstract(factory, mesh, rules):
-    """(module with shape-only parameters, {param path: NamedSharding} or None without a mesh)."""
-    if mesh is None:
-        return nnx.eval_shape(factory), None
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules or ()):
-        model = nnx.eval_shape(factory)
-        shardings = nnx.get_named_sharding(nnx.state(model, nnx.Param), mesh)
-    return model, dict(nnx.to_flat_state(shardings))
-
-
-def export_llava_onevision(model: LlavaOnevision) -> dict[str, np.ndarray]:
-    """{HF key (transformers 5 layout): array} of every parameter."""
-    out = {}
-    for key, value in export(model, entries(model.cfg)).items():
-        for canon, hf in EXPORT_PREFIXES.items():
-            if key.startswith(canon):
-                key = hf + key[len(canon) :]
-                break
-        out[key] = value
-    return out
