@@ -18,9 +18,12 @@ class SchedulerConfig:
       time_limit_s: wall-clock budget of one `schedule_batch` call: the greedy always runs (milliseconds
         to ~1 s at N=1024), CP-SAT (model building included) gets what is left of it.
       num_workers: CP-SAT worker threads.
-      deterministic: CP-SAT runs interleaved (deterministic) search with a deterministic-time limit of
-        `time_limit_s`; the wall limit stays as a backstop, and `info["cpsat_wall_limited"]` says when it
-        fired (then that one answer may depend on machine load).
+      deterministic: CP-SAT runs interleaved (deterministic) search stopped by a deterministic-time
+        limit (half of `time_limit_s`). What is deterministic for a seed: the greedy and the lower bound
+        always; "cpsat"/"auto" answers as long as no wall-clock guard fires — the guards are the time
+        left after the greedy, the model-building deadline and CP-SAT's wall limit, and
+        `info["fallback"]` / `info["cpsat_wall_limited"]` say when one did (on a heavily loaded machine
+        the same batch can then come back with the greedy answer instead of a refined one).
       max_cpsat_vars: above this many assignment variables (samples x bins) CP-SAT is skipped (the model
         would not even be built within a step); the report says so.
       correction: "off", "on", or "auto" (on once the raw prediction MAPE exceeds `correction_threshold`
