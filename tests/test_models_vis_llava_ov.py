@@ -164,15 +164,42 @@ def test_video_logits_match_hf(checkpoint):
     np.testing.assert_allclose(got, want, atol=TOL)
 
 
-def test_export_round_trips_hf_keys(checkpoint, tmp_path):
+def test_load_pretrained_and_export_round_trip(checkpoint, tmp_path):
+    from models.hf import export_tensors, load_pretrained, save_pretrained
+
     ref, model, cfg = checkpoint
-    exported = hf_llava.export_llava_onevision(model)
-    state = {k: v.numpy() for k, v in ref.state_dict().items()}
-    names = {hf_llava.strip_prefix({k: 0}, hf_llava.PREFIX_RULES).popitem()[0]: k for k in state}
-    for key, value in exported.items():
-        canon = hf_llava.strip_prefix({key: 0}, hf_llava.PREFIX_RULES).popitem()[0]
-        np.testing.assert_array_equal(value, state[names[canon]], err_msg=key)
-    unused = {k for k in names if k.startswith("vision.post_layernorm")}
-    assert set(names) - unused == {
-        hf_llava.strip_prefix({k: 0}, hf_llava.PREFIX_RULES).popitem()[0] for k in exported
+    state = {k: v.numpy() for k, v in ref.state_dict().items()}  # module-style names (model.*)
+    by_module = dict(
+        export_tensors(model, hf_llava.name_map(cfg, hf_llava.detect_layout(list(state))))
+    )
+    assert set(state) - set(by_module) == {
+        f"model.vision_tower.post_layernorm.{w}" for w in ("weight", "bias")
     }
+    for key, value in by_module.items():
+        np.testing.assert_array_equal(value, state[key], err_msg=key)
+    exported = dict(export_tensors(model, hf_llava.name_map(cfg)))
+    saved = tmp_path / "saved"
+    save_pretrained(model, cfg, saved)
+    again, cfg2 = load_pretrained(saved)
+    assert cfg2 == cfg
+    for key, value in dict(export_tensors(again, hf_llava.name_map(cfg2))).items():
+        np.testing.assert_array_equal(value, exported[key], err_msg=key)
+    back = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(saved).eval()
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            back(input_ids=tokens).logits.numpy(), ref(input_ids=tokens).logits.numpy(), atol=1e-6
+        )
+
+
+def test_legacy_key_layout_is_detected():
+    keys = ["vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "language_model.model.norm.weight",
+            "language_model.lm_head.weight", "multi_modal_projector.linear_1.weight", "image_newline"]  # fmt: skip
+    layout = hf_llava.detect_layout(keys)
+    assert (
+        layout.vision == "vision_tower.vision_model."
+        and layout.text_body == "language_model.model."
+    )
+    new = hf_llava.detect_layout(["model.vision_tower.embeddings.patch_embedding.weight", "lm_head.weight",
+                                  "model.language_model.norm.weight"])  # fmt: skip
+    assert new.vision == "model.vision_tower." and new.text_head == "lm_head.weight"
