@@ -66,6 +66,17 @@ def llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_x: bool) -> StageFns:
     )
 
 
+def _indivisible(cfg, tp: int) -> dict:
+    """Replicates the logical axes whose sizes tp does not divide (e.g. an odd HF vocabulary)."""
+    sizes = {
+        "vocab": cfg.vocab_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "mlp": cfg.intermediate_size,
+    }
+    return {name: None for name, n in sizes.items() if n % tp}
+
+
 def build_llm_stages(
     decoder,
     layout: Layout,
@@ -87,9 +98,11 @@ def build_llm_stages(
 
     if layout.encoder_stages:
         raise NotImplementedError("encoder stages need the vision model adapter (models-vision)")
-    rules = rules_for("decoder", rule_overrides)
     programs = []
     for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
+        rules = rules_for(
+            "decoder", {**_indivisible(decoder.cfg, spec.tp), **(rule_overrides or {})}
+        )
         stage = extract_stage(
             decoder,
             first_layer=spec.first_layer,

@@ -55,6 +55,7 @@ class TrainReport:
     run_dir: Path
     layout: Layout
     first_step: int
+    stages: list = dataclasses.field(default_factory=list)  # the StagePrograms (final params)
 
 
 def resolve_plan(cfg: TrainConfig) -> tuple[Layout, BucketSet, tuple[int, int]]:
@@ -80,8 +81,9 @@ def build_decoder(cfg: TrainConfig, vocab_size: int):
 
         model, dcfg = load_pretrained(m.hf_dir, dtype=cfg.compute_dtype, param_dtype="float32")
         return model, dcfg
+    # Tokenizer vocabularies are padded to a multiple of 128 (rows never targeted) so tp divides them.
     dcfg = DecoderConfig(
-        vocab_size=m.vocab_size or vocab_size,
+        vocab_size=m.vocab_size or -(-vocab_size // 128) * 128,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_layers=m.num_layers,
@@ -202,7 +204,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
             "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
             highlight=False,
         )
-    return TrainReport(losses, summary, run_dir, layout, start)
+    return TrainReport(losses, summary, run_dir, layout, start, stages)
 
 
 def _fmt(v) -> str:
