@@ -194,3 +194,10 @@ def test_config_validation():
         PlannerConfig(num_buckets=(1,))
     with pytest.raises(ConfigError, match="planner.tp"):
         PlannerConfig(tp=())
+
+
+def test_refinement_never_worsens_the_choice():
+    greedy = make_plan(ARCH, DEVICE, 8, _shapes(), SMALL)
+    cfg = dataclasses.replace(SMALL, refine_top=1, refine_time_limit_s=0.2)
+    refined = make_plan(ARCH, DEVICE, 8, _shapes(), cfg)
+    assert refined.step_time_mean_s <= greedy.step_time_mean_s + 1e-12
