@@ -294,43 +294,67 @@ def balance_shards(bin_of: np.ndarray, m: int, tokens: np.ndarray, ldp: int) -> 
     return out
 
 
+def _lpt_shrunk(tokens, tiles, m, problem, table) -> tuple[np.ndarray, int, float] | None:
+    """LPT + shrink at count m: (bin_of, m, surrogate), or None if it overflows the largest buckets."""
+    try:
+        bin_of = shrink(lpt_assign(tokens, tiles, m, problem), m, tokens, tiles, problem, table)
+        return bin_of, m, evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+    except ValueError:
+        return None
+
+
+def _better(a, b):
+    """The better of two (bin_of, m, surrogate) candidates (ties: the earlier), None-safe."""
+    if a is None:
+        return b
+    if b is None or a[2] <= b[2] + 1e-15:
+        return a
+    return b
+
+
 def greedy_schedule(
     tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable
 ) -> tuple[np.ndarray, int, float, float]:
     """Best greedy assignment: (bin_of [N], microbatches, surrogate, lower bound).
 
-    Candidates: vector LPT at each candidate count, and best-fit packing into the bucket pairs of the
-    aggregate lower bound's optimum (`bound.aggregate_bound`); each is then shrunk.
+    Candidates: best-fit packing into the bucket pairs of the aggregate lower bound's optimum
+    (`bound.aggregate_bound`; returned at once if it reaches the bound), vector LPT + shrink at the
+    candidate counts and at the bound's count, then at the neighbours of the best count while that
+    improves (the coarse grid of a wide range can miss the best count).
     """
     lb, target = aggregate_bound(tokens, tiles, problem, table)
-    starts = [
-        (m, False, lambda m=m: lpt_assign(tokens, tiles, m, problem))
-        for m in candidate_counts(problem, len(tokens))
-    ]
+    packed = None
     if target:
         packed = targeted_assign(tokens, tiles, target, problem, table)
         if packed is not None:
             obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
             if obj <= lb * (1 + 1e-9):  # the packing reached the bound: nothing left to gain
                 return packed, len(target), obj, lb
-            starts.append((len(target), True, lambda: packed))
-    best = None
-    for m, prunable, make in starts:
-        bin_of = make()
-        try:
-            # a targeted packing that overflowed (worse than the best already, before shrinking)
-            # rarely wins and is slow to shrink: skip it
-            raw = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
-            if prunable and best is not None and raw >= best[2]:
-                continue
-            bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
-            obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
-        except ValueError:  # this start overflows the largest buckets; others may not
-            continue
-        if best is None or obj < best[2] - 1e-15:
-            best = (bin_of, m, obj)
+    lo, hi = problem.microbatches
+    counts = candidate_counts(problem, len(tokens))
+    if target and lo <= len(target) <= hi and len(target) not in counts:
+        counts.append(len(target))
+    best, tried = None, set()
+    for m in counts:
+        best = _better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+        tried.add(m)
+    step = 1
+    while best is not None and step <= 2:  # neighbours of the best count
+        cand = [m for m in (best[1] - step, best[1] + step) if lo <= m <= hi and m not in tried]
+        before = best
+        for m in cand:
+            best = _better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+            tried.add(m)
+        step = 1 if best is not before else step + 1
+    if packed is not None:
+        raw = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
+        # a targeted packing that overflowed (already worse than the best before shrinking) rarely
+        # wins and is slow to shrink: skip it
+        if best is None or raw < best[2]:
+            shrunk = shrink(packed, len(target), tokens, tiles, problem, table)
+            obj = evaluate(shrunk, len(target), tokens, tiles, problem, table)[0]
+            best = _better(best, (shrunk, len(target), obj))
     if best is None:
-        lo, hi = problem.microbatches
         raise ValueError(
             f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
             f"microbatches of llm_dp={problem.llm_dp} x {problem.buckets.lengths[-1]} tokens and "
