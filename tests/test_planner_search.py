@@ -201,3 +201,25 @@ def test_refinement_never_worsens_the_choice():
     cfg = dataclasses.replace(SMALL, refine_top=1, refine_time_limit_s=0.2)
     refined = make_plan(ARCH, DEVICE, 8, _shapes(), cfg)
     assert refined.step_time_mean_s <= greedy.step_time_mean_s + 1e-12
+
+
+class PerLayer:
+    """A provider whose LLM stage costs one second per layer (forward), nothing else."""
+
+    def stage_time(self, stage, bucket):
+        return float(stage.num_layers), 0.0
+
+
+def test_balanced_split_offloads_the_stage_running_the_encoder():
+    from dflop_jax.costs.layout import Layout
+    from dflop_jax.planner.balance import balanced_llm_layout
+    from dflop_jax.planner.candidates import module_stages
+
+    layout = Layout((), module_stages("llm", 6, 1, 2, 1))  # 3 + 3 layers
+    # stage 0 also runs the encoder (2 s): [2 + 3, 3] -> balanced [2 + 2, 4]
+    out = balanced_llm_layout(PerLayer(), layout, np.array([[5.0, 0.0], [3.0, 0.0]]), 128)
+    assert [s.num_layers for s in out.llm_stages] == [2, 4]
+    assert [s.first_layer for s in out.llm_stages] == [0, 2]
+    assert out.llm_stages[0].has_embedding and out.llm_stages[1].has_head
+    same = balanced_llm_layout(PerLayer(), layout, np.array([[3.0, 0.0], [3.0, 0.0]]), 128)
+    assert same is layout

@@ -41,10 +41,11 @@ class Candidate:
 
 
 def describe_layout(layout: Layout) -> str:
-    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2 dp7" or "enc@llm0 | llm tp2 pp4 dp8"."""
+    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7" or "enc@llm0 | llm tp2 pp1 dp8"."""
 
     def part(name: str, stages: tuple[StageSpec, ...]) -> str:
-        return f"{name} tp{stages[0].tp} pp{len(stages)} dp{stages[0].dp}"
+        split = f"[{'+'.join(str(s.num_layers) for s in stages)}]" if len(stages) > 1 else ""
+        return f"{name} tp{stages[0].tp} pp{len(stages)}{split} dp{stages[0].dp}"
 
     enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
     return f"{enc} | {part('llm', layout.llm_stages)}"

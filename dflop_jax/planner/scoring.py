@@ -111,6 +111,19 @@ def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b"
     return simulate(times, xfer, kind)
 
 
+def mean_shape_buckets(
+    cand: Candidate, buckets: BucketSet, stats: ShapeStats, config: PlannerConfig
+) -> tuple[int, int]:
+    """(tile, length) bucket of a microbatch carrying exactly the mean load (smallest that holds it)."""
+    lay = cand.layout
+    g, m = config.global_batch, cand.microbatches
+    tok = stats.mean_tokens * g / (m * lay.llm_dp)
+    til = stats.mean_tiles * g / (m * lay.encoder_dp)
+    return _smallest_at_least(buckets.tiles, math.ceil(til - 1e-9)), _smallest_at_least(
+        buckets.lengths, tok
+    )
+
+
 def mean_shape_step_time(
     costs: LayoutCosts,
     cand: Candidate,
@@ -121,12 +134,8 @@ def mean_shape_step_time(
 ) -> float:
     """Screening score: M identical microbatches at the smallest buckets holding the mean load,
     simulated, or (simulated=False) the scheduler's 1F1B surrogate of the same step (no transfers)."""
-    lay = costs.layout
-    g, m = config.global_batch, cand.microbatches
-    tok = stats.mean_tokens * g / (m * lay.llm_dp)
-    til = stats.mean_tiles * g / (m * lay.encoder_dp)
-    t = _smallest_at_least(buckets.tiles, math.ceil(til - 1e-9))
-    s = _smallest_at_least(buckets.lengths, tok)
+    lay, m = costs.layout, cand.microbatches
+    t, s = mean_shape_buckets(cand, buckets, stats, config)
     per_stage = costs.stage(t, s)  # [P, 2]
     if not simulated:
         return float((m + lay.num_stages - 1) * per_stage.sum(axis=1).max())

@@ -4,6 +4,7 @@
 
 Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
+   pipelined DFLOP candidates also come with a cost-balanced layer split (planner/balance.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
    exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
 3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.planner.balance import balanced_llm_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
 from dflop_jax.planner.config import PlannerConfig
@@ -45,6 +47,7 @@ from dflop_jax.planner.scoring import (
     Score,
     candidate_buckets,
     expected_step_time,
+    mean_shape_buckets,
     mean_shape_step_time,
     microbatch_range,
     online_scheduler,
@@ -117,7 +120,7 @@ def make_plan(
     cands = enum(arch, num_devices, device.devices_per_host, config)
     if not cands:
         raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode))
-    evaluated = _screen_all(cands, shapes, config, provider, usable, report)
+    evaluated = _screen_all(cands, shapes, config, provider, usable, mode == "dflop", report)
     fits = [e for e in evaluated if max(e.memory) <= usable]
     if not fits:
         raise PlanningError(explain_over_memory(evaluated, device, config))
@@ -181,25 +184,38 @@ def _check_request(num_devices: int, shapes: list[SampleShape], mode: str) -> No
 
 
 def _screen_all(
-    cands, shapes, config: PlannerConfig, provider, usable: float, report
+    cands, shapes, config: PlannerConfig, provider, usable: float, balance: bool, report
 ) -> list[Evaluated]:
-    """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits)."""
+    """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits); with
+    `balance`, pipelined candidates also get a cost-balanced layer split (planner/balance.py)."""
     stats = ShapeStats.of(shapes)
     costs_of: dict = {}
     out = []
     for i, cand in enumerate(cands):
-        if cand.layout not in costs_of:
-            costs_of[cand.layout] = LayoutCosts.build(provider, cand.layout)
-        costs = costs_of[cand.layout]
-        buckets = candidate_buckets(cand, stats, config)
-        memory = stage_memory_bytes(provider, cand, buckets, config)
-        surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
-        fits = max(memory) <= usable
-        screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
-        out.append(Evaluated(cand, buckets, costs, memory, screen, surrogate))
+        out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
+        if balance and len(cand.layout.llm_stages) > 1:
+            t, s = mean_shape_buckets(cand, out[-1].buckets, stats, config)
+            layout = balanced_llm_layout(provider, cand.layout, out[-1].costs.stage(t, s), s)
+            if layout != cand.layout:
+                variant = dataclasses.replace(cand, layout=layout)
+                out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
         if i % 64 == 0 or i == len(cands) - 1:
             report("screen", i + 1, len(cands))
     return out
+
+
+def _evaluate(
+    cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict
+) -> Evaluated:
+    if cand.layout not in costs_of:
+        costs_of[cand.layout] = LayoutCosts.build(provider, cand.layout)
+    costs = costs_of[cand.layout]
+    buckets = candidate_buckets(cand, stats, config)
+    memory = stage_memory_bytes(provider, cand, buckets, config)
+    surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
+    fits = max(memory) <= usable
+    screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
+    return Evaluated(cand, buckets, costs, memory, screen, surrogate)
 
 
 def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:
