@@ -213,7 +213,6 @@ def causal_lm_adapter(config_from_hf, config_to_hf, matches) -> ModelAdapter:
 
 def load_decoder_stage(
     path: str | Path,
-    adapter: ModelAdapter,
     *,
     first_layer: int,
     num_layers: int,
@@ -223,9 +222,18 @@ def load_decoder_stage(
     param_dtype: str = "float32",
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
+    adapter: ModelAdapter | None = None,
 ) -> tuple[DecoderStage, DecoderConfig]:
-    """Loads only one pipeline stage's tensors (layers [first_layer, +num_layers), embedding, head)."""
-    cfg = adapter.config_from_hf(read_config(path), dtype, param_dtype)
+    """Loads only one pipeline stage's tensors (layers [first_layer, +num_layers), embedding, head).
+
+    adapter: default the registered adapter of config.json's `model_type` (qwen2, llama).
+    """
+    hf_config = read_config(path)
+    if adapter is None:
+        from models.hf import adapter_for  # the registry imports this module
+
+        adapter = adapter_for(hf_config.get("model_type"))
+    cfg = adapter.config_from_hf(hf_config, dtype, param_dtype)
     stage_kw = dict(
         first_layer=first_layer,
         num_layers=num_layers,

@@ -10,15 +10,11 @@ MLLMs read patch features only. Keys are skipped only when no parameter uses the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-import numpy as np
+from collections.abc import Mapping
 
 from models.hf.io import ModelAdapter, NameMap, TensorMap
 from models.siglip import SiglipConfig
 from models.vit import VisionTower, ViTConfig
-
-Transform = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
 
 
 def linear_in(d: int, h: int, dh: int) -> dict:
