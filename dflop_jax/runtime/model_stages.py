@@ -1,5 +1,8 @@
 """Stage programs of the real models: `models/` nnx modules split by a `Layout` onto stage meshes.
 
+Two model kinds: a decoder-only LLM (`models.decoder.Decoder`, `build_llm_stages`) and a ViT +
+projector + decoder MLLM (`models.mllm.MLLM`, e.g. LLaVA-OneVision, `build_mllm_stages`).
+
 Params are built ONCE for the whole model on the host's default device (seeded, or loaded from an HF
 directory) and then cut per stage (`models.decoder.extract_stage`) and placed with the stage's
 logical->mesh rules (`runtime/sharding.py`). So every layout of a run starts from the same weights (the
@@ -10,6 +13,12 @@ LLM stage functions (side inputs are PackedMicrobatch fields, sharded over "data
   first stage:  tokens, feature_index, segment_ids, positions (+ encoder features as x) -> hidden
   inner stage:  hidden [l_dp, S, D], segment_ids, positions -> hidden
   last stage:   ... + targets, loss_mask -> (loss_sum, count)  (models.loss.cross_entropy_sum)
+Encoder stage functions (MLLM):
+  first stage:  tiles [v_dp*T, H, W, 3] -> hidden [v_dp*T, N, Dv]   (sharded over the encoder "data")
+  last stage:   ... + tile_pool -> projected features [v_dp*T, tokens_per_tile, D]
+The encoder -> LLM hand-off puts the features REPLICATED on LLM stage 0's mesh (x_spec P()): any
+packed row may gather any tile's features (`models.placement.place_features` with the loader's
+feature_index); `jax.device_put` moves them shard by shard, never through one device.
 """
 
 from __future__ import annotations
@@ -117,3 +126,96 @@ def build_llm_stages(
         fns = llm_stage_fns(graphdef, spec, rules, has_x=not spec.has_embedding and i > 0)
         programs.append(StageProgram(mesh, fns, params, compute_dtype))
     return programs
+
+
+def _place(module, mesh: Mesh, rules):
+    """(graphdef, params on `mesh`) of an nnx module; buffers copied via host (the stage owns them)."""
+    graphdef, state = nnx.split(module)
+    return graphdef, jax.device_put(jax.device_get(state), state_shardings(state, mesh, rules))
+
+
+def encoder_stage_fns(graphdef, spec: StageSpec, rules, *, first_in_pipeline: bool) -> StageFns:
+    """Pure functions of one vision encoder stage (`models.mllm.EncoderStage`)."""
+    side = (("tiles",) if spec.has_embedding else ()) + (("tile_pool",) if spec.has_head else ())
+
+    def forward(params, x, s):
+        with nnx.logical_axis_rules(rules):
+            stage = nnx.merge(graphdef, params)
+            inp = s["tiles"] if spec.has_embedding else x
+            return stage(inp, s["tile_pool"]) if spec.has_head else stage(inp)
+
+    return StageFns(
+        forward=forward, side_keys=side, x_spec=None if first_in_pipeline else P("data")
+    )
+
+
+def mllm_llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_features: bool) -> StageFns:
+    """Pure functions of one LLM stage of an MLLM (`models.mllm.LLMStage`)."""
+    side = ("segment_ids", "positions")
+    if spec.has_embedding:
+        side = ("tokens", "feature_index") + side
+
+    def hidden(params, x, s):
+        with nnx.logical_axis_rules(rules):
+            stage = nnx.merge(graphdef, params)
+            if spec.has_embedding:
+                x = stage.embed(s["tokens"], x, s["feature_index"] if has_features else None)
+            return stage, stage(x, s["segment_ids"], s["positions"])
+
+    x_spec = (P() if has_features else None) if spec.has_embedding else P("data")
+    if spec.has_head:
+
+        def loss(params, x, s):
+            stage, h = hidden(params, x, s)
+            with nnx.logical_axis_rules(rules):
+                return stage.loss(h, s["targets"], s["loss_mask"])
+
+        return StageFns(loss=loss, side_keys=side + ("targets", "loss_mask"), x_spec=x_spec)
+    return StageFns(forward=lambda p, x, s: hidden(p, x, s)[1], side_keys=side, x_spec=x_spec)
+
+
+def build_mllm_stages(
+    model,
+    layout: Layout,
+    meshes: Sequence[Mesh],
+    *,
+    compute_dtype=jnp.bfloat16,
+) -> list[StageProgram]:
+    """One StageProgram per stage of `layout` (encoder stages, then LLM stages) of an MLLM.
+
+    Args:
+      model: a `models.mllm.MLLM` (e.g. `LlavaOnevision`) holding the full model's fp32 params.
+      layout: needs >= 1 encoder stage (the encoder runs on its own stages, never colocated).
+      meshes: one mesh per stage.
+      compute_dtype: dtype the stage programs compute in.
+    """
+    from models.mllm import extract_stages
+
+    if not layout.encoder_stages:
+        raise ValueError(
+            "an MLLM layout needs at least one encoder stage; add encoder stages to the plan"
+        )
+    cfg = model.cfg
+    encoders, llms = extract_stages(
+        model,
+        [s.num_layers for s in layout.encoder_stages],
+        [s.num_layers for s in layout.llm_stages],
+    )
+    programs = []
+    n_enc = len(encoders)
+    for i, (spec, mesh, module) in enumerate(zip(layout.stages, meshes, encoders + llms)):
+        if spec.module == "encoder":
+            rules = rules_for("vision", _indivisible_vision(cfg.vision, spec.tp))
+            graphdef, params = _place(module, mesh, rules)
+            fns = encoder_stage_fns(graphdef, spec, rules, first_in_pipeline=i == 0)
+        else:
+            rules = rules_for("decoder", _indivisible(cfg.text, spec.tp))
+            graphdef, params = _place(module, mesh, rules)
+            fns = mllm_llm_stage_fns(graphdef, spec, rules, has_features=i == n_enc)
+        programs.append(StageProgram(mesh, fns, params, compute_dtype))
+    return programs
+
+
+def _indivisible_vision(cfg, tp: int) -> dict:
+    sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_heads, "mlp": cfg.intermediate_size}
+    return {name: None for name, n in sizes.items() if n % tp}
