@@ -139,3 +139,15 @@ def test_loaded_bfloat16_compute(saved):
     ids = jnp.arange(12, dtype=jnp.int32).reshape(1, 12)
     logits = nnx.jit(lambda m, x: m(x))(loaded, ids)
     assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
+
+
+def test_bfloat16_checkpoint_loads_into_float32_masters(saved, tmp_path):
+    import ml_dtypes
+
+    path, model, _ = saved
+    tensors = load_file(path / "model.safetensors")
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    loaded, _ = load_pretrained(_edit(path, tmp_path / "bf16", add=bf16))
+    got = _flat(loaded)[("stage", "layers", 0, "mlp", "up")]
+    want = tensors["model.layers.0.mlp.up_proj.weight"].astype(ml_dtypes.bfloat16).T
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
