@@ -179,7 +179,10 @@ class _ScheduleStage:
         skipped = dict(collections.Counter(m.reason for m in metas if m.shape is None))
         shapes = [m.shape for m in good]
         start = time.perf_counter()
-        schedule = self.schedule_fn(shapes, index) if shapes else None
+        try:
+            schedule = self.schedule_fn(shapes, index) if shapes else None
+        except ValueError as e:  # e.g. the batch exceeds every allowed microbatch count's capacity
+            raise ValueError(f"global batch {index} ({len(shapes)} samples): {e}") from None
         latency = time.perf_counter() - start
         return _Scheduled([m.record for m in good], shapes, schedule, skipped, latency)
 
