@@ -309,7 +309,13 @@ class Loader:
     Per batch, `batch.stats` holds: scheduler_latency_s (time in the scheduler hook), data_wait_s (time
     the consumer waited in `__next__`), load_s, skipped (counts by reason in this batch), padding ratios
     (llm_padding_ratio, encoder_padding_ratio), token/tile counts, schedule_digest, and sample_ids (the
-    `SampleShape.id`s the schedule's sample indices refer to).
+    `SampleShape.id`s the schedule's sample indices refer to). With a `HostShardSpec`, arrays, token
+    and tile counts and `num_loss_tokens` cover this host's shards only: the loss normalizer of the
+    global batch is the sum over hosts.
+
+    Attributes:
+      scheduler: the online `Scheduler` when `make_loader` built it (the runtime feeds it measured stage
+        times and checkpoints its `state_dict()` next to `get_state()`), else None.
     """
 
     _SUMS = (
