@@ -151,3 +151,35 @@ def test_bfloat16_checkpoint_loads_into_float32_masters(saved, tmp_path):
     got = _flat(loaded)[("stage", "layers", 0, "mlp", "up")]
     want = tensors["model.layers.0.mlp.up_proj.weight"].astype(ml_dtypes.bfloat16).T
     assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
+
+
+# Legacy (transformers 4.x) config.json files as published on the Hub: rope_theta / rope_scaling at
+# the top level. Parsing them must give exactly the named presets.
+QWEN25_7B_JSON = {
+    "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 152064,
+}  # fmt: skip
+LLAMA31_8B_JSON = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "hf, preset", [(QWEN25_7B_JSON, "qwen2.5-7b"), (LLAMA31_8B_JSON, "llama3.1-8b")]
+)
+def test_legacy_hub_configs_parse_to_presets(hf, preset):
+    from models.decoder_config import DECODER_PRESETS
+    from models.hf import adapter_for
+
+    cfg = adapter_for(hf["model_type"]).config_from_hf(hf, "bfloat16", "float32")
+    assert cfg == DECODER_PRESETS[preset]
