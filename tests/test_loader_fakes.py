@@ -78,6 +78,11 @@ class CountingProcessor(FakeProcessor):
 
     def __init__(self):
         self.processed: list[int] = []
+        self.shaped: list[int] = []
+
+    def shape(self, record) -> SampleShape:
+        self.shaped.append(record["id"])
+        return super().shape(record)
 
     def process(self, record) -> ProcessedSample:
         self.processed.append(record["id"])

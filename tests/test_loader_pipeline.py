@@ -38,6 +38,7 @@ def make(
     processor=None,
     prefetch=2,
     scheduler=None,
+    shapes=None,
 ):
     problem = problem or fake_problem()
     spec = PackSpec.from_problem(problem, TILE, TPT)
@@ -51,6 +52,7 @@ def make(
         host=host,
         strict=strict,
         num_epochs=epochs,
+        shapes=shapes,
     )
     return Loader(ds, num_workers=workers, prefetch=prefetch)
 
@@ -238,3 +240,24 @@ def test_processed_size_differing_from_metadata_is_counted_or_raised():
     assert sorted(batch_ids(gb)) == [0, 1, 3, 4, 5, 6, 7]
     with make(records, epochs=1, strict=True) as loader, pytest.raises(ValueError, match="fake:2"):
         list(loader)
+
+
+def test_precomputed_shapes_replace_the_metadata_stage():
+    records = fake_records(24, bad={4: "missing_file"})
+    records[7]["text"] = 200  # too long for the buckets: still skipped with precomputed shapes
+    with make(records, epochs=1) as loader:
+        lazy = list(loader)
+    ref = FakeProcessor()
+    shapes = []
+    for r in records:
+        try:
+            shapes.append(ref.shape(r))
+        except BadSample as e:
+            shapes.append(e)
+    proc = CountingProcessor()
+    with make(records, epochs=1, shapes=shapes, processor=proc) as loader:
+        known = list(loader)
+    assert proc.shaped == []  # no shape() call during iteration
+    assert_same_batches(lazy, known)
+    assert [gb.stats["skipped"] for gb in known] == [gb.stats["skipped"] for gb in lazy]
+    assert sum(sum(gb.stats["skipped"].values()) for gb in known) == 2

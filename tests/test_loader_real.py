@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -213,3 +214,16 @@ def test_truncate_policy_cuts_long_text_to_the_largest_bucket(synth):
     with loader_for(skip, data, global_batch_size=8, num_epochs=1) as loader:
         (gb,) = list(loader)
     assert gb.stats["skipped"] == {"too_long": 1} and "long" not in gb.stats["sample_ids"]
+
+
+def test_precomputed_shapes_from_the_metadata_cache(synth, tmp_path):
+    cfg, records = synth
+    with loader_for(cfg, records) as loader:
+        lazy = [next(loader) for _ in range(2)]
+    cached = dataclasses.replace(cfg, cache_dir=str(tmp_path / "meta"))
+    for _ in range(2):  # the first run writes the cache, the second reads it
+        with loader_for(cached, records, precompute_shapes=True) as loader:
+            known = [next(loader) for _ in range(2)]
+        for a, b in zip(lazy, known, strict=True):
+            assert_same(a, b)
+    assert list((tmp_path / "meta").glob("*.json"))

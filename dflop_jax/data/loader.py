@@ -135,9 +135,10 @@ class _ShapeStage:
         self.processor, self.spec, self.strict = processor, spec, strict
         self._log = _SkipLog()
 
-    def __call__(self, record: Any) -> _Meta:
+    def __call__(self, item: Any) -> _Meta:
+        record = item.record if isinstance(item, _Known) else item
         try:
-            shape = self.processor.shape(record)
+            shape = self._shape(item)
             if shape.tokens > self.spec.max_tokens or shape.tiles > self.spec.max_tiles:
                 raise BadSample(
                     "too_long",
@@ -151,6 +152,36 @@ class _ShapeStage:
             self._log("metadata", e.reason, e.location, e.detail)
             return _Meta(record, None, e.reason)
         return _Meta(record, shape)
+
+    def _shape(self, item: Any) -> SampleShape:
+        if not isinstance(item, _Known):
+            return self.processor.shape(item)
+        if isinstance(item.shape, BadSample):
+            raise item.shape
+        return item.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class _Known:
+    """A record with its precomputed shape (or the BadSample computing it raised)."""
+
+    record: Any
+    shape: SampleShape | BadSample
+
+
+class _WithShapes(Sequence):
+    """records[i] paired with shapes[i], as a random-access source (nothing copied)."""
+
+    def __init__(self, records: Sequence[Any], shapes: Sequence[SampleShape | BadSample]):
+        if len(records) != len(shapes):
+            raise ValueError(f"{len(records)} records but {len(shapes)} precomputed shapes")
+        self.records, self.shapes = records, shapes
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i):
+        return _Known(self.records[i], self.shapes[i])
 
 
 @dataclasses.dataclass
@@ -286,8 +317,13 @@ def build_dataset(
     host: HostShardSpec | None = None,
     strict: bool = False,
     num_epochs: int | None = None,
+    shapes: Sequence[SampleShape | BadSample] | None = None,
 ) -> grain.MapDataset:
-    """The random-access part of the pipeline: element k is global batch k (a `GlobalBatch`)."""
+    """The random-access part of the pipeline: element k is global batch k (a `GlobalBatch`).
+
+    `shapes` (optional, in record order, e.g. from `MetadataCache.shapes`) replaces the per-record
+    `processor.shape` calls of the metadata stage; bad ones are skipped or raised as usual.
+    """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size={global_batch_size}: must be >= 1")
     if len(records) < global_batch_size:
@@ -296,7 +332,8 @@ def build_dataset(
         )
     host = host or all_shards(spec.encoder_dp, spec.llm_dp)
     host.check(spec.encoder_dp, spec.llm_dp)
-    ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat(num_epochs)
+    source = records if shapes is None else _WithShapes(records, shapes)
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
     ds = ds.map(_ShapeStage(processor, spec, strict))
     ds = ds.batch(global_batch_size, drop_remainder=True, batch_fn=list)
     ds = ds.map_with_index(_ScheduleStage(schedule_fn))
@@ -498,6 +535,7 @@ def make_loader(
     num_epochs: int | None = None,
     processor: SampleProcessor | None = None,
     schedule_fn: ScheduleFn | None = None,
+    precompute_shapes: bool = False,
 ) -> Loader:
     """Builds the loader for one run.
 
@@ -516,6 +554,9 @@ def make_loader(
       num_epochs: None = repeat forever.
       processor: overrides `Processor(data_cfg)` (tests, custom processing).
       schedule_fn: overrides the scheduler (`(shapes, batch_index) -> Schedule`).
+      precompute_shapes: compute every record's shape up front through `MetadataCache` (on disk under
+        `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
+        instead of per record in the pipeline; costs one pass over the dataset on the first run.
     """
     from dflop_jax.data.sources import load_source
     from dflop_jax.scheduler.correction import Scheduler
@@ -527,11 +568,21 @@ def make_loader(
     cap = problem.buckets.lengths[-1]
     if data_cfg.max_tokens > cap:
         data_cfg = dataclasses.replace(data_cfg, max_tokens=cap)
+    if precompute_shapes and processor is not None:
+        raise ValueError(
+            "precompute_shapes uses Processor(data_cfg); it cannot be combined with `processor`"
+        )
     processor = processor or LazyProcessor(data_cfg)
     scheduler = None
     if schedule_fn is None:
         scheduler = Scheduler(problem, scheduler_config, seed=seed)
         schedule_fn = SchedulerHook(scheduler)
+    shapes = None
+    if precompute_shapes:
+        from dflop_jax.data.metadata import MetadataCache
+        from dflop_jax.data.process import Processor
+
+        shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(list(records))
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile)
     ds = build_dataset(
@@ -544,6 +595,7 @@ def make_loader(
         host=host,
         strict=data_cfg.strict,
         num_epochs=num_epochs,
+        shapes=shapes,
     )
     return Loader(ds, num_workers=num_workers, prefetch=prefetch, scheduler=scheduler)
 
