@@ -6,7 +6,8 @@
     state = loader.get_state()      # exact resume: make_loader(...).set_state(state)
     loader.close()
 
-Pipeline (grain, all `MapDataset` up to prefetching, so the iterator state is an index and resume is exact):
+Pipeline (grain, all `MapDataset` up to prefetching, so the iterator state is an index and resume is exact;
+the stages live in `dflop_jax/data/stages.py`):
   source(records).shuffle(seed).repeat(epochs)      # a new permutation every epoch
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
                              larger than the largest bucket becomes a counted skip, never a scheduler input
@@ -32,278 +33,27 @@ cross-host agreement with correction on, use `prefetch=0` (batch k is scheduled 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
-import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import grain
 
 from dflop_jax.data.errors import BadSample
-from dflop_jax.data.packing import HostShardSpec, all_shards, needed_samples, pack_global_batch
+from dflop_jax.data.packing import HostShardSpec, all_shards
+from dflop_jax.data.stages import (
+    PackSpec,
+    PackStage,
+    SampleProcessor,
+    ScheduleFn,
+    ScheduleStage,
+    ShapeStage,
+    WithShapes,
+    schedule_digest,
+)
 from dflop_jax.data.types import GlobalBatch, ProcessedSample
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
-
-log = logging.getLogger(__name__)
-
-# (shapes of one global batch, global batch index) -> Schedule. The index seeds any randomness in the
-# solver, so a resumed run schedules batch k exactly as the uninterrupted run did.
-ScheduleFn = Callable[[list[SampleShape], int], Schedule]
-
-
-class SampleProcessor(Protocol):
-    """What the loader needs of data processing (`dflop_jax.data.Processor` fits)."""
-
-    def shape(self, record: Any) -> SampleShape: ...
-
-    def process(self, record: Any) -> ProcessedSample: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class PackSpec:
-    """The static shapes packing fills.
-
-    Attributes:
-      encoder_dp, llm_dp: data-parallel degrees (from the plan).
-      tile_shape: (H, W, 3) of one encoder tile.
-      tokens_per_tile: feature rows per tile slot (729 SigLIP-384, 256 InternViT after pixel shuffle).
-      max_tiles: most tiles one sample may have (encoder_dp x largest tile bucket).
-      max_tokens: most LLM tokens one sample may have (largest length bucket).
-    """
-
-    encoder_dp: int
-    llm_dp: int
-    tile_shape: tuple[int, int, int]
-    tokens_per_tile: int
-    max_tiles: int
-    max_tokens: int
-
-    @classmethod
-    def from_problem(cls, problem: ScheduleProblem, tile_shape, tokens_per_tile: int) -> PackSpec:
-        return cls(
-            problem.encoder_dp,
-            problem.llm_dp,
-            tuple(tile_shape),
-            tokens_per_tile,
-            problem.encoder_dp * problem.buckets.tiles[-1],
-            problem.buckets.lengths[-1],
-        )
-
-
-def _location(record: Any) -> str:
-    return (
-        str(record["_location"])
-        if isinstance(record, dict) and "_location" in record
-        else repr(record)[:80]
-    )
-
-
-class _SkipLog:
-    """Logs each (reason, location) once per stage object (per process), then stays quiet."""
-
-    def __init__(self):
-        self._seen: set[tuple[str, str]] = set()
-
-    def __call__(self, stage: str, reason: str, location: str, detail: str = "") -> None:
-        if (reason, location) not in self._seen:
-            self._seen.add((reason, location))
-            log.warning(
-                "skipping sample at %s (%s, %s)%s",
-                location,
-                stage,
-                reason,
-                f": {detail}" if detail else "",
-            )
-
-
-@dataclasses.dataclass
-class _Meta:
-    """A record after the shape stage: its shape, or why it is skipped."""
-
-    record: Any
-    shape: SampleShape | None
-    reason: str = ""
-
-
-class _ShapeStage:
-    """record -> _Meta; bad records and samples larger than the largest bucket are marked as skips."""
-
-    def __init__(self, processor: SampleProcessor, spec: PackSpec, strict: bool):
-        self.processor, self.spec, self.strict = processor, spec, strict
-        self._log = _SkipLog()
-
-    def __call__(self, item: Any) -> _Meta:
-        record = item.record if isinstance(item, _Known) else item
-        try:
-            shape = self._shape(item)
-            if shape.tokens > self.spec.max_tokens or shape.tiles > self.spec.max_tiles:
-                raise BadSample(
-                    "too_long",
-                    _location(record),
-                    f"{shape.tiles} tiles/{shape.tokens} tokens > largest buckets "
-                    f"{self.spec.max_tiles}/{self.spec.max_tokens}",
-                )
-        except BadSample as e:
-            if self.strict:
-                raise
-            self._log("metadata", e.reason, e.location, e.detail)
-            return _Meta(record, None, e.reason)
-        return _Meta(record, shape)
-
-    def _shape(self, item: Any) -> SampleShape:
-        if not isinstance(item, _Known):
-            return self.processor.shape(item)
-        if isinstance(item.shape, BadSample):
-            raise item.shape
-        return item.shape
-
-
-@dataclasses.dataclass(frozen=True)
-class _Known:
-    """A record with its precomputed shape (or the BadSample computing it raised)."""
-
-    record: Any
-    shape: SampleShape | BadSample
-
-
-class _WithShapes(Sequence):
-    """records[i] paired with shapes[i], as a random-access source (nothing copied)."""
-
-    def __init__(self, records: Sequence[Any], shapes: Sequence[SampleShape | BadSample]):
-        if len(records) != len(shapes):
-            raise ValueError(f"{len(records)} records but {len(shapes)} precomputed shapes")
-        self.records, self.shapes = records, shapes
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i):
-        return _Known(self.records[i], self.shapes[i])
-
-
-@dataclasses.dataclass
-class _Scheduled:
-    """A global batch after scheduling: the good records, their shapes, the schedule and the skip counts."""
-
-    records: list
-    shapes: list[SampleShape]
-    schedule: Schedule | None
-    skipped: dict[str, int]
-    scheduler_latency_s: float
-
-
-class _ScheduleStage:
-    """(global batch index, the batch's records) -> one schedule for the whole batch (the scheduler's hook).
-
-    It runs right after `.batch()` (as `map_with_index`, not as `batch_fn`, because the solver's seed
-    comes from the batch index).
-    """
-
-    def __init__(self, schedule_fn: ScheduleFn):
-        self.schedule_fn = schedule_fn
-
-    def __call__(self, index: int, metas: Sequence[_Meta]) -> _Scheduled:
-        good = [m for m in metas if m.shape is not None]
-        skipped = dict(collections.Counter(m.reason for m in metas if m.shape is None))
-        shapes = [m.shape for m in good]
-        start = time.perf_counter()
-        try:
-            schedule = self.schedule_fn(shapes, index) if shapes else None
-        except ValueError as e:  # e.g. the batch exceeds every allowed microbatch count's capacity
-            raise ValueError(f"global batch {index} ({len(shapes)} samples): {e}") from None
-        latency = time.perf_counter() - start
-        return _Scheduled([m.record for m in good], shapes, schedule, skipped, latency)
-
-
-class _PackStage:
-    """_Scheduled -> GlobalBatch: process the samples this host needs, then pack."""
-
-    def __init__(
-        self, processor: SampleProcessor, spec: PackSpec, host: HostShardSpec, strict: bool
-    ):
-        self.processor, self.spec, self.host, self.strict = processor, spec, host, strict
-        self._log = _SkipLog()
-
-    def __call__(self, item: _Scheduled) -> GlobalBatch:
-        skipped = collections.Counter(item.skipped)
-        spec = self.spec
-        if item.schedule is None:
-            return GlobalBatch([], 0, None, self._stats(item, skipped, {}, 0.0))
-        need: set[int] = set()
-        for plan in item.schedule.microbatches:
-            need |= needed_samples(plan, item.shapes, spec.encoder_dp, self.host)
-        start = time.perf_counter()
-        samples: list[ProcessedSample | None] = [None] * len(item.records)
-        for i in sorted(need):
-            samples[i] = self._load(item.records[i], item.shapes[i], skipped)
-        load_s = time.perf_counter() - start
-        batch = pack_global_batch(
-            item.schedule,
-            samples,
-            item.shapes,
-            encoder_dp=spec.encoder_dp,
-            llm_dp=spec.llm_dp,
-            tile_shape=spec.tile_shape,
-            tokens_per_tile=spec.tokens_per_tile,
-            host=self.host,
-        )
-        batch.stats = self._stats(item, skipped, batch.stats, load_s)
-        return batch
-
-    def _load(
-        self, record: Any, shape: SampleShape, skipped: collections.Counter
-    ) -> ProcessedSample | None:
-        """Processes one sample; a failure after scheduling leaves its room as padding (counted)."""
-        try:
-            sample = self.processor.process(record)
-        except BadSample as e:
-            if self.strict:
-                raise
-            self._log("load", e.reason, e.location, e.detail)
-            skipped[e.reason] += 1
-            return None
-        problem = self._mismatch(sample, shape)
-        if problem:
-            # The schedule reserved room for the metadata's sizes; another size cannot be packed.
-            if self.strict:
-                raise ValueError(f"{_location(record)}: {problem}")
-            self._log("load", "metadata_mismatch", _location(record), problem)
-            skipped["metadata_mismatch"] += 1
-            return None
-        return sample
-
-    def _mismatch(self, sample: ProcessedSample, shape: SampleShape) -> str:
-        if sample.num_tokens != shape.tokens or sample.num_tiles != shape.tiles:
-            return (
-                f"processed {sample.num_tiles} tiles/{sample.num_tokens} tokens, metadata said "
-                f"{shape.tiles}/{shape.tokens}"
-            )
-        if sample.num_tiles and tuple(sample.tiles.shape[1:]) != self.spec.tile_shape:
-            return f"tiles of shape {sample.tiles.shape[1:]}, expected {self.spec.tile_shape}"
-        return ""
-
-    def _stats(self, item: _Scheduled, skipped, packed: dict, load_s: float) -> dict:
-        stats = dict(packed)
-        stats.update(
-            num_samples=len(item.shapes),
-            sample_ids=[shape.id for shape in item.shapes],
-            skipped=dict(skipped),
-            scheduler_latency_s=item.scheduler_latency_s,
-            load_s=load_s,
-            schedule_digest=schedule_digest(item.schedule),
-        )
-        return stats
-
-
-def schedule_digest(schedule: Schedule | None) -> str:
-    """A short hash of the schedule's buckets and assignment: equal on every process of a run."""
-    if schedule is None:
-        return ""
-    text = repr([(p.tile_bucket, p.length_bucket, p.shards) for p in schedule.microbatches])
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def build_dataset(
@@ -332,12 +82,12 @@ def build_dataset(
         )
     host = host or all_shards(spec.encoder_dp, spec.llm_dp)
     host.check(spec.encoder_dp, spec.llm_dp)
-    source = records if shapes is None else _WithShapes(records, shapes)
+    source = records if shapes is None else WithShapes(records, shapes)
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
-    ds = ds.map(_ShapeStage(processor, spec, strict))
+    ds = ds.map(ShapeStage(processor, spec, strict))
     ds = ds.batch(global_batch_size, drop_remainder=True, batch_fn=list)
-    ds = ds.map_with_index(_ScheduleStage(schedule_fn))
-    return ds.map(_PackStage(processor, spec, host, strict))
+    ds = ds.map_with_index(ScheduleStage(schedule_fn))
+    return ds.map(PackStage(processor, spec, host, strict))
 
 
 class Loader:
