@@ -2,8 +2,10 @@
 
 `attention(q, k, v, segment_ids=..., causal=..., implementation=...)`:
   - implementation "xla" or None: explicit mask, float32 logits and softmax; runs anywhere (CPU tests).
-  - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` with the same
-    boolean mask (GPU fused path). It is NOT exercised on the CPU-only test machines.
+  - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
+    segment mask plus `is_causal` (GPU fused path; cuDNN wants bf16/fp16 inputs). The fused kernel is
+    NOT exercised on the CPU-only test machines; the tests check that the same arguments give our
+    result through `jax.nn.dot_product_attention(..., implementation="xla")`.
 A token attends only to tokens of its own segment (segment id 0 marks padding; padding tokens attend
 among themselves, so their output is finite and simply ignored by the loss) and, when causal, only to
 earlier-or-equal indices. Packed samples are contiguous in a row, so index order is position order.
@@ -26,6 +28,22 @@ def attention_mask(segment_ids: jax.Array | None, length: int, causal: bool) -> 
         tri = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]  # [1,1,S,S]
         mask = tri if mask is None else mask & tri
     return mask
+
+
+def fused_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None,
+    causal: bool,
+    implementation: str,
+) -> jax.Array:
+    """`jax.nn.dot_product_attention` with our masking semantics (segment mask + `is_causal`)."""
+    mask = attention_mask(segment_ids, q.shape[1], causal=False)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=causal, implementation=implementation
+    )
 
 
 def _xla_attention(q, k, v, mask, scale):
@@ -66,10 +84,9 @@ def attention(
         )
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
-    scale = q.shape[-1] ** -0.5
-    mask = attention_mask(segment_ids, q.shape[1], causal)
     if implementation == "cudnn":
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, implementation="cudnn"
+        return fused_attention(
+            q, k, v, segment_ids=segment_ids, causal=causal, implementation="cudnn"
         ).astype(q.dtype)
-    return _xla_attention(q, k, v, mask, scale).astype(q.dtype)
+    mask = attention_mask(segment_ids, q.shape[1], causal)
+    return _xla_attention(q, k, v, mask, q.shape[-1] ** -0.5).astype(q.dtype)
