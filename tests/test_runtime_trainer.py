@@ -1,9 +1,11 @@
-"""End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params)."""
+"""End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params);
+the embedded demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
 
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -14,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _cfg(tmp_path, name, **over):
     base = [
+        "model.kind=decoder",
+        "layout.encoder_layers=[]",
         "model.hidden_size=32",
         "model.intermediate_size=64",
         "model.num_layers=2",
@@ -63,3 +67,28 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
         jax.tree.map(
             np.testing.assert_array_equal, jax.device_get(s_a.params), jax.device_get(s_b.params)
         )
+
+
+@pytest.mark.slow
+def test_demo_trains_and_loss_decreases(tmp_path):
+    """The demo config itself (fewer steps, a smaller synthetic set, no checkpoints)."""
+    cfg = load_config(
+        TrainConfig,
+        REPO / "configs" / "demo.yaml",
+        [
+            "steps=6",
+            "optimizer.lr=0.01",
+            "data.synth_samples=64",
+            f"data.synth_dir={tmp_path / 'synth'}",
+            "data.cache_dir=",
+            "checkpoint.every=0",
+            f"run_dir={tmp_path / 'demo'}",
+            f"compilation_cache={tmp_path / 'jax_cache'}",
+            "peak_flops=1000000000.0",
+        ],
+    )
+    report = run(cfg)
+    assert len(report.layout.encoder_stages) >= 2 and len(report.layout.llm_stages) >= 2
+    assert np.mean(report.losses[-2:]) < report.losses[0] - 0.2
+    assert (tmp_path / "demo" / "config.yaml").is_file()
+    assert len((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()) == 6

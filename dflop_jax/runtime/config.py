@@ -19,15 +19,18 @@ from dflop_jax.scheduler.types import BucketSet
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The model trained: a decoder built from the fields below, or loaded from an HF directory.
+    """The model trained: built from the fields below, or loaded from an HF directory.
 
     Attributes:
+      kind: "llava_ov" (SigLIP-style ViT + mlp2x_gelu projector + decoder) or "decoder" (text only).
       hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from the fields.
-      vocab_size: 0 = the tokenizer's vocabulary size.
+      vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
+      vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
       init_seed: seed of the random initialization (ignored when loading).
     """
 
+    kind: Literal["llava_ov", "decoder"] = "llava_ov"
     hf_dir: str = ""
     vocab_size: int = 0
     hidden_size: int = 64
@@ -36,6 +39,10 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_layers: int = 2
+    vision_num_heads: int = 2
     init_seed: int = 0
 
     def __post_init__(self):
@@ -48,6 +55,9 @@ class LayoutConfig:
     """An explicit plan (used when `plan: explicit`): stages, degrees, buckets, microbatch counts.
 
     Attributes:
+      encoder_layers: vision layers held by each encoder stage (empty: decoder-only model).
+      encoder_tp: tensor-parallel degree per encoder stage (one value = all stages).
+      encoder_dp: encoder data-parallel degree.
       llm_layers: decoder layers held by each LLM stage (sum = model layers).
       llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
       llm_dp: LLM data-parallel degree.
@@ -55,6 +65,9 @@ class LayoutConfig:
       microbatches: (min, max) microbatches per global batch.
     """
 
+    encoder_layers: tuple[int, ...] = (1, 1)
+    encoder_tp: tuple[int, ...] = (1,)
+    encoder_dp: int = 1
     llm_layers: tuple[int, ...] = (2, 2)
     llm_tp: tuple[int, ...] = (1,)
     llm_dp: int = 1
@@ -78,20 +91,21 @@ class LayoutConfig:
         )
 
     def layout(self) -> Layout:
-        stages, first = [], 0
-        n = len(self.llm_layers)
-        for i, layers in enumerate(self.llm_layers):
-            tp = self.llm_tp[i] if len(self.llm_tp) > 1 else self.llm_tp[0]
-            stages.append(
-                StageSpec(
-                    "llm", first, layers, tp, self.llm_dp, has_embedding=i == 0, has_head=i == n - 1
-                )
-            )
-            first += layers
-        return Layout((), tuple(stages))
+        enc = _stages("encoder", self.encoder_layers, self.encoder_tp, self.encoder_dp)
+        return Layout(enc, _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
 
     def buckets(self) -> BucketSet:
         return BucketSet(tuple(self.tiles), tuple(self.lengths))
+
+
+def _stages(module, layers, tps, dp) -> tuple[StageSpec, ...]:
+    stages, first, n = [], 0, len(layers)
+    for i, count in enumerate(layers):
+        tp = tps[i] if len(tps) > 1 else tps[0]
+        last = i == n - 1
+        stages.append(StageSpec(module, first, count, tp, dp, has_embedding=i == 0, has_head=last))
+        first += count
+    return tuple(stages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dflop_jax.config import dump_yaml
 from dflop_jax.costs import (
     AnalyticCostProvider,
     MLLMArch,
+    arch_from_configs,
     get_device,
     get_vision,
     layout_stage_costs,
@@ -38,7 +39,7 @@ from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
-from dflop_jax.runtime.model_stages import build_llm_stages
+from dflop_jax.runtime.model_stages import build_llm_stages, build_mllm_stages
 from dflop_jax.runtime.stages import enable_compilation_cache
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
@@ -68,8 +69,12 @@ def resolve_plan(cfg: TrainConfig) -> tuple[Layout, BucketSet, tuple[int, int]]:
     return plan.layout, plan.buckets, plan.microbatch_range
 
 
-def build_decoder(cfg: TrainConfig, vocab_size: int):
-    """The full decoder with fp32 master params (random or loaded from `model.hf_dir`)."""
+def build_model(cfg: TrainConfig, vocab_size: int):
+    """The full model with fp32 master params (random, or loaded from `model.hf_dir`).
+
+    Returns:
+      (model, arch): a `models` nnx module (`Decoder` or `LlavaOnevision`) and its cost-model arch.
+    """
     from flax import nnx
 
     from models.decoder import Decoder
@@ -79,8 +84,8 @@ def build_decoder(cfg: TrainConfig, vocab_size: int):
     if m.hf_dir:
         from models.hf import load_pretrained
 
-        model, dcfg = load_pretrained(m.hf_dir, dtype=cfg.compute_dtype, param_dtype="float32")
-        return model, dcfg
+        model, mcfg = load_pretrained(m.hf_dir, dtype=cfg.compute_dtype, param_dtype="float32")
+        return model, _arch(mcfg)
     # Tokenizer vocabularies are padded to a multiple of 128 (rows never targeted) so tp divides them.
     dcfg = DecoderConfig(
         vocab_size=m.vocab_size or -(-vocab_size // 128) * 128,
@@ -94,21 +99,39 @@ def build_decoder(cfg: TrainConfig, vocab_size: int):
         param_dtype="float32",
     )
     with jax.default_device(jax.devices()[0]):
-        return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), dcfg
+        if m.kind == "decoder":
+            return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), _arch(dcfg)
+        from models.llava_onevision import LlavaOnevision, llava_onevision_config
+        from models.siglip import SiglipConfig
+
+        vision = SiglipConfig(
+            hidden_size=m.vision_hidden_size,
+            intermediate_size=m.vision_intermediate_size,
+            num_layers=m.vision_num_layers,
+            num_heads=m.vision_num_heads,
+            image_size=cfg.data.tile_px,
+            patch_size=cfg.data.patch_size,
+            dtype=cfg.compute_dtype,
+        )
+        mcfg = llava_onevision_config(vision, dcfg)
+        return LlavaOnevision(mcfg, rngs=nnx.Rngs(m.init_seed)), _arch(mcfg)
 
 
-def _arch(dcfg) -> MLLMArch:
-    llm = llm_arch_from_config(dcfg, "run-llm")
-    vision = get_vision(
-        "tiny"
-    )  # decoder-only runs: the encoder only matters for tiles (none trained)
+def _arch(mcfg) -> MLLMArch:
+    """The cost-model architecture of a model config (MFU and the scheduler's cost predictions)."""
+    if hasattr(mcfg, "vision"):
+        return arch_from_configs(mcfg.vision, mcfg.text, mcfg.tokens_per_tile, "run")
+    llm = llm_arch_from_config(mcfg, "run-llm")
+    vision = get_vision("tiny")  # decoder-only: tiles are never encoded, the vision arch is unused
     return MLLMArch("run", vision, projector_for(vision, llm), llm)
 
 
-def _model_flops(arch: MLLMArch, microbatches) -> float:
-    """Model FLOPs of the real samples of a batch (segments of the packed rows)."""
+def _model_flops(arch: MLLMArch, microbatches, has_encoder: bool) -> float:
+    """Model FLOPs of the real work of a batch: valid tiles and the segments of the packed rows."""
     total = 0.0
     for mb in microbatches:
+        if has_encoder:
+            total += sample_model_flops(arch, int(mb.tile_valid.sum()), 0)
         for row in mb.segment_ids:
             _, counts = np.unique(row[row > 0], return_counts=True)
             total += sum(sample_model_flops(arch, 0, int(c)) for c in counts)
@@ -142,19 +165,19 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
         enable_compilation_cache(cfg.compilation_cache)
 
     layout, buckets, mb_range = resolve_plan(cfg)
-    if layout.encoder_stages:
-        raise NotImplementedError(
-            "plans with encoder stages need the vision model adapter (pending)"
-        )
     meshes = stage_meshes(layout)
     _print_plan(console, layout, buckets, mb_range, meshes)
 
-    decoder, dcfg = build_decoder(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    model, arch = build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
     dtype = jnp.dtype(cfg.compute_dtype)
-    stages = build_llm_stages(decoder, layout, meshes, compute_dtype=dtype)
-    del decoder
+    if cfg.model.kind == "decoder":
+        if layout.encoder_stages:
+            raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
+        stages = build_llm_stages(model, layout, meshes, compute_dtype=dtype)
+    else:
+        stages = build_mllm_stages(model, layout, meshes, compute_dtype=dtype)
+    del model
     opts = [StageOptimizer(s, cfg.optimizer.build()) for s in stages]
-    arch = _arch(dcfg)
     costs = layout_stage_costs(AnalyticCostProvider(arch, get_device("cpu")), layout)
     problem = ScheduleProblem(
         layout.encoder_dp, layout.llm_dp, layout.num_stages, mb_range, buckets, costs
@@ -203,6 +226,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
         console.print(
             "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
             highlight=False,
+            soft_wrap=True,
         )
     return TrainReport(losses, summary, run_dir, layout, start, stages)
 
@@ -229,7 +253,7 @@ def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn
     step_time = time.perf_counter() - t0
     st = batch.stats
     tokens_real = float(st.get("tokens_real", 0))  # noqa: SIM910 - absent when the batch is empty
-    flops = _model_flops(arch, batch.microbatches)
+    flops = _model_flops(arch, batch.microbatches, bool(layout.encoder_stages))
     compiles = sum(s.compiles for s in stages)
     return {
         "step": step,
