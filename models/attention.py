@@ -2,6 +2,7 @@
 
 `attention(q, k, v, segment_ids=..., causal=..., implementation=...)`:
   - implementation "xla" or None: explicit mask, float32 logits and softmax; runs anywhere (CPU tests).
+    Rows longer than 1024 tokens run in 512-query blocks (`query_block`) to bound memory.
   - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
     segment mask plus `is_causal` (GPU fused path; cuDNN wants bf16/fp16 inputs). The fused kernel is
     NOT exercised on the CPU-only test machines; the tests check that the same arguments give our
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("xla", "cudnn")
+QUERY_BLOCK = 512
 
 
 def attention_mask(segment_ids: jax.Array | None, length: int, causal: bool) -> jax.Array | None:
@@ -46,16 +48,57 @@ def fused_attention(
     )
 
 
-def _xla_attention(q, k, v, mask, scale):
+def _block_attention(qc, q_index, seg_q, k, v, seg_k, causal, scale):
+    """One query block against every key.
+
+    qc [B,C,K,G,Dh]; q_index [C]; seg_q [B,C] / seg_k [B,S] (or None); k, v [B,S,K,Dh] -> [B,C,K,G,Dh].
+    """
+    logits = jnp.einsum("bckgd,btkd->bkgct", qc, k, preferred_element_type=jnp.float32) * scale
+    mask = None
+    if seg_q is not None:
+        mask = (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]  # [B,1,1,C,S]
+    if causal:
+        tri = (q_index[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None, None]  # [1,1,1,C,S]
+        mask = tri if mask is None else mask & tri
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgct,btkd->bckgd", probs, v)
+
+
+def _xla_attention(q, k, v, segment_ids, causal, scale, block):
+    """Explicit-mask attention, float32 softmax; query blocks of `block` bound the logits' memory
+    to [B,H,block,S] (blocks are recomputed in backward, like flash attention's tiles)."""
     b, s, h, dh = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, s, kv, h // kv, dh)  # [B,S,K,G,Dh]
-    logits = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    if mask is not None:
-        logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)  # mask [B,1,1,S,T]
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, dh)
+    positions = jnp.arange(s)
+    if block >= s:
+        out = _block_attention(qg, positions, segment_ids, k, v, segment_ids, causal, scale)
+        return out.reshape(b, s, h, dh)
+    n = s // block
+    seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids
+
+    @jax.checkpoint
+    def one(args):
+        qc, idx, seg_q = args
+        return _block_attention(qc, idx, seg_q, k, v, seg, causal, scale)
+
+    blocks = (
+        jnp.moveaxis(qg.reshape(b, n, block, kv, h // kv, dh), 1, 0),  # [n,B,C,K,G,Dh]
+        positions.reshape(n, block),
+        jnp.moveaxis(seg.reshape(b, n, block), 1, 0),  # [n,B,C]
+    )
+    out = jax.lax.map(one, blocks)  # [n,B,C,K,G,Dh]
+    return jnp.moveaxis(out, 0, 1).reshape(b, s, h, dh)
+
+
+def query_block(length: int) -> int:
+    """Query block size of the XLA path: whole rows up to 1024 tokens, else 512-token blocks when
+    the length divides evenly (bucket lengths do)."""
+    if length > 2 * QUERY_BLOCK and length % QUERY_BLOCK == 0:
+        return QUERY_BLOCK
+    return length
 
 
 def attention(
@@ -88,5 +131,6 @@ def attention(
         return fused_attention(
             q, k, v, segment_ids=segment_ids, causal=causal, implementation="cudnn"
         ).astype(q.dtype)
-    mask = attention_mask(segment_ids, q.shape[1], causal)
-    return _xla_attention(q, k, v, mask, q.shape[-1] ** -0.5).astype(q.dtype)
+    scale = q.shape[-1] ** -0.5
+    block = query_block(q.shape[1])
+    return _xla_attention(q, k, v, segment_ids, causal, scale, block).astype(q.dtype)

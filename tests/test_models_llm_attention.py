@@ -102,3 +102,33 @@ def test_bad_arguments_raise_clear_errors():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="implementation"):
         attention(q, k, v, segment_ids=None, causal=True, implementation="flash")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_blocks_equal_whole_rows_forward_and_grads(causal):
+    from models.attention import _xla_attention
+
+    q, k, v = _qkv(s=12)
+    seg = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], 2, 0), jnp.int32)
+    scale = q.shape[-1] ** -0.5
+
+    def loss(block, q, k, v):
+        out = _xla_attention(q, k, v, seg, causal, scale, block)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+    (g_whole, out_whole), (g_blocks, out_blocks) = grad(12, q, k, v), grad(4, q, k, v)
+    assert (
+        np.abs(np.asarray(out_blocks) - _numpy_reference(q, k, v, np.asarray(seg), causal)).max()
+        <= TOL
+    )
+    assert np.abs(np.asarray(out_blocks) - np.asarray(out_whole)).max() <= TOL
+    for a, b in zip(g_whole, g_blocks):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= TOL
+
+
+def test_query_block_policy():
+    from models.attention import QUERY_BLOCK, query_block
+
+    assert query_block(1024) == 1024 and query_block(1000) == 1000
+    assert query_block(4096) == QUERY_BLOCK and query_block(4100) == 4100
