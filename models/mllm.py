@@ -189,10 +189,21 @@ class MLLM(nnx.Module):
         )
 
     def loss(
-        self, tiles, tile_pool, tokens, segment_ids, positions, feature_index, targets, loss_mask
+        self,
+        tiles,
+        tile_pool,
+        tokens,
+        segment_ids,
+        positions,
+        feature_index,
+        targets,
+        loss_mask,
+        feature_weight=None,
     ):
-        """(summed cross-entropy, loss-token count)."""
-        h = self.hidden(tiles, tile_pool, tokens, segment_ids, positions, feature_index)
+        """(summed cross-entropy, loss-token count); targets [B,S] int, loss_mask [B,S]."""
+        h = self.hidden(
+            tiles, tile_pool, tokens, segment_ids, positions, feature_index, feature_weight
+        )
         return self.llm.loss(h, targets, loss_mask)
 
 

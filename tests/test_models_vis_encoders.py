@@ -166,3 +166,20 @@ def test_internvit_shapes_with_cls_token():
     )
     out = nnx.jit(lambda m, x: m(x))(VisionTower(cfg, rngs=nnx.Rngs(0)), jnp.zeros((3, 28, 28, 3)))
     assert out.shape == (3, 1 + 4, 16)
+
+
+def test_vision_remat_matches_plain():
+    cfg = _tiny_siglip().replace(num_layers=2)
+    px = jnp.asarray(np.random.default_rng(5).standard_normal((2, 28, 28, 3)), jnp.float32)
+
+    def loss(m):
+        return jnp.sum(m(px) ** 2)
+
+    plain = nnx.jit(nnx.value_and_grad(loss))(VisionTower(cfg, rngs=nnx.Rngs(1)))
+    remat = nnx.jit(nnx.value_and_grad(loss))(
+        VisionTower(cfg.replace(remat="full"), rngs=nnx.Rngs(1))
+    )
+    np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
+    want = dict(nnx.to_flat_state(plain[1]))
+    for path, g in nnx.to_flat_state(remat[1]):
+        np.testing.assert_allclose(g[...], want[path][...], atol=1e-5)
