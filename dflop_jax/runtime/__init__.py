@@ -1,0 +1,46 @@
+"""MPMD pipeline runtime: stage submeshes, stage programs, the 1F1B/GPipe driver, per-stage optimizer
+state, checkpoints, metrics and the training loop (`run`). `sharding.py` (logical->mesh rules) is
+re-exported by its owner's module only."""
+
+from dflop_jax.runtime.checkpoint import Checkpointer, model_tree, stage_trees
+from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipeline, stage_ops
+from dflop_jax.runtime.mesh import LayoutError, stage_meshes
+from dflop_jax.runtime.stages import StageFns, StageProgram, enable_compilation_cache
+from dflop_jax.runtime.train_state import (
+    OptimizerConfig,
+    StageOptimizer,
+    apply_updates,
+    clip_scale,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "LayoutConfig",
+    "LayoutError",
+    "ModelConfig",
+    "Op",
+    "OptimizerConfig",
+    "StageFns",
+    "StageOptimizer",
+    "StageProgram",
+    "StepOutput",
+    "TrainConfig",
+    "apply_updates",
+    "clip_scale",
+    "enable_compilation_cache",
+    "model_tree",
+    "pipeline_order",
+    "run_pipeline",
+    "stage_meshes",
+    "stage_ops",
+    "stage_trees",
+]
+
+
+def run(cfg):
+    """Trains per `cfg` (see `dflop_jax.runtime.trainer.run`); imported lazily (pulls in the data layer)."""
+    from dflop_jax.runtime.trainer import run as _run
+
+    return _run(cfg)

@@ -127,7 +127,8 @@ class TrainConfig:
     """Root config of a training run.
 
     Attributes:
-      plan: "explicit" (the `layout` section) or a plan.yaml path written by `python -m dflop_jax.plan`.
+      plan: "explicit" (the `layout` section), "auto" (run the planner on the data's shapes; see
+        `planner`), or a plan.yaml path written by `python -m dflop_jax.plan`.
       steps: optimizer steps; global_batch: records drawn per step.
       pipeline: dispatch order of the stage programs ("1f1b" or "gpipe").
       compute_dtype: dtype of the stage programs (params stay fp32).

@@ -59,14 +59,41 @@ class TrainReport:
     stages: list = dataclasses.field(default_factory=list)  # the StagePrograms (final params)
 
 
-def resolve_plan(cfg: TrainConfig) -> tuple[Layout, BucketSet, tuple[int, int]]:
-    """The layout, buckets and microbatch range from `plan: explicit` or a plan.yaml path."""
+def resolve_plan(cfg: TrainConfig, arch: MLLMArch) -> tuple[Layout, BucketSet, tuple[int, int]]:
+    """The layout, buckets and microbatch range: `plan: explicit`, `auto` or a plan.yaml path.
+
+    `auto` runs the planner (analytic cost model on the "cpu" device preset, or profiled costs once a
+    provider is configured there) over the data's sample shapes (metadata only) and writes
+    `run_dir/plan.yaml`.
+    """
     if cfg.plan == "explicit":
         return cfg.layout.layout(), cfg.layout.buckets(), tuple(cfg.layout.microbatches)
-    from dflop_jax.planner import load_plan
+    from dflop_jax.planner import load_plan, make_plan, save_plan
 
-    plan = load_plan(cfg.plan)
+    if cfg.plan != "auto":
+        plan = load_plan(cfg.plan)
+    else:
+        plan = make_plan(arch, "cpu", len(jax.devices()), _sample_shapes(cfg), cfg.planner)
+        save_plan(plan, Path(cfg.run_dir) / "plan.yaml")
+    if cfg.model.kind == "llava_ov" and not plan.layout.encoder_stages:
+        raise ValueError(
+            f"plan={cfg.plan}: the plan colocates the encoder on LLM stage 0, which the runtime does not "
+            "run; plan with planner.colocate=false"
+        )
     return plan.layout, plan.buckets, plan.microbatch_range
+
+
+def _sample_shapes(cfg: TrainConfig):
+    """(tiles, tokens) of the dataset's samples from metadata (bad samples left out)."""
+    from dflop_jax.data import BadSample, Processor, load_source
+
+    processor, shapes = Processor(cfg.data), []
+    for record in load_source(cfg.data, cfg.seed):
+        try:
+            shapes.append(processor.shape(record))
+        except BadSample:
+            continue
+    return shapes
 
 
 def build_model(cfg: TrainConfig, vocab_size: int):
@@ -164,11 +191,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
 
-    layout, buckets, mb_range = resolve_plan(cfg)
+    model, arch = build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    layout, buckets, mb_range = resolve_plan(cfg, arch)
     meshes = stage_meshes(layout)
     _print_plan(console, layout, buckets, mb_range, meshes)
-
-    model, arch = build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
     dtype = jnp.dtype(cfg.compute_dtype)
     if cfg.model.kind == "decoder":
         if layout.encoder_stages:
