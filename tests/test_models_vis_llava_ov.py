@@ -42,6 +42,7 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("llava_ov")
     ref.save_pretrained(path)
     model, ours_cfg = hf_llava.load_llava_onevision(path)
+    ref.saved_to = path
     return ref, model, ours_cfg
 
 
@@ -203,3 +204,26 @@ def test_legacy_key_layout_is_detected():
     new = hf_llava.detect_layout(["model.vision_tower.embeddings.patch_embedding.weight", "lm_head.weight",
                                   "model.language_model.norm.weight"])  # fmt: skip
     assert new.vision == "model.vision_tower." and new.text_head == "lm_head.weight"
+
+
+def test_load_onto_sharded_mesh(checkpoint):
+    import jax
+    from jax.sharding import Mesh
+
+    from dflop_jax.runtime.sharding import rules_for
+    from models.hf import load_pretrained
+
+    ref, model, cfg = checkpoint
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    rules = rules_for("vision")
+    sharded, _ = load_pretrained(ref.saved_to, mesh=mesh, rules=rules)
+    fc1 = sharded.encoder.vision.layers[0].mlp.fc1[...]
+    assert {s.data.shape for s in fc1.addressable_shards} == {(32, 24)}  # "mlp" split over tp=2
+    tokens = jnp.asarray([[1, 2, 3, 4, 5, 6]], jnp.int32)
+    ones, pos = jnp.ones((1, 6), jnp.int32), jnp.arange(6, dtype=jnp.int32)[None]
+    fidx = jnp.full((1, 6), layouts.TEXT, jnp.int32)
+    tiles, pool = jnp.zeros((0, TILE, TILE, 3)), jnp.zeros((0,), bool)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        got = nnx.jit(lambda m, *a: m(*a))(sharded, tiles, pool, tokens, ones, pos, fidx)
+    want = nnx.jit(lambda m, *a: m(*a))(model, tiles, pool, tokens, ones, pos, fidx)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
