@@ -183,3 +183,31 @@ def test_vision_remat_matches_plain():
     want = dict(nnx.to_flat_state(plain[1]))
     for path, g in nnx.to_flat_state(remat[1]):
         np.testing.assert_allclose(g[...], want[path][...], atol=1e-5)
+
+
+@pytest.mark.hf
+def test_dual_siglip_checkpoint_loads_vision_tower(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from models.hf import load_pretrained
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    text = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=50,
+    )
+    torch.manual_seed(2)
+    ref = transformers.SiglipModel(
+        transformers.SiglipConfig(vision_config=vision, text_config=text)
+    ).eval()
+    ref.save_pretrained(tmp_path)
+    ours, cfg = load_pretrained(tmp_path)  # text tower, logit scale and pooling head are skipped
+    px = _pixels(1, 28, seed=3)
+    with torch.no_grad():
+        want = ref.vision_model(torch.from_numpy(px)).last_hidden_state.numpy()
+    got = nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(px.transpose(0, 2, 3, 1)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
