@@ -52,7 +52,7 @@ from dflop_jax.data.stages import (
     WithShapes,
     schedule_digest,
 )
-from dflop_jax.data.types import GlobalBatch, ProcessedSample
+from dflop_jax.data.types import FEATURE_TAPS, GlobalBatch, ProcessedSample
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 
 
@@ -271,6 +271,12 @@ def pack_geometry(data_cfg: Any) -> tuple[tuple[int, int, int], int]:
     return (px, px, 3), patches if data_cfg.model_family == "llava_ov" else patches // 4
 
 
+def pack_taps(data_cfg: Any) -> int:
+    """Exact feature taps per LLM position: LLaVA-OV interpolates big images' features (4 bilinear taps,
+    always packed so shapes stay static); InternVL's placement is a plain gather (0: no tap arrays)."""
+    return FEATURE_TAPS if data_cfg.model_family == "llava_ov" else 0
+
+
 def make_loader(
     data_cfg: Any,
     records: Sequence[Any] | None,
@@ -334,7 +340,7 @@ def make_loader(
 
         shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(list(records))
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
-    spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile)
+    spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
     ds = build_dataset(
         records,
         processor,
@@ -359,5 +365,6 @@ __all__ = [
     "build_dataset",
     "make_loader",
     "pack_geometry",
+    "pack_taps",
     "schedule_digest",
 ]

@@ -11,6 +11,13 @@ the encoder arrays is then `len(host.encoder_shards) * T` (local shards in the s
 LLM arrays `len(host.llm_shards)`; `feature_index` always holds GLOBAL tile-slot rows, because the
 encoder features of the whole microbatch reach the LLM's first stage. Samples a host does not need may be
 `None` in `samples`; their slots are computed from `shapes`, so every host agrees on the placement.
+
+Exact feature taps: with `feature_taps=K` (4 for LLaVA-OV, `types.FEATURE_TAPS`) the microbatch also
+holds `feature_taps` [rows, S, K] (every tap mapped to global tile-slot rows exactly like `feature_index`)
+and `feature_weight` [rows, S, K]; samples without taps count as plain gathers. `feature_index` stays the
+nearest tap. Memory: `feature_taps` quadruples `feature_index`'s 4 bytes per position and `feature_weight`
+adds as much again: 32 bytes per position on top of the 24 of the six [S] arrays (S = 32k: 1 MiB per LLM
+row), negligible next to the tiles (one 384 px float32 tile is 1.7 MiB; a 37-tile image 63 MiB).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.data.types import TEXT, GlobalBatch, PackedMicrobatch, ProcessedSample
+from dflop_jax.data.types import TEXT, GlobalBatch, PackedMicrobatch, ProcessedSample, plain_taps
 from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 
 
@@ -106,6 +113,7 @@ def pack_microbatch(
     tile_shape: tuple[int, int, int],
     tokens_per_tile: int,
     host: HostShardSpec | None = None,
+    feature_taps: int = 0,
 ) -> tuple[PackedMicrobatch, dict]:
     """Packs one microbatch of the global batch.
 
@@ -118,6 +126,8 @@ def pack_microbatch(
       tile_shape: (H, W, 3) of one encoder tile.
       tokens_per_tile: feature rows per tile slot in the flattened feature array.
       host: the shards this process materialises (default: all).
+      feature_taps: K > 0 fills `feature_taps` / `feature_weight` [rows, S, K] (exact interpolated
+        features); 0 leaves them None (then no sample may need more than a gather).
 
     Returns:
       (PackedMicrobatch, stats) with stats {tokens_real, tokens_computed, tiles_real, tiles_computed,
@@ -127,6 +137,8 @@ def pack_microbatch(
         shapes = [_shape_of(s) for s in samples]
     host = host or all_shards(encoder_dp, llm_dp)
     host.check(encoder_dp, llm_dp)
+    if feature_taps < 0:
+        raise ValueError(f"feature_taps={feature_taps}: need 0 (plain gather) or K >= 1 taps")
     if len(plan.shards) != llm_dp:
         raise ValueError(f"microbatch has {len(plan.shards)} LLM shards, llm_dp={llm_dp}")
     T, S = plan.tile_bucket, plan.length_bucket
@@ -148,11 +160,16 @@ def pack_microbatch(
             tile_pool[row] = sample.tile_pool[t]
 
     rows = [
-        _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile)
+        _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile, feature_taps)
         for r in host.llm_shards
     ]
     fields = ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index")
-    arrays = {f: np.stack([row[f] for row in rows]) if rows else _empty_rows(f, S) for f in fields}
+    if feature_taps:
+        fields += ("feature_taps", "feature_weight")
+    arrays = {
+        f: np.stack([row[f] for row in rows]) if rows else _empty_rows(f, S, feature_taps)
+        for f in fields
+    }
     mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
     stats = {
         "tokens_real": int((mb.segment_ids > 0).sum()),
@@ -170,8 +187,9 @@ def _shape_of(sample: ProcessedSample | None) -> SampleShape:
     return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality)
 
 
-def _empty_rows(field: str, S: int) -> np.ndarray:
-    return np.zeros((0, S), np.float32 if field == "loss_mask" else np.int32)
+def _empty_rows(field: str, S: int, k: int) -> np.ndarray:
+    shape = (0, S, k) if field in ("feature_taps", "feature_weight") else (0, S)
+    return np.zeros(shape, np.float32 if field in ("loss_mask", "feature_weight") else np.int32)
 
 
 def _pack_row(
@@ -181,8 +199,9 @@ def _pack_row(
     S: int,
     slot_of: dict[tuple[int, int], int],
     tokens_per_tile: int,
+    k: int,
 ) -> dict[str, np.ndarray]:
-    """One LLM shard's packed row [S]: samples back to back, then padding (segment 0)."""
+    """One LLM shard's packed row [S] (taps [S, k] when k > 0): samples back to back, then padding."""
     row = {
         "tokens": np.zeros(S, np.int32),
         "segment_ids": np.zeros(S, np.int32),
@@ -191,6 +210,8 @@ def _pack_row(
         "loss_mask": np.zeros(S, np.float32),
         "feature_index": np.full(S, TEXT, np.int32),
     }
+    if k:
+        row["feature_taps"], row["feature_weight"] = plain_taps(row["feature_index"], k)
     need = sum(shapes[i].tokens for i in indices)
     if need > S:
         raise ValueError(
@@ -203,7 +224,7 @@ def _pack_row(
             # A sample that failed to load keeps its scheduled room as padding.
             offset += shapes[i].tokens
             continue
-        _check_sample(sample, shapes[i], i)
+        _check_sample(sample, shapes[i], i, k)
         L = sample.num_tokens
         span = slice(offset, offset + L)
         row["tokens"][span] = sample.token_ids
@@ -214,23 +235,56 @@ def _pack_row(
         row["loss_mask"][offset : offset + L - 1] = sample.assistant_mask[1:]
         slots = np.array([slot_of[(i, t)] for t in range(sample.num_tiles)], np.int64)
         row["feature_index"][span] = _global_features(sample.feature_source, slots, tokens_per_tile)
+        if k:
+            taps, weights = _sample_taps(sample, k)
+            row["feature_taps"][span] = _global_features(taps, slots, tokens_per_tile)
+            row["feature_weight"][span] = weights
         offset += L
     return row
 
 
-def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int) -> None:
+def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int, k: int) -> None:
     if sample.num_tokens != shape.tokens or sample.num_tiles != shape.tiles:
         raise ValueError(
             f"sample {i} ({sample.id!r}): processed {sample.num_tiles} tiles/{sample.num_tokens} tokens, "
             f"metadata said {shape.tiles}/{shape.tokens}"
         )
+    if sample.feature_taps is None:
+        return
+    want = (sample.num_tokens, sample.feature_taps.shape[-1])
+    if sample.feature_taps.shape != want or sample.feature_weights.shape != want:
+        raise ValueError(
+            f"sample {i} ({sample.id!r}): feature_taps {sample.feature_taps.shape} / feature_weights "
+            f"{sample.feature_weights.shape}, expected {want}"
+        )
+    if k == 0 and not (sample.feature_weights[:, 0] == 1.0).all():
+        # Packing only the nearest tap would silently train on features the reference never sees.
+        raise ValueError(
+            f"sample {i} ({sample.id!r}) has interpolated features: pack with feature_taps="
+            f"{want[1]} (PackSpec.feature_taps) to keep them exact"
+        )
+    if k and want[1] > k:
+        raise ValueError(f"sample {i} ({sample.id!r}): {want[1]} feature taps > feature_taps={k}")
+
+
+def _sample_taps(sample: ProcessedSample, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """([L, k] tile-local taps, [L, k] weights); a sample without taps (or fewer) is padded with zero-weight
+    repeats of its first tap."""
+    if sample.feature_taps is None:
+        return plain_taps(sample.feature_source, k)
+    taps, weights = sample.feature_taps, sample.feature_weights
+    extra = k - taps.shape[1]
+    if extra:
+        taps = np.concatenate([taps, np.repeat(taps[:, :1], extra, axis=1)], axis=1)
+        weights = np.concatenate([weights, np.zeros((len(weights), extra), np.float32)], axis=1)
+    return taps, weights
 
 
 def _global_features(source: np.ndarray, slots: np.ndarray, tokens_per_tile: int) -> np.ndarray:
     """Maps a sample's tile-local feature ids t*tpt+j to global rows slots[t]*tpt+j; TEXT/NEWLINE stay.
 
     Args:
-      source: [L] the sample's `feature_source`.
+      source: [L] the sample's `feature_source`, or [L, K] its `feature_taps`.
       slots: [n_tiles] the microbatch tile slot each of the sample's tiles landed in.
     """
     source = np.asarray(source, np.int64)
@@ -255,6 +309,7 @@ def pack_global_batch(
     tile_shape: tuple[int, int, int],
     tokens_per_tile: int,
     host: HostShardSpec | None = None,
+    feature_taps: int = 0,
 ) -> GlobalBatch:
     """Packs every microbatch of `schedule`; see `pack_microbatch` for the arguments.
 
@@ -277,6 +332,7 @@ def pack_global_batch(
             tile_shape=tile_shape,
             tokens_per_tile=tokens_per_tile,
             host=host,
+            feature_taps=feature_taps,
         )
         microbatches.append(mb)
         for k in totals:

@@ -8,6 +8,9 @@ Both go through `_plan` (the same text, the same layouts), so the counts cannot 
 additionally checks that the tiles it cut from real pixels are as many as the layouts promised.
 Image placeholders in the token stream: LLaVA-OV one `<image>` (`<video>`) id per feature token of the
 layout, InternVL `<img>` + `<IMG_CONTEXT>` per feature token + `</img>`.
+LLaVA-OV samples also carry exact bilinear `feature_taps` / `feature_weights` [L, 4] (always, so packed
+shapes are static): anyres_max_N downscales a big image's grid features by interpolation, which
+`feature_source` (the nearest tap) only approximates.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dflop_jax.data.chat import ROLES, ChatTemplate, to_messages
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
-from dflop_jax.data.types import TEXT, ProcessedSample
+from dflop_jax.data.types import FEATURE_TAPS, TEXT, ProcessedSample, plain_taps
 from dflop_jax.scheduler.types import SampleShape
 from models import layouts
 
@@ -85,7 +88,7 @@ class Processor:
     def shape(self, record: dict) -> SampleShape:
         """Tiles and LLM tokens of the sample from metadata only (no pixel is decoded)."""
         plan = self._plan(record, with_spans=False)
-        ids, _, _ = self._tokens(plan, with_mask=False)
+        ids, _, _, _ = self._tokens(plan, with_mask=False)
         return SampleShape(
             plan.sample_id, sum(m.layout.num_tiles for m in plan.media), len(ids), plan.modality
         )
@@ -93,7 +96,7 @@ class Processor:
     def process(self, record: dict) -> ProcessedSample:
         """Decodes, tiles and normalizes the pixels and builds ids, assistant mask and feature sources."""
         plan = self._plan(record, with_spans=True)
-        ids, mask, source = self._tokens(plan, with_mask=True)
+        ids, mask, source, taps = self._tokens(plan, with_mask=True)
         tiles, pool = self._pixels(plan)
         expected = sum(m.layout.num_tiles for m in plan.media)
         if tiles.shape[0] != expected:  # header and pixels disagree (e.g. a lying video header)
@@ -102,7 +105,11 @@ class Processor:
                 plan.location,
                 f"{tiles.shape[0]} tiles decoded, {expected} expected",
             )
-        return ProcessedSample(plan.sample_id, ids, mask, source, tiles, pool, plan.modality)
+        feature_taps, feature_weights = taps if taps is not None else (None, None)
+        return ProcessedSample(
+            plan.sample_id, ids, mask, source, tiles, pool, plan.modality,
+            feature_taps=feature_taps, feature_weights=feature_weights,
+        )  # fmt: skip
 
     # ---- planning (metadata) ------------------------------------------------------------------------
     def _plan(self, record: dict, with_spans: bool) -> _Plan:
@@ -212,14 +219,21 @@ class Processor:
         return layouts.FeatureLayout(frames, tpt, np.arange(frames * tpt, dtype=np.int32))
 
     # ---- tokens -------------------------------------------------------------------------------------
-    def _tokens(self, plan: _Plan, with_mask: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """([L] int32 ids, [L] bool assistant mask, [L] int32 feature source), truncated per policy."""
-        ids, mask, source = [], [], []
+    def _tokens(self, plan: _Plan, with_mask: bool):
+        """([L] int32 ids, [L] bool assistant mask, [L] int32 feature source, taps), truncated per policy.
+
+        taps: ([L, 4] int32, [L, 4] float32) exact feature taps for LLaVA-OV when `with_mask` (process),
+        else None (internvl, or shape-only planning).
+        """
+        ids, mask, source, taps = [], [], [], []
+        with_taps = with_mask and self.cfg.model_family == "llava_ov"
         char0, tile0, media_end = 0, 0, 0
         for i, piece in enumerate(plan.pieces):
             piece_ids, offsets = self.tok.encode(piece)
             ids.append(piece_ids)
             source.append(np.full(len(piece_ids), TEXT, np.int32))
+            if with_taps:
+                taps.append(plain_taps(source[-1], FEATURE_TAPS))
             if with_mask:
                 mask.append(
                     _in_spans(offsets[:, 0] + char0, plan.spans)
@@ -230,6 +244,8 @@ class Processor:
             if i < len(plan.media):
                 m = plan.media[i]
                 m_ids, m_src = self._placeholder(m, tile0)
+                if with_taps:  # llava_ov placeholders are exactly the layout's positions
+                    taps.append(m.layout.offset_taps(tile0))
                 tile0 += m.layout.num_tiles
                 ids.append(m_ids)
                 source.append(m_src)
@@ -239,9 +255,17 @@ class Processor:
             ids.append(self.eos_ids)
             source.append(np.full(len(self.eos_ids), TEXT, np.int32))
             mask.append(np.ones(len(self.eos_ids), bool))
+            if with_taps:
+                taps.append(plain_taps(source[-1], FEATURE_TAPS))
         ids_a, src_a = np.concatenate(ids).astype(np.int32), np.concatenate(source).astype(np.int32)
         mask_a = np.concatenate(mask) if with_mask else np.zeros(0, bool)
-        return self._fit(plan, ids_a, mask_a, src_a, media_end, with_mask)
+        taps_a = None
+        if with_taps:
+            taps_a = (
+                np.concatenate([t for t, _ in taps]).astype(np.int32),
+                np.concatenate([w for _, w in taps]).astype(np.float32),
+            )
+        return self._fit(plan, ids_a, mask_a, src_a, taps_a, media_end, with_mask)
 
     def _placeholder(self, m: _Media, tile0: int) -> tuple[np.ndarray, np.ndarray]:
         src = m.layout.offset(tile0)
@@ -262,20 +286,22 @@ class Processor:
             frame_src
         ).astype(np.int32)
 
-    def _fit(self, plan, ids, mask, source, media_end, with_mask):
+    def _fit(self, plan, ids, mask, source, taps, media_end, with_mask):
         limit = self.cfg.max_tokens
         if len(ids) <= limit:
-            return ids, mask, source
+            return ids, mask, source, taps
         if self.cfg.too_long == "skip" or media_end > limit:
             raise BadSample("too_long", plan.location, f"{len(ids)} tokens > max_tokens={limit}")
         ids, source = ids[:limit], source[:limit]
+        if taps is not None:  # only text after the last image is cut (media_end <= limit)
+            taps = (taps[0][:limit], taps[1][:limit])
         if with_mask:
             mask = mask[:limit]
             if not mask.any():
                 raise BadSample(
                     "too_long", plan.location, f"no assistant token within max_tokens={limit}"
                 )
-        return ids, mask, source
+        return ids, mask, source, taps
 
     # ---- pixels -------------------------------------------------------------------------------------
     def _pixels(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,8 @@ class PackSpec:
       tokens_per_tile: feature rows per tile slot (729 SigLIP-384, 256 InternViT after pixel shuffle).
       max_tiles: most tiles one sample may have (encoder_dp x largest tile bucket).
       max_tokens: most LLM tokens one sample may have (largest length bucket).
+      feature_taps: K exact feature taps per position (`types.FEATURE_TAPS` for LLaVA-OV, whose
+        interpolated features are not a gather), 0 for none (InternVL); see `packing`.
     """
 
     encoder_dp: int
@@ -52,9 +54,12 @@ class PackSpec:
     tokens_per_tile: int
     max_tiles: int
     max_tokens: int
+    feature_taps: int = 0
 
     @classmethod
-    def from_problem(cls, problem: ScheduleProblem, tile_shape, tokens_per_tile: int) -> PackSpec:
+    def from_problem(
+        cls, problem: ScheduleProblem, tile_shape, tokens_per_tile: int, feature_taps: int = 0
+    ) -> PackSpec:
         return cls(
             problem.encoder_dp,
             problem.llm_dp,
@@ -62,6 +67,7 @@ class PackSpec:
             tokens_per_tile,
             problem.encoder_dp * problem.buckets.tiles[-1],
             problem.buckets.lengths[-1],
+            feature_taps,
         )
 
 
@@ -221,6 +227,7 @@ class PackStage:
             tile_shape=spec.tile_shape,
             tokens_per_tile=spec.tokens_per_tile,
             host=self.host,
+            feature_taps=spec.feature_taps,
         )
         batch.stats = self._stats(item, skipped, batch.stats, load_s)
         return batch
@@ -255,6 +262,9 @@ class PackStage:
             )
         if sample.num_tiles and tuple(sample.tiles.shape[1:]) != self.spec.tile_shape:
             return f"tiles of shape {sample.tiles.shape[1:]}, expected {self.spec.tile_shape}"
+        taps = sample.feature_taps
+        if taps is not None and (taps.ndim != 2 or taps.shape[1] > self.spec.feature_taps):
+            return f"feature_taps of shape {taps.shape}, expected [L, <= {self.spec.feature_taps}]"
         return ""
 
     def _stats(self, item: Scheduled, skipped, packed: dict, load_s: float) -> dict:

@@ -8,6 +8,16 @@ Index conventions:
   feature_index == NEWLINE (-2): the learned image-newline embedding (LLaVA-OV).
   feature_index >= 0: row of the microbatch's flattened projected image features
     [num_tile_slots * tokens_per_tile, D], tile slot s covering rows s*tokens_per_tile ... +tokens_per_tile.
+
+Exact bilinear taps (LLaVA-OV anyres_max_N downscales big images' grid features with torch bilinear
+interpolation, which is a weighted sum of 4 feature rows, not a gather; `models/layouts.py` `taps`):
+  feature_taps [..., K] int32 follow the same convention per tap; feature_weight(s) [..., K] float32.
+  A plain gather is one tap of weight 1 (other taps repeat the index with weight 0); TEXT / NEWLINE
+  positions carry TEXT / NEWLINE in every tap, weight 1 on tap 0. `feature_index` stays the heaviest
+  tap (nearest neighbour) for consumers that only gather. K = FEATURE_TAPS for the llava_ov family
+  (always, so shapes stay static), None for internvl (its features are never interpolated).
+Place features with `models.placement.place_features(embeds, features, feature_taps, newline,
+feature_weight)` when `feature_taps is not None`, else with `feature_index`.
 """
 
 from __future__ import annotations
@@ -19,6 +29,15 @@ import numpy as np
 
 TEXT = -1
 NEWLINE = -2
+FEATURE_TAPS = 4  # bilinear taps per position (2 x 2 source rows)
+
+
+def plain_taps(source: np.ndarray, k: int = FEATURE_TAPS) -> tuple[np.ndarray, np.ndarray]:
+    """A plain gather as K taps: ([n, k] int32 `source` repeated, [n, k] float32 weights (1, 0, ...))."""
+    source = np.asarray(source, np.int32)
+    weights = np.zeros((source.shape[0], k), np.float32)
+    weights[:, 0] = 1.0
+    return np.repeat(source[:, None], k, axis=1), weights
 
 
 @dataclasses.dataclass
@@ -34,6 +53,9 @@ class ProcessedSample:
       tiles: [n_tiles, H, W, 3] float32 pixels, normalized as the encoder expects (n_tiles may be 0).
       tile_pool: [n_tiles] bool, True for video frames pooled 2x2 after the projector.
       modality: "text", "image", "multi_image" or "video".
+      feature_taps: [L, K] int32 or None; exact sources of each position (module docstring), same
+        tile-local indexing as `feature_source`; None when every position is a plain gather (internvl).
+      feature_weights: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
     """
 
     id: Any
@@ -43,6 +65,8 @@ class ProcessedSample:
     tiles: np.ndarray
     tile_pool: np.ndarray
     modality: str = "text"
+    feature_taps: np.ndarray | None = None
+    feature_weights: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +90,9 @@ class PackedMicrobatch:
       positions: [l_dp, S] int32, restarting at 0 for every sample.
       targets: [l_dp, S] int32, the next token of the same sample (labels shifted by one).
       loss_mask: [l_dp, S] float32, 1 where targets[...] is an assistant token of the same sample.
-      feature_index: [l_dp, S] int32, see the module docstring.
+      feature_index: [l_dp, S] int32, see the module docstring (the nearest tap).
+      feature_taps: [l_dp, S, K] int32 or None; exact taps with GLOBAL rows like `feature_index`.
+      feature_weight: [l_dp, S, K] float32 or None; their weights (named as `place_features` names it).
     """
 
     tiles: np.ndarray
@@ -78,6 +104,8 @@ class PackedMicrobatch:
     targets: np.ndarray
     loss_mask: np.ndarray
     feature_index: np.ndarray
+    feature_taps: np.ndarray | None = None
+    feature_weight: np.ndarray | None = None
 
     @property
     def tile_bucket_total(self) -> int:
