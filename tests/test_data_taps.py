@@ -297,3 +297,21 @@ def test_random_schedules_map_every_tap_like_feature_index(case, k, procs):
         assert local_mb.feature_taps.shape == (len(rows), plan.length_bucket, 4)
         np.testing.assert_array_equal(local_mb.feature_taps, mb.feature_taps[rows])
         np.testing.assert_array_equal(local_mb.feature_weight, mb.feature_weight[rows])
+
+
+def test_truncated_and_text_samples_keep_taps_aligned(records):
+    cfg, proc, recs = _processor(records)
+    text = proc.process(recs[0])
+    assert text.feature_taps.shape == (
+        text.num_tokens,
+        FEATURE_TAPS,
+    )  # static: present without images
+    assert (text.feature_taps == TEXT).all() and (text.feature_weights[:, 0] == 1).all()
+    full = proc.process(recs[2])
+    limit = full.num_tokens - 2  # cuts the answer's tail, keeps the image
+    short = Processor(dataclasses.replace(cfg, max_tokens=limit, too_long="truncate")).process(
+        recs[2]
+    )
+    assert short.feature_taps.shape == short.feature_weights.shape == (limit, FEATURE_TAPS)
+    np.testing.assert_array_equal(short.feature_taps, full.feature_taps[:limit])
+    np.testing.assert_array_equal(short.feature_weights, full.feature_weights[:limit])
