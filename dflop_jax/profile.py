@@ -1,7 +1,7 @@
 """Profiling entry point.
 
     python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml [key=value ...]
-    python -m dflop_jax.profile model ...        # not implemented yet (issue 6)
+    python -m dflop_jax.profile model --config configs/profile_tiny_cpu.yaml [key=value ...]
 
 `data`: the shape distribution of a dataset sample (see `dflop_jax.data.profile`).
 """
@@ -21,11 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     data = sub.add_parser("data", help="shape distribution of a dataset (tiles, tokens, modality)")
     data.add_argument("--config", default=None, help="YAML with `data:` and `profile:` sections")
     data.add_argument("overrides", nargs="*", help="key=value, e.g. profile.num_samples=2000")
-    sub.add_parser("model", help="per-stage cost tables (not implemented yet)")
+    from dflop_jax.profiling.cli import add_model_args, run_model
+
+    add_model_args(sub.add_parser("model", help="per-stage cost tables (dflop_jax.profiling)"))
     args = parser.parse_args(argv)
     if args.what == "model":
-        print("error: `profile model` is not implemented yet (issue 6)", file=sys.stderr)
-        return 2
+        return run_model(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from dflop_jax.data.profile import DataProfileConfig, profile_data
 

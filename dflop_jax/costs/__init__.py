@@ -41,6 +41,7 @@ from dflop_jax.costs.flops import (
     vision_params,
 )
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.memory import (
     StageMemory,
     llm_activation_bytes_per_token,
@@ -68,6 +69,7 @@ __all__ = [
     "LLMArch",
     "Layout",
     "MLLMArch",
+    "MeasuredCostProvider",
     "ProjectorArch",
     "StageMemory",
     "StageSpec",

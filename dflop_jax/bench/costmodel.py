@@ -1,0 +1,197 @@
+"""Cost-model accuracy: measured-table predictions vs measured whole-stage programs, and the overhead.
+
+    python -m dflop_jax.bench costmodel [--out runs/bench_costmodel] [--runs 7] [--json]
+
+On 8 simulated CPU devices for the tiny model (`get_arch("tiny")`): (1) a fresh model profile (parts,
+tp 1 and 2, a bucket ladder), timed; (2) a plan from it (`configs/plan_tiny_cpu.yaml` settings), timed;
+(3) whole stages (embedding + layers + head combinations, several layer counts and tps) compiled as one
+program each and timed twice at buckets mostly BETWEEN the profiled ones, compared with
+`MeasuredCostProvider.stage_time` (and, for reference, the analytic CPU preset). Error = |pred - meas| /
+meas of fwd and of bwd per case; MAPE and worst case over all. "Corrected" applies the scheduler's
+adaptive correction (`scheduler.correction.CostCorrection`, one stage per layout): factors learned from
+the first timing of the OTHER buckets of the same stage (what a run learns before meeting a new
+bucket), then compared with the second timing (out of sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (module, layers, has_embedding, has_head, tp, buckets): whole stages the planner may place.
+CASES = (
+    ("encoder", 2, True, True, 1, (3, 6, 12)),
+    ("encoder", 1, False, False, 2, (3, 6, 12)),
+    ("encoder", 2, False, True, 2, (3, 12)),
+    ("llm", 2, True, False, 1, (96, 384, 768)),
+    ("llm", 2, False, True, 2, (96, 384, 768)),
+    ("llm", 1, False, False, 1, (192, 256, 640)),
+    ("llm", 4, True, True, 1, (192, 640)),
+)
+TPS = (1, 2)
+ENCODER_BUCKETS = (1, 2, 4, 8, 16)
+LLM_BUCKETS = (64, 128, 256, 512, 1024)
+
+
+def _mape(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
+    err = np.abs(pred - meas) / meas
+    return float(err.mean()), float(err.max())
+
+
+def _measure_cases(model_cfg, devices, settings):
+    import jax.numpy as jnp
+
+    from dflop_jax.profiling.model_profiler import measure_program
+    from dflop_jax.profiling.programs import StageShape, build_program
+
+    rows = []
+    for module, layers, emb, head, tp, buckets in CASES:
+        st = StageShape(module, layers, emb, head)
+        for b in buckets:
+            prog = build_program(model_cfg, st, tp, b, devices, jnp.dtype(settings.compute_dtype))
+            m = measure_program(prog, settings, repeats=2)
+            rows.append(dict(module=module, layers=layers, emb=emb, head=head, tp=tp, bucket=b,
+                             fwd=m["fwd_reps"], bwd=m["bwd_reps"]))  # fmt: skip
+    return rows
+
+
+def _corrected(rows, pred_of) -> np.ndarray:
+    """[n, 2] corrected predictions of rep 2: factors from the other buckets' rep 1 (same stage)."""
+    from dflop_jax.scheduler.correction import CostCorrection
+    from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
+
+    out = np.zeros((len(rows), 2))
+    for i, r in enumerate(rows):
+        same = [j for j, q in enumerate(rows) if j != i and _stage_key(q) == _stage_key(r)]
+        enc = r["module"] == "encoder"
+        buckets = sorted({rows[j]["bucket"] for j in same} | {r["bucket"]})
+        bset = BucketSet(tuple(buckets), (1,)) if enc else BucketSet((1,), tuple(buckets))
+        problem = ScheduleProblem(1, 1, 1, (1, 1), bset, lambda t, s: np.zeros((1, 2)))
+        corr = CostCorrection(problem, rate=0.3)
+        idx = {b: k for k, b in enumerate(buckets)}
+        for j in same:
+            q = rows[j]
+            ti, si = (idx[q["bucket"]], 0) if enc else (0, idx[q["bucket"]])
+            corr.update(ti, si, np.array([[q["fwd"][0], q["bwd"][0]]]), pred_of(q)[None])
+        ti, si = (idx[r["bucket"]], 0) if enc else (0, idx[r["bucket"]])
+        out[i] = pred_of(r) * corr.factor(ti, si)[0]
+    return out
+
+
+def _stage_key(r) -> tuple:
+    return (r["module"], r["layers"], r["emb"], r["head"], r["tp"])
+
+
+def run(out_dir: Path, runs: int, warmup: int) -> dict:
+    import jax
+
+    from dflop_jax.costs import AnalyticCostProvider, StageSpec, get_arch, get_device
+    from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.profiling.model_config import model_config_for_arch
+    from dflop_jax.profiling.model_profiler import ProfileSettings, profile_model
+
+    arch, device = get_arch("tiny"), get_device("cpu")
+    model_cfg = model_config_for_arch(arch)
+    devices = jax.devices()
+    settings = ProfileSettings(tps=TPS, encoder_buckets=ENCODER_BUCKETS, llm_buckets=LLM_BUCKETS,
+                               warmup=warmup, runs=runs)  # fmt: skip
+    table_path = out_dir / "cost_table.json"
+    table_path.unlink(missing_ok=True)  # a fresh profile: its time is part of the report
+    t0 = time.perf_counter()
+    table = profile_model(model_cfg, devices, settings, table_path, model_name="tiny")
+    profile_s = time.perf_counter() - t0
+    provider = MeasuredCostProvider(
+        table, arch, device, fallback=AnalyticCostProvider(arch, device)
+    )
+    plan_s, plan_desc = _plan(arch, device, provider)
+    rows = _measure_cases(model_cfg, devices, settings)
+
+    def spec(r):
+        return StageSpec(r["module"], 0, r["layers"], tp=r["tp"], has_embedding=r["emb"],
+                         has_head=r["head"])  # fmt: skip
+
+    def pred_measured(r):
+        return np.array(provider.stage_time(spec(r), r["bucket"]))
+
+    analytic = AnalyticCostProvider(arch, device, compute_bytes=2)
+    meas2 = np.array([[r["fwd"][1], r["bwd"][1]] for r in rows])
+    pred = np.array([pred_measured(r) for r in rows])
+    pred_an = np.array([analytic.stage_time(spec(r), r["bucket"]) for r in rows])
+    corrected = _corrected(rows, pred_measured)
+    rep_noise = _mape(np.array([[r["fwd"][0], r["bwd"][0]] for r in rows]), meas2)
+    report = {
+        "profile_s": profile_s, "plan_s": plan_s, "plan": plan_desc,
+        "entries": len(table.entries), "skipped": len(table.skipped()),
+        "mape": _mape(pred, meas2), "mape_corrected": _mape(corrected, meas2),
+        "mape_analytic": _mape(pred_an, meas2), "rep_to_rep": rep_noise,
+        "sources": provider.sources(),
+        "cases": [dict(r, pred=pred[i].tolist(), corrected=corrected[i].tolist())
+                  for i, r in enumerate(rows)],
+    }  # fmt: skip
+    (out_dir / "costmodel.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _plan(arch, device, provider) -> tuple[float, str]:
+    from dflop_jax.config import load_config
+    from dflop_jax.planner import PlanningError, describe_layout, make_plan
+    from dflop_jax.planner.run_config import PlanRunConfig, load_shapes
+
+    cfg = load_config(
+        PlanRunConfig, Path(__file__).resolve().parents[2] / "configs/plan_tiny_cpu.yaml"
+    )
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan(arch, device, 8, load_shapes(cfg.data), cfg.planner, provider)
+        desc = f"{describe_layout(plan.layout)} M={plan.microbatches}"
+    except PlanningError as e:
+        desc = f"infeasible: {e}"
+    return time.perf_counter() - t0, desc
+
+
+def _print(report: dict) -> None:
+    print(f"profile: {report['entries']} entries ({report['skipped']} skipped) in "
+          f"{report['profile_s']:.0f} s; plan in {report['plan_s']:.1f} s -> {report['plan']}")  # fmt: skip
+    print("| stage | tp | bucket | meas fwd/bwd ms | pred fwd/bwd ms | corrected fwd/bwd ms |")
+    print("|---|---|---|---|---|---|")
+    for c in report["cases"]:
+        name = (c["module"] + (" emb+" if c["emb"] else " ") + f"{c['layers']}L"
+                + ("+head" if c["head"] else ""))  # fmt: skip
+        ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"  # noqa: E731
+        print(f"| {name} | {c['tp']} | {c['bucket']} | {ms([c['fwd'][1], c['bwd'][1]])} | "
+              f"{ms(c['pred'])} | {ms(c['corrected'])} |")  # fmt: skip
+    for key, label in (("mape", "measured table"), ("mape_corrected", "+ adaptive correction"),
+                       ("mape_analytic", "analytic cpu preset"), ("rep_to_rep", "timing noise (rep 1 vs 2)")):  # fmt: skip
+        mean, worst = report[key]
+        print(f"{label}: MAPE {mean:.1%}, worst {worst:.1%}")
+    print(f"entry sources: {report['sources']}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m dflop_jax.bench costmodel", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--out", default="runs/bench_costmodel", help="folder for the cost table and results"
+    )
+    ap.add_argument("--runs", type=int, default=7, help="timed runs per program (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs per program")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:  # before jax starts its backend
+        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(out, args.runs, args.warmup)
+    print(json.dumps(report, indent=1) if args.json else "", end="")
+    if not args.json:
+        _print(report)
+    return 0

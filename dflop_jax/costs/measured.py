@@ -1,0 +1,228 @@
+"""A `CostProvider` backed by a measured cost table (`python -m dflop_jax.profile model`). No jax.
+
+    table = load_table("runs/profile/cost_table.json")
+    provider = MeasuredCostProvider(table, arch, get_device("cpu"), fallback=AnalyticCostProvider(arch, dev))
+    fwd, bwd = provider.stage_time(StageSpec("llm", 0, 3, tp=2, has_head=True), 300)
+    provider.sources()   # {"llm_layers": {"interpolated": 1}, "llm_head": {"interpolated": 1}}
+
+A stage is the sum of its parts: `<module>_layers` at n layers (n x per-layer + base, from the 1- and
+2-layer entries: per_layer = c2 - c1, base = c1 - per_layer), plus `<module>_embedding` and
+`<module>_head` if the stage holds them. Each part runs as its own program when profiled, so the sum
+pays the fixed per-program cost once per part; when layers and other parts are combined we subtract
+the layers' fitted base (clamped to [0, smallest part]) once per extra part, as the stage is one program.
+Between profiled buckets costs are interpolated linearly; outside they are extrapolated linearly
+from the two nearest buckets (clamped at 0) and flagged "extrapolated" in `sources()`.
+
+Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
+most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
+(2 x params), activations_per_microbatch = the stage input (x + side arrays: what the runtime keeps per
+in-flight microbatch under recompute-in-backward), temp = the rest of the backward program's peak
+(XLA temporaries, the incoming and outgoing activation gradients), summed over parts (an upper bound:
+parts run inside one program may reuse buffers).
+
+Missing entries (a tp or kind never profiled, a skipped entry) fall back to `fallback` with a warning
+logged once per (kind, tp); without a fallback they raise KeyError. Transfers are not profiled: they
+come from the analytic model's output bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from dflop_jax.costs.architectures import MLLMArch
+from dflop_jax.costs.devices import DeviceSpec
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.costs.memory import StageMemory
+from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider
+from dflop_jax.profiling.table import CostTable, load_table
+
+log = logging.getLogger(__name__)
+
+
+def interpolate(xs: np.ndarray, ys: np.ndarray, x: float) -> tuple[float, str]:
+    """Piecewise-linear y(x) through (xs, ys) (xs sorted, distinct), linear beyond the ends.
+
+    Returns (value clamped at 0, "measured" | "interpolated" | "extrapolated").
+    """
+    if len(xs) == 0:
+        raise ValueError("no points to interpolate")
+    i = int(np.searchsorted(xs, x))
+    if i < len(xs) and xs[i] == x:
+        return float(ys[i]), "measured"
+    if len(xs) == 1:  # one point: proportional to the bucket (cost ~ work)
+        return float(ys[0]) * x / float(xs[0]), "extrapolated"
+    how = "interpolated" if 0 < i < len(xs) else "extrapolated"
+    j = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+    return max(0.0, float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))), how
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Per-device costs of one part of a stage at one bucket: times, parameter/input/temp bytes."""
+
+    fwd: float
+    bwd: float
+    base_fwd: float  # fitted per-program fixed cost (layers kinds), else 0
+    base_bwd: float
+    params: float
+    inputs: float
+    temp: float
+
+
+class MeasuredCostProvider:
+    """CostProvider over a cost table (see the module docstring).
+
+    Args:
+      table: a `CostTable` or the path of a cost-table file.
+      arch: the architecture the table was profiled for (used by the fallback and for transfers).
+      device: the device preset (memory capacity, hosts) of the measured devices.
+      fallback: provider for entries the table lacks (None: missing entries raise KeyError).
+    """
+
+    def __init__(
+        self,
+        table: CostTable | str | Path,
+        arch: MLLMArch,
+        device: DeviceSpec,
+        fallback: CostProvider | None = None,
+    ):
+        self.table = table if isinstance(table, CostTable) else load_table(table)
+        self.arch, self.device, self.fallback = arch, device, fallback
+        self.name = f"measured:{self.table.model or arch.name}@{self.table.device_kind}"
+        self._transfer = AnalyticCostProvider(arch, device)
+        self._curves: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._sources: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._warned: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------ table access
+
+    def _curve(self, kind: str, tp: int, layers: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(buckets [n], values [n, 7]: fwd, bwd, params, inputs, temp, -, -) of the ok entries."""
+        key = (kind, tp, layers)
+        if key not in self._curves:
+            buckets = self.table.buckets(kind, tp, layers)
+            rows = []
+            for b in buckets:
+                e = self.table.get(kind, tp, b, layers)
+                params = e.param_bytes
+                peak = e.memory_bwd.get("peak", 0.0)
+                temp = max(0.0, peak - 2 * params - e.input_bytes)
+                rows.append([e.fwd_s, e.bwd_s, params, e.input_bytes, temp])
+            self._curves[key] = (
+                (np.array(buckets, dtype=np.float64), np.array(rows, dtype=np.float64))
+                if buckets
+                else None
+            )
+        return self._curves[key]
+
+    def _measured_part(self, kind: str, tp: int, bucket: int, layers: int) -> _Part | None:
+        if kind.endswith("_layers"):
+            c1, c2 = self._curve(kind, tp, 1), self._curve(kind, tp, 2)
+            if c1 is None or c2 is None:
+                return None
+            v1, how1 = self._interp(c1, bucket)
+            v2, how2 = self._interp(c2, bucket)
+            per_layer, base = v2 - v1, 2 * v1 - v2  # cost(n) = base + n * per_layer
+            value = base + layers * per_layer
+            self._note(kind, how1 if how1 == how2 else "extrapolated")
+            return _Part(*np.maximum(value[:2], 0.0), max(base[0], 0.0), max(base[1], 0.0),
+                         max(value[2], 0.0), v1[3], max(value[4], 0.0))  # fmt: skip
+        c = self._curve(kind, tp, 0)
+        if c is None:
+            return None
+        v, how = self._interp(c, bucket)
+        self._note(kind, how)
+        return _Part(v[0], v[1], 0.0, 0.0, v[2], v[3], v[4])
+
+    @staticmethod
+    def _interp(curve, bucket: int) -> tuple[np.ndarray, str]:
+        xs, ys = curve
+        out, hows = [], set()
+        for col in range(ys.shape[1]):
+            value, how = interpolate(xs, ys[:, col], float(bucket))
+            out.append(value)
+            hows.add(how)
+        how = "extrapolated" if "extrapolated" in hows else hows.pop()
+        return np.array(out), how
+
+    def _note(self, kind: str, how: str) -> None:
+        self._sources[kind][how] += 1
+
+    def _fallback_part(self, module: str, part: str, stage: StageSpec, bucket: int) -> _Part:
+        kind = f"{module}_{part}"
+        if self.fallback is None:
+            raise KeyError(
+                f"cost table has no {kind} entries for tp={stage.tp} and there is no fallback; "
+                f"profile tp={stage.tp} or pass fallback=AnalyticCostProvider(...)"
+            )
+        if (kind, stage.tp) not in self._warned:
+            self._warned.add((kind, stage.tp))
+            log.warning("cost table has no %s entries at tp=%d: using %s for them",
+                        kind, stage.tp, self.fallback.name)  # fmt: skip
+        self._note(kind, "fallback")
+        spec = StageSpec(module, 0, stage.num_layers if part == "layers" else 0, tp=stage.tp,
+                         has_embedding=part == "embedding", has_head=part == "head")  # fmt: skip
+        fwd, bwd = self.fallback.stage_time(spec, bucket)
+        mem = self.fallback.stage_memory(spec, bucket)
+        return _Part(fwd, bwd, 0.0, 0.0, mem.params, mem.activations_per_microbatch, mem.temp)
+
+    def _parts(self, stage: StageSpec, bucket: int) -> list[_Part]:
+        wanted = []  # the stage's input enters through its first part
+        if stage.has_embedding:
+            wanted.append("embedding")
+        if stage.num_layers > 0:
+            wanted.append("layers")
+        if stage.has_head:
+            wanted.append("head")
+        parts = []
+        for part in wanted:
+            kind = f"{stage.module}_{part}"
+            layers = stage.num_layers if part == "layers" else 0
+            got = self._measured_part(kind, stage.tp, bucket, layers)
+            parts.append(
+                got if got is not None else self._fallback_part(stage.module, part, stage, bucket)
+            )
+        return parts
+
+    # ------------------------------------------------------------ CostProvider
+
+    def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        if bucket < 0:
+            raise ValueError(f"bucket={bucket}: must be >= 0")
+        if bucket == 0:
+            return 0.0, 0.0
+        parts = self._parts(stage, bucket)
+        fwd = sum(p.fwd for p in parts)
+        bwd = sum(p.bwd for p in parts)
+        base = [p for p in parts if p.base_fwd > 0 or p.base_bwd > 0]
+        if base and len(parts) > 1:  # one program, one fixed cost: drop the extra parts' share
+            extra = len(parts) - 1
+            fwd -= extra * min(base[0].base_fwd, min(p.fwd for p in parts))
+            bwd -= extra * min(base[0].base_bwd, min(p.bwd for p in parts))
+        return float(fwd), float(bwd)  # plain floats: plans are written as YAML
+
+    def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
+        if bucket <= 0:
+            bucket = 1  # state still lives on the device; activations of the smallest shape
+        parts = self._parts(stage, bucket)
+        params = float(sum(p.params for p in parts))
+        return StageMemory(
+            params=params,
+            grads=params,
+            optimizer=2.0 * params,
+            activations_per_microbatch=float(parts[0].inputs),
+            temp=float(sum(p.temp for p in parts)),
+        )
+
+    def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
+        return self._transfer.transfer_time(stage, bucket, cross_host)
+
+    def sources(self) -> dict[str, dict[str, int]]:
+        """Per entry kind, how many lookups were measured / interpolated / extrapolated / fallback."""
+        return {k: dict(v) for k, v in sorted(self._sources.items())}

@@ -1,0 +1,271 @@
+"""Model profiler (DESIGN section 6): compiled-step cost tables per stage part, tp and bucket.
+
+    python -m dflop_jax.profile model --config configs/profile_tiny_cpu.yaml [key=value ...]
+
+For every stage part (`profiling/table.py` STAGE_KINDS), candidate tp (dividing the module's heads and
+KV heads, within the devices) and bucket: build the part's programs (`profiling/programs.py`; layer
+parts with 1 and 2 layers), lower and compile them from abstract sharded inputs, record
+`cost_analysis()` and `memory_analysis()`, skip what is over the device memory, then time the forward
+and backward programs on the real devices (warm-up, median of `runs`). Writes the cost table after
+every entry (so an interrupted run resumes: entries of a table with the same config hash and code
+version are reused) and `<table stem>.png` (time vs bucket per part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflop_jax.profiling.programs import build_part, per_device_bytes
+from dflop_jax.profiling.settings import ProfileSettings
+from dflop_jax.profiling.table import (
+    LAYER_KINDS,
+    STAGE_KINDS,
+    CostEntry,
+    CostTable,
+    code_version,
+    config_hash,
+    load_table,
+    save_table,
+)
+
+log = logging.getLogger(__name__)
+ProgressFn = Callable[[str, int, int], None]
+CODE_PACKAGES = ("models", "dflop_jax/profiling")
+
+
+def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
+    """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices."""
+    if kind.startswith("encoder"):
+        heads = (model_cfg.vision.num_heads,)
+    else:
+        heads = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
+    return [t for t in sorted(set(tps)) if t <= num_devices and all(h % t == 0 for h in heads)]
+
+
+def table_hash(model_cfg, settings: ProfileSettings, devices) -> str:
+    """What makes measured entries comparable: the model, dtype, device kind/count, jax version.
+    The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger grid reuses
+    the entries it shares with a smaller one."""
+    return config_hash(
+        {
+            "model": dataclasses.asdict(model_cfg),
+            "compute_dtype": settings.compute_dtype,
+            "device_kind": devices[0].device_kind,
+            "device_count": len(devices),
+            "jax": jax.__version__,
+        }
+    )
+
+
+def _memory(compiled) -> dict[str, float]:
+    m = compiled.memory_analysis()
+    out = {
+        "argument": float(m.argument_size_in_bytes),
+        "output": float(m.output_size_in_bytes),
+        "temp": float(m.temp_size_in_bytes),
+        "alias": float(m.alias_size_in_bytes),
+    }
+    summed = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    out["peak"] = max(float(getattr(m, "peak_memory_in_bytes", 0) or 0), summed)
+    return out
+
+
+def _cost(compiled) -> tuple[float, float]:
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+
+
+def _median_time(call: Callable[[], object], warmup: int, runs: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int = 1) -> dict:
+    """Compiles `prog` (a `programs.PartProgram`) from its abstract inputs, records cost and memory
+    analyses, and (unless over `settings.memory_limit_bytes`) times it on its mesh's devices.
+
+    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, input_bytes, and fwd_s / bwd_s,
+    or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
+    and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
+    """
+    with jax.set_mesh(prog.mesh):
+        fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
+        bwd_c = prog.bwd.lower(
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.gy_abs, prog.params_abs
+        ).compile()
+    mem_f, mem_b = _memory(fwd_c), _memory(bwd_c)
+    (flops_f, bytes_f), (flops_b, bytes_b) = _cost(fwd_c), _cost(bwd_c)
+    stats = dict(
+        flops_fwd=flops_f, flops_bwd=flops_b, bytes_fwd=bytes_f, bytes_bwd=bytes_b,
+        memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.params_abs),
+        input_bytes=per_device_bytes((prog.x_abs, prog.side_abs)),
+    )  # fmt: skip
+    peak = max(mem_f["peak"], mem_b["peak"])
+    if peak > settings.memory_limit_bytes:
+        limit = settings.memory_limit_bytes
+        reason = f"compiled peak {peak / 2**20:.0f} MiB > limit {limit / 2**20:.0f} MiB"
+        return dict(stats, status="skipped", reason=reason)
+    rng = np.random.default_rng(seed)
+    params = prog.make_params(rng)
+    x, side, gy = prog.make_inputs(rng)
+    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)  # noqa: E731
+    gacc = [jax.tree.map(zeros, prog.params_abs)]
+
+    def backward():
+        out = bwd_c(params, x, side, gy, gacc[0])
+        gacc[0] = out[-1]  # donated: feed the accumulator back
+        return out
+
+    fwd, bwd = [], []
+    with jax.set_mesh(prog.mesh):
+        for _ in range(repeats):
+            fwd.append(_median_time(lambda: fwd_c(params, x, side), settings.warmup, settings.runs))
+            bwd.append(_median_time(backward, settings.warmup, settings.runs))
+    out = dict(stats, fwd_s=fwd[0], bwd_s=bwd[0])
+    return out if repeats == 1 else dict(out, fwd_reps=fwd, bwd_reps=bwd)
+
+
+def profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings, seed=0) -> CostEntry:
+    """Compiles, analyses and times one table part; over-memory entries come back skipped."""
+    prog = build_part(
+        model_cfg, kind, tp, bucket, layers, devices, jnp.dtype(settings.compute_dtype)
+    )
+    return CostEntry(kind, tp, bucket, layers, **measure_program(prog, settings, seed))
+
+
+def _grid(
+    model_cfg, settings: ProfileSettings, num_devices: int
+) -> list[tuple[str, int, int, int]]:
+    grid = []
+    for kind in settings.kinds:
+        buckets = settings.encoder_buckets if kind.startswith("encoder") else settings.llm_buckets
+        layer_counts = (1, 2) if kind in LAYER_KINDS else (0,)
+        for tp in candidate_tps(model_cfg, kind, settings.tps, num_devices):
+            grid += [(kind, tp, b, n) for b in sorted(set(buckets)) for n in layer_counts]
+    return grid
+
+
+def _fresh_or_resumed(path: Path, meta: dict) -> CostTable:
+    if path.is_file():
+        try:
+            old = load_table(path)
+        except ValueError as e:
+            log.warning("ignoring unreadable cost table %s: %s", path, e)
+        else:
+            if (old.config_hash, old.code_version) == (meta["config_hash"], meta["code_version"]):
+                log.info("resuming %s (%d entries reused)", path, len(old.entries))
+                return old
+            log.info("cost table %s is stale (config or code changed): re-profiling", path)
+    return CostTable(**meta)
+
+
+def profile_model(
+    model_cfg,
+    devices: Sequence | None = None,
+    settings: ProfileSettings | None = None,
+    out_path: str | Path = "runs/profile/cost_table.json",
+    *,
+    model_name: str = "",
+    progress: ProgressFn | None = None,
+    plot: bool = True,
+) -> CostTable:
+    """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
+
+    Args:
+      model_cfg: a `models` MLLM config (e.g. `LlavaOnevisionConfig`: vision, text, tokens_per_tile...).
+      devices: devices to profile on (default `jax.devices()`); tp programs use the first tp.
+      settings: the grid and the timing settings (None: `ProfileSettings()`).
+      out_path: cost-table JSON path (resumed if it holds entries of the same config and code).
+      model_name: recorded in the table.
+      progress: callback (phase, done, total), e.g. `planner.progress.progress_bar`.
+      plot: also write `<out_path stem>.png`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    settings = ProfileSettings() if settings is None else settings
+    out_path = Path(out_path)
+    meta = dict(
+        device_kind=devices[0].device_kind, platform=devices[0].platform,
+        device_count=len(devices), config_hash=table_hash(model_cfg, settings, devices),
+        code_version=code_version(*CODE_PACKAGES), model=model_name,
+        jax_version=jax.__version__, flax_version=_flax_version(),
+        settings={"warmup": settings.warmup, "runs": settings.runs,
+                  "compute_dtype": settings.compute_dtype},
+    )  # fmt: skip
+    table = _fresh_or_resumed(out_path, meta)
+    grid = _grid(model_cfg, settings, len(devices))
+    todo = [key for key in grid if key not in table.entries]
+    report = progress or (lambda *_: None)
+    t0 = time.perf_counter()
+    for i, (kind, tp, bucket, layers) in enumerate(todo):
+        report("profile model", i, len(todo))
+        try:
+            entry = profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings)
+        except Exception as e:  # noqa: BLE001 - one failing shape is a skipped entry, not a crash
+            entry = CostEntry(kind, tp, bucket, layers, status="skipped",
+                              reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip
+        if not entry.ok:
+            log.warning("skipped %s tp=%d bucket=%d layers=%d: %s",
+                        kind, tp, bucket, layers, entry.reason)  # fmt: skip
+        table.add(entry)
+        save_table(table, out_path)
+    report("profile model", len(todo), len(todo))
+    save_table(table, out_path)
+    log.info("profiled %d entries (%d reused) in %.1f s -> %s",
+             len(todo), len(grid) - len(todo), time.perf_counter() - t0, out_path)  # fmt: skip
+    if plot:
+        plot_table(table, out_path.with_suffix(".png"))
+    return table
+
+
+def _flax_version() -> str:
+    import flax
+
+    return flax.__version__
+
+
+def plot_table(table: CostTable, path: str | Path) -> Path:
+    """PNG: forward + backward milliseconds vs bucket, one panel per part, one line per (tp, layers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in STAGE_KINDS if table.tps(k)]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
+    for ax, kind in zip(axes.flat, STAGE_KINDS):
+        if kind not in kinds:
+            ax.set_visible(False)
+            continue
+        for tp in table.tps(kind):
+            for n in (1, 2) if kind in LAYER_KINDS else (0,):
+                bs = table.buckets(kind, tp, n)
+                ms = [
+                    1e3 * (table.get(kind, tp, b, n).fwd_s + table.get(kind, tp, b, n).bwd_s)
+                    for b in bs
+                ]
+                ax.plot(bs, ms, marker="o", label=f"tp{tp}" + (f" L{n}" if n else ""))
+        ax.set_title(kind)
+        ax.set_xlabel("tiles" if kind.startswith("encoder") else "tokens")
+        ax.set_ylabel("fwd + bwd ms")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{table.model} on {table.device_count} x {table.device_kind}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

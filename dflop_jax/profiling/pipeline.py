@@ -1,0 +1,189 @@
+"""Profile -> plan, each step reused when its output is fresh (DFLOP's profiling + optimization steps).
+
+    plan = ensure_plan(AutoPlanConfig(...), model_cfg, cache_dir="runs/demo/auto_plan")
+
+Steps, in `cache_dir`:
+  1. data profile  -> data/shape_distribution.json (`dflop_jax.data.profile.profile_data`), or a given
+     shape file / synthetic mix ("llava-ov", "omnibal") when `data_source` names one;
+  2. model profile -> cost_table.json (+ .png) (`profile_model`), resumed entry by entry;
+  3. plan          -> plan.yaml (`planner.make_plan` with a `MeasuredCostProvider`, analytic fallback)
+     plus cost_sources.json (which cost entries were measured / interpolated / extrapolated / analytic).
+Each output has a `<name>.stamp.json` holding the hash of everything it depends on (configs, the
+previous step's stamp, the code version of the packages that produce it); a step runs again iff its
+output or stamp is missing or the hash differs. `timings.json` records each step's seconds (0 if reused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from dflop_jax.config import require
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.profiling.settings import ProfileSettings
+from dflop_jax.profiling.table import code_version, config_hash
+
+log = logging.getLogger(__name__)
+SYNTHETIC = ("llava-ov", "omnibal")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlanConfig:
+    """What `plan: auto` needs besides the model config.
+
+    Attributes:
+      device: device preset of the planned devices ("cpu", "h100", "a100"): capacity and hosts.
+      num_devices: devices to plan for.
+      data_source: "dataset" (profile the training data config passed to `ensure_plan`), a
+        shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal").
+      data_samples: records drawn by the data profiler (or samples of the synthetic llava-ov mix).
+      seed: data sampling seed.
+      profile: the model profiler's grid and timing.
+      planner: the planner's search space.
+    """
+
+    device: str = "cpu"
+    num_devices: int = 8
+    data_source: str = "dataset"
+    data_samples: int = 2000
+    seed: int = 0
+    profile: ProfileSettings = ProfileSettings()
+    planner: PlannerConfig = PlannerConfig()
+
+    def __post_init__(self):
+        from dflop_jax.costs import list_devices
+
+        require(self.device in list_devices(), "device", self.device,
+                f"use one of {list_devices()}")  # fmt: skip
+        require(self.num_devices >= 1, "num_devices", self.num_devices, "must be >= 1")
+        require(self.data_samples >= 1, "data_samples", self.data_samples, "must be >= 1")
+
+
+def _stamp_path(out: Path) -> Path:
+    return out.with_name(out.name + ".stamp.json")
+
+
+def _fresh(out: Path, digest: str) -> bool:
+    stamp = _stamp_path(out)
+    if not (out.is_file() and stamp.is_file()):
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("hash") == digest
+    except json.JSONDecodeError:
+        return False
+
+
+def _write_stamp(out: Path, digest: str, seconds: float) -> None:
+    _stamp_path(out).write_text(json.dumps({"hash": digest, "seconds": seconds}) + "\n")
+
+
+def _step(name: str, out: Path, digest: str, build, timings: dict) -> Path:
+    """Runs `build()` (which writes `out`) unless `out` is fresh for `digest`; logs and times it."""
+    if _fresh(out, digest):
+        log.info("%s: reusing %s", name, out)
+        timings[name] = 0.0
+        return out
+    t0 = time.perf_counter()
+    build()
+    timings[name] = time.perf_counter() - t0
+    _write_stamp(out, digest, timings[name])
+    log.info("%s: done in %.1f s -> %s", name, timings[name], out)
+    return out
+
+
+def _data_step(cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict) -> tuple[Path | str, str]:
+    """(shape file path or synthetic name, its digest)."""
+    if cfg.data_source in SYNTHETIC:
+        return cfg.data_source, config_hash([cfg.data_source, cfg.data_samples, cfg.seed])
+    if cfg.data_source != "dataset":
+        path = Path(cfg.data_source)
+        if not path.is_file():
+            raise FileNotFoundError(f"data_source={path}: no such shape-distribution file")
+        return path, config_hash([str(path), path.stat().st_mtime_ns, path.stat().st_size])
+    if data_cfg is None:
+        raise ValueError("data_source='dataset' needs the training data config (data_cfg)")
+    from dflop_jax.data.profile import profile_data
+
+    out = cache / "data" / "shape_distribution.json"
+    digest = config_hash([data_cfg, cfg.data_samples, cfg.seed, code_version("dflop_jax/data")])
+    _step("data profile", out, digest,
+          lambda: profile_data(data_cfg, cfg.data_samples, cfg.seed, out.parent), timings)  # fmt: skip
+    return out, digest
+
+
+def _load_shapes(source, cfg: AutoPlanConfig):
+    from dflop_jax.planner.run_config import DataConfig, load_shapes
+
+    if isinstance(source, str) and source in SYNTHETIC:
+        return load_shapes(DataConfig(source, cfg.data_samples, cfg.seed))
+    return load_shapes(DataConfig(str(source)))
+
+
+def ensure_plan(
+    cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg=None, *, name: str = "model"
+):
+    """Data profile -> model profile -> plan, reusing fresh outputs in `cache_dir` (module docstring).
+
+    Args:
+      cfg: devices, data source, profiler grid, planner settings.
+      model_cfg: the `models` MLLM config being trained (e.g. `LlavaOnevisionConfig`).
+      cache_dir: where the step outputs and stamps live (e.g. `<workdir>/auto_plan`).
+      data_cfg: the training `dflop_jax.data.DataConfig` (needed when cfg.data_source == "dataset").
+      name: model name recorded in the cost table and the plan.
+
+    Returns:
+      the `planner.Plan` (also saved as `cache_dir/plan.yaml`).
+    """
+    import jax
+
+    from dflop_jax.costs import AnalyticCostProvider, get_device
+    from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.planner import load_plan, make_plan, save_plan
+    from dflop_jax.profiling import model_profiler
+    from dflop_jax.profiling.model_config import arch_for_model_config
+
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    device = get_device(cfg.device)
+    settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
+    shapes_src, data_digest = _data_step(cfg, data_cfg, cache, timings)
+
+    devices = jax.devices()
+    table_path = cache / "cost_table.json"
+    grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
+    model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices), grid,
+                                code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
+    _step("model profile", table_path, model_digest,
+          lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path, model_name=name),
+          timings)  # fmt: skip
+
+    arch = arch_for_model_config(model_cfg, name)
+    plan_path = cache / "plan.yaml"
+    plan_digest = config_hash([data_digest, model_digest, cfg.planner, cfg.device, cfg.num_devices,
+                               code_version("dflop_jax/planner", "dflop_jax/scheduler",
+                                            "dflop_jax/sim", "dflop_jax/costs")])  # fmt: skip
+
+    def plan():
+        provider = MeasuredCostProvider(
+            table_path, arch, device, AnalyticCostProvider(arch, device)
+        )
+        shapes = _load_shapes(shapes_src, cfg)
+        save_plan(
+            make_plan(arch, device, cfg.num_devices, shapes, cfg.planner, provider), plan_path
+        )
+        sources = provider.sources()
+        (cache / "cost_sources.json").write_text(json.dumps(sources, indent=1) + "\n")
+        fallback = {k: v["fallback"] for k, v in sources.items() if "fallback" in v}
+        if fallback:
+            log.warning(
+                "plan used analytic costs for %s (see %s)", fallback, cache / "cost_sources.json"
+            )
+
+    _step("plan", plan_path, plan_digest, plan, timings)
+    (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
+    log.info("auto plan: %s", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+    return load_plan(plan_path)

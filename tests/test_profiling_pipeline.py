@@ -1,0 +1,87 @@
+"""ensure_plan: profile -> plan reused when fresh, redone when the model config changes; the plan's
+cost sources are written; the `profile model` CLI runs a tiny grid. The model profiler is replaced by
+a counting fake that writes a synthetic table (the real one is tested in test_profiling_engine.py)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from dflop_jax.planner import PlannerConfig
+from dflop_jax.profiling import model_profiler
+from dflop_jax.profiling.model_config import model_config_for_arch
+from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
+from dflop_jax.profiling.settings import ProfileSettings
+from dflop_jax.profiling.table import CostEntry, CostTable, save_table
+
+CFG = model_config_for_arch("tiny", "float32")
+PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,
+                        llm_pp=(1, 2), encoder_pp=(1,), tp=(1, 2))  # fmt: skip
+
+
+def _fake_profiler(calls):
+    def fake(model_cfg, devices, settings, out_path, **kwargs):
+        calls.append(model_cfg)
+        t = CostTable("cpu", "cpu", 8, "fake", "fake", model="tiny")
+        for b in settings.llm_buckets:
+            for n in (1, 2):
+                t.add(CostEntry("llm_layers", 1, b, n, fwd_s=1e-3 * n * b / 64, bwd_s=2e-3 * n * b / 64,
+                                param_bytes=1e5 * n, input_bytes=b * 256.0,
+                                memory_bwd={"peak": 3e5 * n}))  # fmt: skip
+        save_table(t, out_path)
+        return t
+
+    return fake
+
+
+@pytest.mark.slow
+def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
+    cfg = AutoPlanConfig(data_source="llava-ov", data_samples=200, planner=PLANNER,
+                         profile=ProfileSettings(tps=(1,), llm_buckets=(64, 512)))  # fmt: skip
+    plan = ensure_plan(cfg, CFG, tmp_path, name="tiny")
+    assert len(calls) == 1 and plan.layout.num_devices <= 8
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["model profile"] >= 0 and timings["plan"] > 0
+    sources = json.loads((tmp_path / "cost_sources.json").read_text())
+    from_table = {k: v for k, v in sources["llm_layers"].items() if k != "fallback"}
+    assert sum(from_table.values()) > 0  # the fake table's llm layers at tp 1
+    assert sources["encoder_layers"]["fallback"] > 0  # not in the fake table: analytic
+
+    again = ensure_plan(cfg, CFG, tmp_path, name="tiny")  # everything fresh
+    assert len(calls) == 1 and again == plan
+    assert json.loads((tmp_path / "timings.json").read_text()) == {
+        "model profile": 0.0,
+        "plan": 0.0,
+    }
+
+    changed = dataclasses.replace(CFG, text=CFG.text.replace(intermediate_size=256))
+    ensure_plan(
+        cfg, changed, tmp_path, name="tiny"
+    )  # stale model profile -> profiled and re-planned
+    assert len(calls) == 2 and calls[-1] is changed
+    assert json.loads((tmp_path / "timings.json").read_text())["plan"] > 0
+
+    other = dataclasses.replace(cfg, planner=dataclasses.replace(PLANNER, microbatches=(2,)))
+    ensure_plan(other, changed, tmp_path, name="tiny")  # only the plan is stale
+    assert len(calls) == 2
+
+
+def test_missing_shape_file_is_a_clear_error(tmp_path):
+    cfg = AutoPlanConfig(data_source=str(tmp_path / "nope.json"))
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        ensure_plan(cfg, CFG, tmp_path)
+
+
+def test_profile_model_cli(tmp_path, capsys):
+    from dflop_jax import profile as profile_cli
+
+    out = tmp_path / "ct.json"
+    rc = profile_cli.main(["model", "--no-progress", "arch=tiny", f"out={out}", "profile.tps=[1]",
+                           "profile.kinds=[encoder_head]", "profile.encoder_buckets=[1]",
+                           "profile.runs=1", "profile.warmup=0"])  # fmt: skip
+    assert rc == 0 and out.is_file() and out.with_suffix(".png").is_file()
+    assert "1 entries" in capsys.readouterr().out
+    assert profile_cli.main(["model", "arch=nope"]) == 2
+    assert profile_cli.main(["model"]) == 2
