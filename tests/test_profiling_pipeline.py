@@ -85,3 +85,20 @@ def test_profile_model_cli(tmp_path, capsys):
     assert "1 entries" in capsys.readouterr().out
     assert profile_cli.main(["model", "arch=nope"]) == 2
     assert profile_cli.main(["model"]) == 2
+
+
+def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
+    from dflop_jax.profiling.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
+    args = [f"cache_dir={tmp_path}", "auto.data_source=llava-ov", "auto.data_samples=100",
+            "auto.planner.global_batch=16", "auto.planner.microbatches=[4]", "auto.planner.samples=1",
+            "auto.planner.llm_pp=[1,2]", "auto.planner.encoder_pp=[1]", "auto.planner.tp=[1]",
+            "auto.profile.tps=[1]"]  # fmt: skip
+    assert main(["--profile-only", *args]) == 0
+    assert len(calls) == 1 and not (tmp_path / "plan.yaml").exists()
+    assert main(args) == 0  # the optimization step reuses the fresh profile
+    assert len(calls) == 1 and (tmp_path / "plan.yaml").is_file()
+    assert "plan.yaml" in capsys.readouterr().out
+    assert main([f"cache_dir={tmp_path}"]) == 2  # data_source "dataset" without a data_config

@@ -123,7 +123,13 @@ def _load_shapes(source, cfg: AutoPlanConfig):
 
 
 def ensure_plan(
-    cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg=None, *, name: str = "model"
+    cfg: AutoPlanConfig,
+    model_cfg,
+    cache_dir: str | Path,
+    data_cfg=None,
+    *,
+    name: str = "model",
+    plan: bool = True,
 ):
     """Data profile -> model profile -> plan, reusing fresh outputs in `cache_dir` (module docstring).
 
@@ -133,6 +139,7 @@ def ensure_plan(
       cache_dir: where the step outputs and stamps live (e.g. `<workdir>/auto_plan`).
       data_cfg: the training `dflop_jax.data.DataConfig` (needed when cfg.data_source == "dataset").
       name: model name recorded in the cost table and the plan.
+      plan: False stops after the two profiles (DFLOP's profiling step alone) and returns None.
 
     Returns:
       the `planner.Plan` (also saved as `cache_dir/plan.yaml`).
@@ -160,6 +167,9 @@ def ensure_plan(
     _step("model profile", table_path, model_digest,
           lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path, model_name=name),
           timings)  # fmt: skip
+    if not plan:
+        (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
+        return None
 
     arch = arch_for_model_config(model_cfg, name)
     plan_path = cache / "plan.yaml"
@@ -167,7 +177,7 @@ def ensure_plan(
                                code_version("dflop_jax/planner", "dflop_jax/scheduler",
                                             "dflop_jax/sim", "dflop_jax/costs")])  # fmt: skip
 
-    def plan():
+    def run_planner():
         provider = MeasuredCostProvider(
             table_path, arch, device, AnalyticCostProvider(arch, device)
         )
@@ -183,7 +193,7 @@ def ensure_plan(
                 "plan used analytic costs for %s (see %s)", fallback, cache / "cost_sources.json"
             )
 
-    _step("plan", plan_path, plan_digest, plan, timings)
+    _step("plan", plan_path, plan_digest, run_planner, timings)
     (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
     log.info("auto plan: %s", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     return load_plan(plan_path)
