@@ -44,7 +44,11 @@ def place_features(
     )
     table = jnp.concatenate([features, extra], axis=0)  # [F+1, D]; row F is the newline
     if feature_index.ndim == embeds.ndim - 1:  # [B,S]: a plain gather, one tap
-        feature_index, feature_weight = feature_index[..., None], None
+        if feature_weight is not None:
+            raise ValueError(
+                "place_features: feature_weight needs feature_index [B,S,K], got [B,S]"
+            )
+        feature_index = feature_index[..., None]
     idx = jnp.where(feature_index == NEWLINE, features.shape[0], jnp.maximum(feature_index, 0))
     gathered = jnp.take(table, idx, axis=0)  # [B,S,K,D]
     if feature_weight is None:
