@@ -88,7 +88,7 @@ def _stage_key(r) -> tuple:
     return (r["module"], r["layers"], r["emb"], r["head"], r["tp"])
 
 
-def run(out_dir: Path, runs: int, warmup: int) -> dict:
+def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dict:
     import jax
 
     from dflop_jax.costs import AnalyticCostProvider, StageSpec, get_arch, get_device
@@ -100,7 +100,7 @@ def run(out_dir: Path, runs: int, warmup: int) -> dict:
     model_cfg = model_config_for_arch(arch)
     devices = jax.devices()
     settings = ProfileSettings(tps=TPS, encoder_buckets=ENCODER_BUCKETS, llm_buckets=LLM_BUCKETS,
-                               warmup=warmup, runs=runs)  # fmt: skip
+                               warmup=warmup, runs=runs, statistic=statistic)  # fmt: skip
     table_path = out_dir / "cost_table.json"
     table_path.unlink(missing_ok=True)  # a fresh profile: its time is part of the report
     t0 = time.perf_counter()
@@ -182,6 +182,12 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--runs", type=int, default=7, help="timed runs per program (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs per program")
+    ap.add_argument(
+        "--statistic",
+        choices=("median", "min"),
+        default="median",
+        help="timing statistic of profile and measurement (min: robust on a shared machine)",
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -190,7 +196,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = run(out, args.runs, args.warmup)
+    report = run(out, args.runs, args.warmup, args.statistic)
     print(json.dumps(report, indent=1) if args.json else "", end="")
     if not args.json:
         _print(report)

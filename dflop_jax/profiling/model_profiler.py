@@ -84,7 +84,7 @@ def _cost(compiled) -> tuple[float, float]:
     return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
 
 
-def _median_time(call: Callable[[], object], warmup: int, runs: int) -> float:
+def _time(call: Callable[[], object], warmup: int, runs: int, statistic: str) -> float:
     for _ in range(warmup):
         jax.block_until_ready(call())
     times = []
@@ -92,7 +92,7 @@ def _median_time(call: Callable[[], object], warmup: int, runs: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(call())
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(times) if statistic == "median" else np.min(times))
 
 
 def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int = 1) -> dict:
@@ -132,10 +132,11 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
         return out
 
     fwd, bwd = [], []
+    timing = (settings.warmup, settings.runs, settings.statistic)
     with jax.set_mesh(prog.mesh):
         for _ in range(repeats):
-            fwd.append(_median_time(lambda: fwd_c(params, x, side), settings.warmup, settings.runs))
-            bwd.append(_median_time(backward, settings.warmup, settings.runs))
+            fwd.append(_time(lambda: fwd_c(params, x, side), *timing))
+            bwd.append(_time(backward, *timing))
     out = dict(stats, fwd_s=fwd[0], bwd_s=bwd[0])
     return out if repeats == 1 else dict(out, fwd_reps=fwd, bwd_reps=bwd)
 

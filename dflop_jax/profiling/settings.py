@@ -18,7 +18,9 @@ class ProfileSettings:
       llm_buckets: tokens per packed LLM row to profile.
       kinds: stage parts to profile (default: all).
       warmup: untimed runs per program after compiling.
-      runs: timed runs per program (the median is kept).
+      runs: timed runs per program.
+      statistic: which of the timed runs is kept: "median" (default), or "min" (robust on a machine
+        shared with other jobs: the minimum is the uncontended time).
       compute_dtype: dtype of the programs' matmuls ("bfloat16" as in training, or "float32").
       memory_limit_bytes: per-device memory; entries whose compiled peak exceeds it are skipped.
     """
@@ -29,6 +31,7 @@ class ProfileSettings:
     kinds: tuple[str, ...] = STAGE_KINDS
     warmup: int = 2
     runs: int = 5
+    statistic: str = "median"
     compute_dtype: str = "bfloat16"
     memory_limit_bytes: float = 2 * 2**30
 
@@ -40,6 +43,8 @@ class ProfileSettings:
         bad = [k for k in self.kinds if k not in STAGE_KINDS]
         require(not bad, "profile.kinds", self.kinds, f"use names from {STAGE_KINDS}")
         require(self.runs >= 1, "profile.runs", self.runs, "must be >= 1")
+        require(self.statistic in ("median", "min"), "profile.statistic", self.statistic,
+                "use 'median' or 'min'")  # fmt: skip
         require(self.warmup >= 0, "profile.warmup", self.warmup, "must be >= 0")
         require(self.compute_dtype in ("bfloat16", "float32"), "profile.compute_dtype",
                 self.compute_dtype, "use 'bfloat16' or 'float32'")  # fmt: skip
