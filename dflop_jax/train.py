@@ -2,6 +2,7 @@
 
     python -m dflop_jax.train                                  # the embedded demo (configs/demo.yaml)
     python -m dflop_jax.train --config configs/x.yaml steps=100 optimizer.lr=1e-3
+    scripts/run_training.sh <num_nodes> <rank> <coordinator host:port> [train args]   # multi-host
 
 With no --config the demo runs: a tiny model on synthetic data (generated on first run), a pipeline of
 several stages on 8 simulated CPU devices, a few dozen steps; it prints the plan and live metrics and
@@ -46,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _set_cpu_devices(cfg.num_cpu_devices)
+
+    from dflop_jax.runtime.distributed import initialize, resolve
+
+    dist = resolve(cfg.distributed, os.environ)
+    if dist is not None:
+        initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
 
     from dflop_jax.runtime.trainer import run
 

@@ -12,6 +12,7 @@ from dflop_jax.config import require
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.types import BucketSet
@@ -135,6 +136,8 @@ class TrainConfig:
       num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call).
       peak_flops: per-device peak FLOP/s for MFU; 0 = measure one device's matmul peak at start.
       tensorboard: also write TensorBoard event files to run_dir/tb.
+      compilation_cache: persistent XLA compilation cache directory ("" = off).
+      distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
     """
 
     model: ModelConfig = ModelConfig()
@@ -156,6 +159,7 @@ class TrainConfig:
     peak_flops: float = 0.0
     tensorboard: bool = False
     compilation_cache: str = "runs/jax_cache"
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")

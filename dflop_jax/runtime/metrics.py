@@ -34,7 +34,7 @@ CONSOLE_KEYS = (
 
 def measure_peak_flops(n: int = 512, repeats: int = 5) -> float:
     """Matmul FLOP/s of one device (fp32, [n,n] @ [n,n], best of `repeats` after a warm-up)."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -50,9 +50,15 @@ class MetricsLog:
     """Writes per-step metrics to JSONL (+ TensorBoard) and prints a console line every `every` steps."""
 
     def __init__(
-        self, run_dir: str | Path, every: int, tensorboard: bool, console: Console | None = None
+        self,
+        run_dir: str | Path,
+        every: int,
+        tensorboard: bool,
+        console: Console | None = None,
+        process: int = 0,
     ):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        name = "metrics.jsonl" if process == 0 else f"metrics.process{process}.jsonl"
+        self.path = Path(run_dir) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
         self.every = every

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.sharding import rules_for, state_shardings
-from dflop_jax.runtime.stages import StageFns, StageProgram
+from dflop_jax.runtime.stages import StageFns, StageProgram, put_host
 
 # (embeds [B,S,D], features [n, D], feature_index [B,S], params) -> embeds with features placed.
 FeaturePlacer = Callable[..., jax.Array]
@@ -122,7 +122,7 @@ def build_llm_stages(
         graphdef, state = nnx.split(stage)
         shardings = state_shardings(state, mesh, rules)
         # Via host memory: the stage must own its buffers (updates donate them; the model keeps its own).
-        params = jax.device_put(jax.device_get(state), shardings)
+        params = jax.tree.map(put_host, jax.device_get(state), shardings)
         fns = llm_stage_fns(graphdef, spec, rules, has_x=not spec.has_embedding and i > 0)
         programs.append(StageProgram(mesh, fns, params, compute_dtype))
     return programs
@@ -131,7 +131,8 @@ def build_llm_stages(
 def _place(module, mesh: Mesh, rules):
     """(graphdef, params on `mesh`) of an nnx module; buffers copied via host (the stage owns them)."""
     graphdef, state = nnx.split(module)
-    return graphdef, jax.device_put(jax.device_get(state), state_shardings(state, mesh, rules))
+    shardings = state_shardings(state, mesh, rules)
+    return graphdef, jax.tree.map(put_host, jax.device_get(state), shardings)
 
 
 def encoder_stage_fns(graphdef, spec: StageSpec, rules, *, first_in_pipeline: bool) -> StageFns:

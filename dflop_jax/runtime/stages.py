@@ -39,6 +39,13 @@ ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
 LossFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
 
 
+def put_host(value, sharding: NamedSharding) -> jax.Array:
+    """Places a host value (identical on every process) onto `sharding`; each process writes only
+    the shards it addresses, so this also works when the mesh spans (or lies on) other processes."""
+    arr = np.asarray(value)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx], dtype=arr.dtype)
+
+
 def enable_compilation_cache(cache_dir: str | Path) -> None:
     """Turns on JAX's persistent compilation cache (every program, however fast it compiles)."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -177,7 +184,7 @@ class StageProgram:
 
     def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
-        return {k: jax.device_put(batch[k], self.side_sharding) for k in self.fns.side_keys}
+        return {k: put_host(batch[k], self.side_sharding) for k in self.fns.side_keys}
 
     def zero_grads(self) -> PyTree:
         return self._zeros(self.params)
@@ -196,6 +203,6 @@ class StageProgram:
     def forward_backward_loss(self, x, side, normalizer, gacc):
         """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams)."""
         self._record("last", x, side)
-        norm = jax.device_put(np.float32(normalizer), NamedSharding(self.mesh, P()))
+        norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
         with jax.set_mesh(self.mesh):
             return self._last(self.params, x, side, norm, gacc)

@@ -3,7 +3,7 @@
 Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule) on its
 submesh. Clipping needs the norm of the whole model's gradient: each stage computes its squared norm
 on its mesh, the host sums the scalars (one tiny pull per stage, which the step's loss pull needs
-anyway), and each stage's update scales its gradients by min(1, max_norm / global_norm) -- the
+anyway; in multi-process runs one all-gather of the scalars over processes), and each stage's update scales its gradients by min(1, max_norm / global_norm) -- the
 `optax.clip_by_global_norm` rule applied across stages.
 
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
@@ -19,12 +19,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
-from dflop_jax.runtime.stages import PyTree, StageProgram
+from dflop_jax.runtime.distributed import host_scalars
+from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,7 @@ class StageOptimizer:
 
     def apply(self, grads: PyTree, scale: float) -> None:
         """Updates the stage's params and state in place (old buffers donated)."""
-        s = jax.device_put(jnp.float32(scale), self._scalar)
+        s = put_host(np.float32(scale), self._scalar)
         with jax.set_mesh(self.stage.mesh):
             self.stage.params, self.state = self._update(self.stage.params, self.state, grads, s)
 
@@ -140,10 +142,15 @@ def clip_scale(global_norm: float, clip_norm: float) -> float:
     return clip_norm / global_norm
 
 
-def apply_updates(optimizers: list[StageOptimizer], grads: list[PyTree], clip_norm: float) -> float:
-    """Clips by the global norm over all stages and updates every stage; returns the global norm."""
+def apply_updates(
+    optimizers: list[StageOptimizer], grads: list[PyTree], clip_norm: float, tag: str = "norm"
+) -> float:
+    """Clips by the global norm over all stages and updates every stage; returns the global norm.
+
+    `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`).
+    """
     sq = [opt.sq_norm(g) for opt, g in zip(optimizers, grads)]
-    global_norm = float(sum(float(x) for x in sq)) ** 0.5
+    global_norm = float(host_scalars(sq, tag).sum()) ** 0.5
     scale = clip_scale(global_norm, clip_norm)
     for opt, g in zip(optimizers, grads):
         opt.apply(g, scale)

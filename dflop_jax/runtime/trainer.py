@@ -36,6 +36,7 @@ from dflop_jax.costs import (
 from dflop_jax.costs.layout import Layout
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
@@ -125,7 +126,7 @@ def build_model(cfg: TrainConfig, vocab_size: int):
         dtype=cfg.compute_dtype,
         param_dtype="float32",
     )
-    with jax.default_device(jax.devices()[0]):
+    with jax.default_device(jax.local_devices()[0]):
         if m.kind == "decoder":
             return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), _arch(dcfg)
         from models.llava_onevision import LlavaOnevision, llava_onevision_config
@@ -184,10 +185,18 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     """Trains per `cfg` (resuming from `run_dir/checkpoints` when present); returns the report."""
     from dflop_jax.data import load_tokenizer, make_loader
 
-    console = console or Console()
+    lead = jax.process_index() == 0
+    console = console or Console(quiet=not lead)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run_dir / "config.yaml")
+    if lead:
+        dump_yaml(cfg, run_dir / "config.yaml")
+    if cfg.checkpoint.every and jax.process_count() > 1:
+        raise ValueError(
+            f"checkpoint.every={cfg.checkpoint.every}: checkpoints of multi-process runs need the "
+            "owner-writes path (stage meshes on single processes), not implemented yet; set "
+            "checkpoint.every=0"
+        )
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
 
@@ -227,7 +236,9 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
         console.print(f"resumed from step {start}", highlight=False)
 
     peak = cfg.peak_flops or measure_peak_flops()
-    metrics = MetricsLog(run_dir, cfg.log_every, cfg.tensorboard, console)
+    metrics = MetricsLog(
+        run_dir, cfg.log_every, cfg.tensorboard and lead, console, jax.process_index()
+    )
     schedule_fn = cfg.optimizer.schedule()
     losses: list[float] = []
     try:
@@ -271,10 +282,10 @@ def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn
     t0 = time.perf_counter()
     mbs = [dataclasses.asdict(mb) for mb in batch.microbatches]
     out = run_pipeline(stages, mbs, float(batch.num_loss_tokens), cfg.pipeline)
-    loss = float(sum(float(x) for x in out.loss))
+    loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
     if not np.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss} at step {step}")
-    grad_norm = apply_updates(opts, out.grads, cfg.optimizer.clip_norm)
+    grad_norm = apply_updates(opts, out.grads, cfg.optimizer.clip_norm, f"step{step}/norm")
     jax.block_until_ready([s.params for s in stages])
     step_time = time.perf_counter() - t0
     st = batch.stats

@@ -1,0 +1,112 @@
+"""Multi-process start-up: `jax.distributed` from config or environment, with a bounded wait.
+
+Every process runs the same driver loop. Settings come from `TrainConfig.distributed`, else from the
+environment variables DFLOP_COORDINATOR (host:port), DFLOP_NUM_PROCESSES and DFLOP_PROCESS_ID (what
+`scripts/run_training.sh` exports). Cross-process stage transfers need a fixed transfer socket per
+process (DESIGN section 11: port 0 hangs): process i listens on host:(transfer_port + i).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from dflop_jax.config import require
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Attributes:
+    coordinator: "host:port" of process 0's coordinator ("" = env DFLOP_COORDINATOR, or single process).
+    num_processes, process_id: 0 = from env DFLOP_NUM_PROCESSES / DFLOP_PROCESS_ID.
+    timeout_s: how long to wait for every peer to arrive before failing.
+    transfer_port: base port of the per-process cross-host transfer sockets (coordinator port + 100
+      when 0).
+    """
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    timeout_s: int = 60
+    transfer_port: int = 0
+
+    def __post_init__(self):
+        require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "must be >= 1 second")
+        require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, ">= 0")
+
+
+def resolve(cfg: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig | None:
+    """The effective settings (config first, then env); None for a single-process run."""
+    coordinator = cfg.coordinator or env.get("DFLOP_COORDINATOR", "")
+    n = cfg.num_processes or int(env.get("DFLOP_NUM_PROCESSES", "1"))
+    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("DFLOP_PROCESS_ID", "0"))
+    if n <= 1:
+        return None
+    if not coordinator or ":" not in coordinator:
+        raise ValueError(
+            f"distributed: {n} processes need a coordinator host:port, got {coordinator!r}"
+        )
+    if not 0 <= pid < n:
+        raise ValueError(f"distributed.process_id={pid}: must be in [0, {n})")
+    return dataclasses.replace(cfg, coordinator=coordinator, num_processes=n, process_id=pid)
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Joins the job (before any other JAX call); a peer that never arrives fails after timeout_s."""
+    host, port = cfg.coordinator.rsplit(":", 1)
+    base = cfg.transfer_port or int(port) + 100
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{base + cfg.process_id}")
+    # Said up front: when a peer never arrives the runtime may abort the process from C++ (no Python
+    # exception), so this line is the context the user sees next to its fatal message.
+    print(
+        f"process {cfg.process_id}/{cfg.num_processes}: joining the job at {cfg.coordinator}, waiting "
+        f"at most {cfg.timeout_s}s for every peer",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        jax.distributed.initialize(
+            cfg.coordinator,
+            cfg.num_processes,
+            cfg.process_id,
+            initialization_timeout=cfg.timeout_s,
+        )
+    except Exception as e:  # the runtime raises various XlaRuntimeErrors; say what it means
+        raise RuntimeError(
+            f"process {cfg.process_id}/{cfg.num_processes}: could not join the job at "
+            f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
+            f"unreachable): {str(e).splitlines()[0]}"
+        ) from None
+
+
+def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
+    """Host float64 values of scalars that may live on other processes' devices.
+
+    Each scalar is read by the lowest process owning one of its devices and published through the
+    `jax.distributed` key-value store under `tag` (unique per call, e.g. "step3/loss"); the others
+    read it there. Host-only, so it never queues behind pipeline work on the devices (single process:
+    a plain read).
+    """
+    if jax.process_count() == 1:
+        return np.array([float(v) for v in values])
+    from jax._src.distributed import global_state  # the public API has no key-value store accessor
+
+    client, me = global_state.client, jax.process_index()
+    out = np.zeros(len(values))
+    for i, v in enumerate(values):
+        writer = min(d.process_index for d in v.sharding.device_set)
+        key = f"dflop/{tag}/{i}"
+        if writer == me:
+            out[i] = float(v.addressable_shards[0].data)
+            client.key_value_set(key, repr(float(out[i])))
+    for i, v in enumerate(values):
+        if min(d.process_index for d in v.sharding.device_set) != me:
+            out[i] = float(client.blocking_key_value_get(f"dflop/{tag}/{i}", timeout_s * 1000))
+    return out
