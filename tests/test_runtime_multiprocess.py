@@ -1,5 +1,6 @@
 """Two jax processes on one machine (4 simulated CPU devices each) train with one pipeline stage per
-process (cross-process stage transfers) and match a single-process run; a missing peer fails fast."""
+process (cross-process stage transfers), save an owner-writes checkpoint, resume from it in a second
+launch, and match a straight single-process run; a missing peer fails within the bounded wait."""
 
 import json
 import os
@@ -41,11 +42,11 @@ def _args(tmp_path, run_dir):
         "layout.microbatches=[2, 3]",
         "scheduler.solver=greedy",
         "global_batch=8",
-        "steps=3",
+        "steps=4",
         "compute_dtype=float32",
         "compilation_cache=",
         f"run_dir={run_dir}",
-        "checkpoint.every=0",
+        "checkpoint.every=2",
         "num_cpu_devices=4",
         "peak_flops=1000000000.0",
         "distributed.timeout_s=60",
@@ -64,15 +65,13 @@ def _env():
     return env
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_two_processes_train_like_one(tmp_path):
+def _launch(tmp_path, run_dir, steps):
     port = _free_port()
-    run_dir = tmp_path / "mp"
     procs = [
         subprocess.Popen(
             ["timeout", "-k", "10", "400", str(SCRIPT), "2", str(rank), f"127.0.0.1:{port}"]
-            + _args(tmp_path, run_dir),
+            + _args(tmp_path, run_dir)
+            + [f"steps={steps}"],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -83,13 +82,31 @@ def test_two_processes_train_like_one(tmp_path):
     outs = [p.communicate(timeout=420)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    return outs
 
-    # The same run in this single process (8 devices: same layout, same data) gives the same losses.
-    single = run(
-        load_config(TrainConfig, REPO / "configs" / "demo.yaml", _args(tmp_path, tmp_path / "sp"))
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
+    run_dir = tmp_path / "mp"
+    _launch(tmp_path, run_dir, steps=2)
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_2").iterdir()) == [
+        "meta.json",
+        "process_0.npz",
+        "process_1.npz",
+    ]
+    outs = _launch(tmp_path, run_dir, steps=4)
+    assert "resumed from step 2" in outs[0]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+    # The same 4 steps straight in this single process (8 devices: same layout and data).
+    cfg = load_config(
+        TrainConfig,
+        REPO / "configs" / "demo.yaml",
+        _args(tmp_path, tmp_path / "sp") + ["checkpoint.every=0"],
     )
+    single = run(cfg)
     np.testing.assert_allclose([r["loss"] for r in rows], single.losses, rtol=1e-5)
 
 

@@ -34,7 +34,7 @@ from dflop_jax.costs import (
     sample_model_flops,
 )
 from dflop_jax.costs.layout import Layout
-from dflop_jax.runtime.checkpoint import Checkpointer
+from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import run_pipeline
@@ -191,12 +191,6 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     run_dir.mkdir(parents=True, exist_ok=True)
     if lead:
         dump_yaml(cfg, run_dir / "config.yaml")
-    if cfg.checkpoint.every and jax.process_count() > 1:
-        raise ValueError(
-            f"checkpoint.every={cfg.checkpoint.every}: checkpoints of multi-process runs need the "
-            "owner-writes path (stage meshes on single processes), not implemented yet; set "
-            "checkpoint.every=0"
-        )
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
 
@@ -220,7 +214,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     loader = make_loader(
         cfg.data, None, problem, cfg.scheduler, global_batch_size=cfg.global_batch, seed=cfg.seed
     )
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    if jax.process_count() == 1:
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    else:  # orbax refuses arrays living on one process of many: every owner writes its own
+        ckpt = OwnerCheckpointer(run_dir / "checkpoints", cfg.checkpoint.keep)
     specs = list(layout.stages)
     start = 0
     if cfg.checkpoint.resume and ckpt.latest_step() is not None:
