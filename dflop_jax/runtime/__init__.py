@@ -2,8 +2,9 @@
 state, checkpoints, metrics and the training loop (`run`). `sharding.py` (logical->mesh rules) is
 re-exported by its owner's module only."""
 
-from dflop_jax.runtime.checkpoint import Checkpointer, model_tree, stage_trees
+from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer, model_tree, stage_trees
 from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.distributed import DistributedConfig, host_scalars
 from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipeline, stage_ops
 from dflop_jax.runtime.mesh import LayoutError, stage_meshes
 from dflop_jax.runtime.stages import StageFns, StageProgram, enable_compilation_cache
@@ -17,6 +18,8 @@ from dflop_jax.runtime.train_state import (
 __all__ = [
     "CheckpointConfig",
     "Checkpointer",
+    "DistributedConfig",
+    "OwnerCheckpointer",
     "LayoutConfig",
     "LayoutError",
     "ModelConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "apply_updates",
     "clip_scale",
     "enable_compilation_cache",
+    "host_scalars",
     "model_tree",
     "pipeline_order",
     "run_pipeline",
