@@ -57,7 +57,7 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
     assert np.mean(straight.losses[-2:]) < straight.losses[0] - 0.3
     assert (tmp_path / "a" / "config.yaml").is_file()
     rows = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 6 and straight.summary["recompiles"] == 0
+    assert len(rows) == 6 and straight.summary["new_compiles_after_first_step"] == 0
 
     half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}))
     resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}))

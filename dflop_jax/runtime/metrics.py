@@ -108,7 +108,10 @@ class MetricsLog:
             "scheduler_latency_s_mean": mean("scheduler_latency_s"),
             "data_wait_s_mean": mean("data_wait_s"),
             "predicted_step_time_s_mean": mean("predicted_step_time_s"),
-            "recompiles": self.history[-1]["recompiles"],
+            "compiles": self.history[-1]["compiles"],
+            # New (stage, bucket) programs after the first step: first sightings of a bucket only;
+            # a steady state adds none.
+            "new_compiles_after_first_step": sum(r["recompiles"] for r in self.history[1:]),
             "skipped_samples": sum(r["skipped"] for r in self.history),
         }
 
