@@ -75,6 +75,16 @@ def llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_x: bool) -> StageFns:
     )
 
 
+def _check_untied(text_cfg, layout: Layout) -> None:
+    """Tied embeddings across two LLM stages would train two diverging copies: refuse (deferred)."""
+    if text_cfg.tie_embeddings and len(layout.llm_stages) > 1:
+        raise ValueError(
+            "model has tie_embeddings=True and the layout has "
+            f"{len(layout.llm_stages)} LLM stages: summing the two embedding gradient copies is not "
+            "implemented; use one LLM stage or an untied model"
+        )
+
+
 def _indivisible(cfg, tp: int) -> dict:
     """Replicates the logical axes whose sizes tp does not divide (e.g. an odd HF vocabulary)."""
     sizes = {
@@ -106,7 +116,10 @@ def build_llm_stages(
     from models.decoder import extract_stage
 
     if layout.encoder_stages:
-        raise NotImplementedError("encoder stages need the vision model adapter (models-vision)")
+        raise ValueError(
+            "a decoder-only model has no encoder: give a layout without encoder stages"
+        )
+    _check_untied(decoder.cfg, layout)
     programs = []
     for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
         rules = rules_for(
@@ -197,6 +210,7 @@ def build_mllm_stages(
             "an MLLM layout needs at least one encoder stage; add encoder stages to the plan"
         )
     cfg = model.cfg
+    _check_untied(cfg.text, layout)
     encoders, llms = extract_stages(
         model,
         [s.num_layers for s in layout.encoder_stages],

@@ -9,8 +9,8 @@ anyway; in multi-process runs one all-gather of the scalars over processes), and
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
 
-Tied embeddings (one matrix used by the first and last LLM stage) are not supported: the demo and test
-models untie them; a tied HF checkpoint is loaded as two copies.
+Tied embeddings (one matrix used by the first and last LLM stage) are deferred: the stage builders
+refuse a tied model on more than one LLM stage (`model_stages._check_untied`); one LLM stage is fine.
 """
 
 from __future__ import annotations
