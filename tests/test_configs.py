@@ -1,0 +1,57 @@
+"""Every YAML in configs/ loads into the root config of the command its header names (STYLE (b)11).
+
+A config's first comment lines show how to run it (`python -m dflop_jax.<entry> ...`); that entry
+point's root dataclass must accept the file as written.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dflop_jax.config import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def _root_for(command: str):
+    if command.startswith("dflop_jax.train"):
+        from dflop_jax.runtime.config import TrainConfig
+
+        return TrainConfig
+    if command.startswith("dflop_jax.plan"):
+        from dflop_jax.planner.run_config import PlanRunConfig
+
+        return PlanRunConfig
+    if command.startswith("dflop_jax.profile data"):
+        from dflop_jax.data.profile import DataProfileConfig
+
+        return DataProfileConfig
+    if command.startswith("dflop_jax.profile model"):
+        from dflop_jax.profiling.cli import ModelProfileConfig
+
+        return ModelProfileConfig
+    if command.startswith("dflop_jax.profiling"):
+        from dflop_jax.profiling.__main__ import AutoPlanRunConfig
+
+        return AutoPlanRunConfig
+    raise AssertionError(f"no root config known for `python -m {command}`: add it to {__file__}")
+
+
+def test_there_are_configs():
+    assert any(p.name == "demo.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_into_its_entry_points_schema(path):
+    header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    m = re.search(r"python -m (dflop_jax[\w.]*(?: data| model)?)", header)
+    if path.name == "demo.yaml":
+        command = "dflop_jax.train"
+    else:
+        assert m, f"{path.name}: the header comment must show its command (python -m dflop_jax...)"
+        command = m.group(1)
+    root = _root_for(command)
+    assert isinstance(
+        load_config(root, path), root
+    )  # load_config raises ConfigError on any problem
