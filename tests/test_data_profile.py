@@ -142,5 +142,7 @@ def test_profile_cli(tmp_path, capsys):
     assert "text" in capsys.readouterr().out
     assert profile_cli.main(["data", "--config", str(cfg_file), "data.max_frames=0"]) == 2
     assert "data.max_frames" in capsys.readouterr().err
-    assert profile_cli.main(["model"]) == 2  # the model profiler needs a config: a one-line usage error
+    assert (
+        profile_cli.main(["model"]) == 2
+    )  # the model profiler needs a config: a one-line usage error
     assert "give --config YAML" in capsys.readouterr().err
