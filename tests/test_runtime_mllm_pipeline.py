@@ -1,5 +1,9 @@
 """LLaVA-OV-style MLLM pipelined over 2 encoder + 2 LLM stages (encoder dp=2, LLM dp=1 x tp=2) ==
-single-device jax.grad of the unsplit model + the same optax update, for 1F1B and GPipe orders."""
+single-device jax.grad of the unsplit model + the same optax update, for 1F1B and GPipe orders.
+
+The 48-token microbatches carry exact LLaVA-OV feature taps (4 taps with fractional weights, as the
+data path packs for interpolated image features); the 32-token one only a plain feature_index, so one
+step covers both placements of the first LLM stage."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +13,7 @@ import pytest
 from flax import nnx
 
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.data.types import plain_taps
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
@@ -39,6 +44,18 @@ OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
 V_DP, L_DP, TPT = 2, 1, 16
 
 
+def _taps(rng, fidx, n_rows):
+    """[L_DP,S,4] taps / weights: image positions mix 4 random feature rows with random fractional
+    weights (summing to 1); TEXT / NEWLINE positions repeat their index with weight 1 on tap 0."""
+    taps, weights = plain_taps(fidx.reshape(-1))
+    img = fidx.reshape(-1) >= 0
+    taps[img] = rng.integers(0, n_rows, (int(img.sum()), 4))
+    w = rng.random((int(img.sum()), 4)) + 0.1
+    weights[img] = w / w.sum(1, keepdims=True)
+    shape = (*fidx.shape, 4)
+    return taps.reshape(shape).astype(np.int32), weights.reshape(shape).astype(np.float32)
+
+
 def _microbatch(rng, tiles_per_shard, length):
     n = V_DP * tiles_per_shard
     fidx = np.full((L_DP, length), -1, np.int32)
@@ -49,7 +66,10 @@ def _microbatch(rng, tiles_per_shard, length):
     seg[0, length - 6 :] = 2
     pos = np.concatenate([np.arange(length - 6), np.arange(6)])[None].astype(np.int32)
     tokens = rng.integers(1, TEXT.vocab_size, (L_DP, length)).astype(np.int32)
+    taps, weights = _taps(rng, fidx, n * TPT) if length == 48 else (None, None)
     return {
+        "feature_taps": taps,
+        "feature_weight": weights,
         "tiles": rng.standard_normal((n, 28, 28, 3)).astype(np.float32),
         "tile_valid": np.ones(n, bool),
         "tile_pool": np.arange(n) == 1,  # one video frame (pooled features)
@@ -92,7 +112,11 @@ def reference():
     @jax.jit
     def grad_mb(params, mb):
         def loss(params):
-            return nnx.merge(graphdef, params).loss(*(mb[k] for k in keys))[0] / norm
+            args = [mb[k] for k in keys]
+            if mb["feature_taps"] is not None:  # MLLM.loss places with the taps instead
+                args[keys.index("feature_index")] = mb["feature_taps"]
+            model = nnx.merge(graphdef, params)
+            return model.loss(*args, feature_weight=mb["feature_weight"])[0] / norm
 
         return jax.value_and_grad(loss)(params)
 

@@ -10,7 +10,9 @@ parity tests rely on it); a model too big for one device would instead be create
 `create_sharded` (not needed by the tiny/demo models).
 
 LLM stage functions (side inputs are PackedMicrobatch fields, sharded over "data"):
-  first stage:  tokens, feature_index, segment_ids, positions (+ encoder features as x) -> hidden
+  first stage:  tokens, feature_index, segment_ids, positions (+ encoder features as x) -> hidden;
+                an MLLM's first LLM stage also takes feature_taps / feature_weight [l_dp, S, K] when the
+                microbatch has them (LLaVA-OV's exact bilinear taps) and then places with those
   inner stage:  hidden [l_dp, S, D], segment_ids, positions -> hidden
   last stage:   ... + targets, loss_mask -> (loss_sum, count)  (models.loss.cross_entropy_sum)
 Encoder stage functions (MLLM):
@@ -169,11 +171,15 @@ def mllm_llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_features: bool) 
     if spec.has_embedding:
         side = ("tokens", "feature_index") + side
 
+    # Exact LLaVA-OV placement: [B,S,K] taps + weights when the microbatch has them (data/types.py).
+    optional = TAP_KEYS if spec.has_embedding and has_features else ()
+
     def hidden(params, x, s):
         with nnx.logical_axis_rules(rules):
             stage = nnx.merge(graphdef, params)
             if spec.has_embedding:
-                x = stage.embed(s["tokens"], x, s["feature_index"] if has_features else None)
+                placement = _placement(s) if has_features else (None, None)
+                x = stage.embed(s["tokens"], x, *placement)
             return stage, stage(x, s["segment_ids"], s["positions"])
 
     x_spec = (P() if has_features else None) if spec.has_embedding else P("data")
@@ -184,8 +190,28 @@ def mllm_llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_features: bool) 
             with nnx.logical_axis_rules(rules):
                 return stage.loss(h, s["targets"], s["loss_mask"])
 
-        return StageFns(loss=loss, side_keys=side + ("targets", "loss_mask"), x_spec=x_spec)
-    return StageFns(forward=lambda p, x, s: hidden(p, x, s)[1], side_keys=side, x_spec=x_spec)
+        return StageFns(
+            loss=loss,
+            side_keys=side + ("targets", "loss_mask"),
+            optional_keys=optional,
+            x_spec=x_spec,
+        )
+    return StageFns(
+        forward=lambda p, x, s: hidden(p, x, s)[1],
+        side_keys=side,
+        optional_keys=optional,
+        x_spec=x_spec,
+    )
+
+
+TAP_KEYS = ("feature_taps", "feature_weight")
+
+
+def _placement(side) -> tuple:
+    """(index, weight) for `place_features`: the exact taps when present, else the plain gather."""
+    if "feature_taps" in side:
+        return side["feature_taps"], side["feature_weight"]
+    return side["feature_index"], None
 
 
 def build_mllm_stages(

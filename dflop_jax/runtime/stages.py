@@ -62,6 +62,8 @@ class StageFns:
       forward: (params, x, side) -> y, for every stage but the last.
       loss: (params, x, side) -> (loss_sum, count) for the last stage; loss_sum is un-normalized.
       side_keys: the microbatch fields this stage reads (keys of `side`).
+      optional_keys: fields placed only when the microbatch has them (present and not None), e.g.
+        the exact feature taps of LLaVA-OV data; the functions test `key in side` (a separate compile).
       x_spec: PartitionSpec of the stage input x on this stage's mesh (None: the stage has no x).
       y_spec: PartitionSpec of the stage output y (unused for the last stage).
     """
@@ -69,6 +71,7 @@ class StageFns:
     forward: ForwardFn | None = None
     loss: LossFn | None = None
     side_keys: tuple[str, ...] = ()
+    optional_keys: tuple[str, ...] = ()
     x_spec: P | None = None
     y_spec: P = P("data")
 
@@ -184,7 +187,10 @@ class StageProgram:
 
     def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
-        return {k: put_host(batch[k], self.side_sharding) for k in self.fns.side_keys}
+        keys = self.fns.side_keys + tuple(
+            k for k in self.fns.optional_keys if k in batch and batch[k] is not None
+        )
+        return {k: put_host(batch[k], self.side_sharding) for k in keys}
 
     def zero_grads(self) -> PyTree:
         return self._zeros(self.params)
