@@ -31,11 +31,15 @@ from dflop_jax.scheduler.objective import (
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 
 
-def _arrays(shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
-    return (
-        np.array([s.tokens for s in shapes], dtype=np.float64),
-        np.array([s.tiles for s in shapes], dtype=np.float64),
-    )
+def _prepare(
+    shapes: Sequence[SampleShape], problem: ScheduleProblem
+) -> tuple[np.ndarray, np.ndarray, CostTable]:
+    """Checks every sample fits the largest buckets; returns (tokens [N], tiles [N], cost table)."""
+    shapes = list(shapes)
+    check_fits(shapes, problem)
+    tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
+    tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
+    return tokens, tiles, CostTable.build(problem)
 
 
 def _report(name, bin_of, m, ti, si, tokens, tiles, problem, table, t0, info) -> Schedule:
@@ -54,13 +58,10 @@ def data_blind_schedule(
 ) -> Schedule:
     """Loader-order microbatches, in-order first-fit into the largest buckets (module docstring)."""
     t0 = time.perf_counter()
-    shapes = list(shapes)
-    check_fits(shapes, problem)
-    tokens, tiles = _arrays(shapes)
-    table = CostTable.build(problem)
+    tokens, tiles, table = _prepare(shapes, problem)
     ldp, smax = problem.llm_dp, float(table.lengths[-1])
     tmax = float(table.tiles[-1]) * problem.encoder_dp
-    n = len(shapes)
+    n = len(tokens)
     bounds = np.linspace(0, n, microbatches + 1).round().astype(int)
     bin_of = np.empty(n, dtype=np.int64)
     carry: list[int] = []
@@ -103,14 +104,11 @@ def reference_like_schedule(
 ) -> Schedule:
     """Cost-proportional min-max (LPT) over all bins, blind to buckets (module docstring)."""
     t0 = time.perf_counter()
-    shapes = list(shapes)
-    check_fits(shapes, problem)
-    tokens, tiles = _arrays(shapes)
-    table = CostTable.build(problem)
+    tokens, tiles, table = _prepare(shapes, problem)
     ldp, m = problem.llm_dp, microbatches
     cost = per_sample_costs(tokens, tiles, table)
     load = np.zeros(m * ldp)
-    bin_of = np.empty(len(shapes), dtype=np.int64)
+    bin_of = np.empty(len(tokens), dtype=np.int64)
     for i in np.lexsort((np.arange(len(cost)), -cost)):
         b = int(np.argmin(load))
         bin_of[i] = b
