@@ -13,6 +13,7 @@ scheduler's correction state, the plan/layout and anything else the trainer pass
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +145,32 @@ class Checkpointer:
         self.manager.close()
 
 
+def _wait_for_files(paths: list[Path], timeout_s: float, poll_s: float = 0.05) -> None:
+    """Returns once every path exists; raises TimeoutError naming the missing ones after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(paths)
+    while True:
+        missing = [p for p in missing if not p.exists()]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"checkpoint: {', '.join(p.name for p in missing)} not written under "
+                f"{missing[0].parent} within {timeout_s}s (a process died or the directory is "
+                "not shared by all processes)"
+            )
+        time.sleep(poll_s)
+
+
 class OwnerCheckpointer:
     """Multi-process checkpoints for layouts whose stage meshes each live on ONE process.
 
     orbax refuses such host-local arrays in multi-process runs (DESIGN section 11), so here every
-    process writes the arrays it owns: `step_<N>/process_<i>.npz` (temp file, then rename), reports
-    through the `jax.distributed` key-value store, and process 0 writes `step_<N>/meta.json` last,
-    which marks the step complete (atomic). The arrays are the same layout-independent model tree as
+    process writes the arrays it owns: `step_<N>/process_<i>.npz` (temp file, then rename, so the
+    file's appearance means "done"); process 0 waits (bounded, polling) until every process's file
+    is there and writes `step_<N>/meta.json` last, which marks the step complete (atomic). The
+    barrier goes through the shared directory, not a device collective or JAX internals: it cannot
+    queue behind device work, and the restore needs that shared directory anyway. The arrays are the same layout-independent model tree as
     `Checkpointer`'s, so restoring reads every process's file and places each leaf onto the CURRENT
     stages' shardings (any layout). Needs a directory all processes share.
     """
@@ -168,7 +188,6 @@ class OwnerCheckpointer:
         import json
 
         import numpy as np
-        from jax._src.distributed import global_state  # the KV store has no public accessor
 
         me, n = jax.process_index(), jax.process_count()
         out = self.directory / f"step_{step}"
@@ -189,11 +208,8 @@ class OwnerCheckpointer:
         with tmp.open("wb") as f:
             np.savez(f, **mine)
         tmp.rename(out / f"process_{me}.npz")
-        client = global_state.client
-        client.key_value_set(f"dflop/ckpt/{step}/{me}", "done")
-        if me == 0:
-            for i in range(n):
-                client.blocking_key_value_get(f"dflop/ckpt/{step}/{i}", self.timeout_s * 1000)
+        if me == 0:  # each renamed file is that process's "done"; meta.json last marks the step
+            _wait_for_files([out / f"process_{i}.npz" for i in range(n)], self.timeout_s)
             (out / ".meta.json").write_text(json.dumps(dict(meta, step=step)))
             (out / ".meta.json").rename(out / "meta.json")
             self._prune()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dflop_jax.config import require
 
@@ -89,24 +91,50 @@ def initialize(cfg: DistributedConfig) -> None:
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
     """Host float64 values of scalars that may live on other processes' devices.
 
-    Each scalar is read by the lowest process owning one of its devices and published through the
-    `jax.distributed` key-value store under `tag` (unique per call, e.g. "step3/loss"); the others
-    read it there. Host-only, so it never queues behind pipeline work on the devices (single process:
-    a plain read).
+    Each scalar is read by the lowest process owning one of its devices; then every process drains
+    ALL its outstanding device work and the readings are exchanged with the public
+    `multihost_utils.process_allgather`. The drain matters: an all-gather queued behind pipeline
+    work whose cross-process transfers are still in flight can deadlock, an idle queue cannot.
+    Values travel as the bits of their float64 (exact without x64). The whole exchange is bounded
+    by `timeout_s`; `tag` (e.g. "step3/loss") names it in the timeout message. Single process: a
+    plain read.
     """
     if jax.process_count() == 1:
         return np.array([float(v) for v in values])
-    from jax._src.distributed import global_state  # the public API has no key-value store accessor
+    me = jax.process_index()
+    writers = [min(d.process_index for d in v.sharding.device_set) for v in values]
+    mine = np.array(
+        [float(v.addressable_shards[0].data) if w == me else 0.0 for v, w in zip(values, writers)]
+    )
+    table = _bounded(lambda: _drained_allgather(mine.view(np.uint32)), tag, timeout_s)
+    rows = np.ascontiguousarray(table).view(np.float64)  # (processes, len(values))
+    return rows[writers, np.arange(len(values))]
 
-    client, me = global_state.client, jax.process_index()
-    out = np.zeros(len(values))
-    for i, v in enumerate(values):
-        writer = min(d.process_index for d in v.sharding.device_set)
-        key = f"dflop/{tag}/{i}"
-        if writer == me:
-            out[i] = float(v.addressable_shards[0].data)
-            client.key_value_set(key, repr(float(out[i])))
-    for i, v in enumerate(values):
-        if min(d.process_index for d in v.sharding.device_set) != me:
-            out[i] = float(client.blocking_key_value_get(f"dflop/{tag}/{i}", timeout_s * 1000))
-    return out
+
+def _drained_allgather(words: np.ndarray) -> np.ndarray:
+    """(processes, *words.shape) gathered after every array this process holds is computed."""
+    jax.block_until_ready(jax.live_arrays())
+    return np.asarray(multihost_utils.process_allgather(words))
+
+
+def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:
+    """fn() run in a daemon thread, waited for at most timeout_s (a dead peer never joins)."""
+    box: dict[str, object] = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["err"] = e
+
+    worker = threading.Thread(target=target, name=f"dflop-exchange-{tag}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TimeoutError(
+            f"process {jax.process_index()}/{jax.process_count()}: exchange {tag!r} did not "
+            f"complete within {timeout_s}s (a peer process died, hung or runs another step)"
+        )
+    if "err" in box:
+        raise box["err"]  # type: ignore[misc]
+    return box["out"]  # type: ignore[return-value]
