@@ -7,6 +7,8 @@ row-major, then the thumbnail last when there is more than one grid tile.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +19,14 @@ from dflop_jax.data.errors import BadSample
 _RESAMPLE = Image.Resampling.BICUBIC
 
 
-def image_size(path: Path, location: str) -> tuple[int, int]:
-    """(height, width) from the file header; Pillow opens lazily and decodes no pixels here."""
+@contextlib.contextmanager
+def _open_image(path: Path, location: str) -> Iterator[Image.Image]:
+    """Opens `path` with Pillow; a missing file or any decode error in the block raises BadSample."""
     if not path.is_file():
         raise BadSample("missing_file", location, f"image not found: {path}")
     try:
         with Image.open(path) as img:
-            w, h = img.size
+            yield img
     except (
         UnidentifiedImageError,
         Image.DecompressionBombError,
@@ -32,6 +35,12 @@ def image_size(path: Path, location: str) -> tuple[int, int]:
         ValueError,
     ) as e:
         raise BadSample("corrupt_image", location, f"{path}: {e}") from None
+
+
+def image_size(path: Path, location: str) -> tuple[int, int]:
+    """(height, width) from the file header; Pillow opens lazily and decodes no pixels here."""
+    with _open_image(path, location) as img:
+        w, h = img.size
     if h < 1 or w < 1:
         raise BadSample("corrupt_image", location, f"{path}: empty image {w}x{h}")
     return h, w
@@ -39,20 +48,9 @@ def image_size(path: Path, location: str) -> tuple[int, int]:
 
 def load_image(path: Path, location: str) -> Image.Image:
     """Decodes the whole image as RGB; truncated or corrupt files raise BadSample("corrupt_image")."""
-    if not path.is_file():
-        raise BadSample("missing_file", location, f"image not found: {path}")
-    try:
-        with Image.open(path) as img:
-            img.load()
-            return img.convert("RGB")
-    except (
-        UnidentifiedImageError,
-        Image.DecompressionBombError,
-        OSError,
-        SyntaxError,
-        ValueError,
-    ) as e:
-        raise BadSample("corrupt_image", location, f"{path}: {e}") from None
+    with _open_image(path, location) as img:
+        img.load()
+        return img.convert("RGB")
 
 
 def _array(img: Image.Image) -> np.ndarray:
