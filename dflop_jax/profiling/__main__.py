@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 
 from dflop_jax.config import ConfigError, load_config, read_yaml, require
+from dflop_jax.profiling.cli import simulate_cpu_devices
 from dflop_jax.profiling.pipeline import AutoPlanConfig
 
 
@@ -62,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:  # before jax starts its backend
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={cfg.num_cpu_devices}"
-        )
+    simulate_cpu_devices(cfg.num_cpu_devices)
     from dflop_jax.planner import PlanningError, describe_layout
     from dflop_jax.profiling.model_config import model_config_for_arch
     from dflop_jax.profiling.pipeline import ensure_plan

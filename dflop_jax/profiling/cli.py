@@ -39,6 +39,16 @@ class ModelProfileConfig:
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
 
 
+def simulate_cpu_devices(n: int) -> None:
+    """Asks XLA for `n` simulated host devices unless XLA_FLAGS already sets a count.
+
+    Call before jax starts its backend (the first device query), i.e. before importing the profiler.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML with arch / profile / out")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. profile.runs=10")
@@ -58,11 +68,7 @@ def run_model(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:  # before jax starts its backend
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={cfg.num_cpu_devices}"
-        )
+    simulate_cpu_devices(cfg.num_cpu_devices)
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.model_config import model_config_for_arch
     from dflop_jax.profiling.model_profiler import profile_model
