@@ -1,6 +1,10 @@
-"""End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params);
-the embedded demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
+"""End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params),
+with stage times measured every step and adaptive correction on (a deterministic clock, so both runs
+observe the same times); the embedded demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its
+loss decreases."""
 
+import itertools
+import json
 from pathlib import Path
 
 import jax
@@ -43,6 +47,8 @@ def _cfg(tmp_path, name, **over):
         f"compilation_cache={tmp_path / 'jax_cache'}",
         f"run_dir={tmp_path / name}",
         "peak_flops=1000000000.0",
+        "measure_stage_times_every=1",
+        "scheduler.correction='on'",
     ]
     return load_config(TrainConfig, None, base + [f"{k}={v}" for k, v in over.items()])
 
@@ -52,15 +58,31 @@ def test_demo_config_loads():
     assert cfg.layout.layout().num_stages >= 2 and cfg.layout.layout().num_devices <= 8
 
 
+def _clock():
+    """Every timed program takes 1 ms (two consecutive reads)."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * 1e-3
+
+
 def test_train_loss_decreases_and_resume_is_exact(tmp_path):
-    straight = run(_cfg(tmp_path, "a", steps=6))
+    straight = run(_cfg(tmp_path, "a", steps=6), clock=_clock())
     assert np.mean(straight.losses[-2:]) < straight.losses[0] - 0.3
     assert (tmp_path / "a" / "config.yaml").is_file()
-    rows = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and straight.summary["new_compiles_after_first_step"] == 0
+    # One bucket: step 1's first microbatch compiles every program (its times are left out), every
+    # later microbatch is observed.
+    assert rows[0]["new_observations"] == rows[0]["microbatches"] - 1
+    for r in rows[1:]:
+        assert r["stage_times_measured"] and r["new_observations"] == r["microbatches"]
+    last = rows[-1]
+    assert last["correction_observations"] == sum(r["microbatches"] for r in rows) - 1
+    assert last["correction_active"] and last["pred_raw_mape"] > 0.5  # analytic CPU costs != 1 ms
+    # Every measured time is 1 ms per fwd or bwd: once learned, the corrected error is (near) zero.
+    assert last["pred_corrected_mape"] < last["pred_raw_mape"]
 
-    half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}))
-    resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}))
+    half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}), clock=_clock())
+    resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}), clock=_clock())
     assert resumed.first_step == 3
     assert half.losses + resumed.losses == straight.losses
     for s_a, s_b in zip(straight.stages, resumed.stages):
@@ -91,4 +113,8 @@ def test_demo_trains_and_loss_decreases(tmp_path):
     assert len(report.layout.encoder_stages) >= 2 and len(report.layout.llm_stages) >= 2
     assert np.mean(report.losses[-2:]) < report.losses[0] - 0.2
     assert (tmp_path / "demo" / "config.yaml").is_file()
-    assert len((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()) == 6
+    rows = [json.loads(r) for r in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    # Real timing: step 5 measured its stage programs (demo default every 5 steps).
+    assert [r["stage_times_measured"] for r in rows] == [False] * 4 + [True, False]
+    assert rows[4]["new_observations"] >= 1 and rows[4]["pred_raw_mape"] > 0

@@ -138,6 +138,12 @@ class TrainConfig:
       tensorboard: also write TensorBoard event files to run_dir/tb.
       compilation_cache: persistent XLA compilation cache directory ("" = off).
       distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
+      measure_stage_times_every: every this many steps, time each stage program per microbatch
+        (blocking, so that step runs serialized) and feed the times to the scheduler's adaptive
+        correction (`Scheduler.observe`); 0 = off. With correction not "off" the loader then runs
+        without prefetch (batch k is scheduled after step k-1's observations: deterministic given the
+        observations, and a resume repeats it). Off in multi-process runs (processes would observe
+        different times and schedule differently; logged).
     """
 
     model: ModelConfig = ModelConfig()
@@ -160,9 +166,16 @@ class TrainConfig:
     tensorboard: bool = False
     compilation_cache: str = "runs/jax_cache"
     distributed: DistributedConfig = DistributedConfig()
+    measure_stage_times_every: int = 5
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
         require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
+        require(
+            self.measure_stage_times_every >= 0,
+            "measure_stage_times_every",
+            self.measure_stage_times_every,
+            "0 (off) or steps between measured steps",
+        )

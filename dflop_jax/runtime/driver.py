@@ -4,6 +4,12 @@ Every process runs this same loop (same programs, same transfers, same order). J
 asynchronous, so on accelerators the stages overlap; the order below is what a real 1F1B pipeline
 would execute, and the dependencies make it valid for any stage count and microbatch count.
 
+Measured steps (`measure=True`): before each op the driver waits for its inputs, then times the program
+until its outputs are ready, giving per-stage, per-microbatch seconds for the scheduler's adaptive
+correction. This serializes that step (no stage overlap, so its step time is not representative); on
+CPU the simulated devices share the cores anyway. An op whose call compiled a new program is marked
+invalid (its time is mostly compilation).
+
 Transfers: a stage's output goes to the next stage with `jax.device_put(y, next.x_sharding)` (shard to
 shard between submeshes, never through one device); cotangents go back the same way.
 """
@@ -11,7 +17,8 @@ shard between submeshes, never through one device); cotangents go back the same 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -88,10 +95,15 @@ class StepOutput:
     Attributes:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage.
       grads: accumulated fp32 gradients per stage, on each stage's mesh.
+      stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage; the
+        last stage's fused forward+backward program is reported whole in the fwd slot (bwd = 0).
+      timing_valid: measured steps only: [M] bool, False where an op of the microbatch compiled.
     """
 
     loss: list[jax.Array]
     grads: list[PyTree]
+    stage_times: np.ndarray | None = None
+    timing_valid: np.ndarray | None = None
 
 
 def run_pipeline(
@@ -99,6 +111,9 @@ def run_pipeline(
     microbatches: Sequence[Mapping[str, np.ndarray]],
     normalizer: float,
     order: Order = "1f1b",
+    *,
+    measure: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> StepOutput:
     """Forward + backward of one global batch through the pipeline, accumulating gradients.
 
@@ -108,6 +123,8 @@ def run_pipeline(
       normalizer: loss tokens of the whole global batch; each microbatch's loss sum is divided by it,
         so the objective does not depend on how samples were packed or split.
       order: "1f1b" or "gpipe".
+      measure: time every op (blocking; module docstring) into `StepOutput.stage_times`.
+      clock: the timer of measured steps (seconds).
 
     Returns:
       StepOutput with the loss contributions and the accumulated gradients.
@@ -118,11 +135,17 @@ def run_pipeline(
     sides: dict[tuple[int, int], dict] = {}
     cotangents: dict[tuple[int, int], jax.Array] = {}
     losses: list[jax.Array | None] = [None] * num_mb
+    times = np.zeros((num_mb, num_stages, 2)) if measure else None
+    valid = np.ones(num_mb, bool) if measure else None
     for op in pipeline_order(num_stages, num_mb, order):
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
             sides[s, m] = stage.put_side(microbatches[m])
+        if measure:  # inputs ready first, so only the program is timed
+            jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
+            compiles, t0 = stage.compiles, clock()
+        if op.kind == "F":
             x = inputs[s, m]
             if stage.is_last:
                 loss, _, gx, grads[s] = stage.forward_backward_loss(
@@ -130,15 +153,23 @@ def run_pipeline(
                 )
                 inputs.pop((s, m))
                 losses[m] = loss
-                _send_back(stages, s, m, gx, cotangents)
+                out = (loss, gx, grads[s])
             else:
                 y = stage.forward(x, sides[s, m])
-                inputs[s + 1, m] = jax.device_put(y, stages[s + 1].x_sharding)
+                out = y
         else:
             gy = cotangents.pop((s, m))
             gx, grads[s] = stage.backward(inputs.pop((s, m)), sides.pop((s, m)), gy, grads[s])
+            out = (gx, grads[s])
+        if measure:
+            jax.block_until_ready(out)
+            times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
+            valid[m] &= stage.compiles == compiles
+        if op.kind == "F" and not stage.is_last:
+            inputs[s + 1, m] = jax.device_put(y, stages[s + 1].x_sharding)
+        else:
             _send_back(stages, s, m, gx, cotangents)
-    return StepOutput(loss=losses, grads=grads)
+    return StepOutput(loss=losses, grads=grads, stage_times=times, timing_valid=valid)
 
 
 def _send_back(stages, s: int, m: int, gx, cotangents) -> None:

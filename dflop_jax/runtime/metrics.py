@@ -2,7 +2,9 @@
 
 Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
 real work / (step time x devices x peak FLOP/s), where on CPU the peak is the measured matmul peak of
-one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module.
+one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module. Steps that measured
+stage times (the scheduler's adaptive correction) add pred_raw_mape / pred_corrected_mape: the stage-time
+prediction error before and after correction.
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ class MetricsLog:
             # a steady state adds none.
             "new_compiles_after_first_step": sum(r["recompiles"] for r in self.history[1:]),
             "skipped_samples": sum(r["skipped"] for r in self.history),
+            # Adaptive correction at the end of the run: stage-time MAPE of the raw cost model and
+            # of the corrected one (recent window, out of sample), and the microbatches observed.
+            "pred_raw_mape": self.history[-1].get("pred_raw_mape"),  # noqa: SIM910 - optional
+            "pred_corrected_mape": self.history[-1].get("pred_corrected_mape"),  # noqa: SIM910
+            "correction_observations": self.history[-1].get("correction_observations", 0),  # noqa: SIM910
         }
 
     def close(self) -> None:

@@ -181,8 +181,11 @@ def _print_plan(console: Console, layout: Layout, buckets: BucketSet, mbs, meshe
     )
 
 
-def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
-    """Trains per `cfg` (resuming from `run_dir/checkpoints` when present); returns the report."""
+def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counter) -> TrainReport:
+    """Trains per `cfg` (resuming from `run_dir/checkpoints` when present); returns the report.
+
+    `clock` times the stage programs of measured steps (tests pass a deterministic one).
+    """
     from dflop_jax.data import load_tokenizer, make_loader
 
     lead = jax.process_index() == 0
@@ -211,8 +214,24 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     problem = ScheduleProblem(
         layout.encoder_dp, layout.llm_dp, layout.num_stages, mb_range, buckets, costs
     )
+    measure_every = cfg.measure_stage_times_every
+    if measure_every and jax.process_count() > 1:
+        console.print(
+            "note: stage-time measurement and adaptive correction are off in multi-process runs "
+            "(every process must schedule from the same observations)",
+            highlight=False,
+        )
+        measure_every = 0
+    # Observations steer later schedules: no prefetch, so batch k sees exactly steps < k (exact resume).
+    prefetch = 0 if measure_every and cfg.scheduler.correction != "off" else 2
     loader = make_loader(
-        cfg.data, None, problem, cfg.scheduler, global_batch_size=cfg.global_batch, seed=cfg.seed
+        cfg.data,
+        None,
+        problem,
+        cfg.scheduler,
+        global_batch_size=cfg.global_batch,
+        seed=cfg.seed,
+        prefetch=prefetch,
     )
     if jax.process_count() == 1:
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
@@ -240,7 +259,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> TrainReport:
     losses: list[float] = []
     try:
         for step in range(start + 1, cfg.steps + 1):
-            row = _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn)
+            measure = bool(measure_every) and step % measure_every == 0
+            row = _train_step(
+                cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock
+            )
             losses.append(row["loss"])
             metrics.log(row)
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
@@ -269,7 +291,25 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn) -> dict:
+def _observe(scheduler, schedule, out, costs) -> None:
+    """Feeds a measured step's stage times to the scheduler (microbatches that compiled left out).
+
+    The last stage runs forward+backward fused: its time is split by the raw predicted fwd:bwd ratio.
+    """
+    times = out.stage_times.copy()
+    for m, mb in enumerate(schedule.microbatches):
+        f, b = np.asarray(costs(mb.tile_bucket, mb.length_bucket))[-1]
+        total = times[m, -1, 0]
+        times[m, -1] = (total * f / (f + b), total * b / (f + b)) if f + b > 0 else (total, 0.0)
+    keep = np.flatnonzero(out.timing_valid)
+    if keep.size:
+        kept = tuple(schedule.microbatches[i] for i in keep)
+        scheduler.observe(dataclasses.replace(schedule, microbatches=kept), times[keep])
+
+
+def _train_step(
+    cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock
+) -> dict:
     compiles_before = sum(s.compiles for s in stages)
     batch = next(loader)
     if not batch.microbatches:
@@ -278,7 +318,10 @@ def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn
         )
     t0 = time.perf_counter()
     mbs = [dataclasses.asdict(mb) for mb in batch.microbatches]
-    out = run_pipeline(stages, mbs, float(batch.num_loss_tokens), cfg.pipeline)
+    measure = measure and loader.scheduler is not None
+    out = run_pipeline(
+        stages, mbs, float(batch.num_loss_tokens), cfg.pipeline, measure=measure, clock=clock
+    )
     loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
     if not np.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss} at step {step}")
@@ -289,6 +332,10 @@ def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn
     tokens_real = float(st.get("tokens_real", 0))  # noqa: SIM910 - absent when the batch is empty
     flops = _model_flops(arch, batch.microbatches, bool(layout.encoder_stages))
     compiles = sum(s.compiles for s in stages)
+    before = loader.scheduler.prediction_error() if loader.scheduler is not None else {}
+    if measure:
+        _observe(loader.scheduler, batch.schedule, out, loader.scheduler.problem.stage_costs)
+    after = loader.scheduler.prediction_error() if loader.scheduler is not None else {}
     return {
         "step": step,
         "loss": loss,
@@ -310,4 +357,12 @@ def _train_step(cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn
         "compiles": compiles,
         "recompiles": compiles - compiles_before,
         "skipped": sum(st["skipped"].values()),
+        # Adaptive correction (recent-window MAPE of predicted vs measured stage times, out of sample):
+        # raw = the cost model, corrected = with the learned factors.
+        "stage_times_measured": measure,
+        "pred_raw_mape": after.get("raw_mape"),  # noqa: SIM910 - absent without a scheduler
+        "pred_corrected_mape": after.get("corrected_mape"),  # noqa: SIM910
+        "correction_observations": after.get("observations", 0),  # noqa: SIM910
+        "correction_active": after.get("active", False),  # noqa: SIM910
+        "new_observations": after.get("observations", 0) - before.get("observations", 0),  # noqa: SIM910
     }
