@@ -237,20 +237,20 @@ def extract_stages(
         if sum(split) != total or min(split) < 0 or not split:
             raise ValueError(f"{name} stage layers {list(split)} must be >= 0 and sum to {total}")
     full = dict(nnx.to_flat_state(nnx.state(model)))
-    encoders, first = [], 0
-    for i, n in enumerate(encoder_layers):
-        last = i == len(encoder_layers) - 1
-        factory = lambda f=first, n=n, i=i, last=last: EncoderStage(  # noqa: E731
-            cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last, rngs=nnx.Rngs(0)
-        )
-        encoders.append(_extract(factory, full, ("encoder",), ("vision", "layers"), first))
-        first += n
-    llms, first = [], 0
-    for i, n in enumerate(llm_layers):
-        last = i == len(llm_layers) - 1
-        factory = lambda f=first, n=n, i=i, last=last: LLMStage(  # noqa: E731
-            cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last, rngs=nnx.Rngs(0)
-        )
-        llms.append(_extract(factory, full, ("llm",), ("decoder", "layers"), first))
-        first += n
-    return encoders, llms
+
+    def cut(stage_cls, split, prefix, layer_key):
+        stages, first = [], 0
+        for i, n in enumerate(split):
+            last = i == len(split) - 1
+            factory = lambda f=first, n=n, i=i, last=last: stage_cls(  # noqa: E731
+                cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last,
+                rngs=nnx.Rngs(0),
+            )  # fmt: skip
+            stages.append(_extract(factory, full, prefix, layer_key, first))
+            first += n
+        return stages
+
+    return (
+        cut(EncoderStage, encoder_layers, ("encoder",), ("vision", "layers")),
+        cut(LLMStage, llm_layers, ("llm",), ("decoder", "layers")),
+    )
