@@ -93,28 +93,29 @@ def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.
 
     Each scalar is read by the lowest process owning one of its devices; then every process drains
     ALL its outstanding device work and the readings are exchanged with the public
-    `multihost_utils.process_allgather`. The drain matters: an all-gather queued behind pipeline
-    work whose cross-process transfers are still in flight can deadlock, an idle queue cannot.
-    Values travel as the bits of their float64 (exact without x64). The whole exchange is bounded
-    by `timeout_s`; `tag` (e.g. "step3/loss") names it in the timeout message. Single process: a
-    plain read.
+    `multihost_utils.process_allgather` (every process must call this at the same point of the same
+    driver loop, as the trainer does). The drain matters: an all-gather queued behind pipeline work
+    whose cross-process transfers are still in flight can deadlock, an idle queue cannot. Values
+    travel as the bits of their float64 (exact without x64). The whole exchange, reads included, is
+    bounded by `timeout_s`; `tag` (e.g. "step3/loss") names it in the timeout message. Single
+    process: a plain read.
     """
     if jax.process_count() == 1:
         return np.array([float(v) for v in values])
-    me = jax.process_index()
     writers = [min(d.process_index for d in v.sharding.device_set) for v in values]
+    table = _bounded(lambda: _drained_allgather(values, writers), tag, timeout_s)
+    return table[writers, np.arange(len(values))]
+
+
+def _drained_allgather(values: list[jax.Array], writers: list[int]) -> np.ndarray:
+    """(processes, len(values)) float64: row p holds the values process p writes (others 0)."""
+    me = jax.process_index()
     mine = np.array(
         [float(v.addressable_shards[0].data) if w == me else 0.0 for v, w in zip(values, writers)]
     )
-    table = _bounded(lambda: _drained_allgather(mine.view(np.uint32)), tag, timeout_s)
-    rows = np.ascontiguousarray(table).view(np.float64)  # (processes, len(values))
-    return rows[writers, np.arange(len(values))]
-
-
-def _drained_allgather(words: np.ndarray) -> np.ndarray:
-    """(processes, *words.shape) gathered after every array this process holds is computed."""
     jax.block_until_ready(jax.live_arrays())
-    return np.asarray(multihost_utils.process_allgather(words))
+    words = np.asarray(multihost_utils.process_allgather(mine.view(np.uint32)))
+    return np.ascontiguousarray(words).view(np.float64)
 
 
 def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:
