@@ -27,6 +27,7 @@ from models.layers import (
     SwiGLU,
     apply_rope,
     constrain,
+    extract_layer_range,
     make_param,
     rope_cos_sin,
     rope_inv_freq,
@@ -206,7 +207,8 @@ def extract_stage(
 ) -> DecoderStage:
     """A `DecoderStage` sharing the arrays of `decoder` for the given layer range (no copy)."""
     cfg = decoder.cfg
-    abstract = nnx.eval_shape(
+    full = dict(nnx.to_flat_state(nnx.state(decoder.stage)))
+    return extract_layer_range(
         lambda: DecoderStage(
             cfg,
             first_layer=first_layer,
@@ -214,14 +216,9 @@ def extract_stage(
             has_embedding=has_embedding,
             has_head=has_head,
             rngs=nnx.Rngs(0),
-        )
+        ),
+        full,
+        (),
+        ("layers",),
+        first_layer,
     )
-    graphdef, abs_state = nnx.split(abstract)
-    full = dict(nnx.to_flat_state(nnx.state(decoder.stage)))
-    flat = []
-    for path, _ in nnx.to_flat_state(abs_state):
-        src = path
-        if path[0] == "layers":
-            src = ("layers", first_layer + path[1], *path[2:])
-        flat.append((path, full[src]))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))

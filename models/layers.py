@@ -1,5 +1,6 @@
 """Building blocks shared by the decoders and encoders: parameters with logical axes, RMSNorm,
-rotary embeddings (default and llama3 scaling), SwiGLU MLP, token embedding, activation constraints.
+rotary embeddings (default and llama3 scaling), SwiGLU MLP, token embedding, activation constraints,
+and cutting a layer range out of a full model as a stage that shares its arrays.
 
 Every parameter carries logical axis names (`out_sharding` metadata, as `nnx.with_partitioning`
 sets); `dflop_jax/runtime/sharding.py` maps them to mesh axes. Logical names used here:
@@ -54,6 +55,32 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         table.setdefault(name, mesh_axes)
     spec = PartitionSpec(*(table.get(a) if a is not None else None for a in axes))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def extract_layer_range(
+    stage_factory: Callable[[], nnx.Module],
+    full_state: dict,
+    prefix: tuple,
+    layer_key: tuple,
+    first_layer: int,
+) -> nnx.Module:
+    """A stage built abstractly by `stage_factory` and filled with arrays of a full model (no copy).
+
+    Args:
+      full_state: flat state {path: variable} of the full model (`nnx.to_flat_state`).
+      prefix: path of the stage's subtree in the full model, e.g. ("encoder",) (or () for the root).
+      layer_key: path of the stage's layer list, e.g. ("decoder", "layers"); the stage's layer j is
+        the full model's layer `first_layer + j`.
+    """
+    graphdef, abs_state = nnx.split(nnx.eval_shape(stage_factory))
+    n = len(layer_key)
+    flat = []
+    for path, _ in nnx.to_flat_state(abs_state):
+        src = path
+        if path[:n] == layer_key:
+            src = (*layer_key, first_layer + path[n], *path[n + 1 :])
+        flat.append((path, full_state[(*prefix, *src)]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 class RMSNorm(nnx.Module):

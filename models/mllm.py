@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import DecoderStage
-from models.layers import make_param
+from models.layers import extract_layer_range, make_param
 from models.loss import cross_entropy_sum
 from models.placement import flatten_tiles, place_features
 from models.projector import MlpProjector, pixel_shuffle, pool_tiles
@@ -207,19 +207,6 @@ class MLLM(nnx.Module):
         return self.llm.loss(h, targets, loss_mask)
 
 
-def _extract(stage_factory, full_state: dict, prefix: tuple, layer_key: tuple, first_layer: int):
-    """A stage built abstractly and filled with the arrays of the full model's `prefix` subtree."""
-    graphdef, abs_state = nnx.split(nnx.eval_shape(stage_factory))
-    n = len(layer_key)
-    flat = []
-    for path, _ in nnx.to_flat_state(abs_state):
-        src = path
-        if path[:n] == layer_key:
-            src = (*layer_key, first_layer + path[n], *path[n + 1 :])
-        flat.append((path, full_state[(*prefix, *src)]))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
 def extract_stages(
     model: MLLM, encoder_layers: Sequence[int], llm_layers: Sequence[int]
 ) -> tuple[list[EncoderStage], list[LLMStage]]:
@@ -246,7 +233,7 @@ def extract_stages(
                 cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last,
                 rngs=nnx.Rngs(0),
             )  # fmt: skip
-            stages.append(_extract(factory, full, prefix, layer_key, first))
+            stages.append(extract_layer_range(factory, full, prefix, layer_key, first))
             first += n
         return stages
 
