@@ -23,7 +23,9 @@ class ModelConfig:
     """The model trained: built from the fields below, or loaded from an HF directory.
 
     Attributes:
-      kind: "llava_ov" (SigLIP-style ViT + mlp2x_gelu projector + decoder) or "decoder" (text only).
+      kind: "llava_ov" (SigLIP-style ViT + mlp2x_gelu projector + decoder), "internvl" (InternViT-style
+        ViT + pixel shuffle 0.5 + LayerNorm/MLP projector + decoder; (tile/patch / 2)^2 tokens per tile,
+        256 at 448 px) or "decoder" (text only). An MLLM kind must equal data.model_family.
       hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from the fields.
       vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
@@ -31,7 +33,7 @@ class ModelConfig:
       init_seed: seed of the random initialization (ignored when loading).
     """
 
-    kind: Literal["llava_ov", "decoder"] = "llava_ov"
+    kind: Literal["llava_ov", "internvl", "decoder"] = "llava_ov"
     hf_dir: str = ""
     vocab_size: int = 0
     hidden_size: int = 64
@@ -172,6 +174,12 @@ class TrainConfig:
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
         require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        require(
+            self.model.kind in ("decoder", self.data.model_family),
+            "model.kind",
+            self.model.kind,
+            f"must match data.model_family={self.data.model_family} (or be decoder)",
+        )
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
         require(
             self.measure_stage_times_every >= 0,

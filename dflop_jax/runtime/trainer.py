@@ -76,7 +76,7 @@ def resolve_plan(cfg: TrainConfig, arch: MLLMArch) -> tuple[Layout, BucketSet, t
     else:
         plan = make_plan(arch, "cpu", len(jax.devices()), _sample_shapes(cfg), cfg.planner)
         save_plan(plan, Path(cfg.run_dir) / "plan.yaml")
-    if cfg.model.kind == "llava_ov" and not plan.layout.encoder_stages:
+    if cfg.model.kind != "decoder" and not plan.layout.encoder_stages:
         raise ValueError(
             f"plan={cfg.plan}: the plan colocates the encoder on LLM stage 0, which the runtime does not "
             "run; plan with planner.colocate=false"
@@ -101,7 +101,8 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     """The full model with fp32 master params (random, or loaded from `model.hf_dir`).
 
     Returns:
-      (model, arch): a `models` nnx module (`Decoder` or `LlavaOnevision`) and its cost-model arch.
+      (model, arch): a `models` nnx module (`Decoder`, `LlavaOnevision` or `InternVL`) and its
+      cost-model arch.
     """
     from flax import nnx
 
@@ -129,19 +130,25 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     with jax.default_device(jax.local_devices()[0]):
         if m.kind == "decoder":
             return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), _arch(dcfg)
+        vision_shape = {
+            "hidden_size": m.vision_hidden_size,
+            "intermediate_size": m.vision_intermediate_size,
+            "num_layers": m.vision_num_layers,
+            "num_heads": m.vision_num_heads,
+            "image_size": cfg.data.tile_px,
+            "patch_size": cfg.data.patch_size,
+            "dtype": cfg.compute_dtype,
+        }
+        if m.kind == "internvl":
+            from models.internvit import InternViTConfig
+            from models.internvl import InternVL, internvl_config
+
+            mcfg = internvl_config(InternViTConfig(**vision_shape), dcfg)
+            return InternVL(mcfg, rngs=nnx.Rngs(m.init_seed)), _arch(mcfg)
         from models.llava_onevision import LlavaOnevision, llava_onevision_config
         from models.siglip import SiglipConfig
 
-        vision = SiglipConfig(
-            hidden_size=m.vision_hidden_size,
-            intermediate_size=m.vision_intermediate_size,
-            num_layers=m.vision_num_layers,
-            num_heads=m.vision_num_heads,
-            image_size=cfg.data.tile_px,
-            patch_size=cfg.data.patch_size,
-            dtype=cfg.compute_dtype,
-        )
-        mcfg = llava_onevision_config(vision, dcfg)
+        mcfg = llava_onevision_config(SiglipConfig(**vision_shape), dcfg)
         return LlavaOnevision(mcfg, rngs=nnx.Rngs(m.init_seed)), _arch(mcfg)
 
 
