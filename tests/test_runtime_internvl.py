@@ -70,3 +70,6 @@ def test_internvl_trains_two_steps(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     # The encoder really ran on image tiles (a batch may happen to hold text samples only).
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0
+    for r in rows:
+        enc, llm = r["encoder_padding_ratio"], r["llm_padding_ratio"]
+        assert r["stage_padding_ratio"] == [enc, enc, llm, llm]

@@ -75,6 +75,7 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
     assert rows[0]["new_observations"] == rows[0]["microbatches"] - 1
     for r in rows[1:]:
         assert r["stage_times_measured"] and r["new_observations"] == r["microbatches"]
+    assert all(r["stage_padding_ratio"] == [r["llm_padding_ratio"]] * 2 for r in rows)
     last = rows[-1]
     assert last["correction_observations"] == sum(r["microbatches"] for r in rows) - 1
     assert last["correction_active"] and last["pred_raw_mape"] > 0.5  # analytic CPU costs != 1 ms

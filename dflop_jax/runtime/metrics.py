@@ -2,7 +2,8 @@
 
 Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
 real work / (step time x devices x peak FLOP/s), where on CPU the peak is the measured matmul peak of
-one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module. Steps that measured
+one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module (stage_padding_ratio:
+the same per stage, as every stage of a module runs its bucket shapes). Steps that measured
 stage times (the scheduler's adaptive correction) add pred_raw_mape / pred_corrected_mape: the stage-time
 prediction error before and after correction.
 """

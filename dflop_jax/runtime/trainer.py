@@ -354,6 +354,11 @@ def _train_step(
         "mfu": flops / (step_time * layout.num_devices * peak),
         "llm_padding_ratio": st.get("llm_padding_ratio", 0.0),  # noqa: SIM910
         "encoder_padding_ratio": st.get("encoder_padding_ratio", 0.0),  # noqa: SIM910
+        # Every stage of a module computes the same bucket shapes: its module's padding ratio.
+        "stage_padding_ratio": [
+            st.get(f"{'encoder' if s.module == 'encoder' else 'llm'}_padding_ratio", 0.0)  # noqa: SIM910
+            for s in layout.stages
+        ],
         "microbatches": len(batch.microbatches),
         "loss_tokens": batch.num_loss_tokens,
         "scheduler_latency_s": st["scheduler_latency_s"],
