@@ -261,3 +261,20 @@ def test_precomputed_shapes_replace_the_metadata_stage():
     assert_same_batches(lazy, known)
     assert [gb.stats["skipped"] for gb in known] == [gb.stats["skipped"] for gb in lazy]
     assert sum(sum(gb.stats["skipped"].values()) for gb in known) == 2
+
+
+@pytest.mark.parametrize(
+    "family, tile, patch, tokens",
+    [
+        ("llava_ov", 384, 14, 729),
+        ("internvl", 448, 14, 256),
+        ("llava_ov", 32, 8, 16),
+        ("internvl", 64, 8, 16),
+    ],
+)
+def test_pack_geometry_follows_the_configured_patch_size(family, tile, patch, tokens):
+    from dflop_jax.data.config import DataConfig
+    from dflop_jax.data.loader import pack_geometry
+
+    cfg = DataConfig(model_family=family, tile_size=tile, patch_size=patch)
+    assert pack_geometry(cfg) == ((tile, tile, 3), tokens)

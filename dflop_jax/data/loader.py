@@ -265,9 +265,10 @@ class SchedulerHook:
 
 def pack_geometry(data_cfg: Any) -> tuple[tuple[int, int, int], int]:
     """((H, W, 3), tokens_per_tile) of the configured encoder: SigLIP 27x27 patches per 384 px tile for
-    LLaVA-OV, InternViT (448/14)^2 patches pixel-shuffled 2x2 -> 256 rows."""
+    LLaVA-OV, InternViT (448/14)^2 patches pixel-shuffled 2x2 -> 256 rows (patch size from the config,
+    as the model's patch embedding uses it)."""
     px = data_cfg.tile_px
-    patches = (px // 14) ** 2
+    patches = (px // data_cfg.patch_size) ** 2
     return (px, px, 3), patches if data_cfg.model_family == "llava_ov" else patches // 4
 
 
