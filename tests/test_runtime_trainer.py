@@ -5,13 +5,14 @@ loss decreases."""
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from dflop_jax.config import load_config
+from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.trainer import run
 
@@ -55,7 +56,21 @@ def _cfg(tmp_path, name, **over):
 
 def test_demo_config_loads():
     cfg = load_config(TrainConfig, REPO / "configs" / "demo.yaml")
-    assert cfg.layout.layout().num_stages >= 2 and cfg.layout.layout().num_devices <= 8
+    # profile -> plan -> train, with the planner pinned to separate encoder and LLM pipelines
+    assert cfg.plan == "auto" and cfg.num_cpu_devices == 8
+    assert min(cfg.planner.encoder_pp) >= 2 and min(cfg.planner.llm_pp) >= 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plan=magic", "plan='magic': use explicit, auto, analytic or a plan.yaml path"),
+        ("plan_device=tpu", "plan_device='tpu': use one of"),
+    ],
+)
+def test_plan_settings_are_validated(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(TrainConfig, REPO / "configs" / "demo.yaml", [override])
 
 
 def _clock():

@@ -12,6 +12,7 @@ from dflop_jax.config import require
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
@@ -130,8 +131,13 @@ class TrainConfig:
     """Root config of a training run.
 
     Attributes:
-      plan: "explicit" (the `layout` section), "auto" (run the planner on the data's shapes; see
-        `planner`), or a plan.yaml path written by `python -m dflop_jax.plan`.
+      plan: "explicit" (the `layout` section); "auto" (DFLOP's steps: data profile -> model profile ->
+        plan, each reused from `run_dir/auto_plan` while fresh; see `profile` and `planner`);
+        "analytic" (plan on the data's shapes with analytic costs, no profiling); or a plan.yaml path
+        written by `python -m dflop_jax.plan`.
+      plan_device: device preset ("cpu", "h100", "a100") for planning and the scheduler's analytic
+        costs (memory capacity, hosts; with `plan: auto` measured costs replace the analytic ones).
+      profile: the model profiler's grid and timing (`plan: auto`).
       steps: optimizer steps; global_batch: records drawn per step.
       pipeline: dispatch order of the stage programs ("1f1b" or "gpipe").
       compute_dtype: dtype of the stage programs (params stay fp32).
@@ -152,6 +158,8 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     plan: str = "explicit"
+    plan_device: str = "cpu"
+    profile: ProfileSettings = ProfileSettings()
     layout: LayoutConfig = LayoutConfig()
     planner: PlannerConfig = PlannerConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -172,6 +180,18 @@ class TrainConfig:
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        require(
+            self.plan in ("explicit", "auto", "analytic") or self.plan.endswith((".yaml", ".yml")),
+            "plan",
+            self.plan,
+            "use explicit, auto, analytic or a plan.yaml path",
+        )
+        from dflop_jax.costs import list_devices
+
+        devices = list_devices()
+        require(
+            self.plan_device in devices, "plan_device", self.plan_device, f"use one of {devices}"
+        )
         require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         require(

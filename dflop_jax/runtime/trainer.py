@@ -24,6 +24,7 @@ from rich.console import Console
 from dflop_jax.config import dump_yaml
 from dflop_jax.costs import (
     AnalyticCostProvider,
+    CostProvider,
     MLLMArch,
     arch_from_configs,
     get_device,
@@ -60,28 +61,76 @@ class TrainReport:
     stages: list = dataclasses.field(default_factory=list)  # the StagePrograms (final params)
 
 
-def resolve_plan(cfg: TrainConfig, arch: MLLMArch) -> tuple[Layout, BucketSet, tuple[int, int]]:
-    """The layout, buckets and microbatch range: `plan: explicit`, `auto` or a plan.yaml path.
+@dataclasses.dataclass(frozen=True)
+class ResolvedPlan:
+    """What the trainer runs: layout, buckets, microbatch range, and the costs the scheduler predicts with."""
 
-    `auto` runs the planner (analytic cost model on the "cpu" device preset, or profiled costs once a
-    provider is configured there) over the data's sample shapes (metadata only) and writes
-    `run_dir/plan.yaml`.
+    layout: Layout
+    buckets: BucketSet
+    microbatches: tuple[int, int]
+    provider: CostProvider
+
+
+def resolve_plan(cfg: TrainConfig, model_cfg, arch: MLLMArch) -> ResolvedPlan:
+    """The plan of `cfg.plan`: explicit, auto (profile -> plan), analytic, or a plan.yaml path.
+
+    `auto` runs DFLOP's steps through `profiling.ensure_plan` in `run_dir/auto_plan` (data profile of
+    the training data, model profile of the real stage programs, planner on measured costs), reusing
+    each output while it is fresh; the scheduler then predicts with the measured costs too.
     """
+    device = get_device(cfg.plan_device)
+    provider: CostProvider = AnalyticCostProvider(arch, device)
     if cfg.plan == "explicit":
-        return cfg.layout.layout(), cfg.layout.buckets(), tuple(cfg.layout.microbatches)
+        lay = cfg.layout
+        return ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), provider)
     from dflop_jax.planner import load_plan, make_plan, save_plan
 
-    if cfg.plan != "auto":
-        plan = load_plan(cfg.plan)
-    else:
-        plan = make_plan(arch, "cpu", len(jax.devices()), _sample_shapes(cfg), cfg.planner)
+    # The trainer's global batch is the one to plan for; the runtime runs separate encoder stages only.
+    planner = dataclasses.replace(
+        cfg.planner, global_batch=cfg.global_batch, colocate=cfg.model.kind == "decoder"
+    )
+    if cfg.plan == "auto":
+        plan, provider = _profiled_plan(cfg, model_cfg, arch, planner, provider)
+    elif cfg.plan == "analytic":
+        plan = make_plan(arch, device, len(jax.devices()), _sample_shapes(cfg), planner)
         save_plan(plan, Path(cfg.run_dir) / "plan.yaml")
+    else:
+        plan = load_plan(cfg.plan)
     if cfg.model.kind != "decoder" and not plan.layout.encoder_stages:
         raise ValueError(
             f"plan={cfg.plan}: the plan colocates the encoder on LLM stage 0, which the runtime does not "
             "run; plan with planner.colocate=false"
         )
-    return plan.layout, plan.buckets, plan.microbatch_range
+    return ResolvedPlan(plan.layout, plan.buckets, plan.microbatch_range, provider)
+
+
+def _profiled_plan(cfg: TrainConfig, model_cfg, arch, planner, analytic):
+    """(plan, measured cost provider) from data profile -> model profile -> plan (reused when fresh)."""
+    from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
+
+    if jax.process_count() > 1:
+        # Timings differ between processes, so each would plan differently: profile and plan once.
+        raise ValueError(
+            "plan=auto is single-process only: run scripts/run_profiling_engine.sh and "
+            "scripts/run_data_aware_optimization.sh, then train with plan=<cache_dir>/plan.yaml"
+        )
+    if model_cfg is None or not hasattr(model_cfg, "vision"):
+        raise ValueError("plan=auto profiles multimodal models only; use plan=analytic or explicit")
+    cache = Path(cfg.run_dir) / "auto_plan"
+    auto = AutoPlanConfig(
+        device=cfg.plan_device,
+        num_devices=len(jax.devices()),
+        data_source="dataset",
+        seed=cfg.seed,
+        profile=cfg.profile,
+        planner=planner,
+    )
+    plan = ensure_plan(auto, model_cfg, cache, data_cfg=cfg.data, name=f"{cfg.model.kind}-run")
+    measured = MeasuredCostProvider(
+        cache / "cost_table.json", arch, analytic.device, fallback=analytic
+    )
+    return plan, measured
 
 
 def _sample_shapes(cfg: TrainConfig):
@@ -101,8 +150,8 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     """The full model with fp32 master params (random, or loaded from `model.hf_dir`).
 
     Returns:
-      (model, arch): a `models` nnx module (`Decoder`, `LlavaOnevision` or `InternVL`) and its
-      cost-model arch.
+      (model, model_cfg, arch): a `models` nnx module (`Decoder`, `LlavaOnevision` or `InternVL`), its
+      config and its cost-model arch.
     """
     from flax import nnx
 
@@ -114,7 +163,7 @@ def build_model(cfg: TrainConfig, vocab_size: int):
         from models.hf import load_pretrained
 
         model, mcfg = load_pretrained(m.hf_dir, dtype=cfg.compute_dtype, param_dtype="float32")
-        return model, _arch(mcfg)
+        return model, mcfg, _arch(mcfg)
     # Tokenizer vocabularies are padded to a multiple of 128 (rows never targeted) so tp divides them.
     dcfg = DecoderConfig(
         vocab_size=m.vocab_size or -(-vocab_size // 128) * 128,
@@ -129,7 +178,7 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     )
     with jax.default_device(jax.local_devices()[0]):
         if m.kind == "decoder":
-            return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), _arch(dcfg)
+            return Decoder(dcfg, rngs=nnx.Rngs(m.init_seed)), dcfg, _arch(dcfg)
         vision_shape = {
             "hidden_size": m.vision_hidden_size,
             "intermediate_size": m.vision_intermediate_size,
@@ -144,12 +193,12 @@ def build_model(cfg: TrainConfig, vocab_size: int):
             from models.internvl import InternVL, internvl_config
 
             mcfg = internvl_config(InternViTConfig(**vision_shape), dcfg)
-            return InternVL(mcfg, rngs=nnx.Rngs(m.init_seed)), _arch(mcfg)
+            return InternVL(mcfg, rngs=nnx.Rngs(m.init_seed)), mcfg, _arch(mcfg)
         from models.llava_onevision import LlavaOnevision, llava_onevision_config
         from models.siglip import SiglipConfig
 
         mcfg = llava_onevision_config(SiglipConfig(**vision_shape), dcfg)
-        return LlavaOnevision(mcfg, rngs=nnx.Rngs(m.init_seed)), _arch(mcfg)
+        return LlavaOnevision(mcfg, rngs=nnx.Rngs(m.init_seed)), mcfg, _arch(mcfg)
 
 
 def _arch(mcfg) -> MLLMArch:
@@ -204,8 +253,9 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
 
-    model, arch = build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
-    layout, buckets, mb_range = resolve_plan(cfg, arch)
+    model, model_cfg, arch = build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    resolved = resolve_plan(cfg, model_cfg, arch)
+    layout, buckets, mb_range = resolved.layout, resolved.buckets, resolved.microbatches
     meshes = stage_meshes(layout)
     _print_plan(console, layout, buckets, mb_range, meshes)
     dtype = jnp.dtype(cfg.compute_dtype)
@@ -217,7 +267,7 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
         stages = build_mllm_stages(model, layout, meshes, compute_dtype=dtype)
     del model
     opts = [StageOptimizer(s, cfg.optimizer.build()) for s in stages]
-    costs = layout_stage_costs(AnalyticCostProvider(arch, get_device("cpu")), layout)
+    costs = layout_stage_costs(resolved.provider, layout)
     problem = ScheduleProblem(
         layout.encoder_dp, layout.llm_dp, layout.num_stages, mb_range, buckets, costs
     )
