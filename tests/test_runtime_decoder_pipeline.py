@@ -74,7 +74,9 @@ def test_decoder_pipeline_matches_reference(order):
     with jax.default_device(jax.devices()[0]):
         decoder = Decoder(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    mbs = [_microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)]  # one bucket: one compile each
+    mbs = [
+        _microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)
+    ]  # one bucket: one compile each
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_llm_stages(decoder, LAYOUT, stage_meshes(LAYOUT), compute_dtype=jnp.float32)
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
