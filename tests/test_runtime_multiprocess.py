@@ -22,6 +22,7 @@ SCRIPT = REPO / "scripts" / "run_training.sh"
 
 def _args(tmp_path, run_dir):
     return [
+        "plan=explicit",  # the layout below (the demo config profiles and plans, single-process only)
         "model.kind=decoder",
         "layout.encoder_layers=[]",
         "model.hidden_size=32",
