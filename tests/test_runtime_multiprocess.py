@@ -60,6 +60,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 both free now: the two processes' transfer sockets (p + rank)."""
+    for _ in range(100):
+        base = _free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def _env():
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("XLA_FLAGS", None)  # each process asks for its own 4 devices
@@ -67,12 +81,13 @@ def _env():
 
 
 def _launch(tmp_path, run_dir, steps):
-    port = _free_port()
+    # Explicit free transfer ports: the default (coordinator port + 100 + rank) may be taken.
+    port, transfer = _free_port(), _free_port_pair()
     procs = [
         subprocess.Popen(
             ["timeout", "-k", "10", "400", str(SCRIPT), "2", str(rank), f"127.0.0.1:{port}"]
             + _args(tmp_path, run_dir)
-            + [f"steps={steps}"],
+            + [f"steps={steps}", f"distributed.transfer_port={transfer}"],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
