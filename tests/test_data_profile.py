@@ -1,6 +1,7 @@
 """Metadata cache, synthetic datasets, the data profiler and its CLI."""
 
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -100,6 +101,41 @@ def test_synth_is_deterministic_and_reused(tmp_path):
     (tmp_path / "user" / "precious.txt").write_text("keep")
     assert synth_main(["--out", str(tmp_path / "user"), "--samples", "3", "--mix", "text"]) == 2
     assert (tmp_path / "user" / "precious.txt").read_text() == "keep"
+
+
+def _synth_in_child(out, barrier):
+    barrier.wait()  # start together, to race for the same folder
+    synth_dataset(out, 40, "llava-ov", seed=2)
+
+
+def test_concurrent_synth_writes_once_and_every_caller_reuses_it(tmp_path):
+    """Two processes of a multi-process run ask for the same dataset at the same moment."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    out = tmp_path / "shared"
+    children = [ctx.Process(target=_synth_in_child, args=(out, barrier)) for _ in range(2)]
+    for c in children:
+        c.start()
+    barrier.wait()
+    mix = synth_dataset(out, 40, "llava-ov", seed=2)
+    for c in children:
+        c.join(timeout=120)
+        assert c.exitcode == 0
+    reference = synth_dataset(tmp_path / "alone", 40, "llava-ov", seed=2)
+    for name in ("mix.yaml", "single_image.jsonl", "video.jsonl"):
+        assert (mix.parent / name).read_text() == (reference.parent / name).read_text()
+    # No staging folders left beside the dataset, only the lock file.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        ".alone.lock",
+        ".shared.lock",
+    ]
+
+
+def test_stale_synth_is_replaced_whole(tmp_path):
+    synth_dataset(tmp_path / "d", 10, "text", seed=1)
+    (tmp_path / "d" / "text.jsonl").write_text("")  # the new dataset must not keep old files
+    mix = synth_dataset(tmp_path / "d", 12, "text", seed=1)
+    assert len((mix.parent / "text.jsonl").read_text().splitlines()) == 12
 
 
 def test_internvl_synth_profile_reproduces_shared_stats(tmp_path):

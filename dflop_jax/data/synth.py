@@ -14,9 +14,14 @@ Output: one JSONL per subset, `images/`, `videos/`, and `mix.yaml` (the path `sy
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+import os
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ import yaml
 from PIL import Image
 
 VERSION = 1
+LOCK_TIMEOUT_S = 600.0  # how long a process waits for another one writing the same dataset
 # Real InternVL SFT subsets (OmniBal stats): sample count, histogram of tiles 1..5, text-token quantiles
 # (token_num - 256 * tiles) at 0, 5, ..., 100 %.
 INTERNVL_SUBSETS = {
@@ -261,17 +267,42 @@ def synth_dataset(
         "tile": tile or base,
     }
     marker = out / "synth.json"
-    if marker.is_file() and json.loads(marker.read_text()) == params:
+    if _written_with(marker, params):
         return out / "mix.yaml"
-    if out.exists() and any(out.iterdir()):
-        if not marker.is_file():
-            raise ValueError(
-                f"synth: {out} is not empty and not a synthetic dataset; choose another --out"
-            )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and any(out.iterdir()) and not marker.is_file():
+        raise ValueError(
+            f"synth: {out} is not empty and not a synthetic dataset; choose another --out"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes of one run (or hosts on a shared filesystem) may ask for the same dataset at
+    # once: one writes while the others wait on the lock, then they all reuse its output.
+    with _exclusive(out.parent / f".{out.name}.lock"):
+        if not _written_with(marker, params):
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            try:
+                _write(staging, num_samples, mix, seed, (tile or base) / base)
+                (staging / "synth.json").write_text(json.dumps(params))
+                shutil.rmtree(
+                    out, ignore_errors=True
+                )  # an older synthetic dataset (marker differs)
+                # Publish whole: a run killed half-way leaves only a hidden staging folder behind.
+                os.rename(staging, out)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return out / "mix.yaml"
+
+
+def _written_with(marker: Path, params: dict) -> bool:
+    try:
+        return json.loads(marker.read_text()) == params
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _write(out: Path, num_samples: int, mix: str, seed: int, scale: float) -> None:
+    """Writes every subset's JSONL, its media and mix.yaml under `out`."""
     rng = np.random.default_rng(seed)
-    writer = _Writer(out, rng, (tile or base) / base)
+    writer = _Writer(out, rng, scale)
     subsets, weights = zip(*MIXES[mix])
     datasets = []
     for name, count in zip(subsets, _allot(num_samples, weights)):
@@ -283,8 +314,28 @@ def synth_dataset(
                 )
         datasets.append({"path": f"{name}.jsonl", "sampling": "all"})
     (out / "mix.yaml").write_text(yaml.safe_dump({"datasets": datasets}, sort_keys=False))
-    marker.write_text(json.dumps(params))
-    return out / "mix.yaml"
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout_s: float = LOCK_TIMEOUT_S):
+    """An advisory file lock, waited for at most `timeout_s` (another process is writing the data)."""
+    with lock_path.open("a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"synth: waited {timeout_s:.0f} s for {lock_path} (another process writing "
+                        "the dataset?); delete the lock file if no such process is running"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def main(argv: list[str] | None = None) -> int:
