@@ -4,6 +4,7 @@ and the cost-table file round trip."""
 
 import logging
 
+import numpy as np
 import pytest
 
 from dflop_jax.costs import AnalyticCostProvider, StageSpec, get_arch, get_device
@@ -56,16 +57,68 @@ def test_interpolation_and_layer_extrapolation_exact_on_linear_costs(bucket, lay
 
 
 def test_sources_flag_measured_interpolated_extrapolated():
-    p = MeasuredCostProvider(synthetic_table(), ARCH, DEV)
+    p = MeasuredCostProvider(synthetic_table(), ARCH, DEV, fit="interpolate")
     for b in (256, 300, 4096):
         p.stage_time(StageSpec("llm", 0, 1), b)
     assert p.sources() == {"llm_layers": {"measured": 1, "interpolated": 1, "extrapolated": 1}}
+    fitted = MeasuredCostProvider(synthetic_table(), ARCH, DEV)
+    for b in (256, 300, 4096):
+        fitted.stage_time(StageSpec("llm", 0, 1), b)
+    assert fitted.sources() == {"llm_layers": {"fitted": 2, "extrapolated": 1}}
     assert p.stage_time(StageSpec("llm", 0, 1), 0) == (0.0, 0.0)
 
 
-def test_interpolate_helper():
-    import numpy as np
+def _quadratic_table(buckets, inflate=None) -> CostTable:
+    """Layer cost with an attention-like b^2 term; `inflate` = (bucket, layers, factor) of one entry."""
+    t = CostTable("cpu", "cpu", 8, "h", "c", model="tiny")
+    for b in buckets:
+        for n in (1, 2):
+            f = inflate[2] if inflate and (b, n) == inflate[:2] else 1.0
+            fwd = f * (BASE + n * (2e-6 * b + 3e-9 * b * b))
+            t.add(CostEntry("llm_layers", 1, b, n, fwd_s=fwd, bwd_s=2.5 * fwd, param_bytes=1.0,
+                            input_bytes=10 * b, memory_bwd={"peak": 0.0}))  # fmt: skip
+    return t
 
+
+def _quadratic_truth(b, n):
+    return BASE + n * (2e-6 * b + 3e-9 * b * b)
+
+
+BUCKETS5 = (64, 128, 256, 512, 1024)
+
+
+@pytest.mark.parametrize("bucket", [96, 300, 700, 1024])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_least_squares_recovers_quadratic_costs_that_interpolation_misses(bucket, layers):
+    stage = StageSpec("llm", 0, layers)
+    fit = MeasuredCostProvider(_quadratic_table(BUCKETS5), ARCH, DEV)
+    assert fit.stage_time(stage, bucket)[0] == pytest.approx(
+        _quadratic_truth(bucket, layers), rel=1e-6
+    )
+    if bucket not in BUCKETS5:  # a chord of a convex curve lies above it
+        interp = MeasuredCostProvider(_quadratic_table(BUCKETS5), ARCH, DEV, fit="interpolate")
+        assert interp.stage_time(stage, bucket)[0] > _quadratic_truth(bucket, layers) * 1.001
+
+
+def test_one_inflated_entry_spoils_the_fit_less_than_interpolation():
+    """A 1-layer entry timed 2x too slow (a contended minute), as on a shared machine."""
+    table = _quadratic_table(BUCKETS5, inflate=(512, 1, 2.0))
+    errors = {}
+    for mode in ("least_squares", "interpolate"):
+        p = MeasuredCostProvider(table, ARCH, DEV, fit=mode)
+        errs = [abs(p.stage_time(StageSpec("llm", 0, n), b)[0] / _quadratic_truth(b, n) - 1)
+                for n in (1, 2, 4) for b in (300, 400, 512, 700, 900)]  # fmt: skip
+        errors[mode] = (float(np.mean(errs)), max(errs))
+    assert errors["least_squares"][0] < 0.5 * errors["interpolate"][0]
+    assert errors["least_squares"][1] < errors["interpolate"][1]
+
+
+def test_unknown_fit_mode_is_refused():
+    with pytest.raises(ValueError, match="least_squares"):
+        MeasuredCostProvider(synthetic_table(), ARCH, DEV, fit="spline")
+
+
+def test_interpolate_helper():
     xs, ys = np.array([1.0, 3.0]), np.array([10.0, 30.0])
     assert interpolate(xs, ys, 2.0) == (20.0, "interpolated")
     assert interpolate(xs, ys, 5.0) == (50.0, "extrapolated")

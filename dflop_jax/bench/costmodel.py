@@ -6,7 +6,8 @@ On 8 simulated CPU devices for the tiny model (`get_arch("tiny")`): (1) a fresh 
 tp 1 and 2, a bucket ladder), timed; (2) a plan from it (`configs/plan_tiny_cpu.yaml` settings), timed;
 (3) whole stages (embedding + layers + head combinations, several layer counts and tps) compiled as one
 program each and timed twice at buckets mostly BETWEEN the profiled ones, compared with
-`MeasuredCostProvider.stage_time` (and, for reference, the analytic CPU preset). Error = |pred - meas| /
+`MeasuredCostProvider.stage_time` with its least-squares fit (the default) and with piecewise-linear
+interpolation of the same table (and, for reference, the analytic CPU preset). Error = |pred - meas| /
 meas of fwd and of bwd per case; MAPE and worst case over all. "Corrected" applies the scheduler's
 adaptive correction (`scheduler.correction.CostCorrection`, one stage per layout): factors learned from
 the first timing of the OTHER buckets of the same stage (what a run learns before meeting a new
@@ -119,6 +120,11 @@ def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dic
     def pred_measured(r):
         return np.array(provider.stage_time(spec(r), r["bucket"]))
 
+    interpolating = MeasuredCostProvider(
+        table, arch, device, fallback=AnalyticCostProvider(arch, device), fit="interpolate"
+    )
+    pred_interp = np.array([interpolating.stage_time(spec(r), r["bucket"]) for r in rows])
+
     analytic = AnalyticCostProvider(arch, device, compute_bytes=2)
     meas2 = np.array([[r["fwd"][1], r["bwd"][1]] for r in rows])
     pred = np.array([pred_measured(r) for r in rows])
@@ -129,9 +135,11 @@ def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dic
         "profile_s": profile_s, "plan_s": plan_s, "plan": plan_desc,
         "entries": len(table.entries), "skipped": len(table.skipped()),
         "mape": _mape(pred, meas2), "mape_corrected": _mape(corrected, meas2),
+        "mape_interpolate": _mape(pred_interp, meas2),
         "mape_analytic": _mape(pred_an, meas2), "rep_to_rep": rep_noise,
         "sources": provider.sources(),
-        "cases": [dict(r, pred=pred[i].tolist(), corrected=corrected[i].tolist())
+        "cases": [dict(r, pred=pred[i].tolist(), corrected=corrected[i].tolist(),
+                       interpolated=pred_interp[i].tolist())
                   for i, r in enumerate(rows)],
     }  # fmt: skip
     (out_dir / "costmodel.json").write_text(json.dumps(report, indent=1))
@@ -158,15 +166,17 @@ def _plan(arch, device, provider) -> tuple[float, str]:
 def _print(report: dict) -> None:
     print(f"profile: {report['entries']} entries ({report['skipped']} skipped) in "
           f"{report['profile_s']:.0f} s; plan in {report['plan_s']:.1f} s -> {report['plan']}")  # fmt: skip
-    print("| stage | tp | bucket | meas fwd/bwd ms | pred fwd/bwd ms | corrected fwd/bwd ms |")
-    print("|---|---|---|---|---|---|")
+    print("| stage | tp | bucket | measured | fit | + correction | interpolated |  (ms fwd / bwd)")
+    print("|---|---|---|---|---|---|---|")
     for c in report["cases"]:
         name = (c["module"] + (" emb+" if c["emb"] else " ") + f"{c['layers']}L"
                 + ("+head" if c["head"] else ""))  # fmt: skip
         ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"  # noqa: E731
         print(f"| {name} | {c['tp']} | {c['bucket']} | {ms([c['fwd'][1], c['bwd'][1]])} | "
-              f"{ms(c['pred'])} | {ms(c['corrected'])} |")  # fmt: skip
-    for key, label in (("mape", "measured table"), ("mape_corrected", "+ adaptive correction"),
+              f"{ms(c['pred'])} | {ms(c['corrected'])} | {ms(c['interpolated'])} |")  # fmt: skip
+    for key, label in (("mape", "measured table, least-squares fit"),
+                       ("mape_corrected", "+ adaptive correction"),
+                       ("mape_interpolate", "measured table, interpolation"),
                        ("mape_analytic", "analytic cpu preset"), ("rep_to_rep", "timing noise (rep 1 vs 2)")):  # fmt: skip
         mean, worst = report[key]
         print(f"{label}: MAPE {mean:.1%}, worst {worst:.1%}")

@@ -5,13 +5,20 @@
     fwd, bwd = provider.stage_time(StageSpec("llm", 0, 3, tp=2, has_head=True), 300)
     provider.sources()   # {"llm_layers": {"interpolated": 1}, "llm_head": {"interpolated": 1}}
 
-A stage is the sum of its parts: `<module>_layers` at n layers (n x per-layer + base, from the 1- and
-2-layer entries: per_layer = c2 - c1, base = c1 - per_layer), plus `<module>_embedding` and
-`<module>_head` if the stage holds them. Each part runs as its own program when profiled, so the sum
+A stage is the sum of its parts: `<module>_layers` at n layers (base + n x per-layer), plus
+`<module>_embedding` and `<module>_head` if the stage holds them. Each part runs as its own program when profiled, so the sum
 pays the fixed per-program cost once per part; when layers and other parts are combined we subtract
 the layers' fitted base (clamped to [0, smallest part]) once per extra part, as the stage is one program.
-Between profiled buckets costs are interpolated linearly; outside they are extrapolated linearly
-from the two nearest buckets (clamped at 0) and flagged "extrapolated" in `sources()`.
+Times, `fit="least_squares"` (default): one smooth model per (kind, tp) fitted to ALL its entries,
+    t(b)    = c0 + c1 b + c2 b^2                               (embedding, head, projector parts)
+    t(n, b) = (c0 + c1 b + c2 b^2) + n (p0 + p1 b + p2 b^2)   (layer parts, 1- and 2-layer entries)
+with non-negative coefficients (every term is work or fixed overhead; b^2 is attention over a packed
+row), minimising the squared RELATIVE error (scheduling cares about ratios). One timing inflated by a
+contended minute then moves the curve a little everywhere instead of poisoning its neighbouring buckets
+and, through the 2-layer minus 1-layer difference, every layer count (measured in `bench costmodel`).
+Needs 3 or more profiled buckets; with fewer, or `fit="interpolate"`: piecewise-linear between
+profiled buckets, linear beyond them, per_layer = c2 - c1 and base = c1 - per_layer per bucket.
+Buckets outside the profiled range are flagged "extrapolated" in `sources()`.
 
 Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
 most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
@@ -33,6 +40,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+from scipy.optimize import nnls
 
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
@@ -62,6 +70,54 @@ def interpolate(xs: np.ndarray, ys: np.ndarray, x: float) -> tuple[float, str]:
     return max(0.0, float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))), how
 
 
+FITS = ("least_squares", "interpolate")
+MIN_FIT_BUCKETS = 3  # a quadratic through fewer points is not determined
+
+
+def _monomials(x: np.ndarray) -> np.ndarray:
+    """[n] -> [n, 3]: 1, x, x^2."""
+    return np.stack([np.ones_like(x), x, x * x], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeFit:
+    """Non-negative least-squares time model of one (kind, tp): see the module docstring.
+
+    coef: [2, k] per direction (fwd, bwd); k = 3 (no layers) or 6 (base terms, then per-layer terms).
+    scale: buckets are divided by it (the largest profiled bucket) to keep the problem well conditioned.
+    lo, hi: the profiled bucket range.
+    """
+
+    coef: np.ndarray
+    scale: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, float, float, float]], per_layer: bool) -> TimeFit:
+        """points: (layers, bucket, fwd_s, bwd_s) entries (layers used only when per_layer)."""
+        n, b, fwd, bwd = (np.array(col, dtype=np.float64) for col in zip(*points))
+        scale = float(b.max())
+        m = _monomials(b / scale)
+        design = np.concatenate([m, n[:, None] * m], axis=1) if per_layer else m
+        coef = []
+        for t in (fwd, bwd):
+            w = 1.0 / np.maximum(t, 1e-12)  # relative error: each row divided by its own time
+            coef.append(nnls(design * w[:, None], t * w)[0])
+        return cls(np.array(coef), scale, float(b.min()), scale)
+
+    def __call__(self, bucket: float, layers: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(total [fwd, bwd] at `layers` layers, base [fwd, bwd] at 0 layers) at `bucket`."""
+        m = _monomials(np.array([bucket / self.scale]))[0]
+        base = self.coef[:, :3] @ m
+        if self.coef.shape[1] == 3:
+            return base, np.zeros(2)
+        return base + layers * (self.coef[:, 3:] @ m), base
+
+    def how(self, bucket: float) -> str:
+        return "fitted" if self.lo <= bucket <= self.hi else "extrapolated"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Part:
     """Per-device costs of one part of a stage at one bucket: times, parameter/input/temp bytes."""
@@ -83,6 +139,8 @@ class MeasuredCostProvider:
       arch: the architecture the table was profiled for (used by the fallback and for transfers).
       device: the device preset (memory capacity, hosts) of the measured devices.
       fallback: provider for entries the table lacks (None: missing entries raise KeyError).
+      fit: "least_squares" (a smooth fit of all entries per kind and tp) or "interpolate"
+        (piecewise-linear between buckets); see the module docstring.
     """
 
     def __init__(
@@ -91,7 +149,12 @@ class MeasuredCostProvider:
         arch: MLLMArch,
         device: DeviceSpec,
         fallback: CostProvider | None = None,
+        fit: str = "least_squares",
     ):
+        if fit not in FITS:
+            raise ValueError(f"fit={fit!r}: choose one of {FITS}")
+        self.fit = fit
+        self._fits: dict[tuple[str, int], TimeFit | None] = {}
         self.table = table if isinstance(table, CostTable) else load_table(table)
         self.arch, self.device, self.fallback = arch, device, fallback
         self.name = f"measured:{self.table.model or arch.name}@{self.table.device_kind}"
@@ -121,24 +184,45 @@ class MeasuredCostProvider:
             )
         return self._curves[key]
 
+    def _time_fit(self, kind: str, tp: int) -> TimeFit | None:
+        """The least-squares time model of (kind, tp), or None (interpolate: too few buckets)."""
+        key = (kind, tp)
+        if key not in self._fits:
+            counts = (1, 2) if kind.endswith("_layers") else (0,)
+            points = []
+            for n in counts:
+                for b in self.table.buckets(kind, tp, n):
+                    e = self.table.get(kind, tp, b, n)
+                    points.append((n, b, e.fwd_s, e.bwd_s))
+            enough = all(len(self.table.buckets(kind, tp, n)) >= MIN_FIT_BUCKETS for n in counts)
+            self._fits[key] = (
+                TimeFit.fit(points, per_layer=counts != (0,))
+                if self.fit == "least_squares" and enough
+                else None
+            )
+        return self._fits[key]
+
     def _measured_part(self, kind: str, tp: int, bucket: int, layers: int) -> _Part | None:
-        if kind.endswith("_layers"):
-            c1, c2 = self._curve(kind, tp, 1), self._curve(kind, tp, 2)
-            if c1 is None or c2 is None:
-                return None
-            v1, how1 = self._interp(c1, bucket)
-            v2, how2 = self._interp(c2, bucket)
-            per_layer, base = v2 - v1, 2 * v1 - v2  # cost(n) = base + n * per_layer
-            value = base + layers * per_layer
-            self._note(kind, how1 if how1 == how2 else "extrapolated")
-            return _Part(*np.maximum(value[:2], 0.0), max(base[0], 0.0), max(base[1], 0.0),
-                         max(value[2], 0.0), v1[3], max(value[4], 0.0))  # fmt: skip
-        c = self._curve(kind, tp, 0)
-        if c is None:
+        is_layers = kind.endswith("_layers")
+        curves = [self._curve(kind, tp, n) for n in ((1, 2) if is_layers else (0,))]
+        if any(c is None for c in curves):
             return None
-        v, how = self._interp(c, bucket)
+        values, hows = zip(*(self._interp(c, bucket) for c in curves))
+        if is_layers:  # cost(n) = base + n * per_layer, per bucket from the 1- and 2-layer entries
+            v1, v2 = values
+            value, base = v1 + (layers - 1) * (v2 - v1), 2 * v1 - v2
+            how = hows[0] if hows[0] == hows[1] else "extrapolated"
+        else:
+            value, base, how = values[0], np.zeros(5), hows[0]
+        times, base_times = np.maximum(value[:2], 0.0), np.maximum(base[:2], 0.0)
+        fit = self._time_fit(kind, tp)
+        if fit is not None:  # memory columns stay interpolated: they are exact, not noisy
+            times, base_times = (np.maximum(v, 0.0) for v in fit(bucket, layers))
+            how = fit.how(bucket)
         self._note(kind, how)
-        return _Part(v[0], v[1], 0.0, 0.0, v[2], v[3], v[4])
+        inputs = values[0][3]
+        return _Part(times[0], times[1], base_times[0], base_times[1], max(value[2], 0.0), inputs,
+                     max(value[4], 0.0))  # fmt: skip
 
     @staticmethod
     def _interp(curve, bucket: int) -> tuple[np.ndarray, str]:
