@@ -96,3 +96,58 @@ def test_candidate_tps_divide_heads_and_fit_devices():
     assert model_profiler.candidate_tps(CFG, "llm_layers", (1, 2, 4, 8), 8) == [1, 2]  # 2 kv heads
     assert model_profiler.candidate_tps(CFG, "encoder_layers", (1, 2, 4, 8), 2) == [1, 2]
     assert np.all(np.array(model_profiler.candidate_tps(CFG, "encoder_head", (4, 3), 8)) == [4])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["siglip-so400m+qwen2.5-7b", "internvit-300m+qwen2.5-7b", "internvit-6b+llama3-70b", "tiny"],
+)
+def test_named_archs_map_to_model_configs_and_back(name):
+    from dflop_jax.costs import get_arch
+    from models.internvl import InternVLConfig
+
+    arch = get_arch(name)
+    cfg = model_config_for_arch(arch)
+    assert isinstance(cfg, InternVLConfig) == name.startswith("internvit")
+    back = arch_for_model_config(cfg, name)
+    strip = lambda a: dataclasses.replace(a, name="")  # noqa: E731
+    assert strip(back.vision) == strip(arch.vision)
+    assert dataclasses.replace(strip(back.llm), head_dim=back.llm.dh) == dataclasses.replace(
+        strip(arch.llm), head_dim=arch.llm.dh
+    )
+    assert back.projector == arch.projector
+
+
+def test_internvl_style_arch_is_profiled_through_its_own_stages(tmp_path):
+    """A tiny InternVL-style arch (class token, pixel shuffle 0.5): every part compiles and runs."""
+    from dflop_jax.costs import MLLMArch, get_arch
+    from dflop_jax.costs.architectures import VisionArch, projector_for
+    from models.internvl import InternVLConfig
+
+    tiny = get_arch("tiny")
+    vision = VisionArch("tiny-ivl", 2, 64, 4, 128, 14, 56, 4, pixel_shuffle=True,
+                        class_token=True, layer_scale=True)  # fmt: skip
+    arch = MLLMArch("tiny-ivl", vision, projector_for(vision, tiny.llm), tiny.llm)
+    cfg = model_config_for_arch(arch, "float32")
+    assert isinstance(cfg, InternVLConfig) and cfg.vision.seq_len == 17  # 16 patches + CLS
+    settings = ProfileSettings(tps=(2,), encoder_buckets=(3,), llm_buckets=(64,), **FAST)
+    table = profile_model(cfg, jax.devices(), settings, tmp_path / "ct.json", plot=False)
+    assert not table.skipped() and len(table.entries) == 8  # 6 parts, layer parts at 1 and 2 layers
+    head = table.get("encoder_head", 2, 3, 0)
+    # pixel shuffle 0.5 + LayerNorm + MLP(4 Dv -> D -> D) over 3 tiles x 4 tokens, per tp shard
+    mlp = 2 * 3 * 4 * (4 * 64 * 64 + 64 * 64) / 2
+    assert mlp <= head.flops_fwd < 2 * mlp
+    provider = MeasuredCostProvider(table, arch_for_model_config(cfg), get_device("cpu"))
+    fwd, bwd = provider.stage_time(StageSpec("encoder", 0, 2, tp=2, has_embedding=True), 3)
+    assert fwd > 0 and bwd > 0 and provider.sources()["encoder_layers"] == {"measured": 1}
+
+
+def test_mixed_family_arch_is_refused_with_its_fields():
+    from dflop_jax.costs import MLLMArch, get_arch
+    from dflop_jax.costs.architectures import VisionArch, projector_for
+
+    tiny = get_arch("tiny")
+    vision = VisionArch("odd", 2, 64, 4, 128, 14, 56, 16, class_token=True)
+    arch = MLLMArch("odd", vision, projector_for(vision, tiny.llm), tiny.llm)
+    with pytest.raises(ValueError, match="class_token=True, pixel_shuffle=False"):
+        model_config_for_arch(arch)
