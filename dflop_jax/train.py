@@ -17,14 +17,9 @@ import os
 import sys
 from pathlib import Path
 
+from dflop_jax.host_devices import simulate_cpu_devices
+
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-
-
-def _set_cpu_devices(n: int) -> None:
-    """Simulated CPU devices must be requested before the first JAX call."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    _set_cpu_devices(cfg.num_cpu_devices)
+    simulate_cpu_devices(cfg.num_cpu_devices)
 
     from dflop_jax.runtime.distributed import initialize, resolve
 

@@ -116,3 +116,20 @@ def test_bad_measurement_shape_and_state():
     state["lengths"] = [1, 2, 3]
     with pytest.raises(ValueError, match="buckets"):
         sched.load_state_dict(state)
+
+
+def test_data_blind_solver_runs_the_baseline_through_the_scheduler():
+    """`solver: data_blind` (the trainer's A/B switch) gives the baseline's schedule, largest buckets."""
+    from dflop_jax.scheduler import data_blind_schedule
+
+    prob = ScheduleProblem(2, 2, 2, (2, 3), BucketSet((2, 4, 8), (500, 1000, 2000)), raw_costs)
+    blind = Scheduler(prob, SchedulerConfig(solver="data_blind"), seed=0)
+    dflop = Scheduler(prob, SchedulerConfig(solver="greedy"), seed=0)
+    worse = 0
+    for shapes in batches(10):
+        got = blind.schedule(shapes)
+        ref = data_blind_schedule(shapes, prob, 2)
+        assert [mb.shards for mb in got.microbatches] == [mb.shards for mb in ref.microbatches]
+        assert {(mb.tile_bucket, mb.length_bucket) for mb in got.microbatches} == {(8, 2000)}
+        worse += got.objective > dflop.schedule(shapes).objective
+    assert worse >= 8  # the baseline pays for padding on (nearly) every batch

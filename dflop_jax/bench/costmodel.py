@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import numpy as np
+
+from dflop_jax.host_devices import simulate_cpu_devices
 
 # (module, layers, has_embedding, has_head, tp, buckets): whole stages the planner may place.
 CASES = (
@@ -200,9 +201,7 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:  # before jax starts its backend
-        os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+    simulate_cpu_devices(8)  # before jax starts its backend
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import logging
 import sys
 
 from dflop_jax.config import ConfigError, load_config, read_yaml, require
-from dflop_jax.profiling.cli import simulate_cpu_devices
+from dflop_jax.host_devices import simulate_cpu_devices
 from dflop_jax.profiling.pipeline import AutoPlanConfig
 
 

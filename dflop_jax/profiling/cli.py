@@ -15,6 +15,7 @@ import os
 import sys
 
 from dflop_jax.config import ConfigError, load_config, require
+from dflop_jax.host_devices import simulate_cpu_devices
 from dflop_jax.profiling.settings import ProfileSettings
 
 
@@ -37,16 +38,6 @@ class ModelProfileConfig:
 
     def __post_init__(self):
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
-
-
-def simulate_cpu_devices(n: int) -> None:
-    """Asks XLA for `n` simulated host devices unless XLA_FLAGS already sets a count.
-
-    Call before jax starts its backend (the first device query), i.e. before importing the profiler.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

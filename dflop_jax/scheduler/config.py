@@ -14,7 +14,10 @@ class SchedulerConfig:
 
     Attributes:
       solver: "greedy" (milliseconds), "cpsat" / "auto" (greedy, then CP-SAT refinement seeded with the
-        greedy answer as hint and cap, within `time_limit_s`; any solver problem falls back to greedy).
+        greedy answer as hint and cap, within `time_limit_s`; any solver problem falls back to greedy),
+        or "data_blind": the data-blind baseline (`baselines.data_blind_schedule`: loader-order
+        microbatches at the largest buckets, the smallest allowed count), to measure what DFLOP's
+        schedule buys on the same layout (`python -m dflop_jax.bench train`).
       time_limit_s: wall-clock budget of one `schedule_batch` call: the greedy always runs (milliseconds
         to ~1 s at N=1024), CP-SAT (model building included) gets what is left of it.
       num_workers: CP-SAT worker threads.
@@ -34,7 +37,7 @@ class SchedulerConfig:
       seed: default seed (CP-SAT random seed, greedy tie-breaks).
     """
 
-    solver: Literal["greedy", "cpsat", "auto"] = "auto"
+    solver: Literal["greedy", "cpsat", "auto", "data_blind"] = "auto"
     time_limit_s: float = 1.0
     num_workers: int = 2
     deterministic: bool = True
@@ -47,10 +50,10 @@ class SchedulerConfig:
 
     def __post_init__(self):
         require(
-            self.solver in ("greedy", "cpsat", "auto"),
+            self.solver in ("greedy", "cpsat", "auto", "data_blind"),
             "scheduler.solver",
             self.solver,
-            "use greedy, cpsat or auto",
+            "use greedy, cpsat, auto or data_blind",
         )
         require(
             self.time_limit_s > 0,

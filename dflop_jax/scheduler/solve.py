@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_jax.scheduler.baselines import data_blind_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.greedy import balance_shards, greedy_schedule
 from dflop_jax.scheduler.objective import (
@@ -48,6 +49,9 @@ def schedule_batch(
     Raises:
       ValueError: a sample no bucket can hold (named), or bad problem sizes.
     """
+    if config.solver == "data_blind":
+        _check_problem(problem)
+        return data_blind_schedule(shapes, problem, problem.microbatches[0])
     t0 = time.perf_counter()
     shapes = list(shapes)
     _check_problem(problem)
