@@ -9,11 +9,16 @@ from flax import nnx
 from models_fixtures import tiny_decoder_config
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.checkpoint import model_tree
+from dflop_jax.runtime.checkpoint import key_name, model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_llm_stages
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.train_state import (
+    OptimizerConfig,
+    StageOptimizer,
+    apply_updates,
+    tied_groups,
+)
 from models.decoder import Decoder
 
 LAYOUT = Layout(
@@ -65,12 +70,21 @@ def _reference(decoder, mbs, norm):
     outs = [grad_mb(params, mb) for mb in mbs]
     grads = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
     updates, state = jax.jit(tx.update)(grads, state, params)
-    return sum(float(v) for v, _ in outs), optax.apply_updates(params, updates)
+    norm = float(optax.tree.norm(grads))
+    return sum(float(v) for v, _ in outs), optax.apply_updates(params, updates), norm
 
 
-@pytest.mark.parametrize("order", ["1f1b"])
-def test_decoder_pipeline_matches_reference(order):
-    cfg = tiny_decoder_config(num_layers=3, dtype="float32")
+def _leaf(tree, names):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if tuple(key_name(k) for k in path) == names:
+            return leaf
+    raise KeyError(names)
+
+
+@pytest.mark.parametrize("order, tie", [("1f1b", False), ("1f1b", True)])
+def test_decoder_pipeline_matches_reference(order, tie):
+    """tie=True: the embedding is also the head (Qwen2.5-0.5B style), held by stages 0 and 2."""
+    cfg = tiny_decoder_config(num_layers=3, dtype="float32", tie_embeddings=tie)
     with jax.default_device(jax.devices()[0]):
         decoder = Decoder(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -80,12 +94,18 @@ def test_decoder_pipeline_matches_reference(order):
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_llm_stages(decoder, LAYOUT, stage_meshes(LAYOUT), compute_dtype=jnp.float32)
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
+    tied = tied_groups(list(LAYOUT.stages), [s.params for s in stages])
+    assert [[i for i, _ in group] for group in tied] == ([[0, 2]] if tie else [])
     out = run_pipeline(stages, mbs, norm, order)
     loss = sum(float(x) for x in out.loss)
-    apply_updates(opts, out.grads, OPT.clip_norm)
+    norm_got = apply_updates(opts, out.grads, OPT.clip_norm, tied=tied)
 
-    ref_loss, ref_params = _reference(decoder, mbs, norm)
+    ref_loss, ref_params, ref_norm = _reference(decoder, mbs, norm)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(norm_got, ref_norm, rtol=1e-5)  # the tied matrix counted once
+    for group in tied:  # both copies took the same update
+        copies = [_leaf(stages[i].params, path) for i, path in group]
+        np.testing.assert_array_equal(*map(np.asarray, copies))
     got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])["llm"]
     want = model_tree([StageSpec("llm", 0, 3)], [ref_params["stage"]], [{}])["llm"]
     flat_got = jax.tree_util.tree_flatten_with_path(jax.device_get(got))[0]

@@ -57,18 +57,3 @@ def test_layout_too_big_is_one_line_error():
     with pytest.raises(LayoutError, match="needs 12 devices") as e:
         stage_meshes(big)
     assert "\n" not in str(e.value)
-
-
-def test_tied_embeddings_on_two_llm_stages_refused():
-    from flax import nnx
-    from models_fixtures import tiny_decoder_config
-
-    from dflop_jax.runtime.model_stages import build_llm_stages
-    from models.decoder import Decoder
-
-    layout = Layout(
-        (), (StageSpec("llm", 0, 2, has_embedding=True), StageSpec("llm", 2, 1, has_head=True))
-    )
-    decoder = Decoder(tiny_decoder_config(tie_embeddings=True), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="tie_embeddings=True"):
-        build_llm_stages(decoder, layout, stage_meshes(layout))

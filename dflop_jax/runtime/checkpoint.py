@@ -24,15 +24,17 @@ from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.stages import PyTree
 
 
-def _key_name(k) -> str:
+def key_name(k) -> str:
+    """The name of one pytree path entry (dict key, sequence index or attribute)."""
     for attr in ("key", "idx", "name"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
     return str(k)
 
 
-def _global_path(path, spec: StageSpec) -> tuple[str, ...]:
-    names = [_key_name(k) for k in path]
+def global_path(path, spec: StageSpec) -> tuple[str, ...]:
+    """A leaf's path in the model-level tree: key names, layer indices offset to global ones."""
+    names = [key_name(k) for k in path]
     for i in range(1, len(names)):
         if names[i - 1] == "layers" and names[i].isdigit():
             names[i] = str(int(names[i]) + spec.first_layer)
@@ -63,7 +65,7 @@ def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[Py
     for spec, p, o in zip(specs, params, opt_states):
         for kind, sub in (("params", p), ("opt", o)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                _insert(tree, (spec.module, kind, *_global_path(path, spec)), leaf)
+                _insert(tree, (spec.module, kind, *global_path(path, spec)), leaf)
     return tree
 
 
@@ -72,7 +74,7 @@ def stage_trees(specs, params, opt_states, tree: dict) -> tuple[list[PyTree], li
 
     def pick(spec, kind, template):
         def leaf(path, t):
-            value = _lookup(tree, (spec.module, kind, *_global_path(path, spec)))
+            value = _lookup(tree, (spec.module, kind, *global_path(path, spec)))
             sharding = getattr(t, "sharding", None)
             if sharding is not None and getattr(value, "sharding", None) != sharding:
                 value = jax.device_put(value, sharding)
@@ -199,11 +201,11 @@ class OwnerCheckpointer:
             owners = {d.process_index for d in leaf.sharding.device_set}
             if len(owners) > 1:
                 raise ValueError(
-                    f"checkpoint: {'/'.join(_key_name(k) for k in path)} spans processes {sorted(owners)}; "
+                    f"checkpoint: {'/'.join(key_name(k) for k in path)} spans processes {sorted(owners)}; "
                     "owner-writes checkpoints need every stage mesh on one process"
                 )
             if me in owners:
-                mine["/".join(_key_name(k) for k in path)] = np.asarray(leaf)
+                mine["/".join(key_name(k) for k in path)] = np.asarray(leaf)
         tmp = out / f".process_{me}.npz"
         with tmp.open("wb") as f:
             np.savez(f, **mine)
@@ -240,7 +242,7 @@ class OwnerCheckpointer:
         target = model_tree(specs, params, opt_states)
 
         def leaf(path, t):
-            key = "/".join(_key_name(k) for k in path)
+            key = "/".join(key_name(k) for k in path)
             if key not in flat:
                 raise KeyError(f"checkpoint step {step} has no entry {key}")
             return put_host(flat[key].astype(t.dtype), t.sharding)

@@ -77,16 +77,6 @@ def llm_stage_fns(graphdef, spec: StageSpec, rules, *, has_x: bool) -> StageFns:
     )
 
 
-def _check_untied(text_cfg, layout: Layout) -> None:
-    """Tied embeddings across two LLM stages would train two diverging copies: refuse (deferred)."""
-    if text_cfg.tie_embeddings and len(layout.llm_stages) > 1:
-        raise ValueError(
-            "model has tie_embeddings=True and the layout has "
-            f"{len(layout.llm_stages)} LLM stages: summing the two embedding gradient copies is not "
-            "implemented; use one LLM stage or an untied model"
-        )
-
-
 def _indivisible(cfg, tp: int) -> dict:
     """Replicates the logical axes whose sizes tp does not divide (e.g. an odd HF vocabulary)."""
     sizes = {
@@ -121,7 +111,6 @@ def build_llm_stages(
         raise ValueError(
             "a decoder-only model has no encoder: give a layout without encoder stages"
         )
-    _check_untied(decoder.cfg, layout)
     programs = []
     for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
         rules = rules_for(
@@ -236,7 +225,6 @@ def build_mllm_stages(
             "an MLLM layout needs at least one encoder stage; add encoder stages to the plan"
         )
     cfg = model.cfg
-    _check_untied(cfg.text, layout)
     encoders, llms = extract_stages(
         model,
         [s.num_layers for s in layout.encoder_stages],

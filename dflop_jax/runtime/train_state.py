@@ -9,8 +9,13 @@ anyway; in multi-process runs one all-gather of the scalars over processes), and
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
 
-Tied embeddings (one matrix used by the first and last LLM stage) are deferred: the stage builders
-refuse a tied model on more than one LLM stage (`model_stages._check_untied`); one LLM stage is fine.
+Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
+own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
+model-level path in several stages), `apply_updates` gives every copy the SUM of the copies' gradients
+(moved between the stage meshes like activations) and counts it once in the global norm, so the copies
+start equal (built from one array), get the same update from the same AdamW state, and stay equal:
+what the single-device model computes. A checkpoint stores the parameter once and restores it to every
+copy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.runtime.checkpoint import global_path, key_name
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
 
@@ -142,15 +149,66 @@ def clip_scale(global_norm: float, clip_norm: float) -> float:
     return clip_norm / global_norm
 
 
+TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
+
+
+def _leaf_names(path) -> tuple[str, ...]:
+    return tuple(key_name(k) for k in path)
+
+
+def tied_groups(specs: list[StageSpec], params: list[PyTree]) -> list[TiedGroup]:
+    """Leaves that several stages hold (same model-level path): one group per tied parameter."""
+    where: dict[tuple, list] = {}
+    for i, (spec, tree) in enumerate(zip(specs, params)):
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            where.setdefault((spec.module, *global_path(path, spec)), []).append(
+                (i, _leaf_names(path))
+            )
+    return [tuple(group) for group in where.values() if len(group) > 1]
+
+
+def tie_gradients(
+    grads: list[PyTree], groups: list[TiedGroup]
+) -> tuple[list[PyTree], list[jax.Array]]:
+    """Every copy of a tied parameter gets the sum of the copies' gradients.
+
+    Returns the new gradient trees and, per group, a scalar to ADD to the sum of the stages' squared
+    norms so the parameter counts once: -(copies - 1) * |summed gradient|^2.
+    """
+    flat = [jax.tree_util.tree_flatten_with_path(g) for g in grads]
+    leaves = [[leaf for _, leaf in f] for f, _ in flat]
+    index = [{_leaf_names(path): j for j, (path, _) in enumerate(f)} for f, _ in flat]
+    corrections = []
+    for group in groups:
+        (s0, p0), *rest = group
+        total = leaves[s0][index[s0][p0]]
+        for s, p in rest:
+            total = total + jax.device_put(leaves[s][index[s][p]], total.sharding)
+        for s, p in group:
+            j = index[s][p]
+            leaves[s][j] = jax.device_put(total, leaves[s][j].sharding)
+        corrections.append(-(len(group) - 1) * jnp.sum(jnp.square(total)))
+    trees = [jax.tree_util.tree_unflatten(treedef, ls) for (_, treedef), ls in zip(flat, leaves)]
+    return trees, corrections
+
+
 def apply_updates(
-    optimizers: list[StageOptimizer], grads: list[PyTree], clip_norm: float, tag: str = "norm"
+    optimizers: list[StageOptimizer],
+    grads: list[PyTree],
+    clip_norm: float,
+    tag: str = "norm",
+    tied: list[TiedGroup] = (),
 ) -> float:
     """Clips by the global norm over all stages and updates every stage; returns the global norm.
 
-    `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`).
+    `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`);
+    `tied` = `tied_groups(...)` of the stages (their copies get summed gradients, counted once).
     """
-    sq = [opt.sq_norm(g) for opt, g in zip(optimizers, grads)]
-    global_norm = float(host_scalars(sq, tag).sum()) ** 0.5
+    corrections = []
+    if tied:
+        grads, corrections = tie_gradients(list(grads), list(tied))
+    sq = [opt.sq_norm(g) for opt, g in zip(optimizers, grads)] + corrections
+    global_norm = max(float(host_scalars(sq, tag).sum()), 0.0) ** 0.5
     scale = clip_scale(global_norm, clip_norm)
     for opt, g in zip(optimizers, grads):
         opt.apply(g, scale)

@@ -43,7 +43,7 @@ from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
 from dflop_jax.runtime.model_stages import build_llm_stages, build_mllm_stages
 from dflop_jax.runtime.stages import enable_compilation_cache
-from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,8 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
         stages = build_mllm_stages(model, layout, meshes, compute_dtype=dtype)
     del model
     opts = [StageOptimizer(s, cfg.optimizer.build()) for s in stages]
+    # A tied embedding split over the first and last LLM stage: one parameter, two copies.
+    tied = tied_groups(list(layout.stages), [s.params for s in stages])
     costs = layout_stage_costs(resolved.provider, layout)
     problem = ScheduleProblem(
         layout.encoder_dp, layout.llm_dp, layout.num_stages, mb_range, buckets, costs
@@ -318,7 +320,18 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
         for step in range(start + 1, cfg.steps + 1):
             measure = bool(measure_every) and step % measure_every == 0
             row = _train_step(
-                cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock
+                cfg,
+                step,
+                loader,
+                stages,
+                opts,
+                arch,
+                peak,
+                layout,
+                schedule_fn,
+                measure,
+                clock,
+                tied,
             )
             losses.append(row["loss"])
             metrics.log(row)
@@ -365,7 +378,7 @@ def _observe(scheduler, schedule, out, costs) -> None:
 
 
 def _train_step(
-    cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock
+    cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock, tied
 ) -> dict:
     compiles_before = sum(s.compiles for s in stages)
     batch = next(loader)
@@ -382,7 +395,9 @@ def _train_step(
     loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
     if not np.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss} at step {step}")
-    grad_norm = apply_updates(opts, out.grads, cfg.optimizer.clip_norm, f"step{step}/norm")
+    grad_norm = apply_updates(
+        opts, out.grads, cfg.optimizer.clip_norm, f"step{step}/norm", tied=tied
+    )
     jax.block_until_ready([s.params for s in stages])
     step_time = time.perf_counter() - t0
     st = batch.stats
