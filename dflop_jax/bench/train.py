@@ -110,6 +110,10 @@ def run_ab(config: Path, out: Path, overrides: list[str]) -> dict:
     return report
 
 
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _print(report: dict) -> None:
     print(f"\nplan: {report['plan']}")
     print("| arm | tokens/s steady | tokens/s all steps | step s (median, steady) | LLM padding | "
@@ -117,16 +121,13 @@ def _print(report: dict) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name in ("dflop", "data_blind"):
         r = report[name]
-        steady = r["tokens_per_s_steady"]
-        med = r["step_time_s_median_steady"]
-        print(f"| {name} | {steady:.0f} | {r['tokens_per_s_all']:.0f} | {med:.2f} | "
-              f"{r['llm_padding_ratio_mean']:.1%} | {r['encoder_padding_ratio_mean']:.1%} | "
-              f"{r['microbatches_mean']:.1f} | {r['compiles']} |" if steady and med else
-              f"| {name} | - | {r['tokens_per_s_all']:.0f} | - | {r['llm_padding_ratio_mean']:.1%} | "
-              f"{r['encoder_padding_ratio_mean']:.1%} | {r['microbatches_mean']:.1f} | {r['compiles']} |")  # fmt: skip
-    steady = report["speedup_steady"]
-    print(f"speedup dflop / data-blind: {steady:.2f}x steady, " if steady else "speedup: ", end="")
-    print(f"{report['speedup_all_steps']:.2f}x over all steps (compiles included)")
+        cells = [name, _fmt(r["tokens_per_s_steady"], ".0f"), _fmt(r["tokens_per_s_all"], ".0f"),
+                 _fmt(r["step_time_s_median_steady"], ".2f"), _fmt(r["llm_padding_ratio_mean"], ".1%"),
+                 _fmt(r["encoder_padding_ratio_mean"], ".1%"), _fmt(r["microbatches_mean"], ".1f"),
+                 str(r["compiles"])]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    print(f"speedup dflop / data-blind: {_fmt(report['speedup_steady'], '.2f')}x steady, "
+          f"{report['speedup_all_steps']:.2f}x over all steps (compiles included)")  # fmt: skip
     print(f"largest per-step loss difference between the arms: {report['max_loss_diff']:.2e}")
 
 

@@ -3,19 +3,22 @@
     table = load_table("runs/profile/cost_table.json")
     provider = MeasuredCostProvider(table, arch, get_device("cpu"), fallback=AnalyticCostProvider(arch, dev))
     fwd, bwd = provider.stage_time(StageSpec("llm", 0, 3, tp=2, has_head=True), 300)
-    provider.sources()   # {"llm_layers": {"interpolated": 1}, "llm_head": {"interpolated": 1}}
+    provider.sources()   # {"llm_layers": {"fitted": 1}, "llm_head": {"fitted": 1}}
 
 A stage is the sum of its parts: `<module>_layers` at n layers (base + n x per-layer), plus
-`<module>_embedding` and `<module>_head` if the stage holds them. Each part runs as its own program when profiled, so the sum
-pays the fixed per-program cost once per part; when layers and other parts are combined we subtract
-the layers' fitted base (clamped to [0, smallest part]) once per extra part, as the stage is one program.
+`<module>_embedding` and `<module>_head` if the stage holds them. Each part runs as its own program
+when profiled, so the sum pays the fixed per-program cost once per part; when layers and other parts
+are combined we subtract the layers' fitted base (clamped to [0, smallest part]) once per extra part,
+as the stage is one program.
+
 Times, `fit="least_squares"` (default): one smooth model per (kind, tp) fitted to ALL its entries,
     t(b)    = c0 + c1 b + c2 b^2                               (embedding, head, projector parts)
     t(n, b) = (c0 + c1 b + c2 b^2) + n (p0 + p1 b + p2 b^2)   (layer parts, 1- and 2-layer entries)
 with non-negative coefficients (every term is work or fixed overhead; b^2 is attention over a packed
 row), minimising the squared RELATIVE error (scheduling cares about ratios). One timing inflated by a
 contended minute then moves the curve a little everywhere instead of poisoning its neighbouring buckets
-and, through the 2-layer minus 1-layer difference, every layer count (measured in `bench costmodel`).
+and, through the 2-layer minus 1-layer difference, every layer count (`bench costmodel` compares
+both rules on one profile).
 Needs 3 or more profiled buckets; with fewer, or `fit="interpolate"`: piecewise-linear between
 profiled buckets, linear beyond them, per_layer = c2 - c1 and base = c1 - per_layer per bucket.
 Buckets outside the profiled range are flagged "extrapolated" in `sources()`.
