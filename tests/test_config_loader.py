@@ -97,3 +97,18 @@ def test_apply_overrides_does_not_mutate_input():
     data = {"inner": {"tp": 1}}
     out = apply_overrides(data, ["inner.tp=2"])
     assert data == {"inner": {"tp": 1}} and out == {"inner": {"tp": 2}}
+
+
+def test_bare_on_off_reach_on_off_literals(tmp_path):
+    """YAML 1.1 reads `on` / `off` as booleans; a field whose choices are "on"/"off" gets the words."""
+    from dflop_jax.scheduler import SchedulerConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Root:
+        scheduler: SchedulerConfig = SchedulerConfig()
+
+    assert load_config(Root, None, ["scheduler.correction=on"]).scheduler.correction == "on"
+    p = write(tmp_path, "scheduler:\n  correction: off\n")
+    assert load_config(Root, p).scheduler.correction == "off"
+    with pytest.raises(ConfigError, match="inner.solver: True is not allowed"):
+        load_config(RootConfig, None, ["inner.solver=on"])  # no on/off choice: still an error

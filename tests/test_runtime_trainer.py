@@ -109,12 +109,15 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_demo_trains_and_loss_decreases(tmp_path):
-    """The demo config itself (fewer steps, a smaller synthetic set, no checkpoints)."""
+    """The demo config itself (fewer steps, a smaller synthetic set, no checkpoints, and tp 1 only:
+    half the profile, which is most of the test's time)."""
     cfg = load_config(
         TrainConfig,
         REPO / "configs" / "demo.yaml",
         [
             "steps=6",
+            "profile.tps=[1]",
+            "planner.tp=[1]",
             "optimizer.lr=0.01",
             "data.synth_samples=64",
             f"data.synth_dir={tmp_path / 'synth'}",

@@ -162,6 +162,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}"
         )
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if value not in args:
             raise ConfigError(
                 f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, args))}"

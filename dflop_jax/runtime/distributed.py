@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
 
@@ -91,31 +92,36 @@ def initialize(cfg: DistributedConfig) -> None:
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
     """Host float64 values of scalars that may live on other processes' devices.
 
-    Each scalar is read by the lowest process owning one of its devices; then every process drains
-    ALL its outstanding device work and the readings are exchanged with the public
-    `multihost_utils.process_allgather` (every process must call this at the same point of the same
-    driver loop, as the trainer does). The drain matters: an all-gather queued behind pipeline work
-    whose cross-process transfers are still in flight can deadlock, an idle queue cannot. Values
-    travel as the bits of their float64 (exact without x64). The whole exchange, reads included, is
-    bounded by `timeout_s`; `tag` (e.g. "step3/loss") names it in the timeout message. Single
-    process: a plain read.
+    Every scalar is copied to the first devices of every other process with `jax.device_put` (the
+    cross-process transfers that carry activations between pipeline stages) and each process reads
+    its own copies. Every process must call this at the same point of the same driver loop, as the
+    trainer does (each copy pairs a send on the owner with a receive on the reader). No collective
+    is involved: an earlier all-gather version (`multihost_utils.process_allgather`, gloo on CPU)
+    failed intermittently with gloo "Connect timeout" whenever one process reached it much later than
+    the other (e.g. still compiling). The reads are bounded by `timeout_s`; `tag` (e.g.
+    "step3/loss") names the exchange in the timeout message. Single process: a plain read.
     """
     if jax.process_count() == 1:
         return np.array([float(v) for v in values])
-    writers = [min(d.process_index for d in v.sharding.device_set) for v in values]
-    table = _bounded(lambda: _drained_allgather(values, writers), tag, timeout_s)
-    return table[writers, np.arange(len(values))]
-
-
-def _drained_allgather(values: list[jax.Array], writers: list[int]) -> np.ndarray:
-    """(processes, len(values)) float64: row p holds the values process p writes (others 0)."""
     me = jax.process_index()
-    mine = np.array(
-        [float(v.addressable_shards[0].data) if w == me else 0.0 for v, w in zip(values, writers)]
+    by_process: dict[int, list] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        by_process.setdefault(d.process_index, []).append(d)
+    mine = []
+    for v in values:
+        owners = {d.process_index for d in v.sharding.device_set}
+        copy = v
+        for q, devices in sorted(by_process.items()):
+            if q in owners:
+                continue
+            # A transfer needs as many destination devices as the value has (replicated on them).
+            mesh = Mesh(np.array(devices[: len(v.sharding.device_set)]), ("host",))
+            moved = jax.device_put(v, NamedSharding(mesh, P()))
+            copy = moved if q == me else copy
+        mine.append(copy)
+    return _bounded(
+        lambda: np.array([float(c.addressable_shards[0].data) for c in mine]), tag, timeout_s
     )
-    jax.block_until_ready(jax.live_arrays())
-    words = np.asarray(multihost_utils.process_allgather(mine.view(np.uint32)))
-    return np.ascontiguousarray(words).view(np.float64)
 
 
 def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:

@@ -3,7 +3,8 @@
 Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule) on its
 submesh. Clipping needs the norm of the whole model's gradient: each stage computes its squared norm
 on its mesh, the host sums the scalars (one tiny pull per stage, which the step's loss pull needs
-anyway; in multi-process runs one all-gather of the scalars over processes), and each stage's update scales its gradients by min(1, max_norm / global_norm) -- the
+anyway; in multi-process runs the scalars travel between processes with `host_scalars`), and each
+stage's update scales its gradients by min(1, max_norm / global_norm) -- the
 `optax.clip_by_global_norm` rule applied across stages.
 
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
