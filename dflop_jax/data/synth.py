@@ -282,9 +282,8 @@ def synth_dataset(
             try:
                 _write(staging, num_samples, mix, seed, (tile or base) / base)
                 (staging / "synth.json").write_text(json.dumps(params))
-                shutil.rmtree(
-                    out, ignore_errors=True
-                )  # an older synthetic dataset (marker differs)
+                # An older synthetic dataset (its marker differs) is replaced, not merged into.
+                shutil.rmtree(out, ignore_errors=True)
                 # Publish whole: a run killed half-way leaves only a hidden staging folder behind.
                 os.rename(staging, out)
             finally:
