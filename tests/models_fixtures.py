@@ -121,3 +121,14 @@ def hf_logits(path: Path, input_ids):
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(input_ids, dtype=torch.long))
     return out.logits.float().numpy()
+
+
+# The trainer tests' tiny decoder as config overrides (each test adds model.kind, layout and data).
+TINY_TRAIN_DECODER = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=8",
+]

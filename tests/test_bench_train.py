@@ -4,6 +4,8 @@ the math: the loss is normalized over the global batch)."""
 
 import json
 
+from models_fixtures import TINY_TRAIN_DECODER
+
 from dflop_jax.bench import train as bench_train
 
 
@@ -11,12 +13,7 @@ def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path):
     overrides = [
         "model.kind=decoder",
         "layout.encoder_layers=[]",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "model.head_dim=8",
+        *TINY_TRAIN_DECODER,
         f"data.synth_dir={tmp_path / 'synth'}",
         "data.synth_mix=text",
         "data.synth_samples=64",

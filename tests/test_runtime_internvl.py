@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from models_fixtures import TINY_TRAIN_DECODER
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -15,12 +16,7 @@ def _cfg(tmp_path, *extra):
     over = [
         "model.kind=internvl",
         "data.model_family=internvl",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "model.head_dim=8",
+        *TINY_TRAIN_DECODER,
         "model.vision_hidden_size=16",
         "model.vision_intermediate_size=32",
         "model.vision_num_layers=2",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from models_fixtures import TINY_TRAIN_DECODER
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -25,12 +26,7 @@ def _args(tmp_path, run_dir):
         "plan=explicit",  # the layout below (the demo config profiles and plans, single-process only)
         "model.kind=decoder",
         "layout.encoder_layers=[]",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_layers=2",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "model.head_dim=8",
+        *TINY_TRAIN_DECODER,
         f"data.synth_dir={tmp_path / 'synth'}",
         "data.synth_mix=text",
         "data.synth_samples=64",
