@@ -294,6 +294,26 @@ def balance_shards(bin_of: np.ndarray, m: int, tokens: np.ndarray, ldp: int) -> 
     return out
 
 
+def ensure_nonempty(bin_of: np.ndarray, m: int, ldp: int, min_count: int) -> tuple[np.ndarray, int]:
+    """No empty microbatch: drops empty ones, then, while fewer than `min_count` remain (and samples
+    allow), moves the last sample of the fullest microbatch into a new one. Returns (bin_of, m).
+
+    Dropping an empty microbatch never raises the surrogate (one W term less, the max unchanged or
+    lower); a split adds a microbatch at the buckets its one sample needs. Deterministic.
+    """
+    mb, shard = bin_of // ldp, bin_of % ldp
+    kept = np.flatnonzero(np.bincount(mb, minlength=m) > 0)  # [M'] old ids, order kept
+    new_id = np.full(m, -1, dtype=np.int64)
+    new_id[kept] = np.arange(len(kept))
+    out, m = new_id[mb] * ldp + shard, len(kept)
+    while m < min(min_count, len(out)):
+        sizes = np.bincount(out // ldp, minlength=m)
+        donor = int(np.argmax(sizes))  # >= 2 samples: fewer microbatches than samples
+        out[np.flatnonzero(out // ldp == donor)[-1]] = m * ldp
+        m += 1
+    return out, m
+
+
 def _lpt_shrunk(tokens, tiles, m, problem, table) -> tuple[np.ndarray, int, float] | None:
     """LPT + shrink at count m: (bin_of, m, surrogate), or None if it overflows the largest buckets."""
     try:
