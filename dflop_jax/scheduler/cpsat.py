@@ -90,9 +90,9 @@ def repack(
     solver.parameters.cp_model_presolve = False
     status = _solve(solver, model)
     name = STATUS_NAMES.get(status, str(status))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # charged the whole round
+        return RepackResult(None, name, deterministic_time)
     used = float(solver.response_proto.deterministic_time)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return RepackResult(None, name, used)
     if solver.objective_value >= hint_key:
         return RepackResult(None, name, used)
     sol = np.asarray(solver.response_proto.solution, dtype=np.int64)

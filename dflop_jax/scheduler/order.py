@@ -5,7 +5,7 @@ blind to order. In a pipeline with encoder stages a tile-heavy microbatch is slo
 and a token-heavy one on the LLM stages; which one goes first decides the fill and drain bubbles. We
 score orders with the simulator's 1F1B makespan (`sim.pipeline.simulate`, the figure the planner
 uses): a few seeds (as given, heaviest first, lightest first, and encoder-heavy/LLM-heavy interleaved)
-then first-improvement moves (move one microbatch to another position) until none helps or
+then first-improvement moves (move one microbatch to another position, or swap two) until none helps or
 `max_evaluations` simulations were spent (deterministic: no randomness, no clock).
 
 `makespan_lower_bound` is a bound valid for every order and every pipeline schedule of the same
@@ -51,16 +51,30 @@ def order_microbatches(costs: np.ndarray, max_evaluations: int = 200) -> tuple[l
     improved = True
     while improved and evals < max_evaluations:
         improved = False
-        for i in range(m):
-            for j in range(m):
-                if i == j or evals >= max_evaluations:
-                    continue
-                cand = best[:i] + best[i + 1 :]
-                cand.insert(j, best[i])
-                t = score(cand)
-                if t < best_t - 1e-12:
-                    best, best_t, improved = cand, t, True
+        for cand in _neighbours(best):
+            if evals >= max_evaluations:
+                break
+            t = score(cand)
+            if t < best_t - 1e-12:
+                best, best_t, improved = cand, t, True
+                break
     return best, best_t
+
+
+def _neighbours(order: list[int]):
+    """Orders one move away: a microbatch moved to another position, or two swapped."""
+    m = len(order)
+    for i in range(m):
+        for j in range(m):
+            if i != j:
+                cand = order[:i] + order[i + 1 :]
+                cand.insert(j, order[i])
+                yield cand
+    for i in range(m):
+        for j in range(i + 2, m):  # adjacent swaps are moves already
+            cand = list(order)
+            cand[i], cand[j] = cand[j], cand[i]
+            yield cand
 
 
 def _seeds(costs: np.ndarray) -> list[list[int]]:
