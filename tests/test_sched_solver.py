@@ -30,7 +30,7 @@ def problem(m=(2, 2), ldp=2):
     return ScheduleProblem(2, ldp, 2, m, BucketSet((2, 4, 6), (400, 600, 900, 1400)), costs)
 
 
-def batch(n=7, seed=5):
+def batch(n=7, seed=15):
     rng = np.random.default_rng(seed)
     return [SampleShape(i, int(rng.integers(0, 4)), int(rng.integers(50, 600))) for i in range(n)]
 
@@ -53,7 +53,7 @@ def brute_force_optimum(shapes, prob):
     return best
 
 
-@pytest.mark.parametrize("seed", [5, 11])
+@pytest.mark.parametrize("seed", [15, 24, 2])
 def test_refinement_reaches_brute_force_optimum_and_bound_is_valid(seed):
     shapes, prob = batch(seed=seed), problem()
     opt = brute_force_optimum(shapes, prob)
@@ -63,8 +63,10 @@ def test_refinement_reaches_brute_force_optimum_and_bound_is_valid(seed):
     assert opt <= greedy.objective * (1 + 1e-12)
     # the neighbourhood (2 microbatches) is the whole batch: the re-packing is exact
     assert refined.objective == pytest.approx(opt, rel=1e-9)
-    if seed == 5:  # an instance where the greedy is not optimal: the refinement did the work
-        assert greedy.objective > opt * 1.01 and refined.solver == "lns"
+    if seed != 2:  # instances where the greedy is not optimal: the refinement did the work
+        assert greedy.objective > opt * 1.03 and refined.solver == "lns"
+    else:  # the greedy is optimal and the 11.8% gap is all the bound's slack (7 coarse samples)
+        assert greedy.objective == pytest.approx(opt, rel=1e-12) and greedy.gap > 0.1
 
 
 def test_fallback_when_solver_raises(monkeypatch):

@@ -39,8 +39,8 @@ class SchedulerConfig:
 
     solver: Literal["greedy", "cpsat", "auto", "data_blind"] = "auto"
     time_limit_s: float = 1.0
-    refine_rounds: int = 40
-    refine_deterministic_time: float = 0.5
+    refine_rounds: int = 6
+    refine_deterministic_time: float = 0.12
     round_deterministic_time: float = 0.02
     neighbourhood: int = 2
     max_cpsat_vars: int = 4000

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflop_jax.scheduler.bound import aggregate_bound
+from dflop_jax.scheduler.fill import fill_assign
 from dflop_jax.scheduler.objective import CostTable, evaluate
 from dflop_jax.scheduler.types import ScheduleProblem
 
@@ -337,8 +338,9 @@ def greedy_schedule(
 ) -> tuple[np.ndarray, int, float, float]:
     """Best greedy assignment: (bin_of [N], microbatches, surrogate, lower bound).
 
-    Candidates: best-fit packing into the bucket pairs of the aggregate lower bound's optimum
-    (`bound.aggregate_bound`; returned at once if it reaches the bound), vector LPT + shrink at the
+    Candidates: best-fit packing and minimum-slack filling (`fill.py`) into the bucket pairs of the
+    aggregate lower bound's optimum (`bound.aggregate_bound`; returned at once if one reaches the
+    bound), vector LPT + shrink at the
     candidate counts and at the bound's count, then at the neighbours of the best count while that
     improves (the coarse grid of a wide range can miss the best count).
     """
@@ -350,6 +352,12 @@ def greedy_schedule(
             obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
             if obj <= lb * (1 + 1e-9):  # the packing reached the bound: nothing left to gain
                 return packed, len(target), obj, lb
+    filled = fill_assign(tokens, tiles, target, problem, table) if target else None
+    if filled is not None:
+        filled = shrink(filled, len(target), tokens, tiles, problem, table)
+        filled_obj = evaluate(filled, len(target), tokens, tiles, problem, table)[0]
+        if filled_obj <= lb * (1 + 1e-9):
+            return filled, len(target), filled_obj, lb
     lo, hi = problem.microbatches
     counts = candidate_counts(problem, len(tokens))
     if target and lo <= len(target) <= hi and len(target) not in counts:
@@ -366,6 +374,8 @@ def greedy_schedule(
             best = _better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
             tried.add(m)
         step = 1 if best is not before else step + 1
+    if filled is not None:
+        best = _better(best, (filled, len(target), filled_obj))
     if packed is not None:
         raw = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
         # a targeted packing that overflowed (already worse than the best before shrinking) rarely
