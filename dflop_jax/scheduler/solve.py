@@ -39,6 +39,7 @@ from dflop_jax.scheduler.objective import (
 )
 from dflop_jax.scheduler.order import makespan_lower_bound, order_microbatches
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.sim.pipeline import simulate
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def schedule_batch(
     Returns:
       Schedule: microbatches in the order that minimises the simulated 1F1B step, the surrogate
       objective of their static buckets (what the runtime pays), a valid lower bound on it, and the
-      report in `info` (greedy objective, refinement rounds, fallback, simulated makespan and its bound).
+      report in `info` (greedy objective, refinement rounds, fallback; the simulated 1F1B makespan in
+      the chosen order and in solve order, and a lower bound on it for these microbatches).
     Raises:
       ValueError: an empty batch, a sample no bucket can hold (named), or bad problem sizes.
     """
@@ -102,6 +104,7 @@ def schedule_batch(
     info.update(
         microbatches=m,
         simulated_makespan_s=makespan,
+        solve_order_makespan_s=simulate(stage).step_time,
         makespan_lower_bound_s=makespan_lower_bound(stage),
     )
     return Schedule(plans, obj, lb, solver, clock() - t0, info)
