@@ -28,8 +28,15 @@ def fill_assign(
     target: list[tuple[int, int]],
     problem: ScheduleProblem,
     table: CostTable,
+    open_with_largest: bool = False,
 ) -> np.ndarray | None:
-    """bin_of [N] for the target pairs [(ti, si)] * M, or None if a leftover fits nowhere."""
+    """bin_of [N] for the target pairs [(ti, si)] * M, or None if a leftover fits nowhere.
+
+    With `open_with_largest` every bin starts with the largest remaining sample (Gupta and Ho's
+    rule), so large samples are not the ones left for the last bins; without it a bin takes any
+    subset. Neither wins everywhere (heavy-tailed batches: each is better on some), so the greedy
+    tries both.
+    """
     ldp, edp, m = problem.llm_dp, problem.encoder_dp, len(target)
     tok = tokens.astype(np.int64)
     left = np.ones(len(tok), dtype=bool)
@@ -41,8 +48,14 @@ def fill_assign(
         cap = int(table.lengths[target[k][1]])
         for r in range(ldp):
             ok = np.flatnonzero(left & (tiles <= tile_room[k]))
-            chosen = _closest_subset(tok[ok], cap)
-            picked = ok[chosen]
+            if ok.size == 0:
+                continue
+            first = ok[[int(np.argmax(tok[ok]))]] if open_with_largest else ok[:0]
+            rest = np.setdiff1d(ok, first)
+            room = cap - int(tok[first].sum())
+            if room < 0:
+                continue
+            picked = np.concatenate([first, rest[_closest_subset(tok[rest], room)]])
             while picked.size and tiles[picked].sum() > tile_room[k]:
                 picked = np.delete(picked, int(np.argmax(tiles[picked])))
             bin_of[picked] = k * ldp + r
