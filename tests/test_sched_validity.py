@@ -178,3 +178,24 @@ def test_oversized_sample_named():
         schedule_batch([SampleShape("big", 0, 101)], problem, SchedulerConfig(solver="greedy"))
     with pytest.raises(ValueError, match="'wide'"):
         schedule_batch([SampleShape("wide", 3, 10)], problem, SchedulerConfig(solver="greedy"))
+
+
+def test_baseline_api_runs_all_and_picks_the_strongest():
+    from dflop_jax.scheduler import BASELINES, run_baselines, strongest
+
+    problem = ScheduleProblem(
+        2, 2, 3, (2, 2), BucketSet((2, 4, 8), (512, 1024, 2048)), linear_costs(3, 1e-3, 1e-6)
+    )
+    shapes = [SampleShape(i, i % 4, 100 + 97 * i) for i in range(12)]
+    results = run_baselines(shapes, problem, 2)
+    assert list(results) == list(BASELINES)
+    name, best = strongest(results)
+    assert best.objective == min(s.objective for s in results.values()) and results[name] is best
+    by_makespan = strongest(results, key=lambda s: s.info["simulated_makespan_s"])[1]
+    assert by_makespan.info["simulated_makespan_s"] == min(
+        s.info["simulated_makespan_s"] for s in results.values()
+    )
+    dflop = schedule_batch(shapes, problem, SchedulerConfig(solver="auto"))
+    assert dflop.objective <= best.objective  # same evaluator, same objective
+    with pytest.raises(ValueError, match="unknown baseline"):
+        run_baselines(shapes, problem, 2, ["megatron"])

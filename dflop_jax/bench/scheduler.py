@@ -32,8 +32,10 @@ from dflop_jax.scheduler import (
     default_buckets,
     llava_ov_mix,
     omnibal_shapes,
+    run_baselines,
     sample_global_batch,
     schedule_batch,
+    strongest,
 )
 from dflop_jax.scheduler.model_problem import model_problem
 
@@ -136,7 +138,9 @@ def run_pipeline(stage_counts: list[int], batches: int, time_limit: float, seed:
             s = schedule_batch(
                 batch, problem, SchedulerConfig(solver="auto", time_limit_s=time_limit)
             )
-            base = min((fn(batch, problem, m) for fn in BASELINES.values()), key=lambda b: b.info["simulated_makespan_s"])  # fmt: skip
+            _, base = strongest(
+                run_baselines(batch, problem, m), key=lambda b: b.info["simulated_makespan_s"]
+            )
             acc["ordered"].append(s.info["simulated_makespan_s"])
             acc["solve_order"].append(s.info["solve_order_makespan_s"])
             acc["baseline"].append(base.info["simulated_makespan_s"])

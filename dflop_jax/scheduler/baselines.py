@@ -217,11 +217,16 @@ def run_baselines(
     return {n: BASELINES[n](shapes, problem, microbatches) for n in names}
 
 
-def strongest(results: dict[str, Schedule]) -> tuple[str, Schedule]:
-    """The (name, schedule) with the lowest objective; ties: the first in `results`' order."""
+def strongest(
+    results: dict[str, Schedule], key: Callable[[Schedule], float] | None = None
+) -> tuple[str, Schedule]:
+    """The (name, schedule) with the lowest `key` (default: the objective, the static-bucket
+    surrogate; e.g. `lambda s: s.info["simulated_makespan_s"]` for the 1F1B makespan); ties: the
+    first in `results`' order."""
     if not results:
         raise ValueError("strongest() needs at least one baseline result")
-    name = min(results, key=lambda n: results[n].objective)
+    key = key or (lambda s: s.objective)
+    name = min(results, key=lambda n: key(results[n]))
     return name, results[name]
 
 
