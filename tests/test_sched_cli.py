@@ -102,4 +102,5 @@ def test_bench_scheduler_small_run():
     assert table.count("\n") == len(rows) + 1
     pipe = bench_sched.run_pipeline([2, 4], batches=1, time_limit=5.0)
     for r in pipe:
-        assert r["lb"] <= r["ordered"] <= r["solve_order"] + 1e-12
+        # float sums in a different order: equal up to round-off where the bound is tight
+        assert r["lb"] <= r["ordered"] * (1 + 1e-12) and r["ordered"] <= r["solve_order"]
