@@ -2,16 +2,17 @@
 
 Each round takes q microbatches of the current answer (the neighbourhood), re-packs their samples
 exactly with CP-SAT (`cpsat.repack`, everything else fixed) and keeps the result when it lowers the
-surrogate. Where the greedy loses is one bucket step on a few microbatches (loads just above a bucket
-boundary while others have room below theirs); a re-packing of a microbatch that is over its next
-cheaper pair together with microbatches that have room removes exactly that step, which a full CP-SAT
-model over all N x bins variables does not find within a second (measured: 0 of 36 batches improved).
+surrogate, or keeps it equal while gathering slack in the neighbourhood's cheapest microbatch (the
+model's second key), so that plateaus are crossed. It is exact on small batches (the neighbourhood is
+then the whole batch); on the benchmark batches the greedy's minimum-slack filling usually reaches the
+bound first and the search is skipped (docs/benchmarks.md says where it found nothing).
 
-Neighbourhoods: the first microbatch is drawn with probability proportional to its "excess" (how far
-its loads are above the capacities of its next cheaper bucket pair, relative; the most expensive
-microbatch when nothing is close), the others with probability proportional to their room under
-their current pair, all from a generator seeded by `seed`; a neighbourhood that failed is not
-retried until something improves. q shrinks so a model stays under `max_vars` assignment variables.
+Neighbourhoods: the first microbatch is drawn with probability inversely proportional to its
+relative excess over its nearest cheaper bucket pair (the ones closest to dropping a bucket step;
+uniform when no microbatch has a cheaper pair), the others with probability proportional to their
+relative room under their current pair, all from a generator seeded by `seed`; a neighbourhood that
+failed is not retried until something changes. q shrinks so a model stays under `max_vars`
+assignment variables.
 
 Budget, in deterministic units only: at most `rounds` rounds and `deterministic_time` CP-SAT
 deterministic seconds in total (`round_deterministic_time` per round). The search is a pure function
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dflop_jax.scheduler.cpsat import Neighbourhood, int_costs, repack
+from dflop_jax.scheduler.cpsat import W_UNITS, Neighbourhood, int_costs, repack
 from dflop_jax.scheduler.objective import CostTable, evaluate
 from dflop_jax.scheduler.types import ScheduleProblem
 
@@ -101,6 +102,7 @@ def lns(
 
 
 def _repack(best, ks, m, tokens, tiles, problem, table, pairs, wint, budget, seed):
+    """Re-packs microbatches `ks` of `best`; returns (RepackResult, indices of their samples)."""
     ldp = problem.llm_dp
     mb = best // ldp
     members = np.flatnonzero(np.isin(mb, ks))
@@ -108,8 +110,8 @@ def _repack(best, ks, m, tokens, tiles, problem, table, pairs, wint, budget, see
     hint = np.array([local[int(mb[i])] * ldp + best[i] % ldp for i in members], dtype=np.int64)
     w_all = evaluate(best, m, tokens, tiles, problem, table)[1]
     outside = [k for k in range(m) if k not in local]
-    wmax = float(np.max(table.w)) or 1.0
-    outside_top = int(round(max((w_all[k] for k in outside), default=0.0) / wmax * 100_000))
+    wmax = max(w for _, _, w in pairs) or 1.0  # the integer units of `cpsat.int_costs`
+    outside_top = int(round(max((w_all[k] for k in outside), default=0.0) / wmax * W_UNITS))
     nb = Neighbourhood(
         tokens[members], tiles[members], hint, len(ks), ldp, problem.encoder_dp,
         problem.num_stages, outside_top,
