@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.planner.config import PlannerConfig
 
 SYNTHETIC_DATA = ("llava-ov", "omnibal")
@@ -43,6 +43,13 @@ class DataConfig:
             self.synthetic_samples,
             "must be >= 1",
         )
+        require_seed(self.seed, "data.seed")
+
+    def inputs(self) -> list[InputPath]:
+        if self.source in SYNTHETIC_DATA:
+            return []
+        fix = f"give a shape-distribution JSON (python -m dflop_jax.profile data) or one of {SYNTHETIC_DATA}"
+        return [InputPath("source", self.source, "file", fix)]
 
 
 @dataclasses.dataclass(frozen=True)
