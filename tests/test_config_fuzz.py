@@ -142,6 +142,26 @@ def test_out_of_range_values_load_or_fail_cleanly(entry, key, tp):
             assert "\n" not in str(e)
 
 
+def sections(cls: type, prefix: str = ""):
+    """Dotted keys of every nested config section under `cls`."""
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            key = f"{prefix}.{field.name}" if prefix else field.name
+            yield key
+            yield from sections(hints[field.name], key)
+
+
+SECTIONS = [(entry, key) for entry, root in _roots().items() for key in sections(root)]
+
+
+@pytest.mark.parametrize("entry, key", SECTIONS, ids=[f"{e}:{k}" for e, k in SECTIONS])
+def test_a_section_given_a_value_is_a_clean_error(entry, key):
+    for value in (3, "text", [1, 2]):
+        with pytest.raises(ConfigError, match=rf"^{key}: expected a mapping"):
+            from_dict(_roots()[entry], nested(entry, key, value))
+
+
 # Fields where a negative number means something (process_id -1: from the environment).
 NEGATIVE_OK = {"distributed.process_id"}
 

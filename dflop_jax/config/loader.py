@@ -46,7 +46,11 @@ def load_config(
     overrides: typing.Sequence[str] = (),
     gin_files: typing.Sequence[str | Path] = (),
 ) -> T:
-    """Builds `cls` from an optional YAML file, then gin binding files, then `key=value` overrides."""
+    """Builds `cls` from an optional YAML file, then gin binding files, then `key=value` overrides.
+
+    Then checks the files the config reads (`check_inputs`) and logs one warning naming the given keys
+    the config's mode ignores. Raises `ConfigError` (one line) on any problem.
+    """
     data: dict[str, Any] = {}
     if path is not None:
         data = read_yaml(path)

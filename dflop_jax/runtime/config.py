@@ -265,6 +265,8 @@ class TrainConfig:
         )
         if self.plan == "explicit":
             _check_layout_fits_model(self.layout, self.model)
+        fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
+        require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 
     def inputs(self) -> list[InputPath]:
         if self.plan in ("explicit", "auto", "analytic"):
