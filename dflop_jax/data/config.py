@@ -42,8 +42,11 @@ class DataConfig:
       system_prompt: a system turn added when the record has none; None = the template's own default.
       max_tokens: longest sample (LLM tokens) the scheduler may see; longer ones per `too_long`.
       too_long: "skip" (BadSample too_long) or "truncate" (text cut; refused if images would be cut).
-      strict: raise on the first bad record instead of counting and skipping it.
-      extra_fields: record keys to accept and ignore beyond id/image/video/conversations/text/data_source.
+      strict: raise on the first bad record instead of counting and skipping it, and treat a record
+        with keys beyond the format and `extra_fields` as bad ("unknown_fields"). By default such keys
+        (source tags, metadata, sample ids of real LLaVA data) are ignored and the record is kept.
+      extra_fields: record (or turn) keys accepted even under `strict`, beyond
+        id/image/video/conversations/text/data_source/source (turns: from/value).
       cache_dir: shape-metadata cache ("" disables caching).
       pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
     """
@@ -171,5 +174,6 @@ class DataConfig:
         keep = (
             "model_family", "tile_size", "patch_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
             "video_fps", "max_frames", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
+            "strict", "extra_fields",  # under strict, extra keys make a record bad
         )  # fmt: skip
         return {k: getattr(self, k) for k in keep}
