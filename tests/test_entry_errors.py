@@ -121,3 +121,28 @@ def test_used_keys_are_not_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
         load_config(TrainConfig, REPO / "configs" / "demo.yaml", ["planner.samples=3"])
     assert caplog.records == []
+
+
+def test_inputs_that_exist_pass_and_a_dir_missing_its_file_is_named(tmp_path):
+    plan, data, tok = tmp_path / "plan.yaml", tmp_path / "d.jsonl", tmp_path / "tok"
+    plan.write_text("{}\n")
+    data.write_text("")
+    tok.mkdir()
+    over = [f"plan={plan}", f"data.source={data}"]
+    assert load_config(TrainConfig, None, over).plan == str(plan)
+    with pytest.raises(
+        ConfigError, match=r"data\.tokenizer='.*tok': no tokenizer\.json in it; give"
+    ):
+        load_config(TrainConfig, None, [*over, f"data.tokenizer={tok}"])
+    (tok / "tokenizer.json").write_text("{}")
+    assert load_config(TrainConfig, None, [*over, f"data.tokenizer={tok}"]).data.tokenizer == str(
+        tok
+    )
+
+
+def test_a_decoder_reports_its_vision_keys_as_ignored(caplog):
+    over = ["model.kind=decoder", "layout.encoder_layers=[]", "model.vision_num_layers=3"]
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+        load_config(TrainConfig, None, over)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("ignored config keys model.vision_num_layers (")

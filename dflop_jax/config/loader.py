@@ -70,7 +70,7 @@ def _warn_ignored(cfg: Any, data: dict[str, Any]) -> None:
     if not isinstance(cfg, ModalConfig):
         return
     ignored = cfg.ignored_keys()
-    hits = [k for k in given_keys(data) if any(_under(k, p) for p in ignored)]
+    hits = [k for k in _given_keys(data) if any(_under(k, p) for p in ignored)]
     if hits:
         why = "; ".join(f"{p}: {r}" for p, r in ignored.items() if any(_under(h, p) for h in hits))
         log.warning("ignored config keys %s (%s)", ", ".join(hits), why)
@@ -80,12 +80,12 @@ def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + ".")
 
 
-def given_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+def _given_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
     """The dotted leaf keys set in raw config data (YAML + overrides), in order."""
     out = []
     for k, v in data.items():
         key = _join(prefix, str(k))
-        out.extend(given_keys(v, key) if isinstance(v, dict) and v else [key])
+        out.extend(_given_keys(v, key) if isinstance(v, dict) and v else [key])
     return out
 
 

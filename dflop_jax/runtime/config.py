@@ -285,6 +285,9 @@ class TrainConfig:
             out["planner"] = f"read only with plan=auto or analytic (plan={self.plan})"
         if self.plan != "auto":
             out["profile"] = f"read only with plan=auto (plan={self.plan})"
+        if self.model.kind == "decoder":
+            why = "model.kind=decoder has no vision encoder"
+            out.update({f"model.{n}": why for n in _MODEL_SIZES if n.startswith("vision_")})
         if self.model.hf_dir:
             why = "the shapes come from model.hf_dir's config.json"
             out.update(
