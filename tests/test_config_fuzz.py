@@ -13,7 +13,7 @@ from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 
-from dflop_jax.config import ConfigError, from_dict
+from dflop_jax.config import ConfigError, from_dict, load_config
 
 
 def _roots() -> dict[str, type]:
@@ -181,3 +181,24 @@ def test_nan_is_never_a_number():
 
     with pytest.raises(ConfigError, match=r"optimizer.lr: expected a finite number, got nan"):
         from_dict(TrainConfig, {"optimizer": {"lr": math.nan}})
+
+
+# Raw command-line values: YAML-parsed as an override would be (.inf / .nan are YAML floats).
+RAW = ["", "[", "{a: 1}", "-1", ".inf", ".nan", "0", "[1, x]"]
+
+
+@pytest.mark.parametrize("entry, key, tp", CASES, ids=[f"{e}:{k}" for e, k, _ in CASES])
+def test_raw_override_strings_load_or_fail_cleanly(entry, key, tp):
+    root = _roots()[entry]
+    base = [f"{k}={v}" for k, v in _flat(BASE.get(entry, {}))]
+    for raw in RAW:
+        try:
+            load_config(root, None, [*base, f"{key}={raw}"])
+        except ConfigError as e:
+            assert names_key(str(e), key), f"{key}={raw} -> {e}"
+
+
+def _flat(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        yield from _flat(v, key) if isinstance(v, dict) else [(key, v)]

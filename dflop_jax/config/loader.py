@@ -238,7 +238,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin in (tuple, list):
         if isinstance(value, str):
             # `a.b=4,8,16` on a command line: each item is a YAML scalar.
-            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
+            value = [_list_item(v, key) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             value = [value]
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
@@ -279,6 +279,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return Path(value)
         raise ConfigError(f"{key}: expected a path, got {value!r}")
     raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def _list_item(raw: str, key: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(
+            f"{key}: cannot read {raw.strip()!r} as a list item; give e.g. [1, 2]"
+        ) from None
 
 
 def to_dict(cfg: Any) -> Any:

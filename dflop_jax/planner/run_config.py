@@ -92,6 +92,8 @@ class PlanRunConfig:
             f"choose one of {', '.join(list_devices())}",
         )
         require(self.num_devices >= 1, "num_devices", self.num_devices, "need at least 1 device")
+        require(self.out.suffix in (".yaml", ".yml"), "out", str(self.out),
+                "give the plan.yaml path to write")  # fmt: skip
 
 
 def load_shapes(data: DataConfig):
