@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require, require_seed
 
 # Pixel normalization as the HF image processors use it.
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
@@ -86,6 +86,19 @@ class DataConfig:
             "give a mix YAML, a JSON/JSONL file or 'synthetic'",
         )
         require(self.synth_samples > 0, "data.synth_samples", self.synth_samples, "must be >= 1")
+        require_seed(self.synth_seed, "data.synth_seed")
+        require(
+            self.source != "synthetic" or bool(self.synth_dir),
+            "data.synth_dir",
+            self.synth_dir,
+            "give a directory for the synthetic data",
+        )
+        require(
+            self.chat_template != "from_tokenizer" or self.tokenizer != "bundled",
+            "data.chat_template",
+            self.chat_template,
+            "the bundled tokenizer has no template: use qwen2.5 or llama3, or an HF data.tokenizer",
+        )
         require(
             self.synth_mix in SYNTH_MIXES,
             "data.synth_mix",
@@ -119,6 +132,23 @@ class DataConfig:
             value = getattr(self, name)
             require(len(value) in (0, 3), f"data.{name}", value, "give 3 values (RGB) or none")
         require(all(s > 0 for s in self.pixel_std), "data.pixel_std", self.pixel_std, "must be > 0")
+
+    def inputs(self) -> list[InputPath]:
+        """The files and folders this data config reads (synthetic data is generated, not read)."""
+        out = []
+        if self.source != "synthetic":
+            fix = "give a mix YAML, a JSON/JSONL file or 'synthetic'"
+            out.append(InputPath("source", self.source, "file", fix))
+        if self.tokenizer != "bundled":
+            fix = "give an HF model/tokenizer directory or 'bundled'"
+            out.append(
+                InputPath("tokenizer", self.tokenizer, "dir", fix, contains="tokenizer.json")
+            )
+        for name in ("image_root", "video_root"):
+            if getattr(self, name):
+                fix = "give the media folder or '' (paths relative to the dataset file)"
+                out.append(InputPath(name, getattr(self, name), "dir", fix))
+        return out
 
     @property
     def tile_px(self) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.config import require
+from dflop_jax.config import require, require_seed
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.metadata import MetadataCache
@@ -39,6 +39,7 @@ class ProfileSection:
 
     def __post_init__(self):
         require(self.num_samples >= 1, "profile.num_samples", self.num_samples, "must be >= 1")
+        require_seed(self.seed, "profile.seed")
 
 
 @dataclasses.dataclass(frozen=True)
