@@ -139,7 +139,7 @@ def test_plan_score_is_scheduler_then_simulator():
     for _ in range(SMALL.samples):
         batch = sample_global_batch(shapes, SMALL.global_batch, rng)
         sched = schedule_batch(
-            batch, problem, SchedulerConfig(solver="greedy", correction="off"), SMALL.seed
+            batch, problem, SchedulerConfig(solver="greedy", correction="off", seed=SMALL.seed)
         )
         times = np.stack(
             [problem.stage_costs(m.tile_bucket, m.length_bucket) for m in sched.microbatches]
