@@ -268,3 +268,18 @@ def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "cu
     vision = vision_arch_from_config(vision_cfg, tokens_per_tile, f"{name}-vision")
     llm = llm_arch_from_config(llm_cfg, f"{name}-llm")
     return MLLMArch(name, vision, projector_for(vision, llm), llm)
+
+
+def pad_vision_heads(arch: MLLMArch, tp: int) -> MLLMArch:
+    """`arch` with its encoder's attention heads padded up to a multiple of `tp` (unchanged if they divide).
+
+    Megatron-LM requires heads divisible by tp, so NVLM trains InternViT-6B (25 heads) at tp 8 with 7
+    zero dummy heads (32 in all): the padded heads cost real weights, FLOPs and activations, which this
+    arch counts. The head width stays the original's; the projector is unaffected.
+    """
+    v = arch.vision
+    heads = -(-v.num_heads // tp) * tp
+    if heads == v.num_heads:
+        return arch
+    padded = dataclasses.replace(v, name=f"{v.name}-pad{heads}", num_heads=heads, head_dim=v.dh)
+    return dataclasses.replace(arch, vision=padded)
