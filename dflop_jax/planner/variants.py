@@ -62,3 +62,10 @@ class ProviderVariants:
         if key not in self._cache:
             self._cache[key] = provider_variant(self.base, layout, remat, self.pad_heads)
         return self._cache[key]
+
+
+def plan_provider(plan, base):
+    """The provider `plan` was chosen with, rebuilt from `base` (its remat and, for a uniform plan,
+    padded encoder heads), to evaluate the plan on other batches."""
+    pad = plan.mode == "uniform" and can_vary(base)
+    return provider_variant(base, plan.layout, plan.search["remat"], pad)
