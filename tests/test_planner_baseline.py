@@ -30,7 +30,13 @@ def intern6b_blind():
     provider = AnalyticCostProvider(arch, H100, remat=True)
     cfg = PlannerConfig(global_batch=128, samples=1, remat=(False, True))
     shapes = llava_ov_mix(500, 0)
-    return arch, provider, cfg, shapes, make_plan(arch, H100, 32, shapes, cfg, provider, mode="uniform")
+    return (
+        arch,
+        provider,
+        cfg,
+        shapes,
+        make_plan(arch, H100, 32, shapes, cfg, provider, mode="uniform"),
+    )
 
 
 def test_baseline_finds_a_layout_for_a_25_head_encoder_by_padding_heads(intern6b_blind):

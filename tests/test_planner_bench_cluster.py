@@ -49,7 +49,9 @@ def test_format_tables_has_both_tables():
         "speedup": 2.0, "speedup_vs_dynamic": 1.5, "device_idle_reduction": 0.8,
         "device_idle_reduction_vs_dynamic": float("nan"), "plan_time_dflop_s": 12.4, "plan_time_blind_s": 0.4,
     }  # fmt: skip
-    text = format_tables([row], [{"model": "big", "gpus": 32, "error": "data-blind: no layout fits"}])
+    text = format_tables(
+        [row], [{"model": "big", "gpus": 32, "error": "data-blind: no layout fits"}]
+    )
     assert (
         "| m | 8 | 32 | a | b |" in text
         and "| 2.00x |" in text
@@ -69,5 +71,7 @@ def test_paper_smoke_one_model_at_32_gpus(capsys):
                "--eval-batches", "1", "--samples", "1", "--json", "/dev/null"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "Simulation with analytic costs" in out
-    row = next(line for line in out.splitlines() if line.startswith("| siglip-6b+qwen2.5-7b | 32 | 128"))
+    row = next(
+        line for line in out.splitlines() if line.startswith("| siglip-6b+qwen2.5-7b | 32 | 128")
+    )
     assert "enc@llm0 / llm" in row.split("|")[5]  # the data-blind layout

@@ -4,7 +4,7 @@
 
 Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
-   pipelined DFLOP candidates also come with a cost-balanced layer split (planner/balance.py);
+   pipelined candidates also come with a cost-balanced layer split of each module (planner/balance.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
    exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
 3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.planner.balance import balanced_llm_layout
+from dflop_jax.planner.balance import balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
 from dflop_jax.planner.config import PlannerConfig
@@ -208,9 +208,9 @@ def _screen_all(
     for i, cand in enumerate(cands):
         provider = variants.get(cand.layout, cand.remat)
         out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
-        if len(cand.layout.llm_stages) > 1:
+        if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
             t, s = mean_shape_buckets(cand, out[-1].buckets, stats, config)
-            layout = balanced_llm_layout(provider, cand.layout, out[-1].costs.stage(t, s), s)
+            layout = balanced_layout(provider, cand.layout, out[-1].costs.stage(t, s), t, s)
             if layout != cand.layout:
                 variant = dataclasses.replace(cand, layout=layout)
                 out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
