@@ -279,21 +279,33 @@ def main(argv: list[str]) -> int:
         return 2
     rows, failures = [], []
     with progress_bar() as progress:
-        for model in models:
-            for n in gpus:
-                try:
-                    rows.append(run_case(model, n, _planner_config(n, args), eval_batches,
-                                         not args.no_remat, progress))  # fmt: skip
-                except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
-                    print(f"error: {model} x{n}: {e}", file=sys.stderr)
-                    failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
-                    continue
-                r = rows[-1]
-                print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
-                      f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
+        for n in (
+            gpus
+        ):  # every model at one size before the next size: a cut-short sweep stays comparable
+            for model in models:
+                _run_one(model, n, args, eval_batches, progress, rows, failures)
+                if args.json:  # after every case, so a long sweep's figures survive an interruption
+                    _dump(args.json, rows, failures)
     print("Simulation with analytic costs (H100 preset), not measured on GPUs.\n")
     print(format_tables(rows, failures))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "failures": failures}, f, indent=1)
     return 1 if failures else 0
+
+
+def _run_one(
+    model: str, n: int, args, eval_batches: int, progress, rows: list, failures: list
+) -> None:
+    """One case appended to `rows`, or, with no plan, to `failures`; a one-line summary on stderr."""
+    try:
+        r = run_case(model, n, _planner_config(n, args), eval_batches, not args.no_remat, progress)
+    except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
+        print(f"error: {model} x{n}: {e}", file=sys.stderr)
+        failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
+        return
+    rows.append(r)
+    print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
+          f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
+
+
+def _dump(path: str, rows: list, failures: list) -> None:
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "failures": failures}, f, indent=1)
