@@ -241,10 +241,8 @@ def _settings(args) -> tuple[list[int], list[str], int, int]:
 
 
 def _planner_config(n: int, args) -> PlannerConfig:
-    """Global batch 4 per GPU; `--paper` also searches remat on/off, up to 4 encoder stages and LLM
-    pipelines up to 20 stages (a 70-72B LLM with LLaVA-OV video rows needs more than 8)."""
-    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": (1, 2, 4, 7, 8, 10, 16, 20)}
-    extra = extra if args.paper else {}
+    """Global batch 4 per GPU; `--paper` also searches remat on/off and up to 4 encoder stages."""
+    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4)} if args.paper else {}
     return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 
