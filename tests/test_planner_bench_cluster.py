@@ -75,3 +75,19 @@ def test_paper_smoke_one_model_at_32_gpus(capsys):
         line for line in out.splitlines() if line.startswith("| siglip-6b+qwen2.5-7b | 32 | 128")
     )
     assert "enc@llm0 / llm" in row.split("|")[5]  # the data-blind layout
+
+
+def test_paper_model_set_is_the_references():
+    """14 pairs: every encoder of the reference (SigLIP 400M/1B/6B on LLaVA-OV data, InternViT 300M/1B/6B
+    on the OmniBal statistics) and every LLM it names appear, and each name resolves to its arch."""
+    from dflop_jax.bench.cluster import PAPER_MODELS
+
+    archs = {name: get_arch(arch) for name, (arch, _) in PAPER_MODELS.items()}
+    assert {a.vision.name for a in archs.values()} == {
+        "siglip-so400m", "siglip-1b", "siglip-6b", "internvit-300m", "internvit-1b", "internvit-6b"
+    }  # fmt: skip
+    assert {a.llm.name for a in archs.values()} == {
+        "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "llama3-8b", "llama3-70b"
+    }  # fmt: skip
+    for name, (_, data) in PAPER_MODELS.items():
+        assert data == ("llava-ov" if name.startswith("siglip") else "omnibal")
