@@ -247,7 +247,7 @@ class LazyProcessor:
 
 
 class SchedulerHook:
-    """Adapts the online `Scheduler` to `ScheduleFn`: batch k is solved with seed `scheduler.seed + k`.
+    """Adapts the online `Scheduler` to `ScheduleFn`: batch k is solved with seed `scheduler.config.seed + k`.
 
     The runtime keeps the `Scheduler` (it feeds `observe()` and checkpoints `state_dict()`); with
     `num_workers=0` corrections reach the schedules of batches not yet prefetched.
@@ -304,7 +304,7 @@ def make_loader(
       scheduler_config: `SchedulerConfig` of the online `Scheduler` built here (see `Loader.scheduler`);
         unused when `schedule_fn` is given.
       global_batch_size: records drawn per global batch (skipped ones are not replaced).
-      seed: shuffle seed (epoch e uses seed + e) and the scheduler's seed.
+      seed: shuffle seed (epoch e uses seed + e); the scheduler's is `scheduler_config.seed`.
       host: this process's shards; None = all (single process).
       num_workers: grain worker processes (0 = a background thread in this process).
       prefetch: global batches prepared ahead.
@@ -332,7 +332,7 @@ def make_loader(
     processor = processor or LazyProcessor(data_cfg)
     scheduler = None
     if schedule_fn is None:
-        scheduler = Scheduler(problem, scheduler_config, seed=seed)
+        scheduler = Scheduler(problem, scheduler_config)
         schedule_fn = SchedulerHook(scheduler)
     shapes = None
     if precompute_shapes:

@@ -312,7 +312,7 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
 
     peak = cfg.peak_flops or measure_peak_flops()
     metrics = MetricsLog(
-        run_dir, cfg.log_every, cfg.tensorboard and lead, console, jax.process_index()
+        run_dir, cfg.log_every, cfg.tensorboard and lead, console, jax.process_index(), cfg.steps
     )
     schedule_fn = cfg.optimizer.schedule()
     losses: list[float] = []
