@@ -58,13 +58,12 @@ def stage_rules(model_cfg, spec: StageSpec) -> Rules:
     """The rules of a stage: its kind's table, replicating the axes whose sizes tp does not divide
     (e.g. an odd HF vocabulary, or fewer KV heads than tp)."""
     if spec.module == "encoder":
-        v = model_cfg.vision
-        kind, sizes = "vision", {"heads": v.num_heads, "kv_heads": v.num_heads}
-        sizes["mlp"] = v.intermediate_size
+        v, kind = model_cfg.vision, "vision"
+        sizes = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size)
     else:
-        t = model_cfg.text if is_multimodal(model_cfg) else model_cfg
-        kind, sizes = "decoder", {"vocab": t.vocab_size, "heads": t.num_heads}
-        sizes.update(kv_heads=t.num_kv_heads, mlp=t.intermediate_size)
+        t, kind = model_cfg.text if is_multimodal(model_cfg) else model_cfg, "decoder"
+        sizes = dict(vocab=t.vocab_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
+                     mlp=t.intermediate_size)  # fmt: skip
     return rules_for(kind, {name: None for name, n in sizes.items() if n % spec.tp})
 
 
