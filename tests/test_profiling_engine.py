@@ -31,12 +31,14 @@ def test_table_flops_equal_cost_analysis_of_the_same_function(tmp_path):
     entry = table.get("encoder_head", 1, 3, 0)
     assert entry.ok
 
-    # the same projector head, jitted on one device without any mesh or sharding
+    # the same projector head (with its video-frame pooling), jitted on one device without any mesh
     stage = EncoderStage(CFG, first_layer=0, num_layers=0, has_embedding=False, has_head=True,
                          rngs=nnx.Rngs(0))  # fmt: skip
     graphdef, params = nnx.split(stage)
     x = jnp.zeros((3, CFG.vision.seq_len, CFG.vision.hidden_size), jnp.float32)
-    ref = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)).lower(params, x).compile()
+    pool = jnp.zeros((3,), bool)
+    ref = jax.jit(lambda p, x, pool: nnx.merge(graphdef, p)(x, pool)).lower(params, x, pool)
+    ref = ref.compile()
     assert entry.flops_fwd == pytest.approx(ref.cost_analysis()["flops"], rel=1e-6)
     assert (
         entry.flops_fwd
