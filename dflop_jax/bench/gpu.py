@@ -78,16 +78,21 @@ class Size:
     steps: int
 
 
-_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[4, 8]", "profile.llm_buckets=[256, 512]",
-                  "profile.warmup=1", "profile.runs=2", "data.max_tokens=512", "data.max_grid=1",
+_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[2, 4]", "profile.llm_buckets=[128, 256]",
+                  "profile.warmup=1", "profile.runs=2", "data.max_tokens=256", "data.max_grid=1",
                   "data.max_frames=2", "data.synth_samples=64", "planner.tp=[1]",
-                  "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.microbatches=[2, 2]",
+                  "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.microbatches=[2, 4]",
                   "planner.num_buckets=[2]", "planner.samples=1", "planner.screen_top=2",
                   "planner.top_n=1", "global_batch=4")  # fmt: skip
+# The CI smoke size: one profiled bucket per module (predictions scale with the bucket), 2-layer decoder.
+_PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[2]", "profile.llm_buckets=[256]",
+                  "profile.warmup=0", "profile.runs=1")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
 SIZES = {
-    "small": Size((256, 512), (4, 2, 32), 16, "tiny", 4, 256, 4, _PROFILE_SMALL, _HOST_SMALL, 2,
+    "smoke": Size((64, 128), (4, 2, 16), 16, "tiny", 2, 128, 2, _PROFILE_SMOKE, _HOST_SMALL, 2,
+                  256, 3),  # fmt: skip
+    "small": Size((128, 256), (4, 2, 32), 16, "tiny", 4, 256, 4, _PROFILE_SMALL, _HOST_SMALL, 2,
                   256, 3),  # fmt: skip
     "real": Size((4096, 8192), (28, 4, 128), 16, "siglip-so400m+qwen2.5-7b", 4, 8192, 16,
                  ("steps=24", "global_batch=16"),
@@ -375,6 +380,8 @@ def _metric_rows(run_dir: Path) -> list[dict]:
 
 def profiler_part(size: Size, info: dict, out: Path) -> dict:
     """plan: auto (the model profiler on these devices) then training with stage times measured."""
+    from dflop_jax.planner import describe_layout
+
     if info["num_devices"] < 2:
         return {"skipped": "needs >= 2 devices: the runtime runs the vision encoder on its own stage"}
     run_dir = out / "profiler_run"
@@ -388,7 +395,7 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
         return {"skipped": "no stage times were observed (every measured microbatch compiled)"}
     timings = run_dir / "auto_plan" / "timings.json"
     last = _metric_rows(run_dir)[-1]
-    return {"layout": str(report.layout), "steps": size.steps, "pairs": pairs,
+    return {"layout": describe_layout(report.layout), "steps": size.steps, "pairs": pairs,
             **summarize_pairs(pairs),
             "scheduler_window_mape": [last["pred_raw_mape"], last["pred_corrected_mape"]],
             "profile_timings_s": json.loads(timings.read_text()) if timings.exists() else None}  # fmt: skip
@@ -553,7 +560,7 @@ def main(argv: list[str]) -> int:
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
     ap.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--size", choices=tuple(SIZES), default=None,
-                    help="real (default on GPU) or small (default on CPU)")  # fmt: skip
+                    help="real (default on GPU), small (default on CPU), smoke (CI)")  # fmt: skip
     ap.add_argument("--out", default="runs/bench_gpu", help="folder for the runs' files")
     ap.add_argument("--json-out", default=None, help="write the report as JSON to this path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs per timed program")
