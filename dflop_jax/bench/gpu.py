@@ -89,15 +89,48 @@ _PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[2]", "profile.llm_b
                   "profile.warmup=0", "profile.runs=1")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
+_SMALL = dict(
+    arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256, steps=3
+)
 SIZES = {
-    "smoke": Size((64, 128), (4, 2, 16), 16, "tiny", 2, 128, 2, _PROFILE_SMOKE, _HOST_SMALL, 2,
-                  256, 3),  # fmt: skip
-    "small": Size((128, 256), (4, 2, 32), 16, "tiny", 4, 256, 4, _PROFILE_SMALL, _HOST_SMALL, 2,
-                  256, 3),  # fmt: skip
-    "real": Size((4096, 8192), (28, 4, 128), 16, "siglip-so400m+qwen2.5-7b", 4, 8192, 16,
-                 ("steps=24", "global_batch=16"),
-                 ("model.hidden_size=2048", "model.intermediate_size=5504", "model.num_heads=16",
-                  "model.num_kv_heads=4", "model.head_dim=128"), 16, 4096, 12),  # fmt: skip
+    "smoke": Size(
+        attn_lengths=(64, 128),
+        attn_heads=(4, 2, 16),
+        llm_layers=2,
+        llm_tokens=128,
+        encoder_tiles=2,
+        profiler=_PROFILE_SMOKE,
+        **_SMALL,
+    ),  # fmt: skip
+    "small": Size(
+        attn_lengths=(128, 256),
+        attn_heads=(4, 2, 32),
+        llm_layers=4,
+        llm_tokens=256,
+        encoder_tiles=4,
+        profiler=_PROFILE_SMALL,
+        **_SMALL,
+    ),  # fmt: skip
+    "real": Size(
+        attn_lengths=(4096, 8192),
+        attn_heads=(28, 4, 128),
+        attn_packed=16,
+        arch="siglip-so400m+qwen2.5-7b",
+        llm_layers=4,
+        llm_tokens=8192,
+        encoder_tiles=16,
+        profiler=("global_batch=16", "planner.encoder_pp=[1]", "planner.llm_pp=[1]"),
+        host=(
+            "model.hidden_size=2048",
+            "model.intermediate_size=5504",
+            "model.num_heads=16",
+            "model.num_kv_heads=4",
+            "model.head_dim=128",
+        ),
+        host_layers=16,
+        host_tokens=4096,
+        steps=12,
+    ),  # fmt: skip
 }
 
 
@@ -129,7 +162,10 @@ def device_info() -> dict:
     name = nvidia_smi_name() if gpu else None
     preset = _preset_of(name or "")
     if preset:
-        peak, source = get_device(preset).peak_flops, f"costs.devices preset {preset!r} (dense bf16)"
+        peak, source = (
+            get_device(preset).peak_flops,
+            f"costs.devices preset {preset!r} (dense bf16)",
+        )
     else:
         peak, source = measure_peak_flops(), "measured fp32 matmul peak of one device"
     return {"platform": dev.platform, "gpu": gpu, "gpu_name": name, "device_kind": dev.device_kind,
@@ -383,7 +419,9 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
     from dflop_jax.planner import describe_layout
 
     if info["num_devices"] < 2:
-        return {"skipped": "needs >= 2 devices: the runtime runs the vision encoder on its own stage"}
+        return {
+            "skipped": "needs >= 2 devices: the runtime runs the vision encoder on its own stage"
+        }
     run_dir = out / "profiler_run"
     overrides = [*size.profiler, f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
                  f"steps={size.steps}", "measure_stage_times_every=1", "checkpoint.every=0",
@@ -503,7 +541,9 @@ def _print_profiler(rep: dict, info: dict) -> None:
         print(f"skipped: {rep['skipped']}")
         return
     print(f"layout {rep['layout']}, {len(rep['pairs'])} measured (stage, direction) times")
-    print("| stage | module | bucket | n | measured ms | predicted ms | raw MAPE | corrected MAPE |")
+    print(
+        "| stage | module | bucket | n | measured ms | predicted ms | raw MAPE | corrected MAPE |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rep["per_stage_bucket"]:
         print(f"| {r['stage']} | {r['module']} | {r['bucket']} | {r['n']} | {r['measured'] * 1e3:.2f} "
