@@ -78,20 +78,18 @@ class Size:
     steps: int
 
 
-_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[2, 4]", "profile.llm_buckets=[128, 256]",
+_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[1, 2, 4]", "profile.llm_buckets=[128, 256]",
                   "profile.warmup=1", "profile.runs=2", "data.max_tokens=256", "data.max_grid=1",
                   "data.max_frames=2", "data.synth_samples=64", "planner.tp=[1]",
                   "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.microbatches=[2, 4]",
                   "planner.num_buckets=[2]", "planner.samples=1", "planner.screen_top=2",
                   "planner.top_n=1", "global_batch=4")  # fmt: skip
 # The CI smoke size: one profiled bucket per module (predictions scale with the bucket), 2-layer decoder.
-_PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[2]", "profile.llm_buckets=[256]",
+_PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[1]", "profile.llm_buckets=[256]",
                   "profile.warmup=0", "profile.runs=1")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
-_SMALL = dict(
-    arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256, steps=3
-)
+_SMALL = dict(arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256)
 SIZES = {
     "smoke": Size(
         attn_lengths=(64, 128),
@@ -100,8 +98,9 @@ SIZES = {
         llm_tokens=128,
         encoder_tiles=2,
         profiler=_PROFILE_SMOKE,
+        steps=3,
         **_SMALL,
-    ),  # fmt: skip
+    ),
     "small": Size(
         attn_lengths=(128, 256),
         attn_heads=(4, 2, 32),
@@ -109,8 +108,9 @@ SIZES = {
         llm_tokens=256,
         encoder_tiles=4,
         profiler=_PROFILE_SMALL,
+        steps=6,
         **_SMALL,
-    ),  # fmt: skip
+    ),
     "real": Size(
         attn_lengths=(4096, 8192),
         attn_heads=(28, 4, 128),
@@ -130,7 +130,7 @@ SIZES = {
         host_layers=16,
         host_tokens=4096,
         steps=12,
-    ),  # fmt: skip
+    ),
 }
 
 
