@@ -17,8 +17,10 @@ def _run(out, capsys, parts):
     path = out / f"{parts.replace(',', '_')}.json"
     argv = ["--parts", parts, "--size", "smoke", "--out", str(out), "--json-out", str(path),
             "--warmup", "0", "--runs", "1"]  # fmt: skip
-    assert gpu.main(argv) == 0
-    return json.loads(path.read_text()), capsys.readouterr().out
+    rc = gpu.main(argv)
+    report = json.loads(path.read_text())
+    assert rc == 0, {p: report[p]["error"] for p in parts.split(",") if "error" in report[p]}
+    return report, capsys.readouterr().out
 
 
 def _labelled(text: str, header: str) -> None:
@@ -69,6 +71,9 @@ def test_profiler_and_host_parts(tmp_path, capsys):
     err = lambda key: np.mean([abs(p[key] - p["measured"]) / p["measured"] for p in pairs])  # noqa: E731
     assert prof["mape_raw"][0] == pytest.approx(err("raw"))
     assert prof["mape_corrected"][0] == pytest.approx(err("corrected"))
+    # the trainer's own figure (the scheduler's window over its last 64 microbatches, weighted equally)
+    assert len(pairs) <= 64 * 2 * len({p["stage"] for p in pairs})
+    assert prof["scheduler_window_mape"][0] == pytest.approx(prof["mape_raw"][0])
     groups = {(p["stage"], p["bucket"]) for p in pairs}
     assert {(r["stage"], r["bucket"]) for r in prof["per_stage_bucket"]} == groups
     assert sum(r["n"] for r in prof["per_stage_bucket"]) == len(pairs)

@@ -15,8 +15,9 @@ Each part measures against the strongest alternative in the same run:
              as training runs it); MFU = model FLOPs (`costs.flops`, 3x forward) / (step x peak).
   profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan)
              trains a small model with stage times measured every step: per (stage, bucket) the
-             scheduler's predicted vs measured times, MAPE raw and after the adaptive correction (its
-             out-of-sample prediction, taken before the observation updates the factors).
+             scheduler's predicted vs measured times, MAPE raw and after the adaptive correction (out
+             of sample: the factors learned before the step, those its schedule was made with). The
+             last stage runs fwd + bwd fused; the trainer splits its time by the predicted ratio.
   host       a pipelined decoder trained a few steps: host seconds to dispatch a step (the driver
              call, before anything blocks) vs the step time, and the loader's data wait.
 Peak FLOP/s: the `costs.devices` preset of the GPU `nvidia-smi` names (H200: the H100 preset, the same
@@ -78,15 +79,15 @@ class Size:
     steps: int
 
 
-_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[1, 2, 4]", "profile.llm_buckets=[128, 256]",
-                  "profile.warmup=1", "profile.runs=2", "data.max_tokens=256", "data.max_grid=1",
+_PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[1, 2, 4]", "profile.llm_buckets=[128, 256, 512]",
+                  "profile.warmup=1", "profile.runs=2", "data.max_tokens=512", "data.max_grid=1",
                   "data.max_frames=2", "data.synth_samples=64", "planner.tp=[1]",
                   "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.microbatches=[2, 4]",
                   "planner.num_buckets=[2]", "planner.samples=1", "planner.screen_top=2",
-                  "planner.top_n=1", "global_batch=4")  # fmt: skip
+                  "planner.top_n=1", "global_batch=8")  # fmt: skip
 # The CI smoke size: one profiled bucket per module (predictions scale with the bucket), 2-layer decoder.
 _PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[1]", "profile.llm_buckets=[256]",
-                  "profile.warmup=0", "profile.runs=1")  # fmt: skip
+                  "data.max_tokens=256", "profile.warmup=0", "profile.runs=1")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
 _SMALL = dict(arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256)
@@ -472,7 +473,7 @@ def host_part(size: Size, info: dict, out: Path) -> dict:
     overrides = [*size.host, "model.kind=decoder", f"model.num_layers={size.host_layers}",
                  "layout.encoder_layers=[]", f"layout.llm_layers={split}",
                  f"layout.llm_tp={[1] * stages}", f"layout.lengths=[{size.host_tokens}]",
-                 "layout.microbatches=[4, 4]", "plan=explicit", "data.synth_mix=text",
+                 "layout.microbatches=[4, 8]", "plan=explicit", "data.synth_mix=text",
                  f"data.synth_dir={out / 'synth_text'}", "data.synth_samples=96",
                  f"data.max_tokens={size.host_tokens}", "scheduler.solver=greedy",
                  "global_batch=8", f"steps={size.steps}", "checkpoint.every=0",
@@ -576,14 +577,19 @@ def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: d
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": info, "size": size_name, "banner": None if info["gpu"] else CPU_BANNER}
     for part in parts:
-        if part == "attention":
-            report[part] = attention_part(size, info, warmup, runs)
-        elif part == "stage":
-            report[part] = stage_part(size, info, warmup, runs)
-        elif part == "profiler":
-            report[part] = profiler_part(size, info, out)
-        else:
-            report[part] = host_part(size, info, out)
+        try:
+            if part == "attention":
+                report[part] = attention_part(size, info, warmup, runs)
+            elif part == "stage":
+                report[part] = stage_part(size, info, warmup, runs)
+            elif part == "profiler":
+                report[part] = profiler_part(size, info, out)
+            else:
+                report[part] = host_part(size, info, out)
+        except Exception as e:  # one part failing (e.g. out of memory) keeps the others' figures
+            report[part] = {
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            }
     return report
 
 
@@ -614,10 +620,13 @@ def main(argv: list[str]) -> int:
     print(f"GPU: {info['gpu_name']}" if info["gpu"] else CPU_BANNER)
     report = run(args.parts, args.size, Path(args.out), args.warmup, args.runs, info)
     for part in args.parts:
-        PRINTERS[part](report[part], report["device"])
+        if "error" in report[part]:
+            print(f"\n## {part}: failed: {report[part]['error']}" + _label(info))
+        else:
+            PRINTERS[part](report[part], report["device"])
     if args.json_out:
         path = Path(args.json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {path}")
-    return 0
+    return 1 if any("error" in report[p] for p in args.parts) else 0
