@@ -63,6 +63,7 @@ class Size:
       profiler: overrides of `configs/demo.yaml` for the profiler part (the demo's model, plan: auto).
       host: TrainConfig overrides of the host part's decoder; host_layers: its layers (split over
         up to 2 pipeline stages); host_tokens: its packed row length.
+      steps: training steps of the profiler and host parts (the first ones compile).
     """
 
     attn_lengths: tuple[int, ...]
