@@ -78,6 +78,11 @@ def test_profiler_and_host_parts(tmp_path, capsys):
     assert {(r["stage"], r["bucket"]) for r in prof["per_stage_bucket"]} == groups
     assert sum(r["n"] for r in prof["per_stage_bucket"]) == len(pairs)
     assert {p["module"] for p in pairs} == {"encoder", "llm"}
+    grid = prof["profiled_buckets"]
+    outside = {(p["module"], p["bucket"]) for p in pairs
+               if not min(grid[p["module"]]) <= p["bucket"] <= max(grid[p["module"]])}  # fmt: skip
+    assert {tuple(x) for x in prof["outside_profiled"]} == outside
+    assert all(f"{m} {b}" in text for m, b in outside) or "misses goal: raw" not in text
     assert ("misses goal: raw MAPE" in text) == (prof["mape_raw"][0] > gpu.GOAL_RAW_MAPE)
     host = report["host"]
     assert host["pipeline_stages"] == 2 and len(host["steps"]) == gpu.SIZES["smoke"].steps
