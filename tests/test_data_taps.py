@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_packing_arrays import TILE, TPT, batches, make_sample
 
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import PackSpec, pack_geometry, pack_taps
 from dflop_jax.data.packing import HostShardSpec, all_shards, pack_global_batch, pack_microbatch
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.stages import PackStage, Scheduled
 from dflop_jax.data.types import FEATURE_TAPS, NEWLINE, TEXT
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 from models import layouts
 from models.placement import place_features
 

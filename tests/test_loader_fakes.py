@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop_jax.data.errors import BadSample
-from dflop_jax.data.types import TEXT, ProcessedSample
-from dflop_jax.scheduler.types import (
+from dflop_jax.contracts import (
     BucketSet,
     MicrobatchPlan,
     SampleShape,
     Schedule,
     ScheduleProblem,
 )
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.types import TEXT, ProcessedSample
 
 TPT = 2
 TILE = (2, 2, 3)

@@ -16,7 +16,7 @@ import numpy as np
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.packing import HostShardSpec
-from dflop_jax.data.sources import load_source
+from dflop_jax.data.dataset import load_source
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig
 
 mix, index, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

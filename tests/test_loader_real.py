@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader, pack_geometry
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.synth import synth_dataset
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig
 

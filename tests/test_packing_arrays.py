@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
 from dflop_jax.data.types import NEWLINE, TEXT, ProcessedSample
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 
 TPT = 3  # feature rows per tile
 TILE = (2, 2, 3)

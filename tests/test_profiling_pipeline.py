@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import model_profiler
 from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
 from dflop_jax.profiling.settings import ProfileSettings
-from dflop_jax.profiling.table import CostEntry, CostTable, save_table
 
 CFG = model_config_for_arch("tiny", "float32")
 PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,
@@ -22,7 +22,7 @@ PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_to
 def _fake_profiler(calls):
     def fake(model_cfg, devices, settings, out_path, **kwargs):
         calls.append(model_cfg)
-        t = CostTable("cpu", "cpu", 8, "fake", "fake", model="tiny")
+        t = ProfiledCostTable("cpu", "cpu", 8, "fake", "fake", model="tiny")
         for b in settings.llm_buckets:
             for n in (1, 2):
                 t.add(CostEntry("llm_layers", 1, b, n, fwd_s=1e-3 * n * b / 64, bwd_s=2e-3 * n * b / 64,

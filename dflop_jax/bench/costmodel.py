@@ -65,8 +65,8 @@ def _measure_cases(model_cfg, devices, settings):
 
 def _corrected(rows, pred_of) -> np.ndarray:
     """[n, 2] corrected predictions of rep 2: factors from the other buckets' rep 1 (same stage)."""
+    from dflop_jax.contracts import BucketSet, ScheduleProblem
     from dflop_jax.scheduler.correction import CostCorrection
-    from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
 
     out = np.zeros((len(rows), 2))
     for i, r in enumerate(rows):

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.synth import synth_dataset
 from dflop_jax.scheduler import SchedulerConfig, default_buckets
 from dflop_jax.scheduler.model_problem import model_problem

@@ -40,6 +40,7 @@ from typing import Any
 
 import grain
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
 from dflop_jax.data.stages import (
@@ -53,7 +54,6 @@ from dflop_jax.data.stages import (
     schedule_digest,
 )
 from dflop_jax.data.types import FEATURE_TAPS, GlobalBatch, ProcessedSample
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 
 
 def build_dataset(
@@ -315,7 +315,7 @@ def make_loader(
         `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
         instead of per record in the pipeline; costs one pass over the dataset on the first run.
     """
-    from dflop_jax.data.sources import load_source
+    from dflop_jax.data.dataset import load_source
     from dflop_jax.scheduler.correction import Scheduler
 
     if records is None:

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.types import TEXT, GlobalBatch, PackedMicrobatch, ProcessedSample, plain_taps
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 
 
 @dataclasses.dataclass(frozen=True)

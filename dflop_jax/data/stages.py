@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
 from dflop_jax.data.types import GlobalBatch, ProcessedSample
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal
 
 from dflop_jax.config import require
+from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
@@ -16,7 +17,6 @@ from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.types import BucketSet
 
 
 @dataclasses.dataclass(frozen=True)

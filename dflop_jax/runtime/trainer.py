@@ -22,6 +22,7 @@ import numpy as np
 from rich.console import Console
 
 from dflop_jax.config import dump_yaml
+from dflop_jax.contracts import BucketSet, ScheduleProblem
 from dflop_jax.costs import (
     AnalyticCostProvider,
     CostProvider,
@@ -44,7 +45,6 @@ from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
 from dflop_jax.runtime.model_stages import build_llm_stages, build_mllm_stages
 from dflop_jax.runtime.stages import enable_compilation_cache
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
-from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
 
 log = logging.getLogger(__name__)
 
