@@ -16,7 +16,7 @@ from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader, pack_geometry
 from dflop_jax.data.process import Processor
 from dflop_jax.data.synth import synth_dataset
-from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig
+from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
 
 TILE_PX = 28  # 2x2 patches: 4 feature rows per tile keep the test tiny
 
@@ -37,9 +37,9 @@ def synth(tmp_path_factory):
 
 
 def loader_for(cfg, records, **kw):
-    sched = SchedulerConfig(solver="greedy", correction="off")
+    sched = Scheduler(PROBLEM, SchedulerConfig(solver="greedy", correction="off"), seed=0)
     kw.setdefault("global_batch_size", 12)
-    return make_loader(cfg, records, PROBLEM, sched, seed=0, **kw)
+    return make_loader(cfg, records, PROBLEM, sched.schedule, seed=0, **kw)
 
 
 def check_against_processor(gb, by_id, proc, tpt):

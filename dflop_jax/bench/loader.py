@@ -27,7 +27,7 @@ from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.process import Processor
 from dflop_jax.data.synth import synth_dataset
-from dflop_jax.scheduler import SchedulerConfig, default_buckets
+from dflop_jax.scheduler import Scheduler, SchedulerConfig, default_buckets
 from dflop_jax.scheduler.model_problem import model_problem
 
 DP = 2
@@ -45,13 +45,13 @@ def measure_loader(
     cfg, records, problem, solver: str, workers: int, batch: int, batches: int
 ) -> dict:
     """One row: the loader's rate over `batches` global batches after a first (warm-up) batch."""
-    sched = SchedulerConfig(solver=solver, correction="off")
+    sched = Scheduler(problem, SchedulerConfig(solver=solver, correction="off"), seed=0)
     start = time.perf_counter()
     with make_loader(
         cfg,
         records,
         problem,
-        sched,
+        sched.schedule,
         global_batch_size=batch,
         seed=0,
         num_workers=workers,

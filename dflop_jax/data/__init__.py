@@ -7,7 +7,6 @@ from dflop_jax.data.errors import REASONS, BadSample
 from dflop_jax.data.loader import (
     Loader,
     PackSpec,
-    SchedulerHook,
     build_dataset,
     make_loader,
     pack_geometry,
@@ -35,7 +34,6 @@ __all__ = [
     "HostShardSpec",
     "Loader",
     "PackSpec",
-    "SchedulerHook",
     "build_dataset",
     "make_loader",
     "needed_samples",

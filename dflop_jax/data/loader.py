@@ -1,6 +1,6 @@
 """The grain input pipeline: records -> shapes -> scheduled global batch -> processed, packed arrays.
 
-    loader = make_loader(data_cfg, records, problem, scheduler_cfg, global_batch_size=64, seed=0)
+    loader = make_loader(data_cfg, records, problem, scheduler.schedule, global_batch_size=64, seed=0)
     for batch in loader:            # GlobalBatch: packed microbatches + schedule + stats
         ...
     state = loader.get_state()      # exact resume: make_loader(...).set_state(state)
@@ -12,8 +12,8 @@ the stages live in `dflop_jax/data/stages.py`):
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
                              larger than the largest bucket becomes a counted skip, never a scheduler input
   .batch(B, batch_fn=list)
-  .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the scheduler, with
-                             the batch index k as its seed (so a resumed run re-solves batch k the same way)
+  .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the schedule function
+                             with its batch index k (so a resumed run re-solves batch k the same way)
   .map(pack stage)           decode/tokenize only the samples this host's shards need, then pack
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
@@ -22,8 +22,10 @@ Skipped records are not replaced: a global batch holds B records minus its skips
 a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
 keeps its scheduled room as padding (counted), so every process still agrees on the layout.
 
-Every process of a multi-host run computes the same schedule from the same records, seed and scheduler
-(use the scheduler's deterministic mode); `stats["schedule_digest"]` lets the runtime compare.
+The loader owns no scheduler: the caller (the runtime) owns the online `Scheduler` and passes a
+`ScheduleFn` `(shapes, batch_index) -> Schedule`. Every process of a multi-host run computes the same
+schedule from the same records, seed and scheduler (use the scheduler's deterministic mode);
+`stats.schedule_digest` fingerprints it (reported, not compared by the runtime).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
 `num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
 time that depends on timing, so which observations it sees is not deterministic: for exact resume and
@@ -40,14 +42,13 @@ from typing import Any
 
 import grain
 
-from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
 from dflop_jax.data.stages import (
     PackSpec,
     PackStage,
     SampleProcessor,
-    ScheduleFn,
     ScheduleStage,
     ShapeStage,
     WithShapes,
@@ -99,10 +100,6 @@ class Loader:
     `SampleShape.id`s the schedule's sample indices refer to). With a `HostShardSpec`, arrays, token
     and tile counts and `num_loss_tokens` cover this host's shards only: the loss normalizer of the
     global batch is the sum over hosts.
-
-    Attributes:
-      scheduler: the online `Scheduler` when `make_loader` built it (the runtime feeds it measured stage
-        times and checkpoints its `state_dict()` next to `get_state()`), else None.
     """
 
     _SUMS = (
@@ -121,11 +118,7 @@ class Loader:
         *,
         num_workers: int = 0,
         prefetch: int = 2,
-        scheduler: Any = None,
     ):
-        self.scheduler = (
-            scheduler  # the online Scheduler when make_loader built it (runtime observes it)
-        )
         if num_workers < 0 or prefetch < 0:
             raise ValueError(f"num_workers={num_workers}, prefetch={prefetch}: must be >= 0")
         it_ds = dataset.to_iter_dataset(
@@ -246,23 +239,6 @@ class LazyProcessor:
         return {"data_cfg": self.data_cfg, "_processor": None}
 
 
-class SchedulerHook:
-    """Adapts the online `Scheduler` to `ScheduleFn`: batch k is solved with seed `scheduler.seed + k`.
-
-    The runtime keeps the `Scheduler` (it feeds `observe()` and checkpoints `state_dict()`); with
-    `num_workers=0` corrections reach the schedules of batches not yet prefetched.
-    """
-
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
-
-    def __call__(self, shapes: list[SampleShape], index: int) -> Schedule:
-        # The Scheduler seeds its solver with seed + steps; set steps from the batch index so the
-        # schedule does not depend on how many batches were prefetched or on a resume.
-        self.scheduler.steps = index
-        return self.scheduler.schedule(shapes)
-
-
 def pack_geometry(data_cfg: Any) -> tuple[tuple[int, int, int], int]:
     """((H, W, 3), tokens_per_tile) of the configured encoder: SigLIP 27x27 patches per 384 px tile for
     LLaVA-OV, InternViT (448/14)^2 patches pixel-shuffled 2x2 -> 256 rows (patch size from the config,
@@ -282,7 +258,7 @@ def make_loader(
     data_cfg: Any,
     records: Sequence[Any] | None,
     problem: ScheduleProblem,
-    scheduler_config: Any = None,
+    schedule_fn: ScheduleFn,
     *,
     global_batch_size: int,
     seed: int,
@@ -291,7 +267,6 @@ def make_loader(
     prefetch: int = 2,
     num_epochs: int | None = None,
     processor: SampleProcessor | None = None,
-    schedule_fn: ScheduleFn | None = None,
     precompute_shapes: bool = False,
 ) -> Loader:
     """Builds the loader for one run.
@@ -301,22 +276,19 @@ def make_loader(
         `max_tokens` is lowered to the largest length bucket, so `too_long="truncate"` cuts to fit.
       records: the dataset's records (a list or any random-access sequence); None = `load_source(data_cfg)`.
       problem: the plan's scheduling problem (dp degrees and buckets).
-      scheduler_config: `SchedulerConfig` of the online `Scheduler` built here (see `Loader.scheduler`);
-        unused when `schedule_fn` is given.
+      schedule_fn: `(shapes, batch_index) -> Schedule`, e.g. the caller's `Scheduler.schedule`.
       global_batch_size: records drawn per global batch (skipped ones are not replaced).
-      seed: shuffle seed (epoch e uses seed + e) and the scheduler's seed.
+      seed: shuffle seed (epoch e uses seed + e).
       host: this process's shards; None = all (single process).
       num_workers: grain worker processes (0 = a background thread in this process).
       prefetch: global batches prepared ahead.
       num_epochs: None = repeat forever.
       processor: overrides `Processor(data_cfg)` (tests, custom processing).
-      schedule_fn: overrides the scheduler (`(shapes, batch_index) -> Schedule`).
       precompute_shapes: compute every record's shape up front through `MetadataCache` (on disk under
         `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
         instead of per record in the pipeline; costs one pass over the dataset on the first run.
     """
     from dflop_jax.data.dataset import load_source
-    from dflop_jax.scheduler.correction import Scheduler
 
     if records is None:
         records = load_source(data_cfg, seed)
@@ -330,10 +302,6 @@ def make_loader(
             "precompute_shapes uses Processor(data_cfg); it cannot be combined with `processor`"
         )
     processor = processor or LazyProcessor(data_cfg)
-    scheduler = None
-    if schedule_fn is None:
-        scheduler = Scheduler(problem, scheduler_config, seed=seed)
-        schedule_fn = SchedulerHook(scheduler)
     shapes = None
     if precompute_shapes:
         from dflop_jax.data.metadata import MetadataCache
@@ -354,7 +322,7 @@ def make_loader(
         num_epochs=num_epochs,
         shapes=shapes,
     )
-    return Loader(ds, num_workers=num_workers, prefetch=prefetch, scheduler=scheduler)
+    return Loader(ds, num_workers=num_workers, prefetch=prefetch)
 
 
 __all__ = [
@@ -362,7 +330,6 @@ __all__ = [
     "Loader",
     "PackSpec",
     "SampleProcessor",
-    "SchedulerHook",
     "build_dataset",
     "make_loader",
     "pack_geometry",

@@ -11,19 +11,15 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleFn, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
 from dflop_jax.data.types import GlobalBatch, ProcessedSample
 
 log = logging.getLogger(__name__)
-
-# (shapes of one global batch, global batch index) -> Schedule. The index seeds any randomness in the
-# solver, so a resumed run schedules batch k exactly as the uninterrupted run did.
-ScheduleFn = Callable[[list[SampleShape], int], Schedule]
 
 
 class SampleProcessor(Protocol):

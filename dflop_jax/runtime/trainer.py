@@ -45,6 +45,7 @@ from dflop_jax.runtime.metrics import MetricsLog, measure_peak_flops
 from dflop_jax.runtime.model_stages import build_llm_stages, build_mllm_stages
 from dflop_jax.runtime.stages import enable_compilation_cache
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
+from dflop_jax.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -283,11 +284,12 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
         measure_every = 0
     # Observations steer later schedules: no prefetch, so batch k sees exactly steps < k (exact resume).
     prefetch = 0 if measure_every and cfg.scheduler.correction != "off" else 2
+    scheduler = Scheduler(problem, cfg.scheduler, seed=cfg.seed)
     loader = make_loader(
         cfg.data,
         None,
         problem,
-        cfg.scheduler,
+        scheduler.schedule,
         global_batch_size=cfg.global_batch,
         seed=cfg.seed,
         prefetch=prefetch,
@@ -305,8 +307,7 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
         for s, o, p, st in zip(stages, opts, params, states):
             s.params, o.state = p, st
         loader.set_state(meta["loader"])
-        if loader.scheduler is not None and meta.get("scheduler") is not None:
-            loader.scheduler.load_state_dict(meta["scheduler"])
+        scheduler.load_state_dict(meta["scheduler"])
         start = meta["step"]
         console.print(f"resumed from step {start}", highlight=False)
 
@@ -323,6 +324,7 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
                 cfg,
                 step,
                 loader,
+                scheduler,
                 stages,
                 opts,
                 arch,
@@ -338,7 +340,7 @@ def run(cfg: TrainConfig, console: Console | None = None, clock=time.perf_counte
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
                 meta = {
                     "loader": loader.get_state(),
-                    "scheduler": loader.scheduler.state_dict() if loader.scheduler else None,
+                    "scheduler": scheduler.state_dict(),
                     "layout": dataclasses.asdict(layout),
                     "seed": cfg.seed,
                 }
@@ -378,7 +380,19 @@ def _observe(scheduler, schedule, out, costs) -> None:
 
 
 def _train_step(
-    cfg, step, loader, stages, opts, arch, peak, layout, schedule_fn, measure, clock, tied
+    cfg,
+    step,
+    loader,
+    scheduler,
+    stages,
+    opts,
+    arch,
+    peak,
+    layout,
+    schedule_fn,
+    measure,
+    clock,
+    tied,
 ) -> dict:
     compiles_before = sum(s.compiles for s in stages)
     batch = next(loader)
@@ -388,7 +402,6 @@ def _train_step(
         )
     t0 = time.perf_counter()
     mbs = [dataclasses.asdict(mb) for mb in batch.microbatches]
-    measure = measure and loader.scheduler is not None
     out = run_pipeline(
         stages, mbs, float(batch.num_loss_tokens), cfg.pipeline, measure=measure, clock=clock
     )
@@ -404,10 +417,10 @@ def _train_step(
     tokens_real = float(st.get("tokens_real", 0))  # noqa: SIM910 - absent when the batch is empty
     flops = _model_flops(arch, batch.microbatches, bool(layout.encoder_stages))
     compiles = sum(s.compiles for s in stages)
-    before = loader.scheduler.prediction_error() if loader.scheduler is not None else {}
+    before = scheduler.prediction_error()
     if measure:
-        _observe(loader.scheduler, batch.schedule, out, loader.scheduler.problem.stage_costs)
-    after = loader.scheduler.prediction_error() if loader.scheduler is not None else {}
+        _observe(scheduler, batch.schedule, out, scheduler.problem.stage_costs)
+    after = scheduler.prediction_error()
     return {
         "step": step,
         "loss": loss,

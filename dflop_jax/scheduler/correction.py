@@ -97,8 +97,11 @@ class Scheduler:
             fn,
         )
 
-    def schedule(self, shapes: Sequence[SampleShape]) -> Schedule:
-        """Schedules one global batch (seed = base seed + step, so a resumed run repeats itself)."""
+    def schedule(self, shapes: Sequence[SampleShape], index: int | None = None) -> Schedule:
+        """Schedules global batch `index` (a `ScheduleFn`): seed = base seed + index, so a batch's
+        schedule depends neither on prefetching nor on a resume. None = the next batch (`steps`)."""
+        if index is not None:
+            self.steps = index
         problem = self.current_problem()
         if not self.active:
             table = self._raw_table
