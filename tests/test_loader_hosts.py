@@ -31,7 +31,7 @@ with make_loader(cfg, load_source(cfg), problem, scheduler.schedule,
     for _ in range(3):
         gb = next(loader)
         out.append({
-            "digest": gb.stats["schedule_digest"],
+            "digest": gb.stats.schedule_digest,
             "loss_tokens": gb.num_loss_tokens,
             "tokens": [mb.tokens.tolist() for mb in gb.microbatches],
             "tile_sums": [mb.tiles.sum(axis=(1, 2, 3)).round(3).tolist() for mb in gb.microbatches],

@@ -69,7 +69,7 @@ def batch_ids(gb) -> list[int]:
 def assert_same_batches(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert x.stats["schedule_digest"] == y.stats["schedule_digest"]
+        assert x.stats.schedule_digest == y.stats.schedule_digest
         assert x.num_loss_tokens == y.num_loss_tokens
         assert len(x.microbatches) == len(y.microbatches)
         for mx, my in zip(x.microbatches, y.microbatches):
@@ -97,8 +97,8 @@ def test_one_epoch_covers_every_record_once_in_bucket_shapes():
         want = sum((records[i]["text"] + records[i]["tiles"] * TPT - 1) // 2 for i in batch_ids(gb))
         # FakeProcessor marks even positions as assistant; loss is on targets = positions 1..L-1.
         assert gb.num_loss_tokens == want
-        assert gb.stats["scheduler_latency_s"] >= 0 and gb.stats["data_wait_s"] >= 0
-        assert 0 <= gb.stats["llm_padding_ratio"] < 1
+        assert gb.stats.scheduler_latency_s >= 0 and gb.stats.data_wait_s >= 0
+        assert 0 <= gb.stats.llm_padding_ratio < 1
     assert loader.stats()["batches"] == 4 and loader.stats()["samples"] == 32
 
 
@@ -129,13 +129,13 @@ def test_bad_records_are_counted_by_reason_and_skipped():
     assert totals == want
     per_batch = {}
     for gb in batches:
-        for k, v in gb.stats["skipped"].items():
+        for k, v in gb.stats.skipped.items():
             per_batch[k] = per_batch.get(k, 0) + v
     assert per_batch == want
     seen = sorted(i for gb in batches for i in batch_ids(gb))
     # Shape-stage skips never reach the scheduler; load failures keep their room as padding.
     assert seen == sorted(set(range(24)) - set(bad) - set(bad_load) - {8, 9})
-    assert sum(gb.stats["num_samples"] for gb in batches) == 24 - len(bad) - 2
+    assert sum(gb.stats.num_samples for gb in batches) == 24 - len(bad) - 2
 
 
 @pytest.mark.parametrize("where", ["shape", "load"])
@@ -152,7 +152,7 @@ def test_all_bad_batch_yields_an_empty_batch():
     assert (
         gb.microbatches == []
         and gb.num_loss_tokens == 0
-        and gb.stats["skipped"] == {"missing_file": 4}
+        and gb.stats.skipped == {"missing_file": 4}
     )
 
 
@@ -199,7 +199,7 @@ def test_hosts_agree_on_schedule_and_load_only_their_shards():
     assert set(processed[0]) | set(processed[1]) == set(range(24))
     for k, gb in enumerate(full):
         for part in parts:
-            assert part[k].stats["schedule_digest"] == gb.stats["schedule_digest"]
+            assert part[k].stats.schedule_digest == gb.stats.schedule_digest
         for m, mb in enumerate(gb.microbatches):
             T = gb.schedule.microbatches[m].tile_bucket
             tiles = np.concatenate([p[k].microbatches[m].tiles for p in parts])
@@ -236,7 +236,7 @@ def test_processed_size_differing_from_metadata_is_counted_or_raised():
     records[2]["lie"] = 1  # process() yields one token more than shape() promised
     with make(records, epochs=1) as loader:
         (gb,) = list(loader)
-    assert gb.stats["skipped"] == {"metadata_mismatch": 1}
+    assert gb.stats.skipped == {"metadata_mismatch": 1}
     assert sorted(batch_ids(gb)) == [0, 1, 3, 4, 5, 6, 7]
     with make(records, epochs=1, strict=True) as loader, pytest.raises(ValueError, match="fake:2"):
         list(loader)
@@ -259,8 +259,8 @@ def test_precomputed_shapes_replace_the_metadata_stage():
         known = list(loader)
     assert proc.shaped == []  # no shape() call during iteration
     assert_same_batches(lazy, known)
-    assert [gb.stats["skipped"] for gb in known] == [gb.stats["skipped"] for gb in lazy]
-    assert sum(sum(gb.stats["skipped"].values()) for gb in known) == 2
+    assert [gb.stats.skipped for gb in known] == [gb.stats.skipped for gb in lazy]
+    assert sum(sum(gb.stats.skipped.values()) for gb in known) == 2
 
 
 @pytest.mark.parametrize(

@@ -62,20 +62,20 @@ def measure_loader(
         start = time.perf_counter()
         got = [next(loader).stats for _ in range(batches)]
         elapsed = time.perf_counter() - start
-    lat = np.array([s["scheduler_latency_s"] for s in got])
+    lat = np.array([s.scheduler_latency_s for s in got])
     return {
         "workers": workers,
         "solver": solver,
         "batches": batches,
-        "samples_per_s": sum(s["num_samples"] for s in got) / elapsed,
+        "samples_per_s": sum(s.num_samples for s in got) / elapsed,
         "batch_s": elapsed / batches,
         "first_batch_s": first_s,
         "sched_ms_mean": 1e3 * float(lat.mean()),
         "sched_ms_max": 1e3 * float(lat.max()),
-        "load_pack_ms_mean": 1e3 * float(np.mean([s["load_s"] for s in got])),
-        "microbatches_mean": float(np.mean([s["num_microbatches"] for s in got])),
-        "llm_padding": float(np.mean([s["llm_padding_ratio"] for s in got])),
-        "encoder_padding": float(np.mean([s["encoder_padding_ratio"] for s in got])),
+        "load_pack_ms_mean": 1e3 * float(np.mean([s.load_s for s in got])),
+        "microbatches_mean": float(np.mean([s.num_microbatches for s in got])),
+        "llm_padding": float(np.mean([s.llm_padding_ratio for s in got])),
+        "encoder_padding": float(np.mean([s.encoder_padding_ratio for s in got])),
     }
 
 

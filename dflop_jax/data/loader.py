@@ -54,7 +54,7 @@ from dflop_jax.data.stages import (
     WithShapes,
     schedule_digest,
 )
-from dflop_jax.data.types import FEATURE_TAPS, GlobalBatch, ProcessedSample
+from dflop_jax.data.types import FEATURE_TAPS, BatchStats, GlobalBatch, ProcessedSample
 
 
 def build_dataset(
@@ -94,23 +94,14 @@ def build_dataset(
 class Loader:
     """Iterator over `GlobalBatch`es with checkpointable state and running metrics.
 
-    Per batch, `batch.stats` holds: scheduler_latency_s (time in the scheduler hook), data_wait_s (time
-    the consumer waited in `__next__`), load_s, skipped (counts by reason in this batch), padding ratios
-    (llm_padding_ratio, encoder_padding_ratio), token/tile counts, schedule_digest, and sample_ids (the
-    `SampleShape.id`s the schedule's sample indices refer to). With a `HostShardSpec`, arrays, token
-    and tile counts and `num_loss_tokens` cover this host's shards only: the loss normalizer of the
-    global batch is the sum over hosts.
+    Per batch, `batch.stats` is a `BatchStats` (this loader sets its `data_wait_s`). With a
+    `HostShardSpec`, arrays, token and tile counts and `num_loss_tokens` cover this host's shards only:
+    the loss normalizer of the global batch is the sum over hosts.
     """
 
-    _SUMS = (
-        "scheduler_latency_s",
-        "data_wait_s",
-        "load_s",
-        "tokens_real",
-        "tokens_computed",
-        "tiles_real",
-    )
-    _SUMS += ("tiles_computed", "num_samples")
+    # Running totals (a JSON-able dict, checkpointed by `get_state`): BatchStats fields and PackCounts.
+    _SUMS = ("scheduler_latency_s", "data_wait_s", "load_s", "num_samples")
+    _PACKED = ("tokens_real", "tokens_computed", "tiles_real", "tiles_computed")
 
     def __init__(
         self,
@@ -138,7 +129,7 @@ class Loader:
 
     @staticmethod
     def _fresh_totals() -> dict:
-        return {"batches": 0, "skipped": {}, **dict.fromkeys(Loader._SUMS, 0.0)}
+        return {"batches": 0, "skipped": {}, **dict.fromkeys(Loader._SUMS + Loader._PACKED, 0.0)}
 
     @property
     def iterator(self) -> grain.DatasetIterator:
@@ -151,17 +142,19 @@ class Loader:
     def __next__(self) -> GlobalBatch:
         start = time.perf_counter()
         batch = next(self._it)
-        batch.stats["data_wait_s"] = time.perf_counter() - start
+        batch.stats = dataclasses.replace(batch.stats, data_wait_s=time.perf_counter() - start)
         self._accumulate(batch.stats)
         return batch
 
-    def _accumulate(self, stats: dict) -> None:
+    def _accumulate(self, stats: BatchStats) -> None:
         t = self._totals
         t["batches"] += 1
         for k in self._SUMS:
-            t[k] += stats.get(k, 0)  # noqa: SIM910 - an empty batch has no packing counts
-        for reason, n in stats["skipped"].items():
-            t["skipped"][reason] = t["skipped"].get(reason, 0) + n  # noqa: SIM910 - counting
+            t[k] += getattr(stats, k)
+        for k in self._PACKED:
+            t[k] += getattr(stats.packed, k)
+        for reason, n in stats.skipped.items():
+            t["skipped"][reason] = t["skipped"].get(reason, 0) + n
 
     def stats(self) -> dict:
         """Totals since the start of the run (kept across `set_state`): batches, skipped by reason, mean

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleFn, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
-from dflop_jax.data.types import GlobalBatch, ProcessedSample
+from dflop_jax.data.types import BatchStats, GlobalBatch, ProcessedSample
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class PackStage:
         skipped = collections.Counter(item.skipped)
         spec = self.spec
         if item.schedule is None:
-            return GlobalBatch([], 0, None, self._stats(item, skipped, {}, 0.0))
+            return GlobalBatch([], 0, None, self._stats(item, skipped, BatchStats(), 0.0))
         need: set[int] = set()
         for plan in item.schedule.microbatches:
             need |= needed_samples(plan, item.shapes, spec.encoder_dp, self.host)
@@ -263,17 +263,16 @@ class PackStage:
             return f"feature_taps of shape {taps.shape}, expected [L, <= {self.spec.feature_taps}]"
         return ""
 
-    def _stats(self, item: Scheduled, skipped, packed: dict, load_s: float) -> dict:
-        stats = dict(packed)
-        stats.update(
+    def _stats(self, item: Scheduled, skipped, packed: BatchStats, load_s: float) -> BatchStats:
+        return dataclasses.replace(
+            packed,
             num_samples=len(item.shapes),
-            sample_ids=[shape.id for shape in item.shapes],
+            sample_ids=tuple(shape.id for shape in item.shapes),
             skipped=dict(skipped),
             scheduler_latency_s=item.scheduler_latency_s,
             load_s=load_s,
             schedule_digest=schedule_digest(item.schedule),
         )
-        return stats
 
 
 def schedule_digest(schedule: Schedule | None) -> str:

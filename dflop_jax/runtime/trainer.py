@@ -401,9 +401,13 @@ def _train_step(
             f"step {step}: the loader produced an empty global batch (all samples skipped)"
         )
     t0 = time.perf_counter()
-    mbs = [dataclasses.asdict(mb) for mb in batch.microbatches]
     out = run_pipeline(
-        stages, mbs, float(batch.num_loss_tokens), cfg.pipeline, measure=measure, clock=clock
+        stages,
+        batch.microbatches,
+        float(batch.num_loss_tokens),
+        cfg.pipeline,
+        measure=measure,
+        clock=clock,
     )
     loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
     if not np.isfinite(loss):
@@ -414,7 +418,7 @@ def _train_step(
     jax.block_until_ready([s.params for s in stages])
     step_time = time.perf_counter() - t0
     st = batch.stats
-    tokens_real = float(st.get("tokens_real", 0))  # noqa: SIM910 - absent when the batch is empty
+    tokens_real = float(st.packed.tokens_real)
     flops = _model_flops(arch, batch.microbatches, bool(layout.encoder_stages))
     compiles = sum(s.compiles for s in stages)
     before = scheduler.prediction_error()
@@ -428,25 +432,25 @@ def _train_step(
         "lr": float(schedule_fn(step - 1)),
         "step_time_s": step_time,
         "tokens_per_s": tokens_real / step_time,
-        "samples_per_s": st["num_samples"] / step_time,
+        "samples_per_s": st.num_samples / step_time,
         "mfu": flops / (step_time * layout.num_devices * peak),
-        "llm_padding_ratio": st.get("llm_padding_ratio", 0.0),  # noqa: SIM910
-        "encoder_padding_ratio": st.get("encoder_padding_ratio", 0.0),  # noqa: SIM910
+        "llm_padding_ratio": st.llm_padding_ratio,
+        "encoder_padding_ratio": st.encoder_padding_ratio,
         # Every stage of a module computes the same bucket shapes: its module's padding ratio.
         "stage_padding_ratio": [
-            st.get(f"{'encoder' if s.module == 'encoder' else 'llm'}_padding_ratio", 0.0)  # noqa: SIM910
+            st.encoder_padding_ratio if s.module == "encoder" else st.llm_padding_ratio
             for s in layout.stages
         ],
         "microbatches": len(batch.microbatches),
         "loss_tokens": batch.num_loss_tokens,
-        "scheduler_latency_s": st["scheduler_latency_s"],
+        "scheduler_latency_s": st.scheduler_latency_s,
         "scheduler_gap": batch.schedule.gap,
         "scheduler_solver": batch.schedule.solver,
-        "data_wait_s": st["data_wait_s"],
+        "data_wait_s": st.data_wait_s,
         "predicted_step_time_s": batch.schedule.objective,
         "compiles": compiles,
         "recompiles": compiles - compiles_before,
-        "skipped": sum(st["skipped"].values()),
+        "skipped": st.num_skipped,
         # Adaptive correction (recent-window MAPE of predicted vs measured stage times, out of sample):
         # raw = the cost model, corrected = with the learned factors.
         "stage_times_measured": measure,
