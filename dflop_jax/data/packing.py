@@ -259,12 +259,12 @@ def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int, k: int) -
     if sample.feature_taps is None:
         return
     want = (sample.num_tokens, sample.feature_taps.shape[-1])
-    if sample.feature_taps.shape != want or sample.feature_weights.shape != want:
+    if sample.feature_taps.shape != want or sample.feature_weight.shape != want:
         raise ValueError(
-            f"sample {i} ({sample.id!r}): feature_taps {sample.feature_taps.shape} / feature_weights "
-            f"{sample.feature_weights.shape}, expected {want}"
+            f"sample {i} ({sample.id!r}): feature_taps {sample.feature_taps.shape} / feature_weight "
+            f"{sample.feature_weight.shape}, expected {want}"
         )
-    if k == 0 and not (sample.feature_weights[:, 0] == 1.0).all():
+    if k == 0 and not (sample.feature_weight[:, 0] == 1.0).all():
         # Packing only the nearest tap would silently train on features the reference never sees.
         raise ValueError(
             f"sample {i} ({sample.id!r}) has interpolated features: pack with feature_taps="
@@ -279,7 +279,7 @@ def _sample_taps(sample: ProcessedSample, k: int) -> tuple[np.ndarray, np.ndarra
     repeats of its first tap."""
     if sample.feature_taps is None:
         return plain_taps(sample.feature_source, k)
-    taps, weights = sample.feature_taps, sample.feature_weights
+    taps, weights = sample.feature_taps, sample.feature_weight
     extra = k - taps.shape[1]
     if extra:
         taps = np.concatenate([taps, np.repeat(taps[:, :1], extra, axis=1)], axis=1)

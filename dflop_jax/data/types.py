@@ -11,7 +11,7 @@ Index conventions:
 
 Exact bilinear taps (LLaVA-OV anyres_max_N downscales big images' grid features with torch bilinear
 interpolation, which is a weighted sum of 4 feature rows, not a gather; `models/layouts.py` `taps`):
-  feature_taps [..., K] int32 follow the same convention per tap; feature_weight(s) [..., K] float32.
+  feature_taps [..., K] int32 follow the same convention per tap; feature_weight [..., K] float32.
   A plain gather is one tap of weight 1 (other taps repeat the index with weight 0); TEXT / NEWLINE
   positions carry TEXT / NEWLINE in every tap, weight 1 on tap 0. `feature_index` stays the heaviest
   tap (nearest neighbour) for consumers that only gather. K = FEATURE_TAPS for the llava_ov family
@@ -55,7 +55,7 @@ class ProcessedSample:
       modality: "text", "image", "multi_image" or "video".
       feature_taps: [L, K] int32 or None; exact sources of each position (module docstring), same
         tile-local indexing as `feature_source`; None when every position is a plain gather (internvl).
-      feature_weights: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
+      feature_weight: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
     """
 
     id: Any
@@ -66,7 +66,7 @@ class ProcessedSample:
     tile_pool: np.ndarray
     modality: str = "text"
     feature_taps: np.ndarray | None = None
-    feature_weights: np.ndarray | None = None
+    feature_weight: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

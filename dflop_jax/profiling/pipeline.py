@@ -115,11 +115,11 @@ def _data_step(cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict) -> tup
 
 
 def _load_shapes(source, cfg: AutoPlanConfig):
-    from dflop_jax.planner.run_config import DataConfig, load_shapes
+    from dflop_jax.planner.run_config import ShapeSourceConfig, load_shapes
 
     if isinstance(source, str) and source in SYNTHETIC:
-        return load_shapes(DataConfig(source, cfg.data_samples, cfg.seed))
-    return load_shapes(DataConfig(str(source)))
+        return load_shapes(ShapeSourceConfig(source, cfg.data_samples, cfg.seed))
+    return load_shapes(ShapeSourceConfig(str(source)))
 
 
 def ensure_plan(
