@@ -59,7 +59,7 @@ class FakeProcessor:
     def process(self, record) -> ProcessedSample:
         if "bad_load" in record:
             raise BadSample(record["bad_load"], record["_location"], "fake load failure")
-        i, t, x = record["id"], record["tiles"], record["text"] + record.get("lie", 0)  # noqa: SIM910
+        i, t, x = record["id"], record["tiles"], record["text"] + record.get("lie", 0)
         src = np.array([TEXT] * x + list(range(t * TPT)), np.int32)
         ids = np.arange(len(src), dtype=np.int32) + 100 * i + 1
         mask = np.arange(len(src)) % 2 == 0

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import model_profiler
 from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
-from dflop_jax.profiling.settings import ProfileSettings
 
 CFG = model_config_for_arch("tiny", "float32")
 PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,
@@ -88,7 +88,10 @@ def test_profile_model_cli(tmp_path, capsys):
 
 
 def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
-    from dflop_jax.profiling.__main__ import main
+    from dflop_jax.profile import main as profile_main
+
+    def main(argv):
+        return profile_main(["auto", *argv])
 
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))

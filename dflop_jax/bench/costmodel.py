@@ -172,7 +172,7 @@ def _print(report: dict) -> None:
     for c in report["cases"]:
         name = (c["module"] + (" emb+" if c["emb"] else " ") + f"{c['layers']}L"
                 + ("+head" if c["head"] else ""))  # fmt: skip
-        ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"  # noqa: E731
+        ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"
         print(f"| {name} | {c['tp']} | {c['bucket']} | {ms([c['fwd'][1], c['bwd'][1]])} | "
               f"{ms(c['pred'])} | {ms(c['corrected'])} | {ms(c['interpolated'])} |")  # fmt: skip
     for key, label in (("mape", "measured table, least-squares fit"),

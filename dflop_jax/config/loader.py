@@ -3,7 +3,7 @@
 The schema is the dataclasses (one per component, defaults only there); YAML is data. Every error is a
 one-line `ConfigError` naming the dotted key, the bad value and what is allowed.
 
-    cfg = load_config(TrainConfig, "configs/demo.yaml", ["scheduler.time_limit_s=2", "train.steps=10"])
+    cfg = load_config(TrainConfig, "configs/demo.yaml", ["scheduler.time_limit_s=2", "steps=10"])
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
     data = _deep_copy(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. steps=10")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:

@@ -251,3 +251,14 @@ def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "cu
     vision = vision_arch_from_config(vision_cfg, tokens_per_tile, f"{name}-vision")
     llm = llm_arch_from_config(llm_cfg, f"{name}-llm")
     return MLLMArch(name, vision, projector_for(vision, llm), llm)
+
+
+def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
+    """The cost-model `MLLMArch` of a `models` config (duck-typed): an MLLM config (vision, text,
+    tokens_per_tile) or a decoder-only config, whose vision arch ("tiny") is never used because its
+    tiles are never encoded."""
+    if hasattr(model_cfg, "vision"):
+        return arch_from_configs(model_cfg.vision, model_cfg.text, model_cfg.tokens_per_tile, name)
+    llm = llm_arch_from_config(model_cfg, f"{name}-llm")
+    vision = get_vision("tiny")
+    return MLLMArch(name, vision, projector_for(vision, llm), llm)
