@@ -18,7 +18,7 @@ the stages live in `dflop_jax/data/stages.py`):
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
 
-Skipped records are not replaced: a global batch holds B records minus its skips (`stats["skipped"]`);
+Skipped records are not replaced: a global batch holds B records minus its skips (`stats.skipped`);
 a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
 keeps its scheduled room as padding (counted), so every process still agrees on the layout.
 

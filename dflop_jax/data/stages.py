@@ -1,4 +1,4 @@
-"""The grain loader's per-element stages: shapes from metadata, the scheduler hook, load-and-pack.
+"""The grain loader's per-element stages: shapes from metadata, the schedule function, load-and-pack.
 
 Each stage is a picklable callable (grain worker processes receive them by pickling); `loader.py`
 chains them into the pipeline. See `dflop_jax.data.loader` for the whole picture.
@@ -170,7 +170,7 @@ class Scheduled:
 
 
 class ScheduleStage:
-    """(global batch index, the batch's records) -> one schedule for the whole batch (the scheduler's hook).
+    """(global batch index, the batch's records) -> one schedule for the whole batch (the `ScheduleFn`).
 
     It runs right after `.batch()` (as `map_with_index`, not as `batch_fn`, because the solver's seed
     comes from the batch index).
