@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(PlanRunConfig, args.config, args.overrides)
         with progress_bar(not args.no_progress) as progress:
             plan = run(cfg, progress)
-    except (ConfigError, PlanningError, ValueError, FileNotFoundError) as e:
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (PlanningError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -35,22 +35,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflop_jax.config import ConfigError, load_config
     from dflop_jax.runtime.config import TrainConfig
-
-    config_path = args.config or DEMO_CONFIG
-    try:
-        cfg = load_config(TrainConfig, config_path, args.overrides, args.gin)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    simulate_cpu_devices(cfg.num_cpu_devices)
-
     from dflop_jax.runtime.distributed import initialize, resolve
 
-    dist = resolve(cfg.distributed, os.environ)
+    try:  # every value, combination and input file (and the env's process settings), before JAX
+        cfg = load_config(TrainConfig, args.config or DEMO_CONFIG, args.overrides, args.gin)
+        dist = resolve(cfg.distributed, os.environ)
+    except (ConfigError, ValueError) as e:
+        return _config_error(e)
+    simulate_cpu_devices(cfg.num_cpu_devices)
     if dist is not None:
         initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
 
-    report = run(cfg)
+    from dflop_jax.runtime.mesh import LayoutError
+
+    try:
+        # What only the run can see (a mix's dataset files, a layout needing more devices than
+        # exist) is still a config problem: one line too.
+        report = run(cfg)
+    except (ConfigError, LayoutError) as e:
+        return _config_error(e)
     print(f"run directory: {report.run_dir}")
     return 0
 
@@ -76,6 +79,11 @@ def run(cfg, console=None, clock=time.perf_counter):
     )
     plan = resolve_plan(cfg, model_cfg)
     return train(cfg, model, arch_of_model(model_cfg), plan, console, clock)
+
+
+def _config_error(e: Exception) -> int:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFLOP step 1 (profiling engine): data profile (shape distribution) + model profile (cost table, PNG).
 #   scripts/run_profiling_engine.sh <auto-plan config.yaml> [key=value ...]
-# e.g. scripts/run_profiling_engine.sh configs/auto_plan_tiny_cpu.yaml cache_dir=/shared/profiles/tiny
+# e.g. scripts/run_profiling_engine.sh configs/auto_plan_tiny_cpu.yaml cache_dir=/nfs/profiles/tiny
 # Multi-host: run it on ONE host of the kind you train on (a stage's tp stays within a host, so a host's
 # devices are what the tables need), with cache_dir on storage every host can read. Re-running reuses
 # fresh outputs (same config and code) and resumes an interrupted model profile entry by entry.

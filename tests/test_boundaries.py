@@ -10,6 +10,7 @@ hands its tables to the planner; entry points (`dflop_jax/<name>.py`) and `bench
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,81 @@ def test_models_do_not_import_dflop_jax():
             f"{path.name}: {m}" for m in _imported_modules(path) if m.split(".")[0] == "dflop_jax"
         ]
     assert not offenders, offenders
+
+
+# What a clone cannot reach, built from parts so that this file does not match its own patterns:
+# the folder beside a checkout, the old environment variable pointing there, the statistics outside
+# dflop_jax/data/, an absolute path into a shared folder, and the design outside docs/.
+_SHARED = "shared"
+OUTSIDE_REFERENCES = re.compile(
+    "|".join(
+        [
+            re.escape("../" + _SHARED),
+            "DFLOP_" + _SHARED.upper() + "_DIR",
+            re.escape(_SHARED + "/workload_stats"),
+            r"(?:^|[\s=:\"'(\[`])(?:/[\w.-]+)*/" + _SHARED + "/",
+            re.escape(_SHARED + "/") + "(?:DESIGN|STYLE)[.]md",
+        ]
+    )
+)
+_BINARY_SUFFIXES = {".gz", ".png", ".jpg", ".jpeg", ".mp4", ".npz", ".npy", ".pkl", ".safetensors"}
+_UNTRACKED_DIRS = {".git", ".venv", "runs", "data_cache", "build", "__pycache__", ".pytest_cache"}
+
+
+def _project_files() -> list[Path]:
+    """Tracked files (`git ls-files`); in a copy without git (an archive), every file of the tree."""
+    try:
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True, text=True
+        )
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == ROOT.resolve():
+            out = subprocess.run(
+                ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+            )
+            return [ROOT / name for name in out.stdout.split("\0") if name]
+    except FileNotFoundError:  # no git on this machine
+        pass
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.is_file()
+        and not _UNTRACKED_DIRS.intersection(p.relative_to(ROOT).parts)
+        and not any(part.endswith((".egg-info", "_cache")) for part in p.parts)
+    ]
+
+
+def test_nothing_reaches_outside_the_repository():
+    """A clone with nothing beside it must work: no file names a folder next to the checkout."""
+    files = [p for p in _project_files() if p.suffix not in _BINARY_SUFFIXES and p.is_file()]
+    assert any(p.name == "workloads.py" for p in files)  # the scan sees the code
+    offenders = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE_REFERENCES.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_outside_reference_pattern():
+    """The scan's pattern catches each way of reaching out, and not the in-repo statistics path."""
+    bad = [
+        "Design: [DESIGN](../" + _SHARED + "/DESIGN.md)",
+        "os.environ['DFLOP_" + _SHARED.upper() + "_DIR']",
+        "see " + _SHARED + "/workload_stats/omnibal_internvl",
+        "cache_dir=/" + _SHARED + "/profiles/tiny",
+        "read /work/" + _SHARED + "/DESIGN.md first",
+        "see " + _SHARED + "/STYLE.md",
+    ]
+    good = [
+        "dflop_jax/data/workload_stats/omnibal_internvl",
+        "cache_dir=/nfs/profiles/tiny",
+        "files in a shared directory",
+        "runtime/" + _SHARED + "_state.py",
+        "runs/" + _SHARED + "/out.json",
+    ]
+    assert all(OUTSIDE_REFERENCES.search(s) for s in bad)
+    assert not any(OUTSIDE_REFERENCES.search(s) for s in good)

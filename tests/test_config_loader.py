@@ -74,6 +74,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(RootConfig, tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(RootConfig, write(tmp_path, "- 1\n- 2\n"))
+    with pytest.raises(ConfigError, match="not valid YAML") as e:  # yaml's own message spans lines
+        load_config(RootConfig, write(tmp_path, "inner:\n  heads: [1,\n"))
+    assert "\n" not in str(e.value)
 
 
 def test_gin_bindings_are_overrides(tmp_path):

@@ -215,7 +215,7 @@ def _bad_cases(d):
         "corrupt_image": {"image": "notimg.jpg", "conversations": _conv()},
         "unreadable_video": {"video": "bad.mp4", "conversations": _conv("<video>")},
         "no_conversations": {"image": "ok.png", "conversations": []},
-        "unknown_fields": {"image": "ok.png", "conversations": _conv(), "surprise": 1},
+        "unknown_fields": {"image": "ok.png", "conversations": [{"from": "robot", "value": "hi"}]},
         "bad_markers": {"image": "ok.png", "conversations": _conv("<image> <image>")},
     }
 
@@ -321,12 +321,40 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     )  # the whole image, squashed
 
 
-def test_extra_fields_are_accepted_when_configured(dataset):
-    cfg, recs = _records(dataset, extra_fields=("meta",))
-    rec = {**recs["text"], "meta": {"k": 1}}
-    assert Processor(cfg).shape(rec).tokens == Processor(cfg).shape(recs["text"]).tokens
-    with pytest.raises(BadSample, match="unknown_fields"):
-        Processor(_records(dataset)[0]).shape(rec)
+def _with_extra_keys(record):
+    """A record as real LLaVA-OneVision JSON has it: source tags, metadata, per-turn extras."""
+    turns = [{**turn, "weight": 1.0} for turn in record["conversations"]]
+    return {
+        **record,
+        "source": "ai2d",
+        "metadata": {"k": 1},
+        "sample_id": 7,
+        "conversations": turns,
+    }
+
+
+def test_extra_keys_are_ignored_by_default(dataset):
+    cfg, recs = _records(dataset)
+    proc = Processor(cfg)
+    rec = _with_extra_keys(recs["wide"])
+    assert proc.extra_keys(rec) == ("conversations[].weight", "metadata", "sample_id")
+    assert proc.extra_keys(recs["wide"]) == ()  # `_location`, `_image_root`, ... are internal
+    assert proc.shape(rec) == proc.shape(recs["wide"])
+    got, want = proc.process(rec), proc.process(recs["wide"])
+    np.testing.assert_array_equal(got.token_ids, want.token_ids)
+    np.testing.assert_array_equal(got.assistant_mask, want.assistant_mask)
+    np.testing.assert_array_equal(got.tiles, want.tiles)
+
+
+def test_strict_rejects_extra_keys_unless_listed(dataset):
+    cfg, recs = _records(dataset, strict=True)
+    rec = _with_extra_keys(recs["text"])
+    with pytest.raises(BadSample, match=r"unknown_fields.*'metadata'.*data\.extra_fields") as e:
+        Processor(cfg).shape(rec)
+    assert e.value.location == rec["_location"]
+    listed, _ = _records(dataset, strict=True, extra_fields=("metadata", "sample_id", "weight"))
+    assert Processor(listed).extra_keys(rec) == ()
+    assert Processor(listed).shape(rec) == Processor(cfg).shape(recs["text"])
 
 
 def test_decompression_bomb_is_a_corrupt_image(tmp_path, monkeypatch):

@@ -138,11 +138,8 @@ def test_stale_synth_is_replaced_whole(tmp_path):
     assert len((mix.parent / "text.jsonl").read_text().splitlines()) == 12
 
 
-def test_internvl_synth_profile_reproduces_shared_stats(tmp_path):
-    try:
-        reference = omnibal_shapes()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_internvl_synth_profile_reproduces_the_omnibal_stats(tmp_path):
+    reference = omnibal_shapes()  # the in-package statistics: never skipped
     cfg = DataConfig(
         source="synthetic", synth_dir=str(tmp_path / "syn"), synth_samples=300, synth_mix="internvl",
         model_family="internvl", max_tiles=4, system_prompt="", cache_dir=str(tmp_path / "cache"),
@@ -182,3 +179,29 @@ def test_profile_cli(tmp_path, capsys):
         profile_cli.main(["model"]) == 2
     )  # the model profiler needs a config: a one-line usage error
     assert "give --config YAML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_profile_counts_extra_keys_once(tmp_path, capsys, strict):
+    """Real LLaVA records carry metadata: kept and reported once by default, skipped under strict."""
+    turns = [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]
+    records = [
+        {"id": "a", "conversations": turns, "metadata": {"src": "x"}, "sample_id": 1},
+        {"id": "b", "conversations": turns, "metadata": {"src": "y"}},
+        {"id": "c", "conversations": turns},
+    ]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(source=str(tmp_path / "d.jsonl"), cache_dir="", strict=strict)
+    path = profile_data(cfg, out_dir=tmp_path / "prof")
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["extra_keys"] == {
+        "records": 2,
+        "keys": {"metadata": 2, "sample_id": 1},
+        "ignored": not strict,
+    }
+    assert summary["bad"] == ({"unknown_fields": 2} if strict else {})
+    assert len(load_shape_distribution(path)) == (1 if strict else 3)
+    verdict = "rejected: data.strict" if strict else "ignored"
+    out = capsys.readouterr().out
+    assert out.count("records carried extra keys") == 1
+    assert f"2 records carried extra keys: metadata, sample_id ({verdict})" in out

@@ -160,7 +160,7 @@ def write_broken_dataset(cfg, records, tmp_path):
         json.dumps({"id": "video", "video": "garbage.mp4", "conversations": conv}),
         '{"id": "broken json", ',
         json.dumps({"id": "noconv", "image": a_png.name}),
-        json.dumps({"id": "unknown", "text": "hello there", "colour": "red"}),
+        json.dumps({"id": "unknown", "conversations": [{"from": "robot", "value": "beep"}]}),
         json.dumps({"id": "long", "text": "word " * 3000}),
     ]
     want = {"missing_file": 1, "corrupt_image": 1, "unreadable_video": 1, "invalid_json": 1}

@@ -3,6 +3,8 @@ global-batch sampling and default buckets."""
 
 import gzip
 import json
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from dflop_jax.scheduler import (
     sample_global_batch,
     save_shape_distribution,
 )
-from dflop_jax.scheduler.workloads import shared_dir
+from dflop_jax.scheduler.workloads import OMNIBAL_DIR
 
 
 def test_file_round_trip(tmp_path):
@@ -40,13 +42,7 @@ def test_bad_file_errors(tmp_path):
 
 def test_omnibal_matches_the_raw_records():
     shapes = omnibal_shapes(["ai2d"])
-    path = (
-        shared_dir()
-        / "workload_stats"
-        / "omnibal_internvl"
-        / "ai2d_train_12k_wh_token_lengths.json.gz"
-    )
-    with gzip.open(path, "rt") as f:
+    with gzip.open(OMNIBAL_DIR / "ai2d_train_12k_wh_token_lengths.json.gz", "rt") as f:
         raw = json.load(f)
     assert len(shapes) == len(raw) == 12413  # README table
     assert [(s.tiles, s.tokens) for s in shapes[:50]] == [
@@ -57,10 +53,24 @@ def test_omnibal_matches_the_raw_records():
         omnibal_shapes(["nope"])
 
 
-def test_omnibal_missing_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLOP_SHARED_DIR", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="DFLOP_SHARED_DIR"):
-        omnibal_shapes()
+def test_omnibal_ships_inside_the_package():
+    """The statistics are package data: inside `dflop_jax`, listed in pyproject's package-data."""
+    import dflop_jax
+
+    package = Path(dflop_jax.__file__).resolve().parent
+    assert OMNIBAL_DIR.resolve().is_relative_to(package)
+    assert (OMNIBAL_DIR / "README.md").read_text().startswith("# Real per-sample shape statistics")
+    shapes = omnibal_shapes()
+    assert len(shapes) == 12413 + 18317 + 10211 + 29765  # README table: 70,706 samples
+    by = {s.id.split(":")[0] for s in shapes}
+    assert by == {"ai2d", "chartqa", "docvqa", "synthdog_en"}
+    package_data = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"][
+        "setuptools"
+    ]["package-data"]["dflop_jax"]
+    shipped = {
+        f.relative_to(package).as_posix() for pattern in package_data for f in package.glob(pattern)
+    }
+    assert {f.relative_to(package).as_posix() for f in OMNIBAL_DIR.iterdir()} <= shipped
 
 
 def test_llava_ov_mix_shapes():

@@ -1,5 +1,6 @@
 """Typed configuration: dataclass schemas, YAML + overrides loading, validation."""
 
+from dflop_jax.config.inputs import InputPath, check_inputs
 from dflop_jax.config.loader import (
     ConfigError,
     apply_overrides,
@@ -8,16 +9,20 @@ from dflop_jax.config.loader import (
     load_config,
     read_yaml,
     require,
+    require_seed,
     to_dict,
 )
 
 __all__ = [
     "ConfigError",
+    "InputPath",
+    "check_inputs",
     "apply_overrides",
     "dump_yaml",
     "from_dict",
     "load_config",
     "read_yaml",
     "require",
+    "require_seed",
     "to_dict",
 ]

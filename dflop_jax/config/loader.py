@@ -1,7 +1,9 @@
 """Typed config loading: YAML data + `key.sub=value` overrides (+ gin-style binding files) -> frozen dataclasses.
 
 The schema is the dataclasses (one per component, defaults only there); YAML is data. Every error is a
-one-line `ConfigError` naming the dotted key, the bad value and what is allowed.
+one-line `ConfigError` naming the dotted key, the bad value and what is allowed. Loading also checks
+the files the config reads (`config/inputs.py`) and warns, in one line, about keys the config's mode
+ignores (a root config's `ignored_keys()`), so a run fails or says so before any JAX work.
 
     cfg = load_config(TrainConfig, "configs/demo.yaml", ["scheduler.time_limit_s=2", "steps=10"])
 """
@@ -9,6 +11,8 @@ one-line `ConfigError` naming the dotted key, the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import re
 import types
 import typing
@@ -18,10 +22,22 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
-    """A config problem, phrased for the person who wrote the config."""
+    """A config problem, phrased for the person who wrote the config (always one line)."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+@typing.runtime_checkable
+class ModalConfig(typing.Protocol):
+    """A root config some of whose sections only apply in some modes (e.g. `layout` with an explicit plan)."""
+
+    def ignored_keys(self) -> dict[str, str]:
+        """Dotted key prefixes this config ignores as set -> why (e.g. {"layout": "plan is auto"})."""
 
 
 def load_config(
@@ -30,14 +46,47 @@ def load_config(
     overrides: typing.Sequence[str] = (),
     gin_files: typing.Sequence[str | Path] = (),
 ) -> T:
-    """Builds `cls` from an optional YAML file, then gin binding files, then `key=value` overrides."""
+    """Builds `cls` from an optional YAML file, then gin binding files, then `key=value` overrides.
+
+    Then checks the files the config reads (`check_inputs`) and logs one warning naming the given keys
+    the config's mode ignores. Raises `ConfigError` (one line) on any problem.
+    """
     data: dict[str, Any] = {}
     if path is not None:
         data = read_yaml(path)
     for gin_file in gin_files:
         data = apply_overrides(data, read_gin_bindings(gin_file))
     data = apply_overrides(data, overrides)
-    return from_dict(cls, data)
+    cfg = from_dict(cls, data)
+    from dflop_jax.config.inputs import check_inputs  # inputs imports this module
+
+    check_inputs(cfg)
+    _warn_ignored(cfg, data)
+    return cfg
+
+
+def _warn_ignored(cfg: Any, data: dict[str, Any]) -> None:
+    """One warning line naming the given keys that `cfg`'s mode ignores (never silently dropped)."""
+    if not isinstance(cfg, ModalConfig):
+        return
+    ignored = cfg.ignored_keys()
+    hits = [k for k in _given_keys(data) if any(_under(k, p) for p in ignored)]
+    if hits:
+        why = "; ".join(f"{p}: {r}" for p, r in ignored.items() if any(_under(h, p) for h in hits))
+        log.warning("ignored config keys %s (%s)", ", ".join(hits), why)
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _given_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted leaf keys set in raw config data (YAML + overrides), in order."""
+    out = []
+    for k, v in data.items():
+        key = _join(prefix, str(k))
+        out.extend(_given_keys(v, key) if isinstance(v, dict) and v else [key])
+    return out
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -120,7 +169,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
         raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(str(k) for k in set(data) - set(fields))
     if unknown:
         raise ConfigError(
             f"{_join(prefix, unknown[0])}: unknown key; allowed keys of {where}: {', '.join(sorted(fields))}"
@@ -130,10 +179,27 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
         kwargs[name] = _convert(hints[name], value, _join(prefix, name))
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        raise ConfigError(_qualify(str(e), prefix, fields)) from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _qualify(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
+    """Gives a nested config's own key its full path (`planner.tp` under `auto` -> `auto.planner.tp`).
+
+    `__post_init__` names keys as the config sits in its usual root; the same config nested elsewhere
+    (the profiler's `auto.planner`) must still name the key a person would write.
+    """
+    m = re.match(r"[A-Za-z_][\w.]*", message)
+    if not prefix or not m:
+        return message
+    parts, head = prefix.split("."), m.group(0).split(".")[0]
+    if head in fields:
+        return f"{prefix}.{message}"
+    if head == parts[-1] and len(parts) > 1:
+        return ".".join(parts[:-1]) + "." + message
+    return message
 
 
 def _join(prefix: str, name: str) -> str:
@@ -172,7 +238,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin in (tuple, list):
         if isinstance(value, str):
             # `a.b=4,8,16` on a command line: each item is a YAML scalar.
-            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
+            value = [_list_item(v, key) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             value = [value]
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
@@ -199,9 +265,9 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -213,6 +279,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return Path(value)
         raise ConfigError(f"{key}: expected a path, got {value!r}")
     raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def _list_item(raw: str, key: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(
+            f"{key}: cannot read {raw.strip()!r} as a list item; give e.g. [1, 2]"
+        ) from None
 
 
 def to_dict(cfg: Any) -> Any:
@@ -238,3 +313,8 @@ def require(condition: bool, key: str, value: Any, fix: str) -> None:
     """Validation helper for `__post_init__`: raises a one-line ConfigError naming key, value and fix."""
     if not condition:
         raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def require_seed(value: int, key: str) -> None:
+    """Seeds feed numpy and JAX PRNGs, which take 0 .. 2**32-1."""
+    require(0 <= value < 2**32, key, value, "use a seed in 0 .. 2**32-1")

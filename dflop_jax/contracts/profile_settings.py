@@ -42,6 +42,8 @@ class ProfileSettings:
             values = getattr(self, key)
             require(len(values) > 0 and min(values) >= 1, f"profile.{key}", values,
                     "give integers >= 1")  # fmt: skip
+            require(list(values) == sorted(set(values)), f"profile.{key}", values,
+                    "give increasing values, no repeats")  # fmt: skip
         bad = [k for k in self.kinds if k not in STAGE_KINDS]
         require(not bad, "profile.kinds", self.kinds, f"use names from {STAGE_KINDS}")
         require(self.runs >= 1, "profile.runs", self.runs, "must be >= 1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require, require_seed
 
 # Pixel normalization as the HF image processors use it.
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
@@ -42,8 +42,11 @@ class DataConfig:
       system_prompt: a system turn added when the record has none; None = the template's own default.
       max_tokens: longest sample (LLM tokens) the scheduler may see; longer ones per `too_long`.
       too_long: "skip" (BadSample too_long) or "truncate" (text cut; refused if images would be cut).
-      strict: raise on the first bad record instead of counting and skipping it.
-      extra_fields: record keys to accept and ignore beyond id/image/video/conversations/text/data_source.
+      strict: raise on the first bad record instead of counting and skipping it, and treat a record
+        with keys beyond the format and `extra_fields` as bad ("unknown_fields"). By default such keys
+        (source tags, metadata, sample ids of real LLaVA data) are ignored and the record is kept.
+      extra_fields: record (or turn) keys accepted even under `strict`, beyond
+        id/image/video/conversations/text/data_source/source (turns: from/value).
       cache_dir: shape-metadata cache ("" disables caching).
       pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
     """
@@ -83,6 +86,19 @@ class DataConfig:
             "give a mix YAML, a JSON/JSONL file or 'synthetic'",
         )
         require(self.synth_samples > 0, "data.synth_samples", self.synth_samples, "must be >= 1")
+        require_seed(self.synth_seed, "data.synth_seed")
+        require(
+            self.source != "synthetic" or bool(self.synth_dir),
+            "data.synth_dir",
+            self.synth_dir,
+            "give a directory for the synthetic data",
+        )
+        require(
+            self.chat_template != "from_tokenizer" or self.tokenizer != "bundled",
+            "data.chat_template",
+            self.chat_template,
+            "the bundled tokenizer has no template: use qwen2.5 or llama3, or an HF data.tokenizer",
+        )
         require(
             self.synth_mix in SYNTH_MIXES,
             "data.synth_mix",
@@ -117,6 +133,23 @@ class DataConfig:
             require(len(value) in (0, 3), f"data.{name}", value, "give 3 values (RGB) or none")
         require(all(s > 0 for s in self.pixel_std), "data.pixel_std", self.pixel_std, "must be > 0")
 
+    def inputs(self) -> list[InputPath]:
+        """The files and folders this data config reads (synthetic data is generated, not read)."""
+        out = []
+        if self.source != "synthetic":
+            fix = "give a mix YAML, a JSON/JSONL file or 'synthetic'"
+            out.append(InputPath("source", self.source, "file", fix))
+        if self.tokenizer != "bundled":
+            fix = "give an HF model/tokenizer directory or 'bundled'"
+            out.append(
+                InputPath("tokenizer", self.tokenizer, "dir", fix, contains="tokenizer.json")
+            )
+        for name in ("image_root", "video_root"):
+            if getattr(self, name):
+                fix = "give the media folder or '' (paths relative to the dataset file)"
+                out.append(InputPath(name, getattr(self, name), "dir", fix))
+        return out
+
     @property
     def tile_px(self) -> int:
         """The encoder tile side in pixels."""
@@ -141,5 +174,6 @@ class DataConfig:
         keep = (
             "model_family", "tile_size", "patch_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
             "video_fps", "max_frames", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
+            "strict", "extra_fields",  # under strict, extra keys make a record bad
         )  # fmt: skip
         return {k: getattr(self, k) for k in keep}

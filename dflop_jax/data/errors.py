@@ -14,7 +14,7 @@ REASONS = (
     "unreadable_video",  # PyAV cannot open/decode it, or a frame folder is empty
     "invalid_json",  # a JSONL line (or a whole JSON file) does not parse, or a record is not an object
     "no_conversations",  # no `conversations`/`text`, empty, or no assistant turn to learn from
-    "unknown_fields",  # a record key the data layer does not understand
+    "unknown_fields",  # a turn's `from` is no known role, image + video together, extra keys (strict)
     "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
     "bad_markers",  # more `<image>` markers than images (or markers in a non-user turn)
 )

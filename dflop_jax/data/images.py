@@ -17,6 +17,9 @@ from PIL import Image, UnidentifiedImageError
 from dflop_jax.data.errors import BadSample
 
 _RESAMPLE = Image.Resampling.BICUBIC
+WHITE = (255, 255, 255)  # what transparent pixels become (`to_rgb` says why)
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+_SIXTEEN_BIT = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
 
 
 @contextlib.contextmanager
@@ -47,10 +50,44 @@ def image_size(path: Path, location: str) -> tuple[int, int]:
 
 
 def load_image(path: Path, location: str) -> Image.Image:
-    """Decodes the whole image as RGB; truncated or corrupt files raise BadSample("corrupt_image")."""
+    """Decodes the whole image as RGB (`to_rgb`); truncated or corrupt files raise BadSample("corrupt_image")."""
     with _open_image(path, location) as img:
         img.load()
-        return img.convert("RGB")
+        return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB from any mode datasets carry, without a Pillow warning reaching the console.
+
+    - Transparency (RGBA, LA, PA, or a palette / L / RGB image with a `transparency` entry, including
+      palette alpha given as bytes, which a direct `.convert("RGB")` warns about): composited over
+      WHITE. LLaVA's processors call `.convert("RGB")`, which drops alpha and shows whatever colour
+      the encoder left under transparent pixels (often black, so a transparent-background chart or
+      diagram with black ink turns black on black); white is what such images are drawn to be seen
+      on, and what HF's Idefics processor and vLLM composite over. Opaque pixels are unchanged.
+    - 16-bit grayscale (I;16*, and I, as Pillow opens 16-bit PNG/TIFF/PGM): scaled by 255/65535.
+      Pillow's own conversion clips at 255, which turns nearly every 16-bit scan white.
+    - L, 1, CMYK (Pillow's multiplicative CMYK -> RGB), YCbCr, palettes without transparency: Pillow.
+    """
+    if img.mode in _SIXTEEN_BIT:
+        img = _sixteen_bit_to_l(img)
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", img.size, WHITE + (255,)), rgba).convert(
+            "RGB"
+        )
+    return img.convert("RGB")
+
+
+def _sixteen_bit_to_l(img: Image.Image) -> Image.Image:
+    """L (or LA, when one grey level is marked transparent), 0..65535 mapped to 0..255 rounding."""
+    raw = np.asarray(img).astype(np.int64)
+    grey = Image.fromarray(((np.clip(raw, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8))
+    transparent = img.info.get("transparency")
+    if not isinstance(transparent, int):
+        return grey
+    alpha = Image.fromarray(np.where(raw == transparent, 0, 255).astype(np.uint8))
+    return Image.merge("LA", (grey, alpha))
 
 
 def _array(img: Image.Image) -> np.ndarray:

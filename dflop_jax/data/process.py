@@ -31,6 +31,7 @@ from dflop_jax.data.types import FEATURE_TAPS, TEXT, ProcessedSample, plain_taps
 from models import layouts
 
 KNOWN_FIELDS = frozenset({"id", "image", "video", "conversations", "text", "data_source", "source"})
+TURN_FIELDS = frozenset({"from", "value"})
 MARKER = "<image>"
 
 
@@ -66,6 +67,7 @@ class Processor:
         self.tok = tokenizer or load_tokenizer(cfg.tokenizer)
         self.template = ChatTemplate.for_config(cfg.chat_template, self.tok)
         self.known_fields = KNOWN_FIELDS | set(cfg.extra_fields)
+        self.known_turn_fields = TURN_FIELDS | set(cfg.extra_fields)
         tile = cfg.tile_px
         self.patches = tile // cfg.patch_size
         self.pinpoints = tuple(
@@ -85,6 +87,25 @@ class Processor:
         self.eos_ids = np.asarray([] if eos is None else [eos], np.int32)
 
     # ---- public API ---------------------------------------------------------------------------------
+    def extra_keys(self, record: dict) -> tuple[str, ...]:
+        """Keys the data layer does not read: a record's own, then its turns' as `conversations[].key`.
+
+        Real LLaVA-OneVision / LLaVA-NeXT records carry source tags, metadata and sample ids beyond the
+        format; they are ignored unless `data.strict` (then the record is bad: "unknown_fields").
+        Internal keys (leading underscore) and `data.extra_fields` are never extra.
+        """
+        keys = {k for k in record if not k.startswith("_") and k not in self.known_fields}
+        turns = record.get("conversations")
+        if isinstance(turns, list):
+            keys |= {
+                f"conversations[].{k}"
+                for turn in turns
+                if isinstance(turn, dict)
+                for k in turn
+                if k not in self.known_turn_fields
+            }
+        return tuple(sorted(keys))
+
     def shape(self, record: dict) -> SampleShape:
         """Tiles and LLM tokens of the sample from metadata only (no pixel is decoded)."""
         plan = self._plan(record, with_spans=False)
@@ -118,12 +139,12 @@ class Processor:
         )
         if "_error" in record:
             raise BadSample(record["_error"], location, record.get("_detail", ""))
-        unknown = sorted(k for k in record if not k.startswith("_") and k not in self.known_fields)
-        if unknown:
+        if self.cfg.strict and (extra := self.extra_keys(record)):
             raise BadSample(
                 "unknown_fields",
                 location,
-                f"unknown field(s) {unknown}; known: {sorted(self.known_fields)} (or set data.extra_fields)",
+                f"extra key(s) {list(extra)} under data.strict; known: {sorted(self.known_fields)}"
+                " (list them in data.extra_fields, or drop data.strict to ignore them)",
             )
         sample_id = record.get("id", location)
         if "conversations" not in record and "text" in record:
@@ -350,11 +371,9 @@ def _check_conversations(record: dict, location: str) -> list[dict]:
             raise BadSample(
                 "no_conversations", location, f"a turn must be {{from, value}}: {turn!r}"
             )
-        if turn["from"] not in ROLES or set(turn) - {"from", "value"}:
+        if turn["from"] not in ROLES:
             raise BadSample(
-                "unknown_fields",
-                location,
-                f"turn {turn!r}: from in {sorted(ROLES)}, keys from/value",
+                "unknown_fields", location, f"turn {turn!r}: `from` must be one of {sorted(ROLES)}"
             )
     if not any(ROLES[t["from"]] == "assistant" for t in conv):
         raise BadSample("no_conversations", location, "no assistant (gpt) turn to learn from")

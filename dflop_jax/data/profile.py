@@ -3,7 +3,8 @@
     python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml profile.num_samples=2000
 
 Writes `<out>/shape_distribution.json` (the shared shape-distribution format the planner reads),
-`<out>/shape_histogram.png`, and prints percentiles per modality and means per source.
+`<out>/shape_histogram.png`, and prints percentiles per modality, means per source, skipped records by
+reason, and (once, not per record) how many records carried keys the data layer ignores.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.config import require
+from dflop_jax.config import require, require_seed
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.shape_distribution import save_shape_distribution
 from dflop_jax.data.config import DataConfig
@@ -38,6 +39,7 @@ class ProfileSection:
 
     def __post_init__(self):
         require(self.num_samples >= 1, "profile.num_samples", self.num_samples, "must be >= 1")
+        require_seed(self.seed, "profile.seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,9 @@ def profile_data(
     if len(records) > num_samples:
         keep = np.sort(np.random.default_rng(seed).choice(len(records), num_samples, replace=False))
         records = [records[i] for i in keep]
-    cache = MetadataCache(cfg.cache_dir, Processor(cfg))
+    processor = Processor(cfg)
+    extra = extra_key_counts(records, processor)
+    cache = MetadataCache(cfg.cache_dir, processor)
     results = cache.shapes(records)
     shapes, sources, bad = [], [], Counter()
     for record, res in zip(records, results):
@@ -74,6 +78,7 @@ def profile_data(
     summary.update(
         bad=dict(bad), records=len(records), cache_hits=cache.hits, cache_misses=cache.misses
     )
+    summary["extra_keys"] = {**extra, "ignored": not cfg.strict}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "shape_distribution.json"
@@ -81,6 +86,25 @@ def profile_data(
     plot_histogram(shapes, out / "shape_histogram.png")
     print_summary(summary)
     return path
+
+
+def extra_key_counts(records: list[dict], processor: Processor) -> dict:
+    """{"records": how many carry keys the data layer ignores, "keys": {key: records carrying it}}."""
+    keys: Counter[str] = Counter()
+    carrying = 0
+    for record in records:
+        extra = processor.extra_keys(record)
+        carrying += bool(extra)
+        keys.update(extra)
+    return {"records": carrying, "keys": dict(sorted(keys.items()))}
+
+
+def extra_keys_line(extra: dict) -> str:
+    """One report line, e.g. "12,345 records carried extra keys: metadata, source (ignored)"."""
+    verdict = "ignored" if extra["ignored"] else "rejected: data.strict"
+    return (
+        f"{extra['records']:,} records carried extra keys: {', '.join(extra['keys'])} ({verdict})"
+    )
 
 
 def _source_name(record: dict) -> str:
@@ -150,6 +174,8 @@ def print_summary(summary: dict) -> None:
         )
     console = Console(width=max(130, Console().width))  # piped output defaults to 80 columns
     console.print(table)
+    if summary.get("extra_keys", {}).get("records"):
+        console.print(extra_keys_line(summary["extra_keys"]))
     if summary.get("bad"):
         console.print(f"skipped records by reason: {summary['bad']}")
 

@@ -4,9 +4,9 @@
 
 Mixes (DESIGN section 10): `llava-ov` (single image anyres, multi-image, video, text), `dflop` (the paper's:
 single image, multi-image, video), `single-image`, `multi-image`, `video`, `text`, and `internvl` (the four
-InternVL SFT subsets of `shared/workload_stats/omnibal_internvl`: per subset the real tile histogram and
+InternVL SFT subsets of `data/workload_stats/omnibal_internvl`: per subset the real tile histogram and
 text-length quantiles). Profiled with `configs/data_internvl_stats.yaml` (InternVL family, max_tiles 4,
-empty system prompt) its tiles and token means reproduce the shared statistics.
+empty system prompt) its tiles and token means reproduce those statistics.
 Images are solid colours: only their SIZE in pixels matters for tiling, and they stay tiny in bytes.
 Output: one JSONL per subset, `images/`, `videos/`, and `mix.yaml` (the path `synth_dataset` returns).
 """

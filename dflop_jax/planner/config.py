@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import require, require_seed
 
 
 def _positive_ints(values: tuple[int, ...], key: str) -> None:
@@ -119,3 +119,4 @@ class PlannerConfig:
             "must be > 0 seconds",
         )
         require(self.top_n >= 0, "planner.top_n", self.top_n, "must be >= 0")
+        require_seed(self.seed, "planner.seed")

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.planner.config import PlannerConfig
 
 SYNTHETIC_DATA = ("llava-ov", "omnibal")
@@ -44,6 +44,13 @@ class ShapeSourceConfig:
             self.synthetic_samples,
             "must be >= 1",
         )
+        require_seed(self.seed, "data.seed")
+
+    def inputs(self) -> list[InputPath]:
+        if self.source in SYNTHETIC_DATA:
+            return []
+        fix = f"give a shape-distribution JSON (python -m dflop_jax.profile data) or one of {SYNTHETIC_DATA}"
+        return [InputPath("source", self.source, "file", fix)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +93,8 @@ class PlanRunConfig:
             f"choose one of {', '.join(list_devices())}",
         )
         require(self.num_devices >= 1, "num_devices", self.num_devices, "need at least 1 device")
+        require(self.out.suffix in (".yaml", ".yml"), "out", str(self.out),
+                "give the plan.yaml path to write")  # fmt: skip
 
 
 def load_shapes(data: ShapeSourceConfig):

@@ -22,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
@@ -61,6 +61,13 @@ class AutoPlanConfig:
                 f"use one of {list_devices()}")  # fmt: skip
         require(self.num_devices >= 1, "num_devices", self.num_devices, "must be >= 1")
         require(self.data_samples >= 1, "data_samples", self.data_samples, "must be >= 1")
+        require_seed(self.seed, "seed")
+
+    def inputs(self) -> list[InputPath]:
+        if self.data_source in ("dataset", *SYNTHETIC):
+            return []
+        fix = f"give a shape-distribution JSON, 'dataset' or one of {SYNTHETIC}"
+        return [InputPath("data_source", self.data_source, "file", fix)]
 
 
 def _stamp_path(out: Path) -> Path:

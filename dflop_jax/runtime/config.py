@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import require, require_seed
+from dflop_jax.config.inputs import InputPath
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs.layout import Layout, StageSpec
@@ -51,7 +52,31 @@ class ModelConfig:
 
     def __post_init__(self):
         require(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "0 (tokenizer's) or > 0")
-        require(self.num_layers >= 1, "model.num_layers", self.num_layers, "must be >= 1")
+        for name in _MODEL_SIZES:
+            value = getattr(self, name)
+            require(value >= 1, f"model.{name}", value, "must be >= 1")
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_heads",
+            self.num_heads,
+            f"must be a multiple of model.num_kv_heads={self.num_kv_heads} (grouped-query attention)",
+        )
+        require(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "must be even (RoPE)")
+        require(
+            self.vision_hidden_size % self.vision_num_heads == 0,
+            "model.vision_hidden_size",
+            self.vision_hidden_size,
+            f"must be a multiple of model.vision_num_heads={self.vision_num_heads}",
+        )
+        require_seed(self.init_seed, "model.init_seed")
+
+    def inputs(self) -> list[InputPath]:
+        if not self.hf_dir:
+            return []
+        fix = (
+            "give an HF model directory (config.json + safetensors) or '' to build from the fields"
+        )
+        return [InputPath("hf_dir", self.hf_dir, "dir", fix, contains="config.json")]
 
     def build(self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str):
         """The model with fp32 master params, random from `init_seed` or loaded from `hf_dir`.
@@ -113,6 +138,13 @@ class ModelConfig:
             return LlavaOnevision(mcfg, rngs=rngs), mcfg
 
 
+# Sizes of a ModelConfig that must be >= 1.
+_MODEL_SIZES = (
+    "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "vision_hidden_size", "vision_intermediate_size", "vision_num_layers", "vision_num_heads",
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutConfig:
     """An explicit plan (used when `plan: explicit`): stages, degrees, buckets, microbatch counts.
@@ -140,12 +172,27 @@ class LayoutConfig:
 
     def __post_init__(self):
         require(len(self.llm_layers) >= 1, "layout.llm_layers", self.llm_layers, "need >= 1 stage")
-        require(
-            len(self.llm_tp) in (1, len(self.llm_layers)),
-            "layout.llm_tp",
-            self.llm_tp,
-            "give one value or one per LLM stage",
-        )
+        for module in ("encoder", "llm"):
+            layers, tps = getattr(self, f"{module}_layers"), getattr(self, f"{module}_tp")
+            _all_positive(layers, f"layout.{module}_layers", "layers per stage")
+            _all_positive(tps, f"layout.{module}_tp", "tensor-parallel degrees")
+            require(
+                len(tps) in (1, len(layers)),
+                f"layout.{module}_tp",
+                tps,
+                f"give one value or one per {module} stage ({len(layers)})",
+            )
+        require(self.encoder_dp >= 1, "layout.encoder_dp", self.encoder_dp, "must be >= 1")
+        require(self.llm_dp >= 1, "layout.llm_dp", self.llm_dp, "must be >= 1")
+        for name in ("tiles", "lengths"):
+            values = getattr(self, name)
+            _all_positive(values, f"layout.{name}", "bucket sizes")
+            require(
+                len(values) >= 1 and list(values) == sorted(set(values)),
+                f"layout.{name}",
+                values,
+                "give >= 1 bucket size, increasing, no repeats",
+            )
         require(
             1 <= self.microbatches[0] <= self.microbatches[1],
             "layout.microbatches",
@@ -159,6 +206,10 @@ class LayoutConfig:
 
     def buckets(self) -> BucketSet:
         return BucketSet(tuple(self.tiles), tuple(self.lengths))
+
+
+def _all_positive(values: tuple[int, ...], key: str, what: str) -> None:
+    require(all(v >= 1 for v in values), key, values, f"{what} must be >= 1")
 
 
 def _stages(module, layers, tps, dp) -> tuple[StageSpec, ...]:
@@ -266,3 +317,71 @@ class TrainConfig:
             self.measure_stage_times_every,
             "0 (off) or steps between measured steps",
         )
+        require_seed(self.seed, "seed")
+        require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "0 (measure) or FLOP/s > 0")
+        require(
+            bool(self.run_dir), "run_dir", self.run_dir, "give a directory for the run's outputs"
+        )
+        if self.plan == "explicit":
+            _check_layout_fits_model(self.layout, self.model)
+        fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
+        require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
+
+    def inputs(self) -> list[InputPath]:
+        if self.plan in ("explicit", "auto", "analytic"):
+            return []
+        fix = (
+            "give a plan.yaml written by `python -m dflop_jax.plan`, or plan=explicit/auto/analytic"
+        )
+        return [InputPath("plan", self.plan, "file", fix)]
+
+    def ignored_keys(self) -> dict[str, str]:
+        """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned)."""
+        out = {}
+        if self.plan != "explicit":
+            out["layout"] = f"read only with plan=explicit (plan={self.plan})"
+        if self.plan not in ("auto", "analytic"):
+            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan})"
+        if self.plan != "auto":
+            out["profile"] = f"read only with plan=auto (plan={self.plan})"
+        if self.model.kind == "decoder":
+            why = "model.kind=decoder has no vision encoder"
+            out.update({f"model.{n}": why for n in _MODEL_SIZES if n.startswith("vision_")})
+        if self.model.hf_dir:
+            why = "the shapes come from model.hf_dir's config.json"
+            out.update(
+                {f"model.{name}": why for name in ("vocab_size", *_MODEL_SIZES, "init_seed")}
+            )
+        if self.data.source != "synthetic":
+            why = f"read only with data.source=synthetic (source={self.data.source})"
+            out.update(
+                {
+                    f"data.{n}": why
+                    for n in ("synth_dir", "synth_samples", "synth_mix", "synth_seed")
+                }
+            )
+        return out
+
+
+def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
+    """An explicit layout must place every layer of the model and split its heads evenly."""
+    if m.kind == "decoder":
+        fix = "model.kind=decoder has no encoder: give layout.encoder_layers=[]"
+        require(not lay.encoder_layers, "layout.encoder_layers", lay.encoder_layers, fix)
+    else:
+        fix = f"model.kind={m.kind} needs >= 1 encoder stage (or model.kind=decoder)"
+        require(bool(lay.encoder_layers), "layout.encoder_layers", lay.encoder_layers, fix)
+    if m.hf_dir:  # the shapes are known once config.json is read
+        return
+    fix = f"must add up to model.num_layers={m.num_layers}"
+    require(sum(lay.llm_layers) == m.num_layers, "layout.llm_layers", lay.llm_layers, fix)
+    fix = f"each must divide model.num_heads={m.num_heads}"
+    require(all(m.num_heads % tp == 0 for tp in lay.llm_tp), "layout.llm_tp", lay.llm_tp, fix)
+    if m.kind == "decoder":
+        return
+    fix = f"must add up to model.vision_num_layers={m.vision_num_layers}"
+    require(sum(lay.encoder_layers) == m.vision_num_layers, "layout.encoder_layers",
+            lay.encoder_layers, fix)  # fmt: skip
+    fix = f"each must divide model.vision_num_heads={m.vision_num_heads}"
+    require(all(m.vision_num_heads % tp == 0 for tp in lay.encoder_tp), "layout.encoder_tp",
+            lay.encoder_tp, fix)  # fmt: skip

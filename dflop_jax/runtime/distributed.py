@@ -43,6 +43,8 @@ class DistributedConfig:
     def __post_init__(self):
         require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "must be >= 1 second")
         require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, ">= 0")
+        require(0 <= self.transfer_port < 65536, "distributed.transfer_port", self.transfer_port,
+                "0 (coordinator port + 100) or a TCP port")  # fmt: skip
 
 
 def resolve(cfg: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig | None:

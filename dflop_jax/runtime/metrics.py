@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +25,18 @@ from rich.console import Console
 
 from dflop_jax.data.types import GlobalBatch
 
-CONSOLE_KEYS = (
-    ("step", "{:d}"),
-    ("loss", "{:.4f}"),
-    ("grad_norm", "{:.3f}"),
-    ("lr", "{:.2e}"),
-    ("step_time_s", "{:.2f}s"),
-    ("tokens_per_s", "{:.0f} tok/s"),
-    ("mfu", "mfu {:.2%}"),
-    ("llm_padding_ratio", "pad {:.1%}"),
-    ("microbatches", "mb {:d}"),
-    ("recompiles", "compiles {:d}"),
+# (row key, column name, format): the console line names each column it shows.
+CONSOLE_COLUMNS = (
+    ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("step_time_s", "step time", "{:.2f}s"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("mfu", "MFU", "{:.2%}"),
+    ("llm_padding_ratio", "padding", "{:.1%}"),
+    ("data_wait_s", "data wait", "{:.2f}s"),
+    ("microbatches", "microbatches", "{:d}"),
+    ("recompiles", "compiles", "{:d}"),
 )
 
 
@@ -165,6 +166,8 @@ class MetricsLog:
         tensorboard: bool,
         console: Console | None = None,
         process: int = 0,
+        total_steps: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         name = "metrics.jsonl" if process == 0 else f"metrics.process{process}.jsonl"
         self.path = Path(run_dir) / name
@@ -178,6 +181,7 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
         self.history: list[StepMetrics] = []
+        self.progress = Progress(total_steps, clock)
 
     def log(self, metrics: StepMetrics) -> None:
         self.history.append(metrics)
@@ -188,13 +192,9 @@ class MetricsLog:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, row["step"])
+        self.progress.tick(row["step"], compiled=row["recompiles"] > 0)
         if row["step"] % self.every == 0 or row["step"] == 1:
-            parts = [
-                fmt.format(row[k]) if k != "step" else f"step {row[k]:d}"
-                for k, fmt in CONSOLE_KEYS
-                if k in row
-            ]
-            self.console.print(" | ".join(parts), highlight=False, soft_wrap=True)
+            self.console.print(console_line(row, self.progress), highlight=False, soft_wrap=True)
 
     def summary(self, skip_first: int = 1) -> dict[str, Any]:
         """Means over the steps after the first `skip_first` (compile steps), plus totals."""
@@ -234,6 +234,63 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class Progress:
+    """Step k/N, elapsed wall time and an ETA from the mean wall time of the steps that compiled nothing.
+
+    Compile steps (the first, and any that traced a new bucket program) take many times a steady
+    step, so they are left out of the mean; until a steady step is seen the ETA is unknown.
+    """
+
+    def __init__(self, total_steps: int | None, clock: Callable[[], float] = time.monotonic):
+        self.total = total_steps
+        self.clock = clock
+        self.start = self._last = clock()
+        self.step = 0
+        self._steady: list[float] = []
+
+    def tick(self, step: int, compiled: bool) -> None:
+        """Records that `step` finished now (`compiled`: it built new programs)."""
+        now = self.clock()
+        if not compiled and self.step:  # the first step of a (resumed) run includes setup
+            self._steady.append(now - self._last)
+        self.step, self._last = step, now
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._last - self.start
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the mean steady step time; None before a steady step (or without N)."""
+        if self.total is None or not self._steady:
+            return None
+        return max(self.total - self.step, 0) * float(np.mean(self._steady))
+
+    def describe(self) -> str:
+        of = f"/{self.total}" if self.total is not None else ""
+        eta = self.eta_s
+        return (
+            f"step {self.step}{of} | elapsed {_clock_time(self.elapsed_s)} | "
+            f"ETA {_clock_time(eta) if eta is not None else '?'}"
+        )
+
+
+def console_line(row: dict[str, Any], progress: Progress) -> str:
+    """`step k/N | elapsed | ETA | loss 2.3456 | grad norm 0.812 | ...`: every value after its name."""
+    parts = [progress.describe()]
+    for key, name, fmt in CONSOLE_COLUMNS:
+        if row.get(key) is not None:  # columns a run does not produce are left out
+            parts.append(f"{name} {fmt.format(row[key])}")
+    return " | ".join(parts)
+
+
+def _clock_time(seconds: float) -> str:
+    """h:mm:ss (or m:ss under an hour)."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def _jsonable(x):

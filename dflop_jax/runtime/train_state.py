@@ -76,6 +76,11 @@ class OptimizerConfig:
         require(
             self.clip_norm >= 0, "optimizer.clip_norm", self.clip_norm, "must be >= 0 (0 = off)"
         )
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            require(0 <= value < 1, f"optimizer.{name}", value, "must be in [0, 1)")
+        require(self.eps > 0, "optimizer.eps", self.eps, "must be > 0")
+        require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
 
     def schedule(self) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(

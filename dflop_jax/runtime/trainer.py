@@ -92,6 +92,7 @@ def train(
         cfg.tensorboard and jax.process_index() == 0,
         console,
         jax.process_index(),
+        total_steps=cfg.steps,
     )
     start, losses = trainer.restore(), []
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.config import require
+from dflop_jax.config import require, require_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,7 @@ class SchedulerConfig:
             self.max_cpsat_vars,
             "must be >= 1",
         )
+        require_seed(self.seed, "scheduler.seed")
         require(
             self.correction in ("off", "on", "auto"),
             "scheduler.correction",

@@ -1,8 +1,8 @@
 """Sample-shape distributions: the real OmniBal statistics and a LLaVA-OV-like mix (the file format,
 re-exported here, is `dflop_jax.contracts.shape_distribution`).
 
-The real per-sample statistics live in `<shared>/workload_stats/omnibal_internvl/*.json.gz` where
-`<shared>` is `$DFLOP_SHARED_DIR` if set, else `<repo root>/../shared`.
+The real per-sample statistics ship with the package, in `dflop_jax/data/workload_stats/omnibal_internvl/`
+(`*.json.gz` and a README with their origin and licence), so an installed package or a bare clone has them.
 
 LLaVA-OV-like mix (DESIGN section 10; proportions roughly those of the DFLOP paper's mix of LLaVA-OV
 single-image subsets, M4-Instruct and LLaVA-Video-178K, plus some text-only turns):
@@ -18,13 +18,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-import dflop_jax
 from dflop_jax.contracts.shape_distribution import (  # noqa: F401 - re-exported
     load_shape_distribution,
     save_shape_distribution,
@@ -35,27 +33,22 @@ OMNIBAL_SUBSETS = ("ai2d", "chartqa", "docvqa", "synthdog_en")
 LLAVA_OV_MIX = {"image": 0.45, "multi_image": 0.20, "video": 0.25, "text": 0.10}
 
 
-def shared_dir() -> Path:
-    """`$DFLOP_SHARED_DIR`, else the `shared` directory beside the repository."""
-    env = os.environ.get("DFLOP_SHARED_DIR")
-    if env:
-        return Path(env)
-    return Path(dflop_jax.__file__).resolve().parents[1].parent / "shared"
+# Package data found by path, not through `dflop_jax.data` (whose import pulls in the data pipeline).
+OMNIBAL_DIR = Path(__file__).resolve().parents[1] / "data" / "workload_stats" / "omnibal_internvl"
 
 
 def omnibal_shapes(subsets: Sequence[str] | None = None) -> list[SampleShape]:
     """The real InternVL single-image statistics (tiles = vit_num, tokens = token_num), ids "subset:j"."""
-    root = shared_dir() / "workload_stats" / "omnibal_internvl"
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"{root} not found: set DFLOP_SHARED_DIR to the directory holding workload_stats/"
-        )
     out: list[SampleShape] = []
     for name in subsets if subsets is not None else OMNIBAL_SUBSETS:
-        files = sorted(root.glob(f"{name}_*wh_token_lengths.json.gz"))
-        if not files:
+        if name not in OMNIBAL_SUBSETS:
             raise ValueError(
-                f"omnibal subset {name!r} not in {root}; known: {', '.join(OMNIBAL_SUBSETS)}"
+                f"omnibal subset {name!r} unknown; known: {', '.join(OMNIBAL_SUBSETS)}"
+            )
+        files = sorted(OMNIBAL_DIR.glob(f"{name}_*wh_token_lengths.json.gz"))
+        if not files:  # a package installed without its data files
+            raise FileNotFoundError(
+                f"{OMNIBAL_DIR}: no {name}_*wh_token_lengths.json.gz; reinstall dflop_jax with its package data"
             )
         with gzip.open(files[0], "rt") as f:
             records = json.load(f)

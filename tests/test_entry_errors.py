@@ -1,0 +1,152 @@
+"""Bad configs at the entry points: exit code 2, one `config error: ...` line naming the key, no traceback.
+
+Each run sets JAX_PLATFORMS to a platform that does not exist, so any device initialization would
+crash with a traceback: a clean exit 2 shows the config was rejected before any JAX work.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflop_jax.config import ConfigError, load_config
+from dflop_jax.runtime.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_entry(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "no_such_platform", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, key, fix",
+    [
+        (["model.num_heads=3"], "model.num_heads=3", "multiple of model.num_kv_heads=2"),
+        (["data.source=no/such/data.json"], "data.source='no/such/data.json'", "file not found"),
+        (["plan=no/such/plan.yaml"], "plan='no/such/plan.yaml'", "file not found"),
+        (["data.tokenizer=no/such/dir"], "data.tokenizer='no/such/dir'", "directory not found"),
+        (["plan=explicit", "layout.llm_tp=3"], "layout.llm_tp=(3,)", "model.num_heads=4"),
+        (["steps=ten"], "steps: expected an integer", ""),
+    ],
+)
+def test_train_rejects_bad_configs_in_one_line(args, key, fix):
+    out = run_entry("dflop_jax.train", *args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), out.stderr
+    assert key in lines[0] and fix in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.hf_dir=no/such/dir"],
+            "model.hf_dir='no/such/dir': directory not found; give an HF",
+        ),
+        (["model.num_kv_heads=0"], "model.num_kv_heads=0: must be >= 1"),
+        (
+            ["plan=auto", "model.kind=decoder", "layout.encoder_layers=[]"],
+            "plan='auto': plan=auto profiles multimodal models only",
+        ),
+        (["model.head_dim=15"], "model.head_dim=15: must be even (RoPE)"),
+        (["model.num_layers=3"], "layout.llm_layers=(2, 2): must add up to model.num_layers=3"),
+        (["model.kind=decoder"], "layout.encoder_layers=(1, 1): model.kind=decoder has no encoder"),
+        (
+            ["layout.lengths=[512,256]"],
+            "layout.lengths=(512, 256): give >= 1 bucket size, increasing",
+        ),
+        (["layout.tiles=[0,4]"], "layout.tiles=(0, 4): bucket sizes must be >= 1"),
+        (["layout.microbatches=[4,2]"], "layout.microbatches=(4, 2): need 1 <= min <= max"),
+        (["layout.encoder_tp=[1,1,1]"], "layout.encoder_tp=(1, 1, 1): give one value or one per"),
+        (["data.chat_template=from_tokenizer"], "data.chat_template='from_tokenizer': the bundled"),
+        (["data.image_root=no/such/dir"], "data.image_root='no/such/dir': directory not found"),
+        (["optimizer.b2=1.0"], "optimizer.b2=1.0: must be in [0, 1)"),
+        (["seed=-1"], "seed=-1: use a seed in 0 .. 2**32-1"),
+    ],
+)
+def test_train_config_errors_name_the_key_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, None, overrides)
+    assert message in str(e.value)
+
+
+def test_nested_configs_name_the_full_key():
+    """The profiler's `auto.planner` is the planner's config nested one level deeper."""
+    from dflop_jax.profiling.run_config import AutoPlanRunConfig
+
+    base = ["auto.data_source=llava-ov"]
+    with pytest.raises(ConfigError, match=r"^auto\.planner\.seed=-1: use a seed"):
+        load_config(AutoPlanRunConfig, None, [*base, "auto.planner.seed=-1"])
+    with pytest.raises(ConfigError, match=r"^auto\.num_devices=0: must be >= 1"):
+        load_config(AutoPlanRunConfig, None, [*base, "auto.num_devices=0"])
+
+
+def test_plan_rejects_a_missing_shape_file_in_one_line():
+    out = run_entry("dflop_jax.plan", "data.source=no/such/shapes.json", "--no-progress")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "config error: data.source='no/such/shapes.json': file not found; give a shape-distribution "
+        "JSON (python -m dflop_jax.profile data) or one of ('llava-ov', 'omnibal')"
+    ]
+
+
+def test_keys_the_mode_ignores_are_reported_in_one_warning(caplog):
+    demo = REPO / "configs" / "demo.yaml"  # plan: auto
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+        load_config(TrainConfig, demo, ["layout.llm_tp=[2]", "layout.tiles=[8]", "steps=3"])
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert message.startswith("ignored config keys layout.llm_tp, layout.tiles (layout: read only")
+    assert "steps" not in message.split("(")[0]
+
+
+def test_explicit_plan_reports_planner_and_profile_keys_as_ignored(caplog):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+        load_config(TrainConfig, None, ["plan=explicit", "planner.samples=3", "profile.runs=2"])
+    (record,) = caplog.records
+    assert record.getMessage().startswith("ignored config keys planner.samples, profile.runs (")
+
+
+def test_used_keys_are_not_reported(caplog):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+        load_config(TrainConfig, REPO / "configs" / "demo.yaml", ["planner.samples=3"])
+    assert caplog.records == []
+
+
+def test_inputs_that_exist_pass_and_a_dir_missing_its_file_is_named(tmp_path):
+    plan, data, tok = tmp_path / "plan.yaml", tmp_path / "d.jsonl", tmp_path / "tok"
+    plan.write_text("{}\n")
+    data.write_text("")
+    tok.mkdir()
+    over = [f"plan={plan}", f"data.source={data}"]
+    assert load_config(TrainConfig, None, over).plan == str(plan)
+    with pytest.raises(
+        ConfigError, match=r"data\.tokenizer='.*tok': no tokenizer\.json in it; give"
+    ):
+        load_config(TrainConfig, None, [*over, f"data.tokenizer={tok}"])
+    (tok / "tokenizer.json").write_text("{}")
+    assert load_config(TrainConfig, None, [*over, f"data.tokenizer={tok}"]).data.tokenizer == str(
+        tok
+    )
+
+
+def test_a_decoder_reports_its_vision_keys_as_ignored(caplog):
+    over = ["model.kind=decoder", "layout.encoder_layers=[]", "model.vision_num_layers=3"]
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+        load_config(TrainConfig, None, over)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("ignored config keys model.vision_num_layers (")
