@@ -17,8 +17,7 @@ from pathlib import Path
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import DEFAULT_ARCH
-from dflop_jax.scheduler import SchedulerConfig, default_buckets, schedule_batch
-from dflop_jax.scheduler.baselines import data_blind_schedule, reference_like_schedule
+from dflop_jax.scheduler import BASELINES, SchedulerConfig, default_buckets, schedule_batch
 from dflop_jax.scheduler.model_problem import model_problem
 from dflop_jax.scheduler.report import read_samples_jsonl, schedule_to_json
 
@@ -61,11 +60,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="h100", help="device preset (default h100)")
     p.add_argument("--stages", default="1,1", help="encoder,LLM pipeline stages (default 1,1)")
     p.add_argument("--tp", default="1,1", help="encoder,LLM tensor parallelism (default 1,1)")
-    p.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds (default 1)")
-    p.add_argument("--solver", choices=["greedy", "cpsat", "auto"], default="auto")
     p.add_argument(
-        "--baseline", choices=["data-blind", "reference-like"], help="use a baseline instead"
+        "--time-limit", type=float, default=1.0, help="wall-clock backstop, s (default 1)"
     )
+    p.add_argument("--solver", choices=["greedy", "cpsat", "auto"], default="auto")
+    p.add_argument("--baseline", choices=list(BASELINES), help="use a baseline instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the JSON report")
     return p
@@ -90,13 +89,11 @@ def run(args: argparse.Namespace) -> dict:
         _ints(args.stages, "stages", 2),
         _ints(args.tp, "tp", 2),
     )
-    if args.baseline == "data-blind":
-        sched = data_blind_schedule(shapes, problem, counts[1])
-    elif args.baseline == "reference-like":
-        sched = reference_like_schedule(shapes, problem, counts[1])
+    if args.baseline:
+        sched = BASELINES[args.baseline](shapes, problem, counts[1])
     else:
         config = SchedulerConfig(solver=args.solver, time_limit_s=args.time_limit, seed=args.seed)
-        sched = schedule_batch(shapes, problem, config, seed=args.seed)
+        sched = schedule_batch(shapes, problem, config)
     out = schedule_to_json(sched, shapes)
     out.update(
         model=args.model,

@@ -27,17 +27,17 @@ def test_schedule_fn_seeds_batch_k_the_same_whatever_came_before(monkeypatch):
     seeds = []
     real = correction.schedule_batch
 
-    def spy(shapes, problem, config, *, seed, table):
-        seeds.append(seed)
-        return real(shapes, problem, config, seed=seed, table=table)
+    def spy(shapes, problem, config, *, table):
+        seeds.append(config.seed)
+        return real(shapes, problem, config, table=table)
 
     monkeypatch.setattr(correction, "schedule_batch", spy)
-    cfg = SchedulerConfig(solver="greedy")
-    ran_before = Scheduler(PROBLEM, cfg, seed=100)
+    cfg = SchedulerConfig(solver="greedy", seed=100)
+    ran_before = Scheduler(PROBLEM, cfg)
     for k in (0, 1, 2, 5):  # out of order, as a prefetching loader may call it
         ran_before.schedule(SHAPES, k)
     ran_before.schedule(SHAPES, 7)
-    resumed = Scheduler(PROBLEM, cfg, seed=100)
+    resumed = Scheduler(PROBLEM, cfg)
     resumed.schedule(SHAPES, 7)
     assert seeds == [100, 101, 102, 105, 107, 107]
 

@@ -14,8 +14,9 @@ def _count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_siglip_tower_as_llava_onevision_uses_it():
-    v = get_vision("siglip-so400m")
+@pytest.mark.parametrize("name", ["siglip-so400m", "siglip-1b", "siglip-6b"])
+def test_siglip_towers_as_llava_onevision_uses_them(name):
+    v = get_vision(name)
     cfg = transformers.SiglipVisionConfig(
         hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, patch_size=v.patch_size,
         image_size=v.image_size, num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
@@ -27,7 +28,9 @@ def test_siglip_tower_as_llava_onevision_uses_it():
     assert param_count(v) + 2 * v.hidden_size == hf
 
 
-@pytest.mark.parametrize("name", ["internvit-300m", "internvit-6b"])
+@pytest.mark.parametrize(
+    "name", ["internvit-300m", "internvit-1b", "internvit-6b", "internvit-6b-dflop"]
+)
 def test_internvit_towers(name):
     v = get_vision(name)
     cfg = transformers.InternVLVisionConfig(

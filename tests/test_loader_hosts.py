@@ -25,7 +25,7 @@ costs = lambda T, S: np.array([[T * 1e-3, T * 2e-3], [S * 1e-5, S * 2e-5]])
 problem = ScheduleProblem(2, 4, 2, (1, 8), BucketSet((8, 16, 24), (256, 512, 1024)), costs)
 host = HostShardSpec.contiguous(index, count, 2, 4) if count > 1 else None
 out = []
-scheduler = Scheduler(problem, SchedulerConfig(solver="greedy"), seed=3)
+scheduler = Scheduler(problem, SchedulerConfig(solver="greedy"))
 with make_loader(cfg, load_source(cfg), problem, scheduler.schedule,
                  global_batch_size=12, seed=3, host=host) as loader:
     for _ in range(3):

@@ -37,7 +37,7 @@ def synth(tmp_path_factory):
 
 
 def loader_for(cfg, records, **kw):
-    sched = Scheduler(PROBLEM, SchedulerConfig(solver="greedy", correction="off"), seed=0)
+    sched = Scheduler(PROBLEM, SchedulerConfig(solver="greedy", correction="off"))
     kw.setdefault("global_batch_size", 12)
     return make_loader(cfg, records, PROBLEM, sched.schedule, seed=0, **kw)
 

@@ -47,12 +47,47 @@ def test_format_tables_has_both_tables():
         "blind": {"step_s": 2.0, "idle": 0.0, "device_idle": 0.5, "padding_tokens": 0.4},
         "blind_dynamic": {"step_s": 1.5, "idle": 0.0, "device_idle": 0.3, "padding_tokens": 0.0},
         "speedup": 2.0, "speedup_vs_dynamic": 1.5, "device_idle_reduction": 0.8,
-        "device_idle_reduction_vs_dynamic": float("nan"),
+        "device_idle_reduction_vs_dynamic": float("nan"), "plan_time_dflop_s": 12.4, "plan_time_blind_s": 0.4,
     }  # fmt: skip
-    text = format_tables([row])
+    text = format_tables(
+        [row], [{"model": "big", "gpus": 32, "error": "data-blind: no layout fits"}]
+    )
     assert (
         "| m | 8 | 32 | a | b |" in text
         and "| 2.00x |" in text
         and "| 80% |" in text
         and "n/a" in text
+        and "| 12 / 0 |" in text
+        and "| big | 32 | data-blind: no layout fits |" in text
     )
+
+
+def test_paper_smoke_one_model_at_32_gpus(capsys):
+    """`--paper` on one of the reference's models (its default "6B" SigLIP + Qwen2.5-7B): both planners
+    find a layout, the baseline's encoder runs colocated, the report says it is a simulation."""
+    from dflop_jax.bench.cluster import main
+
+    rc = main(["--paper", "--gpus", "32", "--models", "siglip-6b+qwen2.5-7b",
+               "--eval-batches", "1", "--samples", "1", "--json", "/dev/null"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "Simulation with analytic costs" in out
+    row = next(
+        line for line in out.splitlines() if line.startswith("| siglip-6b+qwen2.5-7b | 32 | 128")
+    )
+    assert "enc@llm0 / llm" in row.split("|")[5]  # the data-blind layout
+
+
+def test_paper_model_set_is_the_references():
+    """14 pairs: every encoder of the reference (SigLIP 400M/1B/6B on LLaVA-OV data, InternViT 300M/1B/6B
+    on the OmniBal statistics) and every LLM it names appear, and each name resolves to its arch."""
+    from dflop_jax.bench.cluster import PAPER_MODELS
+
+    archs = {name: get_arch(arch) for name, (arch, _) in PAPER_MODELS.items()}
+    assert {a.vision.name for a in archs.values()} == {
+        "siglip-so400m", "siglip-1b", "siglip-6b", "internvit-300m", "internvit-1b", "internvit-6b"
+    }  # fmt: skip
+    assert {a.llm.name for a in archs.values()} == {
+        "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "llama3-8b", "llama3-70b"
+    }  # fmt: skip
+    for name, (_, data) in PAPER_MODELS.items():
+        assert data == ("llava-ov" if name.startswith("siglip") else "omnibal")

@@ -87,21 +87,20 @@ def test_bench_dispatcher_lists_and_rejects(capsys):
 @pytest.mark.slow
 def test_bench_scheduler_small_run():
     from dflop_jax.bench import scheduler as bench_sched
+    from dflop_jax.scheduler import BASELINES
 
-    rows = bench_sched.run([64], batches=1, time_limit=0.3)
-    assert {(r["workload"], r["method"]) for r in rows} == {
-        (w, m)
-        for w in ("omnibal", "llava-ov")
-        for m in ("dflop-greedy", "dflop-cpsat", "data-blind", "reference-like")
-    }
+    rows = bench_sched.run([64], batches=1, time_limit=5.0)
+    assert [r["workload"] for r in rows] == ["omnibal", "llava-ov", "heavy"]
     for r in rows:
-        assert r["obj_over_lb"] >= 1 - 1e-9 and r["bin_tokens_max_over_mean"] >= 1.0
-    by = {(r["workload"], r["method"]): r for r in rows}
-    for w in (
-        "omnibal",
-        "llava-ov",
-    ):  # same batch, same objective measure: DFLOP never loses to data-blind
-        assert by[(w, "dflop-cpsat")]["objective"] <= by[(w, "data-blind")]["objective"]
+        assert set(r["methods"]) == {"dflop", "dflop-greedy", *BASELINES}
+        assert r["strongest"] in BASELINES
+        # same batch, same objective measure: DFLOP never loses to the strongest baseline
+        d, b = r["methods"]["dflop"], r["methods"][r["strongest"]]
+        assert d["objective"] <= b["objective"]
+        assert all(v["obj_over_lb"] >= 1 - 1e-9 for v in r["methods"].values())
     table = bench_sched.markdown(rows)
     assert table.count("\n") == len(rows) + 1
-    assert any("data-blind / DFLOP" in line for line in bench_sched.targets(rows))
+    pipe = bench_sched.run_pipeline([2, 4], batches=1, time_limit=5.0)
+    for r in pipe:
+        # float sums in a different order: equal up to round-off where the bound is tight
+        assert r["lb"] <= r["ordered"] * (1 + 1e-12) and r["ordered"] <= r["solve_order"]

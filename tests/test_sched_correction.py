@@ -25,7 +25,7 @@ def make(correction, bias=BIAS, threshold=0.1):
     prob = ScheduleProblem(2, 2, 2, (2, 2), BucketSet((2, 4, 8), (500, 1000, 2000)), raw_costs)
     cfg = SchedulerConfig(solver="greedy", correction=correction, correction_threshold=threshold,
                           correction_min_observations=4, correction_rate=0.5)  # fmt: skip
-    return Scheduler(prob, cfg, seed=0), lambda sched: np.array(
+    return Scheduler(prob, cfg), lambda sched: np.array(
         [raw_costs(mb.tile_bucket, mb.length_bucket) * bias for mb in sched.microbatches]
     )
 
@@ -123,8 +123,8 @@ def test_data_blind_solver_runs_the_baseline_through_the_scheduler():
     from dflop_jax.scheduler import data_blind_schedule
 
     prob = ScheduleProblem(2, 2, 2, (2, 3), BucketSet((2, 4, 8), (500, 1000, 2000)), raw_costs)
-    blind = Scheduler(prob, SchedulerConfig(solver="data_blind"), seed=0)
-    dflop = Scheduler(prob, SchedulerConfig(solver="greedy"), seed=0)
+    blind = Scheduler(prob, SchedulerConfig(solver="data_blind"))
+    dflop = Scheduler(prob, SchedulerConfig(solver="greedy"))
     worse = 0
     for shapes in batches(10):
         got = blind.schedule(shapes)

@@ -1,5 +1,6 @@
 """Scheduler validity under random inputs: every sample exactly once, bucket capacities respected,
-microbatch counts in range, lower bound <= objective, objective = surrogate of the chosen buckets."""
+microbatch counts in range (shrunk to N when N is below it), no empty microbatch, lower bound <=
+objective, objective = surrogate of the chosen buckets; the baselines too."""
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from dflop_jax.scheduler import (
     ScheduleProblem,
     SchedulerConfig,
     data_blind_schedule,
+    maxtext_packer_schedule,
+    reference_exact_schedule,
     reference_like_schedule,
     schedule_batch,
     surrogate_step_time,
@@ -56,11 +59,13 @@ def instances(draw):
     return shapes, ScheduleProblem(edp, ldp, p, (lo, hi), BucketSet(tiles, lengths), fn)
 
 
-def check_valid(schedule, shapes, problem, count_range=True):
+def check_valid(schedule, shapes, problem, dflop=True):
     seen = sorted(i for mb in schedule.microbatches for i in mb.samples())
     assert seen == list(range(len(shapes))), "every sample exactly once"
-    if count_range:
-        assert problem.microbatches[0] <= len(schedule.microbatches) <= problem.microbatches[1]
+    if dflop:  # the baselines may leave the range (and, bucket-blind, leave microbatches empty)
+        lo, hi = problem.microbatches
+        assert min(lo, len(shapes)) <= len(schedule.microbatches) <= hi
+        assert all(mb.samples() for mb in schedule.microbatches), "no empty microbatch"
     costs = []
     for mb in schedule.microbatches:
         assert len(mb.shards) == problem.llm_dp
@@ -121,12 +126,44 @@ def test_baselines_valid(inst):
     shapes, problem = inst
     m = problem.microbatches[0]
     blind = data_blind_schedule(shapes, problem, m)
-    check_valid(blind, shapes, problem, count_range=False)
+    check_valid(blind, shapes, problem, dflop=False)
     assert len(blind.microbatches) >= m
     assert all(mb.length_bucket == problem.buckets.lengths[-1] for mb in blind.microbatches)
-    ref = reference_like_schedule(shapes, problem, m)
-    check_valid(ref, shapes, problem, count_range=False)
-    assert len(ref.microbatches) == m + ref.info["extra_microbatches"]
+    for ref in (
+        reference_like_schedule(shapes, problem, m),
+        reference_exact_schedule(shapes, problem, m, deterministic_time=0.05),
+    ):
+        check_valid(ref, shapes, problem, dflop=False)
+        assert len(ref.microbatches) == m + ref.info["extra_microbatches"]
+    packed = maxtext_packer_schedule(shapes, problem, m)
+    check_valid(packed, shapes, problem, dflop=False)
+    assert all(mb.samples() for mb in packed.microbatches)  # rows open only for a sample
+    assert all(mb.length_bucket == problem.buckets.lengths[-1] for mb in packed.microbatches)
+
+
+@pytest.mark.parametrize("solver", ["greedy", "auto"])
+def test_fewer_samples_than_microbatches_shrinks_the_count(solver):
+    # 3 samples, at least 4 microbatches of 2 shards allowed: 3 microbatches, one sample each
+    problem = ScheduleProblem(
+        1, 2, 3, (4, 6), BucketSet((2, 4), (512, 1024)), linear_costs(3, 1e-3, 1e-6)
+    )
+    shapes = [SampleShape(i, 1, 300 + 100 * i) for i in range(3)]
+    s = schedule_batch(shapes, problem, SchedulerConfig(solver=solver))
+    check_valid(s, shapes, problem)
+    assert sorted(len(mb.samples()) for mb in s.microbatches) == [1, 1, 1]
+    assert "3 samples < 4 microbatches" in s.info["microbatches_below_range"]
+
+
+def test_samples_that_fit_fewer_microbatches_use_fewer():
+    # 5 small text samples fit one microbatch; the allowed range 1..4 must not spread them over 4
+    problem = ScheduleProblem(
+        1, 1, 2, (1, 4), BucketSet((1,), (256, 1024)), linear_costs(2, 1e-3, 1e-6)
+    )
+    shapes = [SampleShape(i, 0, 100) for i in range(5)]
+    s = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
+    check_valid(s, shapes, problem)
+    # one microbatch at S=1024 costs less than two at S=256 plus the fill/drain term: W grows < 2x
+    assert len(s.microbatches) == 1
 
 
 def test_surrogate_hand_computed():
@@ -141,3 +178,24 @@ def test_oversized_sample_named():
         schedule_batch([SampleShape("big", 0, 101)], problem, SchedulerConfig(solver="greedy"))
     with pytest.raises(ValueError, match="'wide'"):
         schedule_batch([SampleShape("wide", 3, 10)], problem, SchedulerConfig(solver="greedy"))
+
+
+def test_baseline_api_runs_all_and_picks_the_strongest():
+    from dflop_jax.scheduler import BASELINES, run_baselines, strongest
+
+    problem = ScheduleProblem(
+        2, 2, 3, (2, 2), BucketSet((2, 4, 8), (512, 1024, 2048)), linear_costs(3, 1e-3, 1e-6)
+    )
+    shapes = [SampleShape(i, i % 4, 100 + 97 * i) for i in range(12)]
+    results = run_baselines(shapes, problem, 2)
+    assert list(results) == list(BASELINES)
+    name, best = strongest(results)
+    assert best.objective == min(s.objective for s in results.values()) and results[name] is best
+    by_makespan = strongest(results, key=lambda s: s.info["simulated_makespan_s"])[1]
+    assert by_makespan.info["simulated_makespan_s"] == min(
+        s.info["simulated_makespan_s"] for s in results.values()
+    )
+    dflop = schedule_batch(shapes, problem, SchedulerConfig(solver="auto"))
+    assert dflop.objective <= best.objective  # same evaluator, same objective
+    with pytest.raises(ValueError, match="unknown baseline"):
+        run_baselines(shapes, problem, 2, ["megatron"])

@@ -1,15 +1,20 @@
 """Simulated cluster benchmark: the planner's layout + online scheduler vs the data-blind baseline.
 
-    python -m dflop_jax.bench cluster [--quick] [--json out.json] [--eval-batches K]
+    python -m dflop_jax.bench cluster [--quick | --paper] [--json out.json] [--eval-batches K]
 
 For each model (LLaVA-OV: SigLIP-SO400M + Qwen2.5-7B on the LLaVA-OV-like mix; InternVL-style:
 InternViT-300M + Qwen2.5-7B on the real OmniBal InternVL statistics) and each H100 count (8, 32, 64;
 global batch 4 samples per GPU), with analytic costs under full activation recomputation (remat, as
-7B multimodal training runs do; without it few layouts fit 80 GB at these batch sizes):
+7B multimodal training runs do; without it few layouts fit 80 GB at these batch sizes).
+`--paper`: the DFLOP paper's model set (`PAPER_MODELS`: SigLIP 400M / "1B" / "6B" on the LLaVA-OV mix,
+InternViT 300M / 1B / 6B on the OmniBal statistics, with Qwen2.5 7B / 32B / 72B and Llama3 8B / 70B) at
+32, 64 and 128 H100s; both planners there also choose remat on or off per layout and the encoder may
+take up to 4 pipeline stages.
 
 - DFLOP: `make_plan(mode="dflop")`, then the online scheduler (greedy) on every evaluation batch;
 - data-blind: `make_plan(mode="uniform")` (encoder colocated on the first LLM stage, one tp/pp/dp,
-  chosen with mean shapes), then the data-blind scheduler (loader order, largest bucket);
+  encoder heads padded to that tp as Megatron does, chosen with mean shapes), then the data-blind
+  scheduler (loader order, largest bucket);
 - data-blind, dynamic shapes: the same layout and microbatches, but each microbatch costs what its real
   load costs (as in a variable-shape PyTorch/Megatron run: no padding, stages wait on each other).
 
@@ -37,6 +42,7 @@ from dflop_jax.planner import (
     LayoutCosts,
     Plan,
     PlannerConfig,
+    PlanningError,
     describe_layout,
     make_plan,
     problem_for,
@@ -44,6 +50,7 @@ from dflop_jax.planner import (
 from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
+from dflop_jax.planner.variants import plan_provider
 from dflop_jax.scheduler import Schedule, llava_ov_mix, omnibal_shapes
 from dflop_jax.sim import simulate
 
@@ -53,6 +60,21 @@ MODELS = {
     # needs pipelines; not in the default run
     "llava-ov-32b": ("siglip-so400m+qwen2.5-32b", "llava-ov"),
 }
+# the DFLOP paper's model set: each encoder family on its own data (the reference pairs SigLIP with
+# LLaVA-OV data and InternViT with InternVL's); named by their arch
+PAPER_MODELS = {
+    arch: (arch, data)
+    for data, archs in (
+        ("llava-ov", ("siglip-so400m+qwen2.5-7b", "siglip-1b+qwen2.5-7b", "siglip-6b+qwen2.5-7b",
+                      "siglip-6b+llama3-8b", "siglip-6b+qwen2.5-32b", "siglip-6b+qwen2.5-72b",
+                      "siglip-6b+llama3-70b")),
+        ("omnibal", ("internvit-300m+qwen2.5-7b", "internvit-1b+qwen2.5-7b", "internvit-6b+qwen2.5-7b",
+                     "internvit-6b+llama3-8b", "internvit-6b+qwen2.5-32b", "internvit-6b+qwen2.5-72b",
+                     "internvit-6b+llama3-70b")),
+    )
+    for arch in archs
+}  # fmt: skip
+MODELS.update(PAPER_MODELS)
 DEFAULT_MODELS = ("llava-ov", "internvl")
 EVAL_SEED = 12345  # evaluation batches: never the planner's (seed 0)
 
@@ -118,37 +140,63 @@ def run_case(
     shapes = llava_ov_mix(4000, 0) if data == "llava-ov" else omnibal_shapes()
     arch, device = get_arch(arch_name), get_device("h100")
     provider = AnalyticCostProvider(arch, device, remat=remat)
-    t0 = time.perf_counter()
-    dflop = make_plan(arch, device, num_devices, shapes, config, provider, progress)
-    blind = make_plan(arch, device, num_devices, shapes, config, provider, progress, mode="uniform")
-    plan_s = time.perf_counter() - t0
+    args = (arch, device, num_devices, shapes, config, provider, progress)
+    (dflop, t_dflop), (blind, t_blind) = _plan(args, "dflop"), _plan(args, "uniform")
+    if not isinstance(dflop, Plan) or not isinstance(blind, Plan):
+        raise PlanningError(f"DFLOP: {_outcome(dflop, arch)}; data-blind: {_outcome(blind, arch)}")
     batches = sample_batches(shapes, config.global_batch, eval_batches, EVAL_SEED)
     d_costs, b_costs = (
-        LayoutCosts.build(provider, dflop.layout),
-        LayoutCosts.build(provider, blind.layout),
+        LayoutCosts.build(plan_provider(dflop, provider), dflop.layout),
+        LayoutCosts.build(plan_provider(blind, provider), blind.layout),
     )
     d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
     b = evaluate(blind, batches, data_blind_scheduler(), b_costs)
     bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
     return {
         "model": model, "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
-        "dflop_layout": f"{describe_layout(dflop.layout)} M={dflop.microbatches}".replace(" | ", " / "),
-        "blind_layout": f"{describe_layout(blind.layout)} M={blind.microbatches}".replace(" | ", " / "),
+        "dflop_layout": _layout_cell(dflop, arch), "blind_layout": _layout_cell(blind, arch),
         "dflop": dataclasses.asdict(d), "blind": dataclasses.asdict(b), "blind_dynamic": dataclasses.asdict(bd),
         "speedup": b.step_s / d.step_s, "speedup_vs_dynamic": bd.step_s / d.step_s,
         "idle_reduction": 1 - d.idle / b.idle if b.idle > 0 else float("nan"),
         "idle_reduction_vs_dynamic": 1 - d.idle / bd.idle if bd.idle > 0 else float("nan"),
         "device_idle_reduction": 1 - d.device_idle / b.device_idle if b.device_idle > 0 else float("nan"),
         "device_idle_reduction_vs_dynamic": 1 - d.device_idle / bd.device_idle if bd.device_idle > 0 else float("nan"),
-        "plan_time_s": plan_s,
+        "plan_time_s": t_dflop + t_blind, "plan_time_dflop_s": t_dflop, "plan_time_blind_s": t_blind,
     }  # fmt: skip
+
+
+def _plan(args: tuple, mode: str) -> tuple[Plan | PlanningError, float]:
+    """(`make_plan(*args, mode=mode)` or the PlanningError it raised, seconds it took): both planners
+    run even when one finds nothing, so a case with no plan says which found one."""
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan(*args, mode=mode)
+    except PlanningError as e:
+        plan = e
+    return plan, time.perf_counter() - t0
+
+
+def _outcome(plan: Plan | PlanningError, arch) -> str:
+    return f"found {_layout_cell(plan, arch)}" if isinstance(plan, Plan) else str(plan)
+
+
+def _layout_cell(plan: Plan, arch) -> str:
+    """e.g. "enc@llm0 / llm tp4 pp1 dp8 M=8 remat, enc heads 25->28"."""
+    out = f"{describe_layout(plan.layout)} M={plan.microbatches}".replace(" | ", " / ")
+    remat = plan.search["remat"]
+    out += "" if remat is None else (" remat" if remat else " no-remat")
+    heads = plan.search["encoder_heads"]
+    return out + (
+        "" if heads == arch.vision.num_heads else f", enc heads {arch.vision.num_heads}->{heads}"
+    )
 
 
 def _pct(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:.0%}"
 
 
-def format_tables(rows: list[dict]) -> str:
+def format_tables(rows: list[dict], failures: list[dict] = ()) -> str:
+    """Markdown: layouts, then figures (simulation with analytic costs), then the cases with no plan."""
     head = "| model | GPUs | global batch | DFLOP layout | data-blind layout |\n|---|---|---|---|---|\n"
     lay = "".join(
         f"| {r['model']} | {r['gpus']} | {r['global_batch']} | {r['dflop_layout']} | {r['blind_layout']} |\n"
@@ -156,26 +204,59 @@ def format_tables(rows: list[dict]) -> str:
     )
     cols = ("| model | GPUs | step DFLOP (s) | step blind (s) | speedup | pipeline idle DFLOP / blind | "
             "device idle DFLOP / blind | device idle cut | LLM padding DFLOP / blind | "
-            "blind dynamic-shape: step (s) / device idle | speedup / device idle cut vs it |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+            "blind dynamic-shape: step (s) / device idle | speedup / device idle cut vs it | "
+            "planning s DFLOP / blind |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
     num = "".join(
         f"| {r['model']} | {r['gpus']} | {r['dflop']['step_s']:.2f} | {r['blind']['step_s']:.2f} | "
         f"{r['speedup']:.2f}x | {r['dflop']['idle']:.1%} / {r['blind']['idle']:.1%} | "
         f"{r['dflop']['device_idle']:.1%} / {r['blind']['device_idle']:.1%} | {_pct(r['device_idle_reduction'])} | "
         f"{r['dflop']['padding_tokens']:.1%} / {r['blind']['padding_tokens']:.1%} | "
         f"{r['blind_dynamic']['step_s']:.2f} / {r['blind_dynamic']['device_idle']:.1%} | "
-        f"{r['speedup_vs_dynamic']:.2f}x / {_pct(r['device_idle_reduction_vs_dynamic'])} |\n"
+        f"{r['speedup_vs_dynamic']:.2f}x / {_pct(r['device_idle_reduction_vs_dynamic'])} | "
+        f"{r['plan_time_dflop_s']:.0f} / {r['plan_time_blind_s']:.0f} |\n"
         for r in rows
+    )  # fmt: skip
+    out = head + lay + "\n" + cols + num
+    if failures:
+        out += "\n| model | GPUs | no plan |\n|---|---|---|\n"
+        out += "".join(f"| {f['model']} | {f['gpus']} | {f['error']} |\n" for f in failures)
+    return out
+
+
+def _settings(args) -> tuple[list[int], list[str], int, int]:
+    """(GPU counts, models, evaluation batches, planner samples) from the command line."""
+    default_gpus = "32,64,128" if args.paper else ("8,32" if args.quick else "8,32,64")
+    default_models = (
+        PAPER_MODELS if args.paper else (("llava-ov",) if args.quick else DEFAULT_MODELS)
     )
-    return head + lay + "\n" + cols + num
+    gpus = [int(g) for g in (args.gpus or default_gpus).split(",")]
+    models = args.models.split(",") if args.models else list(default_models)
+    return (
+        gpus,
+        models,
+        args.eval_batches or (3 if args.quick else 8),
+        args.samples or (2 if args.quick else 4),
+    )
+
+
+def _planner_config(n: int, args) -> PlannerConfig:
+    """Global batch 4 per GPU; `--paper` also searches remat on/off and up to 4 encoder stages."""
+    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4)} if args.paper else {}
+    return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
+                         screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dflop_jax.bench cluster", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument(
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument(
         "--quick", action="store_true", help="8 and 32 GPUs, LLaVA-OV only, fewer batches"
+    )
+    mode.add_argument(
+        "--paper", action="store_true", help="the paper's model set at 32, 64, 128 GPUs"
     )
     ap.add_argument("--gpus", default=None, help="comma-separated GPU counts (default 8,32,64)")
     ap.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODELS)}")
@@ -192,35 +273,43 @@ def main(argv: list[str]) -> int:
         "--no-remat", action="store_true", help="cost model without activation recomputation"
     )
     ap.add_argument("--json", help="also write the rows as JSON here")
-    args = ap.parse_args(argv)
-    gpus = [int(g) for g in (args.gpus or ("8,32" if args.quick else "8,32,64")).split(",")]
-    models = (args.models or ("llava-ov" if args.quick else ",".join(DEFAULT_MODELS))).split(",")
+    args = ap.parse_args(argv)  # fmt: skip
+    gpus, models, eval_batches, _ = _settings(args)
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         print(
             f"error: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}", file=sys.stderr
         )
         return 2
-    eval_batches = args.eval_batches or (3 if args.quick else 8)
-    samples = args.samples or (2 if args.quick else 4)
-    rows, failed = [], 0
+    rows, failures = [], []
     with progress_bar() as progress:
-        for model in models:
-            for n in gpus:
-                cfg = PlannerConfig(
-                    global_batch=4 * n, samples=samples, screen_per_group=1 if args.quick else 2
-                )
-                try:
-                    rows.append(run_case(model, n, cfg, eval_batches, not args.no_remat, progress))
-                except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
-                    print(f"error: {model} x{n}: {e}", file=sys.stderr)
-                    failed += 1
-                    continue
-                r = rows[-1]
-                print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
-                      f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
-    print(format_tables(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if failed else 0
+        for n in (
+            gpus
+        ):  # every model at one size before the next size: a cut-short sweep stays comparable
+            for model in models:
+                _run_one(model, n, args, eval_batches, progress, rows, failures)
+                if args.json:  # after every case, so a long sweep's figures survive an interruption
+                    _dump(args.json, rows, failures)
+    print("Simulation with analytic costs (H100 preset), not measured on GPUs.\n")
+    print(format_tables(rows, failures))
+    return 1 if failures else 0
+
+
+def _run_one(
+    model: str, n: int, args, eval_batches: int, progress, rows: list, failures: list
+) -> None:
+    """One case appended to `rows`, or, with no plan, to `failures`; a one-line summary on stderr."""
+    try:
+        r = run_case(model, n, _planner_config(n, args), eval_batches, not args.no_remat, progress)
+    except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
+        print(f"error: {model} x{n}: {e}", file=sys.stderr)
+        failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
+        return
+    rows.append(r)
+    print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
+          f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
+
+
+def _dump(path: str, rows: list, failures: list) -> None:
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "failures": failures}, f, indent=1)

@@ -45,7 +45,7 @@ def measure_loader(
     cfg, records, problem, solver: str, workers: int, batch: int, batches: int
 ) -> dict:
     """One row: the loader's rate over `batches` global batches after a first (warm-up) batch."""
-    sched = Scheduler(problem, SchedulerConfig(solver=solver, correction="off"), seed=0)
+    sched = Scheduler(problem, SchedulerConfig(solver=solver, correction="off"))
     start = time.perf_counter()
     with make_loader(
         cfg,

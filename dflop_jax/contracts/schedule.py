@@ -81,7 +81,7 @@ class Schedule:
       microbatches: the microbatches in execution order.
       objective: predicted step time in seconds (1F1B surrogate of DESIGN section 4).
       lower_bound: a proven lower bound on that objective for this batch.
-      solver: which solver produced the answer ("greedy", "cpsat", or a baseline's name).
+      solver: which solver produced the answer ("greedy", "lns", or a baseline's name).
       time_s: wall time the scheduler took.
       info: extra report fields (greedy objective, cpsat status, padding ratios, ...).
     """

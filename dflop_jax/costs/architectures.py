@@ -9,11 +9,20 @@ LayerNorm + MLP after a 0.5 pixel shuffle). Sizes are copied from the published 
   (428M params); LLaVA-OV drops the last layer and the head (transformers' LlavaOnevisionConfig default
   vision config has `num_hidden_layers=26, vision_use_head=False` and `vision_feature_layer=-1`, i.e. the
   output of layer 26 before post_layernorm), so the preset has 26 layers (~398M params).
+- siglip-1b, siglip-6b: the DFLOP reference's scaled SigLIP towers (its `dflop/model.py` `sig_lip_configs`;
+  no checkpoint exists): "1b" = hidden 1728, 32 heads, MLP 6912, 27 layers (~0.97B params); "6b" = hidden
+  2304, 48 heads, MLP 8608, 40 layers (the reference's default encoder; ~2.44B params despite its name).
+  Both keep so400m's 384 px / patch 14 (729 tokens per tile) and LLaVA-OV projector. The reference's own
+  "400m" keeps all 27 layers; ours follows LLaVA-OV (26), a 4% smaller encoder.
 - internvit-300m: OpenGVLab/InternViT-300M-448px: 24 layers, hidden 1024, 16 heads, MLP 4096, qkv bias,
   448 px, patch 14 -> 1024 patches (+1 class token in the encoder), pixel shuffle 0.5 -> 256 tokens/tile.
 - internvit-6b: OpenGVLab/InternViT-6B-448px-V1-5 (InternVL 1.5/2): 45 layers (the 48-layer original minus
   its last 3 blocks, published as 5.54B params), hidden 3200, 25 heads, MLP 12800, RMSNorm, qk-norm,
   layer scale, no qkv bias.
+- internvit-1b: the reference's scaled InternViT ("1b" in `internvit_configs`; no checkpoint exists):
+  hidden 1792, 28 heads, MLP 7168, 28 layers, RMSNorm, qk-norm, no qkv bias (~1.08B params).
+- internvit-6b-dflop: the reference's own "6b" InternViT: 30 layers of hidden 3200 with 16 heads of 200
+  (~3.69B params), unlike the published 45-layer, 25-head tower above; kept so its figures can be compared.
 - LLMs: Qwen/Qwen2.5-{0.5B,7B,32B,72B} and meta-llama/Meta-Llama-3-{8B,70B} config.json values.
 - tiny: a small demo model (may be changed later to match configs/demo.yaml).
 """
@@ -150,9 +159,17 @@ VISION_PRESETS: dict[str, VisionArch] = {
     v.name: v
     for v in (
         VisionArch("siglip-so400m", 26, 1152, 16, 4304, 14, 384, 729),
+        VisionArch("siglip-1b", 27, 1728, 32, 6912, 14, 384, 729),
+        VisionArch("siglip-6b", 40, 2304, 48, 8608, 14, 384, 729),
         VisionArch("internvit-300m", 24, 1024, 16, 4096, 14, 448, 256, pixel_shuffle=True,
                    class_token=True, layer_scale=True),
         VisionArch("internvit-6b", 45, 3200, 25, 12800, 14, 448, 256, qk_norm=True,
+                   pixel_shuffle=True, qkv_bias=False, class_token=True, norm="rms_norm",
+                   layer_scale=True),
+        VisionArch("internvit-1b", 28, 1792, 28, 7168, 14, 448, 256, qk_norm=True,
+                   pixel_shuffle=True, qkv_bias=False, class_token=True, norm="rms_norm",
+                   layer_scale=True),
+        VisionArch("internvit-6b-dflop", 30, 3200, 16, 12800, 14, 448, 256, qk_norm=True,
                    pixel_shuffle=True, qkv_bias=False, class_token=True, norm="rms_norm",
                    layer_scale=True),
         VisionArch("tiny", 2, 64, 4, 128, 14, 56, 16),
@@ -262,3 +279,18 @@ def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
     llm = llm_arch_from_config(model_cfg, f"{name}-llm")
     vision = get_vision("tiny")
     return MLLMArch(name, vision, projector_for(vision, llm), llm)
+
+
+def pad_vision_heads(arch: MLLMArch, tp: int) -> MLLMArch:
+    """`arch` with its encoder's attention heads padded up to a multiple of `tp` (unchanged if they divide).
+
+    Megatron-LM requires heads divisible by tp, so NVLM trains InternViT-6B (25 heads) at tp 8 with 7
+    zero dummy heads (32 in all): the padded heads cost real weights, FLOPs and activations, which this
+    arch counts. The head width stays the original's; the projector is unaffected.
+    """
+    v = arch.vision
+    heads = -(-v.num_heads // tp) * tp
+    if heads == v.num_heads:
+        return arch
+    padded = dataclasses.replace(v, name=f"{v.name}-pad{heads}", num_heads=heads, head_dim=v.dh)
+    return dataclasses.replace(arch, vision=padded)

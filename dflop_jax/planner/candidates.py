@@ -3,7 +3,9 @@
 DFLOP search: LLM (tp, pp, dp) times either a separate encoder (tp, pp, dp) on its own devices or the
 encoder colocated on the first LLM stage, using between `num_devices - max_idle_devices` and
 `num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
-(it must suit both modules' heads), dp = devices / (tp x pp).
+(it must divide the LLM's heads; the encoder's heads are padded up to a multiple of it, Megatron's way,
+when `pad_heads`, else they must divide too), dp = devices / (tp x pp). Either search crosses its
+layouts with `PlannerConfig.remat` (remat on/off per candidate) when that is given.
 
 Rules: tp divides the module's attention heads (and KV heads) and is at most a host's devices; pp is at
 most the module's layers and layers are split into balanced contiguous ranges (sizes differ by <= 1);
@@ -26,18 +28,21 @@ class Candidate:
     layout: Layout
     microbatches: int
     num_buckets: int
+    remat: bool | None = None  # None: the cost provider's own setting
 
     @property
     def key(self) -> tuple:
-        """A stable, total order of candidates (the last tie-break)."""
+        """A stable, total order of candidates (the last tie-break; remat off before on)."""
         return (
             tuple((s.module, s.first_layer, s.num_layers, s.tp, s.dp) for s in self.layout.stages),
             self.microbatches,
             self.num_buckets,
+            -1 if self.remat is None else int(self.remat),
         )
 
     def describe(self) -> str:
-        return f"{describe_layout(self.layout)} | M={self.microbatches} buckets={self.num_buckets}"
+        remat = "" if self.remat is None else (" remat" if self.remat else " no-remat")
+        return f"{describe_layout(self.layout)} | M={self.microbatches} buckets={self.num_buckets}{remat}"
 
 
 def describe_layout(layout: Layout) -> str:
@@ -117,13 +122,19 @@ def enumerate_candidates(
     return _with_microbatches(layouts, config)
 
 
+def uniform_heads(arch, pad_heads: bool) -> tuple[int, ...]:
+    """The head counts the uniform tp must divide (the encoder's only when they cannot be padded)."""
+    lm = arch.llm
+    return (lm.num_heads, lm.num_kv_heads) + (() if pad_heads else (arch.vision.num_heads,))
+
+
 def enumerate_uniform(
-    arch, num_devices: int, devices_per_host: int, config: PlannerConfig
+    arch, num_devices: int, devices_per_host: int, config: PlannerConfig, pad_heads: bool = False
 ) -> list[Candidate]:
-    """The data-blind search space: encoder colocated, one tp for both modules, all devices in use, one
-    bucket size per module (its fixed maximum length)."""
-    v, lm = arch.vision, arch.llm
-    tps = valid_tp(config.tp, (lm.num_heads, lm.num_kv_heads, v.num_heads), devices_per_host)
+    """The data-blind search space: encoder colocated, one tp for both modules (encoder heads padded to
+    it with `pad_heads`), all devices in use, one bucket size per module (its fixed maximum length)."""
+    lm = arch.llm
+    tps = valid_tp(config.tp, uniform_heads(arch, pad_heads), devices_per_host)
     layouts = []
     for tp, pp, dp in _module_shapes(tps, config.llm_pp, lm.num_layers, num_devices):
         if tp * pp * dp >= num_devices - config.max_idle_devices:
@@ -136,10 +147,11 @@ def _with_microbatches(
 ) -> list[Candidate]:
     num_buckets = config.num_buckets if num_buckets is None else num_buckets
     out = [
-        Candidate(layout, m, nb)
+        Candidate(layout, m, nb, remat)
         for layout in layouts
         for m in sorted(config.microbatches)
         if m * layout.llm_dp <= config.global_batch
         for nb in sorted(num_buckets)
+        for remat in (config.remat or (None,))
     ]
     return sorted(out, key=lambda c: c.key)

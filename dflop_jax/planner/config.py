@@ -39,6 +39,8 @@ class PlannerConfig:
       global_batch: samples per global batch.
       max_idle_devices: candidates may leave at most this many of the requested devices unused.
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
+      remat: activation recomputation settings to search (e.g. (False, True): both, chosen per layout);
+        empty = the cost provider's own setting. Needs analytic costs (a measured table has one).
       screen_top: candidates that pass memory are first ranked by a mean-shape simulation; this many
         go on to the full expected-step-time scoring,
       screen_per_group: plus this many of each (microbatch count, colocated encoder or not) group.
@@ -62,6 +64,7 @@ class PlannerConfig:
     global_batch: int = 256
     max_idle_devices: int = 0
     colocate: bool = True
+    remat: tuple[bool, ...] = ()
     screen_top: int = 8
     screen_per_group: int = 2
     solver: Literal["greedy", "auto", "cpsat"] = "greedy"
@@ -86,6 +89,13 @@ class PlannerConfig:
             "planner.microbatch_slack",
             self.microbatch_slack,
             "must be >= 0",
+        )
+        require(
+            all(isinstance(r, bool) for r in self.remat)
+            and len(set(self.remat)) == len(self.remat),
+            "planner.remat",
+            self.remat,
+            "give distinct booleans, e.g. [false, true], or [] for the cost provider's setting",
         )
         require(self.length_align >= 1, "planner.length_align", self.length_align, "must be >= 1")
         require(

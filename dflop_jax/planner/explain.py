@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflop_jax.planner.candidates import valid_tp
+from dflop_jax.planner.candidates import uniform_heads, valid_tp
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.plan_file import Alternative
 
@@ -14,9 +14,11 @@ class PlanningError(ValueError):
     """An infeasible planning request; the message names the constraint and by how much."""
 
 
-def explain_no_candidates(arch, num_devices: int, device, config: PlannerConfig, mode: str) -> str:
-    v, lm = arch.vision, arch.llm
-    heads = (lm.num_heads, lm.num_kv_heads) + ((v.num_heads,) if mode == "uniform" else ())
+def explain_no_candidates(
+    arch, num_devices: int, device, config: PlannerConfig, mode: str, pad_heads: bool = False
+) -> str:
+    lm = arch.llm
+    heads = uniform_heads(arch, pad_heads) if mode == "uniform" else (lm.num_heads, lm.num_kv_heads)
     tps = valid_tp(config.tp, heads, device.devices_per_host)
     if not tps:
         return (

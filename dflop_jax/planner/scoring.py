@@ -202,7 +202,7 @@ def expected_step_time(
 def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> SchedulePolicy:
     """The online scheduler (`schedule_batch`) with a fixed solver and seed."""
     config = SchedulerConfig(solver=solver, time_limit_s=time_limit_s, correction="off", seed=seed)
-    return lambda batch, problem: schedule_batch(batch, problem, config, seed)
+    return lambda batch, problem: schedule_batch(batch, problem, config)
 
 
 def sample_batches(

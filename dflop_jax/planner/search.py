@@ -4,7 +4,7 @@
 
 Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
-   pipelined DFLOP candidates also come with a cost-balanced layer split (planner/balance.py);
+   pipelined candidates also come with a cost-balanced layer split of each module (planner/balance.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
    exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
 3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
@@ -16,8 +16,11 @@ Stages of the search (DESIGN section 7):
    stable key -- so the choice never depends on enumeration or dict order.
 
 Uniform mode (the data-blind baseline of DESIGN section 8): encoder colocated on the first LLM stage, one
-tp/pp/dp for the whole model, chosen with MEAN shapes through the data-blind scheduler, then evaluated
-on the K sampled batches with that same scheduler.
+tp/pp/dp for the whole model (encoder heads padded to the tp, Megatron's way, with analytic costs;
+planner/variants.py), chosen with MEAN shapes through the data-blind scheduler, then evaluated on the K
+sampled batches with that same scheduler. Both modes try an even and a cost-balanced LLM layer split
+(Megatron's `--decoder-first-pipeline-num-layers` for the baseline, balanced on its fixed max shapes)
+and, when `PlannerConfig.remat` lists both, remat on and off per candidate.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.planner.balance import balanced_llm_layout
+from dflop_jax.planner.balance import balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
 from dflop_jax.planner.config import PlannerConfig
@@ -55,6 +58,7 @@ from dflop_jax.planner.scoring import (
     sample_batches,
     stage_memory_bytes,
 )
+from dflop_jax.planner.variants import ProviderVariants, can_vary
 from dflop_jax.scheduler import BucketSet, SampleShape
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class Evaluated:
         float  # 1F1B surrogate of the same mean-shape step (cheap, computed for every candidate)
     )
     score: Score | None = None
+    provider: object = None  # the cost provider it was scored with (planner/variants.py)
 
     def rank_key(self, num_devices: int, step: float) -> tuple:
         c = self.cand
@@ -116,11 +121,18 @@ def make_plan(
     report = progress if progress is not None else (lambda *_: None)
     usable = device.memory_bytes * (1.0 - config.memory_margin)
 
-    enum = enumerate_uniform if mode == "uniform" else enumerate_candidates
-    cands = enum(arch, num_devices, device.devices_per_host, config)
+    if config.remat and not can_vary(provider):
+        raise PlanningError(
+            f"planner.remat={list(config.remat)} needs analytic costs; {provider.name} has one setting"
+        )
+    pad = mode == "uniform" and can_vary(provider)
+    if mode == "uniform":
+        cands = enumerate_uniform(arch, num_devices, device.devices_per_host, config, pad)
+    else:
+        cands = enumerate_candidates(arch, num_devices, device.devices_per_host, config)
     if not cands:
-        raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode))
-    evaluated = _screen_all(cands, shapes, config, provider, usable, mode == "dflop", report)
+        raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode, pad))
+    evaluated = _screen_all(cands, shapes, config, ProviderVariants(provider, pad), usable, report)
     fits = [e for e in evaluated if max(e.memory) <= usable]
     if not fits:
         raise PlanningError(explain_over_memory(evaluated, device, config))
@@ -145,6 +157,8 @@ def make_plan(
         "scored": sum(e.score is not None for e in ranked),
         "sampled_batches": config.samples,
         "solver": best.score.solver,
+        "remat": best.cand.remat,
+        "encoder_heads": best.provider.arch.vision.num_heads,
         "wall_time_s": round(time.perf_counter() - t0, 3),
     }
     log.info("plan: %s in %.1fs", best.cand.describe(), search["wall_time_s"])
@@ -152,7 +166,7 @@ def make_plan(
         model=arch.name,
         device=device.name,
         num_devices=num_devices,
-        cost_provider=str(provider.name),
+        cost_provider=str(best.provider.name),
         mode=mode,
         layout=best.cand.layout,
         buckets=best.buckets,
@@ -184,18 +198,19 @@ def _check_request(num_devices: int, shapes: list[SampleShape], mode: str) -> No
 
 
 def _screen_all(
-    cands, shapes, config: PlannerConfig, provider, usable: float, balance: bool, report
+    cands, shapes, config: PlannerConfig, variants: ProviderVariants, usable: float, report
 ) -> list[Evaluated]:
-    """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits); with
-    `balance`, pipelined candidates also get a cost-balanced layer split (planner/balance.py)."""
+    """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits);
+    pipelined candidates also get a cost-balanced layer split (planner/balance.py)."""
     stats = ShapeStats.of(shapes)
     costs_of: dict = {}
     out = []
     for i, cand in enumerate(cands):
+        provider = variants.get(cand.layout, cand.remat)
         out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
-        if balance and len(cand.layout.llm_stages) > 1:
+        if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
             t, s = mean_shape_buckets(cand, out[-1].buckets, stats, config)
-            layout = balanced_llm_layout(provider, cand.layout, out[-1].costs.stage(t, s), s)
+            layout = balanced_layout(provider, cand.layout, out[-1].costs.stage(t, s), t, s)
             if layout != cand.layout:
                 variant = dataclasses.replace(cand, layout=layout)
                 out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
@@ -207,15 +222,16 @@ def _screen_all(
 def _evaluate(
     cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict
 ) -> Evaluated:
-    if cand.layout not in costs_of:
-        costs_of[cand.layout] = LayoutCosts.build(provider, cand.layout)
-    costs = costs_of[cand.layout]
+    key = (cand.layout, provider.name)
+    if key not in costs_of:
+        costs_of[key] = LayoutCosts.build(provider, cand.layout)
+    costs = costs_of[key]
     buckets = candidate_buckets(cand, stats, config)
     memory = stage_memory_bytes(provider, cand, buckets, config)
     surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
     fits = max(memory) <= usable
     screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
-    return Evaluated(cand, buckets, costs, memory, screen, surrogate)
+    return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider)
 
 
 def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:

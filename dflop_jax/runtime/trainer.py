@@ -135,7 +135,7 @@ class _Trainer:
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         problem = plan.problem()
-        self.scheduler = Scheduler(problem, cfg.scheduler, seed=cfg.seed)
+        self.scheduler = Scheduler(problem, cfg.scheduler)
         self.measure_every = _measure_every(cfg, console)
         # Observations steer later schedules: no prefetch, so batch k sees exactly steps < k (exact resume).
         prefetch = 0 if self.measure_every and cfg.scheduler.correction != "off" else 2

@@ -5,7 +5,15 @@ per-step object the runtime owns (its `schedule(shapes, index)` is the loader's 
 adaptive cost correction and checkpointable state).
 """
 
-from dflop_jax.scheduler.baselines import data_blind_schedule, reference_like_schedule
+from dflop_jax.scheduler.baselines import (
+    BASELINES,
+    data_blind_schedule,
+    maxtext_packer_schedule,
+    reference_exact_schedule,
+    reference_like_schedule,
+    run_baselines,
+    strongest,
+)
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.correction import CostCorrection, Scheduler
 from dflop_jax.scheduler.objective import CostTable, surrogate_step_time
@@ -28,6 +36,7 @@ from dflop_jax.scheduler.workloads import (
 )
 
 __all__ = [
+    "BASELINES",
     "BucketSet",
     "CostCorrection",
     "CostTable",
@@ -42,10 +51,14 @@ __all__ = [
     "default_buckets",
     "llava_ov_mix",
     "load_shape_distribution",
+    "maxtext_packer_schedule",
     "omnibal_shapes",
+    "reference_exact_schedule",
     "reference_like_schedule",
+    "run_baselines",
     "sample_global_batch",
     "save_shape_distribution",
     "schedule_batch",
+    "strongest",
     "surrogate_step_time",
 ]

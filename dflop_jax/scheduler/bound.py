@@ -32,7 +32,6 @@ def aggregate_bound(
     tiles: np.ndarray,
     problem: ScheduleProblem,
     table: CostTable,
-    time_limit_s: float = 1.0,
     deterministic_limit: float = 0.05,
 ) -> tuple[float, list[tuple[int, int]] | None]:
     """(lower bound in seconds, target pairs [(ti, si)] * M or None), see the module docstring."""
@@ -75,9 +74,9 @@ def aggregate_bound(
             )
     model.minimize(sum(n[p] * wint[p] for p in range(len(pairs))) + (problem.num_stages - 1) * top)
     solver = cp_model.CpSolver()
-    # deterministic stop (same bound for the same batch under any load); wall clock as a backstop
+    # a deterministic stop only: a wall-clock limit firing on a loaded machine would change the bound
+    # and the packing target, hence the greedy's answer
     solver.parameters.max_deterministic_time = deterministic_limit
-    solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

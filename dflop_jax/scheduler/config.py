@@ -13,35 +13,38 @@ class SchedulerConfig:
     """Scheduler settings (DESIGN section 4).
 
     Attributes:
-      solver: "greedy" (milliseconds), "cpsat" / "auto" (greedy, then CP-SAT refinement seeded with the
-        greedy answer as hint and cap, within `time_limit_s`; any solver problem falls back to greedy),
-        or "data_blind": the data-blind baseline (`baselines.data_blind_schedule`: loader-order
-        microbatches at the largest buckets, the smallest allowed count), to measure what DFLOP's
-        schedule buys on the same layout (`python -m dflop_jax.bench train`).
-      time_limit_s: wall-clock budget of one `schedule_batch` call: the greedy always runs (milliseconds
-        to ~1 s at N=1024), CP-SAT (model building included) gets what is left of it.
-      num_workers: CP-SAT worker threads.
-      deterministic: CP-SAT runs interleaved (deterministic) search stopped by a deterministic-time
-        limit (half of `time_limit_s`). What is deterministic for a seed: the greedy and the lower bound
-        always; "cpsat"/"auto" answers as long as no wall-clock guard fires — the guards are the time
-        left after the greedy, the model-building deadline and CP-SAT's wall limit, and
-        `info["fallback"]` / `info["cpsat_wall_limited"]` say when one did (on a heavily loaded machine
-        the same batch can then come back with the greedy answer instead of a refined one).
-      max_cpsat_vars: above this many assignment variables (samples x bins) CP-SAT is skipped (the model
-        would not even be built within a step); the report says so.
+      solver: "greedy" (milliseconds), "cpsat" / "auto" (greedy, then a large-neighbourhood search that
+        re-packs a few microbatches at a time exactly with CP-SAT, `lns.py`; any solver problem falls
+        back to greedy), or "data_blind": the data-blind baseline (`baselines.data_blind_schedule`:
+        loader-order microbatches at the largest buckets, the smallest allowed count), to measure what
+        DFLOP's schedule buys on the same layout (`python -m dflop_jax.bench train`).
+      time_limit_s: wall-clock backstop of one `schedule_batch` call. It never changes a refined answer:
+        when it fires during the refinement, the deterministic greedy answer is returned and the report
+        says so (`info["wall_clock_cutoff"]`).
+      refine_rounds: most neighbourhoods re-packed per batch (deterministic budget).
+      refine_deterministic_time: most CP-SAT deterministic seconds per batch, all rounds together.
+      round_deterministic_time: CP-SAT deterministic seconds per round.
+      neighbourhood: microbatches re-packed together per round (fewer when the model would pass
+        `max_cpsat_vars`).
+      max_cpsat_vars: most assignment variables (samples x bins) of one round's CP-SAT model.
+      order_evaluations: most 1F1B simulations spent choosing the microbatch order (`order.py`).
       correction: "off", "on", or "auto" (on once the raw prediction MAPE exceeds `correction_threshold`
         after `correction_min_observations` observed microbatches).
       correction_rate: EMA rate of the per (stage, bucket pair) correction factors.
       correction_threshold: MAPE above which "auto" switches correction on.
       correction_min_observations: microbatch observations before "auto" decides.
-      seed: default seed (CP-SAT random seed, greedy tie-breaks).
+      seed: the seed of the refinement (neighbourhood draws, CP-SAT's random seed). The stateful
+        `Scheduler` solves batch k with `seed + k`; the greedy has no randomness.
     """
 
     solver: Literal["greedy", "cpsat", "auto", "data_blind"] = "auto"
     time_limit_s: float = 1.0
-    num_workers: int = 2
-    deterministic: bool = True
-    max_cpsat_vars: int = 40000
+    refine_rounds: int = 6
+    refine_deterministic_time: float = 0.12
+    round_deterministic_time: float = 0.02
+    neighbourhood: int = 2
+    max_cpsat_vars: int = 4000
+    order_evaluations: int = 200
     correction: Literal["off", "on", "auto"] = "auto"
     correction_rate: float = 0.2
     correction_threshold: float = 0.1
@@ -61,7 +64,25 @@ class SchedulerConfig:
             self.time_limit_s,
             "must be > 0 seconds",
         )
-        require(self.num_workers >= 1, "scheduler.num_workers", self.num_workers, "must be >= 1")
+        require(
+            self.refine_rounds >= 0, "scheduler.refine_rounds", self.refine_rounds, "must be >= 0"
+        )
+        require(
+            self.neighbourhood >= 2, "scheduler.neighbourhood", self.neighbourhood, "must be >= 2"
+        )
+        require(
+            self.order_evaluations >= 1,
+            "scheduler.order_evaluations",
+            self.order_evaluations,
+            "must be >= 1",
+        )
+        for key, value in (
+            ("refine_deterministic_time", self.refine_deterministic_time),
+            ("round_deterministic_time", self.round_deterministic_time),
+        ):
+            require(
+                value > 0, f"scheduler.{key}", value, "must be > 0 (CP-SAT deterministic seconds)"
+            )
         require(
             self.max_cpsat_vars >= 1,
             "scheduler.max_cpsat_vars",

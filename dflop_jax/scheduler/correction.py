@@ -18,6 +18,7 @@ prediction is taken before the observation updates the factors).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,8 +73,8 @@ def _mape(pred: np.ndarray, measured: np.ndarray) -> float:
 class Scheduler:
     """Schedules every global batch of a run; learns cost corrections from measured stage times."""
 
-    def __init__(self, problem: ScheduleProblem, config: SchedulerConfig, seed: int = 0):
-        self.problem, self.config, self.seed = problem, config, seed
+    def __init__(self, problem: ScheduleProblem, config: SchedulerConfig):
+        self.problem, self.config = problem, config
         self.correction = CostCorrection(problem, config.correction_rate)
         self.active = config.correction == "on"
         self.steps = 0
@@ -98,7 +99,7 @@ class Scheduler:
         )
 
     def schedule(self, shapes: Sequence[SampleShape], index: int | None = None) -> Schedule:
-        """Schedules global batch `index` (a `ScheduleFn`): seed = base seed + index, so a batch's
+        """Schedules global batch `index` (a `ScheduleFn`) with seed `config.seed + index`, so a batch's
         schedule depends neither on prefetching nor on a resume. None = the next batch (`steps`)."""
         if index is not None:
             self.steps = index
@@ -109,7 +110,8 @@ class Scheduler:
             if self._table is None:
                 self._table = CostTable.build(problem)
             table = self._table
-        out = schedule_batch(shapes, problem, self.config, seed=self.seed + self.steps, table=table)
+        config = dataclasses.replace(self.config, seed=self.config.seed + self.steps)
+        out = schedule_batch(shapes, problem, config, table=table)
         self.steps += 1
         out.info["correction_active"] = self.active
         return out

@@ -1,21 +1,36 @@
-"""schedule_batch: greedy, then time-boxed CP-SAT refinement, then the report (DESIGN section 4).
+"""schedule_batch: greedy, then large-neighbourhood search, then the stage-aware order and the report.
 
-Never blocks past `config.time_limit_s` (the greedy always runs; CP-SAT gets what is left) and never fails because of the
-solver: a timeout without a better answer, an infeasible or invalid model, or any exception inside the
-refinement leaves the greedy answer in place, with the reason in `info["fallback"]`.
+What is promised (DESIGN section 4):
+
+- Deterministic. For the same (batch, problem, config) the answer is a pure function of its inputs: the
+  greedy and the lower bound have no randomness and no clock, and the refinement (`lns.py`) is bounded
+  only by deterministic units (rounds and CP-SAT deterministic time, one worker, seeded by
+  `config.seed`). The machine's load changes how long it takes, never what it returns.
+- Bounded. The greedy always runs to completion (no clock inside; ~0.1 s CPU at N=256, ~0.6 s at
+  N=1024). The wall clock (`clock`, `config.time_limit_s`) is only a backstop on the refinement: when
+  it has passed between two rounds, the whole refinement is dropped and the greedy answer -- itself
+  deterministic -- is returned, with `info["wall_clock_cutoff"] = True` and the reason in
+  `info["fallback"]`. So under any load the answer is either the refined one or the greedy one, both
+  fixed by the inputs, and the report says which.
+- Never fails because of the solver: an infeasible/invalid CP-SAT model or any exception inside the
+  refinement keeps the greedy answer, with the reason in `info["fallback"]`.
+- No empty microbatch: with fewer samples than the smallest allowed count, the count shrinks to the
+  number of samples (`info["microbatches_below_range"]`); no microbatch ever computes only padding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from dflop_jax.scheduler.baselines import data_blind_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.greedy import balance_shards, greedy_schedule
+from dflop_jax.scheduler.greedy import balance_shards, ensure_nonempty, greedy_schedule
+from dflop_jax.scheduler.lns import Aborted, LnsBudget, lns
 from dflop_jax.scheduler.objective import (
     CostTable,
     check_fits,
@@ -24,7 +39,9 @@ from dflop_jax.scheduler.objective import (
     padding_ratios,
     to_plans,
 )
+from dflop_jax.scheduler.order import makespan_lower_bound, order_microbatches
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.sim.pipeline import simulate
 
 log = logging.getLogger(__name__)
 
@@ -33,78 +50,99 @@ def schedule_batch(
     shapes: Sequence[SampleShape],
     problem: ScheduleProblem,
     config: SchedulerConfig,
-    seed: int = 0,
+    *,
     table: CostTable | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Schedule:
     """Packs one global batch into microbatches and LLM shards with per-microbatch buckets.
 
     Args:
       shapes: the global batch's N samples (indices into this list appear in the answer).
       problem: dp sizes, stage count, allowed microbatch counts, buckets, stage costs.
-      config: solver choice and limits.
-      seed: CP-SAT random seed (the greedy is deterministic).
+      config: solver choice, deterministic budget, wall-clock backstop, seed.
       table: a precomputed `CostTable.build(problem)` (the stateful Scheduler caches it).
+      clock: the wall clock of the backstop and of `time_s` (tests inject a slow one).
     Returns:
-      Schedule with the 1F1B-surrogate objective (seconds), a valid lower bound and a report in `info`.
+      Schedule: microbatches in the order that minimises the simulated 1F1B step, the surrogate
+      objective of their static buckets (what the runtime pays), a valid lower bound on it, and the
+      report in `info` (greedy objective, refinement rounds, fallback; the simulated 1F1B makespan in
+      the chosen order and in solve order, and a lower bound on it for these microbatches).
     Raises:
-      ValueError: a sample no bucket can hold (named), or bad problem sizes.
+      ValueError: an empty batch, a sample no bucket can hold (named), or bad problem sizes.
     """
-    if config.solver == "data_blind":
-        _check_problem(problem)
-        return data_blind_schedule(shapes, problem, problem.microbatches[0])
-    t0 = time.perf_counter()
-    shapes = list(shapes)
     _check_problem(problem)
+    shapes = list(shapes)
+    if not shapes:
+        raise ValueError("schedule_batch got an empty batch: need at least one sample")
+    if config.solver == "data_blind":
+        return data_blind_schedule(shapes, problem, problem.microbatches[0])
+    t0 = clock()
     check_fits(shapes, problem)
+    lo, hi = problem.microbatches
+    n = len(shapes)
+    eff = dataclasses.replace(problem, microbatches=(min(lo, n), min(hi, n)))
     table = table if table is not None else CostTable.build(problem)
     tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
     tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
-    if not shapes:
-        raise ValueError("schedule_batch got an empty batch: need at least one sample")
 
-    bin_of, m, greedy_obj, lb = greedy_schedule(tokens, tiles, problem, table)
-    info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": time.perf_counter() - t0}
+    bin_of, m, _, lb = greedy_schedule(tokens, tiles, eff, table)
+    bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, eff.microbatches[0])
+    greedy_obj = evaluate(bin_of, m, tokens, tiles, eff, table)[0]
+    info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": clock() - t0}
+    if n < lo:
+        info["microbatches_below_range"] = f"{n} samples < {lo} microbatches: one sample each"
     solver = "greedy"
-    remaining = config.time_limit_s - (time.perf_counter() - t0)
-    if config.solver in ("cpsat", "auto") and greedy_obj <= lb * (1 + 1e-4):
-        info["fallback"] = "cpsat skipped: the greedy reached the lower bound"
-    elif config.solver in ("cpsat", "auto") and remaining < 0.05:
-        info["fallback"] = (
-            f"cpsat skipped: the greedy used {config.time_limit_s - remaining:.3f}s of the time limit"
-        )
-    elif config.solver in ("cpsat", "auto"):
-        bin_of, solver = _refine(
-            bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, remaining, info
-        )
-
+    if config.solver in ("cpsat", "auto"):
+        bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
+                                 lambda: clock() - t0 > config.time_limit_s, info)  # fmt: skip
     bin_of = balance_shards(bin_of, m, tokens, problem.llm_dp)
-    obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
+    obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
+    stage = table.stage[ti, si]  # [M, P, 2]
+    order, makespan = order_microbatches(stage, config.order_evaluations)
     plans = to_plans(bin_of, m, ti, si, problem, table)
+    plans = tuple(plans[k] for k in order)
     info.update(padding_ratios(plans, tokens, tiles, problem))
     info.update(load_balance(bin_of, m, tokens, tiles, problem.llm_dp))
-    info["microbatches"] = m
-    return Schedule(plans, obj, lb, solver, time.perf_counter() - t0, info)
+    info.update(
+        microbatches=m,
+        simulated_makespan_s=makespan,
+        solve_order_makespan_s=simulate(stage).step_time,
+        makespan_lower_bound_s=makespan_lower_bound(stage),
+    )
+    return Schedule(plans, obj, lb, solver, clock() - t0, info)
 
 
-def _refine(bin_of, m, greedy_obj, tokens, tiles, problem, table, config, seed, budget, info):
-    """CP-SAT refinement; returns (bin_of, solver name). Falls back to the greedy on any problem."""
-    from dflop_jax.scheduler.cpsat import refine_cpsat
-
+def _refine(bin_of, m, greedy_obj, lb, tokens, tiles, problem, table, config, stop, info):
+    """LNS refinement; returns (bin_of, solver name). Falls back to the greedy on any problem."""
+    if greedy_obj <= lb * (1 + 1e-4):
+        info["fallback"] = "refinement skipped: the greedy reached the lower bound"
+        return bin_of, "greedy"
+    budget = LnsBudget(
+        config.refine_rounds,
+        config.refine_deterministic_time,
+        config.round_deterministic_time,
+        config.neighbourhood,
+        config.max_cpsat_vars,
+    )
     try:
-        res = refine_cpsat(bin_of, m, tokens, tiles, problem, table, config, seed, budget)
-        info.update(res.info)
-        if res.bin_of is None:
-            info["fallback"] = res.reason
-            return bin_of, "greedy"
-        obj = evaluate(res.bin_of, m, tokens, tiles, problem, table)[0]
+        new, report = lns(bin_of, m, tokens, tiles, problem, table, budget, config.seed, lb, stop)
+    except Aborted:
+        info["wall_clock_cutoff"] = True
+        info["fallback"] = (
+            f"wall-clock cut-off ({config.time_limit_s}s) fired during the refinement: "
+            "the deterministic greedy answer is returned"
+        )
+        return bin_of, "greedy"
     except Exception as e:  # the step must never fail because of the solver
-        log.warning("CP-SAT refinement failed, keeping greedy: %r", e)
+        log.warning("refinement failed, keeping greedy: %r", e)
         info["fallback"] = f"exception: {e!r}"
         return bin_of, "greedy"
-    info["cpsat_objective"] = obj
+    info.update(report)
+    obj = evaluate(new, m, tokens, tiles, problem, table)[0]
+    info["refined_objective"] = obj
     if obj < greedy_obj - 1e-12:
-        return res.bin_of, "cpsat"
-    info["fallback"] = "cpsat found nothing better than greedy"
+        return new, "lns"
+    info["fallback"] = "refinement found nothing better than greedy"
     return bin_of, "greedy"
 
 
@@ -114,5 +152,6 @@ def _check_problem(problem: ScheduleProblem) -> None:
         raise ValueError(f"problem.microbatches={problem.microbatches}: need 1 <= min <= max")
     if problem.encoder_dp < 1 or problem.llm_dp < 1 or problem.num_stages < 1:
         raise ValueError(
-            f"encoder_dp={problem.encoder_dp}, llm_dp={problem.llm_dp}, num_stages={problem.num_stages}: all must be >= 1"
+            f"encoder_dp={problem.encoder_dp}, llm_dp={problem.llm_dp}, "
+            f"num_stages={problem.num_stages}: all must be >= 1"
         )
