@@ -34,7 +34,7 @@ ALLOWED = {
     "costs": {"config", "contracts"},
     "sim": {"config", "contracts"},
     "data": {"config", "contracts"},
-    "scheduler": {"config", "contracts", "costs"},
+    "scheduler": {"config", "contracts", "costs", "sim"},
     "planner": {"config", "contracts", "costs", "scheduler", "sim"},
     "runtime": {"config", "contracts", "costs", "data", "scheduler", "planner"},
     "profiling": {"config", "contracts", "costs", "data", "planner", "runtime", "host_devices"},
