@@ -51,8 +51,15 @@ class DecoderConfig:
     loss_chunk: int = 1024
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
-        for name in (*positive, "loss_chunk"):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "loss_chunk",
+        )
+        for name in positive:
             value = getattr(self, name)
             _check(value > 0, f"DecoderConfig.{name}={value} must be > 0")
         _check(
