@@ -26,7 +26,6 @@ from flax import nnx
 
 from models.decoder import DecoderStage
 from models.layers import extract_layer_range, make_param
-from models.loss import cross_entropy_sum
 from models.placement import flatten_tiles, place_features
 from models.projector import MlpProjector, pixel_shuffle, pool_tiles
 from models.vit import VisionStage
@@ -144,8 +143,8 @@ class LLMStage(nnx.Module):
     def loss(
         self, h: jax.Array, targets: jax.Array, loss_mask: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """(summed cross-entropy, loss-token count) of the head stage's output."""
-        return cross_entropy_sum(self.logits(h), targets, loss_mask)
+        """(summed cross-entropy, loss-token count) of the head stage's output, chunked: no full logits."""
+        return self.decoder.loss(h, targets, loss_mask)
 
 
 class MLLM(nnx.Module):

@@ -4,12 +4,13 @@ the math: the loss is normalized over the global batch)."""
 
 import json
 
+import pytest
 from models_fixtures import TINY_TRAIN_DECODER
 
 from dflop_jax.bench import train as bench_train
 
 
-def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path):
+def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path, capsys):
     overrides = [
         "model.kind=decoder",
         "layout.encoder_layers=[]",
@@ -36,7 +37,25 @@ def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path):
     assert dflop["steps"] == blind["steps"] == 3
     assert blind["llm_padding_ratio_mean"] > dflop["llm_padding_ratio_mean"]
     assert report["max_loss_diff"] < 1e-4 * max(dflop["losses"])
-    assert report["speedup_all_steps"] > 0
+    rows = {
+        arm: [
+            json.loads(r)
+            for r in (tmp_path / "ab" / arm / "metrics.jsonl").read_text().splitlines()
+        ]
+        for arm in ("dflop", "data_blind")
+    }
+    # The same global batches: per step the same samples, real tokens and loss tokens in both arms.
+    for a, b in zip(rows["dflop"], rows["data_blind"], strict=True):
+        assert a["loss_tokens"] == b["loss_tokens"]
+        for rate in ("samples_per_s", "tokens_per_s"):
+            assert a[rate] * a["step_time_s"] == pytest.approx(b[rate] * b["step_time_s"], rel=1e-9)
+    # Equal tokens, so the all-steps throughput ratio is the inverse ratio of the total step times.
+    total = {arm: sum(r["step_time_s"] for r in arm_rows) for arm, arm_rows in rows.items()}
+    assert report["speedup_all_steps"] == pytest.approx(total["data_blind"] / total["dflop"])
+    bench_train._print(report)
+    printed = capsys.readouterr().out
+    assert f"{report['speedup_all_steps']:.2f}x over all steps" in printed
+    assert f"| {blind['llm_padding_ratio_mean']:.1%} |" in printed
     saved = json.loads((tmp_path / "ab" / "bench_train.json").read_text())
     assert saved["data_blind"]["losses"] == blind["losses"]
     # the second arm trained with the first arm's layout, not a new plan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -97,9 +98,28 @@ def test_one_epoch_covers_every_record_once_in_bucket_shapes():
         want = sum((records[i]["text"] + records[i]["tiles"] * TPT - 1) // 2 for i in batch_ids(gb))
         # FakeProcessor marks even positions as assistant; loss is on targets = positions 1..L-1.
         assert gb.num_loss_tokens == want
-        assert gb.stats.scheduler_latency_s >= 0 and gb.stats.data_wait_s >= 0
         assert 0 <= gb.stats.llm_padding_ratio < 1
     assert loader.stats()["batches"] == 4 and loader.stats()["samples"] == 32
+
+
+def test_stats_time_the_schedule_function_and_the_consumer_wait():
+    """A schedule function that takes >= 20 ms: its latency covers it, and without prefetch the batch is
+    scheduled inside `next()`, so the consumer's data wait covers the latency; the run's means are
+    the per-batch means."""
+    first_fit = FirstFit(fake_problem())
+
+    def slow(shapes, index):
+        time.sleep(0.02)
+        return first_fit(shapes, index)
+
+    with make(fake_records(16), epochs=1, prefetch=0, scheduler=slow) as loader:
+        stats = [gb.stats for gb in loader]
+        totals = loader.stats()
+    assert len(stats) == 2
+    for st in stats:
+        assert st.data_wait_s >= st.scheduler_latency_s >= 0.02
+    for key in ("scheduler_latency_s", "data_wait_s"):
+        assert totals[f"{key}_mean"] == pytest.approx(np.mean([getattr(st, key) for st in stats]))
 
 
 def test_every_epoch_is_a_new_permutation():

@@ -85,7 +85,7 @@ def test_real_processor_and_scheduler_on_synth(synth):
         assert gb.num_loss_tokens == sum(
             int(proc.process(by_id[i]).assistant_mask[1:].sum()) for i in gb.stats.sample_ids
         )
-    assert 0 < stats["llm_padding_ratio"] < 1 and stats["scheduler_latency_s_mean"] > 0
+    assert 0 < stats["llm_padding_ratio"] < 1
 
 
 def test_real_resume_is_exact(synth):

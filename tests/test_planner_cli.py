@@ -10,6 +10,7 @@ from dflop_jax import plan as plan_cli
 from dflop_jax import simulate as simulate_cli
 from dflop_jax.config import load_config
 from dflop_jax.planner import PlannerConfig, load_plan, make_plan, save_plan
+from dflop_jax.planner.replay import read_samples_jsonl, replay
 from dflop_jax.planner.run_config import PlanRunConfig
 from dflop_jax.scheduler import llava_ov_mix
 
@@ -81,7 +82,11 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
         == 0
     )
     rep = json.loads(capsys.readouterr().out)
-    assert rep["batches"][0]["samples"] == 8 and rep["step_time_mean_s"] > 0
+    assert rep["batches"][0]["samples"] == 8
+    # The CLI's default scheduler for a searched plan is greedy: the library replay of the same batch.
+    assert tiny_plan.mode != "uniform"
+    ref = replay(tiny_plan, [read_samples_jsonl(samples)], "greedy", "1f1b")
+    assert rep["step_time_mean_s"] == ref["step_time_mean_s"] == ref["batches"][0]["step_time_s"]
     assert 0 <= rep["idle_fraction_mean"] < 1 and png.read_bytes()[:4] == b"\x89PNG"
     args = [
         "--plan",

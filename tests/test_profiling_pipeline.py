@@ -3,14 +3,16 @@ cost sources are written; the `profile model` CLI runs a tiny grid. The model pr
 a counting fake that writes a synthetic table (the real one is tested in test_profiling_engine.py)."""
 
 import dataclasses
+import itertools
 import json
+import types
 
 import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner import PlannerConfig
-from dflop_jax.profiling import model_profiler
+from dflop_jax.profiling import model_profiler, pipeline
 from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
 
@@ -38,12 +40,15 @@ def _fake_profiler(calls):
 def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
+    # The pipeline's clock advances 1 s per read: a step that runs records exactly 1 s, a reused one 0.
+    ticks = itertools.count()
+    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     cfg = AutoPlanConfig(data_source="llava-ov", data_samples=200, planner=PLANNER,
                          profile=ProfileSettings(tps=(1,), llm_buckets=(64, 512)))  # fmt: skip
     plan = ensure_plan(cfg, CFG, tmp_path, name="tiny")
     assert len(calls) == 1 and plan.layout.num_devices <= 8
     timings = json.loads((tmp_path / "timings.json").read_text())
-    assert timings["model profile"] >= 0 and timings["plan"] > 0
+    assert timings == {"model profile": 1.0, "plan": 1.0}
     sources = json.loads((tmp_path / "cost_sources.json").read_text())
     from_table = {k: v for k, v in sources["llm_layers"].items() if k != "fallback"}
     assert sum(from_table.values()) > 0  # the fake table's llm layers at tp 1
@@ -61,11 +66,18 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
         cfg, changed, tmp_path, name="tiny"
     )  # stale model profile -> profiled and re-planned
     assert len(calls) == 2 and calls[-1] is changed
-    assert json.loads((tmp_path / "timings.json").read_text())["plan"] > 0
+    assert json.loads((tmp_path / "timings.json").read_text()) == {
+        "model profile": 1.0,
+        "plan": 1.0,
+    }
 
     other = dataclasses.replace(cfg, planner=dataclasses.replace(PLANNER, microbatches=(2,)))
     ensure_plan(other, changed, tmp_path, name="tiny")  # only the plan is stale
     assert len(calls) == 2
+    assert json.loads((tmp_path / "timings.json").read_text()) == {
+        "model profile": 0.0,
+        "plan": 1.0,
+    }
 
 
 def test_missing_shape_file_is_a_clear_error(tmp_path):

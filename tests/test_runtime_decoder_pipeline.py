@@ -1,4 +1,5 @@
-"""Real decoder (models.decoder) pipelined over 3 LLM stages == single-device jax.grad reference."""
+"""Real decoder (models.decoder) pipelined over 3 LLM stages == single-device jax.grad reference, in 1F1B and
+GPipe order (the order changes when each microbatch runs, never the summed gradients)."""
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,7 @@ def _leaf(tree, names):
     raise KeyError(names)
 
 
-@pytest.mark.parametrize("order, tie", [("1f1b", False), ("1f1b", True)])
+@pytest.mark.parametrize("order, tie", [("1f1b", False), ("1f1b", True), ("gpipe", True)])
 def test_decoder_pipeline_matches_reference(order, tie):
     """tie=True: the embedding is also the head (Qwen2.5-0.5B style), held by stages 0 and 2."""
     cfg = tiny_decoder_config(num_layers=3, dtype="float32", tie_embeddings=tie)

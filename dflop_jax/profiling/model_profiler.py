@@ -3,8 +3,9 @@
     python -m dflop_jax.profile model --config configs/profile_tiny_cpu.yaml [key=value ...]
 
 For every stage part (`profiling/table.py` STAGE_KINDS), candidate tp (dividing the module's heads and
-KV heads, within the devices) and bucket: build the part's programs (`profiling/programs.py`; layer
-parts with 1 and 2 layers), lower and compile them from abstract sharded inputs, record
+KV heads, within the devices) and bucket: take the runtime's programs of the part
+(`profiling/programs.py`; layer parts with 1 and 2 layers), lower and compile them from abstract
+sharded inputs, record
 `cost_analysis()` and `memory_analysis()`, skip what is over the device memory, then time the forward
 and backward programs on the real devices (warm-up, median of `runs`). Writes the cost table after
 every entry (so an interrupted run resumes: entries of a table with the same config hash and code
@@ -38,7 +39,16 @@ from dflop_jax.profiling.table import (
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
-CODE_PACKAGES = ("models", "dflop_jax/profiling")
+# Directories and files whose code a table measures: the models, the profiler, and the runtime's stage
+# program builder (with the rules and the packing that shape its inputs).
+CODE_PACKAGES = (
+    "models",
+    "dflop_jax/profiling",
+    "dflop_jax/runtime/stages.py",
+    "dflop_jax/runtime/model_stages.py",
+    "dflop_jax/runtime/sharding.py",
+    "dflop_jax/data/packing.py",
+)
 
 
 def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
@@ -106,7 +116,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     with jax.set_mesh(prog.mesh):
         fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
         bwd_c = prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.gy_abs, prog.params_abs
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
         ).compile()
     mem_f, mem_b = _memory(fwd_c), _memory(bwd_c)
     (flops_f, bytes_f), (flops_b, bytes_b) = _cost(fwd_c), _cost(bwd_c)
@@ -122,12 +132,12 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
         return dict(stats, status="skipped", reason=reason)
     rng = np.random.default_rng(seed)
     params = prog.make_params(rng)
-    x, side, gy = prog.make_inputs(rng)
+    x, side, seed = prog.make_inputs(rng)
     zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)  # noqa: E731
     gacc = [jax.tree.map(zeros, prog.params_abs)]
 
     def backward():
-        out = bwd_c(params, x, side, gy, gacc[0])
+        out = bwd_c(params, x, side, seed, gacc[0])
         gacc[0] = out[-1]  # donated: feed the accumulator back
         return out
 

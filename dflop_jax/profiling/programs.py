@@ -1,17 +1,21 @@
-"""The programs the model profiler compiles and times: one part of a stage (STAGE_KINDS) at one shape.
+"""The programs the model profiler compiles and times: the runtime's own stage programs, one part at a time.
 
-Built from the real stage modules of `models/mllm.py` (`EncoderStage`, `LLMStage`) on a ("data", "model")
-= (1, tp) mesh with the runtime's logical->mesh rules (`runtime/sharding.py`). The runtime's
-`StageProgram` (runtime/stages.py) is not reused directly because its jits are private and it has no
-encoder adapter yet; these programs follow its design exactly: params cast to the compute dtype inside
-the program; forward = the stage function; backward = re-run the forward under `jax.vjp` from the saved
-input and add dL/dparams into a donated fp32 accumulator; the head part fuses forward + loss + backward
-(`jax.value_and_grad`) like the runtime's last stage.
+A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtime `StageSpec` on a
+("data", "model") = (1, tp) mesh. Its programs come from the runtime's one builder
+(`runtime.model_stages.abstract_stage` -> `runtime.stages.stage_jits`), so what is timed is what trains:
+  forward:  `StageJits.forward` (on the LLM head part: forward + loss, without gradients)
+  backward: `StageJits.backward` (recompute the forward under `jax.vjp`, add dL/dparams into a donated
+            fp32 accumulator), or on the LLM head part `StageJits.last` (forward + loss + backward fused,
+            as the last pipeline stage trains).
+This file only supplies the inputs: abstract ones to compile from and random real ones to time with,
+shaped and typed as the data layer packs a microbatch (`data.packing.pack_microbatch`, fields chosen by
+`StageFns.fields` as the runtime places them) and as the previous stage hands over its output.
 
 Shapes per dp shard (bucket b): encoder kinds take T = b tiles (pixels [T,H,W,3] for the embedding,
 hidden [T,N,Dv] otherwise); LLM kinds take one packed row of S = b tokens ([1,S] ids, [1,S,D] hidden).
 The LLM embedding part places image features of F = max(1, S // (2 tokens_per_tile)) tiles (half the
-row as image tokens, a typical mix).
+row as image tokens, a typical mix), through the exact feature taps when the model family packs them
+(LLaVA-OV, as `data.loader.pack_taps` does).
 """
 
 from __future__ import annotations
@@ -23,23 +27,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.runtime.sharding import rules_for, state_shardings
+from dflop_jax.contracts import MicrobatchPlan
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.data.packing import pack_microbatch
+from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
+from dflop_jax.runtime.model_stages import abstract_stage
+from dflop_jax.runtime.stages import stage_jits
 
 
 @dataclasses.dataclass(frozen=True)
 class PartProgram:
-    """A compiled-and-runnable profiling program pair for one (kind, tp, bucket, layers).
+    """The runtime's programs of one part (or stage) at one shape, with inputs to compile and time.
 
     Attributes:
       mesh: the (1, tp) mesh the programs run on.
-      fwd, bwd: jitted functions; fwd(params, x, side); bwd(params, x, side, gy, gacc) (gy unused by
-        the head part, whose bwd is forward + loss + backward).
-      params_abs, x_abs, side_abs, gy_abs: abstract (ShapeDtypeStruct with sharding) arguments.
-      make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, gy) real arrays.
+      fwd: fwd(params, x, side); bwd: bwd(params, x, side, seed, gacc) with `gacc` donated.
+      params_abs, x_abs, side_abs, seed_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
+        is None when the part takes no activation (the encoder embedding reads its tiles from side);
+        seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head.
+      make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
     """
 
     mesh: Mesh
@@ -48,7 +57,7 @@ class PartProgram:
     params_abs: Any
     x_abs: Any
     side_abs: dict
-    gy_abs: Any
+    seed_abs: Any
     make_params: Callable[[np.random.Generator], Any]
     make_inputs: Callable[[np.random.Generator], tuple]
 
@@ -57,12 +66,6 @@ def profile_mesh(devices, tp: int) -> Mesh:
     """A (1, tp) Auto-axis ("data", "model") mesh on the first tp devices."""
     grid = np.array(list(devices)[:tp], dtype=object).reshape(1, tp)
     return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def _cast(tree, dtype):
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,11 @@ class StageShape:
     has_embedding: bool = False
     has_head: bool = False
 
+    def spec(self, tp: int) -> StageSpec:
+        """The runtime stage of this shape (first layer 0, one data-parallel replica)."""
+        return StageSpec(self.module, 0, self.layers, tp=tp, dp=1,
+                         has_embedding=self.has_embedding, has_head=self.has_head)  # fmt: skip
+
 
 def part_shape(kind: str, layers: int) -> StageShape:
     module, part = kind.split("_", 1)
@@ -86,70 +94,55 @@ def part_shape(kind: str, layers: int) -> StageShape:
     )
 
 
-def _shapes(model_cfg, st: StageShape, bucket: int) -> tuple[Any, dict]:
-    """(x, side) as (shape, dtype) specs of a program at a bucket."""
+def _feature_tiles(model_cfg, bucket: int) -> int:
+    return max(1, bucket // (2 * model_cfg.tokens_per_tile))
+
+
+def _microbatch(model_cfg, st: StageShape, bucket: int) -> dict[str, np.ndarray]:
+    """An all-padding microbatch of the part's bucket, packed by the data layer (its shapes, dtypes)."""
+    from models.internvl import InternVLConfig
+
+    v = model_cfg.vision
+    enc = st.module == "encoder"
+    plan = MicrobatchPlan(bucket if enc else _feature_tiles(model_cfg, bucket), 1 if enc else bucket,
+                          ((),))  # fmt: skip
+    taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
+    mb, _ = pack_microbatch(plan, [], [], encoder_dp=1, llm_dp=1,
+                            tile_shape=(v.image_size, v.image_size, v.num_channels),
+                            tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps)  # fmt: skip
+    return dataclasses.asdict(mb)
+
+
+def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
+    """Random pixels and tokens, one sample per row, the second half of the row image features."""
+    vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
+    n_features = batch["tiles"].shape[0] * model_cfg.tokens_per_tile
+    batch["tiles"][...] = rng.standard_normal(batch["tiles"].shape)
+    batch["tokens"][...] = rng.integers(0, vocab, (rows, length))
+    batch["targets"][...] = rng.integers(0, vocab, (rows, length))
+    batch["segment_ids"][...] = 1
+    batch["positions"][...] = np.arange(length)
+    batch["loss_mask"][...] = 1
+    n = min(length // 2, n_features)
+    batch["feature_index"][...] = TEXT
+    batch["feature_index"][:, length - n :] = np.arange(n)
+    if batch["feature_taps"] is not None:
+        k = batch["feature_taps"].shape[-1]
+        taps, weights = plain_taps(batch["feature_index"].reshape(-1), k)
+        batch["feature_taps"][...] = taps.reshape(rows, length, k)
+        batch["feature_weight"][...] = weights.reshape(rows, length, k)
+
+
+def _x_shape(model_cfg, st: StageShape, bucket: int) -> tuple[tuple[int, ...], Any] | None:
+    """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first)."""
     v, t = model_cfg.vision, model_cfg.text
     if st.module == "encoder":
-        if st.has_embedding:
-            return ((bucket, v.image_size, v.image_size, v.num_channels), jnp.float32), {}
-        return ((bucket, v.seq_len, v.hidden_size), jnp.float32), {}
-    row = (1, bucket)
-    side = {}
-    if st.has_embedding:
-        tiles = max(1, bucket // (2 * model_cfg.tokens_per_tile))
-        x = ((tiles, model_cfg.tokens_per_tile, t.hidden_size), jnp.float32)
-        side.update(tokens=(row, jnp.int32), feature_index=(row, jnp.int32))
-    else:
-        x = ((1, bucket, t.hidden_size), jnp.float32)
-    if st.layers:
-        side.update(segment_ids=(row, jnp.int32), positions=(row, jnp.int32))
-    if st.has_head:
-        side.update(targets=(row, jnp.int32), loss_mask=(row, jnp.int32))
-    return x, side
-
-
-def _module(model_cfg, st: StageShape):
-    """(factory of the stage module, rules kind, apply(module, x, side) -> y or (loss_sum, count))."""
-    from models.mllm import EncoderStage, LLMStage
-
-    enc = st.module == "encoder"
-    flags = dict(first_layer=0, num_layers=st.layers, has_embedding=st.has_embedding,
-                 has_head=st.has_head)  # fmt: skip
-    cls = EncoderStage if enc else LLMStage
-
-    def factory():
-        return cls(model_cfg, **flags, rngs=nnx.Rngs(0))
-
-    def apply(m, x, side):
-        if enc:
-            return m(x)
-        h = m.embed(side["tokens"], x, side["feature_index"]) if st.has_embedding else x
-        if st.layers:
-            h = m(h, side["segment_ids"], side["positions"])
-        return m.loss(h, side["targets"], side["loss_mask"]) if st.has_head else h
-
-    return factory, "vision" if enc else "decoder", apply
-
-
-def _real_inputs(
-    model_cfg, st: StageShape, bucket: int, rng: np.random.Generator
-) -> tuple[Any, dict]:
-    (xs, xd), side_specs = _shapes(model_cfg, st, bucket)
-    x = rng.standard_normal(xs).astype(np.float32)
-    side = {}
-    for name, (shape, _) in side_specs.items():
-        if name == "tokens" or name == "targets":
-            side[name] = rng.integers(0, model_cfg.text.vocab_size, shape, dtype=np.int32)
-        elif name == "feature_index":  # first half text, second half the image features in order
-            index = np.full(shape, -1, np.int32)
-            n = min(shape[1] // 2, xs[0] * xs[1])
-            index[:, shape[1] - n :] = np.arange(n, dtype=np.int32)
-            side[name] = index
-        elif name == "positions":
-            side[name] = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
-        else:  # segment_ids, loss_mask
-            side[name] = np.ones(shape, np.int32)
-    return x, side
+        hidden = (bucket, v.seq_len, v.hidden_size)
+        return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))
+    if st.has_embedding:  # the projector's features, computed in the vision dtype
+        features = (_feature_tiles(model_cfg, bucket), model_cfg.tokens_per_tile, t.hidden_size)
+        return features, jnp.dtype(v.dtype)
+    return (1, bucket, t.hidden_size), jnp.dtype(t.dtype)
 
 
 def build_part(
@@ -162,85 +155,55 @@ def build_part(
 def build_program(
     model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype
 ) -> PartProgram:
-    """The forward / backward programs of `st` on a (1, tp) mesh at `bucket`. Nothing is compiled."""
+    """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket`, with inputs.
+    Nothing is compiled."""
     mesh = profile_mesh(devices, tp)
-    factory, rules_kind, apply = _module(model_cfg, st)
-    overrides = {"kv_heads": None} if model_cfg.text.num_kv_heads % tp else None
-    rules = rules_for(rules_kind, overrides if rules_kind == "decoder" else None)
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        graphdef, abs_state = nnx.split(nnx.eval_shape(factory))
-    shardings = state_shardings(abs_state, mesh, rules)
-    params_abs = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings
-    )
-    data = NamedSharding(mesh, P("data"))
-    scalar = NamedSharding(mesh, P())
-    (xs, xd), side_specs = _shapes(model_cfg, st, bucket)
-    x_abs = jax.ShapeDtypeStruct(xs, xd, sharding=data)
-    side_abs = {k: jax.ShapeDtypeStruct(s, d, sharding=data) for k, (s, d) in side_specs.items()}
-    head = st.module == "llm" and st.has_head  # the loss; an encoder head is the projector
-    diff_x = not (st.module == "encoder" and st.has_embedding)  # pixels need no gradient
-
-    def run(params, x, side):
-        with nnx.logical_axis_rules(rules):
-            m = nnx.merge(graphdef, _cast(params, compute_dtype))
-            return apply(m, x.astype(compute_dtype), side)
-
-    def fwd(params, x, side):
-        return run(params, x, side)
-
-    def bwd(params, x, side, gy, gacc):
-        if head:
-
-            def objective(p, x_):
-                loss_sum, count = run(p, x_, side)
-                return loss_sum.astype(jnp.float32), count
-
-            (loss, _), (gp, gx) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-                params, x
-            )
-            return loss, gx, jax.tree.map(jnp.add, gacc, gp)
-        if diff_x:
-            _, vjp = jax.vjp(lambda p, x_: run(p, x_, side), params, x)
-            gp, gx = vjp(gy)
-        else:
-            _, vjp = jax.vjp(lambda p: run(p, x, side), params)
-            (gp,) = vjp(gy)
-            gx = None
-        return gx, jax.tree.map(jnp.add, gacc, gp)
-
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        y_abs = jax.eval_shape(fwd, params_abs, x_abs, side_abs)
-    gy_abs = None if head else jax.ShapeDtypeStruct(y_abs.shape, y_abs.dtype, sharding=data)
-    out_y = (scalar, scalar) if head else data
-    gx_sharding = data if diff_x else None
-    bwd_out = (scalar, data, shardings) if head else (gx_sharding, shardings)
-    fwd_jit = jax.jit(fwd, in_shardings=(shardings, data, data), out_shardings=out_y)
-    bwd_jit = jax.jit(
-        bwd,
-        in_shardings=(shardings, data, data, None if head else data, shardings),
-        out_shardings=bwd_out,
-        donate_argnums=(4,),
-    )
+    bp = abstract_stage(model_cfg, st.spec(tp), mesh)
+    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype)
+    head = bp.fns.loss is not None
+    data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    batch = _microbatch(model_cfg, st, bucket)
+    side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
+    x_shape = _x_shape(model_cfg, st, bucket)
+    x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
+    x_abs = None if x_shape is None else jax.ShapeDtypeStruct(*x_shape, sharding=x_sharding)
+    if head:
+        seed_abs = jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)
+    else:
+        with jax.set_mesh(mesh):
+            y = jax.eval_shape(jits.forward, bp.state, x_abs, side_abs)
+        seed_abs = jax.ShapeDtypeStruct(
+            y.shape, y.dtype, sharding=NamedSharding(mesh, bp.fns.y_spec)
+        )
 
     def make_params(rng: np.random.Generator):
         # random values are enough for timing; host init + device_put avoids compiling an init program
         def leaf(a):
-            value = (0.02 * rng.standard_normal(a.shape)).astype(a.dtype)
-            return jax.device_put(value, a.sharding)
+            return jax.device_put((0.02 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding)
 
-        return jax.tree.map(leaf, params_abs)
+        return jax.tree.map(leaf, bp.state)
 
-    def make_inputs(rng):
-        x, side = _real_inputs(model_cfg, st, bucket, rng)
-        gy = None
-        if not head:
-            gy = jax.device_put(rng.standard_normal(y_abs.shape).astype(y_abs.dtype), data)
-        return jax.device_put(x, data), {k: jax.device_put(v, data) for k, v in side.items()}, gy
+    def make_inputs(rng: np.random.Generator):
+        _fill(batch, model_cfg, rng)
+        side = {k: jax.device_put(batch[k], a.sharding) for k, a in side_abs.items()}
+        return _random(x_abs, rng), side, _random(seed_abs, rng)
 
-    return PartProgram(
-        mesh, fwd_jit, bwd_jit, params_abs, x_abs, side_abs, gy_abs, make_params, make_inputs
+    return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
+                       side_abs, seed_abs, make_params, make_inputs)  # fmt: skip
+
+
+def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+
+def _random(a: jax.ShapeDtypeStruct | None, rng: np.random.Generator):
+    """A standard-normal array like `a` (a loss normalizer: positive) on its sharding."""
+    if a is None:
+        return None
+    value = (
+        np.abs(rng.standard_normal(a.shape)) + 1 if a.shape == () else rng.standard_normal(a.shape)
     )
+    return jax.device_put(np.asarray(value).astype(a.dtype), a.sharding)
 
 
 def per_device_bytes(tree) -> float:

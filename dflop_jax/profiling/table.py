@@ -32,12 +32,13 @@ def config_hash(obj: Any) -> str:
 
 
 def code_version(*packages: str) -> str:
-    """Hash of the source files of the given top-level directories of this repository (e.g. "models"),
+    """Hash of the source files of the given directories or files of this repository (e.g. "models"),
     so a change to the model code makes earlier profiles stale. Not git-based: works without a clone."""
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for pkg in packages:
-        for f in sorted((root / pkg).rglob("*.py")):
+        path = root / pkg
+        for f in [path] if path.is_file() else sorted(path.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -5,6 +5,9 @@ A stage is given as pure functions over (params, x, side):
   loss(params, x, side) -> (loss_sum, count)         the last stage (forward + loss)
 where `x` is the activation from the previous stage (None for the pipeline's first stage), `side` a dict
 of this stage's microbatch arrays (tiles, segment ids, targets, ...), and `params` fp32 master weights.
+`stage_jits` turns them into the jitted programs; it is the only place they are made: the trainer runs
+them through `StageProgram`, and the model profiler (`profiling/programs.py`) compiles and times the
+same jits from abstract inputs, so the profiled cost is the cost of what trains.
 
 Backward design: recompute-in-backward. The forward program returns only its output; the backward
 program re-runs the forward under `jax.vjp` from the saved stage input and pulls the cotangent through.
@@ -14,7 +17,7 @@ fuses forward, loss and backward in one program. Gradients accumulate in a donat
 parameters' shardings; the data-parallel reduction is implicit in SPMD over the mesh's "data" axis.
 
 Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
-w.r.t. the fp32 masters come back in fp32.
+w.r.t. the fp32 masters come back in fp32; side arrays enter as the data layer packs them.
 
 Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
 counts the distinct signatures seen, which is exactly the number of XLA compilations JAX performs for
@@ -81,6 +84,12 @@ class StageFns:
                 "StageFns: set exactly one of forward (inner stage) or loss (last stage)"
             )
 
+    def fields(self, batch: Mapping[str, Any]) -> tuple[str, ...]:
+        """The microbatch fields this stage reads from `batch`: its side keys, plus the optional
+        ones the batch has (present and not None)."""
+        optional = tuple(k for k in self.optional_keys if batch.get(k) is not None)
+        return self.side_keys + optional
+
 
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     """Casts the floating leaves of `tree` to `dtype` (integer leaves untouched)."""
@@ -89,8 +98,91 @@ def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class StageJits:
+    """The jitted programs of one stage (jit compiles lazily: a program never called is never built).
+
+    Attributes:
+      forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
+        `last` (evaluation and the profiler's forward timing; training uses `last`).
+      backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated.
+      last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
+        gacc + dL/dparams), `gacc` donated.
+      zeros: params -> zero gradients with the parameters' shardings.
+    """
+
+    forward: Callable
+    backward: Callable
+    last: Callable
+    zeros: Callable
+
+
+def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype) -> StageJits:
+    """Jits the programs of a stage: the one place a stage program is made, for training and profiling.
+
+    Args:
+      mesh: the stage's ("data", "model") mesh.
+      fns: the stage's pure functions.
+      param_shardings: NamedShardings of the fp32 parameters (same tree as the params).
+      compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
+    """
+    ps = param_shardings
+    xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+    side_s = NamedSharding(mesh, P("data"))
+    scalar = NamedSharding(mesh, P())
+    ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
+
+    def apply(params, x, side):
+        p = cast_floating(params, compute_dtype)
+        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(compute_dtype)
+        return fns.forward(p, x, side) if fns.loss is None else fns.loss(p, x, side)
+
+    def bwd(params, x, side, gy, gacc):
+        if x is None:
+            _, vjp = jax.vjp(lambda p: apply(p, None, side), params)
+            (gp,) = vjp(gy)
+            gx = None
+        else:
+            _, vjp = jax.vjp(lambda p, x_: apply(p, x_, side), params, x)
+            gp, gx = vjp(gy)
+        return gx, jax.tree.map(jnp.add, gacc, gp)
+
+    def last(params, x, side, normalizer, gacc):
+        def objective(p, x_):
+            loss_sum, count = apply(p, x_, side)
+            return loss_sum.astype(jnp.float32) / normalizer, count
+
+        if x is None:
+            (loss, count), gp = jax.value_and_grad(lambda p: objective(p, None), has_aux=True)(
+                params
+            )
+            gx = None
+        else:
+            (loss, count), (gp, gx) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+                params, x
+            )
+        return loss, count, gx, jax.tree.map(jnp.add, gacc, gp)
+
+    return StageJits(
+        forward=jax.jit(apply, in_shardings=(ps, xs, side_s), out_shardings=ys),
+        backward=jax.jit(
+            bwd, in_shardings=(ps, xs, side_s, ys, ps), out_shardings=(xs, ps), donate_argnums=(4,)
+        ),
+        last=jax.jit(
+            last,
+            in_shardings=(ps, xs, side_s, scalar, ps),
+            out_shardings=(scalar, scalar, xs, ps),
+            donate_argnums=(4,),
+        ),
+        zeros=jax.jit(
+            lambda p: jax.tree.map(jnp.zeros_like, p), in_shardings=(ps,), out_shardings=ps
+        ),
+    )
+
+
 class StageProgram:
-    """One stage's params and jitted programs on its submesh.
+    """One stage's params and jitted programs (`stage_jits`) on its submesh.
 
     Args:
       mesh: the stage's ("data", "model") mesh.
@@ -108,8 +200,8 @@ class StageProgram:
         self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
+        self.jits = stage_jits(mesh, fns, self.param_shardings, compute_dtype)
         self._signatures: set[tuple] = set()
-        self._build()
 
     @property
     def is_last(self) -> bool:
@@ -124,62 +216,6 @@ class StageProgram:
         """Distinct (program, input-shape) signatures seen = XLA compilations of this stage."""
         return len(self._signatures)
 
-    def _apply(self, params, x, side):
-        p = cast_floating(params, self.compute_dtype)
-        if x is not None:
-            x = x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        if self.is_last:
-            return self.fns.loss(p, x, side)
-        return self.fns.forward(p, x, side)
-
-    def _build(self):
-        ps, xs, ys = self.param_shardings, self.x_sharding, self.y_sharding
-        side_s = self.side_sharding
-        scalar = NamedSharding(self.mesh, P())
-
-        def fwd(params, x, side):
-            return self._apply(params, x, side)
-
-        def bwd(params, x, side, gy, gacc):
-            if x is None:
-                _, vjp = jax.vjp(lambda p: self._apply(p, None, side), params)
-                (gp,) = vjp(gy)
-                gx = None
-            else:
-                _, vjp = jax.vjp(lambda p, x_: self._apply(p, x_, side), params, x)
-                gp, gx = vjp(gy)
-            return gx, jax.tree.map(jnp.add, gacc, gp)
-
-        def last(params, x, side, normalizer, gacc):
-            def objective(p, x_):
-                loss_sum, count = self._apply(p, x_, side)
-                return loss_sum.astype(jnp.float32) / normalizer, count
-
-            if x is None:
-                (loss, count), gp = jax.value_and_grad(lambda p: objective(p, None), has_aux=True)(
-                    params
-                )
-                gx = None
-            else:
-                (loss, count), (gp, gx) = jax.value_and_grad(
-                    objective, argnums=(0, 1), has_aux=True
-                )(params, x)
-            return loss, count, gx, jax.tree.map(jnp.add, gacc, gp)
-
-        self._fwd = jax.jit(fwd, in_shardings=(ps, xs, side_s), out_shardings=ys)
-        self._bwd = jax.jit(
-            bwd, in_shardings=(ps, xs, side_s, ys, ps), out_shardings=(xs, ps), donate_argnums=(4,)
-        )
-        self._last = jax.jit(
-            last,
-            in_shardings=(ps, xs, side_s, scalar, ps),
-            out_shardings=(scalar, scalar, xs, ps),
-            donate_argnums=(4,),
-        )
-        self._zeros = jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, p), in_shardings=(ps,), out_shardings=ps
-        )
-
     def _record(self, kind: str, x, side) -> None:
         shapes = tuple((k, side[k].shape, str(side[k].dtype)) for k in sorted(side))
         xshape = None if x is None else (x.shape, str(x.dtype))
@@ -187,28 +223,26 @@ class StageProgram:
 
     def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
-        keys = self.fns.side_keys + tuple(
-            k for k in self.fns.optional_keys if k in batch and batch[k] is not None
-        )
-        return {k: put_host(batch[k], self.side_sharding) for k in keys}
+        return {k: put_host(batch[k], self.side_sharding) for k in self.fns.fields(batch)}
 
     def zero_grads(self) -> PyTree:
-        return self._zeros(self.params)
+        return self.jits.zeros(self.params)
 
     def forward(self, x, side) -> jax.Array:
+        """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
         self._record("fwd", x, side)
         with jax.set_mesh(self.mesh):
-            return self._fwd(self.params, x, side)
+            return self.jits.forward(self.params, x, side)
 
     def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""
         self._record("bwd", x, side)
         with jax.set_mesh(self.mesh):
-            return self._bwd(self.params, x, side, gy, gacc)
+            return self.jits.backward(self.params, x, side, gy, gacc)
 
     def forward_backward_loss(self, x, side, normalizer, gacc):
         """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams)."""
         self._record("last", x, side)
         norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
         with jax.set_mesh(self.mesh):
-            return self._last(self.params, x, side, norm, gacc)
+            return self.jits.last(self.params, x, side, norm, gacc)
