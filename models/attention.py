@@ -142,6 +142,8 @@ def block_plan(segment_ids: jax.Array, block: int, causal: bool) -> jax.Array:
     Per tile: the range of its nonzero segment ids and whether it holds padding (id 0). Two tiles
     interact iff their id ranges overlap or both hold padding; never false for a needed tile,
     whatever the ids, and exact for packed rows (ids increasing along the row, padding anywhere).
+    The tiled path visits a tile when any row of the program needs it, so rows stay one batched
+    (and data-shardable) axis: a program of several rows skips what all its rows skip.
     """
     b, s = segment_ids.shape
     ids = segment_ids.reshape(b, s // block, block)
@@ -157,69 +159,74 @@ def block_plan(segment_ids: jax.Array, block: int, causal: bool) -> jax.Array:
 
 
 def _tile_mask(seg_q, seg_k, q0, k0, causal):
-    """[C, C] allowed pairs of query tile starting at q0 and key tile starting at k0."""
-    mask = seg_q[:, None] == seg_k[None, :]
+    """[B,1,1,C,C] allowed pairs of the query tile starting at q0 and the key tile at k0."""
+    mask = seg_q[:, :, None] == seg_k[:, None, :]  # [B,C,C]
     if causal:
-        c = seg_q.shape[0]
+        c = seg_q.shape[1]
         mask &= (q0 + jnp.arange(c))[:, None] >= (k0 + jnp.arange(c))[None, :]
-    return mask
+    return mask[:, None, None]
 
 
-def _tiles(q, k, v, seg, block):
-    """Flat tile views: q [B*n,C,K,G,Dh], k/v [B*n,C,K,Dh], seg [B*n,C] (tile r*n + i)."""
-    b, s, kv, g, dh = q.shape
-    n = s // block
-    return (
-        q.reshape(b * n, block, kv, g, dh),
-        k.reshape(b * n, block, kv, dh),
-        v.reshape(b * n, block, kv, dh),
-        seg.reshape(b * n, block),
-    )
+def _tiles(x, block):
+    """[B,S,...] -> [n,B,C,...]: tile-major, so the loops index tiles and rows stay a (shardable)
+    batch axis inside each tile."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, s // block, block, *x.shape[2:]), 1, 0)
+
+
+def _untile(x):
+    """[n,B,C,...] -> [B,n*C,...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 def _take(x, i):
     return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
+def _visited(seg, block, causal):
+    """[n,n] tiles to visit: those any row of the program needs (one conditional serves all rows)."""
+    return block_plan(seg, block, causal).any(0)
+
+
 def _flash_forward(q, k, v, seg, causal, block):
-    """Online softmax over the planned key tiles: (out [B,S,K,G,Dh], lse [B*n,K,G,C] float32)."""
+    """Online softmax over the planned key tiles: (out [B,S,K,G,Dh], lse [n,B,K,G,C] float32)."""
     b, s, kv, g, dh = q.shape
     n, scale = s // block, dh**-0.5
-    plan = block_plan(seg, block, causal).reshape(b * n, n)
-    qt, kt, vt, st = _tiles(q, k, v, seg, block)
+    plan = _visited(seg, block, causal)
+    qt, kt, vt, st = (_tiles(x, block) for x in (q, k, v, seg))
+    f32 = dict(preferred_element_type=jnp.float32)
 
-    def query_tile(_, t):
-        row, i = t // n, t % n
-        qi, seg_q = _take(qt, t), _take(st, t)
+    def query_tile(_, i):
+        qi, seg_q = _take(qt, i), _take(st, i)
 
         def visit(j, carry):
             m, denom, acc = carry
-            kj, vj, seg_k = _take(kt, row * n + j), _take(vt, row * n + j), _take(st, row * n + j)
-            logits = jnp.einsum("ckgd,tkd->kgct", qi, kj, preferred_element_type=jnp.float32)
-            mask = _tile_mask(seg_q, seg_k, i * block, j * block, causal)
+            kj, vj = _take(kt, j), _take(vt, j)
+            logits = jnp.einsum("bckgd,btkd->bkgct", qi, kj, **f32)
+            mask = _tile_mask(seg_q, _take(st, j), i * block, j * block, causal)
             logits = jnp.where(mask, logits * scale, _NEG)
-            m_new = jnp.maximum(m, logits.max(-1))  # [K,G,C]
+            m_new = jnp.maximum(m, logits.max(-1))  # [B,K,G,C]
             p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
-            pv = jnp.einsum(
-                "kgct,tkd->ckgd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32
-            )
-            return m_new, denom * corr + p.sum(-1), acc * jnp.moveaxis(corr, -1, 0)[..., None] + pv
+            pv = jnp.einsum("bkgct,btkd->bckgd", p.astype(v.dtype), vj, **f32)
+            acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
+            return m_new, denom * corr + p.sum(-1), acc
 
         def step(j, carry):
-            return jax.lax.cond(plan[t, j], visit, lambda _, c: c, j, carry)
+            return jax.lax.cond(plan[i, j], visit, lambda _, c: c, j, carry)
 
         init = (
-            jnp.full((kv, g, block), _NEG, jnp.float32),
-            jnp.zeros((kv, g, block), jnp.float32),
-            jnp.zeros((block, kv, g, dh), jnp.float32),
+            jnp.full((b, kv, g, block), _NEG, jnp.float32),
+            jnp.zeros((b, kv, g, block), jnp.float32),
+            jnp.zeros((b, block, kv, g, dh), jnp.float32),
         )
         m, denom, acc = jax.lax.fori_loop(0, i + 1 if causal else n, step, init)
-        out = acc / jnp.moveaxis(denom, -1, 0)[..., None]  # every query sees itself: denom > 0
+        out = acc / jnp.moveaxis(denom, -1, 1)[..., None]  # every query sees itself: denom > 0
         return None, (out.astype(q.dtype), m + jnp.log(denom))
 
-    _, (out, lse) = jax.lax.scan(query_tile, None, jnp.arange(b * n))
-    return out.reshape(q.shape), lse
+    _, (out, lse) = jax.lax.scan(query_tile, None, jnp.arange(n))
+    return _untile(out), lse
 
 
 def _flash_backward(causal, block, res, dout):
@@ -227,49 +234,41 @@ def _flash_backward(causal, block, res, dout):
     q, k, v, seg, out, lse = res
     b, s, kv, g, dh = q.shape
     n, scale = s // block, dh**-0.5
-    plan = block_plan(seg, block, causal).reshape(b * n, n)
-    qt, kt, vt, st = _tiles(q, k, v, seg, block)
-    dot = dout.reshape(qt.shape)
+    plan = _visited(seg, block, causal)
+    qt, kt, vt, st, dot = (_tiles(x, block) for x in (q, k, v, seg, dout))
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [B,S,K,G]
-    delta = jnp.moveaxis(delta.reshape(b * n, block, kv, g), 1, -1)  # [B*n,K,G,C]
+    delta = jnp.moveaxis(_tiles(delta, block), 2, -1)  # [n,B,K,G,C]
+    f32 = dict(preferred_element_type=jnp.float32)
 
-    def query_tile(dkv, t):
-        row, i = t // n, t % n
-        qi, doi, seg_q = _take(qt, t), _take(dot, t), _take(st, t)
-        lse_i, delta_i = _take(lse, t)[..., None], _take(delta, t)[..., None]
+    def query_tile(dkv, i):
+        qi, doi, seg_q = _take(qt, i), _take(dot, i), _take(st, i)
+        lse_i, delta_i = _take(lse, i)[..., None], _take(delta, i)[..., None]
 
         def visit(j, carry):
             dq, (dk, dv) = carry
-            tj = row * n + j
-            kj, vj, seg_k = _take(kt, tj), _take(vt, tj), _take(st, tj)
-            logits = jnp.einsum("ckgd,tkd->kgct", qi, kj, preferred_element_type=jnp.float32)
-            mask = _tile_mask(seg_q, seg_k, i * block, j * block, causal)
-            p = jnp.where(mask, jnp.exp(logits * scale - lse_i), 0.0)  # [K,G,C,C]
-            f32 = dict(preferred_element_type=jnp.float32)
-            dv_j = jnp.einsum("kgct,ckgd->tkd", p.astype(dout.dtype), doi, **f32)
-            dp = jnp.einsum("ckgd,tkd->kgct", doi, vj, **f32)
+            kj, vj = _take(kt, j), _take(vt, j)
+            logits = jnp.einsum("bckgd,btkd->bkgct", qi, kj, **f32)
+            mask = _tile_mask(seg_q, _take(st, j), i * block, j * block, causal)
+            p = jnp.where(mask, jnp.exp(logits * scale - lse_i), 0.0)  # [B,K,G,C,C]
+            dv_j = jnp.einsum("bkgct,bckgd->btkd", p.astype(dout.dtype), doi, **f32)
+            dp = jnp.einsum("bckgd,btkd->bkgct", doi, vj, **f32)
             ds = p * (dp - delta_i) * scale
-            dq = dq + jnp.einsum("kgct,tkd->ckgd", ds.astype(k.dtype), kj, **f32)
-            dk_j = jnp.einsum("kgct,ckgd->tkd", ds.astype(q.dtype), qi, **f32)
-            dk = jax.lax.dynamic_update_index_in_dim(dk, _take(dk, tj) + dk_j, tj, 0)
-            dv = jax.lax.dynamic_update_index_in_dim(dv, _take(dv, tj) + dv_j, tj, 0)
+            dq = dq + jnp.einsum("bkgct,btkd->bckgd", ds.astype(k.dtype), kj, **f32)
+            dk_j = jnp.einsum("bkgct,bckgd->btkd", ds.astype(q.dtype), qi, **f32)
+            dk = jax.lax.dynamic_update_index_in_dim(dk, _take(dk, j) + dk_j, j, 0)
+            dv = jax.lax.dynamic_update_index_in_dim(dv, _take(dv, j) + dv_j, j, 0)
             return dq, (dk, dv)
 
         def step(j, carry):
-            return jax.lax.cond(plan[t, j], visit, lambda _, c: c, j, carry)
+            return jax.lax.cond(plan[i, j], visit, lambda _, c: c, j, carry)
 
         dq = jnp.zeros(qi.shape, jnp.float32)
         dq, dkv = jax.lax.fori_loop(0, i + 1 if causal else n, step, (dq, dkv))
         return dkv, dq.astype(q.dtype)
 
     zeros = jnp.zeros(kt.shape, jnp.float32)
-    (dk, dv), dq = jax.lax.scan(query_tile, (zeros, zeros), jnp.arange(b * n))
-    return (
-        dq.reshape(q.shape),
-        dk.reshape(k.shape).astype(k.dtype),
-        dv.reshape(v.shape).astype(v.dtype),
-        None,
-    )
+    (dk, dv), dq = jax.lax.scan(query_tile, (zeros, zeros), jnp.arange(n))
+    return _untile(dq), _untile(dk).astype(k.dtype), _untile(dv).astype(v.dtype), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

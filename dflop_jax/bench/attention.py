@@ -1,7 +1,7 @@
 """Attention benchmark: XLA-path time and FLOPs of a packed row vs one sample, before/after tile skipping.
 
-    python -m dflop_jax.bench attention [--length 4096] [--samples 16] [--heads 4] [--kv-heads 2]
-        [--head-dim 32] [--repeats 5] [--non-causal] [--json]
+    python -m dflop_jax.bench attention [--length 4096] [--samples 16] [--heads 2] [--kv-heads 1]
+        [--head-dim 32] [--repeats 3] [--non-causal] [--json]
 
 One row of `--length` tokens, either `--samples` packed samples of equal length or one sample
 filling the row. "before" is the pre-skipping long-row path (`dense_attention` in 512-query blocks:
@@ -145,10 +145,10 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--samples", type=int, default=16, help="packed samples in the packed row")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
