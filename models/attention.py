@@ -7,16 +7,19 @@
     `block_size(S)` queries x keys with an online softmax and a hand-written backward
     (`jax.custom_vjp`). A tile that no (query, key) pair of it may attend to (keys after the tile's
     queries when causal; keys of other packed samples) is skipped by a real `lax.cond`, so a row of
-    many short samples costs about the sum of the samples' own attention, not S x S.
+    many short samples costs about the sum of the samples' own attention, not S x S. Rows of one
+    call share the loops (rows stay a batched, data-shardable axis): a tile is visited when any row
+    needs it.
   - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
     segment mask plus `is_causal`. jax 0.10.2's public API has no segment / offset form for cuDNN:
     `query_seq_lengths` / `key_value_seq_lengths` give ONE valid prefix per batch row, and cuDNN's
     packed layout (`q_offsets` / `kv_offsets`) is reachable only through the private
     `jax._src.cudnn.fused_attention_stablehlo` (public `query_seq_offsets` is the unmerged
     jax-ml/jax PR 29731). The public path turns a boolean mask into an additive bias, so cuDNN
-    skips the causal upper triangle but still computes cross-sample tiles. The fused kernel is NOT
-    exercised on the CPU-only test machines; the tests check that the same arguments give our
-    result through `jax.nn.dot_product_attention(..., implementation="xla")`.
+    skips the causal upper triangle but still computes cross-sample tiles. jax refuses to even trace
+    the cuDNN path without cuDNN ("cuDNN is not detected"), so the CPU tests check that the same
+    arguments give our result through `jax.nn.dot_product_attention(..., implementation="xla")`;
+    the cuDNN test itself is marked `gpu`.
 A token attends only to tokens of its own segment (segment id 0 marks padding; padding tokens attend
 among themselves, so their output is finite and simply ignored by the loss) and, when causal, only to
 earlier-or-equal indices. Packed samples are contiguous in a row, so index order is position order.
