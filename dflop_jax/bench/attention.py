@@ -7,7 +7,7 @@ One row of `--length` tokens, either `--samples` packed samples of equal length 
 filling the row. "before" is the pre-skipping long-row path (`dense_attention` in 512-query blocks:
 every S x S pair, masked); "after" is `models.attention.attention` (tiles the mask removes are
 skipped). Per case: median wall time of a jitted forward + backward (`jax.grad` of a weighted sum
-w.r.t. q, k, v) over `--repeats` runs after one warm-up, `compiled.cost_analysis()["flops"]`, the
+w.r.t. q, k, v) over `--repeats` runs (more for fast cases, up to 1 s) after one warm-up, `compiled.cost_analysis()["flops"]`, the
 tiles the plan visits, and the analytic FLOPs of the visited pairs (4 S_q S_k H Dh forward,
 2.5x that forward + backward). XLA's cost analysis counts a loop body once (not times its trip
 count) and a conditional as its larger branch (probed at start-up and printed), so for both paths
@@ -29,6 +29,7 @@ import numpy as np
 from models.attention import attention, block_plan, block_size, dense_attention
 
 BEFORE_QUERY_BLOCK = 512  # the query block of the replaced long-row path
+MIN_SECONDS = 1.0  # fast cases repeat past --repeats until this much time is sampled
 
 
 def _flops(compiled) -> float:
@@ -57,7 +58,8 @@ def segments(length: int, samples: int) -> np.ndarray:
 
 
 def measure(fn, args, repeats: int) -> dict:
-    """Median seconds of jitted forward + backward, and the compiled program's cost-analysis FLOPs."""
+    """Median wall and process-CPU seconds (all threads: less sensitive to other processes' load)
+    of jitted forward + backward, and the compiled program's cost-analysis FLOPs."""
     q, k, v, w = args
 
     def loss(q, k, v):
@@ -66,12 +68,17 @@ def measure(fn, args, repeats: int) -> dict:
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     compiled = step.lower(q, k, v).compile()
     jax.block_until_ready(compiled(q, k, v))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    times, cpu = [], []
+    while len(times) < repeats or (sum(times) < MIN_SECONDS and len(times) < 50):
+        start, start_cpu = time.perf_counter(), time.process_time()
         jax.block_until_ready(compiled(q, k, v))
         times.append(time.perf_counter() - start)
-    return {"time_s": statistics.median(times), "cost_flops": _flops(compiled)}
+        cpu.append(time.process_time() - start_cpu)
+    return {
+        "time_s": statistics.median(times),
+        "cpu_s": statistics.median(cpu),
+        "cost_flops": _flops(compiled),
+    }
 
 
 def run_case(args, samples: int) -> dict:
@@ -115,18 +122,19 @@ def _print_table(report: dict) -> None:
     print(
         f"attention, XLA path, one row of {report['length']} tokens, H={report['heads']} "
         f"K={report['kv_heads']} Dh={report['head_dim']}, causal={report['causal']}, "
-        f"forward+backward, median of {report['repeats']}"
+        f"forward+backward, median of >= {report['repeats']} runs"
     )
     print(
-        "| row | tiles visited | before s | after s | time before/after | analytic GFLOP before "
-        "| after | cost_analysis GFLOP before | after |"
+        "| row | tiles visited | wall s before | after | before/after | CPU s before | after "
+        "| before/after | analytic GFLOP before | after | cost_analysis GFLOP before | after |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in report["cases"]:
         b, a = c["before"], c["after"]
         print(
             f"| {c['samples']} sample(s) | {c['tiles_visited']}/{c['tiles_total']} of {c['block']} "
-            f"| {b['time_s']:.3f} | {a['time_s']:.3f} | {b['time_s'] / a['time_s']:.2f}x "
+            f"| {b['time_s']:.3f} | {a['time_s']:.3f} | {b['time_s'] / a['time_s']:.1f}x "
+            f"| {b['cpu_s']:.3f} | {a['cpu_s']:.3f} | {b['cpu_s'] / a['cpu_s']:.1f}x "
             f"| {b['analytic_flops'] / 1e9:.2f} | {a['analytic_flops'] / 1e9:.2f} "
             f"| {b['cost_flops'] / 1e9:.3f} | {a['cost_flops'] / 1e9:.3f} |"
         )
