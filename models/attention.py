@@ -13,9 +13,9 @@
   - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
     segment mask plus `is_causal`. jax 0.10.2's public API has no segment / offset form for cuDNN:
     `query_seq_lengths` / `key_value_seq_lengths` give ONE valid prefix per batch row, and cuDNN's
-    packed layout (`q_offsets` / `kv_offsets`) is reachable only through the private
-    `jax._src.cudnn.fused_attention_stablehlo` (public `query_seq_offsets` is the unmerged
-    jax-ml/jax PR 29731). The public path turns a boolean mask into an additive bias, so cuDNN
+    packed layout (`q_offsets` / `kv_offsets`) is reachable only through jax's private cuDNN
+    module `fused_attention_stablehlo` (public `query_seq_offsets` is the unmerged jax-ml/jax
+    PR 29731). The public path turns a boolean mask into an additive bias, so cuDNN
     skips the causal upper triangle but still computes cross-sample tiles. jax refuses to even trace
     the cuDNN path without cuDNN ("cuDNN is not detected"), so the CPU tests check that the same
     arguments give our result through `jax.nn.dot_product_attention(..., implementation="xla")`;
