@@ -21,8 +21,8 @@ from models.attention import (
 TOL = 1e-5  # float32 round-off (values are O(1))
 
 
-def _packed(rng, s, lengths):
-    """[S] ids 1.. of consecutive samples of `lengths` (0 in `lengths` = a padding run), 0 tail."""
+def _packed(s, lengths):
+    """[S] ids 1.. of consecutive samples of `lengths` (a negative length: a padding run), 0 tail."""
     ids, pos, sample = np.zeros(s, np.int32), 0, 1
     for n in lengths:
         if n > 0:
@@ -36,13 +36,13 @@ def _rows(s):
     """Row layouts: many short samples, one long sample, a padding tail, a padding gap, all padding."""
     rng = np.random.default_rng(1)
     short = rng.integers(1, 9, size=s)
-    many = _packed(rng, s, list(short[np.cumsum(short) <= s - 3]))
+    many = _packed(s, list(short[np.cumsum(short) <= s - 3]))
     return np.stack(
         [
             many,
-            _packed(rng, s, [s]),
-            _packed(rng, s, [s - 11]),
-            _packed(rng, s, [13, -7, 20, 9]),
+            _packed(s, [s]),
+            _packed(s, [s - 11]),
+            _packed(s, [13, -7, 20, 9]),
             np.zeros(s, np.int32),
         ]
     )
