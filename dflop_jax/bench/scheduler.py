@@ -13,12 +13,16 @@ averaged over K sampled global batches, and names the strongest baseline (lowest
 
 The pipeline table (`--pipeline`) takes the LLaVA-OV mix at N=256 through 1 encoder + (P-1) LLM stages
 for P = 2..8 and reports the simulated 1F1B makespan of DFLOP's stage-aware order, of the same
-microbatches in solve order, and of the strongest baseline, against `order.makespan_lower_bound`.
+microbatches in solve order, and of the strongest baseline, against `order.makespan_lower_bound` (a
+bound for the chosen microbatches, over every order). Before / after issue 14 item 3: DFLOP with
+candidates chosen by the surrogate alone (`select="surrogate"`) and by the 1F1B makespan (the
+default), each against its own microbatches' bound, and the makespan rule's largest CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -132,12 +136,18 @@ def run_pipeline(stage_counts: list[int], batches: int, time_limit: float, seed:
     for p in stage_counts:
         problem, m = _problem("llava-ov", dist, n, stages=(1, p - 1))
         rng = np.random.default_rng(seed)
-        acc: dict[str, list[float]] = {"ordered": [], "solve_order": [], "baseline": [], "lb": []}
+        keys = ("ordered", "solve_order", "baseline", "lb", "surrogate_rule", "surrogate_rule_lb")
+        acc: dict[str, list[float]] = {k: [] for k in keys}
+        cpu = 0.0
         for _ in range(batches):
             batch = sample_global_batch(dist, n, rng)
-            s = schedule_batch(
-                batch, problem, SchedulerConfig(solver="auto", time_limit_s=time_limit)
-            )
+            cfg = SchedulerConfig(solver="auto", time_limit_s=time_limit)
+            t0 = time.process_time()
+            s = schedule_batch(batch, problem, cfg)
+            cpu = max(cpu, time.process_time() - t0)
+            old = schedule_batch(batch, problem, dataclasses.replace(cfg, select="surrogate"))
+            acc["surrogate_rule"].append(old.info["simulated_makespan_s"])
+            acc["surrogate_rule_lb"].append(old.info["makespan_lower_bound_s"])
             _, base = strongest(
                 run_baselines(batch, problem, m), key=lambda b: b.info["simulated_makespan_s"]
             )
@@ -145,7 +155,7 @@ def run_pipeline(stage_counts: list[int], batches: int, time_limit: float, seed:
             acc["solve_order"].append(s.info["solve_order_makespan_s"])
             acc["baseline"].append(base.info["simulated_makespan_s"])
             acc["lb"].append(s.info["makespan_lower_bound_s"])
-        out.append({"P": p, **{k: float(np.mean(v)) for k, v in acc.items()}})
+        out.append({"P": p, **{k: float(np.mean(v)) for k, v in acc.items()}, "cpu_max_s": cpu})
     return out
 
 
@@ -173,13 +183,14 @@ def markdown(rows: list[dict]) -> str:
 def pipeline_markdown(rows: list[dict]) -> str:
     lines = [
         "| P | DFLOP ordered s | DFLOP solve order s | strongest baseline s | makespan LB s | "
-        "DFLOP / LB |",
-        "|" + "---|" * 6,
+        "DFLOP / LB | before (surrogate rule): s / LB | DFLOP CPU max s |",
+        "|" + "---|" * 8,
     ]
     for r in rows:
         lines.append(
             f"| {r['P']} | {r['ordered']:.3f} | {r['solve_order']:.3f} | {r['baseline']:.3f} | "
-            f"{r['lb']:.3f} | {r['ordered'] / r['lb']:.4f} |"
+            f"{r['lb']:.3f} | {r['ordered'] / r['lb']:.4f} | {r['surrogate_rule']:.3f} / "
+            f"{r['surrogate_rule'] / r['surrogate_rule_lb']:.4f} | {r['cpu_max_s']:.2f} |"
         )
     return "\n".join(lines)
 
