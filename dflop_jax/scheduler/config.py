@@ -31,7 +31,8 @@ class SchedulerConfig:
       select: how candidates (microbatch counts, packings, the refinement's answer) are chosen when
         the pipeline has more than one stage: "makespan" (the simulated 1F1B makespan of a good
         order, `select.py`) or "surrogate" (the static-bucket surrogate alone, the rule before).
-      select_evaluations: 1F1B simulations per candidate when selecting by makespan.
+      select_evaluations: 1F1B simulations per candidate in the first round of the makespan rule
+        (`select.py`; the best few then get `order_evaluations`).
       correction: "off", "on", or "auto" (on once the raw prediction MAPE exceeds `correction_threshold`
         after `correction_min_observations` observed microbatches).
       correction_rate: EMA rate of the per (stage, bucket pair) correction factors.

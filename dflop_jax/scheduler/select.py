@@ -5,13 +5,21 @@ sees a microbatch only through its slowest stage. With encoder stages in the pip
 microbatch is slow on the encoder stages and a token-heavy one on the LLM stages; two packings with
 the same surrogate can differ by whole bubbles. So when the pipeline has more than one stage, the
 candidates the greedy built (every microbatch count and packing it tried) and the refinement's answer
-are scored by the simulated 1F1B makespan of a good order of their microbatches (`order.py`'s search
-with `evaluations` simulations: its seed orders, then first-improvement moves), and the lowest wins;
-ties go to the lower surrogate, then to the earlier candidate. The winner's order is then searched
-with the full order budget by the caller.
+are scored by the simulated 1F1B makespan of a good order of their microbatches, in two rounds:
+
+1. every distinct candidate: `order.py`'s search cut at `quick` simulations (its seed orders, then
+   first-improvement moves);
+2. the surrogate's own pick (candidate 0) and the `finalists` best others of round 1: the full order
+   search (`full` simulations). The lowest makespan wins; ties go to the lower surrogate, then to the
+   earlier candidate.
+
+Round 2 always includes the surrogate's pick with the same search the surrogate rule runs on it, so the
+answer's makespan is never worse than the surrogate rule's; round 1 alone is not enough for that (a
+short search can rank two candidates the other way round from a long one).
 
 Everything is evaluated at the candidates' static buckets (what the runtime pays). Deterministic: no
-randomness, no clock; the cost is `evaluations` simulations per distinct candidate (~15 candidates).
+randomness, no clock; the cost is `quick` simulations per distinct candidate (~10-20 candidates) plus
+at most `finalists + 1` full searches.
 """
 
 from __future__ import annotations
@@ -36,21 +44,27 @@ def pick_by_makespan(
     tiles: np.ndarray,
     problem: ScheduleProblem,
     table: CostTable,
-    evaluations: int,
-) -> tuple[int, list[float]]:
-    """(index of the best candidate, per-candidate makespan score; inf for duplicates).
+    quick: int,
+    full: int,
+    finalists: int = 2,
+) -> tuple[int, list[int], float, list[float]]:
+    """(index of the best candidate, its order, its 1F1B makespan, round-1 scores; inf: duplicate).
 
-    `candidates` are finished (`finish`) (bin_of, m) pairs; see the module docstring for the rule.
+    `candidates` are finished (`finish`) (bin_of, m) pairs, the surrogate's pick first; see the
+    module docstring for the rule.
     """
     seen: set[bytes] = set()
-    scores, keys = [], []
-    for idx, (bin_of, m) in enumerate(candidates):
-        sig = np.asarray(bin_of, dtype=np.int64).tobytes() + m.to_bytes(4, "little")
+    stages, objs, scores = [], [], []
+    for bin_of, m in candidates:
+        sig = np.asarray(bin_of, dtype=np.int64).tobytes() + int(m).to_bytes(4, "little")
         obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
-        t = np.inf
-        if sig not in seen:
-            seen.add(sig)
-            t = order_microbatches(table.stage[ti, si], evaluations)[1]
-        scores.append(float(t))
-        keys.append((t, obj, idx))
-    return min(keys)[2], scores
+        stages.append(table.stage[ti, si])
+        objs.append(obj)
+        fresh = sig not in seen
+        seen.add(sig)
+        scores.append(order_microbatches(stages[-1], quick)[1] if fresh else np.inf)
+    ranked = sorted(range(1, len(candidates)), key=lambda i: (scores[i], objs[i], i))
+    final = [0] + [i for i in ranked[:finalists] if np.isfinite(scores[i])]
+    results = {i: order_microbatches(stages[i], full) for i in final}
+    best = min(final, key=lambda i: (results[i][1], objs[i], i))
+    return best, results[best][0], results[best][1], scores

@@ -104,10 +104,13 @@ def schedule_batch(
                                  lambda: clock() - t0 > config.time_limit_s, info)  # fmt: skip
     bin_of, m = finish(bin_of, m, tokens, problem, eff.microbatches[0])
     if by_makespan:
-        bin_of, m = _select(bin_of, m, pool, tokens, tiles, eff, table, config, info)
+        bin_of, m, order, makespan = _select(
+            bin_of, m, pool, tokens, tiles, eff, table, config, info
+        )
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
     stage = table.stage[ti, si]  # [M, P, 2]
-    order, makespan = order_microbatches(stage, config.order_evaluations)
+    if not by_makespan:
+        order, makespan = order_microbatches(stage, config.order_evaluations)
     plans = to_plans(bin_of, m, ti, si, problem, table)
     plans = tuple(plans[k] for k in order)
     info.update(padding_ratios(plans, tokens, tiles, problem))
@@ -122,19 +125,20 @@ def schedule_batch(
 
 
 def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
-    """The candidate with the lowest 1F1B makespan (`select.py`); the surrogate's answer is first."""
+    """(bin_of, m, order, 1F1B makespan) of the candidate with the lowest makespan (`select.py`);
+    the surrogate's answer is candidate 0."""
     cands = [(bin_of, m)] + [
         finish(b, k, tokens, problem, problem.microbatches[0]) for b, k, _ in pool
     ]
-    best, scores = pick_by_makespan(cands, tokens, tiles, problem, table, config.select_evaluations)
+    best, order, makespan, scores = pick_by_makespan(
+        cands, tokens, tiles, problem, table, config.select_evaluations, config.order_evaluations
+    )
     info.update(
         selected_by="makespan",
-        candidates_scored=sum(np.isfinite(scores)),
-        surrogate_pick_makespan_s=scores[0],
-        selected_makespan_s=scores[best],
+        candidates_scored=int(np.isfinite(scores).sum()),
         selected_surrogate_pick=best == 0,
     )
-    return cands[best]
+    return (*cands[best], order, makespan)
 
 
 def _refine(bin_of, m, greedy_obj, lb, tokens, tiles, problem, table, config, stop, info):
