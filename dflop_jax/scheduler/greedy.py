@@ -380,17 +380,21 @@ def greedy_schedule(
         return _better(a, b)
 
     lb, target = aggregate_bound(tokens, tiles, problem, table)
-    packed = None
+    packed = early = None  # early: the answer at the bound (the pool only adds candidates after it)
     if target:
         packed = targeted_assign(tokens, tiles, target, problem, table)
         if packed is not None:
             obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
             pool.append((packed, len(target), obj))
-            if obj <= lb * (1 + 1e-9) and not exhaustive:  # reached the bound: nothing to gain
-                return packed, len(target), obj, lb
+            if obj <= lb * (1 + 1e-9):  # reached the bound: nothing to gain
+                early = (packed, len(target), obj)
+                if not exhaustive:
+                    return (*early, lb)
     filled = _filled(tokens, tiles, target, problem, table, lb)
-    if filled is not None and filled[2] <= lb * (1 + 1e-9) and not exhaustive:
-        return (*filled, lb)
+    if early is None and filled is not None and filled[2] <= lb * (1 + 1e-9):
+        early = filled
+        if not exhaustive:
+            return (*early, lb)
     lo, hi = problem.microbatches
     counts = candidate_counts(problem, len(tokens))
     if target and lo <= len(target) <= hi and len(target) not in counts:
@@ -422,6 +426,8 @@ def greedy_schedule(
             shrunk = shrink(packed, len(target), tokens, tiles, problem, table)
             obj = evaluate(shrunk, len(target), tokens, tiles, problem, table)[0]
             best = better(best, (shrunk, len(target), obj))
+    if early is not None:
+        return (*early, lb)
     if best is None:
         raise ValueError(
             f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
