@@ -83,7 +83,10 @@ def test_one_stage_keeps_the_surrogate_rule():
     """With one stage the makespan is the surrogate (sum of W): no selection is run."""
     one = ScheduleProblem(1, 1, 1, (2, 3), PROBLEM.buckets, lambda t, s: costs(t, s)[1:])
     s = schedule_batch(SHAPES, one, SchedulerConfig(solver="greedy"))
-    assert "selected_by" not in s.info
+    old = schedule_batch(SHAPES, one, SchedulerConfig(solver="greedy", select="surrogate"))
+    assert "selected_by" not in s.info and s.microbatches == old.microbatches
+    # and the 1F1B step of one stage is the surrogate: the sum of the microbatches' costs
+    assert s.info["simulated_makespan_s"] == pytest.approx(s.objective, rel=1e-12)
 
 
 def test_selection_is_deterministic():
