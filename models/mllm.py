@@ -228,7 +228,7 @@ def extract_stages(
         stages, first = [], 0
         for i, n in enumerate(split):
             last = i == len(split) - 1
-            factory = lambda f=first, n=n, i=i, last=last: stage_cls(  # noqa: E731
+            factory = lambda f=first, n=n, i=i, last=last: stage_cls(
                 cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last,
                 rngs=nnx.Rngs(0),
             )  # fmt: skip

@@ -86,7 +86,7 @@ def test_train_config_errors_name_the_key_and_the_fix(overrides, message):
 
 def test_nested_configs_name_the_full_key():
     """The profiler's `auto.planner` is the planner's config nested one level deeper."""
-    from dflop_jax.profiling.__main__ import AutoPlanRunConfig
+    from dflop_jax.profiling.run_config import AutoPlanRunConfig
 
     base = ["auto.data_source=llava-ov"]
     with pytest.raises(ConfigError, match=r"^auto\.planner\.seed=-1: use a seed"):

@@ -20,7 +20,7 @@ from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_mllm_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
-from dflop_jax.runtime.trainer import run
+from dflop_jax.train import run
 from models.internvit import InternViTConfig
 from models.internvl import InternVL, internvl_config
 

@@ -30,7 +30,7 @@ from dflop_jax.profiling.table import (
     LAYER_KINDS,
     STAGE_KINDS,
     CostEntry,
-    CostTable,
+    ProfiledCostTable,
     code_version,
     config_hash,
     load_table,
@@ -171,7 +171,7 @@ def _grid(
     return grid
 
 
-def _fresh_or_resumed(path: Path, meta: dict) -> CostTable:
+def _fresh_or_resumed(path: Path, meta: dict) -> ProfiledCostTable:
     if path.is_file():
         try:
             old = load_table(path)
@@ -182,7 +182,7 @@ def _fresh_or_resumed(path: Path, meta: dict) -> CostTable:
                 log.info("resuming %s (%d entries reused)", path, len(old.entries))
                 return old
             log.info("cost table %s is stale (config or code changed): re-profiling", path)
-    return CostTable(**meta)
+    return ProfiledCostTable(**meta)
 
 
 def profile_model(
@@ -194,7 +194,7 @@ def profile_model(
     model_name: str = "",
     progress: ProgressFn | None = None,
     plot: bool = True,
-) -> CostTable:
+) -> ProfiledCostTable:
     """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
 
     Args:
@@ -249,7 +249,7 @@ def _flax_version() -> str:
     return flax.__version__
 
 
-def plot_table(table: CostTable, path: str | Path) -> Path:
+def plot_table(table: ProfiledCostTable, path: str | Path) -> Path:
     """PNG: forward + backward milliseconds vs bucket, one panel per part, one line per (tp, layers)."""
     import matplotlib
 
