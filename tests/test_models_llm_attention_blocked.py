@@ -171,7 +171,7 @@ def test_rows_and_heads_stay_sharded():
     s = 64
     seg = jnp.asarray(_rows(s)[:2])
     q, k, v, w = _qkv(2, s)
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model", None)))  # noqa: E731
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model", None)))
     (gq, gk, gv), out = _value_and_grads(
         lambda *a: blocked_attention(*a, seg, True, 16), put(q), put(k), put(v), w, seg
     )

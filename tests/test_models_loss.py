@@ -176,7 +176,7 @@ def test_sharded_loss_keeps_vocab_split():
     mask = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=NamedSharding(mesh, P()))
 
     def loss(h, w, t, m):
-        head = lambda x: jax.lax.with_sharding_constraint(x @ w, P(None, None, "model"))  # noqa: E731
+        head = lambda x: jax.lax.with_sharding_constraint(x @ w, P(None, None, "model"))
         return chunked_cross_entropy_sum(h, head, t, m, chunk=16)[0]
 
     with jax.set_mesh(mesh):

@@ -78,7 +78,7 @@ def _reference(model, mbs, norm):
 
     @jax.jit
     def grad_mb(params, mb):
-        loss = lambda p: nnx.merge(graphdef, p).loss(*(mb[k] for k in keys))[0] / norm  # noqa: E731
+        loss = lambda p: nnx.merge(graphdef, p).loss(*(mb[k] for k in keys))[0] / norm
         return jax.value_and_grad(loss)(params)
 
     outs = [grad_mb(params, mb) for mb in mbs]

@@ -46,14 +46,19 @@ class ResolvedPlan:
 
     def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:
         """Raises ValueError if the runtime cannot run this plan; returns it otherwise."""
-        if multimodal and not self.layout.encoder_stages:
-            raise ValueError(
-                f"plan={mode}: the plan has no encoder stages (encoder colocated on LLM stage 0), which "
-                "the runtime does not run; plan with planner.colocate=false or give layout.encoder_layers"
-            )
-        if not multimodal and self.layout.encoder_stages:
-            raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
+        check_runnable(self.layout, mode, multimodal)
         return self
+
+
+def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
+    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files)."""
+    if multimodal and not layout.encoder_stages:
+        raise ValueError(
+            f"plan={mode}: the plan has no encoder stages (encoder colocated on LLM stage 0), which "
+            "the runtime does not run; plan with planner.colocate=false or give layout.encoder_layers"
+        )
+    if not multimodal and layout.encoder_stages:
+        raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
 
 
 def training_planner(planner: PlannerConfig, global_batch: int, multimodal: bool) -> PlannerConfig:

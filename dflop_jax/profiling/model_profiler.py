@@ -133,7 +133,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     rng = np.random.default_rng(seed)
     params = prog.make_params(rng)
     x, side, seed = prog.make_inputs(rng)
-    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)  # noqa: E731
+    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
     gacc = [jax.tree.map(zeros, prog.params_abs)]
 
     def backward():
@@ -226,7 +226,7 @@ def profile_model(
         report("profile model", i, len(todo))
         try:
             entry = profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings)
-        except Exception as e:  # noqa: BLE001 - one failing shape is a skipped entry, not a crash
+        except Exception as e:
             entry = CostEntry(kind, tp, bucket, layers, status="skipped",
                               reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip
         if not entry.ok:

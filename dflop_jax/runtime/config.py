@@ -333,7 +333,14 @@ class TrainConfig:
         fix = (
             "give a plan.yaml written by `python -m dflop_jax.plan`, or plan=explicit/auto/analytic"
         )
-        return [InputPath("plan", self.plan, "file", fix)]
+        return [InputPath("plan", self.plan, "file", fix, parse=self._check_plan_file)]
+
+    def _check_plan_file(self, path) -> None:
+        """Raises ValueError if the plan.yaml is malformed or is one this runtime cannot train."""
+        from dflop_jax.planner.plan_file import load_plan
+        from dflop_jax.planner.resolve import check_runnable
+
+        check_runnable(load_plan(path).layout, self.plan, self.model.kind != "decoder")
 
     def ignored_keys(self) -> dict[str, str]:
         """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned)."""
