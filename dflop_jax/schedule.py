@@ -15,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
+from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import DEFAULT_ARCH
 from dflop_jax.scheduler import BASELINES, SchedulerConfig, default_buckets, schedule_batch
 from dflop_jax.scheduler.model_problem import model_problem
 from dflop_jax.scheduler.report import read_samples_jsonl, schedule_to_json
-from dflop_jax.scheduler.types import BucketSet
 
 
 def _ints(text: str, name: str, n: int | None = None) -> tuple[int, ...]:

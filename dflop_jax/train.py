@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from dflop_jax.host_devices import simulate_cpu_devices
@@ -46,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
 
     from dflop_jax.runtime.mesh import LayoutError
-    from dflop_jax.runtime.trainer import run
 
     try:
         # What only the run can see (a mix's dataset files, a layout needing more devices than
@@ -56,6 +56,29 @@ def main(argv: list[str] | None = None) -> int:
         return _config_error(e)
     print(f"run directory: {report.run_dir}")
     return 0
+
+
+def run(cfg, console=None, clock=time.perf_counter):
+    """DFLOP's training run: build the model, resolve its plan (`train_plan`), train (`trainer`).
+
+    Returns the `TrainReport`; `clock` times the stage programs of measured steps (tests pass a
+    deterministic one).
+    """
+    from dflop_jax.costs import arch_of_model
+    from dflop_jax.data import load_tokenizer
+    from dflop_jax.runtime.trainer import prepare_run_dir, train
+    from dflop_jax.train_plan import resolve_plan
+
+    prepare_run_dir(cfg)
+    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+    model, model_cfg = cfg.model.build(
+        vocab,
+        tile_px=cfg.data.tile_px,
+        patch_size=cfg.data.patch_size,
+        compute_dtype=cfg.compute_dtype,
+    )
+    plan = resolve_plan(cfg, model_cfg)
+    return train(cfg, model, arch_of_model(model_cfg), plan, console, clock)
 
 
 def _config_error(e: Exception) -> int:

@@ -32,6 +32,7 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from models.loss import chunked_cross_entropy_sum
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
@@ -155,16 +156,32 @@ class DecoderStage(nnx.Module):
             h = block(layer, h, segment_ids, cos, sin)
         return h
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """h [B,S,D] -> logits [B,S,V] (final norm + head), in the compute dtype."""
+    def _final_norm(self, h: jax.Array) -> jax.Array:
         if not self.has_head:
             raise ValueError("this stage holds no head (has_head=False)")
-        h = self.norm(h.astype(self.cfg.jnp_dtype))
+        return self.norm(h.astype(self.cfg.jnp_dtype))
+
+    def _project(self, h: jax.Array) -> jax.Array:
+        """Normed h [B,c,D] -> logits [B,c,V]; casts the stored weight inside (see `loss`)."""
         if self.cfg.tie_embeddings:
             out = self.embed_tokens.attend(h)
         else:
             out = jnp.einsum("bsd,dv->bsv", h, self.lm_head[...].astype(h.dtype))
         return constrain(out, ("batch", "length", "act_vocab"))
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [B,S,D] -> logits [B,S,V] (final norm + head), in the compute dtype."""
+        return self._project(self._final_norm(h))
+
+    def loss(
+        self, h: jax.Array, targets: jax.Array, loss_mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(summed cross-entropy, loss-token count) of h [B,S,D]; equals
+        `cross_entropy_sum(self.logits(h), ...)` but projects `cfg.loss_chunk` positions at a time,
+        so the [B,S,V] float32 logits never exist (forward or backward)."""
+        return chunked_cross_entropy_sum(
+            self._final_norm(h), self._project, targets, loss_mask, chunk=self.cfg.loss_chunk
+        )
 
 
 def default_positions(input_ids: jax.Array) -> jax.Array:
@@ -200,6 +217,13 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids, segment_ids=None, positions=None) -> jax.Array:
         """input_ids [B,S] int32 -> logits [B,S,V]; defaults: one segment, positions 0..S-1."""
         return self.forward_embeddings(self.embed(input_ids), segment_ids, positions)
+
+    def loss(self, input_ids, targets, loss_mask, segment_ids=None, positions=None):
+        """(summed cross-entropy, loss-token count) of `self(input_ids, ...)` without full logits."""
+        if positions is None:
+            positions = default_positions(input_ids)
+        h = self.stage(self.embed(input_ids), segment_ids, positions)
+        return self.stage.loss(h, targets, loss_mask)
 
 
 def extract_stage(

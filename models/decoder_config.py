@@ -27,6 +27,8 @@ class DecoderConfig:
 
     dtype is the compute dtype ("bfloat16" / "float32"); param_dtype the stored (master) dtype.
     remat: "none" | "full" (recompute every block) | "dots" (save matmul outputs, recompute the rest).
+    loss_chunk: sequence positions whose vocabulary logits the loss computes at once
+      (`models.loss.chunked_cross_entropy_sum`); the whole sequence when it is shorter.
     """
 
     vocab_size: int
@@ -46,9 +48,18 @@ class DecoderConfig:
     param_dtype: str = "float32"
     attention_impl: str | None = "xla"
     remat: str = "none"
+    loss_chunk: int = 1024
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "loss_chunk",
+        )
+        for name in positive:
             value = getattr(self, name)
             _check(value > 0, f"DecoderConfig.{name}={value} must be > 0")
         _check(

@@ -26,7 +26,6 @@ from flax import nnx
 
 from models.decoder import DecoderStage
 from models.layers import extract_layer_range, make_param
-from models.loss import cross_entropy_sum
 from models.placement import flatten_tiles, place_features
 from models.projector import MlpProjector, pixel_shuffle, pool_tiles
 from models.vit import VisionStage
@@ -144,8 +143,8 @@ class LLMStage(nnx.Module):
     def loss(
         self, h: jax.Array, targets: jax.Array, loss_mask: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """(summed cross-entropy, loss-token count) of the head stage's output."""
-        return cross_entropy_sum(self.logits(h), targets, loss_mask)
+        """(summed cross-entropy, loss-token count) of the head stage's output, chunked: no full logits."""
+        return self.decoder.loss(h, targets, loss_mask)
 
 
 class MLLM(nnx.Module):
@@ -229,7 +228,7 @@ def extract_stages(
         stages, first = [], 0
         for i, n in enumerate(split):
             last = i == len(split) - 1
-            factory = lambda f=first, n=n, i=i, last=last: stage_cls(  # noqa: E731
+            factory = lambda f=first, n=n, i=i, last=last: stage_cls(
                 cfg, first_layer=f, num_layers=n, has_embedding=i == 0, has_head=last,
                 rngs=nnx.Rngs(0),
             )  # fmt: skip

@@ -13,4 +13,4 @@ fi
 config="$1"
 shift
 PYTHON="${PYTHON:-python}"
-exec "$PYTHON" -m dflop_jax.profiling --config "$config" --profile-only "$@"
+exec "$PYTHON" -m dflop_jax.profile auto --config "$config" --profile-only "$@"

@@ -1,5 +1,13 @@
 """Import boundaries of DESIGN section 2 / STYLE (b)2: the planning brain imports no jax or flax,
-and models/ imports nothing from dflop_jax."""
+models/ imports nothing from dflop_jax, and dflop_jax's packages depend on each other one way only.
+
+DESIGN draws data flowing `models <- runtime; data -> scheduler -> runtime; profiling -> planner ->
+scheduler`. As imports (every import in the source, lazy ones inside functions included): the shared
+contracts (sample shape, bucket set, schedule, the shape-distribution and cost-table file formats,
+profile settings) sit at the bottom; the data layer and the scheduler meet only in those contracts; the
+runtime uses data, scheduler and planner results; the profiler runs the runtime's stage programs and
+hands its tables to the planner; entry points (`dflop_jax/<name>.py`) and `bench` sit on top.
+"""
 
 import ast
 import re
@@ -10,7 +18,110 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE_PACKAGES = ["dflop_jax.scheduler", "dflop_jax.planner", "dflop_jax.sim", "dflop_jax.costs"]
+PACKAGE = ROOT / "dflop_jax"
+PURE_PACKAGES = [
+    "dflop_jax.contracts",
+    "dflop_jax.scheduler",
+    "dflop_jax.planner",
+    "dflop_jax.sim",
+    "dflop_jax.costs",
+]
+# package -> the dflop_jax packages (and low helper modules) it may import
+ALLOWED = {
+    "config": set(),
+    "host_devices": set(),
+    "contracts": {"config"},
+    "costs": {"config", "contracts"},
+    "sim": {"config", "contracts"},
+    "data": {"config", "contracts"},
+    "scheduler": {"config", "contracts", "costs", "sim"},
+    "planner": {"config", "contracts", "costs", "scheduler", "sim"},
+    "runtime": {"config", "contracts", "costs", "data", "scheduler", "planner"},
+    "profiling": {"config", "contracts", "costs", "data", "planner", "runtime", "host_devices"},
+}
+
+
+def _imported_modules(path: Path) -> list[str]:
+    """Absolute module names imported anywhere in `path` (relative imports resolved)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            # `from dflop_jax import profile` imports the module dflop_jax.profile
+            out += [module] + [f"{module}.{a.name}" for a in node.names]
+    return out
+
+
+def _unit(module: str) -> str | None:
+    """The dflop_jax package (or top-level module) a module belongs to; None outside dflop_jax."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dflop_jax" and len(parts) > 1 else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """unit -> units it imports, over dflop_jax's source files (a unit: a subpackage or a top-level
+    module such as an entry point)."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).parts
+        src = rel[0] if len(rel) > 1 else path.stem
+        if src == "__init__":
+            continue
+        deps = {_unit(m) for m in _imported_modules(path)} - {None, src}
+        graph.setdefault(src, set()).update(deps)
+    return graph
+
+
+def test_import_graph_sees_known_edges():
+    graph = import_graph()  # guards the parser: these edges exist by design
+    assert "contracts" in graph["data"] and "scheduler" in graph["planner"]
+    assert "runtime" in graph["train"] and "runtime" in graph["profiling"]
+
+
+def test_no_cycles_between_packages():
+    graph = import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [node, dep])}")
+            if dep not in state:
+                visit(dep, path + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_is_below_it(package):
+    extra = import_graph().get(package, set()) - ALLOWED[package]
+    assert not extra, (
+        f"dflop_jax.{package} imports {sorted(extra)}: not below it (DESIGN section 2)"
+    )
+
+
+def test_every_package_has_a_rule():
+    """Entry points and bench may import anything; every other package is placed in ALLOWED."""
+    graph = import_graph()
+    entry_points = {p.stem for p in PACKAGE.glob("*.py")} | {"bench"}
+    assert set(graph) - entry_points <= set(ALLOWED), sorted(
+        set(graph) - entry_points - set(ALLOWED)
+    )
+
+
+def test_contracts_import_nothing_above_them():
+    for path in (PACKAGE / "contracts").rglob("*.py"):
+        units = {_unit(m) for m in _imported_modules(path)} - {None}
+        assert units <= {"contracts", "config"}, f"{path.name} imports {sorted(units)}"
 
 
 @pytest.mark.parametrize("package", PURE_PACKAGES)
@@ -32,14 +143,9 @@ def test_pure_packages_do_not_import_jax(package):
 def test_models_do_not_import_dflop_jax():
     offenders = []
     for path in (ROOT / "models").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "dflop_jax"]
+        offenders += [
+            f"{path.name}: {m}" for m in _imported_modules(path) if m.split(".")[0] == "dflop_jax"
+        ]
     assert not offenders, offenders
 
 

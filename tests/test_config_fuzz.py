@@ -19,8 +19,7 @@ from dflop_jax.config import ConfigError, from_dict, load_config
 def _roots() -> dict[str, type]:
     from dflop_jax.data.profile import DataProfileConfig
     from dflop_jax.planner.run_config import PlanRunConfig
-    from dflop_jax.profiling.__main__ import AutoPlanRunConfig
-    from dflop_jax.profiling.cli import ModelProfileConfig
+    from dflop_jax.profiling.run_config import AutoPlanRunConfig, ModelProfileConfig
     from dflop_jax.runtime.config import TrainConfig
 
     return {
@@ -28,7 +27,7 @@ def _roots() -> dict[str, type]:
         "plan": PlanRunConfig,
         "profile data": DataProfileConfig,
         "profile model": ModelProfileConfig,
-        "profiling": AutoPlanRunConfig,
+        "profile auto": AutoPlanRunConfig,
     }
 
 
@@ -95,7 +94,7 @@ def out_of_range(tp) -> list:
 
 
 # A valid starting point per entry point where its defaults alone are not one.
-BASE = {"profiling": {"auto": {"data_source": "llava-ov"}}}
+BASE = {"profile auto": {"auto": {"data_source": "llava-ov"}}}
 
 
 def nested(entry: str, key: str, value) -> dict:

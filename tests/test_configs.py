@@ -28,11 +28,11 @@ def _root_for(command: str):
 
         return DataProfileConfig
     if command.startswith("dflop_jax.profile model"):
-        from dflop_jax.profiling.cli import ModelProfileConfig
+        from dflop_jax.profiling.run_config import ModelProfileConfig
 
         return ModelProfileConfig
-    if command.startswith("dflop_jax.profiling"):
-        from dflop_jax.profiling.__main__ import AutoPlanRunConfig
+    if command.startswith("dflop_jax.profile auto"):
+        from dflop_jax.profiling.run_config import AutoPlanRunConfig
 
         return AutoPlanRunConfig
     raise AssertionError(f"no root config known for `python -m {command}`: add it to {__file__}")
@@ -45,7 +45,7 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_into_its_entry_points_schema(path):
     header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
-    m = re.search(r"python -m (dflop_jax[\w.]*(?: data| model)?)", header)
+    m = re.search(r"python -m (dflop_jax[\w.]*(?: data| model| auto)?)", header)
     if path.name == "demo.yaml":
         command = "dflop_jax.train"
     else:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import (
     AnalyticCostProvider,
     Layout,
@@ -14,7 +15,6 @@ from dflop_jax.costs import (
     layout_transfer_costs,
     llm_layer_flops,
 )
-from dflop_jax.scheduler.types import BucketSet
 
 ARCH = get_arch("siglip-so400m+qwen2.5-7b")
 H100 = get_device("h100")

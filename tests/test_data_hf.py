@@ -95,7 +95,7 @@ def test_llava_ov_tokens_and_tiles_match_hf_processor(hf_tokenizer, tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(records))
     cfg = DataConfig(source=str(tmp_path / "d.json"))
     ours = Processor(cfg)
-    from dflop_jax.data.sources import load_source
+    from dflop_jax.data.dataset import load_source
 
     for rec in load_source(cfg):
         names = rec["image"] if isinstance(rec["image"], list) else [rec["image"]]

@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.types import NEWLINE, TEXT
 
 

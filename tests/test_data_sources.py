@@ -7,8 +7,9 @@ import pytest
 
 from dflop_jax.config import ConfigError
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.mix import load_mix, sample_records
-from dflop_jax.data.sources import load_source, read_records
+from dflop_jax.data.sources import read_records
 from dflop_jax.data.tokenizer import BUNDLED_SPECIALS, build_byte_tokenizer, load_tokenizer
 
 

@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_packing_arrays import TILE, TPT, batches, make_sample
 
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import PackSpec, pack_geometry, pack_taps
 from dflop_jax.data.packing import HostShardSpec, all_shards, pack_global_batch, pack_microbatch
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.stages import PackStage, Scheduled
 from dflop_jax.data.types import FEATURE_TAPS, NEWLINE, TEXT
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 from models import layouts
 from models.placement import place_features
 
@@ -129,8 +129,8 @@ def test_big_image_is_downscaled_and_processed_with_its_layout_taps(packed):
     assert (layout.tap_weights.max(1) < 1).any()  # and some weights are genuinely fractional
     image = np.flatnonzero(big.feature_source != TEXT)
     np.testing.assert_array_equal(big.feature_taps[image], layout.offset_taps(0)[0])
-    np.testing.assert_array_equal(big.feature_weights[image], layout.tap_weights)
-    assert big.feature_taps.shape == big.feature_weights.shape == (big.num_tokens, FEATURE_TAPS)
+    np.testing.assert_array_equal(big.feature_weight[image], layout.tap_weights)
+    assert big.feature_taps.shape == big.feature_weight.shape == (big.num_tokens, FEATURE_TAPS)
 
 
 def test_packed_taps_reproduce_the_layout_combination(packed):
@@ -197,7 +197,7 @@ def test_normal_images_pack_one_tap_of_weight_one(packed):
 def test_internvl_leaves_taps_none(records):
     cfg, proc, recs = _processor(records, "internvl")
     samples = [proc.process(r) for r in recs]
-    assert all(s.feature_taps is None and s.feature_weights is None for s in samples)
+    assert all(s.feature_taps is None and s.feature_weight is None for s in samples)
     assert pack_taps(cfg) == 0
     tile_shape, tpt = pack_geometry(cfg)
     shapes = [SampleShape(s.id, s.num_tiles, s.num_tokens, s.modality) for s in samples]
@@ -245,7 +245,7 @@ def _with_random_taps(sample, rng, k):
         w = rng.random((len(image), k)).astype(np.float32)
         w[:, 0] += k  # keep tap 0 the heaviest: feature_index is the nearest tap
         weights[image] = w / w.sum(1, keepdims=True)
-    return dataclasses.replace(sample, feature_taps=taps, feature_weights=weights)
+    return dataclasses.replace(sample, feature_taps=taps, feature_weight=weights)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -286,7 +286,7 @@ def test_random_schedules_map_every_tap_like_feature_index(case, k, procs):
                     assert (w[:, 1:] == 0).all() and (w[:, 0] == 1).all()
                 else:
                     np.testing.assert_array_equal(taps[:, :k], _to_global(local, slots, TPT))
-                    np.testing.assert_array_equal(w[:, :k], samples[i].feature_weights)
+                    np.testing.assert_array_equal(w[:, :k], samples[i].feature_weight)
                     assert (w[:, k:] == 0).all()
                 start += L
             assert (mb.feature_taps[r, start:] == TEXT).all()
@@ -306,12 +306,12 @@ def test_truncated_and_text_samples_keep_taps_aligned(records):
         text.num_tokens,
         FEATURE_TAPS,
     )  # static: present without images
-    assert (text.feature_taps == TEXT).all() and (text.feature_weights[:, 0] == 1).all()
+    assert (text.feature_taps == TEXT).all() and (text.feature_weight[:, 0] == 1).all()
     full = proc.process(recs[2])
     limit = full.num_tokens - 2  # cuts the answer's tail, keeps the image
     short = Processor(dataclasses.replace(cfg, max_tokens=limit, too_long="truncate")).process(
         recs[2]
     )
-    assert short.feature_taps.shape == short.feature_weights.shape == (limit, FEATURE_TAPS)
+    assert short.feature_taps.shape == short.feature_weight.shape == (limit, FEATURE_TAPS)
     np.testing.assert_array_equal(short.feature_taps, full.feature_taps[:limit])
-    np.testing.assert_array_equal(short.feature_weights, full.feature_weights[:limit])
+    np.testing.assert_array_equal(short.feature_weight, full.feature_weight[:limit])

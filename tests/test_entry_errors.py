@@ -86,7 +86,7 @@ def test_train_config_errors_name_the_key_and_the_fix(overrides, message):
 
 def test_nested_configs_name_the_full_key():
     """The profiler's `auto.planner` is the planner's config nested one level deeper."""
-    from dflop_jax.profiling.__main__ import AutoPlanRunConfig
+    from dflop_jax.profiling.run_config import AutoPlanRunConfig
 
     base = ["auto.data_source=llava-ov"]
     with pytest.raises(ConfigError, match=r"^auto\.planner\.seed=-1: use a seed"):
@@ -127,9 +127,40 @@ def test_used_keys_are_not_reported(caplog):
     assert caplog.records == []
 
 
-def test_inputs_that_exist_pass_and_a_dir_missing_its_file_is_named(tmp_path):
-    plan, data, tok = tmp_path / "plan.yaml", tmp_path / "d.jsonl", tmp_path / "tok"
-    plan.write_text("{}\n")
+@pytest.fixture(scope="module")
+def tiny_plans(tmp_path_factory):
+    """A plan.yaml the runtime can train (separate encoder stages) and one it cannot (colocated)."""
+    from dflop_jax.planner import PlannerConfig, make_plan, save_plan
+    from dflop_jax.scheduler import llava_ov_mix
+
+    out, shapes = tmp_path_factory.mktemp("plans"), llava_ov_mix(100, 0)
+    paths = {}
+    for colocate in (False, True):
+        cfg = PlannerConfig(global_batch=8, microbatches=(2, 4), samples=1, screen_top=1,
+                            llm_pp=(1,), colocate=colocate)  # fmt: skip
+        plan = make_plan("tiny", "cpu", 4, shapes, cfg)
+        assert bool(plan.layout.encoder_stages) != colocate
+        paths[colocate] = save_plan(plan, out / f"colocate_{colocate}.yaml")
+    return paths
+
+
+def test_a_plan_file_the_runtime_cannot_train_is_a_load_error(tiny_plans, tmp_path):
+    assert load_config(TrainConfig, None, [f"plan={tiny_plans[False]}"]).plan == str(
+        tiny_plans[False]
+    )
+    with pytest.raises(ConfigError, match=r"plan='.*colocate_True.yaml': .*no encoder stages"):
+        load_config(TrainConfig, None, [f"plan={tiny_plans[True]}"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("{}\n")
+    out = run_entry("dflop_jax.train", f"plan={broken}")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: plan="), out.stderr
+    assert "not a dflop plan" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_inputs_that_exist_pass_and_a_dir_missing_its_file_is_named(tiny_plans, tmp_path):
+    plan, data, tok = tiny_plans[False], tmp_path / "d.jsonl", tmp_path / "tok"
     data.write_text("")
     tok.mkdir()
     over = [f"plan={plan}", f"data.source={data}"]

@@ -25,7 +25,7 @@ def _waits(loader, step_s: float, batches: int) -> tuple[list[float], float]:
         start, waits = time.perf_counter(), []
         for _ in range(batches):
             time.sleep(step_s)
-            waits.append(next(loader).stats["data_wait_s"])
+            waits.append(next(loader).stats.data_wait_s)
         return waits, time.perf_counter() - start
 
 

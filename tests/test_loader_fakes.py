@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop_jax.data.errors import BadSample
-from dflop_jax.data.types import TEXT, ProcessedSample
-from dflop_jax.scheduler.types import (
+from dflop_jax.contracts import (
     BucketSet,
     MicrobatchPlan,
     SampleShape,
     Schedule,
     ScheduleProblem,
 )
+from dflop_jax.data.errors import BadSample
+from dflop_jax.data.types import TEXT, ProcessedSample
 
 TPT = 2
 TILE = (2, 2, 3)
@@ -59,7 +59,7 @@ class FakeProcessor:
     def process(self, record) -> ProcessedSample:
         if "bad_load" in record:
             raise BadSample(record["bad_load"], record["_location"], "fake load failure")
-        i, t, x = record["id"], record["tiles"], record["text"] + record.get("lie", 0)  # noqa: SIM910
+        i, t, x = record["id"], record["tiles"], record["text"] + record.get("lie", 0)
         src = np.array([TEXT] * x + list(range(t * TPT)), np.int32)
         ids = np.arange(len(src), dtype=np.int32) + 100 * i + 1
         mask = np.arange(len(src)) % 2 == 0

@@ -16,8 +16,8 @@ import numpy as np
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.packing import HostShardSpec
-from dflop_jax.data.sources import load_source
-from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig
+from dflop_jax.data.dataset import load_source
+from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
 
 mix, index, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = DataConfig(source=mix, tile_size=28, max_frames=4, cache_dir="")
@@ -25,12 +25,13 @@ costs = lambda T, S: np.array([[T * 1e-3, T * 2e-3], [S * 1e-5, S * 2e-5]])
 problem = ScheduleProblem(2, 4, 2, (1, 8), BucketSet((8, 16, 24), (256, 512, 1024)), costs)
 host = HostShardSpec.contiguous(index, count, 2, 4) if count > 1 else None
 out = []
-with make_loader(cfg, load_source(cfg), problem, SchedulerConfig(solver="greedy"),
+scheduler = Scheduler(problem, SchedulerConfig(solver="greedy"))
+with make_loader(cfg, load_source(cfg), problem, scheduler.schedule,
                  global_batch_size=12, seed=3, host=host) as loader:
     for _ in range(3):
         gb = next(loader)
         out.append({
-            "digest": gb.stats["schedule_digest"],
+            "digest": gb.stats.schedule_digest,
             "loss_tokens": gb.num_loss_tokens,
             "tokens": [mb.tokens.tolist() for mb in gb.microbatches],
             "tile_sums": [mb.tiles.sum(axis=(1, 2, 3)).round(3).tolist() for mb in gb.microbatches],

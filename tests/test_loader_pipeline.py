@@ -70,7 +70,7 @@ def batch_ids(gb) -> list[int]:
 def assert_same_batches(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert x.stats["schedule_digest"] == y.stats["schedule_digest"]
+        assert x.stats.schedule_digest == y.stats.schedule_digest
         assert x.num_loss_tokens == y.num_loss_tokens
         assert len(x.microbatches) == len(y.microbatches)
         for mx, my in zip(x.microbatches, y.microbatches):
@@ -98,12 +98,12 @@ def test_one_epoch_covers_every_record_once_in_bucket_shapes():
         want = sum((records[i]["text"] + records[i]["tiles"] * TPT - 1) // 2 for i in batch_ids(gb))
         # FakeProcessor marks even positions as assistant; loss is on targets = positions 1..L-1.
         assert gb.num_loss_tokens == want
-        assert 0 <= gb.stats["llm_padding_ratio"] < 1
+        assert 0 <= gb.stats.llm_padding_ratio < 1
     assert loader.stats()["batches"] == 4 and loader.stats()["samples"] == 32
 
 
-def test_stats_time_the_scheduler_hook_and_the_consumer_wait():
-    """A scheduler that takes >= 20 ms: the hook's latency covers it, and without prefetch the batch is
+def test_stats_time_the_schedule_function_and_the_consumer_wait():
+    """A schedule function that takes >= 20 ms: its latency covers it, and without prefetch the batch is
     scheduled inside `next()`, so the consumer's data wait covers the latency; the run's means are
     the per-batch means."""
     first_fit = FirstFit(fake_problem())
@@ -117,9 +117,9 @@ def test_stats_time_the_scheduler_hook_and_the_consumer_wait():
         totals = loader.stats()
     assert len(stats) == 2
     for st in stats:
-        assert st["data_wait_s"] >= st["scheduler_latency_s"] >= 0.02
+        assert st.data_wait_s >= st.scheduler_latency_s >= 0.02
     for key in ("scheduler_latency_s", "data_wait_s"):
-        assert totals[f"{key}_mean"] == pytest.approx(np.mean([st[key] for st in stats]))
+        assert totals[f"{key}_mean"] == pytest.approx(np.mean([getattr(st, key) for st in stats]))
 
 
 def test_every_epoch_is_a_new_permutation():
@@ -149,13 +149,13 @@ def test_bad_records_are_counted_by_reason_and_skipped():
     assert totals == want
     per_batch = {}
     for gb in batches:
-        for k, v in gb.stats["skipped"].items():
+        for k, v in gb.stats.skipped.items():
             per_batch[k] = per_batch.get(k, 0) + v
     assert per_batch == want
     seen = sorted(i for gb in batches for i in batch_ids(gb))
     # Shape-stage skips never reach the scheduler; load failures keep their room as padding.
     assert seen == sorted(set(range(24)) - set(bad) - set(bad_load) - {8, 9})
-    assert sum(gb.stats["num_samples"] for gb in batches) == 24 - len(bad) - 2
+    assert sum(gb.stats.num_samples for gb in batches) == 24 - len(bad) - 2
 
 
 @pytest.mark.parametrize("where", ["shape", "load"])
@@ -172,7 +172,7 @@ def test_all_bad_batch_yields_an_empty_batch():
     assert (
         gb.microbatches == []
         and gb.num_loss_tokens == 0
-        and gb.stats["skipped"] == {"missing_file": 4}
+        and gb.stats.skipped == {"missing_file": 4}
     )
 
 
@@ -219,7 +219,7 @@ def test_hosts_agree_on_schedule_and_load_only_their_shards():
     assert set(processed[0]) | set(processed[1]) == set(range(24))
     for k, gb in enumerate(full):
         for part in parts:
-            assert part[k].stats["schedule_digest"] == gb.stats["schedule_digest"]
+            assert part[k].stats.schedule_digest == gb.stats.schedule_digest
         for m, mb in enumerate(gb.microbatches):
             T = gb.schedule.microbatches[m].tile_bucket
             tiles = np.concatenate([p[k].microbatches[m].tiles for p in parts])
@@ -256,7 +256,7 @@ def test_processed_size_differing_from_metadata_is_counted_or_raised():
     records[2]["lie"] = 1  # process() yields one token more than shape() promised
     with make(records, epochs=1) as loader:
         (gb,) = list(loader)
-    assert gb.stats["skipped"] == {"metadata_mismatch": 1}
+    assert gb.stats.skipped == {"metadata_mismatch": 1}
     assert sorted(batch_ids(gb)) == [0, 1, 3, 4, 5, 6, 7]
     with make(records, epochs=1, strict=True) as loader, pytest.raises(ValueError, match="fake:2"):
         list(loader)
@@ -279,8 +279,8 @@ def test_precomputed_shapes_replace_the_metadata_stage():
         known = list(loader)
     assert proc.shaped == []  # no shape() call during iteration
     assert_same_batches(lazy, known)
-    assert [gb.stats["skipped"] for gb in known] == [gb.stats["skipped"] for gb in lazy]
-    assert sum(sum(gb.stats["skipped"].values()) for gb in known) == 2
+    assert [gb.stats.skipped for gb in known] == [gb.stats.skipped for gb in lazy]
+    assert sum(sum(gb.stats.skipped.values()) for gb in known) == 2
 
 
 @pytest.mark.parametrize(

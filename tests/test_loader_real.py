@@ -11,12 +11,12 @@ import pytest
 from PIL import Image
 
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader, pack_geometry
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.synth import synth_dataset
-from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig
+from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
 
 TILE_PX = 28  # 2x2 patches: 4 feature rows per tile keep the test tiny
 
@@ -37,14 +37,14 @@ def synth(tmp_path_factory):
 
 
 def loader_for(cfg, records, **kw):
-    sched = SchedulerConfig(solver="greedy", correction="off")
+    sched = Scheduler(PROBLEM, SchedulerConfig(solver="greedy", correction="off"))
     kw.setdefault("global_batch_size", 12)
-    return make_loader(cfg, records, PROBLEM, sched, seed=0, **kw)
+    return make_loader(cfg, records, PROBLEM, sched.schedule, seed=0, **kw)
 
 
 def check_against_processor(gb, by_id, proc, tpt):
     """Every packed segment equals the sample processed independently; features point at its tiles."""
-    ids = gb.stats["sample_ids"]
+    ids = gb.stats.sample_ids
     for mb, plan in zip(gb.microbatches, gb.schedule.microbatches):
         for r, members in enumerate(plan.shards):
             offset = 0
@@ -75,7 +75,7 @@ def test_real_processor_and_scheduler_on_synth(synth):
         batches = list(loader)
         stats = loader.stats()
     assert len(batches) == 4 and stats["samples"] == 48 and stats["skipped"] == {}
-    assert sorted(i for gb in batches for i in gb.stats["sample_ids"]) == sorted(by_id)
+    assert sorted(i for gb in batches for i in gb.stats.sample_ids) == sorted(by_id)
     for gb in batches:
         assert gb.schedule.solver == "greedy"
         for mb, plan in zip(gb.microbatches, gb.schedule.microbatches):
@@ -83,7 +83,7 @@ def test_real_processor_and_scheduler_on_synth(synth):
             assert mb.tokens.shape == (2, plan.length_bucket)
         check_against_processor(gb, by_id, proc, tpt)
         assert gb.num_loss_tokens == sum(
-            int(proc.process(by_id[i]).assistant_mask[1:].sum()) for i in gb.stats["sample_ids"]
+            int(proc.process(by_id[i]).assistant_mask[1:].sum()) for i in gb.stats.sample_ids
         )
     assert 0 < stats["llm_padding_ratio"] < 1
 
@@ -99,8 +99,8 @@ def test_real_resume_is_exact(synth):
         loader.set_state(state)
         rest = [next(loader) for _ in range(3)]
     for a, b in zip(full[3:], rest):
-        assert a.stats["schedule_digest"] == b.stats["schedule_digest"]
-        assert a.stats["sample_ids"] == b.stats["sample_ids"]
+        assert a.stats.schedule_digest == b.stats.schedule_digest
+        assert a.stats.sample_ids == b.stats.sample_ids
         for ma, mb in zip(a.microbatches, b.microbatches):
             np.testing.assert_array_equal(ma.tiles, mb.tiles)
             np.testing.assert_array_equal(ma.tokens, mb.tokens)
@@ -108,8 +108,8 @@ def test_real_resume_is_exact(synth):
 
 
 def assert_same(a, b):
-    assert a.stats["schedule_digest"] == b.stats["schedule_digest"]
-    assert a.stats["sample_ids"] == b.stats["sample_ids"]
+    assert a.stats.schedule_digest == b.stats.schedule_digest
+    assert a.stats.sample_ids == b.stats.sample_ids
     assert a.num_loss_tokens == b.num_loss_tokens
     for ma, mb in zip(a.microbatches, b.microbatches, strict=True):
         for name in ("tiles", "tile_valid", "tokens", "segment_ids", "loss_mask", "feature_index"):
@@ -190,12 +190,12 @@ def test_every_bad_input_kind_is_counted_or_raised(synth, tmp_path, strict):
             return
         (gb,) = list(loader)
         assert loader.stats()["skipped"] == want
-    assert gb.stats["skipped"] == want
+    assert gb.stats.skipped == want
     # The truncated image was scheduled (its header is fine), then failed to decode: its room is padding.
-    assert gb.stats["num_samples"] == 17 - sum(want.values()) + want["corrupt_image"]
-    assert "corrupt" in gb.stats["sample_ids"]
+    assert gb.stats.num_samples == 17 - sum(want.values()) + want["corrupt_image"]
+    assert "corrupt" in gb.stats.sample_ids
     kept = [i for mb in gb.schedule.microbatches for i in mb.samples()]
-    assert len(kept) == gb.stats["num_samples"]
+    assert len(kept) == gb.stats.num_samples
 
 
 def test_truncate_policy_cuts_long_text_to_the_largest_bucket(synth):
@@ -206,14 +206,14 @@ def test_truncate_policy_cuts_long_text_to_the_largest_bucket(synth):
     cut = DataConfig(source="synthetic", tile_size=TILE_PX, cache_dir="", too_long="truncate")
     with loader_for(cut, data, global_batch_size=8, num_epochs=1) as loader:
         (gb,) = list(loader)
-    assert gb.stats["skipped"] == {} and "long" in gb.stats["sample_ids"]
-    i = gb.stats["sample_ids"].index("long")
+    assert gb.stats.skipped == {} and "long" in gb.stats.sample_ids
+    i = gb.stats.sample_ids.index("long")
     plan = next(p for p in gb.schedule.microbatches if i in p.samples())
     assert plan.length_bucket == PROBLEM.buckets.lengths[-1]
     skip = DataConfig(source="synthetic", tile_size=TILE_PX, cache_dir="", too_long="skip")
     with loader_for(skip, data, global_batch_size=8, num_epochs=1) as loader:
         (gb,) = list(loader)
-    assert gb.stats["skipped"] == {"too_long": 1} and "long" not in gb.stats["sample_ids"]
+    assert gb.stats.skipped == {"too_long": 1} and "long" not in gb.stats.sample_ids
 
 
 def test_precomputed_shapes_from_the_metadata_cache(synth, tmp_path):

@@ -9,10 +9,10 @@ from flax import nnx
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from models_fixtures import hf_logits, save_tiny_llama, save_tiny_qwen2  # noqa: E402
+from models_fixtures import hf_logits, save_tiny_llama, save_tiny_qwen2
 
-from models.decoder import Decoder  # noqa: E402
-from models.hf import load_pretrained, save_pretrained  # noqa: E402
+from models.decoder import Decoder
+from models.hf import load_pretrained, save_pretrained
 
 pytestmark = pytest.mark.hf
 TOL = 1e-4

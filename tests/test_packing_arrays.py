@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
 from dflop_jax.data.types import NEWLINE, TEXT, ProcessedSample
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
 
 TPT = 3  # feature rows per tile
 TILE = (2, 2, 3)
@@ -116,10 +116,10 @@ def test_hand_built_microbatch():
     row = mb.feature_index[1]
     assert row[row >= 0].tolist()[TPT:] == [4 * TPT + j for j in range(TPT)]
     n_tokens = sum(s.num_tokens for s in samples)
-    assert stats["tokens_real"] == n_tokens and stats["tokens_computed"] == 64
-    assert stats["tiles_real"] == 5 and stats["tiles_computed"] == 6
+    assert stats.tokens_real == n_tokens and stats.tokens_computed == 64
+    assert stats.tiles_real == 5 and stats.tiles_computed == 6
     want_loss = sum(int(s.assistant_mask[1:].sum()) for s in samples)
-    assert stats["loss_tokens"] == want_loss == int(mb.loss_mask.sum())
+    assert stats.loss_tokens == want_loss == int(mb.loss_mask.sum())
 
 
 def test_overflow_is_rejected():
@@ -189,10 +189,10 @@ def test_random_schedules(case):
     for mb, plan in zip(gb.microbatches, plans):
         check_microbatch(mb, plan, samples, encoder_dp, llm_dp)
     assert gb.num_loss_tokens == sum(int(s.assistant_mask[1:].sum()) for s in samples)
-    assert gb.stats["tokens_real"] == sum(s.num_tokens for s in samples)
-    assert gb.stats["tiles_real"] == sum(s.num_tiles for s in samples)
+    assert gb.stats.packed.tokens_real == sum(s.num_tokens for s in samples)
+    assert gb.stats.packed.tiles_real == sum(s.num_tiles for s in samples)
     computed = sum(llm_dp * p.length_bucket for p in plans)
-    assert gb.stats["llm_padding_ratio"] == pytest.approx(1 - gb.stats["tokens_real"] / computed)
+    assert gb.stats.llm_padding_ratio == pytest.approx(1 - gb.stats.packed.tokens_real / computed)
 
 
 def test_host_shards_materialise_local_rows_only():
@@ -223,7 +223,7 @@ def test_host_shards_materialise_local_rows_only():
     np.testing.assert_array_equal(local.tile_valid, full.tile_valid[4:6])
     for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
         np.testing.assert_array_equal(getattr(local, name), getattr(full, name)[2:4])
-    assert stats["tiles_computed"] == 2 and stats["tokens_computed"] == 80
+    assert stats.tiles_computed == 2 and stats.tokens_computed == 80
 
 
 def test_failed_sample_leaves_padding_in_place():

@@ -48,6 +48,7 @@ def test_format_tables_has_both_tables():
         "blind_dynamic": {"step_s": 1.5, "idle": 0.0, "device_idle": 0.3, "padding_tokens": 0.0},
         "speedup": 2.0, "speedup_vs_dynamic": 1.5, "device_idle_reduction": 0.8,
         "device_idle_reduction_vs_dynamic": float("nan"), "plan_time_dflop_s": 12.4, "plan_time_blind_s": 0.4,
+        "strongest_baseline": {"name": "maxtext-packer", "step_s": 1.25, "speedup": 1.25},
     }  # fmt: skip
     text = format_tables(
         [row], [{"model": "big", "gpus": 32, "error": "data-blind: no layout fits"}]
@@ -58,6 +59,7 @@ def test_format_tables_has_both_tables():
         and "| 80% |" in text
         and "n/a" in text
         and "| 12 / 0 |" in text
+        and "| maxtext-packer, 1.25 | 1.25x |" in text
         and "| big | 32 | data-blind: no layout fits |" in text
     )
 
@@ -91,3 +93,40 @@ def test_paper_model_set_is_the_references():
     }  # fmt: skip
     for name, (_, data) in PAPER_MODELS.items():
         assert data == ("llava-ov" if name.startswith("siglip") else "omnibal")
+
+
+def test_strongest_scheduler_baseline_column(tmp_path, capsys):
+    """Default model at 8 GPUs with two cheap scheduler baselines on DFLOP's layout: every row has the
+    column, and its name / step / speedup are those of the lowest baseline step in the JSON rows
+    (recomputed here, not read back)."""
+    import json
+
+    from dflop_jax.bench.cluster import main
+
+    out_json = tmp_path / "rows.json"
+    rc = main(["--quick", "--gpus", "8", "--eval-batches", "1", "--samples", "1",
+               "--baselines", "data-blind,maxtext-packer", "--json", str(out_json)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "strongest scheduler baseline on DFLOP's layout" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows
+    for r in rows:
+        steps = {n: b["step_s"] for n, b in r["baselines"].items()}
+        assert set(steps) == {"data-blind", "maxtext-packer"}
+        name = min(steps, key=steps.get)
+        ratio = steps[name] / r["dflop"]["step_s"]
+        sb = r["strongest_baseline"]
+        assert sb["name"] == name and sb["speedup"] == pytest.approx(ratio, rel=1e-12)
+        line = next(
+            ln
+            for ln in out.splitlines()
+            if ln.startswith(f"| {r['model']} | {r['gpus']} | {r['dflop']['step_s']:.2f}")
+        )
+        assert f"| {name}, {steps[name]:.2f} | {ratio:.2f}x |" in line
+
+
+def test_unknown_baseline_is_a_one_line_error(capsys):
+    from dflop_jax.bench.cluster import main
+
+    assert main(["--quick", "--baselines", "nope"]) == 2
+    assert "unknown baseline 'nope'" in capsys.readouterr().err

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs import StageSpec, get_device
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.profiling import model_profiler
 from dflop_jax.profiling.model_config import arch_for_model_config, model_config_for_arch
 from dflop_jax.profiling.model_profiler import measure_program, profile_model
 from dflop_jax.profiling.programs import StageShape, build_program
-from dflop_jax.profiling.settings import ProfileSettings
 
 CFG = model_config_for_arch("tiny", "float32")
 FAST = dict(warmup=0, runs=1, compute_dtype="float32")
@@ -136,7 +136,7 @@ def test_named_archs_map_to_model_configs_and_back(name):
     cfg = model_config_for_arch(arch)
     assert isinstance(cfg, InternVLConfig) == name.startswith("internvit")
     back = arch_for_model_config(cfg, name)
-    strip = lambda a: dataclasses.replace(a, name="")  # noqa: E731
+    strip = lambda a: dataclasses.replace(a, name="")
     assert strip(back.vision) == strip(arch.vision)
     assert dataclasses.replace(strip(back.llm), head_dim=back.llm.dh) == dataclasses.replace(
         strip(arch.llm), head_dim=arch.llm.dh

@@ -9,12 +9,12 @@ import types
 
 import pytest
 
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import model_profiler, pipeline
 from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
-from dflop_jax.profiling.settings import ProfileSettings
-from dflop_jax.profiling.table import CostEntry, CostTable, save_table
 
 CFG = model_config_for_arch("tiny", "float32")
 PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,
@@ -24,7 +24,7 @@ PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_to
 def _fake_profiler(calls):
     def fake(model_cfg, devices, settings, out_path, **kwargs):
         calls.append(model_cfg)
-        t = CostTable("cpu", "cpu", 8, "fake", "fake", model="tiny")
+        t = ProfiledCostTable("cpu", "cpu", 8, "fake", "fake", model="tiny")
         for b in settings.llm_buckets:
             for n in (1, 2):
                 t.add(CostEntry("llm_layers", 1, b, n, fwd_s=1e-3 * n * b / 64, bwd_s=2e-3 * n * b / 64,
@@ -100,7 +100,10 @@ def test_profile_model_cli(tmp_path, capsys):
 
 
 def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
-    from dflop_jax.profiling.__main__ import main
+    from dflop_jax.profile import main as profile_main
+
+    def main(argv):
+        return profile_main(["auto", *argv])
 
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))

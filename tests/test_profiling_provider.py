@@ -7,9 +7,9 @@ import logging
 import numpy as np
 import pytest
 
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
 from dflop_jax.costs import AnalyticCostProvider, StageSpec, get_arch, get_device
 from dflop_jax.costs.measured import MeasuredCostProvider, interpolate
-from dflop_jax.profiling.table import CostEntry, CostTable, load_table, save_table
 
 ARCH, DEV = get_arch("tiny"), get_device("cpu")
 BASE = 1e-4  # per-program fixed seconds
@@ -27,8 +27,8 @@ def _entry(kind, tp, bucket, layers, slope, param_bytes, temp):
                      input_bytes=10 * bucket, memory_bwd={"peak": peak})  # fmt: skip
 
 
-def synthetic_table(tps=(1, 2)) -> CostTable:
-    t = CostTable("cpu", "cpu", 8, "h", "c", model="tiny")
+def synthetic_table(tps=(1, 2)) -> ProfiledCostTable:
+    t = ProfiledCostTable("cpu", "cpu", 8, "h", "c", model="tiny")
     for tp in tps:
         for b in BUCKETS:
             for n in (1, 2):
@@ -68,9 +68,9 @@ def test_sources_flag_measured_interpolated_extrapolated():
     assert p.stage_time(StageSpec("llm", 0, 1), 0) == (0.0, 0.0)
 
 
-def _quadratic_table(buckets, inflate=None) -> CostTable:
+def _quadratic_table(buckets, inflate=None) -> ProfiledCostTable:
     """Layer cost with an attention-like b^2 term; `inflate` = (bucket, layers, factor) of one entry."""
-    t = CostTable("cpu", "cpu", 8, "h", "c", model="tiny")
+    t = ProfiledCostTable("cpu", "cpu", 8, "h", "c", model="tiny")
     for b in buckets:
         for n in (1, 2):
             f = inflate[2] if inflate and (b, n) == inflate[:2] else 1.0

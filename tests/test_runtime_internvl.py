@@ -20,7 +20,7 @@ from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_mllm_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
-from dflop_jax.runtime.trainer import run
+from dflop_jax.train import run
 from models.internvit import InternViTConfig
 from models.internvl import InternVL, internvl_config
 
@@ -78,7 +78,7 @@ def _reference(model, mbs, norm):
 
     @jax.jit
     def grad_mb(params, mb):
-        loss = lambda p: nnx.merge(graphdef, p).loss(*(mb[k] for k in keys))[0] / norm  # noqa: E731
+        loss = lambda p: nnx.merge(graphdef, p).loss(*(mb[k] for k in keys))[0] / norm
         return jax.value_and_grad(loss)(params)
 
     outs = [grad_mb(params, mb) for mb in mbs]

@@ -15,7 +15,7 @@ from models_fixtures import TINY_TRAIN_DECODER
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.trainer import run
+from dflop_jax.train import run
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "run_training.sh"

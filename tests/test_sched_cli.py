@@ -104,3 +104,5 @@ def test_bench_scheduler_small_run():
     for r in pipe:
         # float sums in a different order: equal up to round-off where the bound is tight
         assert r["lb"] <= r["ordered"] * (1 + 1e-12) and r["ordered"] <= r["solve_order"]
+        # the makespan rule is never worse than the surrogate rule on the same batch
+        assert r["ordered"] <= r["surrogate_rule"] * (1 + 1e-12)

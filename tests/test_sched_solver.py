@@ -57,8 +57,11 @@ def brute_force_optimum(shapes, prob):
 def test_refinement_reaches_brute_force_optimum_and_bound_is_valid(seed):
     shapes, prob = batch(seed=seed), problem()
     opt = brute_force_optimum(shapes, prob)
-    greedy = schedule_batch(shapes, prob, SchedulerConfig(solver="greedy"))
-    refined = schedule_batch(shapes, prob, SchedulerConfig(solver="cpsat", time_limit_s=30.0))
+    # the surrogate rule (the makespan rule may trade surrogate for makespan: test_sched_select.py)
+    greedy = schedule_batch(shapes, prob, SchedulerConfig(solver="greedy", select="surrogate"))
+    refined = schedule_batch(
+        shapes, prob, SchedulerConfig(solver="cpsat", time_limit_s=30.0, select="surrogate")
+    )
     assert greedy.lower_bound <= opt * (1 + 1e-9)
     assert opt <= greedy.objective * (1 + 1e-12)
     # the neighbourhood (2 microbatches) is the whole batch: the re-packing is exact
@@ -74,7 +77,8 @@ def test_fallback_when_solver_raises(monkeypatch):
         raise RuntimeError("solver exploded")
 
     monkeypatch.setattr(lns_mod, "repack", boom)
-    s = schedule_batch(batch(), problem(), SchedulerConfig(solver="auto"))
+    # the surrogate rule: the answer is then exactly the greedy's (the makespan rule may pick another)
+    s = schedule_batch(batch(), problem(), SchedulerConfig(solver="auto", select="surrogate"))
     assert s.solver == "greedy"
     assert "solver exploded" in s.info["fallback"]
     assert s.objective == s.info["greedy_objective"]
@@ -84,7 +88,7 @@ def test_fallback_when_solver_raises(monkeypatch):
 def test_fallback_on_bad_status(monkeypatch, status):
     # what CP-SAT returns without a solution, on an infeasible or an invalid model
     monkeypatch.setattr(cpsat_mod, "_solve", lambda solver, model: status)
-    s = schedule_batch(batch(), problem(), SchedulerConfig(solver="cpsat"))
+    s = schedule_batch(batch(), problem(), SchedulerConfig(solver="cpsat", select="surrogate"))
     assert s.solver == "greedy"
     assert s.info["fallback"] == "refinement found nothing better than greedy"
     assert s.objective == s.info["greedy_objective"] and s.info["lns_rounds"] >= 1
@@ -149,8 +153,9 @@ def test_seed_is_read_and_scheduler_seeds_batch_k_with_seed_plus_k(monkeypatch):
 
     monkeypatch.setattr("dflop_jax.scheduler.solve.lns", spy)
     shapes, prob = batch(24, seed=3), problem(m=(6, 6))
-    schedule_batch(shapes, prob, SchedulerConfig(solver="auto", seed=13))
-    sched = Scheduler(prob, SchedulerConfig(solver="auto", seed=13, correction="off"))
+    cfg = SchedulerConfig(solver="auto", seed=13, correction="off", select="surrogate")
+    schedule_batch(shapes, prob, cfg)
+    sched = Scheduler(prob, cfg)
     first = sched.schedule(shapes)
     second = sched.schedule(shapes)
     assert seeds == [13, 13, 14]

@@ -18,7 +18,12 @@ take up to 4 pipeline stages.
 - data-blind, dynamic shapes: the same layout and microbatches, but each microbatch costs what its real
   load costs (as in a variable-shape PyTorch/Megatron run: no padding, stages wait on each other).
 
-Both are evaluated on the same fresh global batches (a seed the planner never saw) by the pipeline
+- the scheduler baselines on DFLOP's own layout (`scheduler.baselines`: data-blind, reference-like,
+  reference-exact, maxtext-packer; `--baselines` picks some): the same plan, each baseline's
+  microbatches at the plan's count, so the row says what DFLOP's scheduler buys over the strongest of
+  them (the one with the lowest mean simulated step) on top of what its layout buys over data-blind.
+
+All are evaluated on the same fresh global batches (a seed the planner never saw) by the pipeline
 simulator. Reported: mean step time, speedup, the pipeline idle fraction (DESIGN section 9:
 sum_s (step - busy_s) / (P x step); padding counts as busy, data-parallel waiting is invisible) and the
 device idle fraction = 1 - useful / (P x step), where useful sums, per microbatch and stage, the mean
@@ -52,6 +57,7 @@ from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
 from dflop_jax.planner.variants import plan_provider
 from dflop_jax.scheduler import Schedule, llava_ov_mix, omnibal_shapes
+from dflop_jax.scheduler.baselines import BASELINES, run_baselines
 from dflop_jax.sim import simulate
 
 MODELS = {
@@ -133,8 +139,39 @@ def _shard_costs(sched: Schedule, batch, costs: LayoutCosts, plan: Plan) -> np.n
     return np.asarray(out)
 
 
+def baseline_steps(plan: Plan, batches, costs: LayoutCosts, names) -> dict[str, dict]:
+    """Per scheduler baseline on `plan`'s layout: its `Measured` figures (as dicts) through `evaluate`,
+    or {"error": ...} when it cannot schedule a batch (e.g. it overflows the largest buckets)."""
+    out = {}
+    for name in names:
+
+        def sched(batch, problem, name=name):
+            return run_baselines(batch, problem, plan.microbatches, [name])[name]
+
+        try:
+            out[name] = dataclasses.asdict(evaluate(plan, batches, sched, costs))
+        except ValueError as e:
+            out[name] = {"error": str(e).replace("|", "/")}
+    return out
+
+
+def strongest_baseline(dflop_step: float, baselines: dict[str, dict]) -> dict:
+    """The baseline with the lowest mean step (ties: the first), and DFLOP's speedup over it."""
+    ok = {n: b["step_s"] for n, b in baselines.items() if "step_s" in b}
+    if not ok:
+        return {"name": None, "step_s": float("nan"), "speedup": float("nan")}
+    name = min(ok, key=ok.get)
+    return {"name": name, "step_s": ok[name], "speedup": ok[name] / dflop_step}
+
+
 def run_case(
-    model: str, num_devices: int, config: PlannerConfig, eval_batches: int, remat: bool, progress
+    model: str,
+    num_devices: int,
+    config: PlannerConfig,
+    eval_batches: int,
+    remat: bool,
+    progress,
+    baselines: tuple[str, ...] = tuple(BASELINES),
 ) -> dict:
     arch_name, data = MODELS[model]
     shapes = llava_ov_mix(4000, 0) if data == "llava-ov" else omnibal_shapes()
@@ -152,6 +189,7 @@ def run_case(
     d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
     b = evaluate(blind, batches, data_blind_scheduler(), b_costs)
     bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
+    base = baseline_steps(dflop, batches, d_costs, baselines)
     return {
         "model": model, "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
         "dflop_layout": _layout_cell(dflop, arch), "blind_layout": _layout_cell(blind, arch),
@@ -161,6 +199,7 @@ def run_case(
         "idle_reduction_vs_dynamic": 1 - d.idle / bd.idle if bd.idle > 0 else float("nan"),
         "device_idle_reduction": 1 - d.device_idle / b.device_idle if b.device_idle > 0 else float("nan"),
         "device_idle_reduction_vs_dynamic": 1 - d.device_idle / bd.device_idle if bd.device_idle > 0 else float("nan"),
+        "baselines": base, "strongest_baseline": strongest_baseline(d.step_s, base),
         "plan_time_s": t_dflop + t_blind, "plan_time_dflop_s": t_dflop, "plan_time_blind_s": t_blind,
     }  # fmt: skip
 
@@ -205,8 +244,9 @@ def format_tables(rows: list[dict], failures: list[dict] = ()) -> str:
     cols = ("| model | GPUs | step DFLOP (s) | step blind (s) | speedup | pipeline idle DFLOP / blind | "
             "device idle DFLOP / blind | device idle cut | LLM padding DFLOP / blind | "
             "blind dynamic-shape: step (s) / device idle | speedup / device idle cut vs it | "
+            "strongest scheduler baseline on DFLOP's layout: name, step (s) | speedup vs it | "
             "planning s DFLOP / blind |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
     num = "".join(
         f"| {r['model']} | {r['gpus']} | {r['dflop']['step_s']:.2f} | {r['blind']['step_s']:.2f} | "
         f"{r['speedup']:.2f}x | {r['dflop']['idle']:.1%} / {r['blind']['idle']:.1%} | "
@@ -214,6 +254,7 @@ def format_tables(rows: list[dict], failures: list[dict] = ()) -> str:
         f"{r['dflop']['padding_tokens']:.1%} / {r['blind']['padding_tokens']:.1%} | "
         f"{r['blind_dynamic']['step_s']:.2f} / {r['blind_dynamic']['device_idle']:.1%} | "
         f"{r['speedup_vs_dynamic']:.2f}x / {_pct(r['device_idle_reduction_vs_dynamic'])} | "
+        f"{_strongest_cells(r)} | "
         f"{r['plan_time_dflop_s']:.0f} / {r['plan_time_blind_s']:.0f} |\n"
         for r in rows
     )  # fmt: skip
@@ -222,6 +263,14 @@ def format_tables(rows: list[dict], failures: list[dict] = ()) -> str:
         out += "\n| model | GPUs | no plan |\n|---|---|---|\n"
         out += "".join(f"| {f['model']} | {f['gpus']} | {f['error']} |\n" for f in failures)
     return out
+
+
+def _strongest_cells(row: dict) -> str:
+    """ "name, step | speedup" of the row's strongest baseline ("none | n/a" when none ran)."""
+    sb = row.get("strongest_baseline") or {"name": None}
+    if sb["name"] is None:
+        return "none | n/a"
+    return f"{sb['name']}, {sb['step_s']:.2f} | {sb['speedup']:.2f}x"
 
 
 def _settings(args) -> tuple[list[int], list[str], int, int]:
@@ -272,9 +321,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--no-remat", action="store_true", help="cost model without activation recomputation"
     )
+    ap.add_argument(
+        "--baselines",
+        default=",".join(BASELINES),
+        help="comma-separated scheduler baselines run on DFLOP's layout (default all: "
+        f"{','.join(BASELINES)}; reference-exact spends ~1 s of CP-SAT per evaluation batch; "
+        "'none' for no baselines)",
+    )
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args(argv)  # fmt: skip
     gpus, models, eval_batches, _ = _settings(args)
+    names = [] if args.baselines == "none" else args.baselines.split(",")
+    bad = [b for b in names if b not in BASELINES]
+    if bad:
+        print(f"error: unknown baseline {bad[0]!r}; choose from {', '.join(BASELINES)} or none",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    args.baselines = tuple(names)
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         print(
@@ -300,13 +363,16 @@ def _run_one(
 ) -> None:
     """One case appended to `rows`, or, with no plan, to `failures`; a one-line summary on stderr."""
     try:
-        r = run_case(model, n, _planner_config(n, args), eval_batches, not args.no_remat, progress)
+        r = run_case(model, n, _planner_config(n, args), eval_batches, not args.no_remat, progress,
+                     args.baselines)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
         print(f"error: {model} x{n}: {e}", file=sys.stderr)
         failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
         return
     rows.append(r)
-    print(f"{model} x{n}: speedup {r['speedup']:.2f}x, device idle {r['dflop']['device_idle']:.1%} vs "
+    sb = r["strongest_baseline"]
+    vs = "" if sb["name"] is None else f", {sb['speedup']:.2f}x vs {sb['name']} on its layout"
+    print(f"{model} x{n}: speedup {r['speedup']:.2f}x{vs}, device idle {r['dflop']['device_idle']:.1%} vs "
           f"{r['blind']['device_idle']:.1%} (planning {r['plan_time_s']:.0f}s)", file=sys.stderr)  # fmt: skip
 
 

@@ -61,8 +61,8 @@ def _measure_cases(model_cfg, devices, settings):
 
 def _corrected(rows, pred_of) -> np.ndarray:
     """[n, 2] corrected predictions of rep 2: factors from the other buckets' rep 1 (same stage)."""
+    from dflop_jax.contracts import BucketSet, ScheduleProblem
     from dflop_jax.scheduler.correction import CostCorrection
-    from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
 
     out = np.zeros((len(rows), 2))
     for i, r in enumerate(rows):
@@ -168,7 +168,7 @@ def _print(report: dict) -> None:
     for c in report["cases"]:
         name = (c["module"] + (" emb+" if c["emb"] else " ") + f"{c['layers']}L"
                 + ("+head" if c["head"] else ""))  # fmt: skip
-        ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"  # noqa: E731
+        ms = lambda v: f"{v[0] * 1e3:.2f} / {v[1] * 1e3:.2f}"
         print(f"| {name} | {c['tp']} | {c['bucket']} | {ms([c['fwd'][1], c['bwd'][1]])} | "
               f"{ms(c['pred'])} | {ms(c['corrected'])} | {ms(c['interpolated'])} |")  # fmt: skip
     for key, label in (("mape", "measured table, least-squares fit"),

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
 from dflop_jax.data.synth import synth_dataset
-from dflop_jax.scheduler import SchedulerConfig, default_buckets
+from dflop_jax.scheduler import Scheduler, SchedulerConfig, default_buckets
 from dflop_jax.scheduler.model_problem import model_problem
 
 DP = 2
@@ -45,13 +45,13 @@ def measure_loader(
     cfg, records, problem, solver: str, workers: int, batch: int, batches: int
 ) -> dict:
     """One row: the loader's rate over `batches` global batches after a first (warm-up) batch."""
-    sched = SchedulerConfig(solver=solver, correction="off")
+    sched = Scheduler(problem, SchedulerConfig(solver=solver, correction="off"))
     start = time.perf_counter()
     with make_loader(
         cfg,
         records,
         problem,
-        sched,
+        sched.schedule,
         global_batch_size=batch,
         seed=0,
         num_workers=workers,
@@ -62,20 +62,20 @@ def measure_loader(
         start = time.perf_counter()
         got = [next(loader).stats for _ in range(batches)]
         elapsed = time.perf_counter() - start
-    lat = np.array([s["scheduler_latency_s"] for s in got])
+    lat = np.array([s.scheduler_latency_s for s in got])
     return {
         "workers": workers,
         "solver": solver,
         "batches": batches,
-        "samples_per_s": sum(s["num_samples"] for s in got) / elapsed,
+        "samples_per_s": sum(s.num_samples for s in got) / elapsed,
         "batch_s": elapsed / batches,
         "first_batch_s": first_s,
         "sched_ms_mean": 1e3 * float(lat.mean()),
         "sched_ms_max": 1e3 * float(lat.max()),
-        "load_pack_ms_mean": 1e3 * float(np.mean([s["load_s"] for s in got])),
-        "microbatches_mean": float(np.mean([s["num_microbatches"] for s in got])),
-        "llm_padding": float(np.mean([s["llm_padding_ratio"] for s in got])),
-        "encoder_padding": float(np.mean([s["encoder_padding_ratio"] for s in got])),
+        "load_pack_ms_mean": 1e3 * float(np.mean([s.load_s for s in got])),
+        "microbatches_mean": float(np.mean([s.num_microbatches for s in got])),
+        "llm_padding": float(np.mean([s.llm_padding_ratio for s in got])),
+        "encoder_padding": float(np.mean([s.encoder_padding_ratio for s in got])),
     }
 
 

@@ -13,12 +13,17 @@ averaged over K sampled global batches, and names the strongest baseline (lowest
 
 The pipeline table (`--pipeline`) takes the LLaVA-OV mix at N=256 through 1 encoder + (P-1) LLM stages
 for P = 2..8 and reports the simulated 1F1B makespan of DFLOP's stage-aware order, of the same
-microbatches in solve order, and of the strongest baseline, against `order.makespan_lower_bound`.
+microbatches in solve order, and of the strongest baseline, against `order.makespan_lower_bound` (a
+bound for the chosen microbatches, over every order); a second table does the same on the heavy mix
+with microbatch counts 4..16 (`RANGE`) allowed. Before / after issue 14 item 3: DFLOP with
+candidates chosen by the surrogate alone (`select="surrogate"`) and by the 1F1B makespan (the
+default), each against its own microbatches' bound, and the makespan rule's largest CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -45,6 +50,7 @@ MODELS = {
     "heavy": "siglip-so400m+qwen2.5-7b",
 }
 DP, STAGES, TP = 4, (1, 2), (1, 2)
+RANGE = (4, 16)  # the second pipeline table's microbatch counts
 
 
 def heavy_tailed_mix(n: int, seed: int = 0) -> list[SampleShape]:
@@ -126,18 +132,34 @@ def run(sizes: list[int], batches: int, time_limit: float, seed: int = 0) -> lis
     return rows
 
 
-def run_pipeline(stage_counts: list[int], batches: int, time_limit: float, seed: int = 0):
-    """Per P: mean simulated makespans (DFLOP ordered, DFLOP in solve order, strongest baseline)."""
-    dist, n, out = distribution("llava-ov", seed), 256, []
+def run_pipeline(
+    stage_counts: list[int],
+    batches: int,
+    time_limit: float,
+    seed: int = 0,
+    workload: str = "llava-ov",
+    microbatches: tuple[int, int] | None = None,
+):
+    """Per P: mean simulated makespans (DFLOP ordered, in solve order, under the surrogate rule, the
+    strongest baseline at the fixed count). `microbatches`: DFLOP's allowed count range (default: the
+    fixed N/32), which gives the makespan rule counts as well as packings to choose from."""
+    dist, n, out = distribution(workload, seed), 256, []
     for p in stage_counts:
-        problem, m = _problem("llava-ov", dist, n, stages=(1, p - 1))
+        problem, m = _problem(workload, dist, n, stages=(1, p - 1))
+        problem = dataclasses.replace(problem, microbatches=microbatches or (m, m))
         rng = np.random.default_rng(seed)
-        acc: dict[str, list[float]] = {"ordered": [], "solve_order": [], "baseline": [], "lb": []}
+        keys = ("ordered", "solve_order", "baseline", "lb", "surrogate_rule", "surrogate_rule_lb")
+        acc: dict[str, list[float]] = {k: [] for k in keys}
+        cpu = 0.0
         for _ in range(batches):
             batch = sample_global_batch(dist, n, rng)
-            s = schedule_batch(
-                batch, problem, SchedulerConfig(solver="auto", time_limit_s=time_limit)
-            )
+            cfg = SchedulerConfig(solver="auto", time_limit_s=time_limit)
+            t0 = time.process_time()
+            s = schedule_batch(batch, problem, cfg)
+            cpu = max(cpu, time.process_time() - t0)
+            old = schedule_batch(batch, problem, dataclasses.replace(cfg, select="surrogate"))
+            acc["surrogate_rule"].append(old.info["simulated_makespan_s"])
+            acc["surrogate_rule_lb"].append(old.info["makespan_lower_bound_s"])
             _, base = strongest(
                 run_baselines(batch, problem, m), key=lambda b: b.info["simulated_makespan_s"]
             )
@@ -145,7 +167,7 @@ def run_pipeline(stage_counts: list[int], batches: int, time_limit: float, seed:
             acc["solve_order"].append(s.info["solve_order_makespan_s"])
             acc["baseline"].append(base.info["simulated_makespan_s"])
             acc["lb"].append(s.info["makespan_lower_bound_s"])
-        out.append({"P": p, **{k: float(np.mean(v)) for k, v in acc.items()}})
+        out.append({"P": p, **{k: float(np.mean(v)) for k, v in acc.items()}, "cpu_max_s": cpu})
     return out
 
 
@@ -173,13 +195,14 @@ def markdown(rows: list[dict]) -> str:
 def pipeline_markdown(rows: list[dict]) -> str:
     lines = [
         "| P | DFLOP ordered s | DFLOP solve order s | strongest baseline s | makespan LB s | "
-        "DFLOP / LB |",
-        "|" + "---|" * 6,
+        "DFLOP / LB | before (surrogate rule): s / LB | DFLOP CPU max s |",
+        "|" + "---|" * 8,
     ]
     for r in rows:
         lines.append(
             f"| {r['P']} | {r['ordered']:.3f} | {r['solve_order']:.3f} | {r['baseline']:.3f} | "
-            f"{r['lb']:.3f} | {r['ordered'] / r['lb']:.4f} |"
+            f"{r['lb']:.3f} | {r['ordered'] / r['lb']:.4f} | {r['surrogate_rule']:.3f} / "
+            f"{r['surrogate_rule'] / r['surrogate_rule_lb']:.4f} | {r['cpu_max_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -216,8 +239,10 @@ def main(argv: list[str]) -> int:
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     batches = 1 if args.quick else args.batches
     rows = run(sizes, batches, args.time_limit, args.seed)
-    pipe = (
-        run_pipeline(list(range(2, 9)), batches, args.time_limit, args.seed)
+    stage_counts = list(range(2, 9))
+    pipe = run_pipeline(stage_counts, batches, args.time_limit, args.seed) if args.pipeline else []
+    pipe_range = (
+        run_pipeline(stage_counts, batches, args.time_limit, args.seed, "heavy", RANGE)
         if args.pipeline
         else []
     )
@@ -225,7 +250,13 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(
             json.dumps(
-                {"rows": rows, "pipeline": pipe, "targets": targets(rows), "loadavg": load},
+                {
+                    "rows": rows,
+                    "pipeline": pipe,
+                    "pipeline_heavy_range": pipe_range,
+                    "targets": targets(rows),
+                    "loadavg": load,
+                },
                 indent=1,
             )
         )
@@ -233,6 +264,9 @@ def main(argv: list[str]) -> int:
         print(markdown(rows))
         if pipe:
             print("\n" + pipeline_markdown(pipe))
+            print(
+                f"\nheavy, microbatches {RANGE[0]}..{RANGE[1]}:\n" + pipeline_markdown(pipe_range)
+            )
         print("\n".join(targets(rows)))
         print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
     return 0

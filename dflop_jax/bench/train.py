@@ -71,7 +71,7 @@ def _fresh(run_dir: Path) -> None:
 def _train(config: Path, overrides: list[str]):
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.runtime.trainer import run
+    from dflop_jax.train import run
 
     cfg = load_config(TrainConfig, config, overrides)
     _fresh(Path(cfg.run_dir))

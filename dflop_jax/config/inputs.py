@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,9 @@ class InputPath:
       kind: "file" or "dir".
       fix: what to give instead, for the error message.
       contains: for a dir, a file that must be inside it (e.g. "config.json").
+      parse: for a file, a reader that raises ValueError when the file exists but is unusable (a
+        malformed plan.yaml), so that too is a load-time error rather than a traceback after the
+        model is built.
     """
 
     key: str
@@ -32,6 +36,7 @@ class InputPath:
     kind: Literal["file", "dir"]
     fix: str
     contains: str = ""
+    parse: Callable[[Path], object] | None = None
 
 
 @typing.runtime_checkable
@@ -62,3 +67,8 @@ def _check(item: InputPath, key: str) -> None:
         raise ConfigError(f"{key}={item.path!r}: directory not found; {item.fix}")
     if item.contains and not (path / item.contains).is_file():
         raise ConfigError(f"{key}={item.path!r}: no {item.contains} in it; {item.fix}")
+    if item.parse is not None:
+        try:
+            item.parse(path)
+        except ValueError as e:
+            raise ConfigError(f"{key}={item.path!r}: {e}; {item.fix}") from None

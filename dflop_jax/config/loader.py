@@ -132,7 +132,7 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
     data = _deep_copy(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. steps=10")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:

@@ -270,6 +270,17 @@ def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "cu
     return MLLMArch(name, vision, projector_for(vision, llm), llm)
 
 
+def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
+    """The cost-model `MLLMArch` of a `models` config (duck-typed): an MLLM config (vision, text,
+    tokens_per_tile) or a decoder-only config, whose vision arch ("tiny") is never used because its
+    tiles are never encoded."""
+    if hasattr(model_cfg, "vision"):
+        return arch_from_configs(model_cfg.vision, model_cfg.text, model_cfg.tokens_per_tile, name)
+    llm = llm_arch_from_config(model_cfg, f"{name}-llm")
+    vision = get_vision("tiny")
+    return MLLMArch(name, vision, projector_for(vision, llm), llm)
+
+
 def pad_vision_heads(arch: MLLMArch, tp: int) -> MLLMArch:
     """`arch` with its encoder's attention heads padded up to a multiple of `tp` (unchanged if they divide).
 

@@ -45,12 +45,12 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+from dflop_jax.contracts.cost_table import ProfiledCostTable, load_table
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.memory import StageMemory
 from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider
-from dflop_jax.profiling.table import CostTable, load_table
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class MeasuredCostProvider:
     """CostProvider over a cost table (see the module docstring).
 
     Args:
-      table: a `CostTable` or the path of a cost-table file.
+      table: a `ProfiledCostTable` or the path of a cost-table file.
       arch: the architecture the table was profiled for (used by the fallback and for transfers).
       device: the device preset (memory capacity, hosts) of the measured devices.
       fallback: provider for entries the table lacks (None: missing entries raise KeyError).
@@ -148,7 +148,7 @@ class MeasuredCostProvider:
 
     def __init__(
         self,
-        table: CostTable | str | Path,
+        table: ProfiledCostTable | str | Path,
         arch: MLLMArch,
         device: DeviceSpec,
         fallback: CostProvider | None = None,
@@ -158,7 +158,7 @@ class MeasuredCostProvider:
             raise ValueError(f"fit={fit!r}: choose one of {FITS}")
         self.fit = fit
         self._fits: dict[tuple[str, int], TimeFit | None] = {}
-        self.table = table if isinstance(table, CostTable) else load_table(table)
+        self.table = table if isinstance(table, ProfiledCostTable) else load_table(table)
         self.arch, self.device, self.fallback = arch, device, fallback
         self.name = f"measured:{self.table.model or arch.name}@{self.table.device_kind}"
         self._transfer = AnalyticCostProvider(arch, device)

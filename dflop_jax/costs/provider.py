@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from dflop_jax.contracts.schedule import StageCostFn
+from dflop_jax.contracts.shapes import BucketSet
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.memory import StageMemory, stage_memory
-
-if TYPE_CHECKING:  # costs sits below the scheduler; only its type names are used here
-    from dflop_jax.scheduler.types import BucketSet, StageCostFn
 
 TransferCostFn = Callable[[int, int], np.ndarray]
 
@@ -278,7 +277,7 @@ def layout_memory(
     Returns:
       one `StageMemory` per stage in pipeline order; `.total()` is the stage's peak bytes per device.
     """
-    if hasattr(buckets, "tiles"):  # a BucketSet
+    if isinstance(buckets, BucketSet):
         tile_bucket, length_bucket = buckets.tiles[-1], buckets.lengths[-1]
     else:
         tile_bucket, length_bucket = buckets

@@ -2,11 +2,11 @@
 
 # data-A: config, errors, metadata, mix, process, sources, synth, tokenizer. data-B: loader, packing.
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import REASONS, BadSample
 from dflop_jax.data.loader import (
     Loader,
     PackSpec,
-    SchedulerHook,
     build_dataset,
     make_loader,
     pack_geometry,
@@ -15,7 +15,7 @@ from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.mix import load_mix
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source, read_records
+from dflop_jax.data.sources import read_records
 from dflop_jax.data.synth import synth_dataset
 from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -34,7 +34,6 @@ __all__ = [
     "HostShardSpec",
     "Loader",
     "PackSpec",
-    "SchedulerHook",
     "build_dataset",
     "make_loader",
     "needed_samples",

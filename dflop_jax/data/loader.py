@@ -1,6 +1,6 @@
 """The grain input pipeline: records -> shapes -> scheduled global batch -> processed, packed arrays.
 
-    loader = make_loader(data_cfg, records, problem, scheduler_cfg, global_batch_size=64, seed=0)
+    loader = make_loader(data_cfg, records, problem, scheduler.schedule, global_batch_size=64, seed=0)
     for batch in loader:            # GlobalBatch: packed microbatches + schedule + stats
         ...
     state = loader.get_state()      # exact resume: make_loader(...).set_state(state)
@@ -12,18 +12,20 @@ the stages live in `dflop_jax/data/stages.py`):
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
                              larger than the largest bucket becomes a counted skip, never a scheduler input
   .batch(B, batch_fn=list)
-  .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the scheduler, with
-                             the batch index k as its seed (so a resumed run re-solves batch k the same way)
+  .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the schedule function
+                             with its batch index k (so a resumed run re-solves batch k the same way)
   .map(pack stage)           decode/tokenize only the samples this host's shards need, then pack
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
 
-Skipped records are not replaced: a global batch holds B records minus its skips (`stats["skipped"]`);
+Skipped records are not replaced: a global batch holds B records minus its skips (`stats.skipped`);
 a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
 keeps its scheduled room as padding (counted), so every process still agrees on the layout.
 
-Every process of a multi-host run computes the same schedule from the same records, seed and scheduler
-(use the scheduler's deterministic mode); `stats["schedule_digest"]` lets the runtime compare.
+The loader owns no scheduler: the caller (the runtime) owns the online `Scheduler` and passes a
+`ScheduleFn` `(shapes, batch_index) -> Schedule`. Every process of a multi-host run computes the same
+schedule from the same records, seed and scheduler (use the scheduler's deterministic mode);
+`stats.schedule_digest` fingerprints it (reported, not compared by the runtime).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
 `num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
 time that depends on timing, so which observations it sees is not deterministic: for exact resume and
@@ -40,20 +42,19 @@ from typing import Any
 
 import grain
 
+from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
 from dflop_jax.data.stages import (
     PackSpec,
     PackStage,
     SampleProcessor,
-    ScheduleFn,
     ScheduleStage,
     ShapeStage,
     WithShapes,
     schedule_digest,
 )
-from dflop_jax.data.types import FEATURE_TAPS, GlobalBatch, ProcessedSample
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.data.types import FEATURE_TAPS, BatchStats, GlobalBatch, ProcessedSample
 
 
 def build_dataset(
@@ -93,27 +94,14 @@ def build_dataset(
 class Loader:
     """Iterator over `GlobalBatch`es with checkpointable state and running metrics.
 
-    Per batch, `batch.stats` holds: scheduler_latency_s (time in the scheduler hook), data_wait_s (time
-    the consumer waited in `__next__`), load_s, skipped (counts by reason in this batch), padding ratios
-    (llm_padding_ratio, encoder_padding_ratio), token/tile counts, schedule_digest, and sample_ids (the
-    `SampleShape.id`s the schedule's sample indices refer to). With a `HostShardSpec`, arrays, token
-    and tile counts and `num_loss_tokens` cover this host's shards only: the loss normalizer of the
-    global batch is the sum over hosts.
-
-    Attributes:
-      scheduler: the online `Scheduler` when `make_loader` built it (the runtime feeds it measured stage
-        times and checkpoints its `state_dict()` next to `get_state()`), else None.
+    Per batch, `batch.stats` is a `BatchStats` (this loader sets its `data_wait_s`). With a
+    `HostShardSpec`, arrays, token and tile counts and `num_loss_tokens` cover this host's shards only:
+    the loss normalizer of the global batch is the sum over hosts.
     """
 
-    _SUMS = (
-        "scheduler_latency_s",
-        "data_wait_s",
-        "load_s",
-        "tokens_real",
-        "tokens_computed",
-        "tiles_real",
-    )
-    _SUMS += ("tiles_computed", "num_samples")
+    # Running totals (a JSON-able dict, checkpointed by `get_state`): BatchStats fields and PackCounts.
+    _SUMS = ("scheduler_latency_s", "data_wait_s", "load_s", "num_samples")
+    _PACKED = ("tokens_real", "tokens_computed", "tiles_real", "tiles_computed")
 
     def __init__(
         self,
@@ -121,11 +109,7 @@ class Loader:
         *,
         num_workers: int = 0,
         prefetch: int = 2,
-        scheduler: Any = None,
     ):
-        self.scheduler = (
-            scheduler  # the online Scheduler when make_loader built it (runtime observes it)
-        )
         if num_workers < 0 or prefetch < 0:
             raise ValueError(f"num_workers={num_workers}, prefetch={prefetch}: must be >= 0")
         it_ds = dataset.to_iter_dataset(
@@ -145,7 +129,7 @@ class Loader:
 
     @staticmethod
     def _fresh_totals() -> dict:
-        return {"batches": 0, "skipped": {}, **dict.fromkeys(Loader._SUMS, 0.0)}
+        return {"batches": 0, "skipped": {}, **dict.fromkeys(Loader._SUMS + Loader._PACKED, 0.0)}
 
     @property
     def iterator(self) -> grain.DatasetIterator:
@@ -158,17 +142,19 @@ class Loader:
     def __next__(self) -> GlobalBatch:
         start = time.perf_counter()
         batch = next(self._it)
-        batch.stats["data_wait_s"] = time.perf_counter() - start
+        batch.stats = dataclasses.replace(batch.stats, data_wait_s=time.perf_counter() - start)
         self._accumulate(batch.stats)
         return batch
 
-    def _accumulate(self, stats: dict) -> None:
+    def _accumulate(self, stats: BatchStats) -> None:
         t = self._totals
         t["batches"] += 1
         for k in self._SUMS:
-            t[k] += stats.get(k, 0)  # noqa: SIM910 - an empty batch has no packing counts
-        for reason, n in stats["skipped"].items():
-            t["skipped"][reason] = t["skipped"].get(reason, 0) + n  # noqa: SIM910 - counting
+            t[k] += getattr(stats, k)
+        for k in self._PACKED:
+            t[k] += getattr(stats.packed, k)
+        for reason, n in stats.skipped.items():
+            t["skipped"][reason] = t["skipped"].get(reason, 0) + n
 
     def stats(self) -> dict:
         """Totals since the start of the run (kept across `set_state`): batches, skipped by reason, mean
@@ -246,23 +232,6 @@ class LazyProcessor:
         return {"data_cfg": self.data_cfg, "_processor": None}
 
 
-class SchedulerHook:
-    """Adapts the online `Scheduler` to `ScheduleFn`: batch k is solved with seed `scheduler.config.seed + k`.
-
-    The runtime keeps the `Scheduler` (it feeds `observe()` and checkpoints `state_dict()`); with
-    `num_workers=0` corrections reach the schedules of batches not yet prefetched.
-    """
-
-    def __init__(self, scheduler: Any):
-        self.scheduler = scheduler
-
-    def __call__(self, shapes: list[SampleShape], index: int) -> Schedule:
-        # The Scheduler seeds its solver with seed + steps; set steps from the batch index so the
-        # schedule does not depend on how many batches were prefetched or on a resume.
-        self.scheduler.steps = index
-        return self.scheduler.schedule(shapes)
-
-
 def pack_geometry(data_cfg: Any) -> tuple[tuple[int, int, int], int]:
     """((H, W, 3), tokens_per_tile) of the configured encoder: SigLIP 27x27 patches per 384 px tile for
     LLaVA-OV, InternViT (448/14)^2 patches pixel-shuffled 2x2 -> 256 rows (patch size from the config,
@@ -282,7 +251,7 @@ def make_loader(
     data_cfg: Any,
     records: Sequence[Any] | None,
     problem: ScheduleProblem,
-    scheduler_config: Any = None,
+    schedule_fn: ScheduleFn,
     *,
     global_batch_size: int,
     seed: int,
@@ -291,7 +260,6 @@ def make_loader(
     prefetch: int = 2,
     num_epochs: int | None = None,
     processor: SampleProcessor | None = None,
-    schedule_fn: ScheduleFn | None = None,
     precompute_shapes: bool = False,
 ) -> Loader:
     """Builds the loader for one run.
@@ -301,22 +269,19 @@ def make_loader(
         `max_tokens` is lowered to the largest length bucket, so `too_long="truncate"` cuts to fit.
       records: the dataset's records (a list or any random-access sequence); None = `load_source(data_cfg)`.
       problem: the plan's scheduling problem (dp degrees and buckets).
-      scheduler_config: `SchedulerConfig` of the online `Scheduler` built here (see `Loader.scheduler`);
-        unused when `schedule_fn` is given.
+      schedule_fn: `(shapes, batch_index) -> Schedule`, e.g. the caller's `Scheduler.schedule`.
       global_batch_size: records drawn per global batch (skipped ones are not replaced).
-      seed: shuffle seed (epoch e uses seed + e); the scheduler's is `scheduler_config.seed`.
+      seed: shuffle seed (epoch e uses seed + e).
       host: this process's shards; None = all (single process).
       num_workers: grain worker processes (0 = a background thread in this process).
       prefetch: global batches prepared ahead.
       num_epochs: None = repeat forever.
       processor: overrides `Processor(data_cfg)` (tests, custom processing).
-      schedule_fn: overrides the scheduler (`(shapes, batch_index) -> Schedule`).
       precompute_shapes: compute every record's shape up front through `MetadataCache` (on disk under
         `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
         instead of per record in the pipeline; costs one pass over the dataset on the first run.
     """
-    from dflop_jax.data.sources import load_source
-    from dflop_jax.scheduler.correction import Scheduler
+    from dflop_jax.data.dataset import load_source
 
     if records is None:
         records = load_source(data_cfg, seed)
@@ -330,10 +295,6 @@ def make_loader(
             "precompute_shapes uses Processor(data_cfg); it cannot be combined with `processor`"
         )
     processor = processor or LazyProcessor(data_cfg)
-    scheduler = None
-    if schedule_fn is None:
-        scheduler = Scheduler(problem, scheduler_config)
-        schedule_fn = SchedulerHook(scheduler)
     shapes = None
     if precompute_shapes:
         from dflop_jax.data.metadata import MetadataCache
@@ -354,7 +315,7 @@ def make_loader(
         num_epochs=num_epochs,
         shapes=shapes,
     )
-    return Loader(ds, num_workers=num_workers, prefetch=prefetch, scheduler=scheduler)
+    return Loader(ds, num_workers=num_workers, prefetch=prefetch)
 
 
 __all__ = [
@@ -362,7 +323,6 @@ __all__ = [
     "Loader",
     "PackSpec",
     "SampleProcessor",
-    "SchedulerHook",
     "build_dataset",
     "make_loader",
     "pack_geometry",

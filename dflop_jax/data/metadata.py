@@ -17,9 +17,9 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from dflop_jax.contracts import SampleShape
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
-from dflop_jax.scheduler.types import SampleShape
 
 
 def file_hash(path: Path, chunk: int = 1 << 20) -> str:

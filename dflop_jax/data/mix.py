@@ -41,7 +41,7 @@ def load_mix(
         raise ConfigError(
             f"{path}: unknown key {unknown[0]!r}; allowed: datasets, image_root, video_root"
         )
-    datasets = spec.get("datasets")  # noqa: SIM910 - required key, checked below
+    datasets = spec.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise ConfigError(
             f"{path}: `datasets` must be a non-empty list of {{path, sampling}} entries"

@@ -27,8 +27,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.data.types import TEXT, GlobalBatch, PackedMicrobatch, ProcessedSample, plain_taps
-from dflop_jax.scheduler.types import MicrobatchPlan, SampleShape, Schedule
+from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
+from dflop_jax.data.types import (
+    TEXT,
+    BatchStats,
+    GlobalBatch,
+    PackCounts,
+    PackedMicrobatch,
+    ProcessedSample,
+    plain_taps,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +138,7 @@ def pack_microbatch(
         features); 0 leaves them None (then no sample may need more than a gather).
 
     Returns:
-      (PackedMicrobatch, stats) with stats {tokens_real, tokens_computed, tiles_real, tiles_computed,
-      loss_tokens} counted over the materialised (local) shards.
+      (PackedMicrobatch, PackCounts) counted over the materialised (local) shards.
     """
     if shapes is None:
         shapes = [_shape_of(s) for s in samples]
@@ -171,14 +178,14 @@ def pack_microbatch(
         for f in fields
     }
     mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
-    stats = {
-        "tokens_real": int((mb.segment_ids > 0).sum()),
-        "tokens_computed": len(host.llm_shards) * S,
-        "tiles_real": int(tile_valid.sum()),
-        "tiles_computed": n_enc * T,
-        "loss_tokens": int(mb.loss_mask.sum()),
-    }
-    return mb, stats
+    counts = PackCounts(
+        tokens_real=int((mb.segment_ids > 0).sum()),
+        tokens_computed=len(host.llm_shards) * S,
+        tiles_real=int(tile_valid.sum()),
+        tiles_computed=n_enc * T,
+        loss_tokens=int(mb.loss_mask.sum()),
+    )
+    return mb, counts
 
 
 def _shape_of(sample: ProcessedSample | None) -> SampleShape:
@@ -252,12 +259,12 @@ def _check_sample(sample: ProcessedSample, shape: SampleShape, i: int, k: int) -
     if sample.feature_taps is None:
         return
     want = (sample.num_tokens, sample.feature_taps.shape[-1])
-    if sample.feature_taps.shape != want or sample.feature_weights.shape != want:
+    if sample.feature_taps.shape != want or sample.feature_weight.shape != want:
         raise ValueError(
-            f"sample {i} ({sample.id!r}): feature_taps {sample.feature_taps.shape} / feature_weights "
-            f"{sample.feature_weights.shape}, expected {want}"
+            f"sample {i} ({sample.id!r}): feature_taps {sample.feature_taps.shape} / feature_weight "
+            f"{sample.feature_weight.shape}, expected {want}"
         )
-    if k == 0 and not (sample.feature_weights[:, 0] == 1.0).all():
+    if k == 0 and not (sample.feature_weight[:, 0] == 1.0).all():
         # Packing only the nearest tap would silently train on features the reference never sees.
         raise ValueError(
             f"sample {i} ({sample.id!r}) has interpolated features: pack with feature_taps="
@@ -272,7 +279,7 @@ def _sample_taps(sample: ProcessedSample, k: int) -> tuple[np.ndarray, np.ndarra
     repeats of its first tap."""
     if sample.feature_taps is None:
         return plain_taps(sample.feature_source, k)
-    taps, weights = sample.feature_taps, sample.feature_weights
+    taps, weights = sample.feature_taps, sample.feature_weight
     extra = k - taps.shape[1]
     if extra:
         taps = np.concatenate([taps, np.repeat(taps[:, :1], extra, axis=1)], axis=1)
@@ -316,14 +323,9 @@ def pack_global_batch(
     `num_loss_tokens` and the stats count the materialised shards: the whole global batch in a
     single-process run, this host's shards with a `HostShardSpec`.
     """
-    microbatches, totals = (
-        [],
-        dict.fromkeys(
-            ("tokens_real", "tokens_computed", "tiles_real", "tiles_computed", "loss_tokens"), 0
-        ),
-    )
+    microbatches, totals = [], PackCounts()
     for plan in schedule.microbatches:
-        mb, stats = pack_microbatch(
+        mb, counts = pack_microbatch(
             plan,
             samples,
             shapes,
@@ -335,15 +337,6 @@ def pack_global_batch(
             feature_taps=feature_taps,
         )
         microbatches.append(mb)
-        for k in totals:
-            totals[k] += stats[k]
-    stats = dict(totals)
-    stats["llm_padding_ratio"] = _padding(totals["tokens_real"], totals["tokens_computed"])
-    stats["encoder_padding_ratio"] = _padding(totals["tiles_real"], totals["tiles_computed"])
-    stats["num_microbatches"] = len(microbatches)
-    return GlobalBatch(microbatches, totals["loss_tokens"], schedule, stats)
-
-
-def _padding(real: int, computed: int) -> float:
-    """DESIGN section 9: 1 - real / computed (0 when nothing is computed)."""
-    return 1.0 - real / computed if computed else 0.0
+        totals += counts
+    stats = BatchStats(packed=totals, num_microbatches=len(microbatches))
+    return GlobalBatch(microbatches, totals.loss_tokens, schedule, stats)

@@ -8,7 +8,7 @@ Both go through `_plan` (the same text, the same layouts), so the counts cannot 
 additionally checks that the tiles it cut from real pixels are as many as the layouts promised.
 Image placeholders in the token stream: LLaVA-OV one `<image>` (`<video>`) id per feature token of the
 layout, InternVL `<img>` + `<IMG_CONTEXT>` per feature token + `</img>`.
-LLaVA-OV samples also carry exact bilinear `feature_taps` / `feature_weights` [L, 4] (always, so packed
+LLaVA-OV samples also carry exact bilinear `feature_taps` / `feature_weight` [L, 4] (always, so packed
 shapes are static): anyres_max_N downscales a big image's grid features by interpolation, which
 `feature_source` (the nearest tap) only approximates.
 """
@@ -21,13 +21,13 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from dflop_jax.contracts import SampleShape
 from dflop_jax.data import images, video
 from dflop_jax.data.chat import ROLES, ChatTemplate, to_messages
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, ProcessedSample, plain_taps
-from dflop_jax.scheduler.types import SampleShape
 from models import layouts
 
 KNOWN_FIELDS = frozenset({"id", "image", "video", "conversations", "text", "data_source", "source"})
@@ -126,10 +126,10 @@ class Processor:
                 plan.location,
                 f"{tiles.shape[0]} tiles decoded, {expected} expected",
             )
-        feature_taps, feature_weights = taps if taps is not None else (None, None)
+        feature_taps, feature_weight = taps if taps is not None else (None, None)
         return ProcessedSample(
             plan.sample_id, ids, mask, source, tiles, pool, plan.modality,
-            feature_taps=feature_taps, feature_weights=feature_weights,
+            feature_taps=feature_taps, feature_weight=feature_weight,
         )  # fmt: skip
 
     # ---- planning (metadata) ------------------------------------------------------------------------

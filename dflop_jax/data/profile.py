@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from dflop_jax.config import require, require_seed
+from dflop_jax.contracts import SampleShape
+from dflop_jax.contracts.shape_distribution import save_shape_distribution
 from dflop_jax.data.config import DataConfig
+from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
-from dflop_jax.data.sources import load_source
-from dflop_jax.scheduler.types import SampleShape
-from dflop_jax.scheduler.workloads import save_shape_distribution
 
 log = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)

@@ -1,4 +1,5 @@
-"""Reading LLaVA-style datasets: JSON lists or JSONL files of records, and whole sources from a `DataConfig`.
+"""Reading LLaVA-style dataset files: JSON lists or JSONL files of records (a whole `DataConfig` source,
+mixes included, is `dflop_jax.data.dataset.load_source`).
 
 A record (LLaVA-OneVision format):
     {"id": "x1", "image": "a.jpg" | ["a.jpg", "b.jpg"], "conversations": [{"from": "human", "value":
@@ -18,8 +19,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflop_jax.config import ConfigError
-from dflop_jax.data.config import DataConfig
 from dflop_jax.data.errors import BadSample
 
 
@@ -82,30 +81,3 @@ def with_roots(records: list[dict], image_root: str | Path, video_root: str | Pa
         r["_image_root"] = str(image_root)
         r["_video_root"] = str(video_root)
     return records
-
-
-def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
-    """All records of `cfg.source`: a mix YAML, one JSON/JSONL file, or the synthetic dataset.
-
-    Relative media paths resolve against `cfg.image_root` / `cfg.video_root`, else the dataset's folder.
-    """
-    from dflop_jax.data.mix import load_mix  # mix imports this module
-
-    if cfg.source == "synthetic":
-        from dflop_jax.data.synth import synth_dataset
-
-        path = synth_dataset(
-            cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed, cfg.tile_px
-        )
-    else:
-        path = Path(cfg.source).expanduser()
-        if not path.is_file():
-            raise ConfigError(
-                f"data.source={cfg.source!r}: file not found; give a mix YAML, JSON/JSONL or 'synthetic'"
-            )
-    if path.suffix in (".yaml", ".yml"):
-        return load_mix(
-            path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root
-        )
-    records = list(read_records(path, strict=cfg.strict))
-    return with_roots(records, cfg.image_root or path.parent, cfg.video_root or path.parent)

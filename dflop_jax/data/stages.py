@@ -1,4 +1,4 @@
-"""The grain loader's per-element stages: shapes from metadata, the scheduler hook, load-and-pack.
+"""The grain loader's per-element stages: shapes from metadata, the schedule function, load-and-pack.
 
 Each stage is a picklable callable (grain worker processes receive them by pickling); `loader.py`
 chains them into the pipeline. See `dflop_jax.data.loader` for the whole picture.
@@ -11,19 +11,15 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleFn, ScheduleProblem
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
-from dflop_jax.data.types import GlobalBatch, ProcessedSample
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.data.types import BatchStats, GlobalBatch, ProcessedSample
 
 log = logging.getLogger(__name__)
-
-# (shapes of one global batch, global batch index) -> Schedule. The index seeds any randomness in the
-# solver, so a resumed run schedules batch k exactly as the uninterrupted run did.
-ScheduleFn = Callable[[list[SampleShape], int], Schedule]
 
 
 class SampleProcessor(Protocol):
@@ -174,7 +170,7 @@ class Scheduled:
 
 
 class ScheduleStage:
-    """(global batch index, the batch's records) -> one schedule for the whole batch (the scheduler's hook).
+    """(global batch index, the batch's records) -> one schedule for the whole batch (the `ScheduleFn`).
 
     It runs right after `.batch()` (as `map_with_index`, not as `batch_fn`, because the solver's seed
     comes from the batch index).
@@ -209,7 +205,7 @@ class PackStage:
         skipped = collections.Counter(item.skipped)
         spec = self.spec
         if item.schedule is None:
-            return GlobalBatch([], 0, None, self._stats(item, skipped, {}, 0.0))
+            return GlobalBatch([], 0, None, self._stats(item, skipped, BatchStats(), 0.0))
         need: set[int] = set()
         for plan in item.schedule.microbatches:
             need |= needed_samples(plan, item.shapes, spec.encoder_dp, self.host)
@@ -267,17 +263,16 @@ class PackStage:
             return f"feature_taps of shape {taps.shape}, expected [L, <= {self.spec.feature_taps}]"
         return ""
 
-    def _stats(self, item: Scheduled, skipped, packed: dict, load_s: float) -> dict:
-        stats = dict(packed)
-        stats.update(
+    def _stats(self, item: Scheduled, skipped, packed: BatchStats, load_s: float) -> BatchStats:
+        return dataclasses.replace(
+            packed,
             num_samples=len(item.shapes),
-            sample_ids=[shape.id for shape in item.shapes],
+            sample_ids=tuple(shape.id for shape in item.shapes),
             skipped=dict(skipped),
             scheduler_latency_s=item.scheduler_latency_s,
             load_s=load_s,
             schedule_digest=schedule_digest(item.schedule),
         )
-        return stats
 
 
 def schedule_digest(schedule: Schedule | None) -> str:

@@ -11,7 +11,7 @@ Index conventions:
 
 Exact bilinear taps (LLaVA-OV anyres_max_N downscales big images' grid features with torch bilinear
 interpolation, which is a weighted sum of 4 feature rows, not a gather; `models/layouts.py` `taps`):
-  feature_taps [..., K] int32 follow the same convention per tap; feature_weight(s) [..., K] float32.
+  feature_taps [..., K] int32 follow the same convention per tap; feature_weight [..., K] float32.
   A plain gather is one tap of weight 1 (other taps repeat the index with weight 0); TEXT / NEWLINE
   positions carry TEXT / NEWLINE in every tap, weight 1 on tap 0. `feature_index` stays the heaviest
   tap (nearest neighbour) for consumers that only gather. K = FEATURE_TAPS for the llava_ov family
@@ -55,7 +55,7 @@ class ProcessedSample:
       modality: "text", "image", "multi_image" or "video".
       feature_taps: [L, K] int32 or None; exact sources of each position (module docstring), same
         tile-local indexing as `feature_source`; None when every position is a plain gather (internvl).
-      feature_weights: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
+      feature_weight: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
     """
 
     id: Any
@@ -66,7 +66,7 @@ class ProcessedSample:
     tile_pool: np.ndarray
     modality: str = "text"
     feature_taps: np.ndarray | None = None
-    feature_weights: np.ndarray | None = None
+    feature_weight: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +116,80 @@ class PackedMicrobatch:
         return int(self.tokens.shape[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class PackCounts:
+    """What packing computed versus what was real, over the materialised (local) shards.
+
+    Attributes:
+      tokens_real, tokens_computed: sample tokens, and row slots S per LLM shard row.
+      tiles_real, tiles_computed: valid tiles, and tile slots T per encoder shard.
+      loss_tokens: positions whose target is an assistant token (the loss normalizer's share).
+    """
+
+    tokens_real: int = 0
+    tokens_computed: int = 0
+    tiles_real: int = 0
+    tiles_computed: int = 0
+    loss_tokens: int = 0
+
+    def __add__(self, other: PackCounts) -> PackCounts:
+        return PackCounts(
+            *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+        )
+
+    @property
+    def llm_padding_ratio(self) -> float:
+        """DESIGN section 9: 1 - real / computed (0 when nothing is computed)."""
+        return _padding(self.tokens_real, self.tokens_computed)
+
+    @property
+    def encoder_padding_ratio(self) -> float:
+        return _padding(self.tiles_real, self.tiles_computed)
+
+
+def _padding(real: int, computed: int) -> float:
+    return 1.0 - real / computed if computed else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStats:
+    """The data layer's report on one global batch (the runtime logs it, tests check it).
+
+    Attributes:
+      packed: real / computed counts of the packed microbatches (this host's shards).
+      num_microbatches: microbatches in the batch.
+      num_samples: samples scheduled (records drawn minus those skipped at metadata time).
+      sample_ids: the `SampleShape.id`s the schedule's sample indices refer to.
+      skipped: skipped samples by reason (at metadata time and at load time).
+      scheduler_latency_s: time in the schedule function.
+      load_s: time decoding and tokenizing this host's samples.
+      data_wait_s: time the consumer waited in `Loader.__next__` (0 until the loader sets it).
+      schedule_digest: fingerprint of the schedule, equal on every process of a run.
+    """
+
+    packed: PackCounts = PackCounts()
+    num_microbatches: int = 0
+    num_samples: int = 0
+    sample_ids: tuple[Any, ...] = ()
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    scheduler_latency_s: float = 0.0
+    load_s: float = 0.0
+    data_wait_s: float = 0.0
+    schedule_digest: str = ""
+
+    @property
+    def llm_padding_ratio(self) -> float:
+        return self.packed.llm_padding_ratio
+
+    @property
+    def encoder_padding_ratio(self) -> float:
+        return self.packed.encoder_padding_ratio
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
 @dataclasses.dataclass
 class GlobalBatch:
     """A global batch as the trainer consumes it.
@@ -123,11 +197,11 @@ class GlobalBatch:
     Attributes:
       microbatches: packed microbatches in execution order.
       num_loss_tokens: loss tokens of the whole global batch (the loss normalizer).
-      schedule: the scheduler's `Schedule` (report and buckets).
-      stats: real/padded token and tile counts, skipped-sample counts by reason, scheduler latency.
+      schedule: the scheduler's `Schedule` (report and buckets); None when every record was skipped.
+      stats: the data layer's report (`BatchStats`).
     """
 
     microbatches: list[PackedMicrobatch]
     num_loss_tokens: int
     schedule: Any
-    stats: dict = dataclasses.field(default_factory=dict)
+    stats: BatchStats = BatchStats()

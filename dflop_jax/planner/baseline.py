@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.planner.scoring import ScheduleFn
+from dflop_jax.planner.scoring import SchedulePolicy
 from dflop_jax.scheduler import SampleShape
 
 
@@ -17,7 +17,7 @@ def mean_shape_batch(shapes: Sequence[SampleShape], global_batch: int) -> list[S
     return [SampleShape(i, tiles, tokens, "mean") for i in range(global_batch)]
 
 
-def data_blind_scheduler() -> ScheduleFn:
+def data_blind_scheduler() -> SchedulePolicy:
     """Loader-order microbatches, in-order first-fit into the largest bucket, fixed microbatch count."""
     from dflop_jax.scheduler import data_blind_schedule
 

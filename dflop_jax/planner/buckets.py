@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.scheduler.types import BucketSet, SampleShape
+from dflop_jax.contracts import BucketSet, SampleShape
 
 LOW_FACTOR = 0.8  # smallest bucket relative to the mean per-shard load
 HEADROOM = 1.5  # end of the dense part of the ladder, relative to the mean per-shard load

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.scheduler.types import BucketSet
 
 PLAN_VERSION = 1
 _GIB = 2**30

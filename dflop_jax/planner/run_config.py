@@ -16,8 +16,9 @@ SYNTHETIC_DATA = ("llava-ov", "omnibal")
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where the shape distribution comes from.
+class ShapeSourceConfig:
+    """Where the planner's shape distribution comes from (the `data:` section of a plan config; the
+    training data itself is `dflop_jax.data.DataConfig`).
 
     Attributes:
       source: a shape-distribution JSON file (the data profiler's output), or "llava-ov" (synthetic
@@ -72,7 +73,7 @@ class PlanRunConfig:
     num_devices: int = 8
     remat: bool = False
     mode: Literal["dflop", "uniform"] = "dflop"
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    data: ShapeSourceConfig = dataclasses.field(default_factory=ShapeSourceConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
     out: Path = Path("plan.yaml")
 
@@ -96,7 +97,7 @@ class PlanRunConfig:
                 "give the plan.yaml path to write")  # fmt: skip
 
 
-def load_shapes(data: DataConfig):
+def load_shapes(data: ShapeSourceConfig):
     """The shape distribution named by `data` (list of SampleShape)."""
     from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
 

@@ -30,8 +30,9 @@ from dflop_jax.scheduler import (
 )
 from dflop_jax.sim import SimResult, simulate
 
-# (shapes, problem) -> Schedule: the online scheduler or a baseline
-ScheduleFn = Callable[[Sequence[SampleShape], ScheduleProblem], Schedule]
+# (shapes, problem) -> Schedule: how the planner schedules a sampled batch (the online scheduler or a
+# baseline). Not `contracts.ScheduleFn`, which schedules batch k of a run for the loader.
+SchedulePolicy = Callable[[Sequence[SampleShape], ScheduleProblem], Schedule]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,7 @@ def expected_step_time(
     batches: Sequence[Sequence[SampleShape]],
     costs: LayoutCosts,
     problem: ScheduleProblem,
-    scheduler: ScheduleFn,
+    scheduler: SchedulePolicy,
     kind: str,
 ) -> Score:
     """Schedules and simulates each batch; see the module docstring."""
@@ -198,7 +199,7 @@ def expected_step_time(
     return Score(tuple(steps), tuple(idles), "+".join(sorted(solvers)))
 
 
-def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> ScheduleFn:
+def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> SchedulePolicy:
     """The online scheduler (`schedule_batch`) with a fixed solver and seed."""
     config = SchedulerConfig(solver=solver, time_limit_s=time_limit_s, correction="off", seed=seed)
     return lambda batch, problem: schedule_batch(batch, problem, config)

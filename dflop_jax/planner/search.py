@@ -46,7 +46,7 @@ from dflop_jax.planner.explain import (
 from dflop_jax.planner.plan_file import Plan
 from dflop_jax.planner.scoring import (
     LayoutCosts,
-    ScheduleFn,
+    SchedulePolicy,
     Score,
     candidate_buckets,
     expected_step_time,
@@ -268,7 +268,7 @@ def _score_dflop(
     return ranked + [e for e in by_screen if e.score is None]
 
 
-def _score(e: Evaluated, batches, scheduler: ScheduleFn, config: PlannerConfig) -> Score:
+def _score(e: Evaluated, batches, scheduler: SchedulePolicy, config: PlannerConfig) -> Score:
     problem = problem_for(
         e.costs, microbatch_range(e.cand.microbatches, config.microbatch_slack), e.buckets
     )

@@ -1,15 +1,15 @@
 """Profiling engine (DESIGN section 6): model profiler, cost-table files, profile -> plan pipeline.
 
-from dflop_jax.profiling import CostTable, load_table, profile_model, ensure_plan
+from dflop_jax.profiling import ProfiledCostTable, load_table, profile_model, ensure_plan
 
-The cost-table format (`table.py`) is pure Python and imported eagerly (the planner's measured cost
+The cost-table format (`dflop_jax.contracts.cost_table`, re-exported by `table.py`) is pure Python and imported eagerly (the planner's measured cost
 provider reads it without jax); the profiler and the pipeline import jax, so they load on first use.
 """
 
 from dflop_jax.profiling.table import (
     STAGE_KINDS,
     CostEntry,
-    CostTable,
+    ProfiledCostTable,
     code_version,
     config_hash,
     load_table,
@@ -36,7 +36,7 @@ __all__ = [
     "STAGE_KINDS",
     "AutoPlanConfig",
     "CostEntry",
-    "CostTable",
+    "ProfiledCostTable",
     "ProfileSettings",
     "code_version",
     "config_hash",

@@ -30,7 +30,7 @@ from dflop_jax.profiling.table import (
     LAYER_KINDS,
     STAGE_KINDS,
     CostEntry,
-    CostTable,
+    ProfiledCostTable,
     code_version,
     config_hash,
     load_table,
@@ -133,7 +133,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     rng = np.random.default_rng(seed)
     params = prog.make_params(rng)
     x, side, seed = prog.make_inputs(rng)
-    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)  # noqa: E731
+    zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
     gacc = [jax.tree.map(zeros, prog.params_abs)]
 
     def backward():
@@ -171,7 +171,7 @@ def _grid(
     return grid
 
 
-def _fresh_or_resumed(path: Path, meta: dict) -> CostTable:
+def _fresh_or_resumed(path: Path, meta: dict) -> ProfiledCostTable:
     if path.is_file():
         try:
             old = load_table(path)
@@ -182,7 +182,7 @@ def _fresh_or_resumed(path: Path, meta: dict) -> CostTable:
                 log.info("resuming %s (%d entries reused)", path, len(old.entries))
                 return old
             log.info("cost table %s is stale (config or code changed): re-profiling", path)
-    return CostTable(**meta)
+    return ProfiledCostTable(**meta)
 
 
 def profile_model(
@@ -194,7 +194,7 @@ def profile_model(
     model_name: str = "",
     progress: ProgressFn | None = None,
     plot: bool = True,
-) -> CostTable:
+) -> ProfiledCostTable:
     """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
 
     Args:
@@ -226,7 +226,7 @@ def profile_model(
         report("profile model", i, len(todo))
         try:
             entry = profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings)
-        except Exception as e:  # noqa: BLE001 - one failing shape is a skipped entry, not a crash
+        except Exception as e:
             entry = CostEntry(kind, tp, bucket, layers, status="skipped",
                               reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip
         if not entry.ok:
@@ -249,7 +249,7 @@ def _flax_version() -> str:
     return flax.__version__
 
 
-def plot_table(table: CostTable, path: str | Path) -> Path:
+def plot_table(table: ProfiledCostTable, path: str | Path) -> Path:
     """PNG: forward + backward milliseconds vs bucket, one panel per part, one line per (tp, layers)."""
     import matplotlib
 

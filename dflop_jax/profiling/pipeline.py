@@ -1,6 +1,7 @@
 """Profile -> plan, each step reused when its output is fresh (DFLOP's profiling + optimization steps).
 
     plan = ensure_plan(AutoPlanConfig(...), model_cfg, cache_dir="runs/demo/auto_plan")
+    plan, measured = profiled_plan(AutoPlanConfig(...), model_cfg, "runs/demo/auto_plan", data_cfg)
 
 Steps, in `cache_dir`:
   1. data profile  -> data/shape_distribution.json (`dflop_jax.data.profile.profile_data`), or a given
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner.config import PlannerConfig
-from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import code_version, config_hash
 
 log = logging.getLogger(__name__)
@@ -122,11 +123,11 @@ def _data_step(cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict) -> tup
 
 
 def _load_shapes(source, cfg: AutoPlanConfig):
-    from dflop_jax.planner.run_config import DataConfig, load_shapes
+    from dflop_jax.planner.run_config import ShapeSourceConfig, load_shapes
 
     if isinstance(source, str) and source in SYNTHETIC:
-        return load_shapes(DataConfig(source, cfg.data_samples, cfg.seed))
-    return load_shapes(DataConfig(str(source)))
+        return load_shapes(ShapeSourceConfig(source, cfg.data_samples, cfg.seed))
+    return load_shapes(ShapeSourceConfig(str(source)))
 
 
 def ensure_plan(
@@ -204,3 +205,31 @@ def ensure_plan(
     (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
     log.info("auto plan: %s", ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     return load_plan(plan_path)
+
+
+def profiled_plan(cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, name: str):
+    """`plan: auto` of a training run: `ensure_plan` on these devices, and the measured cost provider
+    (analytic fallback) the scheduler then predicts with.
+
+    Returns:
+      (planner `Plan`, `MeasuredCostProvider`).
+    """
+    import jax
+
+    from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+    from dflop_jax.costs.measured import MeasuredCostProvider
+
+    if jax.process_count() > 1:
+        # Timings differ between processes, so each would plan differently: profile and plan once.
+        raise ValueError(
+            "plan=auto is single-process only: run scripts/run_profiling_engine.sh and "
+            "scripts/run_data_aware_optimization.sh, then train with plan=<cache_dir>/plan.yaml"
+        )
+    if not hasattr(model_cfg, "vision"):
+        raise ValueError("plan=auto profiles multimodal models only; use plan=analytic or explicit")
+    plan = ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, name=name)
+    arch, device = arch_of_model(model_cfg), get_device(cfg.device)
+    table = Path(cache_dir) / "cost_table.json"
+    return plan, MeasuredCostProvider(
+        table, arch, device, fallback=AnalyticCostProvider(arch, device)
+    )

@@ -30,12 +30,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.runtime.model_stages import abstract_stage
 from dflop_jax.runtime.stages import stage_jits
-from dflop_jax.scheduler.types import MicrobatchPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,54 +1,6 @@
-"""`ProfileSettings`: the model profiler's grid and timing (pure Python, so CLIs parse it without jax)."""
+"""`ProfileSettings` lives in `dflop_jax.contracts.profile_settings` (the runtime's config composes it
+without importing the profiler); re-exported here for the profiler's modules."""
 
-from __future__ import annotations
+from dflop_jax.contracts.profile_settings import ProfileSettings
 
-import dataclasses
-
-from dflop_jax.config import require
-from dflop_jax.profiling.table import STAGE_KINDS
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileSettings:
-    """What the model profiler measures.
-
-    Attributes:
-      tps: candidate tensor-parallel degrees (kept if they divide the heads and fit the devices).
-      encoder_buckets: tiles per encoder shard to profile.
-      llm_buckets: tokens per packed LLM row to profile.
-      kinds: stage parts to profile (default: all).
-      warmup: untimed runs per program after compiling.
-      runs: timed runs per program.
-      statistic: which of the timed runs is kept: "median" (default), or "min" (robust on a machine
-        shared with other jobs: the minimum is the uncontended time).
-      compute_dtype: dtype of the programs' matmuls ("bfloat16" as in training, or "float32").
-      memory_limit_bytes: per-device memory; entries whose compiled peak exceeds it are skipped.
-    """
-
-    tps: tuple[int, ...] = (1, 2, 4, 8)
-    encoder_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
-    llm_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    kinds: tuple[str, ...] = STAGE_KINDS
-    warmup: int = 2
-    runs: int = 5
-    statistic: str = "median"
-    compute_dtype: str = "bfloat16"
-    memory_limit_bytes: float = 2 * 2**30
-
-    def __post_init__(self):
-        for key in ("tps", "encoder_buckets", "llm_buckets"):
-            values = getattr(self, key)
-            require(len(values) > 0 and min(values) >= 1, f"profile.{key}", values,
-                    "give integers >= 1")  # fmt: skip
-            require(list(values) == sorted(set(values)), f"profile.{key}", values,
-                    "give increasing values, no repeats")  # fmt: skip
-        bad = [k for k in self.kinds if k not in STAGE_KINDS]
-        require(not bad, "profile.kinds", self.kinds, f"use names from {STAGE_KINDS}")
-        require(self.runs >= 1, "profile.runs", self.runs, "must be >= 1")
-        require(self.statistic in ("median", "min"), "profile.statistic", self.statistic,
-                "use 'median' or 'min'")  # fmt: skip
-        require(self.warmup >= 0, "profile.warmup", self.warmup, "must be >= 0")
-        require(self.compute_dtype in ("bfloat16", "float32"), "profile.compute_dtype",
-                self.compute_dtype, "use 'bfloat16' or 'float32'")  # fmt: skip
-        require(self.memory_limit_bytes > 0, "profile.memory_limit_bytes",
-                self.memory_limit_bytes, "must be > 0")  # fmt: skip
+__all__ = ["ProfileSettings"]

@@ -1,26 +1,5 @@
-"""The cost-table file: what the model profiler measured, one entry per (kind, tp, bucket, layers).
-
-Pure Python (no jax), so `dflop_jax.costs.measured.MeasuredCostProvider` can read it in the planner.
-JSON, indented, one entry per line-group, e.g.:
-
-    {"version": 1, "device_kind": "cpu", "platform": "cpu", "device_count": 8,
-     "jax_version": "0.10.2", "flax_version": "0.12.8", "config_hash": "3f2a...", "code_version": "9c1e...",
-     "model": "tiny", "settings": {"warmup": 2, "runs": 5, "compute_dtype": "float32"},
-     "entries": [{"kind": "llm_layers", "tp": 1, "bucket": 256, "layers": 1, "status": "ok",
-                  "fwd_s": 0.0012, "bwd_s": 0.0031, "flops_fwd": 1.2e7, "flops_bwd": 3.9e7,
-                  "bytes_fwd": ..., "bytes_bwd": ...,
-                  "memory_fwd": {"argument": .., "output": .., "temp": .., "alias": .., "peak": ..},
-                  "memory_bwd": {...}}, ...]}
-
-Stage kinds (a planner `StageSpec` is the sum of its parts, see `costs/measured.py`):
-  encoder_layers (layers 1 and 2), encoder_embedding (patch + position embedding),
-  encoder_head (post-norm + projector), llm_layers (1 and 2), llm_embedding (token embedding + image
-  feature placement), llm_head (final norm + LM head + loss).
-Buckets: tiles per encoder shard for encoder kinds, tokens of the packed row for LLM kinds.
-Memory fields are per device, from `compiled.memory_analysis()`; `peak` is XLA's peak when it reports
-one, else argument + output + temp - alias. Entries that could not run have status "skipped" and a
-`reason` (e.g. over device memory, tp does not divide the heads).
-"""
+"""Staleness hashes of a profile (config and code); the cost-table file format is
+`dflop_jax.contracts.cost_table` (re-exported here for the profiler's modules)."""
 
 from __future__ import annotations
 
@@ -30,137 +9,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-TABLE_VERSION = 1
-ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
-LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
-STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
-LAYER_KINDS = ("encoder_layers", "llm_layers")
-MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
-
-
-@dataclasses.dataclass(frozen=True)
-class CostEntry:
-    """One profiled program pair (forward program, backward program) at one shape.
-
-    Attributes:
-      kind: one of STAGE_KINDS.
-      tp: tensor-parallel degree (devices of the ("data", "model") = (1, tp) mesh).
-      bucket: tiles (encoder kinds) or tokens (LLM kinds) of one shard.
-      layers: transformer layers in the program (1 or 2 for *_layers kinds, else 0).
-      status: "ok" or "skipped".
-      reason: why skipped ("" if ok).
-      fwd_s, bwd_s: median seconds of the forward program and of the backward program (which re-runs
-        the forward under `jax.vjp`, as the runtime's recompute-in-backward stage programs do).
-      flops_fwd, flops_bwd, bytes_fwd, bytes_bwd: `compiled.cost_analysis()` "flops" and
-        "bytes accessed" (per device for sharded programs).
-      memory_fwd, memory_bwd: `compiled.memory_analysis()` bytes per device (MEMORY_FIELDS).
-      param_bytes: parameter bytes per device (fp32 masters, sharded by tp).
-      input_bytes: bytes per device of the program's stage input (x and the side arrays).
-    """
-
-    kind: str
-    tp: int
-    bucket: int
-    layers: int
-    status: str = "ok"
-    reason: str = ""
-    fwd_s: float = 0.0
-    bwd_s: float = 0.0
-    flops_fwd: float = 0.0
-    flops_bwd: float = 0.0
-    bytes_fwd: float = 0.0
-    bytes_bwd: float = 0.0
-    memory_fwd: dict[str, float] = dataclasses.field(default_factory=dict)
-    memory_bwd: dict[str, float] = dataclasses.field(default_factory=dict)
-    param_bytes: float = 0.0
-    input_bytes: float = 0.0
-
-    def __post_init__(self):
-        if self.kind not in STAGE_KINDS:
-            raise ValueError(f"cost entry kind={self.kind!r}: use one of {STAGE_KINDS}")
-        if self.status not in ("ok", "skipped"):
-            raise ValueError(f"cost entry status={self.status!r}: use 'ok' or 'skipped'")
-
-    @property
-    def key(self) -> tuple[str, int, int, int]:
-        return (self.kind, self.tp, self.bucket, self.layers)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-@dataclasses.dataclass
-class CostTable:
-    """A whole profile: metadata plus entries keyed by (kind, tp, bucket, layers)."""
-
-    device_kind: str
-    platform: str
-    device_count: int
-    config_hash: str
-    code_version: str
-    model: str = ""
-    jax_version: str = ""
-    flax_version: str = ""
-    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    entries: dict[tuple[str, int, int, int], CostEntry] = dataclasses.field(default_factory=dict)
-
-    def add(self, entry: CostEntry) -> None:
-        self.entries[entry.key] = entry
-
-    def get(self, kind: str, tp: int, bucket: int, layers: int) -> CostEntry | None:
-        return self.entries.get((kind, tp, bucket, layers))
-
-    def buckets(self, kind: str, tp: int, layers: int) -> list[int]:
-        """Sorted buckets with an "ok" entry for (kind, tp, layers)."""
-        return sorted(
-            b
-            for (k, t, b, n), e in self.entries.items()
-            if (k, t, n) == (kind, tp, layers) and e.ok
-        )
-
-    def tps(self, kind: str) -> list[int]:
-        return sorted({t for (k, t, _, _), e in self.entries.items() if k == kind and e.ok})
-
-    def skipped(self) -> list[CostEntry]:
-        return [e for e in self.entries.values() if not e.ok]
-
-
-def save_table(table: CostTable, path: str | Path) -> Path:
-    """Writes `table` as JSON (atomically: a crash mid-write keeps the previous file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: v for k, v in dataclasses.asdict(table).items() if k != "entries"}
-    entries = [dataclasses.asdict(e) for _, e in sorted(table.entries.items())]
-    doc = {"version": TABLE_VERSION, **meta, "entries": entries}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def load_table(path: str | Path) -> CostTable:
-    """Reads a cost-table file.
-
-    Raises:
-      FileNotFoundError: no such file. ValueError: not a cost table of this version.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"cost table not found: {path} (run `python -m dflop_jax.profile model`)"
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON cost table ({e})") from None
-    if not isinstance(doc, dict) or doc.get("version") != TABLE_VERSION:
-        raise ValueError(f"{path}: cost table version must be {TABLE_VERSION}; re-run the profiler")
-    fields = {f.name for f in dataclasses.fields(CostTable)} - {"entries"}
-    table = CostTable(**{k: doc[k] for k in fields if k in doc})
-    for raw in doc["entries"]:
-        table.add(CostEntry(**raw))
-    return table
+from dflop_jax.contracts.cost_table import (
+    ENCODER_KINDS,
+    LAYER_KINDS,
+    LLM_KINDS,
+    MEMORY_FIELDS,
+    STAGE_KINDS,
+    TABLE_VERSION,
+    CostEntry,
+    ProfiledCostTable,
+    load_table,
+    save_table,
+)
 
 
 def config_hash(obj: Any) -> str:
@@ -182,3 +42,19 @@ def code_version(*packages: str) -> str:
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+__all__ = [
+    "ENCODER_KINDS",
+    "LAYER_KINDS",
+    "LLM_KINDS",
+    "MEMORY_FIELDS",
+    "STAGE_KINDS",
+    "TABLE_VERSION",
+    "CostEntry",
+    "ProfiledCostTable",
+    "code_version",
+    "config_hash",
+    "load_table",
+    "save_table",
+]

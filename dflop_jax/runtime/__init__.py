@@ -1,6 +1,6 @@
 """MPMD pipeline runtime: stage submeshes, stage programs, the 1F1B/GPipe driver, per-stage optimizer
-state, checkpoints, metrics and the training loop (`run`). `sharding.py` (logical->mesh rules) is
-re-exported by its owner's module only."""
+state, checkpoints, metrics and the training loop (`trainer.train`; `dflop_jax.train.run` resolves the
+plan and calls it). `sharding.py` (logical->mesh rules) is re-exported by its owner's module only."""
 
 from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer, model_tree, stage_trees
 from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, ModelConfig, TrainConfig
@@ -41,10 +41,3 @@ __all__ = [
     "stage_ops",
     "stage_trees",
 ]
-
-
-def run(cfg):
-    """Trains per `cfg` (see `dflop_jax.runtime.trainer.run`); imported lazily (pulls in the data layer)."""
-    from dflop_jax.runtime.trainer import run as _run
-
-    return _run(cfg)

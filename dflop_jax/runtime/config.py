@@ -10,14 +10,14 @@ from typing import Literal
 
 from dflop_jax.config import require, require_seed
 from dflop_jax.config.inputs import InputPath
+from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
-from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.types import BucketSet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,65 @@ class ModelConfig:
             "give an HF model directory (config.json + safetensors) or '' to build from the fields"
         )
         return [InputPath("hf_dir", self.hf_dir, "dir", fix, contains="config.json")]
+
+    def build(self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str):
+        """The model with fp32 master params, random from `init_seed` or loaded from `hf_dir`.
+
+        Args:
+          tokenizer_vocab: the tokenizer's vocabulary (used when `vocab_size` is 0, padded to a
+            multiple of 128 so tp divides it; the padding rows are never targeted).
+          tile_px, patch_size: the data's tile and patch size (the ViT's image and patch size).
+          compute_dtype: dtype of the matmuls.
+
+        Returns:
+          (model, model_cfg): a `models` nnx module (`Decoder`, `LlavaOnevision` or `InternVL`) and its
+          config.
+        """
+        import jax
+        from flax import nnx
+
+        from models.decoder import Decoder
+        from models.decoder_config import DecoderConfig
+
+        if self.hf_dir:
+            from models.hf import load_pretrained
+
+            return load_pretrained(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
+        dcfg = DecoderConfig(
+            vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=compute_dtype,
+            param_dtype="float32",
+        )
+        vision = {
+            "hidden_size": self.vision_hidden_size,
+            "intermediate_size": self.vision_intermediate_size,
+            "num_layers": self.vision_num_layers,
+            "num_heads": self.vision_num_heads,
+            "image_size": tile_px,
+            "patch_size": patch_size,
+            "dtype": compute_dtype,
+        }
+        rngs = nnx.Rngs(self.init_seed)
+        with jax.default_device(jax.local_devices()[0]):
+            if self.kind == "decoder":
+                return Decoder(dcfg, rngs=rngs), dcfg
+            if self.kind == "internvl":
+                from models.internvit import InternViTConfig
+                from models.internvl import InternVL, internvl_config
+
+                mcfg = internvl_config(InternViTConfig(**vision), dcfg)
+                return InternVL(mcfg, rngs=rngs), mcfg
+            from models.llava_onevision import LlavaOnevision, llava_onevision_config
+            from models.siglip import SiglipConfig
+
+            mcfg = llava_onevision_config(SiglipConfig(**vision), dcfg)
+            return LlavaOnevision(mcfg, rngs=rngs), mcfg
 
 
 # Sizes of a ModelConfig that must be >= 1.
@@ -274,7 +333,14 @@ class TrainConfig:
         fix = (
             "give a plan.yaml written by `python -m dflop_jax.plan`, or plan=explicit/auto/analytic"
         )
-        return [InputPath("plan", self.plan, "file", fix)]
+        return [InputPath("plan", self.plan, "file", fix, parse=self._check_plan_file)]
+
+    def _check_plan_file(self, path) -> None:
+        """Raises ValueError if the plan.yaml is malformed or is one this runtime cannot train."""
+        from dflop_jax.planner.plan_file import load_plan
+        from dflop_jax.planner.resolve import check_runnable
+
+        check_runnable(load_plan(path).layout, self.plan, self.model.kind != "decoder")
 
     def ignored_keys(self) -> dict[str, str]:
         """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned)."""

@@ -24,6 +24,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from dflop_jax.data.types import PackedMicrobatch
 from dflop_jax.runtime.stages import PyTree, StageProgram
 
 Order = Literal["1f1b", "gpipe"]
@@ -108,7 +109,7 @@ class StepOutput:
 
 def run_pipeline(
     stages: Sequence[StageProgram],
-    microbatches: Sequence[Mapping[str, np.ndarray]],
+    microbatches: Sequence[PackedMicrobatch | Mapping[str, np.ndarray]],
     normalizer: float,
     order: Order = "1f1b",
     *,
@@ -119,7 +120,7 @@ def run_pipeline(
 
     Args:
       stages: stage programs in pipeline order (encoder stages, then LLM stages).
-      microbatches: per microbatch, the packed arrays by field name (PackedMicrobatch fields).
+      microbatches: the packed microbatches (`PackedMicrobatch`, or its arrays by field name).
       normalizer: loss tokens of the whole global batch; each microbatch's loss sum is divided by it,
         so the objective does not depend on how samples were packed or split.
       order: "1f1b" or "gpipe".
@@ -141,7 +142,7 @@ def run_pipeline(
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
-            sides[s, m] = stage.put_side(microbatches[m])
+            sides[s, m] = stage.put_side(_fields(microbatches[m]))
         if measure:  # inputs ready first, so only the program is timed
             jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
             compiles, t0 = stage.compiles, clock()
@@ -170,6 +171,13 @@ def run_pipeline(
         else:
             _send_back(stages, s, m, gx, cotangents)
     return StepOutput(loss=losses, grads=grads, stage_times=times, timing_valid=valid)
+
+
+def _fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """The microbatch's arrays by field name, without copying them (`dataclasses.asdict` would)."""
+    if isinstance(mb, PackedMicrobatch):
+        return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+    return mb
 
 
 def _send_back(stages, s: int, m: int, gx, cotangents) -> None:

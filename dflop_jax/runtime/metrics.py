@@ -10,10 +10,11 @@ prediction error before and after correction.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
+
+from dflop_jax.data.types import GlobalBatch
 
 # (row key, column name, format): the console line names each column it shows.
 CONSOLE_COLUMNS = (
@@ -35,6 +38,108 @@ CONSOLE_COLUMNS = (
     ("microbatches", "microbatches", "{:d}"),
     ("recompiles", "compiles", "{:d}"),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step's record (a `metrics.jsonl` line; module docstring for the definitions).
+
+    Attributes:
+      step, loss, grad_norm, lr: the update.
+      step_time_s, tokens_per_s, samples_per_s, mfu: throughput (real tokens/samples; one MFU,
+        `dflop_jax.costs.flops.mfu`).
+      llm_padding_ratio, encoder_padding_ratio, stage_padding_ratio: padding per module / per stage.
+      microbatches, loss_tokens, skipped: the global batch.
+      scheduler_latency_s, scheduler_gap, scheduler_solver, predicted_step_time_s: the schedule.
+      data_wait_s: time the step waited for the loader.
+      compiles, recompiles: stage programs compiled so far / during this step.
+      stage_times_measured: this step timed its stage programs (adaptive correction).
+      pred_raw_mape, pred_corrected_mape: recent-window stage-time prediction error (out of sample)
+        of the cost model and of the corrected one (None before any observation).
+      correction_observations, correction_active, new_observations: the correction's state.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+    llm_padding_ratio: float
+    encoder_padding_ratio: float
+    stage_padding_ratio: list[float]
+    microbatches: int
+    loss_tokens: int
+    scheduler_latency_s: float
+    scheduler_gap: float
+    scheduler_solver: str
+    data_wait_s: float
+    predicted_step_time_s: float
+    compiles: int
+    recompiles: int
+    skipped: int
+    stage_times_measured: bool
+    pred_raw_mape: float | None
+    pred_corrected_mape: float | None
+    correction_observations: int
+    correction_active: bool
+    new_observations: int
+
+
+def step_metrics(
+    step: int,
+    batch: GlobalBatch,
+    stage_modules: Sequence[str],
+    correction: dict[str, Any],
+    *,
+    observed_before: int,
+    **update: Any,
+) -> StepMetrics:
+    """The record of one step: `update` (loss, grad_norm, lr, step_time_s, mfu, compiles, recompiles,
+    stage_times_measured), the batch's stats and schedule, and the scheduler's `prediction_error()`
+    (`correction`; `observed_before`: its observation count before this step)."""
+    st, schedule, time_s = batch.stats, batch.schedule, update["step_time_s"]
+    return StepMetrics(
+        step=step,
+        tokens_per_s=st.packed.tokens_real / time_s,
+        samples_per_s=st.num_samples / time_s,
+        llm_padding_ratio=st.llm_padding_ratio,
+        encoder_padding_ratio=st.encoder_padding_ratio,
+        # Every stage of a module computes the same bucket shapes: its module's padding ratio.
+        stage_padding_ratio=[
+            st.encoder_padding_ratio if m == "encoder" else st.llm_padding_ratio
+            for m in stage_modules
+        ],
+        microbatches=len(batch.microbatches),
+        loss_tokens=batch.num_loss_tokens,
+        scheduler_latency_s=st.scheduler_latency_s,
+        scheduler_gap=schedule.gap,
+        scheduler_solver=schedule.solver,
+        data_wait_s=st.data_wait_s,
+        predicted_step_time_s=schedule.objective,
+        skipped=st.num_skipped,
+        pred_raw_mape=correction["raw_mape"],
+        pred_corrected_mape=correction["corrected_mape"],
+        correction_observations=correction["observations"],
+        correction_active=correction["active"],
+        new_observations=correction["observations"] - observed_before,
+        **update,
+    )
+
+
+def real_work(batch: GlobalBatch, has_encoder: bool) -> list[tuple[int, int]]:
+    """(tiles, tokens) of a batch's real work for MFU (`costs.batch_model_flops`): valid tiles, and
+    each segment of the packed rows."""
+    work = []
+    for mb in batch.microbatches:
+        if has_encoder:
+            work.append((int(mb.tile_valid.sum()), 0))
+        for row in mb.segment_ids:
+            _, counts = np.unique(row[row > 0], return_counts=True)
+            work += [(0, int(c)) for c in counts]
+    return work
 
 
 def measure_peak_flops(n: int = 512, repeats: int = 5) -> float:
@@ -75,11 +180,12 @@ class MetricsLog:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
-        self.history: list[dict[str, Any]] = []
+        self.history: list[StepMetrics] = []
         self.progress = Progress(total_steps, clock)
 
-    def log(self, row: dict[str, Any]) -> None:
-        self.history.append(row)
+    def log(self, metrics: StepMetrics) -> None:
+        self.history.append(metrics)
+        row = dataclasses.asdict(metrics)
         self._file.write(json.dumps(row, default=_jsonable) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -97,13 +203,13 @@ class MetricsLog:
             return {}
 
         def mean(k):
-            vals = [r[k] for r in rows if k in r and r[k] is not None]
-            return float(np.mean(vals)) if vals else None
+            return float(np.mean([getattr(r, k) for r in rows]))
 
+        first, last = self.history[0], self.history[-1]
         return {
-            "steps": self.history[-1]["step"],
-            "first_loss": self.history[0]["loss"],
-            "final_loss": self.history[-1]["loss"],
+            "steps": last.step,
+            "first_loss": first.loss,
+            "final_loss": last.loss,
             "step_time_s_mean": mean("step_time_s"),
             "tokens_per_s_mean": mean("tokens_per_s"),
             "samples_per_s_mean": mean("samples_per_s"),
@@ -112,16 +218,16 @@ class MetricsLog:
             "scheduler_latency_s_mean": mean("scheduler_latency_s"),
             "data_wait_s_mean": mean("data_wait_s"),
             "predicted_step_time_s_mean": mean("predicted_step_time_s"),
-            "compiles": self.history[-1]["compiles"],
+            "compiles": last.compiles,
             # New (stage, bucket) programs after the first step: first sightings of a bucket only;
             # a steady state adds none.
-            "new_compiles_after_first_step": sum(r["recompiles"] for r in self.history[1:]),
-            "skipped_samples": sum(r["skipped"] for r in self.history),
+            "new_compiles_after_first_step": sum(r.recompiles for r in self.history[1:]),
+            "skipped_samples": sum(r.skipped for r in self.history),
             # Adaptive correction at the end of the run: stage-time MAPE of the raw cost model and
             # of the corrected one (recent window, out of sample), and the microbatches observed.
-            "pred_raw_mape": self.history[-1].get("pred_raw_mape"),
-            "pred_corrected_mape": self.history[-1].get("pred_corrected_mape"),
-            "correction_observations": self.history[-1].get("correction_observations", 0),
+            "pred_raw_mape": last.pred_raw_mape,
+            "pred_corrected_mape": last.pred_corrected_mape,
+            "correction_observations": last.correction_observations,
         }
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     tile's features) placed by feature_index, or by feature_taps / feature_weight
                     [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps)
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
-                    (`models.loss.cross_entropy_sum`)
+                    (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
 """
 
 from __future__ import annotations
@@ -96,8 +96,6 @@ def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
 
 
 def _llm_fns(graphdef, spec: StageSpec, rules: Rules, *, features: bool) -> StageFns:
-    from models.loss import cross_entropy_sum
-
     side = ("segment_ids", "positions")
     if spec.has_embedding:
         side = ("tokens",) + (("feature_index",) if features else ()) + side
@@ -124,7 +122,7 @@ def _llm_fns(graphdef, spec: StageSpec, rules: Rules, *, features: bool) -> Stag
     def loss(params, x, s):
         stage, h = hidden(params, x, s)
         with nnx.logical_axis_rules(rules):
-            return cross_entropy_sum(stage.logits(h), s["targets"], s["loss_mask"])
+            return stage.loss(h, s["targets"], s["loss_mask"])
 
     return StageFns(
         loss=loss, side_keys=side + ("targets", "loss_mask"), optional_keys=optional, x_spec=x_spec

@@ -1,7 +1,8 @@
 """Online scheduler (DESIGN section 4): global batch -> microbatches x LLM shards with static-shape buckets.
 
 Pure Python / NumPy / OR-Tools (no jax). `schedule_batch` is one-shot; `Scheduler` is the stateful
-per-step object the data loader uses (adds adaptive cost correction and checkpointable state).
+per-step object the runtime owns (its `schedule(shapes, index)` is the loader's `ScheduleFn`; adds
+adaptive cost correction and checkpointable state).
 """
 
 from dflop_jax.scheduler.baselines import (

@@ -28,6 +28,11 @@ class SchedulerConfig:
         `max_cpsat_vars`).
       max_cpsat_vars: most assignment variables (samples x bins) of one round's CP-SAT model.
       order_evaluations: most 1F1B simulations spent choosing the microbatch order (`order.py`).
+      select: how candidates (microbatch counts, packings, the refinement's answer) are chosen when
+        the pipeline has more than one stage: "makespan" (the simulated 1F1B makespan of a good
+        order, `select.py`) or "surrogate" (the static-bucket surrogate alone, the rule before).
+      select_evaluations: 1F1B simulations per candidate in the first round of the makespan rule
+        (`select.py`; the best few then get `order_evaluations`).
       correction: "off", "on", or "auto" (on once the raw prediction MAPE exceeds `correction_threshold`
         after `correction_min_observations` observed microbatches).
       correction_rate: EMA rate of the per (stage, bucket pair) correction factors.
@@ -45,6 +50,8 @@ class SchedulerConfig:
     neighbourhood: int = 2
     max_cpsat_vars: int = 4000
     order_evaluations: int = 200
+    select: Literal["makespan", "surrogate"] = "makespan"
+    select_evaluations: int = 12
     correction: Literal["off", "on", "auto"] = "auto"
     correction_rate: float = 0.2
     correction_threshold: float = 0.1
@@ -74,6 +81,18 @@ class SchedulerConfig:
             self.order_evaluations >= 1,
             "scheduler.order_evaluations",
             self.order_evaluations,
+            "must be >= 1",
+        )
+        require(
+            self.select in ("makespan", "surrogate"),
+            "scheduler.select",
+            self.select,
+            "use makespan or surrogate",
+        )
+        require(
+            self.select_evaluations >= 1,
+            "scheduler.select_evaluations",
+            self.select_evaluations,
             "must be >= 1",
         )
         for key, value in (

@@ -98,8 +98,11 @@ class Scheduler:
             fn,
         )
 
-    def schedule(self, shapes: Sequence[SampleShape]) -> Schedule:
-        """Schedules one global batch with seed `config.seed + steps` (a resumed run repeats itself)."""
+    def schedule(self, shapes: Sequence[SampleShape], index: int | None = None) -> Schedule:
+        """Schedules global batch `index` (a `ScheduleFn`) with seed `config.seed + index`, so a batch's
+        schedule depends neither on prefetching nor on a resume. None = the next batch (`steps`)."""
+        if index is not None:
+            self.steps = index
         problem = self.current_problem()
         if not self.active:
             table = self._raw_table

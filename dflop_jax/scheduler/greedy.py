@@ -354,7 +354,11 @@ def _better(a, b):
 
 
 def greedy_schedule(
-    tokens: np.ndarray, tiles: np.ndarray, problem: ScheduleProblem, table: CostTable
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    problem: ScheduleProblem,
+    table: CostTable,
+    pool: list | None = None,
 ) -> tuple[np.ndarray, int, float, float]:
     """Best greedy assignment: (bin_of [N], microbatches, surrogate, lower bound).
 
@@ -363,38 +367,54 @@ def greedy_schedule(
     bound), vector LPT + shrink at the
     candidate counts and at the bound's count, then at the neighbours of the best count while that
     improves (the coarse grid of a wide range can miss the best count).
+
+    With `pool` (a list), every candidate built is appended to it as (bin_of, m, surrogate) and no
+    shortcut is taken at the bound: the caller chooses among them by another measure (`select.py`).
     """
+    exhaustive = pool is not None
+    pool = [] if pool is None else pool
+
+    def better(a, b):
+        if b is not None:
+            pool.append(b)
+        return _better(a, b)
+
     lb, target = aggregate_bound(tokens, tiles, problem, table)
-    packed = None
+    packed = early = None  # early: the answer at the bound (the pool only adds candidates after it)
     if target:
         packed = targeted_assign(tokens, tiles, target, problem, table)
         if packed is not None:
             obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
-            if obj <= lb * (1 + 1e-9):  # the packing reached the bound: nothing left to gain
-                return packed, len(target), obj, lb
+            pool.append((packed, len(target), obj))
+            if obj <= lb * (1 + 1e-9):  # reached the bound: nothing to gain
+                early = (packed, len(target), obj)
+                if not exhaustive:
+                    return (*early, lb)
     filled = _filled(tokens, tiles, target, problem, table, lb)
-    if filled is not None and filled[2] <= lb * (1 + 1e-9):
-        return (*filled, lb)
+    if early is None and filled is not None and filled[2] <= lb * (1 + 1e-9):
+        early = filled
+        if not exhaustive:
+            return (*early, lb)
     lo, hi = problem.microbatches
     counts = candidate_counts(problem, len(tokens))
     if target and lo <= len(target) <= hi and len(target) not in counts:
         counts.append(len(target))
     best, tried = None, set()
     for m in counts:
-        best = _better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+        best = better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
         tried.add(m)
     step = 1
     while best is not None and step <= 2:  # neighbours of the best count
         cand = [m for m in (best[1] - step, best[1] + step) if lo <= m <= hi and m not in tried]
         before = best
         for m in cand:
-            best = _better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+            best = better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
             tried.add(m)
         step = 1 if best is not before else step + 1
-    best = _better(best, filled)
+    best = better(best, filled)
     if best is not None and target and best[1] != len(target):  # fill at the count LPT liked too
         at_m = dataclasses.replace(problem, microbatches=(best[1], best[1]))
-        best = _better(
+        best = better(
             best,
             _filled(tokens, tiles, aggregate_bound(tokens, tiles, at_m, table)[1], problem, table),
         )
@@ -405,7 +425,9 @@ def greedy_schedule(
         if best is None or raw < best[2]:
             shrunk = shrink(packed, len(target), tokens, tiles, problem, table)
             obj = evaluate(shrunk, len(target), tokens, tiles, problem, table)[0]
-            best = _better(best, (shrunk, len(target), obj))
+            best = better(best, (shrunk, len(target), obj))
+    if early is not None:
+        return (*early, lb)
     if best is None:
         raise ValueError(
             f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "

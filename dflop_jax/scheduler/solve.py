@@ -14,6 +14,10 @@ What is promised (DESIGN section 4):
   fixed by the inputs, and the report says which.
 - Never fails because of the solver: an infeasible/invalid CP-SAT model or any exception inside the
   refinement keeps the greedy answer, with the reason in `info["fallback"]`.
+- Stage-aware: with more than one pipeline stage (and `config.select == "makespan"`), the answer is the
+  candidate -- any the greedy built, or the refinement's -- with the lowest simulated 1F1B makespan
+  (`select.py`); the objective reported stays that candidate's static-bucket surrogate, and the
+  lower bound the surrogate's, so `gap` can exceed the surrogate-best candidate's.
 - No empty microbatch: with fewer samples than the smallest allowed count, the count shrinks to the
   number of samples (`info["microbatches_below_range"]`); no microbatch ever computes only padding.
 """
@@ -29,7 +33,7 @@ import numpy as np
 
 from dflop_jax.scheduler.baselines import data_blind_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.greedy import balance_shards, ensure_nonempty, greedy_schedule
+from dflop_jax.scheduler.greedy import ensure_nonempty, greedy_schedule
 from dflop_jax.scheduler.lns import Aborted, LnsBudget, lns
 from dflop_jax.scheduler.objective import (
     CostTable,
@@ -40,6 +44,7 @@ from dflop_jax.scheduler.objective import (
     to_plans,
 )
 from dflop_jax.scheduler.order import makespan_lower_bound, order_microbatches
+from dflop_jax.scheduler.select import finish, pick_by_makespan
 from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.sim.pipeline import simulate
 
@@ -85,7 +90,9 @@ def schedule_batch(
     tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
     tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
 
-    bin_of, m, _, lb = greedy_schedule(tokens, tiles, eff, table)
+    by_makespan = config.select == "makespan" and problem.num_stages > 1
+    pool: list | None = [] if by_makespan else None
+    bin_of, m, _, lb = greedy_schedule(tokens, tiles, eff, table, pool)
     bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, eff.microbatches[0])
     greedy_obj = evaluate(bin_of, m, tokens, tiles, eff, table)[0]
     info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": clock() - t0}
@@ -95,10 +102,15 @@ def schedule_batch(
     if config.solver in ("cpsat", "auto"):
         bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
                                  lambda: clock() - t0 > config.time_limit_s, info)  # fmt: skip
-    bin_of = balance_shards(bin_of, m, tokens, problem.llm_dp)
+    bin_of, m = finish(bin_of, m, tokens, problem, eff.microbatches[0])
+    if by_makespan:
+        bin_of, m, order, makespan = _select(
+            bin_of, m, pool, tokens, tiles, eff, table, config, info
+        )
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
     stage = table.stage[ti, si]  # [M, P, 2]
-    order, makespan = order_microbatches(stage, config.order_evaluations)
+    if not by_makespan:
+        order, makespan = order_microbatches(stage, config.order_evaluations)
     plans = to_plans(bin_of, m, ti, si, problem, table)
     plans = tuple(plans[k] for k in order)
     info.update(padding_ratios(plans, tokens, tiles, problem))
@@ -110,6 +122,23 @@ def schedule_batch(
         makespan_lower_bound_s=makespan_lower_bound(stage),
     )
     return Schedule(plans, obj, lb, solver, clock() - t0, info)
+
+
+def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
+    """(bin_of, m, order, 1F1B makespan) of the candidate with the lowest makespan (`select.py`);
+    the surrogate's answer is candidate 0."""
+    cands = [(bin_of, m)] + [
+        finish(b, k, tokens, problem, problem.microbatches[0]) for b, k, _ in pool
+    ]
+    best, order, makespan, scores = pick_by_makespan(
+        cands, tokens, tiles, problem, table, config.select_evaluations, config.order_evaluations
+    )
+    info.update(
+        selected_by="makespan",
+        candidates_scored=int(np.isfinite(scores).sum()),
+        selected_surrogate_pick=best == 0,
+    )
+    return (*cands[best], order, makespan)
 
 
 def _refine(bin_of, m, greedy_obj, lb, tokens, tiles, problem, table, config, stop, info):

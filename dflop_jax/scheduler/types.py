@@ -1,134 +1,21 @@
-"""The scheduler's vocabulary: sample shapes in, a static-shape schedule out (DESIGN sections 3 and 4).
+"""The scheduler's vocabulary, re-exported from `dflop_jax.contracts` (where the shared contracts live,
+below every package that reads them): sample shapes in, a static-shape schedule out."""
 
-Shared by the data layer (which builds `SampleShape`s from metadata and packs arrays from a `Schedule`),
-the planner (which scores layouts by scheduling sampled batches) and the runtime. Pure Python.
-"""
+from dflop_jax.contracts.schedule import (
+    MicrobatchPlan,
+    Schedule,
+    ScheduleFn,
+    ScheduleProblem,
+    StageCostFn,
+)
+from dflop_jax.contracts.shapes import BucketSet, SampleShape
 
-from __future__ import annotations
-
-import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import numpy as np
-
-# (tile_bucket, length_bucket) -> array [num_stages, 2] of (forward, backward) seconds for one microbatch,
-# stages in pipeline order (encoder stages, then LLM stages). Buckets are per data-parallel shard.
-StageCostFn = Callable[[int, int], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleShape:
-    """What the scheduler knows of a sample before any pixel is decoded.
-
-    Attributes:
-      id: the sample's id in its dataset (opaque to the scheduler).
-      tiles: encoder tiles (images tiles + video frames); 0 for text-only.
-      tokens: all LLM tokens of the sample (text + image + newline tokens), exactly as the model sees them.
-      modality: "text", "image", "multi_image" or "video" (reporting only).
-    """
-
-    id: Any
-    tiles: int
-    tokens: int
-    modality: str = "text"
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketSet:
-    """The static shapes a stage program is compiled for.
-
-    Attributes:
-      tiles: tile buckets T, ascending: tiles per encoder data-parallel shard per microbatch.
-      lengths: length buckets S, ascending: tokens of the one packed row per LLM data-parallel shard
-        per microbatch.
-    """
-
-    tiles: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-    def __post_init__(self):
-        for name, values in (("tiles", self.tiles), ("lengths", self.lengths)):
-            if not values or list(values) != sorted(set(values)) or values[0] < 1:
-                raise ValueError(
-                    f"buckets.{name}={values}: need distinct positive sizes, ascending"
-                )
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleProblem:
-    """Everything fixed by the plan for scheduling one global batch.
-
-    Attributes:
-      encoder_dp: encoder data-parallel degree v_dp.
-      llm_dp: LLM data-parallel degree l_dp.
-      num_stages: pipeline depth P (encoder + LLM stages).
-      microbatches: allowed microbatch counts (min, max), inclusive.
-      buckets: the bucket sets.
-      stage_costs: predicted per-stage (fwd, bwd) seconds of a microbatch at given buckets.
-    """
-
-    encoder_dp: int
-    llm_dp: int
-    num_stages: int
-    microbatches: tuple[int, int]
-    buckets: BucketSet
-    stage_costs: StageCostFn
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchPlan:
-    """One microbatch: its buckets and which samples each LLM data-parallel shard packs.
-
-    Attributes:
-      tile_bucket: T, tiles per encoder shard (all encoder shards use the same T).
-      length_bucket: S, tokens per LLM shard row (all LLM shards use the same S).
-      shards: per LLM dp shard, indices into the global batch's sample list, in packing order.
-    """
-
-    tile_bucket: int
-    length_bucket: int
-    shards: tuple[tuple[int, ...], ...]
-
-    def samples(self) -> tuple[int, ...]:
-        return tuple(i for shard in self.shards for i in shard)
-
-    def encoder_tiles(
-        self, shapes: Sequence[SampleShape], encoder_dp: int
-    ) -> list[list[tuple[int, int]]]:
-        """Tiles per encoder shard as (sample index, tile index), filled in order: shard 0 up to T, ...
-
-        The encoder's tiles are independent, so any sample's tiles may be split across shards.
-        """
-        out: list[list[tuple[int, int]]] = [[] for _ in range(encoder_dp)]
-        slot = 0
-        for i in self.samples():
-            for t in range(shapes[i].tiles):
-                out[slot // self.tile_bucket].append((i, t))
-                slot += 1
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The scheduler's answer for one global batch, with its quality report.
-
-    Attributes:
-      microbatches: the microbatches in execution order.
-      objective: predicted step time in seconds (1F1B surrogate of DESIGN section 4).
-      lower_bound: a proven lower bound on that objective for this batch.
-      solver: which solver produced the answer ("greedy", "lns", or a baseline's name).
-      time_s: wall time the scheduler took.
-      info: extra report fields (greedy objective, cpsat status, padding ratios, ...).
-    """
-
-    microbatches: tuple[MicrobatchPlan, ...]
-    objective: float
-    lower_bound: float
-    solver: str
-    time_s: float
-    info: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def gap(self) -> float:
-        return self.objective / self.lower_bound - 1.0 if self.lower_bound > 0 else float("inf")
+__all__ = [
+    "BucketSet",
+    "MicrobatchPlan",
+    "SampleShape",
+    "Schedule",
+    "ScheduleFn",
+    "ScheduleProblem",
+    "StageCostFn",
+]

@@ -1,8 +1,5 @@
-"""Sample-shape distributions: the shared file format, the real OmniBal statistics, a LLaVA-OV-like mix.
-
-File format (data profiler writes, planner reads):
-    {"version": 1, "source": "...", "samples": [{"tiles": int, "tokens": int, "modality": str}, ...],
-     "summary": {...}}
+"""Sample-shape distributions: the real OmniBal statistics and a LLaVA-OV-like mix (the file format,
+re-exported here, is `dflop_jax.contracts.shape_distribution`).
 
 The real per-sample statistics ship with the package, in `dflop_jax/data/workload_stats/omnibal_internvl/`
 (`*.json.gz` and a README with their origin and licence), so an installed package or a bare clone has them.
@@ -26,48 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.scheduler.types import BucketSet, SampleShape
+from dflop_jax.contracts.shape_distribution import (  # noqa: F401 - re-exported
+    load_shape_distribution,
+    save_shape_distribution,
+)
+from dflop_jax.contracts.shapes import BucketSet, SampleShape
 
-FORMAT_VERSION = 1
 OMNIBAL_SUBSETS = ("ai2d", "chartqa", "docvqa", "synthdog_en")
 LLAVA_OV_MIX = {"image": 0.45, "multi_image": 0.20, "video": 0.25, "text": 0.10}
 
 
 # Package data found by path, not through `dflop_jax.data` (whose import pulls in the data pipeline).
 OMNIBAL_DIR = Path(__file__).resolve().parents[1] / "data" / "workload_stats" / "omnibal_internvl"
-
-
-def load_shape_distribution(path: str | Path) -> list[SampleShape]:
-    """Reads a shape-distribution JSON file; sample ids are their positions in the file."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read a shape distribution: {e}") from None
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or "samples" not in data:
-        raise ValueError(f"{path}: expected {{'version': {FORMAT_VERSION}, 'samples': [...]}}")
-    out = []
-    for i, s in enumerate(data["samples"]):
-        try:
-            out.append(
-                SampleShape(i, int(s["tiles"]), int(s["tokens"]), str(s.get("modality", "text")))
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"{path}: samples[{i}]={s!r}: need tiles and tokens integers ({e})"
-            ) from None
-    return out
-
-
-def save_shape_distribution(
-    shapes: Sequence[SampleShape], path: str | Path, source: str, summary: dict
-) -> None:
-    """Writes `shapes` in the shared shape-distribution format."""
-    samples = [
-        {"tiles": int(s.tiles), "tokens": int(s.tokens), "modality": s.modality} for s in shapes
-    ]
-    data = {"version": FORMAT_VERSION, "source": source, "samples": samples, "summary": summary}
-    Path(path).write_text(json.dumps(data))
 
 
 def omnibal_shapes(subsets: Sequence[str] | None = None) -> list[SampleShape]:

@@ -1,0 +1,38 @@
+"""The records a `DataConfig` names: a mix YAML, one JSON/JSONL file, or the synthetic dataset.
+
+Sits above `sources.py` (file reading) and `mix.py` (mixes of files), so neither imports the other's user.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflop_jax.config import ConfigError
+from dflop_jax.data.config import DataConfig
+from dflop_jax.data.mix import load_mix
+from dflop_jax.data.sources import read_records, with_roots
+
+
+def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
+    """All records of `cfg.source`: a mix YAML, one JSON/JSONL file, or the synthetic dataset.
+
+    Relative media paths resolve against `cfg.image_root` / `cfg.video_root`, else the dataset's folder.
+    """
+    if cfg.source == "synthetic":
+        from dflop_jax.data.synth import synth_dataset
+
+        path = synth_dataset(
+            cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed, cfg.tile_px
+        )
+    else:
+        path = Path(cfg.source).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"data.source={cfg.source!r}: file not found; give a mix YAML, JSON/JSONL or 'synthetic'"
+            )
+    if path.suffix in (".yaml", ".yml"):
+        return load_mix(
+            path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root
+        )
+    records = list(read_records(path, strict=cfg.strict))
+    return with_roots(records, cfg.image_root or path.parent, cfg.video_root or path.parent)

@@ -1,0 +1,85 @@
+"""The plan a training run trains with (`TrainConfig.plan`), as far as it needs no devices. No jax.
+
+    resolved = ResolvedPlan(layout, buckets, (2, 6), provider)                     # plan: explicit
+    resolved = ResolvedPlan.of(static_plan("analytic", ...), provider)             # plan: analytic
+    resolved = ResolvedPlan.of(static_plan("runs/x/plan.yaml", ...), provider)    # plan: <path>
+
+`plan: auto` (profile the model on the devices, then plan) needs jax: the entry point runs it through
+`dflop_jax.profiling.pipeline.profiled_plan`, which returns a `Plan` and its measured cost provider;
+the planner never calls the profiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
+from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_costs
+from dflop_jax.costs.layout import Layout
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.planner.plan_file import Plan, load_plan, save_plan
+from dflop_jax.planner.search import make_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPlan:
+    """What the trainer runs: layout, buckets, microbatch range, and the costs the scheduler predicts with."""
+
+    layout: Layout
+    buckets: BucketSet
+    microbatches: tuple[int, int]
+    provider: CostProvider
+
+    @classmethod
+    def of(cls, plan: Plan, provider: CostProvider) -> ResolvedPlan:
+        return cls(plan.layout, plan.buckets, plan.microbatch_range, provider)
+
+    def problem(self) -> ScheduleProblem:
+        """The scheduling problem of every global batch: dp degrees, buckets, predicted stage costs."""
+        lay = self.layout
+        costs = layout_stage_costs(self.provider, lay)
+        return ScheduleProblem(
+            lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs
+        )
+
+    def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:
+        """Raises ValueError if the runtime cannot run this plan; returns it otherwise."""
+        check_runnable(self.layout, mode, multimodal)
+        return self
+
+
+def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
+    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files)."""
+    if multimodal and not layout.encoder_stages:
+        raise ValueError(
+            f"plan={mode}: the plan has no encoder stages (encoder colocated on LLM stage 0), which "
+            "the runtime does not run; plan with planner.colocate=false or give layout.encoder_layers"
+        )
+    if not multimodal and layout.encoder_stages:
+        raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
+
+
+def training_planner(planner: PlannerConfig, global_batch: int, multimodal: bool) -> PlannerConfig:
+    """The planner settings of a training run: its global batch; separate encoder stages for an MLLM
+    (the runtime runs no encoder colocated inside an LLM stage)."""
+    return dataclasses.replace(planner, global_batch=global_batch, colocate=not multimodal)
+
+
+def static_plan(
+    mode: str,
+    arch: MLLMArch,
+    device: DeviceSpec,
+    num_devices: int,
+    planner: PlannerConfig,
+    shapes: Callable[[], Sequence[SampleShape]],
+    out_dir: str | Path,
+) -> Plan:
+    """`mode` "analytic": plans on the dataset's `shapes()` with analytic costs and saves
+    `out_dir/plan.yaml`; otherwise `mode` is a plan.yaml path, loaded."""
+    if mode != "analytic":
+        return load_plan(mode)
+    plan = make_plan(arch, device, num_devices, shapes(), planner)
+    save_plan(plan, Path(out_dir) / "plan.yaml")
+    return plan

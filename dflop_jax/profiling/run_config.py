@@ -1,0 +1,51 @@
+"""Root configs of `python -m dflop_jax.profile model` and `... profile auto` (pure Python, so the CLI
+parses and validates them before any JAX work)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflop_jax.config import require
+from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.profiling.pipeline import AutoPlanConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfileConfig:
+    """Root config of `profile model`.
+
+    Attributes:
+      arch: architecture name (`dflop_jax.costs.list_archs()`, LLaVA-style) whose real `models/`
+        stages are profiled with random weights.
+      num_cpu_devices: simulated devices when running on CPU.
+      profile: grid and timing settings.
+      out: cost-table path (the PNG goes beside it).
+    """
+
+    arch: str = "tiny"
+    num_cpu_devices: int = 8
+    profile: ProfileSettings = ProfileSettings()
+    out: str = "runs/profile/cost_table.json"
+
+    def __post_init__(self):
+        require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlanRunConfig:
+    """Root config of `profile auto` (data profile -> model profile -> plan, `profiling.pipeline`).
+
+    Attributes: arch (LLaVA-style name), cache_dir, data_config (YAML with a `data:` section, for
+    auto.data_source == "dataset"), num_cpu_devices (simulated on CPU), auto (the pipeline settings).
+    """
+
+    arch: str = "tiny"
+    cache_dir: str = "runs/auto_plan"
+    data_config: str = ""
+    num_cpu_devices: int = 8
+    auto: AutoPlanConfig = AutoPlanConfig()
+
+    def __post_init__(self):
+        require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
+        require(self.auto.data_source != "dataset" or bool(self.data_config), "data_config",
+                self.data_config, "give a YAML with a `data:` section or set auto.data_source")  # fmt: skip
