@@ -405,7 +405,7 @@ def _train(config: Path | None, overrides: list[str]):
 
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.runtime.trainer import run
+    from dflop_jax.train import run
 
     cfg = load_config(TrainConfig, config, overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
