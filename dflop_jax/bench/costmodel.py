@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflop_jax.bench._accuracy import mape as _mape
 from dflop_jax.host_devices import simulate_cpu_devices
 
 # (module, layers, has_embedding, has_head, tp, buckets): whole stages the planner may place.
@@ -39,11 +40,6 @@ CASES = (
 TPS = (1, 2)
 ENCODER_BUCKETS = (1, 2, 4, 8, 16)
 LLM_BUCKETS = (64, 128, 256, 512, 1024)
-
-
-def _mape(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
-    err = np.abs(pred - meas) / meas
-    return float(err.mean()), float(err.max())
 
 
 def _measure_cases(model_cfg, devices, settings):

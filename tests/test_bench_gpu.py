@@ -1,0 +1,106 @@
+"""`python -m dflop_jax.bench gpu` on CPU (the CI smoke test) and, on a GPU only, cuDNN vs XLA attention.
+
+The smoke test runs every part in-process at the small size and checks the figures from the JSON
+against independent recomputations: attention FLOPs from the segment lengths, the XLA path's parity
+with a dense fp32 reference, MFU = model FLOPs / (step x peak), MAPE from the (predicted, measured) pairs.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from dflop_jax.bench import gpu
+
+
+def _run(out, capsys, parts):
+    path = out / f"{parts.replace(',', '_')}.json"
+    argv = ["--parts", parts, "--size", "smoke", "--out", str(out), "--json-out", str(path),
+            "--warmup", "0", "--runs", "1"]  # fmt: skip
+    rc = gpu.main(argv)
+    report = json.loads(path.read_text())
+    assert rc == 0, {p: report[p]["error"] for p in parts.split(",") if "error" in report[p]}
+    return report, capsys.readouterr().out
+
+
+def _labelled(text: str, header: str) -> None:
+    lines = [x for x in text.splitlines() if x.startswith(header)]
+    assert lines and all(gpu.CPU_BANNER in x for x in lines), lines
+
+
+def test_attention_and_stage_parts(tmp_path, capsys):
+    report, text = _run(tmp_path, capsys, "attention,stage")
+    assert text.splitlines()[0] == gpu.CPU_BANNER and report["banner"] == gpu.CPU_BANNER
+    _labelled(text, "## ")
+    att = report["attention"]
+    assert att["impls"] == ["xla"] and "only the XLA path ran" in att["note"]
+    h, _, dh = att["heads"]
+    assert {(c["length"], c["samples"]) for c in att["cases"]} == {
+        (n, s) for n in gpu.SIZES["smoke"].attn_lengths for s in (1, 16)
+    }
+    for c in att["cases"]:
+        seg = c["length"] // c["samples"]
+        assert c["fwd_flops"] == 4 * dh * h * c["samples"] * seg * (seg + 1) / 2
+        r = c["impls"]["xla"]
+        assert r["fwd_tflops"] == pytest.approx(c["fwd_flops"] / r["fwd_s"] / 1e12)
+        # bf16 XLA path vs the dense fp32 reference: close, but not bit-equal (it is bf16)
+        assert 0 < r["vs_fp32"]["out"] <= gpu.ATTN_TOL["out"]
+        assert 0 < r["vs_fp32"]["grad"] <= gpu.ATTN_TOL["grad"]
+        assert "cudnn" not in c["impls"] and "cudnn_vs_xla" not in c
+    stage = report["stage"]
+    peak = report["device"]["peak_flops"]
+    assert stage["peak_flops"] == peak and "measured" in report["device"]["peak_source"]
+    llm, vit = stage["stages"]
+    # tiny LLM: D=64, H=4, K=2, Dh=16, I=128; 2 layers, one 128-token sample, 3x forward
+    n, d, ff = 128, 64, 128
+    linear = 2 * n * (d * 64 + 2 * d * 32 + 64 * d + 3 * d * ff)
+    assert llm["bucket"] == n and llm["stage"] == "llm 2 layers"
+    assert llm["model_flops"] == pytest.approx(3 * 2 * (linear + 4 * 16 * 4 * n * (n + 1) / 2))
+    for r in (llm, vit):
+        assert r["step_s"] == pytest.approx(r["fwd_s"] + r["bwd_s"])
+        assert r["mfu"] == pytest.approx(r["model_flops"] / (r["step_s"] * peak))
+    assert ("misses goal: LLM stage MFU" in text) == (llm["mfu"] < gpu.GOAL_LLM_MFU)
+
+
+def test_profiler_and_host_parts(tmp_path, capsys):
+    report, text = _run(tmp_path, capsys, "profiler,host")
+    _labelled(text, "## ")
+    prof = report["profiler"]
+    pairs = prof["pairs"]
+    assert pairs and all(p["measured"] > 0 and p["raw"] > 0 for p in pairs)
+    err = lambda key: np.mean([abs(p[key] - p["measured"]) / p["measured"] for p in pairs])  # noqa: E731
+    assert prof["mape_raw"][0] == pytest.approx(err("raw"))
+    assert prof["mape_corrected"][0] == pytest.approx(err("corrected"))
+    # the trainer's own figure (the scheduler's window over its last 64 microbatches, weighted equally)
+    assert len(pairs) <= 64 * 2 * len({p["stage"] for p in pairs})
+    assert prof["scheduler_window_mape"][0] == pytest.approx(prof["mape_raw"][0])
+    groups = {(p["stage"], p["bucket"]) for p in pairs}
+    assert {(r["stage"], r["bucket"]) for r in prof["per_stage_bucket"]} == groups
+    assert sum(r["n"] for r in prof["per_stage_bucket"]) == len(pairs)
+    assert {p["module"] for p in pairs} == {"encoder", "llm"}
+    grid = prof["profiled_buckets"]
+    outside = {(p["module"], p["bucket"]) for p in pairs
+               if not min(grid[p["module"]]) <= p["bucket"] <= max(grid[p["module"]])}  # fmt: skip
+    assert {tuple(x) for x in prof["outside_profiled"]} == outside
+    assert all(f"{m} {b}" in text for m, b in outside) or "misses goal: raw" not in text
+    assert ("misses goal: raw MAPE" in text) == (prof["mape_raw"][0] > gpu.GOAL_RAW_MAPE)
+    host = report["host"]
+    assert host["pipeline_stages"] == 2 and len(host["steps"]) == gpu.SIZES["smoke"].steps
+    for s in host["steps"]:
+        assert 0 < s["dispatch_s"] < s["step_time_s"]
+    assert host["dispatch_fraction"] == pytest.approx(host["dispatch_s"] / host["step_time_s"])
+
+
+def test_unknown_part_is_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--parts", "attention,warp"])
+    assert "unknown part(s) ['warp']" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_xla_on_gpu():
+    """On a GPU: the fused cuDNN path agrees with the XLA path and the fp32 reference on packed rows."""
+    for samples in (1, 16):
+        row = gpu.attention_case(2048, samples, (8, 2, 64), ("xla", "cudnn"), warmup=0, runs=1)
+        assert row["cudnn_vs_xla"]["ok"], row["cudnn_vs_xla"]
+        assert row["impls"]["cudnn"]["vs_fp32"]["ok"] and row["impls"]["xla"]["vs_fp32"]["ok"]
