@@ -4,10 +4,10 @@ GPipe order (the order changes when each microbatch runs, never the summed gradi
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from models_fixtures import tiny_decoder_config
+from pipeline_reference import assert_trees_close, reference_step
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.checkpoint import key_name, model_tree
@@ -21,6 +21,7 @@ from dflop_jax.runtime.train_state import (
     tied_groups,
 )
 from models.decoder import Decoder
+from models.loss import cross_entropy_sum
 
 LAYOUT = Layout(
     (),
@@ -51,28 +52,10 @@ def _microbatch(rng, vocab, rows, length):
     }
 
 
-def _reference(decoder, mbs, norm):
-    from models.loss import cross_entropy_sum
-
-    graphdef, params = nnx.split(decoder)
-
-    @jax.jit
-    def grad_mb(params, mb):
-        def loss(params):
-            m = nnx.merge(graphdef, params)
-            h = m.embed(mb["tokens"])
-            logits = m.forward_embeddings(h, mb["segment_ids"], mb["positions"])
-            return cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])[0] / norm
-
-        return jax.value_and_grad(loss)(params)
-
-    tx = optax.chain(optax.clip_by_global_norm(OPT.clip_norm), OPT.build())
-    state = tx.init(params)
-    outs = [grad_mb(params, mb) for mb in mbs]
-    grads = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
-    updates, state = jax.jit(tx.update)(grads, state, params)
-    norm = float(optax.tree.norm(grads))
-    return sum(float(v) for v, _ in outs), optax.apply_updates(params, updates), norm
+def _decoder_loss(m, mb):
+    h = m.embed(mb["tokens"])
+    logits = m.forward_embeddings(h, mb["segment_ids"], mb["positions"])
+    return cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])[0]
 
 
 def _leaf(tree, names):
@@ -101,7 +84,7 @@ def test_decoder_pipeline_matches_reference(order, tie):
     loss = sum(float(x) for x in out.loss)
     norm_got = apply_updates(opts, out.grads, OPT.clip_norm, tied=tied)
 
-    ref_loss, ref_params, ref_norm = _reference(decoder, mbs, norm)
+    ref_loss, ref_params, ref_norm = reference_step(decoder, mbs, norm, OPT, _decoder_loss)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(norm_got, ref_norm, rtol=1e-5)  # the tied matrix counted once
     for group in tied:  # both copies took the same update
@@ -109,8 +92,4 @@ def test_decoder_pipeline_matches_reference(order, tie):
         np.testing.assert_array_equal(*map(np.asarray, copies))
     got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])["llm"]
     want = model_tree([StageSpec("llm", 0, 3)], [ref_params["stage"]], [{}])["llm"]
-    flat_got = jax.tree_util.tree_flatten_with_path(jax.device_get(got))[0]
-    flat_want = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(want))[0])
-    assert len(flat_got) == len(flat_want)
-    for path, value in flat_got:
-        np.testing.assert_allclose(value, flat_want[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert_trees_close(got, want)

@@ -7,10 +7,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from models_fixtures import TINY_TRAIN_DECODER, tiny_decoder_config
+from pipeline_reference import assert_trees_close, reference_step
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.costs.layout import Layout, StageSpec
@@ -70,24 +70,10 @@ def _microbatch(rng, tokens_per_tile: int) -> dict:
     }
 
 
-def _reference(model, mbs, norm):
-    """Loss and updated params (layout-independent tree) of one step of the unsplit model, one device."""
-    graphdef, params = nnx.split(model)
+def _internvl_loss(m, mb):
     keys = ("tiles", "tile_pool", "tokens", "segment_ids", "positions", "feature_index", "targets",
             "loss_mask")  # fmt: skip
-
-    @jax.jit
-    def grad_mb(params, mb):
-        loss = lambda p: nnx.merge(graphdef, p).loss(*(mb[k] for k in keys))[0] / norm
-        return jax.value_and_grad(loss)(params)
-
-    outs = [grad_mb(params, mb) for mb in mbs]
-    grads = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
-    tx = optax.chain(optax.clip_by_global_norm(OPT.clip_norm), OPT.build())
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    new = optax.apply_updates(params, updates)
-    specs = [StageSpec("encoder", 0, 2), StageSpec("llm", 0, 2)]
-    return sum(float(v) for v, _ in outs), model_tree(specs, [new["encoder"], new["llm"]], [{}, {}])
+    return m.loss(*(mb[k] for k in keys))[0]
 
 
 def test_internvl_pipeline_matches_single_device():
@@ -101,14 +87,12 @@ def test_internvl_pipeline_matches_single_device():
     loss = sum(float(x) for x in out.loss)
     apply_updates(opts, out.grads, OPT.clip_norm)
 
-    ref_loss, ref_tree = _reference(model, mbs, norm)
+    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, _internvl_loss)
+    specs = [StageSpec("encoder", 0, 2), StageSpec("llm", 0, 2)]
+    ref_tree = model_tree(specs, [new["encoder"], new["llm"]], [{}, {}])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # float32 round-off of a ~4.2 loss
     got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])
-    flat_got = jax.tree_util.tree_flatten_with_path(jax.device_get(got))[0]
-    flat_want = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(ref_tree))[0])
-    assert len(flat_got) == len(flat_want)
-    for path, value in flat_got:
-        np.testing.assert_allclose(value, flat_want[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert_trees_close(got, ref_tree)
 
 
 def _cfg(tmp_path, *extra):

@@ -8,9 +8,9 @@ step covers both placements of the first LLM stage."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
+from pipeline_reference import assert_trees_close, reference_step
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.types import plain_taps
@@ -92,43 +92,24 @@ def _model():
         return LlavaOnevision(llava_onevision_config(VISION, TEXT), rngs=nnx.Rngs(0))
 
 
+def _llava_loss(m, mb):
+    keys = ("tiles", "tile_pool", "tokens", "segment_ids", "positions", "feature_index", "targets",
+            "loss_mask")  # fmt: skip
+    args = [mb[k] for k in keys]
+    if mb["feature_taps"] is not None:  # MLLM.loss places with the taps instead
+        args[keys.index("feature_index")] = mb["feature_taps"]
+    return m.loss(*args, feature_weight=mb["feature_weight"])[0]
+
+
 @pytest.fixture(scope="module")
 def reference():
-    model = _model()
-    graphdef, params = nnx.split(model)
     mbs = _batch()
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    keys = (
-        "tiles",
-        "tile_pool",
-        "tokens",
-        "segment_ids",
-        "positions",
-        "feature_index",
-        "targets",
-        "loss_mask",
-    )
-
-    @jax.jit
-    def grad_mb(params, mb):
-        def loss(params):
-            args = [mb[k] for k in keys]
-            if mb["feature_taps"] is not None:  # MLLM.loss places with the taps instead
-                args[keys.index("feature_index")] = mb["feature_taps"]
-            model = nnx.merge(graphdef, params)
-            return model.loss(*args, feature_weight=mb["feature_weight"])[0] / norm
-
-        return jax.value_and_grad(loss)(params)
-
-    tx = optax.chain(optax.clip_by_global_norm(OPT.clip_norm), OPT.build())
-    outs = [grad_mb(params, mb) for mb in mbs]
-    grads = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    new = optax.apply_updates(params, updates)
+    loss, new, _ = reference_step(_model(), mbs, norm, OPT, _llava_loss)
     tree = model_tree(
         [StageSpec("encoder", 0, 3), StageSpec("llm", 0, 3)], [new["encoder"], new["llm"]], [{}, {}]
     )
-    return sum(float(v) for v, _ in outs), tree
+    return loss, tree
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +134,4 @@ def test_mllm_pipeline_matches_single_device(order, pipeline, reference):
     ref_loss, ref_tree = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])
-    flat_got = jax.tree_util.tree_flatten_with_path(jax.device_get(got))[0]
-    flat_want = dict(jax.tree_util.tree_flatten_with_path(jax.device_get(ref_tree))[0])
-    assert len(flat_got) == len(flat_want)
-    for path, value in flat_got:
-        np.testing.assert_allclose(value, flat_want[path], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert_trees_close(got, ref_tree)
