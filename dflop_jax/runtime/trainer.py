@@ -29,7 +29,7 @@ from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import make_loader
 from dflop_jax.planner.resolve import ResolvedPlan
-from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer
+from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, run_pipeline
@@ -222,12 +222,10 @@ def _measure_every(cfg: TrainConfig, console: Console) -> int:
     return cfg.measure_stage_times_every
 
 
-def _checkpointer(cfg: TrainConfig) -> Checkpointer | OwnerCheckpointer:
+def _checkpointer(cfg: TrainConfig) -> Checkpointer:
+    """orbax checkpoints for any layout and process count (one manager per group of owning processes)."""
     directory = Path(cfg.run_dir) / "checkpoints"
-    if jax.process_count() == 1:
-        return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    # orbax refuses arrays living on one process of many: every owner writes its own
-    return OwnerCheckpointer(directory, cfg.checkpoint.keep)
+    return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
 
 def _observe(scheduler: Scheduler, schedule, out: StepOutput) -> None:
