@@ -15,6 +15,7 @@ with the batch index, the trainer feeds it measured stage times and checkpoints 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -157,7 +158,13 @@ class _Trainer:
         for s, o, p, st in zip(self.stages, self.opts, params, states):
             s.params, o.state = p, st
         self.loader.set_state(meta["loader"])
-        self.scheduler.load_state_dict(meta["scheduler"])
+        if meta["layout"] == json.loads(json.dumps(dataclasses.asdict(self.layout))):
+            self.scheduler.load_state_dict(meta["scheduler"])
+        else:  # correction factors are per stage of the layout that measured them
+            self.console.print(
+                "note: the checkpoint comes from another layout; scheduler corrections start fresh",
+                highlight=False,
+            )
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
         return meta["step"]
 
