@@ -23,6 +23,7 @@ have it (each manager commits atomically; the list makes the whole save atomic).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,22 @@ class Checkpointer:
             if all((self.directory / g / str(step)).is_dir() for g in groups):
                 return step
         return None
+
+    def discard_after(self, step: int) -> None:
+        """Deletes every group's saves after `step`, committed or not (process 0; all processes wait).
+
+        A run killed mid-save leaves some groups with a newer committed step and others with a
+        temporary directory; the resumed run saves those steps again, which orbax refuses while they
+        exist.
+        """
+        if jax.process_index() == 0:
+            for group in self.directory.glob("procs_*"):
+                for saved in group.iterdir():
+                    name = saved.name.split(".")[0]
+                    if name.isdigit() and (int(name) > step or not saved.name.isdigit()):
+                        shutil.rmtree(saved)
+        everyone = set(range(jax.process_count()))
+        ocp.multihost.sync_global_processes(f"dflop_discard_after_{step}", processes=everyone)
 
     def _meta(self, process: int, step: int) -> dict:
         import json

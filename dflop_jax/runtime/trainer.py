@@ -150,10 +150,17 @@ class _Trainer:
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
-        if not self.cfg.checkpoint.resume or self.ckpt.latest_step() is None:
+        if not self.cfg.checkpoint.resume:
+            return 0
+        latest = self.ckpt.latest_step()
+        self.ckpt.discard_after(latest or 0)  # what a run killed mid-save left behind
+        if latest is None:
             return 0
         params, states, meta = self.ckpt.restore(
-            list(self.layout.stages), [s.params for s in self.stages], [o.state for o in self.opts]
+            list(self.layout.stages),
+            [s.params for s in self.stages],
+            [o.state for o in self.opts],
+            latest,
         )
         for s, o, p, st in zip(self.stages, self.opts, params, states):
             s.params, o.state = p, st
