@@ -76,22 +76,29 @@ def _env():
     return env
 
 
-def _launch(tmp_path, run_dir, steps, extra=()):
-    """Runs both processes to `steps` (then exit); `extra` overrides come last. Returns the outputs."""
+def _start(tmp_path, run_dir, steps, extra=(), output=subprocess.PIPE):
+    """Starts both processes (each in its own session, so a test can kill its whole group);
+    `extra` overrides come last."""
     # Explicit free transfer ports: the default (coordinator port + 100 + rank) may be taken.
     port, transfer = _free_port(), _free_port_pair()
-    procs = [
+    return [
         subprocess.Popen(
             ["timeout", "-k", "10", "400", str(SCRIPT), "2", str(rank), f"127.0.0.1:{port}"]
             + _args(tmp_path, run_dir)
             + [f"steps={steps}", f"distributed.transfer_port={transfer}", *extra],
             env=_env(),
-            stdout=subprocess.PIPE,
+            stdout=output,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         for rank in (0, 1)
     ]
+
+
+def _launch(tmp_path, run_dir, steps, extra=()):
+    """Runs both processes to `steps` (then exit); returns their outputs."""
+    procs = _start(tmp_path, run_dir, steps, extra)
     outs = [p.communicate(timeout=420)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"

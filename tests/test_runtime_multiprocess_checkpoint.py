@@ -1,20 +1,25 @@
 """Checkpoints across processes, process counts and layouts (2 jax processes x 4 CPU devices, tiny
-decoder, float32). A stage spanning both processes checkpoints at step 2; after the run is gone, a new
-launch resumes and continues exactly like the straight run. The 2-process checkpoint resumes in one
-process (8 devices) on another layout, and a 1-process checkpoint in 2 processes on another layout.
+decoder, float32). A stage spanning both processes checkpoints at step 2; both processes are killed
+(SIGKILL), a new launch resumes and continues exactly like the straight run. The 2-process checkpoint
+resumes in one process (8 devices) on another layout, and a 1-process checkpoint in 2 processes on
+another layout.
 
 Layouts: A (in `_args`) is two LLM stages (dp 2 x tp 2), one per process; SPAN is one stage whose
 tensor-parallel groups sit on both processes (dp 4 x tp 2).
 """
 
 import json
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
-from test_runtime_multiprocess import REPO, _args, _launch
+from test_runtime_multiprocess import REPO, _args, _launch, _start
 
 from dflop_jax.config import load_config
+from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
 
@@ -44,28 +49,47 @@ def _single(tmp_path, run_dir, extra=()):
     return run(cfg)
 
 
+def _kill_after_first_checkpoint(procs, checkpoints, timeout_s=400.0):
+    """SIGKILLs both process groups as soon as a complete checkpoint exists; returns its step."""
+    deadline = time.monotonic() + timeout_s
+    while (step := Checkpointer(checkpoints).latest_step()) is None:
+        assert all(p.poll() is None for p in procs), "a process exited before any checkpoint"
+        assert time.monotonic() < deadline, "no complete checkpoint within the time limit"
+        time.sleep(0.05)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    return step
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout(tmp_path):
-    run_dir = tmp_path / "span"
-    _launch(tmp_path, run_dir, 4, SPAN + DETERMINISTIC)
-    checkpoints = run_dir / "checkpoints"
+    straight_dir = tmp_path / "straight"
+    _launch(tmp_path, straight_dir, 6, SPAN + DETERMINISTIC)
+    checkpoints = straight_dir / "checkpoints"
     # The spanning stage's state in the {0, 1} group; each process's singleton group holds its meta.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["procs_0", "procs_0-1", "procs_1"]
-    straight = _losses(run_dir)
-    assert sorted(straight) == [1, 2, 3, 4]
+    straight = _losses(straight_dir)
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6]
 
+    # Checkpoint at step 2 (4 if the kill comes late), kill everything, resume in a new launch.
+    run_dir = tmp_path / "killed"
+    with (tmp_path / "killed.log").open("w") as log:
+        procs = _start(tmp_path, run_dir, 6, SPAN + DETERMINISTIC, output=log)
+        saved = _kill_after_first_checkpoint(procs, run_dir / "checkpoints")
+    assert saved in (2, 4)
+    outs = _launch(tmp_path, run_dir, 6, SPAN + DETERMINISTIC)
+    assert f"resumed from step {saved}" in outs[0]
+    resumed = _losses(run_dir)
+    after = range(saved + 1, 7)
+    np.testing.assert_allclose([resumed[s] for s in after], [straight[s] for s in after], rtol=1e-6)
+
+    # The straight run's step-2 checkpoint in ONE process on layout A (two stages instead of one).
     other = tmp_path / "one"
     shutil.copytree(checkpoints, other / "checkpoints")
-    _keep_until(checkpoints, 2)
-    outs = _launch(tmp_path, run_dir, 4, SPAN + DETERMINISTIC)
-    assert "resumed from step 2" in outs[0]
-    resumed = _losses(run_dir)
-    np.testing.assert_allclose([resumed[3], resumed[4]], [straight[3], straight[4]], rtol=1e-6)
-
-    # The same step-2 checkpoint in ONE process on layout A (two stages instead of one).
     _keep_until(other / "checkpoints", 2)
-    single = _single(tmp_path, other, DETERMINISTIC)
+    single = _single(tmp_path, other, DETERMINISTIC + ["steps=4"])
     assert single.first_step == 2
     np.testing.assert_allclose(single.losses, [straight[3], straight[4]], rtol=1e-5)
 
