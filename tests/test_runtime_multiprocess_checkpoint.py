@@ -70,6 +70,8 @@ def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout
     checkpoints = straight_dir / "checkpoints"
     # The spanning stage's state in the {0, 1} group; each process's singleton group holds its meta.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["procs_0", "procs_0-1", "procs_1"]
+    for group in checkpoints.iterdir():  # saved at 2, 4, 6; the last checkpoint.keep=2 kept
+        assert sorted(p.name for p in group.iterdir()) == ["4", "6"]
     straight = _losses(straight_dir)
     assert sorted(straight) == [1, 2, 3, 4, 5, 6]
 
@@ -85,13 +87,13 @@ def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout
     after = range(saved + 1, 7)
     np.testing.assert_allclose([resumed[s] for s in after], [straight[s] for s in after], rtol=1e-6)
 
-    # The straight run's step-2 checkpoint in ONE process on layout A (two stages instead of one).
+    # The straight run's step-4 checkpoint in ONE process on layout A (two stages instead of one).
     other = tmp_path / "one"
     shutil.copytree(checkpoints, other / "checkpoints")
-    _keep_until(other / "checkpoints", 2)
-    single = _single(tmp_path, other, DETERMINISTIC + ["steps=4"])
-    assert single.first_step == 2
-    np.testing.assert_allclose(single.losses, [straight[3], straight[4]], rtol=1e-5)
+    _keep_until(other / "checkpoints", 4)
+    single = _single(tmp_path, other, DETERMINISTIC + ["steps=6"])
+    assert single.first_step == 4
+    np.testing.assert_allclose(single.losses, [straight[5], straight[6]], rtol=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -23,6 +23,7 @@ have it (each manager commits atomically; the list makes the whole save atomic).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,6 @@ class Checkpointer:
         ocp.multihost.sync_global_processes(f"dflop_discard_after_{step}", processes=everyone)
 
     def _meta(self, process: int, step: int) -> dict:
-        import json
-
         path = self.directory / group_name((process,)) / str(step) / "meta" / "meta.json"
         return json.loads(path.read_text())
 
@@ -280,6 +279,7 @@ class Checkpointer:
             if me in owners(p):
                 values = _read(reader, stored, model_tree([spec], [p], [o]), step)
                 new_p[i], new_o[i] = _stage_trees(spec, p, o, values)
+        reader.close()
         return new_p, new_o, meta
 
     def wait(self) -> None:
@@ -294,9 +294,7 @@ class Checkpointer:
 
 def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
     """The stored tree structure of one pytree item (no array data read)."""
-    md = reader.metadata(directory)
-    md = getattr(md, "item_metadata", md)
-    return getattr(md, "tree", md)
+    return reader.metadata(directory).item_metadata.tree
 
 
 def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
