@@ -18,7 +18,8 @@ saved through a zero-copy global VIEW (`_global_view`) whose extra replica lives
 devices and is never written. Every process also owns `procs_<i>/` (its singleton group), which holds
 the JSON meta: step, loader state (per process), scheduler state, layout, and the list of group
 directories of the save. A step is complete when process 0's meta and every listed group directory
-have it (each manager commits atomically; the list makes the whole save atomic).
+have it (each manager commits atomically; the list makes the whole save atomic). A resumed run first
+discards what a run killed mid-save left after its step (`discard_after`).
 """
 
 from __future__ import annotations
