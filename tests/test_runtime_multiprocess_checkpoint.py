@@ -12,17 +12,21 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
+import checkpoint_worker
 import numpy as np
 import pytest
-from test_runtime_multiprocess import REPO, _args, _launch, _start
+from test_runtime_multiprocess import REPO, _args, _env, _free_port, _launch, _start
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
 
+WORKER = REPO / "tests" / "checkpoint_worker.py"
 SPAN = ["layout.llm_layers=[2]", "layout.llm_dp=4"]
 DETERMINISTIC = ["measure_stage_times_every=0"]  # schedules from predictions only, same every run
 
@@ -108,3 +112,40 @@ def test_one_process_checkpoint_resumes_in_two_processes_on_another_layout(tmp_p
     resumed = _losses(run_dir)
     assert sorted(resumed) == [3, 4]
     np.testing.assert_allclose([resumed[3], resumed[4]], straight.losses[2:], rtol=1e-5)
+
+
+def _workers(*args, processes=2):
+    """Runs tests/checkpoint_worker.py in `processes` jax processes; returns their outputs."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            ["timeout", "-k", "10", "300", sys.executable, str(WORKER), *args]
+            + [str(processes), str(rank), f"127.0.0.1:{port}"],
+            env=dict(_env(), PYTHONPATH=str(REPO)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(processes)
+    ]
+    outs = [p.communicate(timeout=320)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"
+    return outs
+
+
+@pytest.mark.multiprocess
+def test_several_stages_per_process_restore_on_other_layouts_and_process_counts(tmp_path, capsys):
+    """`Checkpointer` alone (no training; values a formula of the global path): 2 processes save
+    two stages on process 0 and one on process 1; one process restores onto two uneven stages, and
+    2 processes onto one stage spanning both, each checking the shards of its own devices."""
+    directory = tmp_path / "ckpt"
+    assert all("saved" in out for out in _workers("save", "two_on_p0", str(directory)))
+    assert sorted(p.name for p in directory.iterdir()) == ["procs_0", "procs_1"]
+
+    checkpoint_worker.main("check", "uneven", str(directory))  # this process: 8 devices
+    # stage 0: 3 layers x (params, opt) x 4 devices; stage 1: 1 x 2 x 2
+    assert "checked 28 shards; meta {'process': 0}" in capsys.readouterr().out
+    outs = _workers("check", "one_wide", str(directory))
+    for rank, out in enumerate(outs):  # 4 layers x 2 x 4 own devices; each process's own meta
+        assert f"checked 32 shards; meta {{'process': {rank}}}" in out
