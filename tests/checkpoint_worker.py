@@ -1,11 +1,11 @@
-"""One process of a multi-process `Checkpointer` test (no training: stage state built from a formula).
+"""One process of a multi-process `Checkpointer` test (no training: stage state from a formula).
 
-    python tests/checkpoint_worker.py <save|check> <layout> <directory> [<processes> <rank> <host:port>]
+    python tests/checkpoint_worker.py <save|check> <layout> <dir> [<processes> <rank> <host:port>]
 
 Every leaf's value is a function of its GLOBAL path (module, kind, global layer), so a check on any
 layout knows what each of its shards must hold. `save` writes step 1 of the layout's state; `check`
-restores it onto the layout's stages and compares every addressable shard (each process sees only its
-own). Non-local stages hold ShapeDtypeStructs, as in the trainer.
+restores it onto the layout's stages and compares every addressable shard (each process sees only
+its own). Non-local stages hold ShapeDtypeStructs, as in the trainer.
 """
 
 import sys
@@ -41,7 +41,7 @@ def value(global_layer: int, kind: str) -> np.ndarray:
 
 
 def stage_state(spec: StageSpec, mesh, kind: str):
-    """{"layers": {"<local i>": {"w": (4, 6)}}} (+ "count" in opt), arrays or abstract when non-local."""
+    """{"layers": {"<local i>": {"w": (4, 6)}}} (+ "count" in opt); abstract when non-local."""
     sharding = NamedSharding(mesh, P("data", "model"))
     local = any(d.process_index == jax.process_index() for d in mesh.devices.flat)
 

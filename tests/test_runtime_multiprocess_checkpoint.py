@@ -1,8 +1,9 @@
-"""Checkpoints across processes, process counts and layouts (2 jax processes x 4 CPU devices, tiny
-decoder, float32). A stage spanning both processes checkpoints at step 2; both processes are killed
-(SIGKILL), a new launch resumes and continues exactly like the straight run. The 2-process checkpoint
-resumes in one process (8 devices) on another layout, and a 1-process checkpoint in 2 processes on
-another layout.
+"""Checkpoints across processes, process counts and layouts (2 jax processes x 4 CPU devices,
+tiny decoder, float32). A stage spanning both processes checkpoints at step 2; both processes are
+killed (SIGKILL), a new launch resumes and continues exactly like the straight run. The 2-process
+checkpoint resumes in one process (8 devices) on another layout, and a 1-process checkpoint in 2
+processes on another layout. `Checkpointer` alone (tests/checkpoint_worker.py) covers several stages
+on one process.
 
 Layouts: A (in `_args`) is two LLM stages (dp 2 x tp 2), one per process; SPAN is one stage whose
 tensor-parallel groups sit on both processes (dp 4 x tp 2).

@@ -1,25 +1,26 @@
-"""Checkpoints: orbax `CheckpointManager`s (async, keep last K, atomic) over every stage's state, for
-any layout in single- and multi-process runs.
+"""Checkpoints: orbax `CheckpointManager`s (async, keep last K, atomic) over every stage's state,
+for any layout in single- and multi-process runs.
 
 Layout independence: params and optimizer state are NOT stored per stage. Each stage's trees are
 flattened with GLOBAL layer indices (a path component after a `layers` key is offset by the stage's
-`first_layer`) and merged per module into a model-level tree `{"encoder": {...}, "llm": {...}}`; any
-other layout of the same model (or another process count) restores from it: each new stage picks its
-own keys and orbax reads them straight into the new stage's shardings, each process reading only the
-slices its own devices hold. Leaves shared by several stages (optimizer step counts) are stored once
-per group below.
+`first_layer`) and merged per module into a model-level tree `{"encoder": {...}, "llm": {...}}`;
+any other layout of the same model (or another process count) restores from it: each new stage
+picks its own keys and orbax reads them straight into the new stage's shardings, each process
+reading only the slices its own devices hold. Leaves shared by several stages (optimizer step
+counts) are stored once per group below.
 
-Process groups: the stages are grouped by the set of processes their meshes span ("owners"), and each
-group is one orbax `CheckpointManager` under `<directory>/procs_<i-j-...>/` that only the owners run
-(`MultiprocessingOptions(active_processes=owners, primary_host=min(owners))`, key-value-store
-barriers among the owners only; DESIGN section 11). Every process writes only its own shards. A stage
-local to one process is a host-local array, which orbax refuses to save in a multi-process run; it is
-saved through a zero-copy global VIEW (`_global_view`) whose extra replica lives on another process's
-devices and is never written. Every process also owns `procs_<i>/` (its singleton group), which holds
-the JSON meta: step, loader state (per process), scheduler state, layout, and the list of group
-directories of the save. A step is complete when process 0's meta and every listed group directory
-have it (each manager commits atomically; the list makes the whole save atomic). A resumed run first
-discards what a run killed mid-save left after its step (`discard_after`).
+Process groups: the stages are grouped by the set of processes their meshes span ("owners"), and
+each group is one orbax `CheckpointManager` under `<directory>/procs_<i-j-...>/` that only the
+owners run (`MultiprocessingOptions(active_processes=owners, primary_host=min(owners))`,
+key-value-store barriers among the owners only; DESIGN section 11). Every process writes only its
+own shards. A stage local to one process is a host-local array, which orbax refuses to save in a
+multi-process run; it is saved through a zero-copy global VIEW (`_global_view`) whose extra replica
+lives on another process's devices and is never written. Every process also owns `procs_<i>/` (its
+singleton group), which holds the JSON meta: step, loader state (per process), scheduler state,
+layout, and the list of group directories of the save. A step is complete when process 0's meta
+and every listed group directory have it (each manager commits atomically; the list makes the
+whole save atomic). A resumed run first discards what a run killed mid-save left after its step
+(`discard_after`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _lookup(tree: dict, path: tuple[str, ...]):
 
 
 def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[PyTree]) -> dict:
-    """The layout-independent tree {module: {"params": ..., "opt": ...}} of the given stages' state."""
+    """The layout-independent tree {module: {"params": ..., "opt": ...}} of these stages' state."""
     tree: dict = {}
     for spec, p, o in zip(specs, params, opt_states):
         for kind, sub in (("params", p), ("opt", o)):
@@ -98,8 +99,8 @@ def _global_view(leaf: jax.Array, path: str) -> jax.Array:
 
     The stage mesh gains a leading "ckpt" axis of size 2: row 0 is the stage's own devices holding
     `leaf`'s shards (zero copy), row 1 as many devices of other processes, which hold replica 1 of
-    every shard and are never touched: orbax writes replica 0 only (replica-parallel writing is off),
-    and the other processes never see this array.
+    every shard and are never touched: orbax writes replica 0 only (replica-parallel writing is
+    off), and the other processes never see this array.
     """
     s = leaf.sharding
     if not isinstance(s, NamedSharding):
@@ -142,7 +143,7 @@ def _tree_handler(procs: tuple[int, ...]) -> ocp.PyTreeCheckpointHandler:
 
 
 def _steps(directory: Path) -> list[int]:
-    """Committed steps under one manager directory (orbax renames `<step>.orbax-...-tmp` at commit)."""
+    """Committed steps under one manager directory (orbax renames `<step>.orbax-...-tmp`)."""
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
@@ -209,7 +210,7 @@ class Checkpointer:
         return None
 
     def discard_after(self, step: int) -> None:
-        """Deletes every group's saves after `step`, committed or not (process 0; all processes wait).
+        """Deletes every group's saves after `step`, committed or not (process 0; all wait).
 
         A run killed mid-save leaves some groups with a newer committed step and others with a
         temporary directory; the resumed run saves those steps again, which orbax refuses while they
@@ -299,7 +300,7 @@ def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
 
 
 def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
-    """Reads every leaf of `target` (a model tree of one stage) from the group directory holding it."""
+    """Reads every leaf of `target` (one stage's model tree) from the group directory holding it."""
     want = {
         path: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         for path, x in _flat(target).items()
