@@ -95,3 +95,28 @@ def test_resume_same_and_other_layout(tmp_path):
                 v,
             )
     ckpt.close()
+
+
+def test_a_save_missing_from_one_group_is_not_a_checkpoint(tmp_path):
+    """Multi-process saves span several orbax managers (one per group of processes): a step counts only
+    when every group listed in process 0's meta committed it; a resumed run discards such leftovers
+    (committed or temporary) and can save those steps again."""
+    stages = toy.build_stages(LAYOUT_A, stage_meshes(LAYOUT_A))
+    opts = [StageOptimizer(s, OPT.build()) for s in stages]
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3)
+    for step in (2, 4):
+        ckpt.save(step, *_state(LAYOUT_A, stages, opts), meta={})
+    ckpt.wait()
+    assert ckpt.latest_step() == 4
+    meta = tmp_path / "ckpt" / "procs_0" / "4" / "meta" / "meta.json"
+    # As if a second group (processes 0 and 1) was killed before committing step 4.
+    meta.write_text(meta.read_text().replace('"procs_0"', '"procs_0", "procs_0-1"'))
+    (tmp_path / "ckpt" / "procs_0" / "6.orbax-checkpoint-tmp").mkdir()
+    assert ckpt.latest_step() == 2
+    ckpt.discard_after(2)
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "procs_0").iterdir()) == ["2"]
+    fresh = Checkpointer(tmp_path / "ckpt", keep=3)  # the resumed run's
+    fresh.save(4, *_state(LAYOUT_A, stages, opts), meta={"again": True})
+    fresh.close()
+    assert fresh.latest_step() == 4
+    assert _restore_into(fresh, LAYOUT_A, stages, opts)["again"] is True

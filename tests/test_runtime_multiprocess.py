@@ -1,5 +1,5 @@
 """Two jax processes on one machine (4 simulated CPU devices each) train with one pipeline stage per
-process (cross-process stage transfers), save an owner-writes checkpoint, resume from it in a second
+process (cross-process stage transfers), save an orbax checkpoint, resume from it in a second
 launch, and match a straight single-process run; a missing peer fails within the bounded wait."""
 
 import json
@@ -76,21 +76,29 @@ def _env():
     return env
 
 
-def _launch(tmp_path, run_dir, steps):
+def _start(tmp_path, run_dir, steps, extra=(), output=subprocess.PIPE):
+    """Starts both processes (each in its own session, so a test can kill its whole group);
+    `extra` overrides come last."""
     # Explicit free transfer ports: the default (coordinator port + 100 + rank) may be taken.
     port, transfer = _free_port(), _free_port_pair()
-    procs = [
+    return [
         subprocess.Popen(
             ["timeout", "-k", "10", "400", str(SCRIPT), "2", str(rank), f"127.0.0.1:{port}"]
             + _args(tmp_path, run_dir)
-            + [f"steps={steps}", f"distributed.transfer_port={transfer}"],
+            + [f"steps={steps}", f"distributed.transfer_port={transfer}", *extra],
             env=_env(),
-            stdout=subprocess.PIPE,
+            stdout=output,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         for rank in (0, 1)
     ]
+
+
+def _launch(tmp_path, run_dir, steps, extra=()):
+    """Runs both processes to `steps` (then exit); returns their outputs."""
+    procs = _start(tmp_path, run_dir, steps, extra)
     outs = [p.communicate(timeout=420)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"
@@ -102,10 +110,12 @@ def _launch(tmp_path, run_dir, steps):
 def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
     run_dir = tmp_path / "mp"
     _launch(tmp_path, run_dir, steps=2)
-    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_2").iterdir()) == [
-        "meta.json",
-        "process_0.npz",
-        "process_1.npz",
+    # One orbax manager per process (each stage lives on one process), each committed step 2.
+    groups = run_dir / "checkpoints"
+    assert sorted(p.name for p in groups.iterdir()) == ["procs_0", "procs_1"]
+    assert [sorted(p.name for p in (groups / g).iterdir()) for g in ("procs_0", "procs_1")] == [
+        ["2"],
+        ["2"],
     ]
     outs = _launch(tmp_path, run_dir, steps=4)
     assert "resumed from step 2" in outs[0]

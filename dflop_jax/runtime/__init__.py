@@ -2,7 +2,7 @@
 state, checkpoints, metrics and the training loop (`trainer.train`; `dflop_jax.train.run` resolves the
 plan and calls it). `sharding.py` (logical->mesh rules) is re-exported by its owner's module only."""
 
-from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer, model_tree, stage_trees
+from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
 from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, ModelConfig, TrainConfig
 from dflop_jax.runtime.distributed import DistributedConfig, host_scalars
 from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipeline, stage_ops
@@ -19,7 +19,6 @@ __all__ = [
     "CheckpointConfig",
     "Checkpointer",
     "DistributedConfig",
-    "OwnerCheckpointer",
     "LayoutConfig",
     "LayoutError",
     "ModelConfig",
@@ -39,5 +38,4 @@ __all__ = [
     "run_pipeline",
     "stage_meshes",
     "stage_ops",
-    "stage_trees",
 ]

@@ -1,24 +1,39 @@
-"""Checkpoints: orbax `CheckpointManager` (async, keep last K, atomic) over every stage's state.
+"""Checkpoints: orbax `CheckpointManager`s (async, keep last K, atomic) over every stage's state,
+for any layout in single- and multi-process runs.
 
 Layout independence: params and optimizer state are NOT stored per stage. Each stage's trees are
 flattened with GLOBAL layer indices (a path component after a `layers` key is offset by the stage's
-`first_layer`) and merged per module, so a checkpoint is a model-level tree
-`{"encoder": {...}, "llm": {...}}` that any other layout of the same model restores from: each new
-stage picks its own keys and orbax reads them straight into the new stage's shardings. Leaves shared by
-all stages of a module (optimizer step counts) are stored once.
+`first_layer`) and merged per module into a model-level tree `{"encoder": {...}, "llm": {...}}`;
+any other layout of the same model (or another process count) restores from it: each new stage
+picks its own keys and orbax reads them straight into the new stage's shardings, each process
+reading only the slices its own devices hold. Leaves shared by several stages (optimizer step
+counts) are stored once per group below.
 
-Beside the arrays, a JSON item holds the step, the data loader state (grain iterator + counters), the
-scheduler's correction state, the plan/layout and anything else the trainer passes in `meta`.
+Process groups: the stages are grouped by the set of processes their meshes span ("owners"), and
+each group is one orbax `CheckpointManager` under `<directory>/procs_<i-j-...>/` that only the
+owners run (`MultiprocessingOptions(active_processes=owners, primary_host=min(owners))`,
+key-value-store barriers among the owners only; DESIGN section 11). Every process writes only its
+own shards. A stage local to one process is a host-local array, which orbax refuses to save in a
+multi-process run; it is saved through a zero-copy global VIEW (`_global_view`) whose extra replica
+lives on another process's devices and is never written. Every process also owns `procs_<i>/` (its
+singleton group), which holds the JSON meta: step, loader state (per process), scheduler state,
+layout, and the list of group directories of the save. A step is complete when process 0's meta
+and every listed group directory have it (each manager commits atomically; the list makes the
+whole save atomic). A resumed run first discards what a run killed mid-save left after its step
+(`discard_after`).
 """
 
 from __future__ import annotations
 
-import time
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
 
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.stages import PyTree
@@ -60,7 +75,7 @@ def _lookup(tree: dict, path: tuple[str, ...]):
 
 
 def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[PyTree]) -> dict:
-    """The layout-independent tree {module: {"params": ..., "opt": ...}} of all stages' state."""
+    """The layout-independent tree {module: {"params": ..., "opt": ...}} of these stages' state."""
     tree: dict = {}
     for spec, p, o in zip(specs, params, opt_states):
         for kind, sub in (("params", p), ("opt", o)):
@@ -69,190 +84,253 @@ def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[Py
     return tree
 
 
-def stage_trees(specs, params, opt_states, tree: dict) -> tuple[list[PyTree], list[PyTree]]:
-    """Inverse of `model_tree`: per-stage (params, opt state) shaped like the given templates."""
+def owners(tree: PyTree) -> tuple[int, ...]:
+    """The processes whose devices hold `tree` (arrays or ShapeDtypeStructs with shardings)."""
+    leaf = jax.tree.leaves(tree)[0]
+    return tuple(sorted({d.process_index for d in leaf.sharding.device_set}))
 
-    def pick(spec, kind, template):
-        def leaf(path, t):
-            value = _lookup(tree, (spec.module, kind, *global_path(path, spec)))
-            sharding = getattr(t, "sharding", None)
-            if sharding is not None and getattr(value, "sharding", None) != sharding:
-                value = jax.device_put(value, sharding)
-            return value
 
-        return jax.tree_util.tree_map_with_path(leaf, template)
+def group_name(procs: tuple[int, ...]) -> str:
+    return "procs_" + "-".join(map(str, procs))
 
-    new_p = [pick(s, "params", p) for s, p in zip(specs, params)]
-    new_o = [pick(s, "opt", o) for s, o in zip(specs, opt_states)]
-    return new_p, new_o
+
+def _global_view(leaf: jax.Array, path: str) -> jax.Array:
+    """`leaf` (all devices on this process) as an array orbax accepts in a multi-process run.
+
+    The stage mesh gains a leading "ckpt" axis of size 2: row 0 is the stage's own devices holding
+    `leaf`'s shards (zero copy), row 1 as many devices of other processes, which hold replica 1 of
+    every shard and are never touched: orbax writes replica 0 only (replica-parallel writing is
+    off), and the other processes never see this array.
+    """
+    s = leaf.sharding
+    if not isinstance(s, NamedSharding):
+        raise ValueError(
+            f"checkpoint: {path} has a {type(s).__name__}; stage state needs NamedSharding"
+        )
+    grid, me = s.mesh.devices, jax.process_index()
+    others = [d for d in jax.devices() if d.process_index != me][: grid.size]
+    if len(others) < grid.size:
+        raise ValueError(
+            f"checkpoint: {path} lives on {grid.size} devices of process {me} but the other "
+            f"processes have only {len(others)}; a stage local to one process may use at most as "
+            "many devices as the others hold together"
+        )
+    rows = np.stack([grid, np.array(others, dtype=object).reshape(grid.shape)])
+    mesh = Mesh(rows, ("ckpt", *s.mesh.axis_names))
+    shards = [x.data for x in leaf.addressable_shards]
+    return jax.make_array_from_single_device_arrays(leaf.shape, NamedSharding(mesh, s.spec), shards)
+
+
+def _options(procs: tuple[int, ...]) -> ocp.options.MultiprocessingOptions:
+    return ocp.options.MultiprocessingOptions(
+        primary_host=min(procs),
+        active_processes=set(procs),
+        barrier_sync_key_prefix=group_name(procs),
+    )
+
+
+def _tree_handler(procs: tuple[int, ...]) -> ocp.PyTreeCheckpointHandler:
+    """A pytree handler whose array writer treats the group's first process as the primary one.
+
+    The default registry's `ArrayHandler` has primary_host=0 (a group without process 0 would write
+    no array metadata) and an array-metadata check that expects every process of the run.
+    """
+    arrays = ocp.type_handlers.ArrayHandler(primary_host=min(procs), use_replica_parallel=False)
+    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+    return ocp.PyTreeCheckpointHandler(
+        multiprocessing_options=_options(procs), type_handler_registry=registry
+    )
+
+
+def _steps(directory: Path) -> list[int]:
+    """Committed steps under one manager directory (orbax renames `<step>.orbax-...-tmp`)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _flat(tree: PyTree) -> dict[tuple[str, ...], Any]:
+    return {
+        tuple(key_name(k) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        _insert(tree, path, leaf)
+    return tree
 
 
 class Checkpointer:
-    """Saves/restores the run state every `every` steps under `directory` (last `keep` kept).
+    """Saves/restores the run state under `directory` (last `keep` kept), one manager per group.
 
     Args:
-      directory: checkpoint root (created).
+      directory: checkpoint root (created); all processes must see the same directory.
       keep: checkpoints kept (older ones deleted).
-      async_save: write in a background thread (the step loop continues).
+      async_save: write in background threads (the step loop continues).
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
-        )
-        self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(), item_names=("state", "meta"), options=options
-        )
+        self.directory, self.keep, self.async_save = Path(directory).absolute(), keep, async_save
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.managers: dict[tuple[int, ...], ocp.CheckpointManager] = {}
+
+    def _manager(self, procs: tuple[int, ...]) -> ocp.CheckpointManager:
+        if procs not in self.managers:
+            path = self.directory / group_name(procs)
+            path.mkdir(exist_ok=True)  # orbax will not create it when active_processes is set
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.keep,
+                create=False,
+                enable_async_checkpointing=self.async_save,
+                multiprocessing_options=_options(procs),
+                # Async directory creation signals through global key-value keys numbered per
+                # process; managers over different process subsets would read each other's keys.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            )
+            handlers = {
+                "state": _tree_handler(procs),
+                "meta": ocp.JsonCheckpointHandler(
+                    "meta.json", multiprocessing_options=_options(procs)
+                ),
+            }
+            self.managers[procs] = ocp.CheckpointManager(
+                path, options=options, item_handlers=handlers
+            )
+        return self.managers[procs]
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        """The newest step whose every group directory committed (process 0's meta lists them)."""
+        for step in reversed(_steps(self.directory / group_name((0,)))):
+            groups = self._meta(0, step)["groups"]
+            if all((self.directory / g / str(step)).is_dir() for g in groups):
+                return step
+        return None
+
+    def discard_after(self, step: int) -> None:
+        """Deletes every group's saves after `step`, committed or not (process 0; all wait).
+
+        A run killed mid-save leaves some groups with a newer committed step and others with a
+        temporary directory; the resumed run saves those steps again, which orbax refuses while they
+        exist.
+        """
+        if jax.process_index() == 0:
+            for group in self.directory.glob("procs_*"):
+                for saved in group.iterdir():
+                    name = saved.name.split(".")[0]
+                    if name.isdigit() and (int(name) > step or not saved.name.isdigit()):
+                        shutil.rmtree(saved)
+        everyone = set(range(jax.process_count()))
+        ocp.multihost.sync_global_processes(f"dflop_discard_after_{step}", processes=everyone)
+
+    def _meta(self, process: int, step: int) -> dict:
+        path = self.directory / group_name((process,)) / str(step) / "meta" / "meta.json"
+        return json.loads(path.read_text())
 
     def save(self, step: int, specs, params, opt_states, meta: dict[str, Any]) -> None:
-        """Starts saving (async); `meta` must be JSON-serializable."""
-        tree = model_tree(specs, params, opt_states)
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(dict(meta, step=step))
-            ),
+        """Starts saving (async) this process's share; `meta` must be JSON-serializable.
+
+        Non-local stages (no device on this process; params may be ShapeDtypeStructs) are skipped:
+        their owners save them.
+        """
+        me, n = jax.process_index(), jax.process_count()
+        stage_groups = [owners(p) for p in params]
+        groups = sorted(set(stage_groups) | {(i,) for i in range(n)}, key=lambda g: (len(g), g))
+        meta = dict(
+            meta, step=step, process=me, process_count=n, groups=[group_name(g) for g in groups]
         )
+        for g in groups:  # the same order on every process: no cycle among group barriers
+            if me not in g:
+                continue
+            mine = [i for i, sg in enumerate(stage_groups) if sg == g]
+            tree = model_tree([specs[i] for i in mine], [params[i] for i in mine],
+                              [opt_states[i] for i in mine])  # fmt: skip
+            if n > 1 and len(g) == 1:
+                tree = jax.tree_util.tree_map_with_path(
+                    lambda path, x: _global_view(x, "/".join(key_name(k) for k in path)), tree
+                )
+            args = {"state": ocp.args.PyTreeSave(tree)} if tree else {}
+            if g == (me,):
+                args["meta"] = ocp.args.JsonSave(meta)
+            self._manager(g).save(step, args=ocp.args.Composite(**args))
 
     def restore(self, specs, params, opt_states, step: int | None = None):
-        """Restores onto the CURRENT stages' shapes and shardings (any layout of the same model).
+        """Restores onto the CURRENT stages' shapes and shardings (any layout, any process count).
+
+        Each process reads only the slices its devices hold of the stages it takes part in; the
+        others' entries are returned unchanged.
 
         Returns:
-          (params per stage, opt state per stage, meta dict).
+          (params per stage, opt state per stage, meta dict of this process, or of process 0 when
+          the checkpoint came from another process count).
         """
         step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint under {self.manager.directory}")
-        target = model_tree(specs, params, opt_states)
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target
-        )
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        new_p, new_o = stage_trees(specs, params, opt_states, out.state)
-        return new_p, new_o, out.meta
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-
-
-def _wait_for_files(paths: list[Path], timeout_s: float, poll_s: float = 0.05) -> None:
-    """Returns once every path exists; raises TimeoutError naming the missing ones after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    missing = list(paths)
-    while True:
-        missing = [p for p in missing if not p.exists()]
-        if not missing:
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"checkpoint: {', '.join(p.name for p in missing)} not written under "
-                f"{missing[0].parent} within {timeout_s}s (a process died or the directory is "
-                "not shared by all processes)"
-            )
-        time.sleep(poll_s)
-
-
-class OwnerCheckpointer:
-    """Multi-process checkpoints for layouts whose stage meshes each live on ONE process.
-
-    orbax refuses such host-local arrays in multi-process runs (DESIGN section 11), so here every
-    process writes the arrays it owns: `step_<N>/process_<i>.npz` (temp file, then rename, so the
-    file's appearance means "done"); process 0 waits (bounded, polling) until every process's file
-    is there and writes `step_<N>/meta.json` last, which marks the step complete (atomic). The
-    barrier goes through the shared directory, not a device collective or JAX internals: it cannot
-    queue behind device work, and the restore needs that shared directory anyway. The arrays are the same layout-independent model tree as
-    `Checkpointer`'s, so restoring reads every process's file and places each leaf onto the CURRENT
-    stages' shardings (any layout). Needs a directory all processes share.
-    """
-
-    def __init__(self, directory: str | Path, keep: int = 3, timeout_s: int = 600):
-        self.directory, self.keep, self.timeout_s = Path(directory).absolute(), keep, timeout_s
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def latest_step(self) -> int | None:
-        steps = [int(p.parent.name[5:]) for p in self.directory.glob("step_*/meta.json")]
-        return max(steps) if steps else None
-
-    def save(self, step: int, specs, params, opt_states, meta: dict[str, Any]) -> None:
-        """Writes this process's arrays, then (process 0) the meta once every process is done."""
-        import json
-
-        import numpy as np
-
-        me, n = jax.process_index(), jax.process_count()
-        out = self.directory / f"step_{step}"
-        out.mkdir(exist_ok=True)
-        mine = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(
-            model_tree(specs, params, opt_states)
-        )[0]:
-            owners = {d.process_index for d in leaf.sharding.device_set}
-            if len(owners) > 1:
-                raise ValueError(
-                    f"checkpoint: {'/'.join(key_name(k) for k in path)} spans processes {sorted(owners)}; "
-                    "owner-writes checkpoints need every stage mesh on one process"
-                )
-            if me in owners:
-                mine["/".join(key_name(k) for k in path)] = np.asarray(leaf)
-        tmp = out / f".process_{me}.npz"
-        with tmp.open("wb") as f:
-            np.savez(f, **mine)
-        tmp.rename(out / f"process_{me}.npz")
-        if me == 0:  # each renamed file is that process's "done"; meta.json last marks the step
-            _wait_for_files([out / f"process_{i}.npz" for i in range(n)], self.timeout_s)
-            (out / ".meta.json").write_text(json.dumps(dict(meta, step=step)))
-            (out / ".meta.json").rename(out / "meta.json")
-            self._prune()
-
-    def _prune(self) -> None:
-        import shutil
-
-        done = sorted(int(p.parent.name[5:]) for p in self.directory.glob("step_*/meta.json"))
-        for step in done[: -self.keep]:
-            shutil.rmtree(self.directory / f"step_{step}", ignore_errors=True)
-
-    def restore(self, specs, params, opt_states, step: int | None = None):
-        """Returns (params per stage, opt state per stage, meta) on the current stages' shardings."""
-        import json
-
-        import numpy as np
-
-        from dflop_jax.runtime.stages import put_host
-
-        step = self.latest_step() if step is None else step
-        if step is None:
             raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
-        src = self.directory / f"step_{step}"
-        flat: dict[str, Any] = {}
-        for f in sorted(src.glob("process_*.npz")):
-            with np.load(f) as data:
-                flat.update({k: data[k] for k in data.files})
-        target = model_tree(specs, params, opt_states)
-
-        def leaf(path, t):
-            key = "/".join(key_name(k) for k in path)
-            if key not in flat:
-                raise KeyError(f"checkpoint step {step} has no entry {key}")
-            return put_host(flat[key].astype(t.dtype), t.sharding)
-
-        tree = jax.tree_util.tree_map_with_path(leaf, target)
-        new_p, new_o = stage_trees(specs, params, opt_states, tree)
-        return new_p, new_o, json.loads((src / "meta.json").read_text())
+        me = jax.process_index()
+        meta = self._meta(0, step)
+        if meta["process_count"] == jax.process_count() and me != 0:
+            meta = self._meta(me, step)
+        reader = ocp.Checkpointer(_tree_handler((me,)), multiprocessing_options=_options((me,)))
+        sources = [self.directory / g / str(step) / "state" for g in meta["groups"]]
+        stored = [(d, set(_flat(_metadata_tree(reader, d)))) for d in sources if d.is_dir()]
+        new_p, new_o = list(params), list(opt_states)
+        for i, (spec, p, o) in enumerate(zip(specs, params, opt_states)):
+            if me in owners(p):
+                values = _read(reader, stored, model_tree([spec], [p], [o]), step)
+                new_p[i], new_o[i] = _stage_trees(spec, p, o, values)
+        reader.close()
+        return new_p, new_o, meta
 
     def wait(self) -> None:
-        return None
+        for m in self.managers.values():
+            m.wait_until_finished()
 
     def close(self) -> None:
-        return None
+        for m in self.managers.values():
+            m.wait_until_finished()
+            m.close()
+
+
+def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
+    """The stored tree structure of one pytree item (no array data read)."""
+    return reader.metadata(directory).item_metadata.tree
+
+
+def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
+    """Reads every leaf of `target` (one stage's model tree) from the group directory holding it."""
+    want = {
+        path: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        for path, x in _flat(target).items()
+    }
+    found: dict[tuple[str, ...], Any] = {}
+    for directory, keys in stored:
+        part = {k: v for k, v in want.items() if k in keys and k not in found}
+        if part:
+            tree = _nest(part)
+            args = ocp.args.PyTreeRestore(
+                item=tree,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                partial_restore=True,
+            )
+            found.update(_flat(reader.restore(directory, args=args)))
+    missing = sorted("/".join(k) for k in want.keys() - found.keys())
+    if missing:
+        raise KeyError(
+            f"checkpoint step {step} has no entry {missing[0]} ({len(missing)} missing); "
+            "was it saved from another model?"
+        )
+    return _nest(found)
+
+
+def _stage_trees(spec: StageSpec, params: PyTree, opt_state: PyTree, tree: dict):
+    """Inverse of `model_tree` for one stage: (params, opt state) shaped like the templates."""
+
+    def pick(kind, template):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: _lookup(tree, (spec.module, kind, *global_path(path, spec))), template
+        )
+
+    return pick("params", params), pick("opt", opt_state)

@@ -15,6 +15,7 @@ with the batch index, the trainer feeds it measured stage times and checkpoints 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import make_loader
 from dflop_jax.planner.resolve import ResolvedPlan
-from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer
+from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, run_pipeline
@@ -149,15 +150,28 @@ class _Trainer:
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
-        if not self.cfg.checkpoint.resume or self.ckpt.latest_step() is None:
+        if not self.cfg.checkpoint.resume:
+            return 0
+        latest = self.ckpt.latest_step()
+        self.ckpt.discard_after(latest or 0)  # what a run killed mid-save left behind
+        if latest is None:
             return 0
         params, states, meta = self.ckpt.restore(
-            list(self.layout.stages), [s.params for s in self.stages], [o.state for o in self.opts]
+            list(self.layout.stages),
+            [s.params for s in self.stages],
+            [o.state for o in self.opts],
+            latest,
         )
         for s, o, p, st in zip(self.stages, self.opts, params, states):
             s.params, o.state = p, st
         self.loader.set_state(meta["loader"])
-        self.scheduler.load_state_dict(meta["scheduler"])
+        if meta["layout"] == json.loads(json.dumps(dataclasses.asdict(self.layout))):
+            self.scheduler.load_state_dict(meta["scheduler"])
+        else:  # correction factors are per stage of the layout that measured them
+            self.console.print(
+                "note: the checkpoint comes from another layout; scheduler corrections start fresh",
+                highlight=False,
+            )
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
         return meta["step"]
 
@@ -222,12 +236,10 @@ def _measure_every(cfg: TrainConfig, console: Console) -> int:
     return cfg.measure_stage_times_every
 
 
-def _checkpointer(cfg: TrainConfig) -> Checkpointer | OwnerCheckpointer:
+def _checkpointer(cfg: TrainConfig) -> Checkpointer:
+    """orbax checkpoints for any layout and process count (one manager per group of owning processes)."""
     directory = Path(cfg.run_dir) / "checkpoints"
-    if jax.process_count() == 1:
-        return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    # orbax refuses arrays living on one process of many: every owner writes its own
-    return OwnerCheckpointer(directory, cfg.checkpoint.keep)
+    return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
 
 def _observe(scheduler: Scheduler, schedule, out: StepOutput) -> None:
