@@ -82,7 +82,9 @@ def check_plan(
     meshes = stage_meshes(layout, devices)
     counts = in_flight(layout.num_stages, plan.max_microbatches, plan.schedule)
     tiles, length = plan.buckets.tiles[-1], plan.buckets.lengths[-1]
-    feature_tiles = (layout.encoder_dp if layout.encoder_stages else layout.llm_stages[0].dp) * tiles
+    feature_tiles = (
+        layout.encoder_dp if layout.encoder_stages else layout.llm_stages[0].dp
+    ) * tiles
     out = []
     for i, (specs, mesh) in enumerate(zip(stage_parts(plan, model_cfg), meshes)):
         parts = []
@@ -144,7 +146,9 @@ def program_bytes(compiled) -> float:
     )
 
 
-def _stage_check(index: int, parts: list[PartCheck], in_flight: int, predicted: float) -> StageCheck:
+def _stage_check(
+    index: int, parts: list[PartCheck], in_flight: int, predicted: float
+) -> StageCheck:
     params = sum(p.params for p in parts)
     inputs = sum(p.inputs for p in parts)
     check = StageCheck(
