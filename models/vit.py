@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import attention
+from models.decoder_config import REMAT_MODES
 from models.layers import constrain, make_param, run_layers
 
 NORMS = ("layer_norm", "rms_norm")
 ACTS = ("gelu_tanh", "gelu")
-REMAT_MODES = ("none", "full", "dots")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -127,11 +127,18 @@ class Plan:
 
     @property
     def remat(self) -> dict[str, str]:
-        """The activation recomputation the plan's memory and times assume, per module ("full" or
-        "none"): the runtime applies it (`models` `remat` of the vision tower and the decoder)."""
-        chosen = self.search["remat"] if "remat" in self.search else None
-        on = self.cost_provider.endswith("+remat") if chosen is None else bool(chosen)
-        policy = "full" if on else "none"
+        """The activation recomputation the plan's memory and times assume, per module ("none" /
+        "full" / "dots"): the runtime applies it (`models` `remat` of the vision tower and decoder).
+        A searched choice (`search.remat`) wins over the cost provider's own setting (its name)."""
+        chosen = self.search.get("remat")
+        if chosen is not None:
+            policy = "full" if chosen else "none"
+            return {"vision": policy, "llm": policy}
+        name = self.cost_provider
+        if "+remat:" in name:  # "+remat:vision=dots,llm=full"
+            spelled = name.split("+remat:", 1)[1].split("+", 1)[0]
+            return dict(item.split("=", 1) for item in spelled.split(","))
+        policy = "full" if name.endswith("+remat") or "+remat+" in name else "none"
         return {"vision": policy, "llm": policy}
 
     @property
