@@ -165,7 +165,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             }
         )
         if plan.checks:
-            stages[-1].update(_check_to_dict(plan.checks[i], mem))
+            stages[-1].update(check_to_dict(plan.checks[i], mem))
     return {
         "dflop_plan": PLAN_VERSION,
         "model": plan.model,
@@ -210,7 +210,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
+def check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
     return {
         "compiled_memory_gib": round(c.total / _GIB, 2),
         "compiled_vs_predicted": round(c.total / predicted - 1, 3) if predicted > 0 else None,

@@ -36,8 +36,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import arch_of_model
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight
@@ -66,7 +67,7 @@ def check_plan(
     """Compiles every stage program of `plan` for `model_cfg` (its remat policy included).
 
     Args:
-      plan: the plan (layout, buckets, microbatch range, schedule).
+      plan: the plan (layout, buckets, microbatch range, schedule, predicted memory).
       model_cfg: the `models` config of the plan's model (`model_config_for_arch`).
       devices: default: `jax.devices()`, or the CPU devices when there are fewer accelerators than
         the layout needs (simulate them with `host_devices.simulate_cpu_devices` before JAX starts).
@@ -75,33 +76,47 @@ def check_plan(
     Returns:
       one `StageCheck` per stage in layout order.
     """
+    counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
+    return check_layout(plan.layout, plan.buckets, counts, plan.stage_memory_bytes, model_cfg,
+                        devices, compute_dtype)  # fmt: skip
+
+
+def check_layout(
+    layout: Layout,
+    buckets: BucketSet,
+    in_flight_counts: Sequence[int],
+    predicted: Sequence[float],
+    model_cfg,
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=jnp.bfloat16,
+) -> list[StageCheck]:
+    """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
+    and predicted bytes (a warning names the stages more than `DISAGREE` apart)."""
     from dflop_jax.runtime.mesh import stage_meshes
 
-    layout = plan.layout
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
-    counts = in_flight(layout.num_stages, plan.max_microbatches, plan.schedule)
-    tiles, length = plan.buckets.tiles[-1], plan.buckets.lengths[-1]
+    tiles, length = buckets.tiles[-1], buckets.lengths[-1]
     feature_tiles = (
         layout.encoder_dp if layout.encoder_stages else layout.llm_stages[0].dp
     ) * tiles
     out = []
-    for i, (specs, mesh) in enumerate(zip(stage_parts(plan, model_cfg), meshes)):
+    for i, (specs, mesh) in enumerate(zip(stage_parts(layout, model_cfg), meshes)):
         parts = []
         for s in specs:
             bucket = tiles if s.module == "encoder" else length
             features = feature_tiles if s.module == "llm" and s.has_embedding else None
             prog = stage_program(model_cfg, s, mesh, bucket, compute_dtype, features)
             parts.append(compile_part(s.module, prog))
-        out.append(_stage_check(i, parts, counts[i], plan.stage_memory_bytes[i]))
+        out.append(_stage_check(i, parts, in_flight_counts[i], predicted[i]))
     return out
 
 
-def stage_parts(plan: Plan, model_cfg) -> list[list[StageSpec]]:
-    """The programs `check_plan` compiles per stage: the stage, after a colocated encoder on stage 0."""
+def stage_parts(layout: Layout, model_cfg) -> list[list[StageSpec]]:
+    """The programs `check_layout` compiles per stage: the stage, after a colocated encoder on stage 0."""
     out = []
-    for i, spec in enumerate(plan.layout.stages):
-        colocated = i == 0 and not plan.layout.encoder_stages and spec.module == "llm"
+    for i, spec in enumerate(layout.stages):
+        colocated = i == 0 and not layout.encoder_stages and spec.module == "llm"
         encoder = [colocated_encoder_stage(arch_of_model(model_cfg), spec)] if colocated else []
         out.append(encoder + [spec])
     return out

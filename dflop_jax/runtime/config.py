@@ -343,6 +343,10 @@ class TrainConfig:
         )
         if self.plan == "explicit":
             _check_layout_fits_model(self.layout, self.model)
+        fix = (
+            "a run plans with its model's remat (model.vision_remat, model.llm_remat): leave it []"
+        )
+        require(not self.planner.remat, "planner.remat", self.planner.remat, fix)
         fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
         require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 
