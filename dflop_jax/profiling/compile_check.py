@@ -108,7 +108,8 @@ def check_layout(
             features = feature_tiles if s.module == "llm" and s.has_embedding else None
             prog = stage_program(model_cfg, s, mesh, bucket, compute_dtype, features)
             parts.append(compile_part(s.module, prog))
-        out.append(_stage_check(i, parts, in_flight_counts[i], predicted[i]))
+        out.append(_stage_check(i, parts, in_flight_counts[i]))
+    warn_disagreements(out, predicted)
     return out
 
 
@@ -161,27 +162,32 @@ def program_bytes(compiled) -> float:
     )
 
 
-def _stage_check(
-    index: int, parts: list[PartCheck], in_flight: int, predicted: float
-) -> StageCheck:
+def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageCheck:
     params = sum(p.params for p in parts)
-    inputs = sum(p.inputs for p in parts)
-    check = StageCheck(
+    return StageCheck(
         stage=index,
         parts=tuple(p.part for p in parts),
         program_bytes=tuple(p.program_bytes for p in parts),
         params=params,
         grads=params,
         optimizer=2 * params,
-        inputs=in_flight * inputs,
+        inputs=in_flight * sum(p.inputs for p in parts),
         transient=max(p.transient for p in parts),
         in_flight=in_flight,
         compile_s=sum(p.compile_s for p in parts),
     )
-    ratio = check.total / predicted if predicted > 0 else float("inf")
-    if abs(ratio - 1) > DISAGREE:
-        log.warning(
-            "stage %d: compiled %.2f GiB vs predicted %.2f GiB (%+.0f%%, more than %.0f%% apart)",
-            index, check.total / 2**30, predicted / 2**30, 100 * (ratio - 1), 100 * DISAGREE,
-        )  # fmt: skip
-    return check
+
+
+def warn_disagreements(checks: Sequence[StageCheck], predicted: Sequence[float]) -> list[int]:
+    """Logs a warning for each stage whose compiled memory is more than `DISAGREE` from its
+    prediction; returns their indices."""
+    off = []
+    for c, p in zip(checks, predicted):
+        ratio = c.total / p if p > 0 else float("inf")
+        if abs(ratio - 1) > DISAGREE:
+            off.append(c.stage)
+            log.warning(
+                "stage %d: compiled %.2f GiB vs predicted %.2f GiB (%+.0f%%, more than %.0f%% apart)",
+                c.stage, c.total / 2**30, p / 2**30, 100 * (ratio - 1), 100 * DISAGREE,
+            )  # fmt: skip
+    return off
