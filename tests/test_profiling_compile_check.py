@@ -32,7 +32,7 @@ BUCKETS = BucketSet((2, 3), (64, 128))
 MAX_M = 5
 
 
-def _plan(layout=LAYOUT, scale=1.0) -> Plan:
+def tiny_plan(layout=LAYOUT, scale=1.0) -> Plan:
     arch, cpu = get_arch("tiny"), get_device("cpu")
     counts = in_flight(layout.num_stages, MAX_M, "1f1b")
     mems = layout_memory(AnalyticCostProvider(arch, cpu), layout, BUCKETS, counts)
@@ -66,7 +66,7 @@ def _param_count(spec) -> int:
 
 
 def test_check_writes_compiled_memory_of_every_stage(tmp_path):
-    plan = dataclasses.replace(_plan(), checks=tuple(check_plan(_plan(), CFG)))
+    plan = dataclasses.replace(tiny_plan(), checks=tuple(check_plan(tiny_plan(), CFG)))
     path = save_plan(plan, tmp_path / "plan.yaml")
     text = path.read_text()
     assert text.count("compiled_memory_gib:") == LAYOUT.num_stages
@@ -95,7 +95,7 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
 
 def test_colocated_encoder_is_its_own_program_on_stage_zero():
     layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),))
-    (check,) = check_plan(_plan(layout), CFG)
+    (check,) = check_plan(tiny_plan(layout), CFG)
     assert check.parts == ("encoder", "llm")
     assert len(check.program_bytes) == 2
     mesh = stage_meshes(layout, jax.devices())[0]
