@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 from dflop_jax.contracts import BucketSet
@@ -111,3 +112,19 @@ def test_gross_disagreement_warns(caplog):
         assert warn_disagreements(checks, [6.0, 6.8, 5.3]) == []
         assert warn_disagreements(checks, [6.0, 7.2, 2.0]) == [1, 2]
     assert len(caplog.records) == 2 and "stage 2: compiled" in caplog.records[1].message
+
+
+def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
+    from dflop_jax.train import main
+
+    args = ["--dry-run", "plan=explicit", f"run_dir={tmp_path}", "layout.tiles=[2]",
+            "layout.lengths=[128]", "model.llm_remat=full"]  # fmt: skip
+    assert main(args) == 0
+    stages = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())["layout"]
+    assert len(stages) == 4  # the default explicit layout: 2 encoder + 2 LLM stages
+    for s in stages:
+        c = s["compiled"]
+        terms = c["params"] + c["grads"] + c["optimizer"] + c["inputs"] + c["transient"]
+        assert s["compiled_memory_gib"] == round(terms / 2**30, 2)
+        assert c["program_bytes"][0] > c["params"] + c["grads"]  # + inputs and temporaries
+    assert "compiled" in capsys.readouterr().out
