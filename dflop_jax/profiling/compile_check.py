@@ -114,10 +114,13 @@ def check_layout(
 
 
 def stage_parts(layout: Layout, model_cfg) -> list[list[StageSpec]]:
-    """The programs `check_layout` compiles per stage: the stage, after a colocated encoder on stage 0."""
+    """The programs `check_layout` compiles per stage: the stage, after a colocated encoder on stage 0
+    (an MLLM layout without encoder stages)."""
+    from dflop_jax.runtime.model_stages import is_multimodal
+
     out = []
     for i, spec in enumerate(layout.stages):
-        colocated = i == 0 and not layout.encoder_stages and spec.module == "llm"
+        colocated = i == 0 and not layout.encoder_stages and is_multimodal(model_cfg)
         encoder = [colocated_encoder_stage(arch_of_model(model_cfg), spec)] if colocated else []
         out.append(encoder + [spec])
     return out
