@@ -210,16 +210,21 @@ def run_layers(layers: Sequence[nnx.Module], h: jax.Array, *args, remat: str = "
         return h
     splits = [nnx.split(layer) for layer in layers]
     graphdef = splits[0][0]
+    scanned = len(layers) > 1 and all(g == graphdef for g, _ in splits[1:])
 
-    def step(state, h):
-        return nnx.merge(graphdef, state)(h, *args)
+    def step_of(graphdef):
+        def step(state, h):
+            return nnx.merge(graphdef, state)(h, *args)
 
-    if remat != "none":
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    if len(layers) == 1 or any(g != graphdef for g, _ in splits[1:]):
-        for _, state in splits:
-            h = step(state, h)
+        if remat == "none":
+            return step
+        return jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=not scanned)
+
+    if not scanned:
+        for g, state in splits:
+            h = step_of(g)(state, h)
         return h
+    step = step_of(graphdef)
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(s for _, s in splits))
     h, _ = jax.lax.scan(lambda carry, state: (step(state, carry), None), h, stacked)
     return h
