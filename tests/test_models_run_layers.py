@@ -1,5 +1,6 @@
-"""`models.layers.run_layers`: a stage's layers as one scan over their stacked weights equal the plain
-Python loop (value and gradients, every remat policy); layers of different structure run unrolled."""
+"""`models.layers.run_layers`: a stage's layers (as one scan over their stacked weights under remat)
+equal the plain Python loop (value and gradients, every remat policy); layers of different structure,
+or no remat, run unrolled."""
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,13 @@ def test_run_layers_equals_the_python_loop(remat, mixed):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_same_structure_is_one_scan(mixed):
+def test_remat_of_same_structure_is_one_scan(mixed, remat):
     rngs = nnx.Rngs(0)
     layers = nnx.List([Block(8, mixed and i == 1, rngs) for i in range(3)])
     graphdef, state = nnx.split(layers)
-    jaxpr = jax.make_jaxpr(lambda s, x: run_layers(nnx.merge(graphdef, s), x, 0.5))(
+    jaxpr = jax.make_jaxpr(lambda s, x: run_layers(nnx.merge(graphdef, s), x, 0.5, remat=remat))(
         state, jnp.ones((4, 8))
     )
-    assert ("scan" in str(jaxpr)) is not mixed
+    assert ("scan" in str(jaxpr)) is (not mixed and remat != "none")
