@@ -1,10 +1,13 @@
 """Plan a layout: config + device count + shape distribution -> plan.yaml.
 
-    python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml [key=value ...] [--json]
+    python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml [key=value ...] [--json] [--check]
 
 Overrides use the config's dotted keys (e.g. `num_devices=32 planner.samples=8 out=runs/plan.yaml`).
 Writes `out` (plan.yaml) and the resolved config beside it (`<out stem>.config.yaml`). An infeasible
-request exits with status 2 and a one-line explanation.
+request exits with status 2 and a one-line explanation. `--check` then compiles every stage program of
+the chosen layout at its real sizes from abstract arrays on `num_devices` (simulated CPU) devices and
+writes each stage's `compiled_memory_gib` and `compile_s` beside its predicted `memory_gib`
+(`profiling/compile_check.py`); stages more than 15% apart are warned.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import sys
 
 from dflop_jax.config import ConfigError, dump_yaml, load_config
+from dflop_jax.host_devices import simulate_cpu_devices
 from dflop_jax.planner import (
     Plan,
     PlanningError,
@@ -27,8 +31,9 @@ from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.run_config import PlanRunConfig, load_shapes
 
 
-def run(cfg: PlanRunConfig, progress=None) -> Plan:
-    """Plans per `cfg` and writes plan.yaml and the resolved config; returns the plan."""
+def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
+    """Plans per `cfg` and writes plan.yaml and the resolved config; returns the plan. With `check`
+    the stage programs are compiled too (JAX must see `cfg.num_devices` devices)."""
     from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 
     arch, device = get_arch(cfg.model), get_device(cfg.device)
@@ -39,7 +44,21 @@ def run(cfg: PlanRunConfig, progress=None) -> Plan:
     )
     dump_yaml(cfg, cfg.out.with_name(cfg.out.stem + ".config.yaml"))
     save_plan(plan, cfg.out)
+    if check:
+        plan = check_compiled(plan)
+        save_plan(plan, cfg.out)
     return plan
+
+
+def check_compiled(plan: Plan) -> Plan:
+    """`plan` with `checks`: its stage programs compiled for the plan's model and remat policy."""
+    import dataclasses
+
+    from dflop_jax.profiling.compile_check import check_plan
+    from dflop_jax.profiling.model_config import model_config_for_arch, with_remat
+
+    model_cfg = with_remat(model_config_for_arch(plan.model), plan.remat)
+    return dataclasses.replace(plan, checks=tuple(check_plan(plan, model_cfg)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument(
+        "--check", action="store_true", help="compile every stage program at its real sizes"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(PlanRunConfig, args.config, args.overrides)
+        if args.check:
+            simulate_cpu_devices(cfg.num_devices)  # before JAX starts
         with progress_bar(not args.no_progress) as progress:
-            plan = run(cfg, progress)
+            plan = run(cfg, progress, args.check)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -72,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{describe_layout(plan.layout)} | M={plan.microbatches} on {plan.layout.num_devices}/{plan.num_devices} "
               f"{plan.device}: step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f}), "
               f"idle {plan.idle_fraction:.1%} -> {cfg.out}")  # fmt: skip
+    for c, predicted in zip(plan.checks, plan.stage_memory_bytes):
+        print(f"stage {c.stage} ({'+'.join(c.parts)}): predicted {predicted / 2**30:.2f} GiB, "
+              f"compiled {c.total / 2**30:.2f} GiB, compile {c.compile_s:.1f} s")  # fmt: skip
     return 0
 
 

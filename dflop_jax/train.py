@@ -2,6 +2,7 @@
 
     python -m dflop_jax.train                                  # the embedded demo (configs/demo.yaml)
     python -m dflop_jax.train --config configs/x.yaml steps=100 optimizer.lr=1e-3
+    python -m dflop_jax.train --config configs/x.yaml --dry-run   # compile every stage, train nothing
     scripts/run_training.sh <num_nodes> <rank> <coordinator host:port> [train args]   # multi-host
 
 With no --config the demo runs: a tiny model on synthetic data (generated on first run), a pipeline of
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the demo)")
     parser.add_argument("--gin", action="append", default=[], help="gin-style binding files")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=10")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the plan and compile every stage program at its real sizes; no training",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -51,10 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # What only the run can see (a mix's dataset files, a layout needing more devices than
         # exist) is still a config problem: one line too.
+        if args.dry_run:
+            return _dry_run(cfg)
         report = run(cfg)
     except (ConfigError, LayoutError) as e:
         return _config_error(e)
     print(f"run directory: {report.run_dir}")
+    return 0
+
+
+def _dry_run(cfg) -> int:
+    from dflop_jax.train_plan import dry_run
+
+    for s in dry_run(cfg):
+        print(f"stage {s['stage']} ({'+'.join(s['compiled']['parts'])}): predicted "
+              f"{s['memory_gib']:.2f} GiB, compiled {s['compiled_memory_gib']:.2f} GiB, "
+              f"compile {s['compile_s']:.1f} s")  # fmt: skip
+    print(f"wrote {cfg.run_dir}/dry_run.yaml")
     return 0
 
 
@@ -67,8 +86,9 @@ def run(cfg, console=None, clock=time.perf_counter):
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
     from dflop_jax.runtime.trainer import prepare_run_dir, train
-    from dflop_jax.train_plan import resolve_plan
+    from dflop_jax.train_plan import resolve_plan, with_plan_remat
 
+    cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
     prepare_run_dir(cfg)
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     model, model_cfg = cfg.model.build(

@@ -8,23 +8,46 @@ the real stage programs). "explicit" is the config's `layout` section; "analytic
 dataset's shapes with analytic costs; a path loads a plan.yaml; "auto" profiles data and model in
 `run_dir/auto_plan` (reusing fresh outputs) and plans on measured costs, which the scheduler then
 predicts with too.
+
+Remat: the model config's per-module policy (`ModelConfig.vision_remat` / `llm_remat`) is what the
+analytic costs assume; a plan.yaml brings its own (`Plan.remat`), which `with_plan_remat` applies to
+the model before it is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import jax
 
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+from dflop_jax.planner.plan_file import load_plan
 from dflop_jax.planner.resolve import ResolvedPlan, static_plan, training_planner
 from dflop_jax.runtime.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def with_plan_remat(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its plan.yaml's remat policy in the model config (unchanged for other plans): the
+    runtime recomputes what the plan's memory model assumed."""
+    if not cfg.plan.endswith((".yaml", ".yml")):
+        return cfg
+    remat = load_plan(cfg.plan).remat
+    if remat != cfg.model.remat:
+        log.warning(
+            "model remat %s replaced by the plan's %s (%s)", cfg.model.remat, remat, cfg.plan
+        )
+    model = dataclasses.replace(cfg.model, vision_remat=remat["vision"], llm_remat=remat["llm"])
+    return dataclasses.replace(cfg, model=model)
 
 
 def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     """The layout, buckets, microbatch range and cost provider of `cfg.plan` for `model_cfg`."""
     arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
-    analytic = AnalyticCostProvider(arch, device)
+    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat)
     multimodal = cfg.model.kind != "decoder"
     if cfg.plan == "explicit":
         lay = cfg.layout
@@ -42,7 +65,7 @@ def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         )
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
     plan = static_plan(cfg.plan, arch, device, len(jax.devices()), planner,
-                       lambda: _sample_shapes(cfg), cfg.run_dir)  # fmt: skip
+                       lambda: _sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
     return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
 
 
@@ -57,3 +80,62 @@ def _sample_shapes(cfg: TrainConfig):
         except BadSample:
             continue
     return shapes
+
+
+def dry_run(cfg: TrainConfig) -> list[dict]:
+    """`python -m dflop_jax.train --dry-run`: resolve the run's plan and compile every stage program at
+    its largest buckets from abstract arrays (`profiling/compile_check.py`); nothing is materialized.
+    Writes `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds) and
+    returns its stages."""
+    import yaml
+
+    from dflop_jax.costs import layout_memory
+    from dflop_jax.planner.plan_file import check_to_dict
+    from dflop_jax.planner.scoring import in_flight
+    from dflop_jax.profiling.compile_check import check_layout
+
+    cfg = with_plan_remat(cfg)
+    model_cfg = abstract_model_config(cfg)
+    resolved = resolve_plan(cfg, model_cfg)
+    lay = resolved.layout
+    counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
+    predicted = [m.total() for m in layout_memory(resolved.provider, lay, resolved.buckets, counts)]
+    checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg)
+    stages = [
+        {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p)}
+        for c, p in zip(checks, predicted)
+    ]
+    out = Path(cfg.run_dir) / "dry_run.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump({"layout": stages}, sort_keys=False))
+    return stages
+
+
+def abstract_model_config(cfg: TrainConfig):
+    """The `models` config `cfg.model.build` would return, without materializing a parameter (an
+    HF directory: from its config.json alone)."""
+    from flax import nnx
+
+    from dflop_jax.data import load_tokenizer
+    from dflop_jax.profiling.model_config import with_remat
+
+    if cfg.model.hf_dir:
+        from models.hf import adapter_for
+        from models.hf.io import read_config
+
+        hf = read_config(cfg.model.hf_dir)
+        model_cfg = adapter_for(hf.get("model_type")).config_from_hf(
+            hf, cfg.compute_dtype, "float32"
+        )
+        return with_remat(model_cfg, cfg.model.remat)
+    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+    built = {}
+
+    def build():
+        model, built["cfg"] = cfg.model.build(vocab, tile_px=cfg.data.tile_px,
+                                              patch_size=cfg.data.patch_size,
+                                              compute_dtype=cfg.compute_dtype)  # fmt: skip
+        return model
+
+    nnx.eval_shape(build)
+    return built["cfg"]

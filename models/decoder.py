@@ -31,13 +31,9 @@ from models.layers import (
     make_param,
     rope_cos_sin,
     rope_inv_freq,
+    run_layers,
 )
 from models.loss import chunked_cross_entropy_sum
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing, recompute the whole block
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections
-}
 
 
 class SelfAttention(nnx.Module):
@@ -98,10 +94,6 @@ class DecoderLayer(nnx.Module):
         return constrain(h, ("batch", "length", "act_embed"))
 
 
-def _run_layer(layer: DecoderLayer, h, segment_ids, cos, sin):
-    return layer(h, segment_ids, cos, sin)
-
-
 class DecoderStage(nnx.Module):
     """Layers [first_layer, first_layer + num_layers) of the decoder, plus embedding and/or head."""
 
@@ -149,12 +141,7 @@ class DecoderStage(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
         h = constrain(h.astype(cfg.jnp_dtype), ("batch", "length", "act_embed"))
-        block = _run_layer
-        if cfg.remat != "none":
-            block = nnx.remat(_run_layer, policy=_REMAT_POLICIES[cfg.remat])
-        for layer in self.layers:
-            h = block(layer, h, segment_ids, cos, sin)
-        return h
+        return run_layers(self.layers, h, segment_ids, cos, sin, remat=cfg.remat)
 
     def _final_norm(self, h: jax.Array) -> jax.Array:
         if not self.has_head:

@@ -10,9 +10,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.layers import Llama3RopeScaling
+from models.layers import REMAT_POLICIES, Llama3RopeScaling
 
-REMAT_MODES = ("none", "full", "dots")
+REMAT_MODES = tuple(REMAT_POLICIES)
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 
 

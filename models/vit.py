@@ -22,12 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import attention
-from models.layers import constrain, make_param
+from models.decoder_config import REMAT_MODES
+from models.layers import constrain, make_param, run_layers
 
 NORMS = ("layer_norm", "rms_norm")
 ACTS = ("gelu_tanh", "gelu")
-REMAT_MODES = ("none", "full", "dots")
-_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -235,10 +234,6 @@ class ViTLayer(nnx.Module):
         return constrain(x + m, ("batch", "length", "act_embed"))
 
 
-def _run_layer(layer: ViTLayer, x):
-    return layer(x)
-
-
 def patchify(pixels: jax.Array, patch: int) -> jax.Array:
     """[T,H,W,C] -> [T, (H//P)*(W//P), P*P*C], patches row-major, features ordered (py, px, c)."""
     t, h, w, c = pixels.shape
@@ -303,11 +298,7 @@ class VisionStage(nnx.Module):
         if self.has_embedding:
             x = self.embed(x)
         x = constrain(x.astype(jnp.dtype(self.cfg.dtype)), ("batch", "length", "act_embed"))
-        block = _run_layer
-        if self.cfg.remat != "none":
-            block = nnx.remat(_run_layer, policy=_REMAT_POLICIES[self.cfg.remat])
-        for layer in self.layers:
-            x = block(layer, x)
+        x = run_layers(self.layers, x, remat=self.cfg.remat)
         if self.has_head and self.cfg.post_norm:
             x = self.post_norm(x)
         return x

@@ -35,22 +35,39 @@ def test_state_bytes_and_tp_sharding():
     assert m1.optimizer == pytest.approx(8 * n)
     assert m4.params == pytest.approx(m1.params / 4, rel=0.01)
     assert m4.optimizer == pytest.approx(m1.optimizer / 4, rel=0.01)
-    assert (
-        m1.activations_per_microbatch / 4
-        < m4.activations_per_microbatch
-        < m1.activations_per_microbatch
-    )
+    # an in-flight microbatch holds only its stage input: hidden [S, D] bf16 + segment ids, positions
+    assert m1.activations_per_microbatch == m4.activations_per_microbatch == 8192 * (3584 * 2 + 8)
+    assert m1.temp / 4 < m4.temp < m1.temp
 
 
-def test_remat_keeps_layer_inputs_and_weight_casts():
-    remat = AnalyticCostProvider(ARCH, H100, remat=True)
-    m = remat.stage_memory(StageSpec("llm", 0, 14), 8192)
+def test_remat_keeps_layer_inputs_and_rebuilds_one_layer():
+    stage, tokens, d = StageSpec("llm", 0, 14), 8192, 3584
+    plain = AnalyticCostProvider(ARCH, H100).stage_memory(stage, tokens)
+    remat = AnalyticCostProvider(ARCH, H100, remat=True).stage_memory(stage, tokens)
+    full = llm_activation_bytes_per_token(ARCH.llm, 1, False, 2)
+    # every layer keeps its bf16 input; one layer's full residuals exist at a time instead of 14
+    assert plain.temp - remat.temp == pytest.approx(tokens * (13 * full - 14 * 2 * d))
+    assert remat.activations_per_microbatch == plain.activations_per_microbatch
     n = 14 * llm_layer_params(ARCH.llm)
-    assert m.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 2 + 2 * n)
-    fp32 = AnalyticCostProvider(ARCH, H100, remat=True, compute_bytes=4).stage_memory(
-        StageSpec("llm", 0, 14), 8192
-    )
-    assert fp32.activations_per_microbatch == pytest.approx(14 * 8192 * 3584 * 4)  # no cast copies
+    fp32 = AnalyticCostProvider(ARCH, H100, remat=True, compute_bytes=4).stage_memory(stage, tokens)
+    full32 = llm_activation_bytes_per_token(ARCH.llm, 1, False, 4)
+    # fp32: no weight casts, the fp32 gradient only (4 B/param instead of 2 + 2 + 4)
+    residuals = (14 * 4 * d + full32) * tokens + 2 * tokens * d * 4  # + dx, dy
+    assert fp32.temp == pytest.approx(4 * n + residuals)
+    assert remat.temp - (14 * 2 * d + full) * tokens - 2 * tokens * d * 2 == pytest.approx(8 * n)
+
+
+def test_remat_policy_per_module():
+    policy = {"vision": "none", "llm": "dots"}
+    prov = AnalyticCostProvider(ARCH, H100, remat=policy)
+    llm, enc = StageSpec("llm", 0, 4), StageSpec("encoder", 0, 4)
+    dots = prov.stage_memory(llm, 4096).temp
+    assert AnalyticCostProvider(ARCH, H100, remat=True).stage_memory(llm, 4096).temp < dots
+    assert dots < AnalyticCostProvider(ARCH, H100).stage_memory(llm, 4096).temp
+    assert prov.stage_memory(enc, 8) == AnalyticCostProvider(ARCH, H100).stage_memory(enc, 8)
+    assert prov.name.endswith("+remat:vision=none,llm=dots")
+    with pytest.raises(ValueError, match="remat"):
+        AnalyticCostProvider(ARCH, H100, remat={"vision": "some", "llm": "none"})
 
 
 def test_dense_attention_adds_the_square():
@@ -59,9 +76,7 @@ def test_dense_attention_adds_the_square():
         StageSpec("llm", 0, 2), 4096
     )
     extra = 2 * 28 * 4096**2 * (1 + 4 + 4 + 2)
-    assert dense.activations_per_microbatch - flash.activations_per_microbatch == pytest.approx(
-        extra
-    )
+    assert dense.temp - flash.temp == pytest.approx(extra)
 
 
 _BYTES = {"bf16": 2, "f32": 4, "bool": 1}

@@ -1,17 +1,27 @@
-"""Per-device memory of a pipeline stage: parameters, gradients, optimizer state, activations.
+"""Per-device memory of a pipeline stage, as the runtime holds it: state, in-flight inputs, transient.
 
 State, per parameter, replicated across data parallelism (no ZeRO) and sharded by tensor parallelism
 (matrices split over tp, norms replicated): fp32 parameters that double as the master copy (4 B; the
-models keep `param_dtype=float32` and cast to the compute dtype per use), fp32 gradient accumulators
-(4 B), AdamW m and v (8 B). With bf16 compute, jax autodiff also saves each cast weight for backward, so
-every in-flight microbatch holds a bf16 copy of the stage's weights (2 B/param, in
-`activations_per_microbatch`): 18 B/param at one microbatch in flight, as for the usual "bf16 params +
-fp32 grads + fp32 master/m/v" accounting.
+models keep `param_dtype=float32` and cast to the compute dtype inside each program), the fp32
+gradient accumulator (4 B), AdamW m and v (8 B).
 
-Activations saved for backward per token per layer, calibrated against
-`jax.ad_checkpoint.print_saved_residuals` of the runtime's layers (models/decoder.py: RMSNorm with f32
-statistics, f32 RoPE tables, SwiGLU; tests/test_costs_memory.py re-derives it from a hand-written
-layer). `cb` = compute bytes, no sequence parallelism:
+In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
+backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
+microbatch waiting for its backward holds only that input: x (the previous stage's output, or the
+packed tiles, or on the first LLM stage of an MLLM the image features of every data shard's row,
+replicated over the stage's mesh) and its side arrays (token ids, segment ids, positions, targets,
+loss mask, feature taps).
+
+Transient (`temp`): one microbatch's training program on top of that: the residuals saved for
+backward (all layers' without remat; with remat each layer's input, or under "dots" also its matmul
+outputs, plus one layer rebuilt at a time), the incoming gradient dy and outgoing dx, one loss
+chunk's logits on the last stage, and per parameter the compute-dtype weight copy, its gradient in
+the compute dtype and that gradient's fp32 form (`weight_transient_bytes`: 8 B at bf16).
+
+Residuals per token per layer, calibrated against `jax.ad_checkpoint.print_saved_residuals` of the
+runtime's layers (models/decoder.py: RMSNorm with f32 statistics, f32 RoPE tables, SwiGLU;
+tests/test_costs_memory.py re-derives it from a hand-written layer). `cb` = compute bytes, no
+sequence parallelism:
 - LLM RMSNorm: its f32 input and f32 normalized value, and the cb-byte cast and scaled output:
   (8 + 2 cb) * D each (replicated over tp);
 - RoPE: cos and sin broadcast for q and for k, f32: 8 * Dh (replicated);
@@ -21,11 +31,11 @@ layer). `cb` = compute bytes, no sequence parallelism:
   q, k, v, attention output 4 H Dh cb / tp; fc1 output plus the five tanh-GELU intermediates,
   6F * cb / tp; qk-norm (8 + cb) H Dh / tp for each of q and k; layer scale the two scaled branches (2 cb D);
 - attention scores: a flash kernel keeps only a per-head f32 log-sum-exp (4 H / tp per token); XLA's
-  dense attention (`flash_attention=False`, as on CPU) keeps per head and (query, key) pair of the full
+  dense attention (`flash_attention=False`) keeps per head and (query, key) pair of the full
   S x S square (n x n per tile) the f32 exp and the cb-byte probabilities, plus for a masked (causal
   LLM) square the mask and the f32 masked scores: 11 B (LLM) / 6 B (ViT) at bf16.
-With full remat a layer keeps only its input (cb * D per token); backward rebuilds one layer at a time
-(counted in `temp`, with the head's f32 logits and their gradient on the last stage).
+`python -m dflop_jax.plan --check` compares these terms with the compiled programs
+(`profiling/compile_check.py`; figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ GRAD_BYTES = 4  # fp32 accumulation across microbatches
 OPTIMIZER_BYTES = 8  # AdamW m + v, fp32
 LOGIT_BYTES = 4  # the loss is computed from fp32 logits
 F32 = 4
+LOSS_CHUNK = 1024  # positions whose logits the loss computes at once (DecoderConfig.loss_chunk)
+FEATURE_TAPS = 4  # bilinear taps per image position (data.types.FEATURE_TAPS)
+REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +62,8 @@ class StageMemory:
 
     Attributes:
       params, grads, optimizer: resident state.
-      activations_per_microbatch: saved for backward by one in-flight microbatch.
-      temp: transient peak on top (one layer rebuilt in backward, logits of the LM head, workspace).
+      activations_per_microbatch: held by one in-flight microbatch (its stage input).
+      temp: the training program's transient peak on top (residuals, gradients, weight casts).
       in_flight: microbatches alive at once on this stage (1F1B: P - stage index); `total()` default.
     """
 
@@ -139,76 +152,136 @@ def _sharded(layer_params: float, replicated: float, tp: int) -> float:
     return (layer_params - replicated) / tp + replicated
 
 
+def remat_policy(remat: bool | str) -> str:
+    """A module's policy: "none", "full" or "dots" (True = "full", False = "none")."""
+    policy = ("full" if remat else "none") if isinstance(remat, bool) else remat
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}: use one of {REMAT_POLICIES} (or a bool)")
+    return policy
+
+
+def weight_transient_bytes(num_params: float, compute_bytes: int) -> float:
+    """Bytes per parameter the training program holds while it runs: the compute-dtype copy of the
+    weights, their gradient in the compute dtype, and its fp32 form added into the accumulator."""
+    return num_params * ((2 * compute_bytes + F32) if compute_bytes < F32 else F32)
+
+
+def _residuals(layers: int, tokens: int, saved: float, full: float, remat: str) -> float:
+    """Saved-for-backward bytes of `layers` layers of one microbatch: all of every layer without
+    remat; with remat each layer's kept part (`saved` per token: its input, or under "dots" also its
+    matmul outputs) plus one layer's full residuals, rebuilt one layer at a time in backward."""
+    if not layers:
+        return 0.0
+    if remat == "none":
+        return layers * full * tokens
+    return (layers * saved + full) * tokens
+
+
+def _llm_dots_bytes_per_token(m: LLMArch, tp: int, cb: int) -> float:
+    """Layer input plus the matmul outputs "dots" keeps: q, k, v, o, gate, up, down."""
+    sharded = ((m.num_heads + 2 * m.num_kv_heads) * m.dh + 2 * m.intermediate_size) * cb
+    return 3 * m.hidden_size * cb + sharded / tp
+
+
+def _vision_dots_bytes_per_token(v: VisionArch, tp: int, cb: int) -> float:
+    """Layer input plus q, k, v, o, fc1, fc2 outputs."""
+    sharded = (3 * v.num_heads * v.dh + v.intermediate_size) * cb
+    return 3 * v.hidden_size * cb + sharded / tp
+
+
+def _kept_per_token(d: int, dots: float, cb: int, remat: str) -> float:
+    return dots if remat == "dots" else float(d * cb)
+
+
 def encoder_stage_memory(
     arch: MLLMArch,
     stage: StageSpec,
     tiles: int,
-    remat: bool = False,
+    remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
 ) -> StageMemory:
-    """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at `tiles`."""
-    v, p, tp = arch.vision, arch.projector, stage.tp
+    """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at
+    `tiles` per data shard, as the runtime holds it (module docstring)."""
+    v, p, tp, cb, remat = arch.vision, arch.projector, stage.tp, compute_bytes, remat_policy(remat)
     norm = 2 * v.hidden_size * (2 if v.norm == "layer_norm" else 1)
     n_params = stage.num_layers * _sharded(flops.vision_layer_params(v), norm, tp)
     tokens = tiles * v.seq_len
-    per_tok = vision_activation_bytes_per_token(v, tp, remat, compute_bytes)
-    full_tok = vision_activation_bytes_per_token(v, tp, False, compute_bytes)
-    cb = compute_bytes
-    scores = (
-        0.0
-        if flash_attention
-        else tiles * dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb)
-    )
-    acts = stage.num_layers * (per_tok * tokens + (0.0 if remat else scores))
-    temp = full_tok * tokens + scores if stage.num_layers else 0.0
+    full = vision_activation_bytes_per_token(v, tp, False, cb)
+    if not flash_attention:
+        full += dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb) / v.seq_len
+    kept = _kept_per_token(v.hidden_size, _vision_dots_bytes_per_token(v, tp, cb), cb, remat)
+    temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+    hidden = tokens * v.hidden_size * cb
     if stage.has_embedding:
         n_params += flops.vision_embedding_params(v)
-        acts += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
+        inputs = tiles * v.image_size**2 * 3 * F32  # the packed tiles, f32
+        temp += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
+    else:
+        inputs = temp_dx = hidden
+        temp += temp_dx  # its gradient, handed back
     if stage.has_head:
         n_params += flops.projector_params(p) / tp
         out_tokens = tiles * v.tokens_per_tile
-        # norm/fc1 input, fc1 output, GELU internals and output
-        acts += out_tokens * (_norm_bytes(p.in_dim, cb) + 4 * p.out_dim * cb / tp)
-    acts += weight_copy_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params), acts, temp)
+        inputs += tiles  # tile_pool flags
+        # norm/fc1 input, fc1 output, GELU internals and output; the incoming gradient
+        temp += out_tokens * (_norm_bytes(p.in_dim, cb) + 4 * p.out_dim * cb / tp)
+        temp += out_tokens * p.out_dim * cb
+    else:
+        temp += hidden  # dy
+    temp += weight_transient_bytes(n_params, cb)
+    return StageMemory(*state_bytes(n_params), inputs, temp)
 
 
 def llm_stage_memory(
     arch: MLLMArch,
     stage: StageSpec,
     tokens: int,
-    remat: bool = False,
+    remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
 ) -> StageMemory:
-    """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of `tokens`."""
-    m, tp = arch.llm, stage.tp
+    """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of
+    `tokens` per data shard, as the runtime holds it (module docstring)."""
+    m, tp, cb, remat = arch.llm, stage.tp, compute_bytes, remat_policy(remat)
     n_params = stage.num_layers * _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
-    per_tok = llm_activation_bytes_per_token(m, tp, remat, compute_bytes)
-    full_tok = llm_activation_bytes_per_token(m, tp, False, compute_bytes)
-    cb = compute_bytes
-    scores = 0.0 if flash_attention else dense_attention_bytes(m.num_heads, tokens, tp, True, cb)
-    acts = stage.num_layers * (per_tok * tokens + (0.0 if remat else scores))
-    temp = full_tok * tokens + scores if stage.num_layers else 0.0
+    full = llm_activation_bytes_per_token(m, tp, False, cb)
+    if not flash_attention:
+        full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
+    kept = _kept_per_token(m.hidden_size, _llm_dots_bytes_per_token(m, tp, cb), cb, remat)
+    temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+    hidden = tokens * m.hidden_size * cb
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
+    inputs = tokens * 2 * 4  # segment ids, positions (int32)
     if stage.has_embedding:
         n_params += embed
+        inputs += tokens * 4  # token ids
+        if arch.vision is not None:  # image features of every data shard's row, replicated
+            inputs += tokens * (4 + 2 * 4 * FEATURE_TAPS)  # feature index, taps and weights
+            features = stage.dp * tokens * m.hidden_size * cb
+            inputs += features
+            temp += features  # their gradient
+    else:
+        inputs += hidden
+        temp += hidden  # dx
     if stage.has_head:
         # A tied head on a different stage than the embedding still holds its own copy.
         n_params += m.hidden_size + (0 if (m.tie_embeddings and stage.has_embedding) else embed)
-        acts += tokens * _norm_bytes(m.hidden_size, cb)  # final norm, input of the head
-        # cb-byte logits, their f32 upcast and its gradient (the last stage runs F and B back to back)
-        temp = max(temp, tokens * m.vocab_size / tp * (cb + 2 * LOGIT_BYTES))
-    acts += weight_copy_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params), acts, temp)
+        inputs += tokens * 2 * 4  # targets, loss mask
+        temp += tokens * _norm_bytes(m.hidden_size, cb)  # final norm, input of the head
+        # one chunk's cb-byte logits, their f32 upcast and its gradient (`models/loss.py`)
+        temp += min(tokens, LOSS_CHUNK) * m.vocab_size / tp * (cb + 2 * LOGIT_BYTES)
+    else:
+        temp += hidden  # dy
+    temp += weight_transient_bytes(n_params, cb)
+    return StageMemory(*state_bytes(n_params), inputs, temp)
 
 
 def stage_memory(
     arch: MLLMArch,
     stage: StageSpec,
     bucket: int,
-    remat: bool = False,
+    remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
 ) -> StageMemory:

@@ -24,7 +24,7 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -35,7 +35,7 @@ from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.costs.memory import StageMemory, stage_memory
+from dflop_jax.costs.memory import StageMemory, remat_policy, stage_memory
 
 TransferCostFn = Callable[[int, int], np.ndarray]
 
@@ -72,15 +72,22 @@ class AnalyticCostProvider:
         arch: MLLMArch,
         device: DeviceSpec,
         *,
-        remat: bool = False,
+        remat: bool | Mapping[str, str] = False,
         compute_bytes: int = 2,
         flash_attention: bool = True,
     ):
+        """`remat`: activation recomputation, True / False for both modules or a per-module policy
+        {"vision": ..., "llm": ...} of "none" / "full" / "dots" (what the runtime applies)."""
         if compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.arch = arch
         self.device = device
         self.remat = remat
+        self.policy = (
+            {m: remat_policy(remat) for m in ("vision", "llm")}
+            if isinstance(remat, bool)
+            else {m: remat_policy(remat[m]) for m in ("vision", "llm")}
+        )
         self.compute_bytes = compute_bytes
         # None: what the runtime uses on this device (fused kernel on GPUs, dense XLA on CPU)
         self.flash_attention = (
@@ -88,7 +95,7 @@ class AnalyticCostProvider:
         )
         self.name = (
             f"analytic:{arch.name}@{device.name}"
-            + ("+remat" if remat else "")
+            + _remat_suffix(self.policy)
             + ("" if self.flash_attention else "+dense-attn")
         )
 
@@ -109,7 +116,7 @@ class AnalyticCostProvider:
         ar = self._allreduce_s(ar_bytes, tp)
         fwd = fwd_flops / rate + 2 * layers * ar + blocks * dev.layer_overhead_s
         bwd = 2 * fwd_flops / rate + 2 * layers * ar + 2 * blocks * dev.layer_overhead_s
-        if self.remat:
+        if self.policy["vision" if stage.module == "encoder" else "llm"] != "none":
             bwd += layer_flops / rate + 2 * layers * ar + layers * dev.layer_overhead_s
         return fwd, bwd
 
@@ -164,8 +171,9 @@ class AnalyticCostProvider:
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         self._check_stage(stage)
+        remat = self.policy["vision" if stage.module == "encoder" else "llm"]
         return stage_memory(
-            self.arch, stage, bucket, self.remat, self.compute_bytes, self.flash_attention
+            self.arch, stage, bucket, remat, self.compute_bytes, self.flash_attention
         )
 
     def output_bytes(self, stage: StageSpec, bucket: int) -> float:
@@ -180,6 +188,16 @@ class AnalyticCostProvider:
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         bw = self.device.inter_host_bandwidth if cross_host else self.device.intra_host_bandwidth
         return self.output_bytes(stage, bucket) / bw
+
+
+def _remat_suffix(policy: Mapping[str, str]) -> str:
+    """ "+remat" for full remat of both modules (what `plan_file.Plan.remat` reads back), else the
+    policy spelled out ("+remat:vision=dots,llm=full"), "" for none."""
+    if all(p == "none" for p in policy.values()):
+        return ""
+    if all(p == "full" for p in policy.values()):
+        return "+remat"
+    return "+remat:" + ",".join(f"{m}={p}" for m, p in policy.items())
 
 
 # ---------------------------------------------------------------- layouts

@@ -33,6 +33,41 @@ class Alternative:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageCheck:
+    """What compiling a stage's programs at its real sizes found (`python -m dflop_jax.plan --check`;
+    `profiling/compile_check.py` explains the terms). Bytes per device.
+
+    Attributes:
+      stage: index in layout order.
+      parts: the programs compiled ("llm", or "encoder" then "llm" for a colocated encoder).
+      program_bytes: per part, `memory_analysis()` arguments + outputs - aliased + temporaries.
+      params, grads, optimizer: fp32 master weights, gradient accumulator, AdamW m + v.
+      inputs: stage inputs of the `in_flight` microbatches alive under 1F1B.
+      transient: the largest part's temporaries, incoming dy and outgoing dx.
+      compile_s: seconds to lower and compile the parts.
+    """
+
+    stage: int
+    parts: tuple[str, ...]
+    program_bytes: tuple[float, ...]
+    params: float
+    grads: float
+    optimizer: float
+    inputs: float
+    transient: float
+    in_flight: int
+    compile_s: float
+
+    @property
+    def total(self) -> float:
+        """Peak bytes per device the runtime holds for the stage."""
+        return self.params + self.grads + self.optimizer + self.inputs + self.transient
+
+
+_CHECK_TERMS = ("params", "grads", "optimizer", "inputs", "transient")
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A chosen layout with its predictions.
 
@@ -55,6 +90,7 @@ class Plan:
       alternatives: the next best candidates and notable rejections.
       search: counts of the search (enumerated, over memory, screened, scored) and its wall time.
       planner_config: the PlannerConfig as a dict.
+      checks: per stage, what compiling it found (empty unless `plan --check` ran).
     """
 
     model: str
@@ -77,12 +113,33 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     search: dict = dataclasses.field(default_factory=dict)
     planner_config: dict = dataclasses.field(default_factory=dict)
+    checks: tuple[StageCheck, ...] = ()
 
     def __post_init__(self):
         if len(self.stage_memory_bytes) != self.layout.num_stages:
             raise ValueError(
                 f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for {self.layout.num_stages} stages"
             )
+        if self.checks and len(self.checks) != self.layout.num_stages:
+            raise ValueError(
+                f"checks has {len(self.checks)} entries for {self.layout.num_stages} stages"
+            )
+
+    @property
+    def remat(self) -> dict[str, str]:
+        """The activation recomputation the plan's memory and times assume, per module ("none" /
+        "full" / "dots"): the runtime applies it (`models` `remat` of the vision tower and decoder).
+        A searched choice (`search.remat`) wins over the cost provider's own setting (its name)."""
+        chosen = self.search.get("remat")
+        if chosen is not None:
+            policy = "full" if chosen else "none"
+            return {"vision": policy, "llm": policy}
+        name = self.cost_provider
+        if "+remat:" in name:  # "+remat:vision=dots,llm=full"
+            spelled = name.split("+remat:", 1)[1].split("+", 1)[0]
+            return dict(item.split("=", 1) for item in spelled.split(","))
+        policy = "full" if name.endswith("+remat") or "+remat+" in name else "none"
+        return {"vision": policy, "llm": policy}
 
     @property
     def microbatch_range(self) -> tuple[int, int]:
@@ -107,6 +164,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 "memory_gib": round(mem / _GIB, 2),
             }
         )
+        if plan.checks:
+            stages[-1].update(check_to_dict(plan.checks[i], mem))
     return {
         "dflop_plan": PLAN_VERSION,
         "model": plan.model,
@@ -116,6 +175,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "cost_provider": plan.cost_provider,
         "mode": plan.mode,
         "encoder_colocated": not plan.layout.encoder_stages,
+        "remat": plan.remat,
         "schedule": plan.schedule,
         "global_batch": plan.global_batch,
         "microbatches": plan.microbatches,
@@ -148,6 +208,32 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "memory_capacity_bytes": float(plan.memory_capacity_bytes),
         "device_memory_bytes": float(plan.device_memory_bytes),
     }
+
+
+def check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
+    return {
+        "compiled_memory_gib": round(c.total / _GIB, 2),
+        "compiled_vs_predicted": round(c.total / predicted - 1, 3) if predicted > 0 else None,
+        "compile_s": round(c.compile_s, 1),
+        "compiled": {
+            "parts": list(c.parts),
+            "program_bytes": [float(b) for b in c.program_bytes],
+            **{k: float(getattr(c, k)) for k in _CHECK_TERMS},
+            "in_flight": c.in_flight,
+        },
+    }
+
+
+def _check_from_dict(i: int, s: dict[str, Any]) -> StageCheck:
+    c = s["compiled"]
+    return StageCheck(
+        stage=i,
+        parts=tuple(str(p) for p in c["parts"]),
+        program_bytes=tuple(float(b) for b in c["program_bytes"]),
+        **{k: float(c[k]) for k in _CHECK_TERMS},
+        in_flight=int(c["in_flight"]),
+        compile_s=float(s["compile_s"]),
+    )
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:
@@ -241,4 +327,5 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         ),
         search=dict(d["search"]),
         planner_config=dict(d["planner_config"]),
+        checks=tuple(_check_from_dict(i, s) for i, s in enumerate(d["layout"]) if "compiled" in s),
     )

@@ -75,11 +75,13 @@ def static_plan(
     planner: PlannerConfig,
     shapes: Callable[[], Sequence[SampleShape]],
     out_dir: str | Path,
+    provider: CostProvider | None = None,
 ) -> Plan:
-    """`mode` "analytic": plans on the dataset's `shapes()` with analytic costs and saves
-    `out_dir/plan.yaml`; otherwise `mode` is a plan.yaml path, loaded."""
+    """`mode` "analytic": plans on the dataset's `shapes()` with analytic costs (`provider`, default
+    the plain analytic one) and saves `out_dir/plan.yaml`; otherwise `mode` is a plan.yaml path,
+    loaded."""
     if mode != "analytic":
         return load_plan(mode)
-    plan = make_plan(arch, device, num_devices, shapes(), planner)
+    plan = make_plan(arch, device, num_devices, shapes(), planner, provider)
     save_plan(plan, Path(out_dir) / "plan.yaml")
     return plan

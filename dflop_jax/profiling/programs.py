@@ -98,16 +98,16 @@ def _feature_tiles(model_cfg, bucket: int) -> int:
     return max(1, bucket // (2 * model_cfg.tokens_per_tile))
 
 
-def _microbatch(model_cfg, st: StageShape, bucket: int) -> dict[str, np.ndarray]:
-    """An all-padding microbatch of the part's bucket, packed by the data layer (its shapes, dtypes)."""
+def _microbatch(model_cfg, st, bucket: int, dp: int, features: int) -> dict[str, np.ndarray]:
+    """An all-padding microbatch of the part's bucket on `dp` data shards, packed by the data layer
+    (its shapes, dtypes); an LLM part places `features` tiles' features."""
     from models.internvl import InternVLConfig
 
     v = model_cfg.vision
     enc = st.module == "encoder"
-    plan = MicrobatchPlan(bucket if enc else _feature_tiles(model_cfg, bucket), 1 if enc else bucket,
-                          ((),))  # fmt: skip
+    plan = MicrobatchPlan(bucket if enc else features, 1 if enc else bucket, ((),) * dp)
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
-    mb, _ = pack_microbatch(plan, [], [], encoder_dp=1, llm_dp=1,
+    mb, _ = pack_microbatch(plan, [], [], encoder_dp=dp if enc else 1, llm_dp=dp,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps)  # fmt: skip
     return dataclasses.asdict(mb)
@@ -133,16 +133,16 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
         batch["feature_weight"][...] = weights.reshape(rows, length, k)
 
 
-def _x_shape(model_cfg, st: StageShape, bucket: int) -> tuple[tuple[int, ...], Any] | None:
-    """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first)."""
+def _x_shape(model_cfg, st, bucket: int, dp: int, features: int):
+    """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first),
+    global over `dp` data shards; the first LLM part's x is the `features` tiles' projected features."""
     v, t = model_cfg.vision, model_cfg.text
     if st.module == "encoder":
-        hidden = (bucket, v.seq_len, v.hidden_size)
+        hidden = (dp * bucket, v.seq_len, v.hidden_size)
         return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))
     if st.has_embedding:  # the projector's features, computed in the vision dtype
-        features = (_feature_tiles(model_cfg, bucket), model_cfg.tokens_per_tile, t.hidden_size)
-        return features, jnp.dtype(v.dtype)
-    return (1, bucket, t.hidden_size), jnp.dtype(t.dtype)
+        return (features, model_cfg.tokens_per_tile, t.hidden_size), jnp.dtype(v.dtype)
+    return (dp, bucket, t.hidden_size), jnp.dtype(t.dtype)
 
 
 def build_part(
@@ -158,13 +158,28 @@ def build_program(
     """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket`, with inputs.
     Nothing is compiled."""
     mesh = profile_mesh(devices, tp)
-    bp = abstract_stage(model_cfg, st.spec(tp), mesh)
+    return stage_program(model_cfg, st.spec(tp), mesh, bucket, compute_dtype)
+
+
+def stage_program(
+    model_cfg, spec: StageSpec, mesh: Mesh, bucket: int, compute_dtype, feature_tiles=None
+) -> PartProgram:
+    """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
+    shard, with inputs. Nothing is compiled.
+
+    Args:
+      feature_tiles: tiles whose features the first LLM stage of an MLLM receives (the whole
+        microbatch's, replicated on its mesh); default half the row's tokens as image tokens.
+    """
+    dp = mesh.shape["data"]
+    bp = abstract_stage(model_cfg, spec, mesh)
     jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    batch = _microbatch(model_cfg, st, bucket)
+    features = feature_tiles or _feature_tiles(model_cfg, bucket)
+    batch = _microbatch(model_cfg, spec, bucket, dp, features)
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
-    x_shape = _x_shape(model_cfg, st, bucket)
+    x_shape = _x_shape(model_cfg, spec, bucket, dp, features)
     x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
     x_abs = None if x_shape is None else jax.ShapeDtypeStruct(*x_shape, sharding=x_sharding)
     if head:

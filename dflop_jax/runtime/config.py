@@ -18,6 +18,7 @@ from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
+from models.decoder_config import REMAT_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class ModelConfig:
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
       vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
       init_seed: seed of the random initialization (ignored when loading).
+      vision_remat, llm_remat: activation recomputation in the backward of each vision / decoder
+        layer: "none", "full" (keep only the layer's input) or "dots" (also keep the matmul
+        outputs). Training from a plan.yaml applies the plan's policy instead (`train_plan`); the
+        planner's memory model assumes the same policy (`costs/memory.py`).
     """
 
     kind: Literal["llava_ov", "internvl", "decoder"] = "llava_ov"
@@ -49,8 +54,13 @@ class ModelConfig:
     vision_num_layers: int = 2
     vision_num_heads: int = 2
     init_seed: int = 0
+    vision_remat: str = "none"
+    llm_remat: str = "none"
 
     def __post_init__(self):
+        for name in ("vision_remat", "llm_remat"):
+            value = getattr(self, name)
+            require(value in REMAT_MODES, f"model.{name}", value, f"use one of {REMAT_MODES}")
         require(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "0 (tokenizer's) or > 0")
         for name in _MODEL_SIZES:
             value = getattr(self, name)
@@ -78,6 +88,11 @@ class ModelConfig:
         )
         return [InputPath("hf_dir", self.hf_dir, "dir", fix, contains="config.json")]
 
+    @property
+    def remat(self) -> dict[str, str]:
+        """The per-module policy, as plan.yaml records it ({"vision": ..., "llm": ...})."""
+        return {"vision": self.vision_remat, "llm": self.llm_remat}
+
     def build(self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str):
         """The model with fp32 master params, random from `init_seed` or loaded from `hf_dir`.
 
@@ -98,9 +113,11 @@ class ModelConfig:
         from models.decoder_config import DecoderConfig
 
         if self.hf_dir:
+            from dflop_jax.profiling.model_config import with_remat
             from models.hf import load_pretrained
 
-            return load_pretrained(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
+            return load_pretrained(self.hf_dir, dtype=compute_dtype, param_dtype="float32",
+                                   configure=lambda c: with_remat(c, self.remat))  # fmt: skip
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
             hidden_size=self.hidden_size,
@@ -111,6 +128,7 @@ class ModelConfig:
             head_dim=self.head_dim,
             dtype=compute_dtype,
             param_dtype="float32",
+            remat=self.llm_remat,
         )
         vision = {
             "hidden_size": self.vision_hidden_size,
@@ -120,6 +138,7 @@ class ModelConfig:
             "image_size": tile_px,
             "patch_size": patch_size,
             "dtype": compute_dtype,
+            "remat": self.vision_remat,
         }
         rngs = nnx.Rngs(self.init_seed)
         with jax.default_device(jax.local_devices()[0]):
@@ -324,6 +343,10 @@ class TrainConfig:
         )
         if self.plan == "explicit":
             _check_layout_fits_model(self.layout, self.model)
+        fix = (
+            "a run plans with its model's remat (model.vision_remat, model.llm_remat): leave it []"
+        )
+        require(not self.planner.remat, "planner.remat", self.planner.remat, fix)
         fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
         require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 

@@ -51,6 +51,7 @@ def load_pretrained(
     param_dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
+    configure=None,
 ):
     """Loads an HF model directory (config.json + safetensors, single or sharded index).
 
@@ -59,6 +60,8 @@ def load_pretrained(
       param_dtype: stored parameter dtype ("float32" default: fp32 master weights).
       mesh, rules: if given, every tensor goes straight into its NamedSharding on `mesh` (logical
         axes mapped by `rules`, e.g. `dflop_jax.runtime.sharding.rules_for("decoder")`).
+      configure: config -> config applied to the config read from config.json before the model is
+        built (settings the checkpoint does not hold, e.g. the layers' `remat` policy).
 
     Returns:
       (model, config): an nnx.Module (a `Decoder` for qwen2/llama: `model(input_ids) -> logits`)
@@ -68,6 +71,7 @@ def load_pretrained(
     adapter = adapter_for(hf_config.get("model_type"))
     reader = CheckpointReader(path)
     cfg = adapter.config_from_hf(hf_config, dtype or "float32", param_dtype or "float32")
+    cfg = cfg if configure is None else configure(cfg)
     model = load_state(
         reader,
         lambda: adapter.build(cfg, nnx.Rngs(0)),

@@ -1,0 +1,196 @@
+"""Will the plan fit? Compile every stage program of a plan at its real sizes, from abstract arrays.
+
+    python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml --check
+    checks = check_plan(plan, model_cfg)      # one StageCheck per stage (nothing is materialized)
+
+MaxText's ahead-of-time compile habit, per MPMD stage: each stage's training program (the backward, or
+on the last stage the fused forward + loss + backward) is built by the runtime's one builder
+(`profiling.programs.stage_program` -> `runtime.model_stages.abstract_stage` -> `runtime.stages.
+stage_jits`) on the stage's own ("data", "model") mesh of the layout (`runtime.mesh.stage_meshes`; on a
+host without enough accelerators, simulated CPU devices), at the plan's largest buckets, and compiled.
+
+What the runtime holds per device for a stage, term by term (`StageCheck`):
+  params      fp32 master weights (the program's parameter arguments)
+  grads       the fp32 gradient accumulator (a donated argument, aliased with its output)
+  optimizer   AdamW m and v, fp32, the parameters' shapes and shardings (`runtime/train_state.py`)
+  inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps
+              min(P - stage, M) of them until their backward (recompute-in-backward: nothing else)
+  transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
+              recomputed forward, the cast weights, XLA workspace), the incoming gradient dy and the
+              outgoing dx.
+`program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
+program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
+
+A colocated encoder (`encoder_colocated` plans, issue 12: the runtime cannot train it yet) is checked
+as its own program on the same mesh as LLM stage 0: the stage holds both parts' state and inputs and
+the larger of their transients (the two programs do not run at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dflop_jax.contracts import BucketSet
+from dflop_jax.costs import arch_of_model
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.provider import colocated_encoder_stage
+from dflop_jax.planner.plan_file import Plan, StageCheck
+from dflop_jax.planner.scoring import in_flight
+from dflop_jax.profiling.programs import PartProgram, per_device_bytes, stage_program
+
+log = logging.getLogger(__name__)
+
+DISAGREE = 0.15  # warn when compiled and predicted memory differ by more than this fraction
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCheck:
+    """One compiled program of a stage (bytes per device)."""
+
+    part: str  # "encoder" | "llm"
+    program_bytes: float
+    params: float
+    inputs: float
+    transient: float
+    compile_s: float
+
+
+def check_plan(
+    plan: Plan, model_cfg, devices: Sequence[jax.Device] | None = None, compute_dtype=jnp.bfloat16
+) -> list[StageCheck]:
+    """Compiles every stage program of `plan` for `model_cfg` (its remat policy included).
+
+    Args:
+      plan: the plan (layout, buckets, microbatch range, schedule, predicted memory).
+      model_cfg: the `models` config of the plan's model (`model_config_for_arch`).
+      devices: default: `jax.devices()`, or the CPU devices when there are fewer accelerators than
+        the layout needs (simulate them with `host_devices.simulate_cpu_devices` before JAX starts).
+      compute_dtype: the stage programs' compute dtype.
+
+    Returns:
+      one `StageCheck` per stage in layout order.
+    """
+    counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
+    return check_layout(plan.layout, plan.buckets, counts, plan.stage_memory_bytes, model_cfg,
+                        devices, compute_dtype)  # fmt: skip
+
+
+def check_layout(
+    layout: Layout,
+    buckets: BucketSet,
+    in_flight_counts: Sequence[int],
+    predicted: Sequence[float],
+    model_cfg,
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=jnp.bfloat16,
+) -> list[StageCheck]:
+    """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
+    and predicted bytes (a warning names the stages more than `DISAGREE` apart)."""
+    from dflop_jax.runtime.mesh import stage_meshes
+
+    devices = _devices(layout.num_devices) if devices is None else list(devices)
+    meshes = stage_meshes(layout, devices)
+    tiles, length = buckets.tiles[-1], buckets.lengths[-1]
+    feature_tiles = (
+        layout.encoder_dp if layout.encoder_stages else layout.llm_stages[0].dp
+    ) * tiles
+    out = []
+    for i, (specs, mesh) in enumerate(zip(stage_parts(layout, model_cfg), meshes)):
+        parts = []
+        for s in specs:
+            bucket = tiles if s.module == "encoder" else length
+            features = feature_tiles if s.module == "llm" and s.has_embedding else None
+            prog = stage_program(model_cfg, s, mesh, bucket, compute_dtype, features)
+            parts.append(compile_part(s.module, prog))
+        out.append(_stage_check(i, parts, in_flight_counts[i]))
+    warn_disagreements(out, predicted)
+    return out
+
+
+def stage_parts(layout: Layout, model_cfg) -> list[list[StageSpec]]:
+    """The programs `check_layout` compiles per stage: the stage, after a colocated encoder on stage 0
+    (an MLLM layout without encoder stages)."""
+    from dflop_jax.runtime.model_stages import is_multimodal
+
+    out = []
+    for i, spec in enumerate(layout.stages):
+        colocated = i == 0 and not layout.encoder_stages and is_multimodal(model_cfg)
+        encoder = [colocated_encoder_stage(arch_of_model(model_cfg), spec)] if colocated else []
+        out.append(encoder + [spec])
+    return out
+
+
+def _devices(needed: int) -> list[jax.Device]:
+    devices = jax.devices()
+    if len(devices) < needed:
+        devices = jax.devices("cpu")
+    if len(devices) < needed:
+        raise ValueError(
+            f"the layout needs {needed} devices and only {len(devices)} exist; simulate CPU devices "
+            "before JAX starts (dflop_jax.host_devices.simulate_cpu_devices)"
+        )
+    return devices
+
+
+def compile_part(part: str, prog: PartProgram) -> PartCheck:
+    """Compiles the training program of `prog` (backward, or the fused last step) and splits its
+    `memory_analysis()` into the terms above."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(prog.mesh):
+        compiled = prog.bwd.lower(
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
+        ).compile()
+    seconds = time.perf_counter() - t0
+    total = program_bytes(compiled)
+    params = per_device_bytes(prog.params_abs)
+    inputs = per_device_bytes((prog.x_abs, prog.side_abs))
+    # the accumulator has the params' shapes and shardings in fp32, as the params
+    return PartCheck(part, total, params, inputs, total - 2 * params - inputs, seconds)
+
+
+def program_bytes(compiled) -> float:
+    """Arguments + outputs - aliased (donated) + temporaries of a compiled program, per device."""
+    m = compiled.memory_analysis()
+    return float(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageCheck:
+    params = sum(p.params for p in parts)
+    return StageCheck(
+        stage=index,
+        parts=tuple(p.part for p in parts),
+        program_bytes=tuple(p.program_bytes for p in parts),
+        params=params,
+        grads=params,
+        optimizer=2 * params,
+        inputs=in_flight * sum(p.inputs for p in parts),
+        transient=max(p.transient for p in parts),
+        in_flight=in_flight,
+        compile_s=sum(p.compile_s for p in parts),
+    )
+
+
+def warn_disagreements(checks: Sequence[StageCheck], predicted: Sequence[float]) -> list[int]:
+    """Logs a warning for each stage whose compiled memory is more than `DISAGREE` from its
+    prediction; returns their indices."""
+    off = []
+    for c, p in zip(checks, predicted):
+        ratio = c.total / p if p > 0 else float("inf")
+        if abs(ratio - 1) > DISAGREE:
+            off.append(c.stage)
+            log.warning(
+                "stage %d: compiled %.2f GiB vs predicted %.2f GiB (%+.0f%%, more than %.0f%% apart)",
+                c.stage, c.total / 2**30, p / 2**30, 100 * (ratio - 1), 100 * DISAGREE,
+            )  # fmt: skip
+    return off

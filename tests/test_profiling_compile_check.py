@@ -1,0 +1,130 @@
+"""`plan --check`: every stage of a plan compiled at its real sizes from abstract arrays; the compiled
+memory written to plan.yaml equals `memory_analysis()` of the same programs plus the state and inputs
+the runtime holds beside them; a gross disagreement with the prediction warns."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from dflop_jax.contracts import BucketSet
+from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.planner import Plan, load_plan, save_plan
+from dflop_jax.planner.plan_file import StageCheck
+from dflop_jax.planner.scoring import in_flight
+from dflop_jax.profiling.compile_check import check_plan, warn_disagreements
+from dflop_jax.profiling.model_config import model_config_for_arch
+from dflop_jax.profiling.programs import stage_program
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import stage_module
+
+CFG = model_config_for_arch("tiny", "bfloat16")
+LAYOUT = Layout(
+    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (StageSpec("llm", 0, 4, tp=2, dp=1, has_embedding=True, has_head=True),),
+)
+BUCKETS = BucketSet((2, 3), (64, 128))
+MAX_M = 5
+
+
+def tiny_plan(layout=LAYOUT, scale=1.0) -> Plan:
+    arch, cpu = get_arch("tiny"), get_device("cpu")
+    counts = in_flight(layout.num_stages, MAX_M, "1f1b")
+    mems = layout_memory(AnalyticCostProvider(arch, cpu), layout, BUCKETS, counts)
+    return Plan("tiny", "cpu", 8, "analytic:tiny@cpu", "dflop", layout, BUCKETS, 4, MAX_M, 8,
+                "1f1b", 1.0, 1.0, 0.0, tuple(scale * m.total() for m in mems), 2**31, 2**31,
+                search={"remat": None})  # fmt: skip
+
+
+def _memory_analysis_bytes(spec, mesh, bucket, features) -> float:
+    """arguments + outputs - aliased + temporaries of the stage's training program, compiled here."""
+    prog = stage_program(CFG, spec, mesh, bucket, jnp.bfloat16, features)
+    with jax.set_mesh(mesh):
+        m = (
+            prog.bwd.lower(
+                prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
+            )
+            .compile()
+            .memory_analysis()
+        )
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def _param_count(spec) -> int:
+    module = nnx.eval_shape(lambda: stage_module(CFG, spec, nnx.Rngs(0)))
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def test_check_writes_compiled_memory_of_every_stage(tmp_path):
+    plan = dataclasses.replace(tiny_plan(), checks=tuple(check_plan(tiny_plan(), CFG)))
+    path = save_plan(plan, tmp_path / "plan.yaml")
+    text = path.read_text()
+    assert text.count("compiled_memory_gib:") == LAYOUT.num_stages
+    rounded = [dataclasses.replace(c, compile_s=round(c.compile_s, 1)) for c in plan.checks]
+    assert list(load_plan(path).checks) == rounded
+
+    meshes = stage_meshes(LAYOUT, jax.devices())
+    features = LAYOUT.encoder_dp * BUCKETS.tiles[-1]
+    for check, spec, mesh in zip(plan.checks, LAYOUT.stages, meshes):
+        bucket = BUCKETS.tiles[-1] if spec.module == "encoder" else BUCKETS.lengths[-1]
+        feats = features if spec.module == "llm" and spec.has_embedding else None
+        program = _memory_analysis_bytes(spec, mesh, bucket, feats)
+        assert check.program_bytes == (program,)
+        # fp32 master weights: 4 B per parameter, matrices split over tp (norms replicated)
+        n = _param_count(spec)
+        assert 4 * n / spec.tp <= check.params <= 4 * n
+        assert check.grads == check.params and check.optimizer == 2 * check.params
+        assert check.in_flight == min(LAYOUT.num_stages - check.stage, MAX_M)
+        per_microbatch = check.inputs / check.in_flight
+        # the runtime holds: the program's peak, the Adam moments, the other in-flight inputs
+        assert check.total == pytest.approx(
+            program + check.optimizer + (check.in_flight - 1) * per_microbatch
+        )
+        assert check.compile_s > 0
+
+
+def test_colocated_encoder_is_its_own_program_on_stage_zero():
+    layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),))
+    (check,) = check_plan(tiny_plan(layout), CFG)
+    assert check.parts == ("encoder", "llm")
+    assert len(check.program_bytes) == 2
+    mesh = stage_meshes(layout, jax.devices())[0]
+    enc = StageSpec("encoder", 0, 2, tp=2, dp=2, has_embedding=True, has_head=True)
+    assert check.program_bytes[0] == _memory_analysis_bytes(enc, mesh, BUCKETS.tiles[-1], None)
+
+
+def test_gross_disagreement_warns(caplog):
+    checks = [
+        StageCheck(i, ("llm",), (3.0,), 1.0, 1.0, 2.0, 1.0, 1.0, 1, 0.1) for i in range(3)
+    ]  # 6 bytes each
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.profiling.compile_check"):
+        assert warn_disagreements(checks, [6.0, 6.8, 5.3]) == []
+        assert warn_disagreements(checks, [6.0, 7.2, 2.0]) == [1, 2]
+    assert len(caplog.records) == 2 and "stage 2: compiled" in caplog.records[1].message
+
+
+def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
+    from dflop_jax.train import main
+
+    args = ["--dry-run", "plan=explicit", f"run_dir={tmp_path}", "layout.tiles=[2]",
+            "layout.lengths=[128]", "model.llm_remat=full"]  # fmt: skip
+    assert main(args) == 0
+    stages = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())["layout"]
+    assert len(stages) == 4  # the default explicit layout: 2 encoder + 2 LLM stages
+    for s in stages:
+        c = s["compiled"]
+        terms = c["params"] + c["grads"] + c["optimizer"] + c["inputs"] + c["transient"]
+        assert s["compiled_memory_gib"] == round(terms / 2**30, 2)
+        assert c["program_bytes"][0] > c["params"] + c["grads"]  # + inputs and temporaries
+    assert "compiled" in capsys.readouterr().out
