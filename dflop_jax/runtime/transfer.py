@@ -99,6 +99,13 @@ def transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> jax.Array:
     return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype))(x)
 
 
+def transfer_bytes(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> int:
+    """Bytes `transfer(x, dst)` moves between devices (0 when the layout already matches)."""
+    if x.sharding == dst or _same_layout(x, dst):
+        return 0
+    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype)).bytes_moved
+
+
 def _same_layout(x, dst: Sharding) -> bool:
     """True when every device holds the same block on both sides (nothing moves)."""
     if x.sharding.device_set != dst.device_set:
