@@ -27,7 +27,7 @@ from rich.console import Console
 from dflop_jax.config import dump_yaml
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
-from dflop_jax.data import make_loader
+from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer
 from dflop_jax.runtime.config import TrainConfig
@@ -142,6 +142,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, None, problem, self.scheduler.schedule,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=prefetch,
+            host=_host_shards(plan.layout, meshes),
         )  # fmt: skip
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
@@ -185,8 +186,9 @@ class _Trainer:
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
         t0 = time.perf_counter()
+        # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
-            self.stages, batch.microbatches, float(batch.num_loss_tokens), self.cfg.pipeline,
+            self.stages, batch.microbatches, None, self.cfg.pipeline,
             measure=measure, clock=self.clock,
         )  # fmt: skip
         loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
@@ -208,6 +210,15 @@ class _Trainer:
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=compiles, recompiles=compiles - compiles_before, stage_times_measured=measure,
         )  # fmt: skip
+
+
+def _host_shards(layout: Layout, meshes) -> HostShardSpec | None:
+    """The data shards this process's stages hold (None: one process holds them all)."""
+    if jax.process_count() == 1:
+        return None
+    grids = [m.devices for m in meshes]
+    n = len(layout.encoder_stages)
+    return HostShardSpec.from_meshes(grids[:n], grids[n:], jax.process_index())
 
 
 def _measure_every(cfg: TrainConfig, console: Console) -> int:
