@@ -9,7 +9,7 @@ LLM's and the first LLM stage spans processes at 2 and 4 processes). Each proces
 `jax.distributed` process on 127.0.0.1 (`worker`, launched like `scripts/run_training.sh`) and reports:
   xla_compiles      XLA compilations on this process (`jax.monitoring` compile events)
   stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
-  decoded           samples this process decoded (only those its local shards need)
+  decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
   transfer_mib      bytes moved between stages per step (every transfer of the step, all processes)
   step_s            wall time per step after the first (compiling) step
@@ -197,7 +197,8 @@ def worker(report_path: Path, overrides: list[str]) -> None:
 
 
 def _record(value, into: list, attr: str | None = None):
-    into.append(getattr(value, attr) if attr else value.id)
+    """Appends `value.attr` (a decoded sample: [id, tiles]) to `into`; returns `value`."""
+    into.append(getattr(value, attr) if attr else [value.id, value.num_tiles])
     return value
 
 
