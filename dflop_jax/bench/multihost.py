@@ -7,7 +7,9 @@ Every run uses 8 CPU devices in all (8 / processes per process) and the same exp
 `TINY_LLAVA_OV`: one encoder stage at tp 2, two LLM stages at dp 3, so the encoder's dp differs from the
 LLM's and the first LLM stage spans processes at 2 and 4 processes). Each process is a real
 `jax.distributed` process on 127.0.0.1 (`worker`, launched like `scripts/run_training.sh`) and reports:
-  xla_compiles      XLA compilations on this process (`jax.monitoring` compile events)
+  xla_compiles      XLA compilations on this process (`jax.monitoring` compile events), and those
+                    inside training steps (stage programs, transfers, updates: the per-process share;
+                    the rest is model building, which is whole-model on every process for now)
   stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
   decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
@@ -158,14 +160,13 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     from dflop_jax.runtime import trainer as trainer_mod
     from dflop_jax.train import run
 
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _s, **kw: (
-            compiles.append(kw.get("fun_name"))
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+    compiles, in_step = [], [False]  # (program name, compiled inside a training step)
+
+    def on_event(event, _seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((kw.get("fun_name"), in_step[0]))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     decoded, moved, step_s = [], [], []
     process = loader_mod.LazyProcessor.process
     loader_mod.LazyProcessor.process = lambda self, rec: _record(process(self, rec), decoded)
@@ -174,9 +175,10 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     step = trainer_mod._Trainer.step
 
     def timed(self, n):
-        t0 = time.perf_counter()
+        t0, in_step[0] = time.perf_counter(), True
         row = step(self, n)
         step_s.append(time.perf_counter() - t0)
+        in_step[0] = False
         return row
 
     trainer_mod._Trainer.step = timed
@@ -188,6 +190,8 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "local_stages": [s.local for s in report.stages],
         "stage_compiles": [s.compiles for s in report.stages],
         "xla_compiles": len(compiles),
+        "xla_compiles_in_steps": sum(inside for _, inside in compiles),
+        "xla_programs": sorted({name for name, inside in compiles if inside}),
         "decoded": sorted(decoded),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "transfer_bytes": moved,
@@ -213,6 +217,7 @@ def summarize(runs: dict[int, list[dict]]) -> list[dict]:
                 "process": r["process"],
                 "local_stages": "".join("x" if here else "." for here in r["local_stages"]),
                 "xla_compiles": r["xla_compiles"],
+                "xla_compiles_in_steps": r["xla_compiles_in_steps"],
                 "stage_compiles": sum(r["stage_compiles"]),
                 "decoded": len(r["decoded"]),
                 "rss_mib": round(r["rss_mib"], 1),
