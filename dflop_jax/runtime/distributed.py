@@ -90,31 +90,40 @@ def initialize(cfg: DistributedConfig) -> None:
             f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
             f"unreachable): {str(e).splitlines()[0]}"
         ) from None
+    # Sets up the all-device communicator of `host_scalars` now, while every process is here.
+    first = min(jax.devices(), key=lambda d: d.id)
+    zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())
+    value = jax.make_array_from_callback((), zero, lambda _: np.float32(0), dtype=np.float32)
+    host_scalars([value], "start-up", cfg.timeout_s)
 
 
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
     """Host float64 values of scalars that may live on other processes' devices.
 
-    Every scalar is moved, as a [1] vector, onto the first device of every process with `transfer`
+    Every scalar is moved, as a [1] vector, onto every device of the job with `transfer`
     (`runtime/transfer.py`: the device-to-device program that carries activations between pipeline
     stages, valid for any device counts) and each process reads its own copy. Every process must call
     this at the same point of the same driver loop, as the trainer does (each move is one program over
-    the scalar's devices and every process's first device). A process that does not hold a scalar
+    all devices). A process that does not hold a scalar
     passes a stand-in (`transfer.stand_in`) with its sharding. The reads are bounded by `timeout_s`;
     `tag` (e.g. "step3/loss") names the exchange in the timeout message. Single process: a plain read.
     """
     if jax.process_count() == 1:
         return np.array([float(v) for v in values])
-    firsts = {}
-    for d in sorted(jax.devices(), key=lambda d: d.id):
-        firsts.setdefault(d.process_index, d)
-    readers = NamedSharding(Mesh(np.array(list(firsts.values())), ("host",)), P())
-    mine = [transfer(_as_vector(v), readers) for v in values]
+    mine = [transfer(_as_vector(v), _readers()) for v in values]
     return _bounded(
         lambda: np.array([float(np.asarray(c.addressable_shards[0].data)[0]) for c in mine]),
         tag,
         timeout_s,
     )
+
+
+def _readers() -> NamedSharding:
+    """Every device of the job, replicated: each exchange runs over all devices, so all of them share
+    the one communicator `initialize` sets up while the processes start together (a communicator
+    first used later waits only 30 s for late peers: gloo's rendezvous)."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    return NamedSharding(Mesh(np.array(devices), ("all",)), P())
 
 
 def _as_vector(value: jax.Array):

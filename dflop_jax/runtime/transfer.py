@@ -5,8 +5,8 @@
 Why not `jax.device_put`: across processes it refuses shardings whose device sets AND layouts differ
 (encoder dp 2 -> LLM dp 3), and within one process a reshard whose shards do not line up (data-sharded
 features -> replicated on the LLM stage) copies through host memory and blocks the dispatching thread
-(DESIGN section 11). The transport here is one jitted `shard_map` program over a UNION mesh (source
-devices, then the destination devices not among them, on one axis "u"):
+(DESIGN section 11). The transport here is one jitted `shard_map` program over a UNION mesh (both sides'
+devices by id, on one axis "u"):
 
 1. every process wraps the source shards it holds, plus zero blocks on its destination-only devices,
    into one union-mesh array (`jax.make_array_from_single_device_arrays`: no copy);
@@ -256,9 +256,9 @@ def _rounds(pieces: list[Piece]) -> list[Round]:
 
 
 def _union(src: Sharding, dst: Sharding) -> list[jax.Device]:
-    """Source devices by id, then the destination devices not among them, by id."""
-    first = sorted(src.device_set, key=lambda d: d.id)
-    return first + sorted(dst.device_set - src.device_set, key=lambda d: d.id)
+    """Both sides' devices by id: transfers over one device set (both directions between two stages,
+    every `host_scalars` read) share one communicator, set up once."""
+    return sorted(src.device_set | dst.device_set, key=lambda d: d.id)
 
 
 def _box(index: Block, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
