@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.data.types import PackedMicrobatch
-from dflop_jax.runtime.stages import PyTree, StageProgram
+from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
 
 Order = Literal["1f1b", "gpipe"]
@@ -190,6 +190,19 @@ def run_pipeline(
             n = 0
         moved += n
     return StepOutput(losses, grads, moved, times, valid)
+
+
+def connect(stages: Sequence[StageProgram]) -> None:
+    """Sets up the communicator of every pair of neighbouring stages with one tiny transfer each.
+
+    Call it where every process arrives at about the same time (after building the stages): the
+    first use of a communicator waits only 30 s for late peers (gloo's rendezvous on CPU), and in the
+    first step a process whose stages compile longer can be later than that. Transfers in both
+    directions between two stages share the communicator (`transfer` orders devices by id).
+    """
+    for a, b in zip(stages, stages[1:]):
+        x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
+        jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
 
 
 def _forward(stage: StageProgram, x, side):

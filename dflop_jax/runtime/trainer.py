@@ -32,7 +32,7 @@ from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime.checkpoint import Checkpointer, OwnerCheckpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
-from dflop_jax.runtime.driver import StepOutput, run_pipeline
+from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
@@ -132,6 +132,8 @@ class _Trainer:
         build = build_llm_stages if cfg.model.kind == "decoder" else build_mllm_stages
         self.stages = build(model, plan.layout, meshes, compute_dtype=jnp.dtype(cfg.compute_dtype))
         self.opts = [StageOptimizer(s, cfg.optimizer.build()) for s in self.stages]
+        if jax.process_count() > 1:
+            connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         problem = plan.problem()
