@@ -9,7 +9,8 @@ LLM's and the first LLM stage spans processes at 2 and 4 processes). Each proces
 `jax.distributed` process on 127.0.0.1 (`worker`, launched like `scripts/run_training.sh`) and reports:
   xla_compiles      XLA compilations on this process (`jax.monitoring` compile events), and those
                     inside training steps (stage programs, transfers, updates: the per-process share;
-                    the rest is model building, which is whole-model on every process for now)
+                    the rest is model building, which is whole-model on every process for now),
+                    and the stage programs among them
   stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
   decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
@@ -191,7 +192,10 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "stage_compiles": [s.compiles for s in report.stages],
         "xla_compiles": len(compiles),
         "xla_compiles_in_steps": sum(inside for _, inside in compiles),
-        "xla_programs": sorted({name for name, inside in compiles if inside}),
+        # Stage programs (`stage_jits`: apply, bwd, last) XLA compiled here: the per-process share.
+        "xla_stage_programs": sum(
+            inside and name in ("jit(apply)", "jit(bwd)", "jit(last)") for name, inside in compiles
+        ),
         "decoded": sorted(decoded),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "transfer_bytes": moved,
@@ -218,6 +222,7 @@ def summarize(runs: dict[int, list[dict]]) -> list[dict]:
                 "local_stages": "".join("x" if here else "." for here in r["local_stages"]),
                 "xla_compiles": r["xla_compiles"],
                 "xla_compiles_in_steps": r["xla_compiles_in_steps"],
+                "xla_stage_programs": r["xla_stage_programs"],
                 "stage_compiles": sum(r["stage_compiles"]),
                 "decoded": len(r["decoded"]),
                 "rss_mib": round(r["rss_mib"], 1),
