@@ -7,6 +7,7 @@ global-norm clipping and the optimizer's update (optax, independent of the runti
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
@@ -46,3 +47,23 @@ def assert_trees_close(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> Non
     assert len(flat_got) == len(flat_want)
     for path, value in flat_got:
         np.testing.assert_allclose(value, flat_want[path], rtol=rtol, atol=atol, err_msg=str(path))
+
+
+@contextlib.contextmanager
+def no_host_round_trip():
+    """Fails the test on any host round trip of device data: implicit device->host copies (transfer
+    guard) and explicit `jax.device_put`, whose reshard between non-aligned shardings falls back to a
+    copy through host memory that the guard does not see (DESIGN section 11)."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(
+            "jax.device_put in the pipelined step (stage data must move by transfer)"
+        )
+
+    original = jax.device_put
+    jax.device_put = forbidden
+    try:
+        with jax.transfer_guard_device_to_host("disallow"):
+            yield
+    finally:
+        jax.device_put = original

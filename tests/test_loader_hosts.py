@@ -72,8 +72,9 @@ def test_two_host_processes_agree_with_a_single_host(tmp_path):
         assert [h[k]["digest"] for h in hosts] == [whole["digest"]] * 2
         assert sum(h[k]["loss_tokens"] for h in hosts) == whole["loss_tokens"]
         for m, tokens in enumerate(whole["tokens"]):
-            # Host 0 holds LLM shards 0-1 and encoder shard 0, host 1 the rest.
-            got = hosts[0][k]["tokens"][m] + hosts[1][k]["tokens"][m]
+            # Host 0 fills LLM shards 0-1 and encoder shard 0, host 1 the rest (global shapes,
+            # other hosts' rows zero).
+            got = np.add(hosts[0][k]["tokens"][m], hosts[1][k]["tokens"][m])
             np.testing.assert_array_equal(got, tokens)
-            tiles = hosts[0][k]["tile_sums"][m] + hosts[1][k]["tile_sums"][m]
+            tiles = np.add(hosts[0][k]["tile_sums"][m], hosts[1][k]["tile_sums"][m])
             np.testing.assert_allclose(tiles, whole["tile_sums"][m], rtol=1e-6)

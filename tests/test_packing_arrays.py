@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -219,10 +221,14 @@ def test_host_shards_materialise_local_rows_only():
         tokens_per_tile=TPT,
         host=host,
     )
-    np.testing.assert_array_equal(local.tiles, full.tiles[4:6])
-    np.testing.assert_array_equal(local.tile_valid, full.tile_valid[4:6])
+    # Global shapes; this host's rows equal the full packing's, the others stay zero.
+    assert local.tiles.shape == full.tiles.shape and local.tokens.shape == full.tokens.shape
+    np.testing.assert_array_equal(local.tiles[4:6], full.tiles[4:6])
+    np.testing.assert_array_equal(local.tile_valid[4:6], full.tile_valid[4:6])
+    assert not local.tiles[:4].any() and not local.tile_valid[:4].any()
     for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
-        np.testing.assert_array_equal(getattr(local, name), getattr(full, name)[2:4])
+        np.testing.assert_array_equal(getattr(local, name)[2:4], getattr(full, name)[2:4])
+        assert not getattr(local, name)[:2].any()
     assert stats.tiles_computed == 2 and stats.tokens_computed == 80
 
 
@@ -258,6 +264,12 @@ def test_contiguous_host_specs_partition_the_shards():
         (1,),
         (),
     ]
+    # From stage meshes: process 1 holds encoder row 1 and LLM rows 0 (one device of it) and 2.
+    dev = [types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1, 1, 0)]
+    encoder = [np.array([[dev[0]], [dev[2]]], dtype=object)]
+    llm = [np.array([[dev[1], dev[3]], [dev[5], dev[5]], [dev[4], dev[4]]], dtype=object)]
+    assert HostShardSpec.from_meshes(encoder, llm, 1) == HostShardSpec((1,), (0, 2))
+    assert HostShardSpec.from_meshes(encoder, llm, 0) == HostShardSpec((0,), (0, 1))
     with pytest.raises(ValueError, match="ascending"):
         HostShardSpec((1, 0), (0,))
     with pytest.raises(ValueError, match="encoder_dp"):

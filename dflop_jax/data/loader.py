@@ -95,8 +95,9 @@ class Loader:
     """Iterator over `GlobalBatch`es with checkpointable state and running metrics.
 
     Per batch, `batch.stats` is a `BatchStats` (this loader sets its `data_wait_s`). With a
-    `HostShardSpec`, arrays, token and tile counts and `num_loss_tokens` cover this host's shards only:
-    the loss normalizer of the global batch is the sum over hosts.
+    `HostShardSpec`, arrays keep their global shapes but only this host's shards are filled in, and
+    token and tile counts and `num_loss_tokens` cover this host's shards only: the loss normalizer of
+    the global batch is the sum over hosts (the pipeline driver counts it on the last stage's devices).
     """
 
     # Running totals (a JSON-able dict, checkpointed by `get_state`): BatchStats fields and PackCounts.
@@ -272,7 +273,8 @@ def make_loader(
       schedule_fn: `(shapes, batch_index) -> Schedule`, e.g. the caller's `Scheduler.schedule`.
       global_batch_size: records drawn per global batch (skipped ones are not replaced).
       seed: shuffle seed (epoch e uses seed + e).
-      host: this process's shards; None = all (single process).
+      host: this process's shards (`HostShardSpec.from_meshes` of the stage meshes); None = all
+        (single process). Samples no local shard needs are never decoded.
       num_workers: grain worker processes (0 = a background thread in this process).
       prefetch: global batches prepared ahead.
       num_epochs: None = repeat forever.

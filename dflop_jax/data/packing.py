@@ -6,11 +6,14 @@
 restarting per sample, next-token targets of the same sample, assistant-only loss mask, and the indices
 that place image features into the row).
 
-Multi-host: with a `HostShardSpec`, only the host's own shards are materialised. The leading dimension of
-the encoder arrays is then `len(host.encoder_shards) * T` (local shards in the spec's order) and of the
-LLM arrays `len(host.llm_shards)`; `feature_index` always holds GLOBAL tile-slot rows, because the
-encoder features of the whole microbatch reach the LLM's first stage. Samples a host does not need may be
-`None` in `samples`; their slots are computed from `shapes`, so every host agrees on the placement.
+Multi-host: with a `HostShardSpec`, only the host's own shards are filled in. The arrays keep their GLOBAL
+shapes (encoder `encoder_dp * T` rows, LLM `llm_dp` rows), so a process places them on a stage mesh that
+spans hosts exactly as a single process would (each process writes only the shards its devices hold);
+other hosts' rows stay zero and cost no memory (untouched pages of `np.zeros`). `feature_index` holds
+global tile-slot rows, because the encoder features of the whole microbatch reach the LLM's first stage.
+Samples a host does not need may be `None` in `samples`; their slots are computed from `shapes`, so every
+host agrees on the placement. `HostShardSpec.from_meshes` gives a process its shards from the stage
+meshes.
 
 Exact feature taps: with `feature_taps=K` (4 for LLaVA-OV, `types.FEATURE_TAPS`) the microbatch also
 holds `feature_taps` [rows, S, K] (every tap mapped to global tile-slot rows exactly like `feature_index`)
@@ -74,6 +77,24 @@ class HostShardSpec:
             return tuple(s for s in range(dp) if s * process_count // dp == process_index)
 
         return cls(share(encoder_dp), share(llm_dp))
+
+    @classmethod
+    def from_meshes(
+        cls,
+        encoder_grids: Sequence[np.ndarray],
+        llm_grids: Sequence[np.ndarray],
+        process_index: int,
+    ) -> HostShardSpec:
+        """The shards whose rows some stage of this process holds: shard r of a module is local when a
+        device of row r of one of its stage meshes (grids [dp, tp] of devices, `Mesh.devices`) belongs
+        to `process_index`."""
+
+        def local(grids) -> tuple[int, ...]:
+            rows = {r for g in grids for r, row in enumerate(g) if
+                    any(d.process_index == process_index for d in row)}  # fmt: skip
+            return tuple(sorted(rows))
+
+        return cls(local(encoder_grids), local(llm_grids))
 
     def check(self, encoder_dp: int, llm_dp: int) -> None:
         if self.encoder_shards and self.encoder_shards[-1] >= encoder_dp:
@@ -152,37 +173,33 @@ def pack_microbatch(
     placement = _checked_tiles(plan, shapes, encoder_dp)
     slot_of = {it: e * T + k for e, tiles in enumerate(placement) for k, it in enumerate(tiles)}
 
-    n_enc = len(host.encoder_shards)
-    tiles = np.zeros((n_enc * T, *tile_shape), np.float32)
-    tile_valid = np.zeros((n_enc * T,), bool)
-    tile_pool = np.zeros((n_enc * T,), bool)
-    for local, e in enumerate(host.encoder_shards):
+    tiles = np.zeros((encoder_dp * T, *tile_shape), np.float32)
+    tile_valid = np.zeros((encoder_dp * T,), bool)
+    tile_pool = np.zeros((encoder_dp * T,), bool)
+    for e in host.encoder_shards:
         for k, (i, t) in enumerate(placement[e]):
             sample = samples[i]
             if sample is None:
                 continue
-            row = local * T + k
+            row = e * T + k
             tiles[row] = sample.tiles[t]
             tile_valid[row] = True
             tile_pool[row] = sample.tile_pool[t]
 
-    rows = [
-        _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile, feature_taps)
-        for r in host.llm_shards
-    ]
     fields = ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index")
     if feature_taps:
         fields += ("feature_taps", "feature_weight")
-    arrays = {
-        f: np.stack([row[f] for row in rows]) if rows else _empty_rows(f, S, feature_taps)
-        for f in fields
-    }
+    arrays = {f: _empty_rows(f, llm_dp, S, feature_taps) for f in fields}
+    for r in host.llm_shards:
+        row = _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile, feature_taps)
+        for f in fields:
+            arrays[f][r] = row[f]
     mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
     counts = PackCounts(
         tokens_real=int((mb.segment_ids > 0).sum()),
         tokens_computed=len(host.llm_shards) * S,
         tiles_real=int(tile_valid.sum()),
-        tiles_computed=n_enc * T,
+        tiles_computed=len(host.encoder_shards) * T,
         loss_tokens=int(mb.loss_mask.sum()),
     )
     return mb, counts
@@ -194,8 +211,9 @@ def _shape_of(sample: ProcessedSample | None) -> SampleShape:
     return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality)
 
 
-def _empty_rows(field: str, S: int, k: int) -> np.ndarray:
-    shape = (0, S, k) if field in ("feature_taps", "feature_weight") else (0, S)
+def _empty_rows(field: str, rows: int, S: int, k: int) -> np.ndarray:
+    """Zero rows of one LLM field (other hosts' rows stay so: never read, never touched)."""
+    shape = (rows, S, k) if field in ("feature_taps", "feature_weight") else (rows, S)
     return np.zeros(shape, np.float32 if field in ("loss_mask", "feature_weight") else np.int32)
 
 

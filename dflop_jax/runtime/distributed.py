@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
+from dflop_jax.runtime.transfer import transfer
 
 log = logging.getLogger(__name__)
 
@@ -89,41 +90,49 @@ def initialize(cfg: DistributedConfig) -> None:
             f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
             f"unreachable): {str(e).splitlines()[0]}"
         ) from None
+    # Sets up the all-device communicator of `host_scalars` now, while every process is here.
+    first = min(jax.devices(), key=lambda d: d.id)
+    zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())
+    value = jax.make_array_from_callback((), zero, lambda _: np.float32(0), dtype=np.float32)
+    host_scalars([value], "start-up", cfg.timeout_s)
 
 
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
     """Host float64 values of scalars that may live on other processes' devices.
 
-    Every scalar is copied to the first devices of every other process with `jax.device_put` (the
-    cross-process transfers that carry activations between pipeline stages) and each process reads
-    its own copies. Every process must call this at the same point of the same driver loop, as the
-    trainer does (each copy pairs a send on the owner with a receive on the reader). No collective
-    is involved: an earlier all-gather version (`multihost_utils.process_allgather`, gloo on CPU)
-    failed intermittently with gloo "Connect timeout" whenever one process reached it much later than
-    the other (e.g. still compiling). The reads are bounded by `timeout_s`; `tag` (e.g.
-    "step3/loss") names the exchange in the timeout message. Single process: a plain read.
+    Every scalar is moved, as a [1] vector, onto every device of the job with `transfer`
+    (`runtime/transfer.py`: the device-to-device program that carries activations between pipeline
+    stages, valid for any device counts) and each process reads its own copy. Every process must call
+    this at the same point of the same driver loop, as the trainer does (each move is one program over
+    all devices). A process that does not hold a scalar
+    passes a stand-in (`transfer.stand_in`) with its sharding. The reads are bounded by `timeout_s`;
+    `tag` (e.g. "step3/loss") names the exchange in the timeout message. Single process: a plain read.
     """
     if jax.process_count() == 1:
         return np.array([float(v) for v in values])
-    me = jax.process_index()
-    by_process: dict[int, list] = {}
-    for d in sorted(jax.devices(), key=lambda d: d.id):
-        by_process.setdefault(d.process_index, []).append(d)
-    mine = []
-    for v in values:
-        owners = {d.process_index for d in v.sharding.device_set}
-        copy = v
-        for q, devices in sorted(by_process.items()):
-            if q in owners:
-                continue
-            # A transfer needs as many destination devices as the value has (replicated on them).
-            mesh = Mesh(np.array(devices[: len(v.sharding.device_set)]), ("host",))
-            moved = jax.device_put(v, NamedSharding(mesh, P()))
-            copy = moved if q == me else copy
-        mine.append(copy)
+    mine = [transfer(_as_vector(v), _readers()) for v in values]
     return _bounded(
-        lambda: np.array([float(c.addressable_shards[0].data) for c in mine]), tag, timeout_s
+        lambda: np.array([float(np.asarray(c.addressable_shards[0].data)[0]) for c in mine]),
+        tag,
+        timeout_s,
     )
+
+
+def _readers() -> NamedSharding:
+    """Every device of the job, replicated: each exchange runs over all devices, so all of them share
+    the one communicator `initialize` sets up while the processes start together (a communicator
+    first used later waits only 30 s for late peers: gloo's rendezvous)."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    return NamedSharding(Mesh(np.array(devices), ("all",)), P())
+
+
+def _as_vector(value: jax.Array):
+    """A replicated scalar as a [1] vector on its mesh (its shape only, where this process holds none)."""
+    sharding = NamedSharding(value.sharding.mesh, P())
+    if value.addressable_shards:
+        with jax.set_mesh(value.sharding.mesh):
+            return jax.lax.with_sharding_constraint(value.reshape(1), sharding)
+    return jax.ShapeDtypeStruct((1,), value.dtype, sharding=sharding)
 
 
 def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:

@@ -10,8 +10,14 @@ correction. This serializes that step (no stage overlap, so its step time is not
 CPU the simulated devices share the cores anyway. An op whose call compiled a new program is marked
 invalid (its time is mostly compilation).
 
-Transfers: a stage's output goes to the next stage with `jax.device_put(y, next.x_sharding)` (shard to
-shard between submeshes, never through one device); cotangents go back the same way.
+Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
+(`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
+processes); cotangents go back the same way.
+
+Multi-process runs: every process walks the same op order. It dispatches the ops of its LOCAL stages
+(`StageProgram.local`) and places side inputs only for them; for other stages it only traces their
+output shapes. It calls every transfer in that order; `transfer` runs the ones whose devices this
+process holds and skips the rest, so programs sharing devices are issued in one order on every process.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from typing import Literal
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dflop_jax.data.types import PackedMicrobatch
-from dflop_jax.runtime.stages import PyTree, StageProgram
+from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
+from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
 
 Order = Literal["1f1b", "gpipe"]
 
@@ -94,15 +103,18 @@ class StepOutput:
     """What one pipelined step produced (device values; pull to host only when needed).
 
     Attributes:
-      loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage.
-      grads: accumulated fp32 gradients per stage, on each stage's mesh.
+      loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
+        (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
+      grads: accumulated fp32 gradients per stage, on each stage's mesh (None for non-local stages).
+      transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage; the
         last stage's fused forward+backward program is reported whole in the fwd slot (bwd = 0).
       timing_valid: measured steps only: [M] bool, False where an op of the microbatch compiled.
     """
 
     loss: list[jax.Array]
-    grads: list[PyTree]
+    grads: list[PyTree | None]
+    transfer_bytes: int = 0
     stage_times: np.ndarray | None = None
     timing_valid: np.ndarray | None = None
 
@@ -110,7 +122,7 @@ class StepOutput:
 def run_pipeline(
     stages: Sequence[StageProgram],
     microbatches: Sequence[PackedMicrobatch | Mapping[str, np.ndarray]],
-    normalizer: float,
+    normalizer: float | None = None,
     order: Order = "1f1b",
     *,
     measure: bool = False,
@@ -120,9 +132,11 @@ def run_pipeline(
 
     Args:
       stages: stage programs in pipeline order (encoder stages, then LLM stages).
-      microbatches: the packed microbatches (`PackedMicrobatch`, or its arrays by field name).
+      microbatches: the packed microbatches (`PackedMicrobatch`, or its arrays by field name), global
+        shapes; in a multi-process run only this process's shards need to be filled in.
       normalizer: loss tokens of the whole global batch; each microbatch's loss sum is divided by it,
-        so the objective does not depend on how samples were packed or split.
+        so the objective does not depend on how samples were packed or split. None: counted on the
+        last stage's devices from the microbatches' `loss_mask` (every host's shards).
       order: "1f1b" or "gpipe".
       measure: time every op (blocking; module docstring) into `StepOutput.stage_times`.
       clock: the timer of measured steps (seconds).
@@ -131,46 +145,97 @@ def run_pipeline(
       StepOutput with the loss contributions and the accumulated gradients.
     """
     num_stages, num_mb = len(stages), len(microbatches)
-    grads = [s.zero_grads() for s in stages]
+    batches = [_fields(mb) for mb in microbatches]
+    last = stages[-1]
+    if normalizer is None and last.local:
+        normalizer = last.loss_tokens([b["loss_mask"] for b in batches])
+    grads = [s.zero_grads() if s.local else None for s in stages]
     inputs: dict[tuple[int, int], jax.Array | None] = {(0, m): None for m in range(num_mb)}
     sides: dict[tuple[int, int], dict] = {}
     cotangents: dict[tuple[int, int], jax.Array] = {}
     losses: list[jax.Array | None] = [None] * num_mb
+    moved = 0
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
     valid = np.ones(num_mb, bool) if measure else None
     for op in pipeline_order(num_stages, num_mb, order):
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
-            sides[s, m] = stage.put_side(_fields(microbatches[m]))
-        if measure:  # inputs ready first, so only the program is timed
+            put = stage.put_side if stage.local else stage.side_structs
+            sides[s, m] = put(batches[m])
+        timed = measure and stage.local
+        if timed:  # inputs ready first, so only the program is timed
             jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
             compiles, t0 = stage.compiles, clock()
-        if op.kind == "F":
-            x = inputs[s, m]
-            if stage.is_last:
-                loss, _, gx, grads[s] = stage.forward_backward_loss(
-                    x, sides.pop((s, m)), normalizer, grads[s]
-                )
-                inputs.pop((s, m))
-                losses[m] = loss
-                out = (loss, gx, grads[s])
-            else:
-                y = stage.forward(x, sides[s, m])
-                out = y
+        if op.kind == "F" and stage.is_last:
+            loss, gx, grads[s] = _last(stage, inputs.pop((s, m)), sides.pop((s, m)), normalizer,
+                                       grads[s])  # fmt: skip
+            losses[m], out = loss, (loss, gx, grads[s])
+        elif op.kind == "F":
+            y = _forward(stage, inputs[s, m], sides[s, m])
+            out = y
         else:
-            gy = cotangents.pop((s, m))
-            gx, grads[s] = stage.backward(inputs.pop((s, m)), sides.pop((s, m)), gy, grads[s])
+            x, side, gy = inputs.pop((s, m)), sides.pop((s, m)), cotangents.pop((s, m))
+            gx, grads[s] = _backward(stage, x, side, gy, grads[s])
             out = (gx, grads[s])
-        if measure:
+        if timed:
             jax.block_until_ready(out)
             times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
             valid[m] &= stage.compiles == compiles
         if op.kind == "F" and not stage.is_last:
-            inputs[s + 1, m] = jax.device_put(y, stages[s + 1].x_sharding)
+            inputs[s + 1, m], n = _send(y, stages[s + 1].x_sharding)
+        elif s > 0:  # dL/dx goes back to the previous stage's output sharding
+            cotangents[s - 1, m], n = _send(gx, stages[s - 1].y_sharding)
         else:
-            _send_back(stages, s, m, gx, cotangents)
-    return StepOutput(loss=losses, grads=grads, stage_times=times, timing_valid=valid)
+            n = 0
+        moved += n
+    return StepOutput(losses, grads, moved, times, valid)
+
+
+def connect(stages: Sequence[StageProgram]) -> None:
+    """Sets up the communicator of every pair of neighbouring stages with one tiny transfer each.
+
+    Call it where every process arrives at about the same time (after building the stages): the
+    first use of a communicator waits only 30 s for late peers (gloo's rendezvous on CPU), and in the
+    first step a process whose stages compile longer can be later than that. Transfers in both
+    directions between two stages share the communicator (`transfer` orders devices by id).
+    """
+    for a, b in zip(stages, stages[1:]):
+        x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
+        jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
+
+
+def _forward(stage: StageProgram, x, side):
+    """y of an inner stage; a non-local stage only gives y's shape (for the transfer out of it)."""
+    return stage.forward(x, side) if stage.local else stage.output_struct(x, side)
+
+
+def _backward(stage: StageProgram, x, side, gy, gacc):
+    """(dL/dx or None, gacc + dL/dparams); non-local: (dL/dx's shape or None, None)."""
+    if stage.local:
+        return stage.backward(x, side, gy, gacc)
+    return _like_x(stage, x), None
+
+
+def _last(stage: StageProgram, x, side, normalizer, gacc):
+    """The last stage's (loss / normalizer, dL/dx or None, gacc + dL/dparams); non-local: a loss
+    stand-in (no shards here) and dL/dx's shape."""
+    if stage.local:
+        loss, _, gx, gacc = stage.forward_backward_loss(x, side, normalizer, gacc)
+        return loss, gx, gacc
+    scalar = NamedSharding(stage.mesh, P())
+    return stand_in((), np.float32, scalar), _like_x(stage, x), None
+
+
+def _like_x(stage: StageProgram, x):
+    if x is None:
+        return None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
+
+
+def _send(value, dst) -> tuple[jax.Array, int]:
+    """`transfer(value, dst)` and the bytes it moves between devices (the same on every process)."""
+    return transfer(value, dst), transfer_bytes(value, dst)
 
 
 def _fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -178,9 +243,3 @@ def _fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.
     if isinstance(mb, PackedMicrobatch):
         return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
     return mb
-
-
-def _send_back(stages, s: int, m: int, gx, cotangents) -> None:
-    """Moves dL/dx of stage s to stage s-1's output sharding (nothing to send from stage 0)."""
-    if s > 0:
-        cotangents[s - 1, m] = jax.device_put(gx, stages[s - 1].y_sharding)

@@ -19,6 +19,10 @@ parameters' shardings; the data-parallel reduction is implicit in SPMD over the 
 Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
 w.r.t. the fp32 masters come back in fp32; side arrays enter as the data layer packs them.
 
+Multi-process runs: a stage whose mesh has no device of this process is NON-LOCAL (`local` False):
+nothing of it is compiled or dispatched here; the driver only needs the shapes of its outputs
+(`output_struct`, a trace without compilation) to take part in transfers from it.
+
 Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
 counts the distinct signatures seen, which is exactly the number of XLA compilations JAX performs for
 these jits (a jit recompiles iff the abstract signature changes; shardings and dtypes are fixed here).
@@ -202,6 +206,19 @@ class StageProgram:
         self.side_sharding = NamedSharding(mesh, P("data"))
         self.jits = stage_jits(mesh, fns, self.param_shardings, compute_dtype)
         self._signatures: set[tuple] = set()
+        self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
+        scalar = NamedSharding(mesh, P())
+        self._count = jax.jit(
+            lambda total, mask: total + jnp.sum(mask, dtype=jnp.float32),
+            in_shardings=(scalar, self.side_sharding),
+            out_shardings=scalar,
+        )
+
+    @property
+    def local(self) -> bool:
+        """True when this process holds a device of the stage's mesh (it runs the stage's programs)."""
+        me = jax.process_index()
+        return any(d.process_index == me for d in self.mesh.devices.flat)
 
     @property
     def is_last(self) -> bool:
@@ -225,6 +242,35 @@ class StageProgram:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
         return {k: put_host(batch[k], self.side_sharding) for k in self.fns.fields(batch)}
 
+    def side_structs(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes of what `put_side` would place (a non-local stage's inputs, for `output_struct`)."""
+        return {
+            k: jax.ShapeDtypeStruct(batch[k].shape, batch[k].dtype, sharding=self.side_sharding)
+            for k in self.fns.fields(batch)
+        }
+
+    def output_struct(self, x, side) -> jax.ShapeDtypeStruct:
+        """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
+        (once per input signature)."""
+        key = (None if x is None else (x.shape, str(x.dtype)),
+               tuple((k, side[k].shape, str(side[k].dtype)) for k in sorted(side)))  # fmt: skip
+        if key not in self._outputs:
+            with jax.set_mesh(self.mesh):
+                out = jax.eval_shape(self.jits.forward, self.params, x, side)
+            self._outputs[key] = jax.ShapeDtypeStruct(
+                out.shape, out.dtype, sharding=self.y_sharding
+            )
+        return self._outputs[key]
+
+    def loss_tokens(self, masks: list[np.ndarray]) -> jax.Array:
+        """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
+        scalar on the stage's mesh: the loss normalizer of a global batch packed per host."""
+        total = put_host(np.float32(0), NamedSharding(self.mesh, P()))
+        with jax.set_mesh(self.mesh):
+            for mask in masks:
+                total = self._count(total, put_host(mask, self.side_sharding))
+        return total
+
     def zero_grads(self) -> PyTree:
         return self.jits.zeros(self.params)
 
@@ -241,8 +287,12 @@ class StageProgram:
             return self.jits.backward(self.params, x, side, gy, gacc)
 
     def forward_backward_loss(self, x, side, normalizer, gacc):
-        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams)."""
+        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams).
+
+        `normalizer`: a number, or a replicated scalar on this mesh (`loss_tokens`)."""
         self._record("last", x, side)
-        norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
+        norm = normalizer
+        if not isinstance(normalizer, jax.Array):
+            norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
         with jax.set_mesh(self.mesh):
             return self.jits.last(self.params, x, side, norm, gacc)

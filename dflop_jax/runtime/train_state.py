@@ -13,7 +13,7 @@ Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
 model-level path in several stages), `apply_updates` gives every copy the SUM of the copies' gradients
-(moved between the stage meshes like activations) and counts it once in the global norm, so the copies
+(moved between the stage meshes like activations, `runtime/transfer.py`) and counts it once in the global norm, so the copies
 start equal (built from one array), get the same update from the same AdamW state, and stay equal:
 what the single-device model computes. A checkpoint stores the parameter once and restores it to every
 copy.
@@ -35,6 +35,7 @@ from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import global_path, key_name
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
+from dflop_jax.runtime.transfer import stand_in, transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +179,13 @@ def tie_gradients(
 ) -> tuple[list[PyTree], list[jax.Array]]:
     """Every copy of a tied parameter gets the sum of the copies' gradients.
 
+    Copies move between stage meshes with `transfer` (device to device, across processes too). A
+    non-local stage's tree holds `jax.ShapeDtypeStruct`s (with shardings): this process only takes
+    part in the transfers that touch its devices.
+
     Returns the new gradient trees and, per group, a scalar to ADD to the sum of the stages' squared
-    norms so the parameter counts once: -(copies - 1) * |summed gradient|^2.
+    norms so the parameter counts once: -(copies - 1) * |summed gradient|^2 (a stand-in on processes
+    that do not hold the first copy's stage).
     """
     flat = [jax.tree_util.tree_flatten_with_path(g) for g in grads]
     leaves = [[leaf for _, leaf in f] for f, _ in flat]
@@ -189,13 +195,28 @@ def tie_gradients(
         (s0, p0), *rest = group
         total = leaves[s0][index[s0][p0]]
         for s, p in rest:
-            total = total + jax.device_put(leaves[s][index[s][p]], total.sharding)
+            moved = transfer(leaves[s][index[s][p]], total.sharding)
+            total = total + moved if _holds(total) else total
         for s, p in group:
             j = index[s][p]
-            leaves[s][j] = jax.device_put(total, leaves[s][j].sharding)
-        corrections.append(-(len(group) - 1) * jnp.sum(jnp.square(total)))
+            leaves[s][j] = transfer(total, leaves[s][j].sharding)
+        scalar = NamedSharding(total.sharding.mesh, P())
+        corrections.append(
+            -(len(group) - 1) * jnp.sum(jnp.square(total))
+            if _holds(total)
+            else stand_in((), jnp.float32, scalar)
+        )
     trees = [jax.tree_util.tree_unflatten(treedef, ls) for (_, treedef), ls in zip(flat, leaves)]
     return trees, corrections
+
+
+def _holds(leaf) -> bool:
+    """True when this process holds shards of `leaf` (not a shape or a stand-in)."""
+    return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)
+
+
+def _structs(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def apply_updates(
@@ -210,12 +231,19 @@ def apply_updates(
     `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`);
     `tied` = `tied_groups(...)` of the stages (their copies get summed gradients, counted once).
     """
+    local = [getattr(opt.stage, "local", True) for opt in optimizers]
+    # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
+    grads = [g if g is not None else _structs(o.stage.params) for o, g in zip(optimizers, grads)]
     corrections = []
     if tied:
         grads, corrections = tie_gradients(list(grads), list(tied))
-    sq = [opt.sq_norm(g) for opt, g in zip(optimizers, grads)] + corrections
-    global_norm = max(float(host_scalars(sq, tag).sum()), 0.0) ** 0.5
+    sq = [
+        opt.sq_norm(g) if here else stand_in((), jnp.float32, NamedSharding(opt.stage.mesh, P()))
+        for opt, g, here in zip(optimizers, grads, local)
+    ]
+    global_norm = max(float(host_scalars(sq + corrections, tag).sum()), 0.0) ** 0.5
     scale = clip_scale(global_norm, clip_norm)
-    for opt, g in zip(optimizers, grads):
-        opt.apply(g, scale)
+    for opt, g, here in zip(optimizers, grads, local):
+        if here:
+            opt.apply(g, scale)
     return global_norm

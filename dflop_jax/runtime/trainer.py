@@ -28,12 +28,12 @@ from rich.console import Console
 from dflop_jax.config import dump_yaml
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
-from dflop_jax.data import make_loader
+from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
-from dflop_jax.runtime.driver import StepOutput, run_pipeline
+from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
@@ -133,6 +133,8 @@ class _Trainer:
         build = build_llm_stages if cfg.model.kind == "decoder" else build_mllm_stages
         self.stages = build(model, plan.layout, meshes, compute_dtype=jnp.dtype(cfg.compute_dtype))
         self.opts = [StageOptimizer(s, cfg.optimizer.build()) for s in self.stages]
+        if jax.process_count() > 1:
+            connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         problem = plan.problem()
@@ -143,6 +145,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, None, problem, self.scheduler.schedule,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=prefetch,
+            host=_host_shards(plan.layout, meshes),
         )  # fmt: skip
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
@@ -199,8 +202,9 @@ class _Trainer:
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
         t0 = time.perf_counter()
+        # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
-            self.stages, batch.microbatches, float(batch.num_loss_tokens), self.cfg.pipeline,
+            self.stages, batch.microbatches, None, self.cfg.pipeline,
             measure=measure, clock=self.clock,
         )  # fmt: skip
         loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
@@ -222,6 +226,15 @@ class _Trainer:
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=compiles, recompiles=compiles - compiles_before, stage_times_measured=measure,
         )  # fmt: skip
+
+
+def _host_shards(layout: Layout, meshes) -> HostShardSpec | None:
+    """The data shards this process's stages hold (None: one process holds them all)."""
+    if jax.process_count() == 1:
+        return None
+    grids = [m.devices for m in meshes]
+    n = len(layout.encoder_stages)
+    return HostShardSpec.from_meshes(grids[:n], grids[n:], jax.process_index())
 
 
 def _measure_every(cfg: TrainConfig, console: Console) -> int:

@@ -1,0 +1,273 @@
+"""Multi-process training on this machine: the same run at 1, 2 and 4 processes, each process's share.
+
+    python -m dflop_jax.bench multihost [--processes 1 2 4] [--steps 4] [--out runs/bench_multihost]
+                                        [key=value ...]
+
+Every run uses 8 CPU devices in all (8 / processes per process) and the same explicit layout (default
+`TINY_LLAVA_OV`: one encoder stage at tp 2, two LLM stages at dp 3, so the encoder's dp differs from the
+LLM's and the first LLM stage spans processes at 2 and 4 processes). Each process is a real
+`jax.distributed` process on 127.0.0.1 (`worker`, launched like `scripts/run_training.sh`) and reports:
+  xla_compiles      XLA compilations on this process (`jax.monitoring` compile events), and those
+                    inside training steps (stage programs, transfers, updates: the per-process share;
+                    the rest is model building, which is whole-model on every process for now),
+                    and the stage programs among them
+  stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
+  decoded           samples this process decoded (only those its local shards need), [id, tiles]
+  rss_mib           peak resident host memory
+  transfer_mib      bytes moved between stages per step (every transfer of the step, all processes)
+  step_s            wall time per step after the first (compiling) step
+The losses of every process count are printed side by side: they must agree (to float32 round-off).
+On CPU the simulated devices share the host's cores, so time per step says how much extra work the
+processes do (dispatch, gloo transfers), not how a cluster would scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEVICES = 8
+TINY_LLAVA_OV = [
+    "plan=explicit",
+    "model.kind=llava_ov",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=8",
+    "model.vision_hidden_size=16",
+    "model.vision_intermediate_size=32",
+    "model.vision_num_layers=2",
+    "model.vision_num_heads=2",
+    "data.synth_mix=llava-ov",
+    "data.synth_samples=32",
+    "data.tile_size=56",
+    "data.patch_size=14",
+    "data.max_grid=2",
+    "data.max_frames=4",
+    "data.max_tokens=512",
+    "data.cache_dir=",
+    "layout.encoder_layers=[2]",
+    "layout.encoder_tp=[2]",
+    "layout.encoder_dp=1",
+    "layout.llm_layers=[1, 1]",
+    "layout.llm_tp=[1]",
+    "layout.llm_dp=3",
+    "layout.tiles=[8, 16]",
+    "layout.lengths=[512]",
+    "layout.microbatches=[1, 4]",
+    "scheduler.solver=greedy",
+    "global_batch=6",
+    "optimizer.lr=0.01",
+    "optimizer.warmup_steps=1",
+    "compute_dtype=float32",
+    "measure_stage_times_every=0",
+    "compilation_cache=",
+    "checkpoint.every=0",
+    "peak_flops=1000000000.0",
+    "distributed.timeout_s=60",
+]
+# InternVL on the same layout (its pixel-shuffled tiles, plain feature gather).
+TINY_INTERNVL = [
+    *(a for a in TINY_LLAVA_OV if not a.startswith("model.kind")),
+    "model.kind=internvl",
+    "data.model_family=internvl",
+    "data.max_tiles=4",
+]
+
+
+def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600) -> list[dict]:
+    """Runs `worker` in `processes` OS processes (DEVICES / processes CPU devices each) and returns
+    their reports, by process index. Raises with the failing process's output tail."""
+    if DEVICES % processes:
+        raise ValueError(f"processes={processes}: must divide the {DEVICES} devices")
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    common = [*overrides, f"num_cpu_devices={DEVICES // processes}", f"run_dir={out / 'run'}"]
+    if processes > 1:
+        env.update(
+            DFLOP_NUM_PROCESSES=str(processes), DFLOP_COORDINATOR=f"127.0.0.1:{_free_ports(1)}"
+        )
+        common.append(f"distributed.transfer_port={_free_ports(processes)}")
+    procs = []
+    for rank in range(processes):
+        report = out / f"process_{rank}.json"
+        report.unlink(missing_ok=True)
+        cmd = ["timeout", "-k", "10", str(timeout_s), sys.executable, "-m", __name__, "--worker",
+               str(report), *common]  # fmt: skip
+        log = (out / f"process_{rank}.log").open("w")
+        procs.append((subprocess.Popen(cmd, env=dict(env, DFLOP_PROCESS_ID=str(rank)), stdout=log,
+                                       stderr=subprocess.STDOUT), log, report))  # fmt: skip
+    reports = []
+    for rank, (p, log, report) in enumerate(procs):
+        p.wait(timeout_s + 30)
+        log.close()
+        if p.returncode != 0 or not report.is_file():
+            tail = (out / f"process_{rank}.log").read_text()[-3000:]
+            raise RuntimeError(f"process {rank}/{processes} exited {p.returncode}:\n{tail}")
+        reports.append(json.loads(report.read_text()))
+    return reports
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free now (the processes' transfer sockets are p + rank)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+def worker(report_path: Path, overrides: list[str]) -> None:
+    """One process of a run: joins the job (env DFLOP_*), trains, writes its share to `report_path`."""
+    from dflop_jax.config import load_config
+    from dflop_jax.host_devices import simulate_cpu_devices
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.runtime.distributed import initialize, resolve
+
+    cfg = load_config(TrainConfig, None, overrides)
+    dist = resolve(cfg.distributed, os.environ)
+    simulate_cpu_devices(cfg.num_cpu_devices)
+    if dist is not None:
+        initialize(dist)
+    import jax
+
+    from dflop_jax.data import loader as loader_mod
+    from dflop_jax.runtime import trainer as trainer_mod
+    from dflop_jax.train import run
+
+    compiles, in_step = [], [False]  # (program name, compiled inside a training step)
+
+    def on_event(event, _seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((kw.get("fun_name"), in_step[0]))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    decoded, moved, step_s = [], [], []
+    process = loader_mod.LazyProcessor.process
+    loader_mod.LazyProcessor.process = lambda self, rec: _record(process(self, rec), decoded)
+    pipeline = trainer_mod.run_pipeline
+    trainer_mod.run_pipeline = lambda *a, **k: _record(pipeline(*a, **k), moved, "transfer_bytes")
+    step = trainer_mod._Trainer.step
+
+    def timed(self, n):
+        t0, in_step[0] = time.perf_counter(), True
+        row = step(self, n)
+        step_s.append(time.perf_counter() - t0)
+        in_step[0] = False
+        return row
+
+    trainer_mod._Trainer.step = timed
+    report = run(cfg)
+    share = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "losses": report.losses,
+        "local_stages": [s.local for s in report.stages],
+        "stage_compiles": [s.compiles for s in report.stages],
+        "xla_compiles": len(compiles),
+        "xla_compiles_in_steps": sum(inside for _, inside in compiles),
+        # Stage programs (`stage_jits`: apply, bwd, last) XLA compiled here: the per-process share.
+        "xla_stage_programs": sum(
+            inside and name in ("jit(apply)", "jit(bwd)", "jit(last)") for name, inside in compiles
+        ),
+        "decoded": sorted(decoded),
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "transfer_bytes": moved,
+        "step_s": step_s,
+    }
+    report_path.write_text(json.dumps(share))
+
+
+def _record(value, into: list, attr: str | None = None):
+    """Appends `value.attr` (a decoded sample: [id, tiles]) to `into`; returns `value`."""
+    into.append(getattr(value, attr) if attr else [value.id, value.num_tiles])
+    return value
+
+
+def summarize(runs: dict[int, list[dict]]) -> list[dict]:
+    """One row per (process count, process): the figures of the module docstring."""
+    rows = []
+    for n, reports in sorted(runs.items()):
+        for r in reports:
+            later = r["step_s"][1:] or r["step_s"]
+            rows.append({
+                "processes": n,
+                "process": r["process"],
+                "local_stages": "".join("x" if here else "." for here in r["local_stages"]),
+                "xla_compiles": r["xla_compiles"],
+                "xla_compiles_in_steps": r["xla_compiles_in_steps"],
+                "xla_stage_programs": r["xla_stage_programs"],
+                "stage_compiles": sum(r["stage_compiles"]),
+                "decoded": len(r["decoded"]),
+                "rss_mib": round(r["rss_mib"], 1),
+                "transfer_mib_per_step": round(sum(r["transfer_bytes"]) / len(r["transfer_bytes"]) / 2**20, 3),
+                "step_s": round(sum(later) / len(later), 3),
+            })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflop_jax.bench multihost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", choices=["llava_ov", "internvl"], default="llava_ov")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_multihost"))
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    parser.add_argument("overrides", nargs="*", help="extra key=value training overrides")
+    args = parser.parse_args(argv)
+    base = TINY_LLAVA_OV if args.model == "llava_ov" else TINY_INTERNVL
+    synth = args.out / "synth"
+    overrides = [*base, f"data.synth_dir={synth}", f"steps={args.steps}", *args.overrides]
+    runs = {}
+    for n in args.processes:
+        shutil.rmtree(args.out / f"p{n}", ignore_errors=True)
+        runs[n] = launch(n, overrides, args.out / f"p{n}", args.timeout)
+    rows = summarize(runs)
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(str(row[k]) for k in keys))
+    for n, reports in sorted(runs.items()):
+        print(f"losses at {n} process(es): {[round(x, 6) for x in reports[0]['losses']]}")
+    load = os.getloadavg()
+    (args.out / "multihost.json").write_text(json.dumps({"rows": rows, "loadavg": load,
+        "losses": {n: r[0]["losses"] for n, r in runs.items()}}, indent=1))  # fmt: skip
+    print(
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; wrote {args.out / 'multihost.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,287 @@
+"""Stage-to-stage transfers between any two shardings, within a process and across processes.
+
+    y_next = transfer(y, next_stage.x_sharding)      # activations forward, cotangents back alike
+
+Why not `jax.device_put`: across processes it refuses shardings whose device sets AND layouts differ
+(encoder dp 2 -> LLM dp 3), and within one process a reshard whose shards do not line up (data-sharded
+features -> replicated on the LLM stage) copies through host memory and blocks the dispatching thread
+(DESIGN section 11). The transport here is one jitted `shard_map` program over a UNION mesh (both sides'
+devices by id, on one axis "u"):
+
+1. every process wraps the source shards it holds, plus zero blocks on its destination-only devices,
+   into one union-mesh array (`jax.make_array_from_single_device_arrays`: no copy);
+2. the body moves pieces with `jax.lax.ppermute` in rounds of disjoint (sender, receiver) pairs of one
+   piece shape; offsets come from tables indexed by `axis_index`, pieces are cut and written with
+   `dynamic_slice` / `dynamic_update_slice` (a device that keeps a piece copies it locally);
+3. the destination shards of the result are wrapped as an array on the destination sharding.
+
+The piece plan depends only on metadata (`devices_indices_map` of both shardings), so every process
+computes the same plan and program. It runs the same on CPU (gloo) and GPU (NCCL), in both directions,
+and never touches host memory; dispatch returns at once (only a read of the result waits).
+
+Rules for callers (the pipeline driver keeps them): every process owning a device of the union calls
+the transfer, in the same order relative to other programs on those devices; a process outside the
+union may call it too (it returns a stand-in without running anything); a process owning no source
+device passes a stand-in (`stand_in`) or a `jax.ShapeDtypeStruct` with the source sharding. One program
+is compiled per (source sharding, destination sharding, shape, dtype). A replicated source sends each
+piece from one replica (the destination device itself when it holds one); a replicated destination
+receives one copy per device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "u"
+Block = tuple[slice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One box of the array moving from union device `src` to union device `dst`.
+
+    Attributes:
+      src, dst: positions on the union mesh.
+      src_offset, dst_offset: where the box starts in the source / destination device's block.
+      shape: the box's shape.
+    """
+
+    src: int
+    dst: int
+    src_offset: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """Pieces of one shape, no device sending or receiving twice: one `ppermute` (or local copies)."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def local(self) -> bool:
+        return all(p.src == p.dst for p in self.pieces)
+
+
+def stand_in(shape: Sequence[int], dtype, sharding: Sharding) -> jax.Array:
+    """The array of a process that holds none of `sharding`'s devices: no shards, right metadata."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
+def transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> jax.Array:
+    """`x` placed on `dst` (same values), through the union-mesh program; see the module docstring.
+
+    Args:
+      x: the source array (on this process: its addressable shards are sent), or a stand-in /
+        `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` on a process holding no source device.
+      dst: the destination sharding.
+
+    Returns:
+      The array on `dst` (a stand-in without shards where this process holds no destination device).
+    """
+    if x.sharding == dst and isinstance(x, jax.Array):
+        return x
+    if _same_layout(x, dst):  # nothing moves: the same shards, re-labelled
+        held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
+        shards = [held[d] for d in dst.addressable_devices]
+        return jax.make_array_from_single_device_arrays(x.shape, dst, shards, dtype=x.dtype)
+    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype))(x)
+
+
+def transfer_bytes(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> int:
+    """Bytes `transfer(x, dst)` moves between devices (0 when the layout already matches)."""
+    if x.sharding == dst or _same_layout(x, dst):
+        return 0
+    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype)).bytes_moved
+
+
+def _same_layout(x, dst: Sharding) -> bool:
+    """True when every device holds the same block on both sides (nothing moves)."""
+    if x.sharding.device_set != dst.device_set:
+        return False
+    shape = tuple(x.shape)
+    a, b = x.sharding.devices_indices_map(shape), dst.devices_indices_map(shape)
+    return all(_box(a[d], shape) == _box(b[d], shape) for d in a)
+
+
+@functools.cache
+def _program(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype) -> Transfer:
+    return Transfer(src, dst, shape, dtype)
+
+
+class Transfer:
+    """The compiled transport of one (source sharding, destination sharding, shape, dtype)."""
+
+    def __init__(self, src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype):
+        if not shape:
+            raise ValueError("transfer: scalars have no blocks to move; give arrays of rank >= 1")
+        self.src, self.dst, self.shape, self.dtype = src, dst, shape, jnp.dtype(dtype)
+        self.devices = _union(src, dst)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.src_block = _block_shape(src, shape)
+        self.dst_block = _block_shape(dst, shape)
+        self.rounds = plan_rounds(src, dst, shape, self.devices)
+        me = jax.process_index()
+        self._local = [d for d in self.devices if d.process_index == me]
+        self.participates = bool(self._local)
+        # Input blocks of this process's union devices outside the source (kept: never donated).
+        fill = [d for d in self._local if d not in src.device_set]
+        self._zeros = dict(zip(fill, _zero_blocks(fill, self.src_block, self.dtype)))
+        self._run = jax.jit(
+            jax.shard_map(
+                self._body, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False
+            )
+        )
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes that cross between devices per call (local copies excluded)."""
+        size = self.dtype.itemsize
+        return sum(int(np.prod(r.shape)) * size * len(r.pieces) for r in self.rounds if not r.local)
+
+    def __call__(self, x: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
+        if not self.participates:
+            return stand_in(self.shape, self.dtype, self.dst)
+        union = self._union_input(x)
+        with jax.set_mesh(self.mesh):
+            out = self._run(union)
+        mine = {s.device: s.data for s in out.addressable_shards}
+        shards = [mine[d] for d in self.dst.addressable_devices]
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.dst, shards, dtype=self.dtype
+        )
+
+    def _union_input(self, x) -> jax.Array:
+        """x's local shards plus zero blocks on this process's destination-only devices, as one
+        union-mesh array [n * block0, *block[1:]] sharded over "u" (no copy of x)."""
+        held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
+        blocks = [held[d] if d in held else self._zeros[d] for d in self._local]
+        shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=self.dtype)
+
+    def _body(self, block: jax.Array) -> jax.Array:  # [*src_block] -> [*dst_block]
+        n = len(self.devices)
+        me = jax.lax.axis_index(AXIS)
+        out = jnp.zeros(self.dst_block, self.dtype)
+        for rnd in self.rounds:
+            src_off = np.zeros((n, len(self.shape)), np.int32)
+            dst_off = np.zeros_like(src_off)
+            receives = np.zeros(n, bool)
+            for p in rnd.pieces:
+                src_off[p.src], dst_off[p.dst], receives[p.dst] = p.src_offset, p.dst_offset, True
+            piece = jax.lax.dynamic_slice(block, tuple(jnp.asarray(src_off)[me]), rnd.shape)
+            if not rnd.local:
+                piece = jax.lax.ppermute(piece, AXIS, perm=[(p.src, p.dst) for p in rnd.pieces])
+            at = tuple(jnp.asarray(dst_off)[me])
+            kept = jax.lax.dynamic_slice(out, at, rnd.shape)
+            out = jax.lax.dynamic_update_slice(
+                out, jnp.where(jnp.asarray(receives)[me], piece, kept), at
+            )
+        return out
+
+
+def plan_rounds(
+    src: Sharding, dst: Sharding, shape: tuple[int, ...], devices: Sequence[jax.Device]
+) -> list[Round]:
+    """The pieces every destination block needs, grouped into rounds (same plan on every process).
+
+    Each destination device takes every distinct source block overlapping its own from one holder:
+    itself if it holds that block, else a holder on its own process, else the least loaded holder.
+    """
+    pos = {d: i for i, d in enumerate(devices)}
+    src_map, dst_map = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+    holders: dict[tuple, list[jax.Device]] = {}
+    for d in sorted(src_map, key=lambda d: d.id):
+        holders.setdefault(_box(src_map[d], shape), []).append(d)
+    load: dict[jax.Device, int] = dict.fromkeys(src_map, 0)
+    pieces = []
+    for d in sorted(dst_map, key=lambda d: d.id):
+        want = _box(dst_map[d], shape)
+        for have, who in holders.items():
+            overlap = _intersect(have, want)
+            if overlap is None:
+                continue
+            sender = min(
+                who, key=lambda s: (s != d, s.process_index != d.process_index, load[s], s.id)
+            )
+            load[sender] += 1
+            pieces.append(
+                Piece(
+                    pos[sender],
+                    pos[d],
+                    tuple(o[0] - h[0] for o, h in zip(overlap, have)),
+                    tuple(o[0] - w[0] for o, w in zip(overlap, want)),
+                    tuple(o[1] - o[0] for o in overlap),
+                )
+            )
+    return _rounds(pieces)
+
+
+def _rounds(pieces: list[Piece]) -> list[Round]:
+    """Local copies apart from sends; per shape, greedy rounds of pieces whose sender and receiver
+    are still free in the round, busiest devices first (so the round count stays near the lower
+    bound, the most pieces one device sends or receives)."""
+    groups: dict[tuple, list[Piece]] = {}
+    for p in pieces:
+        groups.setdefault((p.src != p.dst, p.shape), []).append(p)
+    out = []
+    for (_, shp), todo in sorted(groups.items()):
+        while todo:
+            sends = collections.Counter(p.src for p in todo)
+            receives = collections.Counter(p.dst for p in todo)
+            todo = sorted(todo, key=lambda p: -(sends[p.src] + receives[p.dst]))
+            senders, receivers, now, later = set(), set(), [], []
+            for p in todo:
+                if p.src in senders or p.dst in receivers:
+                    later.append(p)
+                    continue
+                senders.add(p.src)
+                receivers.add(p.dst)
+                now.append(p)
+            out.append(Round(shp, tuple(now)))
+            todo = later
+    return out
+
+
+def _union(src: Sharding, dst: Sharding) -> list[jax.Device]:
+    """Both sides' devices by id: transfers over one device set (both directions between two stages,
+    every `host_scalars` read) share one communicator, set up once."""
+    return sorted(src.device_set | dst.device_set, key=lambda d: d.id)
+
+
+def _box(index: Block, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A device's index (slices) as ((start, stop), ...) per dimension."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _intersect(a, b):
+    box = tuple((max(x[0], y[0]), min(x[1], y[1])) for x, y in zip(a, b))
+    return None if any(lo >= hi for lo, hi in box) else box
+
+
+def _block_shape(sharding: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sharding.shard_shape(shape))
+
+
+def _zero_blocks(devices: Sequence[jax.Device], block: tuple[int, ...], dtype) -> list[jax.Array]:
+    """One zero block per device, made on the devices by one small program (`jnp.zeros(device=...)`
+    would copy its fill value from the host)."""
+    if not devices:
+        return []
+    mesh = Mesh(np.array(devices), (AXIS,))
+    shape = (len(devices) * block[0], *block[1:])
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(AXIS)))()
+    by_device = {s.device: s.data for s in zeros.addressable_shards}
+    return [by_device[d] for d in devices]

@@ -1,0 +1,55 @@
+"""Real `jax.distributed` processes on 127.0.0.1 (CPU, gloo) train the tiny LLaVA-OV and InternVL models
+on a layout where the encoder's dp (1, at tp 2) differs from the LLM's (3) and the first LLM stage spans
+processes: 2 processes x 4 devices and 4 x 2 give the single-process run's per-step losses, and each
+process compiles, and decodes, only its own share (`bench multihost` runs the processes)."""
+
+import pytest
+
+from dflop_jax.bench.multihost import TINY_INTERNVL, TINY_LLAVA_OV, launch
+
+MODELS = {"llava_ov": TINY_LLAVA_OV, "internvl": TINY_INTERNVL}
+_single: dict[str, list[dict]] = {}
+
+
+def _run(tmp_path_factory, model: str, processes: int) -> list[dict]:
+    synth = tmp_path_factory.getbasetemp() / f"synth_{model}"
+    overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2"]
+    return launch(processes, overrides, tmp_path_factory.mktemp(f"{model}_{processes}p"), 400)
+
+
+def _reference(tmp_path_factory, model: str) -> dict:
+    if model not in _single:
+        _single[model] = _run(tmp_path_factory, model, 1)
+    return _single[model][0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("model, processes", [("llava_ov", 2), ("llava_ov", 4), ("internvl", 4)])
+def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, processes):
+    single = _reference(tmp_path_factory, model)
+    reports = _run(tmp_path_factory, model, processes)
+    assert single["local_stages"] == [True, True, True]
+    for r in reports:
+        assert r["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+        # Stages without devices here compile nothing: XLA compiled exactly the local stages'
+        # programs, fewer than the single process (every process lacks a stage here).
+        for here, n in zip(r["local_stages"], r["stage_compiles"]):
+            assert (n > 0) == here
+        assert r["xla_stage_programs"] == sum(r["stage_compiles"])
+        assert r["xla_stage_programs"] < single["xla_stage_programs"]
+    # Devices: encoder [0, 1] (tp 2), LLM stage 0 [2, 3, 4] (spans processes), stage 1 [5, 6, 7].
+    per_process = 8 // processes
+    for r in reports:
+        ids = range(r["process"] * per_process, (r["process"] + 1) * per_process)
+        want = [any(d in ids for d in stage) for stage in ([0, 1], [2, 3, 4], [5, 6, 7])]
+        assert r["local_stages"] == want
+    # Decoding: together the processes decode every sample the single run decoded; one holding only
+    # the encoder decodes exactly the samples with image tiles.
+    everything = {i for i, _ in single["decoded"]}
+    assert set().union(*({i for i, _ in r["decoded"]} for r in reports)) == everything
+    for r in reports:
+        if r["local_stages"] == [True, False, False]:
+            assert {i for i, _ in r["decoded"]} == {i for i, t in single["decoded"] if t > 0}
+            assert len(r["decoded"]) < len(single["decoded"])
+    assert reports[0]["transfer_bytes"] == single["transfer_bytes"]

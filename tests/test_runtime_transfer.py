@@ -1,0 +1,81 @@
+"""Union-mesh stage transfers (runtime/transfer.py) in one process on 8 CPU devices: exact values for
+many (source, destination) sharding pairs, both directions, no host round trip, one program per
+signature."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflop_jax.runtime import transfer as tr
+
+SHAPE = (12, 6, 4)
+
+
+def _sharding(ids, grid, spec):
+    devices = np.array([jax.devices()[i] for i in ids]).reshape(grid)
+    return NamedSharding(Mesh(devices, ("data", "model")[: len(grid)]), spec)
+
+
+CASES = {
+    "dp2->dp3 replicated": (((0, 1), (2,), P("data")), ((2, 3, 4), (3,), P())),
+    "dp2->dp3 sharded": (((0, 1), (2,), P("data")), ((2, 3, 4), (3,), P("data"))),
+    "dp2->2x2 tp": (((0, 1), (2,), P("data")), ((4, 5, 6, 7), (2, 2), P("data", "model"))),
+    "2x2 tp->dp3 on dim 1": (((0, 1, 2, 3), (2, 2), P(None, "model")), ((4, 5, 6), (3,), P(None, "data"))),
+    "replicated->sharded": (((0, 1, 2), (3,), P()), ((3, 4, 5, 6), (2, 2), P("model", "data"))),
+    "1 device->dp4": (((7,), (1,), P()), ((0, 1, 2, 3), (4,), P("data"))),
+    "same devices, new spec": (((0, 1, 2, 3), (4,), P("data")), ((0, 1, 2, 3), (2, 2), P(None, "data"))),
+    "overlapping devices": (((0, 1, 2, 3), (4,), P("data")), ((2, 3, 4, 5, 6, 7), (6,), P("data"))),
+    "dp3 replicated->dp2": (((2, 3, 4), (3,), P()), ((0, 1), (2,), P("data"))),
+}  # fmt: skip
+
+
+def _placed(sharding):
+    value = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    return value, jax.device_put(value, sharding)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "backward"])
+def test_transfer_is_exact_on_device(name, reverse):
+    src, dst = (_sharding(*c) for c in CASES[name])
+    src, dst = (dst, src) if reverse else (src, dst)
+    value, x = _placed(src)
+    with (
+        jax.transfer_guard_device_to_host("disallow"),
+        jax.transfer_guard_host_to_device("disallow"),
+    ):
+        y = jax.block_until_ready(tr.transfer(x, dst))
+    assert y.sharding == dst
+    for shard in y.addressable_shards:  # every device holds exactly its block of the value
+        np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
+def test_one_program_per_signature_and_bytes():
+    src, dst = (_sharding(*c) for c in CASES["dp2->dp3 replicated"])
+    _, x = _placed(src)
+    program = tr._program(src, dst, SHAPE, x.dtype)
+    assert tr._program(src, dst, SHAPE, x.dtype) is program
+    # Each of the 3 destination devices needs both halves; none holds a source block: all cross.
+    assert program.bytes_moved == 3 * x.nbytes
+    # 2 senders, 3 receivers of 2 pieces each: at least 3 rounds, no round reuses a device.
+    assert len(program.rounds) == 3
+    for rnd in program.rounds:
+        assert (
+            len({p.src for p in rnd.pieces}) == len({p.dst for p in rnd.pieces}) == len(rnd.pieces)
+        )
+
+
+def test_identical_layout_moves_nothing():
+    src = _sharding((0, 1), (2,), P("data"))
+    same = NamedSharding(
+        Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model")), P("data")
+    )
+    value, x = _placed(src)
+    y = tr.transfer(x, same)
+    assert y.sharding == same
+    assert {s.data.unsafe_buffer_pointer() for s in y.addressable_shards} == {
+        s.data.unsafe_buffer_pointer() for s in x.addressable_shards
+    }
+    np.testing.assert_array_equal(np.asarray(y), value)
