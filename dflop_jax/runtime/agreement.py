@@ -58,7 +58,11 @@ def shared_stage_times(
         return times, valid
     m, p, _ = times.shape
     mine = np.concatenate([times.ravel(), valid.astype(np.float64)])
-    every = exchange_host(mine, f"step{step}/stage_times")
+    return _owners_columns(exchange_host(mine, f"step{step}/stage_times"), m, p, owners)
+
+
+def _owners_columns(every: np.ndarray, m: int, p: int, owners: list[int]):
+    """every: [processes, M*P*2 + M] (times, then validity) -> (times [M, P, 2], valid [M])."""
     all_times = every[:, : m * p * 2].reshape(-1, m, p, 2)
     shared = np.stack([all_times[owners[s], :, s] for s in range(p)], axis=1)
     return shared, every[:, m * p * 2 :].min(axis=0) > 0

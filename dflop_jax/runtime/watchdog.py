@@ -37,6 +37,7 @@ import time
 
 EXIT_CODE = 3  # the watchdog's exit status: a peer was lost, or this process stalled or failed
 _BEAT_S = 1.0
+_SETTLE_S = 2.0  # wait before reporting an error of this process: a peer's loss is named first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +249,9 @@ def install(dog: Watchdog) -> None:
     previous = sys.excepthook
 
     def excepthook(tp, value, tb):
+        # A lost peer often surfaces first as a transfer error in the main thread; give its
+        # connection's reader the moment it needs to name the peer instead.
+        time.sleep(_SETTLE_S)
         if not issubclass(tp, JobError):
             previous(tp, value, tb)
         dog.fail(f"{tp.__name__}: {value}")
