@@ -35,7 +35,8 @@ class DistributedConfig:
     """Attributes:
     coordinator: "host:port" of process 0's coordinator ("" = env DFLOP_COORDINATOR, or single process).
     num_processes, process_id: 0 = from env DFLOP_NUM_PROCESSES / DFLOP_PROCESS_ID.
-    timeout_s: how long to wait for every peer to arrive before failing.
+    timeout_s: how long to wait for every peer to arrive before failing (every process then exits
+      naming the missing ones).
     transfer_port: base port of the per-process cross-host transfer sockets (coordinator port + 100
       when 0).
     watchdog_port: port of the failure watchdog's hub on the coordinator's host (coordinator port + 1
@@ -49,7 +50,7 @@ class DistributedConfig:
     coordinator: str = ""
     num_processes: int = 0
     process_id: int = -1
-    timeout_s: int = 60
+    timeout_s: int = 50
     transfer_port: int = 0
     watchdog_port: int = 0
     heartbeat_timeout_s: int = 30

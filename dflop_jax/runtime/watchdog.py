@@ -212,6 +212,8 @@ class Watchdog:
         if not self._exit_lock.acquire(blocking=False):
             time.sleep(60)  # another thread is already on its way out
             return
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()  # what the run printed so far: os._exit flushes nothing
         print(f"process {self.me}/{self.n}: {text}", file=sys.stderr, flush=True)
         for child in multiprocessing.active_children():
             child.kill()
