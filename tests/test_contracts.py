@@ -27,9 +27,9 @@ def test_schedule_fn_seeds_batch_k_the_same_whatever_came_before(monkeypatch):
     seeds = []
     real = correction.schedule_batch
 
-    def spy(shapes, problem, config, *, table):
+    def spy(shapes, problem, config, **kw):
         seeds.append(config.seed)
-        return real(shapes, problem, config, table=table)
+        return real(shapes, problem, config, **kw)
 
     monkeypatch.setattr(correction, "schedule_batch", spy)
     cfg = SchedulerConfig(solver="greedy", seed=100)

@@ -17,6 +17,7 @@ from dflop_jax.scheduler import (
     SchedulerConfig,
     schedule_batch,
 )
+from dflop_jax.scheduler import correction as correction_mod
 from dflop_jax.scheduler import cpsat as cpsat_mod
 from dflop_jax.scheduler import lns as lns_mod
 from dflop_jax.scheduler.objective import CostTable, evaluate
@@ -141,6 +142,25 @@ def test_wall_clock_cutoff_returns_the_greedy_and_says_so():
         assert s.info["wall_clock_cutoff"] is True and "wall-clock cut-off" in s.info["fallback"]
         assert s.microbatches == greedy.microbatches and s.objective == greedy.objective
         assert s.solver == "greedy"
+
+
+def test_without_backstop_a_slow_clock_changes_nothing(monkeypatch):
+    """Multi-process runs: the same refined answer however slow the machine (no greedy fallback)."""
+    shapes, prob = batch(24, seed=3), problem(m=(6, 6))
+    cfg = SchedulerConfig(solver="cpsat", time_limit_s=1.0, seed=7, correction="off")
+    fast = schedule_batch(shapes, prob, cfg)
+    # 2 s per reading: with the backstop this returns the greedy answer (test above)
+    slow = schedule_batch(shapes, prob, cfg, clock=slow_clock(2.0), backstop=False)
+    assert fast.solver == "lns" and "wall_clock_cutoff" not in slow.info
+    assert slow.microbatches == fast.microbatches and slow.objective == fast.objective
+    # the stateful Scheduler hands its flag to every solve
+    seen = []
+    real = correction_mod.schedule_batch
+    monkeypatch.setattr(correction_mod, "schedule_batch",
+                        lambda *a, **k: seen.append(k["backstop"]) or real(*a, **k))  # fmt: skip
+    Scheduler(prob, cfg, backstop=False).schedule(shapes, 0)
+    Scheduler(prob, cfg).schedule(shapes, 0)
+    assert seen == [False, True]
 
 
 def test_seed_is_read_and_scheduler_seeds_batch_k_with_seed_plus_k(monkeypatch):

@@ -15,6 +15,7 @@ from dflop_jax.contracts.schedule import (
     ScheduleFn,
     ScheduleProblem,
     StageCostFn,
+    schedule_digest,
 )
 from dflop_jax.contracts.shape_distribution import (
     load_shape_distribution,
@@ -36,4 +37,5 @@ __all__ = [
     "load_table",
     "save_shape_distribution",
     "save_table",
+    "schedule_digest",
 ]

@@ -7,6 +7,7 @@ Written by the scheduler, read by the data layer (which packs arrays from a `Sch
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -96,6 +97,18 @@ class Schedule:
     @property
     def gap(self) -> float:
         return self.objective / self.lower_bound - 1.0 if self.lower_bound > 0 else float("inf")
+
+
+def schedule_digest(schedule: Schedule | None) -> str:
+    """A short hash of the schedule's buckets and assignment, in execution order ("" for None).
+
+    It fixes which programs run and what each shard packs, so the processes of a run must agree on it
+    before dispatching a batch (`runtime/agreement.py` compares it every step).
+    """
+    if schedule is None:
+        return ""
+    text = repr([(p.tile_bucket, p.length_bucket, p.shards) for p in schedule.microbatches])
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 class ScheduleFn(Protocol):

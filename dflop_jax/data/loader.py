@@ -25,7 +25,7 @@ keeps its scheduled room as padding (counted), so every process still agrees on 
 The loader owns no scheduler: the caller (the runtime) owns the online `Scheduler` and passes a
 `ScheduleFn` `(shapes, batch_index) -> Schedule`. Every process of a multi-host run computes the same
 schedule from the same records, seed and scheduler (use the scheduler's deterministic mode);
-`stats.schedule_digest` fingerprints it (reported, not compared by the runtime).
+`stats.schedule_digest` fingerprints it (the runtime compares it across processes every step).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
 `num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
 time that depends on timing, so which observations it sees is not deterministic: for exact resume and

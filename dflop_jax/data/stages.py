@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from dflop_jax.contracts import SampleShape, Schedule, ScheduleFn, ScheduleProblem
+from dflop_jax.contracts import (
+    SampleShape,
+    Schedule,
+    ScheduleFn,
+    ScheduleProblem,
+    schedule_digest,
+)
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
 from dflop_jax.data.types import BatchStats, GlobalBatch, ProcessedSample
@@ -273,11 +278,3 @@ class PackStage:
             load_s=load_s,
             schedule_digest=schedule_digest(item.schedule),
         )
-
-
-def schedule_digest(schedule: Schedule | None) -> str:
-    """A short hash of the schedule's buckets and assignment: equal on every process of a run."""
-    if schedule is None:
-        return ""
-    text = repr([(p.tile_bucket, p.length_bucket, p.shards) for p in schedule.microbatches])
-    return hashlib.sha1(text.encode()).hexdigest()[:16]

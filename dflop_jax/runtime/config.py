@@ -279,8 +279,8 @@ class TrainConfig:
         (blocking, so that step runs serialized) and feed the times to the scheduler's adaptive
         correction (`Scheduler.observe`); 0 = off. With correction not "off" the loader then runs
         without prefetch (batch k is scheduled after step k-1's observations: deterministic given the
-        observations, and a resume repeats it). Off in multi-process runs (processes would observe
-        different times and schedule differently; logged).
+        observations, and a resume repeats it). Multi-process runs too: each stage's times come from
+        the process owning it and are shared, so every process observes alike (`agreement.py`).
     """
 
     model: ModelConfig = ModelConfig()

@@ -4,6 +4,11 @@ Every process runs the same driver loop. Settings come from `TrainConfig.distrib
 environment variables DFLOP_COORDINATOR (host:port), DFLOP_NUM_PROCESSES and DFLOP_PROCESS_ID (what
 `scripts/run_training.sh` exports). Cross-process stage transfers need a fixed transfer socket per
 process (DESIGN section 11: port 0 hangs): process i listens on host:(transfer_port + i).
+
+Failure is bounded (`watchdog.py`): before joining, every process meets a small TCP hub that process 0
+serves at the coordinator's host on `watchdog_port`; a peer that never starts, dies or hangs makes every
+process exit within seconds with one line naming it and the step. jax's own heartbeat timeout is set
+above the watchdog's, as a backstop that names the task but not the step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
 from dflop_jax.runtime.transfer import transfer
+from dflop_jax.runtime.watchdog import JobError, Watchdog, WatchdogSettings, install
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +36,38 @@ class DistributedConfig:
     """Attributes:
     coordinator: "host:port" of process 0's coordinator ("" = env DFLOP_COORDINATOR, or single process).
     num_processes, process_id: 0 = from env DFLOP_NUM_PROCESSES / DFLOP_PROCESS_ID.
-    timeout_s: how long to wait for every peer to arrive before failing.
+    timeout_s: how long to wait for every peer to arrive before failing (every process then exits
+      naming the missing ones).
     transfer_port: base port of the per-process cross-host transfer sockets (coordinator port + 100
       when 0).
+    watchdog_port: port of the failure watchdog's hub on the coordinator's host (coordinator port + 1
+      when 0; `watchdog.py`).
+    heartbeat_timeout_s: a process silent this long (hung, host unreachable) is lost; a killed process
+      is seen at once (its connection closes). jax's own heartbeat timeout is this + 15 s.
+    stall_timeout_s: no new step on a process for this long (all peers alive) fails the job
+      (0 = never); it must exceed the slowest step, compiles included.
     """
 
     coordinator: str = ""
     num_processes: int = 0
     process_id: int = -1
-    timeout_s: int = 60
+    timeout_s: int = 50
     transfer_port: int = 0
+    watchdog_port: int = 0
+    heartbeat_timeout_s: int = 30
+    stall_timeout_s: int = 1800
 
     def __post_init__(self):
         require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "must be >= 1 second")
         require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, ">= 0")
         require(0 <= self.transfer_port < 65536, "distributed.transfer_port", self.transfer_port,
                 "0 (coordinator port + 100) or a TCP port")  # fmt: skip
+        require(0 <= self.watchdog_port < 65536, "distributed.watchdog_port", self.watchdog_port,
+                "0 (coordinator port + 1) or a TCP port")  # fmt: skip
+        require(self.heartbeat_timeout_s >= 2, "distributed.heartbeat_timeout_s",
+                self.heartbeat_timeout_s, "must be >= 2 seconds (beats go every second)")  # fmt: skip
+        require(self.stall_timeout_s >= 0, "distributed.stall_timeout_s", self.stall_timeout_s,
+                "0 (never) or seconds without a new step")  # fmt: skip
 
 
 def resolve(cfg: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig | None:
@@ -65,7 +87,11 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig
 
 
 def initialize(cfg: DistributedConfig) -> None:
-    """Joins the job (before any other JAX call); a peer that never arrives fails after timeout_s."""
+    """Joins the job (before any other JAX call); a peer that never arrives fails after timeout_s.
+
+    First every process meets the watchdog hub (a missing peer is named there, `watchdog.py`), then
+    `jax.distributed.initialize` runs with every peer known to be up.
+    """
     host, port = cfg.coordinator.rsplit(":", 1)
     base = cfg.transfer_port or int(port) + 100
     jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{base + cfg.process_id}")
@@ -77,15 +103,21 @@ def initialize(cfg: DistributedConfig) -> None:
         file=sys.stderr,
         flush=True,
     )
+    settings = WatchdogSettings(host, cfg.watchdog_port or int(port) + 1, cfg.timeout_s,
+                                cfg.heartbeat_timeout_s, cfg.stall_timeout_s)  # fmt: skip
+    dog = Watchdog(settings, cfg.process_id, cfg.num_processes)
+    dog.rendezvous()
+    install(dog)  # from here an uncaught error or an early exit is reported to the peers
     try:
         jax.distributed.initialize(
             cfg.coordinator,
             cfg.num_processes,
             cfg.process_id,
             initialization_timeout=cfg.timeout_s,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s + 15,
         )
     except Exception as e:  # the runtime raises various XlaRuntimeErrors; say what it means
-        raise RuntimeError(
+        raise JobError(
             f"process {cfg.process_id}/{cfg.num_processes}: could not join the job at "
             f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
             f"unreachable): {str(e).splitlines()[0]}"
@@ -133,6 +165,47 @@ def _as_vector(value: jax.Array):
         with jax.set_mesh(value.sharding.mesh):
             return jax.lax.with_sharding_constraint(value.reshape(1), sharding)
     return jax.ShapeDtypeStruct((1,), value.dtype, sharding=sharding)
+
+
+def exchange_host(local: np.ndarray, tag: str, timeout_s: int = 600) -> np.ndarray:
+    """Every process's `local` (same shape and dtype on every process), stacked: [processes, *shape].
+
+    Bit-exact (the bytes travel), so values computed from the result agree on every process. Same
+    transport and calling discipline as `host_scalars`: each process's bytes go from its first device
+    to the first device of every other process with `jax.device_put` (no collective), every process
+    calls this at the same point of the loop, and the reads are bounded by `timeout_s` (`tag` names
+    the exchange). Single process: `local[None]`.
+    """
+    if jax.process_count() == 1:
+        return np.asarray(local)[None]
+    raw = np.frombuffer(np.ascontiguousarray(local).tobytes(), np.uint8)
+    first: dict[int, jax.Device] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    me, received = jax.process_index(), {}
+    for q in sorted(first):
+        src = _on(first[q])
+        if q == me:
+            value = jax.device_put(raw, src)
+        else:  # a stand-in for the array that lives on process q
+            value = jax.make_array_from_single_device_arrays(raw.shape, src, [], dtype=raw.dtype)
+        for r in sorted(first):
+            if r != q:
+                moved = jax.device_put(value, _on(first[r]))
+                received[q] = moved if r == me else received.get(q)
+
+    def read() -> np.ndarray:
+        rows = [raw if q == me else jax.device_get(received[q].addressable_shards[0].data)
+                for q in sorted(first)]  # fmt: skip
+        return np.stack([np.frombuffer(np.asarray(r).tobytes(), local.dtype).reshape(local.shape)
+                         for r in rows])  # fmt: skip
+
+    return _bounded(read, tag, timeout_s)
+
+
+def _on(device) -> NamedSharding:
+    """The one-device sharding exchanges use on both ends (same layout: a plain cross-host copy)."""
+    return NamedSharding(Mesh(np.array([device]), ("host",)), P())
 
 
 def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:

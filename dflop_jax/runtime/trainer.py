@@ -30,6 +30,8 @@ from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.planner.resolve import ResolvedPlan
+from dflop_jax.runtime import watchdog
+from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
@@ -98,14 +100,17 @@ def train(
     start, losses = trainer.restore(), []
     try:
         for step in range(start + 1, cfg.steps + 1):
+            watchdog.progress(step)
             row = trainer.step(step)
             losses.append(row.loss)
             metrics.log(row)
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
+                watchdog.progress(step, "checkpoint")
                 trainer.save(step)
     finally:
         trainer.close()
         metrics.close()
+    watchdog.finish()
     summary = metrics.summary()
     if summary:
         console.print(
@@ -138,8 +143,10 @@ class _Trainer:
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         problem = plan.problem()
-        self.scheduler = Scheduler(problem, cfg.scheduler)
-        self.measure_every = _measure_every(cfg, console)
+        # Processes must solve alike whatever their load: no wall-clock cut-off (`agreement.py`).
+        self.scheduler = Scheduler(problem, cfg.scheduler, backstop=jax.process_count() == 1)
+        self.owners = stage_owners(meshes)
+        self.measure_every = cfg.measure_stage_times_every
         # Observations steer later schedules: no prefetch, so batch k sees exactly steps < k (exact resume).
         prefetch = 0 if self.measure_every and cfg.scheduler.correction != "off" else 2
         self.loader = make_loader(
@@ -201,6 +208,7 @@ class _Trainer:
             raise RuntimeError(
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
+        check_schedule(step, batch.stats.schedule_digest)  # before anything is dispatched
         t0 = time.perf_counter()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
@@ -216,6 +224,9 @@ class _Trainer:
         step_time = time.perf_counter() - t0
         observed_before = self.scheduler.prediction_error()["observations"]
         if measure:
+            out.stage_times, out.timing_valid = shared_stage_times(
+                out.stage_times, out.timing_valid, self.owners, step
+            )
             _observe(self.scheduler, batch.schedule, out)
         compiles = sum(s.compiles for s in self.stages)
         flops = batch_model_flops(self.arch, real_work(batch, bool(self.layout.encoder_stages)))
@@ -235,18 +246,6 @@ def _host_shards(layout: Layout, meshes) -> HostShardSpec | None:
     grids = [m.devices for m in meshes]
     n = len(layout.encoder_stages)
     return HostShardSpec.from_meshes(grids[:n], grids[n:], jax.process_index())
-
-
-def _measure_every(cfg: TrainConfig, console: Console) -> int:
-    """Steps between measured steps; 0 in multi-process runs (every process must schedule alike)."""
-    if cfg.measure_stage_times_every and jax.process_count() > 1:
-        console.print(
-            "note: stage-time measurement and adaptive correction are off in multi-process "
-            "runs (every process must schedule from the same observations)",
-            highlight=False,
-        )
-        return 0
-    return cfg.measure_stage_times_every
 
 
 def _checkpointer(cfg: TrainConfig) -> Checkpointer:

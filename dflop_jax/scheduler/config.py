@@ -20,7 +20,8 @@ class SchedulerConfig:
         DFLOP's schedule buys on the same layout (`python -m dflop_jax.bench train`).
       time_limit_s: wall-clock backstop of one `schedule_batch` call. It never changes a refined answer:
         when it fires during the refinement, the deterministic greedy answer is returned and the report
-        says so (`info["wall_clock_cutoff"]`).
+        says so (`info["wall_clock_cutoff"]`). Not used in multi-process runs (every process must
+        reach the same answer whatever its load: `Scheduler(backstop=False)`).
       refine_rounds: most neighbourhoods re-packed per batch (deterministic budget).
       refine_deterministic_time: most CP-SAT deterministic seconds per batch, all rounds together.
       round_deterministic_time: CP-SAT deterministic seconds per round.

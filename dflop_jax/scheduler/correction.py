@@ -71,10 +71,14 @@ def _mape(pred: np.ndarray, measured: np.ndarray) -> float:
 
 
 class Scheduler:
-    """Schedules every global batch of a run; learns cost corrections from measured stage times."""
+    """Schedules every global batch of a run; learns cost corrections from measured stage times.
 
-    def __init__(self, problem: ScheduleProblem, config: SchedulerConfig):
-        self.problem, self.config = problem, config
+    `backstop=False` turns the solver's wall-clock cut-off off (`schedule_batch`): every schedule is
+    then a function of (shapes, index, observations) alone, as processes of one run need.
+    """
+
+    def __init__(self, problem: ScheduleProblem, config: SchedulerConfig, backstop: bool = True):
+        self.problem, self.config, self.backstop = problem, config, backstop
         self.correction = CostCorrection(problem, config.correction_rate)
         self.active = config.correction == "on"
         self.steps = 0
@@ -111,7 +115,7 @@ class Scheduler:
                 self._table = CostTable.build(problem)
             table = self._table
         config = dataclasses.replace(self.config, seed=self.config.seed + self.steps)
-        out = schedule_batch(shapes, problem, config, table=table)
+        out = schedule_batch(shapes, problem, config, table=table, backstop=self.backstop)
         self.steps += 1
         out.info["correction_active"] = self.active
         return out

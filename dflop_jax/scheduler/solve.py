@@ -11,7 +11,11 @@ What is promised (DESIGN section 4):
   it has passed between two rounds, the whole refinement is dropped and the greedy answer -- itself
   deterministic -- is returned, with `info["wall_clock_cutoff"] = True` and the reason in
   `info["fallback"]`. So under any load the answer is either the refined one or the greedy one, both
-  fixed by the inputs, and the report says which.
+  fixed by the inputs, and the report says which. Which of the two still depends on the load, so a
+  multi-process run, where every process must reach the same answer, turns the backstop off
+  (`backstop=False`): the answer is then the refined one on every process whatever the load, and the
+  refinement's time is bounded by its deterministic budget alone (`runtime/agreement.py` checks the
+  digest of every batch anyway).
 - Never fails because of the solver: an infeasible/invalid CP-SAT model or any exception inside the
   refinement keeps the greedy answer, with the reason in `info["fallback"]`.
 - Stage-aware: with more than one pipeline stage (and `config.select == "makespan"`), the answer is the
@@ -58,6 +62,7 @@ def schedule_batch(
     *,
     table: CostTable | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    backstop: bool = True,
 ) -> Schedule:
     """Packs one global batch into microbatches and LLM shards with per-microbatch buckets.
 
@@ -67,6 +72,8 @@ def schedule_batch(
       config: solver choice, deterministic budget, wall-clock backstop, seed.
       table: a precomputed `CostTable.build(problem)` (the stateful Scheduler caches it).
       clock: the wall clock of the backstop and of `time_s` (tests inject a slow one).
+      backstop: False = no wall-clock cut-off (the answer is a function of the inputs alone; multi-
+        process runs).
     Returns:
       Schedule: microbatches in the order that minimises the simulated 1F1B step, the surrogate
       objective of their static buckets (what the runtime pays), a valid lower bound on it, and the
@@ -101,7 +108,8 @@ def schedule_batch(
     solver = "greedy"
     if config.solver in ("cpsat", "auto"):
         bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
-                                 lambda: clock() - t0 > config.time_limit_s, info)  # fmt: skip
+                                 lambda: backstop and clock() - t0 > config.time_limit_s,
+                                 info)  # fmt: skip
     bin_of, m = finish(bin_of, m, tokens, problem, eff.microbatches[0])
     if by_makespan:
         bin_of, m, order, makespan = _select(

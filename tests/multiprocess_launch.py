@@ -1,0 +1,121 @@
+"""Real jax processes on 127.0.0.1 for the multi-process tests: free ports, the decoder layout (one LLM
+stage of 4 devices per process), one process group per rank (a test can kill a rank, and check that no
+process of a rank is left once it exited), output in files (a full pipe would block a process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from models_fixtures import TINY_TRAIN_DECODER
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "run_training.sh"
+
+
+def decoder_args(tmp_path: Path, run_dir: Path) -> list[str]:
+    """Train args of the tiny decoder on 2 processes x 4 devices: stage 0 on process 0, stage 1 on 1."""
+    return [
+        "plan=explicit",
+        "model.kind=decoder",
+        "layout.encoder_layers=[]",
+        *TINY_TRAIN_DECODER,
+        f"data.synth_dir={tmp_path / 'synth'}",
+        "data.synth_mix=text",
+        "data.synth_samples=64",
+        "data.max_tokens=256",
+        "data.cache_dir=",
+        "layout.llm_layers=[1, 1]",
+        "layout.llm_tp=[2]",
+        "layout.llm_dp=2",
+        "layout.lengths=[256]",
+        "layout.microbatches=[2, 3]",
+        "global_batch=8",
+        "compute_dtype=float32",
+        "compilation_cache=",
+        f"run_dir={run_dir}",
+        "checkpoint.every=0",
+        "num_cpu_devices=4",
+        "peak_flops=1000000000.0",
+        "distributed.timeout_s=60",
+    ]
+
+
+def free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 all free now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def launch(
+    tmp_path: Path, num: int, args: list[str], per_rank: dict[int, list[str]] | None = None,
+    ranks: list[int] | None = None, limit_s: int = 400,
+) -> dict[int, tuple[subprocess.Popen, Path]]:  # fmt: skip
+    """Starts `ranks` (default all) of a `num`-process job; returns rank -> (process, its log file).
+
+    Coordinator, transfer sockets (base + rank) and watchdog hub get explicit free ports.
+    """
+    base = free_ports(num + 2)
+    ports = [
+        f"distributed.watchdog_port={base + 1}",
+        f"distributed.transfer_port={base + 2}",
+    ]
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    out = {}
+    for rank in range(num) if ranks is None else ranks:
+        log = tmp_path / f"rank{rank}.log"
+        cmd = ["timeout", "-k", "10", str(limit_s), str(SCRIPT), str(num), str(rank),
+               f"127.0.0.1:{base}", *args, *ports, *(per_rank or {}).get(rank, [])]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        out[rank] = (proc, log)
+    return out
+
+
+def wait_for_rows(path: Path, rows: int, timeout_s: float, procs) -> None:
+    """Waits until `path` (a metrics.jsonl) has `rows` lines; fails early if a process exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= rows:
+            return
+        for proc, log in procs.values():
+            if proc.poll() is not None:
+                raise AssertionError(f"a process exited early ({proc.returncode}):\n{tail(log)}")
+        time.sleep(0.5)
+    raise AssertionError(f"{path} did not reach {rows} rows within {timeout_s}s")
+
+
+def group_gone(pgid: int) -> bool:
+    """True when no process of the process group `pgid` is left (no orphans)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text()[-chars:]
