@@ -176,16 +176,18 @@ def test_hf_stage_loading_equals_whole_loading(family, tmp_path, monkeypatch):
     monkeypatch.setattr(CheckpointReader, "read", logged)
     cfg = load_config(path)
     stages = build_stages(cfg, layout, stage_meshes(layout), str(path), compute_dtype=jnp.float32)
-    whole = _whole_loaded(family, path)
-    cuts = (_mllm_cuts if multimodal else _decoder_cuts)(whole, layout)
-    _check_split(stages, cuts, layout)
-
     # Each shard reads its slice: a tp=2 stage's column-split q_proj is read once in halves (dp=1)
-    # or twice (dp=2, once per replica), never whole per device.
+    # or twice (dp=2, once per replica), never whole per device; no stage reads another's layer.
     suffix = "layers.3.self_attn.q_proj.weight"
     reader = CheckpointReader(path)
     key = next(k for k in reader.keys() if k.endswith(suffix) and "vision" not in k)  # noqa: SIM118
-    sizes = [n for k, n in reads if k == key]
     full = int(np.prod(reader.shape(key))) * 4
-    dp = layout.llm_stages[1].dp
-    assert sizes == [full // 2] * (2 * dp)
+    assert [n for k, n in reads if k == key] == [full // 2] * (2 * layout.llm_stages[1].dp)
+    unused = {k for k in reader.keys() if "post_layernorm" in k}  # noqa: SIM118 (LLaVA-OV: pre-norm)
+    assert {k for k, _ in reads} == set(
+        reader.keys()
+    ) - unused  # every key it needs, once per shard
+
+    whole = _whole_loaded(family, path)
+    cuts = (_mllm_cuts if multimodal else _decoder_cuts)(whole, layout)
+    _check_split(stages, cuts, layout)
