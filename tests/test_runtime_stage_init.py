@@ -191,3 +191,32 @@ def test_hf_stage_loading_equals_whole_loading(family, tmp_path, monkeypatch):
     whole = _whole_loaded(family, path)
     cuts = (_mllm_cuts if multimodal else _decoder_cuts)(whole, layout)
     _check_split(stages, cuts, layout)
+
+
+@pytest.mark.hf
+def test_train_run_loads_an_hf_dir_per_stage(tmp_path):
+    """`train.run` with model.hf_dir: the stages load their own tensors and the run trains."""
+    pytest.importorskip("transformers")
+    from models_fixtures import TINY_TRAIN_DECODER, save_tiny_qwen2
+
+    from dflop_jax.config import load_config as load_train_config
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import run
+    from models.hf import load_pretrained
+
+    hf = save_tiny_qwen2(tmp_path / "qwen2", tied=False, vocab_size=384)
+    over = [
+        "model.kind=decoder", f"model.hf_dir={hf}", *TINY_TRAIN_DECODER, "layout.encoder_layers=[]",
+        "layout.llm_layers=[1, 1]", "layout.llm_tp=[2]", "layout.lengths=[256]",
+        "layout.microbatches=[1, 4]", f"data.synth_dir={tmp_path / 'synth'}", "data.synth_mix=text",
+        "data.synth_samples=32", "data.max_tokens=256", "data.cache_dir=", "global_batch=4",
+        "steps=1", "optimizer.warmup_steps=4", "optimizer.decay_steps=8", "checkpoint.every=0",
+        "compute_dtype=float32", "scheduler.solver=greedy", f"run_dir={tmp_path / 'run'}",
+        "peak_flops=1000000000.0", "measure_stage_times_every=0",
+    ]  # fmt: skip
+    report = run(load_train_config(TrainConfig, None, over))
+    assert len(report.losses) == 1 and np.isfinite(report.losses[0])
+    whole, _ = load_pretrained(hf)
+    cuts = _decoder_cuts(whole, report.layout)
+    for stage, cut in zip(report.stages, cuts):  # step 1 warms up from lr 0: still the checkpoint
+        _assert_equal(_flat(stage.params), _flat(nnx.state(cut)))
