@@ -55,7 +55,8 @@ def check_compiled(plan: Plan) -> Plan:
     import dataclasses
 
     from dflop_jax.profiling.compile_check import check_plan
-    from dflop_jax.profiling.model_config import model_config_for_arch, with_remat
+    from dflop_jax.profiling.model_config import model_config_for_arch
+    from models.stages import with_remat
 
     model_cfg = with_remat(model_config_for_arch(plan.model), plan.remat)
     return dataclasses.replace(plan, checks=tuple(check_plan(plan, model_cfg)))

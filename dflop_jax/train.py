@@ -78,7 +78,8 @@ def _dry_run(cfg) -> int:
 
 
 def run(cfg, console=None, clock=time.perf_counter):
-    """DFLOP's training run: build the model, resolve its plan (`train_plan`), train (`trainer`).
+    """DFLOP's training run: the model's config, its plan (`train_plan`), training (`trainer`: each
+    stage makes its own params on its own mesh; the whole model is never built).
 
     Returns the `TrainReport`; `clock` times the stage programs of measured steps (tests pass a
     deterministic one).
@@ -91,14 +92,14 @@ def run(cfg, console=None, clock=time.perf_counter):
     cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
     prepare_run_dir(cfg)
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    model, model_cfg = cfg.model.build(
+    model_cfg = cfg.model.model_config(
         vocab,
         tile_px=cfg.data.tile_px,
         patch_size=cfg.data.patch_size,
         compute_dtype=cfg.compute_dtype,
     )
     plan = resolve_plan(cfg, model_cfg)
-    return train(cfg, model, arch_of_model(model_cfg), plan, console, clock)
+    return train(cfg, model_cfg, arch_of_model(model_cfg), plan, console, clock)
 
 
 def _config_error(e: Exception) -> int:

@@ -112,30 +112,10 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
 
 
 def abstract_model_config(cfg: TrainConfig):
-    """The `models` config `cfg.model.build` would return, without materializing a parameter (an
-    HF directory: from its config.json alone)."""
-    from flax import nnx
-
+    """The run's `models` config (`ModelConfig.model_config`: no parameter is made; an HF directory
+    gives it from its config.json alone, without reading the tokenizer)."""
     from dflop_jax.data import load_tokenizer
-    from dflop_jax.profiling.model_config import with_remat
 
-    if cfg.model.hf_dir:
-        from models.hf import adapter_for
-        from models.hf.io import read_config
-
-        hf = read_config(cfg.model.hf_dir)
-        model_cfg = adapter_for(hf.get("model_type")).config_from_hf(
-            hf, cfg.compute_dtype, "float32"
-        )
-        return with_remat(model_cfg, cfg.model.remat)
-    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    built = {}
-
-    def build():
-        model, built["cfg"] = cfg.model.build(vocab, tile_px=cfg.data.tile_px,
-                                              patch_size=cfg.data.patch_size,
-                                              compute_dtype=cfg.compute_dtype)  # fmt: skip
-        return model
-
-    nnx.eval_shape(build)
-    return built["cfg"]
+    vocab = 0 if cfg.model.hf_dir else load_tokenizer(cfg.data.tokenizer).vocab_size
+    return cfg.model.model_config(vocab, tile_px=cfg.data.tile_px, patch_size=cfg.data.patch_size,
+                                  compute_dtype=cfg.compute_dtype)  # fmt: skip

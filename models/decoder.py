@@ -28,6 +28,7 @@ from models.layers import (
     apply_rope,
     constrain,
     extract_layer_range,
+    keyed_rngs,
     make_param,
     rope_cos_sin,
     rope_inv_freq,
@@ -95,7 +96,11 @@ class DecoderLayer(nnx.Module):
 
 
 class DecoderStage(nnx.Module):
-    """Layers [first_layer, first_layer + num_layers) of the decoder, plus embedding and/or head."""
+    """Layers [first_layer, first_layer + num_layers) of the decoder, plus embedding and/or head.
+
+    Random init is keyed (`keyed_rngs`): layer i by its global index, the embedding and the head by
+    name, so this stage's params equal the same range of the whole `Decoder` built with the same rngs.
+    """
 
     def __init__(
         self,
@@ -116,17 +121,24 @@ class DecoderStage(nnx.Module):
         self.cfg = cfg
         self.first_layer, self.num_layers = first_layer, num_layers
         self.has_embedding, self.has_head = has_embedding, has_head
-        if has_embedding or (has_head and cfg.tie_embeddings):
+        if has_embedding or (has_head and cfg.tie_embeddings):  # the tied copy draws the same
             self.embed_tokens = Embedding(
-                cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pd, rngs=rngs
-            )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(num_layers)])
+                cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=pd,
+                rngs=keyed_rngs(rngs, "embed"),
+            )  # fmt: skip
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, rngs=keyed_rngs(rngs, "layer", first_layer + j))
+                for j in range(num_layers)
+            ]
+        )
         if has_head:
-            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+            head = keyed_rngs(rngs, "head")
+            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd, rngs=head)
             if not cfg.tie_embeddings:
                 init = nnx.initializers.normal(stddev=0.02)
                 self.lm_head = make_param(
-                    rngs, init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd
+                    head, init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd
                 )
 
     def embed(self, tokens: jax.Array) -> jax.Array:

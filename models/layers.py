@@ -1,6 +1,7 @@
 """Building blocks shared by the decoders and encoders: parameters with logical axes, RMSNorm,
 rotary embeddings (default and llama3 scaling), SwiGLU MLP, token embedding, activation constraints,
-and cutting a layer range out of a full model as a stage that shares its arrays.
+random init keyed by name / global layer index (`keyed_rngs`), and cutting a layer range out of a full
+model as a stage that shares its arrays.
 
 Every parameter carries logical axis names (`out_sharding` metadata, as `nnx.with_partitioning`
 sets); `dflop_jax/runtime/sharding.py` maps them to mesh axes. Logical names used here:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -43,6 +45,19 @@ def make_param(
     assert len(shape) == len(axes), (shape, axes)
     value = init(rngs.params(), tuple(shape), dtype)
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=_on_mesh())
+
+
+def keyed_rngs(rngs: nnx.Rngs, *path: str | int) -> nnx.Rngs:
+    """Fresh `Rngs` keyed by `path` under the base key of `rngs` (its count is neither read nor advanced).
+
+    Why: a part's random init must not depend on what was built before it, so a pipeline stage
+    holding layers [a, b) draws exactly what the whole model draws for them. Callers key layers by
+    their GLOBAL index (`keyed_rngs(rngs, "layer", first_layer + j)`) and other parts by name.
+    """
+    key = rngs.params.key[...]
+    for part in path:
+        key = jax.random.fold_in(key, part if isinstance(part, int) else zlib.crc32(part.encode()))
+    return nnx.Rngs(params=key)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

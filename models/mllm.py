@@ -9,7 +9,9 @@ Stages (each a module holding only its own parameters, so it can live on its own
                 (+ final norm, head and loss if last).
 `MLLM` is the unsplit model (one EncoderStage + one LLMStage holding everything) and
 `extract_stages` cuts it into stages that share its arrays, so split == unsplit by construction and
-gradients flow through every cut (each cut is an ordinary array boundary).
+gradients flow through every cut (each cut is an ordinary array boundary). Random init is keyed by part
+("vision", "projector", "text", "image_newline") and, inside, by global layer index, so a stage built
+on its own from the same rngs holds exactly the params the whole model holds for it.
 
 The config object (`LlavaOnevisionConfig` / `InternVLConfig`) provides: vision (ViTConfig, trimmed to
 the layers the feature layer needs), text (DecoderConfig), tokens_per_tile, drop_cls, shuffle_ratio,
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import DecoderStage
-from models.layers import extract_layer_range, make_param
+from models.layers import extract_layer_range, keyed_rngs, make_param
 from models.placement import flatten_tiles, place_features
 from models.projector import MlpProjector, pixel_shuffle, pool_tiles
 from models.vit import VisionStage
@@ -52,7 +54,7 @@ class EncoderStage(nnx.Module):
             num_layers=num_layers,
             has_embedding=has_embedding,
             has_head=has_head,
-            rngs=rngs,
+            rngs=keyed_rngs(rngs, "vision"),
         )
         if has_head:
             self.projector = MlpProjector(
@@ -63,7 +65,7 @@ class EncoderStage(nnx.Module):
                 pre_norm_eps=cfg.projector_norm_eps,
                 dtype=jnp.dtype(cfg.vision.dtype),
                 param_dtype=jnp.dtype(cfg.vision.param_dtype),
-                rngs=rngs,
+                rngs=keyed_rngs(rngs, "projector"),
             )
 
     def __call__(self, x: jax.Array, tile_pool: jax.Array | None = None) -> jax.Array:
@@ -106,12 +108,16 @@ class LLMStage(nnx.Module):
             num_layers=num_layers,
             has_embedding=has_embedding,
             has_head=has_head,
-            rngs=rngs,
+            rngs=keyed_rngs(rngs, "text"),
         )
         if has_embedding and cfg.has_newline:
             init = nnx.initializers.normal(cfg.text.hidden_size**-0.5)
             self.image_newline = make_param(
-                rngs, init, (cfg.text.hidden_size,), ("embed",), cfg.text.param_jnp_dtype
+                keyed_rngs(rngs, "image_newline"),
+                init,
+                (cfg.text.hidden_size,),
+                ("embed",),
+                cfg.text.param_jnp_dtype,
             )
 
     def embed(

@@ -23,7 +23,7 @@ from flax import nnx
 
 from models.attention import attention
 from models.decoder_config import REMAT_MODES
-from models.layers import constrain, make_param, run_layers
+from models.layers import constrain, keyed_rngs, make_param, run_layers
 
 NORMS = ("layer_norm", "rms_norm")
 ACTS = ("gelu_tanh", "gelu")
@@ -245,7 +245,10 @@ def patchify(pixels: jax.Array, patch: int) -> jax.Array:
 
 
 class VisionStage(nnx.Module):
-    """ViT layers [first_layer, first_layer + num_layers), with optional embedding and head."""
+    """ViT layers [first_layer, first_layer + num_layers), with optional embedding and head.
+
+    Random init is keyed like `models.decoder.DecoderStage` (global layer index; "embed", "head").
+    """
 
     def __init__(
         self,
@@ -267,19 +270,22 @@ class VisionStage(nnx.Module):
         self.first_layer, self.num_layers = first_layer, num_layers
         self.has_embedding, self.has_head = has_embedding, has_head
         if has_embedding:
-            p, d = cfg.patch_size, cfg.hidden_size
+            p, d, emb = cfg.patch_size, cfg.hidden_size, keyed_rngs(rngs, "embed")
             init = nnx.initializers.lecun_normal()
             self.patch_kernel = make_param(
-                rngs, init, (p * p * cfg.num_channels, d), ("patch", "embed"), pd
+                emb, init, (p * p * cfg.num_channels, d), ("patch", "embed"), pd
             )
-            self.patch_bias = make_param(rngs, nnx.initializers.zeros, (d,), ("embed",), pd)
+            self.patch_bias = make_param(emb, nnx.initializers.zeros, (d,), ("embed",), pd)
             normal = nnx.initializers.normal(0.02)
-            self.pos_embed = make_param(rngs, normal, (cfg.seq_len, d), ("pos", "embed"), pd)
+            self.pos_embed = make_param(emb, normal, (cfg.seq_len, d), ("pos", "embed"), pd)
             if cfg.cls_token:
-                self.cls = make_param(rngs, normal, (d,), ("embed",), pd)
-        self.layers = nnx.List([ViTLayer(cfg, rngs) for _ in range(num_layers)])
+                self.cls = make_param(emb, normal, (d,), ("embed",), pd)
+        self.layers = nnx.List(
+            [ViTLayer(cfg, keyed_rngs(rngs, "layer", first_layer + j)) for j in range(num_layers)]
+        )
         if has_head and cfg.post_norm:
-            self.post_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, pd, rngs)
+            head = keyed_rngs(rngs, "head")
+            self.post_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, pd, head)
 
     def embed(self, pixels: jax.Array) -> jax.Array:
         """pixels [T,H,W,C] (normalized) -> [T,N(+1),D] in the compute dtype."""

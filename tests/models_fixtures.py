@@ -132,3 +132,50 @@ TINY_TRAIN_DECODER = [
     "model.num_kv_heads=2",
     "model.head_dim=8",
 ]
+
+
+def save_tiny_llava_ov(path: Path, *, layers: int = 2, seed: int = 0, **text) -> Path:
+    """Tiny random LlavaOnevisionForConditionalGeneration (28 px tiles, 7 px patches) saved to `path`."""
+    import torch
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        image_size=28, patch_size=7, vision_use_head=False,
+    )  # fmt: skip
+    text_cfg = transformers.Qwen2Config(**{
+        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False, **text,
+    })  # fmt: skip
+    cfg = transformers.LlavaOnevisionConfig(
+        vision_config=vision.to_dict(), text_config=text_cfg.to_dict(), image_token_index=90,
+        video_token_index=91,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return _save(transformers.LlavaOnevisionForConditionalGeneration(cfg), path)
+
+
+def save_tiny_internvl(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
+    """Tiny random InternVLForConditionalGeneration (InternViT 28 px tiles + Qwen2) saved to `path`;
+    the vision tower's constant-initialized layer scales / CLS / positions are randomized."""
+    import torch
+    import transformers
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+
+    vision = InternVLVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        image_size=28, patch_size=7,
+    )  # fmt: skip
+    text = transformers.Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    cfg = transformers.InternVLConfig(
+        vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_id=90
+    )
+    torch.manual_seed(seed)
+    model = transformers.InternVLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.model.vision_tower.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return _save(model, path)

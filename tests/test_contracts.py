@@ -94,10 +94,10 @@ def test_resolved_plan_rejects_layouts_the_runtime_cannot_run():
 
 
 def test_model_config_builds_a_decoder_with_a_padded_vocabulary():
-    model, cfg = ModelConfig(kind="decoder", num_layers=1, hidden_size=32, intermediate_size=64,
-                             num_heads=2, num_kv_heads=1, head_dim=16).build(
-        300, tile_px=28, patch_size=14, compute_dtype="float32")  # fmt: skip
+    model = ModelConfig(kind="decoder", num_layers=1, hidden_size=32, intermediate_size=64,
+                        num_heads=2, num_kv_heads=1, head_dim=16)  # fmt: skip
+    cfg = model.model_config(300, tile_px=28, patch_size=14, compute_dtype="float32")
     assert cfg.vocab_size == 384  # 300 rounded up to a multiple of 128 (tp divides it)
-    assert model.stage.embed_tokens.weight.shape == (384, 32)
+    assert (cfg.hidden_size, cfg.num_layers, model.source) == (32, 1, 0)  # seed 0: random init
     arch = arch_of_model(cfg)
     assert arch.llm == llm_arch_from_config(cfg, "run-llm")

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from dflop_jax.runtime.sharding import rules_for
 from models.decoder import Decoder, extract_stage
-from models.hf import CheckpointError, load_decoder_stage, load_pretrained, save_pretrained
+from models.hf import CheckpointError, load_config, load_pretrained, load_stage, save_pretrained
 
 TOL = 1e-4
 
@@ -70,9 +70,10 @@ def test_load_onto_mesh_places_shards_directly(saved):
 
 def test_load_single_stage_equals_slice_of_full_model(saved):
     path, model, _ = saved
-    stage, _ = load_decoder_stage(
-        path, first_layer=1, num_layers=2, has_embedding=False, has_head=True
-    )
+    stage = load_stage(
+        path, load_config(path), "llm", first_layer=1, num_layers=2, has_embedding=False,
+        has_head=True,
+    )  # fmt: skip
     assert stage.cfg.tie_embeddings and hasattr(stage, "embed_tokens")  # head's copy of the table
     ref = extract_stage(model, first_layer=1, num_layers=2, has_embedding=False, has_head=True)
     _assert_same_params(stage, ref)

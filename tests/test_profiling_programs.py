@@ -10,7 +10,6 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,9 +19,8 @@ from dflop_jax.data.types import FEATURE_TAPS
 from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import StageShape, build_program
 from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_mllm_stages
+from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.scheduler.types import MicrobatchPlan
-from models.llava_onevision import LlavaOnevision
 
 TINY = model_config_for_arch("tiny", "bfloat16")
 CFG = dataclasses.replace(TINY, text=TINY.text.replace(vocab_size=511))
@@ -57,9 +55,7 @@ def _normalized(lowered) -> str:
 @pytest.fixture(scope="module")
 def trained():
     """Per stage: (spec, abstract runtime args of its forward and of its backward / fused last step)."""
-    with jax.default_device(jax.devices()[0]):
-        model = LlavaOnevision(CFG, rngs=nnx.Rngs(0))
-    stages = build_mllm_stages(model, LAYOUT, stage_meshes(LAYOUT), compute_dtype=DTYPE)
+    stages = build_stages(CFG, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=DTYPE)
     v = CFG.vision
     mb, _ = pack_microbatch(MicrobatchPlan(T, S, ((),)), [], [], encoder_dp=1, llm_dp=1,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),

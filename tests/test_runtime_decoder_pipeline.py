@@ -13,7 +13,7 @@ from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.checkpoint import key_name, model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_llm_stages
+from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import (
     OptimizerConfig,
     StageOptimizer,
@@ -76,7 +76,7 @@ def test_decoder_pipeline_matches_reference(order, tie):
         _microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)
     ]  # one bucket: one compile each
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_llm_stages(decoder, LAYOUT, stage_meshes(LAYOUT), compute_dtype=jnp.float32)
+    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
     tied = tied_groups(list(LAYOUT.stages), [s.params for s in stages])
     assert [[i for i, _ in group] for group in tied] == ([[0, 2]] if tie else [])

@@ -18,7 +18,7 @@ from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_mllm_stages
+from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from dflop_jax.train import run
 from models.internvit import InternViTConfig
@@ -81,7 +81,7 @@ def test_internvl_pipeline_matches_single_device():
     rng = np.random.default_rng(0)
     mbs = [_microbatch(rng, model.cfg.tokens_per_tile) for _ in range(3)]  # one shape: one compile
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_mllm_stages(model, LAYOUT, stage_meshes(LAYOUT), compute_dtype=jnp.float32)
+    stages = build_stages(model.cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
     # No host round trip: encoder features (data-sharded, dp 2) reach the LLM stage (replicated over
     # its 1 x 2 mesh) and their cotangents come back device to device.

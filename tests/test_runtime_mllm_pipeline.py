@@ -17,7 +17,7 @@ from dflop_jax.data.types import plain_taps
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_mllm_stages
+from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from models.decoder_config import DecoderConfig
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
@@ -114,7 +114,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def pipeline():
-    stages = build_mllm_stages(_model(), LAYOUT, stage_meshes(LAYOUT), compute_dtype=jnp.float32)
+    cfg = llava_onevision_config(VISION, TEXT)
+    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
     initial = [jax.device_get(s.params) for s in stages]
     return stages, [StageOptimizer(s, OPT.build()) for s in stages], initial
 

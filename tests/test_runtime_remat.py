@@ -11,9 +11,10 @@ import pytest
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.profiling.model_config import model_config_for_arch, with_remat
+from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import profile_mesh, stage_program
 from dflop_jax.runtime.config import TrainConfig
+from models.stages import with_remat
 
 TINY = model_config_for_arch("tiny", "float32")
 CFG = dataclasses.replace(
@@ -62,7 +63,7 @@ def test_remat_keeps_loss_and_grads_and_shrinks_temporaries(module):
 def test_model_config_remat_is_validated_and_applied(tmp_path):
     cfg = load_config(TrainConfig, None, ["model.vision_remat=full", "model.llm_remat=dots"])
     assert cfg.model.remat == {"vision": "full", "llm": "dots"}
-    _, model_cfg = cfg.model.build(512, tile_px=56, patch_size=14, compute_dtype="float32")
+    model_cfg = cfg.model.model_config(512, tile_px=56, patch_size=14, compute_dtype="float32")
     assert (model_cfg.vision.remat, model_cfg.text.remat) == ("full", "dots")
     with pytest.raises(ConfigError, match="model.llm_remat"):
         load_config(TrainConfig, None, ["model.llm_remat=some"])

@@ -7,8 +7,6 @@ LayerNorm + MLP projector) to `models.internvl.InternVLConfig`. Weights are rand
 
 from __future__ import annotations
 
-import dataclasses
-
 from dflop_jax.costs import MLLMArch, arch_from_configs, get_arch
 
 
@@ -64,17 +62,3 @@ def _internvl(arch: MLLMArch, vision: dict, text):
 def arch_for_model_config(model_cfg, name: str = "custom"):
     """The cost-model `MLLMArch` of a `models` MLLM config (inverse of `model_config_for_arch`)."""
     return arch_from_configs(model_cfg.vision, model_cfg.text, model_cfg.tokens_per_tile, name)
-
-
-def with_remat(model_cfg, remat: dict[str, str]):
-    """`model_cfg` with the per-module activation recomputation `remat` ({"vision": ..., "llm": ...},
-    each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder."""
-    from models.decoder_config import DecoderConfig
-
-    if isinstance(model_cfg, DecoderConfig):
-        return model_cfg.replace(remat=remat["llm"])
-    return dataclasses.replace(
-        model_cfg,
-        vision=model_cfg.vision.replace(remat=remat["vision"]),
-        text=model_cfg.text.replace(remat=remat["llm"]),
-    )

@@ -93,8 +93,18 @@ class ModelConfig:
         """The per-module policy, as plan.yaml records it ({"vision": ..., "llm": ...})."""
         return {"vision": self.vision_remat, "llm": self.llm_remat}
 
-    def build(self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str):
-        """The model with fp32 master params, random from `init_seed` or loaded from `hf_dir`.
+    @property
+    def source(self) -> int | str:
+        """Where the params come from (`runtime.model_stages.ParamSource`): the HF directory, else
+        the init seed."""
+        return self.hf_dir or self.init_seed
+
+    def model_config(
+        self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str
+    ):
+        """The `models` config of the model (fp32 master params): from the fields, or from `hf_dir`'s
+        config.json. No parameter is made here: each pipeline stage makes its own
+        (`runtime.model_stages.build_stages(model_cfg, layout, meshes, self.source)`).
 
         Args:
           tokenizer_vocab: the tokenizer's vocabulary (used when `vocab_size` is 0, padded to a
@@ -103,21 +113,17 @@ class ModelConfig:
           compute_dtype: dtype of the matmuls.
 
         Returns:
-          (model, model_cfg): a `models` nnx module (`Decoder`, `LlavaOnevision` or `InternVL`) and its
-          config.
+          A `DecoderConfig`, `LlavaOnevisionConfig` or `InternVLConfig`.
         """
-        import jax
-        from flax import nnx
-
-        from models.decoder import Decoder
         from models.decoder_config import DecoderConfig
 
         if self.hf_dir:
-            from dflop_jax.profiling.model_config import with_remat
-            from models.hf import load_pretrained
+            from models.hf import load_config
+            from models.stages import with_remat
 
-            return load_pretrained(self.hf_dir, dtype=compute_dtype, param_dtype="float32",
-                                   configure=lambda c: with_remat(c, self.remat))  # fmt: skip
+            return with_remat(
+                load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32"), self.remat
+            )
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
             hidden_size=self.hidden_size,
@@ -140,21 +146,17 @@ class ModelConfig:
             "dtype": compute_dtype,
             "remat": self.vision_remat,
         }
-        rngs = nnx.Rngs(self.init_seed)
-        with jax.default_device(jax.local_devices()[0]):
-            if self.kind == "decoder":
-                return Decoder(dcfg, rngs=rngs), dcfg
-            if self.kind == "internvl":
-                from models.internvit import InternViTConfig
-                from models.internvl import InternVL, internvl_config
+        if self.kind == "decoder":
+            return dcfg
+        if self.kind == "internvl":
+            from models.internvit import InternViTConfig
+            from models.internvl import internvl_config
 
-                mcfg = internvl_config(InternViTConfig(**vision), dcfg)
-                return InternVL(mcfg, rngs=rngs), mcfg
-            from models.llava_onevision import LlavaOnevision, llava_onevision_config
-            from models.siglip import SiglipConfig
+            return internvl_config(InternViTConfig(**vision), dcfg)
+        from models.llava_onevision import llava_onevision_config
+        from models.siglip import SiglipConfig
 
-            mcfg = llava_onevision_config(SiglipConfig(**vision), dcfg)
-            return LlavaOnevision(mcfg, rngs=rngs), mcfg
+        return llava_onevision_config(SiglipConfig(**vision), dcfg)
 
 
 # Sizes of a ModelConfig that must be >= 1.

@@ -6,16 +6,18 @@ The one builder of real-model stage programs, used by the trainer and by the mod
   stage_fns(graphdef, spec, rules, multimodal=...)   the stage's pure functions (`StageFns`)
   stage_blueprint(module, model_cfg, spec, mesh)     graphdef, state, shardings and functions of a module
   abstract_stage(model_cfg, spec, mesh)              the same for a fresh module, without arrays
-  build_llm_stages / build_mllm_stages               a whole pipeline from a model's params
+  init_stage(model_cfg, spec, mesh, source)          the same with params made in their sharding
+  build_stages(model_cfg, layout, meshes, source)    a whole pipeline
 The programs themselves come from `runtime/stages.py` (`stage_jits`). The profiler compiles
-`abstract_stage(...)` through `stage_jits`; the trainer places a cut of the model's params and wraps the
-same blueprint in a `StageProgram`.
+`abstract_stage(...)` through `stage_jits`; the trainer wraps `init_stage(...)` in a `StageProgram`.
 
 Two model kinds: a decoder-only LLM (`models.decoder.Decoder`, stage module `DecoderStage`) and a
 ViT + projector + decoder MLLM (`models.mllm.MLLM`, e.g. LLaVA-OneVision or InternVL; stage modules
-`EncoderStage`, `LLMStage`). Params are built ONCE for the whole model on the host's default device
-(seeded, or loaded from an HF directory) and then cut per stage and placed with the stage's rules, so
-every layout of a run starts from the same weights (the parity tests rely on it).
+`EncoderStage`, `LLMStage`). Each stage's params are made on its own mesh, never whole on one device or
+host: a seeded random init keyed by global layer index (so every layout of a run starts from the same
+weights, equal to the unsplit model built with the same seed: the parity tests rely on it), or the
+stage's own tensors of an HF checkpoint, read slice by slice. A stage with no device on this process
+holds abstract params (ShapeDtypeStructs with shardings).
 
 Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data"):
   encoder, first:   tiles [v_dp*T, H, W, 3] -> hidden [v_dp*T, N, Dv]
@@ -31,6 +33,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,10 +44,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.sharding import Rules, rules_for, state_shardings
-from dflop_jax.runtime.stages import StageFns, StageProgram, put_host
+from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
+from dflop_jax.runtime.stages import StageFns, StageProgram
 
 TAP_KEYS = ("feature_taps", "feature_weight")
+# Where a run's params come from: an int seed (keyed random init) or an HF model directory.
+ParamSource = int | str | os.PathLike
 
 
 def is_multimodal(model_cfg) -> bool:
@@ -162,24 +167,17 @@ def stage_blueprint(module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh) 
 
 
 def stage_module(model_cfg, spec: StageSpec, rngs: nnx.Rngs) -> nnx.Module:
-    """A fresh stage module of `spec` (the module class the model's `extract_*` functions cut)."""
+    """A fresh stage module of `spec` (`models.stages.stage_module`: random init keyed by global layer)."""
+    from models.stages import stage_module as build
+
     flags = dict(first_layer=spec.first_layer, num_layers=spec.num_layers,
                  has_embedding=spec.has_embedding, has_head=spec.has_head)  # fmt: skip
-    if not is_multimodal(model_cfg):
-        from models.decoder import DecoderStage
-
-        if spec.module == "encoder":
-            raise ValueError("a decoder-only model has no encoder stage; use module='llm'")
-        return DecoderStage(model_cfg, **flags, rngs=rngs)
-    from models.mllm import EncoderStage, LLMStage
-
-    cls = EncoderStage if spec.module == "encoder" else LLMStage
-    return cls(model_cfg, **flags, rngs=rngs)
+    return build(model_cfg, spec.module, **flags, rngs=rngs)
 
 
 def abstract_stage(model_cfg, spec: StageSpec, mesh: Mesh) -> StageBlueprint:
     """The blueprint of a fresh stage module without allocating it: `state` holds ShapeDtypeStructs
-    carrying their shardings (what the profiler compiles from)."""
+    carrying their shardings (what the profiler compiles from, and a non-local stage's params)."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(stage_rules(model_cfg, spec)):
         module = nnx.eval_shape(lambda: stage_module(model_cfg, spec, nnx.Rngs(0)))
     bp = stage_blueprint(module, model_cfg, spec, mesh)
@@ -189,62 +187,67 @@ def abstract_stage(model_cfg, spec: StageSpec, mesh: Mesh) -> StageBlueprint:
     return dataclasses.replace(bp, state=state)
 
 
-def _programs(modules, model_cfg, layout: Layout, meshes, compute_dtype) -> list[StageProgram]:
-    """One StageProgram per (module, stage, mesh); params copied via host so each stage owns its
-    buffers (updates donate them; the model keeps its own)."""
-    programs = []
-    for module, spec, mesh in zip(modules, layout.stages, meshes):
-        bp = stage_blueprint(module, model_cfg, spec, mesh)
-        params = jax.tree.map(put_host, jax.device_get(bp.state), bp.shardings)
-        programs.append(StageProgram(mesh, bp.fns, params, compute_dtype))
-    return programs
+def is_local(mesh: Mesh) -> bool:
+    """Whether this process owns a device of `mesh` (else the stage is NON-LOCAL here)."""
+    me = jax.process_index()
+    return any(d.process_index == me for d in mesh.devices.flat)
 
 
-def build_llm_stages(
-    decoder, layout: Layout, meshes: Sequence[Mesh], *, compute_dtype=jnp.bfloat16
-) -> list[StageProgram]:
-    """Decoder-only pipelines: one StageProgram per LLM stage of `layout` (no encoder stages).
+def init_stage(model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource) -> StageBlueprint:
+    """The blueprint of a stage with its params created directly in their stage sharding.
 
     Args:
-      decoder: a `models.decoder.Decoder` holding the full model's fp32 params (host / device 0).
-      layout: the layout (its encoder stages must be empty here).
+      source: an int seed (random init keyed by global layer index, equal to the same range of the
+        whole model built with `nnx.Rngs(seed)`) or an HF model directory (only this stage's tensors,
+        each device's slice read on its own: `models.hf.load_stage`).
+
+    A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
+    their shardings): nothing of it is compiled, read or allocated here.
+    """
+    if not is_local(mesh):
+        return abstract_stage(model_cfg, spec, mesh)
+    rules = stage_rules(model_cfg, spec)
+    if isinstance(source, int):
+        module = create_sharded(
+            lambda: stage_module(model_cfg, spec, nnx.Rngs(source)), mesh, rules
+        )
+    else:
+        from models.hf import load_stage
+
+        flags = dict(first_layer=spec.first_layer, num_layers=spec.num_layers,
+                     has_embedding=spec.has_embedding, has_head=spec.has_head)  # fmt: skip
+        module = load_stage(source, model_cfg, spec.module, **flags, mesh=mesh, rules=rules)
+    return stage_blueprint(module, model_cfg, spec, mesh)
+
+
+def build_stages(
+    model_cfg,
+    layout: Layout,
+    meshes: Sequence[Mesh],
+    source: ParamSource,
+    *,
+    compute_dtype=jnp.bfloat16,
+) -> list[StageProgram]:
+    """One StageProgram per stage of `layout` (encoder stages, then LLM stages), each stage's params
+    made on its own mesh (`init_stage`): the whole model never exists on one device or host.
+
+    Args:
+      model_cfg: a `DecoderConfig` (decoder-only: no encoder stages) or an MLLM config (LLaVA-OV,
+        InternVL: >= 1 encoder stage, the encoder runs on its own stages).
       meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
+      source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
     """
-    from models.decoder import extract_stage
-
-    if layout.encoder_stages:
-        raise ValueError(
-            "a decoder-only model has no encoder: give a layout without encoder stages"
-        )
-    modules = [
-        extract_stage(decoder, first_layer=s.first_layer, num_layers=s.num_layers,
-                      has_embedding=s.has_embedding, has_head=s.has_head)
-        for s in layout.stages
-    ]  # fmt: skip
-    return _programs(modules, decoder.cfg, layout, meshes, compute_dtype)
-
-
-def build_mllm_stages(
-    model, layout: Layout, meshes: Sequence[Mesh], *, compute_dtype=jnp.bfloat16
-) -> list[StageProgram]:
-    """One StageProgram per stage of `layout` (encoder stages, then LLM stages) of an MLLM.
-
-    Args:
-      model: a `models.mllm.MLLM` (e.g. `LlavaOnevision`) holding the full model's fp32 params.
-      layout: needs >= 1 encoder stage (the encoder runs on its own stages, never colocated).
-      meshes: one mesh per stage.
-      compute_dtype: dtype the stage programs compute in.
-    """
-    from models.mllm import extract_stages
-
-    if not layout.encoder_stages:
+    if is_multimodal(model_cfg) and not layout.encoder_stages:
         raise ValueError(
             "an MLLM layout needs at least one encoder stage; add encoder stages to the plan"
         )
-    encoders, llms = extract_stages(
-        model,
-        [s.num_layers for s in layout.encoder_stages],
-        [s.num_layers for s in layout.llm_stages],
-    )
-    return _programs(encoders + llms, model.cfg, layout, meshes, compute_dtype)
+    if not is_multimodal(model_cfg) and layout.encoder_stages:
+        raise ValueError(
+            "a decoder-only model has no encoder: give a layout without encoder stages"
+        )
+    programs = []
+    for spec, mesh in zip(layout.stages, meshes):
+        bp = init_stage(model_cfg, spec, mesh, source)
+        programs.append(StageProgram(mesh, bp.fns, bp.state, compute_dtype))
+    return programs

@@ -1,7 +1,7 @@
 """The training loop: stage meshes -> stage programs -> scheduler + loader -> pipelined steps -> metrics.
 
-    model, model_cfg = cfg.model.build(vocab, tile_px=..., patch_size=..., compute_dtype=...)
-    report = train(cfg, model, arch_of_model(model_cfg), resolved_plan)
+    model_cfg = cfg.model.model_config(vocab, tile_px=..., patch_size=..., compute_dtype=...)
+    report = train(cfg, model_cfg, arch_of_model(model_cfg), resolved_plan)
 
 (`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`; the plan comes from
 `dflop_jax.train_plan.resolve_plan`.) Per step: the loader yields a scheduled, packed `GlobalBatch`; the
@@ -44,7 +44,7 @@ from dflop_jax.runtime.metrics import (
     real_work,
     step_metrics,
 )
-from dflop_jax.runtime.model_stages import build_llm_stages, build_mllm_stages
+from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.stages import enable_compilation_cache
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -75,20 +75,21 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
 
 def train(
     cfg: TrainConfig,
-    model,
+    model_cfg,
     arch: MLLMArch,
     plan: ResolvedPlan,
     console: Console | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TrainReport:
-    """Trains `model` (consumed: its parameters move into the stage programs) on `plan`.
+    """Trains the model of `model_cfg` on `plan`, each stage's params made on its own mesh from
+    `cfg.model.source` (init seed or HF directory).
 
     Args:
       arch: the model's cost-model architecture (MFU).
       clock: times the stage programs of measured steps (tests pass a deterministic one).
     """
     console = console or Console(quiet=jax.process_index() != 0)
-    trainer = _Trainer(cfg, model, arch, plan, console, clock)
+    trainer = _Trainer(cfg, model_cfg, arch, plan, console, clock)
     metrics = MetricsLog(
         cfg.run_dir,
         cfg.log_every,
@@ -125,7 +126,7 @@ class _Trainer:
     """The parts of a run that live across steps (stages, optimizers, scheduler, loader, checkpoints)
     and the step itself."""
 
-    def __init__(self, cfg: TrainConfig, model, arch, plan: ResolvedPlan, console, clock):
+    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
         self.cfg, self.layout, self.arch, self.console, self.clock = (
             cfg,
             plan.layout,
@@ -135,8 +136,10 @@ class _Trainer:
         )
         meshes = stage_meshes(plan.layout)
         _print_plan(console, plan, meshes)
-        build = build_llm_stages if cfg.model.kind == "decoder" else build_mllm_stages
-        self.stages = build(model, plan.layout, meshes, compute_dtype=jnp.dtype(cfg.compute_dtype))
+        self.stages = build_stages(
+            model_cfg, plan.layout, meshes, cfg.model.source,
+            compute_dtype=jnp.dtype(cfg.compute_dtype),
+        )  # fmt: skip
         self.opts = [StageOptimizer(s, cfg.optimizer.build()) for s in self.stages]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)

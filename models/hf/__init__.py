@@ -1,4 +1,5 @@
-"""HF checkpoint import/export: `load_pretrained(path) -> (model, config)`, `save_pretrained`.
+"""HF checkpoint import/export: `load_pretrained(path) -> (model, config)`, `save_pretrained`, and one
+pipeline stage at a time: `load_config(path)` then `load_stage(path, config, module, ...)`.
 
 Dispatches on config.json `model_type` through `MODEL_TYPES` (each family registers one line here).
 """
@@ -12,7 +13,7 @@ import jax
 from flax import nnx
 
 from models.hf import internvl, llama, llava_onevision, qwen2, siglip
-from models.hf.causal_lm import decoder_name_map, load_decoder_stage
+from models.hf.causal_lm import decoder_name_map
 from models.hf.io import (
     CheckpointError,
     CheckpointReader,
@@ -24,6 +25,7 @@ from models.hf.io import (
     read_config,
     write_safetensors,
 )
+from models.stages import stage_module
 
 MODEL_TYPES: dict[str, ModelAdapter] = {
     "qwen2": qwen2.ADAPTER,
@@ -83,6 +85,55 @@ def load_pretrained(
     return model, cfg
 
 
+def load_config(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"):
+    """The model config of an HF directory (config.json only; no tensor is read)."""
+    hf_config = read_config(path)
+    return adapter_for(hf_config.get("model_type")).config_from_hf(hf_config, dtype, param_dtype)
+
+
+def load_stage(
+    path: str | Path,
+    config,
+    module: str,
+    *,
+    first_layer: int,
+    num_layers: int,
+    has_embedding: bool,
+    has_head: bool,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+) -> nnx.Module:
+    """One pipeline stage of an HF checkpoint: `models.stages.stage_module(config, module, ...)` filled
+    with only the tensors it holds (vision layers + projector for an encoder stage; a decoder layer
+    range + embedding and/or head for an LLM stage), each device's shard read as a slice.
+
+    Args:
+      config: the model config (`load_config(path, ...)`: its dtypes are the stage's).
+      module: "encoder" or "llm".
+      mesh, rules: place every tensor straight into its NamedSharding on `mesh` (only the shards of
+        this process's devices are read).
+    """
+    hf_config = read_config(path)
+    adapter = adapter_for(hf_config.get("model_type"))
+    if adapter.stage_name_map is None:
+        raise CheckpointError(
+            f"model_type={hf_config.get('model_type')!r} has no pipeline stages; load it with "
+            "load_pretrained"
+        )
+    reader = CheckpointReader(path)
+    flags = dict(first_layer=first_layer, num_layers=num_layers,
+                 has_embedding=has_embedding, has_head=has_head)  # fmt: skip
+    return load_state(
+        reader,
+        lambda: stage_module(config, module, **flags, rngs=nnx.Rngs(0)),
+        adapter.stage_name_map(config, reader.keys(), module, **flags),
+        full_keys=reader.keys(),  # other stages' keys are not this stage's concern
+        ignored=adapter.ignored_keys,
+        mesh=mesh,
+        rules=rules,
+    )
+
+
 def save_pretrained(
     model: nnx.Module,
     config,
@@ -119,8 +170,9 @@ __all__ = [
     "adapter_for",
     "decoder_name_map",
     "export_tensors",
-    "load_decoder_stage",
+    "load_config",
     "load_pretrained",
+    "load_stage",
     "load_state",
     "read_config",
     "save_pretrained",

@@ -8,22 +8,9 @@ lm_head.weight [V,D] (absent when tied). Our kernels are [in, ..., out] and head
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import jax
-from flax import nnx
-
-from models.decoder import Decoder, DecoderStage
+from models.decoder import Decoder
 from models.decoder_config import DecoderConfig
-from models.hf.io import (
-    CheckpointError,
-    CheckpointReader,
-    ModelAdapter,
-    NameMap,
-    TensorMap,
-    load_state,
-    read_config,
-)
+from models.hf.io import CheckpointError, ModelAdapter, NameMap, TensorMap
 from models.layers import Llama3RopeScaling
 
 IGNORED_KEYS = ("rotary_emb.inv_freq",)
@@ -208,47 +195,5 @@ def causal_lm_adapter(config_from_hf, config_to_hf, matches) -> ModelAdapter:
         name_map=lambda cfg: decoder_name_map(cfg),
         matches=matches,
         ignored_keys=IGNORED_KEYS,
+        stage_name_map=lambda cfg, keys, module, **flags: decoder_name_map(cfg, prefix=(), **flags),
     )
-
-
-def load_decoder_stage(
-    path: str | Path,
-    *,
-    first_layer: int,
-    num_layers: int,
-    has_embedding: bool,
-    has_head: bool,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    mesh: jax.sharding.Mesh | None = None,
-    rules=None,
-    adapter: ModelAdapter | None = None,
-) -> tuple[DecoderStage, DecoderConfig]:
-    """Loads only one pipeline stage's tensors (layers [first_layer, +num_layers), embedding, head).
-
-    adapter: default the registered adapter of config.json's `model_type` (qwen2, llama).
-    """
-    hf_config = read_config(path)
-    if adapter is None:
-        from models.hf import adapter_for  # the registry imports this module
-
-        adapter = adapter_for(hf_config.get("model_type"))
-    cfg = adapter.config_from_hf(hf_config, dtype, param_dtype)
-    stage_kw = dict(
-        first_layer=first_layer,
-        num_layers=num_layers,
-        has_embedding=has_embedding,
-        has_head=has_head,
-    )
-    name_map = decoder_name_map(cfg, prefix=(), **stage_kw)
-    full_keys = [tm.hf_key for tm in adapter.name_map(cfg).values()]
-    stage = load_state(
-        CheckpointReader(path),
-        lambda: DecoderStage(cfg, rngs=nnx.Rngs(0), **stage_kw),
-        name_map,
-        full_keys=full_keys,
-        ignored=adapter.ignored_keys,
-        mesh=mesh,
-        rules=rules,
-    )
-    return stage, cfg

@@ -196,25 +196,39 @@ def config_to_hf(cfg: InternVLConfig) -> dict:
     }
 
 
-def name_map(cfg: InternVLConfig) -> NameMap:
-    out = internvit_name_map(cfg.vision, prefix=("encoder", "vision"), hf_prefix="vision_tower.")
-    proj = ("encoder", "projector")
-    out[(*proj, "norm", "scale")] = TensorMap("multi_modal_projector.layer_norm.weight")
-    out[(*proj, "norm", "bias")] = TensorMap("multi_modal_projector.layer_norm.bias")
-    for j in (1, 2):
-        out[(*proj, f"linear_{j}")] = TensorMap(
-            f"multi_modal_projector.linear_{j}.weight", **transpose()
-        )
-        out[(*proj, f"bias_{j}")] = TensorMap(f"multi_modal_projector.linear_{j}.bias")
-    out.update(
-        decoder_name_map(
-            cfg.text,
-            prefix=("llm", "decoder"),
-            hf_body="language_model.model.",
-            hf_head="lm_head.weight",
-        )
+def encoder_name_map(cfg: InternVLConfig, *, prefix: tuple = (), **flags) -> NameMap:
+    """An `EncoderStage` (InternViT layers, + projector on the head stage) at state path `prefix`."""
+    out = internvit_name_map(
+        cfg.vision, prefix=(*prefix, "vision"), hf_prefix="vision_tower.", **flags
     )
+    if flags["has_head"]:
+        proj, hf = (*prefix, "projector"), "multi_modal_projector."
+        out[(*proj, "norm", "scale")] = TensorMap(f"{hf}layer_norm.weight")
+        out[(*proj, "norm", "bias")] = TensorMap(f"{hf}layer_norm.bias")
+        for j in (1, 2):
+            out[(*proj, f"linear_{j}")] = TensorMap(f"{hf}linear_{j}.weight", **transpose())
+            out[(*proj, f"bias_{j}")] = TensorMap(f"{hf}linear_{j}.bias")
     return out
+
+
+def llm_name_map(cfg: InternVLConfig, *, prefix: tuple = (), **flags) -> NameMap:
+    """An `LLMStage` (decoder layers; InternVL has no image newline) at state path `prefix`."""
+    return decoder_name_map(
+        cfg.text, prefix=(*prefix, "decoder"), hf_body="language_model.model.",
+        hf_head="lm_head.weight", **flags,
+    )  # fmt: skip
+
+
+def name_map(cfg: InternVLConfig) -> NameMap:
+    whole = dict(first_layer=0, has_embedding=True, has_head=True)
+    return {
+        **encoder_name_map(cfg, prefix=("encoder",), num_layers=cfg.vision.num_layers, **whole),
+        **llm_name_map(cfg, prefix=("llm",), num_layers=cfg.text.num_layers, **whole),
+    }
+
+
+def stage_name_map(cfg: InternVLConfig, keys: list[str], module: str, **flags) -> NameMap:
+    return (encoder_name_map if module == "encoder" else llm_name_map)(cfg, **flags)
 
 
 def _build_vision(cfg, rngs):
@@ -239,6 +253,7 @@ ADAPTER = ModelAdapter(
     name_map=name_map,
     matches=lambda cfg: isinstance(cfg, InternVLConfig),
     ignored_keys=IGNORED_KEYS,
+    stage_name_map=stage_name_map,
 )
 
 __all__ = ["ADAPTER", "VISION_ADAPTER", "internvit_config_from_hf", "internvit_name_map"]

@@ -6,8 +6,9 @@ A model family describes itself with a `ModelAdapter` (config conversion, module
 
 Name map: our flat state path (e.g. ("stage", "layers", 0, "attn", "q_kernel")) -> `TensorMap` (HF key,
 HF->ours and ours->HF array transforms). Loading places every tensor with `jax.make_array_from_callback`
-under its NamedSharding, so a device only ever receives its own shard; the host holds one whole
-tensor at a time (memory-mapped from the safetensors file).
+under its NamedSharding: the callback runs for this process's devices only and reads just the slice
+of the safetensors tensor that its shard needs (`models/hf/slices.py`), so a host never holds a whole
+tensor its devices do not keep whole. `CheckpointReader.bytes_read` counts what was read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+from models.hf.slices import Box, LazyView, index_box, read_box
 
 Path_ = tuple[Any, ...]
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,6 +68,9 @@ class ModelAdapter:
     name_map(config) -> NameMap for the module `build` returns
     matches(config) -> bool: whether `save_pretrained` should export this config with this adapter
     ignored_keys: HF keys that carry nothing we need (e.g. rotary caches), skipped silently.
+    stage_name_map(config, checkpoint_keys, module, **flags) -> NameMap of `models.stages.stage_module(
+      config, module, **flags)` (state paths from the stage's root); None for a model with no
+      pipeline stages (a bare vision tower).
     """
 
     config_from_hf: Callable[[dict, str, str], Any]
@@ -73,6 +79,7 @@ class ModelAdapter:
     name_map: Callable[[Any], NameMap]
     matches: Callable[[Any], bool]
     ignored_keys: tuple[str, ...] = ()
+    stage_name_map: Callable[..., NameMap] | None = None
 
 
 def read_config(path: str | Path) -> dict:
@@ -100,6 +107,7 @@ class CheckpointReader:
                 "save_pretrained(..., safe_serialization=True)"
             )
         self._handles: dict[Path, Any] = {}
+        self.bytes_read = 0
 
     @staticmethod
     def _keys_of(file: Path) -> dict[str, Path]:
@@ -123,7 +131,26 @@ class CheckpointReader:
         return tuple(self._handle(key).get_slice(key).get_shape())
 
     def get(self, key: str) -> np.ndarray:
-        return self._handle(key).get_tensor(key)
+        out = self._handle(key).get_tensor(key)
+        self.bytes_read += out.nbytes
+        return out
+
+    def read(self, key: str, view: LazyView, box: Box) -> np.ndarray:
+        """The block `box` of our layout of tensor `key` (`view` = to_ours(LazyView(shape))), reading
+        only the aligned box of the stored tensor that it needs."""
+        return read_box(view, _Counted(self, self._handle(key).get_slice(key)), box)
+
+
+class _Counted:
+    """A safetensors slice handle that adds what it reads to its reader's `bytes_read`."""
+
+    def __init__(self, reader: CheckpointReader, handle):
+        self.reader, self.handle = reader, handle
+
+    def __getitem__(self, index):
+        out = self.handle[index]
+        self.reader.bytes_read += out.nbytes
+        return out
 
 
 def write_safetensors(
@@ -197,10 +224,16 @@ def _check_coverage(
         )
 
 
-def _place(host: np.ndarray, sharding) -> jax.Array:
+def _load(reader: CheckpointReader, tm: TensorMap, var, sharding) -> jax.Array:
+    """One parameter: whole onto the default device, or each addressable shard read on its own."""
+    view = tm.to_ours(LazyView(reader.shape(tm.hf_key)))
+
+    def block(index) -> np.ndarray:
+        return reader.read(tm.hf_key, view, index_box(index, var.shape)).astype(var.dtype)
+
     if sharding is None:
-        return jnp.asarray(host)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jnp.asarray(block(()))
+    return jax.make_array_from_callback(tuple(var.shape), sharding, block)
 
 
 def load_state(
@@ -235,10 +268,8 @@ def load_state(
     _check_coverage(reader, abs_flat, name_map, ignored, full_keys)
     flat = []
     for path, var in abs_flat:
-        tm = name_map[path]
-        host = np.asarray(tm.to_ours(reader.get(tm.hf_key))).astype(var.dtype)
         sharding = None if shardings is None else shardings[path].get_value()
-        flat.append((path, var.replace(_place(host, sharding))))
+        flat.append((path, var.replace(_load(reader, name_map[path], var, sharding))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

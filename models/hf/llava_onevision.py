@@ -139,23 +139,49 @@ def config_to_hf(cfg: LlavaOnevisionConfig) -> dict:
     }
 
 
+def encoder_name_map(
+    cfg: LlavaOnevisionConfig, layout: KeyLayout, *, prefix: tuple = (), **flags
+) -> NameMap:
+    """An `EncoderStage` (SigLIP layers, + projector on the head stage) at state path `prefix`."""
+    out = siglip_name_map(cfg.vision, prefix=(*prefix, "vision"), hf_prefix=layout.vision, **flags)
+    if flags["has_head"]:
+        for j in (1, 2):
+            out[(*prefix, "projector", f"linear_{j}")] = TensorMap(
+                f"{layout.projector}linear_{j}.weight", **transpose()
+            )
+            if cfg.projector_bias:
+                out[(*prefix, "projector", f"bias_{j}")] = TensorMap(
+                    f"{layout.projector}linear_{j}.bias"
+                )
+    return out
+
+
+def llm_name_map(cfg: LlavaOnevisionConfig, layout: KeyLayout, *, prefix: tuple = (), **flags):
+    """An `LLMStage` (Qwen2 layers, + image newline on the embedding stage) at state path `prefix`."""
+    out = decoder_name_map(
+        cfg.text, prefix=(*prefix, "decoder"), hf_body=layout.text_body, hf_head=layout.text_head,
+        **flags,
+    )  # fmt: skip
+    if flags["has_embedding"]:
+        out[(*prefix, "image_newline")] = TensorMap(layout.newline)
+    return out
+
+
 def name_map(cfg: LlavaOnevisionConfig, layout: KeyLayout = LAYOUT_SAVED) -> NameMap:
     """Every parameter of `LlavaOnevision(cfg)` with its HF key in `layout`."""
-    out = siglip_name_map(cfg.vision, prefix=("encoder", "vision"), hf_prefix=layout.vision)
-    proj = ("encoder", "projector")
-    for j in (1, 2):
-        out[(*proj, f"linear_{j}")] = TensorMap(
-            f"{layout.projector}linear_{j}.weight", **transpose()
-        )
-        if cfg.projector_bias:
-            out[(*proj, f"bias_{j}")] = TensorMap(f"{layout.projector}linear_{j}.bias")
-    out[("llm", "image_newline")] = TensorMap(layout.newline)
-    out.update(
-        decoder_name_map(
-            cfg.text, prefix=("llm", "decoder"), hf_body=layout.text_body, hf_head=layout.text_head
-        )
-    )
-    return out
+    whole = dict(first_layer=0, has_embedding=True, has_head=True)
+    return {
+        **encoder_name_map(
+            cfg, layout, prefix=("encoder",), num_layers=cfg.vision.num_layers, **whole
+        ),
+        **llm_name_map(cfg, layout, prefix=("llm",), num_layers=cfg.text.num_layers, **whole),
+    }
+
+
+def stage_name_map(cfg: LlavaOnevisionConfig, keys: list[str], module: str, **flags) -> NameMap:
+    """One stage's name map, in the key layout the checkpoint uses."""
+    stage_map = encoder_name_map if module == "encoder" else llm_name_map
+    return stage_map(cfg, detect_layout(keys), **flags)
 
 
 ADAPTER = ModelAdapter(
@@ -165,6 +191,7 @@ ADAPTER = ModelAdapter(
     name_map=name_map,
     matches=lambda cfg: isinstance(cfg, LlavaOnevisionConfig),
     ignored_keys=IGNORED_KEYS,
+    stage_name_map=stage_name_map,
 )
 
 

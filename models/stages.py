@@ -1,0 +1,56 @@
+"""The stage module of a model config: one pipeline stage built on its own (never cut from a whole model).
+
+    stage_module(cfg, "llm", first_layer=2, num_layers=3, has_embedding=False, has_head=True, rngs=...)
+
+A `DecoderConfig` gives `DecoderStage`s (module "llm" only); an MLLM config (LLaVA-OV, InternVL) gives
+`EncoderStage` ("encoder": vision layers, + patch embedding if first, + projector if last) or
+`LLMStage` ("llm"). Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
+so `stage_module(cfg, ..., rngs=nnx.Rngs(s))` holds exactly the params that the whole model built with
+`nnx.Rngs(s)` holds for that range: a stage can be initialized alone, in its own sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from models.decoder import DecoderStage
+from models.decoder_config import DecoderConfig
+from models.mllm import EncoderStage, LLMStage
+
+MODULES = ("encoder", "llm")
+
+
+def stage_module(
+    cfg,
+    module: str,
+    *,
+    first_layer: int,
+    num_layers: int,
+    has_embedding: bool,
+    has_head: bool,
+    rngs: nnx.Rngs,
+) -> nnx.Module:
+    """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`."""
+    if module not in MODULES:
+        raise ValueError(f"stage module={module!r}; use one of {MODULES}")
+    flags = dict(first_layer=first_layer, num_layers=num_layers,
+                 has_embedding=has_embedding, has_head=has_head, rngs=rngs)  # fmt: skip
+    if isinstance(cfg, DecoderConfig):
+        if module == "encoder":
+            raise ValueError("a decoder-only model has no encoder stage; use module='llm'")
+        return DecoderStage(cfg, **flags)
+    return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
+
+
+def with_remat(model_cfg, remat: dict[str, str]):
+    """`model_cfg` with the per-module activation recomputation `remat` ({"vision": ..., "llm": ...},
+    each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder."""
+    if isinstance(model_cfg, DecoderConfig):
+        return model_cfg.replace(remat=remat["llm"])
+    return dataclasses.replace(
+        model_cfg,
+        vision=model_cfg.vision.replace(remat=remat["vision"]),
+        text=model_cfg.text.replace(remat=remat["llm"]),
+    )
