@@ -76,12 +76,17 @@ def in_flight(num_stages: int, microbatches: int, schedule: str) -> list[int]:
     return [min(num_stages - s, microbatches) for s in range(num_stages)]
 
 
+def stage_in_flight(cand: Candidate, config: PlannerConfig) -> list[int]:
+    """Per stage, the microbatches alive at once at the most microbatches the scheduler may use."""
+    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
+    return in_flight(cand.layout.num_stages, most, config.schedule)
+
+
 def stage_memory_bytes(
     provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig
 ) -> list[float]:
     """Peak bytes per device of each stage at the largest buckets with its in-flight activations."""
-    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
-    counts = in_flight(cand.layout.num_stages, most, config.schedule)
+    counts = stage_in_flight(cand, config)
     return [m.total() for m in layout_memory(provider, cand.layout, buckets, counts)]
 
 

@@ -6,7 +6,8 @@ Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
    pipelined candidates also come with a cost-balanced layer split of each module (planner/balance.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
-   exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
+   exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded; a pipelined one
+   first gets a memory-balanced split (fewer layers where more microbatches are in flight) too;
 3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
    `screen_per_group` per (microbatch count, colocated encoder or not);
 4. score: expected step time over K sampled global batches through the online scheduler (greedy) and
@@ -33,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.planner.balance import balanced_layout
+from dflop_jax.planner.balance import balanced_layout, memory_balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
 from dflop_jax.planner.config import PlannerConfig
@@ -56,6 +57,7 @@ from dflop_jax.planner.scoring import (
     online_scheduler,
     problem_for,
     sample_batches,
+    stage_in_flight,
     stage_memory_bytes,
 )
 from dflop_jax.planner.variants import ProviderVariants, can_vary
@@ -209,11 +211,19 @@ def _screen_all(
         provider = variants.get(cand.layout, cand.remat)
         out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
         if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
-            t, s = mean_shape_buckets(cand, out[-1].buckets, stats, config)
-            layout = balanced_layout(provider, cand.layout, out[-1].costs.stage(t, s), t, s)
-            if layout != cand.layout:
-                variant = dataclasses.replace(cand, layout=layout)
-                out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
+            even = out[-1]
+            t, s = mean_shape_buckets(cand, even.buckets, stats, config)
+            layouts = [balanced_layout(provider, cand.layout, even.costs.stage(t, s), t, s)]
+            if max(even.memory) > usable:  # may fit with fewer layers where more are in flight
+                largest = (even.buckets.tiles[-1], even.buckets.lengths[-1])
+                counts = stage_in_flight(cand, config)
+                layouts.append(
+                    memory_balanced_layout(provider, cand.layout, even.memory, largest, counts)
+                )
+            for layout in dict.fromkeys(layouts):  # distinct, in order
+                if layout != cand.layout:
+                    variant = dataclasses.replace(cand, layout=layout)
+                    out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
         if i % 64 == 0 or i == len(cands) - 1:
             report("screen", i + 1, len(cands))
     return out
