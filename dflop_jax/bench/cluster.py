@@ -55,10 +55,9 @@ from dflop_jax.planner import (
 from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
-from dflop_jax.planner.variants import plan_provider
+from dflop_jax.planner.variants import plan_costs, plan_virtual_layout
 from dflop_jax.scheduler import Schedule, llava_ov_mix, omnibal_shapes
 from dflop_jax.scheduler.baselines import BASELINES, run_baselines
-from dflop_jax.sim import simulate
 
 MODELS = {
     "llava-ov": ("siglip-so400m+qwen2.5-7b", "llava-ov"),
@@ -107,7 +106,9 @@ def evaluate(plan: Plan, batches, scheduler, costs: LayoutCosts, dynamic: bool =
                 [costs.stage(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
             )
             loads = [(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
-        res = simulate(times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule)
+        res = costs.simulate(
+            times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule
+        )
         useful = shard.mean(axis=1).sum()
         rows.append((res.step_time, res.idle_fraction, 1 - useful / (res.num_stages * res.step_time),
                      0.0 if dynamic else sched.info["padding_tokens"]))  # fmt: skip
@@ -182,10 +183,7 @@ def run_case(
     if not isinstance(dflop, Plan) or not isinstance(blind, Plan):
         raise PlanningError(f"DFLOP: {_outcome(dflop, arch)}; data-blind: {_outcome(blind, arch)}")
     batches = sample_batches(shapes, config.global_batch, eval_batches, EVAL_SEED)
-    d_costs, b_costs = (
-        LayoutCosts.build(plan_provider(dflop, provider), dflop.layout),
-        LayoutCosts.build(plan_provider(blind, provider), blind.layout),
-    )
+    d_costs, b_costs = plan_costs(dflop, provider), plan_costs(blind, provider)
     d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
     b = evaluate(blind, batches, data_blind_scheduler(), b_costs)
     bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
@@ -221,7 +219,8 @@ def _outcome(plan: Plan | PlanningError, arch) -> str:
 
 def _layout_cell(plan: Plan, arch) -> str:
     """e.g. "enc@llm0 / llm tp4 pp1 dp8 M=8 remat, enc heads 25->28"."""
-    out = f"{describe_layout(plan.layout)} M={plan.microbatches}".replace(" | ", " / ")
+    layout, chunks = plan_virtual_layout(plan)
+    out = f"{describe_layout(layout, chunks)} M={plan.microbatches}".replace(" | ", " / ")
     remat = plan.search["remat"]
     out += "" if remat is None else (" remat" if remat else " no-remat")
     heads = plan.search["encoder_heads"]

@@ -18,7 +18,9 @@ Per-stage orders (non-interleaved, as in Megatron-LM's `forward_backward_pipelin
   microbatch (i // (P v)) x P + i % P of chunk (i // P) % v going forward (chunk v - 1 - that going
   backward); it runs `min((P - d - 1) x 2 + (v - 1) x P, M v)` warm-up forwards (all of them when
   M = P), then one forward / one backward, then the cool-down backwards. M must be a multiple of P
-  (Megatron's own requirement for this schedule). With v = 1 it is plain 1F1B.
+  (Megatron's own requirement for this schedule; with a shorter last group of microbatches taken
+  through the chunks the same way, this order deadlocks, e.g. P = 4, v = 3, M = 5). With v = 1 it is
+  plain 1F1B.
 
 For uniform stages (forward f, backward b, zero transfer) 1F1B and GPipe give a step time of
 (M + P - 1) * (f + b); interleaving with v chunks of f / v, b / v cuts the bubble to (P - 1)(f + b) / v.
