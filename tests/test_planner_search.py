@@ -286,3 +286,45 @@ def test_memory_balanced_split_lets_a_70b_llm_fit_where_the_even_split_does_not(
     llm = [s.num_layers for s in plan.layout.llm_stages]
     assert len(llm) == 3 and llm[0] < llm[1] < llm[2]
     assert max(plan.stage_memory_bytes) <= plan.memory_capacity_bytes
+
+
+def test_colocated_encoder_at_its_own_tp_costs_like_that_encoder_stage():
+    from dflop_jax.costs import layout_memory, layout_stage_costs
+    from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.planner.candidates import module_stages
+
+    arch = get_arch("siglip-6b+qwen2.5-7b")
+    provider = AnalyticCostProvider(arch, get_device("h100"), remat=True)
+    llm = module_stages("llm", arch.llm.num_layers, 4, 1, 8)
+    own = Layout((), llm, colocated_encoder_tp=1)
+    assert (own.encoder_dp, own.encoder_tp, own.num_devices) == (32, 1, 32)
+    enc = StageSpec("encoder", 0, arch.vision.num_layers, tp=1, dp=32, has_embedding=True,
+                    has_head=True)  # fmt: skip
+    got = layout_stage_costs(provider, own)(3, 4096)
+    llm_only = layout_stage_costs(provider, Layout((enc,), llm))(3, 4096)[1]
+    np.testing.assert_allclose(got[0], llm_only + np.asarray(provider.stage_time(enc, 3)))
+    mem = layout_memory(provider, own, (3, 4096), 1)[0]
+    sep = layout_memory(provider, Layout((enc,), llm), (3, 4096), 1)
+    assert mem.params == pytest.approx(sep[0].params + sep[1].params)
+    with pytest.raises(ValueError, match="colocated_encoder_tp=3"):
+        Layout((), llm, colocated_encoder_tp=3)
+    with pytest.raises(ValueError, match="colocated_encoder_tp=1"):
+        Layout((enc,), llm, colocated_encoder_tp=1)
+
+
+def test_planner_colocates_the_encoder_at_a_smaller_tp_when_faster(tmp_path):
+    """SigLIP-6B + Qwen2.5-7B on 32 H100s: the LLM at tp 4 and the 2.4B encoder on the same devices at
+    tp 2 (twice the replicas, less tp communication) beat the encoder at tp 4; the plan file keeps it."""
+    from dflop_jax.planner import load_plan, save_plan
+    from dflop_jax.scheduler import llava_ov_mix
+
+    cfg = PlannerConfig(global_batch=128, samples=1, tp=(1, 2, 4), llm_pp=(1,), encoder_pp=(1,),
+                        microbatches=(8,), remat=(True,))  # fmt: skip
+    plan = make_plan("siglip-6b+qwen2.5-7b", "h100", 32, llava_ov_mix(500, 0), cfg)
+    lay = plan.layout
+    assert not lay.encoder_stages and lay.llm_stages[0].tp == 4
+    assert (
+        lay.colocated_encoder_tp in (1, 2) and lay.encoder_dp == 8 * 4 // lay.colocated_encoder_tp
+    )
+    save_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").layout == lay

@@ -80,7 +80,7 @@ def _rebalanced_layout(layout: Layout, totals: np.ndarray, slopes, buckets: tupl
     llm = _rebalanced(layout.llm_stages, totals[e:], slopes, buckets[1])
     if enc == layout.encoder_stages and llm == layout.llm_stages:
         return layout
-    return Layout(enc, llm)
+    return dataclasses.replace(layout, encoder_stages=enc, llm_stages=llm)
 
 
 def _rebalanced(stages: tuple[StageSpec, ...], totals, slopes, bucket: int):

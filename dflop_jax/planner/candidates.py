@@ -1,7 +1,8 @@
 """Enumerating candidate layouts: device split, per-module tp/pp/dp, microbatch count, bucket ladder size.
 
 DFLOP search: LLM (tp, pp, dp) times either a separate encoder (tp, pp, dp) on its own devices or the
-encoder colocated on the first LLM stage, using between `num_devices - max_idle_devices` and
+encoder colocated on the first LLM stage (at that stage's tp or at its own, a divisor of it, with
+tp / encoder tp replicas per LLM replica: `Layout.colocated_encoder_tp`), using between `num_devices - max_idle_devices` and
 `num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
 (it must divide the LLM's heads; the encoder's heads are padded up to a multiple of it, Megatron's way,
 when `pad_heads`, else they must divide too), dp = devices / (tp x pp). Either search crosses its
@@ -40,6 +41,7 @@ class Candidate:
         """A stable, total order of candidates (the last tie-break; remat off before on)."""
         return (
             tuple((s.module, s.first_layer, s.num_layers, s.tp, s.dp) for s in self.layout.stages),
+            self.layout.colocated_encoder_tp or 0,
             self.chunks,
             self.microbatches,
             self.num_buckets,
@@ -69,7 +71,7 @@ def physical_layout(virtual: Layout, chunks: int) -> Layout:
             f"encoder stages do not make {chunks} chunks per colocated LLM stage"
         )
     llm, p = virtual.llm_stages, len(virtual.llm_stages) // chunks
-    return Layout((), tuple(
+    return dataclasses.replace(virtual, llm_stages=tuple(
         dataclasses.replace(llm[d], num_layers=sum(llm[c * p + d].num_layers for c in range(chunks)),
                             has_embedding=d == 0, has_head=d == p - 1)
         for d in range(p)
@@ -77,8 +79,9 @@ def physical_layout(virtual: Layout, chunks: int) -> Layout:
 
 
 def describe_layout(layout: Layout, chunks: int = 1) -> str:
-    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7", "enc@llm0 | llm tp2 pp1 dp8", or with virtual
-    stages "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage)."""
+    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7", "enc@llm0 | llm tp2 pp1 dp8", a colocated
+    encoder at its own tp "enc@llm0 tp1 dp32 | llm tp4 pp1 dp8", or with virtual stages
+    "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage)."""
 
     def part(name: str, stages: tuple[StageSpec, ...], v: int = 1) -> str:
         split = f"[{'+'.join(str(s.num_layers) for s in stages)}]" if len(stages) > 1 else ""
@@ -86,6 +89,8 @@ def describe_layout(layout: Layout, chunks: int = 1) -> str:
         return f"{name} tp{stages[0].tp} pp{pp}{split} dp{stages[0].dp}"
 
     enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
+    if layout.colocated_encoder_tp is not None:
+        enc += f" tp{layout.colocated_encoder_tp} dp{layout.encoder_dp}"
     return f"{enc} | {part('llm', layout.llm_stages, chunks)}"
 
 
@@ -145,8 +150,9 @@ def enumerate_candidates(
     for tp, pp, dp in _module_shapes(llm_tps, config.llm_pp, lm.num_layers, num_devices):
         llm = module_stages("llm", lm.num_layers, tp, pp, dp)
         used = tp * pp * dp
-        if config.colocate and used >= low and tp in enc_tps:
-            layouts.append(Layout((), llm))
+        if config.colocate and used >= low:  # the encoder at any tp dividing the stage's
+            for etp in (t for t in enc_tps if tp % t == 0):
+                layouts.append(Layout((), llm, None if etp == tp else etp))
         for etp, epp, edp in _module_shapes(
             enc_tps, config.encoder_pp, v.num_layers, num_devices - used
         ):

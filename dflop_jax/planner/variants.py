@@ -10,14 +10,16 @@ model at one remat setting).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dflop_jax.costs import AnalyticCostProvider
 from dflop_jax.costs.architectures import pad_vision_heads
 from dflop_jax.costs.layout import Layout, StageSpec
 
 
 def encoder_tp(layout: Layout) -> int:
-    """The encoder's tp: its own stages' or, colocated, LLM stage 0's."""
-    return (layout.encoder_stages or layout.llm_stages)[0].tp
+    """The encoder's tp (`Layout.encoder_tp`)."""
+    return layout.encoder_tp
 
 
 def can_vary(provider) -> bool:
@@ -82,7 +84,7 @@ def plan_virtual_layout(plan) -> tuple[Layout, int]:
         start = sum(counts[:j])
         out.append(StageSpec("llm", start, n, tp=first.tp, dp=first.dp, has_embedding=j == 0,
                              has_head=j == len(counts) - 1))  # fmt: skip
-    return Layout(plan.layout.encoder_stages, tuple(out)), chunks
+    return dataclasses.replace(plan.layout, llm_stages=tuple(out)), chunks
 
 
 def plan_costs(plan, base):
