@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -156,6 +157,12 @@ def _check_inputs(times: np.ndarray, transfer) -> tuple[np.ndarray, np.ndarray]:
     return times, xfer
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_order(schedule: str, device: int, p: int, m: int, chunks: int) -> tuple:
+    """`device_order` memoized: the planner simulates the same (P, M) thousands of times."""
+    return tuple(device_order(schedule, device, p, m, chunks))
+
+
 def _check_schedule(schedule: str, num_virtual: int, chunks: int) -> int:
     """The number of device groups P; raises ValueError for an unknown schedule or bad chunking."""
     if schedule not in SCHEDULES:
@@ -187,7 +194,7 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
     times, xfer = _check_inputs(times, transfer)
     m, nv, _ = times.shape
     p = _check_schedule(schedule, nv, chunks)
-    orders = [device_order(schedule, d, p, m, chunks) for d in range(p)]
+    orders = [_cached_order(schedule, d, p, m, chunks) for d in range(p)]
     # plain Python lists: this loop is the planner's inner loop, and list indexing is ~10x numpy's
     dur = times.tolist()  # [M][V][2]
     hop = xfer.tolist()  # [M][V-1]
