@@ -8,13 +8,15 @@ global batch 4 samples per GPU), with analytic costs under full activation recom
 7B multimodal training runs do; without it few layouts fit 80 GB at these batch sizes).
 `--paper`: the DFLOP paper's model set (`PAPER_MODELS`: SigLIP 400M / "1B" / "6B" on the LLaVA-OV mix,
 InternViT 300M / 1B / 6B on the OmniBal statistics, with Qwen2.5 7B / 32B / 72B and Llama3 8B / 70B) at
-32, 64 and 128 H100s; both planners there also choose remat on or off per layout and the encoder may
-take up to 4 pipeline stages.
+32, 64 and 128 H100s; both planners there also choose remat on or off per layout, the encoder may
+take up to 4 pipeline stages and the LLM any depth up to 8; the data-blind baseline may also interleave
+2 virtual stages per LLM stage (Megatron's interleaved 1F1B) and DFLOP may colocate the encoder at its
+own tp.
 
 - DFLOP: `make_plan(mode="dflop")`, then the online scheduler (greedy) on every evaluation batch;
 - data-blind: `make_plan(mode="uniform")` (encoder colocated on the first LLM stage, one tp/pp/dp,
-  encoder heads padded to that tp as Megatron does, chosen with mean shapes), then the data-blind
-  scheduler (loader order, largest bucket);
+  encoder heads padded to that tp as Megatron does, virtual stages with `--paper`, chosen with mean
+  shapes), then the data-blind scheduler (loader order, largest bucket);
 - data-blind, dynamic shapes: the same layout and microbatches, but each microbatch costs what its real
   load costs (as in a variable-shape PyTorch/Megatron run: no padding, stages wait on each other).
 
@@ -289,8 +291,10 @@ def _settings(args) -> tuple[list[int], list[str], int, int]:
 
 
 def _planner_config(n: int, args) -> PlannerConfig:
-    """Global batch 4 per GPU; `--paper` also searches remat on/off and up to 4 encoder stages."""
-    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4)} if args.paper else {}
+    """Global batch 4 per GPU; `--paper` also searches remat on/off, up to 4 encoder stages, every
+    LLM pipeline depth up to 8 and (the data-blind baseline) 2 virtual stages per LLM stage."""
+    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": tuple(range(1, 9)),
+             "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
     return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 
