@@ -237,3 +237,94 @@ def test_balanced_split_moves_encoder_layers_off_the_projector_stage_only_within
     assert [s.num_layers for s in out.encoder_stages] == [5, 3]
     assert [s.first_layer for s in out.encoder_stages] == [0, 5]
     assert out.encoder_stages[1].has_head and out.llm_stages == layout.llm_stages
+
+
+class LayerMemory:
+    """A provider whose stage memory is 1 byte of state + 1 byte of activations per layer."""
+
+    def stage_memory(self, stage, bucket):
+        from dflop_jax.costs.memory import StageMemory
+
+        n = float(stage.num_layers)
+        return StageMemory(n, 0.0, 0.0, n, 0.0)
+
+
+def test_memory_balanced_split_minimizes_the_peak_over_all_splits():
+    import itertools
+
+    from dflop_jax.costs.layout import Layout
+    from dflop_jax.planner.balance import memory_balanced_layout
+    from dflop_jax.planner.candidates import module_stages
+
+    # 12 LLM layers on 3 stages, 1F1B in flight [3, 2, 1]: a layer costs 1 + in_flight bytes there;
+    # stage 0 also holds a 2-byte colocated encoder. Even split [4, 4, 4] peaks at 2 + 16 = 18.
+    layout = Layout((), module_stages("llm", 12, 1, 3, 1))
+    in_flight, extra = [3, 2, 1], [2.0, 0.0, 0.0]
+
+    def peak(split):
+        return max(extra[s] + n * (1 + in_flight[s]) for s, n in enumerate(split))
+
+    even = [extra[s] + 4 * (1 + in_flight[s]) for s in range(3)]
+    out = memory_balanced_layout(LayerMemory(), layout, even, (1, 64), in_flight)
+    split = [s.num_layers for s in out.llm_stages]
+    best = min(
+        peak(c) for c in itertools.product(range(1, 11), repeat=3) if sum(c) == 12
+    )  # brute force over every split
+    assert sum(split) == 12 and peak(split) == best < peak([4, 4, 4])
+    assert [s.first_layer for s in out.llm_stages] == [0, split[0], split[0] + split[1]]
+    assert out.llm_stages[0].has_embedding and out.llm_stages[2].has_head
+
+
+def test_memory_balanced_split_lets_a_70b_llm_fit_where_the_even_split_does_not():
+    """InternViT-6B + Qwen2.5-72B on 32 H100s: before, no DFLOP layout fitted (closest over by 0.6 GiB
+    with an even 27+27+26 LLM split); the memory-balanced split moves layers to the later stages."""
+    from dflop_jax.scheduler import omnibal_shapes
+
+    cfg = PlannerConfig(global_batch=128, samples=1, remat=(True,), encoder_pp=(4,), llm_pp=(3,),
+                        tp=(1, 8), microbatches=(64,), screen_top=1, screen_per_group=0)  # fmt: skip
+    plan = make_plan("internvit-6b+qwen2.5-72b", "h100", 32, omnibal_shapes(), cfg)
+    llm = [s.num_layers for s in plan.layout.llm_stages]
+    assert len(llm) == 3 and llm[0] < llm[1] < llm[2]
+    assert max(plan.stage_memory_bytes) <= plan.memory_capacity_bytes
+
+
+def test_colocated_encoder_at_its_own_tp_costs_like_that_encoder_stage():
+    from dflop_jax.costs import layout_memory, layout_stage_costs
+    from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.planner.candidates import module_stages
+
+    arch = get_arch("siglip-6b+qwen2.5-7b")
+    provider = AnalyticCostProvider(arch, get_device("h100"), remat=True)
+    llm = module_stages("llm", arch.llm.num_layers, 4, 1, 8)
+    own = Layout((), llm, colocated_encoder_tp=1)
+    assert (own.encoder_dp, own.encoder_tp, own.num_devices) == (32, 1, 32)
+    enc = StageSpec("encoder", 0, arch.vision.num_layers, tp=1, dp=32, has_embedding=True,
+                    has_head=True)  # fmt: skip
+    got = layout_stage_costs(provider, own)(3, 4096)
+    llm_only = layout_stage_costs(provider, Layout((enc,), llm))(3, 4096)[1]
+    np.testing.assert_allclose(got[0], llm_only + np.asarray(provider.stage_time(enc, 3)))
+    mem = layout_memory(provider, own, (3, 4096), 1)[0]
+    sep = layout_memory(provider, Layout((enc,), llm), (3, 4096), 1)
+    assert mem.params == pytest.approx(sep[0].params + sep[1].params)
+    with pytest.raises(ValueError, match="colocated_encoder_tp=3"):
+        Layout((), llm, colocated_encoder_tp=3)
+    with pytest.raises(ValueError, match="colocated_encoder_tp=1"):
+        Layout((enc,), llm, colocated_encoder_tp=1)
+
+
+def test_planner_colocates_the_encoder_at_a_smaller_tp_when_faster(tmp_path):
+    """SigLIP-6B + Qwen2.5-7B on 32 H100s: the LLM at tp 4 and the 2.4B encoder on the same devices at
+    tp 2 (twice the replicas, less tp communication) beat the encoder at tp 4; the plan file keeps it."""
+    from dflop_jax.planner import load_plan, save_plan
+    from dflop_jax.scheduler import llava_ov_mix
+
+    cfg = PlannerConfig(global_batch=128, samples=1, tp=(1, 2, 4), llm_pp=(1,), encoder_pp=(1,),
+                        microbatches=(8,), remat=(True,))  # fmt: skip
+    plan = make_plan("siglip-6b+qwen2.5-7b", "h100", 32, llava_ov_mix(500, 0), cfg)
+    lay = plan.layout
+    assert not lay.encoder_stages and lay.llm_stages[0].tp == 4
+    assert (
+        lay.colocated_encoder_tp in (1, 2) and lay.encoder_dp == 8 * 4 // lay.colocated_encoder_tp
+    )
+    save_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").layout == lay

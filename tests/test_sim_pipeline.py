@@ -162,3 +162,79 @@ def test_stage_aware_order_against_brute_force(p):
     best = min(simulate(times[list(q)]).step_time for q in itertools.permutations(range(m)))
     assert t <= simulate(times).step_time + 1e-12
     assert t == pytest.approx(best, rel=1e-9)
+
+
+def test_interleaved_order_is_megatron_with_interleaving():
+    """P = 2, v = 2, M = 4, device 0, derived by hand from Megatron-LM's get_model_chunk_id /
+    get_microbatch_id_in_model_chunk: warm-up (P - 1) x 2 + (v - 1) x P = 4 forwards."""
+    from dflop_jax.sim import device_order
+
+    assert device_order("interleaved", 0, 2, 4, chunks=2) == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2),
+        ("F", 2, 0), ("B", 0, 2), ("F", 3, 0), ("B", 1, 2),
+        ("F", 2, 2), ("B", 0, 0), ("F", 3, 2), ("B", 1, 0),
+        ("B", 2, 2), ("B", 3, 2), ("B", 2, 0), ("B", 3, 0),
+    ]  # fmt: skip
+    # the last device: warm-up (v - 1) x P = 2; M = P: all forwards first
+    assert [op[0] for op in device_order("interleaved", 1, 2, 4, chunks=2)[:4]] == list("FFFB")
+    assert [op[0] for op in device_order("interleaved", 1, 2, 2, chunks=2)] == list("FFFFBBBB")
+    assert device_order("interleaved", 1, 3, 6, chunks=1) == [
+        (f, k, 1) for f, k in stage_order("1f1b", 1, 3, 6)
+    ]
+
+
+@pytest.mark.parametrize(
+    "p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 2), (4, 16, 4), (3, 9, 3), (8, 64, 2)]
+)
+def test_interleaved_uniform_bubble_shrinks_by_the_chunk_count(p, m, v):
+    # Megatron-LM (Narayanan et al. 2021): bubble (P - 1)(f + b) / v for full-stage times f, b
+    f, b = 1.0, 2.0
+    r = simulate(np.tile([f / v, b / v], (m, p * v, 1)), schedule="interleaved", chunks=v)
+    assert r.step_time == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+    assert r.step_time == pytest.approx(uniform_step_time(m, p, f, b, chunks=v))
+    np.testing.assert_allclose(r.busy, m * (f + b))
+    assert r.num_microbatches == m and r.num_stages == p
+    # device 0 holds (P - 1) x 2 + (v - 1) x P + 1 chunk activations at the peak (M > P), more than 1F1B
+    if m > p:
+        assert r.peak_in_flight()[0] == (p - 1) * 2 + (v - 1) * p + 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interleaved_random_inputs_respect_dependencies(seed):
+    from dflop_jax.sim import device_order
+
+    rng = np.random.default_rng(seed)
+    p, v = int(rng.integers(1, 5)), int(rng.integers(2, 4))
+    m, nv = p * int(rng.integers(1, 4)), p * v
+    times = rng.uniform(0.1, 3.0, size=(m, nv, 2))
+    xfer = rng.uniform(0.0, 0.5, size=(m, nv - 1))
+    r = simulate(times, xfer, schedule="interleaved", chunks=v)
+    end = {(e.kind, e.microbatch, e.stage): e for dev in r.events for e in dev}
+    assert len(end) == 2 * m * nv
+    for d, dev in enumerate(r.events):
+        assert [(e.kind, e.microbatch, e.stage) for e in dev] == device_order(
+            "interleaved", d, p, m, v
+        )
+        for prev, cur in zip(dev, dev[1:]):
+            assert cur.start >= prev.end - 1e-12
+        for e in dev:
+            k, j = e.microbatch, e.stage
+            assert j % p == d
+            if e.kind == "F" and j > 0:
+                assert e.start >= end["F", k, j - 1].end + xfer[k, j - 1] - 1e-12
+            if e.kind == "B":
+                assert e.start >= end["F", k, j].end - 1e-12
+                if j < nv - 1:
+                    assert e.start >= end["B", k, j + 1].end + xfer[k, j] - 1e-12
+    busy = times.sum(axis=2).sum(axis=0).reshape(v, p).sum(axis=0)
+    np.testing.assert_allclose(r.busy, busy)
+    assert r.step_time >= busy.max() - 1e-9
+
+
+def test_interleaved_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="not a multiple of the 2 pipeline stages"):
+        simulate(np.ones((3, 4, 2)), schedule="interleaved", chunks=2)
+    with pytest.raises(ValueError, match="do not split into 2 chunks"):
+        simulate(np.ones((4, 5, 2)), schedule="interleaved", chunks=2)
+    with pytest.raises(ValueError, match="needs schedule='interleaved'"):
+        simulate(np.ones((4, 4, 2)), schedule="1f1b", chunks=2)

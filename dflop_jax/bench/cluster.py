@@ -8,13 +8,15 @@ global batch 4 samples per GPU), with analytic costs under full activation recom
 7B multimodal training runs do; without it few layouts fit 80 GB at these batch sizes).
 `--paper`: the DFLOP paper's model set (`PAPER_MODELS`: SigLIP 400M / "1B" / "6B" on the LLaVA-OV mix,
 InternViT 300M / 1B / 6B on the OmniBal statistics, with Qwen2.5 7B / 32B / 72B and Llama3 8B / 70B) at
-32, 64 and 128 H100s; both planners there also choose remat on or off per layout and the encoder may
-take up to 4 pipeline stages.
+32, 64 and 128 H100s; both planners there also choose remat on or off per layout, the encoder may
+take up to 4 pipeline stages and the LLM any depth up to 8; the data-blind baseline may also interleave
+2 virtual stages per LLM stage (Megatron's interleaved 1F1B) and DFLOP may colocate the encoder at its
+own tp.
 
 - DFLOP: `make_plan(mode="dflop")`, then the online scheduler (greedy) on every evaluation batch;
 - data-blind: `make_plan(mode="uniform")` (encoder colocated on the first LLM stage, one tp/pp/dp,
-  encoder heads padded to that tp as Megatron does, chosen with mean shapes), then the data-blind
-  scheduler (loader order, largest bucket);
+  encoder heads padded to that tp as Megatron does, virtual stages with `--paper`, chosen with mean
+  shapes), then the data-blind scheduler (loader order, largest bucket);
 - data-blind, dynamic shapes: the same layout and microbatches, but each microbatch costs what its real
   load costs (as in a variable-shape PyTorch/Megatron run: no padding, stages wait on each other).
 
@@ -55,10 +57,9 @@ from dflop_jax.planner import (
 from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
-from dflop_jax.planner.variants import plan_provider
+from dflop_jax.planner.variants import plan_costs, plan_virtual_layout
 from dflop_jax.scheduler import Schedule, llava_ov_mix, omnibal_shapes
 from dflop_jax.scheduler.baselines import BASELINES, run_baselines
-from dflop_jax.sim import simulate
 
 MODELS = {
     "llava-ov": ("siglip-so400m+qwen2.5-7b", "llava-ov"),
@@ -107,7 +108,9 @@ def evaluate(plan: Plan, batches, scheduler, costs: LayoutCosts, dynamic: bool =
                 [costs.stage(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
             )
             loads = [(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
-        res = simulate(times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule)
+        res = costs.simulate(
+            times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule
+        )
         useful = shard.mean(axis=1).sum()
         rows.append((res.step_time, res.idle_fraction, 1 - useful / (res.num_stages * res.step_time),
                      0.0 if dynamic else sched.info["padding_tokens"]))  # fmt: skip
@@ -182,10 +185,7 @@ def run_case(
     if not isinstance(dflop, Plan) or not isinstance(blind, Plan):
         raise PlanningError(f"DFLOP: {_outcome(dflop, arch)}; data-blind: {_outcome(blind, arch)}")
     batches = sample_batches(shapes, config.global_batch, eval_batches, EVAL_SEED)
-    d_costs, b_costs = (
-        LayoutCosts.build(plan_provider(dflop, provider), dflop.layout),
-        LayoutCosts.build(plan_provider(blind, provider), blind.layout),
-    )
+    d_costs, b_costs = plan_costs(dflop, provider), plan_costs(blind, provider)
     d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
     b = evaluate(blind, batches, data_blind_scheduler(), b_costs)
     bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
@@ -221,7 +221,8 @@ def _outcome(plan: Plan | PlanningError, arch) -> str:
 
 def _layout_cell(plan: Plan, arch) -> str:
     """e.g. "enc@llm0 / llm tp4 pp1 dp8 M=8 remat, enc heads 25->28"."""
-    out = f"{describe_layout(plan.layout)} M={plan.microbatches}".replace(" | ", " / ")
+    layout, chunks = plan_virtual_layout(plan)
+    out = f"{describe_layout(layout, chunks)} M={plan.microbatches}".replace(" | ", " / ")
     remat = plan.search["remat"]
     out += "" if remat is None else (" remat" if remat else " no-remat")
     heads = plan.search["encoder_heads"]
@@ -290,8 +291,10 @@ def _settings(args) -> tuple[list[int], list[str], int, int]:
 
 
 def _planner_config(n: int, args) -> PlannerConfig:
-    """Global batch 4 per GPU; `--paper` also searches remat on/off and up to 4 encoder stages."""
-    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4)} if args.paper else {}
+    """Global batch 4 per GPU; `--paper` also searches remat on/off, up to 4 encoder stages, every
+    LLM pipeline depth up to 8 and (the data-blind baseline) 2 virtual stages per LLM stage."""
+    extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": tuple(range(1, 9)),
+             "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
     return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 

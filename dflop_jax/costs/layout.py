@@ -55,14 +55,26 @@ class StageSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A whole pipeline: encoder stages then LLM stages, each on its own disjoint devices."""
+    """A whole pipeline: encoder stages then LLM stages, each on its own disjoint devices.
+
+    With no encoder stages the encoder runs colocated on LLM stage 0's devices, at that stage's tp or,
+    with `colocated_encoder_tp`, at its own (a divisor of stage 0's tp): each tp group of stage 0 then
+    holds tp / colocated_encoder_tp encoder replicas, each on its own share of the tiles.
+    """
 
     encoder_stages: tuple[StageSpec, ...]
     llm_stages: tuple[StageSpec, ...]
+    colocated_encoder_tp: int | None = None
 
     def __post_init__(self):
         if not self.llm_stages:
             raise ValueError("a layout needs at least one LLM stage")
+        cet = self.colocated_encoder_tp
+        if cet is not None and (self.encoder_stages or cet < 1 or self.llm_stages[0].tp % cet):
+            raise ValueError(
+                f"colocated_encoder_tp={cet}: needs a colocated encoder (no encoder stages) and a "
+                f"divisor of LLM stage 0's tp {self.llm_stages[0].tp}"
+            )
         for s in self.encoder_stages:
             if s.module != "encoder":
                 raise ValueError(f"encoder_stages holds a {s.module} stage")
@@ -87,7 +99,17 @@ class Layout:
 
     @property
     def encoder_dp(self) -> int:
-        return self.encoder_stages[0].dp if self.encoder_stages else self.llm_dp
+        """Encoder replicas (a microbatch's tiles are split over them)."""
+        if self.encoder_stages:
+            return self.encoder_stages[0].dp
+        return self.llm_dp * self.llm_stages[0].tp // self.encoder_tp
+
+    @property
+    def encoder_tp(self) -> int:
+        """The encoder's tp: its first stage's, or colocated, its own or LLM stage 0's."""
+        if self.encoder_stages:
+            return self.encoder_stages[0].tp
+        return self.colocated_encoder_tp or self.llm_stages[0].tp
 
     @property
     def llm_dp(self) -> int:

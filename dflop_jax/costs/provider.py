@@ -203,10 +203,11 @@ def _remat_suffix(policy: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------- layouts
 
 
-def colocated_encoder_stage(arch: MLLMArch, llm_first: StageSpec) -> StageSpec:
-    """The whole encoder (+ embedding + projector) on LLM stage 0's devices (data-blind baseline)."""
-    return StageSpec("encoder", 0, arch.vision.num_layers, tp=llm_first.tp, dp=llm_first.dp,
-                     has_embedding=True, has_head=True)  # fmt: skip
+def colocated_encoder_stage(arch: MLLMArch, layout: Layout) -> StageSpec:
+    """The whole encoder (+ embedding + projector) on LLM stage 0's devices, at the layout's encoder
+    tp with `layout.encoder_dp` replicas (the data-blind baseline: LLM stage 0's tp and dp)."""
+    return StageSpec("encoder", 0, arch.vision.num_layers, tp=layout.encoder_tp,
+                     dp=layout.encoder_dp, has_embedding=True, has_head=True)  # fmt: skip
 
 
 def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list[int]:
@@ -220,11 +221,7 @@ def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
     added to stage 0. Results are memoized per bucket pair.
     """
     stages = layout.stages
-    coloc = (
-        None
-        if layout.encoder_stages
-        else colocated_encoder_stage(provider.arch, layout.llm_stages[0])
-    )
+    coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
     cache: dict[tuple[int, int], np.ndarray] = {}
 
     def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
@@ -312,6 +309,6 @@ def layout_memory(
     ]
     if not layout.encoder_stages:
         mems[0] = mems[0] + provider.stage_memory(
-            colocated_encoder_stage(provider.arch, layout.llm_stages[0]), tile_bucket
+            colocated_encoder_stage(provider.arch, layout), tile_bucket
         )
     return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]

@@ -1,18 +1,28 @@
-"""Cost-balanced layer splits: give a stage that also runs something else (the colocated encoder, the
-patch embedding, the projector, the LM head) fewer layers.
+"""Balanced layer splits: give a stage that also runs something else (the colocated encoder, the patch
+embedding, the projector, the LM head) or that holds more in-flight activations fewer layers.
 
 An even split (`candidates.split_layers`) ignores that LLM stage 0 of a colocated layout also runs the
 whole encoder, that the last LLM stage runs the LM head, and that the encoder's first and last stages
-run the patch embedding and the projector. With a stage's cost at the mean-shape buckets modelled as
-fixed_s + n_s x per_layer (fixed_s: what the stage runs besides its layers; per_layer: one layer of its
-module), the split minimizing max_s cost within one module is found by water-filling: start every stage
-at one layer and give each next layer to the stage whose cost after taking it is lowest (optimal for
-this separable min-max). Each module is balanced on its own (their layers cannot move across).
+run the patch embedding and the projector. Two splits are derived from a stage model that is affine in
+its layer count, value_s(n) = fixed_s + n x slope_s:
+
+- cost (`balanced_layout`): value = the stage's time at the mean-shape buckets, slope = one layer of
+  its module, the same on every stage of the module;
+- memory (`memory_balanced_layout`): value = the stage's peak bytes at the largest buckets with its
+  schedule's in-flight microbatches, slope = one layer's state plus its activations times that
+  stage's in-flight count (1F1B keeps P - s microbatches alive on stage s, so early stages pay more
+  per layer). A layout over memory with an even or cost-balanced split may fit with this one.
+
+The split minimizing max_s value_s within one module is found by water-filling: start every stage at
+one layer and give each next layer to the stage whose value after taking it is lowest (optimal for this
+separable min-max with non-negative slopes). Each module is balanced on its own (their layers cannot
+move across).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,25 +38,58 @@ def balanced_layout(
     Returns `layout` itself when no split changes.
     """
     totals = np.asarray(stage_costs, dtype=np.float64).sum(axis=1)  # [P]
+
+    def slopes(stages: tuple[StageSpec, ...], bucket: int) -> list[float]:
+        one = _with_layers(stages[0], 1)
+        return [float(sum(provider.stage_time(one, bucket)))] * len(stages)
+
+    return _rebalanced_layout(layout, totals, slopes, (tile_bucket, length_bucket))
+
+
+def memory_balanced_layout(
+    provider, layout: Layout, stage_bytes: Sequence[float], buckets: tuple[int, int],
+    in_flight: Sequence[int],
+) -> Layout:  # fmt: skip
+    """`layout` with each pipelined module's layers re-split to balance `stage_bytes` (peak bytes per
+    device of each stage at the largest (tile, length) `buckets` with `in_flight[s]` microbatches alive).
+
+    Returns `layout` itself when no split changes.
+    """
     e = len(layout.encoder_stages)
-    enc = _rebalanced(provider, layout.encoder_stages, totals[:e], tile_bucket)
-    llm = _rebalanced(provider, layout.llm_stages, totals[e:], length_bucket)
+
+    def slopes(stages: tuple[StageSpec, ...], bucket: int) -> list[float]:
+        offset = 0 if stages[0].module == "encoder" else e
+        out = []
+        for i, s in enumerate(stages):
+            one, two = (provider.stage_memory(_with_layers(s, n), bucket) for n in (1, 2))
+            count = in_flight[offset + i]
+            out.append(max(0.0, two.total(count) - one.total(count)))
+        return out
+
+    return _rebalanced_layout(layout, np.asarray(stage_bytes, dtype=np.float64), slopes, buckets)
+
+
+def _with_layers(stage: StageSpec, n: int) -> StageSpec:
+    """`stage` holding only its module's first `n` layers, nothing else (no embedding or head)."""
+    return StageSpec(stage.module, 0, n, tp=stage.tp, dp=stage.dp)
+
+
+def _rebalanced_layout(layout: Layout, totals: np.ndarray, slopes, buckets: tuple[int, int]):
+    e = len(layout.encoder_stages)
+    enc = _rebalanced(layout.encoder_stages, totals[:e], slopes, buckets[0])
+    llm = _rebalanced(layout.llm_stages, totals[e:], slopes, buckets[1])
     if enc == layout.encoder_stages and llm == layout.llm_stages:
         return layout
-    return Layout(enc, llm)
+    return dataclasses.replace(layout, encoder_stages=enc, llm_stages=llm)
 
 
-def _rebalanced(provider, stages: tuple[StageSpec, ...], totals, bucket: int):
+def _rebalanced(stages: tuple[StageSpec, ...], totals, slopes, bucket: int):
     """The stages of one module with their layer counts water-filled (see the module docstring)."""
     if len(stages) < 2:
         return stages
-    one = StageSpec(stages[0].module, 0, 1, tp=stages[0].tp, dp=stages[0].dp)
-    per_layer = float(sum(provider.stage_time(one, bucket)))
-    fixed = [float(totals[i]) - s.num_layers * per_layer for i, s in enumerate(stages)]
-    counts = [1] * len(stages)
-    for _ in range(sum(s.num_layers for s in stages) - len(stages)):
-        i = min(range(len(stages)), key=lambda j: (fixed[j] + (counts[j] + 1) * per_layer, j))
-        counts[i] += 1
+    per_layer = slopes(stages, bucket)
+    fixed = [float(totals[i]) - s.num_layers * per_layer[i] for i, s in enumerate(stages)]
+    counts = water_fill(fixed, per_layer, sum(s.num_layers for s in stages))
     if counts == [s.num_layers for s in stages]:
         return stages
     out, start = [], 0
@@ -54,3 +97,12 @@ def _rebalanced(provider, stages: tuple[StageSpec, ...], totals, bucket: int):
         out.append(dataclasses.replace(s, first_layer=start, num_layers=n))
         start += n
     return tuple(out)
+
+
+def water_fill(fixed: Sequence[float], slopes: Sequence[float], total: int) -> list[int]:
+    """Layer counts (each >= 1, summing to `total`) minimizing max_s fixed_s + n_s x slopes_s."""
+    counts = [1] * len(fixed)
+    for _ in range(total - len(fixed)):
+        i = min(range(len(fixed)), key=lambda j: (fixed[j] + (counts[j] + 1) * slopes[j], j))
+        counts[i] += 1
+    return counts

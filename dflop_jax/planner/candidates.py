@@ -1,7 +1,8 @@
 """Enumerating candidate layouts: device split, per-module tp/pp/dp, microbatch count, bucket ladder size.
 
 DFLOP search: LLM (tp, pp, dp) times either a separate encoder (tp, pp, dp) on its own devices or the
-encoder colocated on the first LLM stage, using between `num_devices - max_idle_devices` and
+encoder colocated on the first LLM stage (at that stage's tp or at its own, a divisor of it, with
+tp / encoder tp replicas per LLM replica: `Layout.colocated_encoder_tp`), using between `num_devices - max_idle_devices` and
 `num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
 (it must divide the LLM's heads; the encoder's heads are padded up to a multiple of it, Megatron's way,
 when `pad_heads`, else they must divide too), dp = devices / (tp x pp). Either search crosses its
@@ -25,35 +26,72 @@ from dflop_jax.planner.config import PlannerConfig
 class Candidate:
     """One point of the search space (buckets are derived from it and the data; planner/buckets.py)."""
 
-    layout: Layout
+    layout: (
+        Layout  # with chunks > 1: the virtual layout (chunks x pp LLM stages, in pipeline order)
+    )
     microbatches: int
     num_buckets: int
     remat: bool | None = None  # None: the cost provider's own setting
+    chunks: int = (
+        1  # model chunks per LLM stage (interleaved 1F1B's virtual stages; colocated only)
+    )
 
     @property
     def key(self) -> tuple:
         """A stable, total order of candidates (the last tie-break; remat off before on)."""
         return (
             tuple((s.module, s.first_layer, s.num_layers, s.tp, s.dp) for s in self.layout.stages),
+            self.layout.colocated_encoder_tp or 0,
+            self.chunks,
             self.microbatches,
             self.num_buckets,
             -1 if self.remat is None else int(self.remat),
         )
 
+    @property
+    def physical_layout(self) -> Layout:
+        """The layout on devices: `layout` itself, or with chunks each device group's stages merged."""
+        return physical_layout(self.layout, self.chunks)
+
     def describe(self) -> str:
         remat = "" if self.remat is None else (" remat" if self.remat else " no-remat")
-        return f"{describe_layout(self.layout)} | M={self.microbatches} buckets={self.num_buckets}{remat}"
+        lay = describe_layout(self.layout, self.chunks)
+        return f"{lay} | M={self.microbatches} buckets={self.num_buckets}{remat}"
 
 
-def describe_layout(layout: Layout) -> str:
-    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7" or "enc@llm0 | llm tp2 pp1 dp8"."""
+def physical_layout(virtual: Layout, chunks: int) -> Layout:
+    """Device group d of a colocated virtual layout (chunks x P LLM stages) holds virtual stages
+    c x P + d; its StageSpec starts at chunk 0's first layer and counts all its chunks' layers (so
+    `first_layer` / `num_layers` no longer name one contiguous range)."""
+    if chunks == 1:
+        return virtual
+    if virtual.encoder_stages or len(virtual.llm_stages) % chunks:
+        raise ValueError(
+            f"virtual stages: {len(virtual.llm_stages)} LLM stages with {len(virtual.encoder_stages)} "
+            f"encoder stages do not make {chunks} chunks per colocated LLM stage"
+        )
+    llm, p = virtual.llm_stages, len(virtual.llm_stages) // chunks
+    return dataclasses.replace(virtual, llm_stages=tuple(
+        dataclasses.replace(llm[d], num_layers=sum(llm[c * p + d].num_layers for c in range(chunks)),
+                            has_embedding=d == 0, has_head=d == p - 1)
+        for d in range(p)
+    ))  # fmt: skip
 
-    def part(name: str, stages: tuple[StageSpec, ...]) -> str:
+
+def describe_layout(layout: Layout, chunks: int = 1) -> str:
+    """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7", "enc@llm0 | llm tp2 pp1 dp8", a colocated
+    encoder at its own tp "enc@llm0 tp1 dp32 | llm tp4 pp1 dp8", or with virtual stages
+    "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage)."""
+
+    def part(name: str, stages: tuple[StageSpec, ...], v: int = 1) -> str:
         split = f"[{'+'.join(str(s.num_layers) for s in stages)}]" if len(stages) > 1 else ""
-        return f"{name} tp{stages[0].tp} pp{len(stages)}{split} dp{stages[0].dp}"
+        pp = f"{len(stages) // v}x{v}" if v > 1 else f"{len(stages)}"
+        return f"{name} tp{stages[0].tp} pp{pp}{split} dp{stages[0].dp}"
 
     enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
-    return f"{enc} | {part('llm', layout.llm_stages)}"
+    if layout.colocated_encoder_tp is not None:
+        enc += f" tp{layout.colocated_encoder_tp} dp{layout.encoder_dp}"
+    return f"{enc} | {part('llm', layout.llm_stages, chunks)}"
 
 
 def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -112,8 +150,9 @@ def enumerate_candidates(
     for tp, pp, dp in _module_shapes(llm_tps, config.llm_pp, lm.num_layers, num_devices):
         llm = module_stages("llm", lm.num_layers, tp, pp, dp)
         used = tp * pp * dp
-        if config.colocate and used >= low and tp in enc_tps:
-            layouts.append(Layout((), llm))
+        if config.colocate and used >= low:  # the encoder at any tp dividing the stage's
+            for etp in (t for t in enc_tps if tp % t == 0):
+                layouts.append(Layout((), llm, None if etp == tp else etp))
         for etp, epp, edp in _module_shapes(
             enc_tps, config.encoder_pp, v.num_layers, num_devices - used
         ):
@@ -137,20 +176,27 @@ def enumerate_uniform(
     tps = valid_tp(config.tp, uniform_heads(arch, pad_heads), devices_per_host)
     layouts = []
     for tp, pp, dp in _module_shapes(tps, config.llm_pp, lm.num_layers, num_devices):
-        if tp * pp * dp >= num_devices - config.max_idle_devices:
-            layouts.append(Layout((), module_stages("llm", lm.num_layers, tp, pp, dp)))
+        if tp * pp * dp < num_devices - config.max_idle_devices:
+            continue
+        for v in sorted(set(config.virtual_stages) | {1}):
+            if v == 1 or (pp > 1 and pp * v <= lm.num_layers and config.schedule == "1f1b"):
+                layouts.append((Layout((), module_stages("llm", lm.num_layers, tp, pp * v, dp)), v))
     return _with_microbatches(layouts, config, num_buckets=(1,))
 
 
 def _with_microbatches(
-    layouts: list[Layout], config: PlannerConfig, num_buckets=None
+    layouts: list[Layout] | list[tuple[Layout, int]], config: PlannerConfig, num_buckets=None
 ) -> list[Candidate]:
+    """Each layout (or (virtual layout, chunks)) crossed with the microbatch counts (interleaving
+    needs a multiple of the stage count), bucket ladder sizes and remat settings."""
     num_buckets = config.num_buckets if num_buckets is None else num_buckets
+    pairs = [x if isinstance(x, tuple) else (x, 1) for x in layouts]
     out = [
-        Candidate(layout, m, nb, remat)
-        for layout in layouts
+        Candidate(layout, m, nb, remat, v)
+        for layout, v in pairs
         for m in sorted(config.microbatches)
         if m * layout.llm_dp <= config.global_batch
+        and (v == 1 or m % (len(layout.llm_stages) // v) == 0)
         for nb in sorted(num_buckets)
         for remat in (config.remat or (None,))
     ]

@@ -39,6 +39,9 @@ class PlannerConfig:
       global_batch: samples per global batch.
       max_idle_devices: candidates may leave at most this many of the requested devices unused.
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
+      virtual_stages: model chunks per LLM pipeline stage the data-blind baseline (uniform mode) may
+        use, interleaved 1F1B (Megatron's virtual pipeline stages; 1, plain 1F1B, is always searched).
+        DFLOP mode uses 1: the runtime's schedule is 1F1B.
       remat: activation recomputation settings to search (e.g. (False, True): both, chosen per layout);
         empty = the cost provider's own setting. Needs analytic costs (a measured table has one).
       screen_top: candidates that pass memory are first ranked by a mean-shape simulation; this many
@@ -64,6 +67,7 @@ class PlannerConfig:
     global_batch: int = 256
     max_idle_devices: int = 0
     colocate: bool = True
+    virtual_stages: tuple[int, ...] = (1,)
     remat: tuple[bool, ...] = ()
     screen_top: int = 8
     screen_per_group: int = 2
@@ -76,7 +80,7 @@ class PlannerConfig:
     top_n: int = 5
 
     def __post_init__(self):
-        for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets"):
+        for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets", "virtual_stages"):
             _positive_ints(getattr(self, key), f"planner.{key}")
         require(
             min(self.num_buckets) >= 2,

@@ -45,7 +45,7 @@ def explain_over_memory(evaluated, device, config: PlannerConfig) -> str:
     usable = device.memory_bytes * (1.0 - config.memory_margin)
     best = min(evaluated, key=lambda e: (max(e.memory), e.cand.key))
     s = max(range(len(best.memory)), key=lambda i: best.memory[i])
-    stage = best.cand.layout.stages[s]
+    stage = best.cand.physical_layout.stages[s]
     return (
         f"no layout fits in memory: of {len(evaluated)} candidates the closest, {best.cand.describe()}, "
         f"needs {best.memory[s] / _GIB:.1f} GiB per device on stage {s} ({stage.module} layers "

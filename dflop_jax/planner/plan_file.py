@@ -176,6 +176,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "mode": plan.mode,
         "encoder_colocated": not plan.layout.encoder_stages,
         "remat": plan.remat,
+        **_colocated_tp(plan.layout),
         "schedule": plan.schedule,
         "global_batch": plan.global_batch,
         "microbatches": plan.microbatches,
@@ -283,6 +284,12 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path}: malformed plan: {type(e).__name__}: {e}") from None
 
 
+def _colocated_tp(layout: Layout) -> dict[str, int]:
+    """The colocated encoder's own tp, written only when it has one (older plans stay unchanged)."""
+    tp = layout.colocated_encoder_tp
+    return {} if tp is None else {"encoder_colocated_tp": tp}
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
     stages = [
         StageSpec(
@@ -299,6 +306,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
     layout = Layout(
         tuple(s for s in stages if s.module == "encoder"),
         tuple(s for s in stages if s.module == "llm"),
+        d.get("encoder_colocated_tp"),
     )
     pred = d["predicted"]
     return Plan(

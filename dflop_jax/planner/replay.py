@@ -10,6 +10,7 @@ import numpy as np
 from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.plan_file import Plan
 from dflop_jax.planner.scoring import LayoutCosts, online_scheduler, problem_for, simulate_schedule
+from dflop_jax.planner.variants import plan_virtual_layout
 from dflop_jax.scheduler import SampleShape
 
 
@@ -48,7 +49,7 @@ def replay(
     png: str | None = None,
 ) -> dict:
     """Schedules and simulates each batch on the plan's layout; returns a JSON-able report."""
-    costs = LayoutCosts.build(provider_for(plan), plan.layout)
+    costs = LayoutCosts.build(provider_for(plan), *plan_virtual_layout(plan))
     problem = problem_for(costs, plan.microbatch_range, plan.buckets)
     fn = (
         data_blind_scheduler() if scheduler == "data-blind" else online_scheduler(scheduler, seed=0)

@@ -28,7 +28,7 @@ from dflop_jax.scheduler import (
     SchedulerConfig,
     schedule_batch,
 )
-from dflop_jax.sim import SimResult, simulate
+from dflop_jax.sim import SimResult, device_order, simulate
 
 # (shapes, problem) -> Schedule: how the planner schedules a sampled batch (the online scheduler or a
 # baseline). Not `contracts.ScheduleFn`, which schedules batch k of a run for the loader.
@@ -39,12 +39,16 @@ SchedulePolicy = Callable[[Sequence[SampleShape], ScheduleProblem], Schedule]
 class LayoutCosts:
     """A layout's cost functions, memoized per bucket pair."""
 
-    layout: Layout
+    layout: Layout  # with chunks > 1 the virtual layout (one entry per virtual stage)
     stage: Callable[[int, int], np.ndarray]  # (T, S) -> [P, 2]
     transfer: Callable[[int, int], np.ndarray]  # (T, S) -> [P - 1]
+    chunks: int = 1  # model chunks per device group: > 1 simulates interleaved 1F1B
 
     @classmethod
-    def build(cls, provider, layout: Layout) -> LayoutCosts:
+    def build(cls, provider, layout: Layout, chunks: int = 1) -> LayoutCosts:
+        """Transfers between virtual stages are costed as if the virtual stages sat on consecutive
+        devices (the same stage sizes; the wrap-around from the last device group to the first is
+        counted like any stage boundary)."""
         xfer = layout_transfer_costs(provider, layout)
         cache: dict[tuple[int, int], np.ndarray] = {}
 
@@ -53,7 +57,26 @@ class LayoutCosts:
                 cache[t, s] = xfer(t, s)
             return cache[t, s]
 
-        return cls(layout, layout_stage_costs(provider, layout), transfer)
+        return cls(layout, layout_stage_costs(provider, layout), transfer, chunks)
+
+    def simulate(self, times: np.ndarray, transfer, kind: str) -> SimResult:
+        """`sim.simulate` of `times` [M, P, 2] under `kind`, interleaved when the layout has chunks.
+
+        Interleaving needs a multiple of the stage count; a schedule with more (the data-blind
+        scheduler spills past its M when a microbatch overflows its bucket) is padded with empty,
+        zero-cost microbatches up to the next multiple: Megatron would run a full group there."""
+        if self.chunks == 1:
+            return simulate(times, transfer, kind)
+        p = self.layout.num_stages // self.chunks
+        times = np.asarray(times, dtype=np.float64)
+        extra = -len(times) % p
+        if extra:
+            xfer = np.broadcast_to(
+                np.asarray(transfer, dtype=np.float64), times.shape[:1] + (times.shape[1] - 1,)
+            )
+            times = np.concatenate([times, np.zeros((extra,) + times.shape[1:])])
+            transfer = np.concatenate([xfer, np.zeros((extra, xfer.shape[1]))])
+        return simulate(times, transfer, "interleaved", self.chunks)
 
 
 def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig) -> BucketSet:
@@ -76,13 +99,45 @@ def in_flight(num_stages: int, microbatches: int, schedule: str) -> list[int]:
     return [min(num_stages - s, microbatches) for s in range(num_stages)]
 
 
+def stage_in_flight(cand: Candidate, config: PlannerConfig) -> list[int]:
+    """Per stage, the microbatches alive at once at the most microbatches the scheduler may use."""
+    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
+    return in_flight(cand.layout.num_stages, most, config.schedule)
+
+
 def stage_memory_bytes(
     provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig
 ) -> list[float]:
-    """Peak bytes per device of each stage at the largest buckets with its in-flight activations."""
-    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
-    counts = in_flight(cand.layout.num_stages, most, config.schedule)
+    """Peak bytes per device of each stage at the largest buckets with its in-flight activations
+    (with chunks: per device group, see `interleaved_memory_bytes`)."""
+    if cand.chunks > 1:
+        return interleaved_memory_bytes(provider, cand, buckets, config)
+    counts = stage_in_flight(cand, config)
     return [m.total() for m in layout_memory(provider, cand.layout, buckets, counts)]
+
+
+def interleaved_memory_bytes(
+    provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig
+) -> list[float]:
+    """Per device group of an interleaved candidate: the state of all its chunks, plus the peak over
+    its interleaved 1F1B order (sim.device_order) of the activations alive (a chunk's forward adds its
+    virtual stage's, its backward frees them), plus the largest transient. The order is walked at the
+    most microbatches the scheduler may use, rounded up to a multiple of the stage count."""
+    v = cand.chunks
+    p = len(cand.layout.llm_stages) // v
+    most = microbatch_range(cand.microbatches, config.microbatch_slack)[1]
+    most = -(-most // p) * p
+    mems = layout_memory(provider, cand.layout, buckets, 1)
+    out = []
+    for d in range(p):
+        mine = [mems[c * p + d] for c in range(v)]
+        live = peak = 0.0
+        for kind, _, j in device_order("interleaved", d, p, most, v):
+            live += mems[j].activations_per_microbatch * (1 if kind == "F" else -1)
+            peak = max(peak, live)
+        state = sum(m.params + m.grads + m.optimizer for m in mine)
+        out.append(state + peak + max(m.temp for m in mine))
+    return out
 
 
 def microbatch_range(microbatches: int, slack: float) -> tuple[int, int]:
@@ -109,7 +164,7 @@ def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b"
     mbs = schedule.microbatches
     times = np.stack([costs.stage(mb.tile_bucket, mb.length_bucket) for mb in mbs])
     xfer = np.stack([costs.transfer(mb.tile_bucket, mb.length_bucket) for mb in mbs])
-    return simulate(times, xfer, kind)
+    return costs.simulate(times, xfer, kind)
 
 
 def mean_shape_buckets(
@@ -141,7 +196,7 @@ def mean_shape_step_time(
     if not simulated:
         return float((m + lay.num_stages - 1) * per_stage.sum(axis=1).max())
     times = np.broadcast_to(per_stage, (m, lay.num_stages, 2))
-    return simulate(times, costs.transfer(t, s)[None, :], config.schedule).step_time
+    return costs.simulate(times, costs.transfer(t, s)[None, :], config.schedule).step_time
 
 
 def _smallest_at_least(sizes: tuple[int, ...], need: float) -> int:

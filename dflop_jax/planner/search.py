@@ -6,7 +6,8 @@ Stages of the search (DESIGN section 7):
 1. enumerate candidates (planner/candidates.py) and derive each one's bucket ladder (planner/buckets.py);
    pipelined candidates also come with a cost-balanced layer split of each module (planner/balance.py);
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
-   exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded;
+   exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded; a pipelined one
+   first gets a memory-balanced split (fewer layers where more microbatches are in flight) too;
 3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
    `screen_per_group` per (microbatch count, colocated encoder or not);
 4. score: expected step time over K sampled global batches through the online scheduler (greedy) and
@@ -20,7 +21,9 @@ tp/pp/dp for the whole model (encoder heads padded to the tp, Megatron's way, wi
 planner/variants.py), chosen with MEAN shapes through the data-blind scheduler, then evaluated on the K
 sampled batches with that same scheduler. Both modes try an even and a cost-balanced LLM layer split
 (Megatron's `--decoder-first-pipeline-num-layers` for the baseline, balanced on its fixed max shapes)
-and, when `PlannerConfig.remat` lists both, remat on and off per candidate.
+and, when `PlannerConfig.remat` lists both, remat on and off per candidate; the baseline also tries
+`PlannerConfig.virtual_stages` (interleaved 1F1B; the plan's layout is then the physical one, its
+virtual split in `search["virtual_layers"]`, its schedule "interleaved").
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.planner.balance import balanced_layout
+from dflop_jax.planner.balance import balanced_layout, memory_balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
 from dflop_jax.planner.config import PlannerConfig
@@ -56,6 +59,7 @@ from dflop_jax.planner.scoring import (
     online_scheduler,
     problem_for,
     sample_batches,
+    stage_in_flight,
     stage_memory_bytes,
 )
 from dflop_jax.planner.variants import ProviderVariants, can_vary
@@ -83,9 +87,9 @@ class Evaluated:
     provider: object = None  # the cost provider it was scored with (planner/variants.py)
 
     def rank_key(self, num_devices: int, step: float) -> tuple:
-        c = self.cand
-        return (round(step, 6), num_devices - c.layout.num_devices, c.microbatches, c.layout.num_stages,
-                c.num_buckets, c.key)  # fmt: skip
+        c, lay = self.cand, self.cand.physical_layout
+        return (round(step, 6), num_devices - lay.num_devices, c.microbatches, lay.num_stages,
+                c.chunks, c.num_buckets, c.key)  # fmt: skip
 
 
 def make_plan(
@@ -159,6 +163,8 @@ def make_plan(
         "solver": best.score.solver,
         "remat": best.cand.remat,
         "encoder_heads": best.provider.arch.vision.num_heads,
+        "virtual_stages": best.cand.chunks,
+        "virtual_layers": [s.num_layers for s in best.cand.layout.llm_stages],
         "wall_time_s": round(time.perf_counter() - t0, 3),
     }
     log.info("plan: %s in %.1fs", best.cand.describe(), search["wall_time_s"])
@@ -168,12 +174,12 @@ def make_plan(
         num_devices=num_devices,
         cost_provider=str(best.provider.name),
         mode=mode,
-        layout=best.cand.layout,
+        layout=best.cand.physical_layout,
         buckets=best.buckets,
         microbatches=best.cand.microbatches,
         max_microbatches=microbatch_range(best.cand.microbatches, config.microbatch_slack)[1],
         global_batch=config.global_batch,
-        schedule=config.schedule,
+        schedule="interleaved" if best.cand.chunks > 1 else config.schedule,
         step_time_mean_s=best.score.mean,
         step_time_p90_s=best.score.p90,
         idle_fraction=best.score.idle,
@@ -209,11 +215,19 @@ def _screen_all(
         provider = variants.get(cand.layout, cand.remat)
         out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
         if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
-            t, s = mean_shape_buckets(cand, out[-1].buckets, stats, config)
-            layout = balanced_layout(provider, cand.layout, out[-1].costs.stage(t, s), t, s)
-            if layout != cand.layout:
-                variant = dataclasses.replace(cand, layout=layout)
-                out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
+            even = out[-1]
+            t, s = mean_shape_buckets(cand, even.buckets, stats, config)
+            layouts = [balanced_layout(provider, cand.layout, even.costs.stage(t, s), t, s)]
+            if max(even.memory) > usable and cand.chunks == 1:  # fewer layers where more in flight
+                largest = (even.buckets.tiles[-1], even.buckets.lengths[-1])
+                counts = stage_in_flight(cand, config)
+                layouts.append(
+                    memory_balanced_layout(provider, cand.layout, even.memory, largest, counts)
+                )
+            for layout in dict.fromkeys(layouts):  # distinct, in order
+                if layout != cand.layout:
+                    variant = dataclasses.replace(cand, layout=layout)
+                    out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
         if i % 64 == 0 or i == len(cands) - 1:
             report("screen", i + 1, len(cands))
     return out
@@ -222,9 +236,9 @@ def _screen_all(
 def _evaluate(
     cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict
 ) -> Evaluated:
-    key = (cand.layout, provider.name)
+    key = (cand.layout, cand.chunks, provider.name)
     if key not in costs_of:
-        costs_of[key] = LayoutCosts.build(provider, cand.layout)
+        costs_of[key] = LayoutCosts.build(provider, cand.layout, cand.chunks)
     costs = costs_of[key]
     buckets = candidate_buckets(cand, stats, config)
     memory = stage_memory_bytes(provider, cand, buckets, config)

@@ -10,14 +10,16 @@ model at one remat setting).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dflop_jax.costs import AnalyticCostProvider
 from dflop_jax.costs.architectures import pad_vision_heads
-from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.layout import Layout, StageSpec
 
 
 def encoder_tp(layout: Layout) -> int:
-    """The encoder's tp: its own stages' or, colocated, LLM stage 0's."""
-    return (layout.encoder_stages or layout.llm_stages)[0].tp
+    """The encoder's tp (`Layout.encoder_tp`)."""
+    return layout.encoder_tp
 
 
 def can_vary(provider) -> bool:
@@ -69,3 +71,26 @@ def plan_provider(plan, base):
     padded encoder heads), to evaluate the plan on other batches."""
     pad = plan.mode == "uniform" and can_vary(base)
     return provider_variant(base, plan.layout, plan.search["remat"], pad)
+
+
+def plan_virtual_layout(plan) -> tuple[Layout, int]:
+    """(the layout `plan` is simulated on, its chunks per stage): the plan's own layout, or for an
+    interleaved plan the virtual one rebuilt from `search["virtual_layers"]`."""
+    chunks = int(plan.search.get("virtual_stages", 1))
+    if chunks == 1:
+        return plan.layout, 1
+    first, counts, out = plan.layout.llm_stages[0], plan.search["virtual_layers"], []
+    for j, n in enumerate(counts):
+        start = sum(counts[:j])
+        out.append(StageSpec("llm", start, n, tp=first.tp, dp=first.dp, has_embedding=j == 0,
+                             has_head=j == len(counts) - 1))  # fmt: skip
+    return dataclasses.replace(plan.layout, llm_stages=tuple(out)), chunks
+
+
+def plan_costs(plan, base):
+    """`LayoutCosts` of `plan` with the provider it was chosen with (`plan_provider`), interleaved
+    plans on their virtual layout."""
+    from dflop_jax.planner.scoring import LayoutCosts
+
+    layout, chunks = plan_virtual_layout(plan)
+    return LayoutCosts.build(plan_provider(plan, base), layout, chunks)

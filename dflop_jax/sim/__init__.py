@@ -1,9 +1,10 @@
-"""Discrete-event pipeline simulator (1F1B, GPipe) and timeline plots. Pure Python/NumPy."""
+"""Discrete-event pipeline simulator (1F1B, GPipe, interleaved 1F1B) and timeline plots. Pure Python/NumPy."""
 
 from dflop_jax.sim.pipeline import (
     SCHEDULES,
     Event,
     SimResult,
+    device_order,
     simulate,
     stage_order,
     uniform_step_time,
@@ -14,6 +15,7 @@ __all__ = [
     "SCHEDULES",
     "Event",
     "SimResult",
+    "device_order",
     "plot_timeline",
     "simulate",
     "stage_order",

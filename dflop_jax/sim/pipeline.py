@@ -12,24 +12,36 @@ Per-stage orders (non-interleaved, as in Megatron-LM's `forward_backward_pipelin
   alternates one forward and one backward (F(w), B(0), F(w+1), B(1), ...) until all forwards are issued,
   then the remaining backwards (cool-down). At most `w + 1` microbatches are in flight on stage s.
 - GPipe: all forwards, then all backwards, both in microbatch order. All M microbatches are in flight.
+- Interleaved 1F1B (Megatron-LM's `forward_backward_pipelining_with_interleaving`, "virtual pipeline
+  stages"): the model is cut into V = P x v virtual stages, device d holding model chunks c = 0..v-1,
+  i.e. virtual stages c x P + d. Device d walks M x v virtual microbatches: virtual microbatch i is
+  microbatch (i // (P v)) x P + i % P of chunk (i // P) % v going forward (chunk v - 1 - that going
+  backward); it runs `min((P - d - 1) x 2 + (v - 1) x P, M v)` warm-up forwards (all of them when
+  M = P), then one forward / one backward, then the cool-down backwards. M must be a multiple of P
+  (Megatron's own requirement for this schedule; with a shorter last group of microbatches taken
+  through the chunks the same way, this order deadlocks, e.g. P = 4, v = 3, M = 5). With v = 1 it is
+  plain 1F1B.
 
-For uniform stages (forward f, backward b, zero transfer) both give a step time of (M + P - 1) * (f + b).
+For uniform stages (forward f, backward b, zero transfer) 1F1B and GPipe give a step time of
+(M + P - 1) * (f + b); interleaving with v chunks of f / v, b / v cuts the bubble to (P - 1)(f + b) / v.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Literal, NamedTuple
 
 import numpy as np
 
-ScheduleKind = Literal["1f1b", "gpipe"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+ScheduleKind = Literal["1f1b", "gpipe", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
 
 
 class Event(NamedTuple):
-    """One operation on one stage: `kind` is "F" or "B" of `microbatch`, over [start, end) seconds."""
+    """One operation on one stage: `kind` is "F" or "B" of `microbatch`, over [start, end) seconds
+    (`stage` is the virtual stage under the interleaved schedule)."""
 
     stage: int
     microbatch: int
@@ -44,10 +56,11 @@ class SimResult:
 
     Attributes:
       step_time: makespan in seconds (last operation's end; the step starts at 0).
-      busy: [P] seconds each stage spent computing.
+      busy: [P] seconds each stage (device group) spent computing.
       idle_fraction: sum_s (step - busy_s) / (P * step) (DESIGN section 9).
-      events: per stage, its operations in execution order.
-      schedule: "1f1b" or "gpipe".
+      events: per stage (device group), its operations in execution order.
+      schedule: "1f1b", "gpipe" or "interleaved".
+      chunks: model chunks per stage (virtual stages per device group; 1 unless interleaved).
     """
 
     step_time: float
@@ -55,6 +68,7 @@ class SimResult:
     idle_fraction: float
     events: tuple[tuple[Event, ...], ...]
     schedule: str
+    chunks: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -62,10 +76,10 @@ class SimResult:
 
     @property
     def num_microbatches(self) -> int:
-        return sum(1 for e in self.events[0] if e.kind == "F")
+        return sum(1 for e in self.events[0] if e.kind == "F") // self.chunks
 
     def peak_in_flight(self) -> list[int]:
-        """Per stage, the most microbatches forwarded but not yet backwarded at any time."""
+        """Per stage, the most (chunk-)microbatches forwarded but not yet backwarded at any time."""
         out = []
         for stage_events in self.events:
             live = peak = 0
@@ -79,18 +93,45 @@ class SimResult:
 def stage_order(
     schedule: str, stage: int, num_stages: int, num_microbatches: int
 ) -> list[tuple[str, int]]:
-    """The (kind, microbatch) sequence one stage executes; see the module docstring."""
+    """The (kind, microbatch) sequence one stage executes under 1F1B or GPipe (module docstring)."""
     m = num_microbatches
     if schedule == "gpipe":
         return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
     if schedule != "1f1b":
-        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"schedule={schedule!r}: stage_order takes '1f1b' or 'gpipe'")
     warmup = min(num_stages - stage - 1, m)
     order = [("F", k) for k in range(warmup)]
     for i in range(m - warmup):
         order += [("F", warmup + i), ("B", i)]
     order += [("B", k) for k in range(m - warmup, m)]
     return order
+
+
+def device_order(
+    schedule: str, device: int, num_devices: int, num_microbatches: int, chunks: int = 1
+) -> list[tuple[str, int, int]]:
+    """The (kind, microbatch, virtual stage) sequence device group `device` executes; with chunks = 1
+    (or any schedule but "interleaved") virtual stage = `device` and the order is `stage_order`'s."""
+    if schedule != "interleaved" or chunks == 1:
+        kind = "1f1b" if schedule == "interleaved" else schedule
+        return [(f, k, device) for f, k in stage_order(kind, device, num_devices, num_microbatches)]
+    p, v, m = num_devices, chunks, num_microbatches
+    if m % p:
+        raise ValueError(
+            f"interleaved schedule: {m} microbatches is not a multiple of the {p} pipeline stages"
+        )
+    total = m * v
+
+    def op(kind: str, i: int) -> tuple[str, int, int]:
+        chunk = (i // p) % v
+        chunk = chunk if kind == "F" else v - 1 - chunk
+        return kind, (i // (p * v)) * p + i % p, chunk * p + device
+
+    warmup = total if m == p else min((p - device - 1) * 2 + (v - 1) * p, total)
+    order = [op("F", i) for i in range(warmup)]
+    for i in range(total - warmup):
+        order += [op("F", warmup + i), op("B", i)]
+    return order + [op("B", i) for i in range(total - warmup, total)]
 
 
 def _check_inputs(times: np.ndarray, transfer) -> tuple[np.ndarray, np.ndarray]:
@@ -116,60 +157,85 @@ def _check_inputs(times: np.ndarray, transfer) -> tuple[np.ndarray, np.ndarray]:
     return times, xfer
 
 
-def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b") -> SimResult:
+@functools.lru_cache(maxsize=4096)
+def _cached_order(schedule: str, device: int, p: int, m: int, chunks: int) -> tuple:
+    """`device_order` memoized: the planner simulates the same (P, M) thousands of times."""
+    return tuple(device_order(schedule, device, p, m, chunks))
+
+
+def _check_schedule(schedule: str, num_virtual: int, chunks: int) -> int:
+    """The number of device groups P; raises ValueError for an unknown schedule or bad chunking."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r}: must be an integer >= 1")
+    if chunks > 1 and schedule != "interleaved":
+        raise ValueError(f"chunks={chunks} needs schedule='interleaved', not {schedule!r}")
+    if num_virtual % chunks:
+        raise ValueError(
+            f"{num_virtual} virtual stages do not split into {chunks} chunks per stage"
+        )
+    return num_virtual // chunks
+
+
+def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int = 1) -> SimResult:
     """Simulates one training step of a pipeline.
 
     Args:
-      times: [M, P, 2] forward and backward seconds of microbatch k on stage s.
+      times: [M, V, 2] forward and backward seconds of microbatch k on (virtual) stage j; V = P x chunks.
       transfer: seconds to move microbatch k's activations (and, backwards, their gradients) between
-        stages s and s+1: [M, P-1] or anything broadcastable to it (a scalar); None = free.
-      schedule: "1f1b" or "gpipe".
+        (virtual) stages j and j+1: [M, V-1] or anything broadcastable to it (a scalar); None = free.
+      schedule: "1f1b", "gpipe" or "interleaved".
+      chunks: model chunks per device group (interleaved only): virtual stage j runs on group j % P.
 
     Returns:
-      The SimResult (step time, busy time per stage, idle fraction, events).
+      The SimResult (step time, busy time per device group, idle fraction, events).
     """
     times, xfer = _check_inputs(times, transfer)
-    m, p, _ = times.shape
-    orders = [stage_order(schedule, s, p, m) for s in range(p)]
+    m, nv, _ = times.shape
+    p = _check_schedule(schedule, nv, chunks)
+    orders = [_cached_order(schedule, d, p, m, chunks) for d in range(p)]
     # plain Python lists: this loop is the planner's inner loop, and list indexing is ~10x numpy's
-    dur = times.tolist()  # [M][P][2]
-    hop = xfer.tolist()  # [M][P-1]
-    f_end: list[list[float | None]] = [[None] * p for _ in range(m)]
-    b_end: list[list[float | None]] = [[None] * p for _ in range(m)]
+    dur = times.tolist()  # [M][V][2]
+    hop = xfer.tolist()  # [M][V-1]
+    f_end: list[list[float | None]] = [[None] * nv for _ in range(m)]
+    b_end: list[list[float | None]] = [[None] * nv for _ in range(m)]
     next_op = [0] * p
     free_at = [0.0] * p
     events: list[list[Event]] = [[] for _ in range(p)]
-    # Worklist: a stage is re-examined only when a neighbour finished something it may wait for.
+    # the groups one may wait on: its pipeline neighbours (and, with chunks, across the wrap-around)
+    near = [[t % p for t in (d - 1, d + 1) if chunks > 1 or 0 <= t < p] for d in range(p)]
+    # Worklist: a group is re-examined only when a neighbour finished something it may wait for.
     todo, queued = collections.deque(range(p)), [True] * p
     while todo:
-        s = todo.popleft()
-        queued[s] = False
-        order, i = orders[s], next_op[s]
+        d = todo.popleft()
+        queued[d] = False
+        order, i = orders[d], next_op[d]
         while i < len(order):
-            kind, k = order[i]
-            ready = _ready_time(kind, k, s, p, f_end, b_end, hop)
+            kind, k, j = order[i]
+            ready = _ready_time(kind, k, j, nv, f_end, b_end, hop)
             if ready is None:
                 break
-            start = ready if ready > free_at[s] else free_at[s]
-            end = start + dur[k][s][0 if kind == "F" else 1]
-            (f_end if kind == "F" else b_end)[k][s] = end
-            free_at[s] = end
-            events[s].append(Event(s, k, kind, start, end))
+            start = ready if ready > free_at[d] else free_at[d]
+            end = start + dur[k][j][0 if kind == "F" else 1]
+            (f_end if kind == "F" else b_end)[k][j] = end
+            free_at[d] = end
+            events[d].append(Event(j, k, kind, start, end))
             i += 1
-        if i > next_op[s]:
-            for t in (s - 1, s + 1):
-                if 0 <= t < p and not queued[t]:
+        if i > next_op[d]:
+            for t in near[d]:
+                if not queued[t]:
                     todo.append(t)
                     queued[t] = True
-        next_op[s] = i
-    if any(next_op[s] < len(orders[s]) for s in range(p)):  # impossible for the two orders above
+        next_op[d] = i
+    if any(next_op[d] < len(orders[d]) for d in range(p)):  # impossible for the orders above
         raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked")
     step = float(max(free_at))
-    busy = times.sum(axis=0).sum(axis=1)  # [P]
+    busy = times.sum(axis=0).sum(axis=1).reshape(chunks, p).sum(axis=0)  # [P]
     idle = (
         max(0.0, float(np.sum(step - busy) / (p * step))) if step > 0 else 0.0
     )  # clamp fp round-off
-    return SimResult(step, busy, idle, tuple(tuple(e) for e in events), schedule)
+    return SimResult(step, busy, idle, tuple(tuple(e) for e in events), schedule, chunks)
 
 
 def _ready_time(kind, k, s, p, f_end, b_end, hop) -> float | None:
@@ -191,6 +257,9 @@ def _ready_time(kind, k, s, p, f_end, b_end, hop) -> float | None:
     return own if own > nxt else nxt
 
 
-def uniform_step_time(num_microbatches: int, num_stages: int, fwd: float, bwd: float) -> float:
-    """Closed-form 1F1B / GPipe step time for identical stages and free transfers: (M + P - 1)(f + b)."""
-    return (num_microbatches + num_stages - 1) * (fwd + bwd)
+def uniform_step_time(
+    num_microbatches: int, num_stages: int, fwd: float, bwd: float, chunks: int = 1
+) -> float:
+    """Closed-form step time for identical stages (f, b each) and free transfers: 1F1B / GPipe
+    (M + P - 1)(f + b); interleaved with `chunks` v (each chunk f / v, b / v) M (f + b) + (P - 1)(f + b) / v."""
+    return (num_microbatches + (num_stages - 1) / chunks) * (fwd + bwd)
