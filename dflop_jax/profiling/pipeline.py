@@ -138,6 +138,7 @@ def ensure_plan(
     *,
     name: str = "model",
     plan: bool = True,
+    devices=None,
 ):
     """Data profile -> model profile -> plan, reusing fresh outputs in `cache_dir` (module docstring).
 
@@ -148,6 +149,8 @@ def ensure_plan(
       data_cfg: the training `dflop_jax.data.DataConfig` (needed when cfg.data_source == "dataset").
       name: model name recorded in the cost table and the plan.
       plan: False stops after the two profiles (DFLOP's profiling step alone) and returns None.
+      devices: the devices the model profile runs on (default `jax.devices()`; a multi-process run
+        profiles on process 0's own devices).
 
     Returns:
       the `planner.Plan` (also saved as `cache_dir/plan.yaml`).
@@ -167,7 +170,7 @@ def ensure_plan(
     settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
     shapes_src, data_digest = _data_step(cfg, data_cfg, cache, timings)
 
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
     table_path = cache / "cost_table.json"
     grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
     model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices), grid,
@@ -207,9 +210,16 @@ def ensure_plan(
     return load_plan(plan_path)
 
 
-def profiled_plan(cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, name: str):
+def profiled_plan(
+    cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, name: str,
+    share_timeout_s: int = 3600,
+):  # fmt: skip
     """`plan: auto` of a training run: `ensure_plan` on these devices, and the measured cost provider
     (analytic fallback) the scheduler then predicts with.
+
+    Multi-process runs: process 0 profiles on its local devices and plans for the whole job; the
+    others wait (at most `share_timeout_s`) and receive `plan.yaml` and `cost_table.json` from it
+    (`runtime.distributed.share_files`), so every process trains and schedules from the same bytes.
 
     Returns:
       (planner `Plan`, `MeasuredCostProvider`).
@@ -218,16 +228,19 @@ def profiled_plan(cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cf
 
     from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
     from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.planner import load_plan
+    from dflop_jax.runtime.distributed import share_files
 
-    if jax.process_count() > 1:
-        # Timings differ between processes, so each would plan differently: profile and plan once.
-        raise ValueError(
-            "plan=auto is single-process only: run scripts/run_profiling_engine.sh and "
-            "scripts/run_data_aware_optimization.sh, then train with plan=<cache_dir>/plan.yaml"
-        )
     if not hasattr(model_cfg, "vision"):
         raise ValueError("plan=auto profiles multimodal models only; use plan=analytic or explicit")
-    plan = ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, name=name)
+    # Timings differ between processes, so each would plan differently: process 0 profiles on its
+    # own devices and plans for all of them; every other process takes its plan and cost table.
+    if jax.process_index() == 0:
+        ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, name=name,
+                    devices=jax.local_devices())  # fmt: skip
+    cache = Path(cache_dir)
+    share_files([cache / "plan.yaml", cache / "cost_table.json"], "auto-plan", share_timeout_s)
+    plan = load_plan(cache / "plan.yaml")
     arch, device = arch_of_model(model_cfg), get_device(cfg.device)
     table = Path(cache_dir) / "cost_table.json"
     return plan, MeasuredCostProvider(

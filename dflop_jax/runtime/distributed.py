@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -127,6 +129,9 @@ def initialize(cfg: DistributedConfig) -> None:
     zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())
     value = jax.make_array_from_callback((), zero, lambda _: np.float32(0), dtype=np.float32)
     host_scalars([value], "start-up", cfg.timeout_s)
+    # Publishes every process's transfer socket now: a peer's first cross-host copy looks the address
+    # up with a fixed 1 min limit, which a later first contact (process 0 still profiling) exceeds.
+    exchange_host(np.zeros(1, np.uint8), "start-up/sockets", cfg.timeout_s)
 
 
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
@@ -201,6 +206,28 @@ def exchange_host(local: np.ndarray, tag: str, timeout_s: int = 600) -> np.ndarr
                          for r in rows])  # fmt: skip
 
     return _bounded(read, tag, timeout_s)
+
+
+def share_files(paths: list[Path], tag: str, timeout_s: int) -> None:
+    """Process 0's files, written on every other process (same paths): what one process made for all
+    (e.g. the `plan: auto` plan and cost table), so every process reads the same bytes whether or not
+    the hosts share a file system. Every process calls this at the same point; the others wait at most
+    `timeout_s` for process 0 (which may still be working) and fail naming `tag`."""
+    if jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    for path in paths:
+        data = np.frombuffer(path.read_bytes(), np.uint8) if me == 0 else np.zeros(0, np.uint8)
+        size = int(exchange_host(np.array([data.size], np.int64), f"{tag}/{path.name}/size",
+                                 timeout_s)[0, 0])  # fmt: skip
+        padded = np.zeros(size, np.uint8)
+        padded[: data.size] = data
+        rows = exchange_host(padded, f"{tag}/{path.name}", timeout_s)
+        if me != 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{me}.tmp")
+            tmp.write_bytes(rows[0].tobytes())
+            os.replace(tmp, path)  # atomic: hosts sharing a file system may write it together
 
 
 def _on(device) -> NamedSharding:
