@@ -16,6 +16,7 @@ the loader outpaces a training step of S seconds (time per batch < S).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -60,14 +61,17 @@ def measure_loader(
         next(loader)
         first_s = time.perf_counter() - start
         start = time.perf_counter()
-        got = [next(loader).stats for _ in range(batches)]
+        batches_got = [next(loader) for _ in range(batches)]
         elapsed = time.perf_counter() - start
+    got = [b.stats for b in batches_got]
+    n_samples = sum(s.num_samples for s in got)
     lat = np.array([s.scheduler_latency_s for s in got])
     return {
         "workers": workers,
         "solver": solver,
         "batches": batches,
-        "samples_per_s": sum(s.num_samples for s in got) / elapsed,
+        "samples_per_s": n_samples / elapsed,
+        "host_bytes_per_sample": sum(map(batch_bytes, batches_got)) / max(n_samples, 1),
         "batch_s": elapsed / batches,
         "first_batch_s": first_s,
         "sched_ms_mean": 1e3 * float(lat.mean()),
@@ -77,6 +81,16 @@ def measure_loader(
         "llm_padding": float(np.mean([s.llm_padding_ratio for s in got])),
         "encoder_padding": float(np.mean([s.encoder_padding_ratio for s in got])),
     }
+
+
+def batch_bytes(batch) -> int:
+    """Bytes of every array the global batch sends to the devices (the packed microbatches)."""
+    return sum(
+        a.nbytes
+        for mb in batch.microbatches
+        for a in dataclasses.asdict(mb).values()
+        if a is not None
+    )
 
 
 def run(args) -> dict:
@@ -120,12 +134,14 @@ def print_report(report: dict) -> None:
     )
     print(f"metadata (Processor.shape): {report['metadata_samples_per_s']:.0f} samples/s")
     head = (
-        "workers solver  samples/s  batch_s  sched_ms(mean/max)  load+pack_ms  mbs  pad_llm pad_enc"
+        "workers solver  samples/s  MiB/sample  batch_s  sched_ms(mean/max)  load+pack_ms  mbs  "
+        "pad_llm pad_enc"
     )
     print(head + ("  < step?" if report["step_time_s"] else ""))
     for r in report["rows"]:
         line = (
-            f"{r['workers']:>7} {r['solver']:<7} {r['samples_per_s']:>9.1f}  {r['batch_s']:>7.3f}  "
+            f"{r['workers']:>7} {r['solver']:<7} {r['samples_per_s']:>9.1f}  "
+            f"{r['host_bytes_per_sample'] / 2**20:>10.2f}  {r['batch_s']:>7.3f}  "
             f"{r['sched_ms_mean']:>8.1f}/{r['sched_ms_max']:<8.1f}  {r['load_pack_ms_mean']:>12.1f}  "
             f"{r['microbatches_mean']:>3.1f}  {r['llm_padding']:>7.3f} {r['encoder_padding']:>7.3f}"
         )
