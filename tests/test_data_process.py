@@ -304,7 +304,7 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     img[:, :448, 0] = 255
     img[:, 448:, 2] = 255
     Image.fromarray(img).save(tmp_path / "rb.png")
-    cfg = DataConfig(source="x", model_family="internvl", pixel_mean=(0, 0, 0), pixel_std=(1, 1, 1))
+    cfg = DataConfig(source="x", model_family="internvl")
     rec = {
         "id": 0,
         "image": "rb.png",
@@ -314,10 +314,10 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     }
     s = Processor(cfg).process(rec)
     assert s.num_tiles == 3  # 1x2 grid + thumbnail
-    np.testing.assert_allclose(s.tiles[0].mean((0, 1)), [1, 0, 0], atol=1e-6)
-    np.testing.assert_allclose(s.tiles[1].mean((0, 1)), [0, 0, 1], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[0].mean((0, 1)), [255, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[1].mean((0, 1)), [0, 0, 255], atol=1e-6)
     np.testing.assert_allclose(
-        s.tiles[2].mean((0, 1)), [0.5, 0, 0.5], atol=0.01
+        s.tiles[2].mean((0, 1)), [127.5, 0, 127.5], atol=2.55
     )  # the whole image, squashed
 
 
