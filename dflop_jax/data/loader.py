@@ -14,7 +14,9 @@ the stages live in `dflop_jax/data/stages.py`):
   .batch(B, batch_fn=list)
   .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the schedule function
                              with its batch index k (so a resumed run re-solves batch k the same way)
-  .map(pack stage)           decode/tokenize only the samples this host's shards need, then pack
+  .map(pack stage)           decode/tokenize only the samples this host's shards need (in decode worker
+                             processes when `decode_workers` > 0, `data/decode_pool.py`), then pack
+                             uint8 tiles (the first encoder stage normalizes them on device)
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
 
@@ -27,7 +29,8 @@ The loader owns no scheduler: the caller (the runtime) owns the online `Schedule
 schedule from the same records, seed and scheduler (use the scheduler's deterministic mode);
 `stats.schedule_digest` fingerprints it (the runtime compares it across processes every step).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
-`num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
+`num_workers=0` (grain workers hold copies); decode workers keep the schedule in this process, which is
+why they, not grain workers, are the default where decoding is heavy (`DataConfig.decode_workers`). With prefetch > 0, batch k is solved in a background thread at a
 time that depends on timing, so which observations it sees is not deterministic: for exact resume and
 cross-host agreement with correction on, use `prefetch=0` (batch k is scheduled inside the k-th
 `next()`, after the observations of step k-1), or correction "off".
