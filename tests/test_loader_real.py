@@ -173,7 +173,8 @@ def test_decode_workers_default_where_they_pay(synth):
     assert resolve_decode_workers(cfg, records, None, 0) == 0  # 28 px tiles: in-process
     assert resolve_decode_workers(big, text, None, 0) == 0  # no media
     assert resolve_decode_workers(big, records, None, 0) == auto_decode_workers(384, True)
-    assert [auto_decode_workers(384, True, cpus=c) for c in (1, 2, 8, 64)] == [0, 1, 4, 4]
+    assert [auto_decode_workers(384, True, cpus=c) for c in (1, 2, 4, 8, 64)] == [0, 0, 3, 4, 4]
+    assert auto_decode_workers(56, True, cpus=8) == auto_decode_workers(384, False, cpus=8) == 0
     assert resolve_decode_workers(dataclasses.replace(big, decode_workers=0), records, None, 0) == 0
     assert resolve_decode_workers(cfg, records, 3, 0) == 3
     assert resolve_decode_workers(big, records, None, 2) == 0  # grain workers: no pool

@@ -53,8 +53,9 @@ class DataConfig:
         them into the model config).
       decode_workers: processes decoding each batch's images/videos (`data.decode_pool`) while the
         schedule stays in the training process; -1 = automatic: min(4, cpus - 1) for image/video
-        data at tiles >= 224 px, 0 for text-only data and tiny tiles (decoding them is cheaper than
-        shipping the result back); 0 = decode in the loader's background thread.
+        data at tiles >= 224 px on hosts with >= 4 CPUs, else 0 (text and tiny tiles decode faster
+        than a worker ships them back; `data/decode_pool.py`); 0 = decode in the loader's
+        background thread.
     """
 
     source: str = "synthetic"

@@ -35,12 +35,13 @@ def _process(record: Any):
 
 def auto_decode_workers(tile_px: int, has_media: bool, cpus: int | None = None) -> int:
     """Decode workers when they pay: min(4, cpus - 1) for image/video data at real tile sizes
-    (>= 224 px), else 0. Tiny tiles (the demo's 56 px) and text decode faster than a worker ships
-    the result back (measured in docs/benchmarks.md)."""
+    (>= 224 px) on hosts with >= 4 CPUs, else 0. Text and tiny tiles (the demo's 56 px) decode
+    faster than a worker ships the result back; on 2 CPUs the one worker competes with the training
+    process for the same cores (measured slower there, docs/benchmarks.md)."""
     cpus = cpus or os.cpu_count() or 1
-    if not has_media or tile_px < 224:
+    if not has_media or tile_px < 224 or cpus < 4:
         return 0
-    return max(0, min(4, cpus - 1))
+    return min(4, cpus - 1)
 
 
 class DecodePool:
