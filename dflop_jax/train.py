@@ -97,6 +97,7 @@ def run(cfg, console=None, clock=time.perf_counter):
         tile_px=cfg.data.tile_px,
         patch_size=cfg.data.patch_size,
         compute_dtype=cfg.compute_dtype,
+        pixel_norm=(cfg.data.mean, cfg.data.std),
     )
     plan = resolve_plan(cfg, model_cfg)
     return train(cfg, model_cfg, arch_of_model(model_cfg), plan, console, clock)

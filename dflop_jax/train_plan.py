@@ -118,4 +118,5 @@ def abstract_model_config(cfg: TrainConfig):
 
     vocab = 0 if cfg.model.hf_dir else load_tokenizer(cfg.data.tokenizer).vocab_size
     return cfg.model.model_config(vocab, tile_px=cfg.data.tile_px, patch_size=cfg.data.patch_size,
-                                  compute_dtype=cfg.compute_dtype)  # fmt: skip
+                                  compute_dtype=cfg.compute_dtype,
+                                  pixel_norm=(cfg.data.mean, cfg.data.std))  # fmt: skip

@@ -33,6 +33,12 @@ class InternViTConfig(ViTConfig):
     layer_scale: bool = True
     cls_token: bool = True
     post_norm: bool = False
+    pixel_mean: tuple[float, float, float] = (
+        0.485,
+        0.456,
+        0.406,
+    )  # ImageNet, as InternVL's processor
+    pixel_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 
 INTERNVIT_PRESETS: dict[str, InternViTConfig] = {

@@ -39,6 +39,9 @@ class ViTConfig:
     """Shapes and numerics of a pre-norm ViT. `num_layers` counts the layers that are built.
 
     post_norm: apply the final norm in the head (SigLIP `post_layernorm`; InternViT without mean pooling).
+    pixel_mean, pixel_std: per-channel normalization of uint8 pixels, applied by the embedding
+      ((x / 255 - mean) / std, as the HF image processors do); the defaults are SigLIP's. Float
+      pixels are taken as already normalized (HF parity tests feed the processor's output).
     """
 
     hidden_size: int
@@ -60,6 +63,8 @@ class ViTConfig:
     param_dtype: str = "float32"
     attention_impl: str | None = "xla"
     remat: str = "none"
+    pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_heads", "image_size", "patch_size"):
@@ -86,6 +91,17 @@ class ViTConfig:
                 value in ("float32", "bfloat16", "float16"),
                 f"{type(self).__name__}.{name}={value!r}; use 'float32', 'bfloat16' or 'float16'",
             )
+        for name in ("pixel_mean", "pixel_std"):
+            value = getattr(self, name)
+            _check(
+                len(value) == self.num_channels,
+                f"{type(self).__name__}.{name}={value!r}; give one value per channel "
+                f"({self.num_channels})",
+            )
+        _check(
+            all(s > 0 for s in self.pixel_std),
+            f"{type(self).__name__}.pixel_std={self.pixel_std!r} must be > 0",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -234,6 +250,20 @@ class ViTLayer(nnx.Module):
         return constrain(x + m, ("batch", "length", "act_embed"))
 
 
+def normalize_pixels(pixels: jax.Array, mean, std) -> jax.Array:
+    """uint8 [..., C] -> float32 (x / 255 - mean) / std; float pixels pass unchanged (already normalized).
+
+    Runs inside the first encoder stage's program, so tiles cross host -> device as uint8 (a quarter
+    of float32's bytes). The arithmetic is the host's former `data.images.normalize`, step for step:
+    x * (1 / (255 std)) - mean / std in float32.
+    """
+    if pixels.dtype != jnp.uint8:
+        return pixels
+    std = jnp.asarray(std, jnp.float32)
+    scale = jnp.float32(1.0) / (jnp.float32(255.0) * std)
+    return pixels.astype(jnp.float32) * scale - jnp.asarray(mean, jnp.float32) / std
+
+
 def patchify(pixels: jax.Array, patch: int) -> jax.Array:
     """[T,H,W,C] -> [T, (H//P)*(W//P), P*P*C], patches row-major, features ordered (py, px, c)."""
     t, h, w, c = pixels.shape
@@ -288,8 +318,9 @@ class VisionStage(nnx.Module):
             self.post_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, pd, head)
 
     def embed(self, pixels: jax.Array) -> jax.Array:
-        """pixels [T,H,W,C] (normalized) -> [T,N(+1),D] in the compute dtype."""
+        """pixels [T,H,W,C] (uint8, or float already normalized) -> [T,N(+1),D] in the compute dtype."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        pixels = normalize_pixels(pixels, cfg.pixel_mean, cfg.pixel_std)
         x = patchify(pixels.astype(dt), cfg.patch_size)
         x = jnp.einsum("tnp,pd->tnd", x, self.patch_kernel[...].astype(dt)) + self.patch_bias[
             ...

@@ -105,7 +105,7 @@ def test_shape_from_metadata_matches_processed(dataset, family, rid):
     sample = proc.process(recs[rid])
     assert (shape.tiles, shape.tokens) == (sample.num_tiles, sample.num_tokens)
     assert (
-        sample.tiles.shape[1:] == (cfg.tile_px, cfg.tile_px, 3) and sample.tiles.dtype == np.float32
+        sample.tiles.shape[1:] == (cfg.tile_px, cfg.tile_px, 3) and sample.tiles.dtype == np.uint8
     )
     n = sample.num_tokens
     assert (
@@ -184,7 +184,7 @@ def test_text_tokens_are_the_rendered_conversation(dataset):
     )
 
 
-def test_pixels_normalized_and_tiles_in_layout_order(tmp_path):
+def test_pixels_stay_uint8_and_tiles_in_layout_order(tmp_path):
     # left half red, right half blue: the first grid tile of a 1x2 grid is red, the second blue
     img = np.zeros((384, 768, 3), np.uint8)
     img[:, :384, 0] = 255
@@ -199,9 +199,9 @@ def test_pixels_normalized_and_tiles_in_layout_order(tmp_path):
         "_image_root": str(tmp_path),
     }
     s = Processor(cfg).process(rec)
-    assert s.num_tiles == 3
-    np.testing.assert_allclose(s.tiles[1, 100:300, 100:300].mean((0, 1)), [1, -1, -1], atol=1e-6)
-    np.testing.assert_allclose(s.tiles[2, 100:300, 100:300].mean((0, 1)), [-1, -1, 1], atol=1e-6)
+    assert s.num_tiles == 3 and s.tiles.dtype == np.uint8  # the encoder normalizes on device
+    np.testing.assert_allclose(s.tiles[1, 100:300, 100:300].mean((0, 1)), [255, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[2, 100:300, 100:300].mean((0, 1)), [0, 0, 255], atol=1e-6)
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     img[:, :448, 0] = 255
     img[:, 448:, 2] = 255
     Image.fromarray(img).save(tmp_path / "rb.png")
-    cfg = DataConfig(source="x", model_family="internvl", pixel_mean=(0, 0, 0), pixel_std=(1, 1, 1))
+    cfg = DataConfig(source="x", model_family="internvl")
     rec = {
         "id": 0,
         "image": "rb.png",
@@ -314,10 +314,10 @@ def test_internvl_tiles_row_major_then_thumbnail(tmp_path):
     }
     s = Processor(cfg).process(rec)
     assert s.num_tiles == 3  # 1x2 grid + thumbnail
-    np.testing.assert_allclose(s.tiles[0].mean((0, 1)), [1, 0, 0], atol=1e-6)
-    np.testing.assert_allclose(s.tiles[1].mean((0, 1)), [0, 0, 1], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[0].mean((0, 1)), [255, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(s.tiles[1].mean((0, 1)), [0, 0, 255], atol=1e-6)
     np.testing.assert_allclose(
-        s.tiles[2].mean((0, 1)), [0.5, 0, 0.5], atol=0.01
+        s.tiles[2].mean((0, 1)), [127.5, 0, 127.5], atol=2.55
     )  # the whole image, squashed
 
 

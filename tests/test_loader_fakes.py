@@ -21,6 +21,19 @@ TPT = 2
 TILE = (2, 2, 3)
 
 
+def tagged_tile(sample: int, t: int) -> np.ndarray:
+    """A uint8 tile whose first pixel names (sample, t): (sample // 256, sample % 256, t)."""
+    tile = np.zeros(TILE, np.uint8)
+    tile[0, 0] = (sample // 256, sample % 256, t)
+    return tile
+
+
+def tile_tag(tile: np.ndarray) -> tuple[int, int]:
+    """(sample, t) of a `tagged_tile`."""
+    hi, lo, t = (int(v) for v in tile[0, 0])
+    return hi * 256 + lo, t
+
+
 def fake_records(
     n: int, seed: int = 0, bad: dict[int, str] | None = None, bad_load: dict[int, str] | None = None
 ):
@@ -63,13 +76,9 @@ class FakeProcessor:
         src = np.array([TEXT] * x + list(range(t * TPT)), np.int32)
         ids = np.arange(len(src), dtype=np.int32) + 100 * i + 1
         mask = np.arange(len(src)) % 2 == 0
-        tiles = (
-            np.stack([np.full(TILE, i * 1000 + k, np.float32) for k in range(t)])
-            if t
-            else np.zeros((0, *TILE))
-        )
+        tiles = np.stack([tagged_tile(i, k) for k in range(t)]) if t else np.zeros((0, *TILE))
         return ProcessedSample(
-            i, ids, mask, src, tiles.astype(np.float32), np.zeros(t, bool), "image"
+            i, ids, mask, src, tiles.astype(np.uint8), np.zeros(t, bool), "image"
         )
 
 

@@ -16,6 +16,7 @@ from test_loader_fakes import (
     FirstFit,
     fake_problem,
     fake_records,
+    tile_tag,
 )
 
 from dflop_jax.data.errors import BadSample
@@ -210,10 +211,10 @@ def test_hosts_agree_on_schedule_and_load_only_their_shards():
     # Each host decodes exactly the samples whose tokens or tiles its own arrays hold.
     for part, done in zip(parts, processed):
         tile_ids = {
-            int(v) // 1000
+            tile_tag(tile)[0]
             for gb in part
             for mb in gb.microbatches
-            for v in mb.tiles[mb.tile_valid][:, 0, 0, 0]
+            for tile in mb.tiles[mb.tile_valid]
         }
         assert sorted(done) == sorted({i for gb in part for i in batch_ids(gb)} | tile_ids)
     assert set(processed[0]) | set(processed[1]) == set(range(24))

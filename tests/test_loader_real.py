@@ -12,8 +12,9 @@ from PIL import Image
 
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
+from dflop_jax.data.decode_pool import auto_decode_workers
 from dflop_jax.data.errors import BadSample
-from dflop_jax.data.loader import make_loader, pack_geometry
+from dflop_jax.data.loader import make_loader, pack_geometry, resolve_decode_workers
 from dflop_jax.data.process import Processor
 from dflop_jax.data.synth import synth_dataset
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
@@ -80,6 +81,7 @@ def test_real_processor_and_scheduler_on_synth(synth):
         assert gb.schedule.solver == "greedy"
         for mb, plan in zip(gb.microbatches, gb.schedule.microbatches):
             assert mb.tiles.shape == (2 * plan.tile_bucket, TILE_PX, TILE_PX, 3)
+            assert mb.tiles.dtype == np.uint8  # normalized by the first encoder stage, on device
             assert mb.tokens.shape == (2, plan.length_bucket)
         check_against_processor(gb, by_id, proc, tpt)
         assert gb.num_loss_tokens == sum(
@@ -131,6 +133,55 @@ def test_real_worker_processes_match_and_resume(synth):
         tail = [next(loader) for _ in range(3)]
     for a, b in zip(full, head + tail, strict=True):
         assert_same(a, b)
+
+
+@pytest.mark.slow
+def test_decode_workers_match_in_process_and_the_schedule_stays_here(synth, tmp_path):
+    """Decode worker processes yield the in-process batches; the schedule function keeps running in
+    this process (so the trainer's observations reach it, unlike grain workers' copies); a sample
+    failing in a worker counts as the same skip."""
+    cfg, records = synth
+    with loader_for(cfg, records, decode_workers=0) as loader:
+        full = [next(loader) for _ in range(3)]
+    sched = Scheduler(PROBLEM, SchedulerConfig(solver="greedy", correction="off"))
+    calls = []
+
+    def schedule(shapes, index):
+        calls.append(index)
+        return sched.schedule(shapes, index)
+
+    with make_loader(cfg, records, PROBLEM, schedule, seed=0, global_batch_size=12,
+                     decode_workers=2, prefetch=0) as loader:  # fmt: skip
+        assert loader._pool is not None and loader._pool.workers == 2
+        got = [next(loader) for _ in range(3)]
+    assert calls == [0, 1, 2]
+    for a, b in zip(full, got, strict=True):
+        assert_same(a, b)
+    path, want = write_broken_dataset(cfg, records, tmp_path)
+    bad_cfg = DataConfig(source=str(path), tile_size=TILE_PX, max_frames=4, cache_dir="")
+    broken = load_source(bad_cfg)
+    with loader_for(bad_cfg, broken, global_batch_size=17, decode_workers=2) as loader:
+        assert next(loader).stats.skipped == want
+
+
+def test_decode_workers_default_where_they_pay(synth):
+    """Automatic (-1): workers for image/video data at real tile sizes, none for text or tiny tiles;
+    an explicit count wins; grain workers and decode workers do not mix."""
+    cfg, records = synth
+    text = [{"id": 0, "text": "hello"}]
+    big = dataclasses.replace(cfg, tile_size=384)
+    assert resolve_decode_workers(cfg, records, None, 0) == 0  # 28 px tiles: in-process
+    assert resolve_decode_workers(big, text, None, 0) == 0  # no media
+    assert resolve_decode_workers(big, records, None, 0) == auto_decode_workers(384, True)
+    assert [auto_decode_workers(384, True, cpus=c) for c in (1, 2, 4, 8, 64)] == [0, 0, 3, 4, 4]
+    assert auto_decode_workers(56, True, cpus=8) == auto_decode_workers(384, False, cpus=8) == 0
+    assert resolve_decode_workers(dataclasses.replace(big, decode_workers=0), records, None, 0) == 0
+    assert resolve_decode_workers(cfg, records, 3, 0) == 3
+    assert resolve_decode_workers(big, records, None, 2) == 0  # grain workers: no pool
+    with pytest.raises(ValueError, match="pick one kind of worker"):
+        resolve_decode_workers(cfg, records, 2, 2)
+    with pytest.raises(ValueError, match="data.decode_workers"):
+        DataConfig(decode_workers=-2)
 
 
 def write_broken_dataset(cfg, records, tmp_path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_loader_fakes import tagged_tile, tile_tag
 
 from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
@@ -21,7 +22,7 @@ IMAGE_TOKEN = 9
 def make_sample(idx: int, n_tiles: int, n_text: int, rng: np.random.Generator, newline=True):
     """Text, then each tile's TPT image tokens (+ a newline token), then text.
 
-    Tile t of sample idx holds pixels == idx * 1000 + t, so a feature row can be traced to its tile.
+    Tile t of sample idx is `tagged_tile(idx, t)` (uint8, as the processor's tiles), so a feature row can be traced to its tile.
     """
     head = n_text // 2
     ids, src = [], []
@@ -40,9 +41,9 @@ def make_sample(idx: int, n_tiles: int, n_text: int, rng: np.random.Generator, n
     src = np.array(src, np.int32)
     assistant = (rng.random(len(ids)) < 0.5) & (src == TEXT)
     tiles = (
-        np.stack([np.full(TILE, idx * 1000 + t, np.float32) for t in range(n_tiles)])
+        np.stack([tagged_tile(idx, t) for t in range(n_tiles)])
         if n_tiles
-        else (np.zeros((0, *TILE), np.float32))
+        else (np.zeros((0, *TILE), np.uint8))
     )
     pool = np.arange(n_tiles) % 2 == 1
     modality = "image" if n_tiles else "text"
@@ -57,12 +58,13 @@ def check_microbatch(mb, plan, samples, encoder_dp, llm_dp):
     """Independent check of one packed microbatch against the samples it should hold."""
     T, S = plan.tile_bucket, plan.length_bucket
     assert mb.tiles.shape == (encoder_dp * T, *TILE)
+    assert mb.tiles.dtype == np.uint8  # pixels cross host -> device as uint8 (normalized on device)
     assert mb.tile_valid.shape == mb.tile_pool.shape == (encoder_dp * T,)
     for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
         assert getattr(mb, name).shape == (llm_dp, S), name
     # Every sample tile appears exactly once among valid slots.
     want = sorted((i, t) for i in plan.samples() for t in range(samples[i].num_tiles))
-    got = sorted(divmod(int(v), 1000) for v in mb.tiles[mb.tile_valid][:, 0, 0, 0])
+    got = sorted(tile_tag(tile) for tile in mb.tiles[mb.tile_valid])
     assert got == want
     assert not mb.tiles[~mb.tile_valid].any()
     for r in range(llm_dp):
@@ -92,7 +94,7 @@ def check_microbatch(mb, plan, samples, encoder_dp, llm_dp):
                     continue
                 slot, j = divmod(f, TPT)
                 assert mb.tile_valid[slot]
-                assert divmod(int(mb.tiles[slot, 0, 0, 0]), 1000) == (i, src // TPT)
+                assert tile_tag(mb.tiles[slot]) == (i, src // TPT)
                 assert j == src % TPT
                 assert mb.tile_pool[slot] == s.tile_pool[src // TPT]
             offset += L

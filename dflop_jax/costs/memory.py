@@ -215,7 +215,7 @@ def encoder_stage_memory(
     hidden = tokens * v.hidden_size * cb
     if stage.has_embedding:
         n_params += flops.vision_embedding_params(v)
-        inputs = tiles * v.image_size**2 * 3 * F32  # the packed tiles, f32
+        inputs = tiles * v.image_size**2 * 3  # the packed tiles, uint8 (normalized on device)
         temp += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
     else:
         inputs = temp_dx = hidden

@@ -49,6 +49,13 @@ class DataConfig:
         id/image/video/conversations/text/data_source/source (turns: from/value).
       cache_dir: shape-metadata cache ("" disables caching).
       pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
+        Tiles stay uint8 up to the device; the first encoder stage applies these (the trainer passes
+        them into the model config).
+      decode_workers: processes decoding each batch's images/videos (`data.decode_pool`) while the
+        schedule stays in the training process; -1 = automatic: min(4, cpus - 1) for image/video
+        data at tiles >= 224 px on hosts with >= 4 CPUs, else 0 (text and tiny tiles decode faster
+        than a worker ships them back; `data/decode_pool.py`); 0 = decode in the loader's
+        background thread.
     """
 
     source: str = "synthetic"
@@ -77,6 +84,7 @@ class DataConfig:
     cache_dir: str = "data_cache/metadata"
     pixel_mean: tuple[float, ...] = ()
     pixel_std: tuple[float, ...] = ()
+    decode_workers: int = -1
 
     def __post_init__(self):
         require(
@@ -132,6 +140,8 @@ class DataConfig:
             value = getattr(self, name)
             require(len(value) in (0, 3), f"data.{name}", value, "give 3 values (RGB) or none")
         require(all(s > 0 for s in self.pixel_std), "data.pixel_std", self.pixel_std, "must be > 0")
+        fix = "use -1 (automatic), 0 (decode in-process) or a process count"
+        require(self.decode_workers >= -1, "data.decode_workers", self.decode_workers, fix)
 
     def inputs(self) -> list[InputPath]:
         """The files and folders this data config reads (synthetic data is generated, not read)."""

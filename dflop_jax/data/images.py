@@ -133,12 +133,3 @@ def _cut(canvas: np.ndarray, rows: int, cols: int, tile: int) -> np.ndarray:
         .transpose(0, 2, 1, 3, 4)
         .reshape(-1, tile, tile, 3)
     )
-
-
-def normalize(tiles: np.ndarray, mean, std) -> np.ndarray:
-    """[n, H, W, 3] uint8 -> float32 ((x / 255) - mean) / std, as the HF image processors do."""
-    std = np.asarray(std, np.float32)
-    x = tiles.astype(np.float32)
-    x *= 1.0 / (255.0 * std)  # in place: these arrays are tens of MB for a 37-tile image
-    x -= np.asarray(mean, np.float32) / std
-    return x

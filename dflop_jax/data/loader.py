@@ -14,7 +14,9 @@ the stages live in `dflop_jax/data/stages.py`):
   .batch(B, batch_fn=list)
   .map_with_index(schedule)  the whole global batch (B records minus skips) goes to the schedule function
                              with its batch index k (so a resumed run re-solves batch k the same way)
-  .map(pack stage)           decode/tokenize only the samples this host's shards need, then pack
+  .map(pack stage)           decode/tokenize only the samples this host's shards need (in decode worker
+                             processes when `decode_workers` > 0, `data/decode_pool.py`), then pack
+                             uint8 tiles (the first encoder stage normalizes them on device)
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
 
@@ -27,7 +29,8 @@ The loader owns no scheduler: the caller (the runtime) owns the online `Schedule
 schedule from the same records, seed and scheduler (use the scheduler's deterministic mode);
 `stats.schedule_digest` fingerprints it (the runtime compares it across processes every step).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
-`num_workers=0` (workers hold copies). With prefetch > 0, batch k is solved in a background thread at a
+`num_workers=0` (grain workers hold copies); decode workers keep the schedule in this process, which is
+why they, not grain workers, are the default where decoding is heavy (`DataConfig.decode_workers`). With prefetch > 0, batch k is solved in a background thread at a
 time that depends on timing, so which observations it sees is not deterministic: for exact resume and
 cross-host agreement with correction on, use `prefetch=0` (batch k is scheduled inside the k-th
 `next()`, after the observations of step k-1), or correction "off".
@@ -43,6 +46,7 @@ from typing import Any
 import grain
 
 from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
+from dflop_jax.data.decode_pool import DecodePool, auto_decode_workers
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
 from dflop_jax.data.stages import (
@@ -69,11 +73,13 @@ def build_dataset(
     strict: bool = False,
     num_epochs: int | None = None,
     shapes: Sequence[SampleShape | BadSample] | None = None,
+    pool: DecodePool | None = None,
 ) -> grain.MapDataset:
     """The random-access part of the pipeline: element k is global batch k (a `GlobalBatch`).
 
     `shapes` (optional, in record order, e.g. from `MetadataCache.shapes`) replaces the per-record
-    `processor.shape` calls of the metadata stage; bad ones are skipped or raised as usual.
+    `processor.shape` calls of the metadata stage; bad ones are skipped or raised as usual. `pool`
+    decodes the pack stage's samples in worker processes (`DecodePool`; None = in-process).
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size={global_batch_size}: must be >= 1")
@@ -88,7 +94,7 @@ def build_dataset(
     ds = ds.map(ShapeStage(processor, spec, strict))
     ds = ds.batch(global_batch_size, drop_remainder=True, batch_fn=list)
     ds = ds.map_with_index(ScheduleStage(schedule_fn))
-    return ds.map(PackStage(processor, spec, host, strict))
+    return ds.map(PackStage(processor, spec, host, strict, pool))
 
 
 class Loader:
@@ -110,7 +116,9 @@ class Loader:
         *,
         num_workers: int = 0,
         prefetch: int = 2,
+        pool: DecodePool | None = None,
     ):
+        self._pool = pool  # the pack stage's decode workers, closed with the loader
         if num_workers < 0 or prefetch < 0:
             raise ValueError(f"num_workers={num_workers}, prefetch={prefetch}: must be >= 0")
         it_ds = dataset.to_iter_dataset(
@@ -187,8 +195,10 @@ class Loader:
         self._totals = dict(state["totals"], skipped=dict(state["totals"]["skipped"]))
 
     def close(self) -> None:
-        """Stops prefetch threads and worker processes (call before exit when num_workers > 0)."""
+        """Stops prefetch threads and worker processes (call before exit when there are workers)."""
         self._it.close()
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -258,6 +268,7 @@ def make_loader(
     seed: int,
     host: HostShardSpec | None = None,
     num_workers: int = 0,
+    decode_workers: int | None = None,
     prefetch: int = 2,
     num_epochs: int | None = None,
     processor: SampleProcessor | None = None,
@@ -275,7 +286,12 @@ def make_loader(
       seed: shuffle seed (epoch e uses seed + e).
       host: this process's shards (`HostShardSpec.from_meshes` of the stage meshes); None = all
         (single process). Samples no local shard needs are never decoded.
-      num_workers: grain worker processes (0 = a background thread in this process).
+      num_workers: grain worker processes running the whole pipeline (0 = a background thread in
+        this process). They hold copies of the schedule function, so the trainer's observations do
+        not reach them: prefer `decode_workers`.
+      decode_workers: processes decoding the samples of each batch while the schedule stays in this
+        process (`DecodePool`); None = `data_cfg.decode_workers`, whose -1 picks
+        `auto_decode_workers` (workers for image/video data at real tile sizes, 0 otherwise).
       prefetch: global batches prepared ahead.
       num_epochs: None = repeat forever.
       processor: overrides `Processor(data_cfg)` (tests, custom processing).
@@ -305,6 +321,8 @@ def make_loader(
         shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(list(records))
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
+    workers = resolve_decode_workers(data_cfg, records, decode_workers, num_workers)
+    pool = DecodePool(processor, workers) if workers else None
     ds = build_dataset(
         records,
         processor,
@@ -316,8 +334,31 @@ def make_loader(
         strict=data_cfg.strict,
         num_epochs=num_epochs,
         shapes=shapes,
+        pool=pool,
     )
-    return Loader(ds, num_workers=num_workers, prefetch=prefetch)
+    return Loader(ds, num_workers=num_workers, prefetch=prefetch, pool=pool)
+
+
+def resolve_decode_workers(
+    data_cfg: Any, records: Sequence[Any], decode_workers: int | None, num_workers: int
+) -> int:
+    """Decode worker processes for this run: the argument, else the config's, else (-1) automatic.
+
+    Automatic looks at the first records for images or videos; with grain workers (`num_workers`)
+    the pool is off (it cannot be pickled into them)."""
+    if num_workers:
+        if decode_workers:
+            raise ValueError(
+                f"num_workers={num_workers} and decode_workers={decode_workers}: pick one kind of "
+                "worker (decode workers keep the schedule in this process)"
+            )
+        return 0
+    n = data_cfg.decode_workers if decode_workers is None else decode_workers
+    if n >= 0:
+        return n
+    head = (records[i] for i in range(min(len(records), 64)))
+    has_media = any(isinstance(r, dict) and ("image" in r or "video" in r) for r in head)
+    return auto_decode_workers(data_cfg.tile_px, has_media)
 
 
 __all__ = [
@@ -329,5 +370,6 @@ __all__ = [
     "make_loader",
     "pack_geometry",
     "pack_taps",
+    "resolve_decode_workers",
     "schedule_digest",
 ]

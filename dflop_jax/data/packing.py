@@ -20,7 +20,9 @@ holds `feature_taps` [rows, S, K] (every tap mapped to global tile-slot rows exa
 and `feature_weight` [rows, S, K]; samples without taps count as plain gathers. `feature_index` stays the
 nearest tap. Memory: `feature_taps` quadruples `feature_index`'s 4 bytes per position and `feature_weight`
 adds as much again: 32 bytes per position on top of the 24 of the six [S] arrays (S = 32k: 1 MiB per LLM
-row), negligible next to the tiles (one 384 px float32 tile is 1.7 MiB; a 37-tile image 63 MiB).
+row), negligible next to the tiles (one 384 px uint8 tile is 432 KiB; a 37-tile image 16 MiB). Tiles stay
+uint8 up to the device: the first encoder stage normalizes them (`models.vit.normalize_pixels`), so
+they cross host -> device at a quarter of float32's bytes.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def pack_microbatch(
     placement = _checked_tiles(plan, shapes, encoder_dp)
     slot_of = {it: e * T + k for e, tiles in enumerate(placement) for k, it in enumerate(tiles)}
 
-    tiles = np.zeros((encoder_dp * T, *tile_shape), np.float32)
+    tiles = np.zeros((encoder_dp * T, *tile_shape), np.uint8)
     tile_valid = np.zeros((encoder_dp * T,), bool)
     tile_pool = np.zeros((encoder_dp * T,), bool)
     for e in host.encoder_shards:
@@ -182,7 +184,7 @@ def pack_microbatch(
             if sample is None:
                 continue
             row = e * T + k
-            tiles[row] = sample.tiles[t]
+            tiles[row] = _uint8_tiles(sample)[t]
             tile_valid[row] = True
             tile_pool[row] = sample.tile_pool[t]
 
@@ -209,6 +211,16 @@ def _shape_of(sample: ProcessedSample | None) -> SampleShape:
     if sample is None:
         raise ValueError("pack_microbatch: pass `shapes` when some samples are None")
     return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality)
+
+
+def _uint8_tiles(sample: ProcessedSample) -> np.ndarray:
+    """The sample's tiles, refused unless uint8 (a float tile would be cast silently and wrongly)."""
+    if sample.tiles.dtype != np.uint8:
+        raise TypeError(
+            f"sample {sample.id!r}: tiles are {sample.tiles.dtype}, the packer takes uint8 pixels "
+            "(the encoder normalizes them on device)"
+        )
+    return sample.tiles
 
 
 def _empty_rows(field: str, rows: int, S: int, k: int) -> np.ndarray:

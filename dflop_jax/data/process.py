@@ -115,7 +115,7 @@ class Processor:
         )
 
     def process(self, record: dict) -> ProcessedSample:
-        """Decodes, tiles and normalizes the pixels and builds ids, assistant mask and feature sources."""
+        """Decodes and tiles the pixels (uint8) and builds ids, assistant mask and feature sources."""
         plan = self._plan(record, with_spans=True)
         ids, mask, source, taps = self._tokens(plan, with_mask=True)
         tiles, pool = self._pixels(plan)
@@ -326,7 +326,7 @@ class Processor:
 
     # ---- pixels -------------------------------------------------------------------------------------
     def _pixels(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
-        """([n_tiles, H, W, 3] float32 normalized, [n_tiles] bool pooled) in layout order."""
+        """([n_tiles, H, W, 3] uint8, [n_tiles] bool pooled) in layout order (normalized on device)."""
         tile = self.cfg.tile_px
         chunks, pools = [np.zeros((0, tile, tile, 3), np.uint8)], [np.zeros(0, bool)]
         for m in plan.media:
@@ -334,7 +334,7 @@ class Processor:
             chunks.append(t)
             pools.append(np.full(len(t), m.kind == "video" and self.cfg.model_family == "llava_ov"))
         tiles = np.concatenate(chunks)
-        return images.normalize(tiles, self.cfg.mean, self.cfg.std), np.concatenate(pools)
+        return tiles, np.concatenate(pools)
 
     def _media_tiles(self, m: _Media, location: str) -> np.ndarray:
         tile, cfg = self.cfg.tile_px, self.cfg

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dflop_jax.contracts import (
     SampleShape,
@@ -23,6 +24,9 @@ from dflop_jax.contracts import (
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
 from dflop_jax.data.types import BatchStats, GlobalBatch, ProcessedSample
+
+if TYPE_CHECKING:
+    from dflop_jax.data.decode_pool import DecodePool
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +205,15 @@ class PackStage:
     """Scheduled -> GlobalBatch: process the samples this host needs, then pack."""
 
     def __init__(
-        self, processor: SampleProcessor, spec: PackSpec, host: HostShardSpec, strict: bool
+        self,
+        processor: SampleProcessor,
+        spec: PackSpec,
+        host: HostShardSpec,
+        strict: bool,
+        pool: DecodePool | None = None,
     ):
         self.processor, self.spec, self.host, self.strict = processor, spec, host, strict
+        self.pool = pool  # decode worker processes (None = decode in this process)
         self._log = SkipLog()
 
     def __call__(self, item: Scheduled) -> GlobalBatch:
@@ -216,8 +226,9 @@ class PackStage:
             need |= needed_samples(plan, item.shapes, spec.encoder_dp, self.host)
         start = time.perf_counter()
         samples: list[ProcessedSample | None] = [None] * len(item.records)
-        for i in sorted(need):
-            samples[i] = self._load(item.records[i], item.shapes[i], skipped)
+        order = sorted(need)
+        for i, decode in zip(order, self._decoders([item.records[i] for i in order])):
+            samples[i] = self._load(item.records[i], item.shapes[i], skipped, decode)
         load_s = time.perf_counter() - start
         batch = pack_global_batch(
             item.schedule,
@@ -233,12 +244,23 @@ class PackStage:
         batch.stats = self._stats(item, skipped, batch.stats, load_s)
         return batch
 
+    def _decoders(self, records: list) -> list[Callable[[], ProcessedSample]]:
+        """Per record, a call returning its sample: in-process, or the pool's result (all submitted
+        up front, so the workers decode in parallel while the first results are packed)."""
+        if self.pool is None:
+            return [functools.partial(self.processor.process, r) for r in records]
+        return [future.result for future in self.pool.decode(records)]
+
     def _load(
-        self, record: Any, shape: SampleShape, skipped: collections.Counter
+        self,
+        record: Any,
+        shape: SampleShape,
+        skipped: collections.Counter,
+        decode: Callable[[], ProcessedSample],
     ) -> ProcessedSample | None:
         """Processes one sample; a failure after scheduling leaves its room as padding (counted)."""
         try:
-            sample = self.processor.process(record)
+            sample = decode()
         except BadSample as e:
             if self.strict:
                 raise

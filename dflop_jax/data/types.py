@@ -50,7 +50,7 @@ class ProcessedSample:
       assistant_mask: [L] bool, True on tokens the model must learn to produce (assistant turns).
       feature_source: [L] int32, TEXT / NEWLINE / index into this sample's own image features
         (tile t, feature j -> t * tokens_per_tile + j).
-      tiles: [n_tiles, H, W, 3] float32 pixels, normalized as the encoder expects (n_tiles may be 0).
+      tiles: [n_tiles, H, W, 3] uint8 pixels (n_tiles may be 0); the encoder normalizes them.
       tile_pool: [n_tiles] bool, True for video frames pooled 2x2 after the projector.
       modality: "text", "image", "multi_image" or "video".
       feature_taps: [L, K] int32 or None; exact sources of each position (module docstring), same
@@ -82,7 +82,7 @@ class PackedMicrobatch:
     """One microbatch in static shapes, global over data-parallel shards.
 
     Encoder side (v_dp shards of T tiles; shard e owns rows e*T ... e*T+T-1):
-      tiles: [v_dp*T, H, W, 3] float32; tile_valid: [v_dp*T] bool; tile_pool: [v_dp*T] bool.
+      tiles: [v_dp*T, H, W, 3] uint8 (normalized on device); tile_valid: [v_dp*T] bool; tile_pool: [v_dp*T] bool.
     LLM side (l_dp shards, one packed row of S tokens each):
       tokens: [l_dp, S] int32 input ids (0 on padding).
       segment_ids: [l_dp, S] int32, 1.. per sample within the row, 0 on padding; attention never

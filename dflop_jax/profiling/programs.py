@@ -117,7 +117,7 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
     """Random pixels and tokens, one sample per row, the second half of the row image features."""
     vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
     n_features = batch["tiles"].shape[0] * model_cfg.tokens_per_tile
-    batch["tiles"][...] = rng.standard_normal(batch["tiles"].shape)
+    batch["tiles"][...] = rng.integers(0, 256, batch["tiles"].shape, np.uint8)  # uint8, as trained
     batch["tokens"][...] = rng.integers(0, vocab, (rows, length))
     batch["targets"][...] = rng.integers(0, vocab, (rows, length))
     batch["segment_ids"][...] = 1

@@ -100,7 +100,13 @@ class ModelConfig:
         return self.hf_dir or self.init_seed
 
     def model_config(
-        self, tokenizer_vocab: int, *, tile_px: int, patch_size: int, compute_dtype: str
+        self,
+        tokenizer_vocab: int,
+        *,
+        tile_px: int,
+        patch_size: int,
+        compute_dtype: str,
+        pixel_norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     ):
         """The `models` config of the model (fp32 master params): from the fields, or from `hf_dir`'s
         config.json. No parameter is made here: each pipeline stage makes its own
@@ -111,6 +117,8 @@ class ModelConfig:
             multiple of 128 so tp divides it; the padding rows are never targeted).
           tile_px, patch_size: the data's tile and patch size (the ViT's image and patch size).
           compute_dtype: dtype of the matmuls.
+          pixel_norm: the data's (mean, std) (`DataConfig.mean`, `.std`), which the first encoder
+            stage applies to the uint8 tiles; None = the vision family's default.
 
         Returns:
           A `DecoderConfig`, `LlavaOnevisionConfig` or `InternVLConfig`.
@@ -121,9 +129,8 @@ class ModelConfig:
             from models.hf import load_config
             from models.stages import with_remat
 
-            return with_remat(
-                load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32"), self.remat
-            )
+            cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
+            return _with_pixel_norm(with_remat(cfg, self.remat), pixel_norm)
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
             hidden_size=self.hidden_size,
@@ -152,11 +159,20 @@ class ModelConfig:
             from models.internvit import InternViTConfig
             from models.internvl import internvl_config
 
-            return internvl_config(InternViTConfig(**vision), dcfg)
+            return _with_pixel_norm(internvl_config(InternViTConfig(**vision), dcfg), pixel_norm)
         from models.llava_onevision import llava_onevision_config
         from models.siglip import SiglipConfig
 
-        return llava_onevision_config(SiglipConfig(**vision), dcfg)
+        return _with_pixel_norm(llava_onevision_config(SiglipConfig(**vision), dcfg), pixel_norm)
+
+
+def _with_pixel_norm(model_cfg, pixel_norm):
+    """`model_cfg` whose vision tower normalizes uint8 tiles with the data's (mean, std)."""
+    if pixel_norm is None or not hasattr(model_cfg, "vision"):
+        return model_cfg
+    mean, std = map(tuple, pixel_norm)
+    vision = model_cfg.vision.replace(pixel_mean=mean, pixel_std=std)
+    return dataclasses.replace(model_cfg, vision=vision)
 
 
 # Sizes of a ModelConfig that must be >= 1.
