@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import arch_of_model
@@ -97,16 +98,14 @@ def check_layout(
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
-    feature_tiles = (
-        layout.encoder_dp if layout.encoder_stages else layout.llm_stages[0].dp
-    ) * tiles
+    feature_tiles = layout.encoder_dp * tiles
     out = []
     for i, (specs, mesh) in enumerate(zip(stage_parts(layout, model_cfg), meshes)):
         parts = []
         for s in specs:
             bucket = tiles if s.module == "encoder" else length
             features = feature_tiles if s.module == "llm" and s.has_embedding else None
-            prog = stage_program(model_cfg, s, mesh, bucket, compute_dtype, features)
+            prog = stage_program(model_cfg, s, _part_mesh(mesh, s), bucket, compute_dtype, features)
             parts.append(compile_part(s.module, prog))
         out.append(_stage_check(i, parts, in_flight_counts[i]))
     warn_disagreements(out, predicted)
@@ -121,9 +120,17 @@ def stage_parts(layout: Layout, model_cfg) -> list[list[StageSpec]]:
     out = []
     for i, spec in enumerate(layout.stages):
         colocated = i == 0 and not layout.encoder_stages and is_multimodal(model_cfg)
-        encoder = [colocated_encoder_stage(arch_of_model(model_cfg), spec)] if colocated else []
+        encoder = [colocated_encoder_stage(arch_of_model(model_cfg), layout)] if colocated else []
         out.append(encoder + [spec])
     return out
+
+
+def _part_mesh(mesh: Mesh, spec: StageSpec) -> Mesh:
+    """The stage's mesh, or its devices as (dp, tp) of a colocated encoder at its own tp."""
+    if mesh.devices.shape == (spec.dp, spec.tp):
+        return mesh
+    return Mesh(mesh.devices.reshape(spec.dp, spec.tp), mesh.axis_names,
+                axis_types=mesh.axis_types)  # fmt: skip
 
 
 def _devices(needed: int) -> list[jax.Device]:
