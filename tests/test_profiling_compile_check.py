@@ -47,9 +47,7 @@ def _memory_analysis_bytes(spec, mesh, bucket, features) -> float:
     prog = stage_program(CFG, spec, mesh, bucket, jnp.bfloat16, features)
     with jax.set_mesh(mesh):
         m = (
-            prog.bwd.lower(
-                prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
-            )
+            prog.bwd.lower(prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs)
             .compile()
             .memory_analysis()
         )

@@ -82,7 +82,7 @@ def _profiled(spec: StageSpec):
     bucket = T if spec.module == "encoder" else S
     prog = build_program(CFG, shape, spec.tp, bucket, jax.devices(), DTYPE)
     fwd_args = (prog.params_abs, prog.x_abs, prog.side_abs)
-    return prog, fwd_args, (*fwd_args, prog.seed_abs, prog.params_abs)
+    return prog, fwd_args, (*fwd_args, prog.seed_abs, prog.gacc_abs)
 
 
 def _lower(mesh, program, args):
