@@ -182,6 +182,12 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     accs = jax.tree.map(accumulator_sharding, ps)
     dp = mesh.shape["data"]
     xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
+    # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
+    # replica's share of dL/dx: summed over "data" (an activation gradient, not the params')
+    x_replicated = xl is not None and not any(xl)
+
+    def whole_gx(gx):
+        return jax.lax.psum(gx, "data") if x_replicated else gx
 
     def apply(params, x, side):
         p = cast_floating(params, compute_dtype)
@@ -214,7 +220,7 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
         else:
             _, vjp = jax.vjp(lambda p, x_: apply(p, x_, side), params, x)
             gp, gx = vjp(gy)
-        return gx, add(gacc, gp)
+        return whole_gx(gx), add(gacc, gp)
 
     def bwd(params, x, side, gy, gacc):
         specs = (P(), xl, P("data"), yl, P("data"))
@@ -235,7 +241,7 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
                 params, x
             )
         loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
-        return loss, count, gx, add(gacc, gp)
+        return loss, count, None if gx is None else whole_gx(gx), add(gacc, gp)
 
     def last(params, x, side, normalizer, gacc):
         specs = (P(), xl, P("data"), P(), P("data"))
