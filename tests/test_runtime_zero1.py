@@ -92,8 +92,9 @@ def test_zero1_sharding_adds_data_on_largest_divisible_axis():
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_microbatch_backward_has_no_data_reduction(stage):
-    """dp 2 stages (tp 1, tp 2, the last): no collective across data replicas in an inner stage's
-    backward; on the last stage only the scalar loss and token count are summed over "data"."""
+    """dp 2 stages (tp 1, tp 2, the last): no parameter gradient crosses data replicas in a
+    microbatch's backward; on the last stage only the scalar loss and token count are summed over
+    "data", on the first (MLLM) one only dL/d(features), which every replica's rows read."""
     cfg = model_config_for_arch(
         "tiny", "float32"
     )  # an MLLM: the profiler's stage builder needs one
@@ -104,7 +105,11 @@ def test_microbatch_backward_has_no_data_reduction(stage):
             prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
         ).compile()
     across = _data_collectives(compiled, spec.tp)
-    if spec.has_head:
+    if spec.has_embedding:  # the image features x are replicated over "data": dL/dx is summed
+        x = prog.x_abs
+        assert x.sharding.spec == P()
+        assert across == [f"f32[{','.join(map(str, x.shape))}]{{2,1,0}}"], across
+    elif spec.has_head:
         assert across == ["(f32[], f32[])"], across
     else:
         assert across == [], across
