@@ -177,17 +177,18 @@ def test_zero1_update_equals_replicated_update():
     assert leaf.addressable_shards[0].data.size * 2 <= leaf.size
 
 
-def test_replicated_stage_input_gets_every_replicas_gradient():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicated_stage_input_gets_every_replicas_gradient(tp):
     """An x replicated over "data" (the MLLM's image features, x_spec P()) is read by every replica's
     rows: its dL/dx is the sum of the replicas' shares, as on one device."""
-    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))
+    mesh = Mesh(np.array(jax.devices()[: 2 * tp]).reshape(2, tp), ("data", "model"))
     fns = StageFns(
         forward=lambda p, x, s: jnp.tanh(x[s["rows"]] @ p["w"]), side_keys=("rows",), x_spec=P()
     )
     rng = np.random.default_rng(0)
     w, x = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
     rows, gy = np.array([3, 0, 3, 1], np.int32), rng.normal(size=(4, 8)).astype(np.float32)
-    params = {"w": put_host(w, NamedSharding(mesh, P()))}
+    params = {"w": put_host(w, NamedSharding(mesh, P(None, "model")))}
     stage = StageProgram(mesh, fns, params, compute_dtype=jnp.float32)
     gx, acc = stage.backward(
         put_host(x, NamedSharding(mesh, P())),

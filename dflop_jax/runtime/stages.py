@@ -184,7 +184,9 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
     # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
     # replica's share of dL/dx: summed over "data" (an activation gradient, not the params')
-    x_replicated = xl is not None and not any(xl)
+    # (dp 1: nothing to sum, and XLA rejects that psum when "model" is Auto: "Cross-partition
+    # allreduce must be in (partial) manual partitioning mode")
+    x_replicated = dp > 1 and xl is not None and not any(xl)
 
     def whole_gx(gx):
         return jax.lax.psum(gx, "data") if x_replicated else gx
