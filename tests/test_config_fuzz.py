@@ -162,7 +162,15 @@ def test_a_section_given_a_value_is_a_clean_error(entry, key):
 
 
 # Fields where a negative number means something (process_id -1: from the environment).
-NEGATIVE_OK = {"distributed.process_id"}
+# -1 is a sentinel there: the process id from the environment, the automatic decode-worker count.
+NEGATIVE_OK = {"distributed.process_id", "data.decode_workers"}
+
+
+def test_decode_workers_below_the_auto_sentinel_are_rejected():
+    from dflop_jax.runtime.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="data.decode_workers"):
+        from_dict(TrainConfig, {"data": {"decode_workers": -2}})
 
 
 NUMBERS = [(e, k) for e, k, tp in CASES if _base(tp) in (int, float) and k not in NEGATIVE_OK]

@@ -11,6 +11,7 @@ from dflop_jax.data.chat import LLAMA3_TEMPLATE, QWEN25_TEMPLATE, ChatTemplate
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.process import Processor
 from dflop_jax.data.tokenizer import ASSET, load_tokenizer
+from models.vit import normalize_pixels
 
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
@@ -76,6 +77,12 @@ def _hf_processor(hf_tokenizer):
 SIZES = [(600, 1000), (1700, 300), (384, 384), (2000, 2300), (100, 1500), (900, 880), (1152, 768)]
 
 
+def _normalized(tiles: np.ndarray, cfg: DataConfig) -> np.ndarray:
+    """Our uint8 tiles as the model's first stage sees them (mean/std of the data config)."""
+    assert tiles.dtype == np.uint8
+    return np.asarray(normalize_pixels(tiles, cfg.mean, cfg.std))
+
+
 def test_llava_ov_tokens_and_tiles_match_hf_processor(hf_tokenizer, tmp_path):
     proc_hf = _hf_processor(hf_tokenizer)
     records = []
@@ -114,7 +121,7 @@ def test_llava_ov_tokens_and_tiles_match_hf_processor(hf_tokenizer, tmp_path):
         # Same pixels, tile by tile (HF pads the patch axis of a batch; multi-image keeps one tile each).
         hf_pixels = out["pixel_values"][:, : 1 if len(imgs) > 1 else None]
         hf_pixels = np.transpose(hf_pixels, (0, 1, 3, 4, 2)).reshape(sample.tiles.shape)
-        diffs = np.abs(sample.tiles - hf_pixels).mean((1, 2, 3))
+        diffs = np.abs(_normalized(sample.tiles, cfg) - hf_pixels).mean((1, 2, 3))
         assert diffs.max() < 0.01, (rec["id"], diffs)  # resampling rounding only
 
 
@@ -147,7 +154,7 @@ def test_internvl_tiles_match_hf_image_processor(tmp_path, max_tiles):
         )
         sample = ours.process(rec)
         assert sample.num_tiles == len(theirs) == ours.shape(rec).tiles, (h, w)
-        np.testing.assert_allclose(sample.tiles, theirs, atol=1e-5)
+        np.testing.assert_allclose(_normalized(sample.tiles, cfg), theirs, atol=1e-5)
         assert int((sample.token_ids == ours.tok.token_id("<IMG_CONTEXT>")).sum()) == 256 * len(
             theirs
         )
