@@ -5,8 +5,8 @@
 #      on node 1:  scripts/run_training.sh 2 1 10.0.0.1:7777 --config configs/x.yaml steps=100
 # Every process runs the same driver loop; the job fails (within distributed.timeout_s) if a peer
 # never arrives. Processes ignore SIGTERM after joining: wrap in `timeout -k` when scripting.
-# Ports: the coordinator's, the watchdog hub's on the coordinator host (distributed.watchdog_port,
-# default coordinator + 1) and one transfer socket per process (distributed.transfer_port + rank).
+# Ports: the coordinator's and the watchdog hub's on the coordinator host (distributed.watchdog_port,
+# default coordinator + 1); open both between hosts.
 # A lost process stops every other one within seconds with exit status 3 and a line naming it.
 set -euo pipefail
 if [ "$#" -lt 3 ]; then

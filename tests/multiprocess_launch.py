@@ -71,13 +71,10 @@ def launch(
 ) -> dict[int, tuple[subprocess.Popen, Path]]:  # fmt: skip
     """Starts `ranks` (default all) of a `num`-process job; returns rank -> (process, its log file).
 
-    Coordinator, transfer sockets (base + rank) and watchdog hub get explicit free ports.
+    Coordinator and watchdog hub get explicit free ports.
     """
-    base = free_ports(num + 2)
-    ports = [
-        f"distributed.watchdog_port={base + 1}",
-        f"distributed.transfer_port={base + 2}",
-    ]
+    base = free_ports(2)
+    ports = [f"distributed.watchdog_port={base + 1}"]
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)  # each process asks for its own devices
     out = {}

@@ -23,16 +23,9 @@ def _reference(tmp_path_factory, model: str) -> dict:
     return _single[model][0]
 
 
-# Known bug (2026-11-23, issue 10 left open): after the day's merges a 4-process run finishes step 1
-# and then stops making progress; these cases passed on the transfer branch alone.
-HANG = pytest.mark.skip(reason="4-process runs stall after step 1 on main (issue 10, open)")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("model, processes", [("llava_ov", 2),
-                                              pytest.param("llava_ov", 4, marks=HANG),
-                                              pytest.param("internvl", 4, marks=HANG)])  # fmt: skip
+@pytest.mark.parametrize("model, processes", [("llava_ov", 2), ("llava_ov", 4), ("internvl", 4)])
 def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, processes):
     single = _reference(tmp_path_factory, model)
     reports = _run(tmp_path_factory, model, processes)

@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 
 def _free_port_pair() -> int:
-    """A port p with p and p + 1 both free now: the two processes' transfer sockets (p + rank)."""
+    """A port p with p and p + 1 both free now: a coordinator and its watchdog hub."""
     for _ in range(100):
         base = _free_port()
         with socket.socket() as a, socket.socket() as b:
@@ -79,13 +79,13 @@ def _env():
 def _start(tmp_path, run_dir, steps, extra=(), output=subprocess.PIPE):
     """Starts both processes (each in its own session, so a test can kill its whole group);
     `extra` overrides come last."""
-    # Explicit free transfer ports: the default (coordinator port + 100 + rank) may be taken.
-    port, transfer = _free_port(), _free_port_pair()
+    # The watchdog hub listens next to the coordinator: both ports free.
+    port = _free_port_pair()
     return [
         subprocess.Popen(
             ["timeout", "-k", "10", "400", str(SCRIPT), "2", str(rank), f"127.0.0.1:{port}"]
             + _args(tmp_path, run_dir)
-            + [f"steps={steps}", f"distributed.transfer_port={transfer}", *extra],
+            + [f"steps={steps}", *extra],
             env=_env(),
             stdout=output,
             stderr=subprocess.STDOUT,

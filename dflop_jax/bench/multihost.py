@@ -98,10 +98,8 @@ def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600
     )
     common = [*overrides, f"num_cpu_devices={DEVICES // processes}", f"run_dir={out / 'run'}"]
     if processes > 1:
-        env.update(
-            DFLOP_NUM_PROCESSES=str(processes), DFLOP_COORDINATOR=f"127.0.0.1:{_free_ports(1)}"
-        )
-        common.append(f"distributed.transfer_port={_free_ports(processes)}")
+        base = _free_ports(2)  # the coordinator and, next to it, the watchdog hub
+        env.update(DFLOP_NUM_PROCESSES=str(processes), DFLOP_COORDINATOR=f"127.0.0.1:{base}")
     procs = []
     for rank in range(processes):
         report = out / f"process_{rank}.json"
@@ -123,7 +121,7 @@ def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600
 
 
 def _free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free now (the processes' transfer sockets are p + rank)."""
+    """A port p with p .. p + n - 1 free now (a coordinator at p, its watchdog at p + 1)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -2,8 +2,9 @@
 
 Every process runs the same driver loop. Settings come from `TrainConfig.distributed`, else from the
 environment variables DFLOP_COORDINATOR (host:port), DFLOP_NUM_PROCESSES and DFLOP_PROCESS_ID (what
-`scripts/run_training.sh` exports). Cross-process stage transfers need a fixed transfer socket per
-process (DESIGN section 11: port 0 hangs): process i listens on host:(transfer_port + i).
+`scripts/run_training.sh` exports). Stage transfers are collectives over the union of two stages'
+devices (`transfer.py`); host values (schedule digests, stage times, files) travel through the
+coordination service's key-value store (`exchange_host`), never through device queues.
 
 Failure is bounded (`watchdog.py`): before joining, every process meets a small TCP hub that process 0
 serves at the coordinator's host on `watchdog_port`; a peer that never starts, dies or hangs makes every
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,8 +42,6 @@ class DistributedConfig:
     num_processes, process_id: 0 = from env DFLOP_NUM_PROCESSES / DFLOP_PROCESS_ID.
     timeout_s: how long to wait for every peer to arrive before failing (every process then exits
       naming the missing ones).
-    transfer_port: base port of the per-process cross-host transfer sockets (coordinator port + 100
-      when 0).
     watchdog_port: port of the failure watchdog's hub on the coordinator's host (coordinator port + 1
       when 0; `watchdog.py`).
     heartbeat_timeout_s: a process silent this long (hung, host unreachable) is lost; a killed process
@@ -54,7 +54,6 @@ class DistributedConfig:
     num_processes: int = 0
     process_id: int = -1
     timeout_s: int = 50
-    transfer_port: int = 0
     watchdog_port: int = 0
     heartbeat_timeout_s: int = 30
     stall_timeout_s: int = 1800
@@ -62,8 +61,6 @@ class DistributedConfig:
     def __post_init__(self):
         require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "must be >= 1 second")
         require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, ">= 0")
-        require(0 <= self.transfer_port < 65536, "distributed.transfer_port", self.transfer_port,
-                "0 (coordinator port + 100) or a TCP port")  # fmt: skip
         require(0 <= self.watchdog_port < 65536, "distributed.watchdog_port", self.watchdog_port,
                 "0 (coordinator port + 1) or a TCP port")  # fmt: skip
         require(self.heartbeat_timeout_s >= 2, "distributed.heartbeat_timeout_s",
@@ -95,8 +92,6 @@ def initialize(cfg: DistributedConfig) -> None:
     `jax.distributed.initialize` runs with every peer known to be up.
     """
     host, port = cfg.coordinator.rsplit(":", 1)
-    base = cfg.transfer_port or int(port) + 100
-    jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{base + cfg.process_id}")
     # Said up front: when a peer never arrives the runtime may abort the process from C++ (no Python
     # exception), so this line is the context the user sees next to its fatal message.
     print(
@@ -129,9 +124,6 @@ def initialize(cfg: DistributedConfig) -> None:
     zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())
     value = jax.make_array_from_callback((), zero, lambda _: np.float32(0), dtype=np.float32)
     host_scalars([value], "start-up", cfg.timeout_s)
-    # Publishes every process's transfer socket now: a peer's first cross-host copy looks the address
-    # up with a fixed 1 min limit, which a later first contact (process 0 still profiling) exceeds.
-    exchange_host(np.zeros(1, np.uint8), "start-up/sockets", cfg.timeout_s)
 
 
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
@@ -175,37 +167,31 @@ def _as_vector(value: jax.Array):
 def exchange_host(local: np.ndarray, tag: str, timeout_s: int = 600) -> np.ndarray:
     """Every process's `local` (same shape and dtype on every process), stacked: [processes, *shape].
 
-    Bit-exact (the bytes travel), so values computed from the result agree on every process. Same
-    transport and calling discipline as `host_scalars`: each process's bytes go from its first device
-    to the first device of every other process with `jax.device_put` (no collective), every process
-    calls this at the same point of the loop, and the reads are bounded by `timeout_s` (`tag` names
-    the exchange). Single process: `local[None]`.
+    Bit-exact (the bytes travel), so values computed from the result agree on every process. The bytes
+    go through the `jax.distributed` coordination service's key-value store, not through devices: a
+    host exchange never queues behind (or deadlocks with) the pipeline's device programs. Every
+    process calls this with the same `tag`, unique within the job (e.g. "step3/schedule"; a reused tag
+    is an error); each waits at most `timeout_s` for the others' bytes, and the last reader removes
+    the tag's keys. Single process: `local[None]`.
     """
     if jax.process_count() == 1:
         return np.asarray(local)[None]
-    raw = np.frombuffer(np.ascontiguousarray(local).tobytes(), np.uint8)
-    first: dict[int, jax.Device] = {}
-    for d in sorted(jax.devices(), key=lambda d: d.id):
-        first.setdefault(d.process_index, d)
-    me, received = jax.process_index(), {}
-    for q in sorted(first):
-        src = _on(first[q])
-        if q == me:
-            value = jax.device_put(raw, src)
-        else:  # a stand-in for the array that lives on process q
-            value = jax.make_array_from_single_device_arrays(raw.shape, src, [], dtype=raw.dtype)
-        for r in sorted(first):
-            if r != q:
-                moved = jax.device_put(value, _on(first[r]))
-                received[q] = moved if r == me else received.get(q)
-
-    def read() -> np.ndarray:
-        rows = [raw if q == me else jax.device_get(received[q].addressable_shards[0].data)
-                for q in sorted(first)]  # fmt: skip
-        return np.stack([np.frombuffer(np.asarray(r).tobytes(), local.dtype).reshape(local.shape)
-                         for r in rows])  # fmt: skip
-
-    return _bounded(read, tag, timeout_s)
+    client = ocp.multihost.get_jax_distributed_client()
+    me, n, key = jax.process_index(), jax.process_count(), f"dflop/exchange/{tag}"
+    client.key_value_set_bytes(f"{key}/{me}", np.ascontiguousarray(local).tobytes())
+    rows = []
+    for q in range(n):
+        try:
+            raw = client.blocking_key_value_get_bytes(f"{key}/{q}", timeout_s * 1000)
+        except Exception as e:  # the runtime raises XlaRuntimeError(DEADLINE_EXCEEDED, ...)
+            raise TimeoutError(
+                f"process {me}/{n}: exchange {tag!r} did not complete within {timeout_s}s "
+                f"(process {q} never sent its part: it died, hung or runs another step)"
+            ) from e
+        rows.append(np.frombuffer(raw, local.dtype).reshape(local.shape))
+    if client.key_value_increment(f"{key}/read", 1) == n:  # everyone has read: free the store
+        client.key_value_delete(key)
+    return np.stack(rows)
 
 
 def share_files(paths: list[Path], tag: str, timeout_s: int) -> None:
@@ -228,11 +214,6 @@ def share_files(paths: list[Path], tag: str, timeout_s: int) -> None:
             tmp = path.with_name(f".{path.name}.{me}.tmp")
             tmp.write_bytes(rows[0].tobytes())
             os.replace(tmp, path)  # atomic: hosts sharing a file system may write it together
-
-
-def _on(device) -> NamedSharding:
-    """The one-device sharding exchanges use on both ends (same layout: a plain cross-host copy)."""
-    return NamedSharding(Mesh(np.array([device]), ("host",)), P())
 
 
 def _bounded(fn: Callable[[], np.ndarray], tag: str, timeout_s: int) -> np.ndarray:
