@@ -183,13 +183,19 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     dp = mesh.shape["data"]
     xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
     # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
-    # replica's share of dL/dx: summed over "data" (an activation gradient, not the params')
-    # (dp 1: nothing to sum, and XLA rejects that psum when "model" is Auto: "Cross-partition
-    # allreduce must be in (partial) manual partitioning mode")
+    # replica's share of dL/dx summed over "data" (an activation gradient, not the params'). The sum
+    # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
+    # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
+    # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
+    # manual partitioning mode").
     x_replicated = dp > 1 and xl is not None and not any(xl)
+    gxl = P("data", *xl) if x_replicated else xl
+
+    def share_gx(gx):
+        return gx[None] if x_replicated else gx
 
     def whole_gx(gx):
-        return jax.lax.psum(gx, "data") if x_replicated else gx
+        return None if gx is None else (gx.sum(0) if x_replicated else gx)
 
     def apply(params, x, side):
         p = cast_floating(params, compute_dtype)
@@ -222,11 +228,12 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
         else:
             _, vjp = jax.vjp(lambda p, x_: apply(p, x_, side), params, x)
             gp, gx = vjp(gy)
-        return whole_gx(gx), add(gacc, gp)
+        return (None if gx is None else share_gx(gx)), add(gacc, gp)
 
     def bwd(params, x, side, gy, gacc):
         specs = (P(), xl, P("data"), yl, P("data"))
-        return per_replica(bwd_local, specs, (xl, P("data")))(params, x, side, gy, gacc)
+        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(params, x, side, gy, gacc)
+        return whole_gx(gx), gacc
 
     def last_local(params, x, side, normalizer, gacc):
         def objective(p, x_):
@@ -243,12 +250,13 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
                 params, x
             )
         loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
-        return loss, count, None if gx is None else whole_gx(gx), add(gacc, gp)
+        return loss, count, None if gx is None else share_gx(gx), add(gacc, gp)
 
     def last(params, x, side, normalizer, gacc):
         specs = (P(), xl, P("data"), P(), P("data"))
-        fn = per_replica(last_local, specs, (P(), P(), xl, P("data")))
-        return fn(params, x, side, normalizer, gacc)
+        fn = per_replica(last_local, specs, (P(), P(), gxl, P("data")))
+        loss, count, gx, gacc = fn(params, x, side, normalizer, gacc)
+        return loss, count, whole_gx(gx), gacc
 
     return StageJits(
         forward=jax.jit(apply, in_shardings=(ps, xs, side_s), out_shardings=ys),
