@@ -157,7 +157,16 @@ class StageOptimizer:
             tx, lambda _, s: s, abstract, zs, transform_non_params=lambda _: scalar
         )
         self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
-        self.state = self.init_state()
+        # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
+        self.state = (
+            self.init_state()
+            if getattr(stage, "local", True)
+            else jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                abstract,
+                self.state_shardings,
+            )
+        )
         accs = jax.tree.map(accumulator_sharding, ps)
         self._reduce = jax.jit(
             lambda acc: jax.tree.map(lambda a: jnp.sum(a, axis=0), acc),
