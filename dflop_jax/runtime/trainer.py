@@ -140,7 +140,9 @@ class _Trainer:
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype),
         )  # fmt: skip
-        self.opts = [StageOptimizer(s, cfg.optimizer.build()) for s in self.stages]
+        self.opts = [
+            StageOptimizer(s, cfg.optimizer.build(), cfg.optimizer.zero1) for s in self.stages
+        ]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
