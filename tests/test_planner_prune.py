@@ -24,3 +24,40 @@ def test_heap_water_fill_equals_the_scan(seed):
     fixed = [float(x) for x in rng.integers(0, 6, p)]
     slopes = [float(x) for x in rng.integers(0, 4, p)]
     assert water_fill(fixed, slopes, total) == _scan_water_fill(fixed, slopes, total)
+
+
+def test_remat_pruning_never_discards_the_optimum_on_an_exhaustive_case():
+    """Every candidate that fits, pruned or not, scored on the planner's own batches: each pruned one
+    (remat on, its remat-off twin fits) is no faster than its twin, and the plan is the optimum of all."""
+    from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+    from dflop_jax.planner import PlannerConfig, make_plan
+    from dflop_jax.planner.candidates import enumerate_candidates
+    from dflop_jax.planner.scoring import online_scheduler, sample_batches
+    from dflop_jax.planner.search import _score, _screen_all
+    from dflop_jax.planner.variants import ProviderVariants
+    from dflop_jax.scheduler import SampleShape
+
+    arch, device = get_arch("tiny"), get_device("cpu")
+    rng = np.random.default_rng(0)
+    shapes = [SampleShape(i, int(t), int(64 + 16 * t + rng.integers(10, 400)), "image")
+              for i, t in enumerate(rng.integers(0, 9, size=300))]  # fmt: skip
+    cfg = PlannerConfig(global_batch=16, microbatches=(2, 4), samples=2, llm_pp=(1, 2),
+                        encoder_pp=(1, 2), tp=(1, 2), remat=(False, True), screen_top=10**6)  # fmt: skip
+    provider = AnalyticCostProvider(arch, device)
+    usable = device.memory_bytes * (1 - cfg.memory_margin)
+    cands = enumerate_candidates(arch, 4, device.devices_per_host, cfg)
+    evaluated = _screen_all(cands, shapes, cfg, ProviderVariants(provider, False), usable,
+                            lambda *_: None)  # fmt: skip
+    fits = [e for e in evaluated if max(e.memory) <= usable]
+    batches = sample_batches(shapes, cfg.global_batch, cfg.samples, cfg.seed)
+    scheduler = online_scheduler(cfg.solver, cfg.seed)
+    step = {id(e): _score(e, batches, scheduler, cfg).mean for e in fits}
+    twin = {(e.cand.layout, e.cand.chunks, e.cand.microbatches, e.cand.num_buckets): e
+            for e in fits if e.cand.remat is False}  # fmt: skip
+    pruned = [e for e in fits if e.dominated]
+    assert len(pruned) >= 10  # the rule fires here: the test is not vacuous
+    for e in pruned:
+        off = twin[e.cand.layout, e.cand.chunks, e.cand.microbatches, e.cand.num_buckets]
+        assert step[id(e)] >= step[id(off)]
+    plan = make_plan(arch, device, 4, shapes, cfg, provider)
+    assert plan.step_time_mean_s == pytest.approx(min(step.values()), rel=1e-12)
