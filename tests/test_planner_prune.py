@@ -61,3 +61,24 @@ def test_remat_pruning_never_discards_the_optimum_on_an_exhaustive_case():
         assert step[id(e)] >= step[id(off)]
     plan = make_plan(arch, device, 4, shapes, cfg, provider)
     assert plan.step_time_mean_s == pytest.approx(min(step.values()), rel=1e-12)
+
+
+def test_encoder_tp_the_llm_cannot_take_is_searched_for_separate_encoders_only():
+    """InternViT-6B's 25 heads: tp 5 (5 heads a device) for a separate encoder, never the LLM's tp or
+    a colocated encoder's (5 divides no LLM tp); SigLIP-6B's 48 heads divide by 3 and 6 but its 8608
+    MLP does not, so neither is offered."""
+    from dflop_jax.costs import get_arch
+    from dflop_jax.planner import PlannerConfig
+    from dflop_jax.planner.candidates import enumerate_candidates
+
+    cfg = PlannerConfig(global_batch=128, microbatches=(8,), llm_pp=(1, 2), encoder_pp=(1,),
+                        encoder_tp=tuple(range(1, 9)), max_idle_devices=4)  # fmt: skip
+    cands = enumerate_candidates(get_arch("internvit-6b+qwen2.5-7b"), 32, 8, cfg)
+    enc = {c.layout.encoder_tp for c in cands if c.layout.encoder_stages}
+    colocated = {c.layout.encoder_tp for c in cands if not c.layout.encoder_stages}
+    llm = {c.layout.llm_stages[0].tp for c in cands}
+    assert enc == {1, 5} and colocated == {1} and llm == {1, 2, 4}
+    assert {c.layout.encoder_tp for c in enumerate_candidates(
+        get_arch("internvit-6b+qwen2.5-7b"), 32, 8, PlannerConfig(global_batch=128))} == {1}  # fmt: skip
+    siglip = enumerate_candidates(get_arch("siglip-6b+qwen2.5-7b"), 32, 8, cfg)
+    assert {c.layout.encoder_tp for c in siglip} == {1, 2, 4, 8}
