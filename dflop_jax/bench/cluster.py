@@ -11,7 +11,7 @@ InternViT 300M / 1B / 6B on the OmniBal statistics, with Qwen2.5 7B / 32B / 72B 
 32, 64 and 128 H100s; both planners there also choose remat on or off per layout, the encoder may
 take up to 4 pipeline stages and the LLM any depth up to 8; the data-blind baseline may also interleave
 2 virtual stages per LLM stage (Megatron's interleaved 1F1B) and DFLOP may colocate the encoder at its
-own tp.
+own tp, and give a separate encoder a tp the LLM cannot take (5 for InternViT-6B's 25 heads).
 
 - DFLOP: `make_plan(mode="dflop")`, then the online scheduler (greedy) on every evaluation batch;
 - data-blind: `make_plan(mode="uniform")` (encoder colocated on the first LLM stage, one tp/pp/dp,
@@ -292,9 +292,11 @@ def _settings(args) -> tuple[list[int], list[str], int, int]:
 
 def _planner_config(n: int, args) -> PlannerConfig:
     """Global batch 4 per GPU; `--paper` also searches remat on/off, up to 4 encoder stages, every
-    LLM pipeline depth up to 8 and (the data-blind baseline) 2 virtual stages per LLM stage."""
+    LLM pipeline depth up to 8, every encoder tp up to 8 that divides its heads and MLP (DFLOP: 5
+    for InternViT-6B's 25 heads, 7 for InternViT-1B's 28) and (the data-blind baseline) 2 virtual
+    stages per LLM stage."""
     extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": tuple(range(1, 9)),
-             "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
+             "encoder_tp": tuple(range(1, 9)), "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
     return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 

@@ -98,6 +98,7 @@ class AnalyticCostProvider:
             + _remat_suffix(self.policy)
             + ("" if self.flash_attention else "+dense-attn")
         )
+        self._memory: dict[tuple[StageSpec, int], StageMemory] = {}  # the planner asks ~10^5 times
 
     # ------------------------------------------------------------ compute
 
@@ -170,11 +171,15 @@ class AnalyticCostProvider:
         return self._llm_time(stage, bucket)
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
-        self._check_stage(stage)
-        remat = self.policy["vision" if stage.module == "encoder" else "llm"]
-        return stage_memory(
-            self.arch, stage, bucket, remat, self.compute_bytes, self.flash_attention
-        )
+        """Memoized per (stage, bucket): StageMemory is immutable and the model a pure function."""
+        key = (stage, bucket)
+        if key not in self._memory:
+            self._check_stage(stage)
+            remat = self.policy["vision" if stage.module == "encoder" else "llm"]
+            self._memory[key] = stage_memory(
+                self.arch, stage, bucket, remat, self.compute_bytes, self.flash_attention
+            )
+        return self._memory[key]
 
     def output_bytes(self, stage: StageSpec, bucket: int) -> float:
         """Bytes of one shard's output activations (the projector output if the stage holds it)."""

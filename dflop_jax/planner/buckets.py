@@ -13,6 +13,7 @@ M .. M x (1 + microbatch_slack)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -62,6 +63,7 @@ class ShapeStats:
         return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()))
 
 
+@functools.lru_cache(maxsize=4096)  # the planner's candidates share few (M, dp) combinations
 def bucket_set(
     stats: ShapeStats,
     global_batch: int,

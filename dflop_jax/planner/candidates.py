@@ -8,7 +8,8 @@ tp / encoder tp replicas per LLM replica: `Layout.colocated_encoder_tp`), using 
 when `pad_heads`, else they must divide too), dp = devices / (tp x pp). Either search crosses its
 layouts with `PlannerConfig.remat` (remat on/off per candidate) when that is given.
 
-Rules: tp divides the module's attention heads (and KV heads) and is at most a host's devices; pp is at
+Rules: tp divides the module's attention heads (and KV heads) and is at most a host's devices (the
+encoder's degrees come from `PlannerConfig.encoder_tp` when given, else from `tp`); pp is at
 most the module's layers and layers are split into balanced contiguous ranges (sizes differ by <= 1);
 M x llm_dp <= global batch (every bin can hold a sample).
 """
@@ -117,7 +118,8 @@ def module_stages(module: str, num_layers: int, tp: int, pp: int, dp: int) -> tu
 
 
 def valid_tp(candidates: tuple[int, ...], heads: tuple[int, ...], per_host: int) -> list[int]:
-    """The candidate tp degrees dividing every head count in `heads` and fitting in a host."""
+    """The candidate tp degrees dividing every size in `heads` (head counts, an MLP width) and
+    fitting in a host."""
     return sorted(t for t in candidates if t <= per_host and all(h % t == 0 for h in heads))
 
 
@@ -144,7 +146,10 @@ def enumerate_candidates(
     """
     v, lm = arch.vision, arch.llm
     llm_tps = valid_tp(config.tp, (lm.num_heads, lm.num_kv_heads), devices_per_host)
-    enc_tps = valid_tp(config.tp, (v.num_heads,), devices_per_host)
+    # the encoder's MLP too: an encoder_tp such as 3 divides SigLIP-6B's 48 heads, not its 8608 MLP
+    enc_tps = valid_tp(
+        config.encoder_tp or config.tp, (v.num_heads, v.intermediate_size), devices_per_host
+    )
     low = num_devices - config.max_idle_devices
     layouts: list[Layout] = []
     for tp, pp, dp in _module_shapes(llm_tps, config.llm_pp, lm.num_layers, num_devices):

@@ -26,6 +26,10 @@ class PlannerConfig:
     Attributes:
       tp: candidate tensor-parallel degrees (per module; kept only if they divide the module's heads,
         its KV heads, and fit in one host of the device preset).
+      encoder_tp: candidate tensor-parallel degrees of the encoder in DFLOP mode (kept only if they
+        divide its heads and fit in a host); empty = `tp`. Lets the encoder take a degree the LLM
+        cannot (InternViT-6B's 25 heads: 1 or 5, Qwen2.5's 28 / 64 heads: 1, 2, 4, 8). A colocated
+        encoder's tp must still divide LLM stage 0's; the uniform baseline uses one tp for both.
       encoder_pp: candidate encoder pipeline depths (separate encoder stages).
       llm_pp: candidate LLM pipeline depths (layers split into balanced contiguous ranges).
       microbatches: candidate microbatch counts M per global batch.
@@ -56,6 +60,7 @@ class PlannerConfig:
     """
 
     tp: tuple[int, ...] = (1, 2, 4, 8)
+    encoder_tp: tuple[int, ...] = ()
     encoder_pp: tuple[int, ...] = (1, 2)
     llm_pp: tuple[int, ...] = (1, 2, 4, 7, 8)
     microbatches: tuple[int, ...] = (8, 16, 32, 64)
@@ -80,6 +85,8 @@ class PlannerConfig:
     top_n: int = 5
 
     def __post_init__(self):
+        if self.encoder_tp:
+            _positive_ints(self.encoder_tp, "planner.encoder_tp")
         for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets", "virtual_stages"):
             _positive_ints(getattr(self, key), f"planner.{key}")
         require(

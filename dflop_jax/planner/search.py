@@ -85,6 +85,7 @@ class Evaluated:
     )
     score: Score | None = None
     provider: object = None  # the cost provider it was scored with (planner/variants.py)
+    dominated: bool = False  # remat on where the same candidate fits with remat off (`_screen_all`)
 
     def rank_key(self, num_devices: int, step: float) -> tuple:
         c, lay = self.cand, self.cand.physical_layout
@@ -137,7 +138,7 @@ def make_plan(
     if not cands:
         raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode, pad))
     evaluated = _screen_all(cands, shapes, config, ProviderVariants(provider, pad), usable, report)
-    fits = [e for e in evaluated if max(e.memory) <= usable]
+    fits = [e for e in evaluated if max(e.memory) <= usable and not e.dominated]
     if not fits:
         raise PlanningError(explain_over_memory(evaluated, device, config))
     by_screen = sorted(fits, key=lambda e: e.rank_key(num_devices, e.screen))
@@ -157,7 +158,8 @@ def make_plan(
     search = {
         "mode": mode,
         "candidates": len(cands),
-        "over_memory": len(evaluated) - len(fits),
+        "over_memory": sum(max(e.memory) > usable for e in evaluated),
+        "dominated": sum(e.dominated for e in evaluated),
         "scored": sum(e.score is not None for e in ranked),
         "sampled_batches": config.samples,
         "solver": best.score.solver,
@@ -207,13 +209,29 @@ def _screen_all(
     cands, shapes, config: PlannerConfig, variants: ProviderVariants, usable: float, report
 ) -> list[Evaluated]:
     """Buckets, memory and the mean-shape scores of every candidate (simulated only if it fits);
-    pipelined candidates also get a cost-balanced layer split (planner/balance.py)."""
+    pipelined candidates also get a cost-balanced layer split (planner/balance.py).
+
+    Pruned (marked `dominated`, not simulated): a candidate with remat on whose twin with remat off
+    (same layout, chunks, M, buckets) fits in memory. Remat only adds the recomputed forward to every
+    backward, so the twin's stage costs are at least as low at every bucket pair, with the same
+    transfers: the twin's simulated step is never longer for any schedule (the simulator is monotone
+    in its durations). Remat off is enumerated first (`Candidate.key`), so the twin is known by then."""
     stats = ShapeStats.of(shapes)
     costs_of: dict = {}
+    fit_without_remat: set = set()
     out = []
+
+    def evaluate(cand, provider):
+        twin = (cand.layout, cand.chunks, cand.microbatches, cand.num_buckets)
+        e = _evaluate(cand, stats, config, provider, usable, costs_of, cand.remat is True
+                      and twin in fit_without_remat)  # fmt: skip
+        if cand.remat is False and max(e.memory) <= usable:
+            fit_without_remat.add(twin)
+        return e
+
     for i, cand in enumerate(cands):
         provider = variants.get(cand.layout, cand.remat)
-        out.append(_evaluate(cand, stats, config, provider, usable, costs_of))
+        out.append(evaluate(cand, provider))
         if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
             even = out[-1]
             t, s = mean_shape_buckets(cand, even.buckets, stats, config)
@@ -227,15 +245,16 @@ def _screen_all(
             for layout in dict.fromkeys(layouts):  # distinct, in order
                 if layout != cand.layout:
                     variant = dataclasses.replace(cand, layout=layout)
-                    out.append(_evaluate(variant, stats, config, provider, usable, costs_of))
+                    out.append(evaluate(variant, provider))
         if i % 64 == 0 or i == len(cands) - 1:
             report("screen", i + 1, len(cands))
     return out
 
 
 def _evaluate(
-    cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict
-) -> Evaluated:
+    cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict,
+    dominated: bool = False,
+) -> Evaluated:  # fmt: skip
     key = (cand.layout, cand.chunks, provider.name)
     if key not in costs_of:
         costs_of[key] = LayoutCosts.build(provider, cand.layout, cand.chunks)
@@ -243,9 +262,10 @@ def _evaluate(
     buckets = candidate_buckets(cand, stats, config)
     memory = stage_memory_bytes(provider, cand, buckets, config)
     surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
-    fits = max(memory) <= usable
+    fits = max(memory) <= usable and not dominated
     screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
-    return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider)
+    return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider,
+                     dominated=dominated)  # fmt: skip
 
 
 def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:

@@ -58,17 +58,22 @@ class SimResult:
       step_time: makespan in seconds (last operation's end; the step starts at 0).
       busy: [P] seconds each stage (device group) spent computing.
       idle_fraction: sum_s (step - busy_s) / (P * step) (DESIGN section 9).
-      events: per stage (device group), its operations in execution order.
       schedule: "1f1b", "gpipe" or "interleaved".
       chunks: model chunks per stage (virtual stages per device group; 1 unless interleaved).
+      events: (a property) per stage (device group), its operations in execution order; built on
+        first use, since most callers (the planner, the scheduler's order search) read only the step.
     """
 
     step_time: float
     busy: np.ndarray
     idle_fraction: float
-    events: tuple[tuple[Event, ...], ...]
     schedule: str
-    chunks: int = 1
+    chunks: int
+    timeline: _Timeline = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def events(self) -> tuple[tuple[Event, ...], ...]:
+        return self.timeline.events(len(self.busy))
 
     @property
     def num_stages(self) -> int:
@@ -157,12 +162,6 @@ def _check_inputs(times: np.ndarray, transfer) -> tuple[np.ndarray, np.ndarray]:
     return times, xfer
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_order(schedule: str, device: int, p: int, m: int, chunks: int) -> tuple:
-    """`device_order` memoized: the planner simulates the same (P, M) thousands of times."""
-    return tuple(device_order(schedule, device, p, m, chunks))
-
-
 def _check_schedule(schedule: str, num_virtual: int, chunks: int) -> int:
     """The number of device groups P; raises ValueError for an unknown schedule or bad chunking."""
     if schedule not in SCHEDULES:
@@ -194,16 +193,55 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
     times, xfer = _check_inputs(times, transfer)
     m, nv, _ = times.shape
     p = _check_schedule(schedule, nv, chunks)
-    orders = [_cached_order(schedule, d, p, m, chunks) for d in range(p)]
-    # plain Python lists: this loop is the planner's inner loop, and list indexing is ~10x numpy's
-    dur = times.tolist()  # [M][V][2]
-    hop = xfer.tolist()  # [M][V-1]
-    f_end: list[list[float | None]] = [[None] * nv for _ in range(m)]
-    b_end: list[list[float | None]] = [[None] * nv for _ in range(m)]
-    next_op = [0] * p
-    free_at = [0.0] * p
-    events: list[list[Event]] = [[] for _ in range(p)]
-    # the groups one may wait on: its pipeline neighbours (and, with chunks, across the wrap-around)
+    plan = _op_plan(schedule, p, m, chunks)
+    # plain Python lists: this loop is the planner's inner loop (the scheduler's order search runs it
+    # tens of thousands of times per plan), and list indexing is ~10x numpy's
+    dur = times.ravel().tolist()
+    hop = xfer.ravel().tolist() + [0.0]  # the last entry: "no transfer"
+    start = [0.0] * (len(plan.deps) + 1)
+    end = [0.0] * (len(plan.deps) + 1)  # end[0] = 0.0: "no dependency"
+    for i, (q, a, b, h, t) in enumerate(plan.deps, 1):
+        s, x, y = end[q], end[a], end[b] + hop[h]
+        if x > s:
+            s = x
+        if y > s:
+            s = y
+        start[i] = s
+        end[i] = s + dur[t]
+    step = max(end[i] for i in plan.last)
+    busy = times.sum(axis=0).sum(axis=1).reshape(chunks, p).sum(axis=0)  # [P]
+    idle = (
+        max(0.0, float(np.sum(step - busy) / (p * step))) if step > 0 else 0.0
+    )  # clamp fp round-off
+    return SimResult(step, busy, idle, schedule, chunks, _Timeline(plan, start, end))
+
+
+class _OpPlan(NamedTuple):
+    """A schedule's operations in one dependency-respecting order, as indices (`_op_plan`)."""
+
+    deps: tuple[tuple[int, int, int, int, int], ...]  # per op (q, a, b, h, t), see `_op_plan`
+    ops: tuple[tuple[int, str, int, int], ...]  # per op (device group, kind, microbatch, stage)
+    last: tuple[int, ...]  # per device group, its last op's position (1-based)
+
+
+@functools.lru_cache(maxsize=1024)
+def _op_plan(schedule: str, p: int, m: int, chunks: int) -> _OpPlan:
+    """Every operation of the schedule in an order where all its inputs come earlier, with what it
+    waits for as positions: op i (1-based) starts at max(end[q], end[a], end[b] + hop[h]) and lasts
+    dur[t], q = the previous op of its device group, a = F(k, j) for B(k, j), b = F(k, j-1) for a
+    forward or B(k, j+1) for a backward, h = the transfer between them; 0 (and h = M x (V-1)) where
+    there is none, end[0] = hop[M (V-1)] = 0. dur and hop are `times` and `transfer` flattened.
+
+    The order is the one the event loop of a discrete-event simulation would take (a group runs its
+    next op as soon as its inputs exist); it depends only on (schedule, P, M, chunks), never on the
+    times, so it is built once and every simulation is one pass over it.
+    """
+    nv = p * chunks
+    orders = [device_order(schedule, d, p, m, chunks) for d in range(p)]
+    pos: dict[tuple[str, int, int], int] = {}
+    deps, ops = [], []
+    next_op, last = [0] * p, [0] * p
+    none = m * (nv - 1)
     near = [[t % p for t in (d - 1, d + 1) if chunks > 1 or 0 <= t < p] for d in range(p)]
     # Worklist: a group is re-examined only when a neighbour finished something it may wait for.
     todo, queued = collections.deque(range(p)), [True] * p
@@ -213,14 +251,19 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
         order, i = orders[d], next_op[d]
         while i < len(order):
             kind, k, j = order[i]
-            ready = _ready_time(kind, k, j, nv, f_end, b_end, hop)
-            if ready is None:
+            if kind == "F":
+                a, (b, h) = (
+                    0,
+                    ((0, none) if j == 0 else (pos.get(("F", k, j - 1)), k * (nv - 1) + j - 1)),
+                )
+            else:
+                a = pos.get(("F", k, j))
+                b, h = (0, none) if j == nv - 1 else (pos.get(("B", k, j + 1)), k * (nv - 1) + j)
+            if a is None or b is None:
                 break
-            start = ready if ready > free_at[d] else free_at[d]
-            end = start + dur[k][j][0 if kind == "F" else 1]
-            (f_end if kind == "F" else b_end)[k][j] = end
-            free_at[d] = end
-            events[d].append(Event(j, k, kind, start, end))
+            deps.append((last[d], a, b, h, (k * nv + j) * 2 + (kind == "B")))
+            ops.append((d, kind, k, j))
+            pos[kind, k, j] = last[d] = len(deps)
             i += 1
         if i > next_op[d]:
             for t in near[d]:
@@ -230,31 +273,21 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
         next_op[d] = i
     if any(next_op[d] < len(orders[d]) for d in range(p)):  # impossible for the orders above
         raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked")
-    step = float(max(free_at))
-    busy = times.sum(axis=0).sum(axis=1).reshape(chunks, p).sum(axis=0)  # [P]
-    idle = (
-        max(0.0, float(np.sum(step - busy) / (p * step))) if step > 0 else 0.0
-    )  # clamp fp round-off
-    return SimResult(step, busy, idle, tuple(tuple(e) for e in events), schedule, chunks)
+    return _OpPlan(tuple(deps), tuple(ops), tuple(last))
 
 
-def _ready_time(kind, k, s, p, f_end, b_end, hop) -> float | None:
-    """When the inputs of (kind, k) on stage s are available, or None if they are not produced yet."""
-    if kind == "F":
-        if s == 0:
-            return 0.0
-        prev = f_end[k][s - 1]
-        return None if prev is None else prev + hop[k][s - 1]
-    own = f_end[k][s]
-    if own is None:
-        return None
-    if s == p - 1:
-        return own
-    nxt = b_end[k][s + 1]
-    if nxt is None:
-        return None
-    nxt += hop[k][s]
-    return own if own > nxt else nxt
+class _Timeline(NamedTuple):
+    """A simulation's start and end times, by position in its `_OpPlan` (events built on demand)."""
+
+    plan: _OpPlan
+    start: list[float]
+    end: list[float]
+
+    def events(self, p: int) -> tuple[tuple[Event, ...], ...]:
+        out: list[list[Event]] = [[] for _ in range(p)]
+        for i, (d, kind, k, j) in enumerate(self.plan.ops, 1):
+            out[d].append(Event(j, k, kind, self.start[i], self.end[i]))
+        return tuple(tuple(e) for e in out)
 
 
 def uniform_step_time(
