@@ -79,20 +79,24 @@ def run_config(run_dir: Path) -> TrainConfig:
 
 
 def model_config_of(cfg: TrainConfig):
-    """The run's `models` config (fp32 params), as `dflop_jax.train.run` builds it."""
+    """The run's `models` config (fp32 params), as `dflop_jax.train.run` builds it, with the image /
+    video token ids of the run's tokenizer (the ones its data holds; HF finds the features by them)."""
     from dflop_jax.data import load_tokenizer
 
-    vocab = (
-        0
-        if cfg.model.vocab_size or cfg.model.hf_dir
-        else load_tokenizer(cfg.data.tokenizer).vocab_size
-    )
-    return cfg.model.model_config(
-        vocab,
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model_cfg = cfg.model.model_config(
+        tok.vocab_size,
         tile_px=cfg.data.tile_px,
         patch_size=cfg.data.patch_size,
         compute_dtype="float32",
         pixel_norm=(cfg.data.mean, cfg.data.std),
+    )
+    if not hasattr(model_cfg, "vision"):
+        return model_cfg
+    if cfg.model.kind == "internvl":
+        return dataclasses.replace(model_cfg, image_token_id=tok.token_id("<IMG_CONTEXT>"))
+    return dataclasses.replace(
+        model_cfg, image_token_id=tok.token_id("<image>"), video_token_id=tok.token_id("<video>")
     )
 
 
