@@ -192,6 +192,7 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from models.decoder import Decoder
+    from models.hf import load_pretrained
 
     _, model_cfg, run = _write_run(tmp_path, "decoder", steps=(2, 4))
     tokens = np.random.default_rng(1).integers(0, model_cfg.vocab_size, (2, 12)).astype(np.int32)
@@ -204,6 +205,10 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
             want = ref(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
         got = _reference(model_cfg, Decoder, bumps)(jnp.asarray(tokens))
         np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+    # Our importer reads the export back (a run can train on from it: model.hf_dir).
+    again, again_cfg = load_pretrained(out)
+    assert again_cfg.replace(dtype="float32") == model_cfg.replace(dtype="float32")
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(tokens))), np.asarray(got))
     assert (tmp_path / "hf4" / "model.safetensors").is_file()  # one file under the default size
 
 
