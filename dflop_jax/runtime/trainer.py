@@ -140,7 +140,8 @@ class _Trainer:
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype),
         )  # fmt: skip
-        self.opts = [StageOptimizer(s, cfg.optimizer.build()) for s in self.stages]
+        opt = cfg.optimizer
+        self.opts = [StageOptimizer(s, opt.build(), opt.counted) for s in self.stages]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
