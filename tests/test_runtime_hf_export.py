@@ -240,3 +240,23 @@ def test_missing_checkpoint_or_another_model_is_one_line(tmp_path, capsys):
     assert "no config.yaml" in errors[0]
     assert "step 7" in errors[1] and "steps: [2]" in errors[1]
     assert "not a checkpoint of this run's model" in errors[2] and "shapes differ" in errors[2]
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_checkpoint_reads_on_one_host(tmp_path):
+    """The exporter's reader (`SavedState`) reads every leaf of a checkpoint that 2 processes wrote,
+    each stage local to one process (orbax saved those through `_global_view`)."""
+    import checkpoint_worker
+    from test_runtime_multiprocess_checkpoint import _workers
+
+    from dflop_jax.runtime.checkpoint import SavedState
+
+    directory = tmp_path / "ckpt"
+    _workers("save", "two_on_p0", str(directory))
+    saved = SavedState(directory)
+    weights = [p for p in saved.leaves if p[-1] == "w"]
+    assert len(weights) == 8  # 4 layers x (params, opt)
+    for module, kind, _, layer, _ in weights:
+        want = checkpoint_worker.value(int(layer), kind)
+        np.testing.assert_array_equal(saved.read((module, kind, "layers", layer, "w")), want)
+    saved.close()
