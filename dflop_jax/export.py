@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on metadata it can do without
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tensors pass through the host only
 
     from dflop_jax.config import ConfigError
