@@ -72,16 +72,17 @@ class OptimizerConfig:
     weight_decay_scale: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        parts, chosen = set(PARTS), self.trainable
+        ok = 0 < len(chosen) == len(set(chosen)) and set(chosen) <= parts
         fix = f"give a non-empty subset of {list(PARTS)}, no repeats"
-        ok = 0 < len(self.trainable) == len(set(self.trainable)) and set(self.trainable) <= set(
-            PARTS
-        )
-        require(ok, "optimizer.trainable", list(self.trainable), fix)
-        for name, least in (("lr_scale", "> 0"), ("weight_decay_scale", ">= 0")):
-            scales = getattr(self, name)
-            fix = f"keys from {list(PARTS)}, values {least}"
-            ok = all(v > 0 or (v == 0 and least == ">= 0") for v in scales.values())
-            require(set(scales) <= set(PARTS) and ok, f"optimizer.{name}", scales, fix)
+        require(ok, "optimizer.trainable", list(chosen), fix)
+        ok = set(self.lr_scale) <= parts and all(v > 0 for v in self.lr_scale.values())
+        fix = f"keys from {list(PARTS)}, values > 0"
+        require(ok, "optimizer.lr_scale", self.lr_scale, fix)
+        wd = self.weight_decay_scale
+        ok = set(wd) <= parts and all(v >= 0 for v in wd.values())
+        fix = f"keys from {list(PARTS)}, values >= 0"
+        require(ok, "optimizer.weight_decay_scale", wd, fix)
         require(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
         require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
         require(
