@@ -68,8 +68,27 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     table: dict = {}
     for name, mesh_axes in rules:  # first match wins, as in flax
         table.setdefault(name, mesh_axes)
-    spec = PartitionSpec(*(table.get(a) if a is not None else None for a in axes))
+    manual = _manual_axes()
+    spec = PartitionSpec(*(_drop(table.get(a), manual) if a is not None else None for a in axes))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _manual_axes() -> frozenset[str]:
+    """Mesh axes that are Manual here (inside a `shard_map` over them, e.g. the runtime's per-replica
+    backward over "data"): a constraint cannot name them, and the dimension is already local."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual
+    )
+
+
+def _drop(mesh_axes, manual: frozenset[str]):
+    """`mesh_axes` (None, a name or a tuple of names) without the `manual` ones."""
+    if mesh_axes is None or not manual:
+        return mesh_axes
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    kept = tuple(n for n in names if n not in manual)
+    return kept[0] if len(kept) == 1 else (kept or None)
 
 
 def extract_layer_range(

@@ -75,17 +75,32 @@ def launch(
     """
     base = free_ports(2)
     ports = [f"distributed.watchdog_port={base + 1}"]
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)  # each process asks for its own devices
     out = {}
     for rank in range(num) if ranks is None else ranks:
         log = tmp_path / f"rank{rank}.log"
         cmd = ["timeout", "-k", "10", str(limit_s), str(SCRIPT), str(num), str(rank),
                f"127.0.0.1:{base}", *args, *ports, *(per_rank or {}).get(rank, [])]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
         out[rank] = (proc, log)
     return out
+
+
+def env() -> dict[str, str]:
+    """The environment of a test's jax processes: this Python and repository, own device counts."""
+    out = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
+    out.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    return out
+
+
+def finish(procs: dict[int, tuple[subprocess.Popen, Path]], limit_s: int = 420) -> list[str]:
+    """Waits for every process of `launch`; asserts each exited 0; returns their outputs by rank."""
+    outs = []
+    for rank, (proc, log) in sorted(procs.items()):
+        proc.wait(limit_s)
+        assert proc.returncode == 0, f"process {rank} exited {proc.returncode}:\n{tail(log)}"
+        outs.append(log.read_text())
+    return outs
 
 
 def wait_for_rows(path: Path, rows: int, timeout_s: float, procs) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -204,7 +205,7 @@ def test_host_shards_materialise_local_rows_only():
     samples = [make_sample(i, t, 4, rng) for i, t in enumerate([2, 1, 3, 0])]
     shapes = [shape_of(s) for s in samples]
     plan = MicrobatchPlan(tile_bucket=2, length_bucket=40, shards=((0,), (1, 3), (2,), ()))
-    full, _ = pack_microbatch(
+    full, full_stats = pack_microbatch(
         plan, samples, encoder_dp=3, llm_dp=4, tile_shape=TILE, tokens_per_tile=TPT
     )
     host = HostShardSpec.contiguous(1, 2, encoder_dp=3, llm_dp=4)
@@ -231,7 +232,11 @@ def test_host_shards_materialise_local_rows_only():
     for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
         np.testing.assert_array_equal(getattr(local, name)[2:4], getattr(full, name)[2:4])
         assert not getattr(local, name)[:2].any()
-    assert stats.tiles_computed == 2 and stats.tokens_computed == 80
+    # Throughput counts describe the global batch on every host; the loss tokens are this host's.
+    assert dataclasses.replace(stats, loss_tokens=0) == dataclasses.replace(
+        full_stats, loss_tokens=0
+    )
+    assert stats.loss_tokens == int(full.loss_mask[2:4].sum()) < full_stats.loss_tokens
 
 
 def test_failed_sample_leaves_padding_in_place():

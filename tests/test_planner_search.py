@@ -299,7 +299,6 @@ def test_colocated_encoder_at_its_own_tp_costs_like_that_encoder_stage():
         Layout((enc,), llm, colocated_encoder_tp=1)
 
 
-@pytest.mark.skip(reason="holds only with ZeRO-1's memory model, reverted on main (issue 11, open)")
 def test_planner_colocates_the_encoder_at_a_smaller_tp_when_faster(tmp_path):
     """SigLIP-6B + Qwen2.5-7B on 32 H100s: the LLM at tp 4 and the 2.4B encoder on the same devices at
     tp 2 (twice the replicas, less tp communication) beat the encoder at tp 4; the plan file keeps it."""

@@ -47,9 +47,7 @@ def _memory_analysis_bytes(spec, mesh, bucket, features) -> float:
     prog = stage_program(CFG, spec, mesh, bucket, jnp.bfloat16, features)
     with jax.set_mesh(mesh):
         m = (
-            prog.bwd.lower(
-                prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
-            )
+            prog.bwd.lower(prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs)
             .compile()
             .memory_analysis()
         )
@@ -84,7 +82,11 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
         # fp32 master weights: 4 B per parameter, matrices split over tp (norms replicated)
         n = _param_count(spec)
         assert 4 * n / spec.tp <= check.params <= 4 * n
-        assert check.grads == check.params and check.optimizer == 2 * check.params
+        assert check.grads == check.params  # each device: its data replica's accumulator
+        # ZeRO-1: the Adam moments sharded over dp, but for leaves no axis of which divides
+        assert 2 * check.params / spec.dp <= check.optimizer <= 2 * check.params
+        if spec.dp > 1:
+            assert check.optimizer < 0.6 * 2 * check.params
         assert check.in_flight == min(LAYOUT.num_stages - check.stage, MAX_M)
         per_microbatch = check.inputs / check.in_flight
         # the runtime holds: the program's peak, the Adam moments, the other in-flight inputs

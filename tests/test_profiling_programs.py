@@ -20,6 +20,7 @@ from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import StageShape, build_program
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.stages import accumulator_structs
 from dflop_jax.scheduler.types import MicrobatchPlan
 
 TINY = model_config_for_arch("tiny", "bfloat16")
@@ -73,7 +74,8 @@ def trained():
             else:
                 y = jax.eval_shape(stage.jits.forward, params, x, side)
                 seed = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
-        out.append((spec, stage, (params, x, side), (params, x, side, seed, params)))
+        gacc = accumulator_structs(params)
+        out.append((spec, stage, (params, x, side), (params, x, side, seed, gacc)))
     return out
 
 
@@ -82,7 +84,7 @@ def _profiled(spec: StageSpec):
     bucket = T if spec.module == "encoder" else S
     prog = build_program(CFG, shape, spec.tp, bucket, jax.devices(), DTYPE)
     fwd_args = (prog.params_abs, prog.x_abs, prog.side_abs)
-    return prog, fwd_args, (*fwd_args, prog.seed_abs, prog.params_abs)
+    return prog, fwd_args, (*fwd_args, prog.seed_abs, prog.gacc_abs)
 
 
 def _lower(mesh, program, args):

@@ -20,7 +20,8 @@ import time
 import checkpoint_worker
 import numpy as np
 import pytest
-from test_runtime_multiprocess import REPO, _args, _env, _free_port, _launch, _start
+from multiprocess_launch import REPO, env, free_ports, launch
+from test_runtime_multiprocess import _args, _launch
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.checkpoint import Checkpointer
@@ -82,9 +83,10 @@ def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout
 
     # Checkpoint at step 2 (4 if the kill comes late), kill everything, resume in a new launch.
     run_dir = tmp_path / "killed"
-    with (tmp_path / "killed.log").open("w") as log:
-        procs = _start(tmp_path, run_dir, 6, SPAN + DETERMINISTIC, output=log)
-        saved = _kill_after_first_checkpoint(procs, run_dir / "checkpoints")
+    logs = tmp_path / "killed_logs"
+    logs.mkdir()
+    started = launch(logs, 2, _args(tmp_path, run_dir) + ["steps=6", *SPAN, *DETERMINISTIC])
+    saved = _kill_after_first_checkpoint([p for p, _ in started.values()], run_dir / "checkpoints")
     assert saved in (2, 4)
     outs = _launch(tmp_path, run_dir, 6, SPAN + DETERMINISTIC)
     assert f"resumed from step {saved}" in outs[0]
@@ -117,12 +119,12 @@ def test_one_process_checkpoint_resumes_in_two_processes_on_another_layout(tmp_p
 
 def _workers(*args, processes=2):
     """Runs tests/checkpoint_worker.py in `processes` jax processes; returns their outputs."""
-    port = _free_port()
+    port = free_ports(1)
     procs = [
         subprocess.Popen(
             ["timeout", "-k", "10", "300", sys.executable, str(WORKER), *args]
             + [str(processes), str(rank), f"127.0.0.1:{port}"],
-            env=dict(_env(), PYTHONPATH=str(REPO)),
+            env=env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -21,12 +21,13 @@ BASE = dict(lr=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1)
 
 @pytest.fixture(scope="module")
 def stages():
-    """A tiny LLaVA-OV: one encoder stage (vision + projector, tp 2), two LLM stages."""
+    """A tiny LLaVA-OV: one encoder stage (vision + projector, tp 2, dp 2: ZeRO-1 shards), two LLM
+    stages."""
     cfg = TrainConfig(
         model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=8, vision_hidden_size=16,
                           vision_intermediate_size=32, vision_num_heads=2),
-        layout=LayoutConfig(encoder_layers=(2,), encoder_tp=(2,), llm_layers=(1, 1)),
+        layout=LayoutConfig(encoder_layers=(2,), encoder_tp=(2,), encoder_dp=2, llm_layers=(1, 1)),
     )  # fmt: skip
     model_cfg = cfg.model.model_config(300, tile_px=28, patch_size=7, compute_dtype="float32")
     layout = cfg.layout.layout()
@@ -66,10 +67,11 @@ def _array_state_paths(state):
 
 
 def _step(stage, cfg, grads):
-    opt = StageOptimizer(stage, cfg.build(), cfg.counted)
+    """One update from `grads` (as `StageOptimizer.reduce` leaves them: in the ZeRO-1 layout)."""
+    opt = StageOptimizer(stage, cfg.build(), counted=cfg.counted)
     before = jax.device_get(stage.params)
-    sq = float(opt.sq_norm(jax.device_put(grads, stage.param_shardings)))
-    opt.apply(jax.device_put(grads, stage.param_shardings), 1.0)
+    sq = float(opt.sq_norm(jax.device_put(grads, opt.grad_shardings)))
+    opt.apply(jax.device_put(grads, opt.grad_shardings), 1.0)
     after = jax.device_get(stage.params)
     stage.params = jax.device_put(before, stage.param_shardings)  # leave the fixture as it was
     return opt, before, after, sq
@@ -120,13 +122,13 @@ def test_vision_at_a_fifth_of_the_rate(stages):
 def test_a_recipe_state_checkpoints_and_restores(stages, tmp_path):
     layout, progs = stages
     cfg = OptimizerConfig(**BASE, trainable=("projector", "llm"), lr_scale={"llm": 0.5})
-    opts = [StageOptimizer(s, cfg.build(), cfg.counted) for s in progs]
+    opts = [StageOptimizer(s, cfg.build(), counted=cfg.counted) for s in progs]
     for i, (s, o) in enumerate(zip(progs, opts)):
-        o.apply(jax.device_put(_grads(s.params, 10 + i), s.param_shardings), 1.0)
+        o.apply(jax.device_put(_grads(s.params, 10 + i), o.grad_shardings), 1.0)
     ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
     specs, params, states = list(layout.stages), [s.params for s in progs], [o.state for o in opts]
     ckpt.save(1, specs, params, states, meta={})
-    fresh = [StageOptimizer(s, cfg.build(), cfg.counted) for s in progs]
+    fresh = [StageOptimizer(s, cfg.build(), counted=cfg.counted) for s in progs]
     _, got, _ = ckpt.restore(specs, params, [o.state for o in fresh])
     ckpt.close()
     for a, b in zip(got, states):

@@ -34,12 +34,12 @@ def _train_step(policy: str, module: str):
     prog = stage_program(cfg, spec, profile_mesh(jax.devices(), 1), bucket, jnp.float32)
     with jax.set_mesh(prog.mesh):
         compiled = prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
         ).compile()
         rng = np.random.default_rng(0)
         params = prog.make_params(rng)
         x, side, seed = prog.make_inputs(rng)
-        gacc = jax.tree.map(jnp.zeros_like, params)
+        gacc = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), prog.gacc_abs)
         out = compiled(params, x, side, seed, gacc)
     return out[0], out[-1], compiled.memory_analysis().temp_size_in_bytes
 

@@ -1,9 +1,11 @@
 """Per-device memory of a pipeline stage, as the runtime holds it: state, in-flight inputs, transient.
 
-State, per parameter, replicated across data parallelism (no ZeRO) and sharded by tensor parallelism
-(matrices split over tp, norms replicated): fp32 parameters that double as the master copy (4 B; the
-models keep `param_dtype=float32` and cast to the compute dtype inside each program), the fp32
-gradient accumulator (4 B), AdamW m and v (8 B).
+State, per parameter, sharded by tensor parallelism (matrices split over tp, norms replicated): fp32
+parameters that double as the master copy (4 B, replicated over data parallelism; the models keep
+`param_dtype=float32` and cast to the compute dtype inside each program), the fp32 gradient
+accumulator (4 B: each device holds its own data replica's sum, reduced once per step), AdamW m and v
+(8 B, ZeRO-1: sharded over the stage's dp, `runtime/train_state.py`; the few leaves no axis of which
+divides stay replicated, counted as sharded here).
 
 In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
 backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
@@ -99,9 +101,10 @@ class StageMemory:
         return dataclasses.replace(self, in_flight=in_flight)
 
 
-def state_bytes(num_params: float) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for `num_params` parameters on one device."""
-    return num_params * PARAM_BYTES, num_params * GRAD_BYTES, num_params * OPTIMIZER_BYTES
+def state_bytes(num_params: float, dp: int = 1) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes for `num_params` parameters on one device of a stage with
+    `dp` data replicas (ZeRO-1 shards the optimizer state over them)."""
+    return num_params * PARAM_BYTES, num_params * GRAD_BYTES, num_params * OPTIMIZER_BYTES / dp
 
 
 def weight_copy_bytes(num_params: float, compute_bytes: int) -> float:
@@ -230,7 +233,7 @@ def encoder_stage_memory(
     else:
         temp += hidden  # dy
     temp += weight_transient_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params), inputs, temp)
+    return StageMemory(*state_bytes(n_params, stage.dp), inputs, temp)
 
 
 def llm_stage_memory(
@@ -274,7 +277,7 @@ def llm_stage_memory(
     else:
         temp += hidden  # dy
     temp += weight_transient_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params), inputs, temp)
+    return StageMemory(*state_bytes(n_params, stage.dp), inputs, temp)
 
 
 def stage_memory(

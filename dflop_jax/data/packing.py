@@ -197,11 +197,16 @@ def pack_microbatch(
         for f in fields:
             arrays[f][r] = row[f]
     mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
+    # Throughput and padding describe the global batch on every host: other hosts' shards are counted
+    # as scheduled (their samples' sizes), this host's as packed (a failed sample is padding).
+    remote_tokens = sum(shapes[i].tokens for r, shard in enumerate(plan.shards)
+                        if r not in host.llm_shards for i in shard)  # fmt: skip
+    remote_tiles = sum(len(t) for e, t in enumerate(placement) if e not in host.encoder_shards)
     counts = PackCounts(
-        tokens_real=int((mb.segment_ids > 0).sum()),
-        tokens_computed=len(host.llm_shards) * S,
-        tiles_real=int(tile_valid.sum()),
-        tiles_computed=len(host.encoder_shards) * T,
+        tokens_real=int((mb.segment_ids > 0).sum()) + remote_tokens,
+        tokens_computed=llm_dp * S,
+        tiles_real=int(tile_valid.sum()) + remote_tiles,
+        tiles_computed=encoder_dp * T,
         loss_tokens=int(mb.loss_mask.sum()),
     )
     return mb, counts
@@ -350,8 +355,8 @@ def pack_global_batch(
 ) -> GlobalBatch:
     """Packs every microbatch of `schedule`; see `pack_microbatch` for the arguments.
 
-    `num_loss_tokens` and the stats count the materialised shards: the whole global batch in a
-    single-process run, this host's shards with a `HostShardSpec`.
+    `num_loss_tokens` counts the materialised shards (the whole global batch in a single-process run,
+    this host's shards with a `HostShardSpec`); the token and tile stats count the global batch.
     """
     microbatches, totals = [], PackCounts()
     for plan in schedule.microbatches:
@@ -369,4 +374,5 @@ def pack_global_batch(
         microbatches.append(mb)
         totals += counts
     stats = BatchStats(packed=totals, num_microbatches=len(microbatches))
-    return GlobalBatch(microbatches, totals.loss_tokens, schedule, stats)
+    shapes = list(shapes) if shapes is not None else [_shape_of(s) for s in samples]
+    return GlobalBatch(microbatches, totals.loss_tokens, schedule, stats, shapes)

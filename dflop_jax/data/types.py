@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from dflop_jax.contracts import SampleShape
+
 TEXT = -1
 NEWLINE = -2
 FEATURE_TAPS = 4  # bilinear taps per position (2 x 2 source rows)
@@ -118,12 +120,14 @@ class PackedMicrobatch:
 
 @dataclasses.dataclass(frozen=True)
 class PackCounts:
-    """What packing computed versus what was real, over the materialised (local) shards.
+    """What packing computed versus what was real, over the whole global batch (every host reports
+    the same throughput and padding; other hosts' shards count as scheduled).
 
     Attributes:
       tokens_real, tokens_computed: sample tokens, and row slots S per LLM shard row.
       tiles_real, tiles_computed: valid tiles, and tile slots T per encoder shard.
-      loss_tokens: positions whose target is an assistant token (the loss normalizer's share).
+      loss_tokens: positions of this host's shards whose target is an assistant token (this host's
+        share of the loss normalizer).
     """
 
     tokens_real: int = 0
@@ -199,9 +203,12 @@ class GlobalBatch:
       num_loss_tokens: loss tokens of the whole global batch (the loss normalizer).
       schedule: the scheduler's `Schedule` (report and buckets); None when every record was skipped.
       stats: the data layer's report (`BatchStats`).
+      shapes: the scheduled samples' shapes, indexed like the schedule's sample indices (the same on
+        every host: what the global batch holds, whichever rows this host packed).
     """
 
     microbatches: list[PackedMicrobatch]
     num_loss_tokens: int
     schedule: Any
     stats: BatchStats = BatchStats()
+    shapes: list[SampleShape] = dataclasses.field(default_factory=list)

@@ -11,8 +11,10 @@ host without enough accelerators, simulated CPU devices), at the plan's largest 
 
 What the runtime holds per device for a stage, term by term (`StageCheck`):
   params      fp32 master weights (the program's parameter arguments)
-  grads       the fp32 gradient accumulator (a donated argument, aliased with its output)
-  optimizer   AdamW m and v, fp32, the parameters' shapes and shardings (`runtime/train_state.py`)
+  grads       the fp32 per-data-replica gradient accumulator (a donated argument, aliased with its
+              output; each device holds its replica's sum, `runtime.stages.accumulator_structs`)
+  optimizer   AdamW m and v, fp32, the parameters' shapes in the ZeRO-1 layout (sharded over dp too,
+              `runtime.train_state.zero1_sharding`)
   inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps
               min(P - stage, M) of them until their backward (recompute-in-backward: nothing else)
   transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
@@ -57,6 +59,8 @@ class PartCheck:
     part: str  # "encoder" | "llm"
     program_bytes: float
     params: float
+    grads: float
+    optimizer: float
     inputs: float
     transient: float
     compile_s: float
@@ -151,14 +155,28 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
     t0 = time.perf_counter()
     with jax.set_mesh(prog.mesh):
         compiled = prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
         ).compile()
     seconds = time.perf_counter() - t0
     total = program_bytes(compiled)
     params = per_device_bytes(prog.params_abs)
+    grads = per_device_bytes(prog.gacc_abs)
+    optimizer = 2 * per_device_bytes(_zero1(prog.params_abs))  # m and v
     inputs = per_device_bytes((prog.x_abs, prog.side_abs))
-    # the accumulator has the params' shapes and shardings in fp32, as the params
-    return PartCheck(part, total, params, inputs, total - 2 * params - inputs, seconds)
+    transient = total - params - grads - inputs
+    return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds)
+
+
+def _zero1(params_abs):
+    """fp32 leaves of the params' shapes in the ZeRO-1 optimizer layout."""
+    from dflop_jax.runtime.train_state import zero1_sharding
+
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, jnp.float32, sharding=zero1_sharding(a.shape, a.sharding)
+        ),
+        params_abs,
+    )
 
 
 def program_bytes(compiled) -> float:
@@ -179,8 +197,8 @@ def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageChe
         parts=tuple(p.part for p in parts),
         program_bytes=tuple(p.program_bytes for p in parts),
         params=params,
-        grads=params,
-        optimizer=2 * params,
+        grads=sum(p.grads for p in parts),
+        optimizer=sum(p.optimizer for p in parts),
         inputs=in_flight * sum(p.inputs for p in parts),
         transient=max(p.transient for p in parts),
         in_flight=in_flight,

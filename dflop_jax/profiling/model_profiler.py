@@ -116,7 +116,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     with jax.set_mesh(prog.mesh):
         fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
         bwd_c = prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.params_abs
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
         ).compile()
     mem_f, mem_b = _memory(fwd_c), _memory(bwd_c)
     (flops_f, bytes_f), (flops_b, bytes_b) = _cost(fwd_c), _cost(bwd_c)
@@ -134,7 +134,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     params = prog.make_params(rng)
     x, side, seed = prog.make_inputs(rng)
     zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
-    gacc = [jax.tree.map(zeros, prog.params_abs)]
+    gacc = [jax.tree.map(zeros, prog.gacc_abs)]
 
     def backward():
         out = bwd_c(params, x, side, seed, gacc[0])

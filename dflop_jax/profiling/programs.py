@@ -35,7 +35,7 @@ from dflop_jax.costs.layout import StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.runtime.model_stages import abstract_stage
-from dflop_jax.runtime.stages import stage_jits
+from dflop_jax.runtime.stages import accumulator_structs, stage_jits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +45,10 @@ class PartProgram:
     Attributes:
       mesh: the (1, tp) mesh the programs run on.
       fwd: fwd(params, x, side); bwd: bwd(params, x, side, seed, gacc) with `gacc` donated.
-      params_abs, x_abs, side_abs, seed_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
+      params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
-        seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head.
+        seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
+        gacc_abs the per-replica gradient accumulator (`runtime.stages.accumulator_structs`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
     """
 
@@ -58,6 +59,7 @@ class PartProgram:
     x_abs: Any
     side_abs: dict
     seed_abs: Any
+    gacc_abs: Any
     make_params: Callable[[np.random.Generator], Any]
     make_inputs: Callable[[np.random.Generator], tuple]
 
@@ -204,7 +206,8 @@ def stage_program(
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 
     return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
-                       side_abs, seed_abs, make_params, make_inputs)  # fmt: skip
+                       side_abs, seed_abs, accumulator_structs(bp.state), make_params,
+                       make_inputs)  # fmt: skip
 
 
 def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:

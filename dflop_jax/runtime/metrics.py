@@ -130,15 +130,15 @@ def step_metrics(
 
 
 def real_work(batch: GlobalBatch, has_encoder: bool) -> list[tuple[int, int]]:
-    """(tiles, tokens) of a batch's real work for MFU (`costs.batch_model_flops`): valid tiles, and
-    each segment of the packed rows."""
+    """(tiles, tokens) of a global batch's real work for MFU (`costs.batch_model_flops`), as
+    scheduled: per microbatch its samples' tiles, and each sample's tokens (the whole batch on every
+    host, whichever rows this host packed)."""
     work = []
-    for mb in batch.microbatches:
+    for plan in batch.schedule.microbatches:
+        samples = [batch.shapes[i] for shard in plan.shards for i in shard]
         if has_encoder:
-            work.append((int(mb.tile_valid.sum()), 0))
-        for row in mb.segment_ids:
-            _, counts = np.unique(row[row > 0], return_counts=True)
-            work += [(0, int(c)) for c in counts]
+            work.append((sum(s.tiles for s in samples), 0))
+        work += [(0, s.tokens) for s in samples]
     return work
 
 

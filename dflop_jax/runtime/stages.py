@@ -13,8 +13,16 @@ Backward design: recompute-in-backward. The forward program returns only its out
 program re-runs the forward under `jax.vjp` from the saved stage input and pulls the cotangent through.
 No residuals cross the Python boundary, so memory per in-flight microbatch is one stage input (what 1F1B
 bounds), at the price of one extra stage forward (the usual activation-recompute trade). The last stage
-fuses forward, loss and backward in one program. Gradients accumulate in a donated fp32 buffer with the
-parameters' shardings; the data-parallel reduction is implicit in SPMD over the mesh's "data" axis.
+fuses forward, loss and backward in one program.
+
+One data-parallel reduction per step: the backward programs run their body per data replica (a
+`shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
+replica's gradient, UNREDUCED, into a donated fp32 accumulator with a leading data-replica axis
+(`accumulator_structs`: shape (dp, *param.shape), sharded over "data" on that axis and like the
+param on the rest), so a microbatch's backward moves no gradient between replicas. The step's one
+reduction (a sum over that axis, reduce-scattered into the ZeRO-1 optimizer's shards) is
+`runtime/train_state.py`'s. JAX's reduced/unreduced sharding types would say the same without the
+extra axis, but need Explicit mesh axes, which the models' Auto-axis meshes are not (DESIGN 11).
 
 Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
 w.r.t. the fp32 masters come back in fp32; side arrays enter as the data layer packs them.
@@ -109,16 +117,52 @@ class StageJits:
     Attributes:
       forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
         `last` (evaluation and the profiler's forward timing; training uses `last`).
-      backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated.
+      backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated
+        (per data replica: `accumulator_structs`).
       last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
-        gacc + dL/dparams), `gacc` donated.
-      zeros: params -> zero gradients with the parameters' shardings.
+        gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
+      zeros: params -> a zero accumulator (`accumulator_structs`).
     """
 
     forward: Callable
     backward: Callable
     last: Callable
     zeros: Callable
+
+
+def _local_spec(spec: P | None) -> P | None:
+    """`spec` as a `shard_map` over "data" sees it: only the manual "data" axis named."""
+    if spec is None:
+        return None
+    return P(*(_only_data(e) for e in spec))
+
+
+def _only_data(entry):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return "data" if "data" in names else None
+
+
+def accumulator_sharding(param_sharding: NamedSharding) -> NamedSharding:
+    """The accumulator of a param: a leading data-replica axis over "data", the param's spec after."""
+    spec = tuple(param_sharding.spec)
+    if any(_only_data(e) for e in spec):
+        raise ValueError(
+            f"a parameter sharded over 'data' ({param_sharding.spec}) is not supported"
+        )
+    return NamedSharding(param_sharding.mesh, P("data", *spec))
+
+
+def accumulator_structs(params: PyTree) -> PyTree:
+    """Abstract per-replica gradient accumulator of `params` (leaves with shardings): fp32 leaves of
+    shape (dp, *param.shape), replica r's gradient sum at [r]."""
+
+    def leaf(a):
+        dp = a.sharding.mesh.shape["data"]
+        return jax.ShapeDtypeStruct(
+            (dp, *a.shape), jnp.float32, sharding=accumulator_sharding(a.sharding)
+        )
+
+    return jax.tree.map(leaf, params)
 
 
 def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype) -> StageJits:
@@ -135,6 +179,23 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     side_s = NamedSharding(mesh, P("data"))
     scalar = NamedSharding(mesh, P())
     ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
+    accs = jax.tree.map(accumulator_sharding, ps)
+    dp = mesh.shape["data"]
+    xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
+    # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
+    # replica's share of dL/dx summed over "data" (an activation gradient, not the params'). The sum
+    # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
+    # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
+    # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
+    # manual partitioning mode").
+    x_replicated = dp > 1 and xl is not None and not any(xl)
+    gxl = P("data", *xl) if x_replicated else xl
+
+    def share_gx(gx):
+        return gx[None] if x_replicated else gx
+
+    def whole_gx(gx):
+        return None if gx is None else (gx.sum(0) if x_replicated else gx)
 
     def apply(params, x, side):
         p = cast_floating(params, compute_dtype)
@@ -142,7 +203,24 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
             x = x.astype(compute_dtype)
         return fns.forward(p, x, side) if fns.loss is None else fns.loss(p, x, side)
 
-    def bwd(params, x, side, gy, gacc):
+    def per_replica(body, in_specs, out_specs):
+        """`body` on each data replica's shard. Without replication checks (`check_vma=False`)
+        autodiff inside the body keeps each replica's parameter gradient local (with them it would
+        psum the gradient of the replicated params over "data", and the models' scans would need
+        their carries cast to replica-varying)."""
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={"data"},
+            check_vma=False,
+        )
+
+    def add(gacc, gp):
+        return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
+
+    def bwd_local(params, x, side, gy, gacc):
         if x is None:
             _, vjp = jax.vjp(lambda p: apply(p, None, side), params)
             (gp,) = vjp(gy)
@@ -150,9 +228,14 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
         else:
             _, vjp = jax.vjp(lambda p, x_: apply(p, x_, side), params, x)
             gp, gx = vjp(gy)
-        return gx, jax.tree.map(jnp.add, gacc, gp)
+        return (None if gx is None else share_gx(gx)), add(gacc, gp)
 
-    def last(params, x, side, normalizer, gacc):
+    def bwd(params, x, side, gy, gacc):
+        specs = (P(), xl, P("data"), yl, P("data"))
+        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(params, x, side, gy, gacc)
+        return whole_gx(gx), gacc
+
+    def last_local(params, x, side, normalizer, gacc):
         def objective(p, x_):
             loss_sum, count = apply(p, x_, side)
             return loss_sum.astype(jnp.float32) / normalizer, count
@@ -166,21 +249,33 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
             (loss, count), (gp, gx) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
                 params, x
             )
-        return loss, count, gx, jax.tree.map(jnp.add, gacc, gp)
+        loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
+        return loss, count, None if gx is None else share_gx(gx), add(gacc, gp)
+
+    def last(params, x, side, normalizer, gacc):
+        specs = (P(), xl, P("data"), P(), P("data"))
+        fn = per_replica(last_local, specs, (P(), P(), gxl, P("data")))
+        loss, count, gx, gacc = fn(params, x, side, normalizer, gacc)
+        return loss, count, whole_gx(gx), gacc
 
     return StageJits(
         forward=jax.jit(apply, in_shardings=(ps, xs, side_s), out_shardings=ys),
         backward=jax.jit(
-            bwd, in_shardings=(ps, xs, side_s, ys, ps), out_shardings=(xs, ps), donate_argnums=(4,)
+            bwd,
+            in_shardings=(ps, xs, side_s, ys, accs),
+            out_shardings=(xs, accs),
+            donate_argnums=(4,),
         ),
         last=jax.jit(
             last,
-            in_shardings=(ps, xs, side_s, scalar, ps),
-            out_shardings=(scalar, scalar, xs, ps),
+            in_shardings=(ps, xs, side_s, scalar, accs),
+            out_shardings=(scalar, scalar, xs, accs),
             donate_argnums=(4,),
         ),
         zeros=jax.jit(
-            lambda p: jax.tree.map(jnp.zeros_like, p), in_shardings=(ps,), out_shardings=ps
+            lambda p: jax.tree.map(lambda a: jnp.zeros((dp, *a.shape), jnp.float32), p),
+            in_shardings=(ps,),
+            out_shardings=accs,
         ),
     )
 

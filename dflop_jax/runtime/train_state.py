@@ -10,6 +10,16 @@ stage's update scales its gradients by min(1, max_norm / global_norm) -- the
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
 
+ZeRO-1 and one reduction per step: the stage programs leave each data replica's gradient sum in a
+per-replica accumulator (`runtime/stages.py`). Once per step, `StageOptimizer.reduce` sums it over the
+replicas straight into the ZeRO-1 layout (`zero1_sharding`: each leaf's largest divisible axis also
+sharded over "data"; XLA makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and
+the update computes AdamW on those shards with the moments stored sharded the same way, each replica
+reading its slice of the replicated fp32 params, and all-gathers the new params into their stage
+sharding for the next step's programs. The fp32 params double as the master copy (the programs cast
+to the compute dtype inside), so ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator)
++ 8 / dp bytes per parameter, not 16.
+
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
 model-level path in several stages), `apply_updates` gives every copy the SUM of the copies' gradients
@@ -35,7 +45,7 @@ from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import global_path, key_name
 from dflop_jax.runtime.distributed import host_scalars
-from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
+from dflop_jax.runtime.stages import PyTree, StageProgram, accumulator_sharding, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer
 from models.stages import PARTS, param_part
 
@@ -56,6 +66,8 @@ class OptimizerConfig:
         others are frozen: no optimizer state, no update, no share of the gradient norm.
       lr_scale, weight_decay_scale: per-part multipliers of `lr` and `weight_decay` (missing = 1),
         e.g. {vision: 0.2} (LLaVA-OV stage 2: the vision tower at 1/5 of the rate).
+      zero1: shard the AdamW moments (and the reduced gradient) over the stage's "data" axis;
+        False keeps them replicated like the params (the pre-ZeRO layout, for comparison).
     """
 
     lr: float = 3e-3
@@ -67,6 +79,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_norm: float = 1.0
+    zero1: bool = True
     trainable: tuple[str, ...] = PARTS
     lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
     weight_decay_scale: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -140,13 +153,41 @@ def param_labels(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(lambda path, _: param_part(_leaf_names(path)), params)
 
 
+def zero1_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
+    """`sharding` with "data" added on the largest axis whose size divides by its sharding's devices
+    times dp (on top of its tp entry); a leaf with no such axis stays as it is (replicated over dp)."""
+    mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    dp = mesh.shape["data"]
+    if dp == 1:
+        return sharding
+
+    def names(entry):
+        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+    def ways(entry):
+        return int(np.prod([mesh.shape[n] for n in names(entry)], dtype=int))
+
+    fits = [i for i, n in enumerate(shape) if n % (ways(spec[i]) * dp) == 0]
+    if not fits:
+        return sharding
+    axis = max(fits, key=lambda i: (shape[i], -i))
+    spec[axis] = (*names(spec[axis]), "data") if spec[axis] is not None else "data"
+    return NamedSharding(mesh, P(*spec))
+
+
 class StageOptimizer:
-    """One stage's optimizer state and jitted update on the stage's mesh."""
+    """One stage's optimizer state and its per-step programs on the stage's mesh.
+
+    Per step: `reduce` (the data-parallel sum of the per-replica accumulator into the ZeRO-1 layout:
+    the step's one gradient reduction), `sq_norm` (of the reduced gradient, for global clipping),
+    `apply` (AdamW on the shards, all-gather of the new params).
+    """
 
     def __init__(
         self,
         stage: StageProgram,
         tx: optax.GradientTransformation,
+        zero1: bool = True,
         counted: Callable[[PyTree], PyTree] | None = None,
     ):
         """`counted(params)`: bool per leaf, whether its gradient counts in the global norm (the
@@ -155,18 +196,37 @@ class StageOptimizer:
         self.tx = tx
         ps = stage.param_shardings
         scalar = NamedSharding(stage.mesh, P())
+        zs = ps
+        if zero1:
+            zs = jax.tree.map(lambda a, s: zero1_sharding(a.shape, s), stage.params, ps)
+        self.grad_shardings = zs
         abstract = jax.eval_shape(tx.init, stage.params)
         masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen leaf's (absent) state
         self.state_shardings = optax.tree_map_params(
             tx,
             lambda x, s: x if masked(x) else s,
             abstract,
-            ps,
+            zs,
             transform_non_params=lambda _: scalar,
             is_leaf=masked,
         )
         self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
-        self.state = self.init_state()
+        # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
+        self.state = (
+            self.init_state()
+            if getattr(stage, "local", True)
+            else jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                abstract,
+                self.state_shardings,
+            )
+        )
+        accs = jax.tree.map(accumulator_sharding, ps)
+        self._reduce = jax.jit(
+            lambda acc: jax.tree.map(lambda a: jnp.sum(a, axis=0), acc),
+            in_shardings=(accs,),
+            out_shardings=zs,
+        )
         keep = jax.tree.leaves(counted(stage.params)) if counted else None
 
         def sq_norm(g):
@@ -176,34 +236,50 @@ class StageOptimizer:
 
         self._sq_norm = jax.jit(
             sq_norm,
-            in_shardings=(ps,),
+            in_shardings=(zs,),
             out_shardings=scalar,
         )
 
         def update(params, state, grads, scale):
             grads = jax.tree.map(lambda g: g * scale, grads)
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
+            shards = jax.tree.map(jax.lax.with_sharding_constraint, params, zs)
+            updates, state = tx.update(grads, state, shards)
+            return optax.apply_updates(shards, updates), state
 
         self._update = jax.jit(
             update,
-            in_shardings=(ps, self.state_shardings, ps, scalar),
+            in_shardings=(ps, self.state_shardings, zs, scalar),
             out_shardings=(ps, self.state_shardings),
             donate_argnums=(0, 1),
         )
         self._scalar = scalar
 
     def init_state(self) -> PyTree:
-        """Fresh optimizer state for the stage's current params, sharded like them."""
+        """Fresh optimizer state for the stage's current params, in the ZeRO-1 layout."""
         with jax.set_mesh(self.stage.mesh):
             return self._init(self.stage.params)
+
+    def reduce(self, acc: PyTree) -> PyTree:
+        """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
+        buffer has another shape; the caller drops it)."""
+        with jax.set_mesh(self.stage.mesh):
+            return self._reduce(acc)
+
+    def grad_structs(self) -> PyTree:
+        """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in)."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
+            self.stage.params,
+            self.grad_shardings,
+        )
 
     def sq_norm(self, grads: PyTree) -> jax.Array:
         with jax.set_mesh(self.stage.mesh):
             return self._sq_norm(grads)
 
     def apply(self, grads: PyTree, scale: float) -> None:
-        """Updates the stage's params and state in place (old buffers donated)."""
+        """Updates the stage's params and state in place from REDUCED gradients (`reduce`; old
+        buffers donated)."""
         s = put_host(np.float32(scale), self._scalar)
         with jax.set_mesh(self.stage.mesh):
             self.stage.params, self.state = self._update(self.stage.params, self.state, grads, s)
@@ -275,10 +351,6 @@ def _holds(leaf) -> bool:
     return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)
 
 
-def _structs(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
 def apply_updates(
     optimizers: list[StageOptimizer],
     grads: list[PyTree],
@@ -286,14 +358,18 @@ def apply_updates(
     tag: str = "norm",
     tied: list[TiedGroup] = (),
 ) -> float:
-    """Clips by the global norm over all stages and updates every stage; returns the global norm.
+    """Reduces each stage's per-replica accumulator (`grads`) once, clips by the global norm
+    over all stages and updates every stage; returns the global norm.
 
     `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`);
     `tied` = `tied_groups(...)` of the stages (their copies get summed gradients, counted once).
     """
     local = [getattr(opt.stage, "local", True) for opt in optimizers]
     # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
-    grads = [g if g is not None else _structs(o.stage.params) for o, g in zip(optimizers, grads)]
+    grads = [
+        opt.reduce(g) if here else opt.grad_structs()
+        for opt, g, here in zip(optimizers, grads, local)
+    ]
     corrections = []
     if tied:
         grads, corrections = tie_gradients(list(grads), list(tied))

@@ -141,7 +141,9 @@ class _Trainer:
             compute_dtype=jnp.dtype(cfg.compute_dtype),
         )  # fmt: skip
         opt = cfg.optimizer
-        self.opts = [StageOptimizer(s, opt.build(), opt.counted) for s in self.stages]
+        self.opts = [
+            StageOptimizer(s, opt.build(), opt.zero1, counted=opt.counted) for s in self.stages
+        ]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.

@@ -1,0 +1,203 @@
+"""ZeRO-1 and one data-parallel reduction per step (runtime/stages.py, runtime/train_state.py).
+
+Asserted on the compiled HLO text: a dp=2 stage's per-microbatch backward moves no gradient between
+data replicas (no all-reduce / reduce-scatter at all on an inner stage; only the two loss scalars on
+the last), and the step's reduction program holds the data-parallel reduction. Values: the ZeRO-1
+update equals the replicated (pre-ZeRO) update to float32 round-off over several steps.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models_fixtures import tiny_decoder_config
+from pipeline_reference import assert_trees_close
+
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.profiling.model_config import model_config_for_arch
+from dflop_jax.profiling.programs import stage_program
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.stages import StageFns, StageProgram, accumulator_structs, put_host
+from dflop_jax.runtime.train_state import (
+    OptimizerConfig,
+    StageOptimizer,
+    apply_updates,
+    zero1_sharding,
+)
+
+LAYOUT = Layout(
+    (),
+    (
+        StageSpec("llm", 0, 1, tp=1, dp=2, has_embedding=True),
+        StageSpec("llm", 1, 1, tp=2, dp=2),
+        StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
+    ),
+)
+GROUPS = r"\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\] \{[^}]*\}"
+COLLECTIVE = re.compile(
+    rf"= (\(.*?\)|\S+) (?:all-reduce|reduce-scatter)(?:-start)?\(.*?replica_groups=({GROUPS}),"
+)
+IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+MESH = re.compile(r"mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def _groups(text: str) -> list[list[int]]:
+    """HLO replica groups: explicit ({{0,2},{1,3}}), iota ([2,2]<=[4], [2,2]<=[2,2]T(1,0)) or
+    over named mesh axes (mesh['axis_0'=2,'axis_1'=2] {'axis_0'}: devices varying along those)."""
+    if text.startswith("{"):
+        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([0-9,]*)\}", text)]
+    if m := MESH.fullmatch(text):
+        axes = [(a.split("=")[0].strip("'"), int(a.split("=")[1])) for a in m[1].split(",")]
+        chosen = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m[2]]
+        rest = [i for i in range(len(axes)) if i not in chosen]
+        ids = np.arange(np.prod([n for _, n in axes])).reshape([n for _, n in axes])
+        size = int(np.prod([axes[i][1] for i in chosen]))
+        return ids.transpose(rest + chosen).reshape(-1, size).tolist()
+    m = IOTA.fullmatch(text)
+    assert m, f"unparsed replica groups {text}"
+    shape, dims = [int(i) for i in m[1].split(",")], [int(i) for i in m[2].split(",")]
+    ids = np.arange(np.prod(dims)).reshape(dims)
+    if m[3]:
+        ids = ids.transpose([int(i) for i in m[3].split(",")])
+    return ids.reshape(shape).tolist()
+
+
+def _data_collectives(compiled, tp: int) -> list[str]:
+    """Result shapes of the all-reduces / reduce-scatters whose groups span data replicas (devices
+    of a (dp, tp) mesh in row-major order: a group with members in two rows crosses "data")."""
+    out = []
+    for shape, groups in COLLECTIVE.findall(compiled.as_text()):
+        if any(len({d // tp for d in g}) > 1 for g in _groups(groups)):
+            out.append(shape)
+    return out
+
+
+def _mesh22() -> Mesh:
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+
+
+def test_zero1_sharding_adds_data_on_largest_divisible_axis():
+    mesh = _mesh22()
+    spec = lambda shape, s: zero1_sharding(shape, NamedSharding(mesh, s)).spec  # noqa: E731
+    assert spec((8, 6), P(None, "model")) == P("data", "model")  # 6 % (2 * 2) != 0
+    assert spec((4, 12), P(None, "model")) == P(None, ("model", "data"))  # on top of tp
+    assert spec((3, 5), P()) == P()  # nothing divides: stays replicated
+    assert spec((6,), P()) == P("data")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_microbatch_backward_has_no_data_reduction(stage):
+    """dp 2 stages (tp 1, tp 2, the last): no parameter gradient crosses data replicas in a
+    microbatch's backward; on the last stage only the scalar loss and token count are summed over
+    "data", on the first (MLLM) one only dL/d(features), which every replica's rows read."""
+    cfg = model_config_for_arch(
+        "tiny", "float32"
+    )  # an MLLM: the profiler's stage builder needs one
+    mesh, spec = stage_meshes(LAYOUT)[stage], LAYOUT.stages[stage]
+    prog = stage_program(cfg, spec, mesh, 32, jnp.float32)
+    with jax.set_mesh(mesh):
+        compiled = prog.bwd.lower(
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
+        ).compile()
+    across = _data_collectives(compiled, spec.tp)
+    if spec.has_embedding:  # the image features x are replicated over "data": dL/dx is summed
+        x = prog.x_abs
+        assert x.sharding.spec == P()
+        assert across == [f"f32[{','.join(map(str, x.shape))}]{{2,1,0}}"], across
+    elif spec.has_head:
+        assert across == ["(f32[], f32[])"], across
+    else:
+        assert across == [], across
+    if stage == 1:  # the tp collectives are still there (the parser sees them)
+        assert COLLECTIVE.findall(compiled.as_text())
+
+
+def _stages_and_grads(zero1: bool):
+    cfg = tiny_decoder_config(num_layers=3, dtype="float32")
+    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
+    opt = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=0.5)
+    opts = [StageOptimizer(s, opt.build(), zero1) for s in stages]
+    return stages, opts
+
+
+def _random_accumulators(stages, rng) -> list:
+    """Per-replica accumulators with different values per replica (their sum is the gradient)."""
+    out = []
+    for s in stages:
+        structs = accumulator_structs(s.params)
+        out.append(
+            jax.tree.map(
+                lambda a: put_host(rng.normal(size=a.shape).astype(np.float32), a.sharding),
+                structs,
+            )
+        )
+    return out
+
+
+def test_step_reduction_is_the_one_data_collective():
+    """The step's one data-parallel reduction: the reduce program sums the accumulator over "data"
+    (on XLA:CPU an all-reduce then a slice; reduce-scatter where the backend has it), one collective
+    per gradient leaf at most (XLA combines leaves), each over the data replicas."""
+    _, opts = _stages_and_grads(True)
+    opt = opts[1]  # dp 2 x tp 2
+    with jax.set_mesh(opt.stage.mesh):
+        compiled = opt._reduce.lower(accumulator_structs(opt.stage.params)).compile()
+    across = _data_collectives(compiled, 2)
+    assert across, "the reduce program must hold the data-parallel reduction"
+    assert len(across) == len(COLLECTIVE.findall(compiled.as_text()))
+    assert len(across) <= len(jax.tree.leaves(opt.stage.params))
+
+
+def test_zero1_update_equals_replicated_update():
+    """Three steps of AdamW with clipping from the same accumulators: ZeRO-1 state sharded over
+    "data" vs the replicated layout; params agree to float32 round-off, state is really sharded."""
+    runs = {}
+    for zero1 in (False, True):
+        stages, opts = _stages_and_grads(zero1)
+        rng = np.random.default_rng(1)
+        norms = [apply_updates(opts, _random_accumulators(stages, rng), 0.5) for _ in range(3)]
+        runs[zero1] = ([jax.device_get(s.params) for s in stages], norms, opts)
+    (p_rep, n_rep, _), (p_z, n_z, opts_z) = runs[False], runs[True]
+    np.testing.assert_allclose(n_z, n_rep, rtol=1e-6)
+    for a, b in zip(p_z, p_rep):
+        assert_trees_close(a, b)
+    sharded = [
+        leaf
+        for opt in opts_z
+        for leaf in jax.tree.leaves(opt.state)
+        if leaf.ndim and "data" in str(leaf.sharding.spec)
+    ]
+    assert sharded, "ZeRO-1 must shard the AdamW moments over data"
+    leaf = sharded[0]
+    assert leaf.addressable_shards[0].data.size * 2 <= leaf.size
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicated_stage_input_gets_every_replicas_gradient(tp):
+    """An x replicated over "data" (the MLLM's image features, x_spec P()) is read by every replica's
+    rows: its dL/dx is the sum of the replicas' shares, as on one device."""
+    mesh = Mesh(np.array(jax.devices()[: 2 * tp]).reshape(2, tp), ("data", "model"))
+    fns = StageFns(
+        forward=lambda p, x, s: jnp.tanh(x[s["rows"]] @ p["w"]), side_keys=("rows",), x_spec=P()
+    )
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
+    rows, gy = np.array([3, 0, 3, 1], np.int32), rng.normal(size=(4, 8)).astype(np.float32)
+    params = {"w": put_host(w, NamedSharding(mesh, P(None, "model")))}
+    stage = StageProgram(mesh, fns, params, compute_dtype=jnp.float32)
+    gx, acc = stage.backward(
+        put_host(x, NamedSharding(mesh, P())),
+        stage.put_side({"rows": rows}),
+        put_host(gy, NamedSharding(mesh, P("data"))),
+        stage.zero_grads(),
+    )
+    _, vjp = jax.vjp(lambda w_, x_: jnp.tanh(x_[rows] @ w_), w, x)
+    want_gw, want_gx = vjp(gy)
+    np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acc["w"]).sum(0), want_gw, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(acc["w"])[0] - want_gw).max() > 1e-3  # per replica, not reduced
