@@ -20,6 +20,19 @@ from models.decoder_config import DecoderConfig
 from models.mllm import EncoderStage, LLMStage
 
 MODULES = ("encoder", "llm")
+# The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
+# mm_mlp_adapter, mm_language_model).
+PARTS = ("vision", "projector", "llm")
+
+
+def param_part(path: tuple[str, ...]) -> str:
+    """The part of a stage module's parameter at `path` (key names from the stage's root): an encoder
+    stage's "vision" / "projector" subtrees, else "llm". LLaVA-OV's image newline (in the first LLM
+    stage) counts as "llm", as in LLaVA-NeXT's train.py, where `mm_language_model` unfreezes every
+    parameter outside the vision tower and `mm_projector`."""
+    if path[0] in ("vision", "projector"):
+        return path[0]
+    return "llm"
 
 
 def stage_module(

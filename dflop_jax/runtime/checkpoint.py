@@ -163,6 +163,26 @@ def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
     return tree
 
 
+def _meta(directory: Path, process: int, step: int) -> dict:
+    path = directory / group_name((process,)) / str(step) / "meta" / "meta.json"
+    return json.loads(path.read_text())
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps whose every group directory committed (process 0's meta lists them), oldest first."""
+    return [
+        step
+        for step in _steps(directory / group_name((0,)))
+        if all((directory / g / str(step)).is_dir() for g in _meta(directory, 0, step)["groups"])
+    ]
+
+
+def latest_step(directory: Path) -> int | None:
+    """The newest complete step under `directory`, or None."""
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
+
+
 class Checkpointer:
     """Saves/restores the run state under `directory` (last `keep` kept), one manager per group.
 
@@ -203,11 +223,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest step whose every group directory committed (process 0's meta lists them)."""
-        for step in reversed(_steps(self.directory / group_name((0,)))):
-            groups = self._meta(0, step)["groups"]
-            if all((self.directory / g / str(step)).is_dir() for g in groups):
-                return step
-        return None
+        return latest_step(self.directory)
 
     def discard_after(self, step: int) -> None:
         """Deletes every group's saves after `step`, committed or not (process 0; all wait).
@@ -226,8 +242,7 @@ class Checkpointer:
         ocp.multihost.sync_global_processes(f"dflop_discard_after_{step}", processes=everyone)
 
     def _meta(self, process: int, step: int) -> dict:
-        path = self.directory / group_name((process,)) / str(step) / "meta" / "meta.json"
-        return json.loads(path.read_text())
+        return _meta(self.directory, process, step)
 
     def save(self, step: int, specs, params, opt_states, meta: dict[str, Any]) -> None:
         """Starts saving (async) this process's share; `meta` must be JSON-serializable.
@@ -292,6 +307,49 @@ class Checkpointer:
         for m in self.managers.values():
             m.wait_until_finished()
             m.close()
+
+
+class SavedState:
+    """A committed checkpoint step read on one host, leaf by leaf, whatever layout and process count
+    saved it (the exporter's view: no stage, mesh or device is involved).
+
+    Attributes:
+      step: the step read; meta: process 0's meta of that step.
+      leaves: stored path -> (group directory, ArrayMetadata with `shape` and `dtype`) of every
+        array leaf (model-level paths, `model_tree`).
+    """
+
+    def __init__(self, directory: str | Path, step: int | None = None):
+        directory = Path(directory)
+        steps = complete_steps(directory)
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint under {directory}")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(
+                f"no complete checkpoint of step {step} under {directory} (steps: {steps})"
+            )
+        self.step = steps[-1] if step is None else step
+        self.meta = _meta(directory, 0, self.step)
+        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_options((0,)))
+        self._reader = ocp.Checkpointer(handler, multiprocessing_options=_options((0,)))
+        self.leaves: dict[tuple[str, ...], tuple[Path, Any]] = {}
+        for g in self.meta["groups"]:
+            state = directory / g / str(self.step) / "state"
+            if state.is_dir():
+                for path, md in _flat(_metadata_tree(self._reader, state)).items():
+                    self.leaves.setdefault(path, (state, md))
+
+    def read(self, path: tuple[str, ...]) -> np.ndarray:
+        """One leaf, whole, as a host array (only its bytes are read)."""
+        state, md = self.leaves[path]
+        tree = _nest({path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=md.dtype)})
+        args = ocp.args.PyTreeRestore(
+            item=_nest({path: md}), restore_args=tree, partial_restore=True
+        )
+        return np.asarray(_flat(self._reader.restore(state, args=args))[path])
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:

@@ -32,6 +32,7 @@ copy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from dflop_jax.runtime.checkpoint import global_path, key_name
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.stages import PyTree, StageProgram, accumulator_sharding, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer
+from models.stages import PARTS, param_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,10 @@ class OptimizerConfig:
       b1, b2, eps: Adam moments.
       weight_decay: decoupled decay, applied to matrices only (ndim >= 2).
       clip_norm: max global gradient norm (0 disables clipping).
+      trainable: the parts trained ("vision", "projector", "llm"; `models.stages.param_part`); the
+        others are frozen: no optimizer state, no update, no share of the gradient norm.
+      lr_scale, weight_decay_scale: per-part multipliers of `lr` and `weight_decay` (missing = 1),
+        e.g. {vision: 0.2} (LLaVA-OV stage 2: the vision tower at 1/5 of the rate).
       zero1: shard the AdamW moments (and the reduced gradient) over the stage's "data" axis;
         False keeps them replicated like the params (the pre-ZeRO layout, for comparison).
     """
@@ -74,8 +80,22 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     zero1: bool = True
+    trainable: tuple[str, ...] = PARTS
+    lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+    weight_decay_scale: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        parts, chosen = set(PARTS), self.trainable
+        ok = 0 < len(chosen) == len(set(chosen)) and set(chosen) <= parts
+        fix = f"give a non-empty subset of {list(PARTS)}, no repeats"
+        require(ok, "optimizer.trainable", list(chosen), fix)
+        ok = set(self.lr_scale) <= parts and all(v > 0 for v in self.lr_scale.values())
+        fix = f"keys from {list(PARTS)}, values > 0"
+        require(ok, "optimizer.lr_scale", self.lr_scale, fix)
+        wd = self.weight_decay_scale
+        ok = set(wd) <= parts and all(v >= 0 for v in wd.values())
+        fix = f"keys from {list(PARTS)}, values >= 0"
+        require(ok, "optimizer.weight_decay_scale", wd, fix)
         require(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
         require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
         require(
@@ -101,16 +121,36 @@ class OptimizerConfig:
             0.0, self.lr, self.warmup_steps, self.decay_steps, self.lr * self.end_lr_ratio
         )
 
-    def build(self) -> optax.GradientTransformation:
-        """The per-stage transformation (clipping is applied before it, across stages)."""
+    def _adamw(self, part: str) -> optax.GradientTransformation:
+        lr, wd = self.lr_scale.get(part, 1.0), self.weight_decay_scale.get(part, 1.0)
+        schedule = self.schedule()
         return optax.adamw(
-            self.schedule(),
+            schedule if lr == 1 else lambda step: lr * schedule(step),
             b1=self.b1,
             b2=self.b2,
             eps=self.eps,
-            weight_decay=self.weight_decay,
+            weight_decay=self.weight_decay * wd,
             mask=lambda params: jax.tree.map(lambda a: a.ndim >= 2, params),
         )
+
+    def build(self) -> optax.GradientTransformation:
+        """The per-stage transformation (clipping is applied before it, across stages): AdamW, or with
+        a recipe (frozen parts, per-part scales) one AdamW per trained part and `set_to_zero` for the
+        frozen ones (`optax.multi_transform`: a frozen leaf holds no optimizer state)."""
+        if set(self.trainable) == set(PARTS) and not self.lr_scale and not self.weight_decay_scale:
+            return self._adamw("llm")  # the plain AdamW state tree (checkpoints of such runs)
+        parts = {p: self._adamw(p) if p in self.trainable else optax.set_to_zero() for p in PARTS}
+        return optax.multi_transform(parts, param_labels)
+
+    def counted(self, params: PyTree) -> PyTree:
+        """Bool per leaf of a stage's params: whether it is trained (counts in the gradient norm)."""
+        labels = param_labels(params)
+        return jax.tree.map(lambda part: part in self.trainable, labels)
+
+
+def param_labels(params: PyTree) -> PyTree:
+    """The part of each leaf of a stage's params (`models.stages.param_part` of its key path)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: param_part(_leaf_names(path)), params)
 
 
 def zero1_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
@@ -143,7 +183,15 @@ class StageOptimizer:
     `apply` (AdamW on the shards, all-gather of the new params).
     """
 
-    def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True):
+    def __init__(
+        self,
+        stage: StageProgram,
+        tx: optax.GradientTransformation,
+        zero1: bool = True,
+        counted: Callable[[PyTree], PyTree] | None = None,
+    ):
+        """`counted(params)`: bool per leaf, whether its gradient counts in the global norm (the
+        trained ones, `OptimizerConfig.counted`); default all."""
         self.stage = stage
         self.tx = tx
         ps = stage.param_shardings
@@ -153,8 +201,14 @@ class StageOptimizer:
             zs = jax.tree.map(lambda a, s: zero1_sharding(a.shape, s), stage.params, ps)
         self.grad_shardings = zs
         abstract = jax.eval_shape(tx.init, stage.params)
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen leaf's (absent) state
         self.state_shardings = optax.tree_map_params(
-            tx, lambda _, s: s, abstract, zs, transform_non_params=lambda _: scalar
+            tx,
+            lambda x, s: x if masked(x) else s,
+            abstract,
+            zs,
+            transform_non_params=lambda _: scalar,
+            is_leaf=masked,
         )
         self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
@@ -173,8 +227,15 @@ class StageOptimizer:
             in_shardings=(accs,),
             out_shardings=zs,
         )
+        keep = jax.tree.leaves(counted(stage.params)) if counted else None
+
+        def sq_norm(g):
+            leaves = jax.tree.leaves(g)
+            kept = leaves if keep is None else [x for x, k in zip(leaves, keep) if k]
+            return sum((jnp.sum(jnp.square(x)) for x in kept), jnp.zeros((), jnp.float32))
+
         self._sq_norm = jax.jit(
-            lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)),
+            sq_norm,
             in_shardings=(zs,),
             out_shardings=scalar,
         )

@@ -140,8 +140,9 @@ class _Trainer:
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype),
         )  # fmt: skip
+        opt = cfg.optimizer
         self.opts = [
-            StageOptimizer(s, cfg.optimizer.build(), cfg.optimizer.zero1) for s in self.stages
+            StageOptimizer(s, opt.build(), opt.zero1, counted=opt.counted) for s in self.stages
         ]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)

@@ -1,5 +1,7 @@
 """HF checkpoint import/export: `load_pretrained(path) -> (model, config)`, `save_pretrained`, and one
-pipeline stage at a time: `load_config(path)` then `load_stage(path, config, module, ...)`.
+pipeline stage at a time: `load_config(path)` then `load_stage(path, config, module, ...)`; an export
+from stored stage params tensor by tensor: `module_tensors(config, module)` (state path -> HF key and
+layout, the same name maps `load_stage` reads with) and `write_shards`.
 
 Dispatches on config.json `model_type` through `MODEL_TYPES` (each family registers one line here).
 """
@@ -23,7 +25,9 @@ from models.hf.io import (
     export_tensors,
     load_state,
     read_config,
+    shard_plan,
     write_safetensors,
+    write_shards,
 )
 from models.stages import stage_module
 
@@ -134,6 +138,43 @@ def load_stage(
     )
 
 
+def adapter_of(config, model_type: str | None = None) -> tuple[str, ModelAdapter]:
+    """(model_type, adapter) that exports `config`: `model_type`'s, else the first registered adapter
+    that `matches(config)` (for a DecoderConfig: qwen2 when it has qkv bias, else llama)."""
+    if model_type is None:
+        found = [name for name, a in MODEL_TYPES.items() if a.matches(config)]
+        if not found:
+            raise CheckpointError(f"no HF adapter exports {type(config).__name__}; pass model_type")
+        model_type = found[0]
+    return model_type, adapter_for(model_type)
+
+
+def module_tensors(config, module: str) -> list[tuple[tuple, jax.ShapeDtypeStruct, TensorMap]]:
+    """(state path, abstract value, TensorMap) of every parameter of the stage that holds ALL of
+    `module` ("encoder" or "llm"; paths from the stage's root, as `load_stage` maps them): what a
+    layout-independent export reads, one tensor at a time."""
+    model_type, adapter = adapter_of(config)
+    if adapter.stage_name_map is None:
+        raise CheckpointError(f"model_type={model_type!r} has no pipeline stages")
+    flags = dict(first_layer=0, num_layers=module_layers(config, module),
+                 has_embedding=True, has_head=True)  # fmt: skip
+    abstract = nnx.eval_shape(lambda: stage_module(config, module, **flags, rngs=nnx.Rngs(0)))
+    names = adapter.stage_name_map(config, [], module, **flags)
+    out = []
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        if path not in names:
+            raise CheckpointError(f"{model_type}: parameter {path} has no HF name (adapter bug)")
+        out.append((path, jax.ShapeDtypeStruct(var.shape, var.dtype), names[path]))
+    return out
+
+
+def module_layers(config, module: str) -> int:
+    """Layers of `module` in `config` (vision layers for "encoder", decoder layers for "llm")."""
+    if module == "encoder":
+        return config.vision.num_layers
+    return (config.text if hasattr(config, "text") else config).num_layers
+
+
 def save_pretrained(
     model: nnx.Module,
     config,
@@ -144,15 +185,9 @@ def save_pretrained(
 ) -> list[Path]:
     """Exports `model` in HF layout: config.json + model.safetensors (or shards + index).
 
-    model_type: the HF family to write; default the first registered adapter that `matches(config)`
-    (for a DecoderConfig: qwen2 when it has qkv bias, else llama).
+    model_type: the HF family to write; default `adapter_of(config)`'s.
     """
-    if model_type is None:
-        found = [name for name, a in MODEL_TYPES.items() if a.matches(config)]
-        if not found:
-            raise CheckpointError(f"no HF adapter exports {type(config).__name__}; pass model_type")
-        model_type = found[0]
-    adapter = adapter_for(model_type)
+    _, adapter = adapter_of(config, model_type)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(adapter.config_to_hf(config), indent=2))
@@ -168,13 +203,18 @@ __all__ = [
     "NameMap",
     "TensorMap",
     "adapter_for",
+    "adapter_of",
     "decoder_name_map",
     "export_tensors",
     "load_config",
     "load_pretrained",
     "load_stage",
     "load_state",
+    "module_layers",
+    "module_tensors",
     "read_config",
     "save_pretrained",
+    "shard_plan",
     "write_safetensors",
+    "write_shards",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from models.hf import llama, qwen2
-from models.hf.causal_lm import decoder_config_to_hf, decoder_name_map
+from models.hf.causal_lm import decoder_name_map
 from models.hf.io import CheckpointError, ModelAdapter, NameMap, TensorMap
 from models.hf.siglip import IGNORED_KEYS, heads_vec, linear_in, linear_out, patch_conv, transpose
 from models.internvit import InternViTConfig
@@ -180,12 +180,11 @@ def config_from_hf(hf: dict, dtype: str, param_dtype: str) -> InternVLConfig:
 
 def config_to_hf(cfg: InternVLConfig) -> dict:
     text_type = "qwen2" if cfg.text.qkv_bias else "llama"
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[text_type]
     return {
         "architectures": ["InternVLForConditionalGeneration"],
         "model_type": "internvl",
         "vision_config": internvit_config_to_hf(cfg.vision),
-        "text_config": decoder_config_to_hf(cfg.text, text_type, arch),
+        "text_config": _TEXT_ADAPTERS[text_type].config_to_hf(cfg.text),
         "image_token_id": cfg.image_token_id,
         "downsample_ratio": cfg.downsample_ratio,
         "projector_hidden_act": "gelu",

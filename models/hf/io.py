@@ -153,34 +153,55 @@ class _Counted:
         return out
 
 
+def shard_plan(sizes: Mapping[str, int], max_shard_bytes: int | None = None) -> list[list[str]]:
+    """HF keys per file, in the given order: one file, or consecutive shards of at most
+    `max_shard_bytes` each (a bigger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, nbytes in sizes.items():
+        if max_shard_bytes and size and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def write_shards(
+    shards: list[list[str]], get: Callable[[str], np.ndarray], path: str | Path
+) -> list[Path]:
+    """Writes `shard_plan`'s files (`model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
+    `model.safetensors.index.json`), fetching each tensor with `get(key)` when its file is written:
+    one file's tensors are in memory at a time. Returns the files written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = 0
+    for name, keys in zip(names, shards):
+        tensors = {key: np.ascontiguousarray(get(key)) for key in keys}
+        total += sum(a.nbytes for a in tensors.values())
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        del tensors
+    if len(shards) == 1:
+        return [path / SINGLE_FILE]
+    index = {
+        "metadata": {"total_size": int(total)},
+        "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+    }
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return [path / n for n in names] + [path / INDEX_FILE]
+
+
 def write_safetensors(
     tensors: Mapping[str, np.ndarray], path: str | Path, max_shard_bytes: int | None = None
 ) -> list[Path]:
     """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when the total
     exceeds `max_shard_bytes`. Returns the files written."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[key])
-        if max_shard_bytes and size and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = arr
-        size += arr.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
-        return [path / SINGLE_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-        "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
-    }
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    return [path / n for n in names] + [path / INDEX_FILE]
+    sizes = {key: np.asarray(tensors[key]).nbytes for key in sorted(tensors)}
+    return write_shards(shard_plan(sizes, max_shard_bytes), tensors.__getitem__, path)
 
 
 def _listing(title: str, items: list[str]) -> str:

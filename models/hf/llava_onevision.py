@@ -18,8 +18,9 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from models.hf import qwen2
-from models.hf.causal_lm import decoder_config_to_hf, decoder_name_map
+from models.decoder_config import DecoderConfig
+from models.hf import llama, qwen2
+from models.hf.causal_lm import decoder_name_map
 from models.hf.io import (
     CheckpointError,
     CheckpointReader,
@@ -38,6 +39,9 @@ from models.hf.siglip import (
 )
 from models.layouts import LLAVA_OV_PINPOINTS
 from models.llava_onevision import LlavaOnevision, LlavaOnevisionConfig, llava_onevision_config
+
+# Decoder families LLaVA-OV's text model may be (HF builds `text_config` with AutoModel).
+TEXT_FAMILIES = {"qwen2": qwen2, "llama": llama}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +102,17 @@ def config_from_hf(hf: dict, dtype: str, param_dtype: str) -> LlavaOnevisionConf
             f"projector_hidden_act={hf['projector_hidden_act']!r}; use one of {sorted(acts)}"
         )
     text_d = dict(hf["text_config"])
-    if text_d.get("model_type", "qwen2") != "qwen2":
+    text_type = text_d.get("model_type", "qwen2")
+    if text_type not in TEXT_FAMILIES:
         raise CheckpointError(
-            f"LLaVA-OV text model_type={text_d.get('model_type')!r}; only 'qwen2' is supported"
+            f"LLaVA-OV text model_type={text_type!r}; use one of {sorted(TEXT_FAMILIES)}"
         )
     text_d["tie_word_embeddings"] = hf.get("tie_word_embeddings", False) or text_d.get(
         "tie_word_embeddings", False
     )
     return llava_onevision_config(
         siglip_config_from_hf(hf["vision_config"], dtype=dtype, param_dtype=param_dtype),
-        qwen2.config_from_hf(text_d, dtype, param_dtype),
+        TEXT_FAMILIES[text_type].config_from_hf(text_d, dtype, param_dtype),
         vision_feature_layer=layer,
         image_token_id=hf.get("image_token_index", hf.get("image_token_id", 151646)),
         video_token_id=hf.get("video_token_index", hf.get("video_token_id", 151647)),
@@ -118,13 +123,19 @@ def config_from_hf(hf: dict, dtype: str, param_dtype: str) -> LlavaOnevisionConf
     )
 
 
+def text_config_to_hf(text: DecoderConfig) -> dict:
+    """The text_config of a decoder: Qwen2 (LLaVA-OV's own) when it has q/k/v biases, else Llama
+    (a decoder built without biases, e.g. the demo's; transformers builds either as the text model)."""
+    return (qwen2 if text.qkv_bias else llama).config_to_hf(text)
+
+
 def config_to_hf(cfg: LlavaOnevisionConfig) -> dict:
     """config.json of `cfg` (the vision tower holds exactly the layers read: feature layer -1)."""
     return {
         "architectures": ["LlavaOnevisionForConditionalGeneration"],
         "model_type": "llava_onevision",
         "vision_config": siglip_config_to_hf(cfg.vision),
-        "text_config": decoder_config_to_hf(cfg.text, "qwen2", "Qwen2ForCausalLM"),
+        "text_config": text_config_to_hf(cfg.text),
         "image_token_index": cfg.image_token_id,
         "video_token_index": cfg.video_token_id,
         "projector_hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[

@@ -1,0 +1,213 @@
+"""A training run's checkpoint -> an HF model directory that transformers (and vLLM) load.
+
+    export_run("runs/demo", "runs/demo/hf", step=8)      # python -m dflop_jax.export --run ... --out ...
+
+The checkpoint stores each module's params layout-independently (`runtime/checkpoint.py`: global layer
+indices, merged over stages, one orbax directory per group of owning processes), so any layout and any
+process count exports alike. The HF names and layouts are the importer's own (`models.hf.module_tensors`:
+the name maps `load_stage` reads with, whose `to_hf` inverts its `to_ours`), applied to the stage that
+would hold ALL of a module. Tensors are read from orbax one at a time onto the host (no device, never the
+whole model in memory: one safetensors shard's tensors at most) and written as HF does: shards of at most
+`max_shard_bytes` plus `model.safetensors.index.json`. config.json is the adapter's `config_to_hf` of the
+run's model config (the inverse of `models.hf.load_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflop_jax.config.loader import from_dict, read_yaml
+from dflop_jax.runtime.checkpoint import SavedState, key_name
+from dflop_jax.runtime.config import TrainConfig
+
+# What an HF tokenizer directory holds (copied when the run's tokenizer is one).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DEFAULT_SHARD_BYTES = 4 << 30
+
+
+class ExportError(ValueError):
+    """The run cannot be exported (no config, no checkpoint, a checkpoint of another model): one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportReport:
+    """Attributes: step exported, files written, tensors and bytes of the weights."""
+
+    step: int
+    files: list[Path]
+    tensors: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One HF tensor: where the checkpoint stores it and how it becomes HF's layout."""
+
+    stored: tuple[str, ...]
+    shape: tuple[int, ...]
+    to_hf: object
+
+
+def run_config(run_dir: Path) -> TrainConfig:
+    """The run's resolved config (run_dir/config.yaml, written by the trainer); inputs not checked
+    (exporting needs the model only, not the data files)."""
+    file = run_dir / "config.yaml"
+    if not file.is_file():
+        raise ExportError(
+            f"{run_dir}: no config.yaml; pass a run directory of python -m dflop_jax.train"
+        )
+    return from_dict(TrainConfig, read_yaml(file))
+
+
+def model_config_of(cfg: TrainConfig):
+    """The run's `models` config (fp32 params), as `dflop_jax.train.run` builds it, with the image /
+    video token ids of the run's tokenizer (the ones its data holds; HF finds the features by them)."""
+    from dflop_jax.data import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model_cfg = cfg.model.model_config(
+        tok.vocab_size,
+        tile_px=cfg.data.tile_px,
+        patch_size=cfg.data.patch_size,
+        compute_dtype="float32",
+        pixel_norm=(cfg.data.mean, cfg.data.std),
+    )
+    if not hasattr(model_cfg, "vision"):
+        return model_cfg
+    if cfg.model.kind == "internvl":
+        return dataclasses.replace(model_cfg, image_token_id=tok.token_id("<IMG_CONTEXT>"))
+    return dataclasses.replace(
+        model_cfg, image_token_id=tok.token_id("<image>"), video_token_id=tok.token_id("<video>")
+    )
+
+
+def _variable_suffix() -> tuple[str, ...]:
+    """The key path inside one nnx Variable as the checkpoint stores it (("value",))."""
+    ((path, _),) = jax.tree_util.tree_flatten_with_path(nnx.Param(jnp.zeros(())))[0]
+    return tuple(key_name(k) for k in path)
+
+
+def hf_tensors(model_cfg) -> dict[str, _Tensor]:
+    """HF key -> where its tensor is stored, in module then parameter order (tied copies once)."""
+    from models.hf import module_tensors
+    from models.stages import MODULES
+
+    suffix = _variable_suffix()
+    modules = MODULES if hasattr(model_cfg, "vision") else ("llm",)
+    out: dict[str, _Tensor] = {}
+    for module in modules:
+        for path, value, tm in module_tensors(model_cfg, module):
+            stored = (module, "params", *map(str, path), *suffix)
+            out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf))
+    return out
+
+
+def _check_fits(saved: SavedState, tensors: dict[str, _Tensor], checkpoints: Path) -> None:
+    """Raises ExportError (one line) unless the checkpoint's params are exactly the model's."""
+    stored = {p: md for p, (_, md) in saved.leaves.items() if len(p) > 1 and p[1] == "params"}
+    want = {t.stored: t.shape for t in tensors.values()}
+    problems = []
+    missing = sorted("/".join(p) for p in want.keys() - stored.keys())
+    if missing:
+        problems.append(f"{len(missing)} params missing (e.g. {missing[0]})")
+    extra = sorted("/".join(p) for p in stored.keys() - want.keys())
+    if extra:
+        problems.append(f"{len(extra)} params the model lacks (e.g. {extra[0]})")
+    wrong = [
+        f"{'/'.join(p)} {tuple(stored[p].shape)} != {shape}"
+        for p, shape in want.items()
+        if p in stored and tuple(stored[p].shape) != shape
+    ]
+    if wrong:
+        problems.append(f"{len(wrong)} shapes differ (e.g. {wrong[0]})")
+    if problems:
+        raise ExportError(
+            f"{checkpoints} step {saved.step} is not a checkpoint of this run's model (config.yaml): "
+            + "; ".join(problems)
+        )
+
+
+def _itemsize(saved: SavedState, tensor: _Tensor) -> int:
+    return np.dtype(saved.leaves[tensor.stored][1].dtype).itemsize
+
+
+def copy_tokenizer(cfg: TrainConfig, out: Path) -> list[Path]:
+    """The run's tokenizer files into `out`: an HF tokenizer directory's, or the bundled tokenizer
+    as tokenizer.json + a tokenizer_config.json (`PreTrainedTokenizerFast`)."""
+    if cfg.data.tokenizer == "bundled":
+        from dflop_jax.data.tokenizer import ASSET
+
+        shutil.copyfile(ASSET, out / "tokenizer.json")
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        return [out / "tokenizer.json", out / "tokenizer_config.json"]
+    source = Path(cfg.data.tokenizer)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            copied.append(out / name)
+    return copied
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ExportReport:
+    """Writes the HF directory `out` from `run_dir`'s checkpoint of `step` (default the latest).
+
+    Raises:
+      ExportError: no config.yaml, no complete checkpoint (of that step), or a checkpoint whose params
+        are not the run's model's.
+    """
+    from models.hf import adapter_of, shard_plan, write_shards
+
+    run_dir, out = Path(run_dir), Path(out)
+    cfg = run_config(run_dir)
+    model_cfg = model_config_of(cfg)
+    checkpoints = run_dir / "checkpoints"
+    try:
+        saved = SavedState(checkpoints, step)
+    except FileNotFoundError as e:
+        raise ExportError(f"{e} (train with checkpoint.every=N to write checkpoints)") from None
+    try:
+        tensors = hf_tensors(model_cfg)
+        _check_fits(saved, tensors, checkpoints)
+        out.mkdir(parents=True, exist_ok=True)
+        config = adapter_of(model_cfg)[1].config_to_hf(model_cfg)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        sizes = {k: math.prod(t.shape) * _itemsize(saved, t) for k, t in tensors.items()}
+        files = write_shards(
+            shard_plan(sizes, max_shard_bytes),
+            lambda key: np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored))),
+            out,
+        )
+    finally:
+        saved.close()
+    files = [out / "config.json", *files, *copy_tokenizer(cfg, out)]
+    return ExportReport(saved.step, files, len(tensors), sum(sizes.values()))

@@ -1,0 +1,262 @@
+"""`python -m dflop_jax.export`: a run's orbax checkpoint (saved by a multi-stage, tensor-parallel layout)
+-> an HF directory that transformers loads with the logits of our unsplit model (float32), for
+LLaVA-OV, InternVL and a decoder-only run; the tokenizer travels along; bad runs fail in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflop_jax.config.loader import dump_yaml
+from dflop_jax.data.config import DataConfig
+from dflop_jax.export import main
+from dflop_jax.runtime.checkpoint import Checkpointer, key_name
+from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.hf_export import model_config_of
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
+from models import layouts
+
+TOL = 1e-4
+SEED = 3
+TILE, PATCH = 28, 7  # 4 x 4 patches per tile
+SMALL = dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+             head_dim=8, vision_hidden_size=16, vision_intermediate_size=32, vision_num_layers=2,
+             vision_num_heads=2, init_seed=SEED)  # fmt: skip
+# Several stages, tensor parallel: each module's params are split over stages and devices.
+MLLM_LAYOUT = LayoutConfig(encoder_layers=(1, 1), encoder_tp=(2,), llm_layers=(1, 3), llm_tp=(2, 1))
+TEXT_LAYOUT = LayoutConfig(encoder_layers=(), llm_layers=(3, 1), llm_tp=(2,))
+
+
+def _bump(path: tuple[str, ...], x):
+    """A deterministic change of each param (keyed by its model-level path), standing in for training:
+    norms and biases stop being 1 / 0, so a mix-up of any two tensors shows in the logits."""
+    seed = zlib.crc32("/".join(path).encode())
+    noise = np.random.default_rng(seed).standard_normal(x.shape).astype(np.float32)
+    return x + 0.1 * jnp.asarray(noise)
+
+
+def _run_config(tmp_path, kind: str) -> TrainConfig:
+    family = "internvl" if kind == "internvl" else "llava_ov"
+    return TrainConfig(
+        model=ModelConfig(kind=kind, **SMALL),
+        data=DataConfig(model_family=family, tile_size=TILE, patch_size=PATCH),
+        layout=TEXT_LAYOUT if kind == "decoder" else MLLM_LAYOUT,
+        compute_dtype="float32",
+        run_dir=str(tmp_path / "run"),
+    )
+
+
+def _write_run(tmp_path, kind: str, steps=(2,)):
+    """A run directory: config.yaml + a checkpoint (params bumped per step, optimizer state too)."""
+    cfg = _run_config(tmp_path, kind)
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_yaml(cfg, run / "config.yaml")
+    model_cfg = model_config_of(cfg)
+    layout = cfg.layout.layout()
+    stages = build_stages(model_cfg, layout, stage_meshes(layout), SEED, compute_dtype=jnp.float32)
+    opts = [StageOptimizer(s, OptimizerConfig().build()) for s in stages]
+    ckpt = Checkpointer(run / "checkpoints")
+    for step in steps:
+        for spec, s in zip(layout.stages, stages):
+            s.params = jax.tree_util.tree_map_with_path(
+                lambda p, x, spec=spec, step=step: _bump(
+                    (spec.module, *_global(p, spec), str(step)), x
+                ),
+                s.params,
+            )
+        params = [s.params for s in stages]
+        ckpt.save(step, list(layout.stages), params, [o.state for o in opts], meta={})
+    ckpt.close()
+    return cfg, model_cfg, run
+
+
+def _saved_params(run, step) -> dict:
+    """The checkpoint's params (model-level paths -> host arrays), read by the runtime's own reader."""
+    from dflop_jax.runtime.checkpoint import SavedState
+
+    saved = SavedState(run / "checkpoints", step)
+    out = {p: saved.read(p) for p in saved.leaves if p[1] == "params"}
+    saved.close()
+    return out
+
+
+def _global(path, spec):
+    from dflop_jax.runtime.checkpoint import global_path
+
+    return global_path(path, spec)
+
+
+def _reference(model_cfg, cls, steps=(2,)):
+    """The unsplit model (same seed: equal to the stages' init) with the same bumps (a `Decoder`'s
+    state lives under "stage", the checkpoint's under module "llm")."""
+    model = cls(model_cfg, rngs=nnx.Rngs(SEED))
+    graphdef, state = nnx.split(model)
+
+    def path_of(p):
+        names = [key_name(k) for k in p]
+        return ("llm", *names[1:]) if names[0] == "stage" else tuple(names)
+
+    for step in steps:
+        state = jax.tree_util.tree_map_with_path(
+            lambda p, x, step=step: _bump((*path_of(p), str(step)), x), state
+        )
+    return nnx.merge(graphdef, state)
+
+
+def _export(run, out, *args):
+    assert main(["--run", str(run), "--out", str(out), *args]) == 0
+
+
+@pytest.mark.hf
+def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from models.llava_onevision import LlavaOnevision
+
+    _, model_cfg, run = _write_run(tmp_path, "llava_ov")
+    out = tmp_path / "hf"
+    _export(run, out, "--shard-gb", "0.00005")  # 50 kB shards: several files + index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
+    ours = _reference(model_cfg, LlavaOnevision)
+
+    frames, vid = 3, model_cfg.video_token_id
+    layout = layouts.llava_ov_video_layout(frames, patches_per_side=TILE // PATCH)
+    px = np.random.default_rng(5).standard_normal((1, frames, 3, TILE, TILE)).astype(np.float32)
+    tokens = np.array([[1, 2] + [vid] * layout.num_tokens + [3, 4]], np.int32)
+    with torch.no_grad():
+        want = ref(
+            input_ids=torch.from_numpy(tokens).long(), pixel_values_videos=torch.from_numpy(px)
+        ).logits.numpy()
+    fidx = np.concatenate([[layouts.TEXT] * 2, layout.offset(0), [layouts.TEXT] * 2])
+    fidx = fidx[None, :, None].astype(np.int32)
+    s = tokens.shape[1]
+    got = nnx.jit(lambda m, *a: m(*a))(
+        ours,
+        jnp.asarray(px[0].transpose(0, 2, 3, 1)),
+        jnp.ones(frames, bool),
+        jnp.asarray(tokens),
+        jnp.ones((1, s), jnp.int32),
+        jnp.arange(s, dtype=jnp.int32)[None],
+        jnp.asarray(fidx),
+        jnp.ones(fidx.shape, jnp.float32),
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+
+    # The bundled tokenizer travels along and encodes as ours does.
+    from dflop_jax.data import load_tokenizer
+
+    text = "<|im_start|>user\nhi <image>"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(text)["input_ids"] == list(load_tokenizer("bundled").encode(text)[0])
+
+
+@pytest.mark.hf
+def test_internvl_export_loads_in_transformers_with_our_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from models.internvl import InternVL
+
+    _, model_cfg, run = _write_run(tmp_path, "internvl")
+    _export(run, tmp_path / "hf")
+    ref = transformers.InternVLForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    ours = _reference(model_cfg, InternVL)
+    img = model_cfg.image_token_id
+    layout = layouts.internvl_image_layout(
+        (60, 130), tile_size=TILE, max_tiles=6, tokens_per_tile=4
+    )
+    px = np.random.default_rng(0).standard_normal((layout.num_tiles, 3, TILE, TILE))
+    px = px.astype(np.float32)
+    tokens = np.array([[1, 2] + [img] * layout.num_tokens + [3, 4, 5]], np.int32)
+    with torch.no_grad():
+        want = ref(
+            input_ids=torch.from_numpy(tokens).long(), pixel_values=torch.from_numpy(px)
+        ).logits.numpy()
+    fidx = np.concatenate([[layouts.TEXT] * 2, layout.offset(0), [layouts.TEXT] * 3])[None]
+    s = tokens.shape[1]
+    got = nnx.jit(lambda m, *a: m(*a))(
+        ours,
+        jnp.asarray(px.transpose(0, 2, 3, 1)),
+        jnp.zeros(layout.num_tiles, bool),
+        jnp.asarray(tokens),
+        jnp.ones((1, s), jnp.int32),
+        jnp.arange(s, dtype=jnp.int32)[None],
+        jnp.asarray(fidx.astype(np.int32)),
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+
+
+@pytest.mark.hf
+def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from models.decoder import Decoder
+    from models.hf import load_pretrained
+
+    _, model_cfg, run = _write_run(tmp_path, "decoder", steps=(2, 4))
+    tokens = np.random.default_rng(1).integers(0, model_cfg.vocab_size, (2, 12)).astype(np.int32)
+    for step, bumps in ((2, (2,)), (4, (2, 4))):
+        out = tmp_path / f"hf{step}"
+        _export(run, out, "--step", str(step))
+        ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(ref).__name__ == "LlamaForCausalLM"  # the demo's decoder has no q/k/v bias
+        with torch.no_grad():
+            want = ref(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+        ours = _reference(model_cfg, Decoder, bumps)
+        np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=TOL)
+    # Our importer reads the export back bit for bit (a run can train on from it: model.hf_dir).
+    again, again_cfg = load_pretrained(out)
+    assert again_cfg == model_cfg
+    saved = _saved_params(run, 4)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(again))[0]
+    assert len(flat) == len(saved)
+    for path, x in flat:
+        stored = ("llm", "params", *(key_name(k) for k in path[1:]))  # "stage" -> module "llm"
+        np.testing.assert_array_equal(np.asarray(x), saved[stored], err_msg=str(stored))
+    assert (tmp_path / "hf4" / "model.safetensors").is_file()  # one file under the default size
+
+
+def test_missing_checkpoint_or_another_model_is_one_line(tmp_path, capsys):
+    cfg, _, run = _write_run(tmp_path, "decoder")
+    out = str(tmp_path / "hf")
+    assert main(["--run", str(tmp_path / "nowhere"), "--out", out]) == 2
+    assert main(["--run", str(run), "--step", "7", "--out", out]) == 2
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=48))
+    dump_yaml(other, run / "config.yaml")
+    assert main(["--run", str(run), "--out", out]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3, errors
+    assert "no config.yaml" in errors[0]
+    assert "step 7" in errors[1] and "steps: [2]" in errors[1]
+    assert "not a checkpoint of this run's model" in errors[2] and "shapes differ" in errors[2]
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_checkpoint_reads_on_one_host(tmp_path):
+    """The exporter's reader (`SavedState`) reads every leaf of a checkpoint that 2 processes wrote,
+    each stage local to one process (orbax saved those through `_global_view`)."""
+    import checkpoint_worker
+    from test_runtime_multiprocess_checkpoint import _workers
+
+    from dflop_jax.runtime.checkpoint import SavedState
+
+    directory = tmp_path / "ckpt"
+    _workers("save", "two_on_p0", str(directory))
+    saved = SavedState(directory)
+    weights = [p for p in saved.leaves if p[-1] == "w"]
+    assert len(weights) == 8  # 4 layers x (params, opt)
+    for module, kind, _, layer, _ in weights:
+        want = checkpoint_worker.value(int(layer), kind)
+        np.testing.assert_array_equal(saved.read((module, kind, "layers", layer, "w")), want)
+    saved.close()
