@@ -60,7 +60,7 @@ def pick_by_makespan(
         obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
         stages.append(table.stage[ti, si])
         objs.append(obj)
-        fresh = sig not in seen
+        fresh = sig not in seen and np.isfinite(obj)  # inf: infeasible (colocated tiles)
         seen.add(sig)
         scores.append(order_microbatches(stages[-1], quick)[1] if fresh else np.inf)
     ranked = sorted(range(1, len(candidates)), key=lambda i: (scores[i], objs[i], i))

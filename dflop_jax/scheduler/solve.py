@@ -116,6 +116,12 @@ def schedule_batch(
             bin_of, m, pool, tokens, tiles, eff, table, config, info
         )
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
+    if not np.isfinite(obj):
+        raise ValueError(
+            f"colocated encoder: no schedule keeps every shard's tiles within the largest tile "
+            f"bucket {problem.buckets.tiles[-1]} ({int(tiles.sum())} tiles, llm_dp="
+            f"{problem.llm_dp}); raise the largest tile bucket or the microbatch count"
+        )
     stage = table.stage[ti, si]  # [M, P, 2]
     if not by_makespan:
         order, makespan = order_microbatches(stage, config.order_evaluations)
