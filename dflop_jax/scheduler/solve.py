@@ -110,7 +110,7 @@ def schedule_batch(
         bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
                                  lambda: backstop and clock() - t0 > config.time_limit_s,
                                  info)  # fmt: skip
-    bin_of, m = finish(bin_of, m, tokens, problem, eff.microbatches[0])
+    bin_of, m = finish(bin_of, m, tokens, tiles, problem, table, eff.microbatches[0])
     if by_makespan:
         bin_of, m, order, makespan = _select(
             bin_of, m, pool, tokens, tiles, eff, table, config, info
@@ -142,7 +142,7 @@ def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
     """(bin_of, m, order, 1F1B makespan) of the candidate with the lowest makespan (`select.py`);
     the surrogate's answer is candidate 0."""
     cands = [(bin_of, m)] + [
-        finish(b, k, tokens, problem, problem.microbatches[0]) for b, k, _ in pool
+        finish(b, k, tokens, tiles, problem, table, problem.microbatches[0]) for b, k, _ in pool
     ]
     best, order, makespan, scores = pick_by_makespan(
         cands, tokens, tiles, problem, table, config.select_evaluations, config.order_evaluations
