@@ -30,7 +30,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
                     (`models.mllm.ColocatedStage`, `with_encoder=True` below): tiles [l_dp*T, H, W, 3]
-                    (row r's tiles in slots r*T ..., `MicrobatchPlan.encoder_tiles(..., colocated=True)`),
+                    (row r's tiles in slots r*T ..., `MicrobatchPlan.tiles_by_row`),
                     tile_pool, tokens, feature_index, ... -> hidden [l_dp, S, D] (or the loss); no x.
                     Tiles and rows are both sharded over "data", and each row gathers only its own
                     tiles' features: the encoder is data-parallel and no feature crosses shards.
