@@ -5,7 +5,11 @@ and InternVL, with 1 and 2 LLM stages and LLM dp 1 and 2.
 
 Row r's tiles sit in tile slots [r*T, (r+1)*T) and its feature indices are GLOBAL slot rows inside
 that range (what the packer writes for a colocated plan), so the unsplit reference, which gathers from
-the whole microbatch's features, sees the same placement the fused stage makes row by row."""
+the whole microbatch's features, sees the same placement the fused stage makes row by row.
+
+Also: a layout whose tp splits a head is refused; checkpoints round-trip between the colocated and a
+separate-encoder layout; the scheduler keeps each sample's tiles on its row's shard; an explicit
+`layout.encoder_colocated` run and a `plan: auto` run whose planner colocates train end to end (slow)."""
 
 import json
 from pathlib import Path
