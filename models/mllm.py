@@ -126,15 +126,20 @@ class LLMStage(nnx.Module):
         features: jax.Array | None,
         feature_index: jax.Array | None,
         feature_weight: jax.Array | None = None,
+        *,
+        per_row: bool = False,
     ) -> jax.Array:
-        """tokens [B,S]; features [T, tokens_per_tile, D] or None (text only); feature_index [B,S](,K)."""
+        """tokens [B,S]; features [T, tokens_per_tile, D] or None (text only); feature_index [B,S](,K).
+
+        per_row: features are [B, F, D], row b's own (indices count within the row; `ColocatedStage`).
+        """
         h = self.decoder.embed(tokens)
         if features is None:
             return h
         newline = self.image_newline[...] if self.cfg.has_newline else None
-        return place_features(
-            h, flatten_tiles(features.astype(h.dtype)), feature_index, newline, feature_weight
-        )
+        features = features.astype(h.dtype)
+        table = features if per_row else flatten_tiles(features)
+        return place_features(h, table, feature_index, newline, feature_weight)
 
     def __call__(
         self, h: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
@@ -151,6 +156,41 @@ class LLMStage(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """(summed cross-entropy, loss-token count) of the head stage's output, chunked: no full logits."""
         return self.decoder.loss(h, targets, loss_mask)
+
+
+class ColocatedStage(nnx.Module):
+    """The whole encoder and the first LLM stage's layers in one stage: the encoder COLOCATED on LLM
+    stage 0's devices (the layout the planner picks when a separate encoder would idle).
+
+    The tiles of packed row b sit in tile slots [b*T, (b+1)*T) (T = tiles // rows): the encoder runs
+    data-parallel over the rows' shard axis and each row gathers only its own tiles' features, so
+    with tiles and rows sharded alike no feature crosses shards. `feature_index` / taps keep the data
+    layer's global tile-slot rows (row b's lie in [b*T*tokens_per_tile, (b+1)*T*tokens_per_tile)).
+    Params are `encoder` (an `EncoderStage` holding every vision layer and the projector) and `llm`
+    (an `LLMStage` with the embedding), the same names and init as `MLLM`'s.
+    """
+
+    def __init__(self, encoder: EncoderStage, llm: LLMStage):
+        self.encoder, self.llm = encoder, llm
+
+    def embed(self, tiles, tile_pool, tokens, feature_index, feature_weight=None) -> jax.Array:
+        """tiles [B*T,H,W,3] (T may be 0), tile_pool [B*T], tokens [B,S], feature_index [B,S](,K)
+        -> the rows' embeddings with their features placed [B,S,D]."""
+        if tiles.shape[0] == 0:
+            return self.llm.embed(tokens, None, None)
+        rows = tokens.shape[0]
+        features = self.encoder(tiles, tile_pool)  # [B*T, tokens_per_tile, D]
+        features = features.reshape(rows, -1, features.shape[-1])  # [B, T*tokens_per_tile, D]
+        start = jnp.arange(rows, dtype=feature_index.dtype) * features.shape[1]
+        start = start.reshape((rows,) + (1,) * (feature_index.ndim - 1))
+        local = jnp.where(feature_index >= 0, feature_index - start, feature_index)
+        return self.llm.embed(tokens, features, local, feature_weight, per_row=True)
+
+    def __call__(self, h, segment_ids, positions) -> jax.Array:
+        return self.llm(h, segment_ids, positions)
+
+    def loss(self, h, targets, loss_mask) -> tuple[jax.Array, jax.Array]:
+        return self.llm.loss(h, targets, loss_mask)
 
 
 class MLLM(nnx.Module):

@@ -2,7 +2,9 @@
 
 `feature_index` follows `dflop_jax/data/types.py` (restated here because models/ does not import
 dflop_jax): TEXT (-1) keeps the token embedding, NEWLINE (-2) takes the learned image-newline vector,
-i >= 0 takes row i of the microbatch's flattened features [num_tile_slots * tokens_per_tile, D].
+i >= 0 takes row i of the microbatch's flattened features [num_tile_slots * tokens_per_tile, D], or,
+with per-row features [B, F, D] (an encoder colocated on the LLM's mesh: each packed row reads only the
+tiles of its own data shard, so no feature crosses shards), row i of that row's own features.
 The exact form for interpolated LLaVA-OV features (`models/layouts.py` `taps`) passes a trailing axis
 of K taps with weights; a plain gather is K = 1 (or no trailing axis).
 """
@@ -27,7 +29,8 @@ def place_features(
 
     Args:
       embeds: [B,S,D] token embeddings.
-      features: [F,D] flattened projected features of the microbatch.
+      features: [F,D] flattened projected features of the microbatch, or [B,F,D]: row b's own
+        features (indices then count within the row).
       feature_index: [B,S] int32, or [B,S,K] with `feature_weight` (weighted sum of K rows).
       newline: [D] image-newline embedding, or None when the model has none (NEWLINE is then an error
         in the data, and such positions get zeros).
@@ -42,15 +45,21 @@ def place_features(
         if newline is not None
         else jnp.zeros((1, d), features.dtype)
     )
-    table = jnp.concatenate([features, extra], axis=0)  # [F+1, D]; row F is the newline
+    per_row = features.ndim == 3
+    if per_row:
+        extra = jnp.broadcast_to(extra, (features.shape[0], 1, d))
+    table = jnp.concatenate([features, extra], axis=-2)  # [(B,) F+1, D]; row F is the newline
     if feature_index.ndim == embeds.ndim - 1:  # [B,S]: a plain gather, one tap
         if feature_weight is not None:
             raise ValueError(
                 "place_features: feature_weight needs feature_index [B,S,K], got [B,S]"
             )
         feature_index = feature_index[..., None]
-    idx = jnp.where(feature_index == NEWLINE, features.shape[0], jnp.maximum(feature_index, 0))
-    gathered = jnp.take(table, idx, axis=0)  # [B,S,K,D]
+    idx = jnp.where(feature_index == NEWLINE, features.shape[-2], jnp.maximum(feature_index, 0))
+    if per_row:  # a batched gather: each row from its own table, partitioned along B
+        gathered = jax.vmap(lambda t, i: jnp.take(t, i, axis=0))(table, idx)  # [B,S,K,D]
+    else:
+        gathered = jnp.take(table, idx, axis=0)  # [B,S,K,D]
     if feature_weight is None:
         gathered = gathered[..., 0, :]
     else:

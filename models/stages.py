@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.decoder import DecoderStage
 from models.decoder_config import DecoderConfig
-from models.mllm import EncoderStage, LLMStage
+from models.mllm import ColocatedStage, EncoderStage, LLMStage
 
 MODULES = ("encoder", "llm")
 # The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
@@ -44,10 +44,25 @@ def stage_module(
     has_embedding: bool,
     has_head: bool,
     rngs: nnx.Rngs,
+    with_encoder: bool = False,
 ) -> nnx.Module:
-    """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`."""
+    """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`.
+
+    with_encoder: the first LLM stage of an MLLM also holds the whole encoder (`ColocatedStage`).
+    """
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
+    if with_encoder:
+        if isinstance(cfg, DecoderConfig) or module != "llm" or not has_embedding:
+            raise ValueError(
+                "with_encoder: only an MLLM's first LLM stage (module='llm', has_embedding) "
+                "can hold the encoder"
+            )
+        encoder = EncoderStage(cfg, first_layer=0, num_layers=cfg.vision.num_layers,
+                               has_embedding=True, has_head=True, rngs=rngs)  # fmt: skip
+        flags = dict(first_layer=first_layer, num_layers=num_layers, has_embedding=True,
+                     has_head=has_head, rngs=rngs)  # fmt: skip
+        return ColocatedStage(encoder, LLMStage(cfg, **flags))
     flags = dict(first_layer=first_layer, num_layers=num_layers,
                  has_embedding=has_embedding, has_head=has_head, rngs=rngs)  # fmt: skip
     if isinstance(cfg, DecoderConfig):

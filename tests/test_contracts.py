@@ -87,8 +87,11 @@ def _resolved(encoder_layers):
 
 def test_resolved_plan_rejects_layouts_the_runtime_cannot_run():
     assert _resolved(1).check_runnable("auto", multimodal=True).layout.encoder_stages
-    with pytest.raises(ValueError, match="plan=auto: the plan has no encoder stages"):
-        _resolved(0).check_runnable("auto", multimodal=True)
+    assert not _resolved(0).check_runnable("auto", multimodal=True).layout.encoder_stages  # fused
+    llm = (StageSpec("llm", 0, 2, 2, 1, has_embedding=True, has_head=True),)
+    own_tp = ResolvedPlan(Layout((), llm, 1), BucketSet((4,), (256,)), (1, 2), provider=None)
+    with pytest.raises(ValueError, match="plan=auto: the encoder is colocated at its own tp=1"):
+        own_tp.check_runnable("auto", multimodal=True)
     with pytest.raises(ValueError, match="model.kind=decoder has no encoder"):
         _resolved(1).check_runnable("explicit", multimodal=False)
 

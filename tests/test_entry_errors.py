@@ -129,7 +129,8 @@ def test_used_keys_are_not_reported(caplog):
 
 @pytest.fixture(scope="module")
 def tiny_plans(tmp_path_factory):
-    """A plan.yaml the runtime can train (separate encoder stages) and one it cannot (colocated)."""
+    """plan.yaml files with separate encoder stages and with the encoder colocated (at the stage's tp,
+    as the trainer's planner plans it): the runtime trains both."""
     from dflop_jax.planner import PlannerConfig, make_plan, save_plan
     from dflop_jax.scheduler import llava_ov_mix
 
@@ -137,7 +138,7 @@ def tiny_plans(tmp_path_factory):
     paths = {}
     for colocate in (False, True):
         cfg = PlannerConfig(global_batch=8, microbatches=(2, 4), samples=1, screen_top=1,
-                            llm_pp=(1,), colocate=colocate)  # fmt: skip
+                            llm_pp=(1,), colocate=colocate, colocate_own_tp=False)  # fmt: skip
         plan = make_plan("tiny", "cpu", 4, shapes, cfg)
         assert bool(plan.layout.encoder_stages) != colocate
         paths[colocate] = save_plan(plan, out / f"colocate_{colocate}.yaml")
@@ -148,8 +149,15 @@ def test_a_plan_file_the_runtime_cannot_train_is_a_load_error(tiny_plans, tmp_pa
     assert load_config(TrainConfig, None, [f"plan={tiny_plans[False]}"]).plan == str(
         tiny_plans[False]
     )
-    with pytest.raises(ConfigError, match=r"plan='.*colocate_True.yaml': .*no encoder stages"):
-        load_config(TrainConfig, None, [f"plan={tiny_plans[True]}"])
+    assert load_config(TrainConfig, None, [f"plan={tiny_plans[True]}"]).plan == str(
+        tiny_plans[True]
+    )
+    # a colocated encoder at its own tp below the stage's: the runtime does not run it
+    own_tp = tmp_path / "own_tp.yaml"
+    text = tiny_plans[True].read_text().replace("tp: 1", "tp: 2")
+    own_tp.write_text(text + "encoder_colocated_tp: 1\n")
+    with pytest.raises(ConfigError, match=r"plan='.*own_tp.yaml': .*its own tp=1"):
+        load_config(TrainConfig, None, [f"plan={own_tp}"])
     broken = tmp_path / "broken.yaml"
     broken.write_text("{}\n")
     out = run_entry("dflop_jax.train", f"plan={broken}")

@@ -31,6 +31,8 @@ class ScheduleProblem:
       microbatches: allowed microbatch counts (min, max), inclusive.
       buckets: the bucket sets.
       stage_costs: predicted per-stage (fwd, bwd) seconds of a microbatch at given buckets.
+      colocated: the encoder runs on the LLM's data shards (encoder_dp == llm_dp): each sample's tiles
+        go to the shard holding its row, so a microbatch's tile bucket covers its fullest shard.
     """
 
     encoder_dp: int
@@ -39,6 +41,13 @@ class ScheduleProblem:
     microbatches: tuple[int, int]
     buckets: BucketSet
     stage_costs: StageCostFn
+    colocated: bool = False
+
+    def __post_init__(self):
+        if self.colocated and self.encoder_dp != self.llm_dp:
+            raise ValueError(
+                f"colocated encoder: encoder_dp={self.encoder_dp} must equal llm_dp={self.llm_dp}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +58,13 @@ class MicrobatchPlan:
       tile_bucket: T, tiles per encoder shard (all encoder shards use the same T).
       length_bucket: S, tokens per LLM shard row (all LLM shards use the same S).
       shards: per LLM dp shard, indices into the global batch's sample list, in packing order.
+      tiles_by_row: the encoder is colocated: shard r's samples' tiles fill encoder shard r.
     """
 
     tile_bucket: int
     length_bucket: int
     shards: tuple[tuple[int, ...], ...]
+    tiles_by_row: bool = False
 
     def samples(self) -> tuple[int, ...]:
         return tuple(i for shard in self.shards for i in shard)
@@ -63,8 +74,18 @@ class MicrobatchPlan:
     ) -> list[list[tuple[int, int]]]:
         """Tiles per encoder shard as (sample index, tile index), filled in order: shard 0 up to T, ...
 
-        The encoder's tiles are independent, so any sample's tiles may be split across shards.
+        The encoder's tiles are independent, so any sample's tiles may be split across shards; with
+        `tiles_by_row` shard r holds exactly the tiles of LLM shard r's samples (so the colocated
+        encoder's features stay on the shard that places them).
         """
+        if self.tiles_by_row:
+            out = [[(i, t) for i in shard for t in range(shapes[i].tiles)] for shard in self.shards]
+            if len(out) != encoder_dp or max(map(len, out), default=0) > self.tile_bucket:
+                raise ValueError(
+                    f"colocated microbatch: shard tiles {[len(o) for o in out]} over encoder_dp="
+                    f"{encoder_dp} shards of tile bucket {self.tile_bucket}"
+                )
+            return out
         out: list[list[tuple[int, int]]] = [[] for _ in range(encoder_dp)]
         slot = 0
         for i in self.samples():

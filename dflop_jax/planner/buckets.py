@@ -72,6 +72,7 @@ def bucket_set(
     llm_dp: int,
     num_buckets: int,
     length_align: int,
+    whole_samples: bool = False,
 ) -> BucketSet:
     """The tile and length ladders for one (global batch, M, dp) combination; see the module docstring.
 
@@ -82,9 +83,12 @@ def bucket_set(
       encoder_dp, llm_dp: data-parallel degrees of the two modules.
       num_buckets: sizes per ladder.
       length_align: length buckets are multiples of this.
+      whole_samples: a sample's tiles stay on one encoder shard (an encoder colocated on the LLM's
+        shards): the largest tile bucket holds the largest sample, not its share of encoder_dp shards.
     """
     token_load = global_batch * stats.mean_tokens / (microbatches * llm_dp)
     tile_load = global_batch * stats.mean_tiles / (microbatches * encoder_dp)
     lengths = ladder(token_load, stats.max_tokens, num_buckets, length_align)
-    tile_sizes = ladder(tile_load, stats.max_tiles / encoder_dp, num_buckets, 1)
+    largest = stats.max_tiles if whole_samples else stats.max_tiles / encoder_dp
+    tile_sizes = ladder(tile_load, largest, num_buckets, 1)
     return BucketSet(tiles=tile_sizes, lengths=lengths)

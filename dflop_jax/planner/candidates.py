@@ -156,7 +156,8 @@ def enumerate_candidates(
         llm = module_stages("llm", lm.num_layers, tp, pp, dp)
         used = tp * pp * dp
         if config.colocate and used >= low:  # the encoder at any tp dividing the stage's
-            for etp in (t for t in enc_tps if tp % t == 0):
+            own = (t for t in enc_tps if tp % t == 0) if config.colocate_own_tp else (tp,)
+            for etp in (t for t in own if t in enc_tps):
                 layouts.append(Layout((), llm, None if etp == tp else etp))
         for etp, epp, edp in _module_shapes(
             enc_tps, config.encoder_pp, v.num_layers, num_devices - used

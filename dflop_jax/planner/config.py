@@ -43,6 +43,9 @@ class PlannerConfig:
       global_batch: samples per global batch.
       max_idle_devices: candidates may leave at most this many of the requested devices unused.
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
+      colocate_own_tp: a colocated encoder may also run at its own tp, a divisor of the stage's
+        (`Layout.colocated_encoder_tp`; the trainer's planner turns it off: the runtime runs the
+        colocated encoder at the stage's tp).
       virtual_stages: model chunks per LLM pipeline stage the data-blind baseline (uniform mode) may
         use, interleaved 1F1B (Megatron's virtual pipeline stages; 1, plain 1F1B, is always searched).
         DFLOP mode uses 1: the runtime's schedule is 1F1B.
@@ -72,6 +75,7 @@ class PlannerConfig:
     global_batch: int = 256
     max_idle_devices: int = 0
     colocate: bool = True
+    colocate_own_tp: bool = True
     virtual_stages: tuple[int, ...] = (1,)
     remat: tuple[bool, ...] = ()
     screen_top: int = 8

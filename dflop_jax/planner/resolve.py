@@ -41,8 +41,9 @@ class ResolvedPlan:
         lay = self.layout
         costs = layout_stage_costs(self.provider, lay)
         return ScheduleProblem(
-            lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs
-        )
+            lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
+            colocated=not lay.encoder_stages and lay.colocated_encoder_tp is None,
+        )  # fmt: skip
 
     def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:
         """Raises ValueError if the runtime cannot run this plan; returns it otherwise."""
@@ -51,20 +52,26 @@ class ResolvedPlan:
 
 
 def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
-    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files)."""
-    if multimodal and not layout.encoder_stages:
+    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files).
+
+    An encoder colocated on LLM stage 0 runs at that stage's tp (`runtime/model_stages.py`); the
+    heads check needs the model and is made when the stages are built."""
+    own = layout.colocated_encoder_tp
+    if multimodal and own is not None and own != layout.llm_stages[0].tp:
         raise ValueError(
-            f"plan={mode}: the plan has no encoder stages (encoder colocated on LLM stage 0), which "
-            "the runtime does not run; plan with planner.colocate=false or give layout.encoder_layers"
+            f"plan={mode}: the encoder is colocated at its own tp={own} < LLM stage 0's "
+            f"tp={layout.llm_stages[0].tp}, which the runtime does not run (it runs a colocated "
+            "encoder at the stage's tp); plan for training (plan=auto/analytic restrict it)"
         )
     if not multimodal and layout.encoder_stages:
         raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
 
 
 def training_planner(planner: PlannerConfig, global_batch: int, multimodal: bool) -> PlannerConfig:
-    """The planner settings of a training run: its global batch; separate encoder stages for an MLLM
-    (the runtime runs no encoder colocated inside an LLM stage)."""
-    return dataclasses.replace(planner, global_batch=global_batch, colocate=not multimodal)
+    """The planner settings of a training run: its global batch; a colocated encoder only at LLM
+    stage 0's own tp (the runtime runs no colocated encoder at a smaller tp). The planner's choice
+    between separate and colocated encoders is otherwise its own."""
+    return dataclasses.replace(planner, global_batch=global_batch, colocate_own_tp=False)
 
 
 def static_plan(

@@ -89,6 +89,7 @@ def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig)
         lay.llm_dp,
         cand.num_buckets,
         config.length_align,
+        whole_samples=not lay.encoder_stages and lay.colocated_encoder_tp is None,
     )
 
 

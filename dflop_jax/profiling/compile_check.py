@@ -23,9 +23,11 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
 program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
 
-A colocated encoder (`encoder_colocated` plans, issue 12: the runtime cannot train it yet) is checked
-as its own program on the same mesh as LLM stage 0: the stage holds both parts' state and inputs and
-the larger of their transients (the two programs do not run at once).
+A colocated encoder (`encoder_colocated` plans) is checked as its own program on the same mesh as LLM
+stage 0: the stage holds both parts' state and inputs and the larger of their transients. The runtime
+trains the two as ONE fused program (`models.mllm.ColocatedStage`, `init_stage(..., with_encoder=True)`)
+whose transient can exceed the larger part's (the encoder's features live through the LLM layers'
+backward); compiling that fused program here is not done yet (issue 12, item 3).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ flattened with GLOBAL layer indices (a path component after a `layers` key is of
 any other layout of the same model (or another process count) restores from it: each new stage
 picks its own keys and orbax reads them straight into the new stage's shardings, each process
 reading only the slices its own devices hold. Leaves shared by several stages (optimizer step
-counts) are stored once per group below.
+counts) are stored once per group below. A stage holding the colocated encoder (its params are
+`{"encoder": ..., "llm": ...}`, `models.mllm.ColocatedStage`) maps each part to its module (encoder
+layers from 0) and its shared leaves to both, so a colocated run resumes on a layout with encoder
+stages and back.
 
 Process groups: the stages are grouped by the set of processes their meshes span ("owners"), and
 each group is one orbax `CheckpointManager` under `<directory>/procs_<i-j-...>/` that only the
@@ -47,13 +50,44 @@ def key_name(k) -> str:
     return str(k)
 
 
+# Top-level keys of a stage that holds the colocated encoder (`models.mllm.ColocatedStage`).
+PARTS = ("encoder", "llm")
+
+
 def global_path(path, spec: StageSpec) -> tuple[str, ...]:
     """A leaf's path in the model-level tree: key names, layer indices offset to global ones."""
-    names = [key_name(k) for k in path]
+    return _offset_layers([key_name(k) for k in path], spec.first_layer)
+
+
+def _offset_layers(names: list[str], first_layer: int) -> tuple[str, ...]:
     for i in range(1, len(names)):
         if names[i - 1] == "layers" and names[i].isdigit():
-            names[i] = str(int(names[i]) + spec.first_layer)
+            names[i] = str(int(names[i]) + first_layer)
     return tuple(names)
+
+
+def holds_encoder(params: PyTree) -> bool:
+    """Whether a stage's params are a colocated stage's (`PARTS` at the top)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return bool(flat) and all(key_name(path[0]) in PARTS for path, _ in flat)
+
+
+def model_paths(path, spec: StageSpec, fused: bool = False) -> list[tuple[str, ...]]:
+    """A stage leaf's paths (module, *names) in the model-level tree, the stage's own first.
+
+    fused: the stage holds the colocated encoder; a leaf under a `PARTS` key (wherever it sits,
+    e.g. inside an optimizer's moment tree) goes to that module without the key, the encoder's
+    layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
+    """
+    names = [key_name(k) for k in path]
+    if not fused:
+        return [(spec.module, *_offset_layers(names, spec.first_layer))]
+    part = next((i for i, n in enumerate(names) if n in PARTS), None)
+    if part is None:
+        return [(m, *names) for m in (spec.module, *(m for m in PARTS if m != spec.module))]
+    module = names.pop(part)
+    first = spec.first_layer if module == spec.module else 0
+    return [(module, *_offset_layers(names, first))]
 
 
 def _insert(tree: dict, path: tuple[str, ...], value) -> None:
@@ -78,9 +112,11 @@ def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[Py
     """The layout-independent tree {module: {"params": ..., "opt": ...}} of these stages' state."""
     tree: dict = {}
     for spec, p, o in zip(specs, params, opt_states):
+        fused = holds_encoder(p)
         for kind, sub in (("params", p), ("opt", o)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                _insert(tree, (spec.module, kind, *global_path(path, spec)), leaf)
+                for module, *names in model_paths(path, spec, fused):
+                    _insert(tree, (module, kind, *names), leaf)
     return tree
 
 
@@ -386,9 +422,13 @@ def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
 def _stage_trees(spec: StageSpec, params: PyTree, opt_state: PyTree, tree: dict):
     """Inverse of `model_tree` for one stage: (params, opt state) shaped like the templates."""
 
+    fused = holds_encoder(params)
+
     def pick(kind, template):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: _lookup(tree, (spec.module, kind, *global_path(path, spec))), template
-        )
+        def one(path, _):
+            module, *names = model_paths(path, spec, fused)[0]
+            return _lookup(tree, (module, kind, *names))
+
+        return jax.tree_util.tree_map_with_path(one, template)
 
     return pick("params", params), pick("opt", opt_state)

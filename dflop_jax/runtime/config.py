@@ -187,9 +187,12 @@ class LayoutConfig:
     """An explicit plan (used when `plan: explicit`): stages, degrees, buckets, microbatch counts.
 
     Attributes:
-      encoder_layers: vision layers held by each encoder stage (empty: decoder-only model).
+      encoder_layers: vision layers held by each encoder stage (empty: decoder-only model, or the
+        encoder colocated).
       encoder_tp: tensor-parallel degree per encoder stage (one value = all stages).
       encoder_dp: encoder data-parallel degree.
+      encoder_colocated: the whole encoder runs on LLM stage 0's devices, at its tp and dp (then
+        encoder_layers and encoder_tp are empty and encoder_dp is not read).
       llm_layers: decoder layers held by each LLM stage (sum = model layers).
       llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
       llm_dp: LLM data-parallel degree.
@@ -206,9 +209,14 @@ class LayoutConfig:
     tiles: tuple[int, ...] = (4,)
     lengths: tuple[int, ...] = (1024, 2048)
     microbatches: tuple[int, int] = (2, 6)
+    encoder_colocated: bool = False
 
     def __post_init__(self):
         require(len(self.llm_layers) >= 1, "layout.llm_layers", self.llm_layers, "need >= 1 stage")
+        if self.encoder_colocated:
+            fix = "the colocated encoder runs on LLM stage 0: give an empty list"
+            require(not self.encoder_layers, "layout.encoder_layers", self.encoder_layers, fix)
+            require(not self.encoder_tp, "layout.encoder_tp", self.encoder_tp, fix)
         for module in ("encoder", "llm"):
             layers, tps = getattr(self, f"{module}_layers"), getattr(self, f"{module}_tp")
             _all_positive(layers, f"layout.{module}_layers", "layers per stage")
@@ -238,6 +246,8 @@ class LayoutConfig:
         )
 
     def layout(self) -> Layout:
+        if self.encoder_colocated:
+            return Layout((), _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
         enc = _stages("encoder", self.encoder_layers, self.encoder_tp, self.encoder_dp)
         return Layout(enc, _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
 
@@ -388,6 +398,8 @@ class TrainConfig:
         out = {}
         if self.plan != "explicit":
             out["layout"] = f"read only with plan=explicit (plan={self.plan})"
+        elif self.layout.encoder_colocated:
+            out["layout.encoder_dp"] = "the colocated encoder's dp is layout.llm_dp"
         if self.plan not in ("auto", "analytic"):
             out["planner"] = f"read only with plan=auto or analytic (plan={self.plan})"
         if self.plan != "auto":
@@ -416,8 +428,11 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     if m.kind == "decoder":
         fix = "model.kind=decoder has no encoder: give layout.encoder_layers=[]"
         require(not lay.encoder_layers, "layout.encoder_layers", lay.encoder_layers, fix)
-    else:
-        fix = f"model.kind={m.kind} needs >= 1 encoder stage (or model.kind=decoder)"
+        fix = "model.kind=decoder has no encoder to colocate"
+        require(not lay.encoder_colocated, "layout.encoder_colocated", True, fix)
+    elif not lay.encoder_colocated:
+        fix = (f"model.kind={m.kind} needs >= 1 encoder stage, or layout.encoder_colocated=true "
+               "(or model.kind=decoder)")  # fmt: skip
         require(bool(lay.encoder_layers), "layout.encoder_layers", lay.encoder_layers, fix)
     if m.hf_dir:  # the shapes are known once config.json is read
         return
@@ -426,6 +441,11 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     fix = f"each must divide model.num_heads={m.num_heads}"
     require(all(m.num_heads % tp == 0 for tp in lay.llm_tp), "layout.llm_tp", lay.llm_tp, fix)
     if m.kind == "decoder":
+        return
+    if lay.encoder_colocated:  # the fused stage runs both models at LLM stage 0's tp
+        fix = f"with layout.encoder_colocated it must divide model.vision_num_heads={m.vision_num_heads} too"
+        tp0 = lay.llm_tp[0]
+        require(m.vision_num_heads % tp0 == 0, "layout.llm_tp", lay.llm_tp, fix)
         return
     fix = f"must add up to model.vision_num_layers={m.vision_num_layers}"
     require(sum(lay.encoder_layers) == m.vision_num_layers, "layout.encoder_layers",

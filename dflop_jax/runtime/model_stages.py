@@ -28,6 +28,12 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps)
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
+  colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
+                    (`models.mllm.ColocatedStage`, `with_encoder=True` below): tiles [l_dp*T, H, W, 3]
+                    (row r's tiles in slots r*T ..., `MicrobatchPlan.tiles_by_row`),
+                    tile_pool, tokens, feature_index, ... -> hidden [l_dp, S, D] (or the loss); no x.
+                    Tiles and rows are both sharded over "data", and each row gathers only its own
+                    tiles' features: the encoder is data-parallel and no feature crosses shards.
 """
 
 from __future__ import annotations
@@ -59,31 +65,66 @@ def is_multimodal(model_cfg) -> bool:
     return not isinstance(model_cfg, DecoderConfig)
 
 
-def stage_rules(model_cfg, spec: StageSpec) -> Rules:
+def stage_rules(model_cfg, spec: StageSpec, *, with_encoder: bool = False) -> Rules:
     """The rules of a stage: its kind's table, replicating the axes whose sizes tp does not divide
-    (e.g. an odd HF vocabulary, or fewer KV heads than tp)."""
+    (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage `with_encoder` replicates an
+    axis that either model's tp does not divide (both use one table: the same logical names)."""
+    v = model_cfg.vision if is_multimodal(model_cfg) else None
+    vision = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size) if v else {}
+    t = model_cfg.text if is_multimodal(model_cfg) else model_cfg
+    text = dict(vocab=t.vocab_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
+                mlp=t.intermediate_size)  # fmt: skip
     if spec.module == "encoder":
-        v, kind = model_cfg.vision, "vision"
-        sizes = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size)
+        kind, sizes = "vision", [vision]
     else:
-        t, kind = model_cfg.text if is_multimodal(model_cfg) else model_cfg, "decoder"
-        sizes = dict(vocab=t.vocab_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                     mlp=t.intermediate_size)  # fmt: skip
-    return rules_for(kind, {name: None for name, n in sizes.items() if n % spec.tp})
+        kind, sizes = "decoder", [text, vision] if with_encoder else [text]
+    odd = {name for part in sizes for name, n in part.items() if n % spec.tp}
+    return rules_for(kind, {name: None for name in odd})
 
 
-def stage_fns(graphdef, spec: StageSpec, rules: Rules, *, multimodal: bool) -> StageFns:
-    """Pure functions of one stage module (`EncoderStage`, `LLMStage` or `DecoderStage`).
+def colocated(model_cfg, layout: Layout) -> bool:
+    """Whether `layout` runs the encoder of this MLLM colocated on LLM stage 0 (no encoder stages)."""
+    return is_multimodal(model_cfg) and not layout.encoder_stages
+
+
+def check_colocated(model_cfg, layout: Layout) -> None:
+    """Raises ValueError (with the reason) when the runtime cannot colocate the encoder as `layout`
+    asks: the fused stage runs both models at LLM stage 0's tp, which must divide both models'
+    attention heads (a head split across devices is not a tensor-parallel layout)."""
+    stage = layout.llm_stages[0]
+    own = layout.colocated_encoder_tp
+    if own is not None and own != stage.tp:
+        raise ValueError(
+            f"colocated_encoder_tp={own}: the runtime runs a colocated encoder at LLM stage 0's "
+            f"tp={stage.tp} (an encoder at its own smaller tp is not implemented); plan without it"
+        )
+    heads = {"vision": model_cfg.vision.num_heads, "text": model_cfg.text.num_heads}
+    bad = {name: n for name, n in heads.items() if n % stage.tp}
+    if bad:
+        raise ValueError(
+            f"encoder colocated on LLM stage 0 at tp={stage.tp}: tp must divide both models' "
+            f"attention heads ({', '.join(f'{k} {v}' for k, v in heads.items())}); choose a tp "
+            "dividing both or give the encoder its own stages (layout.encoder_layers)"
+        )
+
+
+def stage_fns(
+    graphdef, spec: StageSpec, rules: Rules, *, multimodal: bool, with_encoder: bool = False
+) -> StageFns:
+    """Pure functions of one stage module (`EncoderStage`, `LLMStage`, `DecoderStage` or, with
+    `with_encoder`, `ColocatedStage`).
 
     Args:
       graphdef: the stage module's nnx graphdef (its params are the functions' `params`).
       spec: the stage (module, layers, embedding / head).
       rules: its logical->mesh rules (`stage_rules`).
       multimodal: an MLLM (the first LLM stage takes the encoder's features as x).
+      with_encoder: the first LLM stage also runs the encoder (tiles in, no x).
     """
     if spec.module == "encoder":
         return _encoder_fns(graphdef, spec, rules)
-    return _llm_fns(graphdef, spec, rules, features=multimodal and spec.has_embedding)
+    features = multimodal and spec.has_embedding
+    return _llm_fns(graphdef, spec, rules, features=features, with_encoder=with_encoder)
 
 
 def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
@@ -100,21 +141,29 @@ def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
     )
 
 
-def _llm_fns(graphdef, spec: StageSpec, rules: Rules, *, features: bool) -> StageFns:
+def _llm_fns(
+    graphdef, spec: StageSpec, rules: Rules, *, features: bool, with_encoder: bool
+) -> StageFns:
     side = ("segment_ids", "positions")
     if spec.has_embedding:
         side = ("tokens",) + (("feature_index",) if features else ()) + side
+    if with_encoder:
+        side = ("tiles", "tile_pool") + side
 
     def hidden(params, x, s):
         with nnx.logical_axis_rules(rules):
             stage = nnx.merge(graphdef, params)
-            if features:
+            if with_encoder:
+                x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
+            elif features:
                 x = stage.embed(s["tokens"], x, *_placement(s))
             elif spec.has_embedding:
                 x = stage.embed(s["tokens"])
             return stage, stage(x, s["segment_ids"], s["positions"])
 
     x_spec = (P() if features else None) if spec.has_embedding else P("data")
+    if with_encoder:
+        x_spec = None
     optional = TAP_KEYS if features else ()
     if not spec.has_head:
         return StageFns(
@@ -158,29 +207,42 @@ class StageBlueprint:
     fns: StageFns
 
 
-def stage_blueprint(module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh) -> StageBlueprint:
-    """The blueprint of a stage module of `model_cfg` on `mesh`."""
-    rules = stage_rules(model_cfg, spec)
+def stage_blueprint(
+    module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh, *, with_encoder: bool = False
+) -> StageBlueprint:
+    """The blueprint of a stage module of `model_cfg` on `mesh` (`with_encoder`: a `ColocatedStage`)."""
+    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
     graphdef, state = nnx.split(module)
-    fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg))
+    fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg),
+                    with_encoder=with_encoder)  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
 
 
-def stage_module(model_cfg, spec: StageSpec, rngs: nnx.Rngs) -> nnx.Module:
+def _flags(spec: StageSpec) -> dict:
+    return dict(first_layer=spec.first_layer, num_layers=spec.num_layers,
+                has_embedding=spec.has_embedding, has_head=spec.has_head)  # fmt: skip
+
+
+def stage_module(
+    model_cfg, spec: StageSpec, rngs: nnx.Rngs, *, with_encoder: bool = False
+) -> nnx.Module:
     """A fresh stage module of `spec` (`models.stages.stage_module`: random init keyed by global layer)."""
     from models.stages import stage_module as build
 
-    flags = dict(first_layer=spec.first_layer, num_layers=spec.num_layers,
-                 has_embedding=spec.has_embedding, has_head=spec.has_head)  # fmt: skip
-    return build(model_cfg, spec.module, **flags, rngs=rngs)
+    return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, with_encoder=with_encoder)
 
 
-def abstract_stage(model_cfg, spec: StageSpec, mesh: Mesh) -> StageBlueprint:
+def abstract_stage(
+    model_cfg, spec: StageSpec, mesh: Mesh, *, with_encoder: bool = False
+) -> StageBlueprint:
     """The blueprint of a fresh stage module without allocating it: `state` holds ShapeDtypeStructs
     carrying their shardings (what the profiler compiles from, and a non-local stage's params)."""
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(stage_rules(model_cfg, spec)):
-        module = nnx.eval_shape(lambda: stage_module(model_cfg, spec, nnx.Rngs(0)))
-    bp = stage_blueprint(module, model_cfg, spec, mesh)
+    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        module = nnx.eval_shape(
+            lambda: stage_module(model_cfg, spec, nnx.Rngs(0), with_encoder=with_encoder)
+        )
+    bp = stage_blueprint(module, model_cfg, spec, mesh, with_encoder=with_encoder)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), bp.state, bp.shardings
     )
@@ -193,7 +255,9 @@ def is_local(mesh: Mesh) -> bool:
     return any(d.process_index == me for d in mesh.devices.flat)
 
 
-def init_stage(model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource) -> StageBlueprint:
+def init_stage(
+    model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource, *, with_encoder: bool = False
+) -> StageBlueprint:
     """The blueprint of a stage with its params created directly in their stage sharding.
 
     Args:
@@ -202,22 +266,35 @@ def init_stage(model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource) -> S
         each device's slice read on its own: `models.hf.load_stage`).
 
     A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
-    their shardings): nothing of it is compiled, read or allocated here.
+    their shardings): nothing of it is compiled, read or allocated here. `with_encoder`: the stage
+    also holds the whole encoder (`ColocatedStage`).
     """
     if not is_local(mesh):
-        return abstract_stage(model_cfg, spec, mesh)
-    rules = stage_rules(model_cfg, spec)
+        return abstract_stage(model_cfg, spec, mesh, with_encoder=with_encoder)
+    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
     if isinstance(source, int):
         module = create_sharded(
-            lambda: stage_module(model_cfg, spec, nnx.Rngs(source)), mesh, rules
+            lambda: stage_module(model_cfg, spec, nnx.Rngs(source), with_encoder=with_encoder),
+            mesh,
+            rules,
         )
     else:
-        from models.hf import load_stage
+        module = _load_hf(source, model_cfg, spec, mesh, rules, with_encoder)
+    return stage_blueprint(module, model_cfg, spec, mesh, with_encoder=with_encoder)
 
-        flags = dict(first_layer=spec.first_layer, num_layers=spec.num_layers,
-                     has_embedding=spec.has_embedding, has_head=spec.has_head)  # fmt: skip
-        module = load_stage(source, model_cfg, spec.module, **flags, mesh=mesh, rules=rules)
-    return stage_blueprint(module, model_cfg, spec, mesh)
+
+def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, with_encoder: bool):
+    """The stage's tensors of an HF checkpoint; with the encoder, its stage and the LLM's, joined."""
+    from models.hf import load_stage
+    from models.mllm import ColocatedStage
+
+    llm = load_stage(source, model_cfg, spec.module, **_flags(spec), mesh=mesh, rules=rules)
+    if not with_encoder:
+        return llm
+    whole = dict(first_layer=0, num_layers=model_cfg.vision.num_layers, has_embedding=True,
+                 has_head=True)  # fmt: skip
+    encoder = load_stage(source, model_cfg, "encoder", **whole, mesh=mesh, rules=rules)
+    return ColocatedStage(encoder, llm)
 
 
 def build_stages(
@@ -233,21 +310,21 @@ def build_stages(
 
     Args:
       model_cfg: a `DecoderConfig` (decoder-only: no encoder stages) or an MLLM config (LLaVA-OV,
-        InternVL: >= 1 encoder stage, the encoder runs on its own stages).
+        InternVL: the encoder runs on its own stages, or with none, colocated on LLM stage 0:
+        `check_colocated`).
       meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
     """
-    if is_multimodal(model_cfg) and not layout.encoder_stages:
-        raise ValueError(
-            "an MLLM layout needs at least one encoder stage; add encoder stages to the plan"
-        )
     if not is_multimodal(model_cfg) and layout.encoder_stages:
         raise ValueError(
             "a decoder-only model has no encoder: give a layout without encoder stages"
         )
+    fused = colocated(model_cfg, layout)
+    if fused:
+        check_colocated(model_cfg, layout)
     programs = []
-    for spec, mesh in zip(layout.stages, meshes):
-        bp = init_stage(model_cfg, spec, mesh, source)
+    for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
+        bp = init_stage(model_cfg, spec, mesh, source, with_encoder=fused and i == 0)
         programs.append(StageProgram(mesh, bp.fns, bp.state, compute_dtype))
     return programs

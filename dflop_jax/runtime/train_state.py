@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.runtime.checkpoint import global_path, key_name
+from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.stages import PyTree, StageProgram, accumulator_sharding, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer
@@ -303,10 +303,9 @@ def tied_groups(specs: list[StageSpec], params: list[PyTree]) -> list[TiedGroup]
     """Leaves that several stages hold (same model-level path): one group per tied parameter."""
     where: dict[tuple, list] = {}
     for i, (spec, tree) in enumerate(zip(specs, params)):
+        fused = holds_encoder(tree)
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where.setdefault((spec.module, *global_path(path, spec)), []).append(
-                (i, _leaf_names(path))
-            )
+            where.setdefault(model_paths(path, spec, fused)[0], []).append((i, _leaf_names(path)))
     return [tuple(group) for group in where.values() if len(group) > 1]
 
 

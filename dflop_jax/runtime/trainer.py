@@ -44,7 +44,7 @@ from dflop_jax.runtime.metrics import (
     real_work,
     step_metrics,
 )
-from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.model_stages import build_stages, is_multimodal
 from dflop_jax.runtime.stages import enable_compilation_cache
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -135,6 +135,7 @@ class _Trainer:
             clock,
         )
         meshes = stage_meshes(plan.layout)
+        self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
         _print_plan(console, plan, meshes)
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
@@ -158,7 +159,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, None, problem, self.scheduler.schedule,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=prefetch,
-            host=_host_shards(plan.layout, meshes),
+            host=_host_shards(plan.layout, meshes, self.has_encoder),
         )  # fmt: skip
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
@@ -235,7 +236,7 @@ class _Trainer:
             )
             _observe(self.scheduler, batch.schedule, out)
         compiles = sum(s.compiles for s in self.stages)
-        flops = batch_model_flops(self.arch, real_work(batch, bool(self.layout.encoder_stages)))
+        flops = batch_model_flops(self.arch, real_work(batch, self.has_encoder))
         return step_metrics(
             step, batch, [s.module for s in self.layout.stages], self.scheduler.prediction_error(),
             observed_before=observed_before, loss=loss, grad_norm=grad_norm,
@@ -245,13 +246,15 @@ class _Trainer:
         )  # fmt: skip
 
 
-def _host_shards(layout: Layout, meshes) -> HostShardSpec | None:
-    """The data shards this process's stages hold (None: one process holds them all)."""
+def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:
+    """The data shards this process's stages hold (None: one process holds them all); a colocated
+    encoder's shards are LLM stage 0's."""
     if jax.process_count() == 1:
         return None
     grids = [m.devices for m in meshes]
     n = len(layout.encoder_stages)
-    return HostShardSpec.from_meshes(grids[:n], grids[n:], jax.process_index())
+    encoder = grids[:n] if n or not has_encoder else grids[:1]
+    return HostShardSpec.from_meshes(encoder, grids[n:], jax.process_index())
 
 
 def _checkpointer(cfg: TrainConfig) -> Checkpointer:

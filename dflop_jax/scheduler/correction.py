@@ -93,14 +93,7 @@ class Scheduler:
         if not self.active:
             return self.problem
         fn = self.correction.wrap(self.problem.stage_costs)
-        return ScheduleProblem(
-            self.problem.encoder_dp,
-            self.problem.llm_dp,
-            self.problem.num_stages,
-            self.problem.microbatches,
-            self.problem.buckets,
-            fn,
-        )
+        return dataclasses.replace(self.problem, stage_costs=fn)
 
     def schedule(self, shapes: Sequence[SampleShape], index: int | None = None) -> Schedule:
         """Schedules global batch `index` (a `ScheduleFn`) with seed `config.seed + index`, so a batch's

@@ -131,11 +131,18 @@ def evaluate(
     """Returns (objective, W per microbatch [M], tile-bucket idx [M], length-bucket idx [M])."""
     ldp = problem.llm_dp
     tok_load = np.bincount(bin_of, weights=tokens, minlength=m * ldp).reshape(m, ldp)
-    tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
-    ti, si = table.pair_for(np.ceil(tile_load / problem.encoder_dp - 1e-9), tok_load.max(axis=1))
+    if problem.colocated:  # tiles stay on their row's shard: the fullest shard sets T
+        need = np.bincount(bin_of, weights=tiles, minlength=m * ldp).reshape(m, ldp).max(axis=1)
+    else:
+        tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
+        need = np.ceil(tile_load / problem.encoder_dp - 1e-9)
+    over = need > table.tiles[-1]
+    if problem.colocated and over.any():  # infeasible here; the search moves on (obj inf)
+        need = np.minimum(need, table.tiles[-1])
+    ti, si = table.pair_for(need, tok_load.max(axis=1))
     w = table.w[ti, si]
     obj = float(w.sum() + (problem.num_stages - 1) * w.max()) if m else 0.0
-    return obj, w, ti, si
+    return (np.inf if over.any() else obj), w, ti, si
 
 
 def to_plans(
@@ -153,7 +160,10 @@ def to_plans(
         shards[b // ldp][b % ldp].append(i)
     return tuple(
         MicrobatchPlan(
-            int(table.tiles[ti[k]]), int(table.lengths[si[k]]), tuple(tuple(s) for s in shards[k])
+            int(table.tiles[ti[k]]),
+            int(table.lengths[si[k]]),
+            tuple(tuple(s) for s in shards[k]),
+            tiles_by_row=problem.colocated,
         )
         for k in range(m)
     )
@@ -175,6 +185,11 @@ def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
             raise ValueError(
                 f"sample {s.id!r} (index {i}) has {s.tiles} tiles > encoder_dp*largest tile bucket "
                 f"{problem.encoder_dp}*{b.tiles[-1]}"
+            )
+        if problem.colocated and s.tiles > b.tiles[-1]:
+            raise ValueError(
+                f"sample {s.id!r} (index {i}) has {s.tiles} tiles > largest tile bucket "
+                f"{b.tiles[-1]} (a colocated encoder keeps a sample's tiles on one shard)"
             )
 
 

@@ -29,12 +29,19 @@ import numpy as np
 from dflop_jax.scheduler.greedy import balance_shards, ensure_nonempty
 from dflop_jax.scheduler.objective import CostTable, evaluate
 from dflop_jax.scheduler.order import order_microbatches
+from dflop_jax.scheduler.rows import fit_rows
 from dflop_jax.scheduler.types import ScheduleProblem
 
 
-def finish(bin_of, m, tokens, problem: ScheduleProblem, min_count: int) -> tuple[np.ndarray, int]:
-    """What the runtime gets from a candidate: no empty microbatch, shards balanced (never dearer)."""
+def finish(
+    bin_of, m, tokens, tiles, problem: ScheduleProblem, table: CostTable, min_count: int
+) -> tuple[np.ndarray, int]:
+    """What the runtime gets from a candidate: no empty microbatch, shards balanced (never dearer);
+    with a colocated encoder, each shard's tiles balanced and within the largest bucket (`rows.py`;
+    the token-only balancing, blind to tiles, is then left out)."""
     bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, min_count)
+    if problem.colocated:
+        return fit_rows(bin_of, m, tokens, tiles, problem, table), m
     return balance_shards(bin_of, m, tokens, problem.llm_dp), m
 
 
@@ -60,7 +67,7 @@ def pick_by_makespan(
         obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
         stages.append(table.stage[ti, si])
         objs.append(obj)
-        fresh = sig not in seen
+        fresh = sig not in seen and np.isfinite(obj)  # inf: infeasible (colocated tiles)
         seen.add(sig)
         scores.append(order_microbatches(stages[-1], quick)[1] if fresh else np.inf)
     ranked = sorted(range(1, len(candidates)), key=lambda i: (scores[i], objs[i], i))

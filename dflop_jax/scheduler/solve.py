@@ -110,12 +110,18 @@ def schedule_batch(
         bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
                                  lambda: backstop and clock() - t0 > config.time_limit_s,
                                  info)  # fmt: skip
-    bin_of, m = finish(bin_of, m, tokens, problem, eff.microbatches[0])
+    bin_of, m = finish(bin_of, m, tokens, tiles, problem, table, eff.microbatches[0])
     if by_makespan:
         bin_of, m, order, makespan = _select(
             bin_of, m, pool, tokens, tiles, eff, table, config, info
         )
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
+    if not np.isfinite(obj):
+        raise ValueError(
+            f"colocated encoder: no schedule keeps every shard's tiles within the largest tile "
+            f"bucket {problem.buckets.tiles[-1]} ({int(tiles.sum())} tiles, llm_dp="
+            f"{problem.llm_dp}); raise the largest tile bucket or the microbatch count"
+        )
     stage = table.stage[ti, si]  # [M, P, 2]
     if not by_makespan:
         order, makespan = order_microbatches(stage, config.order_evaluations)
@@ -136,7 +142,7 @@ def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
     """(bin_of, m, order, 1F1B makespan) of the candidate with the lowest makespan (`select.py`);
     the surrogate's answer is candidate 0."""
     cands = [(bin_of, m)] + [
-        finish(b, k, tokens, problem, problem.microbatches[0]) for b, k, _ in pool
+        finish(b, k, tokens, tiles, problem, table, problem.microbatches[0]) for b, k, _ in pool
     ]
     best, order, makespan, scores = pick_by_makespan(
         cands, tokens, tiles, problem, table, config.select_evaluations, config.order_evaluations

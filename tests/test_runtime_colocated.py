@@ -1,0 +1,321 @@
+"""The encoder COLOCATED on the first LLM stage (`models.mllm.ColocatedStage`): a pipelined step ==
+single-device jax.grad of the unsplit model + the same optax update (loss and every updated parameter,
+float32), for LLaVA-OV (exact bilinear taps of an anyres image, several images, video frames pooled)
+and InternVL, with 1 and 2 LLM stages and LLM dp 1 and 2.
+
+Row r's tiles sit in tile slots [r*T, (r+1)*T) and its feature indices are GLOBAL slot rows inside
+that range (what the packer writes for a colocated plan), so the unsplit reference, which gathers from
+the whole microbatch's features, sees the same placement the fused stage makes row by row.
+
+Also: a layout whose tp splits a head is refused; checkpoints round-trip between the colocated and a
+separate-encoder layout; the scheduler keeps each sample's tiles on its row's shard; an explicit
+`layout.encoder_colocated` run and a `plan: auto` run whose planner colocates train end to end (slow)."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
+
+from dflop_jax.config import ConfigError, load_config
+from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.data.types import plain_taps
+from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
+from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.driver import run_pipeline
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.scheduler import SchedulerConfig, schedule_batch
+from dflop_jax.train import run
+from models.decoder_config import DecoderConfig
+from models.internvit import InternViTConfig
+from models.internvl import InternVL, internvl_config
+from models.llava_onevision import LlavaOnevision, llava_onevision_config
+from models.siglip import SiglipConfig
+
+TEXT = DecoderConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+    head_dim=8, qkv_bias=True,
+)  # fmt: skip
+SIGLIP = SiglipConfig(
+    hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, image_size=28, patch_size=7
+)
+INTERNVIT = InternViTConfig(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                            image_size=28, patch_size=7, dtype="float32")  # fmt: skip
+OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
+TILES = 3  # tile slots per row (T)
+
+
+def _layout(dp: int, llm_stages: int) -> Layout:
+    """The encoder on LLM stage 0 (tp 2); with 2 LLM stages the second holds the last layer."""
+    if llm_stages == 1:
+        return Layout((), (StageSpec("llm", 0, 3, tp=2, dp=dp, has_embedding=True, has_head=True),))
+    return Layout(
+        (),
+        (
+            StageSpec("llm", 0, 2, tp=2, dp=dp, has_embedding=True),
+            StageSpec("llm", 2, 1, tp=1, dp=dp, has_head=True),
+        ),
+    )
+
+
+def _taps(rng, fidx, lo, hi):
+    """[S,4] taps / weights of one row: image positions mix 4 random rows of [lo, hi) (the row's own
+    features) with fractional weights, as LLaVA-OV's bilinear downscale of an anyres grid does."""
+    taps, weights = plain_taps(fidx)
+    img = fidx >= 0
+    taps[img] = rng.integers(lo, hi, (int(img.sum()), 4))
+    w = rng.random((int(img.sum()), 4)) + 0.1
+    weights[img] = w / w.sum(1, keepdims=True)
+    return taps.astype(np.int32), weights.astype(np.float32)
+
+
+def _microbatch(rng, rows: int, length: int, tpt: int, *, taps: bool, video: bool) -> dict:
+    """`rows` packed rows of two segments, each placing features of its own tiles only."""
+    per_row = TILES * tpt
+    fidx = np.full((rows, length), -1, np.int32)
+    k = min(per_row - 2, length - 8)
+    for r in range(rows):  # row r's features: global rows [r*per_row, (r+1)*per_row)
+        fidx[r, 1 : 1 + k] = r * per_row + rng.permutation(per_row)[:k]
+        fidx[r, 1 + k] = -2  # an image newline (LLaVA-OV)
+    seg = np.ones((rows, length), np.int32)
+    seg[:, length - 6 :] = 2
+    pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
+    tokens = rng.integers(1, TEXT.vocab_size, (rows, length)).astype(np.int32)
+    mb = {
+        "tiles": rng.integers(0, 256, (rows * TILES, 28, 28, 3)).astype(np.uint8),
+        "tile_valid": np.ones(rows * TILES, bool),
+        # video: the last slot of every row is a frame pooled 2x2 after the projector
+        "tile_pool": (np.arange(rows * TILES) % TILES == TILES - 1) & video,
+        "tokens": tokens,
+        "segment_ids": seg,
+        "positions": pos,
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": (rng.random((rows, length)) < 0.6).astype(np.float32),
+        "feature_index": fidx,
+        "feature_taps": None,
+        "feature_weight": None,
+    }
+    if taps:
+        pairs = [_taps(rng, fidx[r], r * per_row, (r + 1) * per_row) for r in range(rows)]
+        mb["feature_taps"] = np.stack([t for t, _ in pairs])
+        mb["feature_weight"] = np.stack([w for _, w in pairs])
+    return mb
+
+
+def _loss(m, mb):
+    keys = ("tiles", "tile_pool", "tokens", "segment_ids", "positions", "feature_index", "targets",
+            "loss_mask")  # fmt: skip
+    args = [mb[k] for k in keys]
+    if mb["feature_taps"] is not None:
+        args[keys.index("feature_index")] = mb["feature_taps"]
+    return m.loss(*args, feature_weight=mb["feature_weight"])[0]
+
+
+def _model(family: str):
+    with jax.default_device(jax.devices()[0]):
+        if family == "internvl":
+            return InternVL(internvl_config(INTERNVIT, TEXT), rngs=nnx.Rngs(0))
+        return LlavaOnevision(llava_onevision_config(SIGLIP, TEXT), rngs=nnx.Rngs(0))
+
+
+def _batch(family: str, rows: int, tpt: int) -> list[dict]:
+    """LLaVA-OV: an anyres microbatch with exact taps and a video frame pooled per row, then a
+    multi-image one (several tiles per row, plain gathers); InternVL: plain gathers (its features are
+    never interpolated). Two input signatures: two compiles per program."""
+    rng = np.random.default_rng(1)
+    llava = family == "llava_ov"
+    return [
+        _microbatch(rng, rows, 40, tpt, taps=t, video=v)
+        for t, v in ((llava, llava), (False, False))
+    ]
+
+
+@pytest.mark.parametrize(
+    "family,dp,llm_stages",
+    [("llava_ov", 1, 1), ("llava_ov", 2, 2), ("internvl", 2, 1), ("internvl", 1, 2)],
+)  # fmt: skip
+def test_colocated_step_matches_single_device(family, dp, llm_stages):
+    model = _model(family)
+    layout = _layout(dp, llm_stages)
+    mbs = _batch(family, dp, model.cfg.tokens_per_tile)
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
+    assert not stages[0].has_x  # the fused stage takes tiles, not an activation
+    opts = [StageOptimizer(s, OPT.build()) for s in stages]
+    with no_host_round_trip():
+        out = run_pipeline(stages, mbs, norm, "1f1b")
+    loss = sum(float(x) for x in out.loss)
+    apply_updates(opts, out.grads, OPT.clip_norm)
+
+    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, _loss)
+    enc_layers = model.cfg.vision.num_layers
+    ref_tree = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
+                          [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    got = model_tree(list(layout.stages), [s.params for s in stages], [{} for _ in stages])
+    assert_trees_close(got, ref_tree)
+
+
+def test_colocated_layout_refused_when_tp_splits_a_head():
+    """tp 4 divides the decoder's 4 heads but not the ViT's 2: refused, saying why."""
+    cfg = llava_onevision_config(SIGLIP, TEXT)
+    layout = Layout((), (StageSpec("llm", 0, 3, tp=4, has_embedding=True, has_head=True),))
+    with pytest.raises(ValueError, match=r"tp must divide both models' attention heads"):
+        build_stages(cfg, layout, stage_meshes(layout), 0)
+
+
+SEPARATE = Layout(
+    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (
+        StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
+        StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
+    ),
+)
+
+
+def _run(layout, seed):
+    """Stages of `layout` (params from `seed`) and their optimizers."""
+    cfg = llava_onevision_config(SIGLIP, TEXT)
+    stages = build_stages(cfg, layout, stage_meshes(layout), seed, compute_dtype=jnp.float32)
+    return stages, [StageOptimizer(s, OPT.build()) for s in stages]
+
+
+def _step(stages, opts, mbs) -> float:
+    out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs))
+    apply_updates(opts, out.grads, OPT.clip_norm)
+    return sum(float(x) for x in out.loss)
+
+
+def _tree(layout, stages, opts) -> dict:
+    return model_tree(list(layout.stages), [s.params for s in stages], [o.state for o in opts])
+
+
+def _restore(ckpt, layout, stages, opts, step):
+    params, states, _ = ckpt.restore(list(layout.stages), [s.params for s in stages],
+                                     [o.state for o in opts], step)  # fmt: skip
+    for s, o, p, st in zip(stages, opts, params, states):
+        s.params, o.state = p, st
+
+
+def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
+    """The colocated stage's encoder params AND optimizer moments / step counts map to the model-level
+    tree: a separate-encoder run restored from it holds exactly the colocated run's state and computes
+    the same next loss, and a colocated run restored from that run's save holds its state exactly."""
+    batches = [_batch("llava_ov", 2, llava_onevision_config(SIGLIP, TEXT).tokens_per_tile)] * 2
+    fused, fused_opts = _run(_layout(2, 2), 0)
+    _step(fused, fused_opts, batches[0])
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)
+    ckpt.save(1, list(_layout(2, 2).stages), [s.params for s in fused],
+              [o.state for o in fused_opts], meta={})  # fmt: skip
+
+    split, split_opts = _run(SEPARATE, 1)  # other init: the restore must overwrite all of it
+    _restore(ckpt, SEPARATE, split, split_opts, 1)
+    assert_trees_close(_tree(SEPARATE, split, split_opts), _tree(_layout(2, 2), fused, fused_opts),
+                       rtol=0, atol=0)  # fmt: skip
+    loss_fused = _step(fused, fused_opts, batches[1])
+    loss_split = _step(split, split_opts, batches[1])
+    # The restored state computes what the colocated run computes. (Not compared after the update:
+    # the ViT's key bias has an exactly-zero gradient, so AdamW turns each layout's float round-off
+    # in it into different lr-sized steps.)
+    np.testing.assert_allclose(loss_split, loss_fused, rtol=1e-5)
+
+    ckpt.save(2, list(SEPARATE.stages), [s.params for s in split], [o.state for o in split_opts],
+              meta={})  # fmt: skip
+    back, back_opts = _run(_layout(2, 2), 1)
+    _restore(ckpt, _layout(2, 2), back, back_opts, 2)
+    assert_trees_close(_tree(_layout(2, 2), back, back_opts), _tree(SEPARATE, split, split_opts),
+                       rtol=0, atol=0)  # fmt: skip
+    ckpt.close()
+
+
+AUTO = ["plan=auto", "steps=2", "global_batch=8", "data.synth_samples=48", "checkpoint.every=0",
+        "compute_dtype=float32", "measure_stage_times_every=1", "peak_flops=1000000000.0",
+        "profile.runs=1", "profile.warmup=0", "profile.tps=[1]", "profile.encoder_buckets=[4, 16]",
+        "profile.llm_buckets=[512, 1024]", "planner.tp=[1]", "planner.llm_pp=[1, 2]",
+        "planner.microbatches=[2]", "planner.colocate=true",
+        # deeper than the 2-layer ViT: no separate-encoder candidate, the planner colocates
+        "planner.encoder_pp=[4]"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_auto_plan_colocated_trains_end_to_end(tmp_path):
+    """`plan: auto` on the demo model: the planner's layout has the encoder colocated, and the trainer
+    trains it as planned (the loader packs each sample's tiles on its row's shard)."""
+    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}",
+            f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
+    report = run(load_config(TrainConfig, demo, AUTO + over))
+    assert report.layout.encoder_stages == () and report.layout.colocated_encoder_tp is None
+    plan = (tmp_path / "run" / "auto_plan" / "plan.yaml").read_text()
+    assert "encoder_colocated: true" in plan
+    assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the fused stage encoded tiles
+
+
+EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
+            "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]",
+            "layout.llm_dp=2", "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]",
+            "layout.microbatches=[2, 3]", "steps=2", "global_batch=8", "data.synth_samples=32",
+            "checkpoint.every=0", "compute_dtype=float32", "measure_stage_times_every=1",
+            "peak_flops=1000000000.0", "scheduler.solver=greedy"]  # fmt: skip
+
+
+def _demo_cfg(tmp_path, *extra):
+    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}",
+            f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
+    return load_config(TrainConfig, demo, [*EXPLICIT, *over, *extra])
+
+
+def test_explicit_colocated_layout_config():
+    """`layout.encoder_colocated` gives a layout without encoder stages; bad combinations are refused
+    at config load with the key and the fix."""
+    tmp = Path("/nonexistent")  # nothing is written at config load
+    lay = _demo_cfg(tmp).layout
+    assert lay.layout().encoder_stages == () and lay.layout().llm_dp == 2
+    with pytest.raises(ConfigError, match="layout.encoder_layers"):
+        _demo_cfg(tmp, "layout.encoder_layers=[1, 1]")
+    with pytest.raises(ConfigError, match="layout.llm_tp.*vision_num_heads"):
+        _demo_cfg(tmp, "layout.llm_tp=[4]")  # divides the decoder's 4 heads, not the ViT's 2
+
+
+@pytest.mark.slow
+def test_explicit_colocated_layout_trains(tmp_path):
+    """The trainer path on an explicit colocated layout (2 LLM stages, dp 2, tp 2): schedule with tiles
+    on their row's shard, packing, the fused stage, metrics."""
+    report = run(_demo_cfg(tmp_path))
+    assert report.layout.encoder_stages == () and len(report.layout.llm_stages) == 2
+    assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert min(r["encoder_padding_ratio"] for r in rows) < 1.0
+
+
+def test_colocated_schedule_keeps_tiles_on_their_row():
+    """A colocated problem: each microbatch's tile bucket covers its fullest shard (not the shards'
+    mean), its plans carry `tiles_by_row`, and encoder shard r holds exactly LLM shard r's tiles."""
+    rng = np.random.default_rng(3)
+    shapes = [
+        SampleShape(i, int(rng.integers(0, 7)), int(rng.integers(20, 200))) for i in range(24)
+    ]
+    costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
+    problem = ScheduleProblem(2, 2, 1, (2, 4), BucketSet((4, 8, 12), (256, 512)), costs,
+                              colocated=True)  # fmt: skip
+    schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
+    for mb in schedule.microbatches:
+        assert mb.tiles_by_row
+        per_shard = [sum(shapes[i].tiles for i in shard) for shard in mb.shards]
+        smaller = [t for t in problem.buckets.tiles if t < mb.tile_bucket]
+        assert max(per_shard) <= mb.tile_bucket and all(t < max(per_shard) for t in smaller)
+        placed = mb.encoder_tiles(shapes, 2)
+        for shard, tiles in zip(mb.shards, placed):
+            assert tiles == [(i, t) for i in shard for t in range(shapes[i].tiles)]
+    with pytest.raises(ValueError, match="largest tile bucket 12"):
+        schedule_batch([SampleShape("big", 13, 50)], problem, SchedulerConfig(solver="greedy"))
