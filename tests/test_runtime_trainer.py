@@ -154,3 +154,30 @@ def test_demo_trains_and_loss_decreases(tmp_path):
     # Real timing: step 5 measured its stage programs (demo default every 5 steps).
     assert [r["stage_times_measured"] for r in rows] == [False] * 4 + [True, False]
     assert rows[4]["new_observations"] >= 1 and rows[4]["pred_raw_mape"] > 0
+
+
+def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, monkeypatch):
+    """log_every=2: a step is issued with every device-to-host transfer forbidden; its numbers are
+    read only at log steps (and the first), after the next step was dispatched."""
+    from dflop_jax.runtime import trainer as trainer_mod
+
+    events = []
+    dispatch, read = trainer_mod._Trainer.dispatch, trainer_mod._Trainer.read
+
+    def guarded(self, step):
+        with jax.transfer_guard_device_to_host("disallow_explicit"):
+            dispatch(self, step)
+        events.append(f"D{step}")
+
+    def logged(self, through):
+        rows = read(self, through)
+        events.append("R" + ",".join(str(r.step) for r in rows))
+        return rows
+
+    monkeypatch.setattr(trainer_mod._Trainer, "dispatch", guarded)
+    monkeypatch.setattr(trainer_mod._Trainer, "read", logged)
+    report = run(
+        _cfg(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2), watch=_FixedWatch
+    )
+    assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "D5", "R3,4", "R5"]
+    assert len(report.losses) == 5 and all(np.isfinite(report.losses))
