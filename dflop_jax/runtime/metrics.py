@@ -59,6 +59,8 @@ class StepMetrics:
       correction_observations, correction_active, new_observations: the correction's state as the
         batch was scheduled (with the observations of steps <= step - 1 - prefetch).
       dispatch_s: host seconds the trainer spent issuing the step (it does not wait for it).
+      wall_s: seconds between the previous step's end and this one's (its data wait included when
+        the batch was late); step_time_s leaves a late batch's wait out.
       update_skipped: the loss or the gradients were not finite: the update was skipped on device.
       skipped_steps: updates skipped so far in the run.
     """
@@ -91,6 +93,7 @@ class StepMetrics:
     correction_active: bool
     new_observations: int
     dispatch_s: float = 0.0
+    wall_s: float = 0.0
     update_skipped: bool = False
     skipped_steps: int = 0
 

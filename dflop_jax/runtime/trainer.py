@@ -311,6 +311,7 @@ class _Trainer:
         to its statistics being ready: the steps overlap, so this is the time it added."""
         begin = f.start_s if self.last_done_s is None else max(f.start_s, self.last_done_s)
         step_time = max(f.done_s[0] - begin, 1e-9)
+        wall = f.done_s[0] - (f.start_s if self.last_done_s is None else self.last_done_s)
         self.last_done_s = f.done_s[0]
         correction = f.batch.schedule.info.get("correction") or self.scheduler.prediction_error()
         observed_before, self.observed = self.observed, correction["observations"]
@@ -321,7 +322,7 @@ class _Trainer:
             lr=float(self.lr(f.step - 1)), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=f.compiles, recompiles=f.recompiles, stage_times_measured=f.measured,
-            dispatch_s=f.dispatched_s - f.start_s, update_skipped=stats["applied"] == 0,
+            dispatch_s=f.dispatched_s - f.start_s, wall_s=wall, update_skipped=stats["applied"] == 0,
             skipped_steps=int(stats["skipped_steps"]),
         )  # fmt: skip
 
