@@ -189,7 +189,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, None, self.problem, self.schedule_fn,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
-            host=_host_shards(plan.layout, meshes),
+            host=_host_shards(plan.layout, meshes), num_batches=cfg.steps,
         )  # fmt: skip
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
@@ -218,7 +218,7 @@ class _Trainer:
             s.params, o.state = p, st
         self.loader.set_state(meta["loader"])
         if meta["layout"] == json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            self.schedule_fn.load(meta["scheduler"])
+            self.schedule_fn.load(_lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch))
         else:  # correction factors are per stage of the layout that measured them
             self.console.print(
                 "note: the checkpoint comes from another layout; scheduler corrections start fresh",
@@ -325,6 +325,14 @@ class _Trainer:
             dispatch_s=f.dispatched_s - f.start_s, wall_s=wall, update_skipped=stats["applied"] == 0,
             skipped_steps=int(stats["skipped_steps"]),
         )  # fmt: skip
+
+
+def _lagged_state(saved: dict, step: int, lag: int) -> dict:
+    """A checkpoint's `LaggedSchedule.state`; one written before corrections were lagged holds the
+    plain scheduler state after step `step`, taken as the state through step - 1 - lag."""
+    if "through" in saved:
+        return saved
+    return {"scheduler": saved, "through": max(step - 1 - lag, 0), "step": step, "observations": {}}
 
 
 def _none() -> None:
