@@ -4,12 +4,15 @@
     report = train(cfg, model_cfg, arch_of_model(model_cfg), resolved_plan)
 
 (`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`; the plan comes from
-`dflop_jax.train_plan.resolve_plan`.) Per step: the loader yields a scheduled, packed `GlobalBatch`; the
-driver runs its microbatches through the pipeline (1F1B or GPipe) with the loss normalized by the
-batch's loss tokens; every stage updates with AdamW after global-norm clipping; a `StepMetrics` goes to
-the console / JSONL / TensorBoard; checkpoints are saved every `checkpoint.every` steps and the run
-resumes from the latest one. The trainer owns the online `Scheduler`: the loader calls its `schedule`
-with the batch index, the trainer feeds it measured stage times and checkpoints its state.
+`dflop_jax.train_plan.resolve_plan`.) Per step the trainer takes a scheduled, packed `GlobalBatch`
+from the loader (solved and decoded `prefetch` batches ahead) and issues, without reading anything
+back: the pipeline (1F1B or GPipe, loss normalized by the batch's loss tokens) and the AdamW update of
+every stage after global-norm clipping, with a non-finite step skipped on device
+(`train_state.apply_updates`). Step k's numbers (loss, norm, skips) are read after step k + 1 is
+dispatched, at log steps only, and each step's `StepMetrics` goes to the console / JSONL /
+TensorBoard; checkpoints are saved every `checkpoint.every` steps and the run resumes from the latest
+one. The trainer owns the online `Scheduler`, wrapped in a `LaggedSchedule`: the loader calls it with
+the batch index, and batch k sees the measured stage times of steps <= k - prefetch (DESIGN 5).
 """
 
 from __future__ import annotations
