@@ -77,16 +77,15 @@ def _dry_run(cfg) -> int:
     return 0
 
 
-def run(cfg, console=None, clock=time.perf_counter, watch=None):
+def run(cfg, console=None, clock=time.perf_counter):
     """DFLOP's training run: the model's config, its plan (`train_plan`), training (`trainer`: each
     stage makes its own params on its own mesh; the whole model is never built).
 
-    Returns the `TrainReport`; `clock` times steps, `watch` the stage programs of measured steps
-    (None = `op_timing.watch_ops`; tests pass a deterministic one).
+    Returns the `TrainReport`; `clock` times the sampled stage programs of measured steps (tests pass
+    a deterministic one).
     """
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
-    from dflop_jax.runtime.op_timing import watch_ops
     from dflop_jax.runtime.trainer import prepare_run_dir, train
     from dflop_jax.train_plan import resolve_plan, with_plan_remat
 
@@ -102,7 +101,7 @@ def run(cfg, console=None, clock=time.perf_counter, watch=None):
     )
     plan = resolve_plan(cfg, model_cfg)
     arch = arch_of_model(model_cfg)
-    return train(cfg, model_cfg, arch, plan, console, clock, watch or watch_ops)
+    return train(cfg, model_cfg, arch, plan, console, clock)
 
 
 def _config_error(e: Exception) -> int:

@@ -1,6 +1,6 @@
 """Corrections one step late: batch b is scheduled with exactly the observations of steps <= b - lag,
 whenever they arrive (a loader thread ahead waits, never sees a later one); a checkpoint's state
-resumes the same sequence; op times come from dispatch and ready times by the start rule."""
+resumes the same sequence."""
 
 import threading
 import time
@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from dflop_jax.contracts import MicrobatchPlan, Schedule
-from dflop_jax.runtime.driver import Op, OpEvent
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
-from dflop_jax.runtime.op_timing import op_seconds
 
 
 class _FakeScheduler:
@@ -111,19 +109,3 @@ def test_close_wakes_a_loader_waiting_for_a_step_that_never_comes():
     lagged.close()
     thread.join(5)
     assert errors == ["the schedule function was closed (the run ended)"]
-
-
-def test_op_seconds_start_at_the_latest_of_dispatch_stage_and_input():
-    """Two stages, one microbatch: F0 [0, 2], F1 (fused last) dispatched at 0.5 but its input ready
-    at 2 -> [2, 5], B0 needs F1 -> [5, 6]; an op that compiled invalidates its microbatch."""
-    events = [
-        OpEvent(Op(0, 0, "F"), 0.0, None, False),
-        OpEvent(Op(1, 0, "F"), 0.5, None, False),
-        OpEvent(Op(0, 0, "B"), 0.6, None, False),
-    ]
-    ready = {Op(0, 0, "F"): 2.0, Op(1, 0, "F"): 5.0, Op(0, 0, "B"): 6.0}
-    times, valid = op_seconds(events, ready, 2, 1)
-    np.testing.assert_allclose(times[0], [[2.0, 1.0], [3.0, 0.0]])
-    assert valid.tolist() == [True]
-    events[1] = OpEvent(Op(1, 0, "F"), 0.5, None, True)
-    assert op_seconds(events, ready, 2, 1)[1].tolist() == [False]

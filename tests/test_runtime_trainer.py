@@ -1,8 +1,10 @@
 """End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params),
 with stage times measured every step and adaptive correction on (a deterministic op timer, so both
-runs observe the same times; batch k sees the observations of steps <= k - prefetch); the embedded
+runs observe the same times; one sampled microbatch per measured step; batch k sees the observations
+of steps <= k - prefetch); the embedded
 demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -68,23 +70,14 @@ def test_plan_settings_are_validated(override, message):
         load_config(TrainConfig, REPO / "configs" / "demo.yaml", [override])
 
 
-class _FixedWatch:
-    """Every timed program takes 1 ms (the last stage's fused program in the fwd slot); a microbatch
-    whose op compiled is invalid, as `op_timing` has it."""
-
-    def __init__(self, timeline, num_stages, num_mb, clock):
-        self.times = np.full((num_mb, num_stages, 2), 1e-3)
-        self.times[:, -1, 1] = 0.0
-        self.valid = np.ones(num_mb, bool)
-        for e in timeline:
-            self.valid[e.op.mb] &= not e.compiled
-
-    def result(self):
-        return self.times, self.valid
+def _clock():
+    """Every timed program takes 1 ms (two consecutive reads)."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * 1e-3
 
 
 def test_train_loss_decreases_and_resume_is_exact(tmp_path):
-    straight = run(_cfg(tmp_path, "a", steps=6), watch=_FixedWatch)
+    straight = run(_cfg(tmp_path, "a", steps=6), clock=_clock())
     assert np.mean(straight.losses[-2:]) < straight.losses[0] - 0.3
     assert (tmp_path / "a" / "config.yaml").is_file()
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -92,16 +85,17 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["stage_times_measured"] and not r["update_skipped"] for r in rows)
     assert all(r["stage_padding_ratio"] == [r["llm_padding_ratio"]] * 2 for r in rows)
-    # Batch k (step k + 1) is scheduled with the observations of steps <= k - 2 (prefetch 2). One
-    # bucket: step 1's first microbatch compiles every program (left out), every later one counts.
-    observed = [r["microbatches"] - (r["step"] == 1) for r in rows]
+    # Batch k (step k + 1) is scheduled with the observations of steps <= k - 2 (prefetch 2). A
+    # measured step times one microbatch (step % M). One bucket: step 1's microbatch 0 compiles every
+    # program (its time is left out), so each step adds one observation, step 1 only if M > 1.
+    observed = [int(r["step"] > 1 or r["microbatches"] > 1) for r in rows]
     for r in rows:
         seen = observed[: max(r["step"] - 3, 0)]
         assert r["correction_observations"] == sum(seen)
         assert r["new_observations"] == (seen[-1] if seen else 0)
     last = rows[-1]
     assert last["correction_active"] and last["pred_raw_mape"] > 0.5  # analytic CPU costs != 1 ms
-    # One bucket pair and a timer that gives every program exactly 1 ms: every observation carries the
+    # One bucket pair and a clock that gives every program exactly 1 ms: every observation carries the
     # same raw error, and the first one sets the factors to measured / raw exactly. The corrected
     # prediction is taken before each update, so the first observation (factors still 1) carries the
     # raw error and every later one is exact: over the n observations so far (all inside the 64-wide
@@ -114,8 +108,8 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
         assert n <= 64
         assert r["pred_corrected_mape"] == pytest.approx(r["pred_raw_mape"] / n, rel=1e-9)
 
-    half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}), watch=_FixedWatch)
-    resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}), watch=_FixedWatch)
+    half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}), clock=_clock())
+    resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}), clock=_clock())
     assert resumed.first_step == 3
     assert half.losses + resumed.losses == straight.losses
     for s_a, s_b in zip(straight.stages, resumed.stages):
@@ -152,7 +146,7 @@ def test_demo_trains_and_loss_decreases(tmp_path):
     assert (tmp_path / "demo" / "config.yaml").is_file()
     rows = [json.loads(r) for r in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6
-    # Real timing (threads watching the ops) on every step; batch k sees steps <= k - 2 (prefetch 2),
+    # Real timing (one sampled microbatch) on every step; batch k sees steps <= k - 2 (prefetch 2),
     # so steps 1-3 are scheduled from predictions alone and step 6 has seen steps 1-3.
     assert all(r["stage_times_measured"] for r in rows)
     assert [r["correction_observations"] for r in rows[:3]] == [0, 0, 0]
@@ -180,7 +174,7 @@ def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, m
     monkeypatch.setattr(trainer_mod._Trainer, "dispatch", guarded)
     monkeypatch.setattr(trainer_mod._Trainer, "read", logged)
     report = run(
-        _cfg(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2), watch=_FixedWatch
+        _cfg(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2), clock=_clock()
     )
     assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "D5", "R3,4", "R5"]
     assert len(report.losses) == 5 and all(np.isfinite(report.losses))

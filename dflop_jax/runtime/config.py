@@ -293,9 +293,9 @@ class TrainConfig:
       tensorboard: also write TensorBoard event files to run_dir/tb.
       compilation_cache: persistent XLA compilation cache directory ("" = off).
       distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
-      measure_stage_times_every: every this many steps, time each stage program per microbatch
-        (threads watch the ops finish, the pipeline keeps running: `runtime/op_timing.py`) and feed
-        the times to the scheduler's adaptive correction (`Scheduler.observe`); 0 = off.
+      measure_stage_times_every: every this many steps, time each stage program of one sampled
+        microbatch (step % M; the other microbatches are not waited for: `runtime/driver.py`) and
+        feed the times to the scheduler's adaptive correction (`Scheduler.observe`); 0 = off.
         Multi-process runs too: each stage's times come from the process owning it and are shared,
         so every process observes alike (`agreement.py`).
       prefetch: global batches the loader solves and decodes ahead in its background thread. Batch

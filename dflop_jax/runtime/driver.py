@@ -4,11 +4,14 @@ Every process runs this same loop (same programs, same transfers, same order). J
 asynchronous, so on accelerators the stages overlap; the order below is what a real 1F1B pipeline
 would execute, and the dependencies make it valid for any stage count and microbatch count.
 
-Measured steps (`measure=True`): nothing blocks. The driver records, per op, when it was dispatched,
-whether its call compiled a new program, and a small device value that is ready when the op is done
-(its output; for a backward, a sum of one small gradient leaf, read before the next backward donates
-the accumulator). `runtime/op_timing.py` turns that timeline into per-stage, per-microbatch seconds
-from background threads, so the pipeline keeps running (DESIGN section 7).
+Measured steps (`sample=m`): the ops of ONE microbatch m are timed: before each of its ops the
+driver waits for that op's inputs, then times the program until its outputs are ready, giving that
+microbatch's per-stage seconds for the scheduler's adaptive correction. The other microbatches' ops
+are not waited for (those already issued keep running), so the step is not serialized, only the
+sampled microbatch's chain. An op whose call compiled a new program is marked invalid (its time is
+mostly compilation). Why not every op, from threads watching them finish: on XLA:CPU that measured
+nothing (every op of a step was seen "ready" at the end of the dispatch loop: the watching threads
+wait for the GIL and CPU devices run programs on the host's cores), DESIGN section 5.
 
 Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
 (`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
@@ -28,7 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -108,31 +110,18 @@ class StepOutput:
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
       grads: accumulated fp32 gradients per stage, on each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
-      timeline: measured steps only: every op this process dispatched, in dispatch order
-        (`OpEvent`s; `op_timing.watch_ops` times them).
+      stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
+        sampled microbatch's row filled; the last stage's fused forward+backward program is reported
+        whole in the fwd slot (bwd = 0).
+      timing_valid: measured steps only: [M] bool, True only for the sampled microbatch when no op
+        of it compiled.
     """
 
     loss: list[jax.Array]
     grads: list[PyTree | None]
     transfer_bytes: int = 0
-    timeline: list[OpEvent] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class OpEvent:
-    """One dispatched op of a measured step.
-
-    Attributes:
-      op: which op.
-      dispatched_s: the clock when the driver issued it.
-      done: a device value that becomes ready when the op has run.
-      compiled: its call compiled a new program (its time is mostly compilation).
-    """
-
-    op: Op
-    dispatched_s: float
-    done: jax.Array
-    compiled: bool
+    stage_times: np.ndarray | None = None
+    timing_valid: np.ndarray | None = None
 
 
 def run_pipeline(
@@ -141,7 +130,7 @@ def run_pipeline(
     normalizer: float | None = None,
     order: Order = "1f1b",
     *,
-    measure: bool = False,
+    sample: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepOutput:
     """Forward + backward of one global batch through the pipeline, accumulating gradients.
@@ -154,7 +143,8 @@ def run_pipeline(
         so the objective does not depend on how samples were packed or split. None: counted on the
         last stage's devices from the microbatches' `loss_mask` (every host's shards).
       order: "1f1b" or "gpipe".
-      measure: record every local op into `StepOutput.timeline` (no blocking; module docstring).
+      sample: the microbatch whose ops are timed into `StepOutput.stage_times` (module docstring);
+        None = no timing.
       clock: the timer of measured steps (seconds).
 
     Returns:
@@ -171,27 +161,34 @@ def run_pipeline(
     cotangents: dict[tuple[int, int], jax.Array] = {}
     losses: list[jax.Array | None] = [None] * num_mb
     moved = 0
-    timeline: list[OpEvent] | None = [] if measure else None
+    measure = sample is not None
+    times = np.zeros((num_mb, num_stages, 2)) if measure else None
+    valid = np.arange(num_mb) == sample if measure else None
     for op in pipeline_order(num_stages, num_mb, order):
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
             put = stage.put_side if stage.local else stage.side_structs
             sides[s, m] = put(batches[m])
-        compiles, t0 = stage.compiles, clock() if timeline is not None else 0.0
+        timed = m == sample and stage.local
+        if timed:  # inputs ready first, so only the program is timed
+            jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
+            compiles, t0 = stage.compiles, clock()
         if op.kind == "F" and stage.is_last:
             loss, gx, grads[s] = _last(stage, inputs.pop((s, m)), sides.pop((s, m)), normalizer,
                                        grads[s])  # fmt: skip
-            losses[m], done = loss, loss
+            losses[m], out = loss, (loss, gx, grads[s])
         elif op.kind == "F":
             y = _forward(stage, inputs[s, m], sides[s, m])
-            done = y
+            out = y
         else:
             x, side, gy = inputs.pop((s, m)), sides.pop((s, m)), cotangents.pop((s, m))
             gx, grads[s] = _backward(stage, x, side, gy, grads[s])
-            done = _ready_marker(grads[s]) if timeline is not None and stage.local else None
-        if timeline is not None and stage.local:
-            timeline.append(OpEvent(op, t0, done, stage.compiles != compiles))
+            out = (gx, grads[s])
+        if timed:
+            jax.block_until_ready(out)
+            times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
+            valid[m] &= stage.compiles == compiles
         if op.kind == "F" and not stage.is_last:
             inputs[s + 1, m], n = _send(y, stages[s + 1].x_sharding)
         elif s > 0:  # dL/dx goes back to the previous stage's output sharding
@@ -199,7 +196,7 @@ def run_pipeline(
         else:
             n = 0
         moved += n
-    return StepOutput(losses, grads, moved, timeline)
+    return StepOutput(losses, grads, moved, times, valid)
 
 
 def connect(stages: Sequence[StageProgram]) -> None:
@@ -216,15 +213,6 @@ def connect(stages: Sequence[StageProgram]) -> None:
     for a, b in pairs:
         x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
         jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
-
-
-def _ready_marker(grads: PyTree) -> jax.Array:
-    """A scalar computed from the smallest leaf of a gradient accumulator: ready once the backward
-    that produced the accumulator has run (the accumulator itself is donated to the next one)."""
-    return _sum(min(jax.tree.leaves(grads), key=lambda a: a.size))
-
-
-_sum = jax.jit(jnp.sum)
 
 
 def _forward(stage: StageProgram, x, side):

@@ -51,7 +51,6 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.op_timing import OpWatcher, watch_ops
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -87,18 +86,16 @@ def train(
     plan: ResolvedPlan,
     console: Console | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    watch: OpWatcher = watch_ops,
 ) -> TrainReport:
     """Trains the model of `model_cfg` on `plan`, each stage's params made on its own mesh from
     `cfg.model.source` (init seed or HF directory).
 
     Args:
       arch: the model's cost-model architecture (MFU).
-      clock: the clock of step and stage timing.
-      watch: times a measured step's ops (`op_timing.watch_ops`; tests pass a deterministic one).
+      clock: times the sampled stage programs of measured steps (tests pass a deterministic one).
     """
     console = console or Console(quiet=jax.process_index() != 0)
-    trainer = _Trainer(cfg, model_cfg, arch, plan, console, clock, watch)
+    trainer = _Trainer(cfg, model_cfg, arch, plan, console, clock)
     metrics = MetricsLog(
         cfg.run_dir,
         cfg.log_every,
@@ -166,10 +163,9 @@ class _Trainer:
     """The parts of a run that live across steps (stages, optimizers, scheduler, loader, checkpoints)
     and the step itself."""
 
-    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock,
-                 watch: OpWatcher = watch_ops):  # fmt: skip
+    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
-        self.clock, self.watch = clock, watch
+        self.clock = clock
         meshes = stage_meshes(plan.layout)
         _print_plan(console, plan, meshes)
         self.stages = build_stages(
@@ -251,8 +247,8 @@ class _Trainer:
 
     def dispatch(self, step: int) -> None:
         """Issues one optimizer step on the next global batch without reading anything back: the
-        pipeline, the clipped update (skipped on device when not finite) and, on measured steps,
-        threads timing its ops. Raises on an empty batch."""
+        pipeline, the clipped update (skipped on device when not finite); a measured step times the
+        ops of one microbatch (step % M). Raises on an empty batch."""
         measure = bool(self.measure_every) and step % self.measure_every == 0
         compiles_before = sum(s.compiles for s in self.stages)
         batch = next(self.loader)
@@ -261,31 +257,29 @@ class _Trainer:
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
         check_schedule(step, batch.stats.schedule_digest)  # before anything is dispatched
-        t0 = self.clock()
+        t0 = time.perf_counter()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
             self.stages, batch.microbatches, None, self.cfg.pipeline,
-            measure=measure, clock=self.clock,
+            sample=step % len(batch.microbatches) if measure else None, clock=self.clock,
         )  # fmt: skip
         copies = apply_updates(self.opts, out.grads, self.cfg.optimizer.clip_norm, out.loss,
                                self.stats, tied=self.tied)  # fmt: skip
         self.stats = copies[-1]
-        dispatched = self.clock()
+        dispatched = time.perf_counter()
         compiles = sum(s.compiles for s in self.stages)
         self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
         flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
                            compiles - compiles_before, measure, threading.Event(), [0.0])  # fmt: skip
-        _when_ready([c for c in copies if _holds(c)][:1], flight, self.clock)
+        _when_ready([c for c in copies if _holds(c)][:1], flight)
         self.in_flight.append(flight)
 
     def _observation(self, step: int, batch: GlobalBatch, out: StepOutput):
-        """How to get a measured step's observation: wait for its op times, share them across
-        processes (bit-exact), keep the valid microbatches."""
-        watch = self.watch(out.timeline, len(self.stages), len(batch.microbatches), self.clock)
+        """How to get a measured step's observation: share its sampled stage times across processes
+        (bit-exact), keep the valid microbatch."""
 
         def resolve() -> Observation | None:
-            times, valid = watch.result()
-            times, valid = shared_stage_times(times, valid, self.owners, step)
+            times, valid = shared_stage_times(out.stage_times, out.timing_valid, self.owners, step)
             return Observation.of_step(self.problem, batch.schedule, times, valid)
 
         return resolve
@@ -347,14 +341,14 @@ def _holds(x: jax.Array) -> bool:
     return isinstance(x, jax.Array) and bool(x.addressable_shards)
 
 
-def _when_ready(values: list[jax.Array], flight: _InFlight, clock: Callable[[], float]) -> None:
+def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
     """Notes in `flight` the clock when `values` are ready, from a daemon thread (no host sync)."""
 
     def wait():
         try:
             jax.block_until_ready(values)
         finally:
-            flight.done_s[0] = clock()
+            flight.done_s[0] = time.perf_counter()
             flight.done.set()
 
     threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
