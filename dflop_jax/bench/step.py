@@ -7,7 +7,7 @@ limit (`scheduler.solver=cpsat`, `time_limit_s=1`), adaptive correction on, stag
 2 steps, no checkpoints and `plan=analytic` (no profiling, so the arms differ only in the runtime):
   after   this tree: steps issued without host reads (on-device clipping and skip), read at log steps
           after the next dispatch; the loader solves and decodes 2 batches ahead with corrections
-          lagged by that (`runtime/lagged_schedule.py`); measured steps timed by watching threads.
+          lagged by that (`runtime/lagged_schedule.py`); a measured step times one microbatch.
   before  `--before-tree` (a checkout of the previous commit, e.g. `git worktree add /tmp/before
           HEAD~N`): the synchronous trainer (float() reads and a blocking update every step, no
           prefetch while correction is on, every measured step serialized).
