@@ -81,8 +81,8 @@ def run(cfg, console=None, clock=time.perf_counter):
     """DFLOP's training run: the model's config, its plan (`train_plan`), training (`trainer`: each
     stage makes its own params on its own mesh; the whole model is never built).
 
-    Returns the `TrainReport`; `clock` times the stage programs of measured steps (tests pass a
-    deterministic one).
+    Returns the `TrainReport`; `clock` times the sampled stage programs of measured steps (tests pass
+    a deterministic one).
     """
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
@@ -100,7 +100,8 @@ def run(cfg, console=None, clock=time.perf_counter):
         pixel_norm=(cfg.data.mean, cfg.data.std),
     )
     plan = resolve_plan(cfg, model_cfg)
-    return train(cfg, model_cfg, arch_of_model(model_cfg), plan, console, clock)
+    arch = arch_of_model(model_cfg)
+    return train(cfg, model_cfg, arch, plan, console, clock)
 
 
 def _config_error(e: Exception) -> int:

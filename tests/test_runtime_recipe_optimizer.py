@@ -14,7 +14,8 @@ from dflop_jax.runtime.checkpoint import Checkpointer, key_name
 from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
+from dflop_jax.runtime.stages import put_host
+from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer
 
 BASE = dict(lr=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1)
 
@@ -70,8 +71,10 @@ def _step(stage, cfg, grads):
     """One update from `grads` (as `StageOptimizer.reduce` leaves them: in the ZeRO-1 layout)."""
     opt = StageOptimizer(stage, cfg.build(), counted=cfg.counted)
     before = jax.device_get(stage.params)
-    sq = float(opt.sq_norm(jax.device_put(grads, opt.grad_shardings)))
-    opt.apply(jax.device_put(grads, opt.grad_shardings), 1.0)
+    sq = float(opt.sq_norm(jax.device_put(grads, opt.grad_shardings))[0])
+    applied = dict.fromkeys(STATS, 0.0) | {"applied": 1.0}  # no clipping (clip_norm 0), applied
+    stats = put_host(np.array([applied[k] for k in STATS], np.float32), opt.scalar)
+    opt.apply(jax.device_put(grads, opt.grad_shardings), stats)
     after = jax.device_get(stage.params)
     stage.params = jax.device_put(before, stage.param_shardings)  # leave the fixture as it was
     return opt, before, after, sq

@@ -1,7 +1,8 @@
 """End-to-end trainer: the loss decreases; N steps straight == N/2, stop, resume to N (losses, params),
-with stage times measured every step and adaptive correction on (a deterministic clock, so both runs
-observe the same times); the embedded demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its
-loss decreases."""
+with stage times measured every step and adaptive correction on (a deterministic op timer, so both
+runs observe the same times; one sampled microbatch per measured step; batch k sees the observations
+of steps <= k - prefetch); the embedded
+demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
 
 import itertools
 import json
@@ -81,22 +82,29 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
     assert (tmp_path / "a" / "config.yaml").is_file()
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and straight.summary["new_compiles_after_first_step"] == 0
-    # One bucket: step 1's first microbatch compiles every program (its times are left out), every
-    # later microbatch is observed.
-    assert rows[0]["new_observations"] == rows[0]["microbatches"] - 1
-    for r in rows[1:]:
-        assert r["stage_times_measured"] and r["new_observations"] == r["microbatches"]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["stage_times_measured"] and not r["update_skipped"] for r in rows)
     assert all(r["stage_padding_ratio"] == [r["llm_padding_ratio"]] * 2 for r in rows)
+    # Batch k (step k + 1) is scheduled with the observations of steps <= k - 2 (prefetch 2). A
+    # measured step times one microbatch (step % M). One bucket: step 1's microbatch 0 compiles every
+    # program (its time is left out), so each step adds one observation, step 1 only if M > 1.
+    observed = [int(r["step"] > 1 or r["microbatches"] > 1) for r in rows]
+    for r in rows:
+        seen = observed[: max(r["step"] - 3, 0)]
+        assert r["correction_observations"] == sum(seen)
+        assert r["new_observations"] == (seen[-1] if seen else 0)
     last = rows[-1]
-    assert last["correction_observations"] == sum(r["microbatches"] for r in rows) - 1
     assert last["correction_active"] and last["pred_raw_mape"] > 0.5  # analytic CPU costs != 1 ms
     # One bucket pair and a clock that gives every program exactly 1 ms: every observation carries the
     # same raw error, and the first one sets the factors to measured / raw exactly. The corrected
     # prediction is taken before each update, so the first observation (factors still 1) carries the
     # raw error and every later one is exact: over the n observations so far (all inside the 64-wide
-    # window), corrected MAPE = raw MAPE / n, up to float round-off of the clock's differences.
-    for r in rows[1:]:
+    # window), corrected MAPE = raw MAPE / n.
+    for r in rows:
         n = r["correction_observations"]
+        if n == 0:
+            assert r["pred_raw_mape"] is None
+            continue
         assert n <= 64
         assert r["pred_corrected_mape"] == pytest.approx(r["pred_raw_mape"] / n, rel=1e-9)
 
@@ -129,6 +137,7 @@ def test_demo_trains_and_loss_decreases(tmp_path):
             f"run_dir={tmp_path / 'demo'}",
             f"compilation_cache={tmp_path / 'jax_cache'}",
             "peak_flops=1000000000.0",
+            "measure_stage_times_every=1",
         ],
     )
     report = run(cfg)
@@ -137,6 +146,35 @@ def test_demo_trains_and_loss_decreases(tmp_path):
     assert (tmp_path / "demo" / "config.yaml").is_file()
     rows = [json.loads(r) for r in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6
-    # Real timing: step 5 measured its stage programs (demo default every 5 steps).
-    assert [r["stage_times_measured"] for r in rows] == [False] * 4 + [True, False]
-    assert rows[4]["new_observations"] >= 1 and rows[4]["pred_raw_mape"] > 0
+    # Real timing (one sampled microbatch) on every step; batch k sees steps <= k - 2 (prefetch 2),
+    # so steps 1-3 are scheduled from predictions alone and step 6 has seen steps 1-3.
+    assert all(r["stage_times_measured"] for r in rows)
+    assert [r["correction_observations"] for r in rows[:3]] == [0, 0, 0]
+    assert rows[5]["correction_observations"] >= 1 and rows[5]["pred_raw_mape"] > 0
+
+
+def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, monkeypatch):
+    """log_every=2: a step is issued with every device-to-host transfer forbidden; its numbers are
+    read only at log steps (and the first), after the next step was dispatched."""
+    from dflop_jax.runtime import trainer as trainer_mod
+
+    events = []
+    dispatch, read = trainer_mod._Trainer.dispatch, trainer_mod._Trainer.read
+
+    def guarded(self, step):
+        with jax.transfer_guard_device_to_host("disallow_explicit"):
+            dispatch(self, step)
+        events.append(f"D{step}")
+
+    def logged(self, through):
+        rows = read(self, through)
+        events.append("R" + ",".join(str(r.step) for r in rows))
+        return rows
+
+    monkeypatch.setattr(trainer_mod._Trainer, "dispatch", guarded)
+    monkeypatch.setattr(trainer_mod._Trainer, "read", logged)
+    report = run(
+        _cfg(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2), clock=_clock()
+    )
+    assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "D5", "R3,4", "R5"]
+    assert len(report.losses) == 5 and all(np.isfinite(report.losses))

@@ -15,7 +15,7 @@ LLM's and the first LLM stage spans processes at 2 and 4 processes). Each proces
   decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
   transfer_mib      bytes moved between stages per step (every transfer of the step, all processes)
-  step_s            wall time per step after the first (compiling) step
+  step_s            host time issuing a step (data wait, dispatch), after the first (compiling) one
 The losses of every process count are printed side by side: they must agree (to float32 round-off).
 On CPU the simulated devices share the host's cores, so time per step says how much extra work the
 processes do (dispatch, gloo transfers), not how a cluster would scale.
@@ -171,16 +171,15 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     loader_mod.LazyProcessor.process = lambda self, rec: _record(process(self, rec), decoded)
     pipeline = trainer_mod.run_pipeline
     trainer_mod.run_pipeline = lambda *a, **k: _record(pipeline(*a, **k), moved, "transfer_bytes")
-    step = trainer_mod._Trainer.step
+    dispatch = trainer_mod._Trainer.dispatch
 
     def timed(self, n):
         t0, in_step[0] = time.perf_counter(), True
-        row = step(self, n)
+        dispatch(self, n)
         step_s.append(time.perf_counter() - t0)
         in_step[0] = False
-        return row
 
-    trainer_mod._Trainer.step = timed
+    trainer_mod._Trainer.dispatch = timed
     report = run(cfg)
     share = {
         "process": jax.process_index(),

@@ -30,10 +30,11 @@ schedule from the same records, seed and scheduler (use the scheduler's determin
 `stats.schedule_digest` fingerprints it (the runtime compares it across processes every step).
 Adaptive correction: the runtime's `Scheduler.observe()` reaches the schedule function only with
 `num_workers=0` (grain workers hold copies); decode workers keep the schedule in this process, which is
-why they, not grain workers, are the default where decoding is heavy (`DataConfig.decode_workers`). With prefetch > 0, batch k is solved in a background thread at a
-time that depends on timing, so which observations it sees is not deterministic: for exact resume and
-cross-host agreement with correction on, use `prefetch=0` (batch k is scheduled inside the k-th
-`next()`, after the observations of step k-1), or correction "off".
+why they, not grain workers, are the default where decoding is heavy (`DataConfig.decode_workers`).
+With prefetch > 0 batch k is solved in the background thread while earlier steps run; the schedule
+function decides which observations it sees, deterministically: the runtime's `LaggedSchedule` applies
+exactly the observations of steps <= k - prefetch before solving batch k (exact resume, cross-host
+agreement), waiting for a step that has not finished.
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def build_dataset(
     num_epochs: int | None = None,
     shapes: Sequence[SampleShape | BadSample] | None = None,
     pool: DecodePool | None = None,
+    num_batches: int | None = None,
 ) -> grain.MapDataset:
     """The random-access part of the pipeline: element k is global batch k (a `GlobalBatch`).
+
+    `num_batches` ends the dataset after that many global batches (a run's steps: prefetching never
+    solves or decodes a batch no step will take).
 
     `shapes` (optional, in record order, e.g. from `MetadataCache.shapes`) replaces the per-record
     `processor.shape` calls of the metadata stage; bad ones are skipped or raised as usual. `pool`
@@ -93,6 +98,8 @@ def build_dataset(
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
     ds = ds.map(ShapeStage(processor, spec, strict))
     ds = ds.batch(global_batch_size, drop_remainder=True, batch_fn=list)
+    if num_batches is not None:
+        ds = ds[:num_batches]
     ds = ds.map_with_index(ScheduleStage(schedule_fn))
     return ds.map(PackStage(processor, spec, host, strict, pool))
 
@@ -273,6 +280,7 @@ def make_loader(
     num_epochs: int | None = None,
     processor: SampleProcessor | None = None,
     precompute_shapes: bool = False,
+    num_batches: int | None = None,
 ) -> Loader:
     """Builds the loader for one run.
 
@@ -298,6 +306,7 @@ def make_loader(
       precompute_shapes: compute every record's shape up front through `MetadataCache` (on disk under
         `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
         instead of per record in the pipeline; costs one pass over the dataset on the first run.
+      num_batches: global batches in all (None = as many as the epochs give).
     """
     from dflop_jax.data.dataset import load_source
 
@@ -335,6 +344,7 @@ def make_loader(
         num_epochs=num_epochs,
         shapes=shapes,
         pool=pool,
+        num_batches=num_batches,
     )
     return Loader(ds, num_workers=num_workers, prefetch=prefetch, pool=pool)
 

@@ -197,7 +197,10 @@ class ScheduleStage:
             schedule = self.schedule_fn(shapes, index) if shapes else None
         except ValueError as e:  # e.g. the batch exceeds every allowed microbatch count's capacity
             raise ValueError(f"global batch {index} ({len(shapes)} samples): {e}") from None
-        latency = time.perf_counter() - start
+        # A schedule function may first wait for the observations it must see (the runtime's
+        # `LaggedSchedule` says how long): that is not the solver's latency.
+        waited = schedule.info.get("observation_wait_s", 0.0) if schedule is not None else 0.0
+        latency = time.perf_counter() - start - waited
         return Scheduled([m.record for m in good], shapes, schedule, skipped, latency)
 
 

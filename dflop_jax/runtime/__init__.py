@@ -9,10 +9,10 @@ from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipelin
 from dflop_jax.runtime.mesh import LayoutError, stage_meshes
 from dflop_jax.runtime.stages import StageFns, StageProgram, enable_compilation_cache
 from dflop_jax.runtime.train_state import (
+    STATS,
     OptimizerConfig,
     StageOptimizer,
     apply_updates,
-    clip_scale,
 )
 
 __all__ = [
@@ -26,11 +26,11 @@ __all__ = [
     "OptimizerConfig",
     "StageFns",
     "StageOptimizer",
+    "STATS",
     "StageProgram",
     "StepOutput",
     "TrainConfig",
     "apply_updates",
-    "clip_scale",
     "enable_compilation_cache",
     "host_scalars",
     "model_tree",

@@ -303,12 +303,14 @@ class TrainConfig:
       tensorboard: also write TensorBoard event files to run_dir/tb.
       compilation_cache: persistent XLA compilation cache directory ("" = off).
       distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
-      measure_stage_times_every: every this many steps, time each stage program per microbatch
-        (blocking, so that step runs serialized) and feed the times to the scheduler's adaptive
-        correction (`Scheduler.observe`); 0 = off. With correction not "off" the loader then runs
-        without prefetch (batch k is scheduled after step k-1's observations: deterministic given the
-        observations, and a resume repeats it). Multi-process runs too: each stage's times come from
-        the process owning it and are shared, so every process observes alike (`agreement.py`).
+      measure_stage_times_every: every this many steps, time each stage program of one sampled
+        microbatch (step % M; the other microbatches are not waited for: `runtime/driver.py`) and
+        feed the times to the scheduler's adaptive correction (`Scheduler.observe`); 0 = off.
+        Multi-process runs too: each stage's times come from the process owning it and are shared,
+        so every process observes alike (`agreement.py`).
+      prefetch: global batches the loader solves and decodes ahead in its background thread. Batch
+        k (step k + 1) is scheduled with the observations of steps <= k - prefetch, a deterministic
+        rule (exact resume, every process alike; `runtime/lagged_schedule.py`).
     """
 
     model: ModelConfig = ModelConfig()
@@ -334,6 +336,7 @@ class TrainConfig:
     compilation_cache: str = "runs/jax_cache"
     distributed: DistributedConfig = DistributedConfig()
     measure_stage_times_every: int = 5
+    prefetch: int = 2
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -364,6 +367,7 @@ class TrainConfig:
             self.measure_stage_times_every,
             "0 (off) or steps between measured steps",
         )
+        require(self.prefetch >= 1, "prefetch", self.prefetch, "must be >= 1 (batches ahead)")
         require_seed(self.seed, "seed")
         require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "0 (measure) or FLOP/s > 0")
         require(

@@ -127,21 +127,24 @@ def initialize(cfg: DistributedConfig) -> None:
 
 
 def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.ndarray:
-    """Host float64 values of scalars that may live on other processes' devices.
+    """Host float64 values of scalars (or small vectors, flattened) that may live on other processes'
+    devices, concatenated in order.
 
-    Every scalar is moved, as a [1] vector, onto every device of the job with `transfer`
+    Every value is moved, as a vector, onto every device of the job with `transfer`
     (`runtime/transfer.py`: the device-to-device program that carries activations between pipeline
     stages, valid for any device counts) and each process reads its own copy. Every process must call
-    this at the same point of the same driver loop, as the trainer does (each move is one program over
-    all devices). A process that does not hold a scalar
-    passes a stand-in (`transfer.stand_in`) with its sharding. The reads are bounded by `timeout_s`;
-    `tag` (e.g. "step3/loss") names the exchange in the timeout message. Single process: a plain read.
+    this at the same point of the same driver loop, as the trainer does at its log steps (each move is
+    one program over all devices). A process that does not hold a value passes a stand-in
+    (`transfer.stand_in`) with its sharding. The reads are bounded by `timeout_s`; `tag` (e.g.
+    "step3/stats") names the exchange in the timeout message. Single process: a plain read.
     """
     if jax.process_count() == 1:
-        return np.array([float(v) for v in values])
+        return np.concatenate([np.asarray(v, np.float64).ravel() for v in values])
     mine = [transfer(_as_vector(v), _readers()) for v in values]
     return _bounded(
-        lambda: np.array([float(np.asarray(c.addressable_shards[0].data)[0]) for c in mine]),
+        lambda: np.concatenate(
+            [np.asarray(c.addressable_shards[0].data, np.float64).ravel() for c in mine]
+        ),
         tag,
         timeout_s,
     )
@@ -156,12 +159,13 @@ def _readers() -> NamedSharding:
 
 
 def _as_vector(value: jax.Array):
-    """A replicated scalar as a [1] vector on its mesh (its shape only, where this process holds none)."""
+    """A replicated value as a vector on its mesh (its shape only, where this process holds none)."""
     sharding = NamedSharding(value.sharding.mesh, P())
+    shape = (max(int(np.prod(value.shape)), 1),)
     if value.addressable_shards:
         with jax.set_mesh(value.sharding.mesh):
-            return jax.lax.with_sharding_constraint(value.reshape(1), sharding)
-    return jax.ShapeDtypeStruct((1,), value.dtype, sharding=sharding)
+            return jax.lax.with_sharding_constraint(value.reshape(shape), sharding)
+    return jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
 
 
 def exchange_host(local: np.ndarray, tag: str, timeout_s: int = 600) -> np.ndarray:

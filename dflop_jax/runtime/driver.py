@@ -4,11 +4,14 @@ Every process runs this same loop (same programs, same transfers, same order). J
 asynchronous, so on accelerators the stages overlap; the order below is what a real 1F1B pipeline
 would execute, and the dependencies make it valid for any stage count and microbatch count.
 
-Measured steps (`measure=True`): before each op the driver waits for its inputs, then times the program
-until its outputs are ready, giving per-stage, per-microbatch seconds for the scheduler's adaptive
-correction. This serializes that step (no stage overlap, so its step time is not representative); on
-CPU the simulated devices share the cores anyway. An op whose call compiled a new program is marked
-invalid (its time is mostly compilation).
+Measured steps (`sample=m`): the ops of ONE microbatch m are timed: before each of its ops the
+driver waits for that op's inputs, then times the program until its outputs are ready, giving that
+microbatch's per-stage seconds for the scheduler's adaptive correction. The other microbatches' ops
+are not waited for (those already issued keep running), so the step is not serialized, only the
+sampled microbatch's chain. An op whose call compiled a new program is marked invalid (its time is
+mostly compilation). Why not every op, from threads watching them finish: on XLA:CPU that measured
+nothing (every op of a step was seen "ready" at the end of the dispatch loop: the watching threads
+wait for the GIL and CPU devices run programs on the host's cores), DESIGN section 5.
 
 Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
 (`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
@@ -107,9 +110,11 @@ class StepOutput:
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
       grads: accumulated fp32 gradients per stage, on each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
-      stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage; the
-        last stage's fused forward+backward program is reported whole in the fwd slot (bwd = 0).
-      timing_valid: measured steps only: [M] bool, False where an op of the microbatch compiled.
+      stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
+        sampled microbatch's row filled; the last stage's fused forward+backward program is reported
+        whole in the fwd slot (bwd = 0).
+      timing_valid: measured steps only: [M] bool, True only for the sampled microbatch when no op
+        of it compiled.
     """
 
     loss: list[jax.Array]
@@ -125,7 +130,7 @@ def run_pipeline(
     normalizer: float | None = None,
     order: Order = "1f1b",
     *,
-    measure: bool = False,
+    sample: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepOutput:
     """Forward + backward of one global batch through the pipeline, accumulating gradients.
@@ -138,7 +143,8 @@ def run_pipeline(
         so the objective does not depend on how samples were packed or split. None: counted on the
         last stage's devices from the microbatches' `loss_mask` (every host's shards).
       order: "1f1b" or "gpipe".
-      measure: time every op (blocking; module docstring) into `StepOutput.stage_times`.
+      sample: the microbatch whose ops are timed into `StepOutput.stage_times` (module docstring);
+        None = no timing.
       clock: the timer of measured steps (seconds).
 
     Returns:
@@ -155,15 +161,16 @@ def run_pipeline(
     cotangents: dict[tuple[int, int], jax.Array] = {}
     losses: list[jax.Array | None] = [None] * num_mb
     moved = 0
+    measure = sample is not None
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
-    valid = np.ones(num_mb, bool) if measure else None
+    valid = np.arange(num_mb) == sample if measure else None
     for op in pipeline_order(num_stages, num_mb, order):
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
             put = stage.put_side if stage.local else stage.side_structs
             sides[s, m] = put(batches[m])
-        timed = measure and stage.local
+        timed = m == sample and stage.local
         if timed:  # inputs ready first, so only the program is timed
             jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
             compiles, t0 = stage.compiles, clock()
@@ -193,14 +200,17 @@ def run_pipeline(
 
 
 def connect(stages: Sequence[StageProgram]) -> None:
-    """Sets up the communicator of every pair of neighbouring stages with one tiny transfer each.
+    """Sets up the communicator of every pair of stages that exchange data with one tiny transfer each:
+    neighbours (activations, cotangents) and every stage with the last (the step's norms and
+    statistics, `train_state.apply_updates`).
 
     Call it where every process arrives at about the same time (after building the stages): the
     first use of a communicator waits only 30 s for late peers (gloo's rendezvous on CPU), and in the
     first step a process whose stages compile longer can be later than that. Transfers in both
     directions between two stages share the communicator (`transfer` orders devices by id).
     """
-    for a, b in zip(stages, stages[1:]):
+    pairs = list(zip(stages, stages[1:])) + [(a, stages[-1]) for a in stages[:-2]]
+    for a, b in pairs:
         x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
         jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
 

@@ -56,7 +56,13 @@ class StepMetrics:
       stage_times_measured: this step timed its stage programs (adaptive correction).
       pred_raw_mape, pred_corrected_mape: recent-window stage-time prediction error (out of sample)
         of the cost model and of the corrected one (None before any observation).
-      correction_observations, correction_active, new_observations: the correction's state.
+      correction_observations, correction_active, new_observations: the correction's state as the
+        batch was scheduled (with the observations of steps <= step - 1 - prefetch).
+      dispatch_s: host seconds the trainer spent issuing the step (it does not wait for it).
+      wall_s: seconds between the previous step's end and this one's (its data wait included when
+        the batch was late); step_time_s leaves a late batch's wait out.
+      update_skipped: the loss or the gradients were not finite: the update was skipped on device.
+      skipped_steps: updates skipped so far in the run.
     """
 
     step: int
@@ -86,6 +92,10 @@ class StepMetrics:
     correction_observations: int
     correction_active: bool
     new_observations: int
+    dispatch_s: float = 0.0
+    wall_s: float = 0.0
+    update_skipped: bool = False
+    skipped_steps: int = 0
 
 
 def step_metrics(

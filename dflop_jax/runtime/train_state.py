@@ -1,11 +1,14 @@
 """Per-stage optimizer state and update, with gradient clipping by the GLOBAL norm over all stages.
 
 Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule) on its
-submesh. Clipping needs the norm of the whole model's gradient: each stage computes its squared norm
-on its mesh, the host sums the scalars (one tiny pull per stage, which the step's loss pull needs
-anyway; in multi-process runs the scalars travel between processes with `host_scalars`), and each
-stage's update scales its gradients by min(1, max_norm / global_norm) -- the
-`optax.clip_by_global_norm` rule applied across stages.
+submesh. Clipping needs the norm of the whole model's gradient, and none of it touches the host (the
+trainer dispatches the next step before this one's numbers are read): each stage computes its squared
+norm on its mesh, `transfer` moves the [1] vectors onto the last stage's mesh (across processes too),
+one program there sums them with the loss contributions into the step's `STATS` vector, and that vector
+moves back to every stage's mesh, whose update scales its gradients by optax.clip_by_global_norm's rule
+with the global norm. A step whose loss or gradients are not finite (a non-finite sum of squares or of
+the loss) keeps every stage's params and optimizer state (optax.apply_if_finite's zero update, the
+Adam count included) and adds one to the skip counter that the vector carries from step to step.
 
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
@@ -32,6 +35,7 @@ copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -44,7 +48,6 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
-from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.stages import PyTree, StageProgram, accumulator_sharding, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer
 from models.stages import PARTS, param_part
@@ -153,6 +156,10 @@ def param_labels(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(lambda path, _: param_part(_leaf_names(path)), params)
 
 
+STATS = ("loss", "grad_norm", "applied", "skipped_steps", "clip_norm")
+"""Fields of the per-step statistics vector `apply_updates` leaves on the last stage's mesh."""
+
+
 def zero1_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
     """`sharding` with "data" added on the largest axis whose size divides by its sharding's devices
     times dp (on top of its tp entry); a leaf with no such axis stays as it is (replicated over dp)."""
@@ -232,7 +239,9 @@ class StageOptimizer:
         def sq_norm(g):
             leaves = jax.tree.leaves(g)
             kept = leaves if keep is None else [x for x, k in zip(leaves, keep) if k]
-            return sum((jnp.sum(jnp.square(x)) for x in kept), jnp.zeros((), jnp.float32))
+            return sum((jnp.sum(jnp.square(x)) for x in kept), jnp.zeros((), jnp.float32)).reshape(
+                1
+            )
 
         self._sq_norm = jax.jit(
             sq_norm,
@@ -240,19 +249,13 @@ class StageOptimizer:
             out_shardings=scalar,
         )
 
-        def update(params, state, grads, scale):
-            grads = jax.tree.map(lambda g: g * scale, grads)
-            shards = jax.tree.map(jax.lax.with_sharding_constraint, params, zs)
-            updates, state = tx.update(grads, state, shards)
-            return optax.apply_updates(shards, updates), state
-
         self._update = jax.jit(
-            update,
+            functools.partial(_guarded_update, tx, zs),
             in_shardings=(ps, self.state_shardings, zs, scalar),
             out_shardings=(ps, self.state_shardings),
             donate_argnums=(0, 1),
         )
-        self._scalar = scalar
+        self.scalar = scalar
 
     def init_state(self) -> PyTree:
         """Fresh optimizer state for the stage's current params, in the ZeRO-1 layout."""
@@ -274,22 +277,32 @@ class StageOptimizer:
         )
 
     def sq_norm(self, grads: PyTree) -> jax.Array:
+        """|grads|^2 of the counted leaves as a [1] vector, replicated on the stage's mesh."""
         with jax.set_mesh(self.stage.mesh):
             return self._sq_norm(grads)
 
-    def apply(self, grads: PyTree, scale: float) -> None:
-        """Updates the stage's params and state in place from REDUCED gradients (`reduce`; old
-        buffers donated)."""
-        s = put_host(np.float32(scale), self._scalar)
+    def apply(self, grads: PyTree, stats: jax.Array) -> None:
+        """Updates the stage's params and state in place (old buffers donated) from REDUCED gradients
+        (`reduce`) and the step's `STATS` vector on this stage's mesh: clipped by its global norm,
+        skipped unless applied."""
         with jax.set_mesh(self.stage.mesh):
-            self.stage.params, self.state = self._update(self.stage.params, self.state, grads, s)
+            self.stage.params, self.state = self._update(
+                self.stage.params, self.state, grads, stats
+            )
 
 
-def clip_scale(global_norm: float, clip_norm: float) -> float:
-    """optax.clip_by_global_norm's factor: 1 below the threshold, clip_norm / norm above."""
-    if clip_norm <= 0 or global_norm < clip_norm:
-        return 1.0
-    return clip_norm / global_norm
+def _guarded_update(tx, shardings, params, state, grads, stats):
+    """optax.clip_by_global_norm's rule with the GLOBAL norm (stats), then `tx` on the ZeRO-1 shards
+    (`shardings`) of the params; a step whose loss or gradients are not finite keeps the old params
+    and state (optax.apply_if_finite's zero update)."""
+    norm, applied, clip = stats[1], stats[2] > 0, stats[4]
+    keep = (clip <= 0) | (norm < clip)
+    grads = jax.tree.map(lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * clip), grads)
+    shards = jax.tree.map(jax.lax.with_sharding_constraint, params, shardings)
+    updates, new_state = tx.update(grads, state, shards)
+    new_params = optax.apply_updates(shards, updates)
+    pick = functools.partial(jax.tree.map, lambda new, old: jnp.where(applied, new, old))
+    return pick(new_params, shards), pick(new_state, state)
 
 
 TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
@@ -337,9 +350,9 @@ def tie_gradients(
             leaves[s][j] = transfer(total, leaves[s][j].sharding)
         scalar = NamedSharding(total.sharding.mesh, P())
         corrections.append(
-            -(len(group) - 1) * jnp.sum(jnp.square(total))
+            (-(len(group) - 1) * jnp.sum(jnp.square(total))).reshape(1)
             if _holds(total)
-            else stand_in((), jnp.float32, scalar)
+            else stand_in((1,), jnp.float32, scalar)
         )
     trees = [jax.tree_util.tree_unflatten(treedef, ls) for (_, treedef), ls in zip(flat, leaves)]
     return trees, corrections
@@ -354,14 +367,29 @@ def apply_updates(
     optimizers: list[StageOptimizer],
     grads: list[PyTree],
     clip_norm: float,
-    tag: str = "norm",
+    loss: list[jax.Array] = (),
+    previous: jax.Array | None = None,
     tied: list[TiedGroup] = (),
-) -> float:
-    """Reduces each stage's per-replica accumulator (`grads`) once, clips by the global norm
-    over all stages and updates every stage; returns the global norm.
+) -> list[jax.Array]:
+    """Reduces each stage's per-replica accumulator (`grads`) once, clips by the global norm over all
+    stages and updates every stage, all on device.
 
-    `tag` names this call's scalars in multi-process runs (unique per step, see `host_scalars`);
-    `tied` = `tied_groups(...)` of the stages (their copies get summed gradients, counted once).
+    Each stage's squared norm (and each tied group's correction) moves with `transfer` onto the last
+    stage's mesh, where one program sums them with the loss contributions into the step's `STATS`
+    vector; that vector moves back to every stage's mesh and drives its update. Nothing is read on
+    the host, so the caller can dispatch the next step at once; a process whose devices hold none of
+    a stage only takes part in the transfers that touch its devices.
+
+    Args:
+      loss: the step's per-microbatch loss contributions (on the last stage's mesh); a non-finite
+        loss skips the update like a non-finite gradient. Empty: gradients only.
+      previous: the previous step's `STATS` vector (its skip counter carries on); None = zeros.
+      tied: `tied_groups(...)` of the stages (their copies get summed gradients, counted once).
+
+    Returns:
+      The step's `STATS` vector [5] (loss, global norm, applied 1/0, skipped steps so far,
+      clip_norm), replicated on each stage's mesh, in stage order (the last one is where it was
+      computed; stand-ins where this process holds none of a mesh).
     """
     local = [getattr(opt.stage, "local", True) for opt in optimizers]
     # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
@@ -373,12 +401,33 @@ def apply_updates(
     if tied:
         grads, corrections = tie_gradients(list(grads), list(tied))
     sq = [
-        opt.sq_norm(g) if here else stand_in((), jnp.float32, NamedSharding(opt.stage.mesh, P()))
+        opt.sq_norm(g) if here else stand_in((1,), jnp.float32, opt.scalar)
         for opt, g, here in zip(optimizers, grads, local)
     ]
-    global_norm = max(float(host_scalars(sq + corrections, tag).sum()), 0.0) ** 0.5
-    scale = clip_scale(global_norm, clip_norm)
-    for opt, g, here in zip(optimizers, grads, local):
+    home = optimizers[-1].scalar
+    parts = [transfer(x, home) for x in sq + corrections]
+    if local[-1]:
+        prev = (
+            previous if previous is not None else put_host(np.zeros(len(STATS), np.float32), home)
+        )
+        with jax.set_mesh(home.mesh):
+            stats = _combine(parts, list(loss), prev, np.float32(clip_norm))
+    else:
+        stats = stand_in((len(STATS),), jnp.float32, home)
+    copies = [transfer(stats, opt.scalar) for opt in optimizers]
+    for opt, g, here, mine in zip(optimizers, grads, local, copies):
         if here:
-            opt.apply(g, scale)
-    return global_norm
+            opt.apply(g, mine)
+    return copies
+
+
+@jax.jit
+def _combine(parts, loss, previous, clip):
+    """The step's STATS from the stages' squared norms, the loss contributions and the last STATS."""
+    sq = sum(p[0] for p in parts)
+    total = sum(loss) if loss else jnp.zeros((), jnp.float32)
+    applied = jnp.isfinite(sq) & jnp.isfinite(total)
+    skipped = previous[3] + jnp.where(applied, 0.0, 1.0)
+    norm = jnp.sqrt(jnp.maximum(sq, 0.0))
+    fields = (total, norm, applied.astype(jnp.float32), skipped, clip)
+    return jnp.stack([jnp.asarray(f, jnp.float32) for f in fields])

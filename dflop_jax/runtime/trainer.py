@@ -4,18 +4,22 @@
     report = train(cfg, model_cfg, arch_of_model(model_cfg), resolved_plan)
 
 (`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`; the plan comes from
-`dflop_jax.train_plan.resolve_plan`.) Per step: the loader yields a scheduled, packed `GlobalBatch`; the
-driver runs its microbatches through the pipeline (1F1B or GPipe) with the loss normalized by the
-batch's loss tokens; every stage updates with AdamW after global-norm clipping; a `StepMetrics` goes to
-the console / JSONL / TensorBoard; checkpoints are saved every `checkpoint.every` steps and the run
-resumes from the latest one. The trainer owns the online `Scheduler`: the loader calls its `schedule`
-with the batch index, the trainer feeds it measured stage times and checkpoints its state.
+`dflop_jax.train_plan.resolve_plan`.) Per step the trainer takes a scheduled, packed `GlobalBatch`
+from the loader (solved and decoded `prefetch` batches ahead) and issues, without reading anything
+back: the pipeline (1F1B or GPipe, loss normalized by the batch's loss tokens) and the AdamW update of
+every stage after global-norm clipping, with a non-finite step skipped on device
+(`train_state.apply_updates`). Step k's numbers (loss, norm, skips) are read after step k + 1 is
+dispatched, at log steps only, and each step's `StepMetrics` goes to the console / JSONL /
+TensorBoard; checkpoints are saved every `checkpoint.every` steps and the run resumes from the latest
+one. The trainer owns the online `Scheduler`, wrapped in a `LaggedSchedule`: the loader calls it with
+the batch index, and batch k sees the measured stage times of steps <= k - prefetch (DESIGN 5).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +33,7 @@ from dflop_jax.config import dump_yaml
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, make_loader
+from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
@@ -36,6 +41,7 @@ from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
+from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
@@ -45,8 +51,8 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
-from dflop_jax.runtime.stages import enable_compilation_cache
-from dflop_jax.runtime.train_state import StageOptimizer, apply_updates, tied_groups
+from dflop_jax.runtime.stages import enable_compilation_cache, put_host
+from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
 
 
@@ -86,7 +92,7 @@ def train(
 
     Args:
       arch: the model's cost-model architecture (MFU).
-      clock: times the stage programs of measured steps (tests pass a deterministic one).
+      clock: times the sampled stage programs of measured steps (tests pass a deterministic one).
     """
     console = console or Console(quiet=jax.process_index() != 0)
     trainer = _Trainer(cfg, model_cfg, arch, plan, console, clock)
@@ -99,15 +105,24 @@ def train(
         total_steps=cfg.steps,
     )
     start, losses = trainer.restore(), []
+
+    def log(rows: list[StepMetrics]) -> None:
+        for row in rows:
+            losses.append(row.loss)
+            metrics.log(row)
+
     try:
         for step in range(start + 1, cfg.steps + 1):
             watchdog.progress(step)
-            row = trainer.step(step)
-            losses.append(row.loss)
-            metrics.log(row)
+            trainer.dispatch(step)
+            # Step k's numbers are read after step k + 1 is dispatched, and only at log steps.
+            if step - 1 > start and trainer.read_due(step - 1, first=start + 1):
+                log(trainer.read(through=step - 1))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
                 watchdog.progress(step, "checkpoint")
+                log(trainer.read(through=step))
                 trainer.save(step)
+        log(trainer.read(through=cfg.steps))
     finally:
         trainer.close()
         metrics.close()
@@ -122,18 +137,35 @@ def train(
     return TrainReport(losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages)
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose numbers are not read yet.
+
+    Attributes:
+      stats: the `STATS` vector on the last stage's mesh (`apply_updates`).
+      start_s, dispatched_s: the clock when its dispatch began (its batch in hand) and ended.
+      done: set by a waiting thread to the clock when the step's statistics are ready.
+    """
+
+    step: int
+    batch: GlobalBatch
+    stats: jax.Array
+    start_s: float
+    dispatched_s: float
+    compiles: int
+    recompiles: int
+    measured: bool
+    done: threading.Event
+    done_s: list[float]
+
+
 class _Trainer:
     """The parts of a run that live across steps (stages, optimizers, scheduler, loader, checkpoints)
     and the step itself."""
 
     def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
-        self.cfg, self.layout, self.arch, self.console, self.clock = (
-            cfg,
-            plan.layout,
-            arch,
-            console,
-            clock,
-        )
+        self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
+        self.clock = clock
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
         _print_plan(console, plan, meshes)
@@ -149,21 +181,27 @@ class _Trainer:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
-        problem = plan.problem()
+        self.problem = plan.problem()
         # Processes must solve alike whatever their load: no wall-clock cut-off (`agreement.py`).
-        self.scheduler = Scheduler(problem, cfg.scheduler, backstop=jax.process_count() == 1)
+        self.scheduler = Scheduler(self.problem, cfg.scheduler, backstop=jax.process_count() == 1)
         self.owners = stage_owners(meshes)
         self.measure_every = cfg.measure_stage_times_every
-        # Observations steer later schedules: no prefetch, so batch k sees exactly steps < k (exact resume).
-        prefetch = 0 if self.measure_every and cfg.scheduler.correction != "off" else 2
+        # The loader solves and decodes `prefetch` batches ahead; batch b sees the observations of
+        # steps <= b - prefetch (deterministic: exact resume, every process alike).
+        self.schedule_fn = LaggedSchedule(self.scheduler, cfg.prefetch)
         self.loader = make_loader(
-            cfg.data, None, problem, self.scheduler.schedule,
-            seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=prefetch,
-            host=_host_shards(plan.layout, meshes, self.has_encoder),
+            cfg.data, None, self.problem, self.schedule_fn,
+            seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
+            host=_host_shards(plan.layout, meshes, self.has_encoder), num_batches=cfg.steps,
         )  # fmt: skip
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
         self.lr = cfg.optimizer.schedule()
+        self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
+        self.in_flight: list[_InFlight] = []
+        self.observed = 0  # observations the last read batch was scheduled with
+        self.skipped_steps = 0  # updates skipped on device (non-finite), as of the last read
+        self.last_done_s: float | None = None
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
@@ -183,31 +221,38 @@ class _Trainer:
             s.params, o.state = p, st
         self.loader.set_state(meta["loader"])
         if meta["layout"] == json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            self.scheduler.load_state_dict(meta["scheduler"])
+            self.schedule_fn.load(_lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch))
         else:  # correction factors are per stage of the layout that measured them
             self.console.print(
                 "note: the checkpoint comes from another layout; scheduler corrections start fresh",
                 highlight=False,
             )
+        self.skipped_steps = skipped = meta.get("skipped_steps", 0)
+        self.stats = put_host(np.array([0, 0, 1, skipped, 0], np.float32), self.opts[-1].scalar)
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
         return meta["step"]
 
     def save(self, step: int) -> None:
+        """Checkpoint after `step` (read first: its skip counter goes into the metadata)."""
         meta = {
             "loader": self.loader.get_state(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.schedule_fn.state(step),
             "layout": dataclasses.asdict(self.layout),
             "seed": self.cfg.seed,
+            "skipped_steps": self.skipped_steps,
         }
         params, states = [s.params for s in self.stages], [o.state for o in self.opts]
         self.ckpt.save(step, list(self.layout.stages), params, states, meta)
 
     def close(self) -> None:
+        self.schedule_fn.close()  # first: wakes a loader thread waiting for a step that never comes
         self.ckpt.close()
         self.loader.close()
 
-    def step(self, step: int) -> StepMetrics:
-        """One optimizer step on the next global batch; raises on an empty batch or a non-finite loss."""
+    def dispatch(self, step: int) -> None:
+        """Issues one optimizer step on the next global batch without reading anything back: the
+        pipeline, the clipped update (skipped on device when not finite); a measured step times the
+        ops of one microbatch (step % M). Raises on an empty batch."""
         measure = bool(self.measure_every) and step % self.measure_every == 0
         compiles_before = sum(s.compiles for s in self.stages)
         batch = next(self.loader)
@@ -220,30 +265,97 @@ class _Trainer:
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
             self.stages, batch.microbatches, None, self.cfg.pipeline,
-            measure=measure, clock=self.clock,
+            sample=step % len(batch.microbatches) if measure else None, clock=self.clock,
         )  # fmt: skip
-        loss = float(host_scalars(out.loss, f"step{step}/loss").sum())
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss} at step {step}")
-        clip = self.cfg.optimizer.clip_norm
-        grad_norm = apply_updates(self.opts, out.grads, clip, f"step{step}/norm", tied=self.tied)
-        jax.block_until_ready([s.params for s in self.stages])
-        step_time = time.perf_counter() - t0
-        observed_before = self.scheduler.prediction_error()["observations"]
-        if measure:
-            out.stage_times, out.timing_valid = shared_stage_times(
-                out.stage_times, out.timing_valid, self.owners, step
-            )
-            _observe(self.scheduler, batch.schedule, out)
+        copies = apply_updates(self.opts, out.grads, self.cfg.optimizer.clip_norm, out.loss,
+                               self.stats, tied=self.tied)  # fmt: skip
+        self.stats = copies[-1]
+        dispatched = time.perf_counter()
         compiles = sum(s.compiles for s in self.stages)
-        flops = batch_model_flops(self.arch, real_work(batch, self.has_encoder))
+        self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
+        flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
+                           compiles - compiles_before, measure, threading.Event(), [0.0])  # fmt: skip
+        _when_ready([c for c in copies if _holds(c)][:1], flight)
+        self.in_flight.append(flight)
+
+    def _observation(self, step: int, batch: GlobalBatch, out: StepOutput):
+        """How to get a measured step's observation: share its sampled stage times across processes
+        (bit-exact), keep the valid microbatch."""
+
+        def resolve() -> Observation | None:
+            times, valid = shared_stage_times(out.stage_times, out.timing_valid, self.owners, step)
+            return Observation.of_step(self.problem, batch.schedule, times, valid)
+
+        return resolve
+
+    def read_due(self, step: int, first: int) -> bool:
+        """Whether `step`'s numbers are read (and its metrics written) now: log steps and the first."""
+        return step % self.cfg.log_every == 0 or step == first
+
+    def read(self, through: int) -> list[StepMetrics]:
+        """Reads the dispatched steps up to `through` (one exchange, `host_scalars`) into metrics."""
+        due = [f for f in self.in_flight if f.step <= through]
+        if not due:
+            return []
+        self.in_flight = [f for f in self.in_flight if f.step > through]
+        values = host_scalars([f.stats for f in due], f"step{through}/stats").reshape(len(due), -1)
+        rows = []
+        for f, v in zip(due, values):
+            f.done.wait()
+            stats = dict(zip(STATS, v.tolist()))
+            self.skipped_steps = int(stats["skipped_steps"])
+            rows.append(self._metrics(f, stats))
+        return rows
+
+    def _metrics(self, f: _InFlight, stats: dict) -> StepMetrics:
+        """The step's record. Its time is from its dispatch (or the previous step's end, if later)
+        to its statistics being ready: the steps overlap, so this is the time it added."""
+        begin = f.start_s if self.last_done_s is None else max(f.start_s, self.last_done_s)
+        step_time = max(f.done_s[0] - begin, 1e-9)
+        wall = f.done_s[0] - (f.start_s if self.last_done_s is None else self.last_done_s)
+        self.last_done_s = f.done_s[0]
+        correction = f.batch.schedule.info.get("correction") or self.scheduler.prediction_error()
+        observed_before, self.observed = self.observed, correction["observations"]
+        flops = batch_model_flops(self.arch, real_work(f.batch, self.has_encoder))
         return step_metrics(
-            step, batch, [s.module for s in self.layout.stages], self.scheduler.prediction_error(),
-            observed_before=observed_before, loss=loss, grad_norm=grad_norm,
-            lr=float(self.lr(step - 1)), step_time_s=step_time,
+            f.step, f.batch, [s.module for s in self.layout.stages], correction,
+            observed_before=observed_before, loss=stats["loss"], grad_norm=stats["grad_norm"],
+            lr=float(self.lr(f.step - 1)), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
-            compiles=compiles, recompiles=compiles - compiles_before, stage_times_measured=measure,
+            compiles=f.compiles, recompiles=f.recompiles, stage_times_measured=f.measured,
+            dispatch_s=f.dispatched_s - f.start_s, wall_s=wall, update_skipped=stats["applied"] == 0,
+            skipped_steps=int(stats["skipped_steps"]),
         )  # fmt: skip
+
+
+def _lagged_state(saved: dict, step: int, lag: int) -> dict:
+    """A checkpoint's `LaggedSchedule.state`; one written before corrections were lagged holds the
+    plain scheduler state after step `step`, taken as the state through step - 1 - lag."""
+    if "through" in saved:
+        return saved
+    return {"scheduler": saved, "through": max(step - 1 - lag, 0), "step": step, "observations": {}}
+
+
+def _none() -> None:
+    """The observation of a step that measured nothing."""
+    return None
+
+
+def _holds(x: jax.Array) -> bool:
+    return isinstance(x, jax.Array) and bool(x.addressable_shards)
+
+
+def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
+    """Notes in `flight` the clock when `values` are ready, from a daemon thread (no host sync)."""
+
+    def wait():
+        try:
+            jax.block_until_ready(values)
+        finally:
+            flight.done_s[0] = time.perf_counter()
+            flight.done.set()
+
+    threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
 
 
 def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:
@@ -261,23 +373,6 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
     """orbax checkpoints for any layout and process count (one manager per group of owning processes)."""
     directory = Path(cfg.run_dir) / "checkpoints"
     return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-
-
-def _observe(scheduler: Scheduler, schedule, out: StepOutput) -> None:
-    """Feeds a measured step's stage times to the scheduler (microbatches that compiled left out).
-
-    The last stage runs forward+backward fused: its time is split by the raw predicted fwd:bwd ratio.
-    """
-    costs = scheduler.problem.stage_costs
-    times = out.stage_times.copy()
-    for m, mb in enumerate(schedule.microbatches):
-        f, b = np.asarray(costs(mb.tile_bucket, mb.length_bucket))[-1]
-        total = times[m, -1, 0]
-        times[m, -1] = (total * f / (f + b), total * b / (f + b)) if f + b > 0 else (total, 0.0)
-    keep = np.flatnonzero(out.timing_valid)
-    if keep.size:
-        kept = tuple(schedule.microbatches[i] for i in keep)
-        scheduler.observe(dataclasses.replace(schedule, microbatches=kept), times[keep])
 
 
 def _print_plan(console: Console, plan: ResolvedPlan, meshes) -> None:
