@@ -181,9 +181,9 @@ class ColocatedStage(nnx.Module):
         rows = tokens.shape[0]
         features = self.encoder(tiles, tile_pool)  # [B*T, tokens_per_tile, D]
         features = features.reshape(rows, -1, features.shape[-1])  # [B, T*tokens_per_tile, D]
-        start = jnp.arange(rows, dtype=feature_index.dtype) * features.shape[1]
-        start = start.reshape((rows,) + (1,) * (feature_index.ndim - 1))
-        local = jnp.where(feature_index >= 0, feature_index - start, feature_index)
+        # Row b's global indices lie in [b*L, (b+1)*L): modulo L is the row's own, also where this
+        # code sees only some rows (the runtime's per-replica backward runs on each data shard).
+        local = jnp.where(feature_index >= 0, feature_index % features.shape[1], feature_index)
         return self.llm.embed(tokens, features, local, feature_weight, per_row=True)
 
     def __call__(self, h, segment_ids, positions) -> jax.Array:

@@ -67,14 +67,18 @@ def _array_state_paths(state):
     ]
 
 
+def _applied(opt):
+    """A `STATS` vector that applies the update unclipped (clip_norm 0) on the stage's mesh."""
+    stats = dict.fromkeys(STATS, 0.0) | {"applied": 1.0}
+    return put_host(np.array([stats[k] for k in STATS], np.float32), opt.scalar)
+
+
 def _step(stage, cfg, grads):
     """One update from `grads` (as `StageOptimizer.reduce` leaves them: in the ZeRO-1 layout)."""
     opt = StageOptimizer(stage, cfg.build(), counted=cfg.counted)
     before = jax.device_get(stage.params)
     sq = float(opt.sq_norm(jax.device_put(grads, opt.grad_shardings))[0])
-    applied = dict.fromkeys(STATS, 0.0) | {"applied": 1.0}  # no clipping (clip_norm 0), applied
-    stats = put_host(np.array([applied[k] for k in STATS], np.float32), opt.scalar)
-    opt.apply(jax.device_put(grads, opt.grad_shardings), stats)
+    opt.apply(jax.device_put(grads, opt.grad_shardings), _applied(opt))
     after = jax.device_get(stage.params)
     stage.params = jax.device_put(before, stage.param_shardings)  # leave the fixture as it was
     return opt, before, after, sq
@@ -127,7 +131,7 @@ def test_a_recipe_state_checkpoints_and_restores(stages, tmp_path):
     cfg = OptimizerConfig(**BASE, trainable=("projector", "llm"), lr_scale={"llm": 0.5})
     opts = [StageOptimizer(s, cfg.build(), counted=cfg.counted) for s in progs]
     for i, (s, o) in enumerate(zip(progs, opts)):
-        o.apply(jax.device_put(_grads(s.params, 10 + i), o.grad_shardings), 1.0)
+        o.apply(jax.device_put(_grads(s.params, 10 + i), o.grad_shardings), _applied(o))
     ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
     specs, params, states = list(layout.stages), [s.params for s in progs], [o.state for o in opts]
     ckpt.save(1, specs, params, states, meta={})
