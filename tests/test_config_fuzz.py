@@ -62,6 +62,8 @@ def wrong_types(tp) -> list:
         elem = get_args(tp)[0]
         bad_elem = ["x"] if elem in (int, float) else [[1]]
         return [mapping, bad_elem, [mapping]]
+    if origin is dict:
+        return [["a"], "x", 1.5, {"key": "fast"}, {"key": [1.0]}]
     return {
         int: ["four", 1.5, True, [1, 2], mapping, float("nan")],
         float: ["fast", True, [1.0], mapping, float("nan"), float("inf")],
@@ -77,6 +79,8 @@ def out_of_range(tp) -> list:
     origin = get_origin(tp)
     if origin is Literal:
         return []
+    if origin is dict:
+        return [{}, {"no-such-name": 1.0}, {"vision": -1.0}, {"vision": 0.0}, {"vision": 1e30}]
     if origin is tuple:
         args = get_args(tp)
         if args[0] is str:

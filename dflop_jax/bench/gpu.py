@@ -426,8 +426,11 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
             "skipped": "needs >= 2 devices: the runtime runs the vision encoder on its own stage"
         }
     run_dir = out / "profiler_run"
+    # The scheduler observes a step's stage times `prefetch` batches later (`lagged_schedule.py`):
+    # prefetch 1 and 2 more steps, so the measured steps 2..steps are all observed.
     overrides = [*size.profiler, f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
-                 f"steps={size.steps}", "measure_stage_times_every=1", "checkpoint.every=0",
+                 f"steps={size.steps + 2}", "prefetch=1", "measure_stage_times_every=1",
+                 "checkpoint.every=0",
                  f"compilation_cache={out / 'jax_cache'}", f"peak_flops={info['peak_flops']}"]  # fmt: skip
     with _recorded_observations() as records:
         cfg, report = _train(DEMO_CONFIG, overrides)
@@ -439,7 +442,7 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
     profiled = {"encoder": cfg.profile.encoder_buckets, "llm": cfg.profile.llm_buckets}
     outside = sorted({(p["module"], p["bucket"]) for p in pairs
                       if not min(profiled[p["module"]]) <= p["bucket"] <= max(profiled[p["module"]])})  # fmt: skip
-    return {"layout": describe_layout(report.layout), "steps": size.steps, "pairs": pairs,
+    return {"layout": describe_layout(report.layout), "steps": size.steps + 2, "pairs": pairs,
             **summarize_pairs(pairs), "profiled_buckets": profiled,
             "outside_profiled": [list(x) for x in outside],
             "stage_dp": [s.dp for s in report.layout.stages],
