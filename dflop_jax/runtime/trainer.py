@@ -219,14 +219,18 @@ class _Trainer:
         )
         for s, o, p, st in zip(self.stages, self.opts, params, states):
             s.params, o.state = p, st
-        self.loader.set_state(meta["loader"])
-        if meta["layout"] == json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            self.schedule_fn.load(_lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch))
-        else:  # correction factors are per stage of the layout that measured them
+        # The schedule function first: the loader's thread schedules the next batch as soon as its
+        # state is set, and must find the lag counted from the resumed step.
+        saved = meta["scheduler"]
+        if meta["layout"] != json.loads(json.dumps(dataclasses.asdict(self.layout))):
+            # Correction factors are per stage of the layout that measured them: start fresh.
+            saved = self.scheduler.state_dict()
             self.console.print(
                 "note: the checkpoint comes from another layout; scheduler corrections start fresh",
                 highlight=False,
             )
+        self.schedule_fn.load(_lagged_state(saved, meta["step"], self.cfg.prefetch))
+        self.loader.set_state(meta["loader"])
         self.skipped_steps = skipped = meta.get("skipped_steps", 0)
         self.stats = put_host(np.array([0, 0, 1, skipped, 0], np.float32), self.opts[-1].scalar)
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
