@@ -66,6 +66,7 @@ class TrainReport:
     layout: Layout
     first_step: int
     stages: list = dataclasses.field(default_factory=list)  # the StagePrograms (final params)
+    optimizers: list = dataclasses.field(default_factory=list)  # their StageOptimizers (state)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -134,7 +135,9 @@ def train(
             highlight=False,
             soft_wrap=True,
         )
-    return TrainReport(losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages)
+    return TrainReport(
+        losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages, trainer.opts
+    )
 
 
 @dataclasses.dataclass
