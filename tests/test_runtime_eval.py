@@ -63,7 +63,7 @@ def _cfg(tmp_path, name, **over):
         "layout.llm_layers=[1, 1]",
         "layout.llm_tp=[1, 2]",
         "layout.llm_dp=2",
-        "layout.lengths=[128, 256]",
+        "layout.lengths=[256]",
         "layout.microbatches=[1, 6]",
         "scheduler.solver=greedy",
         "optimizer.lr=0.01",
