@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from models_fixtures import TINY_TRAIN_DECODER
+from multiprocess_launch import decoder_args, finish, launch, rows
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.data import load_source, load_tokenizer
 from dflop_jax.data.loader import Loader
 from dflop_jax.data.split import split_records
-from dflop_jax.runtime import evaluate, trainer
+from dflop_jax.runtime import evaluate
 from dflop_jax.runtime.checkpoint import SavedState, key_name, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
@@ -196,6 +197,23 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     # Evaluating changes nothing of training: the same split without evaluations trains alike.
     plain = run(_cfg(tmp_path, "plain"))
     assert plain.losses == report.losses
+
+
+@pytest.mark.multiprocess
+def test_two_processes_read_the_same_eval_loss_as_one(tmp_path):
+    """One stage per process: each dispatches only its own stage's programs, and both read the
+    loss the last stage computed; equal to the same run in one process."""
+    extra = ["scheduler.solver=greedy", "steps=2", "eval.every=2", "eval.fraction=0.3"]
+    run_dir = tmp_path / "mp"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    finish(launch(logs, 2, decoder_args(tmp_path, run_dir) + extra))
+    got = [rows(run_dir / name)[-1] for name in ("metrics.jsonl", "metrics.process1.jsonl")]
+    assert got[0]["step"] == got[1]["step"] == 2
+    assert got[0]["eval_loss"] == got[1]["eval_loss"] and got[0]["eval_tokens"] > 0
+    one = decoder_args(tmp_path, tmp_path / "sp") + extra + ["num_cpu_devices=8"]
+    single = run(load_config(TrainConfig, REPO / "configs" / "demo.yaml", one))
+    np.testing.assert_allclose(got[0]["eval_loss"], single.summary["final_eval_loss"], rtol=1e-5)
 
 
 def test_too_few_held_out_records_is_a_config_error(tmp_path):

@@ -348,7 +348,7 @@ class _Trainer:
         values = host_scalars(
             [f.stats for f in due] + [e.totals for e in evals], f"step{through}/stats"
         )
-        n = len(due) * len(STATS)
+        n = values.size - 2 * len(evals)  # the STATS vectors, then the evaluations' (sum, tokens)
         losses = {e.step: (e, v) for e, v in zip(evals, values[n:].reshape(len(evals), 2))}
         rows = []
         for f, v in zip(due, values[:n].reshape(len(due), -1)):
