@@ -199,6 +199,34 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     assert plain.losses == report.losses
 
 
+# The demo's LLaVA-OV-style model on two explicit layouts: encoder stages of their own, or colocated.
+MLLM = ["plan=explicit", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]", "layout.llm_dp=2",
+        "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+        "steps=1", "global_batch=8", "data.synth_samples=32", "checkpoint.every=0",
+        "compute_dtype=float32", "measure_stage_times_every=0", "peak_flops=1000000000.0",
+        "scheduler.solver=greedy", "eval.every=1", "eval.fraction=0.3", "eval.batches=1"]  # fmt: skip
+SEPARATE = ["layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]", "layout.encoder_dp=2"]
+COLOCATED = ["layout.encoder_colocated=true", "layout.encoder_layers=[]", "layout.encoder_tp=[]"]
+
+
+@pytest.mark.slow
+def test_multimodal_eval_loss_is_the_same_on_separate_and_colocated_encoders(tmp_path):
+    """The forward wave through encoder stages (tiles on the first, features passed on) and through
+    the fused stage give one eval loss: the same held-out samples, the same parameters (a step at
+    lr 1e-12 leaves them at the shared init to float32 round-off)."""
+    demo = REPO / "configs" / "demo.yaml"
+    losses = []
+    for name, layout in (("separate", SEPARATE), ("colocated", COLOCATED)):
+        over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
+                f"compilation_cache={tmp_path / 'jax_cache'}", "optimizer.lr=1e-12"]  # fmt: skip
+        report = run(load_config(TrainConfig, demo, MLLM + layout + over))
+        assert len(report.layout.encoder_stages) == (2 if name == "separate" else 0)
+        row = rows(tmp_path / name / "metrics.jsonl")[-1]
+        assert row["eval_tokens"] > 0 and np.isfinite(row["eval_loss"])
+        losses.append(row["eval_loss"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
 @pytest.mark.multiprocess
 def test_two_processes_read_the_same_eval_loss_as_one(tmp_path):
     """One stage per process: each dispatches only its own stage's programs, and both read the
