@@ -199,14 +199,17 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     assert plain.losses == report.losses
 
 
-# The demo's LLaVA-OV-style model on two explicit layouts: encoder stages of their own, or colocated.
-MLLM = ["plan=explicit", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]", "layout.llm_dp=2",
+# The demo's LLaVA-OV-style model on two explicit 8-device layouts: 2 encoder stages + 1 LLM stage, or
+# the encoder colocated on the first of 2 LLM stages.
+MLLM = ["plan=explicit", "layout.llm_tp=[2]", "layout.llm_dp=2",
         "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
         "steps=1", "global_batch=8", "data.synth_samples=32", "checkpoint.every=0",
         "compute_dtype=float32", "measure_stage_times_every=0", "peak_flops=1000000000.0",
         "scheduler.solver=greedy", "eval.every=1", "eval.fraction=0.3", "eval.batches=1"]  # fmt: skip
-SEPARATE = ["layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]", "layout.encoder_dp=2"]
-COLOCATED = ["layout.encoder_colocated=true", "layout.encoder_layers=[]", "layout.encoder_tp=[]"]
+SEPARATE = ["layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]", "layout.encoder_dp=2",
+            "layout.llm_layers=[4]"]  # fmt: skip
+COLOCATED = ["layout.encoder_colocated=true", "layout.encoder_layers=[]", "layout.encoder_tp=[]",
+             "layout.llm_layers=[2, 2]"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -218,7 +221,7 @@ def test_multimodal_eval_loss_is_the_same_on_separate_and_colocated_encoders(tmp
     losses = []
     for name, layout in (("separate", SEPARATE), ("colocated", COLOCATED)):
         over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
-                f"compilation_cache={tmp_path / 'jax_cache'}", "optimizer.lr=1e-12"]  # fmt: skip
+                f"compilation_cache={tmp_path / 'jax_cache'}", "optimizer.lr=1.0e-12"]  # fmt: skip
         report = run(load_config(TrainConfig, demo, MLLM + layout + over))
         assert len(report.layout.encoder_stages) == (2 if name == "separate" else 0)
         row = rows(tmp_path / name / "metrics.jsonl")[-1]
