@@ -234,7 +234,8 @@ def test_multimodal_eval_loss_is_the_same_on_separate_and_colocated_encoders(tmp
 def test_two_processes_read_the_same_eval_loss_as_one(tmp_path):
     """One stage per process: each dispatches only its own stage's programs, and both read the
     loss the last stage computed; equal to the same run in one process."""
-    extra = ["scheduler.solver=greedy", "steps=2", "eval.every=2", "eval.fraction=0.3"]
+    extra = ["scheduler.solver=greedy", "steps=2", "eval.every=2", "eval.fraction=0.3",
+             "layout.microbatches=[1, 6]"]  # fmt: skip
     run_dir = tmp_path / "mp"
     logs = tmp_path / "logs"
     logs.mkdir()
