@@ -4,8 +4,11 @@ samples (float32); evaluations compile nothing after the first and evaluate the 
 loss is in metrics.jsonl and the checkpoint; evaluating changes no training loss; bad eval keys are
 one-line config errors."""
 
+import dataclasses
+import io
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 from flax import nnx
 from models_fixtures import TINY_TRAIN_DECODER
 from multiprocess_launch import decoder_args, finish, launch, rows
+from rich.console import Console
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.data import load_source, load_tokenizer
@@ -25,6 +29,7 @@ from dflop_jax.data.split import split_records
 from dflop_jax.runtime import evaluate
 from dflop_jax.runtime.checkpoint import SavedState, key_name, model_tree
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.metrics import MetricsLog
 from dflop_jax.train import run
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum
@@ -49,6 +54,47 @@ def test_split_is_deterministic_disjoint_and_keyed_by_id():
     assert sum(r is dup for r in held_again) == 2
     assert {r["id"] for r in held_again if "id" in r} == ids  # reordering keeps the split
     assert split_records(records, 0.0, seed=3) == (records, [])
+
+
+def _tb_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of the TensorBoard event files under `directory` (TFRecord framing:
+    length, its crc, an `Event` proto, its crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, dict[int, float]] = {}
+    for path in directory.rglob("*tfevents*"):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + n])
+            at += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
+
+
+def test_eval_loss_in_console_jsonl_and_tensorboard(tmp_path):
+    """An evaluating step's row prints even off the log cadence, with its eval loss, and the loss
+    reaches metrics.jsonl, TensorBoard and the summary; other rows carry none."""
+    from test_runtime_metrics import _row
+
+    out = io.StringIO()
+    console = Console(file=out, width=400, color_system=None)
+    log = MetricsLog(tmp_path, 10, True, console, total_steps=10)
+    log.log(_row(1, recompiles=3))
+    log.log(dataclasses.replace(_row(2, 0), eval_loss=1.23456, eval_tokens=77, eval_recompiles=0))
+    log.log(_row(3, recompiles=0))
+    log.close()
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 2 and "eval loss" not in lines[0]
+    assert lines[1].startswith("step 2/10") and lines[1].endswith("| eval loss 1.2346")
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_loss"] for r in rows] == [None, 1.23456, None]
+    assert rows[1]["eval_tokens"] == 77
+    tb = _tb_scalars(tmp_path / "tb")
+    assert tb["eval_loss"] == {2: pytest.approx(1.23456)} and set(tb["loss"]) == {1, 2, 3}
+    assert log.summary()["final_eval_loss"] == 1.23456
 
 
 def _cfg(tmp_path, name, **over):
