@@ -244,6 +244,16 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     plain = run(_cfg(tmp_path, "plain"))
     assert plain.losses == report.losses
 
+    # Exact resume with evaluations: 2 steps, stop, resume to 4 == straight, evaluations included.
+    over = {"eval.every": 2, "checkpoint.every": 2}
+    half = run(_cfg(tmp_path, "resume", steps=2, **over))
+    resumed = run(_cfg(tmp_path, "resume", **over))
+    assert resumed.first_step == 2 and half.losses + resumed.losses == report.losses
+    again = [
+        json.loads(r) for r in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in rows]
+
 
 # The demo's LLaVA-OV-style model on two explicit 8-device layouts: 2 encoder stages + 1 LLM stage, or
 # the encoder colocated on the first of 2 LLM stages.
