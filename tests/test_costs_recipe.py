@@ -146,3 +146,21 @@ def test_bad_trainable_is_a_one_line_config_error(value):
     with pytest.raises(ConfigError, match="planner.trainable") as err:
         load_config(PlanRunConfig, None, [f"planner.trainable={value}"])
     assert "\n" not in str(err.value)
+
+
+def test_training_planner_takes_the_optimizer_recipe_and_replay_keeps_it():
+    from dflop_jax.planner.replay import provider_for
+    from dflop_jax.planner.resolve import training_planner
+
+    planner = training_planner(PlannerConfig(), 64, True, ("projector",))
+    assert planner.trainable == ("projector",) and planner.global_batch == 64
+    assert training_planner(PlannerConfig(), 64, True).trainable == ALL
+    shapes = llava_ov_mix(200, 0)
+    arch = get_arch("siglip-so400m+qwen2.5-0.5b")
+    remat = AnalyticCostProvider(arch, H100, remat=True)
+    plan = make_plan(
+        arch, H100, 2, shapes, dataclasses.replace(SMALL, trainable=("projector",)), remat
+    )
+    replayed = provider_for(plan)
+    assert replayed.trainable == ("projector",) and replayed.policy["llm"] == "full"
+    assert replayed.name == plan.cost_provider
