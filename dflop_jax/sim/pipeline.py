@@ -228,6 +228,8 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
 
 def forward_only_prefix(times: np.ndarray) -> int:
     """How many leading stages have no backward (all their backward times zero)."""
+    if times[0, 0, 1] > 0:  # the usual case, in the planner's inner loop: one scalar read
+        return 0
     bwd, n = times[:, :, 1], 0
     while n < bwd.shape[1] and not bwd[:, n].any():
         n += 1
