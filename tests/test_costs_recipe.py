@@ -164,3 +164,22 @@ def test_training_planner_takes_the_optimizer_recipe_and_replay_keeps_it():
     replayed = provider_for(plan)
     assert replayed.trainable == ("projector",) and replayed.policy["llm"] == "full"
     assert replayed.name == plan.cost_provider
+
+
+def test_schedule_costs_of_a_frozen_encoder_layout():
+    """The scheduler's stage costs (layout_stage_costs) under vision frozen: the separate encoder
+    stages cost their forward only, the LLM stages their full training step."""
+    from dflop_jax.costs import Layout, layout_stage_costs
+
+    enc = (
+        StageSpec("encoder", 0, 13, tp=1, dp=2, has_embedding=True),
+        StageSpec("encoder", 13, 13, tp=1, dp=2, has_head=True),
+    )
+    lay = Layout(enc, (StageSpec("llm", 0, 28, tp=4, dp=2, has_embedding=True, has_head=True),))
+    full = layout_stage_costs(AnalyticCostProvider(ARCH, H100), lay)(8, 8192)
+    frozen = layout_stage_costs(
+        AnalyticCostProvider(ARCH, H100, trainable=("projector", "llm")), lay
+    )(8, 8192)
+    assert frozen[0, 1] == 0.0 and frozen[0, 0] == full[0, 0]  # forward only
+    assert 0.0 < frozen[1, 1] < full[1, 1]  # projector-only head stage
+    np.testing.assert_array_equal(frozen[2], full[2])
