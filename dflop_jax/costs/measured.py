@@ -23,18 +23,18 @@ Needs 3 or more profiled buckets; with fewer, or `fit="interpolate"`: piecewise-
 profiled buckets, linear beyond them, per_layer = c2 - c1 and base = c1 - per_layer per bucket.
 Buckets outside the profiled range are flagged "extrapolated" in `sources()`.
 
+Frozen stages (a recipe's `trainable`, costs/recipe.py): the profiler times the trainable programs
+only, so a forward-only stage's time is the MEASURED forward, a dx-only stage's backward is DERIVED
+(2/3 of the measured backward), a projector-only encoder head stage's backward is DERIVED (measured
+stage forward minus head forward, plus the measured head backward); grads and optimizer count the
+trained parts' measured parameter bytes; temp stays the trainable program's (an upper bound).
+
 Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
 most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
 (2 x params), activations_per_microbatch = the stage input (x + side arrays: what the runtime keeps per
 in-flight microbatch under recompute-in-backward), temp = the rest of the backward program's peak
 (XLA temporaries, the incoming and outgoing activation gradients), summed over parts (an upper bound:
 parts run inside one program may reuse buffers).
-
-Frozen stages (a recipe's `trainable`, costs/recipe.py): the profiler times the trainable programs
-only, so a forward-only stage's time is the MEASURED forward, a dx-only stage's backward is DERIVED
-(2/3 of the measured backward), a projector-only encoder head stage's backward is DERIVED (measured
-stage forward minus head forward, plus the measured head backward); grads and optimizer count the
-trained parts' measured parameter bytes; temp stays the trainable program's (an upper bound).
 
 Missing entries (a tp or kind never profiled, a skipped entry) fall back to `fallback` with a warning
 logged once per (kind, tp); without a fallback they raise KeyError. Transfers are not profiled: they
@@ -308,15 +308,6 @@ class MeasuredCostProvider:
         bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
         return float(fwd), float(bwd)  # plain floats: plans are written as YAML
 
-    def with_trainable(self, trainable: tuple[str, ...]) -> MeasuredCostProvider:
-        """This provider (sharing its table and fits) under another recipe."""
-        if tuple(trainable) == self.trainable:
-            return self
-        other = copy.copy(self)
-        other.trainable = check_trainable(trainable)
-        other.name = self.name.split("+train:", 1)[0] + trainable_suffix(other.trainable)
-        return other
-
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         if bucket <= 0:
             bucket = 1  # state still lives on the device; activations of the smallest shape
@@ -338,6 +329,15 @@ class MeasuredCostProvider:
 
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         return self._transfer.transfer_time(stage, bucket, cross_host)
+
+    def with_trainable(self, trainable: tuple[str, ...]) -> MeasuredCostProvider:
+        """This provider (sharing its table and fits) under another recipe."""
+        if tuple(trainable) == self.trainable:
+            return self
+        other = copy.copy(self)
+        other.trainable = check_trainable(trainable)
+        other.name = self.name.split("+train:", 1)[0] + trainable_suffix(other.trainable)
+        return other
 
     def sources(self) -> dict[str, dict[str, int]]:
         """Per entry kind, how many lookups were measured / interpolated / extrapolated / fallback."""
