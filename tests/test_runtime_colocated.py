@@ -24,7 +24,7 @@ from pipeline_reference import assert_trees_close, no_host_round_trip, reference
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
-from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device, layout_stage_costs
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.measured import MeasuredCostProvider
@@ -265,6 +265,12 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the fused stage encoded tiles
+    # the planner scored the colocated layout with the profiled fused stage program
+    table = load_table(tmp_path / "run" / "auto_plan" / "cost_table.json")
+    assert table.buckets("colocated_embedding", 1, 0) == [4, 16]
+    sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
+    assert sum(sources["colocated_embedding"].values()) > 0
+    assert "fallback" not in sources["colocated_embedding"]
 
 
 EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
@@ -303,6 +309,10 @@ def test_explicit_colocated_layout_trains(tmp_path):
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0
+    for r in rows:  # the fused stage pads tiles and tokens, each reported on its own
+        tiles, tokens = r["encoder_padding_ratio"], r["llm_padding_ratio"]
+        assert r["stage_padding"] == [{"tiles": tiles, "tokens": tokens}, {"tokens": tokens}]
+        assert r["tile_padding_ratio"] == tiles and tiles != tokens
 
 
 def test_colocated_schedule_keeps_tiles_on_their_row():

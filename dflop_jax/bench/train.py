@@ -2,8 +2,8 @@
 
     python -m dflop_jax.bench train [--config configs/demo.yaml] [--out runs/bench_train] [key=value ...]
 
-Trains the config twice in this process, on the same devices, data, global batches (the same samples
-per step) and seed:
+Trains the config twice, each arm in a fresh training process, on the same devices, data, global
+batches (the same samples per step) and seed:
   dflop       the config as given (its `plan`: e.g. the demo's profile -> plan; its scheduler);
   data-blind  the data-blind planner's own layout (`make_plan(mode="uniform")`: the encoder colocated on
               the first LLM stage, one tp/pp/dp chosen from MEAN shapes, DESIGN section 8) on the same
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,14 +83,31 @@ def _fresh(run_dir: Path) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
-def _train(config: Path, overrides: list[str]):
+def _train(arm: str, config: Path, overrides: list[str]):
+    """Trains one arm in a fresh `python -m dflop_jax.train` process (its output streams through);
+    returns the arm's config. A fresh process per arm: no compiled program, cached transfer or
+    thread of one arm's runtime is in the other's (and a second training in one process on another
+    layout hung in a cross-stage transfer: see docs/benchmarks.md)."""
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train import run
 
     cfg = load_config(TrainConfig, config, overrides)
     _fresh(Path(cfg.run_dir))
-    return cfg, run(cfg)
+    cmd = [sys.executable, "-m", "dflop_jax.train", "--config", str(config), *overrides]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {arm} arm exited {done.returncode} (its run: {cfg.run_dir})")
+    return cfg
+
+
+def _layout(cfg, run_dir: Path):
+    """The layout an arm trained: its plan file's, or the config's explicit one."""
+    from dflop_jax.planner import load_plan
+
+    if cfg.plan == "explicit":
+        return cfg.layout.layout()
+    named = {"auto": run_dir / "auto_plan" / "plan.yaml", "analytic": run_dir / "plan.yaml"}
+    return load_plan(named.get(cfg.plan, cfg.plan)).layout
 
 
 def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
@@ -122,13 +140,14 @@ def run_ab(config: Path, out: Path, overrides: list[str]) -> dict:
     from dflop_jax.planner.candidates import describe_layout
 
     dflop_dir, blind_dir = out / "dflop", out / "data_blind"
-    cfg, dflop_run = _train(config, [*overrides, *COMMON, f"run_dir={dflop_dir}"])
+    cfg = _train("dflop", config, [*overrides, *COMMON, f"run_dir={dflop_dir}"])
     plan = blind_plan(cfg, dflop_dir, out / "data_blind_plan.yaml")
     blind_overrides = [*overrides, *COMMON, f"run_dir={blind_dir}", f"plan={plan}",
                        "scheduler.solver=data_blind"]  # fmt: skip
-    _, blind_run = _train(config, blind_overrides)
+    blind_cfg = _train("data-blind", config, blind_overrides)
     a, b = arm_summary(dflop_dir / "metrics.jsonl"), arm_summary(blind_dir / "metrics.jsonl")
-    a["layout"], b["layout"] = describe_layout(dflop_run.layout), describe_layout(blind_run.layout)
+    a["layout"] = describe_layout(_layout(cfg, dflop_dir))
+    b["layout"] = describe_layout(_layout(blind_cfg, blind_dir))
     n = min(len(a["losses"]), len(b["losses"]))
     report = {
         "config": str(config),

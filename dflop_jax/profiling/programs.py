@@ -141,7 +141,8 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_
     batch["loss_mask"][...] = 1
     n = min(length // 2, n_features)
     batch["feature_index"][...] = TEXT
-    batch["feature_index"][:, length - n :] = np.arange(n)
+    offset = np.arange(rows)[:, None] * n_features if by_row else 0  # global slot rows, as packed
+    batch["feature_index"][:, length - n :] = offset + np.arange(n)
     if batch["feature_taps"] is not None:
         k = batch["feature_taps"].shape[-1]
         taps, weights = plain_taps(batch["feature_index"].reshape(-1), k)
