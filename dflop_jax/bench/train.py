@@ -176,7 +176,8 @@ def _print(report: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in ("dflop", "data_blind"):
         r = report[name]
-        cells = [name, r["layout"], _fmt(r["tokens_per_s_steady"], ".0f"), _fmt(r["tokens_per_s_all"], ".0f"),
+        layout = r["layout"].replace(" | ", " + ")  # a table cell holds no "|"
+        cells = [name, layout, _fmt(r["tokens_per_s_steady"], ".0f"), _fmt(r["tokens_per_s_all"], ".0f"),
                  _fmt(r["step_time_s_median_steady"], ".2f"), _fmt(r["llm_padding_ratio_mean"], ".1%"),
                  _fmt(r["encoder_padding_ratio_mean"], ".1%"), _fmt(r["microbatches_mean"], ".1f"),
                  str(r["compiles"])]  # fmt: skip
