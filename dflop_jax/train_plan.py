@@ -67,11 +67,11 @@ def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         measured = measured.with_trainable(trainable)
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
     plan = static_plan(cfg.plan, arch, device, len(jax.devices()), planner,
-                       lambda: _sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
+                       lambda: sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
     return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
 
 
-def _sample_shapes(cfg: TrainConfig):
+def sample_shapes(cfg: TrainConfig):
     """(tiles, tokens) of the dataset's samples from metadata (bad samples left out)."""
     from dflop_jax.data import BadSample, Processor, load_source
 

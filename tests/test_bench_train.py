@@ -1,38 +1,34 @@
-"""bench train: the real runtime trains the same global batches under DFLOP's schedule and under the
-data-blind schedule; the data-blind arm pads more, and the losses agree (packing changes speed, not
-the math: the loss is normalized over the global batch)."""
+"""bench train: the real runtime trains the same global batches as DFLOP (its plan, its schedule) and as
+a data-blind trainer (the data-blind planner's own layout: encoder colocated, one tp/pp/dp; in-order
+packing at the largest buckets); the data-blind arm pads more, and the losses agree (layout and packing
+change speed, not the math: the loss is normalized over the global batch)."""
 
 import json
 
 import pytest
-from models_fixtures import TINY_TRAIN_DECODER
 
 from dflop_jax.bench import train as bench_train
+from dflop_jax.planner import load_plan
 
 
+@pytest.mark.slow
 def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path, capsys):
-    overrides = [
-        "model.kind=decoder",
-        "layout.encoder_layers=[]",
-        *TINY_TRAIN_DECODER,
+    overrides = [  # the demo LLaVA-OV, DFLOP planned with analytic costs (no profiling)
         f"data.synth_dir={tmp_path / 'synth'}",
-        "data.synth_mix=text",
-        "data.synth_samples=64",
-        "data.max_tokens=512",
+        "data.synth_samples=48",
         "data.cache_dir=",
-        "plan=explicit",
-        "layout.llm_layers=[1, 1]",
-        "layout.llm_tp=[1, 2]",
-        "layout.llm_dp=2",
-        "layout.lengths=[128, 256, 512]",
-        "layout.microbatches=[2, 4]",
+        "plan=analytic",
+        "planner.num_buckets=[2]",
+        # one LLM stage: the data-blind layout is the fused stage alone (no cross-stage transfer;
+        # its 2-stage variant deadlocks intermittently on 8 CPU devices, docs/benchmarks.md)
+        "planner.llm_pp=[1]",
         "scheduler.solver=greedy",
-        "global_batch=16",
+        "global_batch=8",
         "steps=3",
         "compute_dtype=float32",
         f"compilation_cache={tmp_path / 'jax_cache'}",
     ]
-    report = bench_train.run_ab(None, tmp_path / "ab", overrides)
+    report = bench_train.run_ab(bench_train.DEMO_CONFIG, tmp_path / "ab", overrides)
     dflop, blind = report["dflop"], report["data_blind"]
     assert dflop["steps"] == blind["steps"] == 3
     assert blind["llm_padding_ratio_mean"] > dflop["llm_padding_ratio_mean"]
@@ -56,8 +52,14 @@ def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"{report['speedup_all_steps']:.2f}x over all steps" in printed
     assert f"| {blind['llm_padding_ratio_mean']:.1%} |" in printed
+    assert "CPU cannot show: pipeline bubbles" in printed
     saved = json.loads((tmp_path / "ab" / "bench_train.json").read_text())
     assert saved["data_blind"]["losses"] == blind["losses"]
-    # the second arm trained with the first arm's layout, not a new plan
+    # the second arm trained on the data-blind planner's own layout: the encoder colocated, one tp
+    plan = load_plan(tmp_path / "ab" / "data_blind_plan.yaml")
+    assert plan.mode == "uniform" and plan.layout.encoder_stages == ()
+    assert len({s.tp for s in plan.layout.llm_stages}) == 1
+    assert blind["layout"].startswith("enc@llm0 | llm tp") and " pp1 " in blind["layout"]
+    assert dflop["layout"].startswith("enc tp")  # the demo's planner keeps separate encoder stages
     blind_cfg = (tmp_path / "ab" / "data_blind" / "config.yaml").read_text()
-    assert "solver: data_blind" in blind_cfg and "lengths:\n  - 128" in blind_cfg
+    assert "solver: data_blind" in blind_cfg and "data_blind_plan.yaml" in blind_cfg

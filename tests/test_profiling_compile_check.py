@@ -20,9 +20,9 @@ from dflop_jax.planner.plan_file import StageCheck
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.compile_check import check_plan, warn_disagreements
 from dflop_jax.profiling.model_config import model_config_for_arch
-from dflop_jax.profiling.programs import stage_program
+from dflop_jax.profiling.programs import per_device_bytes, stage_program
 from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import stage_module
+from dflop_jax.runtime.model_stages import abstract_stage, build_stages, stage_module
 
 CFG = model_config_for_arch("tiny", "bfloat16")
 LAYOUT = Layout(
@@ -96,14 +96,39 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
         assert check.compile_s > 0
 
 
-def test_colocated_encoder_is_its_own_program_on_stage_zero():
+def test_colocated_stage_is_compiled_as_the_fused_program_that_trains():
+    """A layout without encoder stages: stage 0 is ONE program, the runtime's fused stage
+    (`init_stage(..., with_encoder=True)`): its parameters are the trainer's stage-0 params (the whole
+    encoder and the LLM layers), and its compiled bytes are those of the fused program at the largest
+    (tile, length) buckets."""
     layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),))
     (check,) = check_plan(tiny_plan(layout), CFG)
-    assert check.parts == ("encoder", "llm")
-    assert len(check.program_bytes) == 2
+    assert check.parts == ("encoder+llm",)
     mesh = stage_meshes(layout, jax.devices())[0]
+    spec = layout.stages[0]
+    trained = build_stages(CFG, layout, [mesh], 0)[0]  # what the trainer holds on stage 0
+    assert check.params == per_device_bytes(trained.params)
     enc = StageSpec("encoder", 0, 2, tp=2, dp=2, has_embedding=True, has_head=True)
-    assert check.program_bytes[0] == _memory_analysis_bytes(enc, mesh, BUCKETS.tiles[-1], None)
+    assert check.params > per_device_bytes(abstract_stage(CFG, spec, mesh).state)
+    assert check.params > per_device_bytes(abstract_stage(CFG, enc, mesh).state)
+    prog = stage_program(CFG, spec, mesh, BUCKETS.lengths[-1], jnp.bfloat16,
+                         tile_bucket=BUCKETS.tiles[-1])  # fmt: skip
+    assert "tiles" in prog.side_abs and prog.x_abs is None  # it encodes its own tiles
+    assert prog.side_abs["tiles"].shape[0] == spec.dp * BUCKETS.tiles[-1]
+    with jax.set_mesh(mesh):
+        m = prog.bwd.lower(prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs,
+                           prog.gacc_abs).compile().memory_analysis()  # fmt: skip
+    program = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)  # fmt: skip
+    assert check.program_bytes == (program,)
+
+
+def test_colocated_check_refuses_what_the_runtime_refuses():
+    """A colocated encoder at its own tp (the runtime runs it at the stage's): the same error."""
+    layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),),
+                    colocated_encoder_tp=1)  # fmt: skip
+    with pytest.raises(ValueError, match="colocated_encoder_tp=1"):
+        check_plan(tiny_plan(layout), CFG)
 
 
 def test_gross_disagreement_warns(caplog):

@@ -17,7 +17,7 @@ from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS
 from dflop_jax.profiling.model_config import model_config_for_arch
-from dflop_jax.profiling.programs import StageShape, build_program
+from dflop_jax.profiling.programs import StageShape, build_program, profile_mesh, stage_program
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.stages import accumulator_structs
@@ -125,3 +125,32 @@ def test_last_stage_costs_equal_and_a_changed_input_dtype_is_caught(trained):
     side = dict(side, loss_mask=jax.ShapeDtypeStruct(mask.shape, jnp.int32, sharding=mask.sharding))
     int_mask = _lower(stage.mesh, stage.jits.last, (params, x, side, seed, gacc))
     assert _normalized(int_mask) != _normalized(profiled)
+
+
+def test_profiled_fused_stage_lowers_to_the_trained_one():
+    """The colocated encoder's fused stage (`ColocatedStage`: ViT + projector + the first LLM layer in
+    one program, tiles packed by row): the profiler's program (`stage_program(..., tile_bucket=T)`,
+    what the colocated_embedding entries and the compile check build) is the trainer's LLM stage 0
+    of a layout without encoder stages, forward and backward, fed the packer's colocated microbatch."""
+    fused = Layout((), (StageSpec("llm", 0, 1, tp=2, has_embedding=True),
+                        StageSpec("llm", 1, 3, tp=2, has_head=True)))  # fmt: skip
+    stage = build_stages(CFG, fused, stage_meshes(fused), 0, compute_dtype=DTYPE)[0]
+    v = CFG.vision
+    mb, _ = pack_microbatch(MicrobatchPlan(T, S, ((),), tiles_by_row=True), [], [], encoder_dp=1,
+                            llm_dp=1, tile_shape=(v.image_size, v.image_size, v.num_channels),
+                            tokens_per_tile=CFG.tokens_per_tile, feature_taps=FEATURE_TAPS)  # fmt: skip
+    params, side = _abstract(stage.params), _abstract(stage.put_side(dataclasses.asdict(mb)))
+    with jax.set_mesh(stage.mesh):
+        y = jax.eval_shape(stage.jits.forward, params, None, side)
+    seed = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
+    prog = stage_program(CFG, fused.stages[0], profile_mesh(jax.devices(), 2), S, DTYPE,
+                         tile_bucket=T)  # fmt: skip
+    assert prog.x_abs is None and "tiles" in prog.side_abs
+    trained_bwd = (params, None, side, seed, accumulator_structs(params))
+    profiled_bwd = (prog.params_abs, None, prog.side_abs, prog.seed_abs, prog.gacc_abs)
+    assert _normalized(_lower(prog.mesh, prog.bwd, profiled_bwd)) == _normalized(
+        _lower(stage.mesh, stage.jits.backward, trained_bwd)
+    )
+    assert _normalized(_lower(prog.mesh, prog.fwd, profiled_bwd[:3])) == _normalized(
+        _lower(stage.mesh, stage.jits.forward, trained_bwd[:3])
+    )

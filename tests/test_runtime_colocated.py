@@ -11,6 +11,7 @@ Also: a layout whose tp splits a head is refused; checkpoints round-trip between
 separate-encoder layout; the scheduler keeps each sample's tiles on its row's shard; an explicit
 `layout.encoder_colocated` run and a `plan: auto` run whose planner colocates train end to end (slow)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,15 +24,21 @@ from pipeline_reference import assert_trees_close, no_host_round_trip, reference
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table
+from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device, layout_stage_costs
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.measured import MeasuredCostProvider
+from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.data.types import plain_taps
+from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
+from dflop_jax.runtime.lagged_schedule import Observation
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
-from dflop_jax.scheduler import SchedulerConfig, schedule_batch
+from dflop_jax.scheduler import Scheduler, SchedulerConfig, schedule_batch
 from dflop_jax.train import run
 from models.decoder_config import DecoderConfig
 from models.internvit import InternViTConfig
@@ -258,6 +265,12 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the fused stage encoded tiles
+    # the planner scored the colocated layout with the profiled fused stage program
+    table = load_table(tmp_path / "run" / "auto_plan" / "cost_table.json")
+    assert table.buckets("colocated_embedding", 1, 0) == [4, 16]
+    sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
+    assert sum(sources["colocated_embedding"].values()) > 0
+    assert "fallback" not in sources["colocated_embedding"]
 
 
 EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
@@ -296,6 +309,10 @@ def test_explicit_colocated_layout_trains(tmp_path):
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0
+    for r in rows:  # the fused stage pads tiles and tokens, each reported on its own
+        tiles, tokens = r["encoder_padding_ratio"], r["llm_padding_ratio"]
+        assert r["stage_padding"] == [{"tiles": tiles, "tokens": tokens}, {"tokens": tokens}]
+        assert r["tile_padding_ratio"] == tiles and tiles != tokens
 
 
 def test_colocated_schedule_keeps_tiles_on_their_row():
@@ -319,3 +336,114 @@ def test_colocated_schedule_keeps_tiles_on_their_row():
             assert tiles == [(i, t) for i in shard for t in range(shapes[i].tiles)]
     with pytest.raises(ValueError, match="largest tile bucket 12"):
         schedule_batch([SampleShape("big", 13, 50)], problem, SchedulerConfig(solver="greedy"))
+
+
+# ------------------------------------------------ cost and correction accounting of the fused stage
+
+LLAVA = llava_onevision_config(SIGLIP, TEXT)
+FUSED_LAYOUT = Layout((), (StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
+                           StageSpec("llm", 2, 1, tp=2, dp=2, has_head=True)))  # fmt: skip
+
+
+def _table(fused: bool) -> ProfiledCostTable:
+    """A cost table of simple per-part times at tp 2 (LLM rows 256, 512; tiles 4, 8), with the
+    fused stage's program (colocated_embedding, its row 256 tokens) when `fused`."""
+    table = ProfiledCostTable("cpu", "cpu", 8, "h", "v")
+    per = {"llm_embedding": 1e-6, "llm_layers": 3e-6, "llm_head": 2e-6}
+    for kind, rate in per.items():
+        for b in (256, 512):
+            for n in (1, 2) if kind == "llm_layers" else (0,):
+                table.add(CostEntry(kind, 2, b, n, fwd_s=rate * b * max(n, 1),
+                                    bwd_s=2 * rate * b * max(n, 1)))  # fmt: skip
+    for kind, rate in {
+        "encoder_embedding": 1e-4,
+        "encoder_layers": 5e-4,
+        "encoder_head": 2e-4,
+    }.items():
+        for t in (4, 8):
+            for n in (1, 2) if kind == "encoder_layers" else (0,):
+                table.add(CostEntry(kind, 2, t, n, fwd_s=rate * t * max(n, 1),
+                                    bwd_s=2 * rate * t * max(n, 1)))  # fmt: skip
+    if fused:  # the fused program: 256e-6 s of embedding at its row + 3e-3 s per tile of encoder
+        for t in (4, 8):
+            table.add(CostEntry("colocated_embedding", 2, t, 0, fwd_s=256e-6 + 3e-3 * t,
+                                bwd_s=2 * (256e-6 + 3e-3 * t), length=256))  # fmt: skip
+    return table
+
+
+def test_fused_stage_cost_comes_from_the_profiled_fused_program():
+    """LLM stage 0 of a colocated layout costs its LLM parts plus the fused program's encoder share
+    (colocated_embedding minus the embedding at its row), interpolated in tiles; without that entry,
+    the encoder's parts as a separate stage. The scheduler problem has ONE stage for it."""
+    arch, cpu = arch_of_model(LLAVA), get_device("cpu")
+    fused = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
+    apart = MeasuredCostProvider(_table(False), arch, cpu, fit="interpolate")
+    problem = ResolvedPlan(FUSED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), fused).problem()
+    assert problem.num_stages == 2 and problem.colocated
+    llm0 = np.array(fused.stage_time(FUSED_LAYOUT.stages[0], 512))
+    got = problem.stage_costs(6, 512)
+    np.testing.assert_allclose(got[0], llm0 + [3e-3 * 6, 2 * 3e-3 * 6], rtol=1e-9)
+    np.testing.assert_allclose(got[1], fused.stage_time(FUSED_LAYOUT.stages[1], 512), rtol=1e-9)
+    assert fused.sources()["colocated_embedding"] == {"interpolated": 1}
+    enc = apart.stage_time(colocated_encoder_stage(arch, FUSED_LAYOUT), 6)
+    np.testing.assert_allclose(layout_stage_costs(apart, FUSED_LAYOUT)(6, 512)[0],
+                               llm0 + np.array(enc), rtol=1e-9)  # fmt: skip
+    assert "colocated_embedding" not in apart.sources()
+
+
+def test_correction_observes_the_fused_stage_as_one_stage():
+    """The runtime builds one program per stage of the colocated layout (the encoder inside stage 0),
+    so a step's measured times are [M, 2, 2]; the correction learns stage 0's factor against the
+    fused prediction (LLM parts + encoder), not against an encoder stage of its own."""
+    meshes = stage_meshes(FUSED_LAYOUT, jax.devices())
+    stages = build_stages(LLAVA, FUSED_LAYOUT, meshes, 0, compute_dtype=jnp.float32)
+    assert len(stages) == 2 and "tiles" in stages[0].fns.side_keys
+    arch, cpu = arch_of_model(LLAVA), get_device("cpu")
+    provider = AnalyticCostProvider(arch, cpu)
+    problem = ResolvedPlan(FUSED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), provider).problem()
+    shapes = [SampleShape(i, 1 + i % 3, 60 + 37 * i) for i in range(8)]
+    scheduler = Scheduler(problem, SchedulerConfig(solver="greedy", correction="on"))
+    schedule = scheduler.schedule(shapes, 1)
+    raw = np.array([problem.stage_costs(mb.tile_bucket, mb.length_bucket)
+                    for mb in schedule.microbatches])  # fmt: skip
+    measured = raw * [[1.0], [3.0]]  # stage 1 (the fused stage is 0) runs 3x its prediction
+    measured[:, -1, 0], measured[:, -1, 1] = measured[:, -1].sum(1), 0.0  # the fused last step
+    obs = Observation.of_step(problem, schedule, measured, np.ones(len(raw), bool))
+    assert np.asarray(obs.times).shape == (len(raw), 2, 2)
+    obs.feed(scheduler)
+    assert scheduler.observations == len(raw)
+    for mb in schedule.microbatches:
+        ti = problem.buckets.tiles.index(mb.tile_bucket)
+        si = problem.buckets.lengths.index(mb.length_bucket)
+        np.testing.assert_allclose(scheduler.correction.factor(ti, si), [[1, 1], [3, 3]])
+
+
+def test_stage_modules_name_the_fused_stage():
+    from dflop_jax.runtime.metrics import FUSED, stage_modules
+
+    assert stage_modules(FUSED_LAYOUT, True) == [FUSED, "llm"]
+    assert stage_modules(FUSED_LAYOUT, False) == ["llm", "llm"]  # a decoder: no encoder to fuse
+    separate = Layout((StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+                      FUSED_LAYOUT.llm_stages)  # fmt: skip
+    assert stage_modules(separate, True) == ["encoder", "llm", "llm"]
+
+
+def test_data_blind_schedule_keeps_each_shard_within_the_largest_tile_bucket():
+    """The data-blind baseline on a colocated layout (its own planner's choice): in-order first-fit,
+    every microbatch at the largest buckets, and no shard holding more of its rows' tiles than the
+    largest tile bucket (the runtime's fused stage encodes exactly them). The loader order puts two
+    5-tile samples first: a separate encoder would pool them over both shards; here they split."""
+    shapes = [SampleShape(0, 5, 40), SampleShape(1, 5, 40)] + [
+        SampleShape(i, 1, 40) for i in range(2, 8)
+    ]
+    costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
+    problem = ScheduleProblem(2, 2, 1, (2, 2), BucketSet((4, 8), (256, 512)), costs, colocated=True)
+    schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="data_blind"))
+    assert sorted(i for mb in schedule.microbatches for i in mb.samples()) == list(range(8))
+    for mb in schedule.microbatches:
+        assert mb.tiles_by_row and (mb.tile_bucket, mb.length_bucket) == (8, 512)
+        assert max(sum(shapes[i].tiles for i in shard) for shard in mb.shards) <= 8
+    assert schedule.microbatches[0].shards == ((0, 2, 3), (1,))
+    separate = dataclasses.replace(problem, colocated=False)
+    pooled = schedule_batch(shapes, separate, SchedulerConfig(solver="data_blind"))
+    assert pooled.microbatches[0].shards == ((0, 1, 2, 3), ())  # 10 tiles pooled over 2 x 8

@@ -1,21 +1,28 @@
-"""End-to-end A/B on the real runtime: DFLOP's schedule vs the data-blind schedule, same layout.
+"""End-to-end A/B on the real runtime: DFLOP vs a data-blind trainer, each on its own planner's layout.
 
     python -m dflop_jax.bench train [--config configs/demo.yaml] [--out runs/bench_train] [key=value ...]
 
-Trains the config twice in this process, on the same devices, data, global batches, seed and plan:
-  dflop       the config as given (its `plan`: e.g. the demo's profile -> plan; its scheduler),
-  data-blind  the first arm's plan file, `scheduler.solver=data_blind` (loader-order microbatches, each
-              at the largest buckets, the smallest allowed count: what a data-blind trainer does).
+Trains the config twice, each arm in a fresh training process, on the same devices, data, global
+batches (the same samples per step) and seed:
+  dflop       the config as given (its `plan`: e.g. the demo's profile -> plan; its scheduler);
+  data-blind  the data-blind planner's own layout (`make_plan(mode="uniform")`: the encoder colocated on
+              the first LLM stage, one tp/pp/dp chosen from MEAN shapes, DESIGN section 8) on the same
+              shapes and cost provider the first arm planned with (its measured cost table under
+              `plan: auto`, else the analytic model), trained with `scheduler.solver=data_blind`
+              (loader-order microbatches, each at the largest buckets, the smallest allowed count).
 Checkpoints and in-loop stage timing are off in both arms, so every step is an ordinary step.
-Reported per arm, from each run's metrics.jsonl: steady-state throughput (real tokens / s over the
-steps that compiled nothing new), the same over all steps (compiles included), mean LLM padding,
-microbatches per step, compiles; then the ratios, and the largest per-step loss difference: the loss is
-normalized over the global batch, so a different packing of the same samples must give the same loss
-(up to bf16 round-off) — a check that scheduling changes speed, not the math.
+Reported per arm, from each run's metrics.jsonl: its layout, steady-state throughput (real tokens / s
+over the steps that compiled nothing new), the same over all steps (compiles included), median step
+time, mean token (LLM) and tile (encoder) padding, microbatches per step, compiles; then the ratios,
+and the largest per-step loss difference: the loss is normalized over the global batch, so a different
+layout or packing of the same samples gives the same loss up to round-off (bf16: ~1e-2; float32: ~1e-5)
+-- a check that the arms differ in speed, not in the math.
 
-On CPU the simulated devices share the host's cores, so stages do not overlap: the ratio measures the
-work the schedule saves (padding, bucket sizes), not pipeline-bubble savings, which need real devices
-(`bench cluster` simulates those).
+What CPU can and cannot show (`CPU_EFFECTS`, printed with the table): simulated CPU devices share the
+host's cores, so stages never overlap; the ratio measures the WORK each arm computes (padding, bucket
+sizes, recompute, the number of compiled programs), not pipeline bubbles, the encoder's overlap with the
+LLM on separate devices, tp/dp communication cost or memory limits, which need real accelerators
+(`bench cluster` simulates those, `bench gpu` measures them).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +41,13 @@ from dflop_jax.host_devices import simulate_cpu_devices
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 # Both arms: no checkpoint writes, no serialized timing steps (they would add the same noise to both).
 COMMON = ["checkpoint.every=0", "measure_stage_times_every=0"]
+CPU_EFFECTS = (
+    "CPU shows: padding (token and tile work computed for nothing), bucket sizes, microbatch counts, "
+    "compiles, recompute.",
+    "CPU cannot show: pipeline bubbles and stage overlap (the simulated devices share the host's "
+    "cores), a separate encoder running beside the LLM, tp/dp communication, memory limits: use "
+    "`bench cluster` (simulated) or `bench gpu` (measured) for those.",
+)
 
 
 def arm_summary(metrics_path: Path) -> dict:
@@ -68,36 +83,75 @@ def _fresh(run_dir: Path) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
-def _train(config: Path, overrides: list[str]):
+def _train(arm: str, config: Path, overrides: list[str]):
+    """Trains one arm in a fresh `python -m dflop_jax.train` process (its output streams through);
+    returns the arm's config. A fresh process per arm: no compiled program, cached transfer or
+    thread of one arm's runtime is in the other's measurement (see docs/benchmarks.md for an
+    intermittent CPU deadlock of the data-blind arm's layout)."""
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train import run
 
     cfg = load_config(TrainConfig, config, overrides)
     _fresh(Path(cfg.run_dir))
-    return cfg, run(cfg)
+    cmd = [sys.executable, "-m", "dflop_jax.train", "--config", str(config), *overrides]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {arm} arm exited {done.returncode} (its run: {cfg.run_dir})")
+    return cfg
 
 
-def _plan_file(cfg, run_dir: Path) -> str:
-    """The plan the first arm trained with, as a file the second arm can load."""
-    if cfg.plan == "auto":
-        return str(run_dir / "auto_plan" / "plan.yaml")
-    if cfg.plan == "analytic":
-        return str(run_dir / "plan.yaml")
-    return cfg.plan  # "explicit" (layout keys in the config) or a path: reused as is
+def _layout(cfg, run_dir: Path):
+    """The layout an arm trained: its plan file's, or the config's explicit one."""
+    from dflop_jax.planner import load_plan
+
+    if cfg.plan == "explicit":
+        return cfg.layout.layout()
+    named = {"auto": run_dir / "auto_plan" / "plan.yaml", "analytic": run_dir / "plan.yaml"}
+    return load_plan(named.get(cfg.plan, cfg.plan)).layout
+
+
+def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
+    """The data-blind planner's plan (`make_plan(mode="uniform")`) for the run `cfg` (the DFLOP arm,
+    trained in `dflop_dir`), on the same devices, dataset shapes and cost provider DFLOP planned with;
+    saved to `path`."""
+    import jax
+
+    from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+    from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.planner import make_plan, save_plan
+    from dflop_jax.planner.resolve import training_planner
+    from dflop_jax.train_plan import abstract_model_config, sample_shapes
+
+    model_cfg = abstract_model_config(cfg)
+    arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
+    provider = AnalyticCostProvider(arch, device, remat=cfg.model.remat)
+    table = dflop_dir / "auto_plan" / "cost_table.json"
+    if cfg.plan == "auto":  # DFLOP planned on its measured table: so does the baseline
+        provider = MeasuredCostProvider(table, arch, device, fallback=provider)
+    planner = training_planner(cfg.planner, cfg.global_batch, cfg.model.kind != "decoder")
+    plan = make_plan(arch, device, len(jax.devices()), sample_shapes(cfg), planner, provider,
+                     mode="uniform")  # fmt: skip
+    return save_plan(plan, path)
 
 
 def run_ab(config: Path, out: Path, overrides: list[str]) -> dict:
+    """Trains both arms (module docstring) into `out/dflop` and `out/data_blind`; returns (and
+    writes to `out/bench_train.json`) their summaries and ratios."""
+    from dflop_jax.planner.candidates import describe_layout
+
     dflop_dir, blind_dir = out / "dflop", out / "data_blind"
-    cfg, _ = _train(config, [*overrides, *COMMON, f"run_dir={dflop_dir}"])
-    plan = _plan_file(cfg, dflop_dir)
-    blind_overrides = [*overrides, *COMMON, f"run_dir={blind_dir}", "scheduler.solver=data_blind"]
-    _train(config, blind_overrides + ([f"plan={plan}"] if plan != "explicit" else []))
+    cfg = _train("dflop", config, [*overrides, *COMMON, f"run_dir={dflop_dir}"])
+    plan = blind_plan(cfg, dflop_dir, out / "data_blind_plan.yaml")
+    blind_overrides = [*overrides, *COMMON, f"run_dir={blind_dir}", f"plan={plan}",
+                       "scheduler.solver=data_blind"]  # fmt: skip
+    blind_cfg = _train("data-blind", config, blind_overrides)
     a, b = arm_summary(dflop_dir / "metrics.jsonl"), arm_summary(blind_dir / "metrics.jsonl")
+    a["layout"] = describe_layout(_layout(cfg, dflop_dir))
+    b["layout"] = describe_layout(_layout(blind_cfg, blind_dir))
     n = min(len(a["losses"]), len(b["losses"]))
     report = {
         "config": str(config),
-        "plan": plan,
+        "plan": str(plan),
         "dflop": a,
         "data_blind": b,
         "speedup_steady": a["tokens_per_s_steady"] / b["tokens_per_s_steady"]
@@ -105,6 +159,7 @@ def run_ab(config: Path, out: Path, overrides: list[str]) -> dict:
         else None,
         "speedup_all_steps": a["tokens_per_s_all"] / b["tokens_per_s_all"],
         "max_loss_diff": float(np.max(np.abs(np.subtract(a["losses"][:n], b["losses"][:n])))),
+        "cpu_effects": list(CPU_EFFECTS),
     }
     (out / "bench_train.json").write_text(json.dumps(report, indent=1))
     return report
@@ -115,13 +170,14 @@ def _fmt(value, spec: str) -> str:
 
 
 def _print(report: dict) -> None:
-    print(f"\nplan: {report['plan']}")
-    print("| arm | tokens/s steady | tokens/s all steps | step s (median, steady) | LLM padding | "
-          "encoder padding | microbatches | compiles |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\ndata-blind plan: {report['plan']}")
+    print("| arm | layout | tokens/s steady | tokens/s all steps | step s (median, steady) | token padding | "
+          "tile padding | microbatches | compiles |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ("dflop", "data_blind"):
         r = report[name]
-        cells = [name, _fmt(r["tokens_per_s_steady"], ".0f"), _fmt(r["tokens_per_s_all"], ".0f"),
+        layout = r["layout"].replace(" | ", " + ")  # a table cell holds no "|"
+        cells = [name, layout, _fmt(r["tokens_per_s_steady"], ".0f"), _fmt(r["tokens_per_s_all"], ".0f"),
                  _fmt(r["step_time_s_median_steady"], ".2f"), _fmt(r["llm_padding_ratio_mean"], ".1%"),
                  _fmt(r["encoder_padding_ratio_mean"], ".1%"), _fmt(r["microbatches_mean"], ".1f"),
                  str(r["compiles"])]  # fmt: skip
@@ -129,6 +185,8 @@ def _print(report: dict) -> None:
     print(f"speedup dflop / data-blind: {_fmt(report['speedup_steady'], '.2f')}x steady, "
           f"{report['speedup_all_steps']:.2f}x over all steps (compiles included)")  # fmt: skip
     print(f"largest per-step loss difference between the arms: {report['max_loss_diff']:.2e}")
+    for line in report["cpu_effects"]:
+        print(line)
 
 
 def main(argv: list[str]) -> int:

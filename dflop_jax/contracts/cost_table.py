@@ -17,7 +17,13 @@ Stage kinds (a planner `StageSpec` is the sum of its parts, see `costs/measured.
   encoder_layers (layers 1 and 2), encoder_embedding (patch + position embedding),
   encoder_head (post-norm + projector), llm_layers (1 and 2), llm_embedding (token embedding + image
   feature placement), llm_head (final norm + LM head + loss).
-Buckets: tiles per encoder shard for encoder kinds, tokens of the packed row for LLM kinds.
+The fused stage of a colocated encoder (`models.mllm.ColocatedStage`: the whole encoder and the first
+LLM layers in ONE program on LLM stage 0's mesh) adds colocated_embedding (FUSED_KINDS): that program
+with no LLM layer (ViT + projector + token embedding + each row placing its own tiles' features), at
+`bucket` tiles per shard and a row of `length` tokens; the provider takes the fused stage's encoder
+share from it (`costs/measured.py`).
+Buckets: tiles per encoder shard for encoder kinds (and the fused kind), tokens of the packed row for
+LLM kinds.
 Memory fields are per device, from `compiled.memory_analysis()`; `peak` is XLA's peak when it reports
 one, else argument + output + temp - alias. Entries that could not run have status "skipped" and a
 `reason` (e.g. over device memory, tp does not divide the heads).
@@ -34,6 +40,8 @@ TABLE_VERSION = 1
 ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
 LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
 STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
+FUSED_KINDS = ("colocated_embedding",)
+ALL_KINDS = STAGE_KINDS + FUSED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
 
@@ -43,7 +51,7 @@ class CostEntry:
     """One profiled program pair (forward program, backward program) at one shape.
 
     Attributes:
-      kind: one of STAGE_KINDS.
+      kind: one of ALL_KINDS.
       tp: tensor-parallel degree (devices of the ("data", "model") = (1, tp) mesh).
       bucket: tiles (encoder kinds) or tokens (LLM kinds) of one shard.
       layers: transformer layers in the program (1 or 2 for *_layers kinds, else 0).
@@ -56,6 +64,7 @@ class CostEntry:
       memory_fwd, memory_bwd: `compiled.memory_analysis()` bytes per device (MEMORY_FIELDS).
       param_bytes: parameter bytes per device (fp32 masters, sharded by tp).
       input_bytes: bytes per device of the program's stage input (x and the side arrays).
+      length: tokens of the packed row of a fused kind's program (0 for the other kinds).
     """
 
     kind: str
@@ -74,10 +83,11 @@ class CostEntry:
     memory_bwd: dict[str, float] = dataclasses.field(default_factory=dict)
     param_bytes: float = 0.0
     input_bytes: float = 0.0
+    length: int = 0
 
     def __post_init__(self):
-        if self.kind not in STAGE_KINDS:
-            raise ValueError(f"cost entry kind={self.kind!r}: use one of {STAGE_KINDS}")
+        if self.kind not in ALL_KINDS:
+            raise ValueError(f"cost entry kind={self.kind!r}: use one of {ALL_KINDS}")
         if self.status not in ("ok", "skipped"):
             raise ValueError(f"cost entry status={self.status!r}: use 'ok' or 'skipped'")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflop_jax.config import require
-from dflop_jax.contracts.cost_table import STAGE_KINDS
+from dflop_jax.contracts.cost_table import ALL_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +18,7 @@ class ProfileSettings:
       tps: candidate tensor-parallel degrees (kept if they divide the heads and fit the devices).
       encoder_buckets: tiles per encoder shard to profile.
       llm_buckets: tokens per packed LLM row to profile.
-      kinds: stage parts to profile (default: all).
+      kinds: stage parts to profile (default: all, the colocated encoder's fused program included).
       warmup: untimed runs per program after compiling.
       runs: timed runs per program.
       statistic: which of the timed runs is kept: "median" (default), or "min" (robust on a machine
@@ -30,7 +30,7 @@ class ProfileSettings:
     tps: tuple[int, ...] = (1, 2, 4, 8)
     encoder_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     llm_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    kinds: tuple[str, ...] = STAGE_KINDS
+    kinds: tuple[str, ...] = ALL_KINDS
     warmup: int = 2
     runs: int = 5
     statistic: str = "median"
@@ -44,8 +44,8 @@ class ProfileSettings:
                     "give integers >= 1")  # fmt: skip
             require(list(values) == sorted(set(values)), f"profile.{key}", values,
                     "give increasing values, no repeats")  # fmt: skip
-        bad = [k for k in self.kinds if k not in STAGE_KINDS]
-        require(not bad, "profile.kinds", self.kinds, f"use names from {STAGE_KINDS}")
+        bad = [k for k in self.kinds if k not in ALL_KINDS]
+        require(not bad, "profile.kinds", self.kinds, f"use names from {ALL_KINDS}")
         require(self.runs >= 1, "profile.runs", self.runs, "must be >= 1")
         require(self.statistic in ("median", "min"), "profile.statistic", self.statistic,
                 "use 'median' or 'min'")  # fmt: skip

@@ -36,6 +36,13 @@ in-flight microbatch under recompute-in-backward), temp = the rest of the backwa
 (XLA temporaries, the incoming and outgoing activation gradients), summed over parts (an upper bound:
 parts run inside one program may reuse buffers).
 
+The colocated encoder (a layout with no encoder stages runs it inside LLM stage 0's program):
+`colocated_encoder_time` is the fused program's share beyond the LLM embedding, measured = the
+colocated_embedding entry (the runtime's fused program with no LLM layer, at the tile bucket and a
+row of `entry.length` tokens) minus the llm_embedding part at that row, piecewise-linear in the tile
+bucket; LLM stage 0 then costs its LLM parts plus that share. Without colocated_embedding entries at
+the stage's tp it is the encoder's parts summed as a separate stage (noted per source as usual).
+
 Missing entries (a tp or kind never profiled, a skipped entry) fall back to `fallback` with a warning
 logged once per (kind, tp); without a fallback they raise KeyError. Transfers are not profiled: they
 come from the analytic model's output bytes / bandwidth.
@@ -52,7 +59,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from dflop_jax.contracts.cost_table import ProfiledCostTable, load_table
+from dflop_jax.contracts.cost_table import FUSED_KINDS, ProfiledCostTable, load_table
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import StageSpec
@@ -307,6 +314,24 @@ class MeasuredCostProvider:
         role = stage_role(stage, self.trainable, self.arch.vision is not None)
         bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
         return float(fwd), float(bwd)  # plain floats: plans are written as YAML
+
+    def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
+        """(fwd, bwd) seconds the colocated `encoder` (the whole encoder on LLM stage 0's devices)
+        adds to that stage's program at `tile_bucket` tiles per shard (module docstring)."""
+        kind = FUSED_KINDS[0]
+        entries = [self.table.get(kind, encoder.tp, b, 0)
+                   for b in self.table.buckets(kind, encoder.tp, 0)]  # fmt: skip
+        if tile_bucket <= 0 or not entries:
+            return self.stage_time(encoder, tile_bucket)
+        shares = []
+        for e in entries:
+            emb = StageSpec("llm", 0, 0, tp=encoder.tp, has_embedding=True)
+            f, b = self.stage_time(emb, e.length)
+            shares.append((e.fwd_s - f, e.bwd_s - b))
+        xs, ys = np.array([e.bucket for e in entries], dtype=np.float64), np.array(shares)
+        (fwd, how), (bwd, _) = (interpolate(xs, ys[:, i], float(tile_bucket)) for i in (0, 1))
+        self._note(kind, how)
+        return float(fwd), float(bwd)
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         if bucket <= 0:

@@ -245,6 +245,18 @@ def colocated_encoder_stage(arch: MLLMArch, layout: Layout) -> StageSpec:
                      dp=layout.encoder_dp, has_embedding=True, has_head=True)  # fmt: skip
 
 
+def colocated_encoder_time(
+    provider: CostProvider, encoder: StageSpec, tile_bucket: int
+) -> tuple[float, float]:
+    """(fwd, bwd) seconds a colocated `encoder` adds to LLM stage 0's program: the provider's own
+    rule when it has one (a measured table's fused-stage entries, `costs/measured.py`), else the
+    encoder's cost as a stage of its own."""
+    own = getattr(provider, "colocated_encoder_time", None)
+    return (
+        own(encoder, tile_bucket) if own is not None else provider.stage_time(encoder, tile_bucket)
+    )
+
+
 def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list[int]:
     return [tile_bucket if s.module == "encoder" else length_bucket for s in layout.stages]
 
@@ -252,8 +264,9 @@ def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list
 def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
     """(tile_bucket, length_bucket) -> [num_stages, 2] (fwd, bwd) seconds, stages in pipeline order.
 
-    With no encoder stages, the encoder runs colocated on LLM stage 0 and its cost at the tile bucket is
-    added to stage 0. Results are memoized per bucket pair.
+    With no encoder stages, the encoder runs colocated on LLM stage 0 (one fused program) and its
+    cost at the tile bucket (`colocated_encoder_time`) is added to stage 0: the fused stage is ONE
+    stage, as the runtime runs and times it. Results are memoized per bucket pair.
     """
     stages = layout.stages
     coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
@@ -267,7 +280,7 @@ def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
                 [provider.stage_time(s, b) for s, b in zip(stages, buckets)], dtype=np.float64
             )
             if coloc is not None:
-                out[0] += provider.stage_time(coloc, key[0])
+                out[0] += colocated_encoder_time(provider, coloc, key[0])
             out.setflags(write=False)
             cache[key] = out
         return cache[key]

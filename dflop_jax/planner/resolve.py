@@ -20,6 +20,7 @@ from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_cos
 from dflop_jax.costs.layout import Layout
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.plan_file import Plan, load_plan, save_plan
+from dflop_jax.planner.scoring import tiles_by_row
 from dflop_jax.planner.search import make_plan
 
 
@@ -42,7 +43,7 @@ class ResolvedPlan:
         costs = layout_stage_costs(self.provider, lay)
         return ScheduleProblem(
             lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
-            colocated=not lay.encoder_stages and lay.colocated_encoder_tp is None,
+            colocated=tiles_by_row(lay),
         )  # fmt: skip
 
     def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:

@@ -89,7 +89,7 @@ def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig)
         lay.llm_dp,
         cand.num_buckets,
         config.length_align,
-        whole_samples=not lay.encoder_stages and lay.colocated_encoder_tp is None,
+        whole_samples=tiles_by_row(lay),
     )
 
 
@@ -149,6 +149,8 @@ def microbatch_range(microbatches: int, slack: float) -> tuple[int, int]:
 def problem_for(
     costs: LayoutCosts, microbatches: tuple[int, int], buckets: BucketSet
 ) -> ScheduleProblem:
+    """The scheduling problem a candidate is scored on: the runtime's own (`ResolvedPlan.problem`),
+    a colocated encoder's tiles kept on their rows' shards (the fullest shard sets the tile bucket)."""
     lay = costs.layout
     return ScheduleProblem(
         encoder_dp=lay.encoder_dp,
@@ -157,7 +159,14 @@ def problem_for(
         microbatches=microbatches,
         buckets=buckets,
         stage_costs=costs.stage,
+        colocated=tiles_by_row(lay),
     )
+
+
+def tiles_by_row(layout: Layout) -> bool:
+    """Whether each sample's tiles are encoded on its row's shard: the encoder colocated at LLM stage
+    0's tp and dp (what the runtime fuses), so microbatches keep whole samples per shard."""
+    return not layout.encoder_stages and layout.colocated_encoder_tp is None
 
 
 def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b") -> SimResult:

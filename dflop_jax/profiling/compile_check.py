@@ -23,11 +23,11 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
 program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
 
-A colocated encoder (`encoder_colocated` plans) is checked as its own program on the same mesh as LLM
-stage 0: the stage holds both parts' state and inputs and the larger of their transients. The runtime
-trains the two as ONE fused program (`models.mllm.ColocatedStage`, `init_stage(..., with_encoder=True)`)
-whose transient can exceed the larger part's (the encoder's features live through the LLM layers'
-backward); compiling that fused program here is not done yet (issue 12, item 3).
+A colocated encoder (`encoder_colocated` plans) runs inside LLM stage 0's program: that stage is
+compiled as the runtime trains it, ONE fused program (`models.mllm.ColocatedStage`, built by
+`abstract_stage(..., with_encoder=True)`, part "encoder+llm") at the largest tile and length buckets,
+tiles in (packed by row) and no feature input: its params, inputs and transient (the encoder's
+features live through the LLM layers' backward) are those of the program that trains.
 """
 
 from __future__ import annotations
@@ -39,12 +39,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from dflop_jax.contracts import BucketSet
-from dflop_jax.costs import arch_of_model
-from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.costs.provider import colocated_encoder_stage
+from dflop_jax.costs.layout import Layout
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.programs import PartProgram, per_device_bytes, stage_program
@@ -105,38 +102,31 @@ def check_layout(
     meshes = stage_meshes(layout, devices)
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
     feature_tiles = layout.encoder_dp * tiles
+    fused = fused_stage(layout, model_cfg)
     out = []
-    for i, (specs, mesh) in enumerate(zip(stage_parts(layout, model_cfg), meshes)):
-        parts = []
-        for s in specs:
-            bucket = tiles if s.module == "encoder" else length
-            features = feature_tiles if s.module == "llm" and s.has_embedding else None
-            prog = stage_program(model_cfg, s, _part_mesh(mesh, s), bucket, compute_dtype, features)
-            parts.append(compile_part(s.module, prog))
-        out.append(_stage_check(i, parts, in_flight_counts[i]))
+    for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
+        if i == fused:
+            prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles)
+            part = compile_part("encoder+llm", prog)
+        else:
+            bucket = tiles if spec.module == "encoder" else length
+            features = feature_tiles if spec.module == "llm" and spec.has_embedding else None
+            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features)
+            part = compile_part(spec.module, prog)
+        out.append(_stage_check(i, [part], in_flight_counts[i]))
     warn_disagreements(out, predicted)
     return out
 
 
-def stage_parts(layout: Layout, model_cfg) -> list[list[StageSpec]]:
-    """The programs `check_layout` compiles per stage: the stage, after a colocated encoder on stage 0
-    (an MLLM layout without encoder stages)."""
-    from dflop_jax.runtime.model_stages import is_multimodal
+def fused_stage(layout: Layout, model_cfg) -> int | None:
+    """The index of the stage that also runs the encoder (0 when an MLLM layout has no encoder
+    stages: the runtime's `model_stages.colocated`), else None."""
+    from dflop_jax.runtime.model_stages import check_colocated, colocated
 
-    out = []
-    for i, spec in enumerate(layout.stages):
-        colocated = i == 0 and not layout.encoder_stages and is_multimodal(model_cfg)
-        encoder = [colocated_encoder_stage(arch_of_model(model_cfg), layout)] if colocated else []
-        out.append(encoder + [spec])
-    return out
-
-
-def _part_mesh(mesh: Mesh, spec: StageSpec) -> Mesh:
-    """The stage's mesh, or its devices as (dp, tp) of a colocated encoder at its own tp."""
-    if mesh.devices.shape == (spec.dp, spec.tp):
-        return mesh
-    return Mesh(mesh.devices.reshape(spec.dp, spec.tp), mesh.axis_names,
-                axis_types=mesh.axis_types)  # fmt: skip
+    if not colocated(model_cfg, layout):
+        return None
+    check_colocated(model_cfg, layout)  # the runtime refuses what it cannot fuse: so does the check
+    return 0
 
 
 def _devices(needed: int) -> list[jax.Device]:

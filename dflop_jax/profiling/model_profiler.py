@@ -10,6 +10,13 @@ sharded inputs, record
 and backward programs on the real devices (warm-up, median of `runs`). Writes the cost table after
 every entry (so an interrupted run resumes: entries of a table with the same config hash and code
 version are reused) and `<table stem>.png` (time vs bucket per part).
+
+The fused stage of a colocated encoder is measured too (kind colocated_embedding, FUSED_KINDS): the
+runtime's own fused stage program (`abstract_stage(..., with_encoder=True)`, as the trainer builds LLM
+stage 0 of a layout without encoder stages) with no LLM layer, at each encoder bucket (tiles per shard)
+and a row of the smallest LLM bucket, at the tps dividing both models' heads. The cost provider takes
+the fused stage's encoder share from it (`costs/measured.py`), so a colocated plan is scored with the
+program that trains, not with a separately compiled encoder.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflop_jax.profiling.programs import build_part, per_device_bytes
+from dflop_jax.profiling.programs import build_fused, build_part, per_device_bytes
 from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
+    FUSED_KINDS,
     LAYER_KINDS,
     STAGE_KINDS,
     CostEntry,
@@ -52,11 +60,15 @@ CODE_PACKAGES = (
 
 
 def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
-    """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices."""
-    if kind.startswith("encoder"):
+    """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices; a
+    fused kind runs both models at one tp (`runtime.model_stages.check_colocated`)."""
+    text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
+    if kind in FUSED_KINDS:
+        heads = (model_cfg.vision.num_heads, *text)
+    elif kind.startswith("encoder"):
         heads = (model_cfg.vision.num_heads,)
     else:
-        heads = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
+        heads = text
     return [t for t in sorted(set(tps)) if t <= num_devices and all(h % t == 0 for h in heads)]
 
 
@@ -152,10 +164,16 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
 
 
 def profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings, seed=0) -> CostEntry:
-    """Compiles, analyses and times one table part; over-memory entries come back skipped."""
-    prog = build_part(
-        model_cfg, kind, tp, bucket, layers, devices, jnp.dtype(settings.compute_dtype)
-    )
+    """Compiles, analyses and times one table part; over-memory entries come back skipped. A fused
+    kind's row is the smallest LLM bucket (its llm_embedding entry is then measured, not fitted, when
+    the provider subtracts it)."""
+    dtype = jnp.dtype(settings.compute_dtype)
+    if kind in FUSED_KINDS:
+        length = min(settings.llm_buckets)
+        prog = build_fused(model_cfg, tp, bucket, length, devices, dtype)
+        return CostEntry(kind, tp, bucket, layers, length=length,
+                         **measure_program(prog, settings, seed))  # fmt: skip
+    prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype)
     return CostEntry(kind, tp, bucket, layers, **measure_program(prog, settings, seed))
 
 
@@ -164,7 +182,8 @@ def _grid(
 ) -> list[tuple[str, int, int, int]]:
     grid = []
     for kind in settings.kinds:
-        buckets = settings.encoder_buckets if kind.startswith("encoder") else settings.llm_buckets
+        tiles = kind.startswith("encoder") or kind in FUSED_KINDS
+        buckets = settings.encoder_buckets if tiles else settings.llm_buckets
         layer_counts = (1, 2) if kind in LAYER_KINDS else (0,)
         for tp in candidate_tps(model_cfg, kind, settings.tps, num_devices):
             grid += [(kind, tp, b, n) for b in sorted(set(buckets)) for n in layer_counts]

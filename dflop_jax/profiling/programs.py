@@ -16,6 +16,11 @@ hidden [T,N,Dv] otherwise); LLM kinds take one packed row of S = b tokens ([1,S]
 The LLM embedding part places image features of F = max(1, S // (2 tokens_per_tile)) tiles (half the
 row as image tokens, a typical mix), through the exact feature taps when the model family packs them
 (LLaVA-OV, as `data.loader.pack_taps` does).
+
+The FUSED stage of a colocated encoder (`tile_bucket` given: `models.mllm.ColocatedStage`, built by
+`abstract_stage(..., with_encoder=True)` as the trainer builds it) takes per data shard T tiles and one
+row of S tokens, packed `tiles_by_row` (row r's tiles in its own shard's slots); the row's second half
+places features of its own tiles (up to T tiles' worth), as the packer writes a colocated microbatch.
 """
 
 from __future__ import annotations
@@ -100,25 +105,34 @@ def _feature_tiles(model_cfg, bucket: int) -> int:
     return max(1, bucket // (2 * model_cfg.tokens_per_tile))
 
 
-def _microbatch(model_cfg, st, bucket: int, dp: int, features: int) -> dict[str, np.ndarray]:
+def _microbatch(
+    model_cfg, st, bucket: int, dp: int, features: int, tile_bucket: int | None
+) -> dict[str, np.ndarray]:
     """An all-padding microbatch of the part's bucket on `dp` data shards, packed by the data layer
-    (its shapes, dtypes); an LLM part places `features` tiles' features."""
+    (its shapes, dtypes); an LLM part places `features` tiles' features; the fused stage
+    (`tile_bucket` T) packs T tiles per row's shard (`tiles_by_row`)."""
     from models.internvl import InternVLConfig
 
     v = model_cfg.vision
     enc = st.module == "encoder"
-    plan = MicrobatchPlan(bucket if enc else features, 1 if enc else bucket, ((),) * dp)
+    if tile_bucket is not None:
+        plan, enc_dp = MicrobatchPlan(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
+    else:
+        plan = MicrobatchPlan(bucket if enc else features, 1 if enc else bucket, ((),) * dp)
+        enc_dp = dp if enc else 1
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
-    mb, _ = pack_microbatch(plan, [], [], encoder_dp=dp if enc else 1, llm_dp=dp,
+    mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=dp,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps)  # fmt: skip
     return dataclasses.asdict(mb)
 
 
-def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
-    """Random pixels and tokens, one sample per row, the second half of the row image features."""
+def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_row: bool) -> None:
+    """Random pixels and tokens, one sample per row, the second half of the row image features (of
+    the row's own tiles when `by_row`: the fused stage)."""
     vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
-    n_features = batch["tiles"].shape[0] * model_cfg.tokens_per_tile
+    tiles = batch["tiles"].shape[0] // rows if by_row else batch["tiles"].shape[0]
+    n_features = tiles * model_cfg.tokens_per_tile
     batch["tiles"][...] = rng.integers(0, 256, batch["tiles"].shape, np.uint8)  # uint8, as trained
     batch["tokens"][...] = rng.integers(0, vocab, (rows, length))
     batch["targets"][...] = rng.integers(0, vocab, (rows, length))
@@ -127,7 +141,8 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
     batch["loss_mask"][...] = 1
     n = min(length // 2, n_features)
     batch["feature_index"][...] = TEXT
-    batch["feature_index"][:, length - n :] = np.arange(n)
+    offset = np.arange(rows)[:, None] * n_features if by_row else 0  # global slot rows, as packed
+    batch["feature_index"][:, length - n :] = offset + np.arange(n)
     if batch["feature_taps"] is not None:
         k = batch["feature_taps"].shape[-1]
         taps, weights = plain_taps(batch["feature_index"].reshape(-1), k)
@@ -135,10 +150,13 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
         batch["feature_weight"][...] = weights.reshape(rows, length, k)
 
 
-def _x_shape(model_cfg, st, bucket: int, dp: int, features: int):
+def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, fused: bool):
     """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first),
-    global over `dp` data shards; the first LLM part's x is the `features` tiles' projected features."""
+    global over `dp` data shards; the first LLM part's x is the `features` tiles' projected features
+    (none for the fused stage: it encodes its tiles itself)."""
     v, t = model_cfg.vision, model_cfg.text
+    if fused:
+        return None
     if st.module == "encoder":
         hidden = (dp * bucket, v.seq_len, v.hidden_size)
         return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))
@@ -154,6 +172,17 @@ def build_part(
     return build_program(model_cfg, part_shape(kind, layers), tp, bucket, devices, compute_dtype)
 
 
+def build_fused(
+    model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype
+) -> PartProgram:
+    """The fused colocated stage's programs with no LLM layer (table kind colocated_embedding: the
+    whole encoder + the LLM's embedding and feature placement, `ColocatedStage`) on a (1, tp) mesh
+    at `tile_bucket` tiles and a `length`-token row. Nothing is compiled."""
+    spec = StageSpec("llm", 0, 0, tp=tp, dp=1, has_embedding=True)
+    mesh = profile_mesh(devices, tp)
+    return stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tile_bucket)
+
+
 def build_program(
     model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype
 ) -> PartProgram:
@@ -164,7 +193,14 @@ def build_program(
 
 
 def stage_program(
-    model_cfg, spec: StageSpec, mesh: Mesh, bucket: int, compute_dtype, feature_tiles=None
+    model_cfg,
+    spec: StageSpec,
+    mesh: Mesh,
+    bucket: int,
+    compute_dtype,
+    feature_tiles=None,
+    *,
+    tile_bucket: int | None = None,
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
     shard, with inputs. Nothing is compiled.
@@ -172,16 +208,21 @@ def stage_program(
     Args:
       feature_tiles: tiles whose features the first LLM stage of an MLLM receives (the whole
         microbatch's, replicated on its mesh); default half the row's tokens as image tokens.
+      tile_bucket: T: `spec` (the first LLM stage) is the FUSED stage of a colocated encoder, at T
+        tiles and `bucket` tokens per data shard (the trainer's `with_encoder` stage program).
     """
     dp = mesh.shape["data"]
-    bp = abstract_stage(model_cfg, spec, mesh)
+    fused = tile_bucket is not None
+    if fused and not (spec.module == "llm" and spec.has_embedding):
+        raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
+    bp = abstract_stage(model_cfg, spec, mesh, with_encoder=fused)
     jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
-    batch = _microbatch(model_cfg, spec, bucket, dp, features)
+    batch = _microbatch(model_cfg, spec, bucket, dp, features, tile_bucket)
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
-    x_shape = _x_shape(model_cfg, spec, bucket, dp, features)
+    x_shape = _x_shape(model_cfg, spec, bucket, dp, features, fused)
     x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
     x_abs = None if x_shape is None else jax.ShapeDtypeStruct(*x_shape, sharding=x_sharding)
     if head:
@@ -201,7 +242,7 @@ def stage_program(
         return jax.tree.map(leaf, bp.state)
 
     def make_inputs(rng: np.random.Generator):
-        _fill(batch, model_cfg, rng)
+        _fill(batch, model_cfg, rng, fused)
         side = {k: jax.device_put(batch[k], a.sharding) for k, a in side_abs.items()}
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 

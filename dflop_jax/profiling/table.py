@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from dflop_jax.contracts.cost_table import (
+    ALL_KINDS,
     ENCODER_KINDS,
+    FUSED_KINDS,
     LAYER_KINDS,
     LLM_KINDS,
     MEMORY_FIELDS,
@@ -45,7 +47,9 @@ def code_version(*packages: str) -> str:
 
 
 __all__ = [
+    "ALL_KINDS",
     "ENCODER_KINDS",
+    "FUSED_KINDS",
     "LAYER_KINDS",
     "LLM_KINDS",
     "MEMORY_FIELDS",

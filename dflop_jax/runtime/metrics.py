@@ -3,7 +3,10 @@
 Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
 real work / (step time x devices x peak FLOP/s), where on CPU the peak is the measured matmul peak of
 one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module (stage_padding_ratio:
-the same per stage, as every stage of a module runs its bucket shapes). Steps that measured
+the same per stage, as every stage of a module runs its bucket shapes). A stage that runs the colocated
+encoder (FUSED, `stage_modules`) computes both: `stage_padding` reports its tiles and its tokens
+separately (the tile bucket and the length bucket pad independently), and the console shows the tile
+padding beside the token padding of any run that encodes tiles. Steps that measured
 stage times (the scheduler's adaptive correction) add pred_raw_mape / pred_corrected_mape: the stage-time
 prediction error before and after correction.
 """
@@ -34,6 +37,7 @@ CONSOLE_COLUMNS = (
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("mfu", "MFU", "{:.2%}"),
     ("llm_padding_ratio", "padding", "{:.1%}"),
+    ("tile_padding_ratio", "tile padding", "{:.1%}"),
     ("data_wait_s", "data wait", "{:.2f}s"),
     ("microbatches", "microbatches", "{:d}"),
     ("recompiles", "compiles", "{:d}"),
@@ -49,7 +53,12 @@ class StepMetrics:
       step, loss, grad_norm, lr: the update.
       step_time_s, tokens_per_s, samples_per_s, mfu: throughput (real tokens/samples; one MFU,
         `dflop_jax.costs.flops.mfu`).
-      llm_padding_ratio, encoder_padding_ratio, stage_padding_ratio: padding per module / per stage.
+      llm_padding_ratio, encoder_padding_ratio, stage_padding_ratio: padding per module / per stage
+        (stage_padding_ratio: of a stage's main work, the fused stage's tokens).
+      stage_padding: per stage, the padding of each thing it computes: {"tiles": r} (encoder stage),
+        {"tokens": r} (LLM stage), {"tiles": r, "tokens": r} (the fused stage of a colocated encoder).
+      tile_padding_ratio: the tile padding of a run whose stages encode tiles (console "tile
+        padding"), None without an encoder.
       microbatches, loss_tokens, skipped: the global batch.
       scheduler_latency_s, scheduler_gap, scheduler_solver, predicted_step_time_s: the schedule.
       data_wait_s: time the step waited for the loader.
@@ -103,6 +112,19 @@ class StepMetrics:
     eval_loss: float | None = None
     eval_tokens: int | None = None
     eval_recompiles: int | None = None
+    stage_padding: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    tile_padding_ratio: float | None = None
+
+
+# `stage_modules` name of a stage that runs the colocated encoder and LLM layers in one program.
+FUSED = "encoder+llm"
+
+
+def stage_modules(layout, multimodal: bool) -> list[str]:
+    """What each stage of `layout` computes: "encoder", "llm", or FUSED for LLM stage 0 of an MLLM
+    layout without encoder stages (the runtime's `model_stages.colocated`)."""
+    fused = multimodal and not layout.encoder_stages
+    return [FUSED if fused and i == 0 else s.module for i, s in enumerate(layout.stages)]
 
 
 def step_metrics(
@@ -116,8 +138,13 @@ def step_metrics(
 ) -> StepMetrics:
     """The record of one step: `update` (loss, grad_norm, lr, step_time_s, mfu, compiles, recompiles,
     stage_times_measured), the batch's stats and schedule, and the scheduler's `prediction_error()`
-    (`correction`; `observed_before`: its observation count before this step)."""
+    (`correction`; `observed_before`: its observation count before this step). `stage_modules`:
+    per stage "encoder", "llm" or FUSED (`stage_modules()`)."""
     st, schedule, time_s = batch.stats, batch.schedule, update["step_time_s"]
+    tiles, tokens = st.encoder_padding_ratio, st.llm_padding_ratio
+    pads = {"encoder": {"tiles": tiles}, "llm": {"tokens": tokens},
+            FUSED: {"tiles": tiles, "tokens": tokens}}  # fmt: skip
+    encodes = any(m != "llm" for m in stage_modules)
     return StepMetrics(
         step=step,
         tokens_per_s=st.packed.tokens_real / time_s,
@@ -125,10 +152,9 @@ def step_metrics(
         llm_padding_ratio=st.llm_padding_ratio,
         encoder_padding_ratio=st.encoder_padding_ratio,
         # Every stage of a module computes the same bucket shapes: its module's padding ratio.
-        stage_padding_ratio=[
-            st.encoder_padding_ratio if m == "encoder" else st.llm_padding_ratio
-            for m in stage_modules
-        ],
+        stage_padding_ratio=[tiles if m == "encoder" else tokens for m in stage_modules],
+        stage_padding=[pads[m] for m in stage_modules],
+        tile_padding_ratio=tiles if encodes else None,
         microbatches=len(batch.microbatches),
         loss_tokens=batch.num_loss_tokens,
         scheduler_latency_s=st.scheduler_latency_s,

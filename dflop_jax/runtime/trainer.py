@@ -54,6 +54,7 @@ from dflop_jax.runtime.metrics import (
     StepMetrics,
     measure_peak_flops,
     real_work,
+    stage_modules,
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
@@ -382,7 +383,7 @@ class _Trainer:
         observed_before, self.observed = self.observed, correction["observations"]
         flops = batch_model_flops(self.arch, real_work(f.batch, self.has_encoder))
         return step_metrics(
-            f.step, f.batch, [s.module for s in self.layout.stages], correction,
+            f.step, f.batch, stage_modules(self.layout, self.has_encoder), correction,
             observed_before=observed_before, loss=stats["loss"], grad_norm=stats["grad_norm"],
             lr=float(self.lr(f.step - 1)), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),

@@ -8,8 +8,10 @@ baseline's own order) for comparisons against `schedule_batch`'s stage-aware ord
 
 - data-blind (Megatron/MaxText style): microbatches cut in loader order (equal sample counts), in-order
   first-fit of each microbatch's samples into its LLM shards, every microbatch at the LARGEST buckets,
-  fixed count. A sample that no longer fits its microbatch moves on to the next one; samples left after
-  the last microbatch open extra microbatches (`info["extra_microbatches"]`).
+  fixed count (a colocated encoder: a shard also holds at most the largest tile bucket of its rows'
+  tiles, as its encoder shard encodes exactly them). A sample that no longer fits its microbatch
+  moves on to the next one; samples left after the last microbatch open extra microbatches
+  (`info["extra_microbatches"]`).
 - reference-like (the DFLOP reference's rule): per-sample cost proportional to its predicted work
   (a cost per token and per tile read off the cost table), min-max over all (microbatch, shard) bins by
   LPT, blind to buckets; each microbatch then gets the cheapest buckets that fit what it was given. A
@@ -77,7 +79,10 @@ def data_blind_schedule(
     t0 = time.perf_counter()
     tokens, tiles, table = _prepare(shapes, problem)
     ldp, smax = problem.llm_dp, float(table.lengths[-1])
-    tmax = float(table.tiles[-1]) * problem.encoder_dp
+    # A colocated encoder encodes each row's own tiles: the largest tile bucket bounds each shard;
+    # a separate one takes the microbatch's tiles as one pool over its encoder shards.
+    by_row = problem.colocated
+    tmax = float(table.tiles[-1]) * (1 if by_row else problem.encoder_dp)
     n = len(tokens)
     bounds = np.linspace(0, n, microbatches + 1).round().astype(int)
     bin_of = np.empty(n, dtype=np.int64)
@@ -86,16 +91,17 @@ def data_blind_schedule(
     while k < microbatches or carry:
         todo = carry + (list(range(bounds[k], bounds[k + 1])) if k < microbatches else [])
         carry = []
-        tok_load, tile_load = np.zeros(ldp), 0.0
+        tok_load, tile_load = np.zeros(ldp), np.zeros(ldp if by_row else 1)
         for i in todo:
-            free = np.flatnonzero(tok_load + tokens[i] <= smax)
-            if free.size == 0 or tile_load + tiles[i] > tmax:
+            tiles_fit = tile_load + tiles[i] <= tmax
+            free = np.flatnonzero((tok_load + tokens[i] <= smax) & tiles_fit)
+            if free.size == 0:
                 carry.append(i)
                 continue
             r = int(free[0])
             bin_of[i] = k * ldp + r
             tok_load[r] += tokens[i]
-            tile_load += tiles[i]
+            tile_load[r if by_row else 0] += tiles[i]
         k += 1
     top = np.full(k, 0)
     info = {"extra_microbatches": k - microbatches}
