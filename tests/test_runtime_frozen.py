@@ -13,6 +13,7 @@ when it trains. The colocated layout (encoder on LLM stage 0) trains under the s
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +25,16 @@ import test_runtime_mllm_pipeline as sep
 from flax import nnx
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
+from dflop_jax.config import load_config
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import key_name, model_tree
+from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.stages import accumulator_structs
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.train import run
 
 # lr > 0 at step 0 (no warmup), so the step changes the trained parts. Adam's first step is about
 # lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32 round-off of a tiny gradient
@@ -241,3 +245,35 @@ def test_pipeline_order_leaves_forward_only_stages_out_of_the_backward_wave():
             assert at[Op(s + 1, m - (stages - s), "F")] < at[Op(s, m, "F")]
     with pytest.raises(ValueError, match="forward_only"):
         pipeline_order(stages, mbs, "1f1b", forward_only=stages)
+
+
+STAGE1 = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
+          "layout.encoder_dp=1", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=1",
+          "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+          "global_batch=8", "data.synth_samples=32", "checkpoint.every=2", "compute_dtype=float32",
+          "peak_flops=1000000000.0", "optimizer.warmup_steps=0", "log_every=1"]  # fmt: skip
+
+
+def _stage1(tmp_path, name, steps):
+    """configs/llava_ov_stage1.yaml (projector only) on an explicit 2 encoder + 2 LLM stage layout."""
+    cfg = Path(__file__).parents[1] / "configs" / "llava_ov_stage1.yaml"
+    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
+            f"compilation_cache={tmp_path / 'jax_cache'}", f"steps={steps}"]  # fmt: skip
+    return load_config(TrainConfig, cfg, [*STAGE1, *over])
+
+
+def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
+    """The trainer under the LLaVA-OV stage-1 recipe: the vision-only encoder stage runs forward only,
+    4 steps straight == 2, stop, resume to 4 (losses, every param), the frozen parts bit-identical
+    to step 2's, the projector not."""
+    straight = run(_stage1(tmp_path, "a", 4))
+    half = run(_stage1(tmp_path, "b", 2))
+    resumed = run(_stage1(tmp_path, "b", 4))
+    assert resumed.first_step == 2 and half.losses + resumed.losses == straight.losses
+    assert {sig[0] for sig in straight.stages[0].signatures} == {"fwd"}
+    for a, b in zip(straight.stages, resumed.stages):
+        jax.tree.map(np.testing.assert_array_equal, *jax.device_get((a.params, b.params)))
+    layout = straight.layout
+    at4 = _tree(layout, straight.stages)
+    at2 = _tree(layout, half.stages)
+    _check_frozen_kept(at2, at4, ("projector",))
