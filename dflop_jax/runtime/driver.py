@@ -131,7 +131,8 @@ class StepOutput:
     Attributes:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
-      grads: accumulated fp32 gradients per stage, on each stage's mesh (None for non-local stages).
+      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only: frozen
+        ones None, `stages.prune`), on each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
         sampled microbatch's row filled; the last stage's fused forward+backward program is reported
