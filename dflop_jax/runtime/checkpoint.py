@@ -20,7 +20,8 @@ own shards. A stage local to one process is a host-local array, which orbax refu
 multi-process run; it is saved through a zero-copy global VIEW (`_global_view`) whose extra replica
 lives on another process's devices and is never written. Every process also owns `procs_<i>/` (its
 singleton group), which holds the JSON meta: step, loader state (per process), scheduler state,
-layout, and the list of group directories of the save. A step is complete when process 0's meta
+layout, the last evaluation (`eval`: its step, loss and loss tokens, or None), and the list of group
+directories of the save. A step is complete when process 0's meta
 and every listed group directory have it (each manager commits atomically; the list makes the
 whole save atomic). A resumed run first discards what a run killed mid-save left after its step
 (`discard_after`).

@@ -284,6 +284,47 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation (off by default; `runtime/evaluate.py`).
+
+    Attributes:
+      every: evaluate after every this many steps and after the last one (0 = off).
+      fraction: share of data.source's records held out of training and evaluated, chosen by a hash
+        of each record's id (else its position) with `seed` (`data/split.py`); 0 = none.
+      source: a separate dataset to evaluate (mix YAML or JSON/JSONL, processed like data.source);
+        "" = none. With `fraction` too, both are evaluated.
+      batches: global batches (`global_batch` records each) per evaluation; 0 = every full batch of
+        the held-out records. The same batches at every evaluation.
+      seed: the split's hash seed and the held-out records' batching order (apart from `seed`: a new
+        training seed keeps the split).
+    """
+
+    every: int = 0
+    fraction: float = 0.0
+    source: str = ""
+    batches: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        require(self.every >= 0, "eval.every", self.every, "0 (off) or steps between evaluations")
+        fix = "use 0 (hold nothing out) or a share below 1, e.g. 0.05"
+        require(0 <= self.fraction < 1, "eval.fraction", self.fraction, fix)
+        fix = "0 (every full batch of the held-out records) or batches per evaluation"
+        require(self.batches >= 0, "eval.batches", self.batches, fix)
+        require_seed(self.seed, "eval.seed")
+        fix = "evaluation needs held-out data: give eval.fraction > 0 or eval.source"
+        require(
+            not self.every or self.fraction > 0 or bool(self.source), "eval.every", self.every, fix
+        )
+
+    def inputs(self) -> list[InputPath]:
+        if not self.source:
+            return []
+        fix = "give a mix YAML or JSON/JSONL dataset to evaluate, or '' (none)"
+        return [InputPath("source", self.source, "file", fix)]
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Root config of a training run.
 
@@ -311,6 +352,7 @@ class TrainConfig:
       prefetch: global batches the loader solves and decodes ahead in its background thread. Batch
         k (step k + 1) is scheduled with the observations of steps <= k - prefetch, a deterministic
         rule (exact resume, every process alike; `runtime/lagged_schedule.py`).
+      eval: held-out evaluation (`EvalConfig`).
     """
 
     model: ModelConfig = ModelConfig()
@@ -337,6 +379,7 @@ class TrainConfig:
     distributed: DistributedConfig = DistributedConfig()
     measure_stage_times_every: int = 5
     prefetch: int = 2
+    eval: EvalConfig = EvalConfig()
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -424,6 +467,9 @@ class TrainConfig:
                     for n in ("synth_dir", "synth_samples", "synth_mix", "synth_seed")
                 }
             )
+        if not self.eval.every:
+            why = "read only with eval.every > 0 (nothing is evaluated)"
+            out.update({f"eval.{n}": why for n in ("source", "batches")})
         return out
 
 

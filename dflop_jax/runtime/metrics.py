@@ -37,6 +37,7 @@ CONSOLE_COLUMNS = (
     ("data_wait_s", "data wait", "{:.2f}s"),
     ("microbatches", "microbatches", "{:d}"),
     ("recompiles", "compiles", "{:d}"),
+    ("eval_loss", "eval loss", "{:.4f}"),
 )
 
 
@@ -63,6 +64,9 @@ class StepMetrics:
         the batch was late); step_time_s leaves a late batch's wait out.
       update_skipped: the loss or the gradients were not finite: the update was skipped on device.
       skipped_steps: updates skipped so far in the run.
+      eval_loss, eval_tokens, eval_recompiles: steps that evaluated (`eval.every`): the held-out
+        loss after this step's update (loss sum / loss tokens), its loss tokens, and the programs
+        that evaluation compiled (None on other steps).
     """
 
     step: int
@@ -96,6 +100,9 @@ class StepMetrics:
     wall_s: float = 0.0
     update_skipped: bool = False
     skipped_steps: int = 0
+    eval_loss: float | None = None
+    eval_tokens: int | None = None
+    eval_recompiles: int | None = None
 
 
 def step_metrics(
@@ -203,7 +210,7 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, row["step"])
         self.progress.tick(row["step"], compiled=row["recompiles"] > 0)
-        if row["step"] % self.every == 0 or row["step"] == 1:
+        if row["step"] % self.every == 0 or row["step"] == 1 or row["eval_loss"] is not None:
             self.console.print(console_line(row, self.progress), highlight=False, soft_wrap=True)
 
     def summary(self, skip_first: int = 1) -> dict[str, Any]:
@@ -216,6 +223,7 @@ class MetricsLog:
             return float(np.mean([getattr(r, k) for r in rows]))
 
         first, last = self.history[0], self.history[-1]
+        evals = [r for r in self.history if r.eval_loss is not None]
         return {
             "steps": last.step,
             "first_loss": first.loss,
@@ -238,6 +246,7 @@ class MetricsLog:
             "pred_raw_mape": last.pred_raw_mape,
             "pred_corrected_mape": last.pred_corrected_mape,
             "correction_observations": last.correction_observations,
+            **({"final_eval_loss": evals[-1].eval_loss} if evals else {}),
         }
 
     def close(self) -> None:

@@ -158,12 +158,16 @@ class StageJits:
       last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
         gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
       zeros: params -> a zero accumulator (`accumulator_structs`).
+      eval_loss: last stage only (None elsewhere): (params, x, side, totals) -> totals + (loss_sum,
+        count), float32[2] replicated, `totals` donated: the forward and loss without gradients or
+        accumulator, summed over an evaluation's microbatches on device (`runtime/evaluate.py`).
     """
 
     forward: Callable
     backward: Callable | None
     last: Callable
     zeros: Callable
+    eval_loss: Callable | None = None
 
 
 def _local_spec(spec: P | None) -> P | None:
@@ -312,6 +316,10 @@ def stage_jits(
         loss, count, gx, gacc = fn(params, x, side, normalizer, gacc)
         return loss, count, whole_gx(gx), gacc
 
+    def eval_loss(params, x, side, totals):
+        loss_sum, count = apply(params, x, side)
+        return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
+
     return StageJits(
         forward=jax.jit(apply, in_shardings=(ps, xs, side_s), out_shardings=ys),
         backward=jax.jit(
@@ -334,6 +342,14 @@ def stage_jits(
             ),
             in_shardings=(ps,),
             out_shardings=accs,
+        ),
+        eval_loss=None
+        if fns.loss is None
+        else jax.jit(
+            eval_loss,
+            in_shardings=(ps, xs, side_s, scalar),
+            out_shardings=scalar,
+            donate_argnums=(3,),
         ),
     )
 
@@ -465,6 +481,13 @@ class StageProgram:
         self._record("fwd", x, side)
         with jax.set_mesh(self.mesh):
             return self.jits.forward(self.params, x, side)
+
+    def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
+        """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
+        gradients; `totals` (float32[2], replicated on this mesh) is donated."""
+        self._record("eval", x, side)
+        with jax.set_mesh(self.mesh):
+            return self.jits.eval_loss(self.params, x, side, totals)
 
     def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""

@@ -13,6 +13,10 @@ dispatched, at log steps only, and each step's `StepMetrics` goes to the console
 TensorBoard; checkpoints are saved every `checkpoint.every` steps and the run resumes from the latest
 one. The trainer owns the online `Scheduler`, wrapped in a `LaggedSchedule`: the loader calls it with
 the batch index, and batch k sees the measured stage times of steps <= k - prefetch (DESIGN 5).
+With `eval.every`, the held-out records (`data/split.py`, never in the training loader) are evaluated
+after every that many steps (`runtime/evaluate.py`: forward programs only, its own loader and
+schedules, so training's batches and corrections are untouched); the loss is read with that step's
+numbers and saved in the checkpoint's metadata.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
-from dflop_jax.config import dump_yaml
+from dflop_jax.config import ConfigError, dump_yaml
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
-from dflop_jax.data import HostShardSpec, make_loader
+from dflop_jax.data import HostShardSpec, load_source, make_loader
+from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime import watchdog
@@ -41,6 +46,7 @@ from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
+from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
@@ -66,6 +72,7 @@ class TrainReport:
     layout: Layout
     first_step: int
     stages: list = dataclasses.field(default_factory=list)  # the StagePrograms (final params)
+    optimizers: list = dataclasses.field(default_factory=list)  # their StageOptimizers (state)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> Path:
@@ -115,6 +122,9 @@ def train(
         for step in range(start + 1, cfg.steps + 1):
             watchdog.progress(step)
             trainer.dispatch(step)
+            if trainer.eval_due(step):
+                watchdog.progress(step, "evaluation")
+                trainer.evaluate(step)
             # Step k's numbers are read after step k + 1 is dispatched, and only at log steps.
             if step - 1 > start and trainer.read_due(step - 1, first=start + 1):
                 log(trainer.read(through=step - 1))
@@ -134,7 +144,9 @@ def train(
             highlight=False,
             soft_wrap=True,
         )
-    return TrainReport(losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages)
+    return TrainReport(
+        losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages, trainer.opts
+    )
 
 
 @dataclasses.dataclass
@@ -157,6 +169,15 @@ class _InFlight:
     measured: bool
     done: threading.Event
     done_s: list[float]
+
+
+@dataclasses.dataclass
+class _Evaluation:
+    """A dispatched evaluation after `step` (its totals: `Evaluator.dispatch`), not read yet."""
+
+    step: int
+    totals: jax.Array
+    recompiles: int
 
 
 class _Trainer:
@@ -187,11 +208,18 @@ class _Trainer:
         # The loader solves and decodes `prefetch` batches ahead; batch b sees the observations of
         # steps <= b - prefetch (deterministic: exact resume, every process alike).
         self.schedule_fn = LaggedSchedule(self.scheduler, cfg.prefetch)
+        host = _host_shards(plan.layout, meshes, self.has_encoder)
+        records, held_out = split_records(
+            load_source(cfg.data, cfg.seed), cfg.eval.fraction, cfg.eval.seed
+        )
         self.loader = make_loader(
-            cfg.data, None, self.problem, self.schedule_fn,
+            cfg.data, records, self.problem, self.schedule_fn,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
-            host=_host_shards(plan.layout, meshes, self.has_encoder), num_batches=cfg.steps,
+            host=host, num_batches=cfg.steps,
         )  # fmt: skip
+        self.evaluator = _evaluator(cfg, self.problem, host, held_out) if cfg.eval.every else None
+        self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
+        self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = cfg.peak_flops or measure_peak_flops()
         self.lr = cfg.optimizer.schedule()
@@ -229,6 +257,7 @@ class _Trainer:
             )
         self.schedule_fn.load(_lagged_state(saved, meta["step"], self.cfg.prefetch))
         self.loader.set_state(meta["loader"])
+        self.last_eval = meta.get("eval")
         self.skipped_steps = skipped = meta.get("skipped_steps", 0)
         self.stats = put_host(np.array([0, 0, 1, skipped, 0], np.float32), self.opts[-1].scalar)
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
@@ -242,6 +271,7 @@ class _Trainer:
             "layout": dataclasses.asdict(self.layout),
             "seed": self.cfg.seed,
             "skipped_steps": self.skipped_steps,
+            "eval": self.last_eval,
         }
         params, states = [s.params for s in self.stages], [o.state for o in self.opts]
         self.ckpt.save(step, list(self.layout.stages), params, states, meta)
@@ -290,24 +320,54 @@ class _Trainer:
 
         return resolve
 
+    def eval_due(self, step: int) -> bool:
+        """Whether the held-out set is evaluated after `step`: every `eval.every` steps and the last."""
+        every = self.cfg.eval.every
+        return bool(every) and (step % every == 0 or step == self.cfg.steps)
+
+    def evaluate(self, step: int) -> None:
+        """Issues the evaluation of the params after `step` (read later, with `step`'s numbers)."""
+        before = sum(s.compiles for s in self.stages)
+        totals = self.evaluator.dispatch(self.stages)
+        recompiles = sum(s.compiles for s in self.stages) - before
+        self.evaluations.append(_Evaluation(step, totals, recompiles))
+
     def read_due(self, step: int, first: int) -> bool:
-        """Whether `step`'s numbers are read (and its metrics written) now: log steps and the first."""
-        return step % self.cfg.log_every == 0 or step == first
+        """Whether `step`'s numbers are read (and its metrics written) now: log steps, the first, and
+        steps that evaluated."""
+        return step % self.cfg.log_every == 0 or step == first or self.eval_due(step)
 
     def read(self, through: int) -> list[StepMetrics]:
-        """Reads the dispatched steps up to `through` (one exchange, `host_scalars`) into metrics."""
+        """Reads the dispatched steps and evaluations up to `through` (one exchange, `host_scalars`)
+        into metrics."""
         due = [f for f in self.in_flight if f.step <= through]
         if not due:
             return []
         self.in_flight = [f for f in self.in_flight if f.step > through]
-        values = host_scalars([f.stats for f in due], f"step{through}/stats").reshape(len(due), -1)
+        evals = [e for e in self.evaluations if e.step <= through]
+        self.evaluations = [e for e in self.evaluations if e.step > through]
+        values = host_scalars(
+            [f.stats for f in due] + [e.totals for e in evals], f"step{through}/stats"
+        )
+        n = values.size - 2 * len(evals)  # the STATS vectors, then the evaluations' (sum, tokens)
+        losses = {e.step: (e, v) for e, v in zip(evals, values[n:].reshape(len(evals), 2))}
         rows = []
-        for f, v in zip(due, values):
+        for f, v in zip(due, values[:n].reshape(len(due), -1)):
             f.done.wait()
             stats = dict(zip(STATS, v.tolist()))
             self.skipped_steps = int(stats["skipped_steps"])
-            rows.append(self._metrics(f, stats))
+            rows.append(self._with_eval(self._metrics(f, stats), *losses.get(f.step, (None, None))))
         return rows
+
+    def _with_eval(self, row: StepMetrics, evaluation: _Evaluation | None, totals) -> StepMetrics:
+        """`row` with the evaluation after its step, if there was one (then the latest, saved)."""
+        if evaluation is None:
+            return row
+        loss, tokens = eval_loss(totals), int(totals[1])
+        self.last_eval = {"step": row.step, "loss": loss, "tokens": tokens}
+        return dataclasses.replace(
+            row, eval_loss=loss, eval_tokens=tokens, eval_recompiles=evaluation.recompiles
+        )
 
     def _metrics(self, f: _InFlight, stats: dict) -> StepMetrics:
         """The step's record. Its time is from its dispatch (or the previous step's end, if later)
@@ -369,6 +429,23 @@ def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | N
     n = len(layout.encoder_stages)
     encoder = grids[:n] if n or not has_encoder else grids[:1]
     return HostShardSpec.from_meshes(encoder, grids[n:], jax.process_index())
+
+
+def _evaluator(cfg: TrainConfig, problem, host, held_out: list) -> Evaluator:
+    """The run's evaluator: the held-out share of data.source and/or eval.source's records."""
+    records = list(held_out)
+    if cfg.eval.source:
+        records += load_source(dataclasses.replace(cfg.data, source=cfg.eval.source), cfg.seed)
+    if len(records) < cfg.global_batch:
+        raise ConfigError(
+            f"eval.fraction={cfg.eval.fraction}: {len(records)} held-out records (eval.source "
+            f"{cfg.eval.source!r} included) < global_batch={cfg.global_batch}; hold out more "
+            "(eval.fraction) or give a larger eval.source"
+        )
+    return Evaluator(
+        records, cfg.data, problem, cfg.scheduler, global_batch=cfg.global_batch,
+        batches=cfg.eval.batches, seed=cfg.eval.seed, host=host,
+    )  # fmt: skip
 
 
 def _checkpointer(cfg: TrainConfig) -> Checkpointer:
