@@ -2,7 +2,8 @@
 
     python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml [key=value ...] [--json] [--check]
 
-Overrides use the config's dotted keys (e.g. `num_devices=32 planner.samples=8 out=runs/plan.yaml`).
+Overrides use the config's dotted keys (e.g. `num_devices=32 planner.samples=8 out=runs/plan.yaml`);
+`planner.trainable=[projector]` plans a training recipe with frozen parts (costs/recipe.py).
 Writes `out` (plan.yaml) and the resolved config beside it (`<out stem>.config.yaml`). An infeasible
 request exits with status 2 and a one-line explanation. `--check` then compiles every stage program of
 the chosen layout at its real sizes from abstract arrays on `num_devices` (simulated CPU) devices and
@@ -62,6 +63,12 @@ def check_compiled(plan: Plan) -> Plan:
     return dataclasses.replace(plan, checks=tuple(check_plan(plan, model_cfg)))
 
 
+def _recipe(cfg: PlanRunConfig) -> str:
+    """ ", trains projector,llm" when the plan's recipe freezes a part, else ""."""
+    trainable = cfg.planner.trainable
+    return "" if len(trainable) == 3 else f", trains {','.join(trainable)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dflop_jax.plan", description=__doc__.split("\n\n")[0]
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{describe_layout(plan.layout)} | M={plan.microbatches} on {plan.layout.num_devices}/{plan.num_devices} "
               f"{plan.device}: step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f}), "
-              f"idle {plan.idle_fraction:.1%} -> {cfg.out}")  # fmt: skip
+              f"idle {plan.idle_fraction:.1%}{_recipe(cfg)} -> {cfg.out}")  # fmt: skip
     for c, predicted in zip(plan.checks, plan.stage_memory_bytes):
         print(f"stage {c.stage} ({'+'.join(c.parts)}): predicted {predicted / 2**30:.2f} GiB, "
               f"compiled {c.total / 2**30:.2f} GiB, compile {c.compile_s:.1f} s")  # fmt: skip

@@ -47,13 +47,14 @@ def with_plan_remat(cfg: TrainConfig) -> TrainConfig:
 def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     """The layout, buckets, microbatch range and cost provider of `cfg.plan` for `model_cfg`."""
     arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
-    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat)
+    trainable = tuple(cfg.optimizer.trainable)  # the recipe the plan and the scheduler cost
+    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable)
     multimodal = cfg.model.kind != "decoder"
     if cfg.plan == "explicit":
         lay = cfg.layout
         resolved = ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), analytic)
         return resolved.check_runnable(cfg.plan, multimodal)
-    planner = training_planner(cfg.planner, cfg.global_batch, multimodal)
+    planner = training_planner(cfg.planner, cfg.global_batch, multimodal, trainable)
     if cfg.plan == "auto":
         from dflop_jax.profiling.pipeline import AutoPlanConfig, profiled_plan
 
@@ -63,6 +64,7 @@ def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         plan, measured = profiled_plan(
             auto, model_cfg, cache, cfg.data, name=f"{cfg.model.kind}-run"
         )
+        measured = measured.with_trainable(trainable)
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
     plan = static_plan(cfg.plan, arch, device, len(jax.devices()), planner,
                        lambda: _sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip

@@ -130,3 +130,11 @@ def test_unknown_baseline_is_a_one_line_error(capsys):
 
     assert main(["--quick", "--baselines", "nope"]) == 2
     assert "unknown baseline 'nope'" in capsys.readouterr().err
+
+
+def test_bad_recipe_is_a_one_line_error(capsys):
+    from dflop_jax.bench.cluster import main
+
+    assert main(["--quick", "--trainable", "vision,bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--trainable" in err and "\n" not in err

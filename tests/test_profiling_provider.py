@@ -172,3 +172,18 @@ def test_table_file_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="version"):
         load_table(tmp_path / "bad.json")
+
+
+def test_frozen_stages_derive_from_the_trainable_programs():
+    """Under trainable=[projector] an LLM stage runs dx only: the measured forward, 2/3 of the
+    measured backward (derived), no accumulator and no optimizer state for its parameters."""
+    full = MeasuredCostProvider(synthetic_table(), ARCH, DEV)
+    proj = full.with_trainable(("projector",))
+    stage = StageSpec("llm", 0, 3, tp=1, has_embedding=True)
+    assert proj.stage_time(stage, 256) == pytest.approx(
+        (truth(stage, 256, "fwd"), 2 / 3 * truth(stage, 256, "bwd")), rel=1e-9
+    )
+    mem, ref = proj.stage_memory(stage, 256), full.stage_memory(stage, 256)
+    assert (mem.params, mem.grads, mem.optimizer) == (ref.params, 0.0, 0.0)
+    assert ref.grads == ref.params and proj.name.endswith("+train:projector")
+    assert full.stage_time(stage, 256)[1] == pytest.approx(truth(stage, 256, "bwd"), rel=1e-9)

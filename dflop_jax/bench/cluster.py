@@ -25,6 +25,10 @@ own tp, and give a separate encoder a tp the LLM cannot take (5 for InternViT-6B
   microbatches at the plan's count, so the row says what DFLOP's scheduler buys over the strongest of
   them (the one with the lowest mean simulated step) on top of what its layout buys over data-blind.
 
+`--trainable projector,llm` (a training recipe, `planner.trainable`): both planners, both schedulers
+and the evaluation cost frozen parts as the runtime runs them (costs/recipe.py), e.g. the frozen-encoder
+row (LLaVA-OV stage 2 with the vision tower frozen); the model cell names the recipe.
+
 All are evaluated on the same fresh global batches (a seed the planner never saw) by the pipeline
 simulator. Reported: mean step time, speedup, the pipeline idle fraction (DESIGN section 9:
 sum_s (step - busy_s) / (P x step); padding counts as busy, data-parallel waiting is invisible) and the
@@ -45,6 +49,7 @@ import time
 import numpy as np
 
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.costs.recipe import check_trainable
 from dflop_jax.planner import (
     LayoutCosts,
     Plan,
@@ -179,7 +184,7 @@ def run_case(
     arch_name, data = MODELS[model]
     shapes = llava_ov_mix(4000, 0) if data == "llava-ov" else omnibal_shapes()
     arch, device = get_arch(arch_name), get_device("h100")
-    provider = AnalyticCostProvider(arch, device, remat=remat)
+    provider = AnalyticCostProvider(arch, device, remat=remat, trainable=config.trainable)
     args = (arch, device, num_devices, shapes, config, provider, progress)
     (dflop, t_dflop), (blind, t_blind) = _plan(args, "dflop"), _plan(args, "uniform")
     if not isinstance(dflop, Plan) or not isinstance(blind, Plan):
@@ -191,7 +196,7 @@ def run_case(
     bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
     base = baseline_steps(dflop, batches, d_costs, baselines)
     return {
-        "model": model, "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
+        "model": model + _recipe(config.trainable), "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
         "dflop_layout": _layout_cell(dflop, arch), "blind_layout": _layout_cell(blind, arch),
         "dflop": dataclasses.asdict(d), "blind": dataclasses.asdict(b), "blind_dynamic": dataclasses.asdict(bd),
         "speedup": b.step_s / d.step_s, "speedup_vs_dynamic": bd.step_s / d.step_s,
@@ -202,6 +207,11 @@ def run_case(
         "baselines": base, "strongest_baseline": strongest_baseline(d.step_s, base),
         "plan_time_s": t_dflop + t_blind, "plan_time_dflop_s": t_dflop, "plan_time_blind_s": t_blind,
     }  # fmt: skip
+
+
+def _recipe(trainable: tuple[str, ...]) -> str:
+    """ "" for full training, else " [projector,llm]"."""
+    return "" if set(trainable) == {"vision", "projector", "llm"} else f" [{','.join(trainable)}]"
 
 
 def _plan(args: tuple, mode: str) -> tuple[Plan | PlanningError, float]:
@@ -297,7 +307,7 @@ def _planner_config(n: int, args) -> PlannerConfig:
     stages per LLM stage."""
     extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": tuple(range(1, 9)),
              "encoder_tp": tuple(range(1, 9)), "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
-    return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3],
+    return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3], trainable=args.trainable,
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 
 
@@ -333,6 +343,11 @@ def main(argv: list[str]) -> int:
         f"{','.join(BASELINES)}; reference-exact spends ~1 s of CP-SAT per evaluation batch; "
         "'none' for no baselines)",
     )
+    ap.add_argument(
+        "--trainable",
+        default="vision,projector,llm",
+        help="comma-separated trained parts (a recipe; default all), e.g. projector,llm: frozen encoder",
+    )
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args(argv)  # fmt: skip
     gpus, models, eval_batches, _ = _settings(args)
@@ -343,6 +358,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     args.baselines = tuple(names)
+    args.trainable = tuple(args.trainable.split(","))
+    try:
+        check_trainable(args.trainable, "--trainable")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         print(

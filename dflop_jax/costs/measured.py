@@ -23,6 +23,12 @@ Needs 3 or more profiled buckets; with fewer, or `fit="interpolate"`: piecewise-
 profiled buckets, linear beyond them, per_layer = c2 - c1 and base = c1 - per_layer per bucket.
 Buckets outside the profiled range are flagged "extrapolated" in `sources()`.
 
+Frozen stages (a recipe's `trainable`, costs/recipe.py): the profiler times the trainable programs
+only, so a forward-only stage's time is the MEASURED forward, a dx-only stage's backward is DERIVED
+(2/3 of the measured backward), a projector-only encoder head stage's backward is DERIVED (measured
+stage forward minus head forward, plus the measured head backward); grads and optimizer count the
+trained parts' measured parameter bytes; temp stays the trainable program's (an upper bound).
+
 Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
 most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
 (2 x params), activations_per_microbatch = the stage input (x + side arrays: what the runtime keeps per
@@ -38,6 +44,7 @@ come from the analytic model's output bytes / bandwidth.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 from pathlib import Path
@@ -50,7 +57,8 @@ from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.memory import StageMemory
-from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider
+from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider, trainable_suffix
+from dflop_jax.costs.recipe import PARTS, check_trainable, recipe_backward, stage_role
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +161,7 @@ class MeasuredCostProvider:
         device: DeviceSpec,
         fallback: CostProvider | None = None,
         fit: str = "least_squares",
+        trainable: tuple[str, ...] = PARTS,
     ):
         if fit not in FITS:
             raise ValueError(f"fit={fit!r}: choose one of {FITS}")
@@ -160,7 +169,9 @@ class MeasuredCostProvider:
         self._fits: dict[tuple[str, int], TimeFit | None] = {}
         self.table = table if isinstance(table, ProfiledCostTable) else load_table(table)
         self.arch, self.device, self.fallback = arch, device, fallback
+        self.trainable = check_trainable(trainable)
         self.name = f"measured:{self.table.model or arch.name}@{self.table.device_kind}"
+        self.name += trainable_suffix(self.trainable)
         self._transfer = AnalyticCostProvider(arch, device)
         self._curves: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._sources: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -292,6 +303,9 @@ class MeasuredCostProvider:
             extra = len(parts) - 1
             fwd -= extra * min(base[0].base_fwd, min(p.fwd for p in parts))
             bwd -= extra * min(base[0].base_bwd, min(p.bwd for p in parts))
+        # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
+        role = stage_role(stage, self.trainable, self.arch.vision is not None)
+        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
         return float(fwd), float(bwd)  # plain floats: plans are written as YAML
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
@@ -299,17 +313,40 @@ class MeasuredCostProvider:
             bucket = 1  # state still lives on the device; activations of the smallest shape
         parts = self._parts(stage, bucket)
         params = float(sum(p.params for p in parts))
+        role = stage_role(stage, self.trainable, self.arch.vision is not None)
+        trained = float(
+            sum(p.params for p, name in zip(parts, _recipe_parts(stage)) if name in role.trains)
+        )
+        forward = role.kind == "forward"
         return StageMemory(
             params=params,
-            grads=params,
-            optimizer=2.0 * params,
-            activations_per_microbatch=float(parts[0].inputs),
-            temp=float(sum(p.temp for p in parts)),
+            grads=trained,
+            optimizer=2.0 * trained,
+            activations_per_microbatch=0.0 if forward else float(parts[0].inputs),
+            # the trainable program's: an upper bound for a frozen stage's (not measured apart)
+            temp=float(sum(p.temp for p in parts)) + (float(parts[0].inputs) if forward else 0.0),
         )
 
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         return self._transfer.transfer_time(stage, bucket, cross_host)
 
+    def with_trainable(self, trainable: tuple[str, ...]) -> MeasuredCostProvider:
+        """This provider (sharing its table and fits) under another recipe."""
+        if tuple(trainable) == self.trainable:
+            return self
+        other = copy.copy(self)
+        other.trainable = check_trainable(trainable)
+        other.name = self.name.split("+train:", 1)[0] + trainable_suffix(other.trainable)
+        return other
+
     def sources(self) -> dict[str, dict[str, int]]:
         """Per entry kind, how many lookups were measured / interpolated / extrapolated / fallback."""
         return {k: dict(v) for k, v in sorted(self._sources.items())}
+
+
+def _recipe_parts(stage: StageSpec) -> list[str]:
+    """Per part of `MeasuredCostProvider._parts` (embedding, layers, head as held), its recipe part."""
+    held = [stage.has_embedding, stage.num_layers > 0, stage.has_head]
+    if stage.module == "llm":
+        return ["llm"] * sum(held)
+    return [name for name, h in zip(("vision", "vision", "projector"), held) if h]

@@ -36,6 +36,13 @@ sequence parallelism:
   dense attention (`flash_attention=False`) keeps per head and (query, key) pair of the full
   S x S square (n x n per tile) the f32 exp and the cb-byte probabilities, plus for a masked (causal
   LLM) square the mask and the f32 masked scores: 11 B (LLM) / 6 B (ViT) at bf16.
+Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
+gradient accumulator and no optimizer state, and the program holds only their compute-dtype copy (no
+weight gradient). A forward-only stage keeps no stage input for a backward (`activations_per_microbatch`
+0) and no residuals: its transient is one layer's activations at a time, its input and the weight
+copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
+(one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
+gradient on the first LLM stage) is held where the stage input needs none.
 `python -m dflop_jax.plan --check` compares these terms with the compiled programs
 (`profiling/compile_check.py`; figures in docs/benchmarks.md).
 """
@@ -47,6 +54,7 @@ import dataclasses
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import LLMArch, MLLMArch, VisionArch
 from dflop_jax.costs.layout import StageSpec
+from dflop_jax.costs.recipe import PARTS, StageRole, stage_role
 
 PARAM_BYTES = 4  # fp32 parameters = master copy
 GRAD_BYTES = 4  # fp32 accumulation across microbatches
@@ -196,6 +204,37 @@ def _kept_per_token(d: int, dots: float, cb: int, remat: str) -> float:
     return dots if remat == "dots" else float(d * cb)
 
 
+def _state(
+    n_trained: float, n_frozen: float, dp: int, cb: int
+) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, weight transient) bytes: frozen parameters keep their fp32 copy and
+    their compute-dtype cast, nothing else."""
+    params, grads, optimizer = state_bytes(n_trained, dp)
+    params += n_frozen * PARAM_BYTES
+    return (
+        params,
+        grads,
+        optimizer,
+        (weight_transient_bytes(n_trained, cb) + weight_copy_bytes(n_frozen, cb)),
+    )
+
+
+def _memory(
+    role: StageRole, trained: float, frozen: float, dp: int, cb: int, inputs: float, temp: float
+) -> StageMemory:
+    """The StageMemory of a stage's terms; a forward-only stage holds its input only while it runs."""
+    params, grads, optimizer, weights = _state(trained, frozen, dp, cb)
+    if role.kind == "forward":
+        return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
+    return StageMemory(params, grads, optimizer, inputs, temp + weights)
+
+
+def _split(role: StageRole, counts: dict[str, float]) -> tuple[float, float]:
+    """(trained, frozen) parameter counts of a stage from its per-part counts."""
+    trained = sum(n for part, n in counts.items() if part in role.trains)
+    return trained, sum(counts.values()) - trained
+
+
 def encoder_stage_memory(
     arch: MLLMArch,
     stage: StageSpec,
@@ -203,37 +242,44 @@ def encoder_stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
+    trainable: tuple[str, ...] = PARTS,
 ) -> StageMemory:
     """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at
-    `tiles` per data shard, as the runtime holds it (module docstring)."""
+    `tiles` per data shard, as the runtime holds it under the recipe `trainable` (module docstring)."""
     v, p, tp, cb, remat = arch.vision, arch.projector, stage.tp, compute_bytes, remat_policy(remat)
+    role = stage_role(stage, trainable, True)
+    forward = role.kind == "forward"
     norm = 2 * v.hidden_size * (2 if v.norm == "layer_norm" else 1)
-    n_params = stage.num_layers * _sharded(flops.vision_layer_params(v), norm, tp)
+    n_body = stage.num_layers * _sharded(flops.vision_layer_params(v), norm, tp)
     tokens = tiles * v.seq_len
     full = vision_activation_bytes_per_token(v, tp, False, cb)
     if not flash_attention:
         full += dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb) / v.seq_len
     kept = _kept_per_token(v.hidden_size, _vision_dots_bytes_per_token(v, tp, cb), cb, remat)
-    temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+    if forward or role.head_only:  # no backward through the layers: one layer alive at a time
+        temp = full * tokens if stage.num_layers else 0.0
+    else:
+        temp = _residuals(stage.num_layers, tokens, kept, full, remat)
     hidden = tokens * v.hidden_size * cb
+    n_head = 0.0
     if stage.has_embedding:
-        n_params += flops.vision_embedding_params(v)
+        n_body += flops.vision_embedding_params(v)
         inputs = tiles * v.image_size**2 * 3  # the packed tiles, uint8 (normalized on device)
         temp += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
     else:
-        inputs = temp_dx = hidden
-        temp += temp_dx  # its gradient, handed back
+        inputs = hidden
+        temp += hidden if role.input_grad and not forward else 0.0  # dx
     if stage.has_head:
-        n_params += flops.projector_params(p) / tp
+        n_head = flops.projector_params(p) / tp
         out_tokens = tiles * v.tokens_per_tile
         inputs += tiles  # tile_pool flags
         # norm/fc1 input, fc1 output, GELU internals and output; the incoming gradient
         temp += out_tokens * (_norm_bytes(p.in_dim, cb) + 4 * p.out_dim * cb / tp)
-        temp += out_tokens * p.out_dim * cb
-    else:
+        temp += 0.0 if forward else out_tokens * p.out_dim * cb
+    elif not forward:
         temp += hidden  # dy
-    temp += weight_transient_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params, stage.dp), inputs, temp)
+    trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
+    return _memory(role, trained, frozen, stage.dp, cb, inputs, temp)
 
 
 def llm_stage_memory(
@@ -243,16 +289,22 @@ def llm_stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
+    trainable: tuple[str, ...] = PARTS,
 ) -> StageMemory:
     """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of
-    `tokens` per data shard, as the runtime holds it (module docstring)."""
+    `tokens` per data shard, as the runtime holds it under the recipe `trainable` (module docstring)."""
     m, tp, cb, remat = arch.llm, stage.tp, compute_bytes, remat_policy(remat)
+    role = stage_role(stage, trainable, arch.vision is not None)
+    forward = role.kind == "forward"
     n_params = stage.num_layers * _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
     full = llm_activation_bytes_per_token(m, tp, False, cb)
     if not flash_attention:
         full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
     kept = _kept_per_token(m.hidden_size, _llm_dots_bytes_per_token(m, tp, cb), cb, remat)
-    temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+    if forward:
+        temp = full * tokens if stage.num_layers else 0.0
+    else:
+        temp = _residuals(stage.num_layers, tokens, kept, full, remat)
     hidden = tokens * m.hidden_size * cb
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
     inputs = tokens * 2 * 4  # segment ids, positions (int32)
@@ -263,10 +315,10 @@ def llm_stage_memory(
             inputs += tokens * (4 + 2 * 4 * FEATURE_TAPS)  # feature index, taps and weights
             features = stage.dp * tokens * m.hidden_size * cb
             inputs += features
-            temp += features  # their gradient
+            temp += features if role.input_grad and not forward else 0.0  # their gradient
     else:
         inputs += hidden
-        temp += hidden  # dx
+        temp += hidden if role.input_grad and not forward else 0.0  # dx
     if stage.has_head:
         # A tied head on a different stage than the embedding still holds its own copy.
         n_params += m.hidden_size + (0 if (m.tie_embeddings and stage.has_embedding) else embed)
@@ -274,10 +326,10 @@ def llm_stage_memory(
         temp += tokens * _norm_bytes(m.hidden_size, cb)  # final norm, input of the head
         # one chunk's cb-byte logits, their f32 upcast and its gradient (`models/loss.py`)
         temp += min(tokens, LOSS_CHUNK) * m.vocab_size / tp * (cb + 2 * LOGIT_BYTES)
-    else:
+    elif not forward:
         temp += hidden  # dy
-    temp += weight_transient_bytes(n_params, cb)
-    return StageMemory(*state_bytes(n_params, stage.dp), inputs, temp)
+    trained, frozen = _split(role, {"llm": n_params})
+    return _memory(role, trained, frozen, stage.dp, cb, inputs, temp)
 
 
 def stage_memory(
@@ -287,7 +339,9 @@ def stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
+    trainable: tuple[str, ...] = PARTS,
 ) -> StageMemory:
-    """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)."""
+    """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)
+    under the recipe `trainable`."""
     fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
-    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention)
+    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable)

@@ -19,6 +19,8 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   (an assumption; a measured table replaces it). With `flash_attention=False` (XLA's dense attention,
   what the runtime runs on CPU) the full S*S square is computed and its scores are stored (memory.py);
   the default stays True on every device so plans for long rows remain possible on CPU previews.
+With `trainable` (a recipe, costs/recipe.py) frozen stages cost what the runtime runs for them: forward
+only (backward 0), dx only (2/3 of the backward), or an encoder head stage's projector alone.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.memory import StageMemory, remat_policy, stage_memory
+from dflop_jax.costs.recipe import PARTS, check_trainable, recipe_backward, stage_role
 
 TransferCostFn = Callable[[int, int], np.ndarray]
 
@@ -75,9 +78,11 @@ class AnalyticCostProvider:
         remat: bool | Mapping[str, str] = False,
         compute_bytes: int = 2,
         flash_attention: bool = True,
+        trainable: tuple[str, ...] = PARTS,
     ):
         """`remat`: activation recomputation, True / False for both modules or a per-module policy
-        {"vision": ..., "llm": ...} of "none" / "full" / "dots" (what the runtime applies)."""
+        {"vision": ..., "llm": ...} of "none" / "full" / "dots" (what the runtime applies).
+        `trainable`: the recipe's trained parts (`optimizer.trainable`; costs/recipe.py)."""
         if compute_bytes not in (2, 4):
             raise ValueError(f"compute_bytes={compute_bytes}: use 2 (bf16) or 4 (fp32)")
         self.arch = arch
@@ -89,6 +94,7 @@ class AnalyticCostProvider:
             else {m: remat_policy(remat[m]) for m in ("vision", "llm")}
         )
         self.compute_bytes = compute_bytes
+        self.trainable = check_trainable(trainable)
         # None: what the runtime uses on this device (fused kernel on GPUs, dense XLA on CPU)
         self.flash_attention = (
             device.flash_attention if flash_attention is None else flash_attention
@@ -97,6 +103,7 @@ class AnalyticCostProvider:
             f"analytic:{arch.name}@{device.name}"
             + _remat_suffix(self.policy)
             + ("" if self.flash_attention else "+dense-attn")
+            + trainable_suffix(self.trainable)
         )
         self._memory: dict[tuple[StageSpec, int], StageMemory] = {}  # the planner asks ~10^5 times
 
@@ -166,9 +173,21 @@ class AnalyticCostProvider:
         self._check_stage(stage)
         if bucket == 0:
             return 0.0, 0.0
-        if stage.module == "encoder":
-            return self._encoder_time(stage, bucket)
-        return self._llm_time(stage, bucket)
+        timed = self._encoder_time if stage.module == "encoder" else self._llm_time
+        fwd, bwd = timed(stage, bucket)
+        role = stage_role(stage, self.trainable, self.arch.vision is not None)
+        head = (0.0, 0.0)
+        if role.head_only:
+            head = self._encoder_time(StageSpec("encoder", 0, 0, stage.tp, has_head=True), bucket)
+        return fwd, recipe_backward(role, fwd, bwd, *head)
+
+    def with_trainable(self, trainable: tuple[str, ...]) -> AnalyticCostProvider:
+        """This provider under another recipe (itself if the same)."""
+        if tuple(trainable) == self.trainable:
+            return self
+        return AnalyticCostProvider(self.arch, self.device, remat=self.remat,
+                                    compute_bytes=self.compute_bytes,
+                                    flash_attention=self.flash_attention, trainable=trainable)  # fmt: skip
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         """Memoized per (stage, bucket): StageMemory is immutable and the model a pure function."""
@@ -177,7 +196,13 @@ class AnalyticCostProvider:
             self._check_stage(stage)
             remat = self.policy["vision" if stage.module == "encoder" else "llm"]
             self._memory[key] = stage_memory(
-                self.arch, stage, bucket, remat, self.compute_bytes, self.flash_attention
+                self.arch,
+                stage,
+                bucket,
+                remat,
+                self.compute_bytes,
+                self.flash_attention,
+                self.trainable,
             )
         return self._memory[key]
 
@@ -193,6 +218,11 @@ class AnalyticCostProvider:
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         bw = self.device.inter_host_bandwidth if cross_host else self.device.intra_host_bandwidth
         return self.output_bytes(stage, bucket) / bw
+
+
+def trainable_suffix(trainable: tuple[str, ...]) -> str:
+    """ "" for the full recipe, else "+train:projector,llm" (plans name the recipe they assume)."""
+    return "" if set(trainable) == set(PARTS) else "+train:" + ",".join(trainable)
 
 
 def _remat_suffix(policy: Mapping[str, str]) -> str:

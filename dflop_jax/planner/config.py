@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from dflop_jax.config import require, require_seed
+from dflop_jax.costs.recipe import PARTS
 
 
 def _positive_ints(values: tuple[int, ...], key: str) -> None:
@@ -58,6 +59,9 @@ class PlannerConfig:
       refine_top: re-score the best few with `refine_solver` (0 = off).
       refine_solver, refine_time_limit_s: solver and per-batch time box of that refinement.
       schedule: pipeline schedule simulated ("1f1b" or "gpipe").
+      trainable: the training recipe's trained parts ("vision", "projector", "llm"; the training
+        config's `optimizer.trainable`, which a training run's planner takes): frozen stages cost
+        what the runtime runs for them (costs/recipe.py). The cost provider is re-made for it.
       seed: seeds batch sampling and the scheduler.
       top_n: alternatives written to plan.yaml.
     """
@@ -85,6 +89,7 @@ class PlannerConfig:
     refine_solver: Literal["auto", "cpsat"] = "auto"
     refine_time_limit_s: float = 1.0
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    trainable: tuple[str, ...] = PARTS
     seed: int = 0
     top_n: int = 5
 
@@ -142,6 +147,14 @@ class PlannerConfig:
             "planner.refine_time_limit_s",
             self.refine_time_limit_s,
             "must be > 0 seconds",
+        )
+        chosen = self.trainable
+        ok = bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(PARTS)
+        require(
+            ok,
+            "planner.trainable",
+            list(chosen),
+            f"give a non-empty subset of {list(PARTS)}, no repeats",
         )
         require(self.top_n >= 0, "planner.top_n", self.top_n, "must be >= 0")
         require_seed(self.seed, "planner.seed")

@@ -67,11 +67,20 @@ def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
         raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
 
 
-def training_planner(planner: PlannerConfig, global_batch: int, multimodal: bool) -> PlannerConfig:
-    """The planner settings of a training run: its global batch; a colocated encoder only at LLM
-    stage 0's own tp (the runtime runs no colocated encoder at a smaller tp). The planner's choice
-    between separate and colocated encoders is otherwise its own."""
-    return dataclasses.replace(planner, global_batch=global_batch, colocate_own_tp=False)
+def training_planner(
+    planner: PlannerConfig,
+    global_batch: int,
+    multimodal: bool,
+    trainable: tuple[str, ...] | None = None,
+) -> PlannerConfig:
+    """The planner settings of a training run: its global batch; its recipe (`optimizer.trainable`,
+    None: the planner's own); a colocated encoder only at LLM stage 0's own tp (the runtime runs no
+    colocated encoder at a smaller tp). The planner's choice between separate and colocated encoders
+    is otherwise its own."""
+    trainable = planner.trainable if trainable is None else tuple(trainable)
+    return dataclasses.replace(
+        planner, global_batch=global_batch, colocate_own_tp=False, trainable=trainable
+    )
 
 
 def static_plan(

@@ -24,6 +24,10 @@ sampled batches with that same scheduler. Both modes try an even and a cost-bala
 and, when `PlannerConfig.remat` lists both, remat on and off per candidate; the baseline also tries
 `PlannerConfig.virtual_stages` (interleaved 1F1B; the plan's layout is then the physical one, its
 virtual split in `search["virtual_layers"]`, its schedule "interleaved").
+
+Both modes plan under `PlannerConfig.trainable` (the training recipe): the cost provider is re-made for
+it, so frozen stages' times and memory (costs/recipe.py) reach the memory check, the scheduler's stage
+costs and the simulation, where forward-only stages leave the backward wave (sim/pipeline.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.costs.recipe import PARTS
 from dflop_jax.planner.balance import balanced_layout, memory_balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
@@ -111,7 +116,8 @@ def make_plan(
       num_devices: devices available.
       shapes: the shape distribution (samples to draw global batches from).
       config: search space and scoring settings.
-      provider: a CostProvider; None -> AnalyticCostProvider(arch, device).
+      provider: a CostProvider; None -> AnalyticCostProvider(arch, device); planned under
+        `config.trainable` (its `with_trainable`).
       progress: optional progress callback.
       mode: "dflop" (data-aware search) or "uniform" (data-blind baseline layout).
     Raises:
@@ -123,6 +129,7 @@ def make_plan(
     shapes = list(shapes)
     _check_request(num_devices, shapes, mode)
     provider = provider if provider is not None else AnalyticCostProvider(arch, device)
+    provider = _with_recipe(provider, config.trainable)
     report = progress if progress is not None else (lambda *_: None)
     usable = device.memory_bytes * (1.0 - config.memory_margin)
 
@@ -192,6 +199,17 @@ def make_plan(
         search=search,
         planner_config=to_dict(config),
     )
+
+
+def _with_recipe(provider, trainable: tuple[str, ...]):
+    """`provider` under the planner's recipe (its `with_trainable`); a provider without one can plan
+    only the full recipe."""
+    if hasattr(provider, "with_trainable"):
+        return provider.with_trainable(trainable)
+    if set(trainable) != set(PARTS):
+        raise PlanningError(f"planner.trainable={list(trainable)}: cost provider "
+                            f"{provider.name} cannot model frozen parts")  # fmt: skip
+    return provider
 
 
 def _check_request(num_devices: int, shapes: list[SampleShape], mode: str) -> None:

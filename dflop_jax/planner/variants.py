@@ -49,6 +49,7 @@ def provider_variant(base, layout: Layout, remat: bool | None, pad_heads: bool):
         remat=base.remat if remat is None else remat,
         compute_bytes=base.compute_bytes,
         flash_attention=base.flash_attention,
+        trainable=base.trainable,
     )
 
 

@@ -22,6 +22,12 @@ Per-stage orders (non-interleaved, as in Megatron-LM's `forward_backward_pipelin
   through the chunks the same way, this order deadlocks, e.g. P = 4, v = 3, M = 5). With v = 1 it is
   plain 1F1B.
 
+Forward-only stages (a frozen prefix of the pipeline, costs/recipe.py: nothing trained and nothing
+before them trains): the leading stages whose backward times are all zero run their forwards only, in
+microbatch order, and no backward ops: the runtime's driver leaves them out of the backward wave, so
+their forwards are never held back behind a backward (1F1B and GPipe; interleaved runs all stages
+as given). A microbatch's backward then ends at the first stage that has one.
+
 For uniform stages (forward f, backward b, zero transfer) 1F1B and GPipe give a step time of
 (M + P - 1) * (f + b); interleaving with v chunks of f / v, b / v cuts the bubble to (P - 1)(f + b) / v.
 """
@@ -84,10 +90,14 @@ class SimResult:
         return sum(1 for e in self.events[0] if e.kind == "F") // self.chunks
 
     def peak_in_flight(self) -> list[int]:
-        """Per stage, the most (chunk-)microbatches forwarded but not yet backwarded at any time."""
+        """Per stage, the most (chunk-)microbatches forwarded but not yet backwarded at any time (0 for
+        a forward-only stage, which keeps none)."""
         out = []
         for stage_events in self.events:
             live = peak = 0
+            if all(e.kind == "F" for e in stage_events):
+                out.append(0)
+                continue
             for e in stage_events:
                 live += 1 if e.kind == "F" else -1
                 peak = max(peak, live)
@@ -193,7 +203,7 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
     times, xfer = _check_inputs(times, transfer)
     m, nv, _ = times.shape
     p = _check_schedule(schedule, nv, chunks)
-    plan = _op_plan(schedule, p, m, chunks)
+    plan = _op_plan(schedule, p, m, chunks, 0 if chunks > 1 else forward_only_prefix(times))
     # plain Python lists: this loop is the planner's inner loop (the scheduler's order search runs it
     # tens of thousands of times per plan), and list indexing is ~10x numpy's
     dur = times.ravel().tolist()
@@ -216,6 +226,16 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
     return SimResult(step, busy, idle, schedule, chunks, _Timeline(plan, start, end))
 
 
+def forward_only_prefix(times: np.ndarray) -> int:
+    """How many leading stages have no backward (all their backward times zero)."""
+    if times[0, 0, 1] > 0:  # the usual case, in the planner's inner loop: one scalar read
+        return 0
+    bwd, n = times[:, :, 1], 0
+    while n < bwd.shape[1] and not bwd[:, n].any():
+        n += 1
+    return n
+
+
 class _OpPlan(NamedTuple):
     """A schedule's operations in one dependency-respecting order, as indices (`_op_plan`)."""
 
@@ -225,7 +245,7 @@ class _OpPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _op_plan(schedule: str, p: int, m: int, chunks: int) -> _OpPlan:
+def _op_plan(schedule: str, p: int, m: int, chunks: int, forward_only: int = 0) -> _OpPlan:
     """Every operation of the schedule in an order where all its inputs come earlier, with what it
     waits for as positions: op i (1-based) starts at max(end[q], end[a], end[b] + hop[h]) and lasts
     dur[t], q = the previous op of its device group, a = F(k, j) for B(k, j), b = F(k, j-1) for a
@@ -234,10 +254,14 @@ def _op_plan(schedule: str, p: int, m: int, chunks: int) -> _OpPlan:
 
     The order is the one the event loop of a discrete-event simulation would take (a group runs its
     next op as soon as its inputs exist); it depends only on (schedule, P, M, chunks), never on the
-    times, so it is built once and every simulation is one pass over it.
+    times, so it is built once and every simulation is one pass over it. The first `forward_only`
+    stages (chunks = 1) run their forwards only; the backward of the next stage then waits for nothing
+    upstream.
     """
     nv = p * chunks
     orders = [device_order(schedule, d, p, m, chunks) for d in range(p)]
+    for d in range(min(forward_only, p)):
+        orders[d] = [("F", k, d) for k in range(m)]
     pos: dict[tuple[str, int, int], int] = {}
     deps, ops = [], []
     next_op, last = [0] * p, [0] * p

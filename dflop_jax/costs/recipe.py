@@ -1,0 +1,111 @@
+"""What a training recipe (`optimizer.trainable`) makes each pipeline stage run, for the cost models.
+
+The runtime (runtime/stages.py, issue 17 item 2) executes a stage by what it trains and whether its
+input needs a gradient (some part before it trains):
+
+- "train": it holds a trained part: recompute-in-backward, weight gradients of the trained parts only
+  (fp32 accumulator, ZeRO-1 AdamW state for them alone);
+- "dx": nothing trained, but a trained part lies before it: the backward program recomputes the stage
+  forward and pulls the cotangent to x only (no weight gradients, no accumulator, no optimizer state);
+- "forward": nothing trained and nothing before it trains: forward only (no backward program, no stage
+  input kept for one); such stages form a prefix of the pipeline and leave the backward wave.
+
+Time factors (the same for the analytic and the measured provider, which both know the trainable
+program's backward): a trainable backward program is recompute (~1 forward) + dx (~1 forward) + weight
+gradients (~1 forward), so a dx-only backward is `DX_FRACTION` = 2/3 of it. An encoder stage whose
+vision layers are frozen but whose projector trains (LLaVA-OV stage 1, encoder stage with the head) and
+whose input needs no gradient recomputes its frozen layers' forward and back-propagates through the
+projector only: backward = (stage forward - projector forward) + projector backward.
+
+Parts mirror `models.stages.PARTS` (not imported: the cost layer imports no JAX).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from dflop_jax.costs.layout import StageSpec
+
+PARTS: tuple[str, ...] = ("vision", "projector", "llm")
+DX_FRACTION = 2.0 / 3.0  # dx-only backward / trainable backward (recompute + dx, no weight grads)
+
+
+def check_trainable(trainable: Iterable[str], key: str = "trainable") -> tuple[str, ...]:
+    """`trainable` as a tuple, or ValueError (one line) unless a non-empty subset of PARTS."""
+    chosen = tuple(trainable) if not isinstance(trainable, str) else (trainable,)
+    if not chosen or len(set(chosen)) != len(chosen) or not set(chosen) <= set(PARTS):
+        raise ValueError(
+            f"{key}={list(chosen)}: give a non-empty subset of {list(PARTS)}, no repeats"
+        )
+    return chosen
+
+
+def stage_parts(stage: StageSpec) -> tuple[str, ...]:
+    """The recipe parts whose parameters `stage` holds (encoder layers/embedding: vision; encoder
+    head: projector; any LLM stage: llm)."""
+    if stage.module == "llm":
+        return ("llm",)
+    body = ("vision",) if stage.num_layers or stage.has_embedding else ()
+    return body + (("projector",) if stage.has_head else ())
+
+
+def _upstream(stage: StageSpec, multimodal: bool) -> tuple[str, ...]:
+    """Parts that run before `stage`'s input (encoder stages first, then LLM stages)."""
+    if stage.module == "encoder":
+        return () if stage.has_embedding else ("vision",)
+    mm = ("vision", "projector") if multimodal else ()
+    return mm if stage.has_embedding else mm + ("llm",)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRole:
+    """What a stage runs under a recipe.
+
+    Attributes:
+      trains: its trained parts; frozen: its frozen parts; input_grad: its input needs a gradient.
+    """
+
+    trains: tuple[str, ...]
+    frozen: tuple[str, ...]
+    input_grad: bool
+
+    @property
+    def kind(self) -> str:
+        """ "train", "dx" or "forward" (module docstring)."""
+        if self.trains:
+            return "train"
+        return "dx" if self.input_grad else "forward"
+
+    @property
+    def head_only(self) -> bool:
+        """An encoder head stage training its projector only, nothing before it needing dx."""
+        return self.trains == ("projector",) and "vision" in self.frozen and not self.input_grad
+
+
+ALL_TRAIN = StageRole(PARTS, (), True)
+
+
+def stage_role(stage: StageSpec, trainable: Iterable[str], multimodal: bool = True) -> StageRole:
+    """The role of `stage` under `trainable` (module docstring)."""
+    chosen = set(trainable)
+    parts = stage_parts(stage)
+    return StageRole(
+        tuple(p for p in parts if p in chosen),
+        tuple(p for p in parts if p not in chosen),
+        any(p in chosen for p in _upstream(stage, multimodal)),
+    )
+
+
+def recipe_backward(
+    role: StageRole, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0
+) -> float:
+    """Backward seconds of a stage under its role, from the trainable program's (fwd, bwd) and, for a
+    head-only stage, its projector's (head_fwd, head_bwd)."""
+    if role.kind == "forward":
+        return 0.0
+    if role.kind == "dx":
+        return DX_FRACTION * bwd
+    if role.head_only:
+        return max(fwd - head_fwd, 0.0) + head_bwd
+    return bwd
