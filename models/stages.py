@@ -29,7 +29,10 @@ def param_part(path: tuple[str, ...]) -> str:
     """The part of a stage module's parameter at `path` (key names from the stage's root): an encoder
     stage's "vision" / "projector" subtrees, else "llm". LLaVA-OV's image newline (in the first LLM
     stage) counts as "llm", as in LLaVA-NeXT's train.py, where `mm_language_model` unfreezes every
-    parameter outside the vision tower and `mm_projector`."""
+    parameter outside the vision tower and `mm_projector`. A colocated stage (`ColocatedStage`) holds
+    them under "encoder" (and its LLM layers under "llm")."""
+    if path[0] == "encoder" and len(path) > 1:
+        path = path[1:]
     if path[0] in ("vision", "projector"):
         return path[0]
     return "llm"

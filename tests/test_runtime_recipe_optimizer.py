@@ -1,6 +1,7 @@
-"""Training recipes in the optimizer: `optimizer.trainable` freezes parts (no state, no update, no share
-of the gradient norm) and `optimizer.lr_scale` / `weight_decay_scale` slow parts down, checked against
-plain optax AdamW applied to each part on its own; the state of a recipe checkpoints and restores."""
+"""Training recipes in the optimizer: `optimizer.trainable` freezes parts (no state, no gradient, no
+update, no share of the gradient norm) and `optimizer.lr_scale` / `weight_decay_scale` slow parts down,
+checked against plain optax AdamW applied to each part on its own; the state of a recipe checkpoints
+and restores; stages and an optimizer built from different trainable parts are refused."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ from dflop_jax.runtime.checkpoint import Checkpointer, key_name
 from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.stages import put_host
+from dflop_jax.runtime.stages import prune, put_host
 from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer
 
 BASE = dict(lr=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1)
 
 
 @pytest.fixture(scope="module")
-def stages():
+def built():
     """A tiny LLaVA-OV: one encoder stage (vision + projector, tp 2, dp 2: ZeRO-1 shards), two LLM
-    stages."""
+    stages; `build(trainable)` makes its stages for a recipe."""
     cfg = TrainConfig(
         model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=8, vision_hidden_size=16,
@@ -32,7 +33,16 @@ def stages():
     )  # fmt: skip
     model_cfg = cfg.model.model_config(300, tile_px=28, patch_size=7, compute_dtype="float32")
     layout = cfg.layout.layout()
-    return layout, build_stages(model_cfg, layout, stage_meshes(layout), 0)
+    cache = {}
+
+    def build(trainable=("vision", "projector", "llm")):
+        if trainable not in cache:
+            cache[trainable] = build_stages(
+                model_cfg, layout, stage_meshes(layout), 0, trainable=trainable
+            )
+        return layout, cache[trainable]
+
+    return build
 
 
 def _part(tree, part):
@@ -74,11 +84,13 @@ def _applied(opt):
 
 
 def _step(stage, cfg, grads):
-    """One update from `grads` (as `StageOptimizer.reduce` leaves them: in the ZeRO-1 layout)."""
-    opt = StageOptimizer(stage, cfg.build(), counted=cfg.counted)
+    """One update from `grads` of every leaf, of which the stage's trained ones are given to the
+    optimizer (as `StageOptimizer.reduce` leaves them: in the ZeRO-1 layout)."""
+    opt = StageOptimizer(stage, cfg.build())
     before = jax.device_get(stage.params)
-    sq = float(opt.sq_norm(jax.device_put(grads, opt.grad_shardings))[0])
-    opt.apply(jax.device_put(grads, opt.grad_shardings), _applied(opt))
+    grads = jax.device_put(prune(grads, stage.trained), opt.grad_shardings)
+    sq = float(opt.sq_norm(grads)[0]) if opt.trains else 0.0
+    opt.apply(grads, _applied(opt))
     after = jax.device_get(stage.params)
     stage.params = jax.device_put(before, stage.param_shardings)  # leave the fixture as it was
     return opt, before, after, sq
@@ -88,10 +100,11 @@ def _sq(tree):
     return sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(tree))
 
 
-def test_projector_only_freezes_vision_and_llm(stages):
-    layout, progs = stages
+def test_projector_only_freezes_vision_and_llm(built):
+    layout, progs = built(("projector",))
     cfg = OptimizerConfig(**BASE, trainable=("projector",))
     enc = progs[0]
+    assert [s.trains for s in progs] == [True, False, False]
     grads = _grads(enc.params, 1)
     opt, before, after, sq = _step(enc, cfg, grads)
     paths = _array_state_paths(opt.state)
@@ -104,14 +117,15 @@ def test_projector_only_freezes_vision_and_llm(stages):
         _part(after, "projector"),
         want,
     )
-    for llm in progs[1:]:  # a stage with nothing trained: no state, no norm, no change
-        opt, before, after, sq = _step(llm, cfg, _grads(llm.params, 2))
-        assert _array_state_paths(opt.state) == [] and sq == 0.0
+    for llm in progs[1:]:  # a stage with nothing trained: no state, no gradient, no change
+        opt, before, after, _ = _step(llm, cfg, _grads(llm.params, 2))
+        assert _array_state_paths(opt.state) == [] and jax.tree.leaves(opt.grad_shardings) == []
+        assert jax.tree.leaves(llm.zero_grads()) == []  # no accumulator either
         jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
-def test_vision_at_a_fifth_of_the_rate(stages):
-    layout, progs = stages
+def test_vision_at_a_fifth_of_the_rate(built):
+    layout, progs = built()
     cfg = OptimizerConfig(**BASE, lr_scale={"vision": 0.2}, weight_decay_scale={"vision": 0.5})
     enc = progs[0]
     grads = _grads(enc.params, 3)
@@ -126,20 +140,28 @@ def test_vision_at_a_fifth_of_the_rate(stages):
         )
 
 
-def test_a_recipe_state_checkpoints_and_restores(stages, tmp_path):
-    layout, progs = stages
+def test_a_recipe_state_checkpoints_and_restores(built, tmp_path):
+    layout, progs = built(("projector", "llm"))
     cfg = OptimizerConfig(**BASE, trainable=("projector", "llm"), lr_scale={"llm": 0.5})
-    opts = [StageOptimizer(s, cfg.build(), counted=cfg.counted) for s in progs]
+    opts = [StageOptimizer(s, cfg.build()) for s in progs]
     for i, (s, o) in enumerate(zip(progs, opts)):
-        o.apply(jax.device_put(_grads(s.params, 10 + i), o.grad_shardings), _applied(o))
+        grads = prune(_grads(s.params, 10 + i), s.trained)
+        o.apply(jax.device_put(grads, o.grad_shardings), _applied(o))
     ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
     specs, params, states = list(layout.stages), [s.params for s in progs], [o.state for o in opts]
     ckpt.save(1, specs, params, states, meta={})
-    fresh = [StageOptimizer(s, cfg.build(), counted=cfg.counted) for s in progs]
-    _, got, _ = ckpt.restore(specs, params, [o.state for o in fresh])
+    fresh = [StageOptimizer(s, cfg.build()) for s in progs]
+    got_params, got, _ = ckpt.restore(specs, params, [o.state for o in fresh])
     ckpt.close()
-    for a, b in zip(got, states):
+    for a, b in zip(got + got_params, states + params):  # frozen params included
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+def test_stages_and_optimizer_must_agree_on_what_is_trained(built):
+    _, progs = built(("projector",))
+    plain = OptimizerConfig(**BASE)  # every part trained: state for the frozen vision tower
+    with pytest.raises(ValueError, match="same optimizer.trainable"):
+        StageOptimizer(progs[0], plain.build())
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,12 @@ mostly compilation). Why not every op, from threads watching them finish: on XLA
 nothing (every op of a step was seen "ready" at the end of the dispatch loop: the watching threads
 wait for the GIL and CPU devices run programs on the host's cores), DESIGN section 5.
 
+Frozen stages (`StageProgram.has_backward` False: nothing trained, no input gradient; a prefix of the
+pipeline, e.g. a frozen vision encoder at its head) run forward only: their ops are forwards, nothing
+is kept for a backward, and no cotangent is sent to them. So that such a head does not run the whole
+batch ahead (its outputs wait on the next stage's mesh), its forward of microbatch m also waits for
+the next stage's forward of m - (P - s), the in-flight bound 1F1B gives stage s.
+
 Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
 (`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
 processes); cotangents go back the same way.
@@ -51,9 +57,12 @@ class Op:
     kind: Literal["F", "B"]
 
 
-def stage_ops(stage: int, num_stages: int, num_mb: int, order: Order) -> list[Op]:
-    """The op sequence one stage executes. The last stage's forward is fused with its backward."""
-    if stage == num_stages - 1:
+def stage_ops(
+    stage: int, num_stages: int, num_mb: int, order: Order, backward: bool = True
+) -> list[Op]:
+    """The op sequence one stage executes. The last stage's forward is fused with its backward; a
+    stage without `backward` (frozen, forward only) executes forwards only."""
+    if stage == num_stages - 1 or not backward:
         return [Op(stage, m, "F") for m in range(num_mb)]
     if order == "gpipe":
         return [Op(stage, m, "F") for m in range(num_mb)] + [
@@ -69,14 +78,25 @@ def stage_ops(stage: int, num_stages: int, num_mb: int, order: Order) -> list[Op
     return ops
 
 
-def pipeline_order(num_stages: int, num_mb: int, order: Order) -> list[Op]:
+def pipeline_order(num_stages: int, num_mb: int, order: Order, forward_only: int = 0) -> list[Op]:
     """Merges the per-stage sequences into one dispatch order respecting data dependencies.
 
     Round by round, each stage issues its next op if its input is ready (a forward needs the previous
     stage's forward of that microbatch; a backward needs the next stage's backward, or the next stage's
     fused forward+backward when that stage is the last).
+
+    forward_only: how many leading stages run forward only (frozen; module docstring): they are left
+    out of the backward wave, and stage s of them issues the forward of microbatch m only after the
+    next stage's forward of m - (num_stages - s).
     """
-    queues = [stage_ops(s, num_stages, num_mb, order) for s in range(num_stages)]
+    if not 0 <= forward_only < num_stages:
+        raise ValueError(
+            f"forward_only={forward_only}: between 0 and {num_stages - 1} (the last stage trains)"
+        )
+    queues = [
+        stage_ops(s, num_stages, num_mb, order, backward=s >= forward_only)
+        for s in range(num_stages)
+    ]
     done: set[Op] = set()
     out: list[Op] = []
     heads = [0] * num_stages
@@ -89,6 +109,9 @@ def pipeline_order(num_stages: int, num_mb: int, order: Order) -> list[Op]:
             op = queues[s][heads[s]]
             if op.kind == "F":
                 ready = s == 0 or Op(s - 1, op.mb, "F") in done
+                lead = op.mb - (num_stages - s)
+                if s < forward_only and lead >= 0:
+                    ready = ready and Op(s + 1, lead, "F") in done
             else:
                 ready = Op(s + 1, op.mb, "F" if s + 1 == last else "B") in done
             if ready:
@@ -108,7 +131,8 @@ class StepOutput:
     Attributes:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
-      grads: accumulated fp32 gradients per stage, on each stage's mesh (None for non-local stages).
+      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only: frozen
+        ones None, `stages.prune`), on each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
         sampled microbatch's row filled; the last stage's fused forward+backward program is reported
@@ -151,6 +175,7 @@ def run_pipeline(
       StepOutput with the loss contributions and the accumulated gradients.
     """
     num_stages, num_mb = len(stages), len(microbatches)
+    forward_only = _forward_only(stages)
     batches = [_fields(mb) for mb in microbatches]
     last = stages[-1]
     if normalizer is None and last.local:
@@ -164,7 +189,7 @@ def run_pipeline(
     measure = sample is not None
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
     valid = np.arange(num_mb) == sample if measure else None
-    for op in pipeline_order(num_stages, num_mb, order):
+    for op in pipeline_order(num_stages, num_mb, order, forward_only):
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
@@ -178,8 +203,11 @@ def run_pipeline(
             loss, gx, grads[s] = _last(stage, inputs.pop((s, m)), sides.pop((s, m)), normalizer,
                                        grads[s])  # fmt: skip
             losses[m], out = loss, (loss, gx, grads[s])
-        elif op.kind == "F":
+        elif op.kind == "F" and stage.has_backward:  # its input stays for the backward
             y = _forward(stage, inputs[s, m], sides[s, m])
+            out = y
+        elif op.kind == "F":  # forward only: nothing kept
+            y = _forward(stage, inputs.pop((s, m)), sides.pop((s, m)))
             out = y
         else:
             x, side, gy = inputs.pop((s, m)), sides.pop((s, m)), cotangents.pop((s, m))
@@ -191,12 +219,27 @@ def run_pipeline(
             valid[m] &= stage.compiles == compiles
         if op.kind == "F" and not stage.is_last:
             inputs[s + 1, m], n = _send(y, stages[s + 1].x_sharding)
-        elif s > 0:  # dL/dx goes back to the previous stage's output sharding
+        elif stage.input_grad:  # dL/dx goes back to the previous stage's output sharding
             cotangents[s - 1, m], n = _send(gx, stages[s - 1].y_sharding)
         else:
             n = 0
         moved += n
     return StepOutput(losses, grads, moved, times, valid)
+
+
+def _forward_only(stages: Sequence[StageProgram]) -> int:
+    """How many leading stages run forward only; raises unless they are a prefix (a stage behind a
+    trainable one must pass cotangents back) and each stage's input gradient agrees with it."""
+    backward = [s.has_backward for s in stages]
+    k = backward.index(True) if True in backward else len(stages)
+    wants = [s.has_x and i > k for i, s in enumerate(stages)]
+    if not all(backward[k:]) or [s.input_grad for s in stages] != wants:
+        raise ValueError(
+            f"stages with a backward {backward} and input gradients "
+            f"{[s.input_grad for s in stages]}: the forward-only (frozen) stages must be the "
+            "pipeline's first ones and every later stage must pass dL/dx back (build_stages does)"
+        )
+    return k
 
 
 def connect(stages: Sequence[StageProgram]) -> None:
@@ -238,7 +281,8 @@ def _last(stage: StageProgram, x, side, normalizer, gacc):
 
 
 def _like_x(stage: StageProgram, x):
-    if x is None:
+    """The shape of dL/dx (None when the stage passes none back)."""
+    if x is None or not stage.input_grad:
         return None
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
 

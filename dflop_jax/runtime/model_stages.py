@@ -52,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.runtime.stages import StageFns, StageProgram
+from dflop_jax.runtime.train_state import trained_mask
+from models.stages import PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
 # Where a run's params come from: an int seed (keyed random init) or an HF model directory.
@@ -304,6 +306,7 @@ def build_stages(
     source: ParamSource,
     *,
     compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = PARTS,
 ) -> list[StageProgram]:
     """One StageProgram per stage of `layout` (encoder stages, then LLM stages), each stage's params
     made on its own mesh (`init_stage`): the whole model never exists on one device or host.
@@ -315,6 +318,8 @@ def build_stages(
       meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
+      trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, a stage
+        with nothing trained and nothing trained before it runs forward only (`runtime/stages.py`).
     """
     if not is_multimodal(model_cfg) and layout.encoder_stages:
         raise ValueError(
@@ -323,8 +328,20 @@ def build_stages(
     fused = colocated(model_cfg, layout)
     if fused:
         check_colocated(model_cfg, layout)
-    programs = []
-    for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
-        bp = init_stage(model_cfg, spec, mesh, source, with_encoder=fused and i == 0)
-        programs.append(StageProgram(mesh, bp.fns, bp.state, compute_dtype))
-    return programs
+    blueprints = [
+        init_stage(model_cfg, spec, mesh, source, with_encoder=fused and i == 0)
+        for i, (spec, mesh) in enumerate(zip(layout.stages, meshes))
+    ]
+    masks = [trained_mask(bp.state, trainable) for bp in blueprints]
+    trains = [any(jax.tree.leaves(m)) for m in masks]
+    if not any(trains):
+        raise ValueError(
+            f"optimizer.trainable={list(trainable)} trains no parameter of this model "
+            "(a decoder-only model has only 'llm')"
+        )
+    return [
+        StageProgram(
+            mesh, bp.fns, bp.state, compute_dtype, trained=mask, input_grad=any(trains[:i])
+        )  # fmt: skip
+        for i, (bp, mesh, mask) in enumerate(zip(blueprints, meshes, masks))
+    ]

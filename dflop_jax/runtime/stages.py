@@ -15,6 +15,15 @@ No residuals cross the Python boundary, so memory per in-flight microbatch is on
 bounds), at the price of one extra stage forward (the usual activation-recompute trade). The last stage
 fuses forward, loss and backward in one program.
 
+Frozen parameters (a training recipe's `optimizer.trainable`, e.g. LLaVA-OV stage 1 trains the
+projector only): `trained` marks the leaves that get gradients and `input_grad` says whether the stage
+input needs one (some earlier stage trains). The backward differentiates w.r.t. the trained leaves (and
+x only when `input_grad`), so a frozen leaf has no accumulator and no weight-gradient computation, and
+a stage with nothing trained behind a trainable one computes dL/dx only. A stage with nothing trained
+and no input gradient has NO backward program (`StageJits.backward` None, `has_backward` False): it
+runs forward only, keeps no input for a backward, and the driver leaves it out of the backward wave.
+Such stages form a prefix of the pipeline (a stage after a trainable one needs dL/dx).
+
 One data-parallel reduction per step: the backward programs run their body per data replica (a
 `shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
 replica's gradient, UNREDUCED, into a donated fp32 accumulator with a leading data-replica axis
@@ -103,6 +112,32 @@ class StageFns:
         return self.side_keys + optional
 
 
+def _is_none(x) -> bool:
+    return x is None
+
+
+def prune(tree: PyTree, keep: PyTree | None) -> PyTree:
+    """`tree` with the leaves where `keep` (a bool tree of the same structure) is False replaced by
+    None, an empty subtree: what jax sees of it is the kept leaves only. keep None keeps all."""
+    if keep is None:
+        return tree
+    return jax.tree.map(lambda a, k: a if k else None, tree, keep)
+
+
+def graft(trained: PyTree, frozen: PyTree) -> PyTree:
+    """The whole tree from its two `prune`d halves (each leaf from the half that holds it)."""
+    return jax.tree.map(lambda t, f: f if t is None else t, trained, frozen, is_leaf=_is_none)
+
+
+def negate(keep: PyTree) -> PyTree:
+    return jax.tree.map(lambda k: not k, keep)
+
+
+def all_trained(params: PyTree) -> PyTree:
+    """The `trained` mask of a stage that trains every leaf."""
+    return jax.tree.map(lambda _: True, params)
+
+
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     """Casts the floating leaves of `tree` to `dtype` (integer leaves untouched)."""
     return jax.tree.map(
@@ -118,7 +153,8 @@ class StageJits:
       forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
         `last` (evaluation and the profiler's forward timing; training uses `last`).
       backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated
-        (per data replica: `accumulator_structs`).
+        (per data replica, trained leaves only: `accumulator_structs`); None for a stage that
+        runs forward only (nothing trained, no input gradient).
       last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
         gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
       zeros: params -> a zero accumulator (`accumulator_structs`).
@@ -128,7 +164,7 @@ class StageJits:
     """
 
     forward: Callable
-    backward: Callable
+    backward: Callable | None
     last: Callable
     zeros: Callable
     eval_loss: Callable | None = None
@@ -156,9 +192,10 @@ def accumulator_sharding(param_sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(param_sharding.mesh, P("data", *spec))
 
 
-def accumulator_structs(params: PyTree) -> PyTree:
+def accumulator_structs(params: PyTree, trained: PyTree | None = None) -> PyTree:
     """Abstract per-replica gradient accumulator of `params` (leaves with shardings): fp32 leaves of
-    shape (dp, *param.shape), replica r's gradient sum at [r]."""
+    shape (dp, *param.shape), replica r's gradient sum at [r]; only the `trained` leaves (a bool tree
+    like `params`, None = all), the frozen ones are None (`prune`)."""
 
     def leaf(a):
         dp = a.sharding.mesh.shape["data"]
@@ -166,10 +203,17 @@ def accumulator_structs(params: PyTree) -> PyTree:
             (dp, *a.shape), jnp.float32, sharding=accumulator_sharding(a.sharding)
         )
 
-    return jax.tree.map(leaf, params)
+    return jax.tree.map(leaf, prune(params, trained))
 
 
-def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype) -> StageJits:
+def stage_jits(
+    mesh: Mesh,
+    fns: StageFns,
+    param_shardings: PyTree,
+    compute_dtype,
+    trained: PyTree | None = None,
+    input_grad: bool = True,
+) -> StageJits:
     """Jits the programs of a stage: the one place a stage program is made, for training and profiling.
 
     Args:
@@ -177,13 +221,21 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
       fns: the stage's pure functions.
       param_shardings: NamedShardings of the fp32 parameters (same tree as the params).
       compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
+      trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
+        frozen (no accumulator, no weight gradient computed).
+      input_grad: whether the stage input x needs a gradient (some earlier stage trains).
     """
     ps = param_shardings
+    trained = all_trained(ps) if trained is None else trained
+    dx = input_grad and fns.x_spec is not None  # the backward returns dL/dx
     xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+    gxs = xs if dx else None
     side_s = NamedSharding(mesh, P("data"))
     scalar = NamedSharding(mesh, P())
     ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
-    accs = jax.tree.map(accumulator_sharding, ps)
+    accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
+    trains = bool(jax.tree.leaves(accs))
+    frozen = negate(trained)
     dp = mesh.shape["data"]
     xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
     # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
@@ -193,7 +245,7 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
     # manual partitioning mode").
     x_replicated = dp > 1 and xl is not None and not any(xl)
-    gxl = P("data", *xl) if x_replicated else xl
+    gxl = (P("data", *xl) if x_replicated else xl) if dx else None
 
     def share_gx(gx):
         return gx[None] if x_replicated else gx
@@ -224,15 +276,22 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
     def add(gacc, gp):
         return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
 
+    def differentiable(params, x, side):
+        """(f, primals): the stage as a function of what gets gradients (trained leaves, and x when
+        `dx`); the frozen leaves and an x without gradient are closed over, so autodiff computes no
+        cotangent for them (no weight gradient of a frozen layer, no backward of a frozen prefix)."""
+        held = prune(params, frozen)
+
+        def f(t, *x_):
+            return apply(graft(t, held), x_[0] if dx else x, side)
+
+        return f, (prune(params, trained), *((x,) if dx else ()))
+
     def bwd_local(params, x, side, gy, gacc):
-        if x is None:
-            _, vjp = jax.vjp(lambda p: apply(p, None, side), params)
-            (gp,) = vjp(gy)
-            gx = None
-        else:
-            _, vjp = jax.vjp(lambda p, x_: apply(p, x_, side), params, x)
-            gp, gx = vjp(gy)
-        return (None if gx is None else share_gx(gx)), add(gacc, gp)
+        f, primals = differentiable(params, x, side)
+        _, vjp = jax.vjp(f, *primals)
+        gp, *gx = vjp(gy)
+        return (share_gx(gx[0]) if dx else None), add(gacc, gp)
 
     def bwd(params, x, side, gy, gacc):
         specs = (P(), xl, P("data"), yl, P("data"))
@@ -240,21 +299,16 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
         return whole_gx(gx), gacc
 
     def last_local(params, x, side, normalizer, gacc):
-        def objective(p, x_):
-            loss_sum, count = apply(p, x_, side)
+        f, primals = differentiable(params, x, side)
+
+        def objective(*args):
+            loss_sum, count = f(*args)
             return loss_sum.astype(jnp.float32) / normalizer, count
 
-        if x is None:
-            (loss, count), gp = jax.value_and_grad(lambda p: objective(p, None), has_aux=True)(
-                params
-            )
-            gx = None
-        else:
-            (loss, count), (gp, gx) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-                params, x
-            )
+        argnums = tuple(range(len(primals)))
+        (loss, count), (gp, *gx) = jax.value_and_grad(objective, argnums, has_aux=True)(*primals)
         loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
-        return loss, count, None if gx is None else share_gx(gx), add(gacc, gp)
+        return loss, count, (share_gx(gx[0]) if dx else None), add(gacc, gp)
 
     def last(params, x, side, normalizer, gacc):
         specs = (P(), xl, P("data"), P(), P("data"))
@@ -271,17 +325,21 @@ def stage_jits(mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype
         backward=jax.jit(
             bwd,
             in_shardings=(ps, xs, side_s, ys, accs),
-            out_shardings=(xs, accs),
+            out_shardings=(gxs, accs),
             donate_argnums=(4,),
-        ),
+        )
+        if trains or dx
+        else None,
         last=jax.jit(
             last,
             in_shardings=(ps, xs, side_s, scalar, accs),
-            out_shardings=(scalar, scalar, xs, accs),
+            out_shardings=(scalar, scalar, gxs, accs),
             donate_argnums=(4,),
         ),
         zeros=jax.jit(
-            lambda p: jax.tree.map(lambda a: jnp.zeros((dp, *a.shape), jnp.float32), p),
+            lambda p: jax.tree.map(
+                lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, trained)
+            ),
             in_shardings=(ps,),
             out_shardings=accs,
         ),
@@ -304,18 +362,31 @@ class StageProgram:
       fns: the stage's pure functions.
       params: fp32 parameters, already placed on `mesh` (each leaf a NamedSharding on it).
       compute_dtype: dtype of the stage's matmuls (bf16 by default in training, fp32 in parity tests).
+      trained: bool per leaf of `params`, whether it is trained (None: all); see `stage_jits`.
+      input_grad: whether the stage input needs a gradient (some earlier stage trains).
     """
 
-    def __init__(self, mesh: Mesh, fns: StageFns, params: PyTree, compute_dtype=jnp.bfloat16):
+    def __init__(
+        self,
+        mesh: Mesh,
+        fns: StageFns,
+        params: PyTree,
+        compute_dtype=jnp.bfloat16,
+        *,
+        trained: PyTree | None = None,
+        input_grad: bool = True,
+    ):
         self.mesh = mesh
         self.fns = fns
         self.params = params
         self.compute_dtype = compute_dtype
+        self.trained = all_trained(params) if trained is None else trained
+        self.input_grad = input_grad and fns.x_spec is not None
         self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
         self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
-        self.jits = stage_jits(mesh, fns, self.param_shardings, compute_dtype)
+        self.jits = stage_jits(mesh, fns, self.param_shardings, compute_dtype, trained, input_grad)
         self._signatures: set[tuple] = set()
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
         scalar = NamedSharding(mesh, P())
@@ -338,6 +409,22 @@ class StageProgram:
     @property
     def has_x(self) -> bool:
         return self.fns.x_spec is not None
+
+    @property
+    def trains(self) -> bool:
+        """Whether any of the stage's parameters is trained (it has a gradient accumulator)."""
+        return bool(jax.tree.leaves(prune(self.params, self.trained)))
+
+    @property
+    def has_backward(self) -> bool:
+        """False for a stage that runs forward only (nothing trained, no input gradient); the last
+        stage's backward is fused into its forward (`forward_backward_loss`)."""
+        return self.is_last or self.jits.backward is not None
+
+    @property
+    def signatures(self) -> frozenset[tuple]:
+        """The (program, x shape, side shapes) signatures run so far ("fwd", "bwd" or "last")."""
+        return frozenset(self._signatures)
 
     @property
     def compiles(self) -> int:
@@ -383,6 +470,10 @@ class StageProgram:
         return total
 
     def zero_grads(self) -> PyTree:
+        """A zero accumulator of the trained leaves (`accumulator_structs`; no arrays at all when
+        nothing of the stage is trained)."""
+        if not self.trains:
+            return prune(self.params, self.trained)  # no leaves: nothing to compile or place
         return self.jits.zeros(self.params)
 
     def forward(self, x, side) -> jax.Array:
@@ -400,6 +491,8 @@ class StageProgram:
 
     def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""
+        if self.jits.backward is None:
+            raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
         self._record("bwd", x, side)
         with jax.set_mesh(self.mesh):
             return self.jits.backward(self.params, x, side, gy, gacc)

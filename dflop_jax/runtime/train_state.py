@@ -30,13 +30,22 @@ model-level path in several stages), `apply_updates` gives every copy the SUM of
 start equal (built from one array), get the same update from the same AdamW state, and stay equal:
 what the single-device model computes. A checkpoint stores the parameter once and restores it to every
 copy.
+
+Frozen parameters (`OptimizerConfig.trainable`; `StageProgram.trained` marks the trained leaves): the
+accumulator and the reduced gradient hold the trained leaves only (`stages.prune`), so a frozen leaf
+costs no accumulator, no reduction and no share of the norm. The update program takes and donates the
+trained params only; the optimizer (`optax.multi_transform`, `set_to_zero` for the frozen parts, which
+hold no state) sees the whole tree with zeros in place of the frozen leaves, which it ignores. It runs
+on every stage, a stage with nothing trained included, so the step counts in the state advance alike
+on every stage (a checkpoint keeps one count per module). The stages and the optimizer must agree
+on what is trained (checked when the optimizer is built).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +57,15 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
-from dflop_jax.runtime.stages import PyTree, StageProgram, accumulator_sharding, put_host
+from dflop_jax.runtime.stages import (
+    PyTree,
+    StageProgram,
+    accumulator_sharding,
+    graft,
+    negate,
+    prune,
+    put_host,
+)
 from dflop_jax.runtime.transfer import stand_in, transfer
 from models.stages import PARTS, param_part
 
@@ -145,15 +162,15 @@ class OptimizerConfig:
         parts = {p: self._adamw(p) if p in self.trainable else optax.set_to_zero() for p in PARTS}
         return optax.multi_transform(parts, param_labels)
 
-    def counted(self, params: PyTree) -> PyTree:
-        """Bool per leaf of a stage's params: whether it is trained (counts in the gradient norm)."""
-        labels = param_labels(params)
-        return jax.tree.map(lambda part: part in self.trainable, labels)
-
 
 def param_labels(params: PyTree) -> PyTree:
     """The part of each leaf of a stage's params (`models.stages.param_part` of its key path)."""
     return jax.tree_util.tree_map_with_path(lambda path, _: param_part(_leaf_names(path)), params)
+
+
+def trained_mask(params: PyTree, trainable: Sequence[str]) -> PyTree:
+    """Bool per leaf of a stage's params: whether its part is in `trainable` (`StageProgram.trained`)."""
+    return jax.tree.map(lambda part: part in trainable, param_labels(params))
 
 
 STATS = ("loss", "grad_norm", "applied", "skipped_steps", "clip_norm")
@@ -190,32 +207,27 @@ class StageOptimizer:
     `apply` (AdamW on the shards, all-gather of the new params).
     """
 
-    def __init__(
-        self,
-        stage: StageProgram,
-        tx: optax.GradientTransformation,
-        zero1: bool = True,
-        counted: Callable[[PyTree], PyTree] | None = None,
-    ):
-        """`counted(params)`: bool per leaf, whether its gradient counts in the global norm (the
-        trained ones, `OptimizerConfig.counted`); default all."""
+    def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True):
+        """The gradients are the stage's trained leaves (`stage.trained`); `tx` must keep no state
+        for its frozen ones (`OptimizerConfig.build` of the same trainable parts)."""
         self.stage = stage
         self.tx = tx
+        trained, frozen = stage.trained, negate(stage.trained)
         ps = stage.param_shardings
         scalar = NamedSharding(stage.mesh, P())
         zs = ps
         if zero1:
             zs = jax.tree.map(lambda a, s: zero1_sharding(a.shape, s), stage.params, ps)
-        self.grad_shardings = zs
+        self.grad_shardings = prune(zs, trained)
         abstract = jax.eval_shape(tx.init, stage.params)
-        masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen leaf's (absent) state
+        _check_frozen_stateless(tx, abstract, trained)
         self.state_shardings = optax.tree_map_params(
             tx,
-            lambda x, s: x if masked(x) else s,
+            lambda x, s: x if _masked(x) else s,
             abstract,
             zs,
             transform_non_params=lambda _: scalar,
-            is_leaf=masked,
+            is_leaf=_masked,
         )
         self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
@@ -228,31 +240,33 @@ class StageOptimizer:
                 self.state_shardings,
             )
         )
-        accs = jax.tree.map(accumulator_sharding, ps)
+        accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
         self._reduce = jax.jit(
             lambda acc: jax.tree.map(lambda a: jnp.sum(a, axis=0), acc),
             in_shardings=(accs,),
-            out_shardings=zs,
+            out_shardings=self.grad_shardings,
         )
-        keep = jax.tree.leaves(counted(stage.params)) if counted else None
 
         def sq_norm(g):
             leaves = jax.tree.leaves(g)
-            kept = leaves if keep is None else [x for x, k in zip(leaves, keep) if k]
-            return sum((jnp.sum(jnp.square(x)) for x in kept), jnp.zeros((), jnp.float32)).reshape(
-                1
-            )
+            return sum(
+                (jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros((), jnp.float32)
+            ).reshape(1)
 
         self._sq_norm = jax.jit(
             sq_norm,
-            in_shardings=(zs,),
+            in_shardings=(self.grad_shardings,),
             out_shardings=scalar,
         )
-
+        # The frozen leaves enter the update as zeros of their shape (grads and params alike):
+        # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
+        structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.params)
+        update = functools.partial(_guarded_update, tx, self.grad_shardings,
+                                   prune(structs, frozen), trained)  # fmt: skip
         self._update = jax.jit(
-            functools.partial(_guarded_update, tx, zs),
-            in_shardings=(ps, self.state_shardings, zs, scalar),
-            out_shardings=(ps, self.state_shardings),
+            update,
+            in_shardings=(prune(ps, trained), self.state_shardings, self.grad_shardings, scalar),
+            out_shardings=(prune(ps, trained), self.state_shardings),
             donate_argnums=(0, 1),
         )
         self.scalar = scalar
@@ -272,12 +286,17 @@ class StageOptimizer:
         """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in)."""
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
-            self.stage.params,
+            prune(self.stage.params, self.stage.trained),
             self.grad_shardings,
         )
 
+    @property
+    def trains(self) -> bool:
+        """Whether the stage has trained leaves (a gradient to reduce and to count in the norm)."""
+        return bool(jax.tree.leaves(self.grad_shardings))
+
     def sq_norm(self, grads: PyTree) -> jax.Array:
-        """|grads|^2 of the counted leaves as a [1] vector, replicated on the stage's mesh."""
+        """|grads|^2 (the trained leaves) as a [1] vector, replicated on the stage's mesh."""
         with jax.set_mesh(self.stage.mesh):
             return self._sq_norm(grads)
 
@@ -285,22 +304,50 @@ class StageOptimizer:
         """Updates the stage's params and state in place (old buffers donated) from REDUCED gradients
         (`reduce`) and the step's `STATS` vector on this stage's mesh: clipped by its global norm,
         skipped unless applied."""
+        trained = self.stage.trained
+        params = self.stage.params
         with jax.set_mesh(self.stage.mesh):
-            self.stage.params, self.state = self._update(
-                self.stage.params, self.state, grads, stats
-            )
+            new, self.state = self._update(prune(params, trained), self.state, grads, stats)
+        self.stage.params = graft(new, prune(params, negate(trained)))
 
 
-def _guarded_update(tx, shardings, params, state, grads, stats):
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)  # a frozen leaf's (absent) optimizer state
+
+
+def _check_frozen_stateless(tx, abstract_state: PyTree, trained: PyTree) -> None:
+    """Raises when `tx` keeps optimizer state for a frozen leaf (the stage and the optimizer not
+    built from the same `optimizer.trainable`)."""
+    leaves, treedef = jax.tree.flatten(trained)
+    stateful = [False] * len(leaves)
+
+    def mark(x, i):
+        stateful[i] |= not _masked(x)
+        return x
+
+    index = jax.tree.unflatten(treedef, list(range(len(leaves))))
+    optax.tree_map_params(tx, mark, abstract_state, index, is_leaf=_masked)
+    if any(has and not keep for has, keep in zip(stateful, leaves)):
+        raise ValueError(
+            "the optimizer keeps state for a parameter the stage does not train: build the stages "
+            "(build_stages trainable=) and the optimizer from the same optimizer.trainable"
+        )
+
+
+def _guarded_update(tx, shardings, frozen, trained, params, state, grads, stats):
     """optax.clip_by_global_norm's rule with the GLOBAL norm (stats), then `tx` on the ZeRO-1 shards
-    (`shardings`) of the params; a step whose loss or gradients are not finite keeps the old params
-    and state (optax.apply_if_finite's zero update)."""
+    (`shardings`, trained leaves) of the trained `params`; a step whose loss or gradients are not
+    finite keeps the old params and state (optax.apply_if_finite's zero update). `frozen`: the
+    frozen leaves' ShapeDtypeStructs, given to `tx` as zeros (it ignores them); returns the trained
+    params only."""
     norm, applied, clip = stats[1], stats[2] > 0, stats[4]
     keep = (clip <= 0) | (norm < clip)
     grads = jax.tree.map(lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * clip), grads)
     shards = jax.tree.map(jax.lax.with_sharding_constraint, params, shardings)
-    updates, new_state = tx.update(grads, state, shards)
-    new_params = optax.apply_updates(shards, updates)
+    zeros = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), frozen)
+    whole = graft(shards, zeros)
+    updates, new_state = tx.update(graft(grads, zeros), state, whole)
+    new_params = prune(optax.apply_updates(whole, updates), trained)
     pick = functools.partial(jax.tree.map, lambda new, old: jnp.where(applied, new, old))
     return pick(new_params, shards), pick(new_state, state)
 
@@ -340,6 +387,8 @@ def tie_gradients(
     index = [{_leaf_names(path): j for j, (path, _) in enumerate(f)} for f, _ in flat]
     corrections = []
     for group in groups:
+        if any(p not in index[s] for s, p in group):
+            continue  # frozen: no gradient (all copies are one parameter, so all frozen)
         (s0, p0), *rest = group
         total = leaves[s0][index[s0][p0]]
         for s, p in rest:
@@ -393,8 +442,9 @@ def apply_updates(
     """
     local = [getattr(opt.stage, "local", True) for opt in optimizers]
     # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
+    # A stage with nothing trained has no gradient: no reduction, no norm (its update still runs).
     grads = [
-        opt.reduce(g) if here else opt.grad_structs()
+        opt.reduce(g) if here and opt.trains else opt.grad_structs()
         for opt, g, here in zip(optimizers, grads, local)
     ]
     corrections = []
@@ -403,6 +453,7 @@ def apply_updates(
     sq = [
         opt.sq_norm(g) if here else stand_in((1,), jnp.float32, opt.scalar)
         for opt, g, here in zip(optimizers, grads, local)
+        if opt.trains
     ]
     home = optimizers[-1].scalar
     parts = [transfer(x, home) for x in sq + corrections]

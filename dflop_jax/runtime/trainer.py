@@ -191,14 +191,12 @@ class _Trainer:
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
         _print_plan(console, plan, meshes)
+        opt = cfg.optimizer
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
-            compute_dtype=jnp.dtype(cfg.compute_dtype),
+            compute_dtype=jnp.dtype(cfg.compute_dtype), trainable=opt.trainable,
         )  # fmt: skip
-        opt = cfg.optimizer
-        self.opts = [
-            StageOptimizer(s, opt.build(), opt.zero1, counted=opt.counted) for s in self.stages
-        ]
+        self.opts = [StageOptimizer(s, opt.build(), opt.zero1) for s in self.stages]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.

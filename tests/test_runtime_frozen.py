@@ -1,0 +1,279 @@
+"""Frozen-aware execution (`optimizer.trainable`): a pipelined step of the tiny LLaVA-OV over 2
+encoder + 2 LLM stages equals one single-device step of the unsplit model whose frozen parts go
+through `stop_gradient` (loss and every updated parameter, float32), for a projector-only run and a
+vision-frozen run; the frozen parameters come out bit-identical.
+
+What runs is checked on what is compiled: the vision-only encoder stage (nothing trained, nothing
+trained before it) has no backward program, dispatched none and its forward program outputs only the
+activation; an LLM stage frozen behind the trainable projector has a backward whose outputs are
+dL/dx only (no parameter-shaped output) and which runs fewer matmuls than the same stage's backward
+when it trains. The colocated layout (encoder on LLM stage 0) trains under the same recipes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import test_runtime_colocated as colo
+import test_runtime_mllm_pipeline as sep
+from flax import nnx
+from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
+
+from dflop_jax.config import load_config
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.runtime.checkpoint import key_name, model_tree
+from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.stages import accumulator_structs
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.train import run
+
+# lr > 0 at step 0 (no warmup), so the step changes the trained parts. Adam's first step is about
+# lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32 round-off of a tiny gradient
+# would otherwise flip a whole lr-sized step).
+HYPER = dict(lr=1e-2, warmup_steps=0, decay_steps=10, clip_norm=1.0, eps=1e-3)
+RECIPES = {"projector_only": ("projector",), "vision_frozen": ("projector", "llm")}
+
+
+def _part(path) -> str:
+    """The recipe part of a leaf of the UNSPLIT model (encoder/vision, encoder/projector, llm/...)."""
+    names = [key_name(k) for k in path]
+    return names[1] if names[0] == "encoder" else "llm"
+
+
+class _Reference:
+    """The single-device optimizer of a recipe, independent of the runtime's labels: AdamW on the
+    trained parts of the unsplit model, `set_to_zero` on the frozen ones."""
+
+    def __init__(self, trainable):
+        self.clip_norm, self.trainable = HYPER["clip_norm"], trainable
+
+    def build(self):
+        labels = lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: "train" if _part(path) in self.trainable else "frozen", params
+        )
+        adamw = OptimizerConfig(**HYPER).build()  # plain AdamW (every part trained)
+        return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def _stop_frozen(loss, trainable):
+    """`loss` of the model with its frozen parts behind `stop_gradient`."""
+
+    def frozen_loss(model, mb):
+        graphdef, state = nnx.split(model)
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, a: a if _part(path) in trainable else jax.lax.stop_gradient(a), state
+        )
+        return loss(nnx.merge(graphdef, state), mb)
+
+    return frozen_loss
+
+
+def _step(model, layout, mbs, loss, trainable):
+    """(stages, pipelined loss, updated model tree, reference loss and tree, initial model tree)."""
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
+                          trainable=trainable)  # fmt: skip
+    opt = OptimizerConfig(**HYPER, trainable=trainable)
+    opts = [StageOptimizer(s, opt.build()) for s in stages]
+    before = _tree(layout, stages)
+    with no_host_round_trip():
+        out = run_pipeline(stages, mbs, norm, "1f1b")
+    got_loss = sum(float(x) for x in out.loss)
+    apply_updates(opts, out.grads, opt.clip_norm)
+    ref_loss, new, _ = reference_step(
+        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
+    )
+    enc_layers = model.cfg.vision.num_layers
+    ref = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
+                     [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
+    return stages, out, got_loss, _tree(layout, stages), ref_loss, ref, before
+
+
+def _tree(layout, stages):
+    return jax.device_get(
+        model_tree(list(layout.stages), [s.params for s in stages], [{} for _ in stages])
+    )
+
+
+def _check_frozen_kept(before, after, trainable):
+    """Frozen leaves bit-identical, every trained part changed."""
+    flat_before = dict(jax.tree_util.tree_flatten_with_path(before)[0])
+    changed = set()
+    for path, value in jax.tree_util.tree_flatten_with_path(after)[0]:
+        names = [key_name(k) for k in path]  # (module, "params", part or layers...)
+        part = names[2] if names[0] == "encoder" else "llm"
+        if part not in trainable:
+            np.testing.assert_array_equal(value, flat_before[path], err_msg=str(path))
+        elif not np.array_equal(value, flat_before[path]):
+            changed.add(part)
+    assert changed == set(trainable)
+
+
+@pytest.fixture(scope="module", params=list(RECIPES))
+def separate(request):
+    trainable = RECIPES[request.param]
+    return trainable, _step(sep._model(), sep.LAYOUT, sep._batch(), sep._llava_loss, trainable)
+
+
+def test_recipe_step_matches_single_device_with_stop_gradient(separate):
+    trainable, (stages, out, loss, got, ref_loss, ref, before) = separate
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(got, ref)
+    _check_frozen_kept(before, got, trainable)
+    # No accumulator for a frozen leaf: the step's gradients are the trained leaves only.
+    for stage, grads in zip(stages, out.grads):
+        trained = [k for k in jax.tree.leaves(stage.trained) if k]
+        assert len(jax.tree.leaves(grads)) == len(trained)
+    assert jax.tree.leaves(out.grads[0]) == []  # the vision-only stage
+    if trainable == ("projector",):
+        assert all(jax.tree.leaves(g) == [] for g in out.grads[2:])  # the frozen LLM
+
+
+def _entry_outputs(compiled_text: str) -> list[tuple[int, ...]]:
+    """Shapes of the entry computation's outputs in an XLA HLO module's text."""
+    entry = next(line for line in compiled_text.splitlines() if line.startswith("ENTRY"))
+    result = entry.split("->", 1)[1]
+    return [
+        tuple(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", result)
+    ]
+
+
+def _shard(a) -> tuple[int, ...]:
+    """Per-device shape of `a` (what the compiled, partitioned program sees)."""
+    return tuple(a.sharding.shard_shape(a.shape))
+
+
+def _abstract_args(stage, signature):
+    """(x, side) ShapeDtypeStructs of a recorded (program, x shape, side shapes) signature."""
+    _, xshape, sides = signature
+    x = None
+    if xshape is not None:
+        x = jax.ShapeDtypeStruct(xshape[0], xshape[1], sharding=stage.x_sharding)
+    side = {k: jax.ShapeDtypeStruct(s, d, sharding=stage.side_sharding) for k, s, d in sides}
+    return x, side
+
+
+def _texts(stage, fn, *args) -> tuple[str, str]:
+    """(lowered StableHLO, compiled HLO) text of `fn` on `args`."""
+    with jax.set_mesh(stage.mesh):
+        lowered = fn.lower(*args)
+        return lowered.as_text(), lowered.compile().as_text()
+
+
+def test_vision_only_stage_runs_forward_only(separate):
+    trainable, (stages, *_) = separate
+    enc0 = stages[0]
+    assert not enc0.trains and not enc0.has_backward and enc0.jits.backward is None
+    assert {sig[0] for sig in enc0.signatures} == {"fwd"}  # dispatched: forwards only
+    assert enc0.compiles == 2  # one forward per bucket, no backward
+    for sig in enc0.signatures:  # what ran: outputs only the activation, no residuals
+        x, side = _abstract_args(enc0, sig)
+        y = enc0.output_struct(x, side)
+        _, text = _texts(enc0, enc0.jits.forward, enc0.params, x, side)
+        assert _entry_outputs(text) == [_shard(y)]
+    # The next stage trains (the projector) but needs no input gradient: nothing goes back to enc0.
+    assert stages[1].trains and not stages[1].input_grad and stages[2].input_grad
+
+
+def _dots(lowered: str) -> int:
+    return lowered.count("stablehlo.dot_general")
+
+
+def test_frozen_stage_behind_trainable_passes_dx_only(separate):
+    trainable, (stages, *_) = separate
+    if trainable != RECIPES["projector_only"]:
+        pytest.skip("only the projector-only run has an LLM frozen behind a trainable stage")
+    llm0 = stages[2]
+    assert not llm0.trains and llm0.input_grad
+    params = jax.tree.leaves(llm0.params)
+    shapes = {_shard(a) for a in params} | {(1, *_shard(a)) for a in params}  # dp 1
+    sig = next(s for s in llm0.signatures if s[0] == "bwd")
+    x, side = _abstract_args(llm0, sig)
+    gy = llm0.output_struct(x, side)
+    args = (llm0.params, x, side, gy, accumulator_structs(llm0.params, llm0.trained))
+    frozen_hlo, frozen = _texts(llm0, llm0.jits.backward, *args)
+    assert _entry_outputs(frozen) == [_shard(x)]  # dL/dx and nothing parameter-shaped
+    assert not shapes & set(_entry_outputs(frozen))
+    # The same stage trained: its backward outputs the gradient sums and runs more matmuls.
+    trained = build_stages(sep._model().cfg, sep.LAYOUT, stage_meshes(sep.LAYOUT), 0,
+                           compute_dtype=jnp.float32)[2]  # fmt: skip
+    full_args = (trained.params, x, side, gy, accumulator_structs(trained.params))
+    full_hlo, full = _texts(trained, trained.jits.backward, *full_args)
+    assert len(_entry_outputs(full)) == 1 + len(params)
+    assert _dots(frozen_hlo) < _dots(full_hlo)
+
+
+@pytest.mark.parametrize("trainable", list(RECIPES.values()), ids=list(RECIPES))
+def test_colocated_recipe_step_matches_single_device(trainable):
+    model = colo._model("llava_ov")
+    layout = colo._layout(1, 2)
+    mbs = colo._batch("llava_ov", 1, model.cfg.tokens_per_tile)
+    stages, _, loss, got, ref_loss, ref, before = _step(model, layout, mbs, colo._loss, trainable)
+    assert stages[0].has_backward  # the fused stage trains the projector
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(got, ref)
+    _check_frozen_kept(before, got, trainable)
+
+
+def test_pipeline_order_leaves_forward_only_stages_out_of_the_backward_wave():
+    stages, mbs = 4, 6
+    seq = pipeline_order(stages, mbs, "1f1b", forward_only=2)
+    assert sorted(seq, key=lambda o: (o.stage, o.kind, o.mb)) == sorted(
+        [Op(s, m, "F") for s in range(stages) for m in range(mbs)]
+        + [Op(s, m, "B") for s in (2,) for m in range(mbs)],
+        key=lambda o: (o.stage, o.kind, o.mb),
+    )
+    at = {op: i for i, op in enumerate(seq)}
+    for op in seq:
+        if op.kind == "F" and op.stage > 0:
+            assert at[Op(op.stage - 1, op.mb, "F")] < at[op]
+        if op.kind == "B":
+            assert at[Op(op.stage + 1, op.mb, "F")] < at[op]
+    # A forward-only stage runs at most (stages - s) microbatches ahead of the next stage.
+    for s in (0, 1):
+        for m in range(stages - s, mbs):
+            assert at[Op(s + 1, m - (stages - s), "F")] < at[Op(s, m, "F")]
+    with pytest.raises(ValueError, match="forward_only"):
+        pipeline_order(stages, mbs, "1f1b", forward_only=stages)
+
+
+STAGE1 = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
+          "layout.encoder_dp=2", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=2",
+          "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+          "global_batch=8", "data.synth_samples=32", "checkpoint.every=2", "compute_dtype=float32",
+          "peak_flops=1000000000.0", "optimizer.warmup_steps=0", "log_every=1"]  # fmt: skip
+
+
+def _stage1(tmp_path, name, steps):
+    """configs/llava_ov_stage1.yaml (projector only) on an explicit 2 encoder + 2 LLM stage layout."""
+    cfg = Path(__file__).parents[1] / "configs" / "llava_ov_stage1.yaml"
+    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
+            f"compilation_cache={tmp_path / 'jax_cache'}", f"steps={steps}"]  # fmt: skip
+    return load_config(TrainConfig, cfg, [*STAGE1, *over])
+
+
+def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
+    """The trainer under the LLaVA-OV stage-1 recipe: the vision-only encoder stage runs forward only,
+    4 steps straight == 2, stop, resume to 4 (losses, every param), the frozen parts bit-identical
+    to step 2's, the projector not."""
+    straight = run(_stage1(tmp_path, "a", 4))
+    half = run(_stage1(tmp_path, "b", 2))
+    resumed = run(_stage1(tmp_path, "b", 4))
+    assert resumed.first_step == 2 and half.losses + resumed.losses == straight.losses
+    assert {sig[0] for sig in straight.stages[0].signatures} == {"fwd"}
+    for a, b in zip(straight.stages, resumed.stages):
+        jax.tree.map(np.testing.assert_array_equal, *jax.device_get((a.params, b.params)))
+    layout = straight.layout
+    at4 = _tree(layout, straight.stages)
+    at2 = _tree(layout, half.stages)
+    _check_frozen_kept(at2, at4, ("projector",))
