@@ -8,12 +8,14 @@ Writes `out` (plan.yaml) and the resolved config beside it (`<out stem>.config.y
 request exits with status 2 and a one-line explanation. `--check` then compiles every stage program of
 the chosen layout at its real sizes from abstract arrays on `num_devices` (simulated CPU) devices and
 writes each stage's `compiled_memory_gib` and `compile_s` beside its predicted `memory_gib`
-(`profiling/compile_check.py`); stages more than 15% apart are warned.
+(`profiling/compile_check.py`); stages more than 15% apart are warned. With `--check` the planner keeps
+a colocated encoder at its stage's tp (`planner.colocate_own_tp=false`): what is compiled is what trains.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -37,6 +39,14 @@ def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
     the stage programs are compiled too (JAX must see `cfg.num_devices` devices)."""
     from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 
+    if check and cfg.planner.colocate_own_tp:
+        # What is compiled must be what trains: the runtime runs a colocated encoder at its stage's tp.
+        logging.getLogger(__name__).warning(
+            "--check plans layouts the runtime trains: planner.colocate_own_tp=false"
+        )
+        cfg = dataclasses.replace(
+            cfg, planner=dataclasses.replace(cfg.planner, colocate_own_tp=False)
+        )
     arch, device = get_arch(cfg.model), get_device(cfg.device)
     provider = AnalyticCostProvider(arch, device, remat=cfg.remat)
     shapes = load_shapes(cfg.data)
@@ -53,8 +63,6 @@ def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
 
 def check_compiled(plan: Plan) -> Plan:
     """`plan` with `checks`: its stage programs compiled for the plan's model and remat policy."""
-    import dataclasses
-
     from dflop_jax.profiling.compile_check import check_plan
     from dflop_jax.profiling.model_config import model_config_for_arch
     from models.stages import with_remat

@@ -111,3 +111,18 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
 def test_planner_configs_load(name):
     cfg = load_config(PlanRunConfig, ROOT / "configs" / name)
     assert cfg.num_devices >= 1 and cfg.planner.global_batch >= 1
+
+
+def test_plan_check_plans_only_what_the_runtime_trains(tmp_path, monkeypatch):
+    """`--check` compiles the runtime's programs, which run a colocated encoder at its stage's tp:
+    the planner is kept from an encoder at its own tp (the 7B config's planner picks one otherwise)."""
+    compiled = []
+    monkeypatch.setattr(plan_cli, "check_compiled", lambda p: compiled.append(p) or p)
+    cfg = load_config(PlanRunConfig, None, [*TINY, f"out={tmp_path / 'plan.yaml'}"])
+    assert cfg.planner.colocate_own_tp
+    plan = plan_cli.run(cfg, check=True)
+    assert compiled == [plan]
+    own = plan.layout.colocated_encoder_tp
+    assert own is None or own == plan.layout.llm_stages[0].tp
+    resolved = load_config(PlanRunConfig, tmp_path / "plan.config.yaml")
+    assert not resolved.planner.colocate_own_tp
