@@ -105,6 +105,12 @@ def initialize(cfg: DistributedConfig) -> None:
     dog = Watchdog(settings, cfg.process_id, cfg.num_processes)
     dog.rendezvous()
     install(dog)  # from here an uncaught error or an early exit is reported to the peers
+    # XLA:CPU runs cheap programs inline on the dispatching thread (which then waits for their
+    # inputs) and expensive ones on a pool: a process can block dispatching a cheap program whose
+    # input needs a cross-process program its peers dispatch only after a program of their own
+    # that waits for this process. With every program run in dispatch order the processes
+    # meet in the one order every process dispatches in (DESIGN 11). Affects the CPU client only.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     try:
         jax.distributed.initialize(
             cfg.coordinator,
