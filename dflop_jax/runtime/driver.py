@@ -176,7 +176,7 @@ def run_pipeline(
     """
     num_stages, num_mb = len(stages), len(microbatches)
     forward_only = _forward_only(stages)
-    batches = [_fields(mb) for mb in microbatches]
+    batches = [microbatch_fields(mb) for mb in microbatches]
     last = stages[-1]
     if normalizer is None and last.local:
         normalizer = last.loss_tokens([b["loss_mask"] for b in batches])
@@ -292,7 +292,7 @@ def _send(value, dst) -> tuple[jax.Array, int]:
     return transfer(value, dst), transfer_bytes(value, dst)
 
 
-def _fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+def microbatch_fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
     """The microbatch's arrays by field name, without copying them (`dataclasses.asdict` would)."""
     if isinstance(mb, PackedMicrobatch):
         return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.runtime.driver import microbatch_fields
 from dflop_jax.runtime.stages import StageProgram, put_host
 from dflop_jax.runtime.transfer import transfer
 from dflop_jax.scheduler import Scheduler
@@ -57,7 +58,7 @@ def forward_losses(
     """
     last = stages[-1]
     for mb in microbatches:
-        fields = _fields(mb)
+        fields = microbatch_fields(mb)
         x = None
         for s, stage in enumerate(stages):
             side = stage.put_side(fields) if stage.local else stage.side_structs(fields)
@@ -150,10 +151,3 @@ def eval_loss(totals: np.ndarray) -> float:
     """The eval loss of read totals: loss sum / loss tokens (NaN when no token was evaluated)."""
     loss_sum, tokens = (float(v) for v in totals)
     return loss_sum / tokens if tokens else float("nan")
-
-
-def _fields(mb: PackedMicrobatch | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The microbatch's arrays by field name, not copied (`dataclasses.asdict` would copy them)."""
-    if isinstance(mb, PackedMicrobatch):
-        return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
-    return mb
