@@ -73,7 +73,7 @@ def test_driver_reads_packed_microbatch_arrays_without_copying():
         loss_mask=np.zeros((2, 8), np.float32),
         feature_index=z,
     )
-    fields = driver._fields(mb)
+    fields = driver.microbatch_fields(mb)
     assert fields["tokens"] is mb.tokens and fields["tiles"] is mb.tiles  # no deep copy per step
     assert fields["feature_taps"] is None
     assert dataclasses.asdict(mb)["tokens"] is not mb.tokens  # what the driver used to pay for
