@@ -277,3 +277,84 @@ def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
     at4 = _tree(layout, straight.stages)
     at2 = _tree(layout, half.stages)
     _check_frozen_kept(at2, at4, ("projector",))
+
+
+# The issue's "done when": the demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`,
+# `checkpoint.every=4`, 8 steps), exported at steps 4 and 8 (docs/benchmarks.md "Frozen recipe:
+# exports"). Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32 samples.
+DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", "checkpoint.every=4", "steps=8"]
+
+
+@pytest.fixture(scope="module")
+def demo_stage1_exports(tmp_path_factory):
+    """{step: {HF tensor name: host array}} of the demo's stage-1 run exported at steps 4 and 8, and
+    the step-8 export's directory."""
+    from safetensors.numpy import load_file
+
+    from dflop_jax.export import main as export
+
+    tmp = tmp_path_factory.mktemp("demo_stage1")
+    cfg = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    over = [f"data.synth_dir={tmp / 'synth'}", f"run_dir={tmp / 'run'}",
+            f"compilation_cache={tmp / 'jax_cache'}"]  # fmt: skip
+    run(load_config(TrainConfig, cfg, [*DEMO_STAGE1, *over]))
+    tensors = {}
+    for step in (4, 8):
+        assert (
+            export(
+                ["--run", str(tmp / "run"), "--step", str(step), "--out", str(tmp / f"hf{step}")]
+            )
+            == 0
+        )
+        tensors[step] = {}
+        for file in sorted((tmp / f"hf{step}").glob("*.safetensors")):
+            tensors[step].update(load_file(file))
+    return tensors, tmp / "hf8"
+
+
+def _hf_part(name: str) -> str:
+    """The recipe part of an HF LLaVA-OV tensor name (independent of the runtime's labels)."""
+    if "vision_tower." in name:
+        return "vision"
+    if "multi_modal_projector." in name:
+        return "projector"
+    return "llm"  # the image newline too (models/stages.py `param_part`, as in LLaVA-NeXT)
+
+
+def test_demo_stage1_exports_differ_in_the_projector_only(demo_stage1_exports):
+    """Vision tower and LLM bit-identical between the step-4 and step-8 exports, every projector
+    tensor changed."""
+    tensors, _ = demo_stage1_exports
+    at4, at8 = tensors[4], tensors[8]
+    assert at4.keys() == at8.keys()
+    parts = {}
+    for name in at4:
+        parts.setdefault(_hf_part(name), []).append(name)
+    assert set(parts) == {"vision", "projector", "llm"}
+    for name in parts["vision"] + parts["llm"]:
+        np.testing.assert_array_equal(at4[name], at8[name], err_msg=name)
+    changed = [n for n in parts["projector"] if not np.array_equal(at4[n], at8[n])]
+    assert changed == parts["projector"]
+
+
+def _unprefixed(name: str) -> str:
+    """An HF tensor name without its `model.` / `language_model.` wrappers (transformers 5 renames
+    `language_model.model.*` to `model.language_model.*` on load)."""
+    return re.sub(r"\b(model|language_model)\.", "", name)
+
+
+@pytest.mark.hf
+def test_demo_stage1_export_loads_in_transformers(demo_stage1_exports):
+    """transformers loads the step-8 export with every tensor as exported; the only weights it does not
+    find are the vision tower's post-layernorm (LLaVA-OV reads the last layer's features before it)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    tensors, out = demo_stage1_exports
+    model, info = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert {k.rsplit(".", 2)[-2] for k in info["missing_keys"]} <= {"post_layernorm"}
+    got = {_unprefixed(k): v.detach().numpy() for k, v in model.state_dict().items()}
+    for name, value in tensors[8].items():
+        np.testing.assert_array_equal(got[_unprefixed(name)], value, err_msg=name)
