@@ -12,6 +12,7 @@ when it trains. The colocated layout (encoder on LLM stage 0) trains under the s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -33,8 +34,14 @@ from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.stages import accumulator_structs
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.train_state import (
+    OptimizerConfig,
+    StageOptimizer,
+    apply_updates,
+    tied_groups,
+)
 from dflop_jax.train import run
+from models.llava_onevision import LlavaOnevision, llava_onevision_config
 
 # lr > 0 at step 0 (no warmup), so the step changes the trained parts. Adam's first step is about
 # lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32 round-off of a tiny gradient
@@ -77,25 +84,52 @@ def _stop_frozen(loss, trainable):
     return frozen_loss
 
 
-def _step(model, layout, mbs, loss, trainable):
-    """(stages, pipelined loss, updated model tree, reference loss and tree, initial model tree)."""
+@dataclasses.dataclass
+class _Run:
+    """One pipelined recipe step and its single-device reference (host values)."""
+
+    stages: list
+    out: object  # the pipeline's StepOutput
+    loss: float
+    norm: float  # the global gradient norm `apply_updates` computed (tied copies counted once)
+    got: dict  # the updated model tree
+    before: dict  # the model tree before the step
+    tied: list  # `tied_groups` of the stages
+    ref_loss: float
+    ref_norm: float
+    ref: dict
+
+
+def _step(model, layout, mbs, loss, trainable) -> _Run:
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
                           trainable=trainable)  # fmt: skip
     opt = OptimizerConfig(**HYPER, trainable=trainable)
     opts = [StageOptimizer(s, opt.build()) for s in stages]
+    tied = tied_groups(list(layout.stages), [s.params for s in stages])
     before = _tree(layout, stages)
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, norm, "1f1b")
-    got_loss = sum(float(x) for x in out.loss)
-    apply_updates(opts, out.grads, opt.clip_norm)
-    ref_loss, new, _ = reference_step(
+    stats = apply_updates(opts, out.grads, opt.clip_norm, tied=tied)
+    ref_loss, new, ref_norm = reference_step(
         model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
     )
     enc_layers = model.cfg.vision.num_layers
     ref = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
                      [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
-    return stages, out, got_loss, _tree(layout, stages), ref_loss, ref, before
+    got_loss = sum(float(x) for x in out.loss)
+    got_norm = float(np.asarray(stats[-1])[1])
+    return _Run(stages, out, got_loss, got_norm, _tree(layout, stages), before, tied, ref_loss,
+                ref_norm, ref)  # fmt: skip
+
+
+def _check_step(run: _Run, trainable) -> None:
+    """Loss, gradient norm and every updated parameter equal the stop_gradient reference's; frozen
+    parts bit-identical."""
+    np.testing.assert_allclose(run.loss, run.ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(run.norm, run.ref_norm, rtol=1e-5)
+    assert_trees_close(run.got, run.ref)
+    _check_frozen_kept(run.before, run.got, trainable)
 
 
 def _tree(layout, stages):
@@ -125,10 +159,9 @@ def separate(request):
 
 
 def test_recipe_step_matches_single_device_with_stop_gradient(separate):
-    trainable, (stages, out, loss, got, ref_loss, ref, before) = separate
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(got, ref)
-    _check_frozen_kept(before, got, trainable)
+    trainable, run = separate
+    stages, out = run.stages, run.out
+    _check_step(run, trainable)
     # No accumulator for a frozen leaf: the step's gradients are the trained leaves only.
     for stage, grads in zip(stages, out.grads):
         trained = [k for k in jax.tree.leaves(stage.trained) if k]
@@ -171,7 +204,7 @@ def _texts(stage, fn, *args) -> tuple[str, str]:
 
 
 def test_vision_only_stage_runs_forward_only(separate):
-    trainable, (stages, *_) = separate
+    stages = separate[1].stages
     enc0 = stages[0]
     assert not enc0.trains and not enc0.has_backward and enc0.jits.backward is None
     assert {sig[0] for sig in enc0.signatures} == {"fwd"}  # dispatched: forwards only
@@ -190,7 +223,7 @@ def _dots(lowered: str) -> int:
 
 
 def test_frozen_stage_behind_trainable_passes_dx_only(separate):
-    trainable, (stages, *_) = separate
+    trainable, stages = separate[0], separate[1].stages
     if trainable != RECIPES["projector_only"]:
         pytest.skip("only the projector-only run has an LLM frozen behind a trainable stage")
     llm0 = stages[2]
@@ -218,11 +251,37 @@ def test_colocated_recipe_step_matches_single_device(trainable):
     model = colo._model("llava_ov")
     layout = colo._layout(1, 2)
     mbs = colo._batch("llava_ov", 1, model.cfg.tokens_per_tile)
-    stages, _, loss, got, ref_loss, ref, before = _step(model, layout, mbs, colo._loss, trainable)
-    assert stages[0].has_backward  # the fused stage trains the projector
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(got, ref)
-    _check_frozen_kept(before, got, trainable)
+    run = _step(model, layout, mbs, colo._loss, trainable)
+    assert run.stages[0].has_backward  # the fused stage trains the projector
+    _check_step(run, trainable)
+
+
+def _tied_model():
+    """The separate-layout test model with its embedding also the head (Qwen2.5-0.5B style): stages 2
+    and 3 (the 2 LLM stages) each hold a copy."""
+    text = dataclasses.replace(sep.TEXT, tie_embeddings=True)
+    with jax.default_device(jax.devices()[0]):
+        return LlavaOnevision(llava_onevision_config(sep.VISION, text), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("trainable", [("projector",), ("projector", "llm")],
+                         ids=["llm_frozen", "llm_trained"])  # fmt: skip
+def test_tied_embedding_counts_once_in_the_norm_under_a_recipe(trainable):
+    """`apply_updates`' tied-copy correction under a recipe: with the LLM frozen the tied embedding has
+    no gradient (no correction, no transfer); trained behind the frozen vision tower its two copies get
+    the summed gradient, counted once in the global norm (the unsplit model's jax.grad norm), and take
+    the same update."""
+    run = _step(_tied_model(), sep.LAYOUT, sep._batch(), sep._llava_loss, trainable)
+    assert [[i for i, _ in group] for group in run.tied] == [[2, 3]]
+    _check_step(run, trainable)
+    for group in run.tied:
+        copies = [_leaf(run.stages[i].params, path) for i, path in group]
+        np.testing.assert_array_equal(*jax.device_get(copies))
+
+
+def _leaf(tree, names):
+    return next(leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if tuple(key_name(k) for k in path) == names)  # fmt: skip
 
 
 def test_pipeline_order_leaves_forward_only_stages_out_of_the_backward_wave():
