@@ -100,6 +100,22 @@ class _Run:
     ref: dict
 
 
+def reference(model, mbs, loss, trainable) -> tuple[float, float, dict]:
+    """(loss, global gradient norm, updated model tree) of one single-device step of the unsplit
+    `model` with its frozen parts behind `stop_gradient`."""
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    ref_loss, new, ref_norm = reference_step(
+        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
+    )
+    return ref_loss, ref_norm, unsplit_tree(model.cfg, new)
+
+
+def unsplit_tree(cfg, state) -> dict:
+    """The model tree (`model_tree`'s paths) of the unsplit LLaVA-OV's state (3 LLM layers)."""
+    specs = [StageSpec("encoder", 0, cfg.vision.num_layers), StageSpec("llm", 0, 3)]
+    return model_tree(specs, [state["encoder"], state["llm"]], [{}, {}])
+
+
 def _step(model, layout, mbs, loss, trainable) -> _Run:
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
@@ -111,12 +127,7 @@ def _step(model, layout, mbs, loss, trainable) -> _Run:
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, norm, "1f1b")
     stats = apply_updates(opts, out.grads, opt.clip_norm, tied=tied)
-    ref_loss, new, ref_norm = reference_step(
-        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
-    )
-    enc_layers = model.cfg.vision.num_layers
-    ref = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
-                     [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
+    ref_loss, ref_norm, ref = reference(model, mbs, loss, trainable)
     got_loss = sum(float(x) for x in out.loss)
     got_norm = float(np.asarray(stats[-1])[1])
     return _Run(stages, out, got_loss, got_norm, _tree(layout, stages), before, tied, ref_loss,
