@@ -67,6 +67,7 @@ def workers(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(frozen.RECIPES))
 def test_two_process_recipe_step_matches_single_device_with_stop_gradient(workers, recipe):
     trainable = frozen.RECIPES[recipe]
