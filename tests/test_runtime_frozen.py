@@ -12,6 +12,7 @@ when it trains. The colocated layout (encoder on LLM stage 0) trains under the s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -33,8 +34,14 @@ from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.stages import accumulator_structs
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.train_state import (
+    OptimizerConfig,
+    StageOptimizer,
+    apply_updates,
+    tied_groups,
+)
 from dflop_jax.train import run
+from models.llava_onevision import LlavaOnevision, llava_onevision_config
 
 # lr > 0 at step 0 (no warmup), so the step changes the trained parts. Adam's first step is about
 # lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32 round-off of a tiny gradient
@@ -77,25 +84,63 @@ def _stop_frozen(loss, trainable):
     return frozen_loss
 
 
-def _step(model, layout, mbs, loss, trainable):
-    """(stages, pipelined loss, updated model tree, reference loss and tree, initial model tree)."""
+@dataclasses.dataclass
+class _Run:
+    """One pipelined recipe step and its single-device reference (host values)."""
+
+    stages: list
+    out: object  # the pipeline's StepOutput
+    loss: float
+    norm: float  # the global gradient norm `apply_updates` computed (tied copies counted once)
+    got: dict  # the updated model tree
+    before: dict  # the model tree before the step
+    tied: list  # `tied_groups` of the stages
+    ref_loss: float
+    ref_norm: float
+    ref: dict
+
+
+def reference(model, mbs, loss, trainable) -> tuple[float, float, dict]:
+    """(loss, global gradient norm, updated model tree) of one single-device step of the unsplit
+    `model` with its frozen parts behind `stop_gradient`."""
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    ref_loss, new, ref_norm = reference_step(
+        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
+    )
+    return ref_loss, ref_norm, unsplit_tree(model.cfg, new)
+
+
+def unsplit_tree(cfg, state) -> dict:
+    """The model tree (`model_tree`'s paths) of the unsplit LLaVA-OV's state (3 LLM layers)."""
+    specs = [StageSpec("encoder", 0, cfg.vision.num_layers), StageSpec("llm", 0, 3)]
+    return model_tree(specs, [state["encoder"], state["llm"]], [{}, {}])
+
+
+def _step(model, layout, mbs, loss, trainable) -> _Run:
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
                           trainable=trainable)  # fmt: skip
     opt = OptimizerConfig(**HYPER, trainable=trainable)
     opts = [StageOptimizer(s, opt.build()) for s in stages]
+    tied = tied_groups(list(layout.stages), [s.params for s in stages])
     before = _tree(layout, stages)
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, norm, "1f1b")
+    stats = apply_updates(opts, out.grads, opt.clip_norm, tied=tied)
+    ref_loss, ref_norm, ref = reference(model, mbs, loss, trainable)
     got_loss = sum(float(x) for x in out.loss)
-    apply_updates(opts, out.grads, opt.clip_norm)
-    ref_loss, new, _ = reference_step(
-        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
-    )
-    enc_layers = model.cfg.vision.num_layers
-    ref = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
-                     [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
-    return stages, out, got_loss, _tree(layout, stages), ref_loss, ref, before
+    got_norm = float(np.asarray(stats[-1])[1])
+    return _Run(stages, out, got_loss, got_norm, _tree(layout, stages), before, tied, ref_loss,
+                ref_norm, ref)  # fmt: skip
+
+
+def _check_step(run: _Run, trainable) -> None:
+    """Loss, gradient norm and every updated parameter equal the stop_gradient reference's; frozen
+    parts bit-identical."""
+    np.testing.assert_allclose(run.loss, run.ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(run.norm, run.ref_norm, rtol=1e-5)
+    assert_trees_close(run.got, run.ref)
+    _check_frozen_kept(run.before, run.got, trainable)
 
 
 def _tree(layout, stages):
@@ -125,10 +170,9 @@ def separate(request):
 
 
 def test_recipe_step_matches_single_device_with_stop_gradient(separate):
-    trainable, (stages, out, loss, got, ref_loss, ref, before) = separate
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(got, ref)
-    _check_frozen_kept(before, got, trainable)
+    trainable, run = separate
+    stages, out = run.stages, run.out
+    _check_step(run, trainable)
     # No accumulator for a frozen leaf: the step's gradients are the trained leaves only.
     for stage, grads in zip(stages, out.grads):
         trained = [k for k in jax.tree.leaves(stage.trained) if k]
@@ -171,7 +215,7 @@ def _texts(stage, fn, *args) -> tuple[str, str]:
 
 
 def test_vision_only_stage_runs_forward_only(separate):
-    trainable, (stages, *_) = separate
+    stages = separate[1].stages
     enc0 = stages[0]
     assert not enc0.trains and not enc0.has_backward and enc0.jits.backward is None
     assert {sig[0] for sig in enc0.signatures} == {"fwd"}  # dispatched: forwards only
@@ -190,7 +234,7 @@ def _dots(lowered: str) -> int:
 
 
 def test_frozen_stage_behind_trainable_passes_dx_only(separate):
-    trainable, (stages, *_) = separate
+    trainable, stages = separate[0], separate[1].stages
     if trainable != RECIPES["projector_only"]:
         pytest.skip("only the projector-only run has an LLM frozen behind a trainable stage")
     llm0 = stages[2]
@@ -218,11 +262,37 @@ def test_colocated_recipe_step_matches_single_device(trainable):
     model = colo._model("llava_ov")
     layout = colo._layout(1, 2)
     mbs = colo._batch("llava_ov", 1, model.cfg.tokens_per_tile)
-    stages, _, loss, got, ref_loss, ref, before = _step(model, layout, mbs, colo._loss, trainable)
-    assert stages[0].has_backward  # the fused stage trains the projector
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(got, ref)
-    _check_frozen_kept(before, got, trainable)
+    run = _step(model, layout, mbs, colo._loss, trainable)
+    assert run.stages[0].has_backward  # the fused stage trains the projector
+    _check_step(run, trainable)
+
+
+def _tied_model():
+    """The separate-layout test model with its embedding also the head (Qwen2.5-0.5B style): stages 2
+    and 3 (the 2 LLM stages) each hold a copy."""
+    text = dataclasses.replace(sep.TEXT, tie_embeddings=True)
+    with jax.default_device(jax.devices()[0]):
+        return LlavaOnevision(llava_onevision_config(sep.VISION, text), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("trainable", [("projector",), ("projector", "llm")],
+                         ids=["llm_frozen", "llm_trained"])  # fmt: skip
+def test_tied_embedding_counts_once_in_the_norm_under_a_recipe(trainable):
+    """`apply_updates`' tied-copy correction under a recipe: with the LLM frozen the tied embedding has
+    no gradient (no correction, no transfer); trained behind the frozen vision tower its two copies get
+    the summed gradient, counted once in the global norm (the unsplit model's jax.grad norm), and take
+    the same update."""
+    run = _step(_tied_model(), sep.LAYOUT, sep._batch(), sep._llava_loss, trainable)
+    assert [[i for i, _ in group] for group in run.tied] == [[2, 3]]
+    _check_step(run, trainable)
+    for group in run.tied:
+        copies = [_leaf(run.stages[i].params, path) for i, path in group]
+        np.testing.assert_array_equal(*jax.device_get(copies))
+
+
+def _leaf(tree, names):
+    return next(leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if tuple(key_name(k) for k in path) == names)  # fmt: skip
 
 
 def test_pipeline_order_leaves_forward_only_stages_out_of_the_backward_wave():
@@ -277,3 +347,84 @@ def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
     at4 = _tree(layout, straight.stages)
     at2 = _tree(layout, half.stages)
     _check_frozen_kept(at2, at4, ("projector",))
+
+
+# The issue's "done when": the demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`,
+# `checkpoint.every=4`, 8 steps), exported at steps 4 and 8 (docs/benchmarks.md "Frozen recipe:
+# exports"). Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32 samples.
+DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", "checkpoint.every=4", "steps=8"]
+
+
+@pytest.fixture(scope="module")
+def demo_stage1_exports(tmp_path_factory):
+    """{step: {HF tensor name: host array}} of the demo's stage-1 run exported at steps 4 and 8, and
+    the step-8 export's directory."""
+    from safetensors.numpy import load_file
+
+    from dflop_jax.export import main as export
+
+    tmp = tmp_path_factory.mktemp("demo_stage1")
+    cfg = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    over = [f"data.synth_dir={tmp / 'synth'}", f"run_dir={tmp / 'run'}",
+            f"compilation_cache={tmp / 'jax_cache'}"]  # fmt: skip
+    run(load_config(TrainConfig, cfg, [*DEMO_STAGE1, *over]))
+    tensors = {}
+    for step in (4, 8):
+        assert (
+            export(
+                ["--run", str(tmp / "run"), "--step", str(step), "--out", str(tmp / f"hf{step}")]
+            )
+            == 0
+        )
+        tensors[step] = {}
+        for file in sorted((tmp / f"hf{step}").glob("*.safetensors")):
+            tensors[step].update(load_file(file))
+    return tensors, tmp / "hf8"
+
+
+def _hf_part(name: str) -> str:
+    """The recipe part of an HF LLaVA-OV tensor name (independent of the runtime's labels)."""
+    if "vision_tower." in name:
+        return "vision"
+    if "multi_modal_projector." in name:
+        return "projector"
+    return "llm"  # the image newline too (models/stages.py `param_part`, as in LLaVA-NeXT)
+
+
+def test_demo_stage1_exports_differ_in_the_projector_only(demo_stage1_exports):
+    """Vision tower and LLM bit-identical between the step-4 and step-8 exports, every projector
+    tensor changed."""
+    tensors, _ = demo_stage1_exports
+    at4, at8 = tensors[4], tensors[8]
+    assert at4.keys() == at8.keys()
+    parts = {}
+    for name in at4:
+        parts.setdefault(_hf_part(name), []).append(name)
+    assert set(parts) == {"vision", "projector", "llm"}
+    for name in parts["vision"] + parts["llm"]:
+        np.testing.assert_array_equal(at4[name], at8[name], err_msg=name)
+    changed = [n for n in parts["projector"] if not np.array_equal(at4[n], at8[n])]
+    assert changed == parts["projector"]
+
+
+def _unprefixed(name: str) -> str:
+    """An HF tensor name without its `model.` / `language_model.` wrappers (transformers 5 renames
+    `language_model.model.*` to `model.language_model.*` on load)."""
+    return re.sub(r"\b(model|language_model)\.", "", name)
+
+
+@pytest.mark.hf
+def test_demo_stage1_export_loads_in_transformers(demo_stage1_exports):
+    """transformers loads the step-8 export with every tensor as exported; the only weights it does not
+    find are the vision tower's post-layernorm (LLaVA-OV reads the last layer's features before it)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    tensors, out = demo_stage1_exports
+    model, info = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert {k.rsplit(".", 2)[-2] for k in info["missing_keys"]} <= {"post_layernorm"}
+    got = {_unprefixed(k): v.detach().numpy() for k, v in model.state_dict().items()}
+    for name, value in tensors[8].items():
+        np.testing.assert_array_equal(got[_unprefixed(name)], value, err_msg=name)
