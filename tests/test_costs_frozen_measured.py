@@ -160,3 +160,14 @@ def test_a_recipe_table_colocated_share_is_the_measured_fused_program():
         (FUSED[0] * 2, FUSED[1] * 2 + SLOPE["llm_embedding"][1] * ROW - emb_b), rel=1e-9
     )
     assert emb_f > 0
+
+
+def test_a_recipe_table_falls_back_to_the_analytic_model_under_the_same_recipe():
+    t = table(("projector",))
+    t.entries = {k: e for k, e in t.entries.items() if k[0] != "llm_head"}
+    analytic = AnalyticCostProvider(ARCH, DEV)  # all trained, as the pipeline passes it
+    p = MeasuredCostProvider(t, ARCH, DEV, fallback=analytic)
+    head = Spec("llm", 0, 0, tp=1, has_head=True)
+    f, b = analytic.stage_time(head, 256)
+    assert p.stage_time(head, 256) == pytest.approx((f, 2 / 3 * b), rel=1e-9)  # dx only
+    assert p.sources()["llm_head"] == {"fallback": 1}

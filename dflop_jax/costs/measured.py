@@ -290,13 +290,19 @@ class MeasuredCostProvider:
                         kind, stage.tp, self.fallback.name)  # fmt: skip
         self._note(kind, "fallback")
         spec = _part_spec(module, part, stage)
-        # a table under the recipe holds each part's recipe programs: so does the fallback then
-        fallback = self.fallback
-        if self._measured_recipe and hasattr(fallback, "with_trainable"):
-            fallback = fallback.with_trainable(self.trainable)
+        fallback = self._part_fallback()
         fwd, bwd = fallback.stage_time(spec, bucket)
         mem = fallback.stage_memory(spec, bucket)
         return _Part(fwd, bwd, 0.0, 0.0, mem.params, mem.activations_per_microbatch, mem.temp)
+
+    def _part_fallback(self):
+        """The fallback for a part: under a table profiled under the recipe, which holds each
+        part's recipe programs, the fallback under that recipe too (made once per recipe)."""
+        if not self._measured_recipe or not hasattr(self.fallback, "with_trainable"):
+            return self.fallback
+        if getattr(self, "_recipe_fallback", None) is None:
+            self._recipe_fallback = self.fallback.with_trainable(self.trainable)
+        return self._recipe_fallback
 
     def _parts(self, stage: StageSpec, bucket: int) -> list[_Part]:
         wanted = []  # the stage's input enters through its first part
@@ -437,6 +443,7 @@ class MeasuredCostProvider:
                 "everything trained, from which frozen costs are derived)"
             )
         self.trainable = chosen
+        self._recipe_fallback = None
         self.name = self.name.split("+train:", 1)[0] + trainable_suffix(chosen)
 
     def with_trainable(self, trainable: tuple[str, ...]) -> MeasuredCostProvider:
