@@ -478,7 +478,6 @@ def _part_spec(module: str, part: str, stage: StageSpec) -> StageSpec:
 
 def _recipe_parts(stage: StageSpec) -> list[str]:
     """Per part of `MeasuredCostProvider._parts` (embedding, layers, head as held), its recipe part."""
-    held = [stage.has_embedding, stage.num_layers > 0, stage.has_head]
     if stage.module == "llm":
-        return ["llm"] * sum(held)
-    return [name for name, h in zip(("vision", "vision", "projector"), held) if h]
+        return ["llm"] * len(_held_parts(stage))
+    return ["projector" if part == "head" else "vision" for _, part in _held_parts(stage)]
