@@ -114,3 +114,33 @@ def test_check_compiles_each_stage_as_it_trains_under_the_recipe():
     assert abs(frozen[0].total / predicted[0].total() - 1) <= DISAGREE
     for c, ref in zip(frozen, full):
         assert c.total < ref.total - (ref.grads - c.grads) - (ref.optimizer - c.optimizer) + 1
+
+
+def _flops(prog) -> tuple[float, float]:
+    with jax.set_mesh(prog.mesh):
+        fwd = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
+        bwd = prog.bwd.lower(prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs,
+                             prog.gacc_abs).compile()  # fmt: skip
+    return tuple(float(c.cost_analysis()["flops"]) for c in (fwd, bwd))
+
+
+@pytest.mark.parametrize("recipe", [ALL, ("llm",), ("projector", "llm")])
+def test_colocated_encoder_share_of_the_fused_backward_is_the_recipe_rule(recipe):
+    """What `recipe.colocated_backward` assumes, on the compiled programs: the fused stage's
+    backward minus the same LLM stage's without the encoder is the encoder's FORWARD when it is
+    frozen (re-run, nothing differentiated), a little more with the projector trained (its own
+    backward, no dx into the ViT), over twice its forward when everything trains."""
+    import jax.numpy as jnp
+
+    from dflop_jax.profiling.programs import profile_mesh, stage_program
+
+    mesh, spec = profile_mesh(jax.devices(), 1), StageSpec("llm", 0, 1, tp=1, has_embedding=True)
+    fused = _flops(stage_program(CFG, spec, mesh, 64, jnp.float32, tile_bucket=2, trainable=recipe))
+    alone = _flops(stage_program(CFG, spec, mesh, 64, jnp.float32, 2, trainable=recipe))
+    enc_fwd, enc_bwd = fused[0] - alone[0], fused[1] - alone[1]
+    if recipe == ("llm",):
+        assert enc_bwd == pytest.approx(enc_fwd, rel=0.02)
+    elif recipe == ALL:
+        assert enc_bwd > 2 * enc_fwd
+    else:
+        assert 1.02 * enc_fwd < enc_bwd < 1.5 * enc_fwd
