@@ -171,3 +171,13 @@ def test_a_recipe_table_falls_back_to_the_analytic_model_under_the_same_recipe()
     f, b = analytic.stage_time(head, 256)
     assert p.stage_time(head, 256) == pytest.approx((f, 2 / 3 * b), rel=1e-9)  # dx only
     assert p.sources()["llm_head"] == {"fallback": 1}
+
+
+def test_profile_model_config_takes_a_recipe():
+    from dflop_jax.config import ConfigError, load_config
+    from dflop_jax.profiling.run_config import ModelProfileConfig
+
+    cfg = load_config(ModelProfileConfig, None, ["trainable=[projector]"])
+    assert cfg.trainable == ("projector",)
+    with pytest.raises(ConfigError, match="non-empty subset"):
+        load_config(ModelProfileConfig, None, ["trainable=[bogus]"])
