@@ -56,10 +56,13 @@ from dflop_jax.profiling.table import (
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
 # Directories and files whose code a table measures: the models, the profiler, and the runtime's stage
-# program builder (with the rules and the packing that shape its inputs).
+# program builder (with the rules and the packing that shape its inputs, and what decides a recipe's
+# trained leaves and input gradients).
 CODE_PACKAGES = (
     "models",
     "dflop_jax/profiling",
+    "dflop_jax/costs/recipe.py",
+    "dflop_jax/runtime/train_state.py",
     "dflop_jax/runtime/stages.py",
     "dflop_jax/runtime/model_stages.py",
     "dflop_jax/runtime/sharding.py",
