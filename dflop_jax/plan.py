@@ -8,7 +8,9 @@ Writes `out` (plan.yaml) and the resolved config beside it (`<out stem>.config.y
 request exits with status 2 and a one-line explanation. `--check` then compiles every stage program of
 the chosen layout at its real sizes from abstract arrays on `num_devices` (simulated CPU) devices and
 writes each stage's `compiled_memory_gib` and `compile_s` beside its predicted `memory_gib`
-(`profiling/compile_check.py`); stages more than 15% apart are warned. With `--check` the planner keeps
+(`profiling/compile_check.py`), each as it trains under the plan's recipe (a forward-only stage
+compiles its forward, frozen leaves hold no accumulator or optimizer state); stages more than 15% apart
+are warned. With `--check` the planner keeps
 a colocated encoder at its stage's tp (`planner.colocate_own_tp=false`): what is compiled is what trains.
 """
 

@@ -101,7 +101,7 @@ def _model(cfg, no_progress: bool) -> int:
         model_cfg = model_config_for_arch(cfg.arch, cfg.profile.compute_dtype)
         with progress_bar(not no_progress) as progress:
             table = profile_model(model_cfg, None, cfg.profile, cfg.out, model_name=cfg.arch,
-                                  progress=progress)  # fmt: skip
+                                  progress=progress, trainable=cfg.trainable)  # fmt: skip
     except ValueError as e:
         return _error(e)
     ok = sum(e.ok for e in table.entries.values())

@@ -24,6 +24,12 @@ with no LLM layer (ViT + projector + token embedding + each row placing its own 
 share from it (`costs/measured.py`).
 Buckets: tiles per encoder shard for encoder kinds (and the fused kind), tokens of the packed row for
 LLM kinds.
+A table is profiled under a training recipe (`trainable`, the parts trained; absent in files written
+before recipes existed, which profiled everything trained): each part's programs are the runtime's for
+that part under the recipe (`runtime.stages.stage_jits` with `trained` / `input_grad`): a frozen
+part behind a trained one times its dx-only backward, a frozen part with nothing trained before it has
+no backward program (bwd_s 0, memory_bwd empty), a trained part after frozen ones computes no dx.
+`grad_bytes` is the per-device gradient accumulator of the trained leaves (absent: `param_bytes`).
 Memory fields are per device, from `compiled.memory_analysis()`; `peak` is XLA's peak when it reports
 one, else argument + output + temp - alias. Entries that could not run have status "skipped" and a
 `reason` (e.g. over device memory, tp does not divide the heads).
@@ -44,6 +50,7 @@ FUSED_KINDS = ("colocated_embedding",)
 ALL_KINDS = STAGE_KINDS + FUSED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
+ALL_PARTS = ("vision", "projector", "llm")  # a recipe's parts (`costs.recipe.PARTS`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +72,8 @@ class CostEntry:
       param_bytes: parameter bytes per device (fp32 masters, sharded by tp).
       input_bytes: bytes per device of the program's stage input (x and the side arrays).
       length: tokens of the packed row of a fused kind's program (0 for the other kinds).
+      grad_bytes: bytes per device of the program's gradient accumulator (its trained leaves, per
+        data replica); None: `param_bytes` (every leaf trained: tables written before recipes).
     """
 
     kind: str
@@ -84,6 +93,12 @@ class CostEntry:
     param_bytes: float = 0.0
     input_bytes: float = 0.0
     length: int = 0
+    grad_bytes: float | None = None
+
+    @property
+    def accumulator_bytes(self) -> float:
+        """Bytes per device of the gradient accumulator (`grad_bytes`, else `param_bytes`)."""
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
     def __post_init__(self):
         if self.kind not in ALL_KINDS:
@@ -113,7 +128,20 @@ class ProfiledCostTable:
     jax_version: str = ""
     flax_version: str = ""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trainable: tuple[str, ...] = ALL_PARTS  # the recipe profiled (module docstring)
     entries: dict[tuple[str, int, int, int], CostEntry] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.trainable = tuple(self.trainable)
+        if not self.trainable or not set(self.trainable) <= set(ALL_PARTS):
+            raise ValueError(
+                f"cost table trainable={list(self.trainable)}: a subset of {ALL_PARTS}"
+            )
+
+    @property
+    def all_trained(self) -> bool:
+        """Whether the table was profiled with every part trained (the default recipe)."""
+        return set(self.trainable) == set(ALL_PARTS)
 
     def add(self, entry: CostEntry) -> None:
         self.entries[entry.key] = entry
@@ -141,6 +169,7 @@ def save_table(table: ProfiledCostTable, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in dataclasses.asdict(table).items() if k != "entries"}
+    meta["trainable"] = list(table.trainable)
     entries = [dataclasses.asdict(e) for _, e in sorted(table.entries.items())]
     doc = {"version": TABLE_VERSION, **meta, "entries": entries}
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -23,11 +23,20 @@ Needs 3 or more profiled buckets; with fewer, or `fit="interpolate"`: piecewise-
 profiled buckets, linear beyond them, per_layer = c2 - c1 and base = c1 - per_layer per bucket.
 Buckets outside the profiled range are flagged "extrapolated" in `sources()`.
 
-Frozen stages (a recipe's `trainable`, costs/recipe.py): the profiler times the trainable programs
-only, so a forward-only stage's time is the MEASURED forward, a dx-only stage's backward is DERIVED
-(2/3 of the measured backward), a projector-only encoder head stage's backward is DERIVED (measured
-stage forward minus head forward, plus the measured head backward); grads and optimizer count the
-trained parts' measured parameter bytes; temp stays the trainable program's (an upper bound).
+Frozen stages (a recipe's `trainable`, costs/recipe.py), two ways by the table's own recipe
+(`ProfiledCostTable.trainable`):
+- a table profiled with everything trained (and every table written before recipes) times the
+  trainable programs only, so under a frozen recipe a forward-only stage's time is the MEASURED
+  forward, a dx-only stage's backward is DERIVED (2/3 of the measured backward), a projector-only
+  encoder head stage's backward is DERIVED (measured stage forward minus head forward, plus the
+  measured head backward); temp stays the trainable program's (an upper bound);
+- a table profiled UNDER the recipe (the profiler times each part's programs as the recipe runs
+  them) is MEASURED throughout: a stage's backward is the sum of its parts' measured backwards, a
+  frozen part with nothing trained before it (no backward program of its own) counting its forward
+  when the stage has a backward program (the stage re-runs its whole forward there), 0 when the
+  stage runs forward only; temp comes from the program the part runs.
+A table profiled under one frozen recipe cannot cost another: `with_trainable` raises ValueError.
+grads and optimizer count the trained parts' measured parameter bytes either way.
 
 Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
 most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
@@ -65,7 +74,12 @@ from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.memory import StageMemory
 from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider, trainable_suffix
-from dflop_jax.costs.recipe import PARTS, check_trainable, recipe_backward, stage_role
+from dflop_jax.costs.recipe import (
+    check_trainable,
+    colocated_backward,
+    recipe_backward,
+    stage_role,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +173,7 @@ class MeasuredCostProvider:
       fallback: provider for entries the table lacks (None: missing entries raise KeyError).
       fit: "least_squares" (a smooth fit of all entries per kind and tp) or "interpolate"
         (piecewise-linear between buckets); see the module docstring.
+      trainable: the recipe to cost (None: the table's own); see the module docstring.
     """
 
     def __init__(
@@ -168,7 +183,7 @@ class MeasuredCostProvider:
         device: DeviceSpec,
         fallback: CostProvider | None = None,
         fit: str = "least_squares",
-        trainable: tuple[str, ...] = PARTS,
+        trainable: tuple[str, ...] | None = None,
     ):
         if fit not in FITS:
             raise ValueError(f"fit={fit!r}: choose one of {FITS}")
@@ -176,9 +191,11 @@ class MeasuredCostProvider:
         self._fits: dict[tuple[str, int], TimeFit | None] = {}
         self.table = table if isinstance(table, ProfiledCostTable) else load_table(table)
         self.arch, self.device, self.fallback = arch, device, fallback
-        self.trainable = check_trainable(trainable)
+        self.trainable = self.table.trainable
         self.name = f"measured:{self.table.model or arch.name}@{self.table.device_kind}"
         self.name += trainable_suffix(self.trainable)
+        if trainable is not None:
+            self._set_recipe(trainable)
         self._transfer = AnalyticCostProvider(arch, device)
         self._curves: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._sources: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -195,8 +212,9 @@ class MeasuredCostProvider:
             for b in buckets:
                 e = self.table.get(kind, tp, b, layers)
                 params = e.param_bytes
-                peak = e.memory_bwd.get("peak", 0.0)
-                temp = max(0.0, peak - 2 * params - e.input_bytes)
+                # the program the part runs: its backward, or its forward when it has none
+                peak = (e.memory_bwd or e.memory_fwd).get("peak", 0.0)
+                temp = max(0.0, peak - params - e.accumulator_bytes - e.input_bytes)
                 rows.append([e.fwd_s, e.bwd_s, params, e.input_bytes, temp])
             self._curves[key] = (
                 (np.array(buckets, dtype=np.float64), np.array(rows, dtype=np.float64))
@@ -271,11 +289,20 @@ class MeasuredCostProvider:
             log.warning("cost table has no %s entries at tp=%d: using %s for them",
                         kind, stage.tp, self.fallback.name)  # fmt: skip
         self._note(kind, "fallback")
-        spec = StageSpec(module, 0, stage.num_layers if part == "layers" else 0, tp=stage.tp,
-                         has_embedding=part == "embedding", has_head=part == "head")  # fmt: skip
-        fwd, bwd = self.fallback.stage_time(spec, bucket)
-        mem = self.fallback.stage_memory(spec, bucket)
+        spec = _part_spec(module, part, stage)
+        fallback = self._part_fallback()
+        fwd, bwd = fallback.stage_time(spec, bucket)
+        mem = fallback.stage_memory(spec, bucket)
         return _Part(fwd, bwd, 0.0, 0.0, mem.params, mem.activations_per_microbatch, mem.temp)
+
+    def _part_fallback(self):
+        """The fallback for a part: under a table profiled under the recipe, which holds each
+        part's recipe programs, the fallback under that recipe too (made once per recipe)."""
+        if not self._measured_recipe or not hasattr(self.fallback, "with_trainable"):
+            return self.fallback
+        if getattr(self, "_recipe_fallback", None) is None:
+            self._recipe_fallback = self.fallback.with_trainable(self.trainable)
+        return self._recipe_fallback
 
     def _parts(self, stage: StageSpec, bucket: int) -> list[_Part]:
         wanted = []  # the stage's input enters through its first part
@@ -302,27 +329,49 @@ class MeasuredCostProvider:
             raise ValueError(f"bucket={bucket}: must be >= 0")
         if bucket == 0:
             return 0.0, 0.0
+        role = stage_role(stage, self.trainable, self._multimodal)
         parts = self._parts(stage, bucket)
-        fwd = sum(p.fwd for p in parts)
-        bwd = sum(p.bwd for p in parts)
+        if self._measured_recipe:  # each part's recipe program was timed (module docstring)
+            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.kind != "forward"))
+            return float(fwd), float(bwd)
+        fwd, bwd = self._summed(parts, [p.bwd for p in parts])
+        # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
+        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
+        return float(fwd), float(bwd)  # plain floats: plans are written as YAML
+
+    @staticmethod
+    def _summed(parts: list[_Part], bwds: list[float]) -> tuple[float, float]:
+        """(fwd, bwd) of parts run as one program: their sum, one fixed per-program cost."""
+        fwd, bwd = sum(p.fwd for p in parts), sum(bwds)
         base = [p for p in parts if p.base_fwd > 0 or p.base_bwd > 0]
         if base and len(parts) > 1:  # one program, one fixed cost: drop the extra parts' share
             extra = len(parts) - 1
             fwd -= extra * min(base[0].base_fwd, min(p.fwd for p in parts))
-            bwd -= extra * min(base[0].base_bwd, min(p.bwd for p in parts))
-        # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
-        role = stage_role(stage, self.trainable, self.arch.vision is not None)
-        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
-        return float(fwd), float(bwd)  # plain floats: plans are written as YAML
+            bwd -= extra * min(base[0].base_bwd, min(bwds))
+        return fwd, bwd
+
+    def _recipe_bwds(self, stage: StageSpec, parts: list[_Part], has_backward: bool) -> list[float]:
+        """Per part of `stage` under a table profiled under the recipe: its measured backward, or,
+        for a part with no backward program of its own, its forward when the stage has a backward
+        program (re-run there) and 0 when the stage runs forward only."""
+        out = []
+        for p, (module, part) in zip(parts, _held_parts(stage)):
+            own = stage_role(_part_spec(module, part, stage), self.trainable, self._multimodal)
+            out.append(p.bwd if own.kind != "forward" else (p.fwd if has_backward else 0.0))
+        return out
 
     def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
         """(fwd, bwd) seconds the colocated `encoder` (the whole encoder on LLM stage 0's devices)
         adds to that stage's program at `tile_bucket` tiles per shard (module docstring)."""
+        if tile_bucket <= 0:
+            return 0.0, 0.0
         kind = FUSED_KINDS[0]
         entries = [self.table.get(kind, encoder.tp, b, 0)
                    for b in self.table.buckets(kind, encoder.tp, 0)]  # fmt: skip
-        if tile_bucket <= 0 or not entries:
-            return self.stage_time(encoder, tile_bucket)
+        if not entries:  # the encoder's parts as a stage of its own, re-run in the fused backward
+            return self._colocated_recipe(
+                encoder, tile_bucket, *self._trainable_time(encoder, tile_bucket)
+            )
         shares = []
         for e in entries:
             emb = StageSpec("llm", 0, 0, tp=encoder.tp, has_embedding=True)
@@ -331,14 +380,34 @@ class MeasuredCostProvider:
         xs, ys = np.array([e.bucket for e in entries], dtype=np.float64), np.array(shares)
         (fwd, how), (bwd, _) = (interpolate(xs, ys[:, i], float(tile_bucket)) for i in (0, 1))
         self._note(kind, how)
-        return float(fwd), float(bwd)
+        if self._measured_recipe:  # the fused program was profiled under the recipe
+            return float(fwd), float(bwd)
+        return self._colocated_recipe(encoder, tile_bucket, fwd, bwd)
+
+    def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        """(fwd, bwd) of `stage` as this table times it with the recipe's backward rule undone:
+        the trainable programs' for an all-trained table; under a recipe table, the recipe's."""
+        parts = self._parts(stage, bucket)
+        if self._measured_recipe:
+            return self._summed(parts, self._recipe_bwds(stage, parts, True))
+        return self._summed(parts, [p.bwd for p in parts])
+
+    def _colocated_recipe(self, encoder: StageSpec, tiles: int, fwd: float, bwd: float):
+        """(fwd, bwd) of a colocated encoder from its time in the fused program, frozen parts by
+        `recipe.colocated_backward` (an all-trained table's timings; a recipe table's are already
+        the recipe's: returned as they are)."""
+        if self._measured_recipe:
+            return float(fwd), float(bwd)
+        role = stage_role(encoder, self.trainable, self._multimodal)
+        head = self._parts(StageSpec("encoder", 0, 0, tp=encoder.tp, has_head=True), tiles)[0]
+        return float(fwd), float(colocated_backward(role, fwd, bwd, head.fwd, head.bwd))
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         if bucket <= 0:
             bucket = 1  # state still lives on the device; activations of the smallest shape
         parts = self._parts(stage, bucket)
         params = float(sum(p.params for p in parts))
-        role = stage_role(stage, self.trainable, self.arch.vision is not None)
+        role = stage_role(stage, self.trainable, self._multimodal)
         trained = float(
             sum(p.params for p, name in zip(parts, _recipe_parts(stage)) if name in role.trains)
         )
@@ -348,20 +417,45 @@ class MeasuredCostProvider:
             grads=trained,
             optimizer=2.0 * trained,
             activations_per_microbatch=0.0 if forward else float(parts[0].inputs),
-            # the trainable program's: an upper bound for a frozen stage's (not measured apart)
+            # a recipe table's: each part's own program; else the trainable program's (an upper
+            # bound for a frozen stage's)
             temp=float(sum(p.temp for p in parts)) + (float(parts[0].inputs) if forward else 0.0),
         )
 
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         return self._transfer.transfer_time(stage, bucket, cross_host)
 
+    @property
+    def _multimodal(self) -> bool:
+        return self.arch.vision is not None
+
+    @property
+    def _measured_recipe(self) -> bool:
+        """Whether the table was profiled under this (frozen) recipe: costs measured, not derived."""
+        return not self.table.all_trained
+
+    def _set_recipe(self, trainable) -> None:
+        chosen = check_trainable(trainable)
+        if not self.table.all_trained and set(chosen) != set(self.table.trainable):
+            raise ValueError(
+                f"the cost table was profiled under trainable={list(self.table.trainable)} and "
+                f"cannot cost trainable={list(chosen)}: profile under that recipe (or with "
+                "everything trained, from which frozen costs are derived)"
+            )
+        self.trainable = chosen
+        self._recipe_fallback = None
+        self.name = self.name.split("+train:", 1)[0] + trainable_suffix(chosen)
+
     def with_trainable(self, trainable: tuple[str, ...]) -> MeasuredCostProvider:
-        """This provider (sharing its table and fits) under another recipe."""
+        """This provider (sharing its table and fits) under another recipe.
+
+        Raises:
+          ValueError: the table was profiled under another frozen recipe (module docstring).
+        """
         if tuple(trainable) == self.trainable:
             return self
         other = copy.copy(self)
-        other.trainable = check_trainable(trainable)
-        other.name = self.name.split("+train:", 1)[0] + trainable_suffix(other.trainable)
+        other._set_recipe(trainable)
         return other
 
     def sources(self) -> dict[str, dict[str, int]]:
@@ -369,9 +463,21 @@ class MeasuredCostProvider:
         return {k: dict(v) for k, v in sorted(self._sources.items())}
 
 
+def _held_parts(stage: StageSpec) -> list[tuple[str, str]]:
+    """(module, part) of each part of `MeasuredCostProvider._parts`, in order."""
+    held = (("embedding", stage.has_embedding), ("layers", stage.num_layers > 0),
+            ("head", stage.has_head))  # fmt: skip
+    return [(stage.module, part) for part, h in held if h]
+
+
+def _part_spec(module: str, part: str, stage: StageSpec) -> StageSpec:
+    """One part of `stage` as a stage of its own (what the profiler compiled for it)."""
+    return StageSpec(module, 0, stage.num_layers if part == "layers" else 0, tp=stage.tp,
+                     has_embedding=part == "embedding", has_head=part == "head")  # fmt: skip
+
+
 def _recipe_parts(stage: StageSpec) -> list[str]:
     """Per part of `MeasuredCostProvider._parts` (embedding, layers, head as held), its recipe part."""
-    held = [stage.has_embedding, stage.num_layers > 0, stage.has_head]
     if stage.module == "llm":
-        return ["llm"] * sum(held)
-    return [name for name, h in zip(("vision", "vision", "projector"), held) if h]
+        return ["llm"] * len(_held_parts(stage))
+    return ["projector" if part == "head" else "vision" for _, part in _held_parts(stage)]

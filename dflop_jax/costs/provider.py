@@ -38,7 +38,13 @@ from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.memory import StageMemory, remat_policy, stage_memory
-from dflop_jax.costs.recipe import PARTS, check_trainable, recipe_backward, stage_role
+from dflop_jax.costs.recipe import (
+    PARTS,
+    check_trainable,
+    colocated_backward,
+    recipe_backward,
+    stage_role,
+)
 
 TransferCostFn = Callable[[int, int], np.ndarray]
 
@@ -173,13 +179,27 @@ class AnalyticCostProvider:
         self._check_stage(stage)
         if bucket == 0:
             return 0.0, 0.0
+        return self._recipe_time(stage, bucket, recipe_backward)
+
+    def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
+        """(fwd, bwd) seconds the colocated `encoder` adds to LLM stage 0's fused program: its cost
+        as a stage, but a frozen encoder is re-run forward in the fused backward
+        (`recipe.colocated_backward`)."""
+        if tile_bucket <= 0:
+            return 0.0, 0.0
+        self._check_stage(encoder)
+        return self._recipe_time(encoder, tile_bucket, colocated_backward)
+
+    def _recipe_time(self, stage: StageSpec, bucket: int, rule) -> tuple[float, float]:
+        """(fwd, bwd) of `stage` at `bucket` (> 0), the backward by `rule` (costs/recipe.py) from the
+        trainable program's and, for a projector-only head, the projector's."""
         timed = self._encoder_time if stage.module == "encoder" else self._llm_time
         fwd, bwd = timed(stage, bucket)
         role = stage_role(stage, self.trainable, self.arch.vision is not None)
         head = (0.0, 0.0)
         if role.head_only:
             head = self._encoder_time(StageSpec("encoder", 0, 0, stage.tp, has_head=True), bucket)
-        return fwd, recipe_backward(role, fwd, bwd, *head)
+        return fwd, rule(role, fwd, bwd, *head)
 
     def with_trainable(self, trainable: tuple[str, ...]) -> AnalyticCostProvider:
         """This provider under another recipe (itself if the same)."""

@@ -1,4 +1,4 @@
-"""Scoring a candidate layout: memory check, a mean-shape screen, and the expected step time.
+"""Scoring a candidate layout: memory check, a typical-batch screen, and the expected step time.
 
 Expected step time (DESIGN section 7): the mean over K global batches sampled from the shape
 distribution of the simulated makespan of the scheduler's actual output -- `schedule_batch` (or a
@@ -190,23 +190,71 @@ def mean_shape_buckets(
     )
 
 
-def mean_shape_step_time(
+def mean_shape_surrogate(
     costs: LayoutCosts,
     cand: Candidate,
     buckets: BucketSet,
     stats: ShapeStats,
     config: PlannerConfig,
-    simulated: bool = True,
 ) -> float:
-    """Screening score: M identical microbatches at the smallest buckets holding the mean load,
-    simulated, or (simulated=False) the scheduler's 1F1B surrogate of the same step (no transfers)."""
+    """The scheduler's 1F1B surrogate (no transfers) of M identical microbatches at the smallest
+    buckets holding the mean load: cheap, computed for every candidate, over memory or not."""
     lay, m = costs.layout, cand.microbatches
     t, s = mean_shape_buckets(cand, buckets, stats, config)
-    per_stage = costs.stage(t, s)  # [P, 2]
-    if not simulated:
-        return float((m + lay.num_stages - 1) * per_stage.sum(axis=1).max())
-    times = np.broadcast_to(per_stage, (m, lay.num_stages, 2))
-    return costs.simulate(times, costs.transfer(t, s)[None, :], config.schedule).step_time
+    return float((m + lay.num_stages - 1) * costs.stage(t, s).sum(axis=1).max())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScreenBatch:
+    """A typical global batch for the screen: `global_batch` samples at evenly spaced quantiles of the
+    shape distribution's token counts, sorted by tokens (deterministic: no sampling noise in the
+    ranking). tokens and tiles: [G] per sample."""
+
+    tokens: np.ndarray
+    tiles: np.ndarray
+
+    @classmethod
+    def of(cls, shapes: Sequence[SampleShape], global_batch: int) -> ScreenBatch:
+        order = sorted(shapes, key=lambda s: (s.tokens, s.tiles))
+        picks = [order[int((i + 0.5) * len(order) / global_batch)] for i in range(global_batch)]
+        return cls(np.array([s.tokens for s in picks], dtype=np.float64),
+                   np.array([s.tiles for s in picks], dtype=np.float64))  # fmt: skip
+
+
+def screen_buckets(
+    cand: Candidate, buckets: BucketSet, batch: ScreenBatch
+) -> list[tuple[int, int]]:
+    """Per microbatch of the screen, its (tile, length) bucket: the typical batch, sorted, cut into M
+    consecutive microbatches (a bucket-aware scheduler groups samples of like length), each at the
+    smallest buckets holding its FULLEST shard. A packed row holds whole samples, so that shard holds
+    at least the microbatch's longest sample, and at least the mean load; so does a colocated
+    encoder's shard of tiles kept on their rows (`tiles_by_row`); other encoder shards split the
+    tiles evenly. With about one sample per shard (high dp, few microbatches) the fullest shard is
+    the longest sample, not the mean one: a mean-load screen ranks such layouts far too well."""
+    lay, out = cand.layout, []
+    by_row = tiles_by_row(lay)
+    for tok, til in zip(
+        *(np.array_split(a, cand.microbatches) for a in (batch.tokens, batch.tiles))
+    ):
+        if not len(tok):
+            out.append((buckets.tiles[0], buckets.lengths[0]))
+            continue
+        length = max(tok.sum() / lay.llm_dp, tok.max())
+        tiles = til.sum() / lay.encoder_dp
+        tiles = max(tiles, til.max()) if by_row else tiles
+        out.append((_smallest_at_least(buckets.tiles, math.ceil(tiles - 1e-9)),
+                    _smallest_at_least(buckets.lengths, length)))  # fmt: skip
+    return out
+
+
+def screen_step_time(
+    costs: LayoutCosts, cand: Candidate, buckets: BucketSet, batch: ScreenBatch, kind: str
+) -> float:
+    """Screening score: the typical batch's M microbatches (`screen_buckets`), simulated."""
+    pairs = screen_buckets(cand, buckets, batch)
+    times = np.stack([costs.stage(t, s) for t, s in pairs])
+    xfer = np.stack([costs.transfer(t, s) for t, s in pairs])
+    return costs.simulate(times, xfer, kind).step_time
 
 
 def _smallest_at_least(sizes: tuple[int, ...], need: float) -> int:

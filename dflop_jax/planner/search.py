@@ -8,8 +8,9 @@ Stages of the search (DESIGN section 7):
 2. memory: a candidate whose peak stage memory (largest buckets, in-flight activations of its schedule)
    exceeds (1 - memory_margin) x device memory is rejected, with the overage recorded; a pipelined one
    first gets a memory-balanced split (fewer layers where more microbatches are in flight) too;
-3. screen: rank the survivors by a mean-shape simulation; keep the best `screen_top` and the best
-   `screen_per_group` per (microbatch count, colocated encoder or not);
+3. screen: rank the survivors by a simulation of one typical batch (quantiles of the shape
+   distribution, each microbatch at the buckets of its fullest shard: `scoring.screen_buckets`); keep
+   the best `screen_top` and the best `screen_per_group` per (microbatch count, colocated or not);
 4. score: expected step time over K sampled global batches through the online scheduler (greedy) and
    the simulator; optionally re-score the best `refine_top` with the refining solver;
 5. pick the fastest. Ties (equal to the microsecond) go to: fewer unused devices, then fewer
@@ -56,14 +57,16 @@ from dflop_jax.planner.scoring import (
     LayoutCosts,
     SchedulePolicy,
     Score,
+    ScreenBatch,
     candidate_buckets,
     expected_step_time,
     mean_shape_buckets,
-    mean_shape_step_time,
+    mean_shape_surrogate,
     microbatch_range,
     online_scheduler,
     problem_for,
     sample_batches,
+    screen_step_time,
     stage_in_flight,
     stage_memory_bytes,
 )
@@ -84,10 +87,8 @@ class Evaluated:
     buckets: BucketSet
     costs: LayoutCosts
     memory: list[float]
-    screen: float  # simulated mean-shape step time (inf when over memory: not simulated)
-    surrogate: (
-        float  # 1F1B surrogate of the same mean-shape step (cheap, computed for every candidate)
-    )
+    screen: float  # simulated step of the typical batch (`screen_step_time`; inf: over memory)
+    surrogate: float  # 1F1B surrogate of a mean-shape step (cheap, computed for every candidate)
     score: Score | None = None
     provider: object = None  # the cost provider it was scored with (planner/variants.py)
     dominated: bool = False  # remat on where the same candidate fits with remat off (`_screen_all`)
@@ -235,14 +236,15 @@ def _screen_all(
     transfers: the twin's simulated step is never longer for any schedule (the simulator is monotone
     in its durations). Remat off is enumerated first (`Candidate.key`), so the twin is known by then."""
     stats = ShapeStats.of(shapes)
+    typical = ScreenBatch.of(shapes, config.global_batch)
     costs_of: dict = {}
     fit_without_remat: set = set()
     out = []
 
     def evaluate(cand, provider):
         twin = (cand.layout, cand.chunks, cand.microbatches, cand.num_buckets)
-        e = _evaluate(cand, stats, config, provider, usable, costs_of, cand.remat is True
-                      and twin in fit_without_remat)  # fmt: skip
+        e = _evaluate(cand, (stats, typical), config, provider, usable, costs_of,
+                      cand.remat is True and twin in fit_without_remat)  # fmt: skip
         if cand.remat is False and max(e.memory) <= usable:
             fit_without_remat.add(twin)
         return e
@@ -270,26 +272,28 @@ def _screen_all(
 
 
 def _evaluate(
-    cand, stats, config: PlannerConfig, provider, usable: float, costs_of: dict,
+    cand, data: tuple, config: PlannerConfig, provider, usable: float, costs_of: dict,
     dominated: bool = False,
 ) -> Evaluated:  # fmt: skip
+    """`data`: (ShapeStats, ScreenBatch) of the shape distribution."""
+    stats, typical = data
     key = (cand.layout, cand.chunks, provider.name)
     if key not in costs_of:
         costs_of[key] = LayoutCosts.build(provider, cand.layout, cand.chunks)
     costs = costs_of[key]
     buckets = candidate_buckets(cand, stats, config)
     memory = stage_memory_bytes(provider, cand, buckets, config)
-    surrogate = mean_shape_step_time(costs, cand, buckets, stats, config, simulated=False)
+    surrogate = mean_shape_surrogate(costs, cand, buckets, stats, config)
     fits = max(memory) <= usable and not dominated
-    screen = mean_shape_step_time(costs, cand, buckets, stats, config) if fits else math.inf
+    screen = screen_step_time(costs, cand, buckets, typical, config.schedule) if fits else math.inf
     return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider,
                      dominated=dominated)  # fmt: skip
 
 
 def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:
     """The candidates worth the full scoring, in screen order: the best `screen_top` overall plus the
-    best `screen_per_group` of every (microbatch count, encoder colocated or not) group -- the mean-shape
-    screen is blind to batch-to-batch variance, which favours some groups unfairly."""
+    best `screen_per_group` of every (microbatch count, encoder colocated or not) group -- the screen's
+    one typical batch is blind to batch-to-batch variance, which favours some groups unfairly."""
     keep = {id(e) for e in by_screen[: config.screen_top]}
     seen: dict[tuple, int] = {}
     for e in by_screen:

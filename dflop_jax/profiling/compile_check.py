@@ -23,6 +23,12 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
 program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
 
+Under the plan's training recipe (`planner.trainable`, costs/recipe.py) each stage compiles the
+programs it runs under it (`stage_program(..., trainable=)`, as `runtime.model_stages.build_stages`
+builds them): grads and optimizer cover the trained leaves only; a forward-only stage (nothing
+trained, nothing trained before it) compiles its forward program, has no accumulator and no
+optimizer state, and keeps no input for a backward (in_flight 1: the one its forward reads).
+
 A colocated encoder (`encoder_colocated` plans) runs inside LLM stage 0's program: that stage is
 compiled as the runtime trains it, ONE fused program (`models.mllm.ColocatedStage`, built by
 `abstract_stage(..., with_encoder=True)`, part "encoder+llm") at the largest tile and length buckets,
@@ -42,9 +48,11 @@ import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.recipe import PARTS
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.programs import PartProgram, per_device_bytes, stage_program
+from dflop_jax.runtime.stages import prune
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +89,9 @@ def check_plan(
       one `StageCheck` per stage in layout order.
     """
     counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
+    trainable = tuple(plan.planner_config.get("trainable", PARTS))
     return check_layout(plan.layout, plan.buckets, counts, plan.stage_memory_bytes, model_cfg,
-                        devices, compute_dtype)  # fmt: skip
+                        devices, compute_dtype, trainable)  # fmt: skip
 
 
 def check_layout(
@@ -93,9 +102,11 @@ def check_layout(
     model_cfg,
     devices: Sequence[jax.Device] | None = None,
     compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = PARTS,
 ) -> list[StageCheck]:
     """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
-    and predicted bytes (a warning names the stages more than `DISAGREE` apart)."""
+    and predicted bytes (a warning names the stages more than `DISAGREE` apart), under the recipe
+    `trainable`."""
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
@@ -106,14 +117,17 @@ def check_layout(
     out = []
     for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
         if i == fused:
-            prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles)
+            prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
+                                 trainable=trainable)  # fmt: skip
             part = compile_part("encoder+llm", prog)
         else:
             bucket = tiles if spec.module == "encoder" else length
             features = feature_tiles if spec.module == "llm" and spec.has_embedding else None
-            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features)
+            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
+                                 trainable=trainable)  # fmt: skip
             part = compile_part(spec.module, prog)
-        out.append(_stage_check(i, [part], in_flight_counts[i]))
+        held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
+        out.append(_stage_check(i, [part], held))
     warn_disagreements(out, predicted)
     return out
 
@@ -142,18 +156,21 @@ def _devices(needed: int) -> list[jax.Device]:
 
 
 def compile_part(part: str, prog: PartProgram) -> PartCheck:
-    """Compiles the training program of `prog` (backward, or the fused last step) and splits its
-    `memory_analysis()` into the terms above."""
+    """Compiles the training program of `prog` (backward, or the fused last step; the forward of a
+    stage that runs forward only) and splits its `memory_analysis()` into the terms above."""
     t0 = time.perf_counter()
     with jax.set_mesh(prog.mesh):
-        compiled = prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
-        ).compile()
+        if prog.bwd is None:
+            compiled = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
+        else:
+            compiled = prog.bwd.lower(
+                prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
+            ).compile()
     seconds = time.perf_counter() - t0
     total = program_bytes(compiled)
     params = per_device_bytes(prog.params_abs)
-    grads = per_device_bytes(prog.gacc_abs)
-    optimizer = 2 * per_device_bytes(_zero1(prog.params_abs))  # m and v
+    grads = per_device_bytes(prog.gacc_abs)  # the trained leaves' accumulator
+    optimizer = 2 * per_device_bytes(_zero1(prune(prog.params_abs, prog.trained)))  # m and v
     inputs = per_device_bytes((prog.x_abs, prog.side_abs))
     transient = total - params - grads - inputs
     return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds)

@@ -11,6 +11,13 @@ and backward programs on the real devices (warm-up, median of `runs`). Writes th
 every entry (so an interrupted run resumes: entries of a table with the same config hash and code
 version are reused) and `<table stem>.png` (time vs bucket per part).
 
+Under a training recipe (`trainable`, e.g. LLaVA-OV stage 1's projector only) every part is profiled
+with the programs it runs under that recipe (`programs.stage_program`): a frozen part behind a trained
+one times its dx-only backward, a frozen part with nothing trained before it has no backward (bwd_s 0),
+so planning from the table uses measured frozen costs (`costs/measured.py`). The table records its
+recipe (`ProfiledCostTable.trainable`) and the hash includes it: a table is never resumed across
+recipes.
+
 The fused stage of a colocated encoder is measured too (kind colocated_embedding, FUSED_KINDS): the
 runtime's own fused stage program (`abstract_stage(..., with_encoder=True)`, as the trainer builds LLM
 stage 0 of a layout without encoder stages) with no LLM layer, at each encoder bucket (tiles per shard)
@@ -31,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflop_jax.costs.recipe import PARTS, check_trainable
 from dflop_jax.profiling.programs import build_fused, build_part, per_device_bytes
 from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
@@ -48,10 +56,13 @@ from dflop_jax.profiling.table import (
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
 # Directories and files whose code a table measures: the models, the profiler, and the runtime's stage
-# program builder (with the rules and the packing that shape its inputs).
+# program builder (with the rules and the packing that shape its inputs, and what decides a recipe's
+# trained leaves and input gradients).
 CODE_PACKAGES = (
     "models",
     "dflop_jax/profiling",
+    "dflop_jax/costs/recipe.py",
+    "dflop_jax/runtime/train_state.py",
     "dflop_jax/runtime/stages.py",
     "dflop_jax/runtime/model_stages.py",
     "dflop_jax/runtime/sharding.py",
@@ -72,19 +83,21 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
     return [t for t in sorted(set(tps)) if t <= num_devices and all(h % t == 0 for h in heads)]
 
 
-def table_hash(model_cfg, settings: ProfileSettings, devices) -> str:
-    """What makes measured entries comparable: the model, dtype, device kind/count, jax version.
-    The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger grid reuses
-    the entries it shares with a smaller one."""
-    return config_hash(
-        {
-            "model": dataclasses.asdict(model_cfg),
-            "compute_dtype": settings.compute_dtype,
-            "device_kind": devices[0].device_kind,
-            "device_count": len(devices),
-            "jax": jax.__version__,
-        }
-    )
+def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=PARTS) -> str:
+    """What makes measured entries comparable: the model, dtype, device kind/count, jax version and
+    the recipe (only when it freezes a part: all-trainable hashes are those of tables written before
+    recipes). The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger
+    grid reuses the entries it shares with a smaller one."""
+    what = {
+        "model": dataclasses.asdict(model_cfg),
+        "compute_dtype": settings.compute_dtype,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "jax": jax.__version__,
+    }
+    if set(trainable) != set(PARTS):
+        what["trainable"] = list(trainable)
+    return config_hash(what)
 
 
 def _memory(compiled) -> dict[str, float]:
@@ -127,17 +140,21 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     """
     with jax.set_mesh(prog.mesh):
         fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
-        bwd_c = prog.bwd.lower(
+        bwd_c = None if prog.bwd is None else prog.bwd.lower(
             prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
-        ).compile()
-    mem_f, mem_b = _memory(fwd_c), _memory(bwd_c)
-    (flops_f, bytes_f), (flops_b, bytes_b) = _cost(fwd_c), _cost(bwd_c)
+        ).compile()  # fmt: skip
+    mem_f, mem_b = _memory(fwd_c), {} if bwd_c is None else _memory(bwd_c)
+    (flops_f, bytes_f), (flops_b, bytes_b) = (
+        _cost(fwd_c),
+        (0.0, 0.0) if bwd_c is None else _cost(bwd_c),
+    )
     stats = dict(
         flops_fwd=flops_f, flops_bwd=flops_b, bytes_fwd=bytes_f, bytes_bwd=bytes_b,
         memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.params_abs),
         input_bytes=per_device_bytes((prog.x_abs, prog.side_abs)),
+        grad_bytes=per_device_bytes(prog.gacc_abs),
     )  # fmt: skip
-    peak = max(mem_f["peak"], mem_b["peak"])
+    peak = max(mem_f["peak"], mem_b.get("peak", 0.0))
     if peak > settings.memory_limit_bytes:
         limit = settings.memory_limit_bytes
         reason = f"compiled peak {peak / 2**20:.0f} MiB > limit {limit / 2**20:.0f} MiB"
@@ -158,22 +175,24 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     with jax.set_mesh(prog.mesh):
         for _ in range(repeats):
             fwd.append(_time(lambda: fwd_c(params, x, side), *timing))
-            bwd.append(_time(backward, *timing))
+            bwd.append(0.0 if bwd_c is None else _time(backward, *timing))
     out = dict(stats, fwd_s=fwd[0], bwd_s=bwd[0])
     return out if repeats == 1 else dict(out, fwd_reps=fwd, bwd_reps=bwd)
 
 
-def profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings, seed=0) -> CostEntry:
-    """Compiles, analyses and times one table part; over-memory entries come back skipped. A fused
-    kind's row is the smallest LLM bucket (its llm_embedding entry is then measured, not fitted, when
-    the provider subtracts it)."""
+def profile_entry(
+    model_cfg, kind, tp, bucket, layers, devices, settings, seed=0, trainable=PARTS
+) -> CostEntry:
+    """Compiles, analyses and times one table part under `trainable`; over-memory entries come back
+    skipped. A fused kind's row is the smallest LLM bucket (its llm_embedding entry is then measured,
+    not fitted, when the provider subtracts it)."""
     dtype = jnp.dtype(settings.compute_dtype)
     if kind in FUSED_KINDS:
         length = min(settings.llm_buckets)
-        prog = build_fused(model_cfg, tp, bucket, length, devices, dtype)
+        prog = build_fused(model_cfg, tp, bucket, length, devices, dtype, trainable)
         return CostEntry(kind, tp, bucket, layers, length=length,
                          **measure_program(prog, settings, seed))  # fmt: skip
-    prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype)
+    prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype, trainable)
     return CostEntry(kind, tp, bucket, layers, **measure_program(prog, settings, seed))
 
 
@@ -213,6 +232,7 @@ def profile_model(
     model_name: str = "",
     progress: ProgressFn | None = None,
     plot: bool = True,
+    trainable: Sequence[str] = PARTS,
 ) -> ProfiledCostTable:
     """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
 
@@ -224,17 +244,20 @@ def profile_model(
       model_name: recorded in the table.
       progress: callback (phase, done, total), e.g. `planner.progress.progress_bar`.
       plot: also write `<out_path stem>.png`.
+      trainable: the training recipe's trained parts: each part is profiled with the programs it
+        runs under it (module docstring).
     """
+    trainable = check_trainable(trainable, "trainable")
     devices = list(jax.devices() if devices is None else devices)
     settings = ProfileSettings() if settings is None else settings
     out_path = Path(out_path)
     meta = dict(
         device_kind=devices[0].device_kind, platform=devices[0].platform,
-        device_count=len(devices), config_hash=table_hash(model_cfg, settings, devices),
+        device_count=len(devices), config_hash=table_hash(model_cfg, settings, devices, trainable),
         code_version=code_version(*CODE_PACKAGES), model=model_name,
         jax_version=jax.__version__, flax_version=_flax_version(),
         settings={"warmup": settings.warmup, "runs": settings.runs,
-                  "compute_dtype": settings.compute_dtype},
+                  "compute_dtype": settings.compute_dtype}, trainable=trainable,
     )  # fmt: skip
     table = _fresh_or_resumed(out_path, meta)
     grid = _grid(model_cfg, settings, len(devices))
@@ -244,7 +267,8 @@ def profile_model(
     for i, (kind, tp, bucket, layers) in enumerate(todo):
         report("profile model", i, len(todo))
         try:
-            entry = profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings)
+            entry = profile_entry(model_cfg, kind, tp, bucket, layers, devices, settings,
+                                  trainable=trainable)  # fmt: skip
         except Exception as e:
             entry = CostEntry(kind, tp, bucket, layers, status="skipped",
                               reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip

@@ -6,7 +6,8 @@
 Steps, in `cache_dir`:
   1. data profile  -> data/shape_distribution.json (`dflop_jax.data.profile.profile_data`), or a given
      shape file / synthetic mix ("llava-ov", "omnibal") when `data_source` names one;
-  2. model profile -> cost_table.json (+ .png) (`profile_model`), resumed entry by entry;
+  2. model profile -> cost_table.json (+ .png) (`profile_model`), resumed entry by entry, under the
+     planner's recipe (`planner.trainable`: each part timed with the programs it runs under it);
   3. plan          -> plan.yaml (`planner.make_plan` with a `MeasuredCostProvider`, analytic fallback)
      plus cost_sources.json (which cost entries were measured / interpolated / extrapolated / analytic).
 Each output has a `<name>.stamp.json` holding the hash of everything it depends on (configs, the
@@ -173,10 +174,12 @@ def ensure_plan(
     devices = list(jax.devices() if devices is None else devices)
     table_path = cache / "cost_table.json"
     grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
-    model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices), grid,
-                                code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
+    recipe = cfg.planner.trainable  # profiled as it trains: frozen parts' own programs
+    model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices, recipe),
+                                grid, code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
     _step("model profile", table_path, model_digest,
-          lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path, model_name=name),
+          lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path,
+                                               model_name=name, trainable=recipe),
           timings)  # fmt: skip
     if not plan:
         (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")

@@ -7,6 +7,11 @@ A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtim
   backward: `StageJits.backward` (recompute the forward under `jax.vjp`, add dL/dparams into a donated
             fp32 accumulator), or on the LLM head part `StageJits.last` (forward + loss + backward fused,
             as the last pipeline stage trains).
+Under a training recipe (`trainable`, costs/recipe.py) a part's programs are the ones it runs under
+that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and an input gradient iff
+a part before it in the model trains, `costs.recipe.stage_role`): a frozen part behind a trained one
+has a dx-only backward, a frozen part with nothing trained before it NO backward (`bwd` None: it runs
+forward only), a trained part with nothing trained before it computes no dx.
 This file only supplies the inputs: abstract ones to compile from and random real ones to time with,
 shaped and typed as the data layer packs a microbatch (`data.packing.pack_microbatch`, fields chosen by
 `StageFns.fields` as the runtime places them) and as the previous stage hands over its output.
@@ -26,7 +31,7 @@ places features of its own tiles (up to T tiles' worth), as the packer writes a 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,10 +42,12 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import StageSpec
+from dflop_jax.costs.recipe import PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
-from dflop_jax.runtime.model_stages import abstract_stage
+from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal
 from dflop_jax.runtime.stages import accumulator_structs, stage_jits
+from dflop_jax.runtime.train_state import trained_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +56,19 @@ class PartProgram:
 
     Attributes:
       mesh: the (1, tp) mesh the programs run on.
-      fwd: fwd(params, x, side); bwd: bwd(params, x, side, seed, gacc) with `gacc` donated.
+      fwd: fwd(params, x, side); bwd: bwd(params, x, side, seed, gacc) with `gacc` donated, None when
+        the part runs forward only under its recipe.
       params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
         seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
         gacc_abs the per-replica gradient accumulator (`runtime.stages.accumulator_structs`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
+      trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
     """
 
     mesh: Mesh
     fwd: Callable
-    bwd: Callable
+    bwd: Callable | None
     params_abs: Any
     x_abs: Any
     side_abs: dict
@@ -67,6 +76,7 @@ class PartProgram:
     gacc_abs: Any
     make_params: Callable[[np.random.Generator], Any]
     make_inputs: Callable[[np.random.Generator], tuple]
+    trained: Any = None
 
 
 def profile_mesh(devices, tp: int) -> Mesh:
@@ -166,30 +176,36 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, fused: bool):
 
 
 def build_part(
-    model_cfg, kind: str, tp: int, bucket: int, layers: int, devices, compute_dtype
-) -> PartProgram:
-    """The profiling programs of one table part (see the module docstring). Nothing is compiled."""
-    return build_program(model_cfg, part_shape(kind, layers), tp, bucket, devices, compute_dtype)
+    model_cfg, kind: str, tp: int, bucket: int, layers: int, devices, compute_dtype,
+    trainable: Sequence[str] = PARTS,
+) -> PartProgram:  # fmt: skip
+    """The profiling programs of one table part under `trainable` (see the module docstring).
+    Nothing is compiled."""
+    st = part_shape(kind, layers)
+    return build_program(model_cfg, st, tp, bucket, devices, compute_dtype, trainable)
 
 
 def build_fused(
-    model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype
-) -> PartProgram:
+    model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype,
+    trainable: Sequence[str] = PARTS,
+) -> PartProgram:  # fmt: skip
     """The fused colocated stage's programs with no LLM layer (table kind colocated_embedding: the
     whole encoder + the LLM's embedding and feature placement, `ColocatedStage`) on a (1, tp) mesh
     at `tile_bucket` tiles and a `length`-token row. Nothing is compiled."""
     spec = StageSpec("llm", 0, 0, tp=tp, dp=1, has_embedding=True)
     mesh = profile_mesh(devices, tp)
-    return stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tile_bucket)
+    return stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tile_bucket,
+                         trainable=trainable)  # fmt: skip
 
 
 def build_program(
-    model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype
-) -> PartProgram:
-    """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket`, with inputs.
-    Nothing is compiled."""
+    model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype,
+    trainable: Sequence[str] = PARTS,
+) -> PartProgram:  # fmt: skip
+    """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket` under
+    `trainable`, with inputs. Nothing is compiled."""
     mesh = profile_mesh(devices, tp)
-    return stage_program(model_cfg, st.spec(tp), mesh, bucket, compute_dtype)
+    return stage_program(model_cfg, st.spec(tp), mesh, bucket, compute_dtype, trainable=trainable)
 
 
 def stage_program(
@@ -201,6 +217,7 @@ def stage_program(
     feature_tiles=None,
     *,
     tile_bucket: int | None = None,
+    trainable: Sequence[str] = PARTS,
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
     shard, with inputs. Nothing is compiled.
@@ -210,13 +227,17 @@ def stage_program(
         microbatch's, replicated on its mesh); default half the row's tokens as image tokens.
       tile_bucket: T: `spec` (the first LLM stage) is the FUSED stage of a colocated encoder, at T
         tiles and `bucket` tokens per data shard (the trainer's `with_encoder` stage program).
+      trainable: the recipe's trained parts: the programs the stage runs under it (module docstring;
+        its input needs a gradient iff a part before it trains, as `build_stages` decides per stage).
     """
     dp = mesh.shape["data"]
     fused = tile_bucket is not None
     if fused and not (spec.module == "llm" and spec.has_embedding):
         raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
     bp = abstract_stage(model_cfg, spec, mesh, with_encoder=fused)
-    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype)
+    mask = trained_mask(bp.state, trainable)
+    input_grad = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
+    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, input_grad)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
@@ -247,8 +268,8 @@ def stage_program(
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 
     return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
-                       side_abs, seed_abs, accumulator_structs(bp.state), make_params,
-                       make_inputs)  # fmt: skip
+                       side_abs, seed_abs, accumulator_structs(bp.state, mask), make_params,
+                       make_inputs, mask)  # fmt: skip
 
 
 def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:

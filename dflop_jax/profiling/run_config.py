@@ -7,6 +7,7 @@ import dataclasses
 
 from dflop_jax.config import require
 from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.costs.recipe import PARTS
 from dflop_jax.profiling.pipeline import AutoPlanConfig
 
 
@@ -20,15 +21,23 @@ class ModelProfileConfig:
       num_cpu_devices: simulated devices when running on CPU.
       profile: grid and timing settings.
       out: cost-table path (the PNG goes beside it).
+      trainable: the training recipe profiled (each part's programs as the recipe runs them, e.g.
+        `trainable=[projector]` for LLaVA-OV stage 1; costs/recipe.py). Default: all trained.
     """
 
     arch: str = "tiny"
     num_cpu_devices: int = 8
     profile: ProfileSettings = ProfileSettings()
     out: str = "runs/profile/cost_table.json"
+    trainable: tuple[str, ...] = PARTS
 
     def __post_init__(self):
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
+        chosen = self.trainable
+        ok = bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(PARTS)
+        require(
+            ok, "trainable", list(chosen), f"give a non-empty subset of {list(PARTS)}, no repeats"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

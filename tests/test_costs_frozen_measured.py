@@ -1,0 +1,183 @@
+"""Frozen-aware costs from a profile (issue 17 item 3), no jax: a cost table profiled UNDER a recipe is
+used as measured (a stage's backward is its parts' measured backwards, a frozen part with no backward
+of its own re-run forward inside a stage that has one), one profiled under another frozen recipe is
+refused, an all-trainable table (and one written before recipes) still derives; the colocated
+encoder's share of the fused stage honours the recipe in the analytic and the measured provider."""
+
+import json
+
+import pytest
+
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
+from dflop_jax.costs import AnalyticCostProvider, Layout, StageSpec, get_arch, get_device
+from dflop_jax.costs.layout import StageSpec as Spec
+from dflop_jax.costs.measured import MeasuredCostProvider
+from dflop_jax.costs.provider import colocated_encoder_stage, layout_stage_costs
+
+ARCH, DEV = get_arch("tiny"), get_device("cpu")
+H100, BIG = get_device("h100"), get_arch("siglip-so400m+qwen2.5-7b")
+BUCKETS, TILES, ROW = (64, 256, 1024), (1, 2, 4), 64
+# per-bucket seconds of each part's programs: (fwd, trainable bwd, dx-only bwd, dw-only bwd)
+SLOPE = {"llm_layers": (2e-6, 5e-6, 3e-6), "llm_embedding": (1e-7, 3e-7, 2e-7),
+         "llm_head": (4e-7, 9e-7, 6e-7), "encoder_layers": (3e-5, 8e-5, 5e-5),
+         "encoder_embedding": (1e-5, 2e-5, 0.0), "encoder_head": (2e-5, 6e-5, 4e-5)}  # fmt: skip
+FUSED = (5e-4, 9e-4)  # colocated_embedding seconds per tile (fwd, trainable bwd)
+
+
+def _entry(kind, bucket, layers, fwd, bwd, param_bytes, grad_bytes=None, length=0):
+    return CostEntry(kind, 1, bucket, layers, fwd_s=fwd, bwd_s=bwd, param_bytes=param_bytes,
+                     grad_bytes=grad_bytes, input_bytes=10.0 * bucket, length=length,
+                     memory_bwd={"peak": 3 * param_bytes + 10.0 * bucket} if bwd else {},
+                     memory_fwd={"peak": param_bytes + 10.0 * bucket})  # fmt: skip
+
+
+def table(recipe=None) -> ProfiledCostTable:
+    """Linear costs (exactly interpolated). recipe None: the trainable programs (a table written
+    before recipes); ("projector",): LLaVA-OV stage 1's programs: vision parts forward only (bwd 0),
+    the projector dw only, the LLM dx only."""
+    kw = {} if recipe is None else {"trainable": recipe}
+    t = ProfiledCostTable("cpu", "cpu", 8, "h", "c", model="tiny", **kw)
+    for kind, (f, b, dx) in SLOPE.items():
+        enc = kind.startswith("encoder")
+        if recipe is not None:  # the part's program under projector-only
+            b = dx if kind != "encoder_head" else b / 2
+            b = 0.0 if kind in ("encoder_layers", "encoder_embedding") else b
+        grads = None if recipe is None else (100.0 if kind == "encoder_head" else 0.0)
+        for x in TILES if enc else BUCKETS:
+            for n in (1, 2) if kind.endswith("_layers") else (0,):
+                t.add(_entry(kind, x, n, f * x * max(n, 1), b * x * max(n, 1), 100.0, grads))
+    for x in TILES:
+        emb_f, emb_b = SLOPE["llm_embedding"][0] * ROW, SLOPE["llm_embedding"][1] * ROW
+        t.add(_entry("colocated_embedding", x, 0, FUSED[0] * x + emb_f, FUSED[1] * x + emb_b,
+                     300.0, length=ROW))  # fmt: skip
+    return t
+
+
+LLM = StageSpec("llm", 0, 3, tp=1, has_embedding=True)
+ENC_BODY = StageSpec("encoder", 0, 1, tp=1, has_embedding=True)
+ENC_HEAD = StageSpec("encoder", 1, 1, tp=1, has_head=True)
+
+
+def test_a_table_profiled_under_the_recipe_is_used_as_measured():
+    p = MeasuredCostProvider(table(("projector",)), ARCH, DEV)
+    assert p.trainable == ("projector",) and p.name.endswith("+train:projector")
+    # LLM stage: the parts' measured dx-only backwards, not 2/3 of a trainable one
+    dx = (3 * SLOPE["llm_layers"][2] + SLOPE["llm_embedding"][2]) * 256
+    assert p.stage_time(LLM, 256)[1] == pytest.approx(dx, rel=1e-9)
+    assert dx != pytest.approx(
+        2 / 3 * (3 * SLOPE["llm_layers"][1] + SLOPE["llm_embedding"][1]) * 256
+    )
+    # the frozen encoder prefix stage runs forward only
+    fwd = (SLOPE["encoder_embedding"][0] + SLOPE["encoder_layers"][0]) * 4
+    assert p.stage_time(ENC_BODY, 4) == pytest.approx((fwd, 0.0), rel=1e-9)
+    # the projector's stage: its frozen layer re-run forward, the projector's own (dw-only) backward
+    want = SLOPE["encoder_layers"][0] * 4 + SLOPE["encoder_head"][1] / 2 * 4
+    assert p.stage_time(ENC_HEAD, 4)[1] == pytest.approx(want, rel=1e-9)
+    mem = p.stage_memory(ENC_HEAD, 4)
+    assert (mem.grads, mem.optimizer) == (100.0, 200.0)  # the projector's leaves only
+    assert p.stage_memory(LLM, 256).grads == 0.0
+    # temp from each part's own program: peak - params - accumulator - input
+    assert p.stage_memory(ENC_BODY, 4).temp == pytest.approx(0.0 + 10.0 * 4)  # + its input
+
+
+def test_a_table_of_another_frozen_recipe_is_refused():
+    p = MeasuredCostProvider(table(("projector",)), ARCH, DEV)
+    with pytest.raises(
+        ValueError, match=r"profiled under trainable=\['projector'\] and cannot cost"
+    ):
+        p.with_trainable(("projector", "llm"))
+    with pytest.raises(ValueError, match="cannot cost"):
+        MeasuredCostProvider(
+            table(("projector",)), ARCH, DEV, trainable=("vision", "projector", "llm")
+        )
+
+
+def test_a_table_from_before_recipes_loads_all_trained_and_derives(tmp_path):
+    path = save_table(table(), tmp_path / "ct.json")
+    doc = json.loads(path.read_text())
+    del doc["trainable"]
+    for e in doc["entries"]:
+        del e["grad_bytes"]
+    path.write_text(json.dumps(doc))
+    old = load_table(path)
+    assert old.all_trained and old.trainable == ("vision", "projector", "llm")
+    p = MeasuredCostProvider(old, ARCH, DEV).with_trainable(("projector",))
+    trainable_bwd = (3 * SLOPE["llm_layers"][1] + SLOPE["llm_embedding"][1]) * 256
+    assert p.stage_time(LLM, 256)[1] == pytest.approx(2 / 3 * trainable_bwd, rel=1e-9)
+    # and a recipe table round-trips with its recipe and accumulator bytes
+    back = load_table(save_table(table(("projector",)), tmp_path / "r.json"))
+    assert (
+        back.trainable == ("projector",) and back.get("encoder_head", 1, 2, 0).grad_bytes == 100.0
+    )
+
+
+def _coloc(arch):
+    return colocated_encoder_stage(
+        arch, Layout((), (Spec("llm", 0, 4, tp=1, dp=2, has_embedding=True, has_head=True),))
+    )
+
+
+@pytest.mark.parametrize("provider", ["analytic", "measured"])
+def test_colocated_encoder_share_honours_the_recipe(provider):
+    """All trained: the fused program's share. LLM only trained: the frozen encoder is re-run forward
+    in the fused backward (its forward, no backward of its own). Projector only / vision frozen: the
+    frozen layers' forward plus the projector's backward, no dx into the ViT."""
+    if provider == "analytic":
+        enc, tiles = _coloc(BIG), 8
+        make = lambda r: AnalyticCostProvider(BIG, H100, trainable=r)  # noqa: E731
+        hf, hb = make(("vision", "projector", "llm")).stage_time(
+            Spec("encoder", 0, 0, 1, has_head=True), tiles
+        )
+    else:
+        enc, tiles = _coloc(ARCH), 2
+        make = lambda r: MeasuredCostProvider(table(), ARCH, DEV, trainable=r)  # noqa: E731
+        hf, hb = SLOPE["encoder_head"][0] * tiles, SLOPE["encoder_head"][1] * tiles
+    f, b = make(("vision", "projector", "llm")).colocated_encoder_time(enc, tiles)
+    if provider == "measured":
+        assert (f, b) == pytest.approx((FUSED[0] * tiles, FUSED[1] * tiles), rel=1e-9)
+    assert make(("llm",)).colocated_encoder_time(enc, tiles) == pytest.approx((f, f), rel=1e-9)
+    for recipe in (("projector",), ("projector", "llm")):
+        share = make(recipe).colocated_encoder_time(enc, tiles)
+        assert share == pytest.approx((f, f - hf + hb), rel=1e-9)
+        assert f < share[1] < b
+
+
+def test_colocated_stage_costs_add_the_recipe_share():
+    lay = Layout((), (Spec("llm", 0, 28, tp=4, dp=16, has_embedding=True, has_head=True),))
+    llm_only = AnalyticCostProvider(BIG, H100, trainable=("llm",))
+    row = layout_stage_costs(llm_only, lay)(4, 8192)[0]
+    llm = llm_only.stage_time(lay.llm_stages[0], 8192)
+    enc_f, _ = AnalyticCostProvider(BIG, H100).stage_time(colocated_encoder_stage(BIG, lay), 4)
+    assert row == pytest.approx((llm[0] + enc_f, llm[1] + enc_f))
+
+
+def test_a_recipe_table_colocated_share_is_the_measured_fused_program():
+    p = MeasuredCostProvider(table(("projector",)), ARCH, DEV)
+    emb_f = SLOPE["llm_embedding"][0] * ROW
+    emb_b = SLOPE["llm_embedding"][2] * ROW  # the embedding's dx-only program under the recipe
+    f, b = p.colocated_encoder_time(_coloc(ARCH), 2)
+    assert (f, b) == pytest.approx(
+        (FUSED[0] * 2, FUSED[1] * 2 + SLOPE["llm_embedding"][1] * ROW - emb_b), rel=1e-9
+    )
+    assert emb_f > 0
+
+
+def test_a_recipe_table_falls_back_to_the_analytic_model_under_the_same_recipe():
+    t = table(("projector",))
+    t.entries = {k: e for k, e in t.entries.items() if k[0] != "llm_head"}
+    analytic = AnalyticCostProvider(ARCH, DEV)  # all trained, as the pipeline passes it
+    p = MeasuredCostProvider(t, ARCH, DEV, fallback=analytic)
+    head = Spec("llm", 0, 0, tp=1, has_head=True)
+    f, b = analytic.stage_time(head, 256)
+    assert p.stage_time(head, 256) == pytest.approx((f, 2 / 3 * b), rel=1e-9)  # dx only
+    assert p.sources()["llm_head"] == {"fallback": 1}
+
+
+def test_profile_model_config_takes_a_recipe():
+    from dflop_jax.config import ConfigError, load_config
+    from dflop_jax.profiling.run_config import ModelProfileConfig
+
+    cfg = load_config(ModelProfileConfig, None, ["trainable=[projector]"])
+    assert cfg.trainable == ("projector",)
+    with pytest.raises(ConfigError, match="non-empty subset"):
+        load_config(ModelProfileConfig, None, ["trainable=[bogus]"])
