@@ -114,7 +114,7 @@ def measure_arm(overrides: list[str]) -> dict:
     mib = 2.0**20
     stages = []
     for stage, opt in zip(report.stages, report.optimizers, strict=True):
-        state = [a for a in jax.tree.leaves(opt.state) if a.ndim]  # moments, not step counts
+        state = [a for a in jax.tree.leaves(opt.shards) if a.ndim]  # live moments, not counts
         stages.append(
             {
                 "devices": stage.mesh.size,
