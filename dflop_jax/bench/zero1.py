@@ -47,7 +47,7 @@ LAYOUT = [
     "layout.microbatches=[2,3]",
 ]
 # Widths divisible by 2 and 3 (the stages' dp): ZeRO-1 splits a leaf on an axis dp divides
-# (`train_state.zero1_sharding`); a leaf with none stays replicated.
+# (`runtime.zero1.zero1_layout`); a leaf with none is padded to a multiple first.
 SIZES = {
     "mid": [
         "model.hidden_size=768",

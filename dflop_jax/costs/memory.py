@@ -4,8 +4,8 @@ State, per parameter, sharded by tensor parallelism (matrices split over tp, nor
 parameters that double as the master copy (4 B, replicated over data parallelism; the models keep
 `param_dtype=float32` and cast to the compute dtype inside each program), the fp32 gradient
 accumulator (4 B: each device holds its own data replica's sum, reduced once per step), AdamW m and v
-(8 B, ZeRO-1: sharded over the stage's dp, `runtime/train_state.py`; the few leaves no axis of which
-divides stay replicated, counted as sharded here).
+(8 B, ZeRO-1: sharded over the stage's dp, `runtime/zero1.py`; a leaf no axis of which divides is
+padded to a multiple, so 8 / dp holds up to that padding).
 
 In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
 backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
