@@ -15,11 +15,13 @@ Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from
 
 ZeRO-1 and one reduction per step: the stage programs leave each data replica's gradient sum in a
 per-replica accumulator (`runtime/stages.py`). Once per step, `StageOptimizer.reduce` sums it over the
-replicas straight into the ZeRO-1 layout (`zero1_sharding`: each leaf's largest divisible axis also
-sharded over "data"; XLA makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and
-the update computes AdamW on those shards with the moments stored sharded the same way, each replica
-reading its slice of the replicated fp32 params, and all-gathers the new params into their stage
-sharding for the next step's programs. The fp32 params double as the master copy (the programs cast
+replicas straight into the ZeRO-1 layout (`runtime/zero1.py`: each leaf's largest divisible axis also
+sharded over "data", or its largest axis padded with zeros to a multiple when none divides; XLA
+makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the update computes AdamW
+on those shards with the moments stored sharded (and padded) the same way, each replica reading its
+slice of the replicated fp32 params, and all-gathers the new params (padding cut off) into their
+stage sharding for the next step's programs. `StageOptimizer.shards` is the live state;
+`StageOptimizer.state` its unpadded, layout-independent form (what checkpoints save and restore). The fp32 params double as the master copy (the programs cast
 to the compute dtype inside), so ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator)
 + 8 / dp bytes per parameter, not 16.
 
@@ -190,6 +192,11 @@ class StageOptimizer:
     Per step: `reduce` (the data-parallel sum of the per-replica accumulator into the ZeRO-1 layout:
     the step's one gradient reduction), `sq_norm` (of the reduced gradient, for global clipping),
     `apply` (AdamW on the shards, all-gather of the new params).
+
+    Attributes:
+      layout: a `Zero1Leaf` per param leaf (shape, padded shape, ZeRO-1 and stage shardings).
+      shards: the live optimizer state in the ZeRO-1 layout (padded leaves padded).
+      state: (property) the same state in the params' shapes, for checkpoints; settable.
     """
 
     def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True):
