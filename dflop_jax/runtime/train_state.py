@@ -21,9 +21,10 @@ makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the 
 on those shards with the moments stored sharded (and padded) the same way, each replica reading its
 slice of the replicated fp32 params, and all-gathers the new params (padding cut off) into their
 stage sharding for the next step's programs. `StageOptimizer.shards` is the live state;
-`StageOptimizer.state` its unpadded, layout-independent form (what checkpoints save and restore). The fp32 params double as the master copy (the programs cast
-to the compute dtype inside), so ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator)
-+ 8 / dp bytes per parameter, not 16.
+`StageOptimizer.state` its unpadded, layout-independent form (what checkpoints save and restore).
+The fp32 params double as the master copy (the programs cast to the compute dtype inside), so
+ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator) + 8 / dp bytes per parameter,
+not 16.
 
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
@@ -410,8 +411,8 @@ def _guarded_update(tx, layout, frozen, trained, params, state, grads, stats):
     updates, new_state = tx.update(graft(grads, zeros), state, whole)
     new_params = prune(optax.apply_updates(whole, updates), trained)
     pick = functools.partial(jax.tree.map, lambda new, old: jnp.where(applied, new, old))
-    new_params = jax.tree.map(lambda p, lay: unpad(p, lay.shape), new_params, layout)
-    return pick(new_params, params), pick(new_state, state)
+    new_params = jax.tree.map(lambda p, lay: unpad(p, lay.shape), pick(new_params, shards), layout)
+    return new_params, pick(new_state, state)
 
 
 TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
