@@ -31,8 +31,8 @@ def test_zero1_arms_shard_the_optimizer_state_and_train_alike(tmp_path):
         assert s_on["accumulator_mib"] == pytest.approx(s_off["accumulator_mib"])
         # AdamW m and v: two fp32 copies of the params, replicated over dp without ZeRO-1.
         assert s_off["optimizer_mib"] == pytest.approx(2 * s_off["params_mib"])
-        # With it, every leaf with an axis divisible by dp is split dp ways; the rest (biases or
-        # norms of odd sizes) stay whole, so the state is at most 1/dp plus those leaves.
+        # With it, every leaf is split dp ways (padded to a multiple where no axis divides), so
+        # the state is 1/dp plus that padding.
         assert s_on["optimizer_mib"] < s_off["optimizer_mib"] / dp * 1.1
     assert "| on |" in out.stdout and "| off |" in out.stdout
 

@@ -192,3 +192,28 @@ def test_vit_activations_match_jax_saved_residuals():
     flash_lse = 4 * h
     assert per_token == pytest.approx(vision_activation_bytes_per_token(vit) - flash_lse, rel=0.01)
     assert square == pytest.approx(t * dense_attention_bytes(h, n, 1, causal=False), rel=0.01)
+
+
+def test_encoder_tile_short_enough_to_run_dense_keeps_its_attention_square(monkeypatch):
+    """A SigLIP tile (729 tokens <= DENSE_MAX_TOKENS) runs the runtime's dense attention path on
+    accelerators whatever the device's flash flag: its square is in the encoder stage's transient
+    (the rebuilt layer's, under remat); a longer tile keeps only the flash log-sum-exp."""
+    import dataclasses
+
+    from dflop_jax.costs import memory
+    from models.attention import dense_max
+
+    assert dense_max("gpu") == memory.DENSE_MAX_TOKENS
+    spec, tiles, v = StageSpec("encoder", 0, 4, has_embedding=True, has_head=True), 8, ARCH.vision
+    flash = memory.encoder_stage_memory(ARCH, spec, tiles, remat=True, flash_attention=True)
+    dense = memory.encoder_stage_memory(ARCH, spec, tiles, remat=True, flash_attention=False)
+    assert flash.temp == dense.temp
+    monkeypatch.setattr(memory, "DENSE_MAX_TOKENS", v.seq_len - 1)  # as if the tile ran blocked
+    blocked = memory.encoder_stage_memory(ARCH, spec, tiles, remat=True, flash_attention=True)
+    square = 16 * 729 * 729 * (4 + 2)  # heads x pairs x (f32 exp + bf16 probabilities)
+    assert flash.temp - blocked.temp == pytest.approx(tiles * square)
+    monkeypatch.undo()
+    big = dataclasses.replace(ARCH, vision=dataclasses.replace(v, image_size=14 * 40))  # 1600
+    long_flash = memory.encoder_stage_memory(big, spec, tiles, remat=True, flash_attention=True)
+    long_dense = memory.encoder_stage_memory(big, spec, tiles, remat=True, flash_attention=False)
+    assert long_dense.temp - long_flash.temp == pytest.approx(tiles * 16 * 1600**2 * 6)

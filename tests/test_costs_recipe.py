@@ -49,8 +49,8 @@ def test_roles_follow_the_pipeline_order():
 
 def test_frozen_encoder_stage_memory_by_hand():
     """A forward-only encoder stage: fp32 params only, no accumulator, no optimizer state, no stage
-    input kept; its transient is one layer's activations, the tiles, the patch pixels and the bf16
-    weight copies."""
+    input kept; its transient is one layer's activations (its tiles' attention squares included:
+    729-token tiles run dense), the tiles, the patch pixels and the bf16 weight copies."""
     tiles, v = 16, ARCH.vision
     n = 13 * vision_layer_params(v) + vision_embedding_params(v)
     frozen = AnalyticCostProvider(ARCH, H100, trainable=("projector", "llm"))
@@ -62,6 +62,7 @@ def test_frozen_encoder_stage_memory_by_hand():
         0.0,
     )
     one_layer = vision_activation_bytes_per_token(v, 1, False, 2) * tiles * v.seq_len
+    one_layer += tiles * v.num_heads * v.seq_len**2 * (4 + 2)  # a 729-token tile's dense square
     pixels = tiles * v.patches_per_tile * 3 * v.patch_size**2 * 2
     packed = tiles * v.image_size**2 * 3
     assert m.temp == pytest.approx(one_layer + pixels + packed + 2 * n)

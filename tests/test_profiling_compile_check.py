@@ -155,3 +155,29 @@ def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
         assert s["compiled_memory_gib"] == round(terms / 2**30, 2)
         assert c["program_bytes"][0] > c["params"] + c["grads"]  # + inputs and temporaries
     assert "compiled" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_encoder_transient_per_tile_matches_the_memory_model():
+    """SigLIP-400M widths (729-token tiles, 16 heads), 2 layers under remat, one device: the compiled
+    encoder program's transient grows per tile as the memory model's (within 10%). Without a tile's
+    attention square the model's growth was a third low (docs/benchmarks.md, "plan --check")."""
+    from jax.sharding import Mesh
+
+    from dflop_jax.costs.memory import encoder_stage_memory
+    from dflop_jax.profiling.compile_check import compile_part
+    from models.stages import with_remat
+
+    base = get_arch("siglip-so400m+qwen2.5-7b")
+    arch = dataclasses.replace(base, vision=dataclasses.replace(base.vision, num_layers=2))
+    cfg = with_remat(model_config_for_arch(arch), {"vision": "full", "llm": "full"})
+    spec = StageSpec("encoder", 0, 2, has_embedding=True, has_head=True)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    few, many = 2, 6
+    compiled = [
+        compile_part("encoder", stage_program(cfg, spec, mesh, t, jnp.bfloat16)).transient
+        for t in (few, many)
+    ]
+    model = [encoder_stage_memory(arch, spec, t, remat=True).temp for t in (few, many)]
+    per_tile = (compiled[1] - compiled[0]) / (many - few)
+    assert (model[1] - model[0]) / (many - few) == pytest.approx(per_tile, rel=0.10)

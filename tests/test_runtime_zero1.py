@@ -29,6 +29,7 @@ from dflop_jax.runtime.train_state import (
     apply_updates,
     zero1_sharding,
 )
+from dflop_jax.runtime.zero1 import zero1_layout
 
 LAYOUT = Layout(
     (),
@@ -38,6 +39,23 @@ LAYOUT = Layout(
         StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
     ),
 )
+# dp 3 against the tiny decoder's widths (vocab 61, hidden 32, heads 4 x 8, kv 2 x 8; only the
+# MLP's 48 divides by 3): most leaves have no axis divisible by dp, so ZeRO-1 pads them.
+LAYOUT_DP3 = Layout(
+    (),
+    (
+        StageSpec("llm", 0, 1, tp=1, dp=3, has_embedding=True),
+        StageSpec("llm", 1, 2, tp=1, dp=3, has_head=True),
+    ),
+)
+LAYOUT_DP2 = Layout(
+    (),
+    (
+        StageSpec("llm", 0, 1, tp=1, dp=2, has_embedding=True),
+        StageSpec("llm", 1, 2, tp=1, dp=2, has_head=True),
+    ),
+)
+OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=0.5)
 GROUPS = r"\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\] \{[^}]*\}"
 COLLECTIVE = re.compile(
     rf"= (\(.*?\)|\S+) (?:all-reduce|reduce-scatter)(?:-start)?\(.*?replica_groups=({GROUPS}),"
@@ -86,8 +104,18 @@ def test_zero1_sharding_adds_data_on_largest_divisible_axis():
     spec = lambda shape, s: zero1_sharding(shape, NamedSharding(mesh, s)).spec  # noqa: E731
     assert spec((8, 6), P(None, "model")) == P("data", "model")  # 6 % (2 * 2) != 0
     assert spec((4, 12), P(None, "model")) == P(None, ("model", "data"))  # on top of tp
-    assert spec((3, 5), P()) == P()  # nothing divides: stays replicated
     assert spec((6,), P()) == P("data")
+
+
+def test_zero1_layout_pads_the_largest_axis_when_nothing_divides():
+    mesh = _mesh22()
+    lay = lambda shape, s: zero1_layout(shape, NamedSharding(mesh, s))  # noqa: E731
+    three_five = lay((3, 5), P())
+    assert (three_five.padded, three_five.sharding.spec) == ((3, 6), P(None, "data"))
+    five_six = lay((5, 6), P(None, "model"))  # 6 % (2 * 2) != 0, 5 % 2 != 0
+    assert (five_six.padded, five_six.sharding.spec) == ((5, 8), P(None, ("model", "data")))
+    assert lay((8, 6), P(None, "model")).padded == (8, 6)  # an axis divides: no padding
+    assert lay((), P()).sharding.spec == P()  # a scalar (a step count) stays replicated
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -117,11 +145,10 @@ def test_microbatch_backward_has_no_data_reduction(stage):
         assert COLLECTIVE.findall(compiled.as_text())
 
 
-def _stages_and_grads(zero1: bool):
+def _stages_and_grads(zero1: bool, layout: Layout = LAYOUT, seed: int = 0):
     cfg = tiny_decoder_config(num_layers=3, dtype="float32")
-    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
-    opt = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=0.5)
-    opts = [StageOptimizer(s, opt.build(), zero1) for s in stages]
+    stages = build_stages(cfg, layout, stage_meshes(layout), seed, compute_dtype=jnp.float32)
+    opts = [StageOptimizer(s, OPT.build(), zero1) for s in stages]
     return stages, opts
 
 
@@ -202,3 +229,103 @@ def test_replicated_stage_input_gets_every_replicas_gradient(tp):
     np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(acc["w"]).sum(0), want_gw, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(acc["w"])[0] - want_gw).max() > 1e-3  # per replica, not reduced
+
+
+def _gradient_accumulators(stages, step: int) -> list:
+    """Per-replica accumulators whose sum over replicas is a gradient that depends on the step and
+    the params' shapes only (not on dp): runs at different dp see the same reduced gradients."""
+    out = []
+    for i, s in enumerate(stages):
+        structs = accumulator_structs(s.params)
+        leaves, treedef = jax.tree.flatten(structs)
+        rng = np.random.default_rng(1000 * step + i)
+        accs = []
+        for a in leaves:
+            g = rng.normal(size=a.shape[1:]).astype(np.float32)
+            share = np.stack([g * (r + 1) for r in range(a.shape[0])])
+            share /= sum(r + 1 for r in range(a.shape[0]))
+            accs.append(put_host(share.astype(np.float32), a.sharding))
+        out.append(jax.tree.unflatten(treedef, accs))
+    return out
+
+
+def _moments(opt) -> list:
+    """(Zero1Leaf, live mu shard array) for each param leaf of a plain-AdamW stage optimizer."""
+    mu = opt.shards[0].mu
+    return list(zip(jax.tree.leaves(opt.layout), jax.tree.leaves(mu)))
+
+
+def test_zero1_pads_leaves_with_no_axis_divisible_by_dp():
+    """dp 3 over non-divisible widths: two AdamW steps with clipping give the params of the
+    replicated (unsharded) optimizer to float32 round-off; every moment leaf but the step count is
+    really 1/3 per device (padded where no axis divides) and its padding stays zero."""
+    runs = {}
+    for zero1 in (False, True):
+        stages, opts = _stages_and_grads(zero1, LAYOUT_DP3)
+        stats = [apply_updates(opts, _gradient_accumulators(stages, k), 0.5) for k in range(2)]
+        norms = [float(np.asarray(s[-1])[1]) for s in stats]
+        runs[zero1] = ([jax.device_get(s.params) for s in stages], norms, opts)
+    (p_rep, n_rep, _), (p_z, n_z, opts_z) = runs[False], runs[True]
+    assert n_rep[0] > 0.5  # clipping is active
+    np.testing.assert_allclose(n_z, n_rep, rtol=1e-6)
+    for a, b in zip(p_z, p_rep):
+        assert_trees_close(a, b)
+    padded = 0
+    for opt in opts_z:
+        for lay, mu in _moments(opt):
+            axis = next(i for i, (n, p) in enumerate(zip(lay.shape, lay.padded)) if n != p) \
+                if lay.is_padded else None  # fmt: skip
+            want = list(lay.padded)
+            if axis is not None:
+                padded += 1
+                want[axis] //= 3
+                host = np.asarray(mu)
+                tail = np.take(host, range(lay.shape[axis], lay.padded[axis]), axis=axis)
+                assert not tail.any(), "the padding of the moments must stay zero"
+                assert np.abs(host).max() > 0
+                assert mu.addressable_shards[0].data.shape == tuple(want)
+            assert mu.addressable_shards[0].data.size * 3 == mu.size
+    assert padded >= 10  # the attention, norm and embedding leaves of the tiny decoder
+
+
+def test_checkpoint_of_padded_zero1_state_resumes_at_another_dp(tmp_path):
+    """A run saved at dp 3 (padded ZeRO-1 state) resumes at dp 2 and one saved at dp 2 resumes at
+    dp 3: two steps, save, restore into the other layout, two more steps == four steps straight."""
+    from dflop_jax.runtime.checkpoint import Checkpointer
+
+    def train(stages, opts, steps):
+        for k in steps:
+            apply_updates(opts, _gradient_accumulators(stages, k), OPT.clip_norm)
+
+    def save(layout, stages, opts, name):
+        ckpt = Checkpointer(tmp_path / name, keep=1)
+        ckpt.save(2, list(layout.stages), [s.params for s in stages], [o.state for o in opts], {})
+        ckpt.close()
+        return [jax.device_get(o.state) for o in opts]
+
+    def restore(layout, stages, opts, name):
+        ckpt = Checkpointer(tmp_path / name, keep=1)
+        trees = [s.params for s in stages], [o.state for o in opts]
+        params, states, _ = ckpt.restore(list(layout.stages), *trees)
+        ckpt.close()
+        for s, o, p, st in zip(stages, opts, params, states):
+            s.params, o.state = p, st
+
+    def check(stages, opts, saved, straight):
+        for o, want in zip(opts, saved):  # the unpadded state, whatever the layout
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get(o.state), want)
+        train(stages, opts, range(2, 4))
+        for s, ref in zip(stages, straight):
+            assert_trees_close(jax.device_get(s.params), ref)
+
+    stages3, opts3 = _stages_and_grads(True, LAYOUT_DP3)
+    train(stages3, opts3, range(2))
+    saved3 = save(LAYOUT_DP3, stages3, opts3, "dp3")
+    train(stages3, opts3, range(2, 4))
+    straight = [jax.device_get(s.params) for s in stages3]
+    stages2, opts2 = _stages_and_grads(True, LAYOUT_DP2, seed=7)
+    restore(LAYOUT_DP2, stages2, opts2, "dp3")
+    saved2 = save(LAYOUT_DP2, stages2, opts2, "dp2")  # the dp 3 step-2 state, written at dp 2
+    check(stages2, opts2, saved3, straight)
+    restore(LAYOUT_DP3, stages3, opts3, "dp2")  # back into the padded layout
+    check(stages3, opts3, saved2, straight)

@@ -47,7 +47,7 @@ LAYOUT = [
     "layout.microbatches=[2,3]",
 ]
 # Widths divisible by 2 and 3 (the stages' dp): ZeRO-1 splits a leaf on an axis dp divides
-# (`train_state.zero1_sharding`); a leaf with none stays replicated.
+# (`runtime.zero1.zero1_layout`); a leaf with none is padded to a multiple first.
 SIZES = {
     "mid": [
         "model.hidden_size=768",
@@ -114,7 +114,7 @@ def measure_arm(overrides: list[str]) -> dict:
     mib = 2.0**20
     stages = []
     for stage, opt in zip(report.stages, report.optimizers, strict=True):
-        state = [a for a in jax.tree.leaves(opt.state) if a.ndim]  # moments, not step counts
+        state = [a for a in jax.tree.leaves(opt.shards) if a.ndim]  # live moments, not counts
         stages.append(
             {
                 "devices": stage.mesh.size,

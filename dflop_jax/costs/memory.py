@@ -4,8 +4,8 @@ State, per parameter, sharded by tensor parallelism (matrices split over tp, nor
 parameters that double as the master copy (4 B, replicated over data parallelism; the models keep
 `param_dtype=float32` and cast to the compute dtype inside each program), the fp32 gradient
 accumulator (4 B: each device holds its own data replica's sum, reduced once per step), AdamW m and v
-(8 B, ZeRO-1: sharded over the stage's dp, `runtime/train_state.py`; the few leaves no axis of which
-divides stay replicated, counted as sharded here).
+(8 B, ZeRO-1: sharded over the stage's dp, `runtime/zero1.py`; a leaf no axis of which divides is
+padded to a multiple, so 8 / dp holds up to that padding).
 
 In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
 backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
@@ -36,6 +36,15 @@ sequence parallelism:
   dense attention (`flash_attention=False`) keeps per head and (query, key) pair of the full
   S x S square (n x n per tile) the f32 exp and the cb-byte probabilities, plus for a masked (causal
   LLM) square the mask and the f32 masked scores: 11 B (LLM) / 6 B (ViT) at bf16.
+  A ViT tile is short: the runtime's attention (`models.attention`, implementation "xla", what the
+  models run) takes the dense path for rows up to `DENSE_MAX_TOKENS` on accelerators, so an encoder
+  tile of <= 1024 tokens (SigLIP's 729) keeps its n x n square whatever `flash_attention` says. On
+  XLA:CPU such a tile takes the blocked path (`dense_max` is one 128-token block there), whose two
+  loops XLA unrolls (6 x 6 blocks at 729 tokens padded to 768), so the rebuilt layer's backward holds
+  all blocks' f32 scores at once: measured 52.6 MB per tile beyond the model without this term, vs
+  the dense square's 51.0 MB (SigLIP-400M, 16 heads; compiled encoder stages at 1-4 layers and 4-16
+  tiles, docs/benchmarks.md). Without remat the blocked path saves no square (CPU holds it only
+  while a layer's backward runs), so there the term overstates the CPU figure; GPU keeps it.
 Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
 gradient accumulator and no optimizer state, and the program holds only their compute-dtype copy (no
 weight gradient). A forward-only stage keeps no stage input for a backward (`activations_per_microbatch`
@@ -63,6 +72,7 @@ LOGIT_BYTES = 4  # the loss is computed from fp32 logits
 F32 = 4
 LOSS_CHUNK = 1024  # positions whose logits the loss computes at once (DecoderConfig.loss_chunk)
 FEATURE_TAPS = 4  # bilinear taps per image position (data.types.FEATURE_TAPS)
+DENSE_MAX_TOKENS = 1024  # models.attention.dense_max on accelerators: shorter rows run unblocked
 REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
 
 
@@ -253,7 +263,7 @@ def encoder_stage_memory(
     n_body = stage.num_layers * _sharded(flops.vision_layer_params(v), norm, tp)
     tokens = tiles * v.seq_len
     full = vision_activation_bytes_per_token(v, tp, False, cb)
-    if not flash_attention:
+    if not flash_attention or v.seq_len <= DENSE_MAX_TOKENS:  # a tile's square (module docstring)
         full += dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb) / v.seq_len
     kept = _kept_per_token(v.hidden_size, _vision_dots_bytes_per_token(v, tp, cb), cb, remat)
     if forward or role.head_only:  # no backward through the layers: one layer alive at a time

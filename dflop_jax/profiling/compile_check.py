@@ -14,7 +14,7 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
   grads       the fp32 per-data-replica gradient accumulator (a donated argument, aliased with its
               output; each device holds its replica's sum, `runtime.stages.accumulator_structs`)
   optimizer   AdamW m and v, fp32, the parameters' shapes in the ZeRO-1 layout (sharded over dp too,
-              `runtime.train_state.zero1_sharding`)
+              padded where no axis divides: `runtime.zero1.zero1_layout`)
   inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps
               min(P - stage, M) of them until their backward (recompute-in-backward: nothing else)
   transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
@@ -177,15 +177,15 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
 
 
 def _zero1(params_abs):
-    """fp32 leaves of the params' shapes in the ZeRO-1 optimizer layout."""
-    from dflop_jax.runtime.train_state import zero1_sharding
+    """fp32 leaves of the params in the ZeRO-1 optimizer layout (`runtime.zero1.zero1_layout`:
+    padded, where no axis divides by tp x dp, to the shape the runtime's moments have)."""
+    from dflop_jax.runtime.zero1 import zero1_layout
 
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(
-            a.shape, jnp.float32, sharding=zero1_sharding(a.shape, a.sharding)
-        ),
-        params_abs,
-    )
+    def leaf(a):
+        lay = zero1_layout(a.shape, a.sharding)
+        return jax.ShapeDtypeStruct(lay.padded, jnp.float32, sharding=lay.sharding)
+
+    return jax.tree.map(leaf, params_abs)
 
 
 def program_bytes(compiled) -> float:

@@ -15,13 +15,16 @@ Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from
 
 ZeRO-1 and one reduction per step: the stage programs leave each data replica's gradient sum in a
 per-replica accumulator (`runtime/stages.py`). Once per step, `StageOptimizer.reduce` sums it over the
-replicas straight into the ZeRO-1 layout (`zero1_sharding`: each leaf's largest divisible axis also
-sharded over "data"; XLA makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and
-the update computes AdamW on those shards with the moments stored sharded the same way, each replica
-reading its slice of the replicated fp32 params, and all-gathers the new params into their stage
-sharding for the next step's programs. The fp32 params double as the master copy (the programs cast
-to the compute dtype inside), so ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator)
-+ 8 / dp bytes per parameter, not 16.
+replicas straight into the ZeRO-1 layout (`runtime/zero1.py`: each leaf's largest divisible axis also
+sharded over "data", or its largest axis padded with zeros to a multiple when none divides; XLA
+makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the update computes AdamW
+on those shards with the moments stored sharded (and padded) the same way, each replica reading its
+slice of the replicated fp32 params, and all-gathers the new params (padding cut off) into their
+stage sharding for the next step's programs. `StageOptimizer.shards` is the live state;
+`StageOptimizer.state` its unpadded, layout-independent form (what checkpoints save and restore).
+The fp32 params double as the master copy (the programs cast to the compute dtype inside), so
+ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator) + 8 / dp bytes per parameter,
+not 16.
 
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
@@ -67,6 +70,13 @@ from dflop_jax.runtime.stages import (
     put_host,
 )
 from dflop_jax.runtime.transfer import stand_in, transfer
+from dflop_jax.runtime.zero1 import (
+    pad,
+    replicated_layout,
+    unpad,
+    zero1_layout,
+    zero1_sharding,  # noqa: F401  (re-exported: callers import it from here)
+)
 from models.stages import PARTS, param_part
 
 
@@ -177,34 +187,17 @@ STATS = ("loss", "grad_norm", "applied", "skipped_steps", "clip_norm")
 """Fields of the per-step statistics vector `apply_updates` leaves on the last stage's mesh."""
 
 
-def zero1_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
-    """`sharding` with "data" added on the largest axis whose size divides by its sharding's devices
-    times dp (on top of its tp entry); a leaf with no such axis stays as it is (replicated over dp)."""
-    mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    dp = mesh.shape["data"]
-    if dp == 1:
-        return sharding
-
-    def names(entry):
-        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-    def ways(entry):
-        return int(np.prod([mesh.shape[n] for n in names(entry)], dtype=int))
-
-    fits = [i for i, n in enumerate(shape) if n % (ways(spec[i]) * dp) == 0]
-    if not fits:
-        return sharding
-    axis = max(fits, key=lambda i: (shape[i], -i))
-    spec[axis] = (*names(spec[axis]), "data") if spec[axis] is not None else "data"
-    return NamedSharding(mesh, P(*spec))
-
-
 class StageOptimizer:
     """One stage's optimizer state and its per-step programs on the stage's mesh.
 
     Per step: `reduce` (the data-parallel sum of the per-replica accumulator into the ZeRO-1 layout:
     the step's one gradient reduction), `sq_norm` (of the reduced gradient, for global clipping),
     `apply` (AdamW on the shards, all-gather of the new params).
+
+    Attributes:
+      layout: a `Zero1Leaf` per param leaf (shape, padded shape, ZeRO-1 and stage shardings).
+      shards: the live optimizer state in the ZeRO-1 layout (padded leaves padded).
+      state: (property) the same state in the params' shapes, for checkpoints; settable.
     """
 
     def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True):
@@ -215,24 +208,45 @@ class StageOptimizer:
         trained, frozen = stage.trained, negate(stage.trained)
         ps = stage.param_shardings
         scalar = NamedSharding(stage.mesh, P())
-        zs = ps
-        if zero1:
-            zs = jax.tree.map(lambda a, s: zero1_sharding(a.shape, s), stage.params, ps)
+        self.scalar = scalar
+        make = zero1_layout if zero1 else replicated_layout
+        self.layout = jax.tree.map(lambda a, s: make(a.shape, s), stage.params, ps)
+        zs = jax.tree.map(lambda lay: lay.sharding, self.layout)
         self.grad_shardings = prune(zs, trained)
-        abstract = jax.eval_shape(tx.init, stage.params)
-        _check_frozen_stateless(tx, abstract, trained)
-        self.state_shardings = optax.tree_map_params(
-            tx,
-            lambda x, s: x if _masked(x) else s,
-            abstract,
-            zs,
-            transform_non_params=lambda _: scalar,
-            is_leaf=_masked,
+        padded = jax.tree.map(
+            lambda a, lay: jax.ShapeDtypeStruct(lay.padded, a.dtype), stage.params, self.layout
         )
-        self._init = jax.jit(tx.init, in_shardings=(ps,), out_shardings=self.state_shardings)
+        abstract = jax.eval_shape(tx.init, padded)
+        _check_frozen_stateless(tx, abstract, trained)
+        self.state_shardings = self._over_state(abstract, lambda x, lay: lay.sharding, scalar)
+        self._padded = any(lay.is_padded for lay in jax.tree.leaves(self.layout))
+        view = self._over_state(
+            abstract,
+            lambda x, lay: jax.ShapeDtypeStruct(
+                lay.shape, x.dtype, sharding=lay.param_sharding if lay.is_padded else lay.sharding
+            ),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar),
+        )
+        self._view = view  # the unpadded state's shapes and shardings (what checkpoints see)
+        view_shardings = jax.tree.map(lambda v: v.sharding, view)
+        self._init = jax.jit(
+            lambda p: tx.init(jax.tree.map(lambda a, lay: pad(a, lay.padded), p, self.layout)),
+            in_shardings=(ps,),
+            out_shardings=self.state_shardings,
+        )
+        self._unpad = jax.jit(
+            lambda st: self._over_state(st, lambda x, lay: unpad(x, lay.shape)),
+            in_shardings=(self.state_shardings,),
+            out_shardings=view_shardings,
+        )
+        self._pad = jax.jit(
+            lambda st: self._over_state(st, lambda x, lay: pad(x, lay.padded)),
+            in_shardings=(view_shardings,),
+            out_shardings=self.state_shardings,
+        )
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
-        self.state = (
-            self.init_state()
+        self.shards = (
+            self._fresh()
             if getattr(stage, "local", True)
             else jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
@@ -241,8 +255,11 @@ class StageOptimizer:
             )
         )
         accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
+        grad_layout = prune(self.layout, trained)
         self._reduce = jax.jit(
-            lambda acc: jax.tree.map(lambda a: jnp.sum(a, axis=0), acc),
+            lambda acc: jax.tree.map(
+                lambda a, lay: jnp.sum(pad(a, lay.padded), axis=0), acc, grad_layout
+            ),
             in_shardings=(accs,),
             out_shardings=self.grad_shardings,
         )
@@ -258,23 +275,64 @@ class StageOptimizer:
             in_shardings=(self.grad_shardings,),
             out_shardings=scalar,
         )
-        # The frozen leaves enter the update as zeros of their shape (grads and params alike):
+        # The frozen leaves enter the update as zeros of their padded shape (grads and params alike):
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
-        structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.params)
-        update = functools.partial(_guarded_update, tx, self.grad_shardings,
-                                   prune(structs, frozen), trained)  # fmt: skip
+        update = functools.partial(_guarded_update, tx, grad_layout,
+                                   prune(padded, frozen), trained)  # fmt: skip
         self._update = jax.jit(
             update,
             in_shardings=(prune(ps, trained), self.state_shardings, self.grad_shardings, scalar),
             out_shardings=(prune(ps, trained), self.state_shardings),
             donate_argnums=(0, 1),
         )
-        self.scalar = scalar
 
-    def init_state(self) -> PyTree:
-        """Fresh optimizer state for the stage's current params, in the ZeRO-1 layout."""
+    def _over_state(self, state: PyTree, params_fn, other=None) -> PyTree:
+        """`params_fn(leaf, its param's Zero1Leaf)` over the state's param-shaped leaves (moments),
+        `other` (a value, or a function of the leaf; None keeps it) over the rest (step counts)."""
+        rest = other if other is None or callable(other) else (lambda _: other)
+        return optax.tree_map_params(
+            self.tx,
+            lambda x, lay: x if _masked(x) else params_fn(x, lay),
+            state,
+            self.layout,
+            transform_non_params=rest,
+            is_leaf=_masked,
+        )
+
+    @property
+    def state(self) -> PyTree:
+        """The optimizer state in the unpadded layout-independent shapes (what checkpoints save and
+        restore): the live ZeRO-1 shards (`shards`) themselves when no leaf is padded, else a copy
+        whose padded leaves are cut back and gathered into their params' stage sharding (a transient
+        of their full moments, at checkpoint time only)."""
+        if not self._padded:
+            return self.shards
+        if not getattr(self.stage, "local", True):
+            return self._view
+        with jax.set_mesh(self.stage.mesh):
+            return self._unpad(self.shards)
+
+    @state.setter
+    def state(self, value: PyTree) -> None:
+        """Sets the state from the unpadded shapes (`state`), padding into the ZeRO-1 layout."""
+        if not self._padded:
+            self.shards = value
+        elif getattr(self.stage, "local", True):
+            with jax.set_mesh(self.stage.mesh):
+                self.shards = self._pad(value)
+
+    def _fresh(self) -> PyTree:
+        """Fresh optimizer state for the stage's current params, in the (padded) ZeRO-1 layout."""
         with jax.set_mesh(self.stage.mesh):
             return self._init(self.stage.params)
+
+    def init_state(self) -> PyTree:
+        """Fresh optimizer state for the stage's current params, shaped like `state` (to set it)."""
+        fresh = self._fresh()
+        if not self._padded:
+            return fresh
+        with jax.set_mesh(self.stage.mesh):
+            return self._unpad(fresh)
 
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
@@ -307,7 +365,7 @@ class StageOptimizer:
         trained = self.stage.trained
         params = self.stage.params
         with jax.set_mesh(self.stage.mesh):
-            new, self.state = self._update(prune(params, trained), self.state, grads, stats)
+            new, self.shards = self._update(prune(params, trained), self.shards, grads, stats)
         self.stage.params = graft(new, prune(params, negate(trained)))
 
 
@@ -334,22 +392,27 @@ def _check_frozen_stateless(tx, abstract_state: PyTree, trained: PyTree) -> None
         )
 
 
-def _guarded_update(tx, shardings, frozen, trained, params, state, grads, stats):
+def _guarded_update(tx, layout, frozen, trained, params, state, grads, stats):
     """optax.clip_by_global_norm's rule with the GLOBAL norm (stats), then `tx` on the ZeRO-1 shards
-    (`shardings`, trained leaves) of the trained `params`; a step whose loss or gradients are not
-    finite keeps the old params and state (optax.apply_if_finite's zero update). `frozen`: the
-    frozen leaves' ShapeDtypeStructs, given to `tx` as zeros (it ignores them); returns the trained
-    params only."""
+    (`layout`: the trained leaves' `Zero1Leaf`s) of the trained `params`, padded like the state and
+    cut back after; a step whose loss or gradients are not finite keeps the old params and state
+    (optax.apply_if_finite's zero update). `frozen`: the frozen leaves' padded ShapeDtypeStructs,
+    given to `tx` as zeros (it ignores them); returns the trained params only."""
     norm, applied, clip = stats[1], stats[2] > 0, stats[4]
     keep = (clip <= 0) | (norm < clip)
     grads = jax.tree.map(lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * clip), grads)
-    shards = jax.tree.map(jax.lax.with_sharding_constraint, params, shardings)
+    shards = jax.tree.map(
+        lambda p, lay: jax.lax.with_sharding_constraint(pad(p, lay.padded), lay.sharding),
+        params,
+        layout,
+    )
     zeros = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), frozen)
     whole = graft(shards, zeros)
     updates, new_state = tx.update(graft(grads, zeros), state, whole)
     new_params = prune(optax.apply_updates(whole, updates), trained)
     pick = functools.partial(jax.tree.map, lambda new, old: jnp.where(applied, new, old))
-    return pick(new_params, shards), pick(new_state, state)
+    new_params = jax.tree.map(lambda p, lay: unpad(p, lay.shape), pick(new_params, shards), layout)
+    return new_params, pick(new_state, state)
 
 
 TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
