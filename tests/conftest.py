@@ -2,12 +2,12 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+from dflop_jax.host_devices import simulate_cpu_devices  # no jax
+
+simulate_cpu_devices(8)  # and the CPU client's thread pool for them (DESIGN 11)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

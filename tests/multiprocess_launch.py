@@ -89,7 +89,8 @@ def launch(
 def env() -> dict[str, str]:
     """The environment of a test's jax processes: this Python and repository, own device counts."""
     out = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
-    out.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    for own in ("XLA_FLAGS", "PJRT_NPROC"):  # each process asks for its own devices (and pool)
+        out.pop(own, None)
     return out
 
 

@@ -92,7 +92,8 @@ def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600
         raise ValueError(f"processes={processes}: must divide the {DEVICES} devices")
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    for own in ("XLA_FLAGS", "PJRT_NPROC"):  # each process asks for its own devices (and pool)
+        env.pop(own, None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])]
     )

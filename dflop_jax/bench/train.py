@@ -86,8 +86,7 @@ def _fresh(run_dir: Path) -> None:
 def _train(arm: str, config: Path, overrides: list[str]):
     """Trains one arm in a fresh `python -m dflop_jax.train` process (its output streams through);
     returns the arm's config. A fresh process per arm: no compiled program, cached transfer or
-    thread of one arm's runtime is in the other's measurement (see docs/benchmarks.md for an
-    intermittent CPU deadlock of the data-blind arm's layout)."""
+    thread of one arm's runtime is in the other's measurement."""
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
 

@@ -1,0 +1,156 @@
+"""Is the fused colocated stage the sum the cost provider composes? (issue 12, item 3)
+
+    python -m dflop_jax.bench fused [--rounds 3] [--runs 5] [--statistic median|min] [--json out.json]
+
+A colocated encoder runs inside LLM stage 0's program (`models.mllm.ColocatedStage`). The profiler
+times that fused program with no LLM layer (table kind colocated_embedding), and the measured cost
+provider scores the stage as that entry's encoder share plus the LLM stage's own parts
+(`costs/measured.py`): share(T) = F_0(T, L0) - G_0(L0), stage = share(T) + G_n(S). This benchmark
+times, on 8 simulated CPU devices with the tiny arch, the runtime's own programs (the profiler's
+builder, `profiling.programs.stage_program`, which lowers to what the trainer runs):
+
+    F_n(T, S)  the fused stage with n LLM layers at T tiles and S tokens (what trains)
+    F_0(T, S)  the same with no LLM layer (what the colocated_embedding entry times)
+    G_n(S)     LLM stage 0 without the encoder (T tiles' features handed in), G_0(S) its embedding
+
+and reports, per (tp, T, S), F_n against F_0 - G_0 + G_n at the same S ("composed", the additivity
+assumption) and against share(T) at the smallest S plus G_n(S) ("provider", the row length the
+provider takes the share at). Every program is timed in `rounds` interleaved rounds (median of `runs`
+calls each, or their minimum with `--statistic min`); the spread of the rounds is the timing noise
+the differences are compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+TPS = (1, 2)
+TILES = (2, 8)
+LENGTHS = (128, 512)  # LENGTHS[0] plays the profiler's smallest LLM bucket (the share's row)
+LAYERS = 2
+
+
+def _programs(model_cfg, devices, dtype):
+    """{(name, tp, T, S): PartProgram} of the four program families (module docstring)."""
+    from dflop_jax.costs.layout import StageSpec
+    from dflop_jax.profiling.programs import profile_mesh, stage_program
+
+    out = {}
+    for tp in TPS:
+        mesh = profile_mesh(devices, tp)
+        for n, fam in ((LAYERS, "F_n"), (0, "F_0")):
+            spec = StageSpec("llm", 0, n, tp=tp, has_embedding=True)
+            for t in TILES:
+                for s in LENGTHS:
+                    out[fam, tp, t, s] = stage_program(model_cfg, spec, mesh, s, dtype,
+                                                       tile_bucket=t)  # fmt: skip
+        for n, fam in ((LAYERS, "G_n"), (0, "G_0")):
+            spec = StageSpec("llm", 0, n, tp=tp, has_embedding=True)
+            for t in TILES:  # the features of the fused stage's T tiles, handed in
+                for s in LENGTHS:
+                    out[fam, tp, t, s] = stage_program(model_cfg, spec, mesh, s, dtype, t)
+    return out
+
+
+def _runner(prog, seed: int):
+    """(fwd(), bwd()) closures over compiled programs and real inputs (the accumulator fed back)."""
+    import jax
+
+    with jax.set_mesh(prog.mesh):
+        fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
+        bwd_c = prog.bwd.lower(
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
+        ).compile()
+    rng = np.random.default_rng(seed)
+    params = prog.make_params(rng)
+    x, side, gy = prog.make_inputs(rng)
+    gacc = [jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+                         prog.gacc_abs)]  # fmt: skip
+
+    def bwd():
+        out = bwd_c(params, x, side, gy, gacc[0])
+        gacc[0] = out[-1]  # donated
+        return out
+
+    return (lambda: fwd_c(params, x, side)), bwd
+
+
+def _time_s(call, runs: int, statistic: str) -> float:
+    """The median or the minimum of `runs` timed calls after one warm-up (the minimum is the one
+    to read on a contended host: other processes only ever add time)."""
+    import jax
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) if statistic == "median" else np.min(times))
+
+
+def measure(rounds: int, runs: int, statistic: str = "median") -> dict:
+    """Per program key, [rounds, 2] (fwd, bwd) times, rounds interleaved over all programs."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflop_jax.profiling.model_config import model_config_for_arch
+
+    model_cfg = model_config_for_arch("tiny")
+    progs = _programs(model_cfg, jax.devices(), jnp.dtype(jnp.float32))
+    runners = {k: _runner(p, i) for i, (k, p) in enumerate(progs.items())}
+    times = {k: np.zeros((rounds, 2)) for k in runners}
+    for r in range(rounds):
+        for k, (fwd, bwd) in runners.items():
+            with jax.set_mesh(progs[k].mesh):
+                times[k][r] = _time_s(fwd, runs, statistic), _time_s(bwd, runs, statistic)
+    return times
+
+
+def compare(times: dict) -> list[dict]:
+    """Rows per (tp, T, S): F_n, composed, provider (seconds, fwd + bwd, median over rounds), their
+    relative differences, and the rounds' noise (max relative spread of the programs involved)."""
+    med = {k: np.median(v.sum(axis=1)) for k, v in times.items()}
+    spread = {k: (v.sum(axis=1).max() - v.sum(axis=1).min()) / med[k] for k, v in times.items()}
+    rows = []
+    s0 = LENGTHS[0]
+    for tp in TPS:
+        for t in TILES:
+            for s in LENGTHS:
+                fused = med["F_n", tp, t, s]
+                composed = med["F_0", tp, t, s] - med["G_0", tp, t, s] + med["G_n", tp, t, s]
+                provider = med["F_0", tp, t, s0] - med["G_0", tp, t, s0] + med["G_n", tp, t, s]
+                keys = [(f, tp, t, x) for f in ("F_n", "F_0", "G_0", "G_n") for x in {s, s0}]
+                rows.append(dict(tp=tp, tiles=t, length=s, fused_s=fused, composed_s=composed,
+                                 provider_s=provider, composed_err=composed / fused - 1,
+                                 provider_err=provider / fused - 1,
+                                 noise=max(spread[k] for k in keys)))  # fmt: skip
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflop_jax.bench fused", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--statistic", choices=("median", "min"), default="median")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from dflop_jax.host_devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)  # before jax starts its backend
+    rows = compare(measure(args.rounds, args.runs, args.statistic))
+    print(f"{'tp':>2} {'T':>2} {'S':>4} {'fused ms':>9} {'composed':>9} {'err':>7} "
+          f"{'provider':>9} {'err':>7} {'noise':>6}")  # fmt: skip
+    for r in rows:
+        print(f"{r['tp']:>2} {r['tiles']:>2} {r['length']:>4} {1e3 * r['fused_s']:9.2f} "
+              f"{1e3 * r['composed_s']:9.2f} {r['composed_err']:+7.1%} "
+              f"{1e3 * r['provider_s']:9.2f} {r['provider_err']:+7.1%} {r['noise']:6.1%}")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0

@@ -1,0 +1,38 @@
+"""Simulated CPU devices: the device count reaches XLA_FLAGS and the CPU client's thread pool gets room
+beside one collective (PJRT_NPROC = 3 x devices, never below the cores, never over a user's setting)."""
+
+import os
+
+import pytest
+
+from dflop_jax import host_devices
+
+
+@pytest.fixture
+def env(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    return monkeypatch
+
+
+def test_count_and_pool_from_the_request(env):
+    host_devices.simulate_cpu_devices(8)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    assert os.environ["PJRT_NPROC"] == "24"
+
+
+def test_a_count_already_in_xla_flags_wins_and_sizes_the_pool(env):
+    env.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4")
+    host_devices.simulate_cpu_devices(8)
+    assert os.environ["XLA_FLAGS"].endswith("device_count=4")
+    assert os.environ["PJRT_NPROC"] == "12"
+
+
+def test_the_pool_never_drops_below_the_cores_or_overrides_the_user(env):
+    env.setattr(os, "cpu_count", lambda: 64)
+    host_devices.simulate_cpu_devices(2)
+    assert os.environ["PJRT_NPROC"] == "64"
+    env.setenv("PJRT_NPROC", "5")
+    host_devices.simulate_cpu_devices(8)
+    assert os.environ["PJRT_NPROC"] == "5"
