@@ -224,25 +224,42 @@ def _kept_per_token(d: int, dots: float, cb: int, remat: str) -> float:
 
 
 def frozen_weight_bytes(
-    num_params: float, layer_params: float, compute_bytes: int, dot_bytes: int | None = None
+    num_params: float,
+    layers: int,
+    layer_params: float,
+    compute_bytes: int,
+    dot_bytes: int | None = None,
+    gathered: float = 0.0,
 ) -> float:
-    """Bytes the program holds for `num_params` frozen parameters, `layer_params` of them per layer
-    of its layer loop: their copy in the dtype the dots read (`dot_bytes`, default the compute dtype),
-    and where that is an upcast (XLA:CPU) also one layer's converted slice in the loop body."""
+    """Bytes the program holds for `num_params` frozen parameters, `layers` x `layer_params` of them
+    in its layer loop and `gathered` of them a table only a gather reads (a frozen untied token
+    embedding: the gather converts the rows it reads, no copy of the table): their compute-dtype copy,
+    the loop's stacked weights in the dtype its dots read (`dot_bytes`, default the compute dtype)
+    and, where that is an upcast (XLA:CPU), one layer's converted slice in the loop body too (module
+    docstring)."""
     dot = compute_bytes if dot_bytes is None else dot_bytes
-    if dot > compute_bytes:  # a rounded copy even at f32: convert(convert(w)) to the compute dtype
-        return (num_params + layer_params) * dot
-    return weight_copy_bytes(num_params, compute_bytes)
+    num_params -= gathered
+    if dot <= compute_bytes:
+        return weight_copy_bytes(num_params, compute_bytes)
+    loop = layers * layer_params  # a rounded copy even at f32: convert(convert(w))
+    held = (loop + layer_params) * dot if layers else 0.0
+    return weight_copy_bytes(num_params - loop, compute_bytes) + held
 
 
 def _state(
-    n_trained: float, n_frozen: float, dp: int, cb: int, layer: float, dot_bytes: int | None
+    n_trained: float,
+    n_frozen: float,
+    dp: int,
+    cb: int,
+    loop: tuple[int, float, float],
+    dot_bytes: int | None,
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, weight transient) bytes: frozen parameters keep their fp32 copy and
     their weight copy for the dots, nothing else."""
     params, grads, optimizer = state_bytes(n_trained, dp)
     params += n_frozen * PARAM_BYTES
-    frozen = frozen_weight_bytes(n_frozen, layer, cb, dot_bytes)
+    layers, layer, gathered = loop
+    frozen = frozen_weight_bytes(n_frozen, layers, layer, cb, dot_bytes, gathered)
     return params, grads, optimizer, weight_transient_bytes(n_trained, cb) + frozen
 
 
@@ -250,16 +267,16 @@ def _memory(
     role: StageRole,
     trained: float,
     frozen: float,
-    frozen_layer: float,
+    loop: tuple[int, float, float],
     dp: int,
     cb: int,
     inputs: float,
     temp: float,
     dot_bytes: int | None,
 ) -> StageMemory:
-    """The StageMemory of a stage's terms (`frozen_layer`: parameters of one frozen layer of its
-    loop); a forward-only stage holds its input only while it runs."""
-    params, grads, optimizer, weights = _state(trained, frozen, dp, cb, frozen_layer, dot_bytes)
+    """The StageMemory of a stage's terms (`loop`: its frozen layers, parameters per layer, and the
+    frozen parameters only a gather reads); a forward-only stage holds its input only while it runs."""
+    params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes)
     if role.kind == "forward":
         return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
     return StageMemory(params, grads, optimizer, inputs, temp + weights)
@@ -318,8 +335,8 @@ def encoder_stage_memory(
     elif not forward:
         temp += hidden  # dy
     trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
-    layer = 0.0 if "vision" in role.trains or not stage.num_layers else n_layer
-    return _memory(role, trained, frozen, layer, stage.dp, cb, inputs, temp, dot_bytes)
+    loop = (0, 0.0, 0.0) if "vision" in role.trains else (stage.num_layers, n_layer, 0.0)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
 
 
 def llm_stage_memory(
@@ -372,8 +389,9 @@ def llm_stage_memory(
     elif not forward:
         temp += hidden  # dy
     trained, frozen = _split(role, {"llm": n_params})
-    layer = 0.0 if "llm" in role.trains or not stage.num_layers else n_layer
-    return _memory(role, trained, frozen, layer, stage.dp, cb, inputs, temp, dot_bytes)
+    gathered = embed if stage.has_embedding and not (stage.has_head and m.tie_embeddings) else 0.0
+    loop = (0, 0.0, 0.0) if "llm" in role.trains else (stage.num_layers, n_layer, gathered)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
 
 
 def stage_memory(
