@@ -46,18 +46,21 @@ sequence parallelism:
   tiles, docs/benchmarks.md). Without remat the blocked path saves no square (CPU holds it only
   while a layer's backward runs), so there the term overstates the CPU figure; GPU keeps it.
 Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
-gradient accumulator and no optimizer state, and the program holds only their weight copy (no weight
-gradient): `dot_bytes` per parameter, the dtype the backend's dots read the weights in. On an
-accelerator that is the compute dtype (a GPU runs bf16 dots natively: 2 B). XLA:CPU has no bf16 dot: it
-rounds the weights to bf16 and converts them back to f32 for the dot, and the buffer the backward's
-transposed dot reads is that f32 stack of every layer's weights (`convert(convert(concatenate))`,
-f32[L, ...] in the buffer assignment), plus one layer's f32 slice inside the layer loop: `dot_bytes=4`
-(`CPU_DOT_BYTES`), measured 4.0 B per frozen parameter per layer on a dx-only Qwen2.5-7B-width stage
-(tests/test_profiling_compile_check.py; docs/benchmarks.md). The trained parameters' 8 B above are not
-split by backend (XLA:CPU measures ~6 B there: its f32 weight stack and the bf16 gradient stack, the
-fp32 form fused into the accumulator add; not measured on a GPU). A forward-only stage keeps no stage input for a backward (`activations_per_microbatch`
-0) and no residuals: its transient is one layer's activations at a time, its input and the weight
-copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
+gradient accumulator and no optimizer state, and the program holds only a weight copy (no weight
+gradient), in the dtype the backend's dots read (`dot_bytes`). On an accelerator that is the compute
+dtype (a GPU runs bf16 dots natively: 2 B per parameter; reasoned from the HLO, not measured on a GPU).
+XLA:CPU has no bf16 dot: it rounds the weights to bf16 and converts them back to f32, and what the
+layer loop's dots (the backward's transposed ones included) read is an f32 stack of every layer's
+weights (`convert(convert(concatenate))`, f32[L, ...] in the buffer assignment) plus one layer's f32
+slice in the loop body: `dot_bytes=CPU_DOT_BYTES` (4), measured 4.0 B per frozen layer parameter on a
+dx-only Qwen2.5-7B-width stage at tp 1 (4.1 at tp 4; tests/test_profiling_compile_check.py,
+docs/benchmarks.md). The LM head's copy stays in the compute dtype on CPU too, and a frozen token
+embedding read only by its gather holds no copy at all (measured on CPU: the gather converts the rows
+it reads). The trained parameters' 8 B above are not split by backend (XLA:CPU measures ~6 B per layer
+parameter there: the f32 weight stack and the bf16 gradient stack, the fp32 form fused into the
+accumulator add). A forward-only stage keeps no stage input for a backward
+(`activations_per_microbatch` 0) and no residuals: its transient is one layer's activations at a time,
+its input and the weight copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
 (one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
 gradient on the first LLM stage) is held where the stage input needs none.
 `python -m dflop_jax.plan --check` compares these terms with the compiled programs
