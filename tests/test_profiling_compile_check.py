@@ -181,3 +181,67 @@ def test_encoder_transient_per_tile_matches_the_memory_model():
     model = [encoder_stage_memory(arch, spec, t, remat=True).temp for t in (few, many)]
     per_tile = (compiled[1] - compiled[0]) / (many - few)
     assert (model[1] - model[0]) / (many - few) == pytest.approx(per_tile, rel=0.10)
+
+
+@pytest.mark.slow
+def test_dx_only_transient_per_layer_matches_the_memory_model():
+    """Qwen2.5-7B widths, a middle LLM stage frozen behind the trained projector (dx-only backward),
+    remat, one CPU device: the compiled program's transient grows per layer as the memory model's at
+    XLA:CPU's dot dtype (within 10%). XLA:CPU keeps the frozen weights as an f32 stack (it upcasts bf16
+    dots), 4 B per parameter, twice the bf16 copy a GPU holds and the model charged on every backend
+    (docs/benchmarks.md, "Under a frozen recipe")."""
+    from jax.sharding import Mesh
+
+    from dflop_jax.costs.memory import CPU_DOT_BYTES, llm_stage_memory
+    from dflop_jax.profiling.compile_check import compile_part
+    from models.stages import with_remat
+
+    base = get_arch("siglip-so400m+qwen2.5-7b")
+    arch = dataclasses.replace(base, llm=dataclasses.replace(base.llm, num_layers=6))
+    cfg = with_remat(model_config_for_arch(arch), {"vision": "full", "llm": "full"})
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    few, many, tokens, recipe = 2, 4, 256, ("projector",)
+    specs = [StageSpec("llm", 1, n) for n in (few, many)]
+    compiled = [
+        compile_part("llm", stage_program(cfg, s, mesh, tokens, jnp.bfloat16, trainable=recipe))
+        for s in specs
+    ]
+    assert all(c.grads == 0 for c in compiled)  # frozen: no accumulator
+    per_layer = (compiled[1].transient - compiled[0].transient) / (many - few)
+    layer_params = (compiled[1].params - compiled[0].params) / (many - few) / 4  # fp32 params
+    assert per_layer == pytest.approx(4 * layer_params, rel=0.05)  # an f32 weight copy per layer
+
+    def model(spec, dot_bytes=None):
+        return llm_stage_memory(arch, spec, tokens, True, trainable=recipe, dot_bytes=dot_bytes)
+
+    cpu = [model(s, CPU_DOT_BYTES).temp for s in specs]
+    assert (cpu[1] - cpu[0]) / (many - few) == pytest.approx(per_layer, rel=0.10)
+    gpu = [model(s).temp for s in specs]  # bf16 dots: half the weight bytes
+    assert (gpu[1] - gpu[0]) / (many - few) == pytest.approx(per_layer / 2, rel=0.10)
+
+
+@pytest.mark.slow
+def test_dx_only_whole_llm_stage_transient_matches_the_memory_model():
+    """The same frozen LLM as one stage with its token embedding and LM head (2 layers, 1024-token
+    row): the compiled transient is the model's at XLA:CPU's dot dtype within 10% (the embedding
+    table, read by a gather only, holds no copy; the head's bf16 copy does). Before, the model charged
+    the embedding a bf16 copy and the layers half their CPU bytes: 4.73 vs 5.28 GiB compiled."""
+    from jax.sharding import Mesh
+
+    from dflop_jax.costs.memory import CPU_DOT_BYTES, llm_stage_memory
+    from dflop_jax.profiling.compile_check import compile_part
+    from models.stages import with_remat
+
+    base = get_arch("siglip-so400m+qwen2.5-7b")
+    arch = dataclasses.replace(base, llm=dataclasses.replace(base.llm, num_layers=2))
+    cfg = with_remat(model_config_for_arch(arch), {"vision": "full", "llm": "full"})
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    spec, tokens, recipe = (
+        StageSpec("llm", 0, 2, has_embedding=True, has_head=True),
+        1024,
+        ("projector",),
+    )
+    prog = stage_program(cfg, spec, mesh, tokens, jnp.bfloat16, feature_tiles=1, trainable=recipe)
+    compiled = compile_part("llm", prog).transient
+    model = llm_stage_memory(arch, spec, tokens, True, trainable=recipe, dot_bytes=CPU_DOT_BYTES)
+    assert model.temp == pytest.approx(compiled, rel=0.10)

@@ -46,10 +46,21 @@ sequence parallelism:
   tiles, docs/benchmarks.md). Without remat the blocked path saves no square (CPU holds it only
   while a layer's backward runs), so there the term overstates the CPU figure; GPU keeps it.
 Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
-gradient accumulator and no optimizer state, and the program holds only their compute-dtype copy (no
-weight gradient). A forward-only stage keeps no stage input for a backward (`activations_per_microbatch`
-0) and no residuals: its transient is one layer's activations at a time, its input and the weight
-copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
+gradient accumulator and no optimizer state, and the program holds only a weight copy (no weight
+gradient), in the dtype the backend's dots read (`dot_bytes`). On an accelerator that is the compute
+dtype (a GPU runs bf16 dots natively: 2 B per parameter; reasoned from the HLO, not measured on a GPU).
+XLA:CPU has no bf16 dot: it rounds the weights to bf16 and converts them back to f32, and what the
+layer loop's dots (the backward's transposed ones included) read is an f32 stack of every layer's
+weights (`convert(convert(concatenate))`, f32[L, ...] in the buffer assignment) plus one layer's f32
+slice in the loop body: `dot_bytes=CPU_DOT_BYTES` (4), measured 4.0 B per frozen layer parameter on a
+dx-only Qwen2.5-7B-width stage at tp 1 (4.1 at tp 4; tests/test_profiling_compile_check.py,
+docs/benchmarks.md). The LM head's copy stays in the compute dtype on CPU too, and a frozen token
+embedding read only by its gather holds no copy at all (measured on CPU: the gather converts the rows
+it reads). The trained parameters' 8 B above are not split by backend (XLA:CPU measures ~6 B per layer
+parameter there: the f32 weight stack and the bf16 gradient stack, the fp32 form fused into the
+accumulator add). A forward-only stage keeps no stage input for a backward
+(`activations_per_microbatch` 0) and no residuals: its transient is one layer's activations at a time,
+its input and the weight copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
 (one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
 gradient on the first LLM stage) is held where the stage input needs none.
 `python -m dflop_jax.plan --check` compares these terms with the compiled programs
@@ -74,6 +85,7 @@ LOSS_CHUNK = 1024  # positions whose logits the loss computes at once (DecoderCo
 FEATURE_TAPS = 4  # bilinear taps per image position (data.types.FEATURE_TAPS)
 DENSE_MAX_TOKENS = 1024  # models.attention.dense_max on accelerators: shorter rows run unblocked
 REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
+CPU_DOT_BYTES = F32  # XLA:CPU upcasts bf16 dot operands to f32 (module docstring: frozen parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,26 +226,60 @@ def _kept_per_token(d: int, dots: float, cb: int, remat: str) -> float:
     return dots if remat == "dots" else float(d * cb)
 
 
+def frozen_weight_bytes(
+    num_params: float,
+    layers: int,
+    layer_params: float,
+    compute_bytes: int,
+    dot_bytes: int | None = None,
+    gathered: float = 0.0,
+) -> float:
+    """Bytes the program holds for `num_params` frozen parameters, `layers` x `layer_params` of them
+    in its layer loop and `gathered` of them a table only a gather reads (a frozen untied token
+    embedding: the gather converts the rows it reads, no copy of the table): their compute-dtype copy,
+    the loop's stacked weights in the dtype its dots read (`dot_bytes`, default the compute dtype)
+    and, where that is an upcast (XLA:CPU), one layer's converted slice in the loop body too (module
+    docstring)."""
+    dot = compute_bytes if dot_bytes is None else dot_bytes
+    num_params -= gathered
+    if dot <= compute_bytes:
+        return weight_copy_bytes(num_params, compute_bytes)
+    loop = layers * layer_params  # a rounded copy even at f32: convert(convert(w))
+    held = (loop + layer_params) * dot if layers else 0.0
+    return weight_copy_bytes(num_params - loop, compute_bytes) + held
+
+
 def _state(
-    n_trained: float, n_frozen: float, dp: int, cb: int
+    n_trained: float,
+    n_frozen: float,
+    dp: int,
+    cb: int,
+    loop: tuple[int, float, float],
+    dot_bytes: int | None,
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, weight transient) bytes: frozen parameters keep their fp32 copy and
-    their compute-dtype cast, nothing else."""
+    their weight copy for the dots, nothing else."""
     params, grads, optimizer = state_bytes(n_trained, dp)
     params += n_frozen * PARAM_BYTES
-    return (
-        params,
-        grads,
-        optimizer,
-        (weight_transient_bytes(n_trained, cb) + weight_copy_bytes(n_frozen, cb)),
-    )
+    layers, layer, gathered = loop
+    frozen = frozen_weight_bytes(n_frozen, layers, layer, cb, dot_bytes, gathered)
+    return params, grads, optimizer, weight_transient_bytes(n_trained, cb) + frozen
 
 
 def _memory(
-    role: StageRole, trained: float, frozen: float, dp: int, cb: int, inputs: float, temp: float
+    role: StageRole,
+    trained: float,
+    frozen: float,
+    loop: tuple[int, float, float],
+    dp: int,
+    cb: int,
+    inputs: float,
+    temp: float,
+    dot_bytes: int | None,
 ) -> StageMemory:
-    """The StageMemory of a stage's terms; a forward-only stage holds its input only while it runs."""
-    params, grads, optimizer, weights = _state(trained, frozen, dp, cb)
+    """The StageMemory of a stage's terms (`loop`: its frozen layers, parameters per layer, and the
+    frozen parameters only a gather reads); a forward-only stage holds its input only while it runs."""
+    params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes)
     if role.kind == "forward":
         return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
     return StageMemory(params, grads, optimizer, inputs, temp + weights)
@@ -253,14 +299,17 @@ def encoder_stage_memory(
     compute_bytes: int = 2,
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
+    dot_bytes: int | None = None,
 ) -> StageMemory:
     """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at
-    `tiles` per data shard, as the runtime holds it under the recipe `trainable` (module docstring)."""
+    `tiles` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
+    `dot_bytes`: bytes per weight element the backend's dots read, `CPU_DOT_BYTES` on XLA:CPU)."""
     v, p, tp, cb, remat = arch.vision, arch.projector, stage.tp, compute_bytes, remat_policy(remat)
     role = stage_role(stage, trainable, True)
     forward = role.kind == "forward"
     norm = 2 * v.hidden_size * (2 if v.norm == "layer_norm" else 1)
-    n_body = stage.num_layers * _sharded(flops.vision_layer_params(v), norm, tp)
+    n_layer = _sharded(flops.vision_layer_params(v), norm, tp)
+    n_body = stage.num_layers * n_layer
     tokens = tiles * v.seq_len
     full = vision_activation_bytes_per_token(v, tp, False, cb)
     if not flash_attention or v.seq_len <= DENSE_MAX_TOKENS:  # a tile's square (module docstring)
@@ -289,7 +338,8 @@ def encoder_stage_memory(
     elif not forward:
         temp += hidden  # dy
     trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
-    return _memory(role, trained, frozen, stage.dp, cb, inputs, temp)
+    loop = (0, 0.0, 0.0) if "vision" in role.trains else (stage.num_layers, n_layer, 0.0)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
 
 
 def llm_stage_memory(
@@ -300,13 +350,16 @@ def llm_stage_memory(
     compute_bytes: int = 2,
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
+    dot_bytes: int | None = None,
 ) -> StageMemory:
     """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of
-    `tokens` per data shard, as the runtime holds it under the recipe `trainable` (module docstring)."""
+    `tokens` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
+    `dot_bytes` as in `encoder_stage_memory`)."""
     m, tp, cb, remat = arch.llm, stage.tp, compute_bytes, remat_policy(remat)
     role = stage_role(stage, trainable, arch.vision is not None)
     forward = role.kind == "forward"
-    n_params = stage.num_layers * _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
+    n_layer = _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
+    n_params = stage.num_layers * n_layer
     full = llm_activation_bytes_per_token(m, tp, False, cb)
     if not flash_attention:
         full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
@@ -339,7 +392,9 @@ def llm_stage_memory(
     elif not forward:
         temp += hidden  # dy
     trained, frozen = _split(role, {"llm": n_params})
-    return _memory(role, trained, frozen, stage.dp, cb, inputs, temp)
+    gathered = embed if stage.has_embedding and not (stage.has_head and m.tie_embeddings) else 0.0
+    loop = (0, 0.0, 0.0) if "llm" in role.trains else (stage.num_layers, n_layer, gathered)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
 
 
 def stage_memory(
@@ -350,8 +405,9 @@ def stage_memory(
     compute_bytes: int = 2,
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
+    dot_bytes: int | None = None,
 ) -> StageMemory:
     """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)
-    under the recipe `trainable`."""
+    under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`)."""
     fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
-    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable)
+    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable, dot_bytes)
