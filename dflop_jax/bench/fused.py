@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -80,26 +79,14 @@ def _runner(prog, seed: int):
     return (lambda: fwd_c(params, x, side)), bwd
 
 
-def _time_s(call, runs: int, statistic: str) -> float:
-    """The median or the minimum of `runs` timed calls after one warm-up (the minimum is the one
-    to read on a contended host: other processes only ever add time)."""
-    import jax
-
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) if statistic == "median" else np.min(times))
-
-
 def measure(rounds: int, runs: int, statistic: str = "median") -> dict:
-    """Per program key, [rounds, 2] (fwd, bwd) times, rounds interleaved over all programs."""
+    """Per program key, [rounds, 2] (fwd, bwd) times, rounds interleaved over all programs (the
+    minimum `statistic` is the one to read on a contended host: other processes only add time)."""
     import jax
     import jax.numpy as jnp
 
     from dflop_jax.profiling.model_config import model_config_for_arch
+    from dflop_jax.profiling.model_profiler import time_call
 
     model_cfg = model_config_for_arch("tiny")
     progs = _programs(model_cfg, jax.devices(), jnp.dtype(jnp.float32))
@@ -108,7 +95,7 @@ def measure(rounds: int, runs: int, statistic: str = "median") -> dict:
     for r in range(rounds):
         for k, (fwd, bwd) in runners.items():
             with jax.set_mesh(progs[k].mesh):
-                times[k][r] = _time_s(fwd, runs, statistic), _time_s(bwd, runs, statistic)
+                times[k][r] = time_call(fwd, 1, runs, statistic), time_call(bwd, 1, runs, statistic)
     return times
 
 

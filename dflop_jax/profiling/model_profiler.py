@@ -119,7 +119,8 @@ def _cost(compiled) -> tuple[float, float]:
     return float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
 
 
-def _time(call: Callable[[], object], warmup: int, runs: int, statistic: str) -> float:
+def time_call(call: Callable[[], object], warmup: int, runs: int, statistic: str) -> float:
+    """The median or the minimum (`statistic`) of `runs` timed calls after `warmup` untimed ones."""
     for _ in range(warmup):
         jax.block_until_ready(call())
     times = []
@@ -174,8 +175,8 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     timing = (settings.warmup, settings.runs, settings.statistic)
     with jax.set_mesh(prog.mesh):
         for _ in range(repeats):
-            fwd.append(_time(lambda: fwd_c(params, x, side), *timing))
-            bwd.append(0.0 if bwd_c is None else _time(backward, *timing))
+            fwd.append(time_call(lambda: fwd_c(params, x, side), *timing))
+            bwd.append(0.0 if bwd_c is None else time_call(backward, *timing))
     out = dict(stats, fwd_s=fwd[0], bwd_s=bwd[0])
     return out if repeats == 1 else dict(out, fwd_reps=fwd, bwd_reps=bwd)
 
