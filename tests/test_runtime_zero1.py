@@ -39,22 +39,22 @@ LAYOUT = Layout(
         StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
     ),
 )
+
+
+def _two_stage_decoder(dp: int) -> Layout:
+    return Layout(
+        (),
+        (
+            StageSpec("llm", 0, 1, tp=1, dp=dp, has_embedding=True),
+            StageSpec("llm", 1, 2, tp=1, dp=dp, has_head=True),
+        ),
+    )
+
+
 # dp 3 against the tiny decoder's widths (vocab 61, hidden 32, heads 4 x 8, kv 2 x 8; only the
 # MLP's 48 divides by 3): most leaves have no axis divisible by dp, so ZeRO-1 pads them.
-LAYOUT_DP3 = Layout(
-    (),
-    (
-        StageSpec("llm", 0, 1, tp=1, dp=3, has_embedding=True),
-        StageSpec("llm", 1, 2, tp=1, dp=3, has_head=True),
-    ),
-)
-LAYOUT_DP2 = Layout(
-    (),
-    (
-        StageSpec("llm", 0, 1, tp=1, dp=2, has_embedding=True),
-        StageSpec("llm", 1, 2, tp=1, dp=2, has_head=True),
-    ),
-)
+LAYOUT_DP3, LAYOUT_DP2 = _two_stage_decoder(3), _two_stage_decoder(2)
+
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=0.5)
 GROUPS = r"\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\] \{[^}]*\}"
 COLLECTIVE = re.compile(

@@ -380,8 +380,6 @@ class MeasuredCostProvider:
         xs, ys = np.array([e.bucket for e in entries], dtype=np.float64), np.array(shares)
         (fwd, how), (bwd, _) = (interpolate(xs, ys[:, i], float(tile_bucket)) for i in (0, 1))
         self._note(kind, how)
-        if self._measured_recipe:  # the fused program was profiled under the recipe
-            return float(fwd), float(bwd)
         return self._colocated_recipe(encoder, tile_bucket, fwd, bwd)
 
     def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
@@ -394,8 +392,8 @@ class MeasuredCostProvider:
 
     def _colocated_recipe(self, encoder: StageSpec, tiles: int, fwd: float, bwd: float):
         """(fwd, bwd) of a colocated encoder from its time in the fused program, frozen parts by
-        `recipe.colocated_backward` (an all-trained table's timings; a recipe table's are already
-        the recipe's: returned as they are)."""
+        `recipe.colocated_backward` (an all-trained table's timings; a recipe table's, whose fused
+        program was profiled under the recipe, are already the recipe's: returned as they are)."""
         if self._measured_recipe:
             return float(fwd), float(bwd)
         role = stage_role(encoder, self.trainable, self._multimodal)

@@ -60,8 +60,8 @@ it reads). The trained parameters' 8 B above are not split by backend (XLA:CPU m
 parameter there: the f32 weight stack and the bf16 gradient stack, the fp32 form fused into the
 accumulator add). A forward-only stage keeps no stage input for a backward
 (`activations_per_microbatch` 0) and no residuals: its transient is one layer's activations at a time,
-its input and the weight copies. An encoder head stage training only its projector keeps no residuals of its frozen layers
-(one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
+its input and the weight copies. An encoder head stage training only its projector keeps no residuals
+of its frozen layers (one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
 gradient on the first LLM stage) is held where the stage input needs none.
 `python -m dflop_jax.plan --check` compares these terms with the compiled programs
 (`profiling/compile_check.py`; figures in docs/benchmarks.md).
