@@ -1,4 +1,4 @@
-"""Frozen-aware costs from a profile (issue 17 item 3), no jax: a cost table profiled UNDER a recipe is
+"""Frozen-aware costs from a profile, no jax: a cost table profiled UNDER a recipe is
 used as measured (a stage's backward is its parts' measured backwards, a frozen part with no backward
 of its own re-run forward inside a stage that has one), one profiled under another frozen recipe is
 refused, an all-trainable table (and one written before recipes) still derives; the colocated

@@ -1,4 +1,4 @@
-"""Frozen-aware costs (issue 17 item 3): stage roles, memory terms against hand-computed values, the
+"""Frozen-aware costs: stage roles, memory terms against hand-computed values, the
 recipe's times, the simulator's forward-only prefix, and the planner's prediction under a recipe."""
 
 import dataclasses

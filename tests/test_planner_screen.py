@@ -1,4 +1,4 @@
-"""The planner's screen (issue 17 item 3, the screening miss): one typical batch, sorted and cut into
+"""The planner's screen: one typical batch, sorted and cut into
 M microbatches, each at the buckets of its FULLEST shard. A packed row holds whole samples, so at one
 sample per shard (tp2 dp32 M=8 on 64 GPUs, feasible once the LLM is frozen) a microbatch's length
 bucket is its longest sample, which the former mean-load screen (every shard at the mean sample)

@@ -1,4 +1,4 @@
-"""Profiling and compile checks under a training recipe (issue 17 item 3): the profiler compiles and
+"""Profiling and compile checks under a training recipe: the profiler compiles and
 times each part's programs as the recipe runs them (a frozen prefix part has no backward program, a
 frozen part behind a trained one a dx-only backward, the projector no dx into the ViT), a table keeps
 its recipe, and `plan --check` compiles each stage as it trains under the plan's recipe. Assertions

@@ -1,4 +1,4 @@
-"""Is the fused colocated stage the sum the cost provider composes? (issue 12, item 3)
+"""Is the fused colocated stage the sum the cost provider composes?
 
     python -m dflop_jax.bench fused [--rounds 3] [--runs 5] [--statistic median|min] [--json out.json]
 

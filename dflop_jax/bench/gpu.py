@@ -44,7 +44,7 @@ from dflop_jax.host_devices import simulate_cpu_devices
 
 PARTS = ("attention", "stage", "profiler", "host")
 CPU_BANNER = "CPU: figures are not GPU figures"
-# Goals of issue 18 (on an H100): LLM stage MFU, and the profiler's stage-time prediction error.
+# Goals on one H100: LLM stage MFU, and the profiler's stage-time prediction error.
 GOAL_LLM_MFU, GOAL_RAW_MAPE, GOAL_CORRECTED_MAPE = 0.55, 0.10, 0.05
 # bf16 parity: max |a - b| / max |reference| (8-bit mantissa: 2^-8 per rounding, sums of many terms).
 ATTN_TOL = {"out": 2e-2, "grad": 5e-2}

@@ -15,7 +15,7 @@ The pipeline table (`--pipeline`) takes the LLaVA-OV mix at N=256 through 1 enco
 for P = 2..8 and reports the simulated 1F1B makespan of DFLOP's stage-aware order, of the same
 microbatches in solve order, and of the strongest baseline, against `order.makespan_lower_bound` (a
 bound for the chosen microbatches, over every order); a second table does the same on the heavy mix
-with microbatch counts 4..16 (`RANGE`) allowed. Before / after issue 14 item 3: DFLOP with
+with microbatch counts 4..16 (`RANGE`) allowed. Two choice rules: DFLOP with
 candidates chosen by the surrogate alone (`select="surrogate"`) and by the 1F1B makespan (the
 default), each against its own microbatches' bound, and the makespan rule's largest CPU time.
 """
@@ -208,7 +208,7 @@ def pipeline_markdown(rows: list[dict]) -> str:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 14's targets on these rows: <= 1% over the bound at N=256 in <= 1 s, <= 0.5% at N=1024."""
+    """The scheduler's targets on these rows: <= 1% over the bound at N=256 in <= 1 s, <= 0.5% at N=1024."""
     out = []
     for r in rows:
         goal = {256: 0.01, 1024: 0.005}.get(r["N"])

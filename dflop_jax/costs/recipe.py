@@ -1,6 +1,6 @@
 """What a training recipe (`optimizer.trainable`) makes each pipeline stage run, for the cost models.
 
-The runtime (runtime/stages.py, issue 17 item 2) executes a stage by what it trains and whether its
+The runtime (runtime/stages.py) executes a stage by what it trains and whether its
 input needs a gradient (some part before it trains):
 
 - "train": it holds a trained part: recompute-in-backward, weight gradients of the trained parts only

@@ -1,4 +1,4 @@
-"""Candidate choice by the pipeline's 1F1B makespan (issue 14 item 3, DESIGN section 4).
+"""Candidate choice by the pipeline's 1F1B makespan (DESIGN section 4).
 
 The greedy and the refinement compare candidates by the surrogate `sum_k W_k + (P-1) max_k W_k`, which
 sees a microbatch only through its slowest stage. With encoder stages in the pipeline a tile-heavy
