@@ -110,6 +110,9 @@ _GIN_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*=\s*(.+?)\s*$")
 def read_gin_bindings(path: str | Path) -> list[str]:
     """Reads gin-style bindings (`scheduler.time_limit_s = 2.0`, one per line, `#` comments).
 
+    The syntax is the project's own (a subset of gin's binding lines); the `gin-config` package is not
+    needed for it.
+
     Bindings set config fields only (never functions deep in the code); they become overrides.
     """
     path = Path(path)
