@@ -271,7 +271,14 @@ def _stages(module, layers, tps, dp) -> tuple[StageSpec, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Attributes: every (steps between saves, 0 = off), keep (last K kept), resume (from the latest)."""
+    """Checkpoints of the run (orbax; layout-independent: params and optimizer state as the model's tree).
+
+    Attributes:
+      every: steps between saves (0 = off).
+      keep: the last K checkpoints kept.
+      resume: resume from the latest checkpoint in `run_dir` when there is one.
+      async_save: write checkpoints in the background while training goes on.
+    """
 
     every: int = 0
     keep: int = 2
@@ -337,6 +344,9 @@ class TrainConfig:
         costs (memory capacity, hosts; with `plan: auto` measured costs replace the analytic ones).
       profile: the model profiler's grid and timing (`plan: auto`).
       steps: optimizer steps; global_batch: records drawn per step.
+      log_every: steps between console lines (every step goes to metrics.jsonl).
+      run_dir: the run's directory: resolved config, metrics, checkpoints, plans, profiles.
+      seed: seed of the data order and the scheduler (the model's init has `model.init_seed`).
       pipeline: dispatch order of the stage programs ("1f1b" or "gpipe").
       compute_dtype: dtype of the stage programs (params stay fp32).
       num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call).
