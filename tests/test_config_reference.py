@@ -3,7 +3,7 @@
 import dataclasses
 from pathlib import Path
 
-from dflop_jax.config.reference import attribute_docs, render, root_config
+from dflop_jax.config_reference import attribute_docs, render, root_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -32,7 +32,7 @@ def test_attribute_docs_parse_google_style_entries():
 def test_config_reference_is_current():
     expected = render(root_config())
     assert DOC.read_text() == expected, (
-        "docs/config.md is stale: python -m dflop_jax.config.reference out=docs/config.md"
+        "docs/config.md is stale: python -m dflop_jax.config_reference out=docs/config.md"
     )
 
 

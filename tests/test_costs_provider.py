@@ -158,24 +158,9 @@ def test_cli_json_and_bad_model(capsys):
     from dflop_jax.costs.__main__ import main
 
     assert (
-        main(
-            [
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-                "--tp",
-                "1,2",
-                "--tiles",
-                "4",
-                "--lengths",
-                "256",
-                "--json",
-            ]
-        )
-        == 0
+        main(["arch=tiny", "device=cpu", "tp=[1,2]", "tiles=[4]", "lengths=[256]", "--json"]) == 0
     )
     out = json.loads(capsys.readouterr().out)
     assert out["params"]["llm"] == 213568 and set(out["llm_s"]) == {"1", "2"}
-    assert main(["--model", "nope"]) == 2
+    assert main(["arch=nope"]) == 2
     assert "unknown arch" in capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_synth_is_deterministic_and_reused(tmp_path):
     )
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "precious.txt").write_text("keep")
-    assert synth_main(["--out", str(tmp_path / "user"), "--samples", "3", "--mix", "text"]) == 2
+    assert synth_main([f"out={tmp_path / 'user'}", "samples=3", "mix=text"]) == 2
     assert (tmp_path / "user" / "precious.txt").read_text() == "keep"
 
 

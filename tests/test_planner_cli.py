@@ -75,12 +75,7 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
         )
     )
     png = tmp_path / "t.png"
-    assert (
-        simulate_cli.main(
-            ["--plan", str(path), "--samples", str(samples), "--png", str(png), "--json"]
-        )
-        == 0
-    )
+    assert simulate_cli.main([f"plan={path}", f"samples={samples}", f"png={png}", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["batches"][0]["samples"] == 8
     # The CLI's default scheduler for a searched plan is greedy: the library replay of the same batch.
@@ -88,22 +83,11 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
     ref = replay(tiny_plan, [read_samples_jsonl(samples)], "greedy", "1f1b")
     assert rep["step_time_mean_s"] == ref["step_time_mean_s"] == ref["batches"][0]["step_time_s"]
     assert 0 <= rep["idle_fraction_mean"] < 1 and png.read_bytes()[:4] == b"\x89PNG"
-    args = [
-        "--plan",
-        str(path),
-        "--mix",
-        "llava-ov",
-        "--batches",
-        "2",
-        "--scheduler",
-        "data-blind",
-        "--schedule",
-        "gpipe",
-    ]
+    args = [f"plan={path}", "mix=llava-ov", "batches=2", "scheduler=data-blind", "pipeline=gpipe"]
     assert simulate_cli.main(args) == 0
     assert "mean: step" in capsys.readouterr().out
     samples.write_text('{"id": 1}\n')
-    assert simulate_cli.main(["--plan", str(path), "--samples", str(samples)]) == 2
+    assert simulate_cli.main([f"plan={path}", f"samples={samples}"]) == 2
     assert "batch.jsonl:1" in capsys.readouterr().err
 
 

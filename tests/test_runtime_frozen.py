@@ -370,12 +370,7 @@ def demo_stage1_exports(tmp_path_factory):
     run(load_config(TrainConfig, cfg, [*DEMO_STAGE1, *over]))
     tensors = {}
     for step in (4, 8):
-        assert (
-            export(
-                ["--run", str(tmp / "run"), "--step", str(step), "--out", str(tmp / f"hf{step}")]
-            )
-            == 0
-        )
+        assert export([f"run={tmp / 'run'}", f"step={step}", f"out={tmp / f'hf{step}'}"]) == 0
         tensors[step] = {}
         for file in sorted((tmp / f"hf{step}").glob("*.safetensors")):
             tensors[step].update(load_file(file))

@@ -114,7 +114,7 @@ def _reference(model_cfg, cls, steps=(2,)):
 
 
 def _export(run, out, *args):
-    assert main(["--run", str(run), "--out", str(out), *args]) == 0
+    assert main([f"run={run}", f"out={out}", *args]) == 0
 
 
 @pytest.mark.hf
@@ -125,7 +125,7 @@ def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
 
     _, model_cfg, run = _write_run(tmp_path, "llava_ov")
     out = tmp_path / "hf"
-    _export(run, out, "--shard-gb", "0.00005")  # 50 kB shards: several files + index
+    _export(run, out, "shard_gb=0.00005")  # 50 kB shards: several files + index
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
@@ -208,7 +208,7 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
     tokens = np.random.default_rng(1).integers(0, model_cfg.vocab_size, (2, 12)).astype(np.int32)
     for step, bumps in ((2, (2,)), (4, (2, 4))):
         out = tmp_path / f"hf{step}"
-        _export(run, out, "--step", str(step))
+        _export(run, out, f"step={step}")
         ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         assert type(ref).__name__ == "LlamaForCausalLM"  # the demo's decoder has no q/k/v bias
         with torch.no_grad():
@@ -230,11 +230,11 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
 def test_missing_checkpoint_or_another_model_is_one_line(tmp_path, capsys):
     cfg, _, run = _write_run(tmp_path, "decoder")
     out = str(tmp_path / "hf")
-    assert main(["--run", str(tmp_path / "nowhere"), "--out", out]) == 2
-    assert main(["--run", str(run), "--step", "7", "--out", out]) == 2
+    assert main([f"run={tmp_path / 'nowhere'}", f"out={out}"]) == 2
+    assert main([f"run={run}", "step=7", f"out={out}"]) == 2
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=48))
     dump_yaml(other, run / "config.yaml")
-    assert main(["--run", str(run), "--out", out]) == 2
+    assert main([f"run={run}", f"out={out}"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3, errors
     assert "no config.yaml" in errors[0]

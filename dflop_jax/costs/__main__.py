@@ -1,15 +1,17 @@
 """Print an architecture's sizes and its analytic stage costs per tp and bucket.
 
-python -m dflop_jax.costs --model siglip-so400m+qwen2.5-7b --device h100 --tp 1,2,4,8
+python -m dflop_jax.costs arch=siglip-so400m+qwen2.5-7b device=h100 "tp=[1,2,4,8]"
 python -m dflop_jax.costs --list
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 
+from dflop_jax.config import ConfigError, require
+from dflop_jax.config.cli import Command, config_error, load_command_config
 from dflop_jax.costs.architectures import DEFAULT_ARCH, get_arch, list_archs
 from dflop_jax.costs.devices import get_device, list_devices
 from dflop_jax.costs.flops import (
@@ -21,36 +23,47 @@ from dflop_jax.costs.flops import (
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.provider import AnalyticCostProvider
 
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dflop_jax.costs", description=__doc__.split("\n")[0]
-    )
-    p.add_argument(
-        "--model", default=DEFAULT_ARCH, help=f"architecture (default {DEFAULT_ARCH}; --list)"
-    )
-    p.add_argument("--device", default="h100", help=f"device preset: {', '.join(list_devices())}")
-    p.add_argument(
-        "--tp", type=_ints, default=[1, 2, 4, 8], help="tensor-parallel degrees, e.g. 1,2,4"
-    )
-    p.add_argument("--tiles", type=_ints, default=[1, 8, 32], help="tile buckets (whole encoder)")
-    p.add_argument(
-        "--lengths", type=_ints, default=[2048, 8192, 32768], help="length buckets (whole LLM)"
-    )
-    p.add_argument("--remat", action="store_true", help="full recompute in backward")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--list", action="store_true", help="list the architecture names and exit")
-    return p
+COMMAND = Command(
+    prog="python -m dflop_jax.costs",
+    description=__doc__.split("\n")[0],
+    example='python -m dflop_jax.costs arch=siglip-so400m+qwen2.5-7b device=h100 "tp=[1,4]"',
+    modes={"json": "print JSON instead of text", "list": "list the architecture names and exit"},
+)
 
 
-def report(args: argparse.Namespace) -> dict:
+@dataclasses.dataclass(frozen=True)
+class CostsConfig:
+    """Which architecture, device and buckets to cost.
+
+    Attributes:
+      arch: architecture name (`--list` prints them).
+      device: device preset.
+      tp: tensor-parallel degrees.
+      tiles: tile buckets (whole encoder).
+      lengths: length buckets (whole LLM).
+      remat: full activation recomputation in the backward.
+    """
+
+    arch: str = DEFAULT_ARCH
+    device: str = "h100"
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    tiles: tuple[int, ...] = (1, 8, 32)
+    lengths: tuple[int, ...] = (2048, 8192, 32768)
+    remat: bool = False
+
+    def __post_init__(self):
+        require(
+            self.device in list_devices(), "device", self.device, f"use one of {list_devices()}"
+        )
+        for name in ("tp", "tiles", "lengths"):
+            value = getattr(self, name)
+            require(bool(value) and min(value) >= 1, name, list(value), "give a list of ints >= 1")
+
+
+def report(cfg: CostsConfig) -> dict:
     """Sizes, FLOPs and whole-module (fwd, bwd) seconds per tp and bucket (one stage, dp shard)."""
-    arch, device = get_arch(args.model), get_device(args.device)
-    prov = AnalyticCostProvider(arch, device, remat=args.remat)
+    arch, device = get_arch(cfg.arch), get_device(cfg.device)
+    prov = AnalyticCostProvider(arch, device, remat=cfg.remat)
     enc = lambda tp: StageSpec(
         "encoder", 0, arch.vision.num_layers, tp=tp, has_embedding=True, has_head=True
     )
@@ -68,13 +81,13 @@ def report(args: argparse.Namespace) -> dict:
         "fwd_flops": {
             "vision_per_tile": vision_flops_per_tile(arch.vision),
             "projector_per_tile": projector_flops_per_tile(arch),
-            **{f"llm_{s}_tokens": llm_flops(arch.llm, [s]) for s in args.lengths},
+            **{f"llm_{s}_tokens": llm_flops(arch.llm, [s]) for s in cfg.lengths},
         },
-        "encoder_s": {tp: {t: prov.stage_time(enc(tp), t) for t in args.tiles} for tp in args.tp},
-        "llm_s": {tp: {s: prov.stage_time(llm(tp), s) for s in args.lengths} for tp in args.tp},
+        "encoder_s": {tp: {t: prov.stage_time(enc(tp), t) for t in cfg.tiles} for tp in cfg.tp},
+        "llm_s": {tp: {s: prov.stage_time(llm(tp), s) for s in cfg.lengths} for tp in cfg.tp},
         "llm_memory_gib": {
-            tp: {s: prov.stage_memory(llm(tp), s).total() / 2**30 for s in args.lengths}
-            for tp in args.tp
+            tp: {s: prov.stage_memory(llm(tp), s).total() / 2**30 for s in cfg.lengths}
+            for tp in cfg.tp
         },
     }
 
@@ -98,12 +111,14 @@ def _print_text(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = COMMAND.parse(argv)
     if args.list:
         print("\n".join(list_archs()))
         return 0
     try:
-        r = report(args)
+        r = report(load_command_config(CostsConfig, args))
+    except ConfigError as e:
+        return config_error(e)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Synthetic datasets on disk: LLaVA-format JSONL + real image files, frame folders, short videos, text.
 
-    python -m dflop_jax.data.synth --out runs/synth --samples 500 --mix llava-ov --seed 0
+    python -m dflop_jax.data.synth out=runs/synth samples=500 mix=llava-ov seed=0
 
 Mixes (DESIGN section 10): `llava-ov` (single image anyres, multi-image, video, text), `dflop` (the paper's:
 single image, multi-image, video), `single-image`, `multi-image`, `video`, `text`, and `internvl` (the four
@@ -13,8 +13,8 @@ Output: one JSONL per subset, `images/`, `videos/`, and `mix.yaml` (the path `sy
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 from PIL import Image
+
+from dflop_jax.config import ConfigError, require, require_seed
+from dflop_jax.config.cli import Command, config_error, load_command_config
 
 VERSION = 1
 LOCK_TIMEOUT_S = 600.0  # how long a process waits for another one writing the same dataset
@@ -337,22 +340,50 @@ def _exclusive(lock_path: Path, timeout_s: float = LOCK_TIMEOUT_S):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@dataclasses.dataclass(frozen=True)
+class SynthConfig:
+    """A synthetic dataset to write.
+
+    Attributes:
+      out: the output folder (created; a folder holding anything else is refused).
+      samples: records to write.
+      mix: the modality mix (see `MIXES`).
+      seed: seed of the records and images.
+      tile_size: tile size the image sizes scale to (0 = the mix's default).
+    """
+
+    out: str = ""
+    samples: int = 500
+    mix: str = "llava-ov"
+    seed: int = 0
+    tile_size: int = 0
+
+    def __post_init__(self):
+        require(bool(self.out), "out", self.out, "give the output folder, e.g. out=runs/synth")
+        require(self.samples >= 1, "samples", self.samples, "must be >= 1")
+        require(self.mix in MIXES, "mix", self.mix, f"use one of {sorted(MIXES)}")
+        require(self.tile_size >= 0, "tile_size", self.tile_size, "0 (default) or pixels")
+        require_seed(self.seed, "seed")
+
+
+COMMAND = Command(
+    prog="python -m dflop_jax.data.synth",
+    description=__doc__.split("\n")[0],
+    example="python -m dflop_jax.data.synth out=runs/example_data samples=16 mix=llava-ov",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dflop_jax.data.synth", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--samples", type=int, default=500)
-    p.add_argument("--mix", default="llava-ov", choices=sorted(MIXES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tile", type=int, default=None, help="tile size the image sizes scale to")
-    args = p.parse_args(argv)
+    args = COMMAND.parse(argv)
     try:
-        path = synth_dataset(args.out, args.samples, args.mix, args.seed, args.tile)
+        cfg = load_command_config(SynthConfig, args)
+        path = synth_dataset(cfg.out, cfg.samples, cfg.mix, cfg.seed, cfg.tile_size or None)
+    except ConfigError as e:
+        return config_error(e)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.samples} samples ({args.mix}) -> {path}")
+    print(f"wrote {cfg.samples} samples ({cfg.mix}) -> {path}")
     return 0
 
 

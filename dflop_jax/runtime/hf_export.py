@@ -1,6 +1,6 @@
 """A training run's checkpoint -> an HF model directory that transformers (and vLLM) load.
 
-    export_run("runs/demo", "runs/demo/hf", step=8)      # python -m dflop_jax.export --run ... --out ...
+    export_run("runs/demo", "runs/demo/hf", step=8)      # python -m dflop_jax.export run=... out=...
 
 The checkpoint stores each module's params layout-independently (`runtime/checkpoint.py`: global layer
 indices, merged over stages, one orbax directory per group of owning processes), so any layout and any

@@ -4,7 +4,7 @@ The schema's dataclasses are the one source: types and defaults come from their 
 the `Attributes:` section of each class's docstring. `tests/test_config_reference.py` fails when the
 file is stale. Regenerate with:
 
-    python -m dflop_jax.config.reference out=docs/config.md
+    python -m dflop_jax.config_reference out=docs/config.md
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 HEADER = """# Run config reference
 
-Generated from the config dataclasses by `python -m dflop_jax.config.reference out=docs/config.md`
+Generated from the config dataclasses by `python -m dflop_jax.config_reference out=docs/config.md`
 (do not edit by hand; a test checks it is current). Every command reads the sections it needs from one
 YAML file (`--config FILE`) and `key.sub=value` overrides; a key that is not listed here is an error.
 Types: `a | b` is one of the listed values; `list of T` is a YAML list (on the command line `[1,2]`).
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
     if len(outs) != len(args) or len(outs) > 1:
-        print("usage: python -m dflop_jax.config.reference [out=docs/config.md]", file=sys.stderr)
+        print("usage: python -m dflop_jax.config_reference [out=docs/config.md]", file=sys.stderr)
         return 2
     text = render(root_config())
     if outs:
