@@ -195,6 +195,7 @@ class _Trainer:
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype), trainable=opt.trainable,
+            residuals=plan.residuals,
         )  # fmt: skip
         self.opts = [StageOptimizer(s, opt.build(), opt.zero1) for s in self.stages]
         if jax.process_count() > 1:
@@ -466,7 +467,7 @@ def _print_plan(console: Console, plan: ResolvedPlan, meshes) -> None:
         )
     console.print(
         f"  buckets tiles={plan.buckets.tiles} lengths={plan.buckets.lengths} "
-        f"microbatches={plan.microbatches}",
+        f"microbatches={plan.microbatches} residuals={list(plan.residuals or ['recompute'])}",
         highlight=False,
     )
 
