@@ -7,9 +7,11 @@ accumulator (4 B: each device holds its own data replica's sum, reduced once per
 (8 B, ZeRO-1: sharded over the stage's dp, `runtime/zero1.py`; a leaf no axis of which divides is
 padded to a multiple, so 8 / dp holds up to that padding).
 
-In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
-backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
-microbatch waiting for its backward holds only that input: x (the previous stage's output, or the
+In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): under the residual
+policy "recompute" the runtime's backward recomputes its stage's forward from the saved stage INPUT
+(`runtime/stages.py`), so a microbatch waiting for its backward holds only that input; under "all" /
+"layers" it also holds its layer residuals (every layer's, or each layer's input with layer remat),
+which then leave the transient (`_held`; the weight copies are not among them): x (the previous stage's output, or the
 packed tiles, or on the first LLM stage of an MLLM the image features of every data shard's row,
 replicated over the stage's mesh) and its side arrays (token ids, segment ids, positions, targets,
 loss mask, feature taps).
