@@ -207,11 +207,17 @@ def weight_transient_bytes(num_params: float, compute_bytes: int) -> float:
     return num_params * ((2 * compute_bytes + F32) if compute_bytes < F32 else F32)
 
 
-def _held(layers: int, tokens: int, saved: float, full: float, remat: str) -> float:
+def _held(
+    layers: int, tokens: int, saved: float, full: float, remat: str, layer_weights: float
+) -> float:
     """The part of `_residuals` a saving residual policy keeps per in-flight microbatch: every
-    layer's residuals without remat, each layer's kept part with it (the one layer rebuilt at a
-    time in the backward stays transient)."""
-    return layers * tokens * (full if remat == "none" else saved)
+    layer's residuals without remat; with it each layer's kept part and the compute-dtype copy of
+    its weights (`layer_weights` bytes per layer: the remat'd layer's inputs are its activation and
+    the scan's weight slice, which the vjp keeps; measured on the tiny arch, the held bytes' intercept
+    in tokens is the stage's bf16 layer weights), the one layer rebuilt at a time staying transient."""
+    if remat == "none":
+        return layers * tokens * full
+    return layers * (tokens * saved + layer_weights)
 
 
 def _policy_remat(residuals: str, remat: str) -> str:
@@ -352,7 +358,7 @@ def encoder_stage_memory(
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
         if residuals != "recompute":
-            held = _held(stage.num_layers, tokens, kept, full, remat)
+            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
     hidden = tokens * v.hidden_size * cb
     n_head = 0.0
     if stage.has_embedding:
@@ -408,7 +414,7 @@ def llm_stage_memory(
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
         if residuals != "recompute" and not stage.has_head:
-            held = _held(stage.num_layers, tokens, kept, full, remat)
+            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
     hidden = tokens * m.hidden_size * cb
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
     inputs = tokens * 2 * 4  # segment ids, positions (int32)
