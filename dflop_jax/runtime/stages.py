@@ -384,6 +384,11 @@ def stage_jits(
 
             y, vjp = jax.vjp(f, t, *((xc,) if dx else ()))
             leaves, tree = jax.tree_util.tree_flatten(vjp)
+            if any(callable(leaf) for leaf in leaves):
+                raise RuntimeError(
+                    f"this jax ({jax.__version__}) does not return jax.vjp's function as a pytree "
+                    "of arrays: train with residuals=recompute"
+                )
             slots = {id(c): i for i, c in enumerate(jax.tree.leaves((t, held)))}
             where = tuple(slots.get(id(leaf)) for leaf in leaves)
             vjps[sig] = (tree, where, None if x is None else x.dtype)
