@@ -45,7 +45,31 @@ def with_plan_remat(cfg: TrainConfig) -> TrainConfig:
 
 
 def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
-    """The layout, buckets, microbatch range and cost provider of `cfg.plan` for `model_cfg`."""
+    """The layout, buckets, microbatch range, cost provider and residual policies of `cfg.plan`
+    for `model_cfg`."""
+    resolved = _resolve_layout(cfg, model_cfg)
+    return dataclasses.replace(resolved, residuals=stage_residuals(cfg, model_cfg, resolved))
+
+
+def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tuple[str, ...]:
+    """Each stage's residual policy: `cfg.residuals` for every stage, or under "auto" the one with
+    the least backward work that fits the plan device's usable memory (analytic memory model at the
+    plan's largest buckets and in-flight counts)."""
+    from dflop_jax.costs import residual_policies
+    from dflop_jax.planner.scoring import in_flight
+
+    lay = resolved.layout
+    if cfg.residuals != "auto":
+        return (cfg.residuals,) * lay.num_stages
+    device = get_device(cfg.plan_device)
+    analytic = AnalyticCostProvider(arch_of_model(model_cfg), device, remat=cfg.model.remat,
+                                    trainable=tuple(cfg.optimizer.trainable))  # fmt: skip
+    counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
+    budget = device.memory_bytes * (1.0 - cfg.planner.memory_margin)
+    return tuple(residual_policies(analytic, lay, resolved.buckets, counts, budget))
+
+
+def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
     trainable = tuple(cfg.optimizer.trainable)  # the recipe the plan and the scheduler cost
     analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable)
@@ -87,14 +111,16 @@ def sample_shapes(cfg: TrainConfig):
 def dry_run(cfg: TrainConfig) -> list[dict]:
     """`python -m dflop_jax.train --dry-run`: resolve the run's plan and compile every stage program at
     its largest buckets from abstract arrays (`profiling/compile_check.py`); nothing is materialized.
-    Writes `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds) and
-    returns its stages."""
+    Writes `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds, the
+    residual policy and the training programs' FLOPs, `profiling/stage_report.py`; per transfer its
+    bytes per microbatch) and returns its stages."""
     import yaml
 
     from dflop_jax.costs import layout_memory
     from dflop_jax.planner.plan_file import check_to_dict
     from dflop_jax.planner.scoring import in_flight
     from dflop_jax.profiling.compile_check import check_layout
+    from dflop_jax.profiling.stage_report import stage_flops, transfer_bytes_per_microbatch
 
     cfg = with_plan_remat(cfg)
     model_cfg = abstract_model_config(cfg)
@@ -103,13 +129,16 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
     predicted = [m.total() for m in layout_memory(resolved.provider, lay, resolved.buckets, counts)]
     checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg)
+    flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals,
+                        trainable=tuple(cfg.optimizer.trainable))  # fmt: skip
     stages = [
-        {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p)}
-        for c, p in zip(checks, predicted)
+        {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p), **f}
+        for c, p, f in zip(checks, predicted, flops)
     ]
+    transfers = transfer_bytes_per_microbatch(lay, resolved.buckets, model_cfg)
     out = Path(cfg.run_dir) / "dry_run.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump({"layout": stages}, sort_keys=False))
+    out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))
     return stages
 
 

@@ -1,6 +1,7 @@
 """Memory model: state bytes and tp sharding, and activations against what jax autodiff actually saves."""
 
 import contextlib
+import dataclasses
 import io
 import re
 
@@ -20,7 +21,12 @@ from dflop_jax.costs import (
     llm_layer_params,
     vision_activation_bytes_per_token,
 )
-from dflop_jax.costs.memory import dense_attention_bytes
+from dflop_jax.costs.memory import (
+    RESIDUAL_POLICIES,
+    dense_attention_bytes,
+    pick_residuals,
+    stage_memory,
+)
 
 ARCH = get_arch("siglip-so400m+qwen2.5-7b")
 H100 = get_device("h100")
@@ -217,3 +223,59 @@ def test_encoder_tile_short_enough_to_run_dense_keeps_its_attention_square(monke
     long_flash = memory.encoder_stage_memory(big, spec, tiles, remat=True, flash_attention=True)
     long_dense = memory.encoder_stage_memory(big, spec, tiles, remat=True, flash_attention=False)
     assert long_dense.temp - long_flash.temp == pytest.approx(tiles * 16 * 1600**2 * 6)
+
+
+def test_saved_residuals_are_held_by_every_in_flight_microbatch():
+    """A saving policy moves an inner stage's layer residuals from the backward's transient into
+    each in-flight microbatch: "all" holds every layer's, "layers" each layer's input only (one
+    layer rebuilt at a time stays transient); the last stage's fused program holds nothing between
+    programs; the planner's pick is the policy with the least backward work that fits."""
+    inner = StageSpec("llm", 0, 8, tp=2, dp=1, has_embedding=True)
+    last = StageSpec("llm", 8, 8, tp=2, dp=1, has_head=True)
+    tokens = 4096
+    mem = {r: stage_memory(ARCH, inner, tokens, residuals=r) for r in RESIDUAL_POLICIES}
+    full = llm_activation_bytes_per_token(ARCH.llm, 2, False) * tokens
+    kept = ARCH.llm.hidden_size * 2 * tokens
+    base = mem["recompute"].activations_per_microbatch
+    assert mem["all"].activations_per_microbatch == pytest.approx(base + 8 * full)
+    weights = 8 * llm_layer_params(ARCH.llm) / 2 * 2  # tp 2, bf16 (norms replicated: ~)
+    assert mem["layers"].activations_per_microbatch == pytest.approx(base + 8 * kept + weights,
+                                                                     rel=1e-3)  # fmt: skip
+    for r in ("all", "layers"):
+        held = mem[r].activations_per_microbatch - base
+        # the same program bytes, (n - 1) more microbatches' residuals alive
+        once = mem[r].total(1) - mem["recompute"].total(1)
+        assert mem[r].total(3) - mem["recompute"].total(3) == pytest.approx(2 * held + once)
+    assert mem["all"].total(1) == pytest.approx(mem["recompute"].total(1))
+    tail = {r: stage_memory(ARCH, last, tokens, residuals=r) for r in RESIDUAL_POLICIES}
+    assert tail["all"] == dataclasses.replace(tail["recompute"], residuals="all")
+    # without layer remat, recompute rebuilds all 8 layers' residuals at once: more than "layers"
+    assert mem["layers"].total(3) < mem["recompute"].total(3) < mem["all"].total(3)
+    budgets = [mem["all"].total(3), mem["recompute"].total(3), 0.0]
+    assert [pick_residuals(mem, 3, b) for b in budgets] == ["all", "layers", "layers"]
+    remat = {r: stage_memory(ARCH, inner, tokens, True, residuals=r) for r in RESIDUAL_POLICIES}
+    assert pick_residuals(remat, 3, remat["recompute"].total(3)) == "recompute"
+
+
+@pytest.mark.parametrize("policy", ["all", "layers"])
+def test_held_residuals_match_the_residual_programs_outputs(policy):
+    """What a saving stage's forward returns per microbatch (its residuals, per device) is what the
+    memory model adds to the in-flight bytes, at two lengths (so per token and the fixed part: under
+    "layers" the layers' bf16 weight slices; no full weight copy under "all")."""
+    from dflop_jax.profiling.model_config import model_config_for_arch
+    from dflop_jax.profiling.programs import per_device_bytes, profile_mesh, stage_program
+
+    cfg, arch = model_config_for_arch("tiny", "bfloat16"), get_arch("tiny")
+    spec = StageSpec("llm", 0, 4, tp=1, dp=1)
+    mesh = profile_mesh(jax.devices(), 1)
+    for tokens in (256, 512):
+        prog = stage_program(cfg, spec, mesh, tokens, jnp.bfloat16, residuals=policy)
+        with jax.set_mesh(mesh):
+            fwd = prog.jits.forward_residuals
+            _, kept = jax.eval_shape(fwd, prog.params_abs, prog.x_abs, prog.side_abs)
+        mem = stage_memory(arch, spec, tokens, residuals=policy)
+        model = (
+            mem.activations_per_microbatch
+            - stage_memory(arch, spec, tokens).activations_per_microbatch
+        )
+        assert model == pytest.approx(per_device_bytes(kept), rel=0.1)

@@ -147,9 +147,13 @@ def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
     args = ["--dry-run", "plan=explicit", f"run_dir={tmp_path}", "layout.tiles=[2]",
             "layout.lengths=[128]", "model.llm_remat=full"]  # fmt: skip
     assert main(args) == 0
-    stages = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())["layout"]
+    report = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())
+    stages = report["layout"]
     assert len(stages) == 4  # the default explicit layout: 2 encoder + 2 LLM stages
+    assert report["transfers"] == []  # not measured yet
     for s in stages:
+        assert s["residuals"] in ("all", "layers", "recompute")
+        assert 0 < s["flops_forward"] < s["flops_backward"]
         c = s["compiled"]
         terms = c["params"] + c["grads"] + c["optimizer"] + c["inputs"] + c["transient"]
         assert s["compiled_memory_gib"] == round(terms / 2**30, 2)

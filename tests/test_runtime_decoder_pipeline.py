@@ -65,9 +65,15 @@ def _leaf(tree, names):
     raise KeyError(names)
 
 
-@pytest.mark.parametrize("order, tie", [("1f1b", False), ("1f1b", True), ("gpipe", True)])
-def test_decoder_pipeline_matches_reference(order, tie):
-    """tie=True: the embedding is also the head (Qwen2.5-0.5B style), held by stages 0 and 2."""
+@pytest.mark.parametrize(
+    "order, tie, residuals",
+    [("1f1b", False, "all"), ("1f1b", True, "recompute"), ("gpipe", True, "layers"),
+     ("1f1b", True, "all")],
+)  # fmt: skip
+def test_decoder_pipeline_matches_reference(order, tie, residuals):
+    """tie=True: the embedding is also the head (Qwen2.5-0.5B style), held by stages 0 and 2.
+    Every residual policy gives the reference's step; a saving one never runs the recompute
+    backward (its inner stages ran the residual programs only)."""
     cfg = tiny_decoder_config(num_layers=3, dtype="float32", tie_embeddings=tie)
     with jax.default_device(jax.devices()[0]):
         decoder = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -76,11 +82,16 @@ def test_decoder_pipeline_matches_reference(order, tie):
         _microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)
     ]  # one bucket: one compile each
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
+    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32,
+                          residuals=[residuals] * 3)  # fmt: skip
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
     tied = tied_groups(list(LAYOUT.stages), [s.params for s in stages])
     assert [[i for i, _ in group] for group in tied] == ([[0, 2]] if tie else [])
     out = run_pipeline(stages, mbs, norm, order)
+    saving = residuals != "recompute"
+    for stage in stages[:-1]:
+        kinds = {sig[0] for sig in stage.signatures}
+        assert kinds == ({"fwd_res", "bwd_res"} if saving else {"fwd", "bwd"})
     loss = sum(float(x) for x in out.loss)
     norm_got = np.asarray(apply_updates(opts, out.grads, OPT.clip_norm, tied=tied)[-1])[1]
 

@@ -116,10 +116,10 @@ def unsplit_tree(cfg, state) -> dict:
     return model_tree(specs, [state["encoder"], state["llm"]], [{}, {}])
 
 
-def _step(model, layout, mbs, loss, trainable) -> _Run:
+def _step(model, layout, mbs, loss, trainable, residuals=None) -> _Run:
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
-                          trainable=trainable)  # fmt: skip
+                          trainable=trainable, residuals=residuals)  # fmt: skip
     opt = OptimizerConfig(**HYPER, trainable=trainable)
     opts = [StageOptimizer(s, opt.build()) for s in stages]
     tied = tied_groups(list(layout.stages), [s.params for s in stages])
@@ -231,6 +231,20 @@ def test_vision_only_stage_runs_forward_only(separate):
 
 def _dots(lowered: str) -> int:
     return lowered.count("stablehlo.dot_general")
+
+
+def test_recipe_step_from_saved_residuals_matches_single_device():
+    """The projector-only recipe with every stage keeping all residuals: the frozen LLM stage's
+    dx-only backward and the trained projector's run from them (no recompute backward) and the
+    step equals the stop_gradient reference."""
+    trainable = RECIPES["projector_only"]
+    layout = sep.LAYOUT
+    run = _step(sep._model(), layout, sep._batch(), sep._llava_loss, trainable,
+                residuals=["all"] * layout.num_stages)  # fmt: skip
+    _check_step(run, trainable)
+    kinds = [{sig[0] for sig in s.signatures} for s in run.stages[:-1]]
+    assert [k for k in kinds if "bwd" in k] == []
+    assert {"fwd_res", "bwd_res"} <= kinds[-1]  # the frozen LLM stage before the last
 
 
 def test_frozen_stage_behind_trainable_passes_dx_only(separate):

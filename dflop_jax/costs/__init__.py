@@ -57,6 +57,7 @@ from dflop_jax.costs.provider import (
     layout_stage_costs,
     layout_transfer_costs,
     one_f_one_b_in_flight,
+    residual_policies,
 )
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "get_vision",
     "hardware_flops",
     "layout_memory",
+    "residual_policies",
     "layout_stage_costs",
     "layout_transfer_costs",
     "list_archs",

@@ -7,9 +7,11 @@ accumulator (4 B: each device holds its own data replica's sum, reduced once per
 (8 B, ZeRO-1: sharded over the stage's dp, `runtime/zero1.py`; a leaf no axis of which divides is
 padded to a multiple, so 8 / dp holds up to that padding).
 
-In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): the runtime's
-backward recomputes its stage's forward from the saved stage INPUT (`runtime/stages.py`), so a
-microbatch waiting for its backward holds only that input: x (the previous stage's output, or the
+In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): under the residual
+policy "recompute" the runtime's backward recomputes its stage's forward from the saved stage INPUT
+(`runtime/stages.py`), so a microbatch waiting for its backward holds only that input; under "all" /
+"layers" it also holds its layer residuals (every layer's, or each layer's input with layer remat),
+which then leave the transient (`_held`; the weight copies are not among them): x (the previous stage's output, or the
 packed tiles, or on the first LLM stage of an MLLM the image features of every data shard's row,
 replicated over the stage's mesh) and its side arrays (token ids, segment ids, positions, targets,
 loss mask, feature taps).
@@ -85,6 +87,7 @@ LOSS_CHUNK = 1024  # positions whose logits the loss computes at once (DecoderCo
 FEATURE_TAPS = 4  # bilinear taps per image position (data.types.FEATURE_TAPS)
 DENSE_MAX_TOKENS = 1024  # models.attention.dense_max on accelerators: shorter rows run unblocked
 REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
+RESIDUAL_POLICIES = ("all", "layers", "recompute")  # runtime.stages.RESIDUAL_POLICIES
 CPU_DOT_BYTES = F32  # XLA:CPU upcasts bf16 dot operands to f32 (module docstring: frozen parts)
 
 
@@ -97,6 +100,9 @@ class StageMemory:
       activations_per_microbatch: held by one in-flight microbatch (its stage input).
       temp: the training program's transient peak on top (residuals, gradients, weight casts).
       in_flight: microbatches alive at once on this stage (1F1B: P - stage index); `total()` default.
+      residuals: the stage's residual policy (`RESIDUAL_POLICIES`): under "all" / "layers" its saved
+        layer residuals are part of `activations_per_microbatch` (held by every in-flight
+        microbatch until its backward), not of `temp`.
     """
 
     params: float
@@ -105,6 +111,7 @@ class StageMemory:
     activations_per_microbatch: float
     temp: float
     in_flight: int = 1
+    residuals: str = "recompute"
 
     def total(self, in_flight: int | None = None) -> float:
         """Peak bytes with `in_flight` microbatches' activations alive (default: `self.in_flight`)."""
@@ -125,6 +132,7 @@ class StageMemory:
             self.activations_per_microbatch + other.activations_per_microbatch,
             max(self.temp, other.temp),
             max(self.in_flight, other.in_flight),
+            self.residuals,
         )
 
     def with_in_flight(self, in_flight: int) -> StageMemory:
@@ -197,6 +205,27 @@ def weight_transient_bytes(num_params: float, compute_bytes: int) -> float:
     """Bytes per parameter the training program holds while it runs: the compute-dtype copy of the
     weights, their gradient in the compute dtype, and its fp32 form added into the accumulator."""
     return num_params * ((2 * compute_bytes + F32) if compute_bytes < F32 else F32)
+
+
+def _held(
+    layers: int, tokens: int, saved: float, full: float, remat: str, layer_weights: float
+) -> float:
+    """The part of `_residuals` a saving residual policy keeps per in-flight microbatch: every
+    layer's residuals without remat; with it each layer's kept part and the compute-dtype copy of
+    its weights (`layer_weights` bytes per layer: the remat'd layer's inputs are its activation and
+    the scan's weight slice, which the vjp keeps; measured on the tiny arch, the held bytes' intercept
+    in tokens is the stage's bf16 layer weights), the one layer rebuilt at a time staying transient."""
+    if remat == "none":
+        return layers * tokens * full
+    return layers * (tokens * saved + layer_weights)
+
+
+def _policy_remat(residuals: str, remat: str) -> str:
+    """The layer remat a stage runs under residual policy `residuals` ("layers" builds it with full
+    remat, `runtime.model_stages.stage_config`)."""
+    if residuals not in RESIDUAL_POLICIES:
+        raise ValueError(f"residual policy {residuals!r}: use one of {list(RESIDUAL_POLICIES)}")
+    return "full" if residuals == "layers" else remat
 
 
 def _residuals(layers: int, tokens: int, saved: float, full: float, remat: str) -> float:
@@ -276,13 +305,18 @@ def _memory(
     inputs: float,
     temp: float,
     dot_bytes: int | None,
+    held: float = 0.0,
+    residuals: str = "recompute",
 ) -> StageMemory:
     """The StageMemory of a stage's terms (`loop`: its frozen layers, parameters per layer, and the
-    frozen parameters only a gather reads); a forward-only stage holds its input only while it runs."""
+    frozen parameters only a gather reads; `held`: residual bytes `residuals` moves from the
+    transient into each in-flight microbatch); a forward-only stage holds its input only while it
+    runs."""
     params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes)
     if role.kind == "forward":
         return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
-    return StageMemory(params, grads, optimizer, inputs, temp + weights)
+    return StageMemory(params, grads, optimizer, inputs + held, temp - held + weights,
+                       residuals=residuals)  # fmt: skip
 
 
 def _split(role: StageRole, counts: dict[str, float]) -> tuple[float, float]:
@@ -300,11 +334,14 @@ def encoder_stage_memory(
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
+    residuals: str = "recompute",
 ) -> StageMemory:
     """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at
     `tiles` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
-    `dot_bytes`: bytes per weight element the backend's dots read, `CPU_DOT_BYTES` on XLA:CPU)."""
-    v, p, tp, cb, remat = arch.vision, arch.projector, stage.tp, compute_bytes, remat_policy(remat)
+    `dot_bytes`: bytes per weight element the backend's dots read, `CPU_DOT_BYTES` on XLA:CPU) and
+    the residual policy `residuals`."""
+    v, p, tp, cb = arch.vision, arch.projector, stage.tp, compute_bytes
+    remat = _policy_remat(residuals, remat_policy(remat))
     role = stage_role(stage, trainable, True)
     forward = role.kind == "forward"
     norm = 2 * v.hidden_size * (2 if v.norm == "layer_norm" else 1)
@@ -315,10 +352,13 @@ def encoder_stage_memory(
     if not flash_attention or v.seq_len <= DENSE_MAX_TOKENS:  # a tile's square (module docstring)
         full += dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb) / v.seq_len
     kept = _kept_per_token(v.hidden_size, _vision_dots_bytes_per_token(v, tp, cb), cb, remat)
+    held = 0.0
     if forward or role.head_only:  # no backward through the layers: one layer alive at a time
         temp = full * tokens if stage.num_layers else 0.0
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+        if residuals != "recompute":
+            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
     hidden = tokens * v.hidden_size * cb
     n_head = 0.0
     if stage.has_embedding:
@@ -339,7 +379,8 @@ def encoder_stage_memory(
         temp += hidden  # dy
     trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
     loop = (0, 0.0, 0.0) if "vision" in role.trains else (stage.num_layers, n_layer, 0.0)
-    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes, held,
+                   residuals)  # fmt: skip
 
 
 def llm_stage_memory(
@@ -351,11 +392,14 @@ def llm_stage_memory(
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
+    residuals: str = "recompute",
 ) -> StageMemory:
     """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of
     `tokens` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
-    `dot_bytes` as in `encoder_stage_memory`)."""
-    m, tp, cb, remat = arch.llm, stage.tp, compute_bytes, remat_policy(remat)
+    `dot_bytes` as in `encoder_stage_memory`) and the residual policy `residuals` (the last stage's
+    fused program keeps nothing between programs: only its layer remat changes)."""
+    m, tp, cb = arch.llm, stage.tp, compute_bytes
+    remat = _policy_remat(residuals, remat_policy(remat))
     role = stage_role(stage, trainable, arch.vision is not None)
     forward = role.kind == "forward"
     n_layer = _sharded(flops.llm_layer_params(m), 2 * m.hidden_size, tp)
@@ -364,10 +408,13 @@ def llm_stage_memory(
     if not flash_attention:
         full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
     kept = _kept_per_token(m.hidden_size, _llm_dots_bytes_per_token(m, tp, cb), cb, remat)
+    held = 0.0
     if forward:
         temp = full * tokens if stage.num_layers else 0.0
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
+        if residuals != "recompute" and not stage.has_head:
+            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
     hidden = tokens * m.hidden_size * cb
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
     inputs = tokens * 2 * 4  # segment ids, positions (int32)
@@ -394,7 +441,8 @@ def llm_stage_memory(
     trained, frozen = _split(role, {"llm": n_params})
     gathered = embed if stage.has_embedding and not (stage.has_head and m.tie_embeddings) else 0.0
     loop = (0, 0.0, 0.0) if "llm" in role.trains else (stage.num_layers, n_layer, gathered)
-    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes, held,
+                   residuals)  # fmt: skip
 
 
 def stage_memory(
@@ -406,8 +454,23 @@ def stage_memory(
     flash_attention: bool = True,
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
+    residuals: str = "recompute",
 ) -> StageMemory:
     """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)
-    under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`)."""
+    under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`) and residual policy."""
     fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
-    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable, dot_bytes)
+    return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable, dot_bytes,
+              residuals)  # fmt: skip
+
+
+def pick_residuals(memories: dict[str, StageMemory], in_flight: int, budget: float) -> str:
+    """The residual policy of a stage: the first of "all", "layers", "recompute" (least backward
+    work first) whose peak with `in_flight` microbatches fits `budget` bytes; when none does, the
+    one with the smallest peak (the planner's own fit test then judges the stage). "recompute" is
+    not always the smallest: without layer remat its backward rebuilds every layer's residuals at
+    once, more than a few microbatches' layer inputs. `memories`: the stage's StageMemory per
+    policy."""
+    for policy in RESIDUAL_POLICIES:
+        if memories[policy].total(in_flight) <= budget:
+            return policy
+    return min(RESIDUAL_POLICIES, key=lambda r: memories[r].total(in_flight))

@@ -37,7 +37,13 @@ from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.costs.memory import StageMemory, remat_policy, stage_memory
+from dflop_jax.costs.memory import (
+    RESIDUAL_POLICIES,
+    StageMemory,
+    pick_residuals,
+    remat_policy,
+    stage_memory,
+)
 from dflop_jax.costs.recipe import (
     PARTS,
     check_trainable,
@@ -209,9 +215,12 @@ class AnalyticCostProvider:
                                     compute_bytes=self.compute_bytes,
                                     flash_attention=self.flash_attention, trainable=trainable)  # fmt: skip
 
-    def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
-        """Memoized per (stage, bucket): StageMemory is immutable and the model a pure function."""
-        key = (stage, bucket)
+    def stage_memory(
+        self, stage: StageSpec, bucket: int, residuals: str = "recompute"
+    ) -> StageMemory:
+        """Memoized per (stage, bucket, residual policy): StageMemory is immutable and the model a
+        pure function."""
+        key = (stage, bucket, residuals)
         if key not in self._memory:
             self._check_stage(stage)
             remat = self.policy["vision" if stage.module == "encoder" else "llm"]
@@ -223,6 +232,7 @@ class AnalyticCostProvider:
                 self.compute_bytes,
                 self.flash_attention,
                 self.trainable,
+                residuals=residuals,
             )
         return self._memory[key]
 
@@ -345,17 +355,39 @@ def one_f_one_b_in_flight(num_stages: int, microbatches: int | None = None) -> l
     ]
 
 
+def residual_policies(
+    provider: CostProvider,
+    layout: Layout,
+    buckets: BucketSet | tuple[int, int],
+    in_flight: Sequence[int],
+    budget: float,
+) -> list[str]:
+    """Each stage's residual policy (`memory.pick_residuals`): the one with the least backward work
+    whose peak with the stage's `in_flight` microbatches fits `budget` bytes per device."""
+    per_policy = {
+        r: layout_memory(provider, layout, buckets, in_flight, [r] * layout.num_stages)
+        for r in RESIDUAL_POLICIES
+    }
+    return [
+        pick_residuals({r: per_policy[r][i] for r in RESIDUAL_POLICIES}, n, budget)
+        for i, n in enumerate(in_flight)
+    ]
+
+
 def layout_memory(
     provider: CostProvider,
     layout: Layout,
     buckets: BucketSet | tuple[int, int],
     in_flight: int | Sequence[int] | None = None,
+    residuals: Sequence[str] | None = None,
 ) -> list[StageMemory]:
     """Per-stage memory at the largest buckets, each with its 1F1B in-flight count set.
 
     Args:
       buckets: a `BucketSet` (its largest sizes are used) or (tile_bucket, length_bucket).
       in_flight: None -> P - i; an int M (microbatch count) -> min(P - i, M); a sequence -> per stage.
+      residuals: each stage's residual policy (None: "recompute" everywhere; another policy needs
+        a provider whose `stage_memory` takes one, the analytic provider).
 
     Returns:
       one `StageMemory` per stage in pipeline order; `.total()` is the stage's peak bytes per device.
@@ -371,12 +403,16 @@ def layout_memory(
         counts = [int(c) for c in in_flight]
     if len(counts) != p:
         raise ValueError(f"in_flight has {len(counts)} entries for {p} stages")
-    mems = [
-        provider.stage_memory(s, b)
-        for s, b in zip(layout.stages, _stage_buckets(layout, tile_bucket, length_bucket))
-    ]
+    policies = ["recompute"] * p if residuals is None else list(residuals)
+
+    def memory(stage: StageSpec, bucket: int, policy: str) -> StageMemory:
+        if policy == "recompute":
+            return provider.stage_memory(stage, bucket)
+        return provider.stage_memory(stage, bucket, policy)
+
+    buckets_of = _stage_buckets(layout, tile_bucket, length_bucket)
+    mems = [memory(s, b, r) for s, b, r in zip(layout.stages, buckets_of, policies)]
     if not layout.encoder_stages:
-        mems[0] = mems[0] + provider.stage_memory(
-            colocated_encoder_stage(provider.arch, layout), tile_bucket
-        )
+        encoder = colocated_encoder_stage(provider.arch, layout)
+        mems[0] = mems[0] + memory(encoder, tile_bucket, policies[0])
     return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]

@@ -26,12 +26,14 @@ from dflop_jax.planner.search import make_plan
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedPlan:
-    """What the trainer runs: layout, buckets, microbatch range, and the costs the scheduler predicts with."""
+    """What the trainer runs: layout, buckets, microbatch range, the costs the scheduler predicts
+    with, and each stage's residual policy (`runtime.stages.RESIDUAL_POLICIES`; None: "recompute")."""
 
     layout: Layout
     buckets: BucketSet
     microbatches: tuple[int, int]
     provider: CostProvider
+    residuals: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, plan: Plan, provider: CostProvider) -> ResolvedPlan:

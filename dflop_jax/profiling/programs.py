@@ -45,7 +45,7 @@ from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.recipe import PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
-from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal
+from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal, stage_config
 from dflop_jax.runtime.stages import accumulator_structs, stage_jits
 from dflop_jax.runtime.train_state import trained_mask
 
@@ -64,6 +64,7 @@ class PartProgram:
         gacc_abs the per-replica gradient accumulator (`runtime.stages.accumulator_structs`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
       trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
+      jits: all the stage's programs (`runtime.stages.StageJits`), e.g. the residual-saving pair.
     """
 
     mesh: Mesh
@@ -77,6 +78,7 @@ class PartProgram:
     make_params: Callable[[np.random.Generator], Any]
     make_inputs: Callable[[np.random.Generator], tuple]
     trained: Any = None
+    jits: Any = None
 
 
 def profile_mesh(devices, tp: int) -> Mesh:
@@ -218,6 +220,7 @@ def stage_program(
     *,
     tile_bucket: int | None = None,
     trainable: Sequence[str] = PARTS,
+    residuals: str = "recompute",
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
     shard, with inputs. Nothing is compiled.
@@ -229,7 +232,10 @@ def stage_program(
         tiles and `bucket` tokens per data shard (the trainer's `with_encoder` stage program).
       trainable: the recipe's trained parts: the programs the stage runs under it (module docstring;
         its input needs a gradient iff a part before it trains, as `build_stages` decides per stage).
+      residuals: the stage's residual policy, as `build_stages` applies it (a "layers" stage is
+        built with layer remat); `jits` then holds its residual-saving programs.
     """
+    model_cfg = stage_config(model_cfg, residuals)
     dp = mesh.shape["data"]
     fused = tile_bucket is not None
     if fused and not (spec.module == "llm" and spec.has_embedding):
@@ -237,7 +243,7 @@ def stage_program(
     bp = abstract_stage(model_cfg, spec, mesh, with_encoder=fused)
     mask = trained_mask(bp.state, trainable)
     input_grad = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
-    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, input_grad)
+    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, input_grad, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
@@ -269,7 +275,7 @@ def stage_program(
 
     return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
                        side_abs, seed_abs, accumulator_structs(bp.state, mask), make_params,
-                       make_inputs, mask)  # fmt: skip
+                       make_inputs, mask, jits)  # fmt: skip
 
 
 def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:

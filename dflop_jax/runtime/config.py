@@ -363,6 +363,10 @@ class TrainConfig:
         k (step k + 1) is scheduled with the observations of steps <= k - prefetch, a deterministic
         rule (exact resume, every process alike; `runtime/lagged_schedule.py`).
       eval: held-out evaluation (`EvalConfig`).
+      residuals: what each inner stage keeps per in-flight microbatch for its backward
+        (`runtime.stages.RESIDUAL_POLICIES`): "auto" picks per stage the policy with the least
+        backward work whose memory fits the plan device (`costs.residual_policies`), or one policy
+        ("all", "layers", "recompute") for every stage.
     """
 
     model: ModelConfig = ModelConfig()
@@ -390,6 +394,7 @@ class TrainConfig:
     measure_stage_times_every: int = 5
     prefetch: int = 2
     eval: EvalConfig = EvalConfig()
+    residuals: Literal["auto", "all", "layers", "recompute"] = "auto"
 
     def __post_init__(self):
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -421,6 +426,8 @@ class TrainConfig:
             "0 (off) or steps between measured steps",
         )
         require(self.prefetch >= 1, "prefetch", self.prefetch, "must be >= 1 (batches ahead)")
+        policies = ("auto", "all", "layers", "recompute")
+        require(self.residuals in policies, "residuals", self.residuals, f"use one of {policies}")
         require_seed(self.seed, "seed")
         require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "0 (measure) or FLOP/s > 0")
         require(

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.data.types import PackedMicrobatch
-from dflop_jax.runtime.stages import PyTree, StageProgram, put_host
+from dflop_jax.runtime.stages import Held, PyTree, StageProgram, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
 
 Order = Literal["1f1b", "gpipe"]
@@ -183,6 +183,9 @@ def run_pipeline(
     grads = [s.zero_grads() if s.local else None for s in stages]
     inputs: dict[tuple[int, int], jax.Array | None] = {(0, m): None for m in range(num_mb)}
     sides: dict[tuple[int, int], dict] = {}
+    held: dict[
+        tuple[int, int], Held
+    ] = {}  # until the microbatch's backward: residuals or (x, side)
     cotangents: dict[tuple[int, int], jax.Array] = {}
     losses: list[jax.Array | None] = [None] * num_mb
     moved = 0
@@ -197,21 +200,21 @@ def run_pipeline(
             sides[s, m] = put(batches[m])
         timed = m == sample and stage.local
         if timed:  # inputs ready first, so only the program is timed
-            jax.block_until_ready((inputs[s, m], sides[s, m], cotangents.get((s, m)), grads[s]))
+            jax.block_until_ready((inputs.get((s, m)), sides.get((s, m)), held.get((s, m)),
+                                   cotangents.get((s, m)), grads[s]))  # fmt: skip
             compiles, t0 = stage.compiles, clock()
         if op.kind == "F" and stage.is_last:
             loss, gx, grads[s] = _last(stage, inputs.pop((s, m)), sides.pop((s, m)), normalizer,
                                        grads[s])  # fmt: skip
             losses[m], out = loss, (loss, gx, grads[s])
-        elif op.kind == "F" and stage.has_backward:  # its input stays for the backward
-            y = _forward(stage, inputs[s, m], sides[s, m])
-            out = y
+        elif op.kind == "F" and stage.has_backward:  # what the backward needs stays until it runs
+            y, held[s, m] = _forward_train(stage, inputs.pop((s, m)), sides.pop((s, m)))
+            out = (y, held[s, m])
         elif op.kind == "F":  # forward only: nothing kept
             y = _forward(stage, inputs.pop((s, m)), sides.pop((s, m)))
             out = y
-        else:
-            x, side, gy = inputs.pop((s, m)), sides.pop((s, m)), cotangents.pop((s, m))
-            gx, grads[s] = _backward(stage, x, side, gy, grads[s])
+        else:  # the residuals are dropped here, freed once the backward has run
+            gx, grads[s] = _backward(stage, held.pop((s, m)), cotangents.pop((s, m)), grads[s])
             out = (gx, grads[s])
         if timed:
             jax.block_until_ready(out)
@@ -263,11 +266,19 @@ def _forward(stage: StageProgram, x, side):
     return stage.forward(x, side) if stage.local else stage.output_struct(x, side)
 
 
-def _backward(stage: StageProgram, x, side, gy, gacc):
+def _forward_train(stage: StageProgram, x, side) -> tuple[jax.Array, Held]:
+    """y of an inner stage with a backward and what it keeps for it; a non-local stage only gives
+    y's shape and keeps (x, side) (x's shape is dL/dx's)."""
+    if stage.local:
+        return stage.forward_train(x, side)
+    return stage.output_struct(x, side), Held(None, (x, side))
+
+
+def _backward(stage: StageProgram, held: Held, gy, gacc):
     """(dL/dx or None, gacc + dL/dparams); non-local: (dL/dx's shape or None, None)."""
     if stage.local:
-        return stage.backward(x, side, gy, gacc)
-    return _like_x(stage, x), None
+        return stage.backward_from(held, gy, gacc)
+    return _like_x(stage, held.values[0]), None
 
 
 def _last(stage: StageProgram, x, side, normalizer, gacc):

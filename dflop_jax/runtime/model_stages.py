@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
-from dflop_jax.runtime.stages import StageFns, StageProgram
+from dflop_jax.runtime.stages import StageFns, StageProgram, check_residual_policy
 from dflop_jax.runtime.train_state import trained_mask
 from models.stages import PARTS
 
@@ -307,6 +307,7 @@ def build_stages(
     *,
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = PARTS,
+    residuals: Sequence[str] | None = None,
 ) -> list[StageProgram]:
     """One StageProgram per stage of `layout` (encoder stages, then LLM stages), each stage's params
     made on its own mesh (`init_stage`): the whole model never exists on one device or host.
@@ -320,7 +321,14 @@ def build_stages(
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
       trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, a stage
         with nothing trained and nothing trained before it runs forward only (`runtime/stages.py`).
+      residuals: each stage's residual policy (`stages.RESIDUAL_POLICIES`; None: "recompute"
+        everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
     """
+    residuals = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
+    if len(residuals) != layout.num_stages:
+        raise ValueError(
+            f"{len(residuals)} residual policies for a layout of {layout.num_stages} stages"
+        )
     if not is_multimodal(model_cfg) and layout.encoder_stages:
         raise ValueError(
             "a decoder-only model has no encoder: give a layout without encoder stages"
@@ -329,8 +337,10 @@ def build_stages(
     if fused:
         check_colocated(model_cfg, layout)
     blueprints = [
-        init_stage(model_cfg, spec, mesh, source, with_encoder=fused and i == 0)
-        for i, (spec, mesh) in enumerate(zip(layout.stages, meshes))
+        init_stage(
+            stage_config(model_cfg, policy), spec, mesh, source, with_encoder=fused and i == 0
+        )
+        for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals))
     ]
     masks = [trained_mask(bp.state, trainable) for bp in blueprints]
     trains = [any(jax.tree.leaves(m)) for m in masks]
@@ -341,7 +351,23 @@ def build_stages(
         )
     return [
         StageProgram(
-            mesh, bp.fns, bp.state, compute_dtype, trained=mask, input_grad=any(trains[:i])
+            mesh,
+            bp.fns,
+            bp.state,
+            compute_dtype,
+            trained=mask,
+            input_grad=any(trains[:i]),
+            residuals=policy,
         )  # fmt: skip
-        for i, (bp, mesh, mask) in enumerate(zip(blueprints, meshes, masks))
+        for i, (bp, mesh, mask, policy) in enumerate(zip(blueprints, meshes, masks, residuals))
     ]
+
+
+def stage_config(model_cfg, residuals: str):
+    """The model config a stage under residual policy `residuals` is built with: layer remat
+    ("full") for "layers" (its residuals are the layer inputs), `model_cfg` itself otherwise."""
+    from models.stages import with_remat
+
+    if check_residual_policy(residuals) != "layers":
+        return model_cfg
+    return with_remat(model_cfg, {"vision": "full", "llm": "full"})

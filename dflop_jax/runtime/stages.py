@@ -9,11 +9,20 @@ of this stage's microbatch arrays (tiles, segment ids, targets, ...), and `param
 them through `StageProgram`, and the model profiler (`profiling/programs.py`) compiles and times the
 same jits from abstract inputs, so the profiled cost is the cost of what trains.
 
-Backward design: recompute-in-backward. The forward program returns only its output; the backward
-program re-runs the forward under `jax.vjp` from the saved stage input and pulls the cotangent through.
-No residuals cross the Python boundary, so memory per in-flight microbatch is one stage input (what 1F1B
-bounds), at the price of one extra stage forward (the usual activation-recompute trade). The last stage
-fuses forward, loss and backward in one program.
+Backward designs, per stage (`RESIDUAL_POLICIES`, picked by `costs.residual_policies` from the memory
+budget). "recompute": the forward program returns only its output; the backward program re-runs the
+forward under `jax.vjp` from the saved stage input and pulls the cotangent through (memory per
+in-flight microbatch: one stage input; work: one extra stage forward). "all" / "layers": the forward
+program (`forward_residuals`) takes the stage's `jax.vjp` and returns its residuals, the pytree leaves
+of the vjp function, each with a leading data-replica axis (the body runs per replica); the vjp's
+treedef (its linear program) stays in a table of the jit, keyed by the input signature that traced it,
+and the backward program (`backward_residuals`, that signature a static argument) rebuilds the
+function from it and the residuals and applies it: no forward runs again. Residual leaves that are the
+compute-dtype weight copies are not returned (1F1B would hold a copy per in-flight microbatch); the
+backward casts the params again. "layers" is the same pair of programs over a stage built with layer
+remat, whose residuals are the layer inputs (each layer's forward rebuilt inside the backward). The
+driver holds each microbatch's residuals (`Held`) from its forward to its backward. The last stage
+fuses forward, loss and backward in one program under every policy.
 
 Frozen parameters (a training recipe's `optimizer.trainable`, e.g. LLaVA-OV stage 1 trains the
 projector only): `trained` marks the leaves that get gradients and `input_grad` says whether the stage
@@ -61,6 +70,27 @@ from jax.sharding import PartitionSpec as P
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
 LossFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
+
+# What an inner stage keeps per in-flight microbatch for its backward (module docstring):
+#   "all"        every residual of the stage forward (its `jax.vjp`): the backward runs no forward;
+#   "layers"     the same programs over a stage built with layer remat (`jax.checkpoint` per layer,
+#                the models' `remat="full"`): the residuals are the layer inputs, and the backward
+#                rebuilds one layer's forward at a time;
+#   "recompute"  the stage input only: the backward re-runs the whole stage forward under `jax.vjp`.
+RESIDUAL_POLICIES = ("all", "layers", "recompute")
+
+
+def check_residual_policy(policy: str) -> str:
+    if policy not in RESIDUAL_POLICIES:
+        raise ValueError(f"residual policy {policy!r}: use one of {list(RESIDUAL_POLICIES)}")
+    return policy
+
+
+def signature(x, side: Mapping[str, Any]) -> tuple:
+    """The input-shape signature of a stage program call: (x shape and dtype, side shapes and
+    dtypes), from arrays, ShapeDtypeStructs or tracers alike (a jit compiles once per signature)."""
+    xshape = None if x is None else (tuple(x.shape), str(x.dtype))
+    return xshape, tuple((k, tuple(side[k].shape), str(side[k].dtype)) for k in sorted(side))
 
 
 def put_host(value, sharding: NamedSharding) -> jax.Array:
@@ -161,6 +191,13 @@ class StageJits:
       eval_loss: last stage only (None elsewhere): (params, x, side, totals) -> totals + (loss_sum,
         count), float32[2] replicated, `totals` donated: the forward and loss without gradients or
         accumulator, summed over an evaluation's microbatches on device (`runtime/evaluate.py`).
+      forward_residuals: inner stages with a backward under a saving policy ("all", "layers"),
+        else None: (params, x, side) -> (y, residuals), the residuals a list of arrays, each with
+        a leading data-replica axis (dp, ...) sharded over "data" (replica r's at [r]).
+      backward_residuals: with `forward_residuals`: (params, residuals, gy, gacc, sig) ->
+        (dL/dx or None, gacc + dL/dparams), `gacc` donated, `sig` (static) the forward call's
+        `signature(x, side)`; it runs no forward (module docstring: backward designs).
+      residuals: the stage's residual policy (`RESIDUAL_POLICIES`).
     """
 
     forward: Callable
@@ -168,6 +205,9 @@ class StageJits:
     last: Callable
     zeros: Callable
     eval_loss: Callable | None = None
+    forward_residuals: Callable | None = None
+    backward_residuals: Callable | None = None
+    residuals: str = "recompute"
 
 
 def _local_spec(spec: P | None) -> P | None:
@@ -213,6 +253,7 @@ def stage_jits(
     compute_dtype,
     trained: PyTree | None = None,
     input_grad: bool = True,
+    residuals: str = "recompute",
 ) -> StageJits:
     """Jits the programs of a stage: the one place a stage program is made, for training and profiling.
 
@@ -224,6 +265,8 @@ def stage_jits(
       trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
         frozen (no accumulator, no weight gradient computed).
       input_grad: whether the stage input x needs a gradient (some earlier stage trains).
+      residuals: the residual policy (`RESIDUAL_POLICIES`); "all" and "layers" make the same
+        programs (which residuals a stage has is its functions' layer remat, `build_stages`).
     """
     ps = param_shardings
     trained = all_trained(ps) if trained is None else trained
@@ -316,6 +359,61 @@ def stage_jits(
         loss, count, gx, gacc = fn(params, x, side, normalizer, gacc)
         return loss, count, whole_gx(gx), gacc
 
+    # Backward from saved residuals. The forward takes the vjp of the stage w.r.t. the compute-dtype
+    # copies of its trained params (and x when `dx`) and returns the vjp's pytree leaves; its treedef
+    # (the linear program) stays here, per input signature, from the forward's trace. Residual leaves
+    # that ARE a weight copy are not returned (1F1B would hold one copy per in-flight microbatch):
+    # the backward casts the params again, a cheap elementwise op.
+    vjps: dict[tuple, tuple] = {}  # signature -> (vjp treedef, weight-copy slot per leaf, x dtype)
+    cd = compute_dtype
+
+    def weight_copies(params):
+        return jax.tree.leaves((cast_floating(prune(params, trained), cd),
+                                cast_floating(prune(params, frozen), cd)))  # fmt: skip
+
+    def fwd_res(params, x, side):
+        sig = signature(x, side)
+
+        def body(params, x, side):
+            t = cast_floating(prune(params, trained), cd)
+            held = cast_floating(prune(params, frozen), cd)
+            xc = x.astype(cd) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+            def f(t, *x_):
+                return fns.forward(graft(t, held), x_[0] if dx else xc, side)
+
+            y, vjp = jax.vjp(f, t, *((xc,) if dx else ()))
+            leaves, tree = jax.tree_util.tree_flatten(vjp)
+            if any(callable(leaf) for leaf in leaves):
+                raise RuntimeError(
+                    f"this jax ({jax.__version__}) does not return jax.vjp's function as a pytree "
+                    "of arrays: train with residuals=recompute"
+                )
+            slots = {id(c): i for i, c in enumerate(jax.tree.leaves((t, held)))}
+            where = tuple(slots.get(id(leaf)) for leaf in leaves)
+            vjps[sig] = (tree, where, None if x is None else x.dtype)
+            return y, [jnp.asarray(a)[None] for a, w in zip(leaves, where) if w is None]
+
+        y, kept = per_replica(body, (P(), xl, P("data")), (yl, P("data")))(params, x, side)
+        return jax.lax.with_sharding_constraint(y, ys), kept
+
+    def bwd_res(params, kept, gy, gacc, sig):
+        if sig not in vjps:
+            raise RuntimeError(f"no forward with residuals was traced for the signature {sig}")
+        tree, where, x_dtype = vjps[sig]
+
+        def body(params, kept, gy, gacc):
+            copies, it = weight_copies(params), iter(kept)
+            leaves = [next(it)[0] if w is None else copies[w] for w in where]
+            gp, *gx = jax.tree_util.tree_unflatten(tree, leaves)(gy)
+            return (share_gx(gx[0].astype(x_dtype)) if dx else None), add(gacc, gp)
+
+        specs = (P(), P("data"), yl, P("data"))
+        gx, gacc = per_replica(body, specs, (gxl, P("data")))(params, kept, gy, gacc)
+        return whole_gx(gx), gacc
+
+    saves = check_residual_policy(residuals) != "recompute" and fns.loss is None and (trains or dx)
+
     def eval_loss(params, x, side, totals):
         loss_sum, count = apply(params, x, side)
         return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
@@ -351,7 +449,28 @@ def stage_jits(
             out_shardings=scalar,
             donate_argnums=(3,),
         ),
+        forward_residuals=jax.jit(fwd_res) if saves else None,
+        backward_residuals=jax.jit(
+            bwd_res, static_argnums=(4,), out_shardings=(gxs, accs), donate_argnums=(3,)
+        )
+        if saves
+        else None,
+        residuals=residuals,
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What an in-flight microbatch keeps on a stage until its backward (`StageProgram.forward_train`).
+
+    Attributes:
+      sig: the forward call's `signature`, None under "recompute".
+      values: the residual arrays (saving policies) or (x, side) (recompute).
+    """
+
+    sig: tuple | None = dataclasses.field(metadata=dict(static=True))
+    values: Any
 
 
 class StageProgram:
@@ -364,6 +483,8 @@ class StageProgram:
       compute_dtype: dtype of the stage's matmuls (bf16 by default in training, fp32 in parity tests).
       trained: bool per leaf of `params`, whether it is trained (None: all); see `stage_jits`.
       input_grad: whether the stage input needs a gradient (some earlier stage trains).
+      residuals: what a microbatch keeps for its backward (`RESIDUAL_POLICIES`; "layers" expects
+        `fns` built with layer remat, as `build_stages` does).
     """
 
     def __init__(
@@ -375,6 +496,7 @@ class StageProgram:
         *,
         trained: PyTree | None = None,
         input_grad: bool = True,
+        residuals: str = "recompute",
     ):
         self.mesh = mesh
         self.fns = fns
@@ -386,7 +508,9 @@ class StageProgram:
         self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
-        self.jits = stage_jits(mesh, fns, self.param_shardings, compute_dtype, trained, input_grad)
+        self.jits = stage_jits(
+            mesh, fns, self.param_shardings, compute_dtype, trained, input_grad, residuals
+        )
         self._signatures: set[tuple] = set()
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
         scalar = NamedSharding(mesh, P())
@@ -431,10 +555,13 @@ class StageProgram:
         """Distinct (program, input-shape) signatures seen = XLA compilations of this stage."""
         return len(self._signatures)
 
+    @property
+    def residuals(self) -> str:
+        """The residual policy: what `forward_train` keeps for the backward (`RESIDUAL_POLICIES`)."""
+        return self.jits.residuals
+
     def _record(self, kind: str, x, side) -> None:
-        shapes = tuple((k, side[k].shape, str(side[k].dtype)) for k in sorted(side))
-        xshape = None if x is None else (x.shape, str(x.dtype))
-        self._signatures.add((kind, xshape, shapes))
+        self._signatures.add((kind, *signature(x, side)))
 
     def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
@@ -450,8 +577,7 @@ class StageProgram:
     def output_struct(self, x, side) -> jax.ShapeDtypeStruct:
         """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
         (once per input signature)."""
-        key = (None if x is None else (x.shape, str(x.dtype)),
-               tuple((k, side[k].shape, str(side[k].dtype)) for k in sorted(side)))  # fmt: skip
+        key = signature(x, side)
         if key not in self._outputs:
             with jax.set_mesh(self.mesh):
                 out = jax.eval_shape(self.jits.forward, self.params, x, side)
@@ -488,6 +614,24 @@ class StageProgram:
         self._record("eval", x, side)
         with jax.set_mesh(self.mesh):
             return self.jits.eval_loss(self.params, x, side, totals)
+
+    def forward_train(self, x, side) -> tuple[jax.Array, Held]:
+        """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
+        saved residuals, or under "recompute" the stage input and side arrays."""
+        if self.jits.forward_residuals is None:
+            return self.forward(x, side), Held(None, (x, side))
+        self._record("fwd_res", x, side)
+        with jax.set_mesh(self.mesh):
+            y, kept = self.jits.forward_residuals(self.params, x, side)
+        return y, Held(signature(x, side), kept)
+
+    def backward_from(self, held: Held, gy, gacc) -> tuple[jax.Array | None, PyTree]:
+        """The backward of the microbatch whose `forward_train` gave `held`; `gacc` is donated."""
+        if held.sig is None:
+            return self.backward(*held.values, gy, gacc)
+        self._signatures.add(("bwd_res", *held.sig))
+        with jax.set_mesh(self.mesh):
+            return self.jits.backward_residuals(self.params, held.values, gy, gacc, held.sig)
 
     def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""

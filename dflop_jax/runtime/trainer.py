@@ -195,6 +195,7 @@ class _Trainer:
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype), trainable=opt.trainable,
+            residuals=plan.residuals,
         )  # fmt: skip
         self.opts = [StageOptimizer(s, opt.build(), opt.zero1) for s in self.stages]
         if jax.process_count() > 1:
@@ -306,6 +307,7 @@ class _Trainer:
         dispatched = time.perf_counter()
         compiles = sum(s.compiles for s in self.stages)
         self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
+        del out  # its accumulators are the update's (donated); nothing else of it outlives dispatch
         flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
                            compiles - compiles_before, measure, threading.Event(), [0.0])  # fmt: skip
         _when_ready([c for c in copies if _holds(c)][:1], flight)
@@ -313,11 +315,14 @@ class _Trainer:
 
     def _observation(self, step: int, batch: GlobalBatch, out: StepOutput):
         """How to get a measured step's observation: share its sampled stage times across processes
-        (bit-exact), keep the valid microbatch."""
+        (bit-exact), keep the valid microbatch. The closure holds the stage times (host arrays) and
+        the schedule only, not the step's device values (gradient accumulators, losses), which the
+        loader thread may resolve steps later."""
+        stage_times, timing_valid, schedule = out.stage_times, out.timing_valid, batch.schedule
 
         def resolve() -> Observation | None:
-            times, valid = shared_stage_times(out.stage_times, out.timing_valid, self.owners, step)
-            return Observation.of_step(self.problem, batch.schedule, times, valid)
+            times, valid = shared_stage_times(stage_times, timing_valid, self.owners, step)
+            return Observation.of_step(self.problem, schedule, times, valid)
 
         return resolve
 
@@ -466,7 +471,7 @@ def _print_plan(console: Console, plan: ResolvedPlan, meshes) -> None:
         )
     console.print(
         f"  buckets tiles={plan.buckets.tiles} lengths={plan.buckets.lengths} "
-        f"microbatches={plan.microbatches}",
+        f"microbatches={plan.microbatches} residuals={list(plan.residuals or ['recompute'])}",
         highlight=False,
     )
 

@@ -1,0 +1,103 @@
+"""Per-stage figures of the compiled training programs, for `python -m dflop_jax.train --dry-run`.
+
+    stage_flops(layout, buckets, model_cfg, residuals)   -> per stage flops_forward / flops_backward
+    transfer_bytes_per_microbatch(layout, buckets, model_cfg) -> per transfer bytes (not measured yet)
+
+FLOPs are XLA's cost analysis (`compiled.cost_analysis()["flops"]`) of the programs the trainer runs,
+built by the profiler's builder (`programs.stage_program`, hence `runtime.stages.stage_jits`) from
+abstract arrays, summed over every bucket of the plan the stage runs (tile buckets on encoder stages,
+length buckets on LLM stages, every (tiles, length) pair on a colocated encoder's fused stage). XLA
+counts a loop's body once whatever its trip count, in the forward and in the backward alike, so the
+two figures compare. What each figure is, per stage kind:
+  inner stage, saving policy ("all", "layers"): the forward that returns the residuals, and the
+    backward from them;
+  inner stage, "recompute": the forward, and the backward that re-runs it under `jax.vjp`;
+  last stage: the forward + loss without gradients, and the fused training program minus it (its
+    backward share);
+  a stage that runs forward only: its forward, and 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dflop_jax.contracts import BucketSet
+from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.recipe import PARTS
+from dflop_jax.profiling.programs import PartProgram, stage_program
+from dflop_jax.runtime.stages import signature
+
+
+def program_flops(compiled) -> float:
+    """XLA's FLOP count of a compiled program (0 where the backend reports none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def training_flops(prog: PartProgram) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the programs a stage trains with at `prog`'s shape (module
+    docstring)."""
+    jits = prog.jits
+    args = (prog.params_abs, prog.x_abs, prog.side_abs)
+    with jax.set_mesh(prog.mesh):
+        if jits.forward_residuals is not None:
+            fwd = jits.forward_residuals.lower(*args).compile()
+            _, kept = jax.eval_shape(jits.forward_residuals, *args)
+            sig = signature(prog.x_abs, prog.side_abs)
+            bwd = jits.backward_residuals.lower(
+                prog.params_abs, kept, prog.seed_abs, prog.gacc_abs, sig
+            ).compile()
+            return program_flops(fwd), program_flops(bwd)
+        fwd = program_flops(jits.forward.lower(*args).compile())
+        if prog.bwd is None:
+            return fwd, 0.0
+        bwd = program_flops(prog.bwd.lower(*args, prog.seed_abs, prog.gacc_abs).compile())
+    return fwd, (bwd - fwd if prog.bwd is jits.last else bwd)
+
+
+def stage_flops(
+    layout: Layout,
+    buckets: BucketSet,
+    model_cfg,
+    residuals: Sequence[str],
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = PARTS,
+) -> list[dict]:
+    """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
+    (module docstring)."""
+    from dflop_jax.profiling.compile_check import _devices, fused_stage
+    from dflop_jax.runtime.mesh import stage_meshes
+
+    devices = _devices(layout.num_devices) if devices is None else list(devices)
+    meshes = stage_meshes(layout, devices)
+    fused = fused_stage(layout, model_cfg)
+    out = []
+    for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals)):
+        if i == fused:
+            shapes = [(n, {"tile_bucket": t}) for t in buckets.tiles for n in buckets.lengths]
+        elif spec.module == "encoder":
+            shapes = [(t, {}) for t in buckets.tiles]
+        else:
+            first = spec.has_embedding and layout.encoder_stages
+            shapes = [(n, {"feature_tiles": layout.encoder_dp * buckets.tiles[-1]} if first else {})
+                      for n in buckets.lengths]  # fmt: skip
+        fwd = bwd = 0.0
+        for bucket, extra in shapes:
+            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, trainable=trainable,
+                                 residuals=policy, **extra)  # fmt: skip
+            f, b = training_flops(prog)
+            fwd, bwd = fwd + f, bwd + b
+        out.append({"residuals": policy, "flops_forward": fwd, "flops_backward": bwd})
+    return out
+
+
+def transfer_bytes_per_microbatch(layout: Layout, buckets: BucketSet, model_cfg) -> list[dict]:
+    """Per stage-to-stage transfer, the bytes its compiled program moves between devices for one
+    microbatch: not measured yet (an empty list); the report's `transfers` entry is this list."""
+    return []
