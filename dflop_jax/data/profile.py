@@ -35,6 +35,7 @@ from dflop_jax.data.shards import group_key, take
 log = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)
 MAX_PROFILE_WORKERS = 8  # shard groups profiled at once (header reads and tokenizing: CPU-bound)
+RECORDS_PER_WORKER = 1000  # fewer records per worker than this: starting a process costs more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,9 @@ def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, lis
     if not isinstance(records, list):
         for i in range(len(records)):
             groups[group_key(records, i)].append(i)
-    workers = min(len(groups), os.cpu_count() or 1, MAX_PROFILE_WORKERS)
+    workers = min(
+        len(groups), os.cpu_count() or 1, MAX_PROFILE_WORKERS, len(records) // RECORDS_PER_WORKER
+    )
     if workers <= 1:
         return _profile_part(cfg, records)
     parts = [take(records, idx) for idx in groups.values()]
