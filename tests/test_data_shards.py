@@ -276,3 +276,35 @@ def test_streaming_10x_the_rows_held_does_not_grow_memory(tmp_path):
         tracemalloc.stop()
     dataset_bytes = 512 * 20_000
     assert whole < 1.5 * head and whole < dataset_bytes / 4, (head, whole)
+
+
+# The demo's LLaVA-OV-style model, encoder colocated on the first of 2 LLM stages (8 CPU devices).
+TRAIN = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
+         "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]", "layout.llm_dp=2",
+         "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+         "steps=3", "global_batch=8", "checkpoint.every=0", "compute_dtype=float32",
+         "measure_stage_times_every=0", "peak_flops=1000000000.0", "scheduler.solver=greedy",
+         "data.cache_dir=", "seed=0"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_three_formats_train_to_the_same_losses(tmp_path):
+    """3 steps with the same seed on the JSONL, the parquet shards and the tar shards: the same
+    per-step losses (float32)."""
+    from pathlib import Path
+
+    from dflop_jax.config import load_config
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import run
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    formats = three_formats(tmp_path / "data", samples=32, tile=56)
+    losses = {}
+    for name, (source, root) in formats.items():
+        over = [f"data.source={source}", f"data.video_root={root}", f"run_dir={tmp_path / name}",
+                f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
+        report = run(load_config(TrainConfig, demo, TRAIN + over))
+        losses[name] = report.losses
+    assert len(losses["jsonl"]) == 3 and all(np.isfinite(losses["jsonl"]))
+    for name in ("parquet", "tar"):
+        np.testing.assert_allclose(losses[name], losses["jsonl"], rtol=1e-6)
