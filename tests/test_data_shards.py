@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import tarfile
 import tracemalloc
 
@@ -22,11 +23,12 @@ from shard_fixtures import (
 )
 
 from dflop_jax.config import ConfigError
-from dflop_jax.data import profile, shards
+from dflop_jax.data import images, profile, shards
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader
+from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
 from dflop_jax.data.profile import profile_data
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
@@ -93,6 +95,21 @@ def test_three_formats_give_the_same_samples_and_profile(formats, tmp_path, monk
     }  # fmt: skip
 
 
+def test_shard_shapes_are_cached_per_shard(formats, tmp_path, monkeypatch):
+    """One cache file per shard; a second pass answers every record from it (no image header read)."""
+    cfg = config(*formats["parquet"], tmp_path)
+    records = load_source(cfg)
+    first = MetadataCache(cfg.cache_dir, Processor(cfg)).shapes(records)
+    assert len(list((tmp_path / "cache").glob("train-*.json"))) == 2
+
+    def no_header(*a, **k):
+        raise AssertionError("a cached shape was recomputed")
+
+    monkeypatch.setattr(images, "image_size", no_header)
+    again = MetadataCache(cfg.cache_dir, Processor(cfg))
+    assert again.shapes(load_source(cfg)) == first and again.hits == len(records) == 24
+
+
 def test_loader_batches_and_resume_match_jsonl(formats, tmp_path):
     """Shuffled global batches from shards equal the JSONL's (same sample order and tokens), and a
     loader restored from a checkpointed state continues exactly."""
@@ -126,6 +143,13 @@ def test_grain_shards_a_lazy_source_over_readers(formats, tmp_path):
         want = [r["id"] for r in grain.MapDataset.source(jsonl).shuffle(seed=3)[k::2]]
         got = [r["id"] for r in grain.MapDataset.source(lazy).shuffle(seed=3)[k::2]]
         assert got == want and len(got) == 12
+    # grain worker processes receive the source by pickling: the index travels, not files or caches
+    lazy[0]
+    copy = pickle.loads(pickle.dumps(lazy))
+    assert copy.rows_held() == 0 and [copy[i]["id"] for i in (0, 23)] == [
+        lazy[0]["id"],
+        lazy[23]["id"],
+    ]
 
 
 def _bad_parquet(tmp_path):

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflop_jax.contracts import SampleShape
@@ -64,10 +64,10 @@ class MetadataCache:
                 out[i] = shape
         return out
 
-    def _group(self, key, records, idx, visit) -> Iterator[SampleShape | BadSample]:
+    def _group(self, key, records, idx, visit) -> list[SampleShape | BadSample]:
         path = self._path(*key) if key is not None else None
         table = _read_table(path) if path is not None else {}
-        changed = False
+        result, changed = [], False
         for i in idx:
             r = records[i]
             if visit is not None:
@@ -75,16 +75,17 @@ class MetadataCache:
             loc = r.get("_location") if isinstance(r, dict) else None
             if loc is not None and loc in table:
                 self.hits += 1
-                yield _decode(table[loc], loc)
+                result.append(_decode(table[loc], loc))
                 continue
             self.misses += 1
             shape = compute_shape(self.processor, r)
             if path is not None and loc is not None:
                 table[loc] = _encode(shape)
                 changed = True
-            yield shape
+            result.append(shape)
         if changed:
             _write_table(path, table)
+        return result
 
     def _path(self, file: str, image_root: str, video_root: str) -> Path:
         if file not in self._file_hashes:
