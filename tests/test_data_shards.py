@@ -31,6 +31,7 @@ from dflop_jax.data.loader import make_loader
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
 from dflop_jax.data.profile import profile_data
+from dflop_jax.data.split import split_records
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
 
 pytest.importorskip("pyarrow")
@@ -150,6 +151,18 @@ def test_grain_shards_a_lazy_source_over_readers(formats, tmp_path):
         lazy[0]["id"],
         lazy[23]["id"],
     ]
+
+
+def test_held_out_split_of_a_lazy_source_is_the_lists(formats, tmp_path):
+    jsonl = load_source(config(*formats["jsonl"], tmp_path))
+    lazy = load_source(config(*formats["tar"], tmp_path))
+    want = [[r["id"] for r in part] for part in split_records(jsonl, 0.3, 1)]
+    train, held = split_records(lazy, 0.3, 1)
+    assert (
+        isinstance(held, shards.Subset)
+        and [[r["id"] for r in train], [r["id"] for r in held]] == want
+    )
+    assert split_records(lazy, 0.0, 1) == (lazy, [])
 
 
 def _bad_parquet(tmp_path):
