@@ -36,7 +36,6 @@ from dflop_jax.config import ConfigError
 from dflop_jax.data.sources import file_hash
 
 ROW_GROUPS_HELD = 4  # decoded parquet row groups kept per reader (HF image shards: ~100 rows each)
-TAR_INDEXES_HELD = 2  # tar shard indexes kept in memory (offsets of one shard's members)
 SHARD_SUFFIXES = (".parquet", ".tar")
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
 
@@ -213,20 +212,19 @@ def _pyarrow_parquet():
 
 
 class TarRecords(ShardRecords):
-    """WebDataset tar shards with a cached member-offset index; see the module docstring."""
+    """WebDataset tar shards with a cached member-offset index; see the module docstring.
+
+    Every shard's index stays in memory (a key and its members' offsets, ~200 bytes per sample):
+    a shuffled pass touches every shard all the time, so reloading indexes would cost a file read
+    per record."""
 
     def __init__(self, files: list[Path], image_root="", video_root="", cache_dir=""):
-        self.cache_dir = str(cache_dir)
-        counts = [len(tar_index(f, self.cache_dir)) for f in files]
-        super().__init__(files, counts, image_root, video_root)
-        self.__dict__.update(self._fresh_caches())
-
-    def _fresh_caches(self) -> dict:
-        return {"_indexes": OrderedDict()}
+        self.indexes = [tar_index(f, str(cache_dir)) for f in files]
+        super().__init__(files, [len(ix) for ix in self.indexes], image_root, video_root)
 
     def _read(self, shard: int, pos: int) -> dict:
         path = self.files[shard]
-        key, members = self._index(shard)[pos]
+        key, members = self.indexes[shard][pos]
         location = f"{path}:{key}"
         blobs = []
         with open(path, "rb") as f:
@@ -237,14 +235,6 @@ class TarRecords(ShardRecords):
                     return {"_location": location, "_error": "corrupt_shard", "_detail": detail}
                 blobs.append((ext, data))
         return tar_sample_record(key, blobs, location)
-
-    def _index(self, shard: int) -> list:
-        with self._lock:
-            if shard not in self._indexes:
-                self._indexes[shard] = tar_index(Path(self.files[shard]), self.cache_dir)
-                while len(self._indexes) > TAR_INDEXES_HELD:
-                    self._indexes.popitem(last=False)
-            return self._indexes[shard]
 
 
 def tar_sample_record(key: str, blobs: list[tuple[str, bytes]], location: str) -> dict:
