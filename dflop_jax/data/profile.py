@@ -105,9 +105,7 @@ def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, lis
     if not isinstance(records, list):
         for i in range(len(records)):
             groups[group_key(records, i)].append(i)
-    workers = min(
-        len(groups), os.cpu_count() or 1, MAX_PROFILE_WORKERS, len(records) // RECORDS_PER_WORKER
-    )
+    workers = profile_workers(len(groups), len(records))
     if workers <= 1:
         return _profile_part(cfg, records)
     parts = [take(records, idx) for idx in groups.values()]
@@ -124,6 +122,14 @@ def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, lis
         carrying += extra["records"]
         hits += h
     return results, names, {"records": carrying, "keys": dict(sorted(keys.items()))}, hits
+
+
+def profile_workers(num_groups: int, num_records: int) -> int:
+    """Processes profiling shard groups: one per group, at most CPUs - 1 (the parent only waits; a
+    2-CPU host profiles in-process), and only with `RECORDS_PER_WORKER` records each (a spawned
+    worker first spends seconds importing the data layer)."""
+    cpus = (os.cpu_count() or 1) - 1
+    return min(num_groups, cpus, MAX_PROFILE_WORKERS, num_records // RECORDS_PER_WORKER)
 
 
 def _profile_part(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, list, dict, int]:
