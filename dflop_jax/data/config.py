@@ -7,6 +7,7 @@ Family-dependent values (tile size, pixel mean/std) are derived when left at 0 /
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 from dflop_jax.config import InputPath, require, require_seed
@@ -25,7 +26,9 @@ class DataConfig:
     """Data source and per-sample processing.
 
     Attributes:
-      source: a dataset-mix YAML, one JSON/JSONL file, or "synthetic" (generated into `synth_dir`).
+      source: a dataset-mix YAML, one JSON/JSONL file, parquet or WebDataset tar shards (a file, a glob
+        or a directory, e.g. a downloaded HF dataset: `data/shards.py`), or "synthetic" (generated
+        into `synth_dir`).
       synth_dir: where synthetic data is written (reused if already complete).
       synth_samples, synth_mix, synth_seed: the synthetic dataset (see `dflop_jax.data.synth`).
       image_root, video_root: folders relative image/video paths resolve against ("" = the JSON's folder).
@@ -91,7 +94,7 @@ class DataConfig:
             bool(self.source),
             "data.source",
             self.source,
-            "give a mix YAML, a JSON/JSONL file or 'synthetic'",
+            "give a mix YAML, a JSON/JSONL file, parquet/tar shards or 'synthetic'",
         )
         require(self.synth_samples > 0, "data.synth_samples", self.synth_samples, "must be >= 1")
         require_seed(self.synth_seed, "data.synth_seed")
@@ -146,9 +149,11 @@ class DataConfig:
     def inputs(self) -> list[InputPath]:
         """The files and folders this data config reads (synthetic data is generated, not read)."""
         out = []
-        if self.source != "synthetic":
-            fix = "give a mix YAML, a JSON/JSONL file or 'synthetic'"
-            out.append(InputPath("source", self.source, "file", fix))
+        fix = "give a mix YAML, a JSON/JSONL file, parquet/tar shards or 'synthetic'"
+        if self.source != "synthetic" and not any(c in self.source for c in "*?["):
+            # a glob is checked when it is expanded (it must match at least one shard)
+            kind = "dir" if Path(self.source).expanduser().is_dir() else "file"
+            out.append(InputPath("source", self.source, kind, fix))
         if self.tokenizer != "bundled":
             fix = "give an HF model/tokenizer directory or 'bundled'"
             out.append(

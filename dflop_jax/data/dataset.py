@@ -1,20 +1,24 @@
-"""The records a `DataConfig` names: a mix YAML, one JSON/JSONL file, or the synthetic dataset.
+"""The records a `DataConfig` names: a mix YAML, one JSON/JSONL file, parquet or tar shards (a file, a
+glob, or a directory: `shards.py`), or the synthetic dataset.
 
 Sits above `sources.py` (file reading) and `mix.py` (mixes of files), so neither imports the other's user.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from dflop_jax.config import ConfigError
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.mix import load_mix
+from dflop_jax.data.shards import is_shard_source, open_shards
 from dflop_jax.data.sources import read_records, with_roots
 
 
-def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
-    """All records of `cfg.source`: a mix YAML, one JSON/JSONL file, or the synthetic dataset.
+def load_source(cfg: DataConfig, seed: int = 0) -> Sequence[dict]:
+    """All records of `cfg.source`: a list (JSON, JSONL, synthetic), or a lazy random-access sequence
+    when shards are named (alone or in a mix), whose records are read on access.
 
     Relative media paths resolve against `cfg.image_root` / `cfg.video_root`, else the dataset's folder.
     """
@@ -24,15 +28,27 @@ def load_source(cfg: DataConfig, seed: int = 0) -> list[dict]:
         path = synth_dataset(
             cfg.synth_dir, cfg.synth_samples, cfg.synth_mix, cfg.synth_seed, cfg.tile_px
         )
+    elif is_shard_source(cfg.source):
+        try:
+            return open_shards(
+                cfg.source,
+                image_root=cfg.image_root,
+                video_root=cfg.video_root,
+                cache_dir=cfg.cache_dir,
+            )
+        except ConfigError as e:
+            raise ConfigError(f"data.source={e}") from None
     else:
         path = Path(cfg.source).expanduser()
         if not path.is_file():
             raise ConfigError(
-                f"data.source={cfg.source!r}: file not found; give a mix YAML, JSON/JSONL or 'synthetic'"
+                f"data.source={cfg.source!r}: file not found; give a mix YAML, JSON/JSONL, "
+                "parquet/tar shards or 'synthetic'"
             )
     if path.suffix in (".yaml", ".yml"):
         return load_mix(
-            path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root
-        )
+            path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root,
+            cache_dir=cfg.cache_dir,
+        )  # fmt: skip
     records = list(read_records(path, strict=cfg.strict))
     return with_roots(records, cfg.image_root or path.parent, cfg.video_root or path.parent)

@@ -17,6 +17,7 @@ REASONS = (
     "unknown_fields",  # a turn's `from` is no known role, image + video together, extra keys (strict)
     "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
     "bad_markers",  # more `<image>` markers than images (or markers in a non-user turn)
+    "corrupt_shard",  # a parquet row group or tar member that cannot be read (truncated, damaged)
 )
 
 
@@ -25,7 +26,8 @@ class BadSample(Exception):
 
     Attributes:
       reason: one of `REASONS`.
-      location: where the record came from (`file:line`, `file[index]`, or the record's id).
+      location: where the record came from (`file:line`, `file[index]`, `shard:row`, `shard.tar:key`,
+        or the record's id).
       detail: a short human explanation.
     """
 

@@ -8,6 +8,7 @@ row-major, then the thumbnail last when there is more than one grid tile.
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,13 +23,21 @@ _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SIXTEEN_BIT = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
 
 
+ImageSource = Path | bytes  # a file, or encoded bytes embedded in the dataset (parquet, tar shards)
+
+
 @contextlib.contextmanager
-def _open_image(path: Path, location: str) -> Iterator[Image.Image]:
-    """Opens `path` with Pillow; a missing file or any decode error in the block raises BadSample."""
-    if not path.is_file():
-        raise BadSample("missing_file", location, f"image not found: {path}")
+def _open_image(src: ImageSource, location: str) -> Iterator[Image.Image]:
+    """Opens a file or encoded bytes with Pillow; a missing file or any decode error in the block
+    raises BadSample."""
+    if isinstance(src, bytes):
+        name, fp = f"embedded image ({len(src)} bytes)", io.BytesIO(src)
+    else:
+        if not src.is_file():
+            raise BadSample("missing_file", location, f"image not found: {src}")
+        name, fp = str(src), src
     try:
-        with Image.open(path) as img:
+        with Image.open(fp) as img:
             yield img
     except (
         UnidentifiedImageError,
@@ -37,21 +46,21 @@ def _open_image(path: Path, location: str) -> Iterator[Image.Image]:
         SyntaxError,
         ValueError,
     ) as e:
-        raise BadSample("corrupt_image", location, f"{path}: {e}") from None
+        raise BadSample("corrupt_image", location, f"{name}: {e}") from None
 
 
-def image_size(path: Path, location: str) -> tuple[int, int]:
-    """(height, width) from the file header; Pillow opens lazily and decodes no pixels here."""
-    with _open_image(path, location) as img:
+def image_size(src: ImageSource, location: str) -> tuple[int, int]:
+    """(height, width) from the header; Pillow opens lazily and decodes no pixels here."""
+    with _open_image(src, location) as img:
         w, h = img.size
     if h < 1 or w < 1:
-        raise BadSample("corrupt_image", location, f"{path}: empty image {w}x{h}")
+        raise BadSample("corrupt_image", location, f"empty image {w}x{h}")
     return h, w
 
 
-def load_image(path: Path, location: str) -> Image.Image:
-    """Decodes the whole image as RGB (`to_rgb`); truncated or corrupt files raise BadSample("corrupt_image")."""
-    with _open_image(path, location) as img:
+def load_image(src: ImageSource, location: str) -> Image.Image:
+    """Decodes the whole image as RGB (`to_rgb`); truncated or corrupt data raises BadSample("corrupt_image")."""
+    with _open_image(src, location) as img:
         img.load()
         return to_rgb(img)
 

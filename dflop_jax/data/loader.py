@@ -327,7 +327,7 @@ def make_loader(
         from dflop_jax.data.metadata import MetadataCache
         from dflop_jax.data.process import Processor
 
-        shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(list(records))
+        shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(records)
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
     workers = resolve_decode_workers(data_cfg, records, decode_workers, num_workers)

@@ -3,7 +3,7 @@
     cache = MetadataCache(cfg.cache_dir, processor)
     shapes = cache.shapes(records)          # [SampleShape | BadSample], in record order
 
-One cache file per (dataset file, media roots): keyed by the file's content hash and a hash of every
+One cache file per (dataset file or shard, media roots): keyed by the file's content hash and a hash of every
 processing setting (`DataConfig.processing_key()`), holding each record's (tiles, tokens, modality) or its
 bad-sample reason by location. A changed dataset or setting is a new key; media files are trusted not to
 change under an unchanged dataset file.
@@ -15,20 +15,14 @@ import hashlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
-
-
-def file_hash(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of the file's bytes (hex)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+from dflop_jax.data.shards import group_key
+from dflop_jax.data.sources import file_hash
 
 
 def compute_shape(processor: Processor, record: dict) -> SampleShape | BadSample:
@@ -54,35 +48,40 @@ class MetadataCache:
         self._file_hashes: dict[str, str] = {}
         self.hits = self.misses = 0
 
-    def shapes(self, records: list[dict]) -> list[SampleShape | BadSample]:
-        """[SampleShape | BadSample] for `records`, in order; cached records are not re-read."""
+    def shapes(
+        self, records: Sequence[dict], visit: Callable[[int, dict], None] | None = None
+    ) -> list[SampleShape | BadSample]:
+        """[SampleShape | BadSample] for `records`, in order; cached records are not re-read.
+
+        Each record is read once (lazy sources: shard by shard, in order), and `visit(i, record)`, if
+        given, sees it (the profiler counts extra keys and groups there, in the same pass)."""
         out: list[SampleShape | BadSample | None] = [None] * len(records)
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, r in enumerate(records):
-            if self.dir is None or "_file" not in r:
-                out[i] = compute_shape(self.processor, r)
-                self.misses += 1
-            else:
-                groups[(r["_file"], r.get("_image_root", ""), r.get("_video_root", ""))].append(i)
+        groups: dict[tuple | None, list[int]] = defaultdict(list)
+        for i in range(len(records)):
+            groups[group_key(records, i) if self.dir is not None else None].append(i)
         for key, idx in groups.items():
-            for i, shape in zip(idx, self._group(key, [records[i] for i in idx])):
+            for i, shape in zip(idx, self._group(key, records, idx, visit)):
                 out[i] = shape
         return out
 
-    def _group(self, key: tuple, records: list[dict]) -> list[SampleShape | BadSample]:
-        path = self._path(*key)
-        table = _read_table(path)
+    def _group(self, key, records, idx, visit) -> list[SampleShape | BadSample]:
+        path = self._path(*key) if key is not None else None
+        table = _read_table(path) if path is not None else {}
         result, changed = [], False
-        for r in records:
-            loc = r["_location"]
-            if loc in table:
+        for i in idx:
+            r = records[i]
+            if visit is not None:
+                visit(i, r)
+            loc = r.get("_location") if isinstance(r, dict) else None
+            if loc is not None and loc in table:
                 self.hits += 1
                 result.append(_decode(table[loc], loc))
                 continue
             self.misses += 1
             shape = compute_shape(self.processor, r)
-            table[loc] = _encode(shape)
-            changed = True
+            if path is not None and loc is not None:
+                table[loc] = _encode(shape)
+                changed = True
             result.append(shape)
         if changed:
             _write_table(path, table)

@@ -40,7 +40,7 @@ class _Media:
     """One image or video of a sample: where it is, how it is tiled, which features its tokens take."""
 
     kind: str  # "image" (anyres / dynamic), "multi" (one tile), "video"
-    path: Path
+    path: Path | bytes  # a file, or encoded image bytes embedded in the record
     layout: layouts.FeatureLayout
     grid: tuple[int, int] = (0, 0)  # (rows, cols) of the image grid, if any
     frames: np.ndarray | None = None  # video frame indices
@@ -184,19 +184,15 @@ class Processor:
             return [_Media("video", path, self._video_layout(len(idx)), frames=idx)], "video"
         if "image" not in record:
             return [], "text"
-        names = record["image"] if isinstance(record["image"], list) else [record["image"]]
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise BadSample(
-                "missing_file",
-                location,
-                f"`image` must be a path or a list of paths: {record['image']!r}",
-            )
-        paths = [_resolve({**record, "image": n}, "image", "_image_root", location) for n in names]
+        refs = record["image"] if isinstance(record["image"], list) else [record["image"]]
+        paths = [_image_source(record, ref, location) for ref in refs]
+        if not paths:
+            raise BadSample("missing_file", location, "`image` is an empty list")
         kind = "image" if len(paths) == 1 or self.cfg.model_family == "internvl" else "multi"
         media = [self._image_media(p, kind, location) for p in paths]
         return media, ("image" if len(paths) == 1 else "multi_image")
 
-    def _image_media(self, path: Path, kind: str, location: str) -> _Media:
+    def _image_media(self, path: Path | bytes, kind: str, location: str) -> _Media:
         hw = images.image_size(path, location)
         key = (kind, hw)  # datasets repeat image sizes; layouts (bilinear taps) cost milliseconds
         if key not in self._layouts:
@@ -406,6 +402,22 @@ def _resolve(record: dict, key: str, root_key: str, location: str) -> Path:
     if not path.is_absolute() and root_key in record:
         path = Path(record[root_key]) / path
     return path
+
+
+def _image_source(record: dict, ref, location: str) -> Path | bytes:
+    """One entry of `image`: a path, or HF's Image struct {bytes, path} (the bytes when present, else
+    the path), as parquet and tar shards carry images."""
+    if isinstance(ref, dict) and set(ref) <= {"bytes", "path"}:
+        if isinstance(ref.get("bytes"), bytes) and ref["bytes"]:
+            return ref["bytes"]
+        ref = ref.get("path")
+    if not isinstance(ref, str) or not ref:
+        raise BadSample(
+            "missing_file",
+            location,
+            f"`image` must be a path, an {{bytes, path}} struct, or a list of them: {ref!r:.80}",
+        )
+    return _resolve({**record, "image": ref}, "image", "_image_root", location)
 
 
 def _in_spans(starts: np.ndarray, spans) -> np.ndarray:

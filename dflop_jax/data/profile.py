@@ -5,13 +5,19 @@
 Writes `<out>/shape_distribution.json` (the shared shape-distribution format the planner reads),
 `<out>/shape_histogram.png`, and prints percentiles per modality, means per source, skipped records by
 reason, and (once, not per record) how many records carried keys the data layer ignores.
+Image sizes come from the encoded headers (files or the bytes parquet/tar shards embed; no pixel is
+decoded); shapes are cached per dataset file or shard, and shards are profiled in parallel processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import os
 from collections import Counter, defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +30,12 @@ from dflop_jax.data.dataset import load_source
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
+from dflop_jax.data.shards import group_key, take
 
 log = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)
+MAX_PROFILE_WORKERS = 8  # shard groups profiled at once (header reads and tokenizing: CPU-bound)
+RECORDS_PER_WORKER = 1000  # fewer records per worker than this: starting a process costs more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,26 +66,23 @@ def profile_data(
     records = load_source(cfg, seed)
     if len(records) > num_samples:
         keep = np.sort(np.random.default_rng(seed).choice(len(records), num_samples, replace=False))
-        records = [records[i] for i in keep]
-    processor = Processor(cfg)
-    extra = extra_key_counts(records, processor)
-    cache = MetadataCache(cfg.cache_dir, processor)
-    results = cache.shapes(records)
+        records = take(records, keep.tolist())
+    results, names, extra, hits = profile_records(cfg, records)
     shapes, sources, bad = [], [], Counter()
-    for record, res in zip(records, results):
+    for name, res in zip(names, results):
         if isinstance(res, BadSample):
             bad[res.reason] += 1
             log.warning("skipping %s", res)
             continue
         shapes.append(res)
-        sources.append(_source_name(record))
+        sources.append(name)
     if not shapes:
         raise ValueError(
             f"data.source={cfg.source!r}: no usable sample among {len(records)} ({dict(bad)})"
         )
     summary = summarize(shapes, sources)
     summary.update(
-        bad=dict(bad), records=len(records), cache_hits=cache.hits, cache_misses=cache.misses
+        bad=dict(bad), records=len(records), cache_hits=hits, cache_misses=len(records) - hits
     )
     summary["extra_keys"] = {**extra, "ignored": not cfg.strict}
     out = Path(out_dir)
@@ -88,15 +94,61 @@ def profile_data(
     return path
 
 
-def extra_key_counts(records: list[dict], processor: Processor) -> dict:
-    """{"records": how many carry keys the data layer ignores, "keys": {key: records carrying it}}."""
+def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, list, dict, int]:
+    """(shape or BadSample per record, source name per record, extra keys: {"records": how many
+    carry keys the data layer ignores, "keys": {key: records carrying it}}, cache hits).
+
+    One pass over the records, through the shape-metadata cache. Lazy (sharded) sources run one
+    process per shard group, up to the CPUs; a list (JSON) runs here (its records would have to be
+    shipped to the workers)."""
+    groups: dict = defaultdict(list)
+    if not isinstance(records, list):
+        for i in range(len(records)):
+            groups[group_key(records, i)].append(i)
+    workers = profile_workers(len(groups), len(records))
+    if workers <= 1:
+        return _profile_part(cfg, records)
+    parts = [take(records, idx) for idx in groups.values()]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX threads
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        done = list(pool.map(_profile_part, [cfg] * len(parts), parts))
+    results, names, hits = [None] * len(records), [None] * len(records), 0
     keys: Counter[str] = Counter()
     carrying = 0
-    for record in records:
-        extra = processor.extra_keys(record)
+    for idx, (res, nm, extra, h) in zip(groups.values(), done):
+        for j, i in enumerate(idx):
+            results[i], names[i] = res[j], nm[j]
+        keys.update(extra["keys"])
+        carrying += extra["records"]
+        hits += h
+    return results, names, {"records": carrying, "keys": dict(sorted(keys.items()))}, hits
+
+
+def profile_workers(num_groups: int, num_records: int) -> int:
+    """Processes profiling shard groups: one per group, at most CPUs - 1 (the parent only waits; a
+    2-CPU host profiles in-process), and only with `RECORDS_PER_WORKER` records each (a spawned
+    worker first spends seconds importing the data layer)."""
+    cpus = (os.cpu_count() or 1) - 1
+    return min(num_groups, cpus, MAX_PROFILE_WORKERS, num_records // RECORDS_PER_WORKER)
+
+
+def _profile_part(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, list, dict, int]:
+    processor = Processor(cfg)
+    names: list[str] = [""] * len(records)
+    keys: Counter[str] = Counter()
+    carrying = 0
+
+    def visit(i: int, record: dict) -> None:
+        nonlocal carrying
+        names[i] = _source_name(record)
+        extra = processor.extra_keys(record) if isinstance(record, dict) else ()
         carrying += bool(extra)
         keys.update(extra)
-    return {"records": carrying, "keys": dict(sorted(keys.items()))}
+
+    cache = MetadataCache(cfg.cache_dir, processor)
+    results = cache.shapes(records, visit)
+    extra = {"records": carrying, "keys": dict(sorted(keys.items()))}
+    return results, names, extra, cache.hits
 
 
 def extra_keys_line(extra: dict) -> str:
@@ -108,6 +160,8 @@ def extra_keys_line(extra: dict) -> str:
 
 
 def _source_name(record: dict) -> str:
+    if not isinstance(record, dict):
+        return "-"
     if "data_source" in record:
         return str(record["data_source"])
     return Path(record["_file"]).stem if "_file" in record else "-"

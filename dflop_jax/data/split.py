@@ -15,6 +15,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from dflop_jax.data.shards import take
+
 
 def record_key(record: Any, index: int) -> str:
     """What the split hashes: the record's `id`, else its position in the dataset."""
@@ -29,11 +31,14 @@ def held_out(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def split_records(records: Sequence[Any], fraction: float, seed: int) -> tuple[list, list]:
-    """(training records, held-out records), each in dataset order; fraction 0 holds out nothing."""
+def split_records(records: Sequence[Any], fraction: float, seed: int) -> tuple[Sequence, Sequence]:
+    """(training records, held-out records), each in dataset order; fraction 0 holds out nothing.
+
+    A list gives lists; a lazy source (shards) gives lazy views of it (each record is read once here,
+    for its key, and not kept)."""
     if fraction <= 0:
-        return list(records), []
+        return (list(records) if isinstance(records, list) else records), []
     train, held = [], []
-    for i, record in enumerate(records):
-        (held if held_out(record_key(record, i), fraction, seed) else train).append(record)
-    return train, held
+    for i in range(len(records)):
+        (held if held_out(record_key(records[i], i), fraction, seed) else train).append(i)
+    return take(records, train), take(records, held)
