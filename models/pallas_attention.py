@@ -123,8 +123,12 @@ def _mask(seg_ref, r0, rows, c0, cols, causal):
 
 
 def _dot(a, b, trans_b=False):
+    """a @ b (or a @ b.T) accumulated in f32. Float32 operands multiply in full precision: Triton
+    would take TF32 for the default precision (ignoring `jax.default_matmul_precision`), and f32 runs
+    are the parity runs."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    full = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=full, preferred_element_type=jnp.float32)
 
 
 def _forward_kernel(rng_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block):
