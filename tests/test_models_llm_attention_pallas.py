@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.attention import attention, attention_mask
-from models.pallas_attention import block_ranges, pallas_attention
+from models.pallas_attention import block_ranges, pallas_attention, visited_blocks
 
 TOL = 2e-5  # float32 round-off of values and gradients of O(1) (both sides tile differently)
 
@@ -134,3 +134,18 @@ def test_triton_kernels_equal_xla_on_gpu(dh, causal):
         want = jax.jit(_value_and_grads, static_argnums=0)(xla, q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths", [[300], [30, 21, 17], [5] * 16, [64, 64, 100], [1] * 40])
+def test_cost_model_counts_the_tiles_the_kernel_visits(lengths, causal):
+    """`costs.flops.visited_pairs` (pure Python, what the cost model counts) equals the kernel's own
+    block ranges x block^2, and a row of many samples visits far fewer tiles than the causal square."""
+    from dflop_jax.costs.flops import visited_pairs
+
+    s, block = 320, 32
+    seg = jnp.asarray(_packed(s, lengths)[None])
+    kernel = float(visited_blocks(seg, block, causal)[0]) * block * block
+    assert visited_pairs(lengths, s, block, causal) == kernel
+    # 16 samples of 20 filling the row: 1 or 2 tiles per query block (18), vs 55 causal tiles
+    assert visited_pairs([20] * 16, s, block) == 18 * block * block
