@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+from models.layers import auto_mesh_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 BLOCK = 64  # tile edge on GPU: a [64, 128] q / k / v tile each fits shared memory at Dh 128
@@ -359,5 +363,36 @@ def pallas_attention(
     if extra:
         fresh = jnp.max(seg, axis=1, keepdims=True) + 1
         seg = jnp.concatenate([seg, jnp.broadcast_to(fresh, (b, extra))], axis=1)
-    out = _flash(q, k, v, seg, causal, block, interpret, dh)
+
+    def kernel(q, k, v, seg):
+        return _flash(q, k, v, seg, causal, block, interpret, dh)
+
+    out = _per_head_shard(kernel, q, k, v, seg)
     return out[:, :s, :, :dh]
+
+
+def _per_head_shard(kernel, q, k, v, seg):
+    """`kernel(q, k, v, seg)` on each device's heads (and rows) where the mesh shards them.
+
+    A Pallas call is opaque to GSPMD, which would gather every head onto every device of the
+    "model" axis and run the whole attention on each; heads are independent, so a `shard_map` over
+    the head (and batch) axes runs each device's own. Query and kv heads split alike keep each
+    query head's kv head local (contiguous groups)."""
+    heads, kv_heads = auto_mesh_axes("act_heads"), auto_mesh_axes("act_kv_heads")
+    mesh = jax.sharding.get_abstract_mesh()
+    size = math.prod(mesh.shape[a] for a in heads)
+    if not heads or heads != kv_heads or size == 1 or q.shape[2] % size or k.shape[2] % size:
+        return kernel(q, k, v, seg)
+    rows = auto_mesh_axes("batch")
+    if q.shape[0] % math.prod(mesh.shape[a] for a in rows):
+        rows = ()
+    row_spec = (rows[0] if len(rows) == 1 else rows) if rows else None
+    head_spec = heads[0] if len(heads) == 1 else heads
+    spec = P(row_spec, None, head_spec, None)
+    return jax.shard_map(
+        kernel,
+        in_specs=(spec, spec, spec, P(row_spec, None)),
+        out_specs=spec,
+        axis_names=set(heads) | set(rows),
+        check_vma=False,
+    )(q, k, v, seg)

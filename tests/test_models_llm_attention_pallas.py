@@ -149,3 +149,44 @@ def test_cost_model_counts_the_tiles_the_kernel_visits(lengths, causal):
     assert visited_pairs(lengths, s, block, causal) == kernel
     # 16 samples of 20 filling the row: 1 or 2 tiles per query block (18), vs 55 causal tiles
     assert visited_pairs([20] * 16, s, block) == 18 * block * block
+
+
+def _sharded_run(impl, rules):
+    """loss and grads of attention on a (data 2, model 4) mesh, heads and rows sharded, and the
+    all-gathers of the compiled program."""
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"),
+                axis_types=(AxisType.Auto, AxisType.Auto))  # fmt: skip
+    seg = jnp.asarray(_rows(96)[1:3])
+    q, k, v, _ = _qkv(2, 96, 8, 4, 64)
+
+    def loss(q, k, v, seg):
+        out = attention(q, k, v, segment_ids=seg, causal=True, implementation=impl)
+        return (out**2).sum()
+
+    heads = NamedSharding(mesh, P("data", None, "model", None))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        args = (*(jax.device_put(x, heads) for x in (q, k, v)),
+                jax.device_put(seg, NamedSharding(mesh, P("data", None))))  # fmt: skip
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        gathers = fn.lower(*args).compile().as_text().count("all-gather")
+        return fn(*args), gathers
+
+
+def test_tensor_parallel_heads_run_on_their_own_devices():
+    """GSPMD cannot split a Pallas call: under the runtime's rules (heads on "model", rows on
+    "data") each device runs its own heads' kernels (no all-gather), with the XLA path's values;
+    without the rules the heads are gathered onto every device."""
+    from dflop_jax.runtime.sharding import rules_for
+
+    rules = rules_for("decoder")
+    (value, grads), gathers = _sharded_run("pallas", rules)
+    (want, want_grads), _ = _sharded_run("xla", rules)
+    assert gathers == 0
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    assert _sharded_run("pallas", ())[1] > 0
