@@ -44,6 +44,12 @@ def with_plan_remat(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=model)
 
 
+def attention_impl(model_cfg) -> str:
+    """The attention implementation the model's decoder runs ("xla" when unset): what the memory
+    model prices (`costs/memory.py`)."""
+    return getattr(model_cfg, "text", model_cfg).attention_impl or "xla"
+
+
 def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     """The layout, buckets, microbatch range, cost provider and residual policies of `cfg.plan`
     for `model_cfg`."""
@@ -72,7 +78,8 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
 def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
     trainable = tuple(cfg.optimizer.trainable)  # the recipe the plan and the scheduler cost
-    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable)
+    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable,
+                                    attention_impl=attention_impl(model_cfg))  # fmt: skip
     multimodal = cfg.model.kind != "decoder"
     if cfg.plan == "explicit":
         lay = cfg.layout

@@ -10,6 +10,9 @@
     many short samples costs about the sum of the samples' own attention, not S x S. Rows of one
     call share the loops (rows stay a batched, data-shardable axis): a tile is visited when any row
     needs it.
+  - implementation "pallas": `models.pallas_attention.pallas_attention`, our flash kernels (Triton
+    on GPU, Pallas interpret mode elsewhere) whose loops visit only the key blocks a query block's
+    segments reach, so key blocks of other samples are never loaded; no mask is materialized.
   - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
     segment mask plus `is_causal`. jax 0.10.2's public API has no segment / offset form for cuDNN:
     `query_seq_lengths` / `key_value_seq_lengths` give ONE valid prefix per batch row, and cuDNN's
@@ -32,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "cudnn")
+IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MIN_BLOCK, MAX_BLOCK = 128, 512
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -322,7 +325,8 @@ def attention(
       q: [B,S,H,Dh]; k, v: [B,S,K,Dh] with H % K == 0.
       segment_ids: [B,S] int (0 = padding) or None (one segment).
       causal: causal within each segment.
-      implementation: "xla" / None (XLA path) or "cudnn" (fused GPU kernel).
+      implementation: "xla" / None (XLA path), "pallas" (our flash kernels) or "cudnn" (fused
+        GPU kernel).
 
     Returns:
       [B,S,H,Dh] in q.dtype.
@@ -337,6 +341,10 @@ def attention(
         return fused_attention(
             q, k, v, segment_ids=segment_ids, causal=causal, implementation="cudnn"
         ).astype(q.dtype)
+    if implementation == "pallas":
+        from models.pallas_attention import pallas_attention
+
+        return pallas_attention(q, k, v, segment_ids, causal).astype(q.dtype)
     if q.shape[1] <= dense_max(jax.default_backend()):
         return dense_attention(q, k, v, segment_ids, causal).astype(q.dtype)
     block = block_size(q.shape[1])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from models.layers import REMAT_POLICIES, Llama3RopeScaling
 
 REMAT_MODES = tuple(REMAT_POLICIES)
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "pallas", "cudnn")
 
 
 def _check(ok: bool, message: str) -> None:

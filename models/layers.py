@@ -60,17 +60,29 @@ def keyed_rngs(rngs: nnx.Rngs, *path: str | int) -> nnx.Rngs:
     return nnx.Rngs(params=key)
 
 
+def _rules_table() -> dict:
+    table: dict = {}
+    for name, mesh_axes in core_spmd.get_logical_axis_rules():  # first match wins, as in flax
+        table.setdefault(name, mesh_axes)
+    return table
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Activation sharding hint by logical axes; a no-op outside a mesh or without rules."""
-    rules = core_spmd.get_logical_axis_rules()
-    if not _on_mesh() or not rules:
+    if not _on_mesh() or not core_spmd.get_logical_axis_rules():
         return x
-    table: dict = {}
-    for name, mesh_axes in rules:  # first match wins, as in flax
-        table.setdefault(name, mesh_axes)
-    manual = _manual_axes()
+    table, manual = _rules_table(), _manual_axes()
     spec = PartitionSpec(*(_drop(table.get(a), manual) if a is not None else None for a in axes))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def auto_mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes (not Manual here) that the rules map logical axis `logical` to; () outside a
+    mesh or without rules."""
+    if not _on_mesh() or not core_spmd.get_logical_axis_rules():
+        return ()
+    kept = _drop(_rules_table().get(logical), _manual_axes())
+    return () if kept is None else ((kept,) if isinstance(kept, str) else tuple(kept))
 
 
 def _manual_axes() -> frozenset[str]:

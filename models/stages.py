@@ -75,6 +75,18 @@ def stage_module(
     return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
 
 
+def with_attention(model_cfg, implementation: str):
+    """`model_cfg` whose decoder and vision tower (when it has one) run attention `implementation`
+    ("xla", "pallas" or "cudnn": `models.attention`)."""
+    if isinstance(model_cfg, DecoderConfig):
+        return model_cfg.replace(attention_impl=implementation)
+    return dataclasses.replace(
+        model_cfg,
+        vision=model_cfg.vision.replace(attention_impl=implementation),
+        text=model_cfg.text.replace(attention_impl=implementation),
+    )
+
+
 def with_remat(model_cfg, remat: dict[str, str]):
     """`model_cfg` with the per-module activation recomputation `remat` ({"vision": ..., "llm": ...},
     each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder."""

@@ -104,3 +104,12 @@ def test_cudnn_attention_matches_xla_on_gpu():
         row = gpu.attention_case(2048, samples, (8, 2, 64), ("xla", "cudnn"), warmup=0, runs=1)
         assert row["cudnn_vs_xla"]["ok"], row["cudnn_vs_xla"]
         assert row["impls"]["cudnn"]["vs_fp32"]["ok"] and row["impls"]["xla"]["vs_fp32"]["ok"]
+
+
+@pytest.mark.gpu
+def test_pallas_attention_matches_xla_on_gpu():
+    """On a GPU: the compiled Pallas kernels agree with the XLA path and the fp32 reference (bf16)."""
+    for samples in (1, 16):
+        row = gpu.attention_case(2048, samples, (8, 2, 128), ("xla", "pallas"), warmup=0, runs=1)
+        assert row["pallas_vs_xla"]["ok"], row["pallas_vs_xla"]
+        assert row["impls"]["pallas"]["vs_fp32"]["ok"]

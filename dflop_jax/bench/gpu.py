@@ -4,7 +4,8 @@
                                   [--out runs/bench_gpu] [--json-out runs/bench_gpu/gpu.json]
 
 Each part measures against the strongest alternative in the same run:
-  attention  the fused cuDNN path vs the XLA path of `models.attention.attention` on packed rows (one long
+  attention  the fused cuDNN path and our Pallas kernels vs the XLA path of `models.attention.attention`
+             on packed rows (one long
              sample vs 16 packed samples): output and gradient parity against each other and against a
              dense fp32 reference (bf16 tolerances ATTN_TOL), time and achieved TFLOP/s (model FLOPs:
              causal pairs x 4 Dh H forward, 3x that forward + backward). On CPU only the XLA path runs.
@@ -273,16 +274,21 @@ def attention_case(length: int, samples: int, heads, impls, warmup: int, runs: i
         row["impls"][impl] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "fwd_tflops": fwd_flops / t_f / 1e12,
                               "fwd_bwd_tflops": 3 * fwd_flops / t_fb / 1e12,
                               "vs_fp32": _parity(results[impl], ref)}  # fmt: skip
-    if "cudnn" in results:
-        row["cudnn_vs_xla"] = _parity(results["cudnn"], results["xla"])
+    for impl in ("pallas", "cudnn"):
+        if impl in results:
+            row[f"{impl}_vs_xla"] = _parity(results[impl], results["xla"])
     return row
 
 
 def attention_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
-    impls = ("xla", "cudnn") if info["gpu"] else ("xla",)
+    impls = ("xla", "pallas", "cudnn") if info["gpu"] else ("xla",)
     cases = [attention_case(n, s, size.attn_heads, impls, warmup, runs)
              for n in size.attn_lengths for s in (1, size.attn_packed)]  # fmt: skip
-    note = None if info["gpu"] else "CPU: the cuDNN path needs a GPU; only the XLA path ran"
+    note = (
+        None
+        if info["gpu"]
+        else "CPU: the cuDNN and (compiled) Pallas paths need a GPU; only the XLA path ran"
+    )
     return {"heads": list(size.attn_heads), "tolerance": ATTN_TOL, "impls": list(impls),
             "note": note, "cases": cases}  # fmt: skip
 
@@ -524,10 +530,11 @@ def _print_attention(rep: dict, info: dict) -> None:
             print(f"| {c['length']} | {c['samples']} | {impl} | {r['fwd_s'] * 1e3:.2f} | "
                   f"{r['fwd_tflops']:.3g} | {r['fwd_bwd_s'] * 1e3:.2f} | {r['fwd_bwd_tflops']:.3g} | "
                   f"{p['out']:.2e} / {p['grad']:.2e}{'' if p['ok'] else ' OVER TOLERANCE'} |")  # fmt: skip
-        if "cudnn_vs_xla" in c:
-            p = c["cudnn_vs_xla"]
-            print(f"cuDNN vs XLA at {c['length']}x{c['samples']}: out {p['out']:.2e}, grad "
-                  f"{p['grad']:.2e} ({'within' if p['ok'] else 'OVER'} tolerance)")  # fmt: skip
+        for impl in ("pallas", "cudnn"):
+            if f"{impl}_vs_xla" in c:
+                p = c[f"{impl}_vs_xla"]
+                print(f"{impl} vs XLA at {c['length']}x{c['samples']}: out {p['out']:.2e}, grad "
+                      f"{p['grad']:.2e} ({'within' if p['ok'] else 'OVER'} tolerance)")  # fmt: skip
 
 
 def _print_stage(rep: dict, info: dict) -> None:

@@ -110,6 +110,35 @@ def causal_pairs(segment_lengths: Sequence[int]) -> float:
     return float(sum(n * (n + 1) // 2 for n in segment_lengths))
 
 
+def visited_pairs(
+    segment_lengths: Sequence[int], row: int, block: int, causal: bool = True
+) -> float:
+    """(query, key) pairs a segment-bounded flash kernel computes on one packed row: whole
+    `block` x `block` tiles, each query block visiting the key blocks from the start of its first
+    query's sample through its own block (causal) or the end of its last query's sample. Samples
+    lie contiguous from the row's start, the padding tail is one more segment and the row is padded
+    to whole blocks (`models.pallas_attention`; the XLA blocked path at its block size visits the
+    same tiles on such a row). The gap to `causal_pairs` is the masked work inside visited tiles;
+    a kernel that visits every causal tile computes about row^2 / 2."""
+    n = -(-row // block)
+    bounds, pos = [], 0  # (start, end) of each segment, padding included
+    for length in [*segment_lengths, row - sum(segment_lengths)]:
+        if length > 0:
+            bounds.append((pos, pos + length))
+            pos += length
+    bounds.append((row, n * block))  # the kernel's own padding to whole blocks
+
+    def segment(token: int) -> tuple[int, int]:
+        return next(b for b in bounds if b[0] <= token < b[1])
+
+    tiles = 0
+    for i in range(n):
+        lo = segment(i * block)[0] // block
+        hi = i + 1 if causal else -(-segment(i * block + block - 1)[1] // block)
+        tiles += hi - lo
+    return float(tiles * block * block)
+
+
 def llm_layer_flops(llm: LLMArch, seq_len_linear: float, attn_pairs: float) -> float:
     """Forward FLOPs of one decoder block.
 

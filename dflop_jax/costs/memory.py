@@ -47,6 +47,13 @@ sequence parallelism:
   the dense square's 51.0 MB (SigLIP-400M, 16 heads; compiled encoder stages at 1-4 layers and 4-16
   tiles, docs/benchmarks.md). Without remat the blocked path saves no square (CPU holds it only
   while a layer's backward runs), so there the term overstates the CPU figure; GPU keeps it.
+By attention implementation (`attention_impl`, `models.attention`; `attention_transient_bytes`):
+  "xla" and "pallas" keep per layer what a flash kernel keeps (above). Pallas's backward also holds,
+  for the one layer it differentiates at a time, the per-query-head f32 dk / dv partials (summed over
+  each kv group after the kernel) and the f32 row sums delta: (8 Dh + 4) H / tp per token. "cudnn"
+  gets our segment mask as a dense [1, 1, S, S] boolean and jax turns it into an additive bias in
+  the compute dtype (jax's public cuDNN API has no segment form): (1 + cb) S^2 per row of the stage
+  program, counted once (the layers' masks are one value; not measured: no GPU on the test hosts).
 Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
 gradient accumulator and no optimizer state, and the program holds only a weight copy (no weight
 gradient), in the dtype the backend's dots read (`dot_bytes`). On an accelerator that is the compute
@@ -89,6 +96,11 @@ DENSE_MAX_TOKENS = 1024  # models.attention.dense_max on accelerators: shorter r
 REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
 RESIDUAL_POLICIES = ("all", "layers", "recompute")  # runtime.stages.RESIDUAL_POLICIES
 CPU_DOT_BYTES = F32  # XLA:CPU upcasts bf16 dot operands to f32 (module docstring: frozen parts)
+ATTENTION_IMPLS = (
+    "xla",
+    "pallas",
+    "cudnn",
+)  # models.attention.IMPLEMENTATIONS (costs import no JAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +199,20 @@ def dense_attention_bytes(
     """Bytes XLA's dense attention saves per layer for one [length x length] square (all heads)."""
     per_pair = (1 + F32 if causal else 0) + F32 + compute_bytes
     return heads / tp * length**2 * per_pair
+
+
+def attention_transient_bytes(
+    impl: str, heads: int, dh: int, length: int, tp: int, backward: bool, compute_bytes: int = 2
+) -> float:
+    """Bytes a stage program holds beyond the flash residuals for one packed row of `length` tokens
+    with attention implementation `impl` (module docstring)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}: use one of {ATTENTION_IMPLS}")
+    if impl == "cudnn":
+        return float(length**2 * (1 + compute_bytes))
+    if impl == "pallas" and backward:
+        return heads / tp * length * (2 * F32 * dh + F32)
+    return 0.0
 
 
 def _sharded(layer_params: float, replicated: float, tp: int) -> float:
@@ -335,11 +361,13 @@ def encoder_stage_memory(
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
+    attention_impl: str = "xla",
 ) -> StageMemory:
     """Memory of an encoder stage (its layers, + patch embedding / projector if it holds them) at
     `tiles` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
-    `dot_bytes`: bytes per weight element the backend's dots read, `CPU_DOT_BYTES` on XLA:CPU) and
-    the residual policy `residuals`."""
+    `dot_bytes`: bytes per weight element the backend's dots read, `CPU_DOT_BYTES` on XLA:CPU), the
+    residual policy `residuals` and `attention_impl` (the ViT's tiles are unmasked, so only Pallas's
+    backward partials count)."""
     v, p, tp, cb = arch.vision, arch.projector, stage.tp, compute_bytes
     remat = _policy_remat(residuals, remat_policy(remat))
     role = stage_role(stage, trainable, True)
@@ -359,6 +387,10 @@ def encoder_stage_memory(
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
         if residuals != "recompute":
             held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+    if stage.num_layers and attention_impl == "pallas":  # per tile: no mask, so no cuDNN bias
+        temp += tiles * attention_transient_bytes(
+            attention_impl, v.num_heads, v.dh, v.seq_len, tp, not forward, cb
+        )
     hidden = tokens * v.hidden_size * cb
     n_head = 0.0
     if stage.has_embedding:
@@ -393,11 +425,13 @@ def llm_stage_memory(
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
+    attention_impl: str = "xla",
 ) -> StageMemory:
     """Memory of an LLM stage (its layers, + embedding / head if it holds them) at a packed row of
     `tokens` per data shard, as the runtime holds it under the recipe `trainable` (module docstring;
-    `dot_bytes` as in `encoder_stage_memory`) and the residual policy `residuals` (the last stage's
-    fused program keeps nothing between programs: only its layer remat changes)."""
+    `dot_bytes` as in `encoder_stage_memory`), the residual policy `residuals` (the last stage's
+    fused program keeps nothing between programs: only its layer remat changes) and `attention_impl`
+    (`attention_transient_bytes`)."""
     m, tp, cb = arch.llm, stage.tp, compute_bytes
     remat = _policy_remat(residuals, remat_policy(remat))
     role = stage_role(stage, trainable, arch.vision is not None)
@@ -415,6 +449,10 @@ def llm_stage_memory(
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
         if residuals != "recompute" and not stage.has_head:
             held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+    if stage.num_layers:
+        temp += attention_transient_bytes(
+            attention_impl, m.num_heads, m.dh, tokens, tp, not forward, cb
+        )
     hidden = tokens * m.hidden_size * cb
     embed = m.vocab_size * m.hidden_size / tp  # vocab-parallel
     inputs = tokens * 2 * 4  # segment ids, positions (int32)
@@ -455,12 +493,14 @@ def stage_memory(
     trainable: tuple[str, ...] = PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
+    attention_impl: str = "xla",
 ) -> StageMemory:
     """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)
-    under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`) and residual policy."""
+    under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`), residual policy and
+    `attention_impl`."""
     fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
     return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable, dot_bytes,
-              residuals)  # fmt: skip
+              residuals, attention_impl)  # fmt: skip
 
 
 def pick_residuals(memories: dict[str, StageMemory], in_flight: int, budget: float) -> str:

@@ -19,6 +19,11 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   (an assumption; a measured table replaces it). With `flash_attention=False` (XLA's dense attention,
   what the runtime runs on CPU) the full S*S square is computed and its scores are stored (memory.py);
   the default stays True on every device so plans for long rows remain possible on CPU previews.
+  `attention_impl` ("xla", "pallas", "cudnn": what `model.attention_impl` runs) changes memory only
+  (memory.py: Pallas's backward partials, cuDNN's dense mask bias). Its time is the same S*S/2 pairs
+  here: the XLA and Pallas paths do skip other samples' blocks at run time (cuDNN does not), which a
+  static bucket cannot see; a measured table (the profiler runs the configured implementation on
+  packed rows) carries the difference.
 With `trainable` (a recipe, costs/recipe.py) frozen stages cost what the runtime runs for them: forward
 only (backward 0), dx only (2/3 of the backward), or an encoder head stage's projector alone.
 """
@@ -38,6 +43,7 @@ from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.memory import (
+    ATTENTION_IMPLS,
     RESIDUAL_POLICIES,
     StageMemory,
     pick_residuals,
@@ -91,6 +97,7 @@ class AnalyticCostProvider:
         compute_bytes: int = 2,
         flash_attention: bool = True,
         trainable: tuple[str, ...] = PARTS,
+        attention_impl: str = "xla",
     ):
         """`remat`: activation recomputation, True / False for both modules or a per-module policy
         {"vision": ..., "llm": ...} of "none" / "full" / "dots" (what the runtime applies).
@@ -107,6 +114,9 @@ class AnalyticCostProvider:
         )
         self.compute_bytes = compute_bytes
         self.trainable = check_trainable(trainable)
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={attention_impl!r}: use one of {ATTENTION_IMPLS}")
+        self.attention_impl = attention_impl
         # None: what the runtime uses on this device (fused kernel on GPUs, dense XLA on CPU)
         self.flash_attention = (
             device.flash_attention if flash_attention is None else flash_attention
@@ -115,6 +125,7 @@ class AnalyticCostProvider:
             f"analytic:{arch.name}@{device.name}"
             + _remat_suffix(self.policy)
             + ("" if self.flash_attention else "+dense-attn")
+            + ("" if attention_impl == "xla" else f"+{attention_impl}")
             + trainable_suffix(self.trainable)
         )
         self._memory: dict[tuple[StageSpec, int], StageMemory] = {}  # the planner asks ~10^5 times
@@ -213,7 +224,8 @@ class AnalyticCostProvider:
             return self
         return AnalyticCostProvider(self.arch, self.device, remat=self.remat,
                                     compute_bytes=self.compute_bytes,
-                                    flash_attention=self.flash_attention, trainable=trainable)  # fmt: skip
+                                    flash_attention=self.flash_attention, trainable=trainable,
+                                    attention_impl=self.attention_impl)  # fmt: skip
 
     def stage_memory(
         self, stage: StageSpec, bucket: int, residuals: str = "recompute"
@@ -233,6 +245,7 @@ class AnalyticCostProvider:
                 self.flash_attention,
                 self.trainable,
                 residuals=residuals,
+                attention_impl=self.attention_impl,
             )
         return self._memory[key]
 

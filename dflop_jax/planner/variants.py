@@ -50,6 +50,7 @@ def provider_variant(base, layout: Layout, remat: bool | None, pad_heads: bool):
         compute_bytes=base.compute_bytes,
         flash_attention=base.flash_attention,
         trainable=base.trainable,
+        attention_impl=base.attention_impl,
     )
 
 

@@ -111,6 +111,27 @@ def check_layout(
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
+    out = []
+    for i, (part, prog) in enumerate(
+        stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable)
+    ):
+        held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
+        out.append(_stage_check(i, [compile_part(part, prog)], held))
+    warn_disagreements(out, predicted)
+    return out
+
+
+def stage_programs(
+    layout: Layout,
+    buckets: BucketSet,
+    model_cfg,
+    meshes: Sequence[jax.sharding.Mesh],
+    compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = PARTS,
+) -> list[tuple[str, PartProgram]]:
+    """(part, programs) of each stage of `layout` on its mesh, at the largest of `buckets`, as the
+    runtime builds them (the fused colocated stage as one "encoder+llm" program). Nothing is
+    compiled."""
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
     feature_tiles = layout.encoder_dp * tiles
     fused = fused_stage(layout, model_cfg)
@@ -119,16 +140,44 @@ def check_layout(
         if i == fused:
             prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
                                  trainable=trainable)  # fmt: skip
-            part = compile_part("encoder+llm", prog)
-        else:
-            bucket = tiles if spec.module == "encoder" else length
-            features = feature_tiles if spec.module == "llm" and spec.has_embedding else None
-            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
-                                 trainable=trainable)  # fmt: skip
-            part = compile_part(spec.module, prog)
-        held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
-        out.append(_stage_check(i, [part], held))
-    warn_disagreements(out, predicted)
+            out.append(("encoder+llm", prog))
+            continue
+        bucket = tiles if spec.module == "encoder" else length
+        features = feature_tiles if spec.module == "llm" and spec.has_embedding else None
+        prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
+                             trainable=trainable)  # fmt: skip
+        out.append((spec.module, prog))
+    return out
+
+
+def lower_stage_programs(
+    layout: Layout,
+    buckets: BucketSet,
+    model_cfg,
+    meshes: Sequence[jax.sharding.Mesh],
+    platform: str,
+    compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = PARTS,
+) -> list[dict[str, jax.stages.Lowered]]:
+    """Lowers (does not compile) every stage program of `layout` for `platform` ("cuda", "rocm",
+    "cpu"), whatever backend this host has: per stage {"forward": ..., "backward" or "last": ...}
+    (a forward-only stage: its forward alone). Pallas kernels lower as they would run on that
+    platform (Triton on "cuda", interpreted on "cpu"): a CPU host checks the GPU programs trace and
+    lower, the Triton kernels included."""
+    from models.pallas_attention import forced_mode
+
+    platforms = (platform,)
+    out = []
+    with forced_mode(interpret=platform == "cpu"):
+        for _, prog in stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable):
+            with jax.set_mesh(prog.mesh):
+                args = (prog.params_abs, prog.x_abs, prog.side_abs)
+                lowered = {"forward": prog.fwd.trace(*args).lower(lowering_platforms=platforms)}
+                if prog.bwd is not None:
+                    name = "last" if prog.seed_abs.shape == () else "backward"
+                    traced = prog.bwd.trace(*args, prog.seed_abs, prog.gacc_abs)
+                    lowered[name] = traced.lower(lowering_platforms=platforms)
+            out.append(lowered)
     return out
 
 

@@ -1,0 +1,82 @@
+"""The memory model by attention implementation (costs/memory.py, `attention_transient_bytes`): cuDNN's
+dense [1, 1, S, S] mask and bias, (1 + cb) S^2 per row of an LLM stage program; Pallas's backward
+f32 dk / dv partials per query head and delta, (8 Dh + 4) H / tp per token, in a stage that runs a
+backward only; XLA adds nothing; the provider carries the implementation into its memory and name."""
+
+import dataclasses
+
+import pytest
+
+from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.costs.layout import StageSpec
+from dflop_jax.costs.memory import stage_memory
+
+ARCH = get_arch("siglip-so400m+qwen2.5-7b")
+LLM = StageSpec("llm", 1, 4, tp=4, dp=2)
+ENC = StageSpec("encoder", 0, 4, tp=2, dp=1)
+
+
+def _temp(spec, bucket, impl, **kw):
+    return stage_memory(ARCH, spec, bucket, remat="full", attention_impl=impl, **kw).temp
+
+
+@pytest.mark.parametrize("tokens", [4096, 8192])
+def test_cudnn_holds_the_dense_mask_and_its_bias(tokens):
+    extra = _temp(LLM, tokens, "cudnn") - _temp(LLM, tokens, "xla")
+    assert extra == tokens**2 * (1 + 2)  # bool mask + bf16 bias
+    # quadratic in the row: 4x the bytes at twice the tokens, whatever tp
+    wide = dataclasses.replace(LLM, tp=1)
+    assert _temp(wide, tokens, "cudnn") - _temp(wide, tokens, "xla") == extra
+
+
+def test_pallas_backward_holds_per_head_partials():
+    m, tokens = ARCH.llm, 8192
+    extra = _temp(LLM, tokens, "pallas") - _temp(LLM, tokens, "xla")
+    assert extra == pytest.approx(m.num_heads / LLM.tp * tokens * (8 * m.dh + 4))
+    # the ViT's tiles too (unmasked: cuDNN adds nothing there)
+    v, tiles = ARCH.vision, 16
+    enc = _temp(ENC, tiles, "pallas") - _temp(ENC, tiles, "xla")
+    assert enc == pytest.approx(tiles * v.num_heads / ENC.tp * v.seq_len * (8 * v.dh + 4))
+    assert _temp(ENC, tiles, "cudnn") == _temp(ENC, tiles, "xla")
+
+
+def test_forward_only_stage_holds_no_backward_partials():
+    """Projector-only recipe: the first encoder stage (nothing trained in or before it) runs its
+    forward alone, so Pallas adds nothing there."""
+    first = StageSpec("encoder", 0, 4, tp=2, dp=1, has_embedding=True)
+    recipe = ("projector",)
+    a, b = (_temp(first, 16, i, trainable=recipe) for i in ("pallas", "xla"))
+    assert a == b
+    assert _temp(first, 16, "pallas") > _temp(first, 16, "xla")  # trained: it differentiates
+
+
+def test_provider_knows_the_implementation():
+    h100 = get_device("h100")
+    xla = AnalyticCostProvider(ARCH, h100, remat=True)
+    cudnn = AnalyticCostProvider(ARCH, h100, remat=True, attention_impl="cudnn")
+    assert cudnn.name == xla.name + "+cudnn"
+    assert cudnn.stage_memory(LLM, 4096).temp - xla.stage_memory(LLM, 4096).temp == 3 * 4096**2
+    assert cudnn.with_trainable(("projector",)).attention_impl == "cudnn"
+    with pytest.raises(ValueError, match="attention_impl='flash': use one of"):
+        AnalyticCostProvider(ARCH, h100, attention_impl="flash")
+
+
+def test_training_plan_prices_the_models_implementation(tmp_path):
+    """`train_plan.resolve_plan` costs the implementation the model config runs; the model profiler's
+    table is keyed by it too (its hash covers the whole model config)."""
+    import jax
+
+    from dflop_jax.config import load_config
+    from dflop_jax.contracts.profile_settings import ProfileSettings
+    from dflop_jax.profiling.model_profiler import table_hash
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train_plan import abstract_model_config, resolve_plan
+    from models.stages import with_attention
+
+    cfg = load_config(TrainConfig, "configs/demo.yaml", ["plan=explicit", f"run_dir={tmp_path}"])
+    model_cfg = abstract_model_config(cfg)
+    assert resolve_plan(cfg, model_cfg).provider.attention_impl == "xla"
+    cudnn = with_attention(model_cfg, "cudnn")
+    assert resolve_plan(cfg, cudnn).provider.attention_impl == "cudnn"
+    devices, settings = jax.devices(), ProfileSettings()
+    assert table_hash(model_cfg, settings, devices) != table_hash(cudnn, settings, devices)
