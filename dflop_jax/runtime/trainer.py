@@ -58,6 +58,7 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
+from dflop_jax.runtime.resume import carry_corrections, layout_from_dict
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -248,15 +249,15 @@ class _Trainer:
             s.params, o.state = p, st
         # The schedule function first: the loader's thread schedules the next batch as soon as its
         # state is set, and must find the lag counted from the resumed step.
-        saved = meta["scheduler"]
+        saved = _lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch)
         if meta["layout"] != json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            # Correction factors are per stage of the layout that measured them: start fresh.
-            saved = self.scheduler.state_dict()
-            self.console.print(
-                "note: the checkpoint comes from another layout; scheduler corrections start fresh",
-                highlight=False,
+            # Correction factors are per stage of the layout that measured them (`resume.py`).
+            carried = carry_corrections(
+                saved, layout_from_dict(meta["layout"]), self.layout, self.scheduler.state_dict()
             )
-        self.schedule_fn.load(_lagged_state(saved, meta["step"], self.cfg.prefetch))
+            saved = carried.state
+            self.console.print(f"note: {carried.message()}", highlight=False, soft_wrap=True)
+        self.schedule_fn.load(saved)
         self.loader.set_state(meta["loader"])
         self.last_eval = meta.get("eval")
         self.skipped_steps = skipped = meta.get("skipped_steps", 0)
