@@ -64,6 +64,10 @@ class PlannerConfig:
         what the runtime runs for them (costs/recipe.py). The cost provider is re-made for it.
       seed: seeds batch sampling and the scheduler.
       top_n: alternatives written to plan.yaml.
+      replan_every: a training run measures data drift every this many steps (0: never): the
+        running plan and the best plan the planner finds for the last `replan_batches` global
+        batches, scored on them, logged as `plan_regret` (planner/drift.py). Read with any `plan`.
+      replan_batches: the recent global batches a drift measurement scores (K).
     """
 
     tp: tuple[int, ...] = (1, 2, 4, 8)
@@ -92,6 +96,8 @@ class PlannerConfig:
     trainable: tuple[str, ...] = PARTS
     seed: int = 0
     top_n: int = 5
+    replan_every: int = 0
+    replan_batches: int = 8
 
     def __post_init__(self):
         if self.encoder_tp:
@@ -134,6 +140,10 @@ class PlannerConfig:
             self.max_idle_devices,
             "must be >= 0",
         )
+        require(self.replan_every >= 0, "planner.replan_every", self.replan_every,
+                "0 (off) or steps between drift measurements")  # fmt: skip
+        require(self.replan_batches >= 1, "planner.replan_batches", self.replan_batches,
+                "must be >= 1 (recent global batches scored)")  # fmt: skip
         require(self.screen_top >= 1, "planner.screen_top", self.screen_top, "must be >= 1")
         require(
             self.screen_per_group >= 0,

@@ -447,8 +447,9 @@ class TrainConfig:
             out["layout"] = f"read only with plan=explicit (plan={self.plan})"
         elif self.layout.encoder_colocated:
             out["layout.encoder_dp"] = "the colocated encoder's dp is layout.llm_dp"
-        if self.plan not in ("auto", "analytic"):
-            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan})"
+        if self.plan not in ("auto", "analytic") and not self.planner.replan_every:
+            why = "or with planner.replan_every (drift)"
+            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan}) {why}"
         if self.plan != "auto":
             out["profile"] = f"read only with plan=auto (plan={self.plan})"
         if self.model.kind == "decoder":

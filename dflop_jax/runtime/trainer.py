@@ -22,6 +22,7 @@ numbers and saved in the checkpoint's metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -34,12 +35,13 @@ import numpy as np
 from rich.console import Console
 
 from dflop_jax.config import ConfigError, dump_yaml
-from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
+from dflop_jax.costs import MLLMArch, batch_model_flops, get_device, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
-from dflop_jax.planner.resolve import ResolvedPlan
+from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
+from dflop_jax.planner.resolve import ResolvedPlan, training_planner
 from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
@@ -230,6 +232,8 @@ class _Trainer:
         self.observed = 0  # observations the last read batch was scheduled with
         self.skipped_steps = 0  # updates skipped on device (non-finite), as of the last read
         self.last_done_s: float | None = None
+        self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
+        self.drifts: list = []  # drift measurements finished, not yet in a row
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
@@ -295,6 +299,12 @@ class _Trainer:
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
         check_schedule(step, batch.stats.schedule_digest)  # before anything is dispatched
+        if self.drift is not None:  # measured on the monitor's thread, read with a later step
+            self.drift.add(batch.shapes)
+            if step % self.cfg.planner.replan_every == 0:
+                self.drift.measure(step)
+            if step == self.cfg.steps:
+                self.drift.join()  # the last row read carries it
         t0 = time.perf_counter()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
@@ -359,7 +369,23 @@ class _Trainer:
             stats = dict(zip(STATS, v.tolist()))
             self.skipped_steps = int(stats["skipped_steps"])
             rows.append(self._with_eval(self._metrics(f, stats), *losses.get(f.step, (None, None))))
+        if self.drift is not None:
+            rows[-1] = self._with_drift(rows[-1])
         return rows
+
+    def _with_drift(self, row: StepMetrics) -> StepMetrics:
+        """`row` with the latest drift measurement finished since the last read, if any, of the
+        batches through this step or before (a later one waits for its own step's row)."""
+        self.drifts += self.drift.poll()
+        ready = [d for d in self.drifts if d.step <= row.step]
+        self.drifts = [d for d in self.drifts if d.step > row.step]
+        for d in ready:
+            self.console.print(d.describe(), highlight=False, soft_wrap=True)
+        if not ready:
+            return row
+        return dataclasses.replace(
+            row, plan_regret=ready[-1].regret, plan_regret_step=ready[-1].step
+        )
 
     def _with_eval(self, row: StepMetrics, evaluation: _Evaluation | None, totals) -> StepMetrics:
         """`row` with the evaluation after its step, if there was one (then the latest, saved)."""
@@ -420,6 +446,18 @@ def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
             flight.done.set()
 
     threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
+
+
+def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> DriftMonitor:
+    """Drift measurements of this run's plan: its cost provider, the run's planner settings and
+    devices (`planner/drift.py`)."""
+    multimodal = cfg.model.kind != "decoder"
+    config = training_planner(cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable)
+    running = RunningPlan(plan.layout, plan.buckets, plan.microbatches, plan.provider)
+    device = get_device(cfg.plan_device)
+    measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
+                                config=config, kind=cfg.pipeline)  # fmt: skip
+    return DriftMonitor(measure, cfg.planner.replan_batches)
 
 
 def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:
