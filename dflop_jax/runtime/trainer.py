@@ -116,6 +116,7 @@ def train(
         total_steps=cfg.steps,
     )
     start, losses = trainer.restore(), []
+    watchdog.resume_from(str(Path(cfg.run_dir).absolute() / "config.yaml"))
 
     def log(rows: list[StepMetrics]) -> None:
         for row in rows:
