@@ -87,3 +87,28 @@ def test_monitor_measures_the_last_window_off_thread_and_skips_while_busy():
     assert drift.step == 3 and drift.regret == pytest.approx(1.0)
     assert seen == [(3, [2, 3], "dflop-drift3")]  # the last 2 batches, on the monitor's thread
     assert monitor.poll() == []
+
+
+def test_replan_takes_the_pick_over_the_threshold_with_buckets_covering_the_old(running):
+    from dflop_jax.contracts import BucketSet
+    from dflop_jax.planner.resolve import ResolvedPlan
+    from dflop_jax.runtime.replan import covering, describe, next_plan, wants_replan
+
+    drifted = sample_batches(_mix(200, 11, 0.0), 16, 3, 3)
+    drift = measure_drift(6, drifted, running, ARCH, DEVICE, CONFIG)
+    assert wants_replan(drift, 0.1) and not wants_replan(drift, drift.regret)
+    assert not wants_replan(None, 0.1) and not wants_replan(Drift(1, 2, 3.0, 1.0, None), 0.1)
+    old = ResolvedPlan(running.layout, running.buckets, running.microbatches, running.provider)
+    new = next_plan(drift, old)
+    assert new.layout == drift.best.layout and new.provider is running.provider
+    # The pick's ladders (made for image-only batches) topped with the old largest buckets: a
+    # video the run accepted before still fits.
+    assert new.buckets.lengths[:-1] == drift.best.buckets.lengths
+    assert new.buckets.lengths[-1] == running.buckets.lengths[-1]
+    assert new.buckets.tiles[-1] == max(running.buckets.tiles[-1], drift.best.buckets.tiles[-1])
+    assert covering(BucketSet((2, 4), (64, 128)), BucketSet((1, 3), (32, 96))) == BucketSet(
+        (2, 4), (64, 128)
+    )
+    line = describe(drift, old, new, 9)
+    assert line.startswith(f"re-plan after step 9: plan_regret {drift.regret:.1%}")
+    assert f"{drift.running_s * 1e3:.3g} ms/step on the recent data -> new" in line

@@ -1,10 +1,12 @@
 """Drift measured in a training run (`planner.replan_every`): every that many steps the run scores its
 recent batches under its plan and the planner's best, and logs `plan_regret` to the console,
-metrics.jsonl and TensorBoard."""
+metrics.jsonl and TensorBoard; with `planner.replan: on_drift` it re-plans at a checkpoint."""
 
 import io
 import json
 
+import numpy as np
+import pytest
 from rich.console import Console
 from test_runtime_trainer import _cfg, _clock
 
@@ -42,3 +44,40 @@ def test_plan_regret_is_logged_every_replan_every_steps(tmp_path, caplog):
     assert len(report.losses) == 4
     events = list((tmp_path / "a" / "tb").glob("events.*"))
     assert events and b"plan_regret" in events[0].read_bytes()
+
+
+@pytest.mark.slow
+def test_on_drift_replans_once_at_a_checkpoint_and_the_losses_carry_on(tmp_path):
+    """Past the threshold (0 here: any plan the planner finds faster) the run re-plans at its next
+    checkpoint, rebuilds its stages on the new layout from that checkpoint and goes on: the same
+    losses as the run that kept its plan (the same samples form every global batch)."""
+    common = {
+        "planner.replan_batches": 2,
+        "planner.microbatches": "[2]",
+        "planner.llm_pp": "[1, 2]",
+        "planner.samples": 1,
+        "planner.num_buckets": "[2]",
+        "checkpoint.every": 3,
+    }
+    kept = run(_cfg(tmp_path, "kept", steps=6, **common), clock=_clock())
+    out = io.StringIO()
+    replan = {
+        "planner.replan_every": 2,
+        "planner.replan": "on_drift",
+        "planner.replan_threshold": 0,
+    }
+    moved = run(_cfg(tmp_path, "moved", steps=6, **common, **replan),
+                console=Console(file=out, width=300), clock=_clock())  # fmt: skip
+    log = out.getvalue()
+    assert log.count("re-plan after step") == 1 and "re-plan after step 3: plan_regret" in log
+    assert moved.layout != kept.layout
+    np.testing.assert_allclose(moved.losses, kept.losses, rtol=1e-5)
+    rows = [json.loads(r) for r in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+
+
+def test_on_drift_needs_checkpoints_to_replan_at(tmp_path):
+    from dflop_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"planner\.replan.*set checkpoint\.every"):
+        _cfg(tmp_path, "x", **{"planner.replan_every": 2, "planner.replan": "on_drift"})

@@ -144,15 +144,17 @@ def measure_drift(
 
 class DriftMonitor:
     """Keeps the shapes of the last `window` global batches; `measure(step)` starts a measurement on
-    a daemon thread (one at a time: a request while one runs is skipped and logged), `poll()` returns
+    a daemon thread (one at a time: a request while one runs is skipped and logged, or waits), `poll()` returns
     the finished ones without waiting; `join()` waits.
 
     Args:
       measure: (step, batches) -> Drift, e.g. `measure_drift` with the run's plan bound.
+      wait: a due measurement waits for the running one instead of being skipped (every process
+        of a run that acts on the measurements must hold the same ones).
     """
 
-    def __init__(self, measure, window: int):
-        self._measure, self.window = measure, window
+    def __init__(self, measure, window: int, wait: bool = False):
+        self._measure, self.window, self.wait = measure, window, wait
         self._recent: deque[list[SampleShape]] = deque(maxlen=window)
         self._done: list[Drift] = []
         self._lock = threading.Lock()
@@ -164,6 +166,8 @@ class DriftMonitor:
 
     def measure(self, step: int) -> bool:
         """Starts measuring the recent batches after `step`; False when one is still running."""
+        if self.wait:
+            self.join()
         if self._thread is not None and self._thread.is_alive():
             log.warning("drift: the measurement before step %d still runs; step %d skipped",
                         step, step)  # fmt: skip

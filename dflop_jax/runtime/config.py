@@ -422,6 +422,10 @@ class TrainConfig:
             "a run plans with its model's remat (model.vision_remat, model.llm_remat): leave it []"
         )
         require(not self.planner.remat, "planner.remat", self.planner.remat, fix)
+        fix = "re-planning happens at checkpoints and resumes from them: set checkpoint.every"
+        replans = self.planner.replan_every and self.planner.replan == "on_drift"
+        ok = not replans or (self.checkpoint.every > 0 and self.checkpoint.resume)
+        require(ok, "planner.replan", self.planner.replan, fix + " and checkpoint.resume=true")
         fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
         require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 

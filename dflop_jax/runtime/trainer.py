@@ -60,6 +60,7 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
+from dflop_jax.runtime.replan import describe, next_plan, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
@@ -135,8 +136,11 @@ def train(
                 log(trainer.read(through=step - 1))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
                 watchdog.progress(step, "checkpoint")
+                trainer.settle_drift()
                 log(trainer.read(through=step))
                 trainer.save(step)
+                if step < cfg.steps and trainer.replan_due():
+                    trainer = _replanned(trainer, step, model_cfg)
         log(trainer.read(through=cfg.steps))
     finally:
         trainer.close()
@@ -150,7 +154,7 @@ def train(
             soft_wrap=True,
         )
     return TrainReport(
-        losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages, trainer.opts
+        losses, summary, Path(cfg.run_dir), trainer.layout, start, trainer.stages, trainer.opts
     )
 
 
@@ -191,6 +195,7 @@ class _Trainer:
 
     def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
+        self.plan = plan
         self.clock = clock
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
@@ -235,6 +240,7 @@ class _Trainer:
         self.last_done_s: float | None = None
         self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
         self.drifts: list = []  # drift measurements finished, not yet in a row
+        self.latest_drift = None  # the last one put in a row
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
@@ -333,6 +339,19 @@ class _Trainer:
 
         return resolve
 
+    def settle_drift(self) -> None:
+        """Re-planning runs: waits for the running drift measurement (every process then holds the
+        same ones at a checkpoint)."""
+        if self.drift is not None and self.drift.wait:
+            self.drift.join()
+
+    def replan_due(self) -> bool:
+        """Whether this run re-plans now (`planner.replan: on_drift`, `runtime/replan.py`)."""
+        planner = self.cfg.planner
+        return planner.replan == "on_drift" and wants_replan(
+            self.latest_drift, planner.replan_threshold
+        )
+
     def eval_due(self, step: int) -> bool:
         """Whether the held-out set is evaluated after `step`: every `eval.every` steps and the last."""
         every = self.cfg.eval.every
@@ -384,6 +403,7 @@ class _Trainer:
             self.console.print(d.describe(), highlight=False, soft_wrap=True)
         if not ready:
             return row
+        self.latest_drift = ready[-1]
         return dataclasses.replace(
             row, plan_regret=ready[-1].regret, plan_regret_step=ready[-1].step
         )
@@ -458,7 +478,21 @@ def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> Drif
     device = get_device(cfg.plan_device)
     measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
                                 config=config, kind=cfg.pipeline)  # fmt: skip
-    return DriftMonitor(measure, cfg.planner.replan_batches)
+    return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")
+
+
+def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
+    """The run after `step`'s checkpoint on the plan the drift measurement found, on the same
+    devices, restored from that checkpoint (`runtime/replan.py`)."""
+    plan = next_plan(old.latest_drift, old.plan)
+    plan = plan.check_runnable("replan", is_multimodal(model_cfg))
+    old.console.print(
+        describe(old.latest_drift, old.plan, plan, step), highlight=False, soft_wrap=True
+    )
+    old.close()  # waits for the checkpoint
+    new = _Trainer(old.cfg, model_cfg, old.arch, plan, old.console, old.clock)
+    new.restore()
+    return new
 
 
 def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:
