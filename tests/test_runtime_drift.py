@@ -38,7 +38,7 @@ def test_plan_regret_is_logged_every_replan_every_steps(tmp_path, caplog):
     assert all(r["plan_regret_step"] <= r["step"] for r in measured)
     log = out.getvalue()
     assert "plan_regret after step 2: " in log and "over the last 2 batches" in log
-    assert "best found" in log  # the planner found a plan for the recent batches
+    assert "planner's pick" in log  # the planner found a plan for the recent batches
     assert "ignored config keys" not in caplog.text  # planner.* is read with replan_every
     assert f"plan regret {measured[-1]['plan_regret']:.1%}" in log
     assert len(report.losses) == 4

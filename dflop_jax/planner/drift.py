@@ -85,9 +85,8 @@ class Drift:
             )
         return (
             f"plan_regret after step {self.step}: {self.regret:.1%} over the last {self.batches} "
-            f"batches (running {self.running_s * 1e3:.3g} ms/step, best found "
-            f"{min(self.running_s, self.planned_s) * 1e3:.3g} ms/step: "
-            f"{_describe(self.best.layout)})"
+            f"batches (running plan {self.running_s * 1e3:.3g} ms/step, planner's pick "
+            f"{self.planned_s * 1e3:.3g} ms/step: {_describe(self.best.layout)})"
         )
 
 
