@@ -42,6 +42,10 @@ def test_a_lost_process_stops_the_other_within_60s(tmp_path, sig, victim, expect
     last = log.read_text().strip().splitlines()[-1]
     assert last.startswith(f"process {1 - victim}/2: {expect}"), tail(log)
     assert "this process was at step " in last
+    resume = (
+        f"python -m dflop_jax.train --config {run_dir / 'config.yaml'} distributed.num_processes=1"
+    )
+    assert resume in last  # how the process that remains resumes the run
     assert group_gone(survivor.pid)  # no orphan (grain workers, helpers) of the surviving rank
 
 

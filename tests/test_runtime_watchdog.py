@@ -60,3 +60,41 @@ def test_an_exit_before_finishing_is_a_failure_and_after_it_is_not():
     assert p.returncode == EXIT_CODE
     assert "failed at step 7: exited before finishing its run" in p.stderr
     assert _run("dog.finish()").returncode == 0
+
+
+def test_a_lost_peers_line_names_the_command_that_resumes_without_it():
+    """A hub of two processes whose peer (a plain socket here) says hello, then dies: the hub's one
+    line names the loss and how the process that remains resumes the run."""
+    code = textwrap.dedent("""
+        import socket, threading, time
+        from dflop_jax.runtime.watchdog import Watchdog, WatchdogSettings, install, resume_from
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        def peer():
+            while True:
+                try:
+                    conn = socket.create_connection(("127.0.0.1", port), timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            conn.sendall(b"hello 1\\n")
+            conn.recv(16)  # "start"
+            time.sleep(1)
+            conn.close()  # killed
+        threading.Thread(target=peer, daemon=True).start()
+        dog = Watchdog(WatchdogSettings("127.0.0.1", port, 20, 20, 0), 0, 2)
+        dog.rendezvous()
+        install(dog)
+        resume_from("/runs/x/config.yaml")
+        dog.progress(12)
+        time.sleep(60)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_CODE
+    assert p.stderr.strip() == (
+        "process 0/2: lost process 1 (its connection closed: killed or crashed; it was at step ?); "
+        "this process was at step 12; to resume on the 1 process(es) that remain: "
+        "python -m dflop_jax.train --config /runs/x/config.yaml distributed.num_processes=1 "
+        "(coordinator one of them; plan=auto, analytic or a layout that fits their devices)"
+    )

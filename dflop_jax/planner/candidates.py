@@ -159,9 +159,12 @@ def enumerate_candidates(
             own = (t for t in enc_tps if tp % t == 0) if config.colocate_own_tp else (tp,)
             for etp in (t for t in own if t in enc_tps):
                 layouts.append(Layout((), llm, None if etp == tp else etp))
-        for etp, epp, edp in _module_shapes(
-            enc_tps, config.encoder_pp, v.num_layers, num_devices - used
-        ):
+        separate = (
+            _module_shapes(enc_tps, config.encoder_pp, v.num_layers, num_devices - used)
+            if config.encoder_stages
+            else []
+        )
+        for etp, epp, edp in separate:
             if used + etp * epp * edp >= low:
                 layouts.append(Layout(module_stages("encoder", v.num_layers, etp, epp, edp), llm))
     return _with_microbatches(layouts, config)

@@ -44,6 +44,8 @@ class PlannerConfig:
       global_batch: samples per global batch.
       max_idle_devices: candidates may leave at most this many of the requested devices unused.
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
+      encoder_stages: also consider layouts with separate encoder stages (a decoder-only
+        training run's planner turns it off: it has no encoder to place).
       colocate_own_tp: a colocated encoder may also run at its own tp, a divisor of the stage's
         (`Layout.colocated_encoder_tp`; the trainer's planner turns it off: the runtime runs the
         colocated encoder at the stage's tp).
@@ -64,6 +66,14 @@ class PlannerConfig:
         what the runtime runs for them (costs/recipe.py). The cost provider is re-made for it.
       seed: seeds batch sampling and the scheduler.
       top_n: alternatives written to plan.yaml.
+      replan_every: a training run measures data drift every this many steps (0: never): the
+        running plan and the best plan the planner finds for the last `replan_batches` global
+        batches, scored on them, logged as `plan_regret` (planner/drift.py). Read with any `plan`.
+      replan_batches: the recent global batches a drift measurement scores (K).
+      replan: "log" (measure and log) or "on_drift": a measurement whose plan_regret exceeds
+        `replan_threshold` makes the run re-plan at its next checkpoint (runtime/replan.py).
+      replan_threshold: the plan_regret past which "on_drift" re-plans (0.1: the best plan found
+        is at least ~9% faster).
     """
 
     tp: tuple[int, ...] = (1, 2, 4, 8)
@@ -80,6 +90,7 @@ class PlannerConfig:
     max_idle_devices: int = 0
     colocate: bool = True
     colocate_own_tp: bool = True
+    encoder_stages: bool = True
     virtual_stages: tuple[int, ...] = (1,)
     remat: tuple[bool, ...] = ()
     screen_top: int = 8
@@ -92,6 +103,10 @@ class PlannerConfig:
     trainable: tuple[str, ...] = PARTS
     seed: int = 0
     top_n: int = 5
+    replan_every: int = 0
+    replan_batches: int = 8
+    replan: Literal["log", "on_drift"] = "log"
+    replan_threshold: float = 0.1
 
     def __post_init__(self):
         if self.encoder_tp:
@@ -134,6 +149,12 @@ class PlannerConfig:
             self.max_idle_devices,
             "must be >= 0",
         )
+        require(self.replan_every >= 0, "planner.replan_every", self.replan_every,
+                "0 (off) or steps between drift measurements")  # fmt: skip
+        require(self.replan_batches >= 1, "planner.replan_batches", self.replan_batches,
+                "must be >= 1 (recent global batches scored)")  # fmt: skip
+        require(self.replan_threshold >= 0, "planner.replan_threshold", self.replan_threshold,
+                "must be >= 0 (a plan_regret, e.g. 0.1)")  # fmt: skip
         require(self.screen_top >= 1, "planner.screen_top", self.screen_top, "must be >= 1")
         require(
             self.screen_per_group >= 0,

@@ -78,12 +78,18 @@ def training_planner(
 ) -> PlannerConfig:
     """The planner settings of a training run: its global batch; its recipe (`optimizer.trainable`,
     None: the planner's own); a colocated encoder only at LLM stage 0's own tp (the runtime runs no
-    colocated encoder at a smaller tp). The planner's choice between separate and colocated encoders
-    is otherwise its own."""
+    colocated encoder at a smaller tp); no encoder stages for a decoder-only model. The planner's
+    choice between separate and colocated encoders is otherwise its own; the drift keys
+    (`replan_*`) are the trainer's."""
     trainable = planner.trainable if trainable is None else tuple(trainable)
+    # The run's drift schedule is no search setting: plans (and plan: auto's cache) ignore it.
+    base = PlannerConfig()
     return dataclasses.replace(
-        planner, global_batch=global_batch, colocate_own_tp=False, trainable=trainable
-    )
+        planner, global_batch=global_batch, colocate_own_tp=False, trainable=trainable,
+        encoder_stages=planner.encoder_stages and multimodal,
+        replan_every=base.replan_every, replan_batches=base.replan_batches, replan=base.replan,
+        replan_threshold=base.replan_threshold,
+    )  # fmt: skip
 
 
 def static_plan(

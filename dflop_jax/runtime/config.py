@@ -439,6 +439,10 @@ class TrainConfig:
             "a run plans with its model's remat (model.vision_remat, model.llm_remat): leave it []"
         )
         require(not self.planner.remat, "planner.remat", self.planner.remat, fix)
+        fix = "re-planning happens at checkpoints and resumes from them: set checkpoint.every"
+        replans = self.planner.replan_every and self.planner.replan == "on_drift"
+        ok = not replans or (self.checkpoint.every > 0 and self.checkpoint.resume)
+        require(ok, "planner.replan", self.planner.replan, fix + " and checkpoint.resume=true")
         fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
         require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 
@@ -464,8 +468,9 @@ class TrainConfig:
             out["layout"] = f"read only with plan=explicit (plan={self.plan})"
         elif self.layout.encoder_colocated:
             out["layout.encoder_dp"] = "the colocated encoder's dp is layout.llm_dp"
-        if self.plan not in ("auto", "analytic"):
-            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan})"
+        if self.plan not in ("auto", "analytic") and not self.planner.replan_every:
+            why = "or with planner.replan_every (drift)"
+            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan}) {why}"
         if self.plan != "auto":
             out["profile"] = f"read only with plan=auto (plan={self.plan})"
         if self.model.kind == "decoder":

@@ -8,7 +8,8 @@ encoder (FUSED, `stage_modules`) computes both: `stage_padding` reports its tile
 separately (the tile bucket and the length bucket pad independently), and the console shows the tile
 padding beside the token padding of any run that encodes tiles. Steps that measured
 stage times (the scheduler's adaptive correction) add pred_raw_mape / pred_corrected_mape: the stage-time
-prediction error before and after correction.
+prediction error before and after correction. A run that measures drift (`planner.replan_every`)
+adds plan_regret to the row read after each measurement.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CONSOLE_COLUMNS = (
     ("microbatches", "microbatches", "{:d}"),
     ("recompiles", "compiles", "{:d}"),
     ("eval_loss", "eval loss", "{:.4f}"),
+    ("plan_regret", "plan regret", "{:.1%}"),
 )
 
 
@@ -76,6 +78,11 @@ class StepMetrics:
       eval_loss, eval_tokens, eval_recompiles: steps that evaluated (`eval.every`): the held-out
         loss after this step's update (loss sum / loss tokens), its loss tokens, and the programs
         that evaluation compiled (None on other steps).
+      plan_regret, plan_regret_step: a drift measurement (`planner.replan_every`,
+        `planner/drift.py`) over the global batches through step plan_regret_step: how much longer
+        the running plan's expected step time is than the best plan's the planner finds for them
+        (0.25: the best takes 20% less); on the first row read after the measurement finished
+        (None on other rows).
     """
 
     step: int
@@ -114,6 +121,8 @@ class StepMetrics:
     eval_recompiles: int | None = None
     stage_padding: list[dict[str, float]] = dataclasses.field(default_factory=list)
     tile_padding_ratio: float | None = None
+    plan_regret: float | None = None
+    plan_regret_step: int | None = None
 
 
 # `stage_modules` name of a stage that runs the colocated encoder and LLM layers in one program.

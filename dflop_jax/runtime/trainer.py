@@ -22,6 +22,7 @@ numbers and saved in the checkpoint's metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -34,12 +35,13 @@ import numpy as np
 from rich.console import Console
 
 from dflop_jax.config import ConfigError, dump_yaml
-from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
+from dflop_jax.costs import MLLMArch, batch_model_flops, get_device, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
-from dflop_jax.planner.resolve import ResolvedPlan
+from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
+from dflop_jax.planner.resolve import ResolvedPlan, training_planner
 from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
@@ -58,6 +60,8 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
+from dflop_jax.runtime.replan import describe, next_plan, wants_replan
+from dflop_jax.runtime.resume import carry_corrections, layout_from_dict
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -113,6 +117,7 @@ def train(
         total_steps=cfg.steps,
     )
     start, losses = trainer.restore(), []
+    watchdog.resume_from(str(Path(cfg.run_dir).absolute() / "config.yaml"))
 
     def log(rows: list[StepMetrics]) -> None:
         for row in rows:
@@ -131,8 +136,11 @@ def train(
                 log(trainer.read(through=step - 1))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
                 watchdog.progress(step, "checkpoint")
+                trainer.settle_drift()
                 log(trainer.read(through=step))
                 trainer.save(step)
+                if step < cfg.steps and trainer.replan_due():
+                    trainer = _replanned(trainer, step, model_cfg)
         log(trainer.read(through=cfg.steps))
     finally:
         trainer.close()
@@ -146,7 +154,7 @@ def train(
             soft_wrap=True,
         )
     return TrainReport(
-        losses, summary, Path(cfg.run_dir), plan.layout, start, trainer.stages, trainer.opts
+        losses, summary, Path(cfg.run_dir), trainer.layout, start, trainer.stages, trainer.opts
     )
 
 
@@ -187,6 +195,7 @@ class _Trainer:
 
     def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
+        self.plan = plan
         self.clock = clock
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
@@ -230,6 +239,9 @@ class _Trainer:
         self.observed = 0  # observations the last read batch was scheduled with
         self.skipped_steps = 0  # updates skipped on device (non-finite), as of the last read
         self.last_done_s: float | None = None
+        self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
+        self.drifts: list = []  # drift measurements finished, not yet in a row
+        self.latest_drift = None  # the last one put in a row
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
@@ -249,15 +261,15 @@ class _Trainer:
             s.params, o.state = p, st
         # The schedule function first: the loader's thread schedules the next batch as soon as its
         # state is set, and must find the lag counted from the resumed step.
-        saved = meta["scheduler"]
+        saved = _lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch)
         if meta["layout"] != json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            # Correction factors are per stage of the layout that measured them: start fresh.
-            saved = self.scheduler.state_dict()
-            self.console.print(
-                "note: the checkpoint comes from another layout; scheduler corrections start fresh",
-                highlight=False,
+            # Correction factors are per stage of the layout that measured them (`resume.py`).
+            carried = carry_corrections(
+                saved, layout_from_dict(meta["layout"]), self.layout, self.scheduler.state_dict()
             )
-        self.schedule_fn.load(_lagged_state(saved, meta["step"], self.cfg.prefetch))
+            saved = carried.state
+            self.console.print(f"note: {carried.message()}", highlight=False, soft_wrap=True)
+        self.schedule_fn.load(saved)
         self.loader.set_state(meta["loader"])
         self.last_eval = meta.get("eval")
         self.skipped_steps = skipped = meta.get("skipped_steps", 0)
@@ -295,6 +307,12 @@ class _Trainer:
                 f"step {step}: the loader produced an empty global batch (all skipped)"
             )
         check_schedule(step, batch.stats.schedule_digest)  # before anything is dispatched
+        if self.drift is not None:  # measured on the monitor's thread, read with a later step
+            self.drift.add(batch.shapes)
+            if step % self.cfg.planner.replan_every == 0:
+                self.drift.measure(step)
+            if step == self.cfg.steps:
+                self.drift.join()  # the last row read carries it
         t0 = time.perf_counter()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
@@ -325,6 +343,19 @@ class _Trainer:
             return Observation.of_step(self.problem, schedule, times, valid)
 
         return resolve
+
+    def settle_drift(self) -> None:
+        """Re-planning runs: waits for the running drift measurement (every process then holds the
+        same ones at a checkpoint)."""
+        if self.drift is not None and self.drift.wait:
+            self.drift.join()
+
+    def replan_due(self) -> bool:
+        """Whether this run re-plans now (`planner.replan: on_drift`, `runtime/replan.py`)."""
+        planner = self.cfg.planner
+        return planner.replan == "on_drift" and wants_replan(
+            self.latest_drift, planner.replan_threshold
+        )
 
     def eval_due(self, step: int) -> bool:
         """Whether the held-out set is evaluated after `step`: every `eval.every` steps and the last."""
@@ -363,7 +394,24 @@ class _Trainer:
             stats = dict(zip(STATS, v.tolist()))
             self.skipped_steps = int(stats["skipped_steps"])
             rows.append(self._with_eval(self._metrics(f, stats), *losses.get(f.step, (None, None))))
+        if self.drift is not None:
+            rows[-1] = self._with_drift(rows[-1])
         return rows
+
+    def _with_drift(self, row: StepMetrics) -> StepMetrics:
+        """`row` with the latest drift measurement finished since the last read, if any, of the
+        batches through this step or before (a later one waits for its own step's row)."""
+        self.drifts += self.drift.poll()
+        ready = [d for d in self.drifts if d.step <= row.step]
+        self.drifts = [d for d in self.drifts if d.step > row.step]
+        for d in ready:
+            self.console.print(d.describe(), highlight=False, soft_wrap=True)
+        if not ready:
+            return row
+        self.latest_drift = ready[-1]
+        return dataclasses.replace(
+            row, plan_regret=ready[-1].regret, plan_regret_step=ready[-1].step
+        )
 
     def _with_eval(self, row: StepMetrics, evaluation: _Evaluation | None, totals) -> StepMetrics:
         """`row` with the evaluation after its step, if there was one (then the latest, saved)."""
@@ -424,6 +472,32 @@ def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
             flight.done.set()
 
     threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
+
+
+def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> DriftMonitor:
+    """Drift measurements of this run's plan: its cost provider, the run's planner settings and
+    devices (`planner/drift.py`)."""
+    multimodal = cfg.model.kind != "decoder"
+    config = training_planner(cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable)
+    running = RunningPlan(plan.layout, plan.buckets, plan.microbatches, plan.provider)
+    device = get_device(cfg.plan_device)
+    measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
+                                config=config, kind=cfg.pipeline)  # fmt: skip
+    return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")
+
+
+def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
+    """The run after `step`'s checkpoint on the plan the drift measurement found, on the same
+    devices, restored from that checkpoint (`runtime/replan.py`)."""
+    plan = next_plan(old.latest_drift, old.plan)
+    plan = plan.check_runnable("replan", is_multimodal(model_cfg))
+    old.console.print(
+        describe(old.latest_drift, old.plan, plan, step), highlight=False, soft_wrap=True
+    )
+    old.close()  # waits for the checkpoint
+    new = _Trainer(old.cfg, model_cfg, old.arch, plan, old.console, old.clock)
+    new.restore()
+    return new
 
 
 def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:

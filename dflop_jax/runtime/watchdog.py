@@ -20,7 +20,8 @@ relay another process's loss. Whoever sees a loss (a closed connection without `
 `stall_timeout_s`) prints one line naming the process and the step, kills its own child processes
 (grain workers) and leaves with `os._exit(EXIT_CODE)`: no Python shutdown, which would wait in jax's
 shutdown barrier for the dead peer. The hub relays before it leaves, so every process names the
-process that was really lost.
+process that was really lost. A lost peer's line also names the command that resumes the run on the
+processes that remain (`resume_from`: the trainer names its run's config.yaml).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Watchdog:
         self._done: set[int] = set()  # processes that completed their run
         self._finished = False
         self._send_lock, self._exit_lock = threading.Lock(), threading.Lock()
+        self.resume_config: str | None = None  # the run's config.yaml (`resume_from`)
 
     # ---- what the trainer calls ----
 
@@ -164,7 +166,7 @@ class Watchdog:
                 elif word == "done":
                     self._done.add(q)
                 elif word == "lost":
-                    self._exit(f"{rest}; this process was at {self._where()}")
+                    self._exit(f"{rest}; this process was at {self._where()}{self._resume()}")
                 elif word == "fail":
                     step, _, text = rest.partition(" ")
                     self._lose(q, f"process {q} failed at step {step}: {text}")
@@ -195,7 +197,13 @@ class Watchdog:
         """Process q is gone: the hub relays it to the others; everyone exits naming it."""
         if self.me == 0:
             self._broadcast(f"lost {text}", skip=q)
-        self._exit(f"{text}; this process was at {self._where()}")
+        self._exit(f"{text}; this process was at {self._where()}{self._resume()}")
+
+    def _resume(self) -> str:
+        """How the processes that remain resume the run (`resume_from`), or nothing."""
+        if self.resume_config is None:
+            return ""
+        return "; " + resume_command(self.resume_config, self.n - 1)
 
     def _broadcast(self, line: str, skip: int = -1) -> None:
         with self._send_lock:
@@ -262,6 +270,22 @@ def install(dog: Watchdog) -> None:
     # Registered after jax's own handler, so it runs first: an unfinished process must not wait in
     # jax's shutdown barrier for peers that are waiting for it.
     atexit.register(lambda: None if dog._finished else dog.fail("exited before finishing its run"))
+
+
+def resume_command(config: str, processes: int) -> str:
+    """The command that resumes a run from its latest checkpoint on `processes` processes (a lost
+    peer's line names it): its own config, fewer processes, a plan for the devices that remain."""
+    return (
+        f"to resume on the {processes} process(es) that remain: python -m dflop_jax.train "
+        f"--config {config} distributed.num_processes={processes} (coordinator one of them; "
+        "plan=auto, analytic or a layout that fits their devices)"
+    )
+
+
+def resume_from(config: str) -> None:
+    """Names the run's config.yaml: a lost peer's exit line then says how to resume without it."""
+    if _ACTIVE is not None:
+        _ACTIVE.resume_config = config
 
 
 def progress(step: int, what: str = "step") -> None:

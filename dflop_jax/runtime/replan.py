@@ -1,0 +1,54 @@
+"""Re-planning a running job when its data drifts (`planner.replan: on_drift`).
+
+A drift measurement (`planner/drift.py`) whose `plan_regret` exceeds `planner.replan_threshold` makes
+the run, at its next checkpoint, save, take the planner's pick for the recent batches, rebuild its
+stages on the same devices and restore them from that checkpoint (`runtime/resume.py`: any layout
+resumes any checkpoint), then go on. The pick's bucket ladders are extended to the running plan's
+largest buckets, so every sample the run accepted still fits a row. Every process decides alike: in
+this mode a due measurement waits for the one before it (none is skipped) and the checkpoint waits
+for the last one, so every process holds the same measurements, and the planner is deterministic
+(greedy scoring, no refinement).
+"""
+
+from __future__ import annotations
+
+from dflop_jax.contracts import BucketSet
+from dflop_jax.planner.drift import Drift, RunningPlan
+from dflop_jax.planner.resolve import ResolvedPlan
+
+
+def wants_replan(drift: Drift | None, threshold: float) -> bool:
+    """Whether `drift` calls for a new plan: a pick whose regret is above `threshold`."""
+    return drift is not None and drift.best is not None and drift.regret > threshold
+
+
+def covering(new: BucketSet, old: BucketSet) -> BucketSet:
+    """`new`'s ladders, each topped with `old`'s largest bucket where that is larger."""
+
+    def top(ladder: tuple[int, ...], largest: int) -> tuple[int, ...]:
+        return (*ladder, largest) if largest > ladder[-1] else tuple(ladder)
+
+    return BucketSet(top(new.tiles, max(old.tiles)), top(new.lengths, max(old.lengths)))
+
+
+def next_plan(drift: Drift, running: ResolvedPlan) -> ResolvedPlan:
+    """The plan to go on with: the drift's pick (its layout, microbatch range), covering buckets, the
+    running cost provider."""
+    plan = drift.best
+    buckets = covering(plan.buckets, running.buckets)
+    return ResolvedPlan(plan.layout, buckets, plan.microbatch_range, running.provider)
+
+
+def describe(drift: Drift, old: RunningPlan | ResolvedPlan, new: ResolvedPlan, step: int) -> str:
+    """The log line of a re-plan: why, and both layouts with their predicted step times."""
+    return (
+        f"re-plan after step {step}: plan_regret {drift.regret:.1%} (measured after step "
+        f"{drift.step}) over the threshold; old {_layout(old.layout)} {drift.running_s * 1e3:.3g} "
+        f"ms/step on the recent data -> new {_layout(new.layout)} {drift.planned_s * 1e3:.3g} "
+        f"ms/step, buckets tiles={list(new.buckets.tiles)} lengths={list(new.buckets.lengths)}"
+    )
+
+
+def _layout(layout) -> str:
+    return " + ".join(f"{s.module}[{s.first_layer}..{s.first_layer + s.num_layers - 1} dp{s.dp} "
+                      f"tp{s.tp}]" for s in layout.stages)  # fmt: skip
