@@ -161,7 +161,8 @@ def test_interleaved_scoring_pads_a_spilled_microbatch_count_with_empty_microbat
     times = np.random.default_rng(1).uniform(0.1, 1.0, (5, 4, 2))  # 5 microbatches on 2 stages
     padded = np.concatenate([times, np.zeros((1, 4, 2))])
     got = costs.simulate(times, 0.01, "1f1b")
-    want = simulate(padded, np.r_[np.full((5, 3), 0.01), np.zeros((1, 3))], "interleaved", 2)
+    want = simulate(padded, np.r_[np.full((5, 3), 0.01), np.zeros((1, 3))], "interleaved", 2,
+                    costs.update)  # fmt: skip
     assert got.step_time == pytest.approx(want.step_time) and got.chunks == 2
     with pytest.raises(ValueError, match="not a multiple of the 2 pipeline stages"):
         simulate(times, 0.01, "interleaved", 2)

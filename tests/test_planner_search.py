@@ -129,7 +129,8 @@ def test_tie_break_prefers_fewer_idle_devices_then_fewer_microbatches():
 
 
 def test_plan_score_is_scheduler_then_simulator():
-    """The plan's prediction equals schedule_batch + simulate on the same sampled batches."""
+    """The plan's prediction equals schedule_batch + simulate (with the step's update after the
+    pipeline) on the same sampled batches."""
     shapes = _shapes()
     plan = make_plan(ARCH, DEVICE, 8, shapes, SMALL)
     costs = LayoutCosts.build(AnalyticCostProvider(ARCH, DEVICE), plan.layout)
@@ -147,7 +148,8 @@ def test_plan_score_is_scheduler_then_simulator():
         xfer = np.stack(
             [costs.transfer(m.tile_bucket, m.length_bucket) for m in sched.microbatches]
         )
-        steps.append(simulate(times, xfer).step_time)
+        steps.append(simulate(times, xfer, update=costs.update).step_time)
+        assert steps[-1] > simulate(times, xfer).step_time  # the update is paid
         assert simulate_schedule(sched, costs).step_time == pytest.approx(steps[-1])
     assert plan.step_time_mean_s == pytest.approx(np.mean(steps))
 

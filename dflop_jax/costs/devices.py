@@ -13,7 +13,9 @@ Numbers are vendor datasheet figures (dense bf16, no sparsity) per device:
   table from the profiler should replace it for real CPU numbers.
 `matmul_efficiency` is the fraction of peak large matmuls reach in practice (Megatron-LM reports
 50-60% MFU on H100/A100 at scale); `layer_overhead_s` is the fixed per-layer cost (kernel launches,
-small ops) that makes tiny buckets not free.
+small ops) that makes tiny buckets not free; `collective_latency_s` the fixed cost of one step of a
+collective or one stage-to-stage hop of a scalar (NCCL's per-step latency is ~10-30 us; on CPU a
+program dispatch).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DeviceSpec:
       devices_per_host: devices per host (tensor parallelism stays within one host).
       matmul_efficiency: achieved fraction of peak for large matmuls.
       layer_overhead_s: fixed seconds per transformer layer per forward (launch / small-op cost).
+      collective_latency_s: fixed seconds per ring step of a collective or per hop of a scalar.
     """
 
     name: str
@@ -46,12 +49,17 @@ class DeviceSpec:
     devices_per_host: int
     matmul_efficiency: float
     layer_overhead_s: float = 0.0
+    collective_latency_s: float = 0.0
 
     def __post_init__(self):
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_host_bandwidth",
                     "inter_host_bandwidth"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"device {self.name}: {key}={getattr(self, key)} must be > 0")
+        if self.collective_latency_s < 0:
+            raise ValueError(
+                f"device {self.name}: collective_latency_s={self.collective_latency_s} must be >= 0"
+            )
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(
                 f"device {self.name}: matmul_efficiency={self.matmul_efficiency} not in (0, 1]"
@@ -70,9 +78,9 @@ _GB = 1e9
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("h100", 989e12, 80 * _GB, 3.35e12, 450 * _GB, 50 * _GB, 8, 0.55, 20e-6),
-        DeviceSpec("a100", 312e12, 80 * _GB, 2.04e12, 300 * _GB, 25 * _GB, 8, 0.6, 25e-6),
-        DeviceSpec("cpu", 25e9, 2 * 2**30, 10 * _GB, 10 * _GB, 10 * _GB, 8, 0.5, 100e-6),
+        DeviceSpec("h100", 989e12, 80 * _GB, 3.35e12, 450 * _GB, 50 * _GB, 8, 0.55, 20e-6, 20e-6),
+        DeviceSpec("a100", 312e12, 80 * _GB, 2.04e12, 300 * _GB, 25 * _GB, 8, 0.6, 25e-6, 20e-6),
+        DeviceSpec("cpu", 25e9, 2 * 2**30, 10 * _GB, 10 * _GB, 10 * _GB, 8, 0.5, 100e-6, 100e-6),
     )
 }
 

@@ -24,6 +24,9 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   here: the XLA and Pallas paths do skip other samples' blocks at run time (cuDNN does not), which a
   static bucket cannot see; a measured table (the profiler runs the configured implementation on
   packed rows) carries the difference.
+Transfers: one data shard's output bytes per round at the link's bandwidth (intra- or inter-host),
+in as many rounds as the runtime's transfer needs (`boundary_rounds`: the encoder's features go to
+every device of the first LLM stage). The update after each step's pipeline: costs/update.py.
 With `trainable` (a recipe, costs/recipe.py) frozen stages cost what the runtime runs for them: forward
 only (backward 0), dx only (2/3 of the backward), or an encoder head stage's projector alone.
 """
@@ -339,19 +342,37 @@ def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> boo
     return start // devices_per_host != end // devices_per_host
 
 
+def boundary_rounds(layout: Layout, index: int) -> int:
+    """Shard-sized sends in sequence across the boundary after stage `index`, as the runtime's
+    transfer moves them (`runtime/transfer.py`: rounds in which no device sends or receives twice).
+
+    Between stages of one module each device of the next stage takes its own shard: 1. The first
+    LLM stage of an MLLM takes the encoder's features replicated on every one of its devices
+    (`runtime/model_stages.py`, x_spec P(): any packed row may gather any tile), so the encoder
+    head's dp x tp devices (tp copies of each shard) send to all dp x tp LLM devices and each of those
+    receives every encoder shard: max(ceil(LLM devices / encoder tp), encoder dp) rounds.
+    """
+    a, b = layout.stages[index], layout.stages[index + 1]
+    if a.module == "encoder" and b.module == "llm":
+        return max(-(-b.num_devices // a.tp), a.dp)
+    return 1
+
+
 def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:
-    """(tile_bucket, length_bucket) -> [num_stages - 1] seconds to move activations across each boundary."""
+    """(tile_bucket, length_bucket) -> [num_stages - 1] seconds to move activations across each
+    boundary: one shard's output bytes per round (`boundary_rounds`) at the link's bandwidth."""
     stages = layout.stages
     cross = [
         stage_crosses_host(layout, i, provider.device.devices_per_host)
         for i in range(len(stages) - 1)
     ]
+    rounds = [boundary_rounds(layout, i) for i in range(len(stages) - 1)]
 
     def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
         buckets = _stage_buckets(layout, tile_bucket, length_bucket)
         return np.array(
             [
-                provider.transfer_time(stages[i], buckets[i], cross[i])
+                rounds[i] * provider.transfer_time(stages[i], buckets[i], cross[i])
                 for i in range(len(stages) - 1)
             ],
             dtype=np.float64,

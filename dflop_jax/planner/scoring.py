@@ -17,6 +17,7 @@ import numpy as np
 
 from dflop_jax.costs import layout_memory, layout_stage_costs, layout_transfer_costs
 from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.update import layout_update_times, norm_barrier_time
 from dflop_jax.planner.buckets import ShapeStats, bucket_set
 from dflop_jax.planner.candidates import Candidate
 from dflop_jax.planner.config import PlannerConfig
@@ -28,7 +29,7 @@ from dflop_jax.scheduler import (
     SchedulerConfig,
     schedule_batch,
 )
-from dflop_jax.sim import SimResult, device_order, simulate
+from dflop_jax.sim import SimResult, StepUpdate, device_order, simulate
 
 # (shapes, problem) -> Schedule: how the planner schedules a sampled batch (the online scheduler or a
 # baseline). Not `contracts.ScheduleFn`, which schedules batch k of a run for the loader.
@@ -43,12 +44,14 @@ class LayoutCosts:
     stage: Callable[[int, int], np.ndarray]  # (T, S) -> [P, 2]
     transfer: Callable[[int, int], np.ndarray]  # (T, S) -> [P - 1]
     chunks: int = 1  # model chunks per device group: > 1 simulates interleaved 1F1B
+    update: StepUpdate | None = None  # the per-step update after the pipeline (costs/update.py)
 
     @classmethod
     def build(cls, provider, layout: Layout, chunks: int = 1) -> LayoutCosts:
         """Transfers between virtual stages are costed as if the virtual stages sat on consecutive
         devices (the same stage sizes; the wrap-around from the last device group to the first is
-        counted like any stage boundary)."""
+        counted like any stage boundary). Every step pays the update after its pipeline: ZeRO-1
+        reduce-scatter, global-norm barrier, AdamW, all-gather (`costs/update.py`)."""
         xfer = layout_transfer_costs(provider, layout)
         cache: dict[tuple[int, int], np.ndarray] = {}
 
@@ -57,7 +60,10 @@ class LayoutCosts:
                 cache[t, s] = xfer(t, s)
             return cache[t, s]
 
-        return cls(layout, layout_stage_costs(provider, layout), transfer, chunks)
+        groups = layout_update_times(provider, layout, chunks)
+        update = StepUpdate(tuple(r for r, _ in groups), tuple(a for _, a in groups),
+                            norm_barrier_time(provider))  # fmt: skip
+        return cls(layout, layout_stage_costs(provider, layout), transfer, chunks, update)
 
     def simulate(self, times: np.ndarray, transfer, kind: str) -> SimResult:
         """`sim.simulate` of `times` [M, P, 2] under `kind`, interleaved when the layout has chunks.
@@ -66,7 +72,7 @@ class LayoutCosts:
         scheduler spills past its M when a microbatch overflows its bucket) is padded with empty,
         zero-cost microbatches up to the next multiple: Megatron would run a full group there."""
         if self.chunks == 1:
-            return simulate(times, transfer, kind)
+            return simulate(times, transfer, kind, update=self.update)
         p = self.layout.num_stages // self.chunks
         times = np.asarray(times, dtype=np.float64)
         extra = -len(times) % p
@@ -76,7 +82,7 @@ class LayoutCosts:
             )
             times = np.concatenate([times, np.zeros((extra,) + times.shape[1:])])
             transfer = np.concatenate([xfer, np.zeros((extra, xfer.shape[1]))])
-        return simulate(times, transfer, "interleaved", self.chunks)
+        return simulate(times, transfer, "interleaved", self.chunks, self.update)
 
 
 def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig) -> BucketSet:
@@ -198,10 +204,12 @@ def mean_shape_surrogate(
     config: PlannerConfig,
 ) -> float:
     """The scheduler's 1F1B surrogate (no transfers) of M identical microbatches at the smallest
-    buckets holding the mean load: cheap, computed for every candidate, over memory or not."""
+    buckets holding the mean load, plus the step's update: cheap, computed for every candidate, over
+    memory or not."""
     lay, m = costs.layout, cand.microbatches
     t, s = mean_shape_buckets(cand, buckets, stats, config)
-    return float((m + lay.num_stages - 1) * costs.stage(t, s).sum(axis=1).max())
+    tail = costs.update.tail if costs.update is not None else 0.0
+    return float((m + lay.num_stages - 1) * costs.stage(t, s).sum(axis=1).max() + tail)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

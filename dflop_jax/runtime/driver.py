@@ -21,7 +21,8 @@ the next stage's forward of m - (P - s), the in-flight bound 1F1B gives stage s.
 
 Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
 (`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
-processes); cotangents go back the same way.
+processes); cotangents go back the same way. `transfer_bytes_per_microbatch(stages, microbatch)` gives,
+per stage boundary, the bytes those programs move for one microbatch's shapes, without running them.
 
 Multi-process runs: every process walks the same op order. It dispatches the ops of its LOCAL stages
 (`StageProgram.local`) and places side inputs only for them; for other stages it only traces their
@@ -228,6 +229,38 @@ def run_pipeline(
             n = 0
         moved += n
     return StepOutput(losses, grads, moved, times, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryBytes:
+    """Bytes one microbatch's transfers move between devices across the boundary after stage `stage`.
+
+    Attributes:
+      stage: the sending stage's index (its output goes to stage + 1).
+      forward: the activations (stage's y -> the next stage's x sharding).
+      backward: dL/dx back to the stage's output sharding (0 where the next stage passes none back).
+    """
+
+    stage: int
+    forward: int
+    backward: int
+
+
+def transfer_bytes_per_microbatch(
+    stages: Sequence[StageProgram], microbatch: PackedMicrobatch | Mapping[str, np.ndarray]
+) -> list[BoundaryBytes]:
+    """Per stage boundary of a built pipeline, the bytes its transfer programs move between devices
+    for one microbatch of `microbatch`'s shapes (`Transfer.bytes_moved`: the pieces that cross
+    devices, local copies excluded; what `run_pipeline` adds to `StepOutput.transfer_bytes`). Only
+    shapes are traced; no stage program runs or compiles, and any process may call it."""
+    batch = microbatch_fields(microbatch)
+    out, x = [], None
+    for s, (a, b) in enumerate(zip(stages, stages[1:])):
+        y = a.output_struct(x, a.side_structs(batch))
+        x = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=b.x_sharding)
+        back = transfer_bytes(x, a.y_sharding) if b.input_grad else 0
+        out.append(BoundaryBytes(s, transfer_bytes(y, b.x_sharding), back))
+    return out
 
 
 def _forward_only(stages: Sequence[StageProgram]) -> int:

@@ -28,6 +28,11 @@ microbatch order, and no backward ops: the runtime's driver leaves them out of t
 their forwards are never held back behind a backward (1F1B and GPipe; interleaved runs all stages
 as given). A microbatch's backward then ends at the first stage that has one.
 
+The step's update (`StepUpdate`, priced by `costs/update.py`) follows the pipeline: each device group
+reduces its gradients from the end of its own last operation, the global-norm barrier waits for every
+group's reduce, then each applies its optimizer step; the step ends with the slowest apply. Without
+an update the step is the pipeline's makespan.
+
 For uniform stages (forward f, backward b, zero transfer) 1F1B and GPipe give a step time of
 (M + P - 1) * (f + b); interleaving with v chunks of f / v, b / v cuts the bubble to (P - 1)(f + b) / v.
 """
@@ -57,13 +62,46 @@ class Event(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class StepUpdate:
+    """The per-step update after the pipeline, per device group (module docstring).
+
+    Attributes:
+      reduce: [P] seconds from a group's last operation until its gradients are reduced.
+      apply: [P] seconds from the norm barrier until a group's params are updated and gathered.
+      barrier: seconds of the global-norm exchange between the last reduce and any apply.
+    """
+
+    reduce: tuple[float, ...]
+    apply: tuple[float, ...]
+    barrier: float = 0.0
+
+    def __post_init__(self):
+        if len(self.reduce) != len(self.apply):
+            raise ValueError(f"update: {len(self.reduce)} reduce times, {len(self.apply)} apply")
+        if min((*self.reduce, *self.apply, self.barrier), default=0.0) < 0:
+            raise ValueError("update times must be non-negative")
+
+    @property
+    def tail(self) -> float:
+        """The update's seconds when every group's pipeline ends at once."""
+        return max(self.reduce) + self.barrier + max(self.apply)
+
+    def end(self, group_ends) -> float:
+        """When the step ends, given each group's last operation's end."""
+        ready = max(e + r for e, r in zip(group_ends, self.reduce, strict=True))
+        return ready + self.barrier + max(self.apply)
+
+
+@dataclasses.dataclass(frozen=True)
 class SimResult:
     """What one simulated training step did.
 
     Attributes:
-      step_time: makespan in seconds (last operation's end; the step starts at 0).
+      step_time: seconds from the step's start to its end (the update's, when one was given).
+      pipeline_time: the pipeline's makespan (its last forward or backward's end).
       busy: [P] seconds each stage (device group) spent computing.
-      idle_fraction: sum_s (step - busy_s) / (P * step) (DESIGN section 9).
+      idle_fraction: sum_s (pipeline - busy_s) / (P * pipeline) (DESIGN section 9: the bubbles; the
+        update after the pipeline is not counted).
       schedule: "1f1b", "gpipe" or "interleaved".
       chunks: model chunks per stage (virtual stages per device group; 1 unless interleaved).
       events: (a property) per stage (device group), its operations in execution order; built on
@@ -71,6 +109,7 @@ class SimResult:
     """
 
     step_time: float
+    pipeline_time: float
     busy: np.ndarray
     idle_fraction: float
     schedule: str
@@ -187,7 +226,13 @@ def _check_schedule(schedule: str, num_virtual: int, chunks: int) -> int:
     return num_virtual // chunks
 
 
-def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int = 1) -> SimResult:
+def simulate(
+    times,
+    transfer=None,
+    schedule: ScheduleKind = "1f1b",
+    chunks: int = 1,
+    update: StepUpdate | None = None,
+) -> SimResult:
     """Simulates one training step of a pipeline.
 
     Args:
@@ -196,6 +241,7 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
         (virtual) stages j and j+1: [M, V-1] or anything broadcastable to it (a scalar); None = free.
       schedule: "1f1b", "gpipe" or "interleaved".
       chunks: model chunks per device group (interleaved only): virtual stage j runs on group j % P.
+      update: the update after the pipeline, per device group (None: the step ends with it).
 
     Returns:
       The SimResult (step time, busy time per device group, idle fraction, events).
@@ -218,12 +264,15 @@ def simulate(times, transfer=None, schedule: ScheduleKind = "1f1b", chunks: int 
             s = y
         start[i] = s
         end[i] = s + dur[t]
-    step = max(end[i] for i in plan.last)
+    pipeline = max(end[i] for i in plan.last)
+    if update is not None and len(update.reduce) != p:
+        raise ValueError(f"update has {len(update.reduce)} device groups, the pipeline {p}")
+    step = pipeline if update is None else update.end([end[i] for i in plan.last])
     busy = times.sum(axis=0).sum(axis=1).reshape(chunks, p).sum(axis=0)  # [P]
     idle = (
-        max(0.0, float(np.sum(step - busy) / (p * step))) if step > 0 else 0.0
+        max(0.0, float(np.sum(pipeline - busy) / (p * pipeline))) if pipeline > 0 else 0.0
     )  # clamp fp round-off
-    return SimResult(step, busy, idle, schedule, chunks, _Timeline(plan, start, end))
+    return SimResult(step, pipeline, busy, idle, schedule, chunks, _Timeline(plan, start, end))
 
 
 def forward_only_prefix(times: np.ndarray) -> int:
