@@ -1,6 +1,9 @@
-"""Test setup: 8 simulated CPU devices (before any JAX call), float32 matmuls for parity tests."""
+"""Test setup: 8 simulated CPU devices (before any JAX call), float32 matmuls for parity tests, and
+one persistent compilation cache for the whole run."""
 
 import os
+import shutil
+import tempfile
 
 from dflop_jax.host_devices import simulate_cpu_devices  # no jax
 
@@ -8,6 +11,37 @@ simulate_cpu_devices(8)  # and the CPU client's thread pool for them (DESIGN 11)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE = []  # the directory this process made (removed at the end), if any
+
+
+def pytest_configure(config):
+    """One JAX compilation cache for the run, set through the environment before the test modules
+    import jax: in-process tests, every xdist worker (started later, they inherit the environment)
+    and every jax process a test starts (the CLI and multi-process tests) share it, so a program
+    compiled once (the tiny decoder's stages, say) is loaded, not compiled, everywhere after. Every
+    program is cached however fast it compiles: most test programs compile in well under a second.
+    A cache the caller set (JAX_COMPILATION_CACHE_DIR) is used as it is."""
+    if _CACHE_ENV not in os.environ:
+        path = tempfile.mkdtemp(prefix="dflop_jax_test_cache_")
+        _OWN_CACHE.append(path)
+        os.environ[_CACHE_ENV] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache_first():
+    """Compiles one program before any test, so this process's cache is the run's: JAX opens its
+    cache at the first compile and keeps it, whatever directory a test's run config names later."""
+    import jax
+
+    jax.jit(lambda x: x + 1)(0).block_until_ready()
+
+
+def pytest_unconfigure(config):
+    for path in _OWN_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -134,6 +134,37 @@ TINY_TRAIN_DECODER = [
 ]
 
 
+def tiny_decoder_run(tmp_path: Path, name: str, samples: int, **over) -> list[str]:
+    """Config overrides of a single-process run of the tiny decoder on text: 2 LLM stages of one layer
+    (tp 1 and 2, dp 2) at one 256-token bucket. One list for every in-process trainer test, so their
+    stage programs are the same (compiled once per test run: tests/conftest.py shares the cache);
+    `over` (dotted key -> value) adds or replaces keys."""
+    base = {
+        "model.kind": "decoder",
+        "layout.encoder_layers": "[]",
+        **dict(x.split("=", 1) for x in TINY_TRAIN_DECODER),
+        "data.synth_dir": str(tmp_path / "synth"),
+        "data.synth_mix": "text",
+        "data.synth_samples": samples,
+        "data.max_tokens": 256,
+        "data.cache_dir": "",
+        "layout.llm_layers": "[1, 1]",
+        "layout.llm_tp": "[1, 2]",
+        "layout.llm_dp": 2,
+        "layout.lengths": "[256]",
+        "scheduler.solver": "greedy",
+        "optimizer.lr": 0.01,
+        "optimizer.warmup_steps": 1,
+        "optimizer.decay_steps": 20,
+        "global_batch": 8,
+        "compute_dtype": "float32",
+        "compilation_cache": "",
+        "run_dir": str(tmp_path / name),
+        "peak_flops": 1000000000.0,
+    }
+    return [f"{k}={v}" for k, v in {**base, **over}.items()]
+
+
 def save_tiny_llava_ov(path: Path, *, layers: int = 2, seed: int = 0, **text) -> Path:
     """Tiny random LlavaOnevisionForConditionalGeneration (28 px tiles, 7 px patches) saved to `path`."""
     import torch

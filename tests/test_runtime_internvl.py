@@ -130,7 +130,7 @@ def _cfg(tmp_path, *extra):
         "optimizer.warmup_steps=1",
         "compute_dtype=float32",
         "measure_stage_times_every=0",
-        f"compilation_cache={tmp_path / 'jax_cache'}",
+        "compilation_cache=",
         f"run_dir={tmp_path / 'run'}",
         "peak_flops=1000000000.0",
     ]

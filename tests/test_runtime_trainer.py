@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from models_fixtures import TINY_TRAIN_DECODER
+from models_fixtures import tiny_decoder_run
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -22,33 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cfg(tmp_path, name, **over):
-    base = [
-        "model.kind=decoder",
-        "layout.encoder_layers=[]",
-        *TINY_TRAIN_DECODER,
-        f"data.synth_dir={tmp_path / 'synth'}",
-        "data.synth_mix=text",
-        "data.synth_samples=96",
-        "data.max_tokens=256",
-        "data.cache_dir=",
-        "layout.llm_layers=[1, 1]",
-        "layout.llm_tp=[1, 2]",
-        "layout.llm_dp=2",
-        "layout.lengths=[256]",
-        "layout.microbatches=[2, 3]",
-        "scheduler.solver=greedy",
-        "optimizer.lr=0.01",
-        "optimizer.warmup_steps=1",
-        "optimizer.decay_steps=20",
-        "global_batch=8",
-        "compute_dtype=float32",
-        f"compilation_cache={tmp_path / 'jax_cache'}",
-        f"run_dir={tmp_path / name}",
-        "peak_flops=1000000000.0",
-        "measure_stage_times_every=1",
-        "scheduler.correction='on'",
-    ]
-    return load_config(TrainConfig, None, base + [f"{k}={v}" for k, v in over.items()])
+    over = {"layout.microbatches": "[2, 3]", "measure_stage_times_every": 1,
+            "scheduler.correction": "'on'", **over}  # fmt: skip
+    return load_config(TrainConfig, None, tiny_decoder_run(tmp_path, name, 96, **over))
 
 
 def test_demo_config_loads():
@@ -135,7 +111,7 @@ def test_demo_trains_and_loss_decreases(tmp_path):
             "data.cache_dir=",
             "checkpoint.every=0",
             f"run_dir={tmp_path / 'demo'}",
-            f"compilation_cache={tmp_path / 'jax_cache'}",
+            "compilation_cache=",
             "peak_flops=1000000000.0",
             "measure_stage_times_every=1",
         ],

@@ -352,7 +352,8 @@ class TrainConfig:
       num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call).
       peak_flops: per-device peak FLOP/s for MFU; 0 = measure one device's matmul peak at start.
       tensorboard: also write TensorBoard event files to run_dir/tb.
-      compilation_cache: persistent XLA compilation cache directory ("" = off).
+      compilation_cache: persistent XLA compilation cache directory ("" = JAX's own setting: off
+        unless JAX_COMPILATION_CACHE_DIR names one).
       distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
       measure_stage_times_every: every this many steps, time each stage program of one sampled
         microbatch (step % M; the other microbatches are not waited for: `runtime/driver.py`) and
