@@ -75,6 +75,17 @@ def stage_module(
     return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
 
 
+def with_attention(model_cfg, impl: str):
+    """`model_cfg` whose every attention layer (vision tower and decoder) runs kernel `impl`."""
+    if isinstance(model_cfg, DecoderConfig):
+        return model_cfg.replace(attention_impl=impl)
+    return dataclasses.replace(
+        model_cfg,
+        vision=model_cfg.vision.replace(attention_impl=impl),
+        text=model_cfg.text.replace(attention_impl=impl),
+    )
+
+
 def with_remat(model_cfg, remat: dict[str, str]):
     """`model_cfg` with the per-module activation recomputation `remat` ({"vision": ..., "llm": ...},
     each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder."""

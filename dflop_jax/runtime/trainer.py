@@ -44,6 +44,7 @@ from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.device import run_device
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
@@ -52,7 +53,6 @@ from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
     StepMetrics,
-    measure_peak_flops,
     real_work,
     stage_modules,
     step_metrics,
@@ -222,7 +222,7 @@ class _Trainer:
         self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
         self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
         self.ckpt = _checkpointer(cfg)
-        self.peak_flops = cfg.peak_flops or measure_peak_flops()
+        self.peak_flops = run_device(cfg.device).peak_flops  # the preset's: nothing is timed
         self.lr = cfg.optimizer.schedule()
         self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
         self.in_flight: list[_InFlight] = []
