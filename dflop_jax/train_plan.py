@@ -24,7 +24,12 @@ import jax
 
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model
 from dflop_jax.planner.plan_file import load_plan
-from dflop_jax.planner.resolve import ResolvedPlan, static_plan, training_planner
+from dflop_jax.planner.resolve import (
+    ResolvedPlan,
+    check_plan_fits_run,
+    static_plan,
+    training_planner,
+)
 from dflop_jax.planner.space import fit_search_space
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
@@ -56,6 +61,13 @@ def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         lay = cfg.layout
         resolved = ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), analytic)
         return resolved.check_runnable(cfg.plan, multimodal)
+    if cfg.plan not in (
+        "auto",
+        "analytic",
+    ):  # a plan.yaml: made for this model, recipe and devices?
+        plan = load_plan(cfg.plan)
+        check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable)
+        return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
     planner = training_planner(cfg.planner, cfg.global_batch, multimodal, trainable)
     # before any profiling: a search space these devices cannot hold is one config error
     planner = fit_search_space(arch, num_devices(cfg), device, planner)
