@@ -36,6 +36,8 @@ class ModelConfig:
         256 at 448 px) or "decoder" (text only). An MLLM kind must equal data.model_family.
       hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from `arch` or
         the fields. With `arch` too, the directory's config.json must describe that architecture.
+        Its tokenizer (tokenizer.json there) replaces the bundled byte tokenizer (`data.tokenizer`
+        left at "bundled"; another directory given there is kept).
       vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
       vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
@@ -418,6 +420,8 @@ class TrainConfig:
     eval: EvalConfig = EvalConfig()
 
     def __post_init__(self):
+        if self.model.hf_dir and self.data.tokenizer == "bundled":
+            _take_hf_tokenizer(self)
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
         require(
             self.plan in ("explicit", "auto", "analytic") or self.plan.endswith((".yaml", ".yml")),
@@ -502,6 +506,16 @@ class TrainConfig:
             why = "read only with eval.every > 0 (nothing is evaluated)"
             out.update({f"eval.{n}": why for n in ("source", "batches")})
         return out
+
+
+def _take_hf_tokenizer(cfg: TrainConfig) -> None:
+    """`cfg.data.tokenizer` := `cfg.model.hf_dir` where that directory has a tokenizer: the byte-level
+    bundled one never matches an HF model's embedding."""
+    from pathlib import Path
+
+    if (Path(cfg.model.hf_dir).expanduser() / "tokenizer.json").is_file():
+        data = dataclasses.replace(cfg.data, tokenizer=cfg.model.hf_dir)
+        object.__setattr__(cfg, "data", data)  # frozen: set once, while the config is being made
 
 
 def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
