@@ -61,7 +61,7 @@ def test_plan_cli_infeasible_is_one_line(tmp_path, capsys):
         plan_cli.main(["--no-progress", *TINY, "planner.tp=[3]", f"out={tmp_path / 'p.yaml'}"]) == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: no tensor-parallel degree fits") and "\n" not in err
+    assert err.startswith("config error: no tensor-parallel degree fits") and "\n" not in err
     assert plan_cli.main(["--no-progress", "planner.bogus=1"]) == 2
     assert "planner.bogus: unknown key" in capsys.readouterr().err
 
