@@ -34,7 +34,7 @@ def test_each_shipped_config_is_its_model_on_its_devices(stem, n):
     assert model_cfg.text.attention_impl == cfg.model.attention_impl
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~5 min of compiles on 2 busy cores
 def test_the_7b_64_gpu_config_dry_runs_on_cpu(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "dflop_jax.train", "--config", "configs/llava_ov_7b_h100x64.yaml",
@@ -46,6 +46,6 @@ def test_the_7b_64_gpu_config_dry_runs_on_cpu(tmp_path):
     stages = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())["layout"]
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert plan["num_devices"] == 64 and plan["device"] == "h100"
-    assert len(stages) == len(plan["layout"]["encoder_stages"]) + len(plan["layout"]["llm_stages"])
+    assert len(stages) == len(plan["layout"]) >= 2  # every stage of the plan compiled
     for s in stages:  # compiled at real sizes: a 7B model's stage holds GiBs
         assert s["compiled_memory_gib"] > 1 and s["compile_s"] > 0
