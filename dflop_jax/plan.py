@@ -1,6 +1,6 @@
 """Plan a layout: config + device count + shape distribution -> plan.yaml.
 
-    python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml [key=value ...] [--json] [--check]
+    python -m dflop_jax.plan --config configs/plan_llava_ov_7b_h100x64.yaml [key=value ...] [--json] [--check]
 
 Overrides use the config's dotted keys (e.g. `num_devices=32 planner.samples=8 out=runs/plan.yaml`);
 `planner.trainable=[projector]` plans a training recipe with frozen parts (costs/recipe.py).
@@ -34,12 +34,14 @@ from dflop_jax.planner import (
 )
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.run_config import PlanRunConfig, load_shapes
+from dflop_jax.planner.space import fit_search_space
 
 
 def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
     """Plans per `cfg` and writes plan.yaml and the resolved config; returns the plan. With `check`
     the stage programs are compiled too (JAX must see `cfg.num_devices` devices)."""
-    from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+    from dflop_jax.costs import AnalyticCostProvider, get_arch
+    from dflop_jax.runtime.device import run_device
 
     if check and cfg.planner.colocate_own_tp:
         # What is compiled must be what trains: the runtime runs a colocated encoder at its stage's tp.
@@ -49,12 +51,13 @@ def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
         cfg = dataclasses.replace(
             cfg, planner=dataclasses.replace(cfg.planner, colocate_own_tp=False)
         )
-    arch, device = get_arch(cfg.model), get_device(cfg.device)
+    arch, device = get_arch(cfg.model), run_device(cfg.device)
     provider = AnalyticCostProvider(arch, device, remat=cfg.remat)
+    planner = cfg.planner
+    if cfg.mode == "dflop":
+        planner = fit_search_space(arch, cfg.num_devices, device, planner)
     shapes = load_shapes(cfg.data)
-    plan = make_plan(
-        arch, device, cfg.num_devices, shapes, cfg.planner, provider, progress, cfg.mode
-    )
+    plan = make_plan(arch, device, cfg.num_devices, shapes, planner, provider, progress, cfg.mode)
     dump_yaml(cfg, cfg.out.with_name(cfg.out.stem + ".config.yaml"))
     save_plan(plan, cfg.out)
     if check:

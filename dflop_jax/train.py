@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         dist = resolve(cfg.distributed, os.environ)
     except (ConfigError, ValueError) as e:
         return _config_error(e)
-    simulate_cpu_devices(cfg.num_cpu_devices)
+    simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)
     if dist is not None:
         initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
 

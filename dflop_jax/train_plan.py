@@ -22,10 +22,17 @@ from pathlib import Path
 
 import jax
 
-from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+from dflop_jax.costs import AnalyticCostProvider, arch_of_model
 from dflop_jax.planner.plan_file import load_plan
-from dflop_jax.planner.resolve import ResolvedPlan, static_plan, training_planner
+from dflop_jax.planner.resolve import (
+    ResolvedPlan,
+    check_plan_fits_run,
+    static_plan,
+    training_planner,
+)
+from dflop_jax.planner.space import fit_search_space
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.device import run_device
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
     lay = resolved.layout
     if cfg.residuals != "auto":
         return (cfg.residuals,) * lay.num_stages
-    device = get_device(cfg.plan_device)
+    device = run_device(cfg.device)
     analytic = AnalyticCostProvider(arch_of_model(model_cfg), device, remat=cfg.model.remat,
                                     trainable=tuple(cfg.optimizer.trainable))  # fmt: skip
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
@@ -76,7 +83,7 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
 
 
 def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
-    arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
+    arch, device = arch_of_model(model_cfg), run_device(cfg.device)
     trainable = tuple(cfg.optimizer.trainable)  # the recipe the plan and the scheduler cost
     analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable,
                                     attention_impl=attention_impl(model_cfg))  # fmt: skip
@@ -85,11 +92,20 @@ def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         lay = cfg.layout
         resolved = ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), analytic)
         return resolved.check_runnable(cfg.plan, multimodal)
+    if cfg.plan not in (
+        "auto",
+        "analytic",
+    ):  # a plan.yaml: made for this model, recipe and devices?
+        plan = load_plan(cfg.plan)
+        check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable)
+        return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
     planner = training_planner(cfg.planner, cfg.global_batch, multimodal, trainable)
+    # before any profiling: a search space these devices cannot hold is one config error
+    planner = fit_search_space(arch, num_devices(cfg), device, planner)
     if cfg.plan == "auto":
         from dflop_jax.profiling.pipeline import AutoPlanConfig, profiled_plan
 
-        auto = AutoPlanConfig(cfg.plan_device, len(jax.devices()), "dataset", seed=cfg.seed,
+        auto = AutoPlanConfig(cfg.device, num_devices(cfg), "dataset", seed=cfg.seed,
                               profile=cfg.profile, planner=planner)  # fmt: skip
         cache = Path(cfg.run_dir) / "auto_plan"
         plan, measured = profiled_plan(
@@ -97,9 +113,14 @@ def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         )
         measured = measured.with_trainable(trainable)
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
-    plan = static_plan(cfg.plan, arch, device, len(jax.devices()), planner,
+    plan = static_plan(cfg.plan, arch, device, num_devices(cfg), planner,
                        lambda: sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
     return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
+
+
+def num_devices(cfg: TrainConfig) -> int:
+    """The devices the run plans for: `num_devices`, else those JAX sees."""
+    return cfg.num_devices or len(jax.devices())
 
 
 def sample_shapes(cfg: TrainConfig):

@@ -160,7 +160,7 @@ def tiny_decoder_run(tmp_path: Path, name: str, samples: int, **over) -> list[st
         "compute_dtype": "float32",
         "compilation_cache": "",
         "run_dir": str(tmp_path / name),
-        "peak_flops": 1000000000.0,
+        "device.peak_flops": 1000000000.0,
     }
     return [f"{k}={v}" for k, v in {**base, **over}.items()]
 

@@ -41,7 +41,7 @@ def decoder_args(tmp_path: Path, run_dir: Path) -> list[str]:
         f"run_dir={run_dir}",
         "checkpoint.every=0",
         "num_cpu_devices=4",
-        "peak_flops=1000000000.0",
+        "device.peak_flops=1000000000.0",
         "distributed.timeout_s=60",
     ]
 

@@ -7,6 +7,7 @@ loader in-process (fast); `test_entry_errors.py` checks the entry points' exit c
 
 import dataclasses
 import math
+import re
 import types
 from pathlib import Path
 from typing import Literal, Union, get_args, get_origin, get_type_hints
@@ -160,9 +161,20 @@ SECTIONS = [(entry, key) for entry, root in _roots().items() for key in sections
 
 @pytest.mark.parametrize("entry, key", SECTIONS, ids=[f"{e}:{k}" for e, k in SECTIONS])
 def test_a_section_given_a_value_is_a_clean_error(entry, key):
+    shorthand = getattr(section_type(_roots()[entry], key), "SHORTHAND", None)
     for value in (3, "text", [1, 2]):
-        with pytest.raises(ConfigError, match=rf"^{key}: expected a mapping"):
+        # a section with a shorthand key (`device: h100`) reads a string as that key's value
+        expected = (
+            f"{key}.{shorthand}=" if shorthand and value == "text" else f"{key}: expected a mapping"
+        )
+        with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
             from_dict(_roots()[entry], nested(entry, key, value))
+
+
+def section_type(cls: type, key: str) -> type:
+    for part in key.split("."):
+        cls = get_type_hints(cls)[part]
+    return cls
 
 
 # Fields where a negative number means something (process_id -1: from the environment).

@@ -321,7 +321,7 @@ TRAIN = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layer
          "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]", "layout.llm_dp=2",
          "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
          "steps=3", "global_batch=8", "checkpoint.every=0", "compute_dtype=float32",
-         "measure_stage_times_every=0", "peak_flops=1000000000.0", "scheduler.solver=greedy",
+         "measure_stage_times_every=0", "device.peak_flops=1000000000.0", "scheduler.solver=greedy",
          "data.cache_dir=", "seed=0"]  # fmt: skip
 
 

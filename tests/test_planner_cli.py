@@ -15,7 +15,7 @@ from dflop_jax.planner.run_config import PlanRunConfig
 from dflop_jax.scheduler import llava_ov_mix
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_CONFIGS = ["llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml"]
+PLAN_CONFIGS = ["plan_llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml"]
 TINY = ["model=tiny", "device=cpu", "num_devices=4", "data.synthetic_samples=200", "planner.global_batch=8",
         "planner.microbatches=[2,4]", "planner.samples=1", "planner.screen_top=2", "planner.llm_pp=[1,2]"]  # fmt: skip
 
@@ -61,7 +61,7 @@ def test_plan_cli_infeasible_is_one_line(tmp_path, capsys):
         plan_cli.main(["--no-progress", *TINY, "planner.tp=[3]", f"out={tmp_path / 'p.yaml'}"]) == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: no tensor-parallel degree fits") and "\n" not in err
+    assert err.startswith("config error: no tensor-parallel degree fits") and "\n" not in err
     assert plan_cli.main(["--no-progress", "planner.bogus=1"]) == 2
     assert "planner.bogus: unknown key" in capsys.readouterr().err
 

@@ -243,7 +243,7 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
 
 
 AUTO = ["plan=auto", "steps=2", "global_batch=8", "data.synth_samples=48", "checkpoint.every=0",
-        "compute_dtype=float32", "measure_stage_times_every=1", "peak_flops=1000000000.0",
+        "compute_dtype=float32", "measure_stage_times_every=1", "device.peak_flops=1000000000.0",
         "profile.runs=1", "profile.warmup=0", "profile.tps=[1]", "profile.encoder_buckets=[4, 16]",
         "profile.llm_buckets=[512, 1024]", "planner.tp=[1]", "planner.llm_pp=[1, 2]",
         "planner.microbatches=[2]", "planner.colocate=true",
@@ -278,7 +278,7 @@ EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_la
             "layout.llm_dp=2", "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]",
             "layout.microbatches=[2, 3]", "steps=2", "global_batch=8", "data.synth_samples=32",
             "checkpoint.every=0", "compute_dtype=float32", "measure_stage_times_every=1",
-            "peak_flops=1000000000.0", "scheduler.solver=greedy"]  # fmt: skip
+            "device.peak_flops=1000000000.0", "scheduler.solver=greedy"]  # fmt: skip
 
 
 def _demo_cfg(tmp_path, *extra):

@@ -235,7 +235,7 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
 MLLM = ["plan=explicit", "layout.llm_tp=[2]", "layout.llm_dp=2",
         "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
         "steps=1", "global_batch=8", "data.synth_samples=32", "checkpoint.every=0",
-        "compute_dtype=float32", "measure_stage_times_every=0", "peak_flops=1000000000.0",
+        "compute_dtype=float32", "measure_stage_times_every=0", "device.peak_flops=1000000000.0",
         "scheduler.solver=greedy", "eval.every=1", "eval.fraction=0.3", "eval.batches=1"]  # fmt: skip
 SEPARATE = ["layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]", "layout.encoder_dp=2",
             "layout.llm_layers=[4]"]  # fmt: skip

@@ -339,7 +339,7 @@ STAGE1 = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1
           "layout.encoder_dp=2", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=2",
           "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
           "global_batch=8", "data.synth_samples=32", "checkpoint.every=2", "compute_dtype=float32",
-          "peak_flops=1000000000.0", "optimizer.warmup_steps=0", "log_every=1"]  # fmt: skip
+          "device.peak_flops=1000000000.0", "optimizer.warmup_steps=0", "log_every=1"]  # fmt: skip
 
 
 def _stage1(tmp_path, name, steps):

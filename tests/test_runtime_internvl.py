@@ -132,7 +132,7 @@ def _cfg(tmp_path, *extra):
         "measure_stage_times_every=0",
         "compilation_cache=",
         f"run_dir={tmp_path / 'run'}",
-        "peak_flops=1000000000.0",
+        "device.peak_flops=1000000000.0",
     ]
     return load_config(TrainConfig, None, over + list(extra))
 

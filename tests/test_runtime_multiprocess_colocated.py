@@ -24,7 +24,7 @@ LAYOUT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_laye
 def _args(tmp_path, run_dir) -> list[str]:
     return [*LAYOUT, "steps=3", "global_batch=8", f"data.synth_dir={tmp_path / 'synth'}",
             "data.synth_samples=32", "data.cache_dir=", "checkpoint.every=0",
-            "compute_dtype=float32", "compilation_cache=", "peak_flops=1000000000.0",
+            "compute_dtype=float32", "compilation_cache=", "device.peak_flops=1000000000.0",
             "scheduler.solver=greedy", "distributed.timeout_s=60", f"run_dir={run_dir}"]  # fmt: skip
 
 

@@ -20,7 +20,7 @@ LAYOUT = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1
           "layout.encoder_dp=2", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=2",
           "layout.tiles=[8]", "layout.lengths=[512]", "layout.microbatches=[2, 3]",
           "global_batch=8", "data.synth_samples=32", "data.max_tokens=512", "checkpoint.every=0",
-          "compute_dtype=float32", "peak_flops=1000000000.0", "optimizer.warmup_steps=0",
+          "compute_dtype=float32", "device.peak_flops=1000000000.0", "optimizer.warmup_steps=0",
           "log_every=1", "steps=3"]  # fmt: skip
 
 

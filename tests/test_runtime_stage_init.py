@@ -212,7 +212,7 @@ def test_train_run_loads_an_hf_dir_per_stage(tmp_path):
         "data.synth_samples=32", "data.max_tokens=256", "data.cache_dir=", "global_batch=4",
         "steps=1", "optimizer.warmup_steps=4", "optimizer.decay_steps=8", "checkpoint.every=0",
         "compute_dtype=float32", "scheduler.solver=greedy", f"run_dir={tmp_path / 'run'}",
-        "peak_flops=1000000000.0", "measure_stage_times_every=0",
+        "device.peak_flops=1000000000.0", "measure_stage_times_every=0",
     ]  # fmt: skip
     report = run(load_train_config(TrainConfig, None, over))
     assert len(report.losses) == 1 and np.isfinite(report.losses[0])

@@ -38,7 +38,7 @@ def test_demo_config_loads():
     "override, message",
     [
         ("plan=magic", "plan='magic': use explicit, auto, analytic or a plan.yaml path"),
-        ("plan_device=tpu", "plan_device='tpu': use one of"),
+        ("device=tpu", "device.preset='tpu': use one of"),
     ],
 )
 def test_plan_settings_are_validated(override, message):
@@ -112,7 +112,7 @@ def test_demo_trains_and_loss_decreases(tmp_path):
             "checkpoint.every=0",
             f"run_dir={tmp_path / 'demo'}",
             "compilation_cache=",
-            "peak_flops=1000000000.0",
+            "device.peak_flops=1000000000.0",
             "measure_stage_times_every=1",
         ],
     )

@@ -154,32 +154,20 @@ def nvidia_smi_name() -> str | None:
 
 
 def device_info() -> dict:
-    """Platform, device count, GPU name, and the peak FLOP/s MFU is measured against (with its source)."""
+    """Platform, device count, GPU name, and the peak FLOP/s MFU is measured against (with its source:
+    the preset of the device JAX reports; `device.*` figures are needed for a kind with none)."""
     import jax
 
-    from dflop_jax.costs import get_device
-    from dflop_jax.runtime.metrics import measure_peak_flops
+    from dflop_jax.costs import DeviceConfig
+    from dflop_jax.runtime.device import run_device
 
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     name = nvidia_smi_name() if gpu else None
-    preset = _preset_of(name or "")
-    if preset:
-        peak, source = (
-            get_device(preset).peak_flops,
-            f"costs.devices preset {preset!r} (dense bf16)",
-        )
-    else:
-        peak, source = measure_peak_flops(), "measured fp32 matmul peak of one device"
+    spec = run_device(DeviceConfig())
+    peak, source = spec.peak_flops, f"costs.devices preset {spec.name!r} (dense bf16)"
     return {"platform": dev.platform, "gpu": gpu, "gpu_name": name, "device_kind": dev.device_kind,
             "num_devices": len(jax.devices()), "peak_flops": peak, "peak_source": source}  # fmt: skip
-
-
-def _preset_of(gpu_name: str) -> str | None:
-    upper = gpu_name.upper()
-    if "H100" in upper or "H200" in upper:  # H200: H100 compute with more, faster memory
-        return "h100"
-    return "a100" if "A100" in upper else None
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -437,7 +425,7 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
     overrides = [*size.profiler, f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
                  f"steps={size.steps + 2}", "prefetch=1", "measure_stage_times_every=1",
                  "checkpoint.every=0",
-                 f"compilation_cache={out / 'jax_cache'}", f"peak_flops={info['peak_flops']}"]  # fmt: skip
+                 f"compilation_cache={out / 'jax_cache'}", f"device.peak_flops={info['peak_flops']}"]  # fmt: skip
     with _recorded_observations() as records:
         cfg, report = _train(DEMO_CONFIG, overrides)
     pairs = stage_time_pairs(records, report.layout)
@@ -494,7 +482,7 @@ def host_part(size: Size, info: dict, out: Path) -> dict:
                  f"data.max_tokens={size.host_tokens}", "scheduler.solver=greedy",
                  "global_batch=8", f"steps={size.steps}", "checkpoint.every=0",
                  "measure_stage_times_every=0", f"run_dir={run_dir}",
-                 f"compilation_cache={out / 'jax_cache'}", f"peak_flops={info['peak_flops']}"]  # fmt: skip
+                 f"compilation_cache={out / 'jax_cache'}", f"device.peak_flops={info['peak_flops']}"]  # fmt: skip
     with _timed_dispatch() as dispatch:
         _train(None, overrides)
     rows = _metric_rows(run_dir)

@@ -73,7 +73,7 @@ TINY_LLAVA_OV = [
     "measure_stage_times_every=0",
     "compilation_cache=",
     "checkpoint.every=0",
-    "peak_flops=1000000000.0",
+    "device.peak_flops=1000000000.0",
     "distributed.timeout_s=60",
 ]
 # InternVL on the same layout (its pixel-shuffled tiles, plain feature gather).

@@ -115,14 +115,15 @@ def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
     saved to `path`."""
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import make_plan, save_plan
     from dflop_jax.planner.resolve import training_planner
+    from dflop_jax.runtime.device import run_device
     from dflop_jax.train_plan import abstract_model_config, sample_shapes
 
     model_cfg = abstract_model_config(cfg)
-    arch, device = arch_of_model(model_cfg), get_device(cfg.plan_device)
+    arch, device = arch_of_model(model_cfg), run_device(cfg.device)
     provider = AnalyticCostProvider(arch, device, remat=cfg.model.remat)
     table = dflop_dir / "auto_plan" / "cost_table.json"
     if cfg.plan == "auto":  # DFLOP planned on its measured table: so does the baseline

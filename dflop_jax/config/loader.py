@@ -25,6 +25,11 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+# Where a section's shorthand value (`device: h100`) waits for the schema to name its key
+# (the section's `SHORTHAND`, e.g. `preset`) once an override has opened the section.
+SHORTHAND_KEY = "<shorthand>"
+
+
 class ConfigError(ValueError):
     """A config problem, phrased for the person who wrote the config (always one line)."""
 
@@ -150,6 +155,8 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
+            elif isinstance(child, str):  # `device: h100` then `device.memory_gib=80`
+                child = node[part] = {SHORTHAND_KEY: child}
             elif not isinstance(child, dict):
                 raise ConfigError(f"override {key}: {part} is a value, not a section")
             node = child
@@ -215,7 +222,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, key)
+        return from_dict(tp, _expand_shorthand(tp, value, key), key)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -282,6 +289,21 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return Path(value)
         raise ConfigError(f"{key}: expected a path, got {value!r}")
     raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def _expand_shorthand(cls: type, value: Any, key: str) -> Any:
+    """A section's shorthand (`device: h100` = `device: {preset: h100}`) as its mapping."""
+    shorthand = getattr(cls, "SHORTHAND", None)
+    if isinstance(value, dict) and SHORTHAND_KEY in value:
+        if not shorthand:
+            raise ConfigError(f"{key}: expected a mapping, got {value[SHORTHAND_KEY]!r}")
+        value = {
+            shorthand: value[SHORTHAND_KEY],
+            **{k: v for k, v in value.items() if k != SHORTHAND_KEY},
+        }
+    elif shorthand and isinstance(value, str):
+        value = {shorthand: value}
+    return value
 
 
 def _list_item(raw: str, key: str) -> Any:

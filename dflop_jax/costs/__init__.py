@@ -21,7 +21,14 @@ from dflop_jax.costs.architectures import (
     projector_for,
     vision_arch_from_config,
 )
-from dflop_jax.costs.devices import DEVICE_PRESETS, DeviceSpec, get_device, list_devices
+from dflop_jax.costs.devices import (
+    DEVICE_PRESETS,
+    DeviceConfig,
+    DeviceSpec,
+    get_device,
+    list_devices,
+    preset_for_kind,
+)
 from dflop_jax.costs.flops import (
     batch_model_flops,
     causal_pairs,
@@ -63,6 +70,7 @@ from dflop_jax.costs.provider import (
 __all__ = [
     "DEFAULT_ARCH",
     "DEVICE_PRESETS",
+    "DeviceConfig",
     "LLM_PRESETS",
     "VISION_PRESETS",
     "AnalyticCostProvider",
@@ -92,6 +100,7 @@ __all__ = [
     "layout_transfer_costs",
     "list_archs",
     "list_devices",
+    "preset_for_kind",
     "llm_activation_bytes_per_token",
     "llm_arch_from_config",
     "llm_flops",

@@ -1,10 +1,20 @@
-"""Accelerator presets for the analytic cost model: peak FLOP/s, memory, bandwidths, efficiency.
+"""Accelerator presets for the analytic cost model and MFU: peak FLOP/s, memory, bandwidths, efficiency.
+
+A run names its device with `DeviceConfig` (`device:` in every run config): "auto" (the default) takes
+the preset of the accelerator JAX reports (`KIND_PRESETS`, keyed by `jax.Device.device_kind`) and the
+memory its runtime reports; a preset name plans for a cluster one is not on (`device=h100
+num_devices=64`); `device.*` keys override single figures or describe an accelerator with no preset.
 
 Numbers are vendor datasheet figures (dense bf16, no sparsity) per device:
 - h100 (SXM5 80GB): 989 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink4 900 GB/s bidirectional (450 GB/s each
   way), 8 GPUs/host, one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
+- h100_pcie (80GB): 756 TFLOP/s, 80 GB HBM2e at 2.0 TB/s, PCIe Gen5 x16 between GPUs (64 GB/s each
+  way; NVLink bridges join pairs only), 8 GPUs/host, 400 Gb/s per GPU.
+- h200 (SXM 141GB): H100 SXM compute (989 TFLOP/s) with 141 GB HBM3e at 4.8 TB/s; NVLink4, 8/host,
+  400 Gb/s per GPU.
 - a100 (SXM4 80GB): 312 TFLOP/s, 80 GB HBM2e at 2.04 TB/s, NVLink3 600 GB/s bidirectional (300 GB/s each
   way), 8 GPUs/host, 200 Gb/s per GPU (25 GB/s).
+- a100_40gb (SXM4 40GB): 312 TFLOP/s, 40 GB HBM2 at 1.56 TB/s, otherwise as a100.
 - cpu: one XLA CPU device of this project's 2-core test machines. Measured 2026-11-21: a jitted
   1024^3 matmul reaches ~25 GFLOP/s (f32 and bf16 alike) with 8 simulated devices sharing the 2 cores
   under load (`a @ b` timed after warm-up, median of 10). Per DESIGN section 9 that measured matmul rate
@@ -21,6 +31,8 @@ program dispatch).
 from __future__ import annotations
 
 import dataclasses
+
+from dflop_jax.config import ConfigError, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +91,113 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
         DeviceSpec("h100", 989e12, 80 * _GB, 3.35e12, 450 * _GB, 50 * _GB, 8, 0.55, 20e-6, 20e-6),
+        DeviceSpec(
+            "h100_pcie", 756e12, 80 * _GB, 2.0e12, 64 * _GB, 50 * _GB, 8, 0.55, 20e-6, 20e-6
+        ),
+        DeviceSpec("h200", 989e12, 141 * _GB, 4.8e12, 450 * _GB, 50 * _GB, 8, 0.55, 20e-6, 20e-6),
         DeviceSpec("a100", 312e12, 80 * _GB, 2.04e12, 300 * _GB, 25 * _GB, 8, 0.6, 25e-6, 20e-6),
+        DeviceSpec(
+            "a100_40gb", 312e12, 40 * _GB, 1.56e12, 300 * _GB, 25 * _GB, 8, 0.6, 25e-6, 20e-6
+        ),
         DeviceSpec("cpu", 25e9, 2 * 2**30, 10 * _GB, 10 * _GB, 10 * _GB, 8, 0.5, 100e-6, 100e-6),
     )
 }
 
 
+# `jax.Device.device_kind` (the CUDA device name on GPUs) -> preset.
+KIND_PRESETS: dict[str, str] = {
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA H100 SXM5 80GB": "h100",
+    "NVIDIA H100 PCIe": "h100_pcie",
+    "NVIDIA H200": "h200",
+    "NVIDIA A100-SXM4-80GB": "a100",
+    "NVIDIA A100 80GB PCIe": "a100",
+    "NVIDIA A100-SXM4-40GB": "a100_40gb",
+    "NVIDIA A100-PCIE-40GB": "a100_40gb",
+    "cpu": "cpu",
+}
+
+
+def preset_for_kind(device_kind: str) -> str | None:
+    """The preset of a `device_kind` string (case and spacing ignored); None when there is none."""
+    norm = " ".join(device_kind.split()).lower()
+    return next((p for k, p in KIND_PRESETS.items() if k.lower() == norm), None)
+
+
+# DeviceConfig keys that describe an accelerator by hand (all needed when it has no preset).
+MANUAL_KEYS = ("peak_flops", "memory_gib", "memory_bandwidth", "intra_host_bandwidth",
+               "inter_host_bandwidth", "devices_per_host")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """The `device:` section of a run config (`device: h100` is short for `device: {preset: h100}`).
+
+    Attributes:
+      preset: "auto" = the preset of the accelerator JAX reports (`KIND_PRESETS`), its memory the
+        runtime's (`bytes_limit`) where reported; else a preset name (`list_devices()`), to plan for
+        another cluster (with `num_devices`).
+      peak_flops, memory_gib, memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth,
+        devices_per_host: override the preset's figure (0 = the preset's; FLOP/s, GiB, and bytes/s
+        one way for the bandwidths). An accelerator with no preset needs all of them.
+      matmul_efficiency: achieved fraction of peak for large matmuls (0 = the preset's, else 0.5).
+    """
+
+    SHORTHAND = "preset"  # a bare string given for the section sets this key
+
+    preset: str = "auto"
+    peak_flops: float = 0.0
+    memory_gib: float = 0.0
+    memory_bandwidth: float = 0.0
+    intra_host_bandwidth: float = 0.0
+    inter_host_bandwidth: float = 0.0
+    devices_per_host: int = 0
+    matmul_efficiency: float = 0.0
+
+    def __post_init__(self):
+        names = ["auto", *DEVICE_PRESETS]
+        require(self.preset in names, "device.preset", self.preset, f"use one of {names}")
+        for key in MANUAL_KEYS:
+            require(
+                getattr(self, key) >= 0, f"device.{key}", getattr(self, key), "0 (preset's) or > 0"
+            )
+        fix = "0 (the preset's) or a fraction in (0, 1]"
+        require(
+            0 <= self.matmul_efficiency <= 1,
+            "device.matmul_efficiency",
+            self.matmul_efficiency,
+            fix,
+        )
+
+    def resolve(self, device_kind: str = "cpu", memory_bytes: float | None = None) -> DeviceSpec:
+        """The `DeviceSpec` of this config on an accelerator of `device_kind` whose runtime reports
+        `memory_bytes` (None: not reported); both are read only when `preset` is "auto".
+
+        Raises:
+          ConfigError: "auto" on a kind with no preset while some `device.*` figure is missing.
+        """
+        name = self.preset if self.preset != "auto" else preset_for_kind(device_kind)
+        given = {k: getattr(self, k) for k in MANUAL_KEYS if getattr(self, k)}
+        if "memory_gib" in given:
+            given["memory_bytes"] = given.pop("memory_gib") * 2**30
+        elif self.preset == "auto" and memory_bytes:
+            given["memory_bytes"] = float(memory_bytes)
+        if self.matmul_efficiency:
+            given["matmul_efficiency"] = self.matmul_efficiency
+        if name is not None:
+            return dataclasses.replace(DEVICE_PRESETS[name], **given)
+        missing = [f"device.{k}" for k in MANUAL_KEYS if not getattr(self, k)]
+        if missing:
+            raise ConfigError(
+                f"device {device_kind!r} has no preset: set {', '.join(missing)} (or "
+                f"device.preset=one of {', '.join(DEVICE_PRESETS)})"
+            )
+        given.setdefault("matmul_efficiency", 0.5)
+        return DeviceSpec(name=device_kind, **given)
+
+
 def get_device(name: str) -> DeviceSpec:
-    """A device preset by name ("h100", "a100", "cpu").
+    """A device preset by name ("h100", "h100_pcie", "h200", "a100", "a100_40gb", "cpu").
 
     Raises:
       ValueError: unknown name, listing the presets.

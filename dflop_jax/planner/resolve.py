@@ -110,3 +110,32 @@ def static_plan(
     plan = make_plan(arch, device, num_devices, shapes(), planner, provider)
     save_plan(plan, Path(out_dir) / "plan.yaml")
     return plan
+
+
+def check_plan_fits_run(plan: Plan, path: str, arch: MLLMArch, device: DeviceSpec,
+                        num_devices: int, trainable: tuple[str, ...]) -> None:  # fmt: skip
+    """Raises a one-line ConfigError when a plan.yaml was made for another model (its layers, or the
+    named architecture's widths), recipe (trained parts), device kind or device count than the run's."""
+    from dflop_jax.config import ConfigError
+    from dflop_jax.costs import get_arch, list_archs
+
+    lay, problems = plan.layout, []
+    layers = (
+        sum(s.num_layers for s in lay.encoder_stages),
+        sum(s.num_layers for s in lay.llm_stages),
+    )
+    want = (arch.vision.num_layers if lay.encoder_stages else 0, arch.llm.num_layers)
+    named = get_arch(plan.model) if plan.model in list_archs() else None
+    widths = (named.vision.hidden_size, named.llm.hidden_size) if named else None
+    if layers != want or widths not in (None, (arch.vision.hidden_size, arch.llm.hidden_size)):
+        problems.append(f"model {plan.model!r} (this run's has {want[0]} + {want[1]} layers)")
+    planned = tuple(plan.planner_config.get("trainable", trainable))
+    if set(planned) != set(trainable):
+        problems.append(f"recipe trainable={list(planned)} (this run trains {list(trainable)})")
+    if plan.device != device.name:
+        problems.append(f"device {plan.device!r} (this run's is {device.name!r})")
+    if plan.num_devices != num_devices:
+        problems.append(f"{plan.num_devices} devices (this run has {num_devices})")
+    if problems:
+        raise ConfigError(f"plan={path} was made for " + "; ".join(problems)
+                          + ": re-plan for this run (python -m dflop_jax.plan) or use plan=auto")  # fmt: skip

@@ -1,6 +1,6 @@
 """`PlanRunConfig`: the root config of `python -m dflop_jax.plan` (model, device, devices, data, planner).
 
-python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml planner.samples=8
+python -m dflop_jax.plan --config configs/plan_llava_ov_7b_h100x64.yaml planner.samples=8
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from dflop_jax.config import InputPath, require, require_seed
+from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.planner.config import PlannerConfig
 
 SYNTHETIC_DATA = ("llava-ov", "omnibal")
@@ -59,7 +60,8 @@ class PlanRunConfig:
 
     Attributes:
       model: architecture name (`dflop_jax.costs.list_archs()`).
-      device: device preset ("h100", "a100", "cpu").
+      device: the accelerator (`DeviceConfig`): "auto" = the one JAX reports here, or a preset name
+        (`device=h100 num_devices=64` plans for a cluster one is not on).
       num_devices: devices available.
       remat: the cost provider assumes full activation recomputation (less memory, more time).
       mode: "dflop" (data-aware) or "uniform" (the data-blind baseline layout).
@@ -69,7 +71,7 @@ class PlanRunConfig:
     """
 
     model: str = "siglip-so400m+qwen2.5-7b"
-    device: str = "h100"
+    device: DeviceConfig = DeviceConfig()
     num_devices: int = 8
     remat: bool = False
     mode: Literal["dflop", "uniform"] = "dflop"
@@ -78,19 +80,13 @@ class PlanRunConfig:
     out: Path = Path("plan.yaml")
 
     def __post_init__(self):
-        from dflop_jax.costs import list_archs, list_devices
+        from dflop_jax.costs import list_archs
 
         require(
             self.model in list_archs(),
             "model",
             self.model,
             f"choose one of {', '.join(list_archs())}",
-        )
-        require(
-            self.device in list_devices(),
-            "device",
-            self.device,
-            f"choose one of {', '.join(list_devices())}",
         )
         require(self.num_devices >= 1, "num_devices", self.num_devices, "need at least 1 device")
         require(self.out.suffix in (".yaml", ".yml"), "out", str(self.out),

@@ -1,6 +1,6 @@
 """Will the plan fit? Compile every stage program of a plan at its real sizes, from abstract arrays.
 
-    python -m dflop_jax.plan --config configs/llava_ov_7b_h100x64.yaml --check
+    python -m dflop_jax.plan --config configs/plan_llava_ov_7b_h100x64.yaml --check
     checks = check_plan(plan, model_cfg)      # one StageCheck per stage (nothing is materialized)
 
 MaxText's ahead-of-time compile habit, per MPMD stage: each stage's training program (the backward, or

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
 
@@ -37,7 +38,8 @@ class AutoPlanConfig:
     """What `plan: auto` needs besides the model config.
 
     Attributes:
-      device: device preset of the planned devices ("cpu", "h100", "a100"): capacity and hosts.
+      device: the planned devices' accelerator (`DeviceConfig`: "auto" = the one JAX reports, or a
+        preset name): capacity and hosts.
       num_devices: devices to plan for.
       data_source: "dataset" (profile the training data config passed to `ensure_plan`), a
         shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal").
@@ -47,7 +49,7 @@ class AutoPlanConfig:
       planner: the planner's search space.
     """
 
-    device: str = "cpu"
+    device: DeviceConfig = DeviceConfig()
     num_devices: int = 8
     data_source: str = "dataset"
     data_samples: int = 2000
@@ -56,10 +58,6 @@ class AutoPlanConfig:
     planner: PlannerConfig = PlannerConfig()
 
     def __post_init__(self):
-        from dflop_jax.costs import list_devices
-
-        require(self.device in list_devices(), "device", self.device,
-                f"use one of {list_devices()}")  # fmt: skip
         require(self.num_devices >= 1, "num_devices", self.num_devices, "must be >= 1")
         require(self.data_samples >= 1, "data_samples", self.data_samples, "must be >= 1")
         require_seed(self.seed, "seed")
@@ -158,16 +156,23 @@ def ensure_plan(
     """
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider, get_device
+    from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan, make_plan, save_plan
+    from dflop_jax.planner.space import fit_search_space
     from dflop_jax.profiling import model_profiler
     from dflop_jax.profiling.model_config import arch_for_model_config
+    from dflop_jax.runtime.device import run_device
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    device = get_device(cfg.device)
+    device = run_device(cfg.device)
+    arch = arch_for_model_config(model_cfg, name)
+    # before any profiling: a search space these devices cannot hold is one config error
+    cfg = dataclasses.replace(
+        cfg, planner=fit_search_space(arch, cfg.num_devices, device, cfg.planner)
+    )
     settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
     shapes_src, data_digest = _data_step(cfg, data_cfg, cache, timings)
 
@@ -185,9 +190,8 @@ def ensure_plan(
         (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
         return None
 
-    arch = arch_for_model_config(model_cfg, name)
     plan_path = cache / "plan.yaml"
-    plan_digest = config_hash([data_digest, model_digest, cfg.planner, cfg.device, cfg.num_devices,
+    plan_digest = config_hash([data_digest, model_digest, cfg.planner, device, cfg.num_devices,
                                code_version("dflop_jax/planner", "dflop_jax/scheduler",
                                             "dflop_jax/sim", "dflop_jax/costs")])  # fmt: skip
 
@@ -229,9 +233,10 @@ def profiled_plan(
     """
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
+    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan
+    from dflop_jax.runtime.device import run_device
     from dflop_jax.runtime.distributed import share_files
 
     if not hasattr(model_cfg, "vision"):
@@ -244,7 +249,7 @@ def profiled_plan(
     cache = Path(cache_dir)
     share_files([cache / "plan.yaml", cache / "cost_table.json"], "auto-plan", share_timeout_s)
     plan = load_plan(cache / "plan.yaml")
-    arch, device = arch_of_model(model_cfg), get_device(cfg.device)
+    arch, device = arch_of_model(model_cfg), run_device(cfg.device)
     table = Path(cache_dir) / "cost_table.json"
     return plan, MeasuredCostProvider(
         table, arch, device, fallback=AnalyticCostProvider(arch, device)

@@ -12,24 +12,32 @@ from dflop_jax.config import require, require_seed
 from dflop_jax.config.inputs import InputPath
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.runtime.distributed import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
-from models.decoder_config import REMAT_MODES
+from models.decoder_config import ATTENTION_IMPLS, REMAT_MODES
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The model trained: built from the fields below, or loaded from an HF directory.
+    """The model trained: a named architecture, the fields below, or an HF directory.
+
+    `model: siglip-so400m+qwen2.5-7b` is short for `model: {arch: siglip-so400m+qwen2.5-7b}`.
 
     Attributes:
+      arch: a named architecture (`dflop_jax.costs.list_archs()`) whose shapes the model takes
+        (random weights unless `hf_dir` is given); "" = the fields below. Its kind is set from it.
       kind: "llava_ov" (SigLIP-style ViT + mlp2x_gelu projector + decoder), "internvl" (InternViT-style
         ViT + pixel shuffle 0.5 + LayerNorm/MLP projector + decoder; (tile/patch / 2)^2 tokens per tile,
         256 at 448 px) or "decoder" (text only). An MLLM kind must equal data.model_family.
-      hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from the fields.
+      hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from `arch` or
+        the fields. With `arch` too, the directory's config.json must describe that architecture.
+        Its tokenizer (tokenizer.json there) replaces the bundled byte tokenizer (`data.tokenizer`
+        left at "bundled"; another directory given there is kept).
       vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
       vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
@@ -38,9 +46,14 @@ class ModelConfig:
         layer: "none", "full" (keep only the layer's input) or "dots" (also keep the matmul
         outputs). Training from a plan.yaml applies the plan's policy instead (`train_plan`); the
         planner's memory model assumes the same policy (`costs/memory.py`).
+      attention_impl: the attention kernel of every layer (vision and decoder, also with `hf_dir`):
+        "xla" (portable), or an accelerator kernel `models/attention.py` offers (e.g. "cudnn").
     """
 
+    SHORTHAND = "arch"  # a bare string given for the section sets this key
+
     kind: Literal["llava_ov", "internvl", "decoder"] = "llava_ov"
+    arch: str = ""
     hf_dir: str = ""
     vocab_size: int = 0
     hidden_size: int = 64
@@ -56,8 +69,19 @@ class ModelConfig:
     init_seed: int = 0
     vision_remat: str = "none"
     llm_remat: str = "none"
+    attention_impl: str = "xla"
 
     def __post_init__(self):
+        if self.arch:
+            from dflop_jax.costs import get_arch, list_archs
+
+            require(self.arch in list_archs(), "model.arch", self.arch,
+                    f"use one of {', '.join(list_archs())}")  # fmt: skip
+            family = "internvl" if get_arch(self.arch).vision.class_token else "llava_ov"
+            object.__setattr__(self, "kind", family)  # the architecture's family, not the default
+        impls = [i for i in ATTENTION_IMPLS if i]
+        require(self.attention_impl in impls, "model.attention_impl", self.attention_impl,
+                f"use one of {impls}")  # fmt: skip
         for name in ("vision_remat", "llm_remat"):
             value = getattr(self, name)
             require(value in REMAT_MODES, f"model.{name}", value, f"use one of {REMAT_MODES}")
@@ -125,12 +149,20 @@ class ModelConfig:
         """
         from models.decoder_config import DecoderConfig
 
+        if self.arch and not self.hf_dir:
+            from dflop_jax.runtime.arch_model import model_config_for_arch
+            from models.stages import with_attention, with_remat
+
+            cfg = model_config_for_arch(self.arch, compute_dtype)
+            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl)
+            return _with_pixel_norm(cfg, pixel_norm)
         if self.hf_dir:
             from models.hf import load_config
-            from models.stages import with_remat
+            from models.stages import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
-            return _with_pixel_norm(with_remat(cfg, self.remat), pixel_norm)
+            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl)
+            return _with_pixel_norm(cfg, pixel_norm)
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
             hidden_size=self.hidden_size,
@@ -142,6 +174,7 @@ class ModelConfig:
             dtype=compute_dtype,
             param_dtype="float32",
             remat=self.llm_remat,
+            attention_impl=self.attention_impl,
         )
         vision = {
             "hidden_size": self.vision_hidden_size,
@@ -152,6 +185,7 @@ class ModelConfig:
             "patch_size": patch_size,
             "dtype": compute_dtype,
             "remat": self.vision_remat,
+            "attention_impl": self.attention_impl,
         }
         if self.kind == "decoder":
             return dcfg
@@ -340,8 +374,9 @@ class TrainConfig:
         plan, each reused from `run_dir/auto_plan` while fresh; see `profile` and `planner`);
         "analytic" (plan on the data's shapes with analytic costs, no profiling); or a plan.yaml path
         written by `python -m dflop_jax.plan`.
-      plan_device: device preset ("cpu", "h100", "a100") for planning and the scheduler's analytic
-        costs (memory capacity, hosts; with `plan: auto` measured costs replace the analytic ones).
+      device: the accelerator (`costs.devices.DeviceConfig`; "auto" = the one JAX reports) for
+        planning, the scheduler's analytic costs (memory capacity, hosts; with `plan: auto` measured
+        costs replace the analytic ones) and MFU's peak.
       profile: the model profiler's grid and timing (`plan: auto`).
       steps: optimizer steps; global_batch: records drawn per step.
       log_every: steps between console lines (every step goes to metrics.jsonl).
@@ -349,8 +384,11 @@ class TrainConfig:
       seed: seed of the data order and the scheduler (the model's init has `model.init_seed`).
       pipeline: dispatch order of the stage programs ("1f1b" or "gpipe").
       compute_dtype: dtype of the stage programs (params stay fp32).
-      num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call).
-      peak_flops: per-device peak FLOP/s for MFU; 0 = measure one device's matmul peak at start.
+      num_devices: devices the run plans for; 0 = the devices JAX sees. With `device` a preset it
+        plans for a cluster one is not on (`device=h100 num_devices=64 --dry-run` compiles that plan's
+        stages on as many simulated CPU devices).
+      num_cpu_devices: simulated CPU devices when running on CPU (set before the first JAX call;
+        `num_devices`, when set, instead).
       tensorboard: also write TensorBoard event files to run_dir/tb.
       compilation_cache: persistent XLA compilation cache directory ("" = JAX's own setting: off
         unless JAX_COMPILATION_CACHE_DIR names one).
@@ -374,7 +412,7 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     plan: str = "explicit"
-    plan_device: str = "cpu"
+    device: DeviceConfig = DeviceConfig()
     profile: ProfileSettings = ProfileSettings()
     layout: LayoutConfig = LayoutConfig()
     planner: PlannerConfig = PlannerConfig()
@@ -387,8 +425,8 @@ class TrainConfig:
     seed: int = 0
     pipeline: Literal["1f1b", "gpipe"] = "1f1b"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    num_devices: int = 0
     num_cpu_devices: int = 8
-    peak_flops: float = 0.0
     tensorboard: bool = False
     compilation_cache: str = "runs/jax_cache"
     distributed: DistributedConfig = DistributedConfig()
@@ -398,18 +436,14 @@ class TrainConfig:
     residuals: Literal["auto", "all", "layers", "recompute"] = "auto"
 
     def __post_init__(self):
+        if self.model.hf_dir and self.data.tokenizer == "bundled":
+            _take_hf_tokenizer(self)
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
         require(
             self.plan in ("explicit", "auto", "analytic") or self.plan.endswith((".yaml", ".yml")),
             "plan",
             self.plan,
             "use explicit, auto, analytic or a plan.yaml path",
-        )
-        from dflop_jax.costs import list_devices
-
-        devices = list_devices()
-        require(
-            self.plan_device in devices, "plan_device", self.plan_device, f"use one of {devices}"
         )
         require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
@@ -420,6 +454,8 @@ class TrainConfig:
             f"must match data.model_family={self.data.model_family} (or be decoder)",
         )
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
+        fix = "0 (the devices JAX sees) or the device count to plan for"
+        require(self.num_devices >= 0, "num_devices", self.num_devices, fix)
         require(
             self.measure_stage_times_every >= 0,
             "measure_stage_times_every",
@@ -430,7 +466,6 @@ class TrainConfig:
         policies = ("auto", "all", "layers", "recompute")
         require(self.residuals in policies, "residuals", self.residuals, f"use one of {policies}")
         require_seed(self.seed, "seed")
-        require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "0 (measure) or FLOP/s > 0")
         require(
             bool(self.run_dir), "run_dir", self.run_dir, "give a directory for the run's outputs"
         )
@@ -477,8 +512,8 @@ class TrainConfig:
         if self.model.kind == "decoder":
             why = "model.kind=decoder has no vision encoder"
             out.update({f"model.{n}": why for n in _MODEL_SIZES if n.startswith("vision_")})
-        if self.model.hf_dir:
-            why = "the shapes come from model.hf_dir's config.json"
+        if self.model.hf_dir or self.model.arch:
+            why = "the shapes come from model.hf_dir's config.json or model.arch"
             out.update(
                 {f"model.{name}": why for name in ("vocab_size", *_MODEL_SIZES, "init_seed")}
             )
@@ -496,6 +531,16 @@ class TrainConfig:
         return out
 
 
+def _take_hf_tokenizer(cfg: TrainConfig) -> None:
+    """`cfg.data.tokenizer` := `cfg.model.hf_dir` where that directory has a tokenizer: the byte-level
+    bundled one never matches an HF model's embedding."""
+    from pathlib import Path
+
+    if (Path(cfg.model.hf_dir).expanduser() / "tokenizer.json").is_file():
+        data = dataclasses.replace(cfg.data, tokenizer=cfg.model.hf_dir)
+        object.__setattr__(cfg, "data", data)  # frozen: set once, while the config is being made
+
+
 def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     """An explicit layout must place every layer of the model and split its heads evenly."""
     if m.kind == "decoder":
@@ -507,7 +552,7 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
         fix = (f"model.kind={m.kind} needs >= 1 encoder stage, or layout.encoder_colocated=true "
                "(or model.kind=decoder)")  # fmt: skip
         require(bool(lay.encoder_layers), "layout.encoder_layers", lay.encoder_layers, fix)
-    if m.hf_dir:  # the shapes are known once config.json is read
+    if m.hf_dir or m.arch:  # the shapes are known once config.json (or the arch) is read
         return
     fix = f"must add up to model.num_layers={m.num_layers}"
     require(sum(lay.llm_layers) == m.num_layers, "layout.llm_layers", lay.llm_layers, fix)

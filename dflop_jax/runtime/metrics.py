@@ -1,8 +1,8 @@
 """Run metrics: one JSON line per step (`run_dir/metrics.jsonl`), a live console line, TensorBoard.
 
 Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
-real work / (step time x devices x peak FLOP/s), where on CPU the peak is the measured matmul peak of
-one device (`measure_peak_flops`); padding ratio = 1 - real / computed per module (stage_padding_ratio:
+real work / (step time x devices x peak FLOP/s), the peak being the run device's preset figure
+(`costs.devices`, `device.peak_flops` to override); padding ratio = 1 - real / computed per module (stage_padding_ratio:
 the same per stage, as every stage of a module runs its bucket shapes). A stage that runs the colocated
 encoder (FUSED, `stage_modules`) computes both: `stage_padding` reports its tiles and its tokens
 separately (the tile bucket and the length bucket pad independently), and the console shows the tile
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
@@ -192,20 +189,6 @@ def real_work(batch: GlobalBatch, has_encoder: bool) -> list[tuple[int, int]]:
             work.append((sum(s.tiles for s in samples), 0))
         work += [(0, s.tokens) for s in samples]
     return work
-
-
-def measure_peak_flops(n: int = 512, repeats: int = 5) -> float:
-    """Matmul FLOP/s of one device (fp32, [n,n] @ [n,n], best of `repeats` after a warm-up)."""
-    dev = jax.local_devices()[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 class MetricsLog:

@@ -35,7 +35,7 @@ import numpy as np
 from rich.console import Console
 
 from dflop_jax.config import ConfigError, dump_yaml
-from dflop_jax.costs import MLLMArch, batch_model_flops, get_device, mfu
+from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.split import split_records
@@ -46,6 +46,7 @@ from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.device import run_device
 from dflop_jax.runtime.distributed import host_scalars
 from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
@@ -54,7 +55,6 @@ from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
     StepMetrics,
-    measure_peak_flops,
     real_work,
     stage_modules,
     step_metrics,
@@ -232,7 +232,7 @@ class _Trainer:
         self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
         self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
         self.ckpt = _checkpointer(cfg)
-        self.peak_flops = cfg.peak_flops or measure_peak_flops()
+        self.peak_flops = run_device(cfg.device).peak_flops  # the preset's: nothing is timed
         self.lr = cfg.optimizer.schedule()
         self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
         self.in_flight: list[_InFlight] = []
@@ -480,7 +480,7 @@ def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> Drif
     multimodal = cfg.model.kind != "decoder"
     config = training_planner(cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable)
     running = RunningPlan(plan.layout, plan.buckets, plan.microbatches, plan.provider)
-    device = get_device(cfg.plan_device)
+    device = run_device(cfg.device)
     measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
                                 config=config, kind=cfg.pipeline)  # fmt: skip
     return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")

@@ -1,0 +1,51 @@
+"""`train plan=<plan.yaml>` refuses, in one line, a plan made for another model, recipe or devices."""
+
+import dataclasses
+
+import pytest
+
+from dflop_jax.config import ConfigError
+from dflop_jax.costs import get_arch, get_device
+from dflop_jax.planner import make_plan
+from dflop_jax.planner.config import PlannerConfig
+from dflop_jax.planner.resolve import check_plan_fits_run
+from dflop_jax.scheduler import llava_ov_mix
+
+PARTS = ("vision", "projector", "llm")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    space = PlannerConfig(tp=(1,), encoder_pp=(1,), llm_pp=(1, 2), microbatches=(2,),
+                          num_buckets=(2,), samples=1, global_batch=8, screen_top=2, top_n=0)  # fmt: skip
+    return make_plan("tiny", "cpu", 4, llava_ov_mix(64, 0), space)
+
+
+def test_the_run_the_plan_was_made_for_passes(plan):
+    check_plan_fits_run(plan, "p.yaml", get_arch("tiny"), get_device("cpu"), 4, PARTS)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_devices": 8}, "4 devices (this run has 8)"),
+        ({"device": get_device("h100")}, "device 'cpu' (this run's is 'h100')"),
+        ({"trainable": ("projector",)}, "recipe trainable=['vision', 'projector', 'llm']"),
+        ({"arch": get_arch("siglip-so400m+qwen2.5-0.5b")}, "model 'tiny' (this run's has"),
+    ],
+)
+def test_a_plan_for_another_run_is_one_config_error(plan, change, message):
+    run = {"arch": get_arch("tiny"), "device": get_device("cpu"), "num_devices": 4,
+           "trainable": PARTS} | change  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        check_plan_fits_run(plan, "p.yaml", run["arch"], run["device"], run["num_devices"],
+                            run["trainable"])  # fmt: skip
+    assert str(e.value).startswith("plan=p.yaml was made for ") and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_same_layers_other_widths_is_another_model(plan):
+    tiny = get_arch("tiny")
+    wider = dataclasses.replace(tiny, llm=dataclasses.replace(tiny.llm, hidden_size=128))
+    with pytest.raises(ConfigError, match="model 'tiny'"):
+        check_plan_fits_run(plan, "p.yaml", wider, get_device("cpu"), 4, PARTS)

@@ -1,0 +1,41 @@
+"""The training config's model section: keys that reach the `models` config."""
+
+import pytest
+
+from dflop_jax.config import ConfigError, from_dict
+from dflop_jax.runtime.config import ModelConfig, TrainConfig
+
+
+@pytest.mark.parametrize("kind", ["llava_ov", "internvl", "decoder"])
+def test_attention_impl_reaches_every_attention_layer(kind):
+    cfg = ModelConfig(kind=kind, attention_impl="cudnn")
+    model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
+    text = model_cfg if kind == "decoder" else model_cfg.text
+    assert text.attention_impl == "cudnn"
+    if kind != "decoder":
+        assert model_cfg.vision.attention_impl == "cudnn"
+
+
+def test_a_bad_attention_impl_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^model.attention_impl='flash': use one of \['xla'"):
+        from_dict(TrainConfig, {"model": {"attention_impl": "flash"}})
+
+
+def test_an_hf_dir_brings_its_tokenizer_unless_another_is_given(tmp_path):
+    import shutil
+
+    from dflop_jax.data.tokenizer import ASSET
+
+    hf, other = tmp_path / "hf", tmp_path / "tok"
+    for d in (hf, other):
+        d.mkdir()
+        shutil.copy(ASSET, d / "tokenizer.json")
+    (hf / "config.json").write_text("{}")
+    cfg = from_dict(TrainConfig, {"model": {"hf_dir": str(hf)}})
+    assert cfg.data.tokenizer == str(hf)
+    given = from_dict(
+        TrainConfig, {"model": {"hf_dir": str(hf)}, "data": {"tokenizer": str(other)}}
+    )
+    assert given.data.tokenizer == str(other)
+    (hf / "tokenizer.json").unlink()  # a weights-only directory: the bundled tokenizer stays
+    assert from_dict(TrainConfig, {"model": {"hf_dir": str(hf)}}).data.tokenizer == "bundled"
