@@ -51,7 +51,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
             indent = width
         if width < indent:
             break
-        if width == indent and _ENTRY.match(line.strip()):
+        if width == indent:  # an entry; its names may run on to the next line
             entries.append([line.strip()])
         elif entries:
             entries[-1].append(line.strip())
