@@ -16,13 +16,13 @@ a colocated encoder at its stage's tp (`planner.colocate_own_tp=false`): what is
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import sys
 
-from dflop_jax.config import ConfigError, dump_yaml, load_config
+from dflop_jax.config import ConfigError, dump_yaml
+from dflop_jax.config.cli import Command, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
 from dflop_jax.planner import (
     Plan,
@@ -82,25 +82,23 @@ def _recipe(cfg: PlanRunConfig) -> str:
     return "" if len(trainable) == 3 else f", trains {','.join(trainable)}"
 
 
+COMMAND = Command(
+    prog="python -m dflop_jax.plan",
+    description=__doc__.split("\n\n")[0],
+    example="python -m dflop_jax.plan --config configs/plan_tiny_cpu.yaml out=runs/example/plan.yaml",
+    modes={
+        "check": "then compile every stage program at its real sizes (simulated CPU devices)",
+        "json": "print the plan as JSON on stdout",
+        "no-progress": "no progress bar",
+    },
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.plan", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument(
-        "--config", help="PlanRunConfig YAML (configs/*.yaml); defaults apply without it"
-    )
-    ap.add_argument(
-        "overrides", nargs="*", help="key=value overrides, e.g. num_devices=32 planner.samples=8"
-    )
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument(
-        "--check", action="store_true", help="compile every stage program at its real sizes"
-    )
-    args = ap.parse_args(argv)
+    args = COMMAND.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(PlanRunConfig, args.config, args.overrides)
+        cfg = load_command_config(PlanRunConfig, args)
         if args.check:
             simulate_cpu_devices(cfg.num_devices)  # before JAX starts
         with progress_bar(not args.no_progress) as progress:

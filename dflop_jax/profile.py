@@ -14,37 +14,35 @@ auto:  data profile -> model profile -> plan in `cache_dir`, each reused while f
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 
-from dflop_jax.config import ConfigError, load_config, read_yaml
+from dflop_jax.config import ConfigError, read_yaml
+from dflop_jax.config.cli import Command, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
+
+COMMAND = Command(
+    prog="python -m dflop_jax.profile",
+    description=__doc__.split("\n")[0],
+    example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml data.synth_samples=64",
+    modes={
+        "no-progress": "model: no progress bar",
+        "profile-only": "auto: stop after the data and model profiles",
+    },
+    positional=("what", ("data", "model", "auto")),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dflop_jax.profile", description=__doc__.split("\n")[0]
-    )
-    sub = parser.add_subparsers(dest="what", required=True)
-    for name, text in (("data", "shape distribution of a dataset (tiles, tokens, modality)"),
-                       ("model", "per-stage cost table of a model's stage programs"),
-                       ("auto", "data profile -> model profile -> plan, reusing fresh outputs")):  # fmt: skip
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--config", default=None, help="YAML config of this subcommand")
-        p.add_argument("overrides", nargs="*", help="key=value, e.g. profile.runs=10")
-    sub.choices["model"].add_argument("--no-progress", action="store_true", help="no progress bar")
-    sub.choices["auto"].add_argument("--profile-only", action="store_true",
-                                     help="stop after the data and model profiles")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = COMMAND.parse(argv)
     if args.what == "model" and args.config is None and not args.overrides:
         return _error("give --config YAML or key=value overrides (e.g. `profile model arch=tiny`)")
     logging.basicConfig(level=logging.WARNING if args.what == "data" else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        cfg = load_config(_root(args.what), args.config, args.overrides)
+        cfg = load_command_config(_root(args.what), args)
         data_cfg = _training_data(cfg) if args.what == "auto" else None
     except (ConfigError, ValueError) as e:
         return _error(e)

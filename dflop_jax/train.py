@@ -12,39 +12,38 @@ writes runs/demo (config.yaml, metrics.jsonl, checkpoints).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
+from dflop_jax.config.cli import Command, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
+COMMAND = Command(
+    prog="python -m dflop_jax.train",
+    description=__doc__.split("\n")[0] + " (no --config: the demo, configs/demo.yaml)",
+    example="python -m dflop_jax.train steps=2 checkpoint.every=2 run_dir=runs/demo",
+    modes={
+        "dry-run": "resolve the plan and compile every stage program at its real sizes; no training"
+    },
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dflop_jax.train", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--config", type=Path, default=None, help="YAML config (default: the demo)")
-    parser.add_argument("--gin", action="append", default=[], help="gin-style binding files")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=10")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="resolve the plan and compile every stage program at its real sizes; no training",
-    )
-    args = parser.parse_args(argv)
+    args = COMMAND.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from dflop_jax.config import ConfigError, load_config
+    from dflop_jax.config import ConfigError
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.runtime.distributed import initialize, resolve
 
     try:  # every value, combination and input file (and the env's process settings), before JAX
-        cfg = load_config(TrainConfig, args.config or DEMO_CONFIG, args.overrides, args.gin)
+        cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
         dist = resolve(cfg.distributed, os.environ)
     except (ConfigError, ValueError) as e:
         return _config_error(e)

@@ -1,0 +1,82 @@
+"""Every command has the one CLI form and a `--help` that ends with an example that works.
+
+The fast test checks each `--help` and runs the examples that take seconds; the slow one runs the rest
+in the order their inputs need (plan -> simulate, train -> export). Examples run in a scratch directory
+that sees the repository's `configs/` (where their example inputs live), so their outputs land there.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = [
+    "dflop_jax.train",
+    "dflop_jax.plan",
+    "dflop_jax.profile",
+    "dflop_jax.export",
+    "dflop_jax.schedule",
+    "dflop_jax.simulate",
+    "dflop_jax.costs",
+    "dflop_jax.data.synth",
+]
+FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile"]
+SLOW_CHAIN = ["dflop_jax.plan", "dflop_jax.simulate", "dflop_jax.train", "dflop_jax.export"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def help_example(module: str) -> list[str]:
+    """The example `python -m <module> --help` ends with, as an argv."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                         env=_env(), timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.rstrip().splitlines() if line.strip()]
+    assert lines[-2].strip() == "example:", (
+        f"{module} --help must end with an example:\n{out.stdout}"
+    )
+    argv = shlex.split(lines[-1])
+    assert argv[:3] == ["python", "-m", module], argv
+    return [sys.executable, *argv[1:]]
+
+
+def run_example(argv: list[str], cwd: Path) -> None:
+    if not (cwd / "configs").exists():
+        (cwd / "configs").symlink_to(ROOT / "configs")
+    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=_env(), timeout=1800)
+    assert out.returncode == 0, f"{shlex.join(argv)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_help_ends_with_an_example_in_the_one_form(module):
+    argv = help_example(module)[3:]
+    files = {i + 1 for i, a in enumerate(argv) if a in ("--config", "--gin")}
+    settings = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in files]
+    assert all("=" in a or a in ("data", "model", "auto") for a in settings), argv
+
+
+@pytest.mark.parametrize("module", FAST)
+def test_fast_examples_work(module, tmp_path):
+    run_example(help_example(module), tmp_path)
+
+
+def test_a_setting_given_as_a_flag_is_one_line(capsys):
+    from dflop_jax import export
+
+    with pytest.raises(SystemExit) as e:
+        export.main(["--run", "runs/demo"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run=..." in err[0]
+
+
+@pytest.mark.slow
+def test_examples_that_train_or_plan_work(tmp_path):
+    for module in SLOW_CHAIN:
+        run_example(help_example(module), tmp_path)
