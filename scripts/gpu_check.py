@@ -206,7 +206,7 @@ def summary(work: Path, out: Path, dry: bool) -> int:
         headline = {k: v for k, v in demo.items() if k not in ("per_step", "plan_yaml")}
     report = {
         "dry": dry,
-        "note": "CPU dry run: no figure here is a GPU figure" if dry else None,
+        "note": "CPU dry run: figures are not GPU figures" if dry else None,
         "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "steps": steps,
         "preflight": preflight,

@@ -41,7 +41,7 @@ def _run(tmp_path, deadline: int, timeout: int):
     for p in out.iterdir():
         assert 0 < p.stat().st_size <= MAX_BYTES, (p.name, p.stat().st_size)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["dry"] is True and "not a GPU figure" in summary["note"]
+    assert summary["dry"] is True and "not GPU figures" in summary["note"]
     assert [s["step"] for s in summary["steps"]] == STEPS
     return out, files, summary
 
@@ -106,3 +106,22 @@ def test_demo_figures_from_a_metrics_file(tmp_path):
     assert (d["stage_time_mape_raw"], d["stage_time_mape_corrected"]) == (0.4, 0.2)
     assert d["peak_flops"] == "9.89e+14" and d["profile_timings_s"] is None
     assert helper.demo_figures(tmp_path / "missing") is None
+
+
+def test_bench_gpu_stage_variants_and_remat_option():
+    from dflop_jax.bench import gpu
+
+    assert gpu._stage_variants(("xla",), ("none",)) == [
+        ("llm", "xla", "none"),
+        ("encoder", "xla", "none"),
+    ]
+    # with a fused kernel: each implementation per module, then the LLM's other remat policies on it
+    assert gpu._stage_variants(("xla", "cudnn"), ("none", "full", "dots")) == [
+        ("llm", "xla", "none"), ("llm", "cudnn", "none"), ("encoder", "xla", "none"),
+        ("encoder", "cudnn", "none"), ("llm", "cudnn", "full"), ("llm", "cudnn", "dots")]  # fmt: skip
+    assert gpu._remats("none, dots") == ("none", "dots")
+    with pytest.raises(Exception, match="unknown remat"):
+        gpu._remats("none,sometimes")
+    # on CPU only XLA runs; the others say why
+    impls, missing = gpu.attention_impls({"gpu": False})
+    assert impls == ("xla",) and set(missing) == {"cudnn", "pallas"}

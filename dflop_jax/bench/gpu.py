@@ -600,13 +600,14 @@ def _print_attention(rep: dict, info: dict) -> None:
     if rep["note"]:
         print(rep["note"])
     print("| tokens | samples | path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
-          "err vs fp32 out / grad |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "fwd+bwd temp MiB | err vs fp32 out / grad |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in rep["cases"]:
         for impl, r in c["impls"].items():
-            p = r["vs_fp32"]
+            p, temp = r["vs_fp32"], r["fwd_bwd_temp_bytes"]
             print(f"| {c['length']} | {c['samples']} | {impl} | {r['fwd_s'] * 1e3:.2f} | "
                   f"{r['fwd_tflops']:.3g} | {r['fwd_bwd_s'] * 1e3:.2f} | {r['fwd_bwd_tflops']:.3g} | "
+                  f"{'-' if temp is None else f'{temp / 2**20:.1f}'} | "
                   f"{p['out']:.2e} / {p['grad']:.2e}{'' if p['ok'] else ' OVER TOLERANCE'} |")  # fmt: skip
         for impl in c["impls"]:
             if f"{impl}_vs_xla" in c:
