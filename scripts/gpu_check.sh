@@ -3,7 +3,7 @@
 # files under $OUT (only those come back from the GPU machine). From the repository root:
 #
 #   source .gpu/device_env.sh && bash scripts/gpu_check.sh      # on the GPU machine (env.log: device_env)
-#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh   (or --dry)       # on CPU: tiny sizes, what CI runs
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh   (or --dry)       # on CPU, one device: tiny sizes (CI)
 #
 # Steps, most valuable first; each has its own timeout, cut to what is left of the deadline, and a step
 # whose minimum no longer fits is skipped and says so. A failing step records its rc and output tail and
@@ -24,7 +24,8 @@ WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 export GPU_CHECK_DRY=$DRY GPU_CHECK_WORK=$WORK PY OUT
 if [[ "$DRY" == 1 ]]; then
   DEADLINE=${GPU_CHECK_DEADLINE:-400}
-  export JAX_PLATFORMS=cpu
+  # JAX on CPU with one device, as the GPU machine has one GPU (the parts then take its paths).
+  export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1${XLA_FLAGS:+ $XLA_FLAGS}"
 else
   DEADLINE=${GPU_CHECK_DEADLINE:-480}
 fi
