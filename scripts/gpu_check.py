@@ -111,6 +111,11 @@ def preflight(out_path: Path, n: int) -> int:
     report["entry_points"] = entry_points()
     try:
         report["jax"] = devices_and_matmul(n)
+        # The peak MFU is measured against (the demo is given it): the GPU's `costs.devices` preset.
+        from dflop_jax.bench.gpu import device_info
+
+        info = device_info()
+        report["peak"] = {k: info[k] for k in ("gpu_name", "peak_flops", "peak_source")}
     except Exception as e:  # a JAX that cannot start is what the preflight is there to report
         report["jax"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     failed = [e["module"] for e in report["entry_points"] if e["rc"]]
@@ -204,6 +209,7 @@ def summary(work: Path, out: Path, dry: bool) -> int:
     headline = None
     if demo is not None:
         headline = {k: v for k, v in demo.items() if k not in ("per_step", "plan_yaml")}
+        headline["peak_source"] = ((preflight or {}).get("peak") or {}).get("peak_source")
     report = {
         "dry": dry,
         "note": "CPU dry run: figures are not GPU figures" if dry else None,

@@ -89,7 +89,11 @@ ONE_DEVICE=("planner.encoder_pp=[1]" "planner.llm_pp=[1]" "planner.tp=[1]" "prof
 DEMO_COMMON=("run_dir=$WORK/demo" "data.synth_dir=$WORK/synth_demo" checkpoint.every=0
   "compilation_cache=$WORK/jax_cache" "${DEMO_ARGS[@]}")
 
-demo() {
+demo() { # MFU against the preflight's peak (the GPU's preset); 0 (the trainer measures) without one
+  local peak
+  peak=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['peak']['peak_flops'])" \
+    "$WORK/preflight.json" 2>/dev/null) || peak=0
+  DEMO_COMMON+=("peak_flops=$peak")
   $PY -m dflop_jax.train "${DEMO_COMMON[@]}" "${ONE_DEVICE[@]}"
   local rc=$?
   if ((rc == 2)); then

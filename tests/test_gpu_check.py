@@ -73,6 +73,9 @@ def test_dry_run_runs_every_step_and_writes_every_file(tmp_path):
     assert all(e["rc"] == 0 for e in pre["entry_points"]), pre["entry_points"]
     demo = json.loads((out / "demo.json").read_text())
     assert demo["steps"] == 3 and demo["step_time_s"] > 0 and demo["tokens_per_s"] > 0
+    # the demo's MFU is against the preflight's peak (on CPU: the measured one, named as such)
+    assert float(demo["peak_flops"]) == pytest.approx(pre["peak"]["peak_flops"]) > 0
+    assert summary["demo"]["peak_source"] == pre["peak"]["peak_source"]
     assert demo["profile_timings_s"]["model profile"] > 0 and demo["plan_yaml"]
     bench = json.loads((out / "bench.json").read_text())
     for part in ("attention", "stage", "host", "profiler"):
