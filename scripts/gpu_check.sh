@@ -24,8 +24,10 @@ WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 export GPU_CHECK_DRY=$DRY GPU_CHECK_WORK=$WORK PY OUT
 if [[ "$DRY" == 1 ]]; then
   DEADLINE=${GPU_CHECK_DEADLINE:-400}
-  # JAX on CPU with one device, as the GPU machine has one GPU (the parts then take its paths).
-  export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=1${XLA_FLAGS:+ $XLA_FLAGS}"
+  # JAX on CPU with one device, as the GPU machine has one GPU (the parts then take its paths); a
+  # count already in XLA_FLAGS (a test process's 8) is replaced.
+  flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<<"${XLA_FLAGS:-}")
+  export JAX_PLATFORMS=cpu XLA_FLAGS="$flags --xla_force_host_platform_device_count=1"
 else
   DEADLINE=${GPU_CHECK_DEADLINE:-480}
 fi

@@ -64,6 +64,7 @@ def test_dry_run_runs_every_step_and_writes_every_file(tmp_path):
                      "pytest_gpu.log", "summary.json"]  # fmt: skip
     pre = summary["preflight"]
     assert pre["ok"] and pre["jax"]["platform"] == "cpu" and pre["jax"]["matmul_bf16"]["tflops"] > 0
+    assert pre["jax"]["num_devices"] == 1  # as on the one-GPU machine
     assert {" ".join(e["module"].split()[:2]) for e in pre["entry_points"]} >= {
         "dflop_jax.train",
         "dflop_jax.plan",
@@ -81,6 +82,9 @@ def test_dry_run_runs_every_step_and_writes_every_file(tmp_path):
     for part in ("attention", "stage", "host", "profiler"):
         assert part in bench[part] and "error" not in bench[part][part], (part, bench[part][part])
     assert bench["attention"]["attention"]["impls"] == ["xla"]
+    # one device: one pipeline stage, the encoder colocated in it (the GPU machine's paths)
+    assert bench["host"]["host"]["pipeline_stages"] == 1
+    assert bench["profiler"]["profiler"]["stage_dp"] == [1]
     assert bench["fused"] and all(r["fused_s"] > 0 for r in bench["fused"])
     assert "passed" in (out / "pytest_gpu.log").read_text() or "skipped" in (
         out / "pytest_gpu.log").read_text()  # fmt: skip
