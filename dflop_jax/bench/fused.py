@@ -40,7 +40,7 @@ def _programs(model_cfg, devices, dtype):
     from dflop_jax.profiling.programs import profile_mesh, stage_program
 
     out = {}
-    for tp in TPS:
+    for tp in (t for t in TPS if t <= len(devices)):  # one GPU: tp 1 only
         mesh = profile_mesh(devices, tp)
         for n, fam in ((LAYERS, "F_n"), (0, "F_0")):
             spec = StageSpec("llm", 0, n, tp=tp, has_embedding=True)
@@ -106,7 +106,7 @@ def compare(times: dict) -> list[dict]:
     spread = {k: (v.sum(axis=1).max() - v.sum(axis=1).min()) / med[k] for k, v in times.items()}
     rows = []
     s0 = LENGTHS[0]
-    for tp in TPS:
+    for tp in sorted({k[1] for k in times}):
         for t in TILES:
             for s in LENGTHS:
                 fused = med["F_n", tp, t, s]

@@ -1,21 +1,25 @@
 """The figures only a GPU can give: attention path, a real-size stage at MFU, profiler accuracy, host overhead.
 
-    python -m dflop_jax.bench gpu [--parts attention,stage,profiler,host] [--size real|small]
-                                  [--out runs/bench_gpu] [--json-out runs/bench_gpu/gpu.json]
+    python -m dflop_jax.bench gpu [--parts attention,stage,profiler,host] [--size real|small|smoke]
+                                  [--remat none,full,dots] [--out runs/bench_gpu]
+                                  [--json-out runs/bench_gpu/gpu.json]
 
 Each part measures against the strongest alternative in the same run:
-  attention  the fused cuDNN path and our Pallas kernels vs the XLA path of `models.attention.attention`
-             on packed rows (one long
-             sample vs 16 packed samples): output and gradient parity against each other and against a
-             dense fp32 reference (bf16 tolerances ATTN_TOL), time and achieved TFLOP/s (model FLOPs:
-             causal pairs x 4 Dh H forward, 3x that forward + backward). On CPU only the XLA path runs.
+  attention  each implementation of `models.attention.attention` that runs here (XLA; on a GPU cuDNN,
+             and a Pallas kernel where this tree has one: the others are listed with why not) on packed
+             rows (one long sample vs 16 packed samples): output and gradient parity against XLA and
+             against a dense fp32 reference (bf16 tolerances ATTN_TOL), time, achieved TFLOP/s (model
+             FLOPs: causal pairs x 4 Dh H forward, 3x that forward + backward) and XLA's temp memory.
   stage      forward + backward of LLM layers (4 Qwen2.5-7B layers at 8192 tokens) and of the SigLIP-400M
              tower on a bucket of 384 px tiles, each as the runtime's own stage program (the profiler's
              `programs.build_program` -> `runtime.stages.stage_jits`, bf16 compute, fp32 weights), timed
              by the profiler's `measure_program`: step = fwd + bwd (the backward recomputes the forward,
-             as training runs it); MFU = model FLOPs (`costs.flops`, 3x forward) / (step x peak).
-  profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan)
-             trains a small model with stage times measured every step: per (stage, bucket) the
+             as training runs it); MFU = model FLOPs (`costs.flops`, 3x forward) / (step x peak). One
+             row per attention implementation, then the LLM stage under each other remat policy
+             (`--remat`; every policy on a GPU). The JSON is rewritten after each row.
+  profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan;
+             on one device the encoder colocated with the LLM, one stage) trains the demo's model with
+             stage times measured every step: per (stage, bucket) the
              scheduler's predicted vs measured times, MAPE raw and after the adaptive correction (out
              of sample: the factors learned before the step, those its schedule was made with). The
              last stage runs fwd + bwd fused; the trainer splits its time by the predicted ratio.
@@ -240,8 +244,17 @@ def _parity(a, b) -> dict:
     return {"out": out, "grad": grad, "ok": out <= ATTN_TOL["out"] and grad <= ATTN_TOL["grad"]}
 
 
+def _compiled(fn, args):
+    """(compiled program, its temp bytes from XLA's memory analysis, None where not reported)."""
+    import jax
+
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    return compiled, (None if mem is None else int(mem.temp_size_in_bytes))
+
+
 def attention_case(length: int, samples: int, heads, impls, warmup: int, runs: int) -> dict:
-    """One packed row: each implementation's time, TFLOP/s and parity (vs fp32 and vs each other)."""
+    """One packed row: each implementation's time, TFLOP/s, temp memory and parity (vs fp32 and vs XLA)."""
     import jax
 
     from dflop_jax.costs.flops import causal_pairs
@@ -255,21 +268,52 @@ def attention_case(length: int, samples: int, heads, impls, warmup: int, runs: i
     for impl in impls:
         fn = lambda q, k, v, seg, impl=impl: attention(q, k, v, segment_ids=seg, causal=True,  # noqa: E731
                                                        implementation=impl)  # fmt: skip
-        fwd, both = jax.jit(fn), _fwd_bwd(fn)
+        fwd, fwd_mem = _compiled(fn, (q, k, v, seg))
+        both, both_mem = _compiled(_fwd_bwd(fn), (q, k, v, seg, dy))
         results[impl] = jax.device_get(both(q, k, v, seg, dy))
         t_f = _time(fwd, (q, k, v, seg), warmup, runs)
         t_fb = _time(both, (q, k, v, seg, dy), warmup, runs)
         row["impls"][impl] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "fwd_tflops": fwd_flops / t_f / 1e12,
                               "fwd_bwd_tflops": 3 * fwd_flops / t_fb / 1e12,
+                              "fwd_temp_bytes": fwd_mem, "fwd_bwd_temp_bytes": both_mem,
                               "vs_fp32": _parity(results[impl], ref)}  # fmt: skip
-    for impl in ("pallas", "cudnn"):
-        if impl in results:
+    for impl in results:
+        if impl != "xla":
             row[f"{impl}_vs_xla"] = _parity(results[impl], results["xla"])
     return row
 
 
+def attention_impls(info: dict) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(the implementations to measure, {implementation: why not} for the others).
+
+    XLA always; on a GPU every other implementation the decoder accepts
+    (`models.decoder_config.ATTENTION_IMPLS`: cuDNN, and a Pallas kernel where this tree has one)
+    that runs a small packed row forward and backward here."""
+    from models.decoder_config import ATTENTION_IMPLS
+
+    others = ("cudnn", "pallas")
+    if not info["gpu"]:
+        return ("xla",), {i: "needs a GPU" for i in others}
+    usable, missing = ["xla"], {}
+    for impl in others:
+        if impl not in ATTENTION_IMPLS:
+            missing[impl] = (
+                f"not built: not in models.decoder_config.ATTENTION_IMPLS {ATTENTION_IMPLS}"
+            )
+            continue
+        try:
+            attention_case(256, 2, (4, 2, 64), (impl,), 0, 1)
+        except Exception as e:  # the probe's purpose: an implementation that cannot run here
+            missing[impl] = (
+                f"fails here: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            )
+            continue
+        usable.append(impl)
+    return tuple(usable), missing
+
+
 def attention_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
-    impls = ("xla", "pallas", "cudnn") if info["gpu"] else ("xla",)
+    impls, missing = attention_impls(info)
     cases = [attention_case(n, s, size.attn_heads, impls, warmup, runs)
              for n in size.attn_lengths for s in (1, size.attn_packed)]  # fmt: skip
     note = (
@@ -278,7 +322,7 @@ def attention_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
         else "CPU: the cuDNN and (compiled) Pallas paths need a GPU; only the XLA path ran"
     )
     return {"heads": list(size.attn_heads), "tolerance": ATTN_TOL, "impls": list(impls),
-            "note": note, "cases": cases}  # fmt: skip
+            "not_measured": missing, "note": note, "cases": cases}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- stage
@@ -299,8 +343,21 @@ def _stage_cases(arch, size: Size):
     )  # fmt: skip
 
 
-def stage_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
-    """Each stage program timed on one device by the profiler's `measure_program`; MFU and HFU."""
+def _stage_variants(impls, remats) -> list[tuple[str, str, str]]:
+    """(module, attention implementation, LLM remat) per stage program timed, most telling first: the
+    LLM stage and the vision tower per implementation (no remat), then the LLM stage under each other
+    remat policy with the first implementation after XLA (the fused kernel where one runs)."""
+    best = impls[1] if len(impls) > 1 else impls[0]
+    return ([("llm", i, "none") for i in impls] + [("encoder", i, "none") for i in impls]
+            + [("llm", best, r) for r in remats if r != "none"])  # fmt: skip
+
+
+def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
+               progress=lambda rows: None) -> dict:  # fmt: skip
+    """Each stage program timed on one device by the profiler's `measure_program`; MFU and HFU, per
+    attention implementation and LLM remat policy. `progress(rows)` after each row (partial saves)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -310,22 +367,47 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
     from dflop_jax.profiling.model_profiler import measure_program
     from dflop_jax.profiling.programs import build_program
     from dflop_jax.profiling.settings import ProfileSettings
+    from models.stages import with_remat
 
     arch = get_arch(size.arch)
-    model_cfg = model_config_for_arch(arch, "bfloat16")
+    base = model_config_for_arch(arch, "bfloat16")
     settings = ProfileSettings(tps=(1,), warmup=warmup, runs=runs, memory_limit_bytes=2.0**60)
+    cases = {shape.module: c for c in _stage_cases(arch, size) for shape in [c[1]]}
+    impls, _ = attention_impls(info)
     rows = []
-    for name, shape, bucket, flops in _stage_cases(arch, size):
-        prog = build_program(model_cfg, shape, 1, bucket, jax.devices()[:1], jnp.bfloat16)
-        m = measure_program(prog, settings)
+    for module, impl, remat in _stage_variants(impls, remats):
+        name, shape, bucket, flops = cases[module]
+        model_cfg = with_remat(base, {"vision": "none", "llm": remat})
+        model_cfg = dataclasses.replace(model_cfg,
+                                        vision=model_cfg.vision.replace(attention_impl=impl),
+                                        text=model_cfg.text.replace(attention_impl=impl))  # fmt: skip
+        key = {
+            "stage": name,
+            "module": shape.module,
+            "bucket": bucket,
+            "attention": impl,
+            "remat": remat,
+        }
+        try:
+            prog = build_program(model_cfg, shape, 1, bucket, jax.devices()[:1], jnp.bfloat16)
+            m = measure_program(prog, settings)
+        except (
+            Exception
+        ) as e:  # one variant failing (out of memory, a kernel's limits) keeps the rest
+            rows.append({**key, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"})
+            progress(rows)
+            continue
         step = m["fwd_s"] + m["bwd_s"]
-        rows.append({"stage": name, "module": shape.module, "bucket": bucket, "fwd_s": m["fwd_s"],
-                     "bwd_s": m["bwd_s"], "step_s": step, "model_flops": flops,
+        rows.append({**key, "fwd_s": m["fwd_s"], "bwd_s": m["bwd_s"], "step_s": step,
+                     "model_flops": flops,
                      # XLA's count: a loop body once, whatever its trips (not the tiled attention's)
                      "xla_flops": m["flops_fwd"] + m["flops_bwd"],
                      "xla_bytes": m["bytes_fwd"] + m["bytes_bwd"],
+                     "memory_peak_bytes": max(m["memory_fwd"]["peak"],
+                                              m["memory_bwd"].get("peak", 0.0)),
                      "mfu": mfu(flops, step, 1, info["peak_flops"]),
                      "hfu": 4 / 3 * flops / (step * info["peak_flops"])})  # fmt: skip
+        progress(rows)
     return {"arch": size.arch, "peak_flops": info["peak_flops"], "stages": rows}
 
 
@@ -415,14 +497,14 @@ def profiler_part(size: Size, info: dict, out: Path) -> dict:
     """plan: auto (the model profiler on these devices) then training with stage times measured."""
     from dflop_jax.planner import describe_layout
 
-    if info["num_devices"] < 2:
-        return {
-            "skipped": "needs >= 2 devices: the runtime runs the vision encoder on its own stage"
-        }
+    # One device: the encoder runs inside the LLM stage (colocated), one stage, tp 1.
+    single = ("planner.colocate=true", "planner.encoder_pp=[1]", "planner.llm_pp=[1]",
+              "planner.tp=[1]", "profile.tps=[1]", "num_cpu_devices=1")  # fmt: skip
     run_dir = out / "profiler_run"
     # The scheduler observes a step's stage times `prefetch` batches later (`lagged_schedule.py`):
     # prefetch 1 and 2 more steps, so the measured steps 2..steps are all observed.
-    overrides = [*size.profiler, f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
+    overrides = [*size.profiler, *(single if info["num_devices"] < 2 else ()),
+                 f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
                  f"steps={size.steps + 2}", "prefetch=1", "measure_stage_times_every=1",
                  "checkpoint.every=0",
                  f"compilation_cache={out / 'jax_cache'}", f"device.peak_flops={info['peak_flops']}"]  # fmt: skip
@@ -510,33 +592,43 @@ def _print_attention(rep: dict, info: dict) -> None:
     if rep["note"]:
         print(rep["note"])
     print("| tokens | samples | path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
-          "err vs fp32 out / grad |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "fwd+bwd temp MiB | err vs fp32 out / grad |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in rep["cases"]:
         for impl, r in c["impls"].items():
-            p = r["vs_fp32"]
+            p, temp = r["vs_fp32"], r["fwd_bwd_temp_bytes"]
             print(f"| {c['length']} | {c['samples']} | {impl} | {r['fwd_s'] * 1e3:.2f} | "
                   f"{r['fwd_tflops']:.3g} | {r['fwd_bwd_s'] * 1e3:.2f} | {r['fwd_bwd_tflops']:.3g} | "
+                  f"{'-' if temp is None else f'{temp / 2**20:.1f}'} | "
                   f"{p['out']:.2e} / {p['grad']:.2e}{'' if p['ok'] else ' OVER TOLERANCE'} |")  # fmt: skip
-        for impl in ("pallas", "cudnn"):
+        for impl in c["impls"]:
             if f"{impl}_vs_xla" in c:
                 p = c[f"{impl}_vs_xla"]
-                print(f"{impl} vs XLA at {c['length']}x{c['samples']}: out {p['out']:.2e}, grad "
+                print(f"{impl} vs xla at {c['length']}x{c['samples']}: out {p['out']:.2e}, grad "
                       f"{p['grad']:.2e} ({'within' if p['ok'] else 'OVER'} tolerance)")  # fmt: skip
+    for impl, why in rep.get("not_measured", {}).items():
+        print(f"{impl}: not measured: {why}")
 
 
 def _print_stage(rep: dict, info: dict) -> None:
     print(f"\n## stage programs ({rep['arch']}), peak {rep['peak_flops'] / 1e12:.3g} TFLOP/s "
           f"({info['peak_source']})" + _label(info))  # fmt: skip
-    print("| stage | bucket | fwd ms | bwd ms | step ms | MFU | HFU (with the recompute) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| stage | bucket | attention | LLM remat | fwd ms | bwd ms | step ms | peak GiB | MFU | "
+          "HFU (with the recompute) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rep["stages"]:
-        print(f"| {r['stage']} | {r['bucket']} | {r['fwd_s'] * 1e3:.1f} | {r['bwd_s'] * 1e3:.1f} | "
-              f"{r['step_s'] * 1e3:.1f} | {r['mfu']:.1%} | {r['hfu']:.1%} |")  # fmt: skip
-    llm = next(r for r in rep["stages"] if r["module"] == "llm")
-    if llm["mfu"] < GOAL_LLM_MFU:
-        print(f"misses goal: LLM stage MFU {llm['mfu']:.1%} < {GOAL_LLM_MFU:.0%} (HFU {llm['hfu']:.1%}: "
-              "the backward recomputes the forward)" + _label(info))  # fmt: skip
+        head = f"| {r['stage']} | {r['bucket']} | {r['attention']} | {r['remat']} |"
+        if "error" in r:
+            print(f"{head} failed: {r['error'][:200]} |||||")
+            continue
+        print(f"{head} {r['fwd_s'] * 1e3:.1f} | {r['bwd_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
+              f"{r['memory_peak_bytes'] / 2**30:.2f} | {r['mfu']:.1%} | {r['hfu']:.1%} |")  # fmt: skip
+    llms = [r for r in rep["stages"] if r["module"] == "llm" and "error" not in r]
+    llm = max(llms, key=lambda r: r["mfu"], default=None)
+    if llm is not None and llm["mfu"] < GOAL_LLM_MFU:
+        print(f"misses goal: LLM stage MFU {llm['mfu']:.1%} < {GOAL_LLM_MFU:.0%} at best "
+              f"({llm['attention']}, remat {llm['remat']}; HFU {llm['hfu']:.1%}: the backward "
+              "recomputes the forward)" + _label(info))  # fmt: skip
 
 
 def _print_profiler(rep: dict, info: dict) -> None:
@@ -584,18 +676,25 @@ PRINTERS = {"attention": _print_attention, "stage": _print_stage, "profiler": _p
             "host": _print_host}  # fmt: skip
 
 
-def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: dict) -> dict:
-    """Runs `parts` and returns the report (device info `info`, size, one entry per part)."""
+def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: dict,
+        remats=("none",), save=lambda report: None) -> dict:  # fmt: skip
+    """Runs `parts` and returns the report (device info `info`, size, one entry per part); `save`
+    is called with the report after each part and each stage program (a killed run keeps those)."""
     size_name = size_name or ("real" if info["gpu"] else "small")
     size = SIZES[size_name]
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": info, "size": size_name, "banner": None if info["gpu"] else CPU_BANNER}
+
+    def stage_progress(rows):
+        report["stage"] = {"partial": True, "arch": size.arch, "stages": rows}
+        save(report)
+
     for part in parts:
         try:
             if part == "attention":
                 report[part] = attention_part(size, info, warmup, runs)
             elif part == "stage":
-                report[part] = stage_part(size, info, warmup, runs)
+                report[part] = stage_part(size, info, warmup, runs, remats, stage_progress)
             elif part == "profiler":
                 report[part] = profiler_part(size, info, out)
             else:
@@ -604,7 +703,26 @@ def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: d
             report[part] = {
                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             }
+        save(report)
     return report
+
+
+def _write_json(report: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1))
+
+
+def _remats(text: str) -> tuple[str, ...]:
+    from models.decoder_config import REMAT_MODES
+
+    remats = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in remats if r not in REMAT_MODES]
+    if bad or not remats:
+        raise argparse.ArgumentTypeError(
+            f"unknown remat {bad or text!r}; use {','.join(REMAT_MODES)}"
+        )
+    return remats
 
 
 def _parts(text: str) -> list[str]:
@@ -625,6 +743,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json-out", default=None, help="write the report as JSON to this path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs per timed program")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per program (median)")
+    ap.add_argument("--remat", type=_remats, default=None,
+                    help="comma list of LLM remat policies for the stage part (default: every "
+                    "policy on a GPU, none on CPU)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.warmup < 0 or args.runs < 1:
         print("error: --warmup must be >= 0 and --runs >= 1", file=sys.stderr)
@@ -632,15 +753,17 @@ def main(argv: list[str]) -> int:
     simulate_cpu_devices(8)  # before jax starts its backend (CPU only; harmless on GPU hosts)
     info = device_info()
     print(f"GPU: {info['gpu_name']}" if info["gpu"] else CPU_BANNER)
-    report = run(args.parts, args.size, Path(args.out), args.warmup, args.runs, info)
+    from models.decoder_config import REMAT_MODES
+
+    remats = args.remat or (REMAT_MODES if info["gpu"] else ("none",))
+    save = lambda report: _write_json(report, args.json_out)  # noqa: E731
+    report = run(args.parts, args.size, Path(args.out), args.warmup, args.runs, info, remats, save)
     for part in args.parts:
         if "error" in report[part]:
             print(f"\n## {part}: failed: {report[part]['error']}" + _label(info))
         else:
             PRINTERS[part](report[part], report["device"])
     if args.json_out:
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {path}")
+        _write_json(report, args.json_out)
+        print(f"\nwrote {args.json_out}")
     return 1 if any("error" in report[p] for p in args.parts) else 0

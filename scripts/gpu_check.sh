@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The project's one GPU run: every figure only a GPU can give, under one deadline, into at most 8 small
+# files under $OUT (only those come back from the GPU machine). From the repository root:
+#
+#   source .gpu/device_env.sh && bash scripts/gpu_check.sh      # on the GPU machine (env.log: device_env)
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh   (or --dry)       # on CPU, one device: tiny sizes (CI)
+#
+# Steps, most valuable first; each has its own timeout, cut to what is left of the deadline, and a step
+# whose minimum no longer fits is skipped and says so. A failing step records its rc and output tail and
+# the next one runs. Files under $OUT:
+#   summary.json    per step: status (ok / failed / timeout / skipped), rc, seconds; preflight; demo figures
+#   check.log       per step: the command, rc, seconds and the last lines of its output
+#   pytest_gpu.log  the gpu-marked tests;  demo.log / demo.json  the demo's console and its metrics
+#   bench.log / bench.json  `bench gpu` (one process per part) and `bench fused`: tables and figures
+# Environment: PY (python, default python3), OUT (default /tmp/gpu_out), GPU_CHECK_DEADLINE (seconds,
+# default 480; 400 dry), GPU_CHECK_WORK (big files: run dirs, full logs; default a fresh temp folder).
+set -uo pipefail
+
+DRY=${GPU_CHECK_DRY:-0}
+[[ "${1:-}" == "--dry" ]] && DRY=1
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/gpu_out}
+WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+export GPU_CHECK_DRY=$DRY GPU_CHECK_WORK=$WORK PY OUT
+if [[ "$DRY" == 1 ]]; then
+  DEADLINE=${GPU_CHECK_DEADLINE:-400}
+  # JAX on CPU with one device, as the GPU machine has one GPU (the parts then take its paths); a
+  # count already in XLA_FLAGS (a test process's 8) is replaced.
+  flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<<"${XLA_FLAGS:-}")
+  export JAX_PLATFORMS=cpu XLA_FLAGS="$flags --xla_force_host_platform_device_count=1"
+else
+  DEADLINE=${GPU_CHECK_DEADLINE:-480}
+fi
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT" "$WORK"
+END=$((SECONDS + DEADLINE))
+LOG=$OUT/check.log
+RESULTS=$WORK/steps.jsonl
+MAX_BYTES=200000 # each file under $OUT is cut to its last this many bytes
+
+# step NAME MIN_S MAX_S CMD...: runs CMD (output -> $WORK/NAME.out) under min(MAX_S, time left);
+# skipped when less than MIN_S is left. Records one line of $RESULTS and a block of check.log.
+step() {
+  local name=$1 min=$2 max=$3 left status rc t0 secs limit
+  shift 3
+  left=$((END - SECONDS))
+  if ((left < min)); then
+    echo "== $name: skipped: needs >= ${min}s, ${left}s of the deadline left" >>"$LOG"
+    echo "{\"step\": \"$name\", \"status\": \"skipped\", \"reason\": \"deadline: needs >= ${min}s, ${left}s left\"}" >>"$RESULTS"
+    return 0
+  fi
+  [[ "$DRY" == 1 ]] && max=$left # dry: the deadline alone (a loaded CPU is no measure of a GPU)
+  limit=$((left < max ? left : max))
+  echo "== $name (timeout ${limit}s): $*" >>"$LOG"
+  t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$WORK/$name.out" 2>&1
+  rc=$?
+  secs=$((SECONDS - t0))
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+  esac
+  tail -n 40 "$WORK/$name.out" | cut -c1-400 >>"$LOG"
+  echo "-- $name: $status rc=$rc ${secs}s" >>"$LOG"
+  echo "{\"step\": \"$name\", \"status\": \"$status\", \"rc\": $rc, \"seconds\": $secs, \"timeout_s\": $limit}" >>"$RESULTS"
+}
+
+# Copies a work file into $OUT, keeping its last MAX_BYTES.
+keep() { [[ -s "$1" ]] && tail -c "$MAX_BYTES" "$1" >"$OUT/$2"; }
+
+# The summary is rewritten after every step, so a run cut short still brings back what it measured.
+summarize() { $PY scripts/gpu_check.py summary --work "$WORK" --out "$OUT" --dry "$DRY" >>"$LOG" 2>&1; }
+
+if [[ "$DRY" == 1 ]]; then
+  MATMUL=256 PYTEST_T=120 DEMO_T=300 BENCH_SIZE=smoke BENCH_RUNS="--warmup 0 --runs 1"
+  FUSED_ARGS="--rounds 1 --runs 1"
+  DEMO_ARGS=(steps=3 "profile.encoder_buckets=[1]" "profile.llm_buckets=[256]" data.max_tokens=256
+    data.max_grid=1 data.max_frames=2 data.synth_samples=64 profile.warmup=0 profile.runs=1
+    planner.samples=1 planner.screen_top=2 planner.top_n=1 "planner.microbatches=[2]")
+else
+  MATMUL=8192 PYTEST_T=150 DEMO_T=240 BENCH_SIZE=real BENCH_RUNS="--warmup 2 --runs 5"
+  FUSED_ARGS="--rounds 3 --runs 5"
+  DEMO_ARGS=(steps=24)
+fi
+# The demo on one device: one encoder + LLM stage, colocated (what exists today); the bare demo is
+# tried when these keys are refused (exit 2, a config error), for a config where they changed.
+ONE_DEVICE=("planner.encoder_pp=[1]" "planner.llm_pp=[1]" "planner.tp=[1]" "profile.tps=[1]"
+  planner.colocate=true num_cpu_devices=1)
+DEMO_COMMON=("run_dir=$WORK/demo" "data.synth_dir=$WORK/synth_demo" checkpoint.every=0
+  "compilation_cache=$WORK/jax_cache" "${DEMO_ARGS[@]}")
+
+demo() { # MFU against the preflight's peak (the GPU's preset); 0 = the detected device's preset
+  local peak
+  peak=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['peak']['peak_flops'])" \
+    "$WORK/preflight.json" 2>/dev/null) || peak=0
+  DEMO_COMMON+=("device.peak_flops=$peak")
+  $PY -m dflop_jax.train "${DEMO_COMMON[@]}" "${ONE_DEVICE[@]}"
+  local rc=$?
+  if ((rc == 2)); then
+    echo "gpu_check: the one-device overrides were refused (rc 2); the demo as configured:"
+    $PY -m dflop_jax.train "${DEMO_COMMON[@]}"
+    rc=$?
+  fi
+  return $rc
+}
+
+bench_part() { # one `bench gpu` part per process: a part that times out loses only itself
+  $PY -m dflop_jax.bench gpu --parts "$1" --size $BENCH_SIZE $BENCH_RUNS --out "$WORK/bench_runs" \
+    --json-out "$WORK/bench_gpu_$1.json"
+}
+
+# `timeout` runs programs, not shell functions: a step that is a function below re-invokes this script.
+if [[ "${1:-}" == __call ]]; then
+  shift
+  "$@"
+  exit $?
+fi
+: >"$RESULTS"
+echo "gpu_check: dry=$DRY deadline=${DEADLINE}s work=$WORK python=$PY $(date -u +%FT%TZ)" >"$LOG"
+
+step preflight 30 90 $PY scripts/gpu_check.py preflight --out "$WORK/preflight.json" --matmul $MATMUL
+summarize
+# Only the files holding gpu-marked tests: collecting the whole suite costs more than it checks.
+GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+step pytest_gpu 30 $PYTEST_T $PY -m pytest -q -p no:cacheprovider -p no:xdist -m gpu -rA $GPU_TESTS
+keep "$WORK/pytest_gpu.out" pytest_gpu.log
+summarize
+step demo 60 $DEMO_T bash "$0" __call demo
+grep -v "skipping sample" "$WORK/demo.out" >"$WORK/demo.clean" 2>/dev/null
+keep "$WORK/demo.clean" demo.log
+summarize
+# The LLM stage's MFU first (the goal later work is held to); the profiler part repeats the demo's
+# plan: auto with stage times measured every step (per stage and bucket, raw and corrected).
+for part_s in stage:180 attention:150 host:90 profiler:150; do
+  step "bench_${part_s%%:*}" 45 "${part_s##*:}" bash "$0" __call bench_part "${part_s%%:*}"
+  summarize
+done
+step bench_fused 30 90 $PY -m dflop_jax.bench fused $FUSED_ARGS --json "$WORK/bench_fused.json"
+cat "$WORK"/bench_*.out >"$WORK/bench.all" 2>/dev/null
+keep "$WORK/bench.all" bench.log
+summarize
+echo "gpu_check: done in $((SECONDS - END + DEADLINE))s; files: $(ls "$OUT" | tr '\n' ' ')" >>"$LOG"
+tail -c "$MAX_BYTES" "$LOG" >"$LOG.tmp" && mv "$LOG.tmp" "$LOG"
+tail -n 3 "$LOG"
