@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.contracts.pipeline_order import stage_order
 from dflop_jax.data.types import PackedMicrobatch
 from dflop_jax.runtime.stages import Held, PyTree, StageProgram, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
@@ -61,22 +62,12 @@ class Op:
 def stage_ops(
     stage: int, num_stages: int, num_mb: int, order: Order, backward: bool = True
 ) -> list[Op]:
-    """The op sequence one stage executes. The last stage's forward is fused with its backward; a
+    """The op sequence one stage executes (`contracts.pipeline_order.stage_order`, the simulator's too).
+    The last stage's forward is fused with its backward; a
     stage without `backward` (frozen, forward only) executes forwards only."""
     if stage == num_stages - 1 or not backward:
         return [Op(stage, m, "F") for m in range(num_mb)]
-    if order == "gpipe":
-        return [Op(stage, m, "F") for m in range(num_mb)] + [
-            Op(stage, m, "B") for m in range(num_mb)
-        ]
-    if order != "1f1b":
-        raise ValueError(f"pipeline order {order!r}: choose '1f1b' or 'gpipe'")
-    warmup = min(num_stages - 1 - stage, num_mb)
-    ops = [Op(stage, m, "F") for m in range(warmup)]
-    for i in range(num_mb - warmup):
-        ops += [Op(stage, warmup + i, "F"), Op(stage, i, "B")]
-    ops += [Op(stage, m, "B") for m in range(num_mb - warmup, num_mb)]
-    return ops
+    return [Op(stage, m, kind) for kind, m in stage_order(order, stage, num_stages, num_mb)]
 
 
 def pipeline_order(num_stages: int, num_mb: int, order: Order, forward_only: int = 0) -> list[Op]:

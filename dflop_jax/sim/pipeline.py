@@ -46,6 +46,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from dflop_jax.contracts.pipeline_order import stage_order
+
 ScheduleKind = Literal["1f1b", "gpipe", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
 
@@ -142,23 +144,6 @@ class SimResult:
                 peak = max(peak, live)
             out.append(peak)
         return out
-
-
-def stage_order(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int
-) -> list[tuple[str, int]]:
-    """The (kind, microbatch) sequence one stage executes under 1F1B or GPipe (module docstring)."""
-    m = num_microbatches
-    if schedule == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    if schedule != "1f1b":
-        raise ValueError(f"schedule={schedule!r}: stage_order takes '1f1b' or 'gpipe'")
-    warmup = min(num_stages - stage - 1, m)
-    order = [("F", k) for k in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", k) for k in range(m - warmup, m)]
-    return order
 
 
 def device_order(

@@ -1,0 +1,32 @@
+"""The order a pipeline stage runs its microbatches in: one definition for the runtime and the simulator.
+
+`runtime/driver.py` dispatches the stage programs in this order and `sim/pipeline.py` simulates the
+same order, so the simulated step and the trained step agree by construction (DESIGN section 5).
+
+    stage_order("1f1b", stage=0, num_stages=3, num_microbatches=4)
+    -> [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+"""
+
+from __future__ import annotations
+
+SCHEDULES_BY_STAGE = ("1f1b", "gpipe")
+
+
+def stage_order(
+    schedule: str, stage: int, num_stages: int, num_microbatches: int
+) -> list[tuple[str, int]]:
+    """The (kind, microbatch) sequence stage `stage` of `num_stages` executes: "F" forward, "B"
+    backward. GPipe: every forward, then every backward. 1F1B: stage s warms up with
+    min(P - 1 - s, M) forwards (what bounds its in-flight microbatches), then alternates one forward
+    and one backward, then drains the remaining backwards."""
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"pipeline order {schedule!r}: choose one of {SCHEDULES_BY_STAGE}")
+    warmup = min(num_stages - stage - 1, m)
+    order = [("F", k) for k in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", k) for k in range(m - warmup, m)]
+    return order
