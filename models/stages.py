@@ -22,7 +22,7 @@ from models.mllm import ColocatedStage, EncoderStage, LLMStage
 MODULES = ("encoder", "llm")
 # The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
 # mm_mlp_adapter, mm_language_model).
-PARTS = ("vision", "projector", "llm")
+TRAINABLE_PARTS = ("vision", "projector", "llm")
 
 
 def param_part(path: tuple[str, ...]) -> str:

@@ -47,7 +47,7 @@ import numpy as np
 from dflop_jax.bench._accuracy import mape
 from dflop_jax.host_devices import simulate_cpu_devices
 
-PARTS = ("attention", "stage", "profiler", "host")
+BENCH_PARTS = ("attention", "stage", "profiler", "host")
 CPU_BANNER = "CPU: figures are not GPU figures"
 # Goals on one H100: LLM stage MFU, and the profiler's stage-time prediction error.
 GOAL_LLM_MFU, GOAL_RAW_MAPE, GOAL_CORRECTED_MAPE = 0.55, 0.10, 0.05
@@ -727,16 +727,20 @@ def _remats(text: str) -> tuple[str, ...]:
 
 def _parts(text: str) -> list[str]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
+    bad = [p for p in parts if p not in BENCH_PARTS]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {bad or text!r}; use {','.join(PARTS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown part(s) {bad or text!r}; use {','.join(BENCH_PARTS)}"
+        )
     return parts
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflop_jax.bench gpu",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument("--parts", type=_parts, default=list(PARTS), help=f"comma list of {PARTS}")
+    ap.add_argument(
+        "--parts", type=_parts, default=list(BENCH_PARTS), help=f"comma list of {BENCH_PARTS}"
+    )
     ap.add_argument("--size", choices=tuple(SIZES), default=None,
                     help="real (default on GPU), small (default on CPU), smoke (CI)")  # fmt: skip
     ap.add_argument("--out", default="runs/bench_gpu", help="folder for the runs' files")

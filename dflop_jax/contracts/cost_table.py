@@ -50,7 +50,7 @@ FUSED_KINDS = ("colocated_embedding",)
 ALL_KINDS = STAGE_KINDS + FUSED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
-ALL_PARTS = ("vision", "projector", "llm")  # a recipe's parts (`costs.recipe.PARTS`)
+TRAINABLE_PARTS = ("vision", "projector", "llm")  # what a training recipe trains or freezes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,20 +128,20 @@ class ProfiledCostTable:
     jax_version: str = ""
     flax_version: str = ""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    trainable: tuple[str, ...] = ALL_PARTS  # the recipe profiled (module docstring)
+    trainable: tuple[str, ...] = TRAINABLE_PARTS  # the recipe profiled (module docstring)
     entries: dict[tuple[str, int, int, int], CostEntry] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.trainable = tuple(self.trainable)
-        if not self.trainable or not set(self.trainable) <= set(ALL_PARTS):
+        if not self.trainable or not set(self.trainable) <= set(TRAINABLE_PARTS):
             raise ValueError(
-                f"cost table trainable={list(self.trainable)}: a subset of {ALL_PARTS}"
+                f"cost table trainable={list(self.trainable)}: a subset of {TRAINABLE_PARTS}"
             )
 
     @property
     def all_trained(self) -> bool:
         """Whether the table was profiled with every part trained (the default recipe)."""
-        return set(self.trainable) == set(ALL_PARTS)
+        return set(self.trainable) == set(TRAINABLE_PARTS)
 
     def add(self, entry: CostEntry) -> None:
         self.entries[entry.key] = entry

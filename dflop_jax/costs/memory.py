@@ -83,7 +83,7 @@ import dataclasses
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import LLMArch, MLLMArch, VisionArch
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.costs.recipe import PARTS, StageRole, stage_role
+from dflop_jax.costs.recipe import TRAINABLE_PARTS, StageRole, stage_role
 
 PARAM_BYTES = 4  # fp32 parameters = master copy
 GRAD_BYTES = 4  # fp32 accumulation across microbatches
@@ -358,7 +358,7 @@ def encoder_stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
-    trainable: tuple[str, ...] = PARTS,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
     attention_impl: str = "xla",
@@ -422,7 +422,7 @@ def llm_stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
-    trainable: tuple[str, ...] = PARTS,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
     attention_impl: str = "xla",
@@ -490,7 +490,7 @@ def stage_memory(
     remat: bool | str = False,
     compute_bytes: int = 2,
     flash_attention: bool = True,
-    trainable: tuple[str, ...] = PARTS,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
     dot_bytes: int | None = None,
     residuals: str = "recompute",
     attention_impl: str = "xla",

@@ -54,7 +54,7 @@ from dflop_jax.costs.memory import (
     stage_memory,
 )
 from dflop_jax.costs.recipe import (
-    PARTS,
+    TRAINABLE_PARTS,
     check_trainable,
     colocated_backward,
     recipe_backward,
@@ -99,7 +99,7 @@ class AnalyticCostProvider:
         remat: bool | Mapping[str, str] = False,
         compute_bytes: int = 2,
         flash_attention: bool = True,
-        trainable: tuple[str, ...] = PARTS,
+        trainable: tuple[str, ...] = TRAINABLE_PARTS,
         attention_impl: str = "xla",
     ):
         """`remat`: activation recomputation, True / False for both modules or a per-module policy
@@ -268,7 +268,7 @@ class AnalyticCostProvider:
 
 def trainable_suffix(trainable: tuple[str, ...]) -> str:
     """ "" for the full recipe, else "+train:projector,llm" (plans name the recipe they assume)."""
-    return "" if set(trainable) == set(PARTS) else "+train:" + ",".join(trainable)
+    return "" if set(trainable) == set(TRAINABLE_PARTS) else "+train:" + ",".join(trainable)
 
 
 def _remat_suffix(policy: Mapping[str, str]) -> str:

@@ -23,7 +23,8 @@ backward program recomputes the whole stage forward, so a frozen encoder adds it
 backward (no backward of its own: nothing trained in it, no dx into it), and a projector-only one its
 frozen layers' forward plus the projector's backward (`colocated_backward`).
 
-Parts mirror `models.stages.PARTS` (not imported: the cost layer imports no JAX).
+The parts are `contracts.cost_table.TRAINABLE_PARTS` (the models name the same ones in
+`models.stages.TRAINABLE_PARTS`; not imported: the cost layer imports no JAX).
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
 from dflop_jax.costs.layout import StageSpec
 
-PARTS: tuple[str, ...] = ("vision", "projector", "llm")
 DX_FRACTION = 2.0 / 3.0  # dx-only backward / trainable backward (recompute + dx, no weight grads)
 
 
 def check_trainable(trainable: Iterable[str], key: str = "trainable") -> tuple[str, ...]:
-    """`trainable` as a tuple, or ValueError (one line) unless a non-empty subset of PARTS."""
+    """`trainable` as a tuple, or ValueError (one line) unless a non-empty subset of TRAINABLE_PARTS."""
     chosen = tuple(trainable) if not isinstance(trainable, str) else (trainable,)
-    if not chosen or len(set(chosen)) != len(chosen) or not set(chosen) <= set(PARTS):
+    if not chosen or len(set(chosen)) != len(chosen) or not set(chosen) <= set(TRAINABLE_PARTS):
         raise ValueError(
-            f"{key}={list(chosen)}: give a non-empty subset of {list(PARTS)}, no repeats"
+            f"{key}={list(chosen)}: give a non-empty subset of {list(TRAINABLE_PARTS)}, no repeats"
         )
     return chosen
 
@@ -89,7 +90,7 @@ class StageRole:
         return self.trains == ("projector",) and "vision" in self.frozen and not self.input_grad
 
 
-ALL_TRAIN = StageRole(PARTS, (), True)
+ALL_TRAIN = StageRole(TRAINABLE_PARTS, (), True)
 
 
 def stage_role(stage: StageSpec, trainable: Iterable[str], multimodal: bool = True) -> StageRole:

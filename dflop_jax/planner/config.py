@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal
 
 from dflop_jax.config import require, require_seed
-from dflop_jax.costs.recipe import PARTS
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 
 
 def _positive_ints(values: tuple[int, ...], key: str) -> None:
@@ -100,7 +100,7 @@ class PlannerConfig:
     refine_solver: Literal["auto", "cpsat"] = "auto"
     refine_time_limit_s: float = 1.0
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    trainable: tuple[str, ...] = PARTS
+    trainable: tuple[str, ...] = TRAINABLE_PARTS
     seed: int = 0
     top_n: int = 5
     replan_every: int = 0
@@ -170,12 +170,14 @@ class PlannerConfig:
             "must be > 0 seconds",
         )
         chosen = self.trainable
-        ok = bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(PARTS)
+        ok = (
+            bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(TRAINABLE_PARTS)
+        )
         require(
             ok,
             "planner.trainable",
             list(chosen),
-            f"give a non-empty subset of {list(PARTS)}, no repeats",
+            f"give a non-empty subset of {list(TRAINABLE_PARTS)}, no repeats",
         )
         require(self.top_n >= 0, "planner.top_n", self.top_n, "must be >= 0")
         require_seed(self.seed, "planner.seed")

@@ -36,10 +36,10 @@ def read_samples_jsonl(path: str | Path) -> list[SampleShape]:
 
 def provider_for(plan: Plan):
     from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-    from dflop_jax.costs.recipe import PARTS
+    from dflop_jax.costs.recipe import TRAINABLE_PARTS
 
     # the plan's remat policy and training recipe (older plans: all trainable)
-    trainable = tuple(plan.planner_config.get("trainable", PARTS))
+    trainable = tuple(plan.planner_config.get("trainable", TRAINABLE_PARTS))
     return AnalyticCostProvider(get_arch(plan.model), get_device(plan.device), remat=plan.remat,
                                 trainable=trainable)  # fmt: skip
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.costs.recipe import PARTS
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.balance import balanced_layout, memory_balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate, enumerate_candidates, enumerate_uniform
@@ -207,7 +207,7 @@ def _with_recipe(provider, trainable: tuple[str, ...]):
     only the full recipe."""
     if hasattr(provider, "with_trainable"):
         return provider.with_trainable(trainable)
-    if set(trainable) != set(PARTS):
+    if set(trainable) != set(TRAINABLE_PARTS):
         raise PlanningError(f"planner.trainable={list(trainable)}: cost provider "
                             f"{provider.name} cannot model frozen parts")  # fmt: skip
     return provider

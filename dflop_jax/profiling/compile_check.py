@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
-from dflop_jax.costs.recipe import PARTS
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.programs import PartProgram, per_device_bytes, stage_program
@@ -89,7 +89,7 @@ def check_plan(
       one `StageCheck` per stage in layout order.
     """
     counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
-    trainable = tuple(plan.planner_config.get("trainable", PARTS))
+    trainable = tuple(plan.planner_config.get("trainable", TRAINABLE_PARTS))
     return check_layout(plan.layout, plan.buckets, counts, plan.stage_memory_bytes, model_cfg,
                         devices, compute_dtype, trainable)  # fmt: skip
 
@@ -102,7 +102,7 @@ def check_layout(
     model_cfg,
     devices: Sequence[jax.Device] | None = None,
     compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[StageCheck]:
     """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
     and predicted bytes (a warning names the stages more than `DISAGREE` apart), under the recipe
@@ -127,7 +127,7 @@ def stage_programs(
     model_cfg,
     meshes: Sequence[jax.sharding.Mesh],
     compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[tuple[str, PartProgram]]:
     """(part, programs) of each stage of `layout` on its mesh, at the largest of `buckets`, as the
     runtime builds them (the fused colocated stage as one "encoder+llm" program). Nothing is
@@ -157,7 +157,7 @@ def lower_stage_programs(
     meshes: Sequence[jax.sharding.Mesh],
     platform: str,
     compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[dict[str, jax.stages.Lowered]]:
     """Lowers (does not compile) every stage program of `layout` for `platform` ("cuda", "rocm",
     "cpu"), whatever backend this host has: per stage {"forward": ..., "backward" or "last": ...}

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflop_jax.costs.recipe import PARTS, check_trainable
+from dflop_jax.costs.recipe import TRAINABLE_PARTS, check_trainable
 from dflop_jax.profiling.programs import build_fused, build_part, per_device_bytes
 from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
@@ -83,7 +83,7 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
     return [t for t in sorted(set(tps)) if t <= num_devices and all(h % t == 0 for h in heads)]
 
 
-def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=PARTS) -> str:
+def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=TRAINABLE_PARTS) -> str:
     """What makes measured entries comparable: the model, dtype, device kind/count, jax version and
     the recipe (only when it freezes a part: all-trainable hashes are those of tables written before
     recipes). The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger
@@ -95,7 +95,7 @@ def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=PARTS) -
         "device_count": len(devices),
         "jax": jax.__version__,
     }
-    if set(trainable) != set(PARTS):
+    if set(trainable) != set(TRAINABLE_PARTS):
         what["trainable"] = list(trainable)
     return config_hash(what)
 
@@ -182,7 +182,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
 
 
 def profile_entry(
-    model_cfg, kind, tp, bucket, layers, devices, settings, seed=0, trainable=PARTS
+    model_cfg, kind, tp, bucket, layers, devices, settings, seed=0, trainable=TRAINABLE_PARTS
 ) -> CostEntry:
     """Compiles, analyses and times one table part under `trainable`; over-memory entries come back
     skipped. A fused kind's row is the smallest LLM bucket (its llm_embedding entry is then measured,
@@ -233,7 +233,7 @@ def profile_model(
     model_name: str = "",
     progress: ProgressFn | None = None,
     plot: bool = True,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> ProfiledCostTable:
     """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
 

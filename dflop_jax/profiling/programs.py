@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.costs.recipe import PARTS, stage_role
+from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal, stage_config
@@ -179,7 +179,7 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, fused: bool):
 
 def build_part(
     model_cfg, kind: str, tp: int, bucket: int, layers: int, devices, compute_dtype,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> PartProgram:  # fmt: skip
     """The profiling programs of one table part under `trainable` (see the module docstring).
     Nothing is compiled."""
@@ -189,7 +189,7 @@ def build_part(
 
 def build_fused(
     model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> PartProgram:  # fmt: skip
     """The fused colocated stage's programs with no LLM layer (table kind colocated_embedding: the
     whole encoder + the LLM's embedding and feature placement, `ColocatedStage`) on a (1, tp) mesh
@@ -202,7 +202,7 @@ def build_fused(
 
 def build_program(
     model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> PartProgram:  # fmt: skip
     """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket` under
     `trainable`, with inputs. Nothing is compiled."""
@@ -219,7 +219,7 @@ def stage_program(
     feature_tiles=None,
     *,
     tile_bucket: int | None = None,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: str = "recompute",
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data

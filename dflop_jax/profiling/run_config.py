@@ -7,7 +7,7 @@ import dataclasses
 
 from dflop_jax.config import require
 from dflop_jax.contracts.profile_settings import ProfileSettings
-from dflop_jax.costs.recipe import PARTS
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.profiling.pipeline import AutoPlanConfig
 
 
@@ -29,14 +29,19 @@ class ModelProfileConfig:
     num_cpu_devices: int = 8
     profile: ProfileSettings = ProfileSettings()
     out: str = "runs/profile/cost_table.json"
-    trainable: tuple[str, ...] = PARTS
+    trainable: tuple[str, ...] = TRAINABLE_PARTS
 
     def __post_init__(self):
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
         chosen = self.trainable
-        ok = bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(PARTS)
+        ok = (
+            bool(chosen) and len(set(chosen)) == len(chosen) and set(chosen) <= set(TRAINABLE_PARTS)
+        )
         require(
-            ok, "trainable", list(chosen), f"give a non-empty subset of {list(PARTS)}, no repeats"
+            ok,
+            "trainable",
+            list(chosen),
+            f"give a non-empty subset of {list(TRAINABLE_PARTS)}, no repeats",
         )
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
-from dflop_jax.costs.recipe import PARTS
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.profiling.programs import PartProgram, stage_program
 from dflop_jax.runtime.stages import signature
 
@@ -67,7 +67,7 @@ def stage_flops(
     residuals: Sequence[str],
     devices: Sequence[jax.Device] | None = None,
     compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[dict]:
     """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
     (module docstring)."""

@@ -52,7 +52,7 @@ def key_name(k) -> str:
 
 
 # Top-level keys of a stage that holds the colocated encoder (`models.mllm.ColocatedStage`).
-PARTS = ("encoder", "llm")
+COLOCATED_MODULES = ("encoder", "llm")
 
 
 def global_path(path, spec: StageSpec) -> tuple[str, ...]:
@@ -68,24 +68,26 @@ def _offset_layers(names: list[str], first_layer: int) -> tuple[str, ...]:
 
 
 def holds_encoder(params: PyTree) -> bool:
-    """Whether a stage's params are a colocated stage's (`PARTS` at the top)."""
+    """Whether a stage's params are a colocated stage's (`COLOCATED_MODULES` at the top)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return bool(flat) and all(key_name(path[0]) in PARTS for path, _ in flat)
+    return bool(flat) and all(key_name(path[0]) in COLOCATED_MODULES for path, _ in flat)
 
 
 def model_paths(path, spec: StageSpec, fused: bool = False) -> list[tuple[str, ...]]:
     """A stage leaf's paths (module, *names) in the model-level tree, the stage's own first.
 
-    fused: the stage holds the colocated encoder; a leaf under a `PARTS` key (wherever it sits,
+    fused: the stage holds the colocated encoder; a leaf under a `COLOCATED_MODULES` key (wherever it sits,
     e.g. inside an optimizer's moment tree) goes to that module without the key, the encoder's
     layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
     """
     names = [key_name(k) for k in path]
     if not fused:
         return [(spec.module, *_offset_layers(names, spec.first_layer))]
-    part = next((i for i, n in enumerate(names) if n in PARTS), None)
+    part = next((i for i, n in enumerate(names) if n in COLOCATED_MODULES), None)
     if part is None:
-        return [(m, *names) for m in (spec.module, *(m for m in PARTS if m != spec.module))]
+        return [
+            (m, *names) for m in (spec.module, *(m for m in COLOCATED_MODULES if m != spec.module))
+        ]
     module = names.pop(part)
     first = spec.first_layer if module == spec.module else 0
     return [(module, *_offset_layers(names, first))]

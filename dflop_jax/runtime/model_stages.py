@@ -53,7 +53,7 @@ from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.runtime.stages import StageFns, StageProgram, check_residual_policy
 from dflop_jax.runtime.train_state import trained_mask
-from models.stages import PARTS
+from models.stages import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
 # Where a run's params come from: an int seed (keyed random init) or an HF model directory.
@@ -306,7 +306,7 @@ def build_stages(
     source: ParamSource,
     *,
     compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: Sequence[str] | None = None,
 ) -> list[StageProgram]:
     """One StageProgram per stage of `layout` (encoder stages, then LLM stages), each stage's params

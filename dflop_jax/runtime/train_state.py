@@ -77,7 +77,7 @@ from dflop_jax.runtime.zero1 import (
     zero1_layout,
     zero1_sharding,  # noqa: F401  (re-exported: callers import it from here)
 )
-from models.stages import PARTS, param_part
+from models.stages import TRAINABLE_PARTS, param_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,21 +110,21 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     zero1: bool = True
-    trainable: tuple[str, ...] = PARTS
+    trainable: tuple[str, ...] = TRAINABLE_PARTS
     lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
     weight_decay_scale: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        parts, chosen = set(PARTS), self.trainable
+        parts, chosen = set(TRAINABLE_PARTS), self.trainable
         ok = 0 < len(chosen) == len(set(chosen)) and set(chosen) <= parts
-        fix = f"give a non-empty subset of {list(PARTS)}, no repeats"
+        fix = f"give a non-empty subset of {list(TRAINABLE_PARTS)}, no repeats"
         require(ok, "optimizer.trainable", list(chosen), fix)
         ok = set(self.lr_scale) <= parts and all(v > 0 for v in self.lr_scale.values())
-        fix = f"keys from {list(PARTS)}, values > 0"
+        fix = f"keys from {list(TRAINABLE_PARTS)}, values > 0"
         require(ok, "optimizer.lr_scale", self.lr_scale, fix)
         wd = self.weight_decay_scale
         ok = set(wd) <= parts and all(v >= 0 for v in wd.values())
-        fix = f"keys from {list(PARTS)}, values >= 0"
+        fix = f"keys from {list(TRAINABLE_PARTS)}, values >= 0"
         require(ok, "optimizer.weight_decay_scale", wd, fix)
         require(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
         require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
@@ -167,9 +167,16 @@ class OptimizerConfig:
         """The per-stage transformation (clipping is applied before it, across stages): AdamW, or with
         a recipe (frozen parts, per-part scales) one AdamW per trained part and `set_to_zero` for the
         frozen ones (`optax.multi_transform`: a frozen leaf holds no optimizer state)."""
-        if set(self.trainable) == set(PARTS) and not self.lr_scale and not self.weight_decay_scale:
+        if (
+            set(self.trainable) == set(TRAINABLE_PARTS)
+            and not self.lr_scale
+            and not self.weight_decay_scale
+        ):
             return self._adamw("llm")  # the plain AdamW state tree (checkpoints of such runs)
-        parts = {p: self._adamw(p) if p in self.trainable else optax.set_to_zero() for p in PARTS}
+        parts = {
+            p: self._adamw(p) if p in self.trainable else optax.set_to_zero()
+            for p in TRAINABLE_PARTS
+        }
         return optax.multi_transform(parts, param_labels)
 
 
