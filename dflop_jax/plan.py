@@ -33,14 +33,17 @@ from dflop_jax.planner import (
     save_plan,
 )
 from dflop_jax.planner.progress import progress_bar
-from dflop_jax.planner.run_config import PlanRunConfig, load_shapes
+from dflop_jax.planner.run_config import PlanRunConfig, load_shapes, plan_inputs
 from dflop_jax.planner.space import fit_search_space
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
     """Plans per `cfg` and writes plan.yaml and the resolved config; returns the plan. With `check`
     the stage programs are compiled too (JAX must see `cfg.num_devices` devices)."""
     from dflop_jax.costs import AnalyticCostProvider, get_arch
+    from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.runtime.device import run_device
 
     if check and cfg.planner.colocate_own_tp:
@@ -53,11 +56,16 @@ def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
         )
     arch, device = get_arch(cfg.model), run_device(cfg.device)
     provider = AnalyticCostProvider(arch, device, remat=cfg.remat)
+    if cfg.cost_table:
+        provider = MeasuredCostProvider(cfg.cost_table, arch, device, fallback=provider)
+    else:
+        log.info("no cost_table given: the analytic cost model prices the stages")
     planner = cfg.planner
     if cfg.mode == "dflop":
         planner = fit_search_space(arch, cfg.num_devices, device, planner)
     shapes = load_shapes(cfg.data)
     plan = make_plan(arch, device, cfg.num_devices, shapes, planner, provider, progress, cfg.mode)
+    plan = dataclasses.replace(plan, inputs=plan_inputs(cfg))
     dump_yaml(cfg, cfg.out.with_name(cfg.out.stem + ".config.yaml"))
     save_plan(plan, cfg.out)
     if check:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflop_jax.contracts import SampleShape
+from dflop_jax.contracts.files import file_hash
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key
-from dflop_jax.data.sources import file_hash
 
 
 def compute_shape(processor: Processor, record: dict) -> SampleShape | BadSample:

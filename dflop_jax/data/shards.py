@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflop_jax.config import ConfigError
-from dflop_jax.data.sources import file_hash
+from dflop_jax.contracts.files import file_hash
 
 ROW_GROUPS_HELD = 4  # decoded parquet row groups kept per reader (HF image shards: ~100 rows each)
 SHARD_SUFFIXES = (".parquet", ".tar")

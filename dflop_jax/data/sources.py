@@ -15,7 +15,6 @@ A line that is not valid JSON becomes `{"_error": "invalid_json", ...}` so the p
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,15 +73,6 @@ def _error_record(location: str, path: Path, detail: str, strict: bool) -> dict:
     if strict:
         raise BadSample("invalid_json", location, detail)
     return {"_location": location, "_file": str(path), "_error": "invalid_json", "_detail": detail}
-
-
-def file_hash(path: str | Path, chunk: int = 1 << 20) -> str:
-    """sha256 of the file's bytes (hex): the key of caches derived from a dataset file."""
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def with_roots(records: list[dict], image_root: str | Path, video_root: str | Path) -> list[dict]:

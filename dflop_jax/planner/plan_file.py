@@ -91,6 +91,8 @@ class Plan:
       search: counts of the search (enumerated, over memory, screened, scored) and its wall time.
       planner_config: the PlannerConfig as a dict.
       checks: per stage, what compiling it found (empty unless `plan --check` ran).
+      inputs: what the plan was made from: per input ("shapes", "cost_table") its file's path and
+        sha256, or the built-in source's name; {} where the caller records none.
     """
 
     model: str
@@ -114,6 +116,7 @@ class Plan:
     search: dict = dataclasses.field(default_factory=dict)
     planner_config: dict = dataclasses.field(default_factory=dict)
     checks: tuple[StageCheck, ...] = ()
+    inputs: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if len(self.stage_memory_bytes) != self.layout.num_stages:
@@ -191,6 +194,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "usable_gib": round(plan.memory_capacity_bytes / _GIB, 2),
             "peak_stage_gib": round(max(plan.stage_memory_bytes) / _GIB, 2),
         },
+        **({"inputs": plan.inputs} if plan.inputs else {}),
         "layout": stages,
         "buckets": {"tiles": list(plan.buckets.tiles), "lengths": list(plan.buckets.lengths)},
         "alternatives": [
@@ -336,4 +340,5 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         search=dict(d["search"]),
         planner_config=dict(d["planner_config"]),
         checks=tuple(_check_from_dict(i, s) for i, s in enumerate(d["layout"]) if "compiled" in s),
+        inputs=dict(d.get("inputs") or {}),
     )

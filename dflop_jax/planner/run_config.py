@@ -66,6 +66,8 @@ class PlanRunConfig:
       remat: the cost provider assumes full activation recomputation (less memory, more time).
       mode: "dflop" (data-aware) or "uniform" (the data-blind baseline layout).
       data: the shape distribution.
+      cost_table: a measured cost table (`cost_table.json` of `python -m dflop_jax.profile model`) the
+        planner prices stages with, the analytic model filling what it lacks; "" = the analytic model.
       planner: search space and scoring.
       out: where plan.yaml goes (the resolved config is written beside it as plan.config.yaml).
     """
@@ -76,6 +78,7 @@ class PlanRunConfig:
     remat: bool = False
     mode: Literal["dflop", "uniform"] = "dflop"
     data: ShapeSourceConfig = dataclasses.field(default_factory=ShapeSourceConfig)
+    cost_table: str = ""
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
     out: Path = Path("plan.yaml")
 
@@ -91,6 +94,25 @@ class PlanRunConfig:
         require(self.num_devices >= 1, "num_devices", self.num_devices, "need at least 1 device")
         require(self.out.suffix in (".yaml", ".yml"), "out", str(self.out),
                 "give the plan.yaml path to write")  # fmt: skip
+
+    def inputs(self) -> list[InputPath]:
+        if not self.cost_table:
+            return []
+        fix = "give a cost_table.json (python -m dflop_jax.profile model) or '' for analytic costs"
+        return [InputPath("cost_table", self.cost_table, "file", fix)]
+
+
+def plan_inputs(cfg: PlanRunConfig) -> dict:
+    """What a plan made from `cfg` was made from (`Plan.inputs`): files by path and content hash."""
+    from dflop_jax.contracts.files import file_hash
+
+    def source(path: str) -> dict:
+        return {"path": str(Path(path).resolve()), "sha256": file_hash(path)}
+
+    shapes = cfg.data.source
+    out = {"shapes": shapes if shapes in SYNTHETIC_DATA else source(shapes)}
+    out["cost_table"] = source(cfg.cost_table) if cfg.cost_table else "analytic"
+    return out
 
 
 def load_shapes(data: ShapeSourceConfig):
