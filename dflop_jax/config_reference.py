@@ -19,11 +19,13 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-HEADER = """# Run config reference
+HEADER = """# Config reference
 
 Generated from the config dataclasses by `python -m dflop_jax.config_reference out=docs/config.md`
-(do not edit by hand; a test checks it is current). Every command reads the sections it needs from one
-YAML file (`--config FILE`) and `key.sub=value` overrides; a key that is not listed here is an error.
+(do not edit by hand; a test checks it is current). Each command reads its root config from one YAML
+file (`--config FILE`) and `key.sub=value` overrides; a key that is not listed under it is an error. A
+training run's config (`train`) holds the model, data, device, profile, planner, scheduler, optimizer
+and training sections; `plan` and `profile` read configs of their own (below).
 Types: `a | b` is one of the listed values; `list of T` is a YAML list (on the command line `[1,2]`).
 """
 
@@ -135,27 +137,50 @@ def _sections(cls: type, prefix: str) -> list[tuple[str, type, list[tuple[str, s
     return out
 
 
-def render(root: type) -> str:
-    """The whole reference for the root config `root`, as Markdown."""
+def render(roots: list[tuple[str, type]]) -> str:
+    """The whole reference, one part per command and its root config, as Markdown."""
     parts = [HEADER]
-    for key, cls, rows in _sections(root, ""):
-        title = f"`{key}`" if key else "Top level"
-        summary = (inspect.getdoc(cls) or "").split("\n\n", 1)[0].replace("\n", " ")
-        parts.append(f"## {title}\n\n{summary} (`{cls.__module__}.{cls.__qualname__}`)\n")
-        if rows:
-            parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-            for name, tp, default, meaning in rows:
-                cell = " ".join(meaning.split()).replace("|", "\\|")
-                parts.append(f"| `{name}` | {tp} | {default} | {cell} |")
-            parts.append("")
+    for command, root in roots:
+        parts.append(f"# `{command}`\n")
+        for key, cls, rows in _sections(root, ""):
+            title = f"`{key}`" if key else "Top level"
+            summary = (inspect.getdoc(cls) or "").split("\n\n", 1)[0].replace("\n", " ")
+            parts.append(
+                f"## {command}: {title}\n\n{summary} (`{cls.__module__}.{cls.__qualname__}`)\n"
+            )
+            if rows:
+                parts.append("| key | type | default | meaning |\n|---|---|---|---|")
+                for name, tp, default, meaning in rows:
+                    cell = " ".join(meaning.split()).replace("|", "\\|")
+                    parts.append(f"| `{name}` | {tp} | {default} | {cell} |")
+                parts.append("")
     return "\n".join(parts).rstrip() + "\n"
 
 
-def root_config() -> type:
-    """The run config every command reads."""
+def root_configs() -> list[tuple[str, type]]:
+    """Every command's root config, the training run's first."""
+    from dflop_jax.costs.__main__ import CostsConfig
+    from dflop_jax.data.profile import DataProfileConfig
+    from dflop_jax.data.synth import SynthConfig
+    from dflop_jax.export import ExportConfig
+    from dflop_jax.planner.run_config import PlanRunConfig
+    from dflop_jax.profiling.run_config import AutoPlanRunConfig, ModelProfileConfig
     from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.schedule import ScheduleConfig
+    from dflop_jax.simulate import SimulateConfig
 
-    return TrainConfig
+    return [
+        ("train", TrainConfig),
+        ("plan", PlanRunConfig),
+        ("profile data", DataProfileConfig),
+        ("profile model", ModelProfileConfig),
+        ("profile auto", AutoPlanRunConfig),
+        ("export", ExportConfig),
+        ("schedule", ScheduleConfig),
+        ("simulate", SimulateConfig),
+        ("costs", CostsConfig),
+        ("data.synth", SynthConfig),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(outs) != len(args) or len(outs) > 1:
         print("usage: python -m dflop_jax.config_reference [out=docs/config.md]", file=sys.stderr)
         return 2
-    text = render(root_config())
+    text = render(root_configs())
     if outs:
         Path(outs[0]).write_text(text)
     else:

@@ -3,7 +3,7 @@
 import dataclasses
 from pathlib import Path
 
-from dflop_jax.config_reference import attribute_docs, render, root_config
+from dflop_jax.config_reference import attribute_docs, render, root_configs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -30,7 +30,7 @@ def test_attribute_docs_parse_google_style_entries():
 
 
 def test_config_reference_is_current():
-    expected = render(root_config())
+    expected = render(root_configs())
     assert DOC.read_text() == expected, (
         "docs/config.md is stale: python -m dflop_jax.config_reference out=docs/config.md"
     )
@@ -39,7 +39,7 @@ def test_config_reference_is_current():
 def test_every_key_has_a_meaning():
     undocumented = [
         line.split("|")[1].strip()
-        for line in render(root_config()).splitlines()
+        for line in render(root_configs()).splitlines()
         if line.startswith("| `") and line.rstrip().endswith("|  |")
     ]
     assert not undocumented, f"document these in their class's Attributes: {undocumented}"

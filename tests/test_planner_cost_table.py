@@ -57,4 +57,7 @@ def test_without_a_table_the_plan_says_analytic(tmp_path):
             "planner.global_batch=8", "planner.microbatches=[2,4]", "planner.samples=1",
             "planner.screen_top=2", f"out={tmp_path / 'plan.yaml'}"]  # fmt: skip
     plan_cli.run(load_config(PlanRunConfig, None, over))
-    assert load_plan(tmp_path / "plan.yaml").inputs == {"shapes": "llava-ov", "cost_table": "analytic"}
+    assert load_plan(tmp_path / "plan.yaml").inputs == {
+        "shapes": "llava-ov",
+        "cost_table": "analytic",
+    }

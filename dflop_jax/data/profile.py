@@ -40,7 +40,13 @@ RECORDS_PER_WORKER = 1000  # fewer records per worker than this: starting a proc
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSection:
-    """Attributes: num_samples (records drawn, seeded; all if fewer), seed, out (output folder)."""
+    """How the data profile samples the dataset.
+
+    Attributes:
+      num_samples: records drawn (seeded; all of them if the dataset has fewer).
+      seed: seed of the draw.
+      out: the output folder (shape distribution JSON, summary, histogram).
+    """
 
     num_samples: int = 10000
     seed: int = 0

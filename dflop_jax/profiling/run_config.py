@@ -49,8 +49,12 @@ class ModelProfileConfig:
 class AutoPlanRunConfig:
     """Root config of `profile auto` (data profile -> model profile -> plan, `profiling.pipeline`).
 
-    Attributes: arch (LLaVA-style name), cache_dir, data_config (YAML with a `data:` section, for
-    auto.data_source == "dataset"), num_cpu_devices (simulated on CPU), auto (the pipeline settings).
+    Attributes:
+      arch: architecture name (LLaVA-style, `dflop_jax.costs.list_archs()`).
+      cache_dir: where the data profile, cost table and plan are written and reused while fresh.
+      data_config: a YAML file with a `data:` section, read when auto.data_source is "dataset".
+      num_cpu_devices: simulated devices when running on CPU.
+      auto: the pipeline's settings.
     """
 
     arch: str = "tiny"
