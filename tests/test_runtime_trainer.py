@@ -178,3 +178,32 @@ def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, m
     )
     assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "D5", "R3,4", "R5"]
     assert len(report.losses) == 5 and all(np.isfinite(report.losses))
+
+
+def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch):
+    """An explicit layout with a length bucket that step 1 does not use (samples of at most 256
+    tokens, 4 per data shard): every stage and transfer program of every bucket compiles before
+    step 1, and 8 steps (stage times measured, microbatch counts varying) build no executable
+    after step 1; side inputs arrive on the devices from the loader's thread."""
+    from dflop_jax.runtime import trainer as trainer_mod
+
+    used, pipeline = [], trainer_mod.run_pipeline
+
+    def recorded(stages, microbatches, *args, placed=None, **kw):
+        assert all(isinstance(a, jax.Array) for p in placed for d in p for a in d.values())
+        used.append({mb.tokens.shape[1] for mb in microbatches})
+        return pipeline(stages, microbatches, *args, placed=placed, **kw)
+
+    monkeypatch.setattr(trainer_mod, "run_pipeline", recorded)
+    report = run(
+        _cfg(tmp_path, "aot", steps=8, **{"layout.lengths": "[256, 2048]"}), clock=_clock()
+    )
+    rows = [json.loads(r) for r in (tmp_path / "aot" / "metrics.jsonl").read_text().splitlines()]
+    assert used[0] != {256, 2048}  # step 1 leaves a bucket to the ahead-of-time compile
+    assert len(rows) == 8 and rows[0]["recompiles"] > 0  # the optimizer's programs
+    assert [r["recompiles"] for r in rows[1:]] == [0] * 7
+    assert report.summary["new_compiles_after_first_step"] == 0
+    for stage in report.stages:  # both buckets' programs were compiled ahead
+        lengths = {dict((k, shape) for k, shape, _ in sig[2])["segment_ids"][1]
+                   for sig in stage.signatures}  # fmt: skip
+        assert lengths == {256, 2048}
