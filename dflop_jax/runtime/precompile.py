@@ -1,7 +1,8 @@
 """Every program of the step, for every bucket of the plan, compiled before step 1.
 
-    counter = CompileCounter()                     # XLA executables built in this process
-    precompile(stages, bucket_microbatches(problem, data_cfg), console=console, evaluation=True)
+    counter = CompileCounter()               # XLA executables built in this process (all threads)
+    batches = bucket_microbatches(problem, data_cfg)    # one per (tile, length) bucket pair
+    precompile(stages, batches, console, evaluation=True, optimizers=opts)
 
 A bucket the scheduler first uses at step k would otherwise compile at step k, on the one dispatch
 thread, stalling every local stage (minutes at real sizes). So the trainer walks one all-padding
@@ -9,7 +10,9 @@ microbatch per (tile bucket, length bucket) pair through the pipeline from abstr
 driver walks a real one: each local stage lowers the programs that microbatch runs
 (`StageProgram.lower`: forward, backward or backward from residuals, fused last, the loss-token
 count, and evaluation's forward and loss when eval is on), and each stage-to-stage transfer
-(activations forward, cotangents back) lowers its transport (`transfer.lower_transfer`). Lowering runs
+(activations forward, cotangents back) lowers its transport (`transfer.lower_transfer`); the
+optimizers' per-step programs join them (`StageOptimizer.lower`: accumulator, reduction, norm,
+update; bucket-independent, but at real sizes as slow to compile as the stages'). Lowering runs
 on the calling thread (tracing holds the GIL); compiling runs in a thread pool (XLA compiles outside
 it) behind a progress bar. A compiled program lands in JAX's in-memory caches, so the step's own call
 of the same jit on arrays of the same shapes and shardings finds it, and in the persistent
@@ -110,12 +113,15 @@ def precompile(
     microbatches: Sequence[dict[str, np.ndarray]],
     console: Console | None = None,
     evaluation: bool = False,
+    optimizers: Sequence = (),
     workers: int | None = None,
 ) -> list[jax.stages.Compiled]:
-    """Compiles every program the microbatches' shapes run (module docstring), in a thread pool with a
-    progress bar on `console`; returns the executables (the jits' caches hold them too)."""
+    """Compiles every program the microbatches' shapes run (module docstring) and the per-step
+    programs of `optimizers` (`StageOptimizer.lower`), in a thread pool with a progress bar on
+    `console`; returns the executables (the jits' caches hold them too)."""
     console = console or Console(quiet=True)
     todo = [lw for batch in microbatches for lw in pipeline_lowerings(stages, batch, evaluation)]
+    todo += [Lowering("update", lw) for opt in optimizers for lw in opt.lower()]
     done: list[jax.stages.Compiled] = []
     columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     workers = workers or max(os.cpu_count() or 1, 1)

@@ -65,6 +65,7 @@ from dflop_jax.runtime.stages import (
     PyTree,
     StageProgram,
     accumulator_sharding,
+    accumulator_structs,
     graft,
     negate,
     prune,
@@ -334,6 +335,23 @@ class StageOptimizer:
             return fresh
         with jax.set_mesh(self.stage.mesh):
             return self._unpad(fresh)
+
+    def lower(self) -> list[jax.stages.Lowered]:
+        """The per-step programs (a fresh accumulator, `reduce`, `sq_norm`, `apply`), lowered from
+        abstract inputs for compiling before step 1 (`runtime/precompile.py`); none when the stage
+        is not local."""
+        stage = self.stage
+        if not getattr(stage, "local", True):
+            return []
+        stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.scalar)
+        trained = prune(stage.params, stage.trained)
+        out = [stage.jits.zeros.lower(stage.params)] if self.trains else []  # as `zero_grads`
+        with jax.set_mesh(stage.mesh):  # as `apply`, `reduce`, `sq_norm` call them
+            out.append(self._update.lower(trained, self.shards, self.grad_structs(), stats))
+            if self.trains:
+                accs = accumulator_structs(stage.params, stage.trained)
+                out += [self._reduce.lower(accs), self._sq_norm.lower(self.grad_structs())]
+        return out
 
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its

@@ -239,10 +239,11 @@ class _Trainer:
 
     def precompile(self) -> None:
         """Compiles every stage and transfer program of every bucket pair of the plan (and
-        evaluation's when it is on) before step 1 (`runtime/precompile.py`)."""
+        evaluation's when it is on) and the optimizers' programs before step 1
+        (`runtime/precompile.py`)."""
         t0, before = time.perf_counter(), self.counter.count
         batches = bucket_microbatches(self.problem, self.cfg.data)
-        done = precompile(self.stages, batches, self.console, evaluation=self.evaluator is not None)
+        done = precompile(self.stages, batches, self.console, self.evaluator is not None, self.opts)
         self.console.print(
             f"compiled {len(done)} programs for {len(batches)} bucket pairs "
             f"({self.counter.count - before} executables built) in {time.perf_counter() - t0:.1f}s",
