@@ -200,7 +200,7 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch):
     )
     rows = [json.loads(r) for r in (tmp_path / "aot" / "metrics.jsonl").read_text().splitlines()]
     assert used[0] != {256, 2048}  # step 1 leaves a bucket to the ahead-of-time compile
-    assert len(rows) == 8 and rows[0]["recompiles"] > 0  # the STATS vector's small programs
+    assert len(rows) == 8  # step 1 may build the STATS vector's small programs (once a process)
     assert [r["recompiles"] for r in rows[1:]] == [0] * 7
     assert report.summary["new_compiles_after_first_step"] == 0
     for stage in report.stages:  # both buckets' programs were compiled ahead
