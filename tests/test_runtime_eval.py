@@ -283,6 +283,7 @@ def test_multimodal_eval_loss_is_the_same_on_separate_and_colocated_encoders(tmp
         assert len(report.layout.encoder_stages) == (2 if name == "separate" else 0)
         row = rows(tmp_path / name / "metrics.jsonl")[-1]
         assert row["eval_tokens"] > 0 and np.isfinite(row["eval_loss"])
+        assert row["eval_recompiles"] == 0  # every bucket pair's programs compiled before step 1
         losses.append(row["eval_loss"])
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
 
