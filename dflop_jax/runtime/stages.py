@@ -50,8 +50,10 @@ nothing of it is compiled or dispatched here; the driver only needs the shapes o
 (`output_struct`, a trace without compilation) to take part in transfers from it.
 
 Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
-counts the distinct signatures seen, which is exactly the number of XLA compilations JAX performs for
-these jits (a jit recompiles iff the abstract signature changes; shardings and dtypes are fixed here).
+counts the distinct signatures seen, called or lowered ahead (`StageProgram.lower`, which the trainer
+runs for every bucket before step 1: `runtime/precompile.py`), which is the number of XLA
+compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
+shardings and dtypes are fixed here).
 """
 
 from __future__ import annotations
