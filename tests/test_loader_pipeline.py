@@ -302,3 +302,27 @@ def test_pack_geometry_follows_the_configured_patch_size(family, tile, patch, to
 
     cfg = DataConfig(model_family=family, tile_size=tile, patch_size=patch)
     assert pack_geometry(cfg) == ((tile, tile, 3), tokens)
+
+
+@pytest.mark.parametrize("prefetch", [2, 0])
+def test_place_runs_in_the_prefetch_thread(prefetch):
+    """The `place` hook sees every batch where it is prepared: the prefetch thread (the consuming
+    thread when there is none), and its result is what the loader yields."""
+    import dataclasses
+    import threading
+
+    records, problem = fake_records(24), fake_problem()
+    spec = PackSpec.from_problem(problem, TILE, TPT)
+    ds = build_dataset(records, FakeProcessor(), FirstFit(problem), spec, global_batch_size=8,
+                       seed=0, num_epochs=1)  # fmt: skip
+    threads = []
+
+    def place(gb):
+        threads.append(threading.current_thread())
+        return dataclasses.replace(gb, placed=[[{"n": len(gb.microbatches)}]])
+
+    batches = list(Loader(ds, prefetch=prefetch, place=place))
+    assert len(batches) == 3 and len(threads) >= 3
+    assert all(b.placed == [[{"n": len(b.microbatches)}]] for b in batches)
+    main = threading.main_thread()
+    assert all((t is main) == (prefetch == 0) for t in threads)

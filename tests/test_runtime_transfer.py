@@ -79,3 +79,29 @@ def test_identical_layout_moves_nothing():
         s.data.unsafe_buffer_pointer() for s in x.addressable_shards
     }
     np.testing.assert_array_equal(np.asarray(y), value)
+
+
+def test_lowered_ahead_the_call_builds_nothing_and_keeps_no_buffer():
+    """`lower_transfer` compiled ahead: the call builds no executable (`CompileCounter`) and gives
+    the exact value; the program keeps no device buffer between calls (zero blocks per call)."""
+    import gc
+
+    from dflop_jax.runtime.precompile import CompileCounter
+
+    src = _sharding((0, 1), (2,), P("data"))
+    dst = _sharding((1, 2, 3), (3,), P("data"))  # devices 2 and 3 receive only: zero-filled
+    value, x = _placed(src)
+    lowered = tr.lower_transfer(jax.ShapeDtypeStruct(SHAPE, x.dtype, sharding=src), dst)
+    assert len(lowered) == 2  # the transport and the zero blocks of the receive-only devices
+    counter = CompileCounter()
+    built = [lw.compile() for lw in lowered]
+    before = counter.count
+    assert built and before >= 2
+    y = jax.block_until_ready(tr.transfer(x, dst))
+    assert counter.count == before
+    np.testing.assert_array_equal(np.asarray(y), value)
+    program = tr._program(src, dst, SHAPE, x.dtype)
+    del y
+    gc.collect()
+    held = jax.tree.leaves(list(vars(program).values()))
+    assert not [a for a in held if isinstance(a, jax.Array)]

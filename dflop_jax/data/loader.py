@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -124,10 +124,16 @@ class Loader:
         num_workers: int = 0,
         prefetch: int = 2,
         pool: DecodePool | None = None,
+        place: Callable[[GlobalBatch], GlobalBatch] | None = None,
     ):
         self._pool = pool  # the pack stage's decode workers, closed with the loader
         if num_workers < 0 or prefetch < 0:
             raise ValueError(f"num_workers={num_workers}, prefetch={prefetch}: must be >= 0")
+        # `place` runs where the batch is prepared: the prefetch thread (device arrays cannot leave
+        # a worker process, so with workers it runs here, on the consuming thread).
+        self._place = place if num_workers or not prefetch else None
+        if place is not None and self._place is None:
+            dataset = dataset.map(place)
         it_ds = dataset.to_iter_dataset(
             grain.ReadOptions(
                 num_threads=1 if prefetch else 0, prefetch_buffer_size=max(prefetch, 1)
@@ -158,6 +164,8 @@ class Loader:
     def __next__(self) -> GlobalBatch:
         start = time.perf_counter()
         batch = next(self._it)
+        if self._place is not None:
+            batch = self._place(batch)
         batch.stats = dataclasses.replace(batch.stats, data_wait_s=time.perf_counter() - start)
         self._accumulate(batch.stats)
         return batch
@@ -281,6 +289,7 @@ def make_loader(
     processor: SampleProcessor | None = None,
     precompute_shapes: bool = False,
     num_batches: int | None = None,
+    place: Callable[[GlobalBatch], GlobalBatch] | None = None,
 ) -> Loader:
     """Builds the loader for one run.
 
@@ -307,6 +316,8 @@ def make_loader(
         `data_cfg.cache_dir`, so a second run, or a run after the data profiler, reads them for free)
         instead of per record in the pipeline; costs one pass over the dataset on the first run.
       num_batches: global batches in all (None = as many as the epochs give).
+      place: applied to each packed batch in the prefetch thread (the trainer puts the stages'
+        side inputs on their devices there, `GlobalBatch.placed`).
     """
     from dflop_jax.data.dataset import load_source
 
@@ -346,7 +357,7 @@ def make_loader(
         pool=pool,
         num_batches=num_batches,
     )
-    return Loader(ds, num_workers=num_workers, prefetch=prefetch, pool=pool)
+    return Loader(ds, num_workers=num_workers, prefetch=prefetch, pool=pool, place=place)
 
 
 def resolve_decode_workers(

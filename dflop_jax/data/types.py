@@ -205,6 +205,8 @@ class GlobalBatch:
       stats: the data layer's report (`BatchStats`).
       shapes: the scheduled samples' shapes, indexed like the schedule's sample indices (the same on
         every host: what the global batch holds, whichever rows this host packed).
+      placed: per microbatch, per pipeline stage, the stage's side inputs already on its devices
+        (set by the trainer's `place` hook in the loader's prefetch thread); None: not placed.
     """
 
     microbatches: list[PackedMicrobatch]
@@ -212,3 +214,4 @@ class GlobalBatch:
     schedule: Any
     stats: BatchStats = BatchStats()
     shapes: list[SampleShape] = dataclasses.field(default_factory=list)
+    placed: list[list[dict]] | None = None

@@ -148,6 +148,7 @@ def run_pipeline(
     *,
     sample: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    placed: Sequence[Sequence[dict | None]] | None = None,
 ) -> StepOutput:
     """Forward + backward of one global batch through the pipeline, accumulating gradients.
 
@@ -162,6 +163,8 @@ def run_pipeline(
       sample: the microbatch whose ops are timed into `StepOutput.stage_times` (module docstring);
         None = no timing.
       clock: the timer of measured steps (seconds).
+      placed: the microbatches' side inputs already on the local stages' devices (`place_sides`,
+        run in the loader's prefetch thread); None: placed here, on the dispatching thread.
 
     Returns:
       StepOutput with the loss contributions and the accumulated gradients.
@@ -171,7 +174,9 @@ def run_pipeline(
     batches = [microbatch_fields(mb) for mb in microbatches]
     last = stages[-1]
     if normalizer is None and last.local:
-        normalizer = last.loss_tokens([b["loss_mask"] for b in batches])
+        on_device = placed is not None and "loss_mask" in placed[0][-1]
+        masks = [p[-1]["loss_mask"] for p in placed] if on_device else None
+        normalizer = last.loss_tokens(masks or [b["loss_mask"] for b in batches])
     grads = [s.zero_grads() if s.local else None for s in stages]
     inputs: dict[tuple[int, int], jax.Array | None] = {(0, m): None for m in range(num_mb)}
     sides: dict[tuple[int, int], dict] = {}
@@ -187,7 +192,9 @@ def run_pipeline(
     for op in pipeline_order(num_stages, num_mb, order, forward_only):
         s, m = op.stage, op.mb
         stage = stages[s]
-        if op.kind == "F":
+        if op.kind == "F" and placed is not None and stage.local:
+            sides[s, m] = placed[m][s]
+        elif op.kind == "F":
             put = stage.put_side if stage.local else stage.side_structs
             sides[s, m] = put(batches[m])
         timed = m == sample and stage.local
@@ -252,6 +259,17 @@ def transfer_bytes_per_microbatch(
         back = transfer_bytes(x, a.y_sharding) if b.input_grad else 0
         out.append(BoundaryBytes(s, transfer_bytes(y, b.x_sharding), back))
     return out
+
+
+def place_sides(
+    stages: Sequence[StageProgram],
+    microbatches: Sequence[PackedMicrobatch | Mapping[str, np.ndarray]],
+) -> list[list[dict | None]]:
+    """Per microbatch, per stage, the stage's side inputs on its devices (`StageProgram.put_side`;
+    None for a non-local stage): what `run_pipeline(placed=...)` takes. Thread-safe: the trainer
+    runs it in the loader's prefetch thread, so host-to-device copies leave the dispatch thread."""
+    fields = [microbatch_fields(mb) for mb in microbatches]
+    return [[s.put_side(f) if s.local else None for s in stages] for f in fields]
 
 
 def _forward_only(stages: Sequence[StageProgram]) -> int:

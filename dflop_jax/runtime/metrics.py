@@ -61,7 +61,8 @@ class StepMetrics:
       microbatches, loss_tokens, skipped: the global batch.
       scheduler_latency_s, scheduler_gap, scheduler_solver, predicted_step_time_s: the schedule.
       data_wait_s: time the step waited for the loader.
-      compiles, recompiles: stage programs compiled so far / during this step.
+      compiles, recompiles: executables JAX built so far in this process / while this step was
+        dispatched (`runtime/precompile.py`: 0 after step 1 when every shape compiled ahead).
       stage_times_measured: this step timed its stage programs (adaptive correction).
       pred_raw_mape, pred_corrected_mape: recent-window stage-time prediction error (out of sample)
         of the cost model and of the corrected one (None before any observation).

@@ -50,8 +50,10 @@ nothing of it is compiled or dispatched here; the driver only needs the shapes o
 (`output_struct`, a trace without compilation) to take part in transfers from it.
 
 Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
-counts the distinct signatures seen, which is exactly the number of XLA compilations JAX performs for
-these jits (a jit recompiles iff the abstract signature changes; shardings and dtypes are fixed here).
+counts the distinct signatures seen, called or lowered ahead (`StageProgram.lower`, which the trainer
+runs for every bucket before step 1: `runtime/precompile.py`), which is the number of XLA
+compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
+shardings and dtypes are fixed here).
 """
 
 from __future__ import annotations
@@ -459,6 +461,22 @@ def stage_jits(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """A lowered program to compile before the step that runs it (`StageProgram.lower`).
+
+    Attributes:
+      kind: which program ("fwd", "fwd_res", "bwd", "bwd_res", "last", "eval", "count", ...).
+      lowered: the program, traced and lowered from abstract inputs.
+      then: given the compiled program, further lowerings that need its compiled output shardings
+        (the backward from residuals of a forward with residuals); None when there are none.
+    """
+
+    kind: str
+    lowered: jax.stages.Lowered
+    then: Callable[[jax.stages.Compiled], list[Lowering]] | None = None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Held:
@@ -586,13 +604,55 @@ class StageProgram:
             )
         return self._outputs[key]
 
+    def lower(self, x, side, evaluation: bool = False) -> list[Lowering]:
+        """The programs a microbatch of this input signature runs on the stage, traced and lowered
+        from abstract inputs (`x`, `side`: ShapeDtypeStructs with shardings) under the stage's mesh,
+        as the step calls them: compiling them fills the jits' caches, so the step compiles nothing
+        (`runtime/precompile.py`). Training's programs, plus evaluation's with `evaluation`; each
+        (kind, signature) is recorded as seen (`compiles`)."""
+        sig, out = signature(x, side), []
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+        accs = accumulator_structs(self.params, self.trained)
+
+        def add(kind, jit, *args, then=None):
+            self._record(kind, x, side)
+            out.append(Lowering(kind, jit.lower(self.params, *args), then))
+
+        with jax.set_mesh(self.mesh):
+            if self.is_last:
+                add("last", self.jits.last, x, side, scalar, accs)
+                if "loss_mask" in side:  # `loss_tokens`
+                    out.append(Lowering("count", self._count.lower(scalar, side["loss_mask"])))
+                if evaluation:
+                    totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=scalar.sharding)
+                    add("eval", self.jits.eval_loss, x, side, totals)
+                return out
+            y = self.output_struct(x, side)
+
+            def backward_residuals(forward: jax.stages.Compiled) -> list[Lowering]:
+                # the residuals' shardings are the compiled forward's (the partitioner picks them)
+                _, kept = forward.out_info
+                self._signatures.add(("bwd_res", *sig))
+                with jax.set_mesh(self.mesh):
+                    bwd = self.jits.backward_residuals.lower(self.params, kept, y, accs, sig)
+                return [Lowering("bwd_res", bwd)]
+
+            if self.jits.forward_residuals is not None:
+                add("fwd_res", self.jits.forward_residuals, x, side, then=backward_residuals)
+            if self.jits.forward_residuals is None or evaluation:
+                add("fwd", self.jits.forward, x, side)
+            if self.jits.forward_residuals is None and self.jits.backward is not None:
+                add("bwd", self.jits.backward, x, side, y, accs)
+        return out
+
     def loss_tokens(self, masks: list[np.ndarray]) -> jax.Array:
         """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
         scalar on the stage's mesh: the loss normalizer of a global batch packed per host."""
         total = put_host(np.float32(0), NamedSharding(self.mesh, P()))
         with jax.set_mesh(self.mesh):
-            for mask in masks:
-                total = self._count(total, put_host(mask, self.side_sharding))
+            for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
+                placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
+                total = self._count(total, placed)
         return total
 
     def zero_grads(self) -> PyTree:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -64,6 +65,7 @@ from dflop_jax.runtime.stages import (
     PyTree,
     StageProgram,
     accumulator_sharding,
+    accumulator_structs,
     graft,
     negate,
     prune,
@@ -341,6 +343,23 @@ class StageOptimizer:
         with jax.set_mesh(self.stage.mesh):
             return self._unpad(fresh)
 
+    def lower(self) -> list[jax.stages.Lowered]:
+        """The per-step programs (a fresh accumulator, `reduce`, `sq_norm`, `apply`), lowered from
+        abstract inputs for compiling before step 1 (`runtime/precompile.py`); none when the stage
+        is not local."""
+        stage = self.stage
+        if not getattr(stage, "local", True):
+            return []
+        stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.scalar)
+        trained = prune(stage.params, stage.trained)
+        out = [stage.jits.zeros.lower(stage.params)] if self.trains else []  # as `zero_grads`
+        with jax.set_mesh(stage.mesh):  # as `apply`, `reduce`, `sq_norm` call them
+            out.append(self._update.lower(trained, self.shards, self.grad_structs(), stats))
+            if self.trains:
+                accs = accumulator_structs(stage.params, stage.trained)
+                out += [self._reduce.lower(accs), self._sq_norm.lower(self.grad_structs())]
+        return out
+
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
         buffer has another shape; the caller drops it)."""
@@ -532,7 +551,11 @@ def apply_updates(
             previous if previous is not None else put_host(np.zeros(len(STATS), np.float32), home)
         )
         with jax.set_mesh(home.mesh):
-            stats = _combine(parts, list(loss), prev, np.float32(clip_norm))
+            # the loss summed pairwise from 0 first: one add program, compiled in step 1, for any
+            # microbatch count (a list argument would compile `_combine` once per count)
+            zero = put_host(np.float32(0), home)
+            total = functools.reduce(operator.add, loss, zero)
+            stats = _combine(parts, total, prev, np.float32(clip_norm))
     else:
         stats = stand_in((len(STATS),), jnp.float32, home)
     copies = [transfer(stats, opt.scalar) for opt in optimizers]
@@ -544,11 +567,10 @@ def apply_updates(
 
 @jax.jit
 def _combine(parts, loss, previous, clip):
-    """The step's STATS from the stages' squared norms, the loss contributions and the last STATS."""
+    """The step's STATS from the stages' squared norms, the step's loss and the last STATS."""
     sq = sum(p[0] for p in parts)
-    total = sum(loss) if loss else jnp.zeros((), jnp.float32)
-    applied = jnp.isfinite(sq) & jnp.isfinite(total)
+    applied = jnp.isfinite(sq) & jnp.isfinite(loss)
     skipped = previous[3] + jnp.where(applied, 0.0, 1.0)
     norm = jnp.sqrt(jnp.maximum(sq, 0.0))
-    fields = (total, norm, applied.astype(jnp.float32), skipped, clip)
+    fields = (loss, norm, applied.astype(jnp.float32), skipped, clip)
     return jnp.stack([jnp.asarray(f, jnp.float32) for f in fields])

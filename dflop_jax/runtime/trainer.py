@@ -4,9 +4,11 @@
     report = train(cfg, model_cfg, arch_of_model(model_cfg), resolved_plan)
 
 (`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`; the plan comes from
-`dflop_jax.train_plan.resolve_plan`.) Per step the trainer takes a scheduled, packed `GlobalBatch`
-from the loader (solved and decoded `prefetch` batches ahead) and issues, without reading anything
-back: the pipeline (1F1B or GPipe, loss normalized by the batch's loss tokens) and the AdamW update of
+`dflop_jax.train_plan.resolve_plan`.) Before step 1 every stage and transfer program of every bucket
+pair of the plan is compiled (`runtime/precompile.py`), so no step after the first compiles
+(`recompiles` in the metrics counts what did). Per step the trainer takes a scheduled, packed
+`GlobalBatch` from the loader (solved and decoded `prefetch` batches ahead, its side inputs put on the
+devices in the loader's thread) and issues, without reading anything back: the pipeline (1F1B or GPipe, loss normalized by the batch's loss tokens) and the AdamW update of
 every stage after global-norm clipping, with a non-finite step skipped on device
 (`train_state.apply_updates`). Step k's numbers (loss, norm, skips) are read after step k + 1 is
 dispatched, at log steps only, and each step's `StepMetrics` goes to the console / JSONL /
@@ -48,7 +50,7 @@ from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
 from dflop_jax.runtime.distributed import host_scalars
-from dflop_jax.runtime.driver import StepOutput, connect, run_pipeline
+from dflop_jax.runtime.driver import StepOutput, connect, place_sides, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 from dflop_jax.runtime.mesh import stage_meshes
@@ -60,6 +62,7 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
+from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
 from dflop_jax.runtime.replan import describe, next_plan, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
@@ -118,6 +121,8 @@ def train(
     )
     start, losses = trainer.restore(), []
     watchdog.resume_from(str(Path(cfg.run_dir).absolute() / "config.yaml"))
+    watchdog.progress(start + 1, "compile")
+    trainer.precompile()
 
     def log(rows: list[StepMetrics]) -> None:
         for row in rows:
@@ -226,7 +231,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, records, self.problem, self.schedule_fn,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
-            host=host, num_batches=cfg.steps,
+            host=host, num_batches=cfg.steps, place=self._place,
         )  # fmt: skip
         self.evaluator = _evaluator(cfg, self.problem, host, held_out) if cfg.eval.every else None
         self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
@@ -242,6 +247,25 @@ class _Trainer:
         self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
         self.drifts: list = []  # drift measurements finished, not yet in a row
         self.latest_drift = None  # the last one put in a row
+        self.counter = CompileCounter()
+
+    def precompile(self) -> None:
+        """Compiles every stage and transfer program of every bucket pair of the plan (and
+        evaluation's when it is on) and the optimizers' programs before step 1
+        (`runtime/precompile.py`)."""
+        t0, before = time.perf_counter(), self.counter.count
+        batches = bucket_microbatches(self.problem, self.cfg.data)
+        done = precompile(self.stages, batches, self.console, self.evaluator is not None, self.opts)
+        self.console.print(
+            f"compiled {len(done)} programs for {len(batches)} bucket pairs "
+            f"({self.counter.count - before} executables built) in {time.perf_counter() - t0:.1f}s",
+            highlight=False,
+        )
+
+    def _place(self, batch: GlobalBatch) -> GlobalBatch:
+        """The loader's hook (its prefetch thread): the batch's side inputs onto the stages' devices."""
+        batch.placed = place_sides(self.stages, batch.microbatches)
+        return batch
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
@@ -300,7 +324,7 @@ class _Trainer:
         pipeline, the clipped update (skipped on device when not finite); a measured step times the
         ops of one microbatch (step % M). Raises on an empty batch."""
         measure = bool(self.measure_every) and step % self.measure_every == 0
-        compiles_before = sum(s.compiles for s in self.stages)
+        compiles_before = self.counter.count
         batch = next(self.loader)
         if not batch.microbatches:
             raise RuntimeError(
@@ -318,12 +342,14 @@ class _Trainer:
         out = run_pipeline(
             self.stages, batch.microbatches, None, self.cfg.pipeline,
             sample=step % len(batch.microbatches) if measure else None, clock=self.clock,
+            placed=batch.placed,
         )  # fmt: skip
+        batch.placed = None  # the step's programs hold them; the metrics keep the host batch only
         copies = apply_updates(self.opts, out.grads, self.cfg.optimizer.clip_norm, out.loss,
                                self.stats, tied=self.tied)  # fmt: skip
         self.stats = copies[-1]
         dispatched = time.perf_counter()
-        compiles = sum(s.compiles for s in self.stages)
+        compiles = self.counter.count
         self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
         del out  # its accumulators are the update's (donated); nothing else of it outlives dispatch
         flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
@@ -364,9 +390,9 @@ class _Trainer:
 
     def evaluate(self, step: int) -> None:
         """Issues the evaluation of the params after `step` (read later, with `step`'s numbers)."""
-        before = sum(s.compiles for s in self.stages)
+        before = self.counter.count
         totals = self.evaluator.dispatch(self.stages)
-        recompiles = sum(s.compiles for s in self.stages) - before
+        recompiles = self.counter.count - before
         self.evaluations.append(_Evaluation(step, totals, recompiles))
 
     def read_due(self, step: int, first: int) -> bool:

@@ -99,6 +99,13 @@ def transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> jax.Array:
     return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype))(x)
 
 
+def lower_transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> list[jax.stages.Lowered]:
+    """The programs `transfer(x, dst)` runs on this process, lowered (none when nothing moves)."""
+    if x.sharding == dst or _same_layout(x, dst):
+        return []
+    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype)).lower()
+
+
 def transfer_bytes(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> int:
     """Bytes `transfer(x, dst)` moves between devices (0 when the layout already matches)."""
     if x.sharding == dst or _same_layout(x, dst):
@@ -135,9 +142,10 @@ class Transfer:
         me = jax.process_index()
         self._local = [d for d in self.devices if d.process_index == me]
         self.participates = bool(self._local)
-        # Input blocks of this process's union devices outside the source (kept: never donated).
-        fill = [d for d in self._local if d not in src.device_set]
-        self._zeros = dict(zip(fill, _zero_blocks(fill, self.src_block, self.dtype)))
+        # Input blocks of this process's union devices outside the source: zeros made per call by
+        # one small program, so no activation-sized buffer outlives the transfer.
+        self._fill = [d for d in self._local if d not in src.device_set]
+        self._zeros = _zero_blocks(self._fill, self.src_block, self.dtype)
         self._run = jax.jit(
             jax.shard_map(
                 self._body, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False
@@ -162,11 +170,23 @@ class Transfer:
             self.shape, self.dst, shards, dtype=self.dtype
         )
 
+    def lower(self) -> list[jax.stages.Lowered]:
+        """The programs a call runs (the zero blocks', the transport), lowered for compiling ahead
+        (`runtime/precompile.py`); none on a process outside the union."""
+        if not self.participates:
+            return []
+        shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
+        union = jax.ShapeDtypeStruct(shape, self.dtype, sharding=NamedSharding(self.mesh, P(AXIS)))
+        with jax.set_mesh(self.mesh):
+            run = self._run.lower(union)
+        return [run] + ([self._zeros.lower()] if self._fill else [])
+
     def _union_input(self, x) -> jax.Array:
         """x's local shards plus zero blocks on this process's destination-only devices, as one
         union-mesh array [n * block0, *block[1:]] sharded over "u" (no copy of x)."""
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
-        blocks = [held[d] if d in held else self._zeros[d] for d in self._local]
+        zeros = dict(zip(self._fill, _blocks(self._zeros(), self._fill))) if self._fill else {}
+        blocks = [held[d] if d in held else zeros[d] for d in self._local]
         shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
         sharding = NamedSharding(self.mesh, P(AXIS))
         return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=self.dtype)
@@ -275,13 +295,16 @@ def _block_shape(sharding: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sharding.shard_shape(shape))
 
 
-def _zero_blocks(devices: Sequence[jax.Device], block: tuple[int, ...], dtype) -> list[jax.Array]:
-    """One zero block per device, made on the devices by one small program (`jnp.zeros(device=...)`
-    would copy its fill value from the host)."""
+def _zero_blocks(devices: Sequence[jax.Device], block: tuple[int, ...], dtype):
+    """The program making one zero block per device of `devices`, on the devices themselves
+    (`jnp.zeros(device=...)` would copy its fill value from the host); None without devices."""
     if not devices:
-        return []
+        return None
     mesh = Mesh(np.array(devices), (AXIS,))
     shape = (len(devices) * block[0], *block[1:])
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(AXIS)))()
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(AXIS)))
+
+
+def _blocks(zeros: jax.Array, devices: Sequence[jax.Device]) -> list[jax.Array]:
     by_device = {s.device: s.data for s in zeros.addressable_shards}
     return [by_device[d] for d in devices]
