@@ -10,6 +10,7 @@ from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
 from dflop_jax.data.mix import load_mix, sample_records
 from dflop_jax.data.sources import read_records
+from dflop_jax.data.split import split_records
 from dflop_jax.data.tokenizer import BUNDLED_SPECIALS, build_byte_tokenizer, load_tokenizer
 
 
@@ -74,6 +75,48 @@ def test_load_mix_roots_and_seeded_random(tmp_path):
     assert [r["id"] for r in load_mix(mix, seed=4)] != [r["id"] for r in recs]
     via_cfg = load_source(DataConfig(source=str(mix)), seed=3)
     assert [r["id"] for r in via_cfg] == [r["id"] for r in recs]
+
+
+def test_mix_phases_order_a_curriculum(tmp_path):
+    """`phases:` reads the datasets as a curriculum: phase k holds `allot(samples, weights)` records
+    of each dataset, drawn without replacement, shuffled together; the same seed gives the same
+    order (a resumed run reads what the first read)."""
+    _write_jsonl(tmp_path / "img.jsonl", 12, "i")
+    _write_jsonl(tmp_path / "vid.jsonl", 12, "v")
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        "datasets:\n  - path: img.jsonl\n  - path: vid.jsonl\n"
+        "phases:\n  - {samples: 8, weights: [1, 0]}\n  - {samples: 8, weights: [1, 3]}\n"
+    )
+    recs = load_mix(mix, seed=1)
+    ids = [r["id"] for r in recs]
+    assert recs.phase_ends == (8, 16) and len(ids) == 16 == len(set(ids))
+    assert all(i.startswith("i") for i in ids[:8])
+    assert sum(i.startswith("v") for i in ids[8:]) == 6  # 8 * 3/4
+    assert ids == [r["id"] for r in load_mix(mix, seed=1)]
+    assert ids != [r["id"] for r in load_mix(mix, seed=2)]
+    with pytest.raises(ConfigError, match="held-out fraction 0.1: a data mix with `phases`"):
+        split_records(recs, 0.1, 0)
+
+
+@pytest.mark.parametrize(
+    "phases, match",
+    [
+        ("phases: []\n", "non-empty list"),
+        ("phases:\n  - {samples: 4, weights: [1]}\n", r"phases\[0\]: weights=\[1\]: give 2"),
+        ("phases:\n  - {samples: 4, weights: [0, 0]}\n", "not all 0"),
+        ("phases:\n  - {samples: 0, weights: [1, 1]}\n", "samples=0: must be a count"),
+        ("phases:\n  - {samples: 4, weight: [1, 1]}\n", "expected {samples: N, weights"),
+        ("phases:\n  - {samples: 4, weights: [1, 0]}\n  - {samples: 4, weights: [1, 0]}\n",
+         r"phases\[1\] needs 4 records of datasets\[0\], which has 2 left of 6"),
+    ],
+)  # fmt: skip
+def test_mix_phase_errors_are_one_line(tmp_path, phases, match):
+    _write_jsonl(tmp_path / "a.jsonl", 6, "a")
+    (tmp_path / "m.yaml").write_text("datasets:\n  - path: a.jsonl\n  - path: a.jsonl\n" + phases)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_mix(tmp_path / "m.yaml")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -326,3 +326,24 @@ def test_place_runs_in_the_prefetch_thread(prefetch):
     assert all(b.placed == [[{"n": len(b.microbatches)}]] for b in batches)
     main = threading.main_thread()
     assert all((t is main) == (prefetch == 0) for t in threads)
+
+
+def test_a_curriculum_is_read_in_phase_order_and_resumes_exactly():
+    """A `mix.Phased` source (a mix with `phases:`) is not shuffled by the loader: global batches
+    follow the phases in order; resume is exact; a phase that would split a global batch is refused."""
+    from dflop_jax.config import ConfigError
+    from dflop_jax.data.mix import Phased
+
+    records = fake_records(32)
+    order = [*range(16, 32), *range(16)]  # phase 0: the second half, then the first
+    phased = Phased(records, order, (16, 32))
+    straight = [sorted(batch_ids(gb)) for gb in make(phased, epochs=1)]
+    assert straight == [sorted(order[k : k + 8]) for k in range(0, 32, 8)]
+    loader = make(phased, epochs=1)
+    next(loader), next(loader)
+    state = loader.get_state()
+    resumed = make(phased, epochs=1)
+    resumed.set_state(state)
+    assert [sorted(batch_ids(gb)) for gb in resumed] == straight[2:]
+    with pytest.raises(ConfigError, match=r"phases\[0\] ends at record 16, not a multiple of "):
+        make(phased, batch=6)

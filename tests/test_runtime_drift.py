@@ -4,6 +4,7 @@ metrics.jsonl and TensorBoard; with `planner.replan: on_drift` it re-plans at a 
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -81,3 +82,94 @@ def test_on_drift_needs_checkpoints_to_replan_at(tmp_path):
 
     with pytest.raises(ConfigError, match=r"planner\.replan.*set checkpoint\.every"):
         _cfg(tmp_path, "x", **{"planner.replan_every": 2, "planner.replan": "on_drift"})
+
+
+# A curriculum (images first, then video) on a model whose encoder weighs on video: the planner's pick
+# for the image batches is the explicit layout below (1 encoder device, LLM dp 3); for the video
+# batches it gives the encoder a second device (measured regrets: images ~20%, video ~45% or more).
+DRIFTING = [
+    "plan=explicit", "num_cpu_devices=4", "global_batch=8", "steps=6", "compute_dtype=float32",
+    "model.vision_hidden_size=192", "model.vision_intermediate_size=768", "model.vision_num_heads=4",
+    "data.max_frames=16", "layout.encoder_layers=[2]", "layout.encoder_tp=[1]",
+    "layout.encoder_dp=1", "layout.llm_layers=[4]", "layout.llm_tp=[1]", "layout.llm_dp=3",
+    "layout.tiles=[14, 26, 64]", "layout.lengths=[576, 1024, 1536]", "layout.microbatches=[2, 3]",
+    "planner.tp=[1]", "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.colocate=false",
+    "planner.microbatches=[2]", "planner.num_buckets=[2]", "planner.samples=1",
+    "planner.replan_every=2", "planner.replan_batches=2", "planner.replan=on_drift",
+    "planner.replan_threshold=0.2", "checkpoint.every=2", "measure_stage_times_every=0",
+    "peak_flops=1000000000.0", "scheduler.solver=greedy",
+]  # fmt: skip
+
+
+def _curriculum(tmp_path, batch: int = 8):
+    """A mix YAML: 2 global batches of single images, then 4 of video."""
+    import yaml
+
+    from dflop_jax.data.synth import synth_dataset
+
+    img = synth_dataset(tmp_path / "img", 2 * batch, "single-image", tile=56).parent
+    vid = synth_dataset(tmp_path / "vid", 4 * batch, "video", tile=56).parent
+    mix = {
+        "datasets": [{"path": str(img / "single_image.jsonl")}, {"path": str(vid / "video.jsonl")}],
+        "phases": [{"samples": 2 * batch, "weights": [1, 0]}, {"samples": 4 * batch, "weights": [0, 1]}],
+    }  # fmt: skip
+    path = tmp_path / "curriculum.yaml"
+    path.write_text(yaml.safe_dump(mix))
+    return path
+
+
+@pytest.mark.slow
+def test_a_drifting_mix_replans_once_after_the_switch_and_says_why(tmp_path):
+    """Images first, then video: the measurement on the image batches stays under the threshold,
+    the first one on video batches passes it, and the run re-plans once, at the checkpoint after it,
+    onto a layout with more encoder devices whose predicted step time on the video batches is lower;
+    the losses carry on; the measurement on the new layout is under the threshold again."""
+    from pathlib import Path
+
+    from dflop_jax.config import load_config
+    from dflop_jax.runtime.config import TrainConfig
+
+    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    over = [f"data.source={_curriculum(tmp_path)}", f"run_dir={tmp_path / 'run'}",
+            f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
+    cfg = load_config(TrainConfig, demo, DRIFTING + over)
+    out = io.StringIO()
+    report = run(cfg, console=Console(file=out, width=400))
+    new_layout = check_replan_line(out.getvalue())
+    assert [s.dp for s in report.layout.encoder_stages] == [2] and "encoder[0..1 dp2" in new_layout
+    assert np.all(np.isfinite(report.losses)) and len(report.losses) == 6
+    check_drift_rows(tmp_path / "run")
+
+
+def check_replan_line(log: str) -> str:
+    """The one re-plan line of a drifting-mix run's console: after step 4, from the explicit layout,
+    with the regret the two predicted step times give, the new one lower; returns the new layout."""
+    assert log.count("re-plan after step") == 1, log
+    line = next(ln for ln in log.splitlines() if ln.startswith("re-plan after step"))
+    # e.g. "re-plan after step 4: plan_regret 29.3% (measured after step 4) over the threshold;
+    # old encoder[0..1 dp1 tp1] + llm[0..3 dp3 tp1] 938 ms/step on the recent data -> new
+    # encoder[0..1 dp2 tp1] + llm[0..3 dp2 tp1] 725 ms/step, buckets ..."
+    m = re.match(
+        r"re-plan after step 4: plan_regret ([\d.]+)% \(measured after step 4\) over the threshold; "
+        r"old encoder\[0\.\.1 dp1 tp1\] \+ llm\[0\.\.3 dp3 tp1\] ([\d.e+]+) ms/step on the recent "
+        r"data -> new (.*) ([\d.e+]+) ms/step, buckets",
+        line,
+    )
+    assert m, line
+    regret, old_ms, new_layout, new_ms = float(m[1]), float(m[2]), m[3], float(m[4])
+    assert regret > 20 and new_ms < old_ms
+    assert regret == pytest.approx((old_ms / new_ms - 1) * 100, rel=0.01)
+    return new_layout
+
+
+def check_drift_rows(run_dir) -> None:
+    """Steps 1..6 logged; regret under the threshold on the image batches, over it on the first
+    video batches, under it again on the new layout."""
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    regrets = {
+        r["plan_regret_step"]: r["plan_regret"] for r in rows if r["plan_regret"] is not None
+    }
+    assert sorted(regrets) == [2, 4, 6]
+    assert regrets[2] < 0.2 < regrets[4] and regrets[6] < 0.2

@@ -8,7 +8,8 @@
 
 Pipeline (grain, all `MapDataset` up to prefetching, so the iterator state is an index and resume is exact;
 the stages live in `dflop_jax/data/stages.py`):
-  source(records).shuffle(seed).repeat(epochs)      # a new permutation every epoch
+  source(records).shuffle(seed).repeat(epochs)      # a new permutation every epoch; a curriculum
+                             (a mix with `phases:`, `mix.Phased`) is read in its own order, unshuffled
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
                              larger than the largest bucket becomes a counted skip, never a scheduler input
   .batch(B, batch_fn=list)
@@ -46,6 +47,7 @@ from typing import Any
 
 import grain
 
+from dflop_jax.config import ConfigError
 from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
 from dflop_jax.data.decode_pool import DecodePool, auto_decode_workers
 from dflop_jax.data.errors import BadSample
@@ -95,13 +97,29 @@ def build_dataset(
     host = host or all_shards(spec.encoder_dp, spec.llm_dp)
     host.check(spec.encoder_dp, spec.llm_dp)
     source = records if shapes is None else WithShapes(records, shapes)
-    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
+    ds = grain.MapDataset.source(source)
+    phase_ends = getattr(records, "phase_ends", None)  # a curriculum (`mix.Phased`): kept in order
+    if phase_ends is None:
+        ds = ds.shuffle(seed=seed)
+    else:
+        _check_phases(phase_ends, global_batch_size)
+    ds = ds.repeat(num_epochs)
     ds = ds.map(ShapeStage(processor, spec, strict))
     ds = ds.batch(global_batch_size, drop_remainder=True, batch_fn=list)
     if num_batches is not None:
         ds = ds[:num_batches]
     ds = ds.map_with_index(ScheduleStage(schedule_fn))
     return ds.map(PackStage(processor, spec, host, strict, pool))
+
+
+def _check_phases(phase_ends: Sequence[int], global_batch_size: int) -> None:
+    """Every phase of a curriculum fills whole global batches (none mixes two phases)."""
+    for k, end in enumerate(phase_ends):
+        if end % global_batch_size:
+            raise ConfigError(
+                f"data mix phases[{k}] ends at record {end}, not a multiple of global_batch "
+                f"{global_batch_size}: give every phase a multiple of the global batch"
+            )
 
 
 class Loader:

@@ -13,6 +13,11 @@ datasets:
     sampling: random:5000              # seeded by load_mix(seed)
   - path: hf/LLaVA-OneVision-Data/     # parquet or tar shards: a file, a glob or a directory
     sampling: random:10%
+phases:                                # optional: a curriculum, read in this order (see `phase_order`)
+  - samples: 4096                      # records of the phase (a multiple of the global batch)
+    weights: [1, 1, 0, 1]              # per dataset, in `datasets` order
+  - samples: 8192
+    weights: [0, 1, 3, 1]
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dflop_jax.config import ConfigError, read_yaml
-from dflop_jax.data.shards import concat, is_shard_source, open_shards, take
+from dflop_jax.data.shards import Subset, concat, is_shard_source, open_shards, take
 from dflop_jax.data.sources import read_records, with_roots
 
 _DATASET_KEYS = {"path", "json_path", "sampling", "sampling_strategy", "image_root", "video_root"}
@@ -42,10 +47,10 @@ def load_mix(
     entry names shards). `image_root`/`video_root` override all; `cache_dir` keeps tar indexes."""
     path = Path(path)
     spec = read_yaml(path)
-    unknown = sorted(set(spec) - {"datasets", "image_root", "video_root"})
+    unknown = sorted(set(spec) - {"datasets", "image_root", "video_root", "phases"})
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key {unknown[0]!r}; allowed: datasets, image_root, video_root"
+            f"{path}: unknown key {unknown[0]!r}; allowed: datasets, image_root, video_root, phases"
         )
     datasets = spec.get("datasets")
     if not isinstance(datasets, list) or not datasets:
@@ -53,12 +58,83 @@ def load_mix(
             f"{path}: `datasets` must be a non-empty list of {{path, sampling}} entries"
         )
     roots = (image_root, video_root)
-    return concat(
-        [
-            _load_entry(path, i, entry, spec, seed, strict, roots, cache_dir)
-            for i, entry in enumerate(datasets)
-        ]
-    )
+    parts = [
+        _load_entry(path, i, entry, spec, seed, strict, roots, cache_dir)
+        for i, entry in enumerate(datasets)
+    ]
+    if "phases" not in spec:
+        return concat(parts)
+    phases = _phases(path, spec["phases"], len(parts))
+    indices, ends = phase_order([len(p) for p in parts], phases, seed, str(path))
+    return Phased(concat(parts), indices, ends)
+
+
+class Phased(Subset):
+    """A curriculum's records in reading order. The loader reads it as is (it shuffles any other
+    source as a whole), and each of `phase_ends` (a record count) must be a multiple of the global
+    batch, so every global batch comes from one phase."""
+
+    def __init__(self, base: Sequence, indices: Sequence[int], phase_ends: Sequence[int]):
+        super().__init__(base, indices)
+        self.phase_ends = tuple(phase_ends)
+
+
+def _phases(path: Path, phases, num_datasets: int) -> list[tuple[int, list[float]]]:
+    """(samples, weights) of every `phases` entry, checked."""
+    if not isinstance(phases, list) or not phases:
+        raise ConfigError(f"{path}: `phases` must be a non-empty list of {{samples, weights}}")
+    out = []
+    for k, phase in enumerate(phases):
+        where = f"{path}: phases[{k}]"
+        if not isinstance(phase, dict) or set(phase) != {"samples", "weights"}:
+            raise ConfigError(f"{where}: expected {{samples: N, weights: [w, ...]}}, got {phase!r}")
+        n, w = phase["samples"], phase["weights"]
+        ok = isinstance(w, list) and len(w) == num_datasets
+        if not ok or not all(isinstance(x, int | float) and x >= 0 for x in w) or not sum(w):
+            raise ConfigError(
+                f"{where}: weights={w!r}: give {num_datasets} weights >= 0 (one per dataset, "
+                "in `datasets` order), not all 0"
+            )
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"{where}: samples={n!r}: must be a count >= 1")
+        out.append((n, [float(x) for x in w]))
+    return out
+
+
+def phase_order(
+    sizes: Sequence[int], phases: Sequence[tuple[int, Sequence[float]]], seed: int, where: str = ""
+) -> tuple[list[int], list[int]]:
+    """(record positions in reading order, each phase's end) of a curriculum over datasets of `sizes`
+    records (positions count through the datasets in order).
+
+    Phase k takes `allot(samples, weights)` records of each dataset, drawn without replacement from a
+    seeded permutation of that dataset (later phases go on where earlier ones stopped), and shuffles
+    them together (seeded): deterministic in `seed`, so a resumed run reads the same order."""
+    starts = np.cumsum([0, *sizes])
+    perms = [np.random.default_rng([seed, i, 1]).permutation(n) for i, n in enumerate(sizes)]
+    used = [0] * len(sizes)
+    order, ends = [], []
+    for k, (samples, weights) in enumerate(phases):
+        phase = []
+        for i, count in enumerate(allot(samples, weights)):
+            if used[i] + count > sizes[i]:
+                raise ConfigError(
+                    f"{where}: phases[{k}] needs {count} records of datasets[{i}], which has "
+                    f"{sizes[i] - used[i]} left of {sizes[i]}"
+                )
+            phase += (starts[i] + perms[i][used[i] : used[i] + count]).tolist()
+            used[i] += count
+        order += np.random.default_rng([seed, len(sizes), k]).permutation(phase).tolist()
+        ends.append(len(order))
+    return order, ends
+
+
+def allot(total: int, weights: Sequence[float]) -> np.ndarray:
+    """Integer counts summing to `total`, proportional to `weights` (largest remainders)."""
+    exact = total * np.asarray(weights, float) / sum(weights)
+    counts = np.floor(exact).astype(int)
+    counts[np.argsort(counts - exact)[: total - counts.sum()]] += 1
+    return counts
 
 
 def _load_entry(mix_path, i, entry, spec, seed, strict, roots, cache_dir) -> Sequence[dict]:

@@ -15,6 +15,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from dflop_jax.config import ConfigError
 from dflop_jax.data.shards import take
 
 
@@ -38,6 +39,11 @@ def split_records(records: Sequence[Any], fraction: float, seed: int) -> tuple[S
     for its key, and not kept)."""
     if fraction <= 0:
         return (list(records) if isinstance(records, list) else records), []
+    if getattr(records, "phase_ends", None) is not None:
+        raise ConfigError(
+            f"held-out fraction {fraction}: a data mix with `phases` (a curriculum) holds nothing "
+            "out; evaluate on a source of its own (eval.source) with eval.fraction=0"
+        )
     train, held = [], []
     for i in range(len(records)):
         (held if held_out(record_key(records[i], i), fraction, seed) else train).append(i)

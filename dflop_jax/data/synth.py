@@ -30,6 +30,7 @@ from PIL import Image
 
 from dflop_jax.config import ConfigError, require, require_seed
 from dflop_jax.config.cli import Command, config_error, load_command_config
+from dflop_jax.data.mix import allot
 
 VERSION = 1
 LOCK_TIMEOUT_S = 600.0  # how long a process waits for another one writing the same dataset
@@ -189,7 +190,7 @@ def _internvl(name: str, count: int, rng: np.random.Generator):
     """A generator of `count` records of one subset, stratified so that small datasets keep the real
     means: tiles allotted by the histogram (largest remainders), text lengths at stratified quantiles."""
     _, hist, quantiles = INTERNVL_SUBSETS[name]
-    tiles = np.repeat(np.arange(1, 6), _allot(count, hist))
+    tiles = np.repeat(np.arange(1, 6), allot(count, hist))
     u = (np.arange(count) + rng.random(count)) / max(count, 1)
     texts = np.round(np.interp(u, np.linspace(0, 1, len(quantiles)), quantiles)).astype(int)
     plan = list(zip(rng.permutation(tiles), rng.permutation(texts)))
@@ -203,14 +204,6 @@ def _internvl(name: str, count: int, rng: np.random.Generator):
         return {"image": w.image(h, w_px), "conversations": conv}
 
     return make
-
-
-def _allot(total: int, weights) -> np.ndarray:
-    """Integer counts summing to `total`, proportional to `weights` (largest remainders)."""
-    exact = total * np.asarray(weights, float) / sum(weights)
-    counts = np.floor(exact).astype(int)
-    counts[np.argsort(counts - exact)[: total - counts.sum()]] += 1
-    return counts
 
 
 def _internvl_size(rng: np.random.Generator, tiles: int) -> tuple[int, int]:
@@ -307,7 +300,7 @@ def _write(out: Path, num_samples: int, mix: str, seed: int, scale: float) -> No
     writer = _Writer(out, rng, scale)
     subsets, weights = zip(*MIXES[mix])
     datasets = []
-    for name, count in zip(subsets, _allot(num_samples, weights)):
+    for name, count in zip(subsets, allot(num_samples, weights)):
         make = _internvl(name, count, rng) if mix == "internvl" else GENERATORS[name]
         with (out / f"{name}.jsonl").open("w") as f:
             for i in range(count):

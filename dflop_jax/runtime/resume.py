@@ -63,8 +63,13 @@ class CarriedCorrections:
     state: dict
     kept: tuple[int, ...]
     reset: tuple[int, ...]
+    same_buckets: bool = True
 
     def message(self) -> str:
+        if not self.same_buckets:
+            return (
+                "the checkpoint's plan has other buckets; every stage's scheduler corrections reset"
+            )
         if not self.reset:
             return (
                 "the checkpoint comes from another layout; every stage's scheduler corrections kept"
@@ -87,8 +92,8 @@ def carry_corrections(saved: dict, old: Layout, new: Layout, fresh: dict) -> Car
     """
     old_sched = saved["scheduler"]
     mapping = stage_map(old, new)
-    same_buckets = (old_sched["tiles"], old_sched["lengths"]) == (fresh["tiles"], fresh["lengths"])
-    if not same_buckets:
+    same = same_buckets(old_sched, fresh)
+    if not same:
         mapping = [None] * new.num_stages
     sched = dict(fresh)
     if any(m is not None for m in mapping):
@@ -105,4 +110,13 @@ def carry_corrections(saved: dict, old: Layout, new: Layout, fresh: dict) -> Car
     state = dict(saved, scheduler=sched, observations={})
     kept = tuple(p for p, q in enumerate(mapping) if q is not None)
     reset = tuple(p for p, q in enumerate(mapping) if q is None)
-    return CarriedCorrections(state, kept, reset)
+    return CarriedCorrections(state, kept, reset, same)
+
+
+def same_buckets(saved: dict, fresh: dict) -> bool:
+    """Whether two `Scheduler.state_dict()`s are over the same bucket ladders (a re-plan may keep
+    the layout and change only its buckets)."""
+    return (list(saved["tiles"]), list(saved["lengths"])) == (
+        list(fresh["tiles"]),
+        list(fresh["lengths"]),
+    )

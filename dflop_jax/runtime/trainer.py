@@ -64,7 +64,7 @@ from dflop_jax.runtime.metrics import (
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
 from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
 from dflop_jax.runtime.replan import describe, next_plan, wants_replan
-from dflop_jax.runtime.resume import carry_corrections, layout_from_dict
+from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
 from dflop_jax.scheduler import Scheduler
@@ -286,11 +286,11 @@ class _Trainer:
         # The schedule function first: the loader's thread schedules the next batch as soon as its
         # state is set, and must find the lag counted from the resumed step.
         saved = _lagged_state(meta["scheduler"], meta["step"], self.cfg.prefetch)
-        if meta["layout"] != json.loads(json.dumps(dataclasses.asdict(self.layout))):
-            # Correction factors are per stage of the layout that measured them (`resume.py`).
-            carried = carry_corrections(
-                saved, layout_from_dict(meta["layout"]), self.layout, self.scheduler.state_dict()
-            )
+        fresh = self.scheduler.state_dict()
+        moved = meta["layout"] != json.loads(json.dumps(dataclasses.asdict(self.layout)))
+        if moved or not same_buckets(saved["scheduler"], fresh):
+            # Correction factors are per stage and bucket pair of the plan that measured them.
+            carried = carry_corrections(saved, layout_from_dict(meta["layout"]), self.layout, fresh)
             saved = carried.state
             self.console.print(f"note: {carried.message()}", highlight=False, soft_wrap=True)
         self.schedule_fn.load(saved)
