@@ -392,8 +392,11 @@ class SavedState:
 
 
 def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
-    """The stored tree structure of one pytree item (no array data read)."""
-    return reader.metadata(directory).item_metadata.tree
+    """The stored tree structure of one pytree item (no array data read); {} for an item orbax
+    recorded no tree for (it holds nothing to read: a leaf the exporter then misses is named by
+    `export_run`'s own check against the model)."""
+    item = reader.metadata(directory).item_metadata
+    return {} if item is None else item.tree
 
 
 def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
