@@ -170,8 +170,9 @@ def demo_figures(run_dir: Path) -> dict | None:
     config = run_dir / "config.yaml"
     peak = None
     if config.exists():
+        # the resolved config's `device:` section (`peak_flops:` under it; 0.0 = the preset's)
         peak = next((ln.split(":", 1)[1].strip() for ln in config.read_text().splitlines()
-                     if ln.startswith("peak_flops:")), None)  # fmt: skip
+                     if ln.strip().startswith("peak_flops:")), None)  # fmt: skip
     return {
         "steps": len(rows),
         "first_loss": rows[0].get("loss"),

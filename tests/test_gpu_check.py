@@ -106,7 +106,7 @@ def test_demo_figures_from_a_metrics_file(tmp_path):
          "pred_raw_mape": 0.4, "pred_corrected_mape": 0.2, "correction_observations": 6},
     ]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (tmp_path / "config.yaml").write_text("steps: 3\npeak_flops: 9.89e+14\n")
+    (tmp_path / "config.yaml").write_text("steps: 3\ndevice:\n  peak_flops: 9.89e+14\n")
     d = helper.demo_figures(tmp_path)
     # steady steps: 2 and 3 (the first compiles)
     assert d["steps"] == 3 and d["first_step_s"] == 60.0

@@ -97,7 +97,7 @@ DRIFTING = [
     "planner.microbatches=[2]", "planner.num_buckets=[2]", "planner.samples=1",
     "planner.replan_every=2", "planner.replan_batches=2", "planner.replan=on_drift",
     "planner.replan_threshold=0.2", "checkpoint.every=2", "measure_stage_times_every=0",
-    "peak_flops=1000000000.0", "scheduler.solver=greedy",
+    "device.peak_flops=1000000000.0", "scheduler.solver=greedy",
 ]  # fmt: skip
 
 

@@ -12,6 +12,8 @@ for the last one, so every process holds the same measurements, and the planner 
 
 from __future__ import annotations
 
+import hashlib
+
 from dflop_jax.contracts import BucketSet
 from dflop_jax.planner.drift import Drift, RunningPlan
 from dflop_jax.planner.resolve import ResolvedPlan
@@ -20,6 +22,16 @@ from dflop_jax.planner.resolve import ResolvedPlan
 def wants_replan(drift: Drift | None, threshold: float) -> bool:
     """Whether `drift` calls for a new plan: a pick whose regret is above `threshold`."""
     return drift is not None and drift.best is not None and drift.regret > threshold
+
+
+def pick_digest(drift: Drift | None) -> int:
+    """A 56-bit digest of the drift's pick (layout, buckets, microbatch range; 0 for none): what the
+    processes of a job compare before they re-plan together."""
+    if drift is None or drift.best is None:
+        return 0
+    best = drift.best
+    text = repr((best.layout, best.buckets, best.microbatch_range))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
 
 
 def covering(new: BucketSet, old: BucketSet) -> BucketSet:

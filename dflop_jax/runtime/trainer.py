@@ -49,7 +49,7 @@ from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stag
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
-from dflop_jax.runtime.distributed import host_scalars
+from dflop_jax.runtime.distributed import exchange_host, host_scalars
 from dflop_jax.runtime.driver import StepOutput, connect, place_sides, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
@@ -63,7 +63,7 @@ from dflop_jax.runtime.metrics import (
 )
 from dflop_jax.runtime.model_stages import build_stages, is_multimodal
 from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
-from dflop_jax.runtime.replan import describe, next_plan, wants_replan
+from dflop_jax.runtime.replan import describe, next_plan, pick_digest, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
@@ -144,7 +144,7 @@ def train(
                 trainer.settle_drift()
                 log(trainer.read(through=step))
                 trainer.save(step)
-                if step < cfg.steps and trainer.replan_due():
+                if step < cfg.steps and trainer.replan_due(step):
                     trainer = _replanned(trainer, step, model_cfg)
         log(trainer.read(through=cfg.steps))
     finally:
@@ -376,12 +376,29 @@ class _Trainer:
         if self.drift is not None and self.drift.wait:
             self.drift.join()
 
-    def replan_due(self) -> bool:
-        """Whether this run re-plans now (`planner.replan: on_drift`, `runtime/replan.py`)."""
+    def replan_due(self, step: int) -> bool:
+        """Whether this run re-plans after `step` (`planner.replan: on_drift`, `runtime/replan.py`).
+
+        Decided once for the job: process 0's decision, shared with every process through the
+        coordinator (`exchange_host`), with the digest of its pick; a process whose own measurement
+        picked another plan stops the job in one line rather than train on another layout."""
         planner = self.cfg.planner
-        return planner.replan == "on_drift" and wants_replan(
-            self.latest_drift, planner.replan_threshold
-        )
+        if planner.replan != "on_drift":
+            return False
+        mine = wants_replan(self.latest_drift, planner.replan_threshold)
+        if jax.process_count() == 1:
+            return mine
+        local = np.array([int(mine), pick_digest(self.latest_drift) if mine else 0], np.int64)
+        votes = exchange_host(local, f"step{step}/replan")
+        if not votes[0, 0]:
+            return False
+        if any(tuple(v) != tuple(votes[0]) for v in votes):
+            raise RuntimeError(
+                f"re-plan after step {step}: process 0 re-plans to pick {votes[0, 1]:#x} but the "
+                f"processes decided {votes.tolist()} ([re-plan, pick] per process): their drift "
+                "measurements differ (planner.replan=log keeps the plan)"
+            )
+        return True
 
     def eval_due(self, step: int) -> bool:
         """Whether the held-out set is evaluated after `step`: every `eval.every` steps and the last."""
