@@ -329,3 +329,20 @@ def test_checkpoint_of_padded_zero1_state_resumes_at_another_dp(tmp_path):
     check(stages2, opts2, saved3, straight)
     restore(LAYOUT_DP3, stages3, opts3, "dp2")  # back into the padded layout
     check(stages3, opts3, saved2, straight)
+
+
+def test_update_programs_of_a_padded_stage_compile_ahead_and_match_reduce():
+    """The optimizer's programs lower from abstract inputs before step 1 (`StageOptimizer.lower`) on
+    a stage whose ZeRO-1 layout pads leaves (dp 3): the gradient structs are the padded layout's, as
+    `reduce` really returns them."""
+    stages, opts = _stages_and_grads(True, LAYOUT_DP3)
+    for stage, opt in zip(stages, opts):
+        assert any(lay.is_padded for lay in jax.tree.leaves(opt.layout))
+        for lowered in opt.lower():
+            lowered.compile()
+        acc = _gradient_accumulators([stage], 0)[0]
+        reduced = opt.reduce(acc)
+        structs = opt.grad_structs()
+        got = jax.tree.map(lambda x: (x.shape, x.sharding), reduced)
+        want = jax.tree.map(lambda s: (s.shape, s.sharding), structs)
+        assert got == want

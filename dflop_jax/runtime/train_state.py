@@ -367,11 +367,11 @@ class StageOptimizer:
             return self._reduce(acc)
 
     def grad_structs(self) -> PyTree:
-        """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in)."""
+        """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in): the ZeRO-1
+        layout's, padded where a leaf has no axis that its tp x dp divides."""
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
-            prune(self.stage.params, self.stage.trained),
-            self.grad_shardings,
+            lambda lay: jax.ShapeDtypeStruct(lay.padded, jnp.float32, sharding=lay.sharding),
+            prune(self.layout, self.stage.trained),
         )
 
     @property
