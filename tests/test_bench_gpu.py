@@ -62,6 +62,7 @@ def test_attention_and_stage_parts(tmp_path, capsys):
     assert ("misses goal: LLM stage MFU" in text) == (llm["mfu"] < gpu.GOAL_LLM_MFU)
 
 
+@pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 def test_profiler_and_host_parts(tmp_path, capsys):
     report, text = _run(tmp_path, capsys, "profiler,host")
     _labelled(text, "## ")

@@ -144,6 +144,7 @@ def _batch(family: str, rows: int, tpt: int) -> list[dict]:
     ]
 
 
+@pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 @pytest.mark.parametrize(
     "family,dp,llm_stages",
     [("llava_ov", 1, 1), ("llava_ov", 2, 2), ("internvl", 2, 1), ("internvl", 1, 2)],
@@ -211,6 +212,7 @@ def _restore(ckpt, layout, stages, opts, step):
         s.params, o.state = p, st
 
 
+@pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     """The colocated stage's encoder params AND optimizer moments / step counts map to the model-level
     tree: a separate-encoder run restored from it holds exactly the colocated run's state and computes

@@ -350,6 +350,7 @@ def _stage1(tmp_path, name, steps):
     return load_config(TrainConfig, cfg, [*STAGE1, *over])
 
 
+@pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
     """The trainer under the LLaVA-OV stage-1 recipe: the vision-only encoder stage runs forward only,
     4 steps straight == 2, stop, resume to 4 (losses, every param), the frozen parts bit-identical

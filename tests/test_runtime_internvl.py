@@ -76,6 +76,7 @@ def _internvl_loss(m, mb):
     return m.loss(*(mb[k] for k in keys))[0]
 
 
+@pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 def test_internvl_pipeline_matches_single_device():
     model = _model()
     rng = np.random.default_rng(0)

@@ -43,7 +43,7 @@ from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.runtime.stages import Lowering, StageProgram
 from dflop_jax.runtime.transfer import lower_transfer
 
-# jax.monitoring's event for building one executable (`jax._src.dispatch.BACKEND_COMPILE_EVENT`).
+# jax.monitoring's event for building one executable (the backend compile's duration event).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
