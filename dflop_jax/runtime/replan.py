@@ -55,8 +55,8 @@ def describe(drift: Drift, old: RunningPlan | ResolvedPlan, new: ResolvedPlan, s
     """The log line of a re-plan: why, and both layouts with their predicted step times."""
     return (
         f"re-plan after step {step}: plan_regret {drift.regret:.1%} (measured after step "
-        f"{drift.step}) over the threshold; old {_layout(old.layout)} {drift.running_s * 1e3:.3g} "
-        f"ms/step on the recent data -> new {_layout(new.layout)} {drift.planned_s * 1e3:.3g} "
+        f"{drift.step}) over the threshold; old {_layout(old.layout)} {drift.running_s * 1e3:.1f} "
+        f"ms/step on the recent data -> new {_layout(new.layout)} {drift.planned_s * 1e3:.1f} "
         f"ms/step, buckets tiles={list(new.buckets.tiles)} lengths={list(new.buckets.lengths)}"
     )
 
