@@ -260,3 +260,11 @@ def test_a_two_process_checkpoint_reads_on_one_host(tmp_path):
         want = checkpoint_worker.value(int(layer), kind)
         np.testing.assert_array_equal(saved.read((module, kind, "layers", layer, "w")), want)
     saved.close()
+
+
+def test_a_relative_run_path_exports(tmp_path, monkeypatch):
+    """`run=` relative to the working directory (as the CLI is used) reads the checkpoint's tree."""
+    _, _, run = _write_run(tmp_path, "decoder")
+    monkeypatch.chdir(run.parent)
+    _export(run.name, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -359,7 +359,7 @@ class SavedState:
     """
 
     def __init__(self, directory: str | Path, step: int | None = None):
-        directory = Path(directory)
+        directory = Path(directory).absolute()  # orbax reads no item metadata under a relative path
         steps = complete_steps(directory)
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint under {directory}")
@@ -392,11 +392,9 @@ class SavedState:
 
 
 def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
-    """The stored tree structure of one pytree item (no array data read); {} for an item orbax
-    recorded no tree for (it holds nothing to read: a leaf the exporter then misses is named by
-    `export_run`'s own check against the model)."""
-    item = reader.metadata(directory).item_metadata
-    return {} if item is None else item.tree
+    """The stored tree structure of one pytree item (no array data read). `directory` must be
+    absolute: orbax reads no item metadata under a relative path."""
+    return reader.metadata(directory).item_metadata.tree
 
 
 def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
