@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from models.decoder_config import DecoderConfig
 from models.layers import Llama3RopeScaling
 
@@ -210,3 +212,15 @@ def save_tiny_internvl(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
         for p in model.model.vision_tower.parameters():
             p.add_(0.1 * torch.randn_like(p))
     return _save(model, path)
+
+
+def packed_segment_ids(s: int, lengths) -> np.ndarray:
+    """[S] segment ids 1.. of consecutive samples of `lengths` (a negative length: a padding run),
+    0 for the tail: a packed attention row as the loader builds it."""
+    ids, pos, sample = np.zeros(s, np.int32), 0, 1
+    for n in lengths:
+        if n > 0:
+            ids[pos : pos + n] = sample
+            sample += 1
+        pos += abs(n)
+    return ids

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_fixtures import packed_segment_ids
 
 from models.attention import (
     MIN_BLOCK,
@@ -21,28 +22,17 @@ from models.attention import (
 TOL = 1e-5  # float32 round-off (values are O(1))
 
 
-def _packed(s, lengths):
-    """[S] ids 1.. of consecutive samples of `lengths` (a negative length: a padding run), 0 tail."""
-    ids, pos, sample = np.zeros(s, np.int32), 0, 1
-    for n in lengths:
-        if n > 0:
-            ids[pos : pos + n] = sample
-            sample += 1
-        pos += abs(n)
-    return ids
-
-
 def _rows(s):
     """Row layouts: many short samples, one long sample, a padding tail, a padding gap, all padding."""
     rng = np.random.default_rng(1)
     short = rng.integers(1, 9, size=s)
-    many = _packed(s, list(short[np.cumsum(short) <= s - 3]))
+    many = packed_segment_ids(s, list(short[np.cumsum(short) <= s - 3]))
     return np.stack(
         [
             many,
-            _packed(s, [s]),
-            _packed(s, [s - 11]),
-            _packed(s, [13, -7, 20, 9]),
+            packed_segment_ids(s, [s]),
+            packed_segment_ids(s, [s - 11]),
+            packed_segment_ids(s, [13, -7, 20, 9]),
             np.zeros(s, np.int32),
         ]
     )

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_fixtures import packed_segment_ids
 
 from models.attention import attention, attention_mask
 from models.pallas_attention import block_ranges, pallas_attention, visited_blocks
@@ -15,25 +16,14 @@ from models.pallas_attention import block_ranges, pallas_attention, visited_bloc
 TOL = 2e-5  # float32 round-off of values and gradients of O(1) (both sides tile differently)
 
 
-def _packed(s, lengths):
-    """[S] ids 1.. of consecutive samples of `lengths` (a negative length: a padding run), 0 tail."""
-    ids, pos, sample = np.zeros(s, np.int32), 0, 1
-    for n in lengths:
-        if n > 0:
-            ids[pos : pos + n] = sample
-            sample += 1
-        pos += abs(n)
-    return ids
-
-
 def _rows(s):
     """One sample, three samples and a padding tail, 16 short samples, a padding gap."""
     return np.stack(
         [
-            _packed(s, [s]),
-            _packed(s, [30, 21, 17]),
-            _packed(s, [5] * 16),
-            _packed(s, [13, -7, 20, 9]),
+            packed_segment_ids(s, [s]),
+            packed_segment_ids(s, [30, 21, 17]),
+            packed_segment_ids(s, [5] * 16),
+            packed_segment_ids(s, [13, -7, 20, 9]),
         ]
     )
 
@@ -144,7 +134,7 @@ def test_cost_model_counts_the_tiles_the_kernel_visits(lengths, causal):
     from dflop_jax.costs.flops import visited_pairs
 
     s, block = 320, 32
-    seg = jnp.asarray(_packed(s, lengths)[None])
+    seg = jnp.asarray(packed_segment_ids(s, lengths)[None])
     kernel = float(visited_blocks(seg, block, causal)[0]) * block * block
     assert visited_pairs(lengths, s, block, causal) == kernel
     # 16 samples of 20 filling the row: 1 or 2 tiles per query block (18), vs 55 causal tiles
