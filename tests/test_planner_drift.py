@@ -111,4 +111,4 @@ def test_replan_takes_the_pick_over_the_threshold_with_buckets_covering_the_old(
     )
     line = describe(drift, old, new, 9)
     assert line.startswith(f"re-plan after step 9: plan_regret {drift.regret:.1%}")
-    assert f"{drift.running_s * 1e3:.3g} ms/step on the recent data -> new" in line
+    assert f"{drift.running_s * 1e3:.1f} ms/step on the recent data -> new" in line
