@@ -1,5 +1,5 @@
-"""Test setup: 8 simulated CPU devices (before any JAX call), float32 matmuls for parity tests, and
-one persistent compilation cache for the whole run."""
+"""Test setup: 8 simulated CPU devices (before any JAX call), float32 matmuls for parity tests, XLA's
+CPU backend at LLVM -O0, and one persistent compilation cache for the whole run."""
 
 import os
 import shutil
@@ -9,6 +9,15 @@ from dflop_jax.host_devices import simulate_cpu_devices  # no jax
 
 simulate_cpu_devices(8)  # and the CPU client's thread pool for them (DESIGN 11)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # The suite's programs are tiny and compile-bound: LLVM's optimizations cost 2-3x the compile
+    # time of a test-sized stage program and save less run time than that. The HLO (fusion, sharding,
+    # collectives, buffer assignment: what the tests inspect) is made before LLVM sees it.
+    # Inherited by every jax process a test starts.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    ).strip()
 
 import pytest  # noqa: E402
 

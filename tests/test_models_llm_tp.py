@@ -62,7 +62,7 @@ def test_tensor_parallel_matches_single_device(reference, tp, overrides):
 
 def test_create_sharded_equals_unsharded_init(reference):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
-    sharded = create_sharded(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh, rules_for("decoder"))
+    sharded = create_sharded(lambda rngs: Decoder(CFG, rngs=rngs), 0, mesh, rules_for("decoder"))
     up = sharded.stage.layers[1].mlp.up[...]
     assert up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     ref = dict(nnx.to_flat_state(nnx.state(reference[0], nnx.Param)))

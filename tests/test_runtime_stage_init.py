@@ -56,7 +56,7 @@ def _whole(factory):
     """The whole model initialized by one jitted program on one device (eager op-by-op init may
     round the scaled normals differently in the last bit; compiled inits agree exactly)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    return create_sharded(factory, mesh, rules_for("decoder"))
+    return create_sharded(factory, SEED, mesh, rules_for("decoder"))
 
 
 def _decoder_cuts(model, layout):
@@ -89,7 +89,7 @@ def test_decoder_stage_init_equals_whole_model_init(tie):
     """2 + 3 layers at tp=2: the head stage's tied embedding copy draws what the embedding draws."""
     cfg = tiny_decoder_config(num_layers=5, vocab_size=64, tie_embeddings=tie)
     stages = build_stages(cfg, DECODER_LAYOUT, stage_meshes(DECODER_LAYOUT), SEED)
-    whole = _whole(lambda: Decoder(cfg, rngs=nnx.Rngs(SEED)))
+    whole = _whole(lambda rngs: Decoder(cfg, rngs=rngs))
     _check_split(stages, _decoder_cuts(whole, DECODER_LAYOUT), DECODER_LAYOUT)
     q = stages[1].params["layers"][0]["attn"]["q_kernel"]
     assert q.sharding.spec == P(None, "model", None)  # made in its tp sharding, not replicated
@@ -109,7 +109,7 @@ def test_llava_ov_stage_init_equals_whole_model_init():
     )
     cfg = llava_onevision_config(vision, text)
     stages = build_stages(cfg, MLLM_LAYOUT, stage_meshes(MLLM_LAYOUT), SEED)
-    whole = _whole(lambda: LlavaOnevision(cfg, rngs=nnx.Rngs(SEED)))
+    whole = _whole(lambda rngs: LlavaOnevision(cfg, rngs=rngs))
     _check_split(stages, _mllm_cuts(whole, MLLM_LAYOUT), MLLM_LAYOUT)
     # distinct layers draw distinct weights (the key really folds in the layer index)
     layers = whole.llm.decoder.layers

@@ -276,7 +276,8 @@ def init_stage(
     rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
     if isinstance(source, int):
         module = create_sharded(
-            lambda: stage_module(model_cfg, spec, nnx.Rngs(source), with_encoder=with_encoder),
+            lambda rngs: stage_module(model_cfg, spec, rngs, with_encoder=with_encoder),
+            source,
             mesh,
             rules,
         )

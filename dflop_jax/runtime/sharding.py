@@ -94,15 +94,20 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.
 
 
 def create_sharded(
-    module_factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules
+    module_factory: Callable[[nnx.Rngs], nnx.Module], seed: int, mesh: Mesh, rules: Rules
 ) -> nnx.Module:
-    """Builds `module_factory()` with every parameter created directly in its sharding.
+    """Builds `module_factory(nnx.Rngs(seed))` with every parameter created directly in its sharding.
 
     The factory runs once abstractly (`nnx.eval_shape`) to get the state tree and its shardings, then
-    inside one `jit` with `out_shardings`, so no parameter is ever whole on one device.
+    inside one `jit` with `out_shardings`, so no parameter is ever whole on one device. The seed is
+    the jit's argument, not a constant inside it: with a constant key XLA folds the whole random
+    init at compile time in its HLO interpreter (tens of seconds for a test-sized model). The
+    parameters are the same either way (threefry bits, then the same compiled float ops).
     """
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        graphdef, abs_state = nnx.split(nnx.eval_shape(module_factory))
+        graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: module_factory(nnx.Rngs(seed))))
         shardings = nnx.get_named_sharding(abs_state, mesh)
-        init = jax.jit(lambda: nnx.state(module_factory()), out_shardings=shardings)
-        return nnx.merge(graphdef, init())
+        init = jax.jit(
+            lambda key: nnx.state(module_factory(nnx.Rngs(key))), out_shardings=shardings
+        )
+        return nnx.merge(graphdef, init(jax.random.key(seed)))
