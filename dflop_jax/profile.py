@@ -29,7 +29,8 @@ from dflop_jax.host_devices import simulate_cpu_devices
 COMMAND = Command(
     prog="python -m dflop_jax.profile",
     description=__doc__.split("\n")[0],
-    example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml profile.data_samples=64",
+    example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml "
+    "data.synth_samples=64 profile.data_samples=64",
     modes={
         "no-progress": "model: no progress bar",
         "profile-only": "auto: stop after the data and model profiles",
@@ -101,7 +102,12 @@ def _model(cfg, args) -> int:
     with progress_bar(not args.no_progress) as progress:
         path, _ = model_profile(auto, model_cfg, cache, {}, name=run_name(cfg),
                                 devices=jax.devices(), progress=progress)  # fmt: skip
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    from dflop_jax.contracts.cost_table import load_table
+
+    table = load_table(path)
+    ok = sum(e.ok for e in table.entries.values())
+    print(f"wrote {path} ({ok} entries, {len(table.skipped())} skipped) and "
+          f"{path.with_suffix('.png')}")  # fmt: skip
     return 0
 
 

@@ -89,14 +89,14 @@ def test_missing_shape_file_is_a_clear_error(tmp_path):
 def test_profile_model_cli(tmp_path, capsys):
     from dflop_jax import profile as profile_cli
 
-    out = tmp_path / "ct.json"
-    rc = profile_cli.main(["model", "--no-progress", "arch=tiny", f"out={out}", "profile.tps=[1]",
-                           "profile.kinds=[encoder_head]", "profile.encoder_buckets=[1]",
-                           "profile.runs=1", "profile.warmup=0"])  # fmt: skip
+    out = tmp_path / "auto_plan" / "cost_table.json"  # where `plan` and `train plan=auto` read it
+    rc = profile_cli.main(["model", "--no-progress", "model=tiny", "device=cpu", "num_devices=2",
+                           f"run_dir={tmp_path}", "profile.tps=[1]", "profile.kinds=[encoder_head]",
+                           "profile.encoder_buckets=[1]", "profile.runs=1",
+                           "profile.warmup=0"])  # fmt: skip
     assert rc == 0 and out.is_file() and out.with_suffix(".png").is_file()
     assert "1 entries" in capsys.readouterr().out
-    assert profile_cli.main(["model", "arch=nope"]) == 2
-    assert profile_cli.main(["model"]) == 2
+    assert profile_cli.main(["model", "model=nope"]) == 2
 
 
 def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
@@ -107,13 +107,14 @@ def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
-    args = [f"cache_dir={tmp_path}", "auto.data_source=llava-ov", "auto.data_samples=100",
-            "auto.planner.global_batch=16", "auto.planner.microbatches=[4]", "auto.planner.samples=1",
-            "auto.planner.llm_pp=[1,2]", "auto.planner.encoder_pp=[1]", "auto.planner.tp=[1]",
-            "auto.profile.tps=[1]"]  # fmt: skip
+    args = [f"run_dir={tmp_path}", "model=tiny", "device=cpu", "num_devices=8",
+            "profile.data_source=llava-ov", "profile.data_samples=100", "global_batch=16",
+            "planner.microbatches=[4]", "planner.samples=1", "planner.llm_pp=[1,2]",
+            "planner.encoder_pp=[1]", "planner.tp=[1]", "profile.tps=[1]"]  # fmt: skip
+    cache = tmp_path / "auto_plan"
     assert main(["--profile-only", *args]) == 0
-    assert len(calls) == 1 and not (tmp_path / "plan.yaml").exists()
+    assert len(calls) == 1 and not (cache / "plan.yaml").exists()
     assert main(args) == 0  # the optimization step reuses the fresh profile
-    assert len(calls) == 1 and (tmp_path / "plan.yaml").is_file()
+    assert len(calls) == 1 and (cache / "plan.yaml").is_file()
     assert "plan.yaml" in capsys.readouterr().out
-    assert main([f"cache_dir={tmp_path}"]) == 2  # data_source "dataset" without a data_config
+    assert main([*args, "profile.data_source=no/such.json"]) == 2  # one config error line
