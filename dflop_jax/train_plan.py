@@ -179,7 +179,8 @@ def plan_from_run_dir(cfg: TrainConfig, model_cfg, progress=None):
 def plan_shapes(cfg: TrainConfig):
     """(the shapes the run plans for, how `Plan.inputs` records them), per `profile.data_source`."""
     from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES
-    from dflop_jax.profiling.pipeline import load_shapes, shape_file
+    from dflop_jax.planner.resolve import load_shapes
+    from dflop_jax.profiling.pipeline import shape_file
 
     source = cfg.profile.data_source
     if source in SYNTHETIC_SHAPES:

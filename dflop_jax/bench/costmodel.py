@@ -146,8 +146,7 @@ def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dic
 def _plan(arch, device, provider) -> tuple[float, str]:
     from dflop_jax.config import load_config
     from dflop_jax.planner import PlanningError, describe_layout, make_plan
-    from dflop_jax.planner.resolve import training_planner
-    from dflop_jax.profiling.pipeline import load_shapes
+    from dflop_jax.planner.resolve import load_shapes, training_planner
     from dflop_jax.runtime.config import TrainConfig
 
     cfg = load_config(

@@ -158,18 +158,6 @@ def model_profile(
     return table_path, model_digest
 
 
-def load_shapes(source, samples: int = 4000, seed: int = 0):
-    """The shape distribution (list of SampleShape) of a synthetic mix's name (`samples` of it,
-    seeded) or of a shape-distribution JSON path."""
-    from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
-
-    if source == "llava-ov":
-        return llava_ov_mix(samples, seed)
-    if source == "omnibal":
-        return omnibal_shapes()
-    return load_shape_distribution(source)
-
-
 def ensure_plan(
     cfg: AutoPlanConfig,
     model_cfg,
@@ -200,6 +188,7 @@ def ensure_plan(
     from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan, make_plan, save_plan
+    from dflop_jax.planner.resolve import load_shapes
     from dflop_jax.planner.space import fit_search_space
     from dflop_jax.profiling.model_config import arch_for_model_config
     from dflop_jax.runtime.device import run_device
