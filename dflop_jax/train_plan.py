@@ -131,8 +131,10 @@ def run_planner(cfg: TrainConfig, arch, device):
 
 
 def run_name(cfg: TrainConfig) -> str:
-    """The model's name in the cost table and the plan of `plan: auto` and the CLI steps."""
-    return f"{cfg.model.kind}-run"
+    """The model's name in the cost table and the plan of `plan: auto` and the CLI steps: its named
+    architecture where it has one (then `python -m dflop_jax.simulate` replays the plan), else
+    "<kind>-run"."""
+    return cfg.model.arch or f"{cfg.model.kind}-run"
 
 
 def auto_plan_dir(cfg: TrainConfig) -> Path:

@@ -52,7 +52,7 @@ def test_plan_cli_writes_plan_and_config(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     assert plan_cli.main(["--no-progress", "--json", *TINY, f"run_dir={tmp_path}"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model"] == "llava_ov-run" and report["num_devices"] == 4
+    assert report["model"] == "tiny" and report["num_devices"] == 4
     assert report["planner_config"]["global_batch"] == 8  # the run's global batch
     assert load_plan(out).num_devices == 4
     resolved = load_config(TrainConfig, tmp_path / "plan.config.yaml")
