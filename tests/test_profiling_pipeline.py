@@ -118,3 +118,29 @@ def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
     assert len(calls) == 1 and (cache / "plan.yaml").is_file()
     assert "plan.yaml" in capsys.readouterr().out
     assert main([*args, "profile.data_source=no/such.json"]) == 2  # one config error line
+
+
+def test_train_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkeypatch):
+    """`profile data` and `profile model` on a run config, then that run's `plan: auto`: both
+    profiles are fresh for it (same settings, same stamps), so neither runs again."""
+    from dflop_jax.config import load_config
+    from dflop_jax.profile import main as profile_main
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import DEMO_CONFIG
+    from dflop_jax.train_plan import abstract_model_config, resolve_plan
+
+    calls = []
+    monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
+    run = [f"run_dir={tmp_path}", "model=tiny", "device=cpu", "num_devices=8", "plan=auto",
+           f"data.synth_dir={tmp_path / 'synth'}", "data.synth_samples=24", "data.cache_dir=",
+           "profile.data_samples=24", "global_batch=16", "planner.microbatches=[4]",
+           "planner.samples=1", "planner.llm_pp=[1,2]", "planner.encoder_pp=[1]", "planner.tp=[1]",
+           "profile.tps=[1]", "profile.llm_buckets=[64,512]"]  # fmt: skip
+    assert profile_main(["data", *run]) == 0
+    assert profile_main(["model", "--no-progress", *run]) == 0
+    assert len(calls) == 1
+    cfg = load_config(TrainConfig, DEMO_CONFIG, run)  # the commands' default config, as train's
+    resolve_plan(cfg, abstract_model_config(cfg))
+    assert len(calls) == 1
+    timings = json.loads((tmp_path / "auto_plan" / "timings.json").read_text())
+    assert timings["data profile"] == 0.0 and timings["model profile"] == 0.0
