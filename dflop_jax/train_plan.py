@@ -9,6 +9,11 @@ dataset's shapes with analytic costs; a path loads a plan.yaml; "auto" profiles 
 `run_dir/auto_plan` (reusing fresh outputs) and plans on measured costs, which the scheduler then
 predicts with too.
 
+The same run config drives the step commands: `auto_plan_config` gives `python -m dflop_jax.profile
+data|model|auto` the settings `plan: auto` uses (so each reuses what the other wrote), and
+`plan_from_run_dir` is `python -m dflop_jax.plan` (the profiles in `run_dir/auto_plan` ->
+`run_dir/plan.yaml`).
+
 Remat: the model config's per-module policy (`ModelConfig.vision_remat` / `llm_remat`) is what the
 analytic costs assume; a plan.yaml brings its own (`Plan.remat`), which `with_plan_remat` applies to
 the model before it is built.

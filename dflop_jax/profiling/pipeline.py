@@ -37,14 +37,17 @@ SYNTHETIC = SYNTHETIC_SHAPES
 
 @dataclasses.dataclass(frozen=True)
 class AutoPlanConfig:
-    """What `plan: auto` needs besides the model config.
+    """What the pipeline needs besides the model config; a run's (`plan: auto` and the profile
+    commands alike) is `train_plan.auto_plan_config`, from its `profile`, `planner`, `device` and
+    `num_devices`.
 
     Attributes:
       device: the planned devices' accelerator (`DeviceConfig`: "auto" = the one JAX reports, or a
         preset name): capacity and hosts.
       num_devices: devices to plan for.
       data_source: "dataset" (profile the training data config passed to `ensure_plan`), a
-        shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal").
+        shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal")
+        (`profile.data_source` of a run).
       data_samples: records drawn by the data profiler (or samples of the synthetic llava-ov mix).
       seed: data sampling seed.
       profile: the model profiler's grid and timing.
