@@ -92,8 +92,10 @@ def test_nested_configs_name_the_full_key():
 
 
 @pytest.mark.parametrize(
-    "command", [("dflop_jax.plan", "--no-progress"), ("dflop_jax.profile", "data")]
-)
+    "command",
+    [("dflop_jax.plan", "--no-progress"), ("dflop_jax.profile", "data"),
+     ("dflop_jax.profile", "model"), ("dflop_jax.profile", "auto")],
+)  # fmt: skip
 def test_plan_and_profile_reject_a_missing_shape_file_in_one_line(command):
     out = run_entry(*command, "profile.data_source=no/such/shapes.json")
     assert out.returncode == 2
