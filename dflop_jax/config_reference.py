@@ -158,23 +158,16 @@ def render(roots: list[tuple[str, type]]) -> str:
 
 
 def root_configs() -> list[tuple[str, type]]:
-    """Every command's root config, the training run's first."""
+    """Every command's root config, the run config (train, plan, profile) first."""
     from dflop_jax.costs.__main__ import CostsConfig
-    from dflop_jax.data.profile import DataProfileConfig
     from dflop_jax.data.synth import SynthConfig
     from dflop_jax.export import ExportConfig
-    from dflop_jax.planner.run_config import PlanRunConfig
-    from dflop_jax.profiling.run_config import AutoPlanRunConfig, ModelProfileConfig
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.schedule import ScheduleConfig
     from dflop_jax.simulate import SimulateConfig
 
     return [
-        ("train", TrainConfig),
-        ("plan", PlanRunConfig),
-        ("profile data", DataProfileConfig),
-        ("profile model", ModelProfileConfig),
-        ("profile auto", AutoPlanRunConfig),
+        ("train, plan, profile data|model|auto (the run config)", TrainConfig),
         ("export", ExportConfig),
         ("schedule", ScheduleConfig),
         ("simulate", SimulateConfig),

@@ -1,99 +1,78 @@
-"""Plan a layout: config + device count + shape distribution -> plan.yaml.
+"""Plan a layout from the run config: the run's model, devices and data -> `run_dir/plan.yaml`.
 
-    python -m dflop_jax.plan --config configs/plan_llava_ov_7b_h100x64.yaml [key=value ...] [--json] [--check]
+    python -m dflop_jax.plan --config RUN.yaml [key=value ...] [--json] [--check]
 
-Overrides use the config's dotted keys (e.g. `num_devices=32 planner.samples=8 out=runs/plan.yaml`);
-`planner.trainable=[projector]` plans a training recipe with frozen parts (costs/recipe.py).
-Writes `out` (plan.yaml) and the resolved config beside it (`<out stem>.config.yaml`). An infeasible
-request exits with status 2 and a one-line explanation. `--check` then compiles every stage program of
-the chosen layout at its real sizes from abstract arrays on `num_devices` (simulated CPU) devices and
-writes each stage's `compiled_memory_gib` and `compile_s` beside its predicted `memory_gib`
-(`profiling/compile_check.py`), each as it trains under the plan's recipe (a forward-only stage
-compiles its forward, frozen leaves hold no accumulator or optimizer state); stages more than 15% apart
-are warned. With `--check` the planner keeps
-a colocated encoder at its stage's tp (`planner.colocate_own_tp=false`): what is compiled is what trains.
+The run config is the training config (`TrainConfig`; default `configs/demo.yaml`): the plan is for
+its model (`model`), devices (`device`, `num_devices`), recipe (`optimizer.trainable`), global batch
+and search space (`planner`; `planner.mode=uniform` plans the data-blind baseline). It reads what
+`python -m dflop_jax.profile data` and `... profile model` wrote in `run_dir/auto_plan` (the shape
+distribution, the cost table); where one is absent, one line says so and the data's shapes (from
+metadata) or the analytic cost model stand in (`profile.data_source` may name a shape file or a
+synthetic mix instead). Writes `run_dir/plan.yaml`, recording what it read (paths and sha256), and
+the resolved config beside it (`run_dir/plan.config.yaml`); `train --config RUN.yaml
+plan=RUN_DIR/plan.yaml` trains it. An infeasible request exits with status 2 and a one-line
+explanation. `--check` then compiles every stage program of the chosen layout at its real sizes from
+abstract arrays on the run's (simulated CPU) devices and writes each stage's `compiled_memory_gib` and
+`compile_s` beside its predicted `memory_gib` (`profiling/compile_check.py`), each as it trains under
+the plan's recipe; stages more than 15% apart are warned.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
 from dflop_jax.config import ConfigError, dump_yaml
 from dflop_jax.config.cli import Command, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
-from dflop_jax.planner import (
-    Plan,
-    PlanningError,
-    describe_layout,
-    make_plan,
-    plan_to_dict,
-    save_plan,
-)
-from dflop_jax.planner.progress import progress_bar
-from dflop_jax.planner.run_config import PlanRunConfig, load_shapes, plan_inputs
-from dflop_jax.planner.space import fit_search_space
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: PlanRunConfig, progress=None, check: bool = False) -> Plan:
-    """Plans per `cfg` and writes plan.yaml and the resolved config; returns the plan. With `check`
-    the stage programs are compiled too (JAX must see `cfg.num_devices` devices)."""
-    from dflop_jax.costs import AnalyticCostProvider, get_arch
-    from dflop_jax.costs.measured import MeasuredCostProvider
-    from dflop_jax.runtime.device import run_device
+def run(cfg, progress=None, check: bool = False):
+    """Plans per the run config `cfg` and writes `run_dir/plan.yaml` and the resolved config; returns
+    the plan. With `check` the stage programs are compiled too (JAX must see the run's devices)."""
+    import dataclasses
 
-    if check and cfg.planner.colocate_own_tp:
-        # What is compiled must be what trains: the runtime runs a colocated encoder at its stage's tp.
-        logging.getLogger(__name__).warning(
-            "--check plans layouts the runtime trains: planner.colocate_own_tp=false"
-        )
-        cfg = dataclasses.replace(
-            cfg, planner=dataclasses.replace(cfg.planner, colocate_own_tp=False)
-        )
-    arch, device = get_arch(cfg.model), run_device(cfg.device)
-    provider = AnalyticCostProvider(arch, device, remat=cfg.remat)
-    if cfg.cost_table:
-        provider = MeasuredCostProvider(cfg.cost_table, arch, device, fallback=provider)
-    else:
-        log.info("no cost_table given: the analytic cost model prices the stages")
-    planner = cfg.planner
-    if cfg.mode == "dflop":
-        planner = fit_search_space(arch, cfg.num_devices, device, planner)
-    shapes = load_shapes(cfg.data)
-    plan = make_plan(arch, device, cfg.num_devices, shapes, planner, provider, progress, cfg.mode)
-    plan = dataclasses.replace(plan, inputs=plan_inputs(cfg))
-    dump_yaml(cfg, cfg.out.with_name(cfg.out.stem + ".config.yaml"))
-    save_plan(plan, cfg.out)
+    from dflop_jax.planner import save_plan
+    from dflop_jax.train_plan import abstract_model_config, plan_from_run_dir
+
+    model_cfg = abstract_model_config(cfg)
+    plan = plan_from_run_dir(cfg, model_cfg, progress)
+    out = plan_path(cfg)
+    dump_yaml(cfg, out.with_name("plan.config.yaml"))
+    save_plan(plan, out)
     if check:
-        plan = check_compiled(plan)
-        save_plan(plan, cfg.out)
+        plan = dataclasses.replace(plan, checks=check_compiled(plan, model_cfg))
+        save_plan(plan, out)
     return plan
 
 
-def check_compiled(plan: Plan) -> Plan:
-    """`plan` with `checks`: its stage programs compiled for the plan's model and remat policy."""
+def plan_path(cfg) -> Path:
+    """Where `plan` writes the run's plan.yaml."""
+    return Path(cfg.run_dir) / "plan.yaml"
+
+
+def check_compiled(plan, model_cfg) -> tuple:
+    """The plan's stage programs compiled for the run's model under the plan's remat policy."""
     from dflop_jax.profiling.compile_check import check_plan
-    from dflop_jax.profiling.model_config import model_config_for_arch
     from models.stages import with_remat
 
-    model_cfg = with_remat(model_config_for_arch(plan.model), plan.remat)
-    return dataclasses.replace(plan, checks=tuple(check_plan(plan, model_cfg)))
+    return tuple(check_plan(plan, with_remat(model_cfg, plan.remat)))
 
 
-def _recipe(cfg: PlanRunConfig) -> str:
+def _recipe(cfg) -> str:
     """ ", trains projector,llm" when the plan's recipe freezes a part, else ""."""
-    trainable = cfg.planner.trainable
+    trainable = cfg.optimizer.trainable
     return "" if len(trainable) == 3 else f", trains {','.join(trainable)}"
 
 
 COMMAND = Command(
     prog="python -m dflop_jax.plan",
     description=__doc__.split("\n\n")[0],
-    example="python -m dflop_jax.plan --config configs/plan_tiny_cpu.yaml out=runs/example/plan.yaml",
+    example="python -m dflop_jax.plan --config configs/plan_tiny_cpu.yaml run_dir=runs/example",
     modes={
         "check": "then compile every stage program at its real sizes (simulated CPU devices)",
         "json": "print the plan as JSON on stdout",
@@ -103,12 +82,22 @@ COMMAND = Command(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import DEMO_CONFIG
+
     args = COMMAND.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_command_config(PlanRunConfig, args)
-        if args.check:
-            simulate_cpu_devices(cfg.num_devices)  # before JAX starts
+        cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)  # before JAX starts
+
+    from dflop_jax.planner import PlanningError, describe_layout, plan_to_dict
+    from dflop_jax.planner.progress import progress_bar
+
+    try:
         with progress_bar(not args.no_progress) as progress:
             plan = run(cfg, progress, args.check)
     except ConfigError as e:
@@ -122,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{describe_layout(plan.layout)} | M={plan.microbatches} on {plan.layout.num_devices}/{plan.num_devices} "
               f"{plan.device}: step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f}), "
-              f"idle {plan.idle_fraction:.1%}{_recipe(cfg)} -> {cfg.out}")  # fmt: skip
+              f"idle {plan.idle_fraction:.1%}{_recipe(cfg)} -> {plan_path(cfg)}")  # fmt: skip
     for c, predicted in zip(plan.checks, plan.stage_memory_bytes):
         print(f"stage {c.stage} ({'+'.join(c.parts)}): predicted {predicted / 2**30:.2f} GiB, "
               f"compiled {c.total / 2**30:.2f} GiB, compile {c.compile_s:.1f} s")  # fmt: skip

@@ -1,31 +1,36 @@
 """Profiling entry point: DFLOP's profiling engine (data, model) and its run up to a plan (auto).
 
-    python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml [key=value ...]
-    python -m dflop_jax.profile model arch=tiny "profile.tps=[1,2]" [--config X.yaml] [--no-progress]
-    python -m dflop_jax.profile auto --config configs/auto_plan_tiny_cpu.yaml [--profile-only] [key=value ...]
+    python -m dflop_jax.profile data --config RUN.yaml [key=value ...]
+    python -m dflop_jax.profile model --config RUN.yaml [--no-progress]
+    python -m dflop_jax.profile auto --config RUN.yaml [--profile-only]
 
-data:  the shape distribution of a dataset sample (`dflop_jax.data.profile`).
-model: per-stage cost table (+ PNG) of an architecture's real stage programs on the devices JAX sees
-       (on CPU: `num_cpu_devices` simulated devices; `dflop_jax.profiling.model_profiler`).
-auto:  data profile -> model profile -> plan in `cache_dir`, each reused while fresh
-       (`dflop_jax.profiling.pipeline`): data/shape_distribution.json, cost_table.json (+ .png),
-       plan.yaml, cost_sources.json, timings.json; `--profile-only` stops before the plan.
+Every step reads the run config (`TrainConfig`, the file `python -m dflop_jax.train` and
+`python -m dflop_jax.plan` read; default `configs/demo.yaml`) and writes into `run_dir/auto_plan`,
+each output reused while fresh (`dflop_jax.profiling.pipeline`): the same files `train plan=auto`
+reads, so a run trains on what these commands measured.
+data:  the shape distribution of the run's `data` (`profile.data_samples` records drawn with `seed`)
+       -> data/shape_distribution.json (+ histogram; `dflop_jax.data.profile`).
+model: per-stage cost table (+ PNG) of the run's model (`model`: random weights) on the devices JAX
+       sees (on CPU: `num_devices` or `num_cpu_devices` simulated devices), grid from `profile`,
+       under the run's recipe (`optimizer.trainable`) -> cost_table.json.
+auto:  data -> model -> plan.yaml (+ cost_sources.json, timings.json); `--profile-only` stops before
+       the plan. `python -m dflop_jax.plan` instead plans into `run_dir/plan.yaml`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-from dflop_jax.config import ConfigError, read_yaml
+from dflop_jax.config import ConfigError
 from dflop_jax.config.cli import Command, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
 
 COMMAND = Command(
     prog="python -m dflop_jax.profile",
     description=__doc__.split("\n")[0],
-    example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml data.synth_samples=64",
+    example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml "
+    "data.synth_samples=64 profile.data_samples=64",
     modes={
         "no-progress": "model: no progress bar",
         "profile-only": "auto: stop after the data and model profiles",
@@ -35,101 +40,91 @@ COMMAND = Command(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import DEMO_CONFIG
+
     args = COMMAND.parse(argv)
-    if args.what == "model" and args.config is None and not args.overrides:
-        return _error("give --config YAML or key=value overrides (e.g. `profile model arch=tiny`)")
     logging.basicConfig(level=logging.WARNING if args.what == "data" else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        cfg = load_command_config(_root(args.what), args)
-        data_cfg = _training_data(cfg) if args.what == "auto" else None
+        cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
     except (ConfigError, ValueError) as e:
-        return _error(e)
-    if args.what == "data":
-        return _data(cfg)
-    simulate_cpu_devices(cfg.num_cpu_devices)
-    return (
-        _model(cfg, args.no_progress)
-        if args.what == "model"
-        else _auto(cfg, data_cfg, args.profile_only)
-    )
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)  # before JAX starts
 
-
-def _root(what: str):
-    if what == "data":
-        from dflop_jax.data.profile import DataProfileConfig
-
-        return DataProfileConfig
-    from dflop_jax.profiling.run_config import AutoPlanRunConfig, ModelProfileConfig
-
-    return ModelProfileConfig if what == "model" else AutoPlanRunConfig
-
-
-def _training_data(cfg):
-    """The training `DataConfig` of `cfg.data_config` when the auto run profiles the dataset."""
-    if cfg.auto.data_source != "dataset":
-        return None
-    from dflop_jax.config.loader import from_dict
-    from dflop_jax.data.config import DataConfig
-
-    raw = read_yaml(cfg.data_config)
-    if "data" not in raw:
-        raise ConfigError(f"data_config={cfg.data_config}: no `data:` section; add one")
-    return from_dict(DataConfig, raw["data"], "data")
-
-
-def _data(cfg) -> int:
-    from dflop_jax.data.profile import profile_data
+    from dflop_jax.planner import PlanningError
 
     try:
-        path = profile_data(cfg.data, cfg.profile.num_samples, cfg.profile.seed, cfg.profile.out)
-    except ValueError as e:
-        return _error(e)
+        return {"data": _data, "model": _model, "auto": _auto}[args.what](cfg, args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (PlanningError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _steps(cfg):
+    """(the pipeline's settings, the model config, the run's auto_plan directory)."""
+    from dflop_jax.train_plan import abstract_model_config, auto_plan_config, auto_plan_dir
+
+    model_cfg = abstract_model_config(cfg)
+    return auto_plan_config(cfg, model_cfg), model_cfg, auto_plan_dir(cfg)
+
+
+def _data(cfg, args) -> int:
+    from dflop_jax.profiling.pipeline import AutoPlanConfig, data_profile
+    from dflop_jax.train_plan import auto_plan_dir
+
+    # the data step reads only these (the model and its search space play no part)
+    auto = AutoPlanConfig(data_source=cfg.profile.data_source,
+                          data_samples=cfg.profile.data_samples, seed=cfg.seed)  # fmt: skip
+    cache = auto_plan_dir(cfg)
+    if auto.data_source != "dataset":
+        print(f"profile.data_source={auto.data_source}: the plan reads that, nothing to profile")
+        return 0
+    path, _ = data_profile(auto, cfg.data, cache, {})
     print(f"wrote {path} and {path.with_name('shape_histogram.png')}")
     return 0
 
 
-def _model(cfg, no_progress: bool) -> int:
-    from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.profiling.model_config import model_config_for_arch
-    from dflop_jax.profiling.model_profiler import profile_model
+def _model(cfg, args) -> int:
+    import jax
 
-    try:
-        model_cfg = model_config_for_arch(cfg.arch, cfg.profile.compute_dtype)
-        with progress_bar(not no_progress) as progress:
-            table = profile_model(model_cfg, None, cfg.profile, cfg.out, model_name=cfg.arch,
-                                  progress=progress, trainable=cfg.trainable)  # fmt: skip
-    except ValueError as e:
-        return _error(e)
+    from dflop_jax.planner.progress import progress_bar
+    from dflop_jax.profiling.pipeline import model_profile
+    from dflop_jax.train_plan import run_name
+
+    auto, model_cfg, cache = _steps(cfg)
+    cache.mkdir(parents=True, exist_ok=True)
+    with progress_bar(not args.no_progress) as progress:
+        path, _ = model_profile(auto, model_cfg, cache, {}, name=run_name(cfg),
+                                devices=jax.devices(), progress=progress)  # fmt: skip
+    from dflop_jax.contracts.cost_table import load_table
+
+    table = load_table(path)
     ok = sum(e.ok for e in table.entries.values())
-    print(f"wrote {cfg.out} ({ok} entries, {len(table.skipped())} skipped) and "
-          f"{os.path.splitext(cfg.out)[0]}.png")  # fmt: skip
+    print(f"wrote {path} ({ok} entries, {len(table.skipped())} skipped) and "
+          f"{path.with_suffix('.png')}")  # fmt: skip
     return 0
 
 
-def _auto(cfg, data_cfg, profile_only: bool) -> int:
-    from dflop_jax.planner import PlanningError, describe_layout
-    from dflop_jax.profiling.model_config import model_config_for_arch
+def _auto(cfg, args) -> int:
+    from dflop_jax.planner import describe_layout
     from dflop_jax.profiling.pipeline import ensure_plan
+    from dflop_jax.train_plan import run_name
 
-    try:
-        model_cfg = model_config_for_arch(cfg.arch, cfg.auto.profile.compute_dtype)
-        plan = ensure_plan(cfg.auto, model_cfg, cfg.cache_dir, data_cfg, name=cfg.arch,
-                           plan=not profile_only)  # fmt: skip
-    except (ConfigError, PlanningError, ValueError, FileNotFoundError) as e:
-        return _error(e)
+    auto, model_cfg, cache = _steps(cfg)
+    plan = ensure_plan(auto, model_cfg, cache, cfg.data, name=run_name(cfg),
+                       plan=not args.profile_only)  # fmt: skip
     if plan is None:
-        print(f"profiles in {cfg.cache_dir}")
+        print(f"profiles in {cache}")
     else:
         print(f"{describe_layout(plan.layout)} | M={plan.microbatches}: step "
-              f"{plan.step_time_mean_s * 1e3:.1f} ms -> {cfg.cache_dir}/plan.yaml")  # fmt: skip
+              f"{plan.step_time_mean_s * 1e3:.1f} ms -> {cache}/plan.yaml")  # fmt: skip
     return 0
-
-
-def _error(message) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

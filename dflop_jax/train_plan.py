@@ -9,6 +9,11 @@ dataset's shapes with analytic costs; a path loads a plan.yaml; "auto" profiles 
 `run_dir/auto_plan` (reusing fresh outputs) and plans on measured costs, which the scheduler then
 predicts with too.
 
+The same run config drives the step commands: `auto_plan_config` gives `python -m dflop_jax.profile
+data|model|auto` the settings `plan: auto` uses (so each reuses what the other wrote), and
+`plan_from_run_dir` is `python -m dflop_jax.plan` (the profiles in `run_dir/auto_plan` ->
+`run_dir/plan.yaml`).
+
 Remat: the model config's per-module policy (`ModelConfig.vision_remat` / `llm_remat`) is what the
 analytic costs assume; a plan.yaml brings its own (`Plan.remat`), which `with_plan_remat` applies to
 the model before it is built.
@@ -84,9 +89,7 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
 
 def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
     arch, device = arch_of_model(model_cfg), run_device(cfg.device)
-    trainable = tuple(cfg.optimizer.trainable)  # the recipe the plan and the scheduler cost
-    analytic = AnalyticCostProvider(arch, device, remat=cfg.model.remat, trainable=trainable,
-                                    attention_impl=attention_impl(model_cfg))  # fmt: skip
+    analytic = analytic_provider(cfg, model_cfg)
     multimodal = cfg.model.kind != "decoder"
     if cfg.plan == "explicit":
         lay = cfg.layout
@@ -97,25 +100,110 @@ def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
         "analytic",
     ):  # a plan.yaml: made for this model, recipe and devices?
         plan = load_plan(cfg.plan)
+        trainable = tuple(cfg.optimizer.trainable)
         check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable)
         return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
-    planner = training_planner(cfg.planner, cfg.global_batch, multimodal, trainable)
-    # before any profiling: a search space these devices cannot hold is one config error
-    planner = fit_search_space(arch, num_devices(cfg), device, planner)
     if cfg.plan == "auto":
-        from dflop_jax.profiling.pipeline import AutoPlanConfig, profiled_plan
+        from dflop_jax.profiling.pipeline import profiled_plan
 
-        auto = AutoPlanConfig(cfg.device, num_devices(cfg), "dataset", seed=cfg.seed,
-                              profile=cfg.profile, planner=planner)  # fmt: skip
-        cache = Path(cfg.run_dir) / "auto_plan"
+        auto = auto_plan_config(cfg, model_cfg)  # its search space checked before any profiling
         plan, measured = profiled_plan(
-            auto, model_cfg, cache, cfg.data, name=f"{cfg.model.kind}-run"
+            auto, model_cfg, auto_plan_dir(cfg), cfg.data, name=run_name(cfg)
         )
-        measured = measured.with_trainable(trainable)
+        measured = measured.with_trainable(auto.planner.trainable)
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
-    plan = static_plan(cfg.plan, arch, device, num_devices(cfg), planner,
+    plan = static_plan(cfg.plan, arch, device, num_devices(cfg), run_planner(cfg, arch, device),
                        lambda: sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
     return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
+
+
+def analytic_provider(cfg: TrainConfig, model_cfg) -> AnalyticCostProvider:
+    """The analytic costs of the run: its model's remat, its recipe, its attention kernel."""
+    return AnalyticCostProvider(arch_of_model(model_cfg), run_device(cfg.device),
+                                remat=cfg.model.remat, trainable=tuple(cfg.optimizer.trainable),
+                                attention_impl=attention_impl(model_cfg))  # fmt: skip
+
+
+def run_planner(cfg: TrainConfig, arch, device):
+    """The run's planner settings (`training_planner`: its batch, recipe, what the runtime trains),
+    its search space fitted to the run's devices (a space nothing satisfies is one config error,
+    raised before any profiling). The uniform baseline keeps its own space."""
+    planner = training_planner(cfg.planner, cfg.global_batch, cfg.model.kind != "decoder",
+                               tuple(cfg.optimizer.trainable))  # fmt: skip
+    if planner.mode == "uniform":
+        return planner
+    return fit_search_space(arch, num_devices(cfg), device, planner)
+
+
+def run_name(cfg: TrainConfig) -> str:
+    """The model's name in the cost table and the plan of `plan: auto` and the CLI steps: its named
+    architecture where it has one (then `python -m dflop_jax.simulate` replays the plan), else
+    "<kind>-run"."""
+    return cfg.model.arch or f"{cfg.model.kind}-run"
+
+
+def auto_plan_dir(cfg: TrainConfig) -> Path:
+    """Where the profiling steps and `plan: auto` write and reuse their outputs."""
+    return Path(cfg.run_dir) / "auto_plan"
+
+
+def auto_plan_config(cfg: TrainConfig, model_cfg):
+    """The profiling pipeline's settings for this run (`profiling.pipeline.AutoPlanConfig`): the same
+    for `plan: auto` and `python -m dflop_jax.profile data|model|auto`, so each reuses what the
+    other wrote while it is fresh."""
+    from dflop_jax.profiling.pipeline import AutoPlanConfig
+
+    planner = run_planner(cfg, arch_of_model(model_cfg), run_device(cfg.device))
+    return AutoPlanConfig(cfg.device, num_devices(cfg), cfg.profile.data_source,
+                          cfg.profile.data_samples, seed=cfg.seed, profile=cfg.profile,
+                          planner=planner)  # fmt: skip
+
+
+def plan_from_run_dir(cfg: TrainConfig, model_cfg, progress=None):
+    """`python -m dflop_jax.plan`: a plan on the shapes `profile data` wrote and the cost table
+    `profile model` wrote in `auto_plan_dir(cfg)`; where one is absent, one line says so and the
+    data's shapes (from metadata) or the analytic cost model stand in. `Plan.inputs` records what
+    was read (paths and sha256)."""
+    from dflop_jax.costs.measured import MeasuredCostProvider
+    from dflop_jax.planner import make_plan
+    from dflop_jax.profiling.pipeline import cost_table_file
+
+    arch, device = arch_of_model(model_cfg, run_name(cfg)), run_device(cfg.device)
+    planner = run_planner(cfg, arch, device)
+    provider, table = analytic_provider(cfg, model_cfg), cost_table_file(auto_plan_dir(cfg))
+    if table.is_file():
+        provider = MeasuredCostProvider(table, arch, device, fallback=provider)
+    else:
+        log.warning("no cost table at %s (python -m dflop_jax.profile model writes it): "
+                    "the analytic cost model prices the stages", table)  # fmt: skip
+    shapes, shapes_input = plan_shapes(cfg)
+    plan = make_plan(arch, device, num_devices(cfg), shapes, planner, provider, progress)
+    inputs = {"shapes": shapes_input,
+              "cost_table": _file_input(table) if table.is_file() else "analytic"}  # fmt: skip
+    return dataclasses.replace(plan, inputs=inputs)
+
+
+def plan_shapes(cfg: TrainConfig):
+    """(the shapes the run plans for, how `Plan.inputs` records them), per `profile.data_source`."""
+    from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES
+    from dflop_jax.planner.resolve import load_shapes
+    from dflop_jax.profiling.pipeline import shape_file
+
+    source = cfg.profile.data_source
+    if source in SYNTHETIC_SHAPES:
+        return load_shapes(source, cfg.profile.data_samples, cfg.seed), source
+    path = shape_file(auto_plan_dir(cfg)) if source == "dataset" else Path(source)
+    if path.is_file():
+        return load_shapes(str(path)), _file_input(path)
+    log.warning("no shape distribution at %s (python -m dflop_jax.profile data writes it): "
+                "planning on the data's shapes from metadata", path)  # fmt: skip
+    return sample_shapes(cfg), "dataset"
+
+
+def _file_input(path) -> dict:
+    from dflop_jax.contracts.files import file_hash
+
+    return {"path": str(Path(path).resolve()), "sha256": file_hash(path)}
 
 
 def num_devices(cfg: TrainConfig) -> int:

@@ -167,8 +167,17 @@ def tiny_decoder_run(tmp_path: Path, name: str, samples: int, **over) -> list[st
     return [f"{k}={v}" for k, v in {**base, **over}.items()]
 
 
-def save_tiny_llava_ov(path: Path, *, layers: int = 2, seed: int = 0, **text) -> Path:
-    """Tiny random LlavaOnevisionForConditionalGeneration (28 px tiles, 7 px patches) saved to `path`."""
+def save_tiny_llava_ov(
+    path: Path,
+    *,
+    layers: int = 2,
+    seed: int = 0,
+    image_token: int = 90,
+    video_token: int = 91,
+    **text,
+) -> Path:
+    """Tiny random LlavaOnevisionForConditionalGeneration (28 px tiles, 7 px patches) saved to `path`;
+    `text` changes its Qwen2 config (e.g. `vocab_size`)."""
     import torch
     import transformers
 
@@ -181,8 +190,8 @@ def save_tiny_llava_ov(path: Path, *, layers: int = 2, seed: int = 0, **text) ->
         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False, **text,
     })  # fmt: skip
     cfg = transformers.LlavaOnevisionConfig(
-        vision_config=vision.to_dict(), text_config=text_cfg.to_dict(), image_token_index=90,
-        video_token_index=91,
+        vision_config=vision.to_dict(), text_config=text_cfg.to_dict(),
+        image_token_index=image_token, video_token_index=video_token,
     )  # fmt: skip
     torch.manual_seed(seed)
     return _save(transformers.LlavaOnevisionForConditionalGeneration(cfg), path)

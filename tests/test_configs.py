@@ -15,26 +15,10 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 
 def _root_for(command: str):
-    if command.startswith("dflop_jax.train"):
+    if command.startswith(("dflop_jax.train", "dflop_jax.plan", "dflop_jax.profile")):
         from dflop_jax.runtime.config import TrainConfig
 
-        return TrainConfig
-    if command.startswith("dflop_jax.plan"):
-        from dflop_jax.planner.run_config import PlanRunConfig
-
-        return PlanRunConfig
-    if command.startswith("dflop_jax.profile data"):
-        from dflop_jax.data.profile import DataProfileConfig
-
-        return DataProfileConfig
-    if command.startswith("dflop_jax.profile model"):
-        from dflop_jax.profiling.run_config import ModelProfileConfig
-
-        return ModelProfileConfig
-    if command.startswith("dflop_jax.profile auto"):
-        from dflop_jax.profiling.run_config import AutoPlanRunConfig
-
-        return AutoPlanRunConfig
+        return TrainConfig  # the run config every step of a run reads
     raise AssertionError(f"no root config known for `python -m {command}`: add it to {__file__}")
 
 

@@ -173,11 +173,14 @@ def test_a_recipe_table_falls_back_to_the_analytic_model_under_the_same_recipe()
     assert p.sources()["llm_head"] == {"fallback": 1}
 
 
-def test_profile_model_config_takes_a_recipe():
-    from dflop_jax.config import ConfigError, load_config
-    from dflop_jax.profiling.run_config import ModelProfileConfig
+def test_profile_model_profiles_the_run_recipe():
+    """`profile model` profiles under the run's `optimizer.trainable` (its pipeline settings'
+    planner recipe, which the model profile's digest and programs take)."""
+    from dflop_jax.config import load_config
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train_plan import abstract_model_config, auto_plan_config
 
-    cfg = load_config(ModelProfileConfig, None, ["trainable=[projector]"])
-    assert cfg.trainable == ("projector",)
-    with pytest.raises(ConfigError, match="non-empty subset"):
-        load_config(ModelProfileConfig, None, ["trainable=[bogus]"])
+    cfg = load_config(TrainConfig, None, ["model=tiny", "num_devices=8", "device=cpu",
+                                          "optimizer.trainable=[projector]"])  # fmt: skip
+    auto = auto_plan_config(cfg, abstract_model_config(cfg))
+    assert auto.planner.trainable == ("projector",)

@@ -20,7 +20,6 @@ from dflop_jax.costs import (
 from dflop_jax.costs.flops import vision_embedding_params
 from dflop_jax.costs.recipe import DX_FRACTION, stage_role
 from dflop_jax.planner import PlannerConfig, make_plan
-from dflop_jax.planner.run_config import PlanRunConfig
 from dflop_jax.scheduler import llava_ov_mix
 from dflop_jax.sim.pipeline import simulate
 
@@ -144,8 +143,10 @@ def test_projector_only_plan_is_faster_on_the_same_layout():
 
 @pytest.mark.parametrize("value", ["[vision,bogus]", "[]", "[llm,llm]"])
 def test_bad_trainable_is_a_one_line_config_error(value):
+    from dflop_jax.runtime.config import TrainConfig
+
     with pytest.raises(ConfigError, match="planner.trainable") as err:
-        load_config(PlanRunConfig, None, [f"planner.trainable={value}"])
+        load_config(TrainConfig, None, [f"planner.trainable={value}"])
     assert "\n" not in str(err.value)
 
 

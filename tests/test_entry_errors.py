@@ -85,22 +85,23 @@ def test_train_config_errors_name_the_key_and_the_fix(overrides, message):
 
 
 def test_nested_configs_name_the_full_key():
-    """The profiler's `auto.planner` is the planner's config nested one level deeper."""
-    from dflop_jax.profiling.run_config import AutoPlanRunConfig
-
-    base = ["auto.data_source=llava-ov"]
-    with pytest.raises(ConfigError, match=r"^auto\.planner\.seed=-1: use a seed"):
-        load_config(AutoPlanRunConfig, None, [*base, "auto.planner.seed=-1"])
-    with pytest.raises(ConfigError, match=r"^auto\.num_devices=0: must be >= 1"):
-        load_config(AutoPlanRunConfig, None, [*base, "auto.num_devices=0"])
+    with pytest.raises(ConfigError, match=r"^planner\.seed=-1: use a seed"):
+        load_config(TrainConfig, None, ["planner.seed=-1"])
+    with pytest.raises(ConfigError, match=r"^profile\.data_samples=0: must be >= 1"):
+        load_config(TrainConfig, None, ["profile.data_samples=0"])
 
 
-def test_plan_rejects_a_missing_shape_file_in_one_line():
-    out = run_entry("dflop_jax.plan", "data.source=no/such/shapes.json", "--no-progress")
+@pytest.mark.parametrize(
+    "command",
+    [("dflop_jax.plan", "--no-progress"), ("dflop_jax.profile", "data"),
+     ("dflop_jax.profile", "model"), ("dflop_jax.profile", "auto")],
+)  # fmt: skip
+def test_plan_and_profile_reject_a_missing_shape_file_in_one_line(command):
+    out = run_entry(*command, "profile.data_source=no/such/shapes.json")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "config error: data.source='no/such/shapes.json': file not found; give a shape-distribution "
-        "JSON (python -m dflop_jax.profile data) or one of ('llava-ov', 'omnibal')"
+        "config error: profile.data_source='no/such/shapes.json': file not found; give a "
+        "shape-distribution JSON, 'dataset' or one of ('llava-ov', 'omnibal')"
     ]
 
 
@@ -114,11 +115,11 @@ def test_keys_the_mode_ignores_are_reported_in_one_warning(caplog):
     assert "steps" not in message.split("(")[0]
 
 
-def test_explicit_plan_reports_planner_and_profile_keys_as_ignored(caplog):
+def test_planner_and_profile_keys_are_read_whatever_the_plan(caplog):
+    """`python -m dflop_jax.plan` and `... profile` read them from the same run config."""
     with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
         load_config(TrainConfig, None, ["plan=explicit", "planner.samples=3", "profile.runs=2"])
-    (record,) = caplog.records
-    assert record.getMessage().startswith("ignored config keys planner.samples, profile.runs (")
+    assert not caplog.records
 
 
 def test_used_keys_are_not_reported(caplog):

@@ -11,13 +11,15 @@ from dflop_jax import simulate as simulate_cli
 from dflop_jax.config import load_config
 from dflop_jax.planner import PlannerConfig, load_plan, make_plan, save_plan
 from dflop_jax.planner.replay import read_samples_jsonl, replay
-from dflop_jax.planner.run_config import PlanRunConfig
+from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.scheduler import llava_ov_mix
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_CONFIGS = ["plan_llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml"]
-TINY = ["model=tiny", "device=cpu", "num_devices=4", "data.synthetic_samples=200", "planner.global_batch=8",
-        "planner.microbatches=[2,4]", "planner.samples=1", "planner.screen_top=2", "planner.llm_pp=[1,2]"]  # fmt: skip
+PLAN_CONFIGS = ["plan_llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml",
+                "llava_ov_7b_h100x64.yaml"]  # fmt: skip
+TINY = ["model=tiny", "device=cpu", "num_devices=4", "profile.data_source=llava-ov",
+        "profile.data_samples=200", "global_batch=8", "planner.microbatches=[2,4]", "planner.samples=1",
+        "planner.screen_top=2", "planner.llm_pp=[1,2]"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +50,24 @@ def test_load_plan_rejects_other_files(tmp_path):
 
 def test_plan_cli_writes_plan_and_config(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
-    assert plan_cli.main(["--no-progress", "--json", *TINY, f"out={out}"]) == 0
+    assert plan_cli.main(["--no-progress", "--json", *TINY, f"run_dir={tmp_path}"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "tiny" and report["num_devices"] == 4
+    assert report["planner_config"]["global_batch"] == 8  # the run's global batch
     assert load_plan(out).num_devices == 4
-    resolved = load_config(PlanRunConfig, tmp_path / "plan.config.yaml")
-    assert resolved.planner.global_batch == 8
+    resolved = load_config(TrainConfig, tmp_path / "plan.config.yaml")
+    assert resolved.global_batch == 8 and resolved.model.arch == "tiny"
+
+
+def test_plan_cli_uniform_mode_plans_the_baseline(tmp_path, capsys):
+    args = ["--no-progress", "--json", *TINY, "planner.mode=uniform", f"run_dir={tmp_path}"]
+    assert plan_cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mode"] == "uniform" and load_plan(tmp_path / "plan.yaml").mode == "uniform"
 
 
 def test_plan_cli_infeasible_is_one_line(tmp_path, capsys):
-    assert (
-        plan_cli.main(["--no-progress", *TINY, "planner.tp=[3]", f"out={tmp_path / 'p.yaml'}"]) == 2
-    )
+    assert plan_cli.main(["--no-progress", *TINY, "planner.tp=[3]", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: no tensor-parallel degree fits") and "\n" not in err
     assert plan_cli.main(["--no-progress", "planner.bogus=1"]) == 2
@@ -93,20 +101,19 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", PLAN_CONFIGS)
 def test_planner_configs_load(name):
-    cfg = load_config(PlanRunConfig, ROOT / "configs" / name)
-    assert cfg.num_devices >= 1 and cfg.planner.global_batch >= 1
+    cfg = load_config(TrainConfig, ROOT / "configs" / name)
+    assert cfg.num_devices >= 1 and cfg.global_batch >= 1
 
 
 def test_plan_check_plans_only_what_the_runtime_trains(tmp_path, monkeypatch):
     """`--check` compiles the runtime's programs, which run a colocated encoder at its stage's tp:
     the planner is kept from an encoder at its own tp (the 7B config's planner picks one otherwise)."""
     compiled = []
-    monkeypatch.setattr(plan_cli, "check_compiled", lambda p: compiled.append(p) or p)
-    cfg = load_config(PlanRunConfig, None, [*TINY, f"out={tmp_path / 'plan.yaml'}"])
+    monkeypatch.setattr(plan_cli, "check_compiled", lambda p, m: compiled.append(p) or ())
+    cfg = load_config(TrainConfig, None, [*TINY, f"run_dir={tmp_path}"])
     assert cfg.planner.colocate_own_tp
     plan = plan_cli.run(cfg, check=True)
-    assert compiled == [plan]
+    assert [p.layout for p in compiled] == [plan.layout]
     own = plan.layout.colocated_encoder_tp
     assert own is None or own == plan.layout.llm_stages[0].tp
-    resolved = load_config(PlanRunConfig, tmp_path / "plan.config.yaml")
-    assert not resolved.planner.colocate_own_tp
+    assert not plan.planner_config["colocate_own_tp"]

@@ -49,3 +49,31 @@ def test_same_layers_other_widths_is_another_model(plan):
     wider = dataclasses.replace(tiny, llm=dataclasses.replace(tiny.llm, hidden_size=128))
     with pytest.raises(ConfigError, match="model 'tiny'"):
         check_plan_fits_run(plan, "p.yaml", wider, get_device("cpu"), 4, TRAINABLE_PARTS)
+
+
+def test_train_refuses_a_plan_cli_plan_for_other_devices_in_one_line(tmp_path):
+    """The commands as a user runs them: `plan` for 4 devices, then `train` of the same run config on
+    2 devices with that plan.yaml: one `config error:` line, exit 2, nothing trained."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflop_jax import plan as plan_cli
+
+    root = Path(__file__).resolve().parents[1]
+    config = ["--config", str(root / "configs" / "plan_tiny_cpu.yaml"), "planner.samples=1",
+              f"data.synth_dir={tmp_path / 'synth'}", "data.synth_samples=16"]  # fmt: skip
+    made = tmp_path / "made"
+    assert plan_cli.main(["--no-progress", *config, "num_devices=4", f"run_dir={made}"]) == 0
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-m", "dflop_jax.train", *config, "num_devices=2", "steps=1",
+         f"run_dir={tmp_path / 'run'}", f"plan={made / 'plan.yaml'}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"config error: plan={made / 'plan.yaml'} was made for 4 devices (this "
+                           "run has 2)"), line  # fmt: skip
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -89,14 +89,14 @@ def test_missing_shape_file_is_a_clear_error(tmp_path):
 def test_profile_model_cli(tmp_path, capsys):
     from dflop_jax import profile as profile_cli
 
-    out = tmp_path / "ct.json"
-    rc = profile_cli.main(["model", "--no-progress", "arch=tiny", f"out={out}", "profile.tps=[1]",
-                           "profile.kinds=[encoder_head]", "profile.encoder_buckets=[1]",
-                           "profile.runs=1", "profile.warmup=0"])  # fmt: skip
+    out = tmp_path / "auto_plan" / "cost_table.json"  # where `plan` and `train plan=auto` read it
+    rc = profile_cli.main(["model", "--no-progress", "model=tiny", "device=cpu", "num_devices=2",
+                           f"run_dir={tmp_path}", "profile.tps=[1]", "profile.kinds=[encoder_head]",
+                           "profile.encoder_buckets=[1]", "profile.runs=1",
+                           "profile.warmup=0"])  # fmt: skip
     assert rc == 0 and out.is_file() and out.with_suffix(".png").is_file()
     assert "1 entries" in capsys.readouterr().out
-    assert profile_cli.main(["model", "arch=nope"]) == 2
-    assert profile_cli.main(["model"]) == 2
+    assert profile_cli.main(["model", "model=nope"]) == 2
 
 
 def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
@@ -107,13 +107,40 @@ def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
-    args = [f"cache_dir={tmp_path}", "auto.data_source=llava-ov", "auto.data_samples=100",
-            "auto.planner.global_batch=16", "auto.planner.microbatches=[4]", "auto.planner.samples=1",
-            "auto.planner.llm_pp=[1,2]", "auto.planner.encoder_pp=[1]", "auto.planner.tp=[1]",
-            "auto.profile.tps=[1]"]  # fmt: skip
+    args = [f"run_dir={tmp_path}", "model=tiny", "device=cpu", "num_devices=8",
+            "profile.data_source=llava-ov", "profile.data_samples=100", "global_batch=16",
+            "planner.microbatches=[4]", "planner.samples=1", "planner.llm_pp=[1,2]",
+            "planner.encoder_pp=[1]", "planner.tp=[1]", "profile.tps=[1]"]  # fmt: skip
+    cache = tmp_path / "auto_plan"
     assert main(["--profile-only", *args]) == 0
-    assert len(calls) == 1 and not (tmp_path / "plan.yaml").exists()
+    assert len(calls) == 1 and not (cache / "plan.yaml").exists()
     assert main(args) == 0  # the optimization step reuses the fresh profile
-    assert len(calls) == 1 and (tmp_path / "plan.yaml").is_file()
+    assert len(calls) == 1 and (cache / "plan.yaml").is_file()
     assert "plan.yaml" in capsys.readouterr().out
-    assert main([f"cache_dir={tmp_path}"]) == 2  # data_source "dataset" without a data_config
+    assert main([*args, "profile.data_source=no/such.json"]) == 2  # one config error line
+
+
+def test_train_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkeypatch):
+    """`profile data` and `profile model` on a run config, then that run's `plan: auto`: both
+    profiles are fresh for it (same settings, same stamps), so neither runs again."""
+    from dflop_jax.config import load_config
+    from dflop_jax.profile import main as profile_main
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train import DEMO_CONFIG
+    from dflop_jax.train_plan import abstract_model_config, resolve_plan
+
+    calls = []
+    monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
+    run = [f"run_dir={tmp_path}", "model=tiny", "device=cpu", "num_devices=8", "plan=auto",
+           f"data.synth_dir={tmp_path / 'synth'}", "data.synth_samples=24", "data.cache_dir=",
+           "profile.data_samples=24", "global_batch=16", "planner.microbatches=[4]",
+           "planner.samples=1", "planner.llm_pp=[1,2]", "planner.encoder_pp=[1]", "planner.tp=[1]",
+           "profile.tps=[1]", "profile.llm_buckets=[64,512]"]  # fmt: skip
+    assert profile_main(["data", *run]) == 0
+    assert profile_main(["model", "--no-progress", *run]) == 0
+    assert len(calls) == 1
+    cfg = load_config(TrainConfig, DEMO_CONFIG, run)  # the commands' default config, as train's
+    resolve_plan(cfg, abstract_model_config(cfg))
+    assert len(calls) == 1
+    timings = json.loads((tmp_path / "auto_plan" / "timings.json").read_text())
+    assert timings["data profile"] == 0.0 and timings["model profile"] == 0.0

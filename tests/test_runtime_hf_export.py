@@ -117,23 +117,16 @@ def _export(run, out, *args):
     assert main([f"run={run}", f"out={out}", *args]) == 0
 
 
-@pytest.mark.hf
-def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    from models.llava_onevision import LlavaOnevision
+def assert_llava_ov_logits_equal(hf_dir, ours, model_cfg, tile: int = TILE, patch: int = PATCH):
+    """transformers' LLaVA-OV loaded from `hf_dir` and our `ours` give the same logits (float32) on
+    text around a 3-frame video of `tile`-px frames."""
+    import torch
+    import transformers
 
-    _, model_cfg, run = _write_run(tmp_path, "llava_ov")
-    out = tmp_path / "hf"
-    _export(run, out, "shard_gb=0.00005")  # 50 kB shards: several files + index
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 2
-    ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
-    ours = _reference(model_cfg, LlavaOnevision)
-
+    ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(hf_dir).eval()
     frames, vid = 3, model_cfg.video_token_id
-    layout = layouts.llava_ov_video_layout(frames, patches_per_side=TILE // PATCH)
-    px = np.random.default_rng(5).standard_normal((1, frames, 3, TILE, TILE)).astype(np.float32)
+    layout = layouts.llava_ov_video_layout(frames, patches_per_side=tile // patch)
+    px = np.random.default_rng(5).standard_normal((1, frames, 3, tile, tile)).astype(np.float32)
     tokens = np.array([[1, 2] + [vid] * layout.num_tokens + [3, 4]], np.int32)
     with torch.no_grad():
         want = ref(
@@ -153,6 +146,20 @@ def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
         jnp.ones(fidx.shape, jnp.float32),
     )
     np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+
+
+@pytest.mark.hf
+def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from models.llava_onevision import LlavaOnevision
+
+    _, model_cfg, run = _write_run(tmp_path, "llava_ov")
+    out = tmp_path / "hf"
+    _export(run, out, "shard_gb=0.00005")  # 50 kB shards: several files + index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert_llava_ov_logits_equal(out, _reference(model_cfg, LlavaOnevision), model_cfg)
 
     # The bundled tokenizer travels along and encodes as ours does.
     from dflop_jax.data import load_tokenizer

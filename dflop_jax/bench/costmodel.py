@@ -146,14 +146,17 @@ def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dic
 def _plan(arch, device, provider) -> tuple[float, str]:
     from dflop_jax.config import load_config
     from dflop_jax.planner import PlanningError, describe_layout, make_plan
-    from dflop_jax.planner.run_config import PlanRunConfig, load_shapes
+    from dflop_jax.planner.resolve import load_shapes, training_planner
+    from dflop_jax.runtime.config import TrainConfig
 
     cfg = load_config(
-        PlanRunConfig, Path(__file__).resolve().parents[2] / "configs/plan_tiny_cpu.yaml"
+        TrainConfig, Path(__file__).resolve().parents[2] / "configs/plan_tiny_cpu.yaml"
     )
+    planner = training_planner(cfg.planner, cfg.global_batch, True, cfg.optimizer.trainable)
+    shapes = load_shapes(cfg.profile.data_source, cfg.profile.data_samples, cfg.seed)
     t0 = time.perf_counter()
     try:
-        plan = make_plan(arch, device, 8, load_shapes(cfg.data), cfg.planner, provider)
+        plan = make_plan(arch, device, 8, shapes, planner, provider)
         desc = f"{describe_layout(plan.layout)} M={plan.microbatches}"
     except PlanningError as e:
         desc = f"infeasible: {e}"

@@ -196,10 +196,10 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
 
 
 def _qualify(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
-    """Gives a nested config's own key its full path (`planner.tp` under `auto` -> `auto.planner.tp`).
+    """Gives a nested config's own key its full path (`planner.tp` under `x` -> `x.planner.tp`).
 
-    `__post_init__` names keys as the config sits in its usual root; the same config nested elsewhere
-    (the profiler's `auto.planner`) must still name the key a person would write.
+    `__post_init__` names keys as the config sits in its usual root; the same config nested one level
+    deeper must still name the key a person would write.
     """
     m = re.match(r"[A-Za-z_][\w.]*", message)
     if not prefix or not m:

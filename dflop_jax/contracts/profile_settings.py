@@ -6,15 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflop_jax.config import require
+from dflop_jax.config import InputPath, require
 from dflop_jax.contracts.cost_table import ALL_KINDS
+
+# Shape mixes that stand in for a data profile: LLaVA-OV-like (`scheduler.llava_ov_mix`) and the
+# published InternVL statistics (`scheduler.omnibal_shapes`).
+SYNTHETIC_SHAPES = ("llava-ov", "omnibal")
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSettings:
-    """What the model profiler measures.
+    """What the profiling steps measure: the data profile's sample and the model profiler's grid.
 
     Attributes:
+      data_source: the shapes the plan is made for: "dataset" (`profile data` profiles the run's
+        `data` section into `run_dir/auto_plan/data/shape_distribution.json`; `plan` reads it, or the
+        data's shapes from metadata when it is absent), a shape-distribution JSON path, or a
+        synthetic mix (`SYNTHETIC_SHAPES`: "llava-ov", "omnibal") to plan without data.
+      data_samples: records the data profile draws (seeded by the run's `seed`), or samples of the
+        synthetic llava-ov mix.
       tps: candidate tensor-parallel degrees (kept if they divide the heads and fit the devices).
       encoder_buckets: tiles per encoder shard to profile.
       llm_buckets: tokens per packed LLM row to profile.
@@ -27,6 +37,8 @@ class ProfileSettings:
       memory_limit_bytes: per-device memory; entries whose compiled peak exceeds it are skipped.
     """
 
+    data_source: str = "dataset"
+    data_samples: int = 2000
     tps: tuple[int, ...] = (1, 2, 4, 8)
     encoder_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     llm_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
@@ -38,6 +50,9 @@ class ProfileSettings:
     memory_limit_bytes: float = 2 * 2**30
 
     def __post_init__(self):
+        require(bool(self.data_source), "profile.data_source", self.data_source,
+                f"give 'dataset', a shape-distribution JSON or one of {SYNTHETIC_SHAPES}")  # fmt: skip
+        require(self.data_samples >= 1, "profile.data_samples", self.data_samples, "must be >= 1")
         for key in ("tps", "encoder_buckets", "llm_buckets"):
             values = getattr(self, key)
             require(len(values) > 0 and min(values) >= 1, f"profile.{key}", values,
@@ -54,3 +69,9 @@ class ProfileSettings:
                 self.compute_dtype, "use 'bfloat16' or 'float32'")  # fmt: skip
         require(self.memory_limit_bytes > 0, "profile.memory_limit_bytes",
                 self.memory_limit_bytes, "must be > 0")  # fmt: skip
+
+    def inputs(self) -> list[InputPath]:
+        if self.data_source in ("dataset", *SYNTHETIC_SHAPES):
+            return []
+        fix = f"give a shape-distribution JSON, 'dataset' or one of {SYNTHETIC_SHAPES}"
+        return [InputPath("data_source", self.data_source, "file", fix)]

@@ -1,6 +1,6 @@
 """Data profiler: the (tiles, tokens, modality) distribution of a dataset sample, from metadata only.
 
-    python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml profile.num_samples=2000
+    python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml profile.data_samples=2000
 
 Writes `<out>/shape_distribution.json` (the shared shape-distribution format the planner reads),
 `<out>/shape_histogram.png`, and prints percentiles per modality, means per source, skipped records by
@@ -11,7 +11,6 @@ decoded); shapes are cached per dataset file or shard, and shards are profiled i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.config import require, require_seed
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.shape_distribution import save_shape_distribution
 from dflop_jax.data.config import DataConfig
@@ -36,33 +34,6 @@ log = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)
 MAX_PROFILE_WORKERS = 8  # shard groups profiled at once (header reads and tokenizing: CPU-bound)
 RECORDS_PER_WORKER = 1000  # fewer records per worker than this: starting a process costs more
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileSection:
-    """How the data profile samples the dataset.
-
-    Attributes:
-      num_samples: records drawn (seeded; all of them if the dataset has fewer).
-      seed: seed of the draw.
-      out: the output folder (shape distribution JSON, summary, histogram).
-    """
-
-    num_samples: int = 10000
-    seed: int = 0
-    out: str = "runs/profile"
-
-    def __post_init__(self):
-        require(self.num_samples >= 1, "profile.num_samples", self.num_samples, "must be >= 1")
-        require_seed(self.seed, "profile.seed")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataProfileConfig:
-    """Root config of `python -m dflop_jax.profile data`."""
-
-    data: DataConfig = DataConfig()
-    profile: ProfileSection = ProfileSection()
 
 
 def profile_data(

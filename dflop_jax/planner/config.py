@@ -25,6 +25,8 @@ class PlannerConfig:
     """What the planner may choose and how it scores a candidate.
 
     Attributes:
+      mode: "dflop" (the data-aware search) or "uniform" (the data-blind baseline: one tp/pp/dp for the
+        whole model, the encoder colocated; DESIGN section 8).
       tp: candidate tensor-parallel degrees (per module; kept only if they divide the module's heads,
         its KV heads, and fit in one host of the device preset).
       encoder_tp: candidate tensor-parallel degrees of the encoder in DFLOP mode (kept only if they
@@ -76,6 +78,7 @@ class PlannerConfig:
         is at least ~9% faster).
     """
 
+    mode: Literal["dflop", "uniform"] = "dflop"
     tp: tuple[int, ...] = (1, 2, 4, 8)
     encoder_tp: tuple[int, ...] = ()
     encoder_pp: tuple[int, ...] = (1, 2)

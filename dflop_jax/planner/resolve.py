@@ -139,3 +139,15 @@ def check_plan_fits_run(plan: Plan, path: str, arch: MLLMArch, device: DeviceSpe
     if problems:
         raise ConfigError(f"plan={path} was made for " + "; ".join(problems)
                           + ": re-plan for this run (python -m dflop_jax.plan) or use plan=auto")  # fmt: skip
+
+
+def load_shapes(source, samples: int = 4000, seed: int = 0):
+    """The shape distribution (list of SampleShape) of a synthetic mix's name (`samples` of it,
+    seeded) or of a shape-distribution JSON path."""
+    from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
+
+    if source == "llava-ov":
+        return llava_ov_mix(samples, seed)
+    if source == "omnibal":
+        return omnibal_shapes()
+    return load_shape_distribution(source)

@@ -107,7 +107,7 @@ def make_plan(
     config: PlannerConfig,
     provider=None,
     progress: ProgressFn | None = None,
-    mode: str = "dflop",
+    mode: str | None = None,
 ) -> Plan:
     """Finds the layout with the lowest expected step time (see the module docstring).
 
@@ -120,7 +120,7 @@ def make_plan(
       provider: a CostProvider; None -> AnalyticCostProvider(arch, device); planned under
         `config.trainable` (its `with_trainable`).
       progress: optional progress callback.
-      mode: "dflop" (data-aware search) or "uniform" (data-blind baseline layout).
+      mode: "dflop" (data-aware search) or "uniform" (data-blind baseline layout); None = `config.mode`.
     Raises:
       PlanningError: an infeasible request, with the constraint and by how much.
     """
@@ -128,6 +128,7 @@ def make_plan(
     arch = get_arch(arch) if isinstance(arch, str) else arch
     device = get_device(device) if isinstance(device, str) else device
     shapes = list(shapes)
+    mode = config.mode if mode is None else mode
     _check_request(num_devices, shapes, mode)
     provider = provider if provider is not None else AnalyticCostProvider(arch, device)
     provider = _with_recipe(provider, config.trainable)

@@ -1,6 +1,8 @@
 """Profile -> plan, each step reused when its output is fresh (DFLOP's profiling + optimization steps).
 
     plan = ensure_plan(AutoPlanConfig(...), model_cfg, cache_dir="runs/demo/auto_plan")
+    shapes, digest = data_profile(cfg, data_cfg, cache, timings)       # step 1 alone (profile data)
+    table, digest = model_profile(cfg, model_cfg, cache, timings, ...)  # step 2 alone (profile model)
     plan, measured = profiled_plan(AutoPlanConfig(...), model_cfg, "runs/demo/auto_plan", data_cfg)
 
 Steps, in `cache_dir`:
@@ -24,25 +26,28 @@ import time
 from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
-from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES, ProfileSettings
 from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
 
 log = logging.getLogger(__name__)
-SYNTHETIC = ("llava-ov", "omnibal")
+SYNTHETIC = SYNTHETIC_SHAPES
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoPlanConfig:
-    """What `plan: auto` needs besides the model config.
+    """What the pipeline needs besides the model config; a run's (`plan: auto` and the profile
+    commands alike) is `train_plan.auto_plan_config`, from its `profile`, `planner`, `device` and
+    `num_devices`.
 
     Attributes:
       device: the planned devices' accelerator (`DeviceConfig`: "auto" = the one JAX reports, or a
         preset name): capacity and hosts.
       num_devices: devices to plan for.
       data_source: "dataset" (profile the training data config passed to `ensure_plan`), a
-        shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal").
+        shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal")
+        (`profile.data_source` of a run).
       data_samples: records drawn by the data profiler (or samples of the synthetic llava-ov mix).
       seed: data sampling seed.
       profile: the model profiler's grid and timing.
@@ -101,8 +106,10 @@ def _step(name: str, out: Path, digest: str, build, timings: dict) -> Path:
     return out
 
 
-def _data_step(cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict) -> tuple[Path | str, str]:
-    """(shape file path or synthetic name, its digest)."""
+def data_profile(
+    cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict
+) -> tuple[Path | str, str]:
+    """Step 1 (`python -m dflop_jax.profile data`): (shape file path or synthetic name, its digest)."""
     if cfg.data_source in SYNTHETIC:
         return cfg.data_source, config_hash([cfg.data_source, cfg.data_samples, cfg.seed])
     if cfg.data_source != "dataset":
@@ -114,19 +121,44 @@ def _data_step(cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict) -> tup
         raise ValueError("data_source='dataset' needs the training data config (data_cfg)")
     from dflop_jax.data.profile import profile_data
 
-    out = cache / "data" / "shape_distribution.json"
+    out = shape_file(cache)
     digest = config_hash([data_cfg, cfg.data_samples, cfg.seed, code_version("dflop_jax/data")])
     _step("data profile", out, digest,
           lambda: profile_data(data_cfg, cfg.data_samples, cfg.seed, out.parent), timings)  # fmt: skip
     return out, digest
 
 
-def _load_shapes(source, cfg: AutoPlanConfig):
-    from dflop_jax.planner.run_config import ShapeSourceConfig, load_shapes
+def shape_file(cache: str | Path) -> Path:
+    """Where the data profile writes the shape distribution in `cache`."""
+    return Path(cache) / "data" / "shape_distribution.json"
 
-    if isinstance(source, str) and source in SYNTHETIC:
-        return load_shapes(ShapeSourceConfig(source, cfg.data_samples, cfg.seed))
-    return load_shapes(ShapeSourceConfig(str(source)))
+
+def cost_table_file(cache: str | Path) -> Path:
+    """Where the model profile writes the cost table in `cache`."""
+    return Path(cache) / "cost_table.json"
+
+
+def model_profile(
+    cfg: AutoPlanConfig, model_cfg, cache: Path, timings: dict, *, name: str, devices, progress=None
+) -> tuple[Path, str]:
+    """Step 2 (`python -m dflop_jax.profile model`): (the cost table's path, its digest), profiled on
+    `devices` under the planner's recipe unless fresh."""
+    from dflop_jax.profiling import model_profiler
+    from dflop_jax.runtime.device import run_device
+
+    device = run_device(cfg.device)
+    settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
+    table_path = cost_table_file(cache)
+    grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
+    recipe = cfg.planner.trainable  # profiled as it trains: frozen parts' own programs
+    model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices, recipe),
+                                grid, code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
+    _step("model profile", table_path, model_digest,
+          lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path,
+                                               model_name=name, trainable=recipe,
+                                               progress=progress),
+          timings)  # fmt: skip
+    return table_path, model_digest
 
 
 def ensure_plan(
@@ -159,8 +191,8 @@ def ensure_plan(
     from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan, make_plan, save_plan
+    from dflop_jax.planner.resolve import load_shapes
     from dflop_jax.planner.space import fit_search_space
-    from dflop_jax.profiling import model_profiler
     from dflop_jax.profiling.model_config import arch_for_model_config
     from dflop_jax.runtime.device import run_device
 
@@ -173,19 +205,10 @@ def ensure_plan(
     cfg = dataclasses.replace(
         cfg, planner=fit_search_space(arch, cfg.num_devices, device, cfg.planner)
     )
-    settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
-    shapes_src, data_digest = _data_step(cfg, data_cfg, cache, timings)
-
+    shapes_src, data_digest = data_profile(cfg, data_cfg, cache, timings)
     devices = list(jax.devices() if devices is None else devices)
-    table_path = cache / "cost_table.json"
-    grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
-    recipe = cfg.planner.trainable  # profiled as it trains: frozen parts' own programs
-    model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices, recipe),
-                                grid, code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
-    _step("model profile", table_path, model_digest,
-          lambda: model_profiler.profile_model(model_cfg, devices, settings, table_path,
-                                               model_name=name, trainable=recipe),
-          timings)  # fmt: skip
+    table_path, model_digest = model_profile(cfg, model_cfg, cache, timings, name=name,
+                                             devices=devices)  # fmt: skip
     if not plan:
         (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
         return None
@@ -199,7 +222,7 @@ def ensure_plan(
         provider = MeasuredCostProvider(
             table_path, arch, device, AnalyticCostProvider(arch, device)
         )
-        shapes = _load_shapes(shapes_src, cfg)
+        shapes = load_shapes(shapes_src, cfg.data_samples, cfg.seed)
         save_plan(
             make_plan(arch, device, cfg.num_devices, shapes, cfg.planner, provider), plan_path
         )

@@ -1,4 +1,4 @@
-"""The `models/` config of a named architecture: `model: NAME` in a run config, `profile model arch=NAME`.
+"""The `models/` config of a named architecture: `model: NAME` in a run config, `model.arch=NAME`.
 
 LLaVA-style archs (a ViT without class token or pixel shuffle + `mlp2x_gelu` projector + decoder) map to
 `models.llava_onevision.LlavaOnevisionConfig`; InternVL-style archs (class token, pixel shuffle 0.5,

@@ -377,7 +377,9 @@ class TrainConfig:
       device: the accelerator (`costs.devices.DeviceConfig`; "auto" = the one JAX reports) for
         planning, the scheduler's analytic costs (memory capacity, hosts; with `plan: auto` measured
         costs replace the analytic ones) and MFU's peak.
-      profile: the model profiler's grid and timing (`plan: auto`).
+      profile: the profiling steps' settings (`python -m dflop_jax.profile data|model|auto` and
+        `plan: auto`): the data profile's source and sample, the model profiler's grid and timing.
+      planner: the planner's search space (`python -m dflop_jax.plan`, `plan: auto|analytic`).
       steps: optimizer steps; global_batch: records drawn per step.
       log_every: steps between console lines (every step goes to metrics.jsonl).
       run_dir: the run's directory: resolved config, metrics, checkpoints, plans, profiles.
@@ -498,17 +500,14 @@ class TrainConfig:
         check_runnable(load_plan(path).layout, self.plan, self.model.kind != "decoder")
 
     def ignored_keys(self) -> dict[str, str]:
-        """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned)."""
+        """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned).
+        `planner` and `profile` are never listed: `python -m dflop_jax.plan` and `... profile` read
+        them whatever `plan` is."""
         out = {}
         if self.plan != "explicit":
             out["layout"] = f"read only with plan=explicit (plan={self.plan})"
         elif self.layout.encoder_colocated:
             out["layout.encoder_dp"] = "the colocated encoder's dp is layout.llm_dp"
-        if self.plan not in ("auto", "analytic") and not self.planner.replan_every:
-            why = "or with planner.replan_every (drift)"
-            out["planner"] = f"read only with plan=auto or analytic (plan={self.plan}) {why}"
-        if self.plan != "auto":
-            out["profile"] = f"read only with plan=auto (plan={self.plan})"
         if self.model.kind == "decoder":
             why = "model.kind=decoder has no vision encoder"
             out.update({f"model.{n}": why for n in _MODEL_SIZES if n.startswith("vision_")})
