@@ -230,6 +230,7 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     Writes `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds, the
     residual policy and the training programs' FLOPs, `profiling/stage_report.py`; per transfer its
     bytes per microbatch) and returns its stages."""
+    import jax.numpy as jnp
     import yaml
 
     from dflop_jax.costs import layout_memory
@@ -244,14 +245,16 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     lay = resolved.layout
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
     predicted = [m.total() for m in layout_memory(resolved.provider, lay, resolved.buckets, counts)]
-    checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg)
-    flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals,
-                        trainable=tuple(cfg.optimizer.trainable))  # fmt: skip
+    dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
+    checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
+                          compute_dtype=dtype, trainable=trainable)  # fmt: skip
+    flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals, compute_dtype=dtype,
+                        trainable=trainable)  # fmt: skip
     stages = [
         {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p), **f}
         for c, p, f in zip(checks, predicted, flops)
     ]
-    transfers = transfer_bytes_per_microbatch(lay, resolved.buckets, model_cfg)
+    transfers = transfer_bytes_per_microbatch(lay, resolved.buckets, model_cfg, dtype, trainable)
     out = Path(cfg.run_dir) / "dry_run.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))

@@ -98,6 +98,22 @@ def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp):
     assert boundary.forward == llm_dp * V_DP * shard  # today: every LLM device gets all features
 
 
+@pytest.mark.parametrize("llm_dp", [1, 3])
+def test_dry_run_transfers_are_the_built_pipelines(llm_dp):
+    """`train --dry-run`'s transfers (abstract stage programs, no params) == the built pipeline's
+    for a microbatch at the same buckets."""
+    from dflop_jax.contracts import BucketSet
+    from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
+
+    cfg = llava_onevision_config(VISION, TEXT)
+    dry = dry_run_bytes(_layout(llm_dp), BucketSet((T,), (S,)), cfg, jnp.float32)
+    (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp), _microbatch(llm_dp))
+    assert dry == [{"stage": 0, "forward_bytes": built.forward, "backward_bytes": built.backward}]
+    assert built.forward > 0 and built.backward > 0
+    frozen = dry_run_bytes(_layout(llm_dp), BucketSet((T,), (S,)), cfg, jnp.float32, ("llm",))
+    assert frozen == [{**dry[0], "backward_bytes": 0}]  # nothing trained before the LLM
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="the first LLM stage still takes every row's features replicated (x_spec P()): each "

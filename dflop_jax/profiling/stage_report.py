@@ -1,7 +1,7 @@
 """Per-stage figures of the compiled training programs, for `python -m dflop_jax.train --dry-run`.
 
     stage_flops(layout, buckets, model_cfg, residuals)   -> per stage flops_forward / flops_backward
-    transfer_bytes_per_microbatch(layout, buckets, model_cfg) -> per transfer bytes (not measured yet)
+    transfer_bytes_per_microbatch(layout, buckets, model_cfg) -> per stage boundary, bytes moved
 
 FLOPs are XLA's cost analysis (`compiled.cost_analysis()["flops"]`) of the programs the trainer runs,
 built by the profiler's builder (`programs.stage_program`, hence `runtime.stages.stage_jits`) from
@@ -97,7 +97,33 @@ def stage_flops(
     return out
 
 
-def transfer_bytes_per_microbatch(layout: Layout, buckets: BucketSet, model_cfg) -> list[dict]:
-    """Per stage-to-stage transfer, the bytes its compiled program moves between devices for one
-    microbatch: not measured yet (an empty list); the report's `transfers` entry is this list."""
-    return []
+def transfer_bytes_per_microbatch(
+    layout: Layout,
+    buckets: BucketSet,
+    model_cfg,
+    compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
+) -> list[dict]:
+    """Per stage boundary, the bytes one microbatch at the largest of `buckets` moves between
+    devices: `forward_bytes` (the stage's output into the next stage's input sharding) and
+    `backward_bytes` (dL/dx back, 0 where the next stage passes none under the recipe). The figures
+    are the runtime's transfer programs' (`runtime.transfer.transfer_bytes`, what a training step
+    adds to `StepOutput.transfer_bytes`) between the shardings of the stage programs the dry run
+    compiles (`compile_check.stage_programs`); nothing is compiled."""
+    from dflop_jax.costs.recipe import stage_role
+    from dflop_jax.profiling.compile_check import stage_programs
+    from dflop_jax.runtime.mesh import stage_meshes
+    from dflop_jax.runtime.model_stages import is_multimodal
+    from dflop_jax.runtime.transfer import transfer_bytes
+
+    progs = [p for _, p in stage_programs(layout, buckets, model_cfg, stage_meshes(layout),
+                                          compute_dtype, trainable)]  # fmt: skip
+    out = []
+    for s, (a, b, spec) in enumerate(zip(progs, progs[1:], layout.stages[1:])):
+        y, x = a.seed_abs, b.x_abs  # an inner stage's backward seed is dL/dy: y's struct
+        if y.shape != x.shape:
+            raise ValueError(f"stage {s} outputs {y.shape}, stage {s + 1} takes {x.shape}")
+        back = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
+        out.append({"stage": s, "forward_bytes": transfer_bytes(y, x.sharding),
+                    "backward_bytes": transfer_bytes(x, y.sharding) if back else 0})  # fmt: skip
+    return out
