@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -30,6 +31,7 @@ from dflop_jax.runtime import evaluate
 from dflop_jax.runtime.checkpoint import SavedState, key_name, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.metrics import MetricsLog
+from dflop_jax.runtime.stages import StageProgram
 from dflop_jax.train import run
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum
@@ -165,10 +167,26 @@ def _reference_eval_loss(model, microbatches) -> float:
     return total / tokens
 
 
+def _dispatch_thread_placements(monkeypatch) -> list:
+    """Stages whose side inputs the main (dispatch) thread copied to their devices."""
+    on_main, real_put = [], StageProgram.put_side
+
+    def put_side(stage, batch):
+        if threading.current_thread() is threading.main_thread():
+            on_main.append(stage)
+        return real_put(stage, batch)
+
+    monkeypatch.setattr(StageProgram, "put_side", put_side)
+    return on_main
+
+
 def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_path, monkeypatch):
     seen = _Seen(monkeypatch)
+    on_main = _dispatch_thread_placements(monkeypatch)
     cfg = _cfg(tmp_path, "eval", **{"eval.every": 2, "checkpoint.every": 4})
     report = run(cfg)
+    # Training's and evaluation's side inputs went to the devices from the loaders' threads.
+    assert on_main == []
 
     # The held-out records (the split of data.source) are all the evaluator sees; training none.
     records = load_source(cfg.data, cfg.seed)

@@ -206,7 +206,7 @@ class GlobalBatch:
       shapes: the scheduled samples' shapes, indexed like the schedule's sample indices (the same on
         every host: what the global batch holds, whichever rows this host packed).
       placed: per microbatch, per pipeline stage, the stage's side inputs already on its devices
-        (set by the trainer's `place` hook in the loader's prefetch thread); None: not placed.
+        (set by the `place` hook, `driver.placed_batch`, in the loader's prefetch thread); None: not placed.
     """
 
     microbatches: list[PackedMicrobatch]

@@ -272,6 +272,13 @@ def place_sides(
     return [[s.put_side(f) if s.local else None for s in stages] for f in fields]
 
 
+def placed_batch(stages: Sequence[StageProgram], batch):
+    """`batch` (a loader's `GlobalBatch`) with its side inputs on the stages' devices
+    (`GlobalBatch.placed`): the loader's `place` hook, run by its prefetch thread."""
+    batch.placed = place_sides(stages, batch.microbatches)
+    return batch
+
+
 def _forward_only(stages: Sequence[StageProgram]) -> int:
     """How many leading stages run forward only; raises unless they are a prefix (a stage behind a
     trainable one must pass cotangents back) and each stage's input gradient agrees with it."""

@@ -25,6 +25,7 @@ every transfer in the same order; the totals are read on every process with `hos
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.data.types import PackedMicrobatch
-from dflop_jax.runtime.driver import microbatch_fields
+from dflop_jax.runtime.driver import microbatch_fields, placed_batch
 from dflop_jax.runtime.stages import StageProgram, put_host
 from dflop_jax.runtime.transfer import transfer
 from dflop_jax.scheduler import Scheduler
@@ -47,6 +48,7 @@ def forward_losses(
     stages: Sequence[StageProgram],
     microbatches: Iterable[PackedMicrobatch | dict[str, np.ndarray]],
     totals: jax.Array,
+    placed: Sequence[Sequence[dict | None]] | None = None,
 ) -> jax.Array:
     """`totals` + (loss sum, loss tokens) of `microbatches` through the pipeline, forward only.
 
@@ -55,13 +57,18 @@ def forward_losses(
       microbatches: packed microbatches (or their arrays by field name), global shapes; in a
         multi-process run only this process's shards need to be filled in.
       totals: float32[2] replicated on the last stage's mesh (`zero_totals`); donated.
+      placed: per microbatch, the local stages' side inputs already on their devices
+        (`driver.place_sides`, run by the eval loader's prefetch thread); None: placed here.
     """
     last = stages[-1]
-    for mb in microbatches:
+    for i, mb in enumerate(microbatches):
         fields = microbatch_fields(mb)
         x = None
         for s, stage in enumerate(stages):
-            side = stage.put_side(fields) if stage.local else stage.side_structs(fields)
+            if not stage.local:
+                side = stage.side_structs(fields)
+            else:
+                side = placed[i][s] if placed is not None else stage.put_side(fields)
             if stage is last:
                 totals = stage.eval_loss(x, side, totals) if stage.local else totals
             else:
@@ -127,13 +134,15 @@ class Evaluator:
         self.global_batch, self.seed, self.host, self.prefetch = global_batch, seed, host, prefetch
         self.num_batches = batches or None
 
-    def batches(self):
+    def batches(self, stages: Sequence[StageProgram] | None = None):
         """The eval global batches, packed afresh (one pass of the held-out records; the same
-        batches, in the same order, every time)."""
+        batches, in the same order, every time); with `stages`, each batch's side inputs are placed
+        on their devices by the loader's prefetch thread (`GlobalBatch.placed`)."""
         loader = make_loader(
             self.data_cfg, self.records, self.problem, self.schedule_fn,
             global_batch_size=self.global_batch, seed=self.seed, host=self.host,
             prefetch=self.prefetch, num_epochs=1, num_batches=self.num_batches,
+            place=None if stages is None else functools.partial(placed_batch, stages),
         )  # fmt: skip
         with loader:
             yield from loader
@@ -142,8 +151,8 @@ class Evaluator:
         """Issues one evaluation of the stages' current params (nothing is read back): the
         float32[2] (loss sum, loss tokens) on the last stage's mesh."""
         totals = zero_totals(stages[-1])
-        for batch in self.batches():
-            totals = forward_losses(stages, batch.microbatches, totals)
+        for batch in self.batches(stages):
+            totals = forward_losses(stages, batch.microbatches, totals, batch.placed)
         return totals
 
 

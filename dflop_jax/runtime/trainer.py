@@ -50,7 +50,7 @@ from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
 from dflop_jax.runtime.distributed import exchange_host, host_scalars
-from dflop_jax.runtime.driver import StepOutput, connect, place_sides, run_pipeline
+from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 from dflop_jax.runtime.mesh import stage_meshes
@@ -263,9 +263,9 @@ class _Trainer:
         )
 
     def _place(self, batch: GlobalBatch) -> GlobalBatch:
-        """The loader's hook (its prefetch thread): the batch's side inputs onto the stages' devices."""
-        batch.placed = place_sides(self.stages, batch.microbatches)
-        return batch
+        """The loader's hook (its prefetch thread): the batch's side inputs onto the devices of the
+        stages the run trains now (a re-plan replaces them)."""
+        return placed_batch(self.stages, batch)
 
     def restore(self) -> int:
         """Resumes from the latest checkpoint when there is one; returns the last completed step."""
