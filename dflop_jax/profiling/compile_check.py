@@ -133,21 +133,38 @@ def stage_programs(
     runtime builds them (the fused colocated stage as one "encoder+llm" program). Nothing is
     compiled."""
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
-    feature_tiles = layout.encoder_dp * tiles
-    fused = fused_stage(layout, model_cfg)
-    out = []
-    for i, (spec, mesh) in enumerate(zip(layout.stages, meshes)):
-        if i == fused:
-            prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
-                                 trainable=trainable)  # fmt: skip
-            out.append(("encoder+llm", prog))
-            continue
-        bucket = tiles if spec.module == "encoder" else length
-        features = feature_tiles if spec.module == "llm" and spec.has_embedding else None
-        prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
-                             trainable=trainable)  # fmt: skip
-        out.append((spec.module, prog))
-    return out
+    return [
+        stage_program_at(layout, i, model_cfg, mesh, tiles, length, compute_dtype, trainable)
+        for i, mesh in enumerate(meshes)
+    ]
+
+
+def stage_program_at(
+    layout: Layout,
+    stage: int,
+    model_cfg,
+    mesh: jax.sharding.Mesh,
+    tiles: int,
+    length: int,
+    compute_dtype=jnp.bfloat16,
+    trainable: Sequence[str] = TRAINABLE_PARTS,
+    residuals: str = "recompute",
+) -> tuple[str, PartProgram]:
+    """(part, programs) of stage `stage` of `layout` for microbatches of `tiles` tiles per encoder
+    data shard and `length` tokens per LLM row: an encoder stage runs at the tiles, an LLM stage at
+    the length (the first one taking the features of `encoder_dp * tiles` tiles), the fused
+    colocated stage at both."""
+    spec = layout.stages[stage]
+    if stage == fused_stage(layout, model_cfg):
+        prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
+                             trainable=trainable, residuals=residuals)  # fmt: skip
+        return "encoder+llm", prog
+    bucket = tiles if spec.module == "encoder" else length
+    first_llm = spec.module == "llm" and spec.has_embedding and layout.encoder_stages
+    features = layout.encoder_dp * tiles if first_llm else None
+    prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
+                         trainable=trainable, residuals=residuals)  # fmt: skip
+    return spec.module, prog
 
 
 def lower_stage_programs(

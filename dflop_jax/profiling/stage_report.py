@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
-from dflop_jax.profiling.programs import PartProgram, stage_program
+from dflop_jax.profiling.programs import PartProgram
 from dflop_jax.runtime.stages import signature
 
 
@@ -71,26 +71,26 @@ def stage_flops(
 ) -> list[dict]:
     """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
     (module docstring)."""
-    from dflop_jax.profiling.compile_check import _devices, fused_stage
+    from dflop_jax.profiling.compile_check import _devices, fused_stage, stage_program_at
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
     fused = fused_stage(layout, model_cfg)
+    tiles, lengths = buckets.tiles, buckets.lengths
     out = []
     for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals)):
+        # the buckets the stage runs: its tile buckets, its length buckets, or every pair
         if i == fused:
-            shapes = [(n, {"tile_bucket": t}) for t in buckets.tiles for n in buckets.lengths]
+            pairs = [(t, n) for t in tiles for n in lengths]
         elif spec.module == "encoder":
-            shapes = [(t, {}) for t in buckets.tiles]
+            pairs = [(t, lengths[-1]) for t in tiles]
         else:
-            first = spec.has_embedding and layout.encoder_stages
-            shapes = [(n, {"feature_tiles": layout.encoder_dp * buckets.tiles[-1]} if first else {})
-                      for n in buckets.lengths]  # fmt: skip
+            pairs = [(tiles[-1], n) for n in lengths]
         fwd = bwd = 0.0
-        for bucket, extra in shapes:
-            prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, trainable=trainable,
-                                 residuals=policy, **extra)  # fmt: skip
+        for t, n in pairs:
+            _, prog = stage_program_at(layout, i, model_cfg, mesh, t, n, compute_dtype, trainable,
+                                       policy)  # fmt: skip
             f, b = training_flops(prog)
             fwd, bwd = fwd + f, bwd + b
         out.append({"residuals": policy, "flops_forward": fwd, "flops_backward": bwd})
@@ -111,13 +111,14 @@ def transfer_bytes_per_microbatch(
     adds to `StepOutput.transfer_bytes`) between the shardings of the stage programs the dry run
     compiles (`compile_check.stage_programs`); nothing is compiled."""
     from dflop_jax.costs.recipe import stage_role
-    from dflop_jax.profiling.compile_check import stage_programs
+    from dflop_jax.profiling.compile_check import _devices, stage_programs
     from dflop_jax.runtime.mesh import stage_meshes
     from dflop_jax.runtime.model_stages import is_multimodal
     from dflop_jax.runtime.transfer import transfer_bytes
 
-    progs = [p for _, p in stage_programs(layout, buckets, model_cfg, stage_meshes(layout),
-                                          compute_dtype, trainable)]  # fmt: skip
+    meshes = stage_meshes(layout, _devices(layout.num_devices))
+    progs = [p for _, p in stage_programs(layout, buckets, model_cfg, meshes, compute_dtype,
+                                          trainable)]  # fmt: skip
     out = []
     for s, (a, b, spec) in enumerate(zip(progs, progs[1:], layout.stages[1:])):
         y, x = a.seed_abs, b.x_abs  # an inner stage's backward seed is dL/dy: y's struct
