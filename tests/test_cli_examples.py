@@ -28,7 +28,7 @@ COMMANDS = [
 ]
 BENCHES = ["attention", "cluster", "costmodel", "fused", "gpu", "loader", "loss", "multihost",
            "scheduler", "step", "train", "zero1"]  # fmt: skip
-FAST_BENCHES = ["attention", "cluster", "loss", "scheduler"]
+FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
 COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
 FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
@@ -67,7 +67,7 @@ def test_help_ends_with_an_example_in_the_one_form(module):
     argv = help_example(module)[2 + len(module.split()) :]
     files = {i + 1 for i, a in enumerate(argv) if a in ("--config", "--gin")}
     settings = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in files]
-    assert all("=" in a or a in ("data", "model", "auto") for a in settings), argv
+    assert all("=" in a or a in ("data", "model", "auto", *BENCHES) for a in settings), argv
 
 
 def test_every_benchmark_is_listed():
@@ -80,10 +80,10 @@ def test_a_bad_benchmark_value_is_one_config_error_line(capsys):
     from dflop_jax.bench import loss
 
     with pytest.raises(SystemExit) as e:
-        loss.main(["tp=3"])
+        loss.main(["tp=5"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("config error: tp=3")
+    assert len(err) == 1 and err[0].startswith("config error: tp=5")
 
 
 @pytest.mark.parametrize("module", FAST)

@@ -168,7 +168,7 @@ def print_report(report: dict) -> None:
 COMMAND = command(
     "loader",
     __doc__.split("\n")[0],
-    "python -m dflop_jax.bench loader --quick samples=32 batch=8 batches=1",
+    "python -m dflop_jax.bench loader --quick",
     quick="at most 128 samples, batch 16, 4 batches; no worker processes, the greedy solver",
     json="print the report as JSON",
 )

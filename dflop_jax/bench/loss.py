@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         f"B={cfg.batch} S={cfg.seq} D={cfg.hidden} V={cfg.vocab} tp={cfg.tp} "
         f"hidden {cfg.dtype}, head float32; [B,S,V/tp] float32 logits = {logits_gib:.2f} GiB"
     )
-    print(f"{'loss':<22} {'temp GiB/device':>16} {'cfg+out GiB':>13}")
+    print(f"{'loss':<22} {'temp GiB/device':>16} {'args+out GiB':>13}")
     for name, fn in _programs(cfg):
         temp, io = _temp_bytes(fn, mesh, cfg)
         print(f"{name:<22} {temp / GIB:>16.3f} {io / GIB:>13.3f}")
