@@ -16,7 +16,7 @@ from dflop_jax.scheduler import llava_ov_mix
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_CONFIGS = ["plan_llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml"]
-TINY = ["model=tiny", "device=cpu", "num_devices=4", "data.synthetic_samples=200", "planner.global_batch=8",
+TINY = ["model=tiny", "device=cpu", "num_devices=4", "data.synth_samples=200", "planner.global_batch=8",
         "planner.microbatches=[2,4]", "planner.samples=1", "planner.screen_top=2", "planner.llm_pp=[1,2]"]  # fmt: skip
 
 

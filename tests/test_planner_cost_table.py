@@ -30,7 +30,7 @@ def cost_table(tp2_speedup: float) -> ProfiledCostTable:
 
 def _plan(tmp_path, name: str, tp2_speedup: float):
     table = save_cost_table(cost_table(tp2_speedup), tmp_path / f"{name}.json")
-    over = ["model=tiny", "device=cpu", "num_devices=4", "data.synthetic_samples=200",
+    over = ["model=tiny", "device=cpu", "num_devices=4", "data.synth_samples=200",
             "planner.global_batch=16", "planner.microbatches=[2,4]", "planner.samples=1",
             "planner.screen_top=2", "planner.tp=[1,2]", f"cost_table={table}",
             f"out={tmp_path / name / 'plan.yaml'}"]  # fmt: skip
@@ -53,7 +53,7 @@ def test_the_cost_table_changes_the_plan_and_is_recorded(tmp_path):
 
 
 def test_without_a_table_the_plan_says_analytic(tmp_path):
-    over = ["model=tiny", "device=cpu", "num_devices=2", "data.synthetic_samples=100",
+    over = ["model=tiny", "device=cpu", "num_devices=2", "data.synth_samples=100",
             "planner.global_batch=8", "planner.microbatches=[2,4]", "planner.samples=1",
             "planner.screen_top=2", f"out={tmp_path / 'plan.yaml'}"]  # fmt: skip
     plan_cli.run(load_config(PlanRunConfig, None, over))

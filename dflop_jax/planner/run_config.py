@@ -23,13 +23,13 @@ class ShapeSourceConfig:
 
     Attributes:
       source: a shape-distribution JSON file (the data profiler's output), or "llava-ov" (synthetic
-        LLaVA-OV-like mix of `synthetic_samples` samples) or "omnibal" (the real InternVL statistics).
-      synthetic_samples: size of the synthetic llava-ov mix.
+        LLaVA-OV-like mix of `synth_samples` samples) or "omnibal" (the real InternVL statistics).
+      synth_samples: size of the synthetic llava-ov mix.
       seed: seed of the synthetic mix.
     """
 
     source: str = "llava-ov"
-    synthetic_samples: int = 4000
+    synth_samples: int = 4000
     seed: int = 0
 
     def __post_init__(self):
@@ -40,9 +40,9 @@ class ShapeSourceConfig:
             f"give a shape file or one of {SYNTHETIC_DATA}",
         )
         require(
-            self.synthetic_samples >= 1,
-            "data.synthetic_samples",
-            self.synthetic_samples,
+            self.synth_samples >= 1,
+            "data.synth_samples",
+            self.synth_samples,
             "must be >= 1",
         )
         require_seed(self.seed, "data.seed")
@@ -120,7 +120,7 @@ def load_shapes(data: ShapeSourceConfig):
     from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
 
     if data.source == "llava-ov":
-        return llava_ov_mix(data.synthetic_samples, data.seed)
+        return llava_ov_mix(data.synth_samples, data.seed)
     if data.source == "omnibal":
         return omnibal_shapes()
     return load_shape_distribution(data.source)
