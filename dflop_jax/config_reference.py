@@ -25,7 +25,8 @@ Generated from the config dataclasses by `python -m dflop_jax.config_reference o
 (do not edit by hand; a test checks it is current). Each command reads its root config from one YAML
 file (`--config FILE`) and `key.sub=value` overrides; a key that is not listed under it is an error. A
 training run's config (`train`) holds the model, data, device, profile, planner, scheduler, optimizer
-and training sections; `plan` and `profile` read configs of their own (below).
+and training sections; `plan`, `profile` and each benchmark (`bench NAME`) read configs of their own
+(below).
 Types: `a | b` is one of the listed values; `list of T` is a YAML list (on the command line `[1,2]`).
 """
 
@@ -159,6 +160,20 @@ def render(roots: list[tuple[str, type]]) -> str:
 
 def root_configs() -> list[tuple[str, type]]:
     """Every command's root config, the run config (train, plan, profile) first."""
+    from dflop_jax.bench import (
+        attention,
+        cluster,
+        costmodel,
+        fused,
+        gpu,
+        loader,
+        loss,
+        multihost,
+        scheduler,
+        step,
+        train,
+        zero1,
+    )
     from dflop_jax.costs.__main__ import CostsConfig
     from dflop_jax.data.synth import SynthConfig
     from dflop_jax.export import ExportConfig
@@ -173,6 +188,18 @@ def root_configs() -> list[tuple[str, type]]:
         ("simulate", SimulateConfig),
         ("costs", CostsConfig),
         ("data.synth", SynthConfig),
+        ("bench attention", attention.AttentionBenchConfig),
+        ("bench cluster", cluster.ClusterBenchConfig),
+        ("bench costmodel", costmodel.CostModelBenchConfig),
+        ("bench fused", fused.FusedBenchConfig),
+        ("bench gpu", gpu.GpuBenchConfig),
+        ("bench loader", loader.LoaderBenchConfig),
+        ("bench loss", loss.LossBenchConfig),
+        ("bench multihost", multihost.MultihostBenchConfig),
+        ("bench scheduler", scheduler.SchedulerBenchConfig),
+        ("bench step", step.StepBenchConfig),
+        ("bench train", train.TrainBenchConfig),
+        ("bench zero1", zero1.Zero1BenchConfig),
     ]
 
 

@@ -43,7 +43,7 @@ class SimulateConfig:
       shapes: draw batches from a shape-distribution JSON file (`profile data` writes one).
       batches: global batches to draw (mix, shapes).
       seed: seed of the drawn batches.
-      scheduler: "plan" (the plan's own), "greedy", "auto", "cpsat" or "data-blind".
+      scheduler: "plan" (the plan's own), "greedy", "auto", "cpsat" or "data_blind".
       pipeline: "1f1b" or "gpipe".
       png: write the first batch's timeline here ("" = none).
     """
@@ -54,7 +54,7 @@ class SimulateConfig:
     shapes: str = ""
     batches: int = 4
     seed: int = 0
-    scheduler: Literal["plan", "greedy", "auto", "cpsat", "data-blind"] = "plan"
+    scheduler: Literal["plan", "greedy", "auto", "cpsat", "data_blind"] = "plan"
     pipeline: Literal["1f1b", "gpipe"] = "1f1b"
     png: str = ""
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = (
             cfg.scheduler
             if cfg.scheduler != "plan"
-            else ("data-blind" if plan.mode == "uniform" else "greedy")
+            else ("data_blind" if plan.mode == "uniform" else "greedy")
         )
         report = replay(plan, batches, scheduler, cfg.pipeline, cfg.png or None)
     except ConfigError as e:

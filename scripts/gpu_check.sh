@@ -74,14 +74,14 @@ keep() { [[ -s "$1" ]] && tail -c "$MAX_BYTES" "$1" >"$OUT/$2"; }
 summarize() { $PY scripts/gpu_check.py summary --work "$WORK" --out "$OUT" --dry "$DRY" >>"$LOG" 2>&1; }
 
 if [[ "$DRY" == 1 ]]; then
-  MATMUL=256 PYTEST_T=120 DEMO_T=300 BENCH_SIZE=smoke BENCH_RUNS="--warmup 0 --runs 1"
-  FUSED_ARGS="--rounds 1 --runs 1"
+  MATMUL=256 PYTEST_T=120 DEMO_T=300 BENCH_SIZE=smoke BENCH_RUNS="warmup=0 runs=1"
+  FUSED_ARGS="rounds=1 runs=1"
   DEMO_ARGS=(steps=3 "profile.encoder_buckets=[1]" "profile.llm_buckets=[256]" data.max_tokens=256
     data.max_grid=1 data.max_frames=2 data.synth_samples=64 profile.warmup=0 profile.runs=1
     planner.samples=1 planner.screen_top=2 planner.top_n=1 "planner.microbatches=[2]")
 else
-  MATMUL=8192 PYTEST_T=150 DEMO_T=240 BENCH_SIZE=real BENCH_RUNS="--warmup 2 --runs 5"
-  FUSED_ARGS="--rounds 3 --runs 5"
+  MATMUL=8192 PYTEST_T=150 DEMO_T=240 BENCH_SIZE=real BENCH_RUNS="warmup=2 runs=5"
+  FUSED_ARGS="rounds=3 runs=5"
   DEMO_ARGS=(steps=24)
 fi
 # The demo on one device: one encoder + LLM stage, colocated (what exists today); the bare demo is
@@ -107,8 +107,8 @@ demo() { # MFU against the preflight's peak (the GPU's preset); 0 = the detected
 }
 
 bench_part() { # one `bench gpu` part per process: a part that times out loses only itself
-  $PY -m dflop_jax.bench gpu --parts "$1" --size $BENCH_SIZE $BENCH_RUNS --out "$WORK/bench_runs" \
-    --json-out "$WORK/bench_gpu_$1.json"
+  $PY -m dflop_jax.bench gpu "parts=$1" "size=$BENCH_SIZE" $BENCH_RUNS "out=$WORK/bench_runs" \
+    "json_out=$WORK/bench_gpu_$1.json"
 }
 
 # `timeout` runs programs, not shell functions: a step that is a function below re-invokes this script.
@@ -137,7 +137,7 @@ for part_s in stage:180 attention:150 host:90 profiler:150; do
   step "bench_${part_s%%:*}" 45 "${part_s##*:}" bash "$0" __call bench_part "${part_s%%:*}"
   summarize
 done
-step bench_fused 30 90 $PY -m dflop_jax.bench fused $FUSED_ARGS --json "$WORK/bench_fused.json"
+step bench_fused 30 90 $PY -m dflop_jax.bench fused $FUSED_ARGS "json_out=$WORK/bench_fused.json"
 cat "$WORK"/bench_*.out >"$WORK/bench.all" 2>/dev/null
 keep "$WORK/bench.all" bench.log
 summarize

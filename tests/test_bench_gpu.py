@@ -15,8 +15,7 @@ from dflop_jax.bench import gpu
 
 def _run(out, capsys, parts):
     path = out / f"{parts.replace(',', '_')}.json"
-    argv = ["--parts", parts, "--size", "smoke", "--out", str(out), "--json-out", str(path),
-            "--warmup", "0", "--runs", "1"]  # fmt: skip
+    argv = [f"parts={parts}", "size=smoke", f"out={out}", f"json_out={path}", "warmup=0", "runs=1"]
     rc = gpu.main(argv)
     report = json.loads(path.read_text())
     assert rc == 0, {p: report[p]["error"] for p in parts.split(",") if "error" in report[p]}
@@ -93,9 +92,10 @@ def test_profiler_and_host_parts(tmp_path, capsys):
 
 
 def test_unknown_part_is_one_line_error(capsys):
-    with pytest.raises(SystemExit):
-        gpu.main(["--parts", "attention,warp"])
-    assert "unknown part(s) ['warp']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["parts=attention,warp"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("config error: parts=") and "\n" not in err
 
 
 @pytest.mark.gpu

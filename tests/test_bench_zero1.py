@@ -16,8 +16,8 @@ from dflop_jax.bench import zero1
 @pytest.mark.slow
 def test_zero1_arms_shard_the_optimizer_state_and_train_alike(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "dflop_jax.bench", "zero1", "--size", "tiny", "--steps", "3",
-         "--out", str(tmp_path)],  # fmt: skip
+        [sys.executable, "-m", "dflop_jax.bench", "zero1", "size=tiny", "steps=3",
+         f"out={tmp_path}"],  # fmt: skip
         capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Every command has the one CLI form and a `--help` that ends with an example that works.
 
-The fast test checks each `--help` and runs the examples that take seconds; the slow one runs the rest
-in the order their inputs need (plan -> simulate, train -> export). Examples run in a scratch directory
+The fast test checks each `--help` and runs the examples that take seconds; the slow ones run the rest
+(plan -> simulate, train -> export in the order their inputs need; the benchmarks that train or time
+compiled programs one by one). Examples run in a scratch directory
 that sees the repository's `configs/` (where their example inputs live), so their outputs land there.
 """
 
@@ -23,8 +24,15 @@ COMMANDS = [
     "dflop_jax.simulate",
     "dflop_jax.costs",
     "dflop_jax.data.synth",
+    "dflop_jax.bench",
 ]
-FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile"]
+BENCHES = ["attention", "cluster", "costmodel", "fused", "gpu", "loader", "loss", "multihost",
+           "scheduler", "step", "train", "zero1"]  # fmt: skip
+FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
+COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
+FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
+        "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
+SLOW_BENCHES = [f"dflop_jax.bench {name}" for name in BENCHES if name not in FAST_BENCHES]
 SLOW_CHAIN = ["dflop_jax.plan", "dflop_jax.simulate", "dflop_jax.train", "dflop_jax.export"]
 
 
@@ -33,16 +41,17 @@ def _env() -> dict[str, str]:
 
 
 def help_example(module: str) -> list[str]:
-    """The example `python -m <module> --help` ends with, as an argv."""
-    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-                         env=_env(), timeout=300)  # fmt: skip
+    """The example `python -m <module> --help` ends with, as an argv (`module` may name a benchmark:
+    "dflop_jax.bench loss")."""
+    out = subprocess.run([sys.executable, "-m", *module.split(), "--help"], capture_output=True,
+                         text=True, env=_env(), timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.rstrip().splitlines() if line.strip()]
     assert lines[-2].strip() == "example:", (
         f"{module} --help must end with an example:\n{out.stdout}"
     )
     argv = shlex.split(lines[-1])
-    assert argv[:3] == ["python", "-m", module], argv
+    assert argv[: 2 + len(module.split())] == ["python", "-m", *module.split()], argv
     return [sys.executable, *argv[1:]]
 
 
@@ -55,10 +64,26 @@ def run_example(argv: list[str], cwd: Path) -> None:
 
 @pytest.mark.parametrize("module", COMMANDS)
 def test_help_ends_with_an_example_in_the_one_form(module):
-    argv = help_example(module)[3:]
+    argv = help_example(module)[2 + len(module.split()) :]
     files = {i + 1 for i, a in enumerate(argv) if a in ("--config", "--gin")}
     settings = [a for i, a in enumerate(argv) if not a.startswith("--") and i not in files]
-    assert all("=" in a or a in ("data", "model", "auto") for a in settings), argv
+    assert all("=" in a or a in ("data", "model", "auto", *BENCHES) for a in settings), argv
+
+
+def test_every_benchmark_is_listed():
+    from dflop_jax.bench.__main__ import available
+
+    assert available() == BENCHES
+
+
+def test_a_bad_benchmark_value_is_one_config_error_line(capsys):
+    from dflop_jax.bench import loss
+
+    with pytest.raises(SystemExit) as e:
+        loss.main(["tp=5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: tp=5")
 
 
 @pytest.mark.parametrize("module", FAST)
@@ -80,3 +105,9 @@ def test_a_setting_given_as_a_flag_is_one_line(capsys):
 def test_examples_that_train_or_plan_work(tmp_path):
     for module in SLOW_CHAIN:
         run_example(help_example(module), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", SLOW_BENCHES)
+def test_benchmark_examples_that_train_or_time_programs_work(module, tmp_path):
+    run_example(help_example(module), tmp_path)

@@ -130,9 +130,11 @@ def test_bench_gpu_stage_variants_and_remat_option():
     assert gpu._stage_variants(("xla", "cudnn"), ("none", "full", "dots")) == [
         ("llm", "xla", "none"), ("llm", "cudnn", "none"), ("encoder", "xla", "none"),
         ("encoder", "cudnn", "none"), ("llm", "cudnn", "full"), ("llm", "cudnn", "dots")]  # fmt: skip
-    assert gpu._remats("none, dots") == ("none", "dots")
-    with pytest.raises(Exception, match="unknown remat"):
-        gpu._remats("none,sometimes")
+    from dflop_jax.config import ConfigError, load_config
+
+    assert load_config(gpu.GpuBenchConfig, None, ["remat=none,dots"]).remat == ("none", "dots")
+    with pytest.raises(ConfigError, match="remat="):
+        load_config(gpu.GpuBenchConfig, None, ["remat=none,sometimes"])
     # on CPU only XLA runs; the others say why
     impls, missing = gpu.attention_impls({"gpu": False})
     assert impls == ("xla",) and set(missing) == {"cudnn", "pallas"}

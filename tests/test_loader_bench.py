@@ -4,16 +4,15 @@ leaves (almost) no data wait, because prefetching prepares the next batch during
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from dflop_jax.bench import loader as bench
 
 
-def _args(tmp_path, step_time: float) -> argparse.Namespace:
-    return argparse.Namespace(
+def _args(tmp_path, step_time: float) -> bench.LoaderBenchConfig:
+    return bench.LoaderBenchConfig(
         out=str(tmp_path), mix="llava-ov", samples=24, batch=8, batches=2, microbatches=2,
-        workers=[0], decode_workers=[0], solvers=["greedy"], tile_size=28, max_frames=4, step_time=step_time,
+        workers=(0,), decode_workers=(0,), solvers=("greedy",), tile_size=28, max_frames=4, step_time=step_time,
     )  # fmt: skip
 
 

@@ -69,8 +69,8 @@ def test_paper_smoke_one_model_at_32_gpus(capsys):
     find a layout, the baseline's encoder runs colocated, the report says it is a simulation."""
     from dflop_jax.bench.cluster import main
 
-    rc = main(["--paper", "--gpus", "32", "--models", "siglip-6b+qwen2.5-7b",
-               "--eval-batches", "1", "--samples", "1", "--json", "/dev/null"])  # fmt: skip
+    rc = main(["--paper", "gpus=32", "models=siglip-6b+qwen2.5-7b", "eval_batches=1", "samples=1",
+               "json_out=/dev/null"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "Simulation with analytic costs" in out
     row = next(
@@ -104,15 +104,15 @@ def test_strongest_scheduler_baseline_column(tmp_path, capsys):
     from dflop_jax.bench.cluster import main
 
     out_json = tmp_path / "rows.json"
-    rc = main(["--quick", "--gpus", "8", "--eval-batches", "1", "--samples", "1",
-               "--baselines", "data-blind,maxtext-packer", "--json", str(out_json)])  # fmt: skip
+    rc = main(["--quick", "gpus=8", "eval_batches=1", "samples=1",
+               "baselines=data_blind,maxtext-packer", f"json_out={out_json}"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "strongest scheduler baseline on DFLOP's layout" in out
     rows = json.loads(out_json.read_text())["rows"]
     assert rows
     for r in rows:
         steps = {n: b["step_s"] for n, b in r["baselines"].items()}
-        assert set(steps) == {"data-blind", "maxtext-packer"}
+        assert set(steps) == {"data_blind", "maxtext-packer"}
         name = min(steps, key=steps.get)
         ratio = steps[name] / r["dflop"]["step_s"]
         sb = r["strongest_baseline"]
@@ -128,13 +128,16 @@ def test_strongest_scheduler_baseline_column(tmp_path, capsys):
 def test_unknown_baseline_is_a_one_line_error(capsys):
     from dflop_jax.bench.cluster import main
 
-    assert main(["--quick", "--baselines", "nope"]) == 2
-    assert "unknown baseline 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", "baselines=nope"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "unknown baseline ['nope']" in err and "\n" not in err
 
 
 def test_bad_recipe_is_a_one_line_error(capsys):
     from dflop_jax.bench.cluster import main
 
-    assert main(["--quick", "--trainable", "vision,bogus"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", "trainable=vision,bogus"])
     err = capsys.readouterr().err.strip()
-    assert "--trainable" in err and "\n" not in err
+    assert e.value.code == 2 and err.startswith("config error: trainable=") and "\n" not in err

@@ -91,7 +91,7 @@ def test_simulate_cli_samples_and_mix(tiny_plan, tmp_path, capsys):
     ref = replay(tiny_plan, [read_samples_jsonl(samples)], "greedy", "1f1b")
     assert rep["step_time_mean_s"] == ref["step_time_mean_s"] == ref["batches"][0]["step_time_s"]
     assert 0 <= rep["idle_fraction_mean"] < 1 and png.read_bytes()[:4] == b"\x89PNG"
-    args = [f"plan={path}", "mix=llava-ov", "batches=2", "scheduler=data-blind", "pipeline=gpipe"]
+    args = [f"plan={path}", "mix=llava-ov", "batches=2", "scheduler=data_blind", "pipeline=gpipe"]
     assert simulate_cli.main(args) == 0
     assert "mean: step" in capsys.readouterr().out
     samples.write_text('{"id": 1}\n')

@@ -42,9 +42,9 @@ def test_cli_explicit_buckets_and_baseline(tmp_path, capsys):
     write_samples(samples, n=8)
     args = [f"samples={samples}", "microbatches=[2]", "arch=tiny", "--json",
             "tile_buckets=[4,8,16]", "length_buckets=[1024,2048,4096]"]  # fmt: skip
-    assert cli.main(args + ["baseline=data-blind"]) == 0
+    assert cli.main(args + ["baseline=data_blind"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["solver"] == "data-blind"
+    assert rep["solver"] == "data_blind"
     assert {(mb["tile_bucket"], mb["length_bucket"]) for mb in rep["microbatches"]} == {(16, 4096)}
     assert cli.main(args + ["baseline=reference-like"]) == 0
     assert json.loads(capsys.readouterr().out)["solver"] == "reference-like"

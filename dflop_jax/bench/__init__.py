@@ -1,4 +1,5 @@
-"""Benchmarks: `python -m dflop_jax.bench NAME [args]` runs `dflop_jax.bench.NAME.main(args)`.
+"""Benchmarks: `python -m dflop_jax.bench NAME [--config FILE] [key=value ...]` runs `dflop_jax.bench.NAME.main`.
 
-Each module prints its tables (and JSON with `--json`); `python -m dflop_jax.bench --help` lists them.
+Each module holds its config dataclass (the keys, checked once at load) and its `COMMAND` (modes such as
+`--json`, and a `--help` example that works); `python -m dflop_jax.bench --help` lists them.
 """

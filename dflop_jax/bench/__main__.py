@@ -1,7 +1,8 @@
-"""Benchmark dispatcher.
+"""Benchmark dispatcher: every benchmark takes the one command-line form.
 
-python -m dflop_jax.bench NAME [args...]   # imports dflop_jax.bench.NAME, calls main(args) -> int
-python -m dflop_jax.bench --help           # lists the benchmark modules
+python -m dflop_jax.bench NAME [--config FILE] [key=value ...] [--mode ...]
+python -m dflop_jax.bench --help           # lists the benchmarks
+python -m dflop_jax.bench NAME --help      # its keys, modes and an example that works
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 
 import dflop_jax.bench as bench_pkg
 
+EXAMPLE = "python -m dflop_jax.bench loss seq=256 hidden=64 vocab=1024 chunks=128"
+
 
 def available() -> list[str]:
     """Benchmark module names in this package."""
@@ -20,11 +23,19 @@ def available() -> list[str]:
     )
 
 
-def main(argv: list[str]) -> int:
+def usage(names: list[str]) -> str:
+    return (
+        "usage: python -m dflop_jax.bench NAME [--config FILE] [key=value ...] [--mode ...]\n\n"
+        "Runs one benchmark; NAME --help lists its keys and modes.\n\n"
+        f"benchmarks: {', '.join(names) if names else '(none)'}\n\nexample:\n  {EXAMPLE}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m dflop_jax.bench NAME [args...]  (NAME --help for its options)")
-        print("benchmarks: " + (", ".join(names) if names else "(none)"))
+        print(usage(names), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name = argv[0]
     if name not in names:
@@ -34,4 +45,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,13 +1,13 @@
 """Attention benchmark: XLA-path time and FLOPs of a packed row vs one sample, before/after tile skipping.
 
-    python -m dflop_jax.bench attention [--length 4096] [--samples 16] [--heads 2] [--kv-heads 1]
-        [--head-dim 32] [--repeats 3] [--non-causal] [--json]
+    python -m dflop_jax.bench attention [length=4096] [samples=16] [heads=2] [kv_heads=1]
+        [head_dim=32] [repeats=3] [causal=false] [--json]
 
-One row of `--length` tokens, either `--samples` packed samples of equal length or one sample
+One row of `length` tokens, either `samples` packed samples of equal length or one sample
 filling the row. "before" is the pre-skipping long-row path (`dense_attention` in 512-query blocks:
 every S x S pair, masked); "after" is `models.attention.attention` (tiles the mask removes are
 skipped). Per case: median wall time of a jitted forward + backward (`jax.grad` of a weighted sum
-w.r.t. q, k, v) over `--repeats` runs (more for fast cases, up to 1 s) after one warm-up, `compiled.cost_analysis()["flops"]`, the
+w.r.t. q, k, v) over `repeats` runs (more for fast cases, up to 1 s) after one warm-up, `compiled.cost_analysis()["flops"]`, the
 tiles the plan visits, and the analytic FLOPs of the visited pairs (4 S_q S_k H Dh forward,
 2.5x that forward + backward). XLA's cost analysis counts a loop body once (not times its trip
 count) and a conditional as its larger branch (probed at start-up and printed), so for both paths
@@ -16,7 +16,7 @@ it reports one block's cost, not the row's: time and the analytic count are the 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,7 +26,50 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 from models.attention import attention, block_plan, block_size, dense_attention
+
+COMMAND = command(
+    "attention",
+    __doc__.split("\n")[0],
+    "python -m dflop_jax.bench attention length=256 samples=4 repeats=1",
+    json="print the report as JSON",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBenchConfig:
+    """One packed row of attention to time.
+
+    Attributes:
+      length: tokens in the row.
+      samples: packed samples of equal length in the row (also timed: one sample filling it).
+      heads: query heads.
+      kv_heads: key/value heads (grouped-query attention; divides heads).
+      head_dim: channels per head.
+      repeats: timed runs per case (more for fast cases, up to 1 s).
+      causal: causal attention within each sample.
+    """
+
+    length: int = 4096
+    samples: int = 16
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 32
+    repeats: int = 3
+    causal: bool = True
+
+    def __post_init__(self):
+        require(self.length >= 1, "length", self.length, "must be >= 1")
+        require(
+            1 <= self.samples <= self.length, "samples", self.samples, "need 1 <= samples <= length"
+        )
+        require(self.kv_heads >= 1 and self.heads % self.kv_heads == 0, "kv_heads", self.kv_heads,
+                "must be >= 1 and divide heads")  # fmt: skip
+        require(self.head_dim >= 1, "head_dim", self.head_dim, "must be >= 1")
+        require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
+
 
 BEFORE_QUERY_BLOCK = 512  # the query block of the replaced long-row path
 MIN_SECONDS = 1.0  # fast cases repeat past --repeats until this much time is sampled
@@ -81,15 +124,9 @@ def measure(fn, args, repeats: int) -> dict:
     }
 
 
-def run_case(args, samples: int) -> dict:
+def run_case(cfg: AttentionBenchConfig, samples: int) -> dict:
     """Before/after figures for one row layout."""
-    s, h, kv, dh, causal = (
-        args.length,
-        args.heads,
-        args.kv_heads,
-        args.head_dim,
-        not args.non_causal,
-    )
+    s, h, kv, dh, causal = cfg.length, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.causal
     rng = np.random.default_rng(0)
     q, w = (jnp.asarray(rng.standard_normal((1, s, h, dh)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((1, s, kv, dh)), jnp.float32) for _ in range(2))
@@ -98,12 +135,12 @@ def run_case(args, samples: int) -> dict:
     plan = np.asarray(block_plan(seg, block, causal)) if s % block == 0 else None
     qb = BEFORE_QUERY_BLOCK if s % BEFORE_QUERY_BLOCK == 0 else None
     before = measure(
-        lambda q, k, v: dense_attention(q, k, v, seg, causal, qb), (q, k, v, w), args.repeats
+        lambda q, k, v: dense_attention(q, k, v, seg, causal, qb), (q, k, v, w), cfg.repeats
     )
     after = measure(
         lambda q, k, v: attention(q, k, v, segment_ids=seg, causal=causal),
         (q, k, v, w),
-        args.repeats,
+        cfg.repeats,
     )
     pair_flops = 2.5 * 4 * h * dh  # forward + backward per (query, key) pair
     visited = int(plan.sum()) if plan is not None else None
@@ -147,30 +184,17 @@ def _print_table(report: dict) -> None:
     print(f"load average {report['load'][0]:.1f} {report['load'][1]:.1f} on {os.cpu_count()} CPUs")
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench attention", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--samples", type=int, default=16, help="packed samples in the packed row")
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--kv-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
-    if args.length < 1 or not 1 <= args.samples <= args.length or args.heads % args.kv_heads:
-        p.error("need 1 <= --samples <= --length and --heads a multiple of --kv-heads")
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = load(COMMAND, AttentionBenchConfig, argv)
     report = {
-        "length": args.length,
-        "heads": args.heads,
-        "kv_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "causal": not args.non_causal,
-        "repeats": args.repeats,
+        "length": cfg.length,
+        "heads": cfg.heads,
+        "kv_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "causal": cfg.causal,
+        "repeats": cfg.repeats,
         "cost_analysis_probe": probe_cost_analysis(),
-        "cases": [run_case(args, n) for n in sorted({args.samples, 1}, reverse=True)],
+        "cases": [run_case(cfg, n) for n in sorted({cfg.samples, 1}, reverse=True)],
         "load": os.getloadavg(),
     }
     if args.json:

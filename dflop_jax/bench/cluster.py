@@ -1,12 +1,12 @@
 """Simulated cluster benchmark: the planner's layout + online scheduler vs the data-blind baseline.
 
-    python -m dflop_jax.bench cluster [--quick | --paper] [--json out.json] [--eval-batches K]
+    python -m dflop_jax.bench cluster [--quick | --paper] [json_out=rows.json] [eval_batches=K]
 
 For each model (LLaVA-OV: SigLIP-SO400M + Qwen2.5-7B on the LLaVA-OV-like mix; InternVL-style:
 InternViT-300M + Qwen2.5-7B on the real OmniBal InternVL statistics) and each H100 count (8, 32, 64;
 global batch 4 samples per GPU), with analytic costs under full activation recomputation (remat, as
 7B multimodal training runs do; without it few layouts fit 80 GB at these batch sizes).
-`--paper`: the DFLOP paper's model set (`PAPER_MODELS`: SigLIP 400M / "1B" / "6B" on the LLaVA-OV mix,
+With `--paper`: the DFLOP paper's model set (`PAPER_MODELS`: SigLIP 400M / "1B" / "6B" on the LLaVA-OV mix,
 InternViT 300M / 1B / 6B on the OmniBal statistics, with Qwen2.5 7B / 32B / 72B and Llama3 8B / 70B) at
 32, 64 and 128 H100s; both planners there also choose remat on or off per layout, the encoder may
 take up to 4 pipeline stages and the LLM any depth up to 8; the data-blind baseline may also interleave
@@ -20,12 +20,12 @@ own tp, and give a separate encoder a tp the LLM cannot take (5 for InternViT-6B
 - data-blind, dynamic shapes: the same layout and microbatches, but each microbatch costs what its real
   load costs (as in a variable-shape PyTorch/Megatron run: no padding, stages wait on each other).
 
-- the scheduler baselines on DFLOP's own layout (`scheduler.baselines`: data-blind, reference-like,
-  reference-exact, maxtext-packer; `--baselines` picks some): the same plan, each baseline's
+- the scheduler baselines on DFLOP's own layout (`scheduler.baselines`: data_blind, reference-like,
+  reference-exact, maxtext-packer; `baselines=` picks some): the same plan, each baseline's
   microbatches at the plan's count, so the row says what DFLOP's scheduler buys over the strongest of
   them (the one with the lowest mean simulated step) on top of what its layout buys over data-blind.
 
-`--trainable projector,llm` (a training recipe, `planner.trainable`): both planners, both schedulers
+`trainable=projector,llm` (a training recipe, `planner.trainable`): both planners, both schedulers
 and the evaluation cost frozen parts as the runtime runs them (costs/recipe.py), e.g. the frozen-encoder
 row (LLaVA-OV stage 2 with the vision tower frozen); the model cell names the recipe.
 
@@ -39,7 +39,6 @@ slower data-parallel rank, or in pipeline bubbles all count as idle.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -48,6 +47,8 @@ import time
 
 import numpy as np
 
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import ConfigError, require
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 from dflop_jax.costs.recipe import check_trainable
 from dflop_jax.planner import (
@@ -284,113 +285,117 @@ def _strongest_cells(row: dict) -> str:
     return f"{sb['name']}, {sb['step_s']:.2f} | {sb['speedup']:.2f}x"
 
 
-def _settings(args) -> tuple[list[int], list[str], int, int]:
-    """(GPU counts, models, evaluation batches, planner samples) from the command line."""
-    default_gpus = "32,64,128" if args.paper else ("8,32" if args.quick else "8,32,64")
+def _settings(cfg: ClusterBenchConfig, args) -> tuple[list[int], list[str], int, int]:
+    """(GPU counts, models, evaluation batches, planner samples): the config's, else the mode's."""
+    default_gpus = (32, 64, 128) if args.paper else ((8, 32) if args.quick else (8, 32, 64))
     default_models = (
         PAPER_MODELS if args.paper else (("llava-ov",) if args.quick else DEFAULT_MODELS)
     )
-    gpus = [int(g) for g in (args.gpus or default_gpus).split(",")]
-    models = args.models.split(",") if args.models else list(default_models)
     return (
-        gpus,
-        models,
-        args.eval_batches or (3 if args.quick else 8),
-        args.samples or (2 if args.quick else 4),
+        list(cfg.gpus or default_gpus),
+        list(cfg.models or default_models),
+        cfg.eval_batches or (3 if args.quick else 8),
+        cfg.samples or (2 if args.quick else 4),
     )
 
 
-def _planner_config(n: int, args) -> PlannerConfig:
+def _planner_config(n: int, cfg: ClusterBenchConfig, args) -> PlannerConfig:
     """Global batch 4 per GPU; `--paper` also searches remat on/off, up to 4 encoder stages, every
     LLM pipeline depth up to 8, every encoder tp up to 8 that divides its heads and MLP (DFLOP: 5
     for InternViT-6B's 25 heads, 7 for InternViT-1B's 28) and (the data-blind baseline) 2 virtual
     stages per LLM stage."""
     extra = {"remat": (False, True), "encoder_pp": (1, 2, 4), "llm_pp": tuple(range(1, 9)),
              "encoder_tp": tuple(range(1, 9)), "virtual_stages": (1, 2)} if args.paper else {}  # fmt: skip
-    return PlannerConfig(global_batch=4 * n, samples=_settings(args)[3], trainable=args.trainable,
+    return PlannerConfig(global_batch=4 * n, samples=_settings(cfg, args)[3], trainable=cfg.trainable,
                          screen_per_group=1 if args.quick else 2, **extra)  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench cluster", description=__doc__.split("\n\n")[0]
-    )
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick", action="store_true", help="8 and 32 GPUs, LLaVA-OV only, fewer batches"
-    )
-    mode.add_argument(
-        "--paper", action="store_true", help="the paper's model set at 32, 64, 128 GPUs"
-    )
-    ap.add_argument("--gpus", default=None, help="comma-separated GPU counts (default 8,32,64)")
-    ap.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODELS)}")
-    ap.add_argument(
-        "--eval-batches",
-        type=int,
-        default=None,
-        help="evaluation global batches (default 8; quick 3)",
-    )
-    ap.add_argument(
-        "--samples", type=int, default=None, help="planner's sampled batches K (default 4; quick 2)"
-    )
-    ap.add_argument(
-        "--no-remat", action="store_true", help="cost model without activation recomputation"
-    )
-    ap.add_argument(
-        "--baselines",
-        default=",".join(BASELINES),
-        help="comma-separated scheduler baselines run on DFLOP's layout (default all: "
-        f"{','.join(BASELINES)}; reference-exact spends ~1 s of CP-SAT per evaluation batch; "
-        "'none' for no baselines)",
-    )
-    ap.add_argument(
-        "--trainable",
-        default="vision,projector,llm",
-        help="comma-separated trained parts (a recipe; default all), e.g. projector,llm: frozen encoder",
-    )
-    ap.add_argument("--json", help="also write the rows as JSON here")
-    args = ap.parse_args(argv)  # fmt: skip
-    gpus, models, eval_batches, _ = _settings(args)
-    names = [] if args.baselines == "none" else args.baselines.split(",")
-    bad = [b for b in names if b not in BASELINES]
-    if bad:
-        print(f"error: unknown baseline {bad[0]!r}; choose from {', '.join(BASELINES)} or none",
-              file=sys.stderr)  # fmt: skip
+COMMAND = command(
+    "cluster",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench cluster --quick gpus=8 eval_batches=1 samples=1 baselines=[]",
+    quick="8 and 32 GPUs, LLaVA-OV only, fewer batches",
+    paper="the paper's model set at 32, 64, 128 GPUs",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterBenchConfig:
+    """Which simulated clusters to plan and evaluate (an empty or 0 value: the mode's default).
+
+    Attributes:
+      gpus: H100 counts (default 8, 32, 64; --quick 8, 32; --paper 32, 64, 128).
+      models: model names from `MODELS` (default llava-ov, internvl; --quick llava-ov; --paper the
+        paper's set).
+      eval_batches: evaluation global batches (default 8; --quick 3).
+      samples: the planner's sampled batches K (default 4; --quick 2).
+      remat: cost model with activation recomputation (full remat).
+      baselines: scheduler baselines run on DFLOP's layout ([] for none; reference-exact spends ~1 s of
+        CP-SAT per evaluation batch).
+      trainable: trained parts (a training recipe), e.g. [projector, llm]: a frozen encoder.
+      json_out: also write the rows as JSON here, after every case ("" = none).
+    """
+
+    gpus: tuple[int, ...] = ()
+    models: tuple[str, ...] = ()
+    eval_batches: int = 0
+    samples: int = 0
+    remat: bool = True
+    baselines: tuple[str, ...] = tuple(BASELINES)
+    trainable: tuple[str, ...] = ("vision", "projector", "llm")
+    json_out: str = ""
+
+    def __post_init__(self):
+        require(all(g >= 1 for g in self.gpus), "gpus", list(self.gpus), "GPU counts are >= 1")
+        unknown = [m for m in self.models if m not in MODELS]
+        require(not unknown, "models", list(self.models), f"choose from {', '.join(MODELS)}")
+        require(self.eval_batches >= 0, "eval_batches", self.eval_batches, "must be >= 0")
+        require(self.samples >= 0, "samples", self.samples, "must be >= 0")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        require(not bad, "baselines", list(self.baselines),
+                f"unknown baseline {bad[:1]}; choose from {', '.join(BASELINES)} or []")  # fmt: skip
+        try:
+            check_trainable(self.trainable, "trainable")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = load(COMMAND, ClusterBenchConfig, argv)
+    if args.quick and args.paper:
+        print("error: --quick and --paper are two presets; give one", file=sys.stderr)
         return 2
-    args.baselines = tuple(names)
-    args.trainable = tuple(args.trainable.split(","))
-    try:
-        check_trainable(args.trainable, "--trainable")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        print(
-            f"error: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}", file=sys.stderr
-        )
-        return 2
+    gpus, models, eval_batches, _ = _settings(cfg, args)
     rows, failures = [], []
     with progress_bar() as progress:
         for n in (
             gpus
         ):  # every model at one size before the next size: a cut-short sweep stays comparable
             for model in models:
-                _run_one(model, n, args, eval_batches, progress, rows, failures)
-                if args.json:  # after every case, so a long sweep's figures survive an interruption
-                    _dump(args.json, rows, failures)
+                _run_one(model, n, cfg, args, eval_batches, progress, rows, failures)
+                if (
+                    cfg.json_out
+                ):  # after every case, so a long sweep's figures survive an interruption
+                    _dump(cfg.json_out, rows, failures)
     print("Simulation with analytic costs (H100 preset), not measured on GPUs.\n")
     print(format_tables(rows, failures))
     return 1 if failures else 0
 
 
 def _run_one(
-    model: str, n: int, args, eval_batches: int, progress, rows: list, failures: list
+    model: str,
+    n: int,
+    cfg: ClusterBenchConfig,
+    args,
+    eval_batches: int,
+    progress,
+    rows: list,
+    failures: list,
 ) -> None:
     """One case appended to `rows`, or, with no plan, to `failures`; a one-line summary on stderr."""
     try:
-        r = run_case(model, n, _planner_config(n, args), eval_batches, not args.no_remat, progress,
-                     args.baselines)  # fmt: skip
+        r = run_case(model, n, _planner_config(n, cfg, args), eval_batches, cfg.remat, progress,
+                     cfg.baselines)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
         print(f"error: {model} x{n}: {e}", file=sys.stderr)
         failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})

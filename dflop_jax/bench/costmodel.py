@@ -1,6 +1,6 @@
 """Cost-model accuracy: measured-table predictions vs measured whole-stage programs, and the overhead.
 
-    python -m dflop_jax.bench costmodel [--out runs/bench_costmodel] [--runs 7] [--json]
+    python -m dflop_jax.bench costmodel [out=runs/bench_costmodel] [runs=7] [statistic=min] [--json]
 
 On 8 simulated CPU devices for the tiny model (`get_arch("tiny")`): (1) a fresh model profile (parts,
 tp 1 and 2, a bucket ladder), timed; (2) a plan from it (`configs/plan_tiny_cpu.yaml` settings), timed;
@@ -16,15 +16,18 @@ bucket), then compared with the second timing (out of sample).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from dflop_jax.bench._accuracy import mape as _mape
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 from dflop_jax.host_devices import simulate_cpu_devices
 
 # (module, layers, has_embedding, has_head, tp, buckets): whole stages the planner may place.
@@ -40,6 +43,35 @@ CASES = (
 TPS = (1, 2)
 ENCODER_BUCKETS = (1, 2, 4, 8, 16)
 LLM_BUCKETS = (64, 128, 256, 512, 1024)
+
+COMMAND = command(
+    "costmodel",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench costmodel runs=1 warmup=1 out=runs/bench_costmodel",
+    json="print the report as JSON",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelBenchConfig:
+    """Where the cost table goes and how each program is timed.
+
+    Attributes:
+      out: folder for the cost table and results.
+      runs: timed runs per program.
+      warmup: untimed runs per program.
+      statistic: timing statistic of profile and measurement: "median", or "min" (robust on a shared
+        machine).
+    """
+
+    out: str = "runs/bench_costmodel"
+    runs: int = 7
+    warmup: int = 2
+    statistic: Literal["median", "min"] = "median"
+
+    def __post_init__(self):
+        require(self.runs >= 1, "runs", self.runs, "must be >= 1")
+        require(self.warmup >= 0, "warmup", self.warmup, "must be >= 0")
 
 
 def _measure_cases(model_cfg, devices, settings):
@@ -183,28 +215,13 @@ def _print(report: dict) -> None:
     print(f"entry sources: {report['sources']}")
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench costmodel", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument(
-        "--out", default="runs/bench_costmodel", help="folder for the cost table and results"
-    )
-    ap.add_argument("--runs", type=int, default=7, help="timed runs per program (median)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs per program")
-    ap.add_argument(
-        "--statistic",
-        choices=("median", "min"),
-        default="median",
-        help="timing statistic of profile and measurement (min: robust on a shared machine)",
-    )
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = ap.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = load(COMMAND, CostModelBenchConfig, argv)
     simulate_cpu_devices(8)  # before jax starts its backend
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    out = Path(args.out)
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = run(out, args.runs, args.warmup, args.statistic)
+    report = run(out, cfg.runs, cfg.warmup, cfg.statistic)
     print(json.dumps(report, indent=1) if args.json else "", end="")
     if not args.json:
         _print(report)

@@ -1,6 +1,6 @@
 """Is the fused colocated stage the sum the cost provider composes?
 
-    python -m dflop_jax.bench fused [--rounds 3] [--runs 5] [--statistic median|min] [--json out.json]
+    python -m dflop_jax.bench fused [rounds=3] [runs=5] [statistic=median|min] [json_out=out.json]
 
 A colocated encoder runs inside LLM stage 0's program (`models.mllm.ColocatedStage`). The profiler
 times that fused program with no LLM layer (table kind colocated_embedding), and the measured cost
@@ -16,22 +16,53 @@ builder, `profiling.programs.stage_program`, which lowers to what the trainer ru
 and reports, per (tp, T, S), F_n against F_0 - G_0 + G_n at the same S ("composed", the additivity
 assumption) and against share(T) at the smallest S plus G_n(S) ("provider", the row length the
 provider takes the share at). Every program is timed in `rounds` interleaved rounds (median of `runs`
-calls each, or their minimum with `--statistic min`); the spread of the rounds is the timing noise
+calls each, or their minimum with `statistic=min`); the spread of the rounds is the timing noise
 the differences are compared with.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 
 TPS = (1, 2)
 TILES = (2, 8)
 LENGTHS = (128, 512)  # LENGTHS[0] plays the profiler's smallest LLM bucket (the share's row)
 LAYERS = 2
+
+COMMAND = command(
+    "fused",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench fused rounds=1 runs=1",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedBenchConfig:
+    """How each program is timed and where the rows go.
+
+    Attributes:
+      rounds: interleaved timing rounds per program (their spread is the timing noise).
+      runs: timed calls per round.
+      statistic: "median" or "min" of a round's calls.
+      json_out: also write the rows as JSON here ("" = none).
+    """
+
+    rounds: int = 3
+    runs: int = 5
+    statistic: Literal["median", "min"] = "median"
+    json_out: str = ""
+
+    def __post_init__(self):
+        require(self.rounds >= 1, "rounds", self.rounds, "must be >= 1")
+        require(self.runs >= 1, "runs", self.runs, "must be >= 1")
 
 
 def _programs(model_cfg, devices, dtype):
@@ -120,24 +151,18 @@ def compare(times: dict) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflop_jax.bench fused", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--statistic", choices=("median", "min"), default="median")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, FusedBenchConfig, argv)
     from dflop_jax.host_devices import simulate_cpu_devices
 
     simulate_cpu_devices(8)  # before jax starts its backend
-    rows = compare(measure(args.rounds, args.runs, args.statistic))
+    rows = compare(measure(cfg.rounds, cfg.runs, cfg.statistic))
     print(f"{'tp':>2} {'T':>2} {'S':>4} {'fused ms':>9} {'composed':>9} {'err':>7} "
           f"{'provider':>9} {'err':>7} {'noise':>6}")  # fmt: skip
     for r in rows:
         print(f"{r['tp']:>2} {r['tiles']:>2} {r['length']:>4} {1e3 * r['fused_s']:9.2f} "
               f"{1e3 * r['composed_s']:9.2f} {r['composed_err']:+7.1%} "
               f"{1e3 * r['provider_s']:9.2f} {r['provider_err']:+7.1%} {r['noise']:6.1%}")  # fmt: skip
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(rows, indent=1))
     return 0

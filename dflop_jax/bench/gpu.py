@@ -1,8 +1,8 @@
 """The figures only a GPU can give: attention path, a real-size stage at MFU, profiler accuracy, host overhead.
 
-    python -m dflop_jax.bench gpu [--parts attention,stage,profiler,host] [--size real|small|smoke]
-                                  [--remat none,full,dots] [--out runs/bench_gpu]
-                                  [--json-out runs/bench_gpu/gpu.json]
+    python -m dflop_jax.bench gpu [parts=attention,stage,profiler,host] [size=real|small|smoke]
+                                  [remat=none,full,dots] [out=runs/bench_gpu]
+                                  [json_out=runs/bench_gpu/gpu.json]
 
 Each part measures against the strongest alternative in the same run:
   attention  each implementation of `models.attention.attention` that runs here (XLA; on a GPU cuDNN,
@@ -16,7 +16,7 @@ Each part measures against the strongest alternative in the same run:
              by the profiler's `measure_program`: step = fwd + bwd (the backward recomputes the forward,
              as training runs it); MFU = model FLOPs (`costs.flops`, 3x forward) / (step x peak). One
              row per attention implementation, then the LLM stage under each other remat policy
-             (`--remat`; every policy on a GPU). The JSON is rewritten after each row.
+             (`remat=`; every policy on a GPU). The JSON is rewritten after each row.
   profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan;
              on one device the encoder colocated with the LLM, one stage) trains the demo's model with
              stage times measured every step: per (stage, bucket) the
@@ -32,19 +32,20 @@ On CPU every figure is labelled "CPU: figures are not GPU figures": sizes are ti
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from dflop_jax.bench._accuracy import mape
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 from dflop_jax.host_devices import simulate_cpu_devices
 
 BENCH_PARTS = ("attention", "stage", "profiler", "host")
@@ -713,61 +714,64 @@ def _write_json(report: dict, path: str | None) -> None:
         Path(path).write_text(json.dumps(report, indent=1))
 
 
-def _remats(text: str) -> tuple[str, ...]:
-    from models.decoder_config import REMAT_MODES
-
-    remats = tuple(r.strip() for r in text.split(",") if r.strip())
-    bad = [r for r in remats if r not in REMAT_MODES]
-    if bad or not remats:
-        raise argparse.ArgumentTypeError(
-            f"unknown remat {bad or text!r}; use {','.join(REMAT_MODES)}"
-        )
-    return remats
+COMMAND = command(
+    "gpu",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench gpu parts=attention size=smoke warmup=0 runs=1",
+)
 
 
-def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in parts if p not in BENCH_PARTS]
-    if bad or not parts:
-        raise argparse.ArgumentTypeError(
-            f"unknown part(s) {bad or text!r}; use {','.join(BENCH_PARTS)}"
-        )
-    return parts
+@dataclasses.dataclass(frozen=True)
+class GpuBenchConfig:
+    """Which parts to measure, at what size, and where their files go.
+
+    Attributes:
+      parts: parts to run, from attention, stage, profiler, host.
+      size: "real" (the default on a GPU), "small" (the default on CPU) or "smoke" (CI); "" = by device.
+      remat: LLM remat policies for the stage part ([] = every policy on a GPU, none on CPU).
+      out: folder for the runs' files.
+      json_out: write the report as JSON to this path, after every part and row ("" = none).
+      warmup: untimed runs per timed program.
+      runs: timed runs per program (median).
+    """
+
+    parts: tuple[str, ...] = BENCH_PARTS
+    size: Literal["", "real", "small", "smoke"] = ""
+    remat: tuple[str, ...] = ()
+    out: str = "runs/bench_gpu"
+    json_out: str = ""
+    warmup: int = 2
+    runs: int = 5
+
+    def __post_init__(self):
+        bad = [p for p in self.parts if p not in BENCH_PARTS]
+        require(bool(self.parts) and not bad, "parts", list(self.parts),
+                f"choose from {', '.join(BENCH_PARTS)}")  # fmt: skip
+        from models.decoder_config import REMAT_MODES
+
+        bad = [r for r in self.remat if r not in REMAT_MODES]
+        require(not bad, "remat", list(self.remat), f"choose from {', '.join(REMAT_MODES)}")
+        require(self.warmup >= 0, "warmup", self.warmup, "must be >= 0")
+        require(self.runs >= 1, "runs", self.runs, "must be >= 1")
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflop_jax.bench gpu",
-                                 description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument(
-        "--parts", type=_parts, default=list(BENCH_PARTS), help=f"comma list of {BENCH_PARTS}"
-    )
-    ap.add_argument("--size", choices=tuple(SIZES), default=None,
-                    help="real (default on GPU), small (default on CPU), smoke (CI)")  # fmt: skip
-    ap.add_argument("--out", default="runs/bench_gpu", help="folder for the runs' files")
-    ap.add_argument("--json-out", default=None, help="write the report as JSON to this path")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs per timed program")
-    ap.add_argument("--runs", type=int, default=5, help="timed runs per program (median)")
-    ap.add_argument("--remat", type=_remats, default=None,
-                    help="comma list of LLM remat policies for the stage part (default: every "
-                    "policy on a GPU, none on CPU)")  # fmt: skip
-    args = ap.parse_args(argv)
-    if args.warmup < 0 or args.runs < 1:
-        print("error: --warmup must be >= 0 and --runs >= 1", file=sys.stderr)
-        return 2
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, GpuBenchConfig, argv)
     simulate_cpu_devices(8)  # before jax starts its backend (CPU only; harmless on GPU hosts)
     info = device_info()
     print(f"GPU: {info['gpu_name']}" if info["gpu"] else CPU_BANNER)
     from models.decoder_config import REMAT_MODES
 
-    remats = args.remat or (REMAT_MODES if info["gpu"] else ("none",))
-    save = lambda report: _write_json(report, args.json_out)  # noqa: E731
-    report = run(args.parts, args.size, Path(args.out), args.warmup, args.runs, info, remats, save)
-    for part in args.parts:
+    remats = cfg.remat or (REMAT_MODES if info["gpu"] else ("none",))
+    save = lambda report: _write_json(report, cfg.json_out)  # noqa: E731
+    parts = list(cfg.parts)
+    report = run(parts, cfg.size or None, Path(cfg.out), cfg.warmup, cfg.runs, info, remats, save)
+    for part in parts:
         if "error" in report[part]:
             print(f"\n## {part}: failed: {report[part]['error']}" + _label(info))
         else:
             PRINTERS[part](report[part], report["device"])
-    if args.json_out:
-        _write_json(report, args.json_out)
-        print(f"\nwrote {args.json_out}")
-    return 1 if any("error" in report[p] for p in args.parts) else 0
+    if cfg.json_out:
+        _write_json(report, cfg.json_out)
+        print(f"\nwrote {cfg.json_out}")
+    return 1 if any("error" in report[p] for p in parts) else 0

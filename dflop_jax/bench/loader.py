@@ -1,29 +1,31 @@
 """Loader benchmark: samples/s of the grain loader on a synthetic dataset, and the scheduler hook's time.
 
-    python -m dflop_jax.bench loader [--quick] [--json] [--samples N] [--batch B] [--batches K]
-        [--workers 0,2] [--decode-workers 0,2] [--solvers greedy,auto] [--tile-size PX] [--mix llava-ov]
-        [--step-time S]
+    python -m dflop_jax.bench loader [--quick] [--json] [samples=N] [batch=B] [batches=K]
+        [workers=0,2] [decode_workers=0,2] [solvers=greedy,auto] [tile_size=PX] [mix=llava-ov]
+        [step_time=S]
 
-Writes (or reuses) a synthetic dataset under `--out`, then measures
+Writes (or reuses) a synthetic dataset under `out`, then measures
   metadata: `Processor.shape` per record (headers + tokenization, no pixels), samples/s;
   loader: end-to-end `GlobalBatch`es per second with a consumer that does nothing (so the figure is the
     loader's own rate), per (grain worker processes, decode worker processes, scheduler solver): samples/s, scheduler hook time per
     global batch (mean, max), load+pack time per batch, padding ratios.
-Problem: the demo model ("tiny" costs on "cpu"), encoder_dp = llm_dp = 2, `--microbatches` per batch,
-buckets from `default_buckets` of the dataset's shapes. With `--step-time S` each row also says whether
+Problem: the demo model ("tiny" costs on "cpu"), encoder_dp = llm_dp = 2, `microbatches` per batch,
+buckets from `default_buckets` of the dataset's shapes. With `step_time=S` each row also says whether
 the loader outpaces a training step of S seconds (time per batch < S).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import numpy as np
 
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import make_loader
@@ -103,38 +105,38 @@ def batch_bytes(batch) -> int:
     )
 
 
-def run(args) -> dict:
-    out = Path(args.out)
+def run(cfg: LoaderBenchConfig) -> dict:
+    out = Path(cfg.out)
     mix_path = synth_dataset(
-        out / f"synth_{args.mix}_{args.samples}_{args.tile_size}",
-        args.samples,
-        args.mix,
+        out / f"synth_{cfg.mix}_{cfg.samples}_{cfg.tile_size}",
+        cfg.samples,
+        cfg.mix,
         seed=0,
-        tile=args.tile_size,
+        tile=cfg.tile_size,
     )
-    cfg = DataConfig(
-        source=str(mix_path), tile_size=args.tile_size, max_frames=args.max_frames, cache_dir=""
+    data = DataConfig(
+        source=str(mix_path), tile_size=cfg.tile_size, max_frames=cfg.max_frames, cache_dir=""
     )
-    records = load_source(cfg)
-    shapes, meta_rate = measure_metadata(cfg, records)
-    buckets = default_buckets(shapes, args.microbatches, DP, DP, batch_size=args.batch)
-    problem = model_problem("tiny", "cpu", buckets, (1, 2 * args.microbatches), DP, DP)
+    records = load_source(data)
+    shapes, meta_rate = measure_metadata(data, records)
+    buckets = default_buckets(shapes, cfg.microbatches, DP, DP, batch_size=cfg.batch)
+    problem = model_problem("tiny", "cpu", buckets, (1, 2 * cfg.microbatches), DP, DP)
     rows = []
-    combos = [(w, d) for w in args.workers for d in args.decode_workers if not (w and d)]
+    combos = [(w, d) for w in cfg.workers for d in cfg.decode_workers if not (w and d)]
     for workers, decode in combos:
-        for solver in args.solvers:
+        for solver in cfg.solvers:
             row = measure_loader(
-                cfg, records, problem, solver, workers, args.batch, args.batches, decode
+                data, records, problem, solver, workers, cfg.batch, cfg.batches, decode
             )
-            if args.step_time:
-                row["outpaces_step"] = row["batch_s"] < args.step_time
+            if cfg.step_time:
+                row["outpaces_step"] = row["batch_s"] < cfg.step_time
             rows.append(row)
     return {
-        "dataset": {"mix": args.mix, "samples": len(records), "tile_px": args.tile_size},
-        "global_batch": args.batch,
+        "dataset": {"mix": cfg.mix, "samples": len(records), "tile_px": cfg.tile_size},
+        "global_batch": cfg.batch,
         "buckets": {"tiles": list(buckets.tiles), "lengths": list(buckets.lengths)},
         "metadata_samples_per_s": meta_rate,
-        "step_time_s": args.step_time,
+        "step_time_s": cfg.step_time,
         "rows": rows,
     }
 
@@ -163,40 +165,72 @@ def print_report(report: dict) -> None:
         print(line)
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench loader", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--mix", default="llava-ov")
-    p.add_argument("--batch", type=int, default=32, help="global batch size (records)")
-    p.add_argument("--batches", type=int, default=10, help="measured global batches per row")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--workers", default="0", help="comma-separated grain worker-process counts")
-    p.add_argument(
-        "--decode-workers", default="0,2", help="comma-separated decode worker-process counts"
-    )
-    p.add_argument("--solvers", default="greedy,auto", help="comma-separated scheduler solvers")
-    p.add_argument(
-        "--tile-size", type=int, default=56, help="tile px (56 = the demo model; 384 = SigLIP)"
-    )
-    p.add_argument("--max-frames", type=int, default=32)
-    p.add_argument(
-        "--step-time", type=float, default=0.0, help="training step seconds to compare against"
-    )
-    p.add_argument("--out", default="runs/bench_loader")
-    p.add_argument(
-        "--quick", action="store_true", help="128 samples, batch 16, 4 batches, workers 0, greedy"
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
-    args.workers = [int(w) for w in args.workers.split(",")]
-    args.decode_workers = [int(w) for w in args.decode_workers.split(",")]
-    args.solvers = args.solvers.split(",")
-    if args.quick:
-        args.samples, args.batch, args.batches, args.solvers = 128, 16, 4, ["greedy"]
-        args.workers, args.decode_workers = [0], [0]
-    report = run(args)
+COMMAND = command(
+    "loader",
+    __doc__.split("\n")[0],
+    "python -m dflop_jax.bench loader --quick",
+    quick="at most 128 samples, batch 16, 4 batches; no worker processes, the greedy solver",
+    json="print the report as JSON",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderBenchConfig:
+    """The synthetic dataset, the loader settings to sweep, and where the dataset goes.
+
+    Attributes:
+      samples: records in the synthetic dataset.
+      mix: its sample mix, one of `dflop_jax.data.synth.MIXES`.
+      batch: global batch size (records).
+      batches: measured global batches per row.
+      microbatches: microbatches per global batch.
+      workers: grain worker-process counts (one row each).
+      decode_workers: decode worker-process counts (one row each; rows with both non-zero are skipped).
+      solvers: scheduler solvers (one row each).
+      tile_size: tile px (56 = the demo model; 384 = SigLIP).
+      max_frames: most video frames per sample.
+      step_time: training step seconds to compare against (0 = none).
+      out: folder for the synthetic dataset (reused when present).
+    """
+
+    samples: int = 512
+    mix: str = "llava-ov"
+    batch: int = 32
+    batches: int = 10
+    microbatches: int = 4
+    workers: tuple[int, ...] = (0,)
+    decode_workers: tuple[int, ...] = (0, 2)
+    solvers: tuple[str, ...] = ("greedy", "auto")
+    tile_size: int = 56
+    max_frames: int = 32
+    step_time: float = 0.0
+    out: str = "runs/bench_loader"
+
+    def __post_init__(self):
+        from dflop_jax.data.synth import MIXES
+
+        require(self.mix in MIXES, "mix", self.mix, f"choose from {', '.join(MIXES)}")
+        for key in ("samples", "batch", "batches", "microbatches", "tile_size", "max_frames"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        for key in ("workers", "decode_workers"):
+            value = getattr(self, key)
+            require(bool(value) and min(value) >= 0, key, list(value), "give counts >= 0")
+        solvers = get_args(get_type_hints(SchedulerConfig)["solver"])
+        bad = [s for s in self.solvers if s not in solvers]
+        require(bool(self.solvers) and not bad, "solvers", list(self.solvers),
+                f"choose from {', '.join(solvers)}")  # fmt: skip
+        require(self.step_time >= 0, "step_time", self.step_time, "must be >= 0")
+
+    def quick(self) -> LoaderBenchConfig:
+        """The `--quick` preset: a small dataset and one cheap row."""
+        return dataclasses.replace(self, samples=min(self.samples, 128), batch=min(self.batch, 16),
+                                   batches=min(self.batches, 4), solvers=("greedy",), workers=(0,),
+                                   decode_workers=(0,))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = load(COMMAND, LoaderBenchConfig, argv)
+    report = run(cfg.quick() if args.quick else cfg)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

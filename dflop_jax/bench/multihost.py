@@ -1,7 +1,7 @@
 """Multi-process training on this machine: the same run at 1, 2 and 4 processes, each process's share.
 
-    python -m dflop_jax.bench multihost [--processes 1 2 4] [--steps 4] [--out runs/bench_multihost]
-                                        [key=value ...]
+    python -m dflop_jax.bench multihost [processes=1,2,4] [steps=4] [out=runs/bench_multihost]
+                                        [train_overrides=[key=value,...]]
 
 Every run uses 8 CPU devices in all (8 / processes per process) and the same explicit layout (default
 `TINY_LLAVA_OV`: one encoder stage at tp 2, two LLM stages at dp 3, so the encoder's dp differs from the
@@ -23,7 +23,7 @@ processes do (dispatch, gloo transfers), not how a cluster would scale.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -33,6 +33,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
+
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 
 DEVICES = 8
 TINY_LLAVA_OV = [
@@ -230,24 +234,52 @@ def summarize(runs: dict[int, list[dict]]) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench multihost", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--model", choices=["llava_ov", "internvl"], default="llava_ov")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_multihost"))
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per launch")
-    parser.add_argument("overrides", nargs="*", help="extra key=value training overrides")
-    args = parser.parse_args(argv)
-    base = TINY_LLAVA_OV if args.model == "llava_ov" else TINY_INTERNVL
-    synth = args.out / "synth"
-    overrides = [*base, f"data.synth_dir={synth}", f"steps={args.steps}", *args.overrides]
+COMMAND = command(
+    "multihost",
+    __doc__.split("\n")[0],
+    "python -m dflop_jax.bench multihost processes=1 steps=2 out=runs/bench_multihost",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultihostBenchConfig:
+    """The process counts to compare and the run each of them trains.
+
+    Attributes:
+      processes: process counts (one run each; 8 CPU devices in all, divided among them).
+      steps: training steps per run.
+      model: the tiny layout, "llava_ov" (`TINY_LLAVA_OV`) or "internvl" (`TINY_INTERNVL`).
+      out: folder for the runs, their logs and multihost.json.
+      timeout_s: seconds per launch.
+      train_overrides: extra key=value overrides of every run's training config, e.g. [optimizer.lr=1e-3].
+    """
+
+    processes: tuple[int, ...] = (1, 2, 4)
+    steps: int = 4
+    model: Literal["llava_ov", "internvl"] = "llava_ov"
+    out: str = "runs/bench_multihost"
+    timeout_s: int = 600
+    train_overrides: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        ok = bool(self.processes) and all(n >= 1 and DEVICES % n == 0 for n in self.processes)
+        require(ok, "processes", list(self.processes), f"give counts that divide {DEVICES}")
+        require(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        require(self.timeout_s >= 1, "timeout_s", self.timeout_s, "must be >= 1")
+        bad = [o for o in self.train_overrides if "=" not in o]
+        require(not bad, "train_overrides", list(self.train_overrides), "give key=value items")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, MultihostBenchConfig, argv)
+    out = Path(cfg.out)
+    base = TINY_LLAVA_OV if cfg.model == "llava_ov" else TINY_INTERNVL
+    synth = out / "synth"
+    overrides = [*base, f"data.synth_dir={synth}", f"steps={cfg.steps}", *cfg.train_overrides]
     runs = {}
-    for n in args.processes:
-        shutil.rmtree(args.out / f"p{n}", ignore_errors=True)
-        runs[n] = launch(n, overrides, args.out / f"p{n}", args.timeout)
+    for n in cfg.processes:
+        shutil.rmtree(out / f"p{n}", ignore_errors=True)
+        runs[n] = launch(n, overrides, out / f"p{n}", cfg.timeout_s)
     rows = summarize(runs)
     keys = list(rows[0])
     print(" | ".join(keys))
@@ -255,11 +287,11 @@ def main(argv: list[str]) -> int:
         print(" | ".join(str(row[k]) for k in keys))
     for n, reports in sorted(runs.items()):
         print(f"losses at {n} process(es): {[round(x, 6) for x in reports[0]['losses']]}")
-    load = os.getloadavg()
-    (args.out / "multihost.json").write_text(json.dumps({"rows": rows, "loadavg": load,
+    loadavg = os.getloadavg()
+    (out / "multihost.json").write_text(json.dumps({"rows": rows, "loadavg": loadavg,
         "losses": {n: r[0]["losses"] for n, r in runs.items()}}, indent=1))  # fmt: skip
     print(
-        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; wrote {args.out / 'multihost.json'}"
+        f"load average {loadavg[0]:.2f} {loadavg[1]:.2f} {loadavg[2]:.2f}; wrote {out / 'multihost.json'}"
     )
     return 0
 

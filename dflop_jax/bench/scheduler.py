@@ -1,6 +1,6 @@
 """Scheduler benchmark: DFLOP against the strongest baseline of each row, and pipeline bubbles for P = 2..8.
 
-    python -m dflop_jax.bench scheduler [--quick] [--json] [--batches K] [--time-limit S]
+    python -m dflop_jax.bench scheduler [--quick] [--pipeline] [--json] [batches=K] [time_limit_s=S]
 
 Workloads: the real InternVL statistics (`omnibal`, InternViT-300M + Qwen2.5-7B), the LLaVA-OV-like mix
 (`llava-ov`, SigLIP-SO400M + Qwen2.5-7B) and a heavy-tailed mix (`heavy`, Pareto tokens and tiles, see
@@ -22,7 +22,6 @@ default), each against its own microbatches' bound, and the makespan rule's larg
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -30,6 +29,8 @@ import time
 
 import numpy as np
 
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require, require_seed
 from dflop_jax.scheduler import (
     BASELINES,
     SampleShape,
@@ -186,7 +187,7 @@ def markdown(rows: list[dict]) -> str:
             f"({d['obj_over_lb_max']:.4f}) | {d['time_max_s']:.2f} | "
             f"{d['at_bound']}/{d['batches']} , {d['lns_wins']}/{d['batches']} | {g['obj_over_lb']:.4f} | "
             f"{r['strongest']} | {b['obj_over_lb']:.4f} | {d['objective'] / b['objective'] - 1:+.1%} | "
-            f"{mm['data-blind']['obj_over_lb']:.3f} | {mm['reference-exact']['obj_over_lb']:.3f} | "
+            f"{mm['data_blind']['obj_over_lb']:.3f} | {mm['reference-exact']['obj_over_lb']:.3f} | "
             f"{mm['maxtext-packer']['obj_over_lb']:.3f} |"
         )
     return "\n".join(lines)
@@ -223,30 +224,50 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench scheduler", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--quick", action="store_true", help="N in {64, 256}, 1 batch")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--batches", type=int, default=3, help="global batches per row (default 3)")
-    p.add_argument(
-        "--time-limit", type=float, default=1.0, help="wall-clock backstop (default 1 s)"
-    )
-    p.add_argument("--pipeline", action="store_true", help="also the P = 2..8 makespan table")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+COMMAND = command(
+    "scheduler",
+    __doc__.split("\n")[0],
+    "python -m dflop_jax.bench scheduler --quick time_limit_s=0.2",
+    quick="N in {64, 256}, 1 batch",
+    pipeline="also the P = 2..8 makespan table",
+    json="print the rows as JSON",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerBenchConfig:
+    """How many batches each row averages and how long a solver may take.
+
+    Attributes:
+      batches: global batches per row (--quick: 1).
+      time_limit_s: wall-clock backstop of each solver call, in seconds.
+      seed: seed of the sampled global batches.
+    """
+
+    batches: int = 3
+    time_limit_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        require(self.batches >= 1, "batches", self.batches, "must be >= 1")
+        require(self.time_limit_s > 0, "time_limit_s", self.time_limit_s, "must be > 0")
+        require_seed(self.seed, "seed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = load(COMMAND, SchedulerBenchConfig, argv)
+    time_limit, seed = cfg.time_limit_s, cfg.seed
     sizes = [64, 256] if args.quick else [64, 256, 1024]
-    batches = 1 if args.quick else args.batches
-    rows = run(sizes, batches, args.time_limit, args.seed)
+    batches = 1 if args.quick else cfg.batches
+    rows = run(sizes, batches, time_limit, seed)
     stage_counts = list(range(2, 9))
-    pipe = run_pipeline(stage_counts, batches, args.time_limit, args.seed) if args.pipeline else []
+    pipe = run_pipeline(stage_counts, batches, time_limit, seed) if args.pipeline else []
     pipe_range = (
-        run_pipeline(stage_counts, batches, args.time_limit, args.seed, "heavy", RANGE)
+        run_pipeline(stage_counts, batches, time_limit, seed, "heavy", RANGE)
         if args.pipeline
         else []
     )
-    load = os.getloadavg()  # wall times on a shared machine stretch with its load
+    loadavg = os.getloadavg()  # wall times on a shared machine stretch with its load
     if args.json:
         print(
             json.dumps(
@@ -255,7 +276,7 @@ def main(argv: list[str]) -> int:
                     "pipeline": pipe,
                     "pipeline_heavy_range": pipe_range,
                     "targets": targets(rows),
-                    "loadavg": load,
+                    "loadavg": loadavg,
                 },
                 indent=1,
             )
@@ -268,5 +289,7 @@ def main(argv: list[str]) -> int:
                 f"\nheavy, microbatches {RANGE[0]}..{RANGE[1]}:\n" + pipeline_markdown(pipe_range)
             )
         print("\n".join(targets(rows)))
-        print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"load average {loadavg[0]:.1f} {loadavg[1]:.1f} {loadavg[2]:.1f} on {os.cpu_count()} CPUs"
+        )
     return 0

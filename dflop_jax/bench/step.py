@@ -1,6 +1,6 @@
 """The step never waits: host dispatch time vs step time, data wait, and step time before/after.
 
-    python -m dflop_jax.bench step [--models demo,mid] [--steps 12] [--before-tree DIR] [--out DIR]
+    python -m dflop_jax.bench step [models=demo,mid] [steps=12] [before_tree=DIR] [out=DIR]
 
 Each model trains in its own process (`python -m dflop_jax.train`) with the CP-SAT solver at a 1 s
 limit (`scheduler.solver=cpsat`, `time_limit_s=1`), adaptive correction on, stage times measured every
@@ -8,7 +8,7 @@ limit (`scheduler.solver=cpsat`, `time_limit_s=1`), adaptive correction on, stag
   after   this tree: steps issued without host reads (on-device clipping and skip), read at log steps
           after the next dispatch; the loader solves and decodes 2 batches ahead with corrections
           lagged by that (`runtime/lagged_schedule.py`); a measured step times one microbatch.
-  before  `--before-tree` (a checkout of the previous commit, e.g. `git worktree add /tmp/before
+  before  `before_tree` (a checkout of the previous commit, e.g. `git worktree add /tmp/before
           HEAD~N`): the synchronous trainer (float() reads and a blocking update every step, no
           prefetch while correction is on, every measured step serialized).
 Models: "demo" is configs/demo.yaml's model; "mid" is 4x its widths and 2x its depths (decoder 256 x 8
@@ -24,7 +24,7 @@ what this measures, not device-side overlap between stages.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +33,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -130,26 +133,42 @@ def _print(report: dict) -> None:
                   f"{'-' if ratio is None else f'{ratio:.2f}x'} |")  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench step", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument("--models", default="demo,mid", help=f"comma list of {sorted(MODELS)}")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--before-tree", type=Path, default=None, help="checkout of the old trainer")
-    ap.add_argument("--out", type=Path, default=Path("runs/bench_step"))
-    args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown or args.steps <= WARMUP:
-        print(f"error: models {unknown} unknown (use {sorted(MODELS)}) or --steps <= {WARMUP}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if args.before_tree is not None and not (args.before_tree / "dflop_jax").is_dir():
-        print(
-            f"error: --before-tree {args.before_tree}: no dflop_jax package there", file=sys.stderr
-        )
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    _print(run(models, args.steps, args.out.resolve(), args.before_tree))
+COMMAND = command(
+    "step",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench step models=demo steps=3 out=runs/bench_step",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBenchConfig:
+    """The models to train, for how long, and the old trainer to compare with.
+
+    Attributes:
+      models: models to train, from "demo" and "mid" (one process each).
+      steps: training steps per run (the first 2 compile and are left out).
+      before_tree: checkout of the old trainer, timed as "before" ("" = the after arm only).
+      out: folder for the runs and the shared synthetic dataset.
+    """
+
+    models: tuple[str, ...] = ("demo", "mid")
+    steps: int = 12
+    before_tree: str = ""
+    out: str = "runs/bench_step"
+
+    def __post_init__(self):
+        unknown = sorted(set(self.models) - set(MODELS))
+        require(bool(self.models) and not unknown, "models", list(self.models),
+                f"choose from {sorted(MODELS)}")  # fmt: skip
+        require(self.steps > WARMUP, "steps", self.steps, f"must be > {WARMUP} (the first compile)")
+        require(not self.before_tree or (Path(self.before_tree) / "dflop_jax").is_dir(),
+                "before_tree", self.before_tree, "give a checkout with a dflop_jax package")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, StepBenchConfig, argv)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    before = Path(cfg.before_tree) if cfg.before_tree else None
+    _print(run(list(cfg.models), cfg.steps, out.resolve(), before))
     return 0

@@ -1,6 +1,7 @@
 """End-to-end A/B on the real runtime: DFLOP vs a data-blind trainer, each on its own planner's layout.
 
-    python -m dflop_jax.bench train [--config configs/demo.yaml] [--out runs/bench_train] [key=value ...]
+    python -m dflop_jax.bench train [run_config=configs/demo.yaml] [out=runs/bench_train]
+        [train_overrides=[key=value,...]]
 
 Trains the config twice, each arm in a fresh training process, on the same devices, data, global
 batches (the same samples per step) and seed:
@@ -27,7 +28,7 @@ LLM on separate devices, tp/dp communication cost or memory limits, which need r
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -36,6 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
+from dflop_jax.config.cli import config_error
+from dflop_jax.config.inputs import InputPath
 from dflop_jax.host_devices import simulate_cpu_devices
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -144,7 +149,7 @@ def run_ab(config: Path, out: Path, overrides: list[str]) -> dict:
     plan = blind_plan(cfg, dflop_dir, out / "data_blind_plan.yaml")
     blind_overrides = [*overrides, *COMMON, f"run_dir={blind_dir}", f"plan={plan}",
                        "scheduler.solver=data_blind"]  # fmt: skip
-    blind_cfg = _train("data-blind", config, blind_overrides)
+    blind_cfg = _train("data_blind", config, blind_overrides)
     a, b = arm_summary(dflop_dir / "metrics.jsonl"), arm_summary(blind_dir / "metrics.jsonl")
     a["layout"] = describe_layout(_layout(cfg, dflop_dir))
     b["layout"] = describe_layout(_layout(blind_cfg, blind_dir))
@@ -189,23 +194,50 @@ def _print(report: dict) -> None:
         print(line)
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench train", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument("--config", type=Path, default=DEMO_CONFIG, help="training YAML (the demo)")
-    ap.add_argument("--out", type=Path, default=Path("runs/bench_train"), help="run folders")
-    ap.add_argument("overrides", nargs="*", help="key=value for both arms, e.g. steps=30")
-    args = ap.parse_args(argv)
+COMMAND = command(
+    "train",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench train train_overrides=[steps=3,plan=analytic] out=runs/bench_train",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBenchConfig:
+    """The training run both arms train, and where their run folders go.
+
+    Attributes:
+      run_config: the training YAML ("" = configs/demo.yaml).
+      train_overrides: key=value overrides of the training config, for both arms, e.g. [steps=30].
+      out: folder for the two arms' run folders and bench_train.json.
+    """
+
+    run_config: str = ""
+    train_overrides: tuple[str, ...] = ()
+    out: str = "runs/bench_train"
+
+    def __post_init__(self):
+        bad = [o for o in self.train_overrides if "=" not in o]
+        require(not bad, "train_overrides", list(self.train_overrides), "give key=value items")
+
+    def inputs(self) -> list[InputPath]:
+        if not self.run_config:
+            return []
+        return [InputPath("run_config", self.run_config, "file", "give a training YAML")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, TrainBenchConfig, argv)
     from dflop_jax.config import ConfigError, load_config
     from dflop_jax.runtime.config import TrainConfig
 
+    config = Path(cfg.run_config) if cfg.run_config else DEMO_CONFIG
+    overrides = list(cfg.train_overrides)
     try:
-        cfg = load_config(TrainConfig, args.config, args.overrides)
+        run_cfg = load_config(TrainConfig, config, overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    simulate_cpu_devices(cfg.num_cpu_devices)
-    args.out.mkdir(parents=True, exist_ok=True)
-    _print(run_ab(args.config, args.out, args.overrides))
+        return config_error(e)
+    simulate_cpu_devices(run_cfg.num_cpu_devices)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _print(run_ab(config, out, overrides))
     return 0

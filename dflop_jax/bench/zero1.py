@@ -1,8 +1,8 @@
 """ZeRO-1 on a mid-size model that trains here: memory per device and step time, ZeRO-1 off vs on.
 
-    python -m dflop_jax.bench zero1 [--steps 5] [--size mid] [--out DIR]
+    python -m dflop_jax.bench zero1 [steps=5] [size=mid] [out=DIR]
 
-Both arms train the demo's LLaVA-OV model scaled up (`--size mid`: a 768 x 14-layer decoder and a
+Both arms train the demo's LLaVA-OV model scaled up (`size=mid`: a 768 x 14-layer decoder and a
 384 x 6-layer ViT, ~100M parameters) through `dflop_jax.train.run`, each in its own process over 8
 simulated CPU devices, with the same explicit layout (one encoder stage at dp 2, two LLM stages at
 dp 3), the same samples and float32 compute:
@@ -22,7 +22,7 @@ costs nothing measurable here, not what it saves on a GPU cluster.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from dflop_jax.bench._cli import command, load
+from dflop_jax.config import require
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -144,7 +147,7 @@ def run_arms(size: str, steps: int, out: Path) -> dict:
     for zero1 in (False, True):
         name = "on" if zero1 else "off"
         path = out / f"arm_{name}.json"
-        cmd = [sys.executable, "-m", "dflop_jax.bench", "zero1", "--arm-json", str(path), "--",
+        cmd = [sys.executable, "-m", __name__, "--arm", str(path),
                *arm_overrides(size, zero1, steps, out)]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(REPO))
         subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -177,25 +180,44 @@ def print_table(result: dict) -> None:
           f"same losses: {np.allclose(off['losses'], on['losses'], rtol=1e-4)}")  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m dflop_jax.bench zero1", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument("--size", default="mid", choices=sorted(SIZES))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path("runs/bench_zero1"))
-    ap.add_argument("--arm-json", type=Path, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.arm_json is not None:  # one arm, in its own process (run_arms)
-        args.arm_json.write_text(json.dumps(measure_arm(args.overrides)))
-        return 0
-    if args.steps <= WARMUP:
-        print(f"error: --steps must be > {WARMUP} (the first {WARMUP} compile)", file=sys.stderr)
-        return 2
-    out = args.out.resolve()
+COMMAND = command(
+    "zero1",
+    __doc__.split("\n\n")[0],
+    "python -m dflop_jax.bench zero1 size=tiny steps=3 out=runs/bench_zero1",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero1BenchConfig:
+    """The model size both arms train, for how long, and where.
+
+    Attributes:
+      size: model size, one of `SIZES` ("mid": ~100M parameters; "tiny": the demo's, for a smoke run).
+      steps: training steps per arm (the first 2 compile and are left out of the times).
+      out: folder for both arms' runs and bench_zero1.json.
+    """
+
+    size: str = "mid"
+    steps: int = 5
+    out: str = "runs/bench_zero1"
+
+    def __post_init__(self):
+        require(self.size in SIZES, "size", self.size, f"choose from {sorted(SIZES)}")
+        require(self.steps > WARMUP, "steps", self.steps, f"must be > {WARMUP} (the first compile)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = load(COMMAND, Zero1BenchConfig, argv)
+    out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    result = run_arms(args.size, args.steps, out)
+    result = run_arms(cfg.size, cfg.steps, out)
     (out / "bench_zero1.json").write_text(json.dumps(result, indent=1))
     print_table(result)
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--arm":  # one arm, in its own process (run_arms)
+        Path(sys.argv[2]).write_text(json.dumps(measure_arm(sys.argv[3:])))
+    else:
+        sys.exit(main(sys.argv[1:]))

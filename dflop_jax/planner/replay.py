@@ -55,7 +55,7 @@ def replay(
     costs = LayoutCosts.build(provider_for(plan), *plan_virtual_layout(plan))
     problem = problem_for(costs, plan.microbatch_range, plan.buckets)
     fn = (
-        data_blind_scheduler() if scheduler == "data-blind" else online_scheduler(scheduler, seed=0)
+        data_blind_scheduler() if scheduler == "data_blind" else online_scheduler(scheduler, seed=0)
     )
     rows, first = [], None
     for batch in batches:

@@ -106,7 +106,7 @@ def data_blind_schedule(
     top = np.full(k, 0)
     info = {"extra_microbatches": k - microbatches}
     return _report(
-        "data-blind", bin_of, k, top + len(table.tiles) - 1, top + len(table.lengths) - 1,
+        "data_blind", bin_of, k, top + len(table.tiles) - 1, top + len(table.lengths) - 1,
         tokens, tiles, problem, table, t0, info,
     )  # fmt: skip
 
@@ -198,7 +198,7 @@ def maxtext_packer_schedule(
 
 BaselineFn = Callable[[Sequence[SampleShape], ScheduleProblem, int], Schedule]
 BASELINES: dict[str, BaselineFn] = {
-    "data-blind": data_blind_schedule,
+    "data_blind": data_blind_schedule,
     "reference-like": reference_like_schedule,
     "reference-exact": reference_exact_schedule,
     "maxtext-packer": maxtext_packer_schedule,
