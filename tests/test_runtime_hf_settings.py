@@ -33,7 +33,10 @@ def hf_dir(tmp_path_factory) -> Path:
     tok.chat_template = TEMPLATE
     tok.save_pretrained(path)
     proc = transformers.LlavaOnevisionImageProcessor(
-        size={"height": 28, "width": 28}, image_mean=list(MEAN), image_std=list(STD)
+        size={"height": 28, "width": 28},
+        image_mean=list(MEAN),
+        image_std=list(STD),
+        image_grid_pinpoints=[[28, 28], [28, 84], [84, 56]],
     )
     proc.save_pretrained(path)
     return path
@@ -48,6 +51,7 @@ def test_auto_keys_take_the_directory_settings(hf_dir):
     assert cfg.data.tokenizer == str(hf_dir)
     assert cfg.data.chat_template == "from_tokenizer"
     assert (cfg.data.tile_px, cfg.data.mean, cfg.data.std) == (28, MEAN, STD)
+    assert cfg.data.anyres_grid == 3  # the largest pinpoint side, 84 px, over 28 px tiles
     tok = load_tokenizer(cfg.data.tokenizer)
     rendered = ChatTemplate.for_config(cfg.data.chat_template, tok).render(
         [{"role": "user", "content": "hi"}]
@@ -61,9 +65,11 @@ def test_a_value_the_user_sets_wins(hf_dir):
         "data.chat_template=llama3",
         "data.pixel_mean=[0.5,0.5,0.5]",
         "data.pixel_std=[0.25,0.25,0.25]",
+        "data.max_grid=2",
     )
     assert cfg.data.chat_template == "llama3"
     assert (cfg.data.mean, cfg.data.std) == ((0.5,) * 3, (0.25,) * 3)
+    assert cfg.data.anyres_grid == 2
     assert cfg.data.tokenizer == str(hf_dir)  # the keys not set still come from the directory
 
 
@@ -80,11 +86,12 @@ def test_missing_files_keep_todays_defaults(hf_dir, tmp_path):
     assert (cfg.data.tokenizer, cfg.data.chat_template) == ("bundled", "auto")
     assert cfg.data.tile_px == 28  # the vision tower's image_size
     assert (cfg.data.mean, cfg.data.std) == ((0.5,) * 3, (0.5,) * 3)  # SigLIP's
+    assert cfg.data.anyres_grid == 6
 
 
 def test_without_hf_dir_auto_is_todays_default():
     cfg = _load()
-    assert (cfg.data.tokenizer, cfg.data.tile_px) == ("bundled", 384)
+    assert (cfg.data.tokenizer, cfg.data.tile_px, cfg.data.anyres_grid) == ("bundled", 384, 6)
     assert (
         ChatTemplate.for_config("auto", load_tokenizer("bundled"))._source
         == ChatTemplate.for_config("qwen2.5", load_tokenizer("bundled"))._source
@@ -98,3 +105,13 @@ def test_a_non_square_processor_size_is_one_error(hf_dir, tmp_path):
     (odd / "preprocessor_config.json").write_text(json.dumps({"size": {"height": 28, "width": 56}}))
     with pytest.raises(ConfigError, match="not square"):
         _load(f"model.hf_dir={odd}")
+
+
+def test_internvl_max_dynamic_patch_sets_max_tiles(tmp_path):
+    hf = tmp_path / "internvl"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"max_dynamic_patch": 6, "force_image_size": 448}))
+    over = ["model.kind=internvl", "data.model_family=internvl", f"model.hf_dir={hf}"]
+    cfg = _load(*over)
+    assert (cfg.data.dynamic_max_tiles, cfg.data.tile_px) == (6, 448)
+    assert _load(*over, "data.max_tiles=2").data.dynamic_max_tiles == 2

@@ -38,8 +38,12 @@ class DataConfig:
         `image_size`; without hf_dir 384 (llava_ov) / 448 (internvl). It must equal the vision tower's `image_size` (its position embeddings).
       patch_size: encoder patch side; tokens per tile = (tile/patch)^2 (InternVL: ((tile/patch)/2)^2).
       anyres_max: LLaVA-OV anyres_max_N feature budget for the grid.
-      max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid.
-      max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one).
+      max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid; 0 = auto:
+        with `model.hf_dir` the largest of its preprocessor_config.json `image_grid_pinpoints` over the
+        tile size, else 6 (LLaVA-OV's).
+      max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one); 0 = auto:
+        with `model.hf_dir` its preprocessor_config.json `max_patches` or config.json
+        `max_dynamic_patch`, else 12 (InternVL's).
       use_thumbnail: InternVL thumbnail tile.
       video_fps: frames sampled per second of video; max_frames: upper bound (uniform if more).
       tokenizer: "bundled" (byte-level, ships with the package) or an HF model/tokenizer directory.
@@ -78,8 +82,8 @@ class DataConfig:
     tile_size: int = 0
     patch_size: int = 14
     anyres_max: int = 9
-    max_grid: int = 6
-    max_tiles: int = 12
+    max_grid: int = 0
+    max_tiles: int = 0
     use_thumbnail: bool = True
     video_fps: float = 1.0
     max_frames: int = 32
@@ -137,9 +141,13 @@ class DataConfig:
             require((self.tile_px // self.patch_size) % 2 == 0, "data.tile_size", self.tile_px, fix)
         require(self.anyres_max >= 1, "data.anyres_max", self.anyres_max, "must be >= 1")
         require(
-            1 <= self.max_grid <= 12, "data.max_grid", self.max_grid, "use 1..12 (LLaVA-OV uses 6)"
+            0 <= self.max_grid <= 12,
+            "data.max_grid",
+            self.max_grid,
+            "use 0 (auto) or 1..12 (LLaVA-OV uses 6)",
         )
-        require(self.max_tiles >= 1, "data.max_tiles", self.max_tiles, "must be >= 1")
+        fix = "use 0 (auto) or a tile count >= 1"
+        require(self.max_tiles >= 0, "data.max_tiles", self.max_tiles, fix)
         require(
             self.video_fps > 0, "data.video_fps", self.video_fps, "must be > 0 frames per second"
         )
@@ -177,6 +185,16 @@ class DataConfig:
         if self.tile_size:
             return self.tile_size
         return 384 if self.model_family == "llava_ov" else 448
+
+    @property
+    def anyres_grid(self) -> int:
+        """The largest LLaVA-OV anyres grid side (`max_grid`, 0 = 6)."""
+        return self.max_grid or 6
+
+    @property
+    def dynamic_max_tiles(self) -> int:
+        """The InternVL dynamic-tiling budget (`max_tiles`, 0 = 12)."""
+        return self.max_tiles or 12
 
     @property
     def mean(self) -> tuple[float, float, float]:

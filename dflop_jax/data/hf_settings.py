@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 def hf_data_settings(hf_dir: str) -> dict:
     """`DataConfig` values `hf_dir` determines: tokenizer, chat_template, tile_size, pixel_mean,
-    pixel_std (only those the directory has a file for).
+    pixel_std, max_grid, max_tiles (only those the directory has a file or key for).
 
     tokenizer.json -> tokenizer; its chat template (chat_template.jinja or tokenizer_config.json's)
     -> chat_template "from_tokenizer"; preprocessor_config.json's `size` (or `crop_size`) -> tile_size,
-    `image_mean` / `image_std` -> pixel_mean / pixel_std.
+    `image_mean` / `image_std` -> pixel_mean / pixel_std, `image_grid_pinpoints` (LLaVA-OV) ->
+    max_grid (the largest pinpoint side over the tile size), `max_patches` (InternVL's HF processor)
+    or config.json's `max_dynamic_patch` (InternVL's own format) -> max_tiles.
     """
     from dflop_jax.data.tokenizer import _chat_template, _read_json
 
@@ -37,8 +39,11 @@ def hf_data_settings(hf_dir: str) -> dict:
             log.info("%s: the tokenizer has no chat template; data.chat_template=qwen2.5", hf_dir)
     else:
         log.info("%s: no tokenizer.json; data.tokenizer=bundled, chat_template=qwen2.5", hf_dir)
+    max_tiles = _read_json(root / "config.json").get("max_dynamic_patch")
     pre = root / "preprocessor_config.json"
     if not pre.is_file():
+        if max_tiles:
+            out["max_tiles"] = int(max_tiles)
         log.info("%s: no preprocessor_config.json; pixel mean/std are the family's", hf_dir)
         return out
     proc = _read_json(pre)
@@ -51,6 +56,12 @@ def hf_data_settings(hf_dir: str) -> dict:
             value = [value] * 3
         if value:
             out[name] = tuple(float(v) for v in value)
+    pinpoints = proc.get("image_grid_pinpoints")
+    if pinpoints and tile:
+        out["max_grid"] = max(max(p) for p in pinpoints) // tile
+    max_tiles = proc.get("max_patches") or max_tiles
+    if max_tiles:
+        out["max_tiles"] = int(max_tiles)
     return out
 
 

@@ -533,7 +533,7 @@ class TrainConfig:
 def _take_hf_data_settings(cfg: TrainConfig) -> None:
     """`cfg.data`'s keys left at auto := what `cfg.model.hf_dir` carries (`data.hf_settings`): the
     model's tokenizer (the bundled byte-level one never matches an HF model's embedding), its chat
-    template, tile size and pixel mean/std. A value the user set is kept. Then the tile size must be
+    template, tile size, pixel mean/std and tiling limits. A value the user set is kept. Then the tile size must be
     the one the vision tower is built for."""
     from dflop_jax.data.hf_settings import hf_data_settings, vision_image_size
 
@@ -545,6 +545,8 @@ def _take_hf_data_settings(cfg: TrainConfig) -> None:
         "tile_size": d.tile_size == 0,
         "pixel_mean": not d.pixel_mean,
         "pixel_std": not d.pixel_std,
+        "max_grid": d.max_grid == 0,
+        "max_tiles": d.max_tiles == 0,
     }
     side = vision_image_size(hf_dir) if cfg.model.kind != "decoder" else None
     if side and "tile_size" not in found:  # no preprocessor size: the tower's own
