@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflop_jax.host_devices import COUNT_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = [
     "data.synth_samples=48",
@@ -33,6 +35,10 @@ def test_the_demo_trains_on_any_device_count(devices, tmp_path):
     argv = [sys.executable, "-m", "dflop_jax.train", f"num_cpu_devices={devices}", "steps=3",
             f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *CHEAP]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The suite's own device count (conftest) would win over num_cpu_devices in the child.
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(COUNT_FLAG))
+    env.pop("PJRT_NPROC", None)
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
