@@ -118,7 +118,10 @@ class ChatTemplate:
 
     @classmethod
     def for_config(cls, name: str, tokenizer) -> ChatTemplate:
-        """`name` is "qwen2.5", "llama3" or "from_tokenizer" (the tokenizer directory's template)."""
+        """`name` is "qwen2.5", "llama3", "from_tokenizer" (the tokenizer directory's template) or
+        "auto", which `TrainConfig` resolves from `model.hf_dir`; left unresolved it is qwen2.5."""
+        if name == "auto":
+            name = "qwen2.5"
         if name == "from_tokenizer":
             if not tokenizer.chat_template:
                 raise ConfigError(
@@ -127,7 +130,7 @@ class ChatTemplate:
             return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
         if name not in BUILTIN:
             raise ConfigError(
-                f"data.chat_template={name!r}: choose qwen2.5, llama3 or from_tokenizer"
+                f"data.chat_template={name!r}: choose auto, qwen2.5, llama3 or from_tokenizer"
             )
         return cls(BUILTIN[name], tokenizer.bos_token, tokenizer.eos_token)
 

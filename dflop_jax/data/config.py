@@ -33,15 +33,23 @@ class DataConfig:
       synth_samples, synth_mix, synth_seed: the synthetic dataset (see `dflop_jax.data.synth`).
       image_root, video_root: folders relative image/video paths resolve against ("" = the JSON's folder).
       model_family: "llava_ov" (SigLIP anyres, 729 tokens/tile) or "internvl" (448 px dynamic tiles, 256).
-      tile_size: encoder tile side in pixels; 0 = 384 (llava_ov) / 448 (internvl).
+      tile_size: encoder tile side in pixels; 0 = auto: with `model.hf_dir` its
+        preprocessor_config.json's `size` (or `crop_size`), else its config.json's vision
+        `image_size`; without hf_dir 384 (llava_ov) / 448 (internvl). It must equal the vision tower's `image_size` (its position embeddings).
       patch_size: encoder patch side; tokens per tile = (tile/patch)^2 (InternVL: ((tile/patch)/2)^2).
       anyres_max: LLaVA-OV anyres_max_N feature budget for the grid.
-      max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid.
-      max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one).
+      max_grid: LLaVA-OV pinpoints are every a x b grid of tiles with a, b <= max_grid; 0 = auto:
+        with `model.hf_dir` the largest of its preprocessor_config.json `image_grid_pinpoints` over the
+        tile size, else 6 (LLaVA-OV's).
+      max_tiles: InternVL maximum dynamic tiles (a thumbnail is added when more than one); 0 = auto:
+        with `model.hf_dir` its preprocessor_config.json `max_patches` or config.json
+        `max_dynamic_patch`, else 12 (InternVL's).
       use_thumbnail: InternVL thumbnail tile.
       video_fps: frames sampled per second of video; max_frames: upper bound (uniform if more).
       tokenizer: "bundled" (byte-level, ships with the package) or an HF model/tokenizer directory.
-      chat_template: "qwen2.5" | "llama3" (built in) | "from_tokenizer" (tokenizer_config.json's).
+      chat_template: "qwen2.5" | "llama3" (built in) | "from_tokenizer" (the tokenizer directory's
+        chat_template.jinja or tokenizer_config.json `chat_template`) | "auto": with `model.hf_dir` whose
+        tokenizer is used and has a template, from_tokenizer; else qwen2.5.
       system_prompt: a system turn added when the record has none; None = the template's own default.
       max_tokens: longest sample (LLM tokens) the scheduler may see; longer ones per `too_long`.
       too_long: "skip" (BadSample too_long) or "truncate" (text cut; refused if images would be cut).
@@ -51,7 +59,9 @@ class DataConfig:
       extra_fields: record (or turn) keys accepted even under `strict`, beyond
         id/image/video/conversations/text/data_source/source (turns: from/value).
       cache_dir: shape-metadata cache ("" disables caching).
-      pixel_mean, pixel_std: normalization; empty = the family's (SigLIP 0.5/0.5, InternVL ImageNet).
+      pixel_mean, pixel_std: normalization; empty = auto: with `model.hf_dir` its
+        preprocessor_config.json's `image_mean` / `image_std`, else (or without that file) the family's
+        (SigLIP 0.5/0.5, InternVL ImageNet).
         Tiles stay uint8 up to the device; the first encoder stage applies these (the trainer passes
         them into the model config).
       decode_workers: processes decoding each batch's images/videos (`data.decode_pool`) while the
@@ -72,13 +82,13 @@ class DataConfig:
     tile_size: int = 0
     patch_size: int = 14
     anyres_max: int = 9
-    max_grid: int = 6
-    max_tiles: int = 12
+    max_grid: int = 0
+    max_tiles: int = 0
     use_thumbnail: bool = True
     video_fps: float = 1.0
     max_frames: int = 32
     tokenizer: str = "bundled"
-    chat_template: Literal["qwen2.5", "llama3", "from_tokenizer"] = "qwen2.5"
+    chat_template: Literal["auto", "qwen2.5", "llama3", "from_tokenizer"] = "auto"
     system_prompt: str | None = None
     max_tokens: int = 32768
     too_long: Literal["skip", "truncate"] = "skip"
@@ -120,7 +130,7 @@ class DataConfig:
             self.tile_size >= 0,
             "data.tile_size",
             self.tile_size,
-            "use 0 (family default) or a pixel size",
+            "use 0 (auto: model.hf_dir's or the family's) or a pixel size",
         )
         require(self.patch_size >= 1, "data.patch_size", self.patch_size, "must be >= 1")
         # Patches per side = tile // patch (SigLIP 384 / 14 -> 27: the convolution drops the remainder).
@@ -131,9 +141,13 @@ class DataConfig:
             require((self.tile_px // self.patch_size) % 2 == 0, "data.tile_size", self.tile_px, fix)
         require(self.anyres_max >= 1, "data.anyres_max", self.anyres_max, "must be >= 1")
         require(
-            1 <= self.max_grid <= 12, "data.max_grid", self.max_grid, "use 1..12 (LLaVA-OV uses 6)"
+            0 <= self.max_grid <= 12,
+            "data.max_grid",
+            self.max_grid,
+            "use 0 (auto) or 1..12 (LLaVA-OV uses 6)",
         )
-        require(self.max_tiles >= 1, "data.max_tiles", self.max_tiles, "must be >= 1")
+        fix = "use 0 (auto) or a tile count >= 1"
+        require(self.max_tiles >= 0, "data.max_tiles", self.max_tiles, fix)
         require(
             self.video_fps > 0, "data.video_fps", self.video_fps, "must be > 0 frames per second"
         )
@@ -171,6 +185,16 @@ class DataConfig:
         if self.tile_size:
             return self.tile_size
         return 384 if self.model_family == "llava_ov" else 448
+
+    @property
+    def anyres_grid(self) -> int:
+        """The largest LLaVA-OV anyres grid side (`max_grid`, 0 = 6)."""
+        return self.max_grid or 6
+
+    @property
+    def dynamic_max_tiles(self) -> int:
+        """The InternVL dynamic-tiling budget (`max_tiles`, 0 = 12)."""
+        return self.max_tiles or 12
 
     @property
     def mean(self) -> tuple[float, float, float]:

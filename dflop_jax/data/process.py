@@ -72,8 +72,8 @@ class Processor:
         self.patches = tile // cfg.patch_size
         self.pinpoints = tuple(
             (tile * r, tile * c)
-            for r in range(1, cfg.max_grid + 1)
-            for c in range(1, cfg.max_grid + 1)
+            for r in range(1, cfg.anyres_grid + 1)
+            for c in range(1, cfg.anyres_grid + 1)
         )
         if cfg.model_family == "llava_ov":
             self.image_id, self.video_id = (
@@ -208,12 +208,12 @@ class Processor:
         cfg, tile = self.cfg, self.cfg.tile_px
         if cfg.model_family == "internvl":
             grid = (
-                layouts.internvl_grid(hw, tile_size=tile, max_tiles=cfg.max_tiles)
-                if cfg.max_tiles > 1
+                layouts.internvl_grid(hw, tile_size=tile, max_tiles=cfg.dynamic_max_tiles)
+                if cfg.dynamic_max_tiles > 1
                 else (1, 1)
             )
             layout = layouts.internvl_image_layout(
-                hw, tile_size=tile, max_tiles=cfg.max_tiles, use_thumbnail=cfg.use_thumbnail,
+                hw, tile_size=tile, max_tiles=cfg.dynamic_max_tiles, use_thumbnail=cfg.use_thumbnail,
                 tokens_per_tile=(self.patches // 2) ** 2,
             )  # fmt: skip
             return layout, grid

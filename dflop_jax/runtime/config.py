@@ -438,8 +438,8 @@ class TrainConfig:
     residuals: Literal["auto", "all", "layers", "recompute"] = "auto"
 
     def __post_init__(self):
-        if self.model.hf_dir and self.data.tokenizer == "bundled":
-            _take_hf_tokenizer(self)
+        if self.model.hf_dir:
+            _take_hf_data_settings(self)
         require(self.steps >= 1, "steps", self.steps, "must be >= 1")
         require(
             self.plan in ("explicit", "auto", "analytic") or self.plan.endswith((".yaml", ".yml")),
@@ -530,14 +530,34 @@ class TrainConfig:
         return out
 
 
-def _take_hf_tokenizer(cfg: TrainConfig) -> None:
-    """`cfg.data.tokenizer` := `cfg.model.hf_dir` where that directory has a tokenizer: the byte-level
-    bundled one never matches an HF model's embedding."""
-    from pathlib import Path
+def _take_hf_data_settings(cfg: TrainConfig) -> None:
+    """`cfg.data`'s keys left at auto := what `cfg.model.hf_dir` carries (`data.hf_settings`): the
+    model's tokenizer (the bundled byte-level one never matches an HF model's embedding), its chat
+    template, tile size, pixel mean/std and tiling limits. A value the user set is kept. Then the tile size must be
+    the one the vision tower is built for."""
+    from dflop_jax.data.hf_settings import hf_data_settings, vision_image_size
 
-    if (Path(cfg.model.hf_dir).expanduser() / "tokenizer.json").is_file():
-        data = dataclasses.replace(cfg.data, tokenizer=cfg.model.hf_dir)
-        object.__setattr__(cfg, "data", data)  # frozen: set once, while the config is being made
+    d, hf_dir = cfg.data, cfg.model.hf_dir
+    found = hf_data_settings(hf_dir)
+    unset = {
+        "tokenizer": d.tokenizer == "bundled",
+        "chat_template": d.chat_template == "auto",
+        "tile_size": d.tile_size == 0,
+        "pixel_mean": not d.pixel_mean,
+        "pixel_std": not d.pixel_std,
+        "max_grid": d.max_grid == 0,
+        "max_tiles": d.max_tiles == 0,
+    }
+    side = vision_image_size(hf_dir) if cfg.model.kind != "decoder" else None
+    if side and "tile_size" not in found:  # no preprocessor size: the tower's own
+        found["tile_size"] = side
+    take = {k: v for k, v in found.items() if unset[k]}
+    if take.get("tokenizer", d.tokenizer) != hf_dir:  # the template belongs to hf_dir's tokenizer
+        take.pop("chat_template", None)
+    data = dataclasses.replace(d, **take)
+    object.__setattr__(cfg, "data", data)  # frozen: set once, while the config is being made
+    fix = f"{hf_dir}'s vision tower is built for {side} px tiles: use {side} (or 0 = auto)"
+    require(side is None or data.tile_px == side, "data.tile_size", data.tile_px, fix)
 
 
 def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:

@@ -1,0 +1,53 @@
+"""The demo trains on the devices it finds: `python -m dflop_jax.train num_cpu_devices=N steps=3` on
+1, 2 and 3 simulated CPU devices profiles, plans a layout that fits N (the planner's search space is
+fitted to the count) and finishes its steps. Sizes are cut to the least the demo config allows."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflop_jax.host_devices import COUNT_FLAG
+
+ROOT = Path(__file__).resolve().parents[1]
+CHEAP = [
+    "data.synth_samples=48",
+    "global_batch=4",
+    "profile.tps=[1]",
+    "profile.encoder_buckets=[4,8]",
+    "profile.llm_buckets=[512,1024]",
+    "profile.runs=1",
+    "planner.microbatches=[2]",
+    "planner.samples=1",
+    "checkpoint.every=0",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_the_demo_trains_on_any_device_count(devices, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "dflop_jax.train", f"num_cpu_devices={devices}", "steps=3",
+            f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *CHEAP]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The suite's own device count (conftest) would win over num_cpu_devices in the child.
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(COUNT_FLAG))
+    env.pop("PJRT_NPROC", None)
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == [1, 2, 3]  # metrics count steps from 1
+    assert all(math.isfinite(v) for v in losses.values())
+
+    plan = yaml.safe_load((run_dir / "auto_plan" / "plan.yaml").read_text())
+    assert plan["num_devices"] == devices
+    assert all(s["devices"] == s["tp"] * s["dp"] for s in plan["layout"])
+    assert sum(s["devices"] for s in plan["layout"]) == plan["devices_used"] <= devices
