@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -21,7 +22,13 @@ def simulate_cpu_devices(n: int) -> None:
     if COUNT_FLAG not in flags:
         flags = f"{flags} {COUNT_FLAG}={n}".strip()
         os.environ["XLA_FLAGS"] = flags
-    size_cpu_client_pool(int(re.findall(rf"{COUNT_FLAG}=(\d+)", flags)[-1]))
+    count = int(re.findall(rf"{COUNT_FLAG}=(\d+)", flags)[-1])
+    if count != n:
+        logging.getLogger(__name__).warning(
+            "XLA_FLAGS sets %s=%d: %d simulated CPU devices, not the %d asked for (unset it to "
+            "choose the count in the config)", COUNT_FLAG, count, count, n,
+        )  # fmt: skip
+    size_cpu_client_pool(count)
 
 
 def size_cpu_client_pool(devices: int) -> None:

@@ -22,11 +22,15 @@ def test_count_and_pool_from_the_request(env):
     assert os.environ["PJRT_NPROC"] == "24"
 
 
-def test_a_count_already_in_xla_flags_wins_and_sizes_the_pool(env):
+def test_a_count_already_in_xla_flags_wins_sizes_the_pool_and_is_warned(env, caplog):
     env.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4")
     host_devices.simulate_cpu_devices(8)
     assert os.environ["XLA_FLAGS"].endswith("device_count=4")
     assert os.environ["PJRT_NPROC"] == "12"
+    assert "4 simulated CPU devices, not the 8 asked for" in caplog.text
+    caplog.clear()
+    host_devices.simulate_cpu_devices(4)  # the same count: nothing to say
+    assert caplog.text == ""
 
 
 def test_the_pool_never_drops_below_the_cores_or_overrides_the_user(env):
