@@ -54,10 +54,11 @@ def test_same_layers_other_widths_is_another_model(plan):
 def test_train_refuses_a_plan_cli_plan_for_other_devices_in_one_line(tmp_path):
     """The commands as a user runs them: `plan` for 4 devices, then `train` of the same run config on
     2 devices with that plan.yaml: one `config error:` line, exit 2, nothing trained."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from multiprocess_launch import env as own_devices_env
 
     from dflop_jax import plan as plan_cli
 
@@ -66,7 +67,7 @@ def test_train_refuses_a_plan_cli_plan_for_other_devices_in_one_line(tmp_path):
               f"data.synth_dir={tmp_path / 'synth'}", "data.synth_samples=16"]  # fmt: skip
     made = tmp_path / "made"
     assert plan_cli.main(["--no-progress", *config, "num_devices=4", f"run_dir={made}"]) == 0
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = own_devices_env()  # the run asks for its 2 devices, as a user's would (not the suite's 8)
     out = subprocess.run(
         [sys.executable, "-m", "dflop_jax.train", *config, "num_devices=2", "steps=1",
          f"run_dir={tmp_path / 'run'}", f"plan={made / 'plan.yaml'}"],
