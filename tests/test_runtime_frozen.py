@@ -368,16 +368,18 @@ def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
     _check_frozen_kept(at2, at4, ("projector",))
 
 
-# The issue's "done when": the demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`,
-# `checkpoint.every=4`, 8 steps), exported at steps 4 and 8 (docs/benchmarks.md "Frozen recipe:
-# exports"). Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32 samples.
-DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", "checkpoint.every=4", "steps=8"]
+# The demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`), checkpointed and
+# exported at two steps. Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32
+# samples, 4 steps.
+EARLY, LATE = 2, 4  # the exported steps
+DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", f"checkpoint.every={EARLY}",
+               f"steps={LATE}"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def demo_stage1_exports(tmp_path_factory):
-    """{step: {HF tensor name: host array}} of the demo's stage-1 run exported at steps 4 and 8, and
-    the step-8 export's directory."""
+    """{step: {HF tensor name: host array}} of the demo's stage-1 run exported at steps EARLY and
+    LATE, and the LATE export's directory."""
     from safetensors.numpy import load_file
 
     from dflop_jax.export import main as export
@@ -388,12 +390,12 @@ def demo_stage1_exports(tmp_path_factory):
             "compilation_cache="]  # fmt: skip
     run(load_config(TrainConfig, cfg, [*DEMO_STAGE1, *over]))
     tensors = {}
-    for step in (4, 8):
+    for step in (EARLY, LATE):
         assert export([f"run={tmp / 'run'}", f"step={step}", f"out={tmp / f'hf{step}'}"]) == 0
         tensors[step] = {}
         for file in sorted((tmp / f"hf{step}").glob("*.safetensors")):
             tensors[step].update(load_file(file))
-    return tensors, tmp / "hf8"
+    return tensors, tmp / f"hf{LATE}"
 
 
 def _hf_part(name: str) -> str:
@@ -406,18 +408,17 @@ def _hf_part(name: str) -> str:
 
 
 def test_demo_stage1_exports_differ_in_the_projector_only(demo_stage1_exports):
-    """Vision tower and LLM bit-identical between the step-4 and step-8 exports, every projector
-    tensor changed."""
+    """Vision tower and LLM bit-identical between the two exports, every projector tensor changed."""
     tensors, _ = demo_stage1_exports
-    at4, at8 = tensors[4], tensors[8]
-    assert at4.keys() == at8.keys()
+    early, late = tensors[EARLY], tensors[LATE]
+    assert early.keys() == late.keys()
     parts = {}
-    for name in at4:
+    for name in early:
         parts.setdefault(_hf_part(name), []).append(name)
     assert set(parts) == {"vision", "projector", "llm"}
     for name in parts["vision"] + parts["llm"]:
-        np.testing.assert_array_equal(at4[name], at8[name], err_msg=name)
-    changed = [n for n in parts["projector"] if not np.array_equal(at4[n], at8[n])]
+        np.testing.assert_array_equal(early[name], late[name], err_msg=name)
+    changed = [n for n in parts["projector"] if not np.array_equal(early[n], late[n])]
     assert changed == parts["projector"]
 
 
@@ -429,7 +430,7 @@ def _unprefixed(name: str) -> str:
 
 @pytest.mark.hf
 def test_demo_stage1_export_loads_in_transformers(demo_stage1_exports):
-    """transformers loads the step-8 export with every tensor as exported; the only weights it does not
+    """transformers loads the later export with every tensor as exported; the only weights it does not
     find are the vision tower's post-layernorm (LLaVA-OV reads the last layer's features before it)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
@@ -440,5 +441,5 @@ def test_demo_stage1_export_loads_in_transformers(demo_stage1_exports):
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     assert {k.rsplit(".", 2)[-2] for k in info["missing_keys"]} <= {"post_layernorm"}
     got = {_unprefixed(k): v.detach().numpy() for k, v in model.state_dict().items()}
-    for name, value in tensors[8].items():
+    for name, value in tensors[LATE].items():
         np.testing.assert_array_equal(got[_unprefixed(name)], value, err_msg=name)
