@@ -32,7 +32,15 @@ FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
 COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
 FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
-SLOW_BENCHES = [f"dflop_jax.bench {name}" for name in BENCHES if name not in FAST_BENCHES]
+# The benchmarks that have no small size: their examples take 5-15 minutes (the third tier, `long`).
+LONG_BENCHES = ["costmodel", "fused"]
+SLOW_BENCHES = [
+    pytest.param(
+        f"dflop_jax.bench {name}", marks=[pytest.mark.long] if name in LONG_BENCHES else []
+    )
+    for name in BENCHES
+    if name not in FAST_BENCHES
+]
 SLOW_CHAIN = ["dflop_jax.plan", "dflop_jax.simulate", "dflop_jax.train", "dflop_jax.export"]
 
 

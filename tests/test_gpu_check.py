@@ -58,6 +58,7 @@ def test_a_deadline_too_short_skips_every_step_and_says_so(tmp_path):
 # Eight jax processes, a demo profiled, planned and trained: 8-10 min on 2 idle cores, 20 when the
 # other xdist worker and other jobs load them (bench fused, the last step, then met the deadline).
 @pytest.mark.slow
+@pytest.mark.long
 def test_dry_run_runs_every_step_and_writes_every_file(tmp_path):
     _check_full_run(*_run(tmp_path, deadline=1800, timeout=2100))
 
