@@ -4,15 +4,13 @@ fitted to the count) and finishes its steps. Sizes are cut to the least the demo
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-from dflop_jax.host_devices import COUNT_FLAG
+from multiprocess_launch import own_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = [
@@ -34,12 +32,8 @@ def test_the_demo_trains_on_any_device_count(devices, tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "dflop_jax.train", f"num_cpu_devices={devices}", "steps=3",
             f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *CHEAP]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    # The suite's own device count (conftest) would win over num_cpu_devices in the child.
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(COUNT_FLAG))
-    env.pop("PJRT_NPROC", None)
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=own_devices_env(),
+                         timeout=1800)  # fmt: skip
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -58,7 +58,7 @@ def test_train_refuses_a_plan_cli_plan_for_other_devices_in_one_line(tmp_path):
     import sys
     from pathlib import Path
 
-    from multiprocess_launch import env as own_devices_env
+    from multiprocess_launch import own_devices_env
 
     from dflop_jax import plan as plan_cli
 

@@ -32,12 +32,13 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
     assert single["local_stages"] == [True, True, True]
     for r in reports:
         assert r["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
-        # Stages without devices here compile nothing: XLA compiled exactly the local stages'
-        # programs, fewer than the single process (every process lacks a stage here).
+        # Stages without devices here run nothing, and XLA compiled only the local stages' programs,
+        # all before step 1 (every bucket pair): fewer than the single process (every process
+        # lacks a stage here).
         for here, n in zip(r["local_stages"], r["stage_compiles"]):
             assert (n > 0) == here
-        assert r["xla_stage_programs"] == sum(r["stage_compiles"])
-        assert r["xla_stage_programs"] < single["xla_stage_programs"]
+        assert r["xla_stage_programs_in_steps"] == 0
+        assert 0 < r["xla_stage_programs"] < single["xla_stage_programs"]
     # Devices: encoder [0, 1] (tp 2), LLM stage 0 [2, 3, 4] (spans processes), stage 1 [5, 6, 7].
     per_process = 8 // processes
     for r in reports:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from multiprocess_launch import own_devices_env
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -40,7 +41,7 @@ def test_the_7b_64_gpu_config_dry_runs_on_cpu(tmp_path):
         [sys.executable, "-m", "dflop_jax.train", "--config", "configs/llava_ov_7b_h100x64.yaml",
          "--dry-run", f"run_dir={tmp_path}", f"data.synth_dir={tmp_path / 'synth'}",
          "data.synth_samples=64", "compilation_cache="],
-        capture_output=True, text=True, cwd=REPO, timeout=1500,
+        capture_output=True, text=True, cwd=REPO, timeout=1500, env=own_devices_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     stages = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())["layout"]

@@ -89,6 +89,10 @@ TINY_INTERNVL = [
 ]
 
 
+# The stage programs' jitted functions (`runtime.stages.stage_jits`), as XLA names them.
+STAGE_PROGRAMS = ("jit(apply)", "jit(bwd)", "jit(last)", "jit(fwd_res)", "jit(bwd_res)")
+
+
 def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600) -> list[dict]:
     """Runs `worker` in `processes` OS processes (DEVICES / processes CPU devices each) and returns
     their reports, by process index. Raises with the failing process's output tail."""
@@ -96,12 +100,15 @@ def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600
         raise ValueError(f"processes={processes}: must divide the {DEVICES} devices")
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    for own in ("XLA_FLAGS", "PJRT_NPROC"):  # each process asks for its own devices (and pool)
+    # Each process asks for its own devices (and pool), and compiles what it runs: with a shared
+    # compilation cache a process would load what another compiled, and its share would not show.
+    for own in ("XLA_FLAGS", "PJRT_NPROC", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(own, None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])]
     )
-    common = [*overrides, f"num_cpu_devices={DEVICES // processes}", f"run_dir={out / 'run'}"]
+    common = [*overrides, f"num_cpu_devices={DEVICES // processes}", f"run_dir={out / 'run'}",
+              "compilation_cache="]  # fmt: skip
     if processes > 1:
         base = _free_ports(2)  # the coordinator and, next to it, the watchdog hub
         env.update(DFLOP_NUM_PROCESSES=str(processes), DFLOP_COORDINATOR=f"127.0.0.1:{base}")
@@ -194,9 +201,11 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "stage_compiles": [s.compiles for s in report.stages],
         "xla_compiles": len(compiles),
         "xla_compiles_in_steps": sum(inside for _, inside in compiles),
-        # Stage programs (`stage_jits`: apply, bwd, last) XLA compiled here: the per-process share.
-        "xla_stage_programs": sum(
-            inside and name in ("jit(apply)", "jit(bwd)", "jit(last)") for name, inside in compiles
+        # Stage programs (`stage_jits`) XLA compiled here, before step 1 (`runtime/precompile.py`) and
+        # inside steps: the per-process share.
+        "xla_stage_programs": sum(name in STAGE_PROGRAMS for name, _ in compiles),
+        "xla_stage_programs_in_steps": sum(
+            inside and name in STAGE_PROGRAMS for name, inside in compiles
         ),
         "decoded": sorted(decoded),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
