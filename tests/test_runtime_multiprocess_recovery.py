@@ -60,9 +60,10 @@ def test_a_run_that_lost_a_process_resumes_on_the_other_with_a_new_layout(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL) if not group_gone(proc.pid) else None
             proc.wait()
     assert rc == EXIT_CODE, tail(log)
-    last = log.read_text().strip().splitlines()[-1]
+    lines = log.read_text().strip().splitlines()
+    last = next((line for line in reversed(lines) if "to resume on the" in line), lines[-1])
     m = re.search(r"to resume on the 1 process\(es\) that remain: (.*?) \(coordinator", last)
-    assert m, last
+    assert m, tail(log)
     command = m[1]
     assert command == (
         f"python -m dflop_jax.train --config {run_dir / 'config.yaml'} distributed.num_processes=1"

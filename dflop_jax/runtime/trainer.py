@@ -510,6 +510,11 @@ def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
     def wait():
         try:
             jax.block_until_ready(values)
+        except Exception:  # noqa: BLE001
+            # A failed step (a lost peer's collective, say) raises where its values are read, on
+            # the dispatch thread, and the watchdog names a lost peer: a traceback from this timing
+            # thread would only bury that message.
+            pass
         finally:
             flight.done_s[0] = time.perf_counter()
             flight.done.set()
