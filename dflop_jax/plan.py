@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from dflop_jax.config import ConfigError, dump_yaml
-from dflop_jax.config.cli import Command, load_command_config
+from dflop_jax.config.cli import Command, config_error, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
     except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)  # before JAX starts
 
     from dflop_jax.planner import PlanningError, describe_layout, plan_to_dict
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         with progress_bar(not args.no_progress) as progress:
             plan = run(cfg, progress, args.check)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     except (PlanningError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

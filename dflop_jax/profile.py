@@ -23,7 +23,7 @@ import logging
 import sys
 
 from dflop_jax.config import ConfigError
-from dflop_jax.config.cli import Command, load_command_config
+from dflop_jax.config.cli import Command, config_error, load_command_config
 from dflop_jax.host_devices import simulate_cpu_devices
 
 COMMAND = Command(
@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
     except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)  # before JAX starts
 
     from dflop_jax.planner import PlanningError
@@ -59,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"data": _data, "model": _model, "auto": _auto}[args.what](cfg, args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     except (PlanningError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
