@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Threads of XLA:CPU's client pool per simulated device (`size_cpu_client_pool` says why).
@@ -29,6 +30,18 @@ def simulate_cpu_devices(n: int) -> None:
             "choose the count in the config)", COUNT_FLAG, count, count, n,
         )  # fmt: skip
     size_cpu_client_pool(count)
+
+
+def own_devices_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a jax process that picks its own simulated device count (`simulate_cpu_devices`
+    from its config): every XLA flag kept but the device count (it would win over the config), and
+    no PJRT_NPROC (the pool is sized for that process's count)."""
+    out = dict(environ)
+    flags = [f for f in out.pop("XLA_FLAGS", "").split() if not f.startswith(COUNT_FLAG)]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    out.pop("PJRT_NPROC", None)
+    return out
 
 
 def size_cpu_client_pool(devices: int) -> None:

@@ -13,8 +13,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # The suite's programs are tiny and compile-bound: LLVM's optimizations cost 2-3x the compile
     # time of a test-sized stage program and save less run time than that. The HLO (fusion, sharding,
     # collectives, buffer assignment: what the tests inspect) is made before LLVM sees it.
-    # Inherited by the jax processes a test starts, except the multi-process launches (they set
-    # their own XLA_FLAGS: `multiprocess_launch.env`, `bench multihost`).
+    # Inherited by every jax process a test starts (`host_devices.own_devices_env` keeps all XLA
+    # flags but the device count).
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"

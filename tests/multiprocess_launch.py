@@ -14,7 +14,7 @@ from pathlib import Path
 
 from models_fixtures import TINY_TRAIN_DECODER
 
-from dflop_jax.host_devices import COUNT_FLAG
+from dflop_jax import host_devices
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "run_training.sh"
@@ -90,22 +90,14 @@ def launch(
 
 def env() -> dict[str, str]:
     """The environment of a test's jax processes: this Python and repository, own device counts."""
-    out = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(REPO))
-    for own in ("XLA_FLAGS", "PJRT_NPROC"):  # each process asks for its own devices (and pool)
-        out.pop(own, None)
-    return out
+    return dict(own_devices_env(), PYTHON=sys.executable)
 
 
 def own_devices_env() -> dict[str, str]:
     """The environment of one jax process a test starts that takes its simulated device count from
-    its own config (`num_cpu_devices`, `num_devices`): the suite's XLA flags without its 8-device
-    count (which would win: `host_devices.simulate_cpu_devices`), no CPU client pool size."""
-    out = dict(os.environ, PYTHONPATH=str(REPO))
-    flags = [f for f in out.pop("XLA_FLAGS", "").split() if not f.startswith(COUNT_FLAG)]
-    if flags:
-        out["XLA_FLAGS"] = " ".join(flags)
-    out.pop("PJRT_NPROC", None)
-    return out
+    its own config (`num_cpu_devices`, `num_devices`): the suite's XLA flags (its CPU compile
+    settings) without its 8-device count, no CPU client pool size, this repository's code."""
+    return dict(host_devices.own_devices_env(os.environ), PYTHONPATH=str(REPO))
 
 
 def finish(procs: dict[int, tuple[subprocess.Popen, Path]], limit_s: int = 420) -> list[str]:

@@ -40,3 +40,17 @@ def test_the_pool_never_drops_below_the_cores_or_overrides_the_user(env):
     env.setenv("PJRT_NPROC", "5")
     host_devices.simulate_cpu_devices(8)
     assert os.environ["PJRT_NPROC"] == "5"
+
+
+def test_a_child_process_env_keeps_every_xla_flag_but_the_count():
+    parent = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8 "
+              "--xla_backend_optimization_level=0", "PJRT_NPROC": "24", "HOME": "/h"}  # fmt: skip
+    child = host_devices.own_devices_env(parent)
+    assert child == {
+        "XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_backend_optimization_level=0",
+        "HOME": "/h",
+    }
+    assert (
+        host_devices.own_devices_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        == {}
+    )

@@ -37,6 +37,7 @@ from typing import Literal
 
 from dflop_jax.bench._cli import command, load
 from dflop_jax.config import require
+from dflop_jax.host_devices import own_devices_env
 
 DEVICES = 8
 TINY_LLAVA_OV = [
@@ -99,11 +100,10 @@ def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600
     if DEVICES % processes:
         raise ValueError(f"processes={processes}: must divide the {DEVICES} devices")
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
     # Each process asks for its own devices (and pool), and compiles what it runs: with a shared
     # compilation cache a process would load what another compiled, and its share would not show.
-    for own in ("XLA_FLAGS", "PJRT_NPROC", "JAX_COMPILATION_CACHE_DIR"):
-        env.pop(own, None)
+    env = own_devices_env(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])]
     )
