@@ -235,6 +235,7 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
 
     from dflop_jax.costs import layout_memory
     from dflop_jax.planner.plan_file import check_to_dict
+    from dflop_jax.planner.progress import progress_bar
     from dflop_jax.planner.scoring import in_flight
     from dflop_jax.profiling.compile_check import check_layout
     from dflop_jax.profiling.stage_report import stage_flops, transfer_bytes_per_microbatch
@@ -246,10 +247,11 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
     predicted = [m.total() for m in layout_memory(resolved.provider, lay, resolved.buckets, counts)]
     dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
-    checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
-                          compute_dtype=dtype, trainable=trainable)  # fmt: skip
-    flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals, compute_dtype=dtype,
-                        trainable=trainable)  # fmt: skip
+    with progress_bar(lines=True) as progress:  # each compile takes minutes at real sizes
+        checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
+                              compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
+        flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals,
+                            compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
     stages = [
         {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p), **f}
         for c, p, f in zip(checks, predicted, flops)

@@ -160,7 +160,11 @@ def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
         terms = c["params"] + c["grads"] + c["optimizer"] + c["inputs"] + c["transient"]
         assert s["compiled_memory_gib"] == round(terms / 2**30, 2)
         assert c["program_bytes"][0] > c["params"] + c["grads"]  # + inputs and temporaries
-    assert "compiled" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "compiled" in out.out
+    # progress on stderr (not a terminal here: a line per compile, as a batch job's log shows it)
+    assert "memory check: compiling stage programs: 4/4 (" in out.err
+    assert "FLOPs: compiling training programs per bucket: 4/4 (" in out.err
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 
 from rich.console import Console
@@ -11,10 +12,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool = True) -> Iterator:
-    """Yields a progress callback; a no-op when disabled or when stderr is not a terminal."""
-    if not enabled or not sys.stderr.isatty():
+def progress_bar(enabled: bool = True, lines: bool = False) -> Iterator:
+    """Yields a progress callback; a no-op when disabled. When stderr is not a terminal (a log file,
+    a batch job) it is a no-op too, or with `lines` one line per update (for work of minutes per
+    step, which a log should show is still moving)."""
+    if not enabled or (not sys.stderr.isatty() and not lines):
         yield lambda *_: None
+        return
+    if not sys.stderr.isatty():
+        t0 = time.monotonic()
+        yield lambda phase, done, total: print(
+            f"{phase}: {done}/{total} ({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True
+        )
         return
     columns = (
         TextColumn("{task.description}"),

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +103,12 @@ def check_layout(
     devices: Sequence[jax.Device] | None = None,
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
+    progress: Callable[[str, int, int], None] = lambda *_: None,
 ) -> list[StageCheck]:
     """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
     and predicted bytes (a warning names the stages more than `DISAGREE` apart), under the recipe
-    `trainable`."""
+    `trainable`. `progress(phase, done, total)` after each stage's compile (minutes each at real
+    sizes)."""
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
@@ -117,6 +119,7 @@ def check_layout(
     ):
         held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
         out.append(_stage_check(i, [compile_part(part, prog)], held))
+        progress("memory check: compiling stage programs", i + 1, layout.num_stages)
     warn_disagreements(out, predicted)
     return out
 

@@ -19,7 +19,7 @@ two figures compare. What each figure is, per stage kind:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,33 +68,43 @@ def stage_flops(
     devices: Sequence[jax.Device] | None = None,
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
+    progress: Callable[[str, int, int], None] = lambda *_: None,
 ) -> list[dict]:
     """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
-    (module docstring)."""
+    (module docstring); `progress(phase, done, total)` after each bucket's programs compile."""
     from dflop_jax.profiling.compile_check import _devices, fused_stage, stage_program_at
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
     fused = fused_stage(layout, model_cfg)
-    tiles, lengths = buckets.tiles, buckets.lengths
+    pairs = [
+        _stage_buckets(i == fused, spec.module, buckets) for i, spec in enumerate(layout.stages)
+    ]
+    total, done = sum(map(len, pairs)), 0
     out = []
-    for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals)):
-        # the buckets the stage runs: its tile buckets, its length buckets, or every pair
-        if i == fused:
-            pairs = [(t, n) for t in tiles for n in lengths]
-        elif spec.module == "encoder":
-            pairs = [(t, lengths[-1]) for t in tiles]
-        else:
-            pairs = [(tiles[-1], n) for n in lengths]
+    for i, (mesh, policy, stage_pairs) in enumerate(zip(meshes, residuals, pairs)):
         fwd = bwd = 0.0
-        for t, n in pairs:
+        for t, n in stage_pairs:
             _, prog = stage_program_at(layout, i, model_cfg, mesh, t, n, compute_dtype, trainable,
                                        policy)  # fmt: skip
             f, b = training_flops(prog)
             fwd, bwd = fwd + f, bwd + b
+            done += 1
+            progress("FLOPs: compiling training programs per bucket", done, total)
         out.append({"residuals": policy, "flops_forward": fwd, "flops_backward": bwd})
     return out
+
+
+def _stage_buckets(fused: bool, module: str, buckets: BucketSet) -> list[tuple[int, int]]:
+    """The (tiles, length) buckets a stage runs: its tile buckets (encoder), its length buckets
+    (LLM), or every pair (the fused colocated stage)."""
+    tiles, lengths = buckets.tiles, buckets.lengths
+    if fused:
+        return [(t, n) for t in tiles for n in lengths]
+    if module == "encoder":
+        return [(t, lengths[-1]) for t in tiles]
+    return [(tiles[-1], n) for n in lengths]
 
 
 def transfer_bytes_per_microbatch(
