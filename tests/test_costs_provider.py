@@ -90,8 +90,9 @@ def test_transfer_costs_use_host_boundaries():
     prov = AnalyticCostProvider(ARCH, H100)
     t = layout_transfer_costs(prov, _layout(enc=True, tp=2, dp=2))(8, 8192)
     # encoder (2 devices) + llm0 (4) fit one host; llm0 + llm1 span devices 2..9 -> inter-host.
-    # The features go replicated to llm0's 2 x 2 devices: each encoder device sends its shard 4 times.
-    assert t[0] == pytest.approx(4 * 8 * 729 * 3584 * 2 / H100.intra_host_bandwidth)
+    # The 16 feature tiles cross once, 4 to each of llm0's 2 x 2 devices, each encoder device
+    # sending its 8; then llm0 all-gathers them in its mesh (each device receives the other 12).
+    assert t[0] == pytest.approx((8 + 12) * 729 * 3584 * 2 / H100.intra_host_bandwidth)
     assert t[1] == pytest.approx(8192 * 3584 * 2 / H100.inter_host_bandwidth)
 
 

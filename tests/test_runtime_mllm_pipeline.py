@@ -1,5 +1,7 @@
 """LLaVA-OV-style MLLM pipelined over 2 encoder + 2 LLM stages (encoder dp=2, LLM dp=1 x tp=2) ==
-single-device jax.grad of the unsplit model + the same optax update, for 1F1B and GPipe orders.
+single-device jax.grad of the unsplit model + the same optax update, for 1F1B and GPipe orders; and
+over 1 encoder + 2 LLM stages with the first at dp=2 x tp=2 (the features arrive split over its 4
+devices, padded where the tiles do not divide, and are gathered in its mesh), per residual policy.
 
 The 48-token microbatches carry exact LLaVA-OV feature taps (4 taps with fractional weights, as the
 data path packs for interpolated image features); the 32-token one only a plain feature_index, so one
@@ -41,6 +43,13 @@ LAYOUT = Layout(
     ),
 )
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
+WIDE = Layout(
+    (StageSpec("encoder", 0, 3, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (
+        StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
+        StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
+    ),
+)
 V_DP, L_DP, TPT = 2, 1, 16
 
 
@@ -56,16 +65,18 @@ def _taps(rng, fidx, n_rows):
     return taps.reshape(shape).astype(np.int32), weights.reshape(shape).astype(np.float32)
 
 
-def _microbatch(rng, tiles_per_shard, length):
+def _microbatch(rng, tiles_per_shard, length, rows=L_DP):
+    """`rows` packed rows, each gathering features of any tile of the microbatch (global slots)."""
     n = V_DP * tiles_per_shard
-    fidx = np.full((L_DP, length), -1, np.int32)
+    fidx = np.full((rows, length), -1, np.int32)
     k = min(n * TPT, length - 4)
-    fidx[0, 1 : 1 + k] = rng.permutation(n * TPT)[:k]
-    fidx[0, 1 + k] = -2  # image newline
-    seg = np.ones((L_DP, length), np.int32)
-    seg[0, length - 6 :] = 2
-    pos = np.concatenate([np.arange(length - 6), np.arange(6)])[None].astype(np.int32)
-    tokens = rng.integers(1, TEXT.vocab_size, (L_DP, length)).astype(np.int32)
+    for r in range(rows):
+        fidx[r, 1 : 1 + k] = rng.permutation(n * TPT)[:k]
+        fidx[r, 1 + k] = -2  # image newline
+    seg = np.ones((rows, length), np.int32)
+    seg[:, length - 6 :] = 2
+    pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
+    tokens = rng.integers(1, TEXT.vocab_size, (rows, length)).astype(np.int32)
     taps, weights = _taps(rng, fidx, n * TPT) if length == 48 else (None, None)
     return {
         "feature_taps": taps,
@@ -77,14 +88,14 @@ def _microbatch(rng, tiles_per_shard, length):
         "segment_ids": seg,
         "positions": pos,
         "targets": np.roll(tokens, -1, axis=1),
-        "loss_mask": (rng.random((L_DP, length)) < 0.6).astype(np.float32),
+        "loss_mask": (rng.random((rows, length)) < 0.6).astype(np.float32),
         "feature_index": fidx,
     }
 
 
-def _batch():
+def _batch(rows=L_DP):
     rng = np.random.default_rng(0)
-    return [_microbatch(rng, t, s) for t, s in ((2, 48), (1, 32), (2, 48))]
+    return [_microbatch(rng, t, s, rows) for t, s in ((2, 48), (1, 32), (2, 48))]
 
 
 def _model():
@@ -101,15 +112,24 @@ def _llava_loss(m, mb):
     return m.loss(*args, feature_weight=mb["feature_weight"])[0]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    mbs = _batch()
+def _reference(rows):
+    mbs = _batch(rows)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     loss, new, _ = reference_step(_model(), mbs, norm, OPT, _llava_loss)
     tree = model_tree(
         [StageSpec("encoder", 0, 3), StageSpec("llm", 0, 3)], [new["encoder"], new["llm"]], [{}, {}]
     )
     return loss, tree
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(L_DP)
+
+
+@pytest.fixture(scope="module")
+def reference_two_rows():
+    return _reference(2)
 
 
 @pytest.fixture(scope="module")
@@ -138,4 +158,26 @@ def test_mllm_pipeline_matches_single_device(order, pipeline, reference):
     ref_loss, ref_tree = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])
+    assert_trees_close(got, ref_tree)
+
+
+@pytest.mark.parametrize(
+    "residuals", ["recompute", pytest.param("all", marks=pytest.mark.slow)]
+)  # "all": under a minute alone, but the pair is over the fast tier's share
+def test_split_features_on_a_dp_tp_llm_stage_match_single_device(residuals, reference_two_rows):
+    """Encoder dp 2 -> first LLM stage dp 2 x tp 2: each device receives a quarter of the feature
+    tiles (the 1-tile-per-shard microbatch's 2 tiles padded to 4), the stage gathers them in its
+    mesh and reduce-scatters dL/dx back; the step equals the single-device one."""
+    cfg = llava_onevision_config(VISION, TEXT)
+    stages = build_stages(cfg, WIDE, stage_meshes(WIDE), 0, compute_dtype=jnp.float32,
+                          residuals=[residuals] * WIDE.num_stages)  # fmt: skip
+    opts = [StageOptimizer(s, OPT.build()) for s in stages]
+    mbs = _batch(rows=2)
+    with no_host_round_trip():
+        out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs))
+    loss = sum(float(x) for x in out.loss)
+    apply_updates(opts, out.grads, OPT.clip_norm)
+    ref_loss, ref_tree = reference_two_rows
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    got = model_tree(list(WIDE.stages), [s.params for s in stages], [{} for _ in stages])
     assert_trees_close(got, ref_tree)

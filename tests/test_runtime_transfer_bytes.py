@@ -1,7 +1,9 @@
 """Bytes a built pipeline's transfers move per microbatch (`driver.transfer_bytes_per_microbatch`),
 checked against the collective-permutes of the compiled transfer programs (their HLO), on a tiny
-LLaVA-OV-style MLLM: one encoder stage (dp 2), one LLM stage at llm_dp 1 and 3."""
+LLaVA-OV-style MLLM: one encoder stage (dp 2), one LLM stage at (llm_dp, llm_tp) (1, 1), (3, 1) and
+(2, 2) (6 feature tiles over 4 devices: the tile axis arrives padded to 8)."""
 
+import collections
 import functools
 import re
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.costs.provider import boundary_rounds
+from dflop_jax.costs.provider import boundary_shards
 from dflop_jax.runtime import transfer as tr
 from dflop_jax.runtime.driver import transfer_bytes_per_microbatch
 from dflop_jax.runtime.mesh import stage_meshes
@@ -31,10 +33,13 @@ V_DP, T, S, TPT = 2, 3, 32, 16  # encoder dp, tiles per encoder shard, row lengt
 HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u8": 1, "pred": 1}
 
 
-def _layout(llm_dp: int) -> Layout:
+LLM_MESHES = [(1, 1), (3, 1), (2, 2)]  # (llm_dp, llm_tp)
+
+
+def _layout(llm_dp: int, llm_tp: int = 1) -> Layout:
     return Layout(
         (StageSpec("encoder", 0, 2, dp=V_DP, has_embedding=True, has_head=True),),
-        (StageSpec("llm", 0, 2, dp=llm_dp, has_embedding=True, has_head=True),),
+        (StageSpec("llm", 0, 2, tp=llm_tp, dp=llm_dp, has_embedding=True, has_head=True),),
     )
 
 
@@ -54,16 +59,16 @@ def _microbatch(llm_dp: int) -> dict:
 
 
 @functools.cache
-def _pipeline(llm_dp: int):
-    layout = _layout(llm_dp)
+def _pipeline(llm_dp: int, llm_tp: int = 1):
+    layout = _layout(llm_dp, llm_tp)
     cfg = llava_onevision_config(VISION, TEXT)
     return build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
 
 
-def _hlo_bytes(x: jax.ShapeDtypeStruct, dst) -> int:
-    """Bytes the compiled transfer program's collective-permutes send: per op, its per-device
-    result size times its (source, target) pairs."""
-    program = tr._program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype))
+def _hlo_bytes(x: jax.ShapeDtypeStruct, dst: jax.ShapeDtypeStruct) -> int:
+    """Bytes the compiled transfer program (x to `dst`'s sharding and shape) sends with its
+    collective-permutes: per op, its per-device result size times its (source, target) pairs."""
+    program = tr._program_of(x, dst.sharding, tuple(dst.shape))
     union = jax.ShapeDtypeStruct(
         (len(program.devices) * program.src_block[0], *program.src_block[1:]), x.dtype,
         sharding=jax.sharding.NamedSharding(program.mesh, jax.sharding.PartitionSpec(tr.AXIS)),
@@ -79,46 +84,61 @@ def _hlo_bytes(x: jax.ShapeDtypeStruct, dst) -> int:
     return total
 
 
-@pytest.mark.parametrize("llm_dp", [1, 3])
-def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp):
-    stages = _pipeline(llm_dp)
+def _busiest(program: tr.Transfer) -> int:
+    """Bytes the busiest device of a transfer plan sends or receives across devices."""
+    size, moved = program.dtype.itemsize, collections.Counter()
+    for rnd in program.rounds:
+        for p in rnd.pieces if not rnd.local else ():
+            n = int(np.prod(p.shape)) * size
+            moved["send", p.src] += n
+            moved["receive", p.dst] += n
+    return max(moved.values())
+
+
+@pytest.mark.parametrize("llm_dp, llm_tp", LLM_MESHES)
+def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp, llm_tp):
+    stages = _pipeline(llm_dp, llm_tp)
     mb = _microbatch(llm_dp)
     (boundary,) = transfer_bytes_per_microbatch(stages, mb)
     enc, llm = stages
     y = enc.output_struct(None, enc.side_structs(mb))  # features [V_DP * T, TPT, D], dp-sharded
     assert y.shape == (V_DP * T, TPT, TEXT.hidden_size)
+    x = llm.x_struct(y)  # the tile axis split over all llm_dp * llm_tp devices, padded to divide
+    devices = llm_dp * llm_tp
+    assert x.shape == (-(-V_DP * T // devices) * devices, *y.shape[1:])
+    assert x.sharding.shard_shape(x.shape)[0] == x.shape[0] // devices
     assert boundary.stage == 0
-    assert boundary.forward == _hlo_bytes(y, llm.x_sharding) > 0
-    gx = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=llm.x_sharding)
-    assert boundary.backward == _hlo_bytes(gx, enc.y_sharding) > 0
-    # the cost model's sequence of shard-sized sends is the transfer plan's round count
-    program = tr._program(y.sharding, llm.x_sharding, y.shape, jnp.dtype(y.dtype))
-    assert boundary_rounds(_layout(llm_dp), 0) == len(program.rounds)
+    assert boundary.forward == _hlo_bytes(y, x) > 0
+    y_back = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=enc.y_sharding)
+    assert boundary.backward == _hlo_bytes(x, y_back) > 0
+    # one copy of the features crosses the boundary (the padding moves nothing), both ways
+    assert boundary.forward == boundary.backward == y.size * jnp.dtype(y.dtype).itemsize
+    # the cost model prices the plan's busiest device (shard units), then the in-mesh gather
     shard = y.size // V_DP * jnp.dtype(y.dtype).itemsize
-    assert boundary.forward == llm_dp * V_DP * shard  # today: every LLM device gets all features
+    across, within = boundary_shards(_layout(llm_dp, llm_tp), 0, T)
+    assert across * shard == pytest.approx(_busiest(tr._program_of(y, x.sharding, x.shape)))
+    block = x.size // devices * jnp.dtype(x.dtype).itemsize
+    assert within * shard == pytest.approx((devices - 1) * block)
 
 
-@pytest.mark.parametrize("llm_dp", [1, 3])
-def test_dry_run_transfers_are_the_built_pipelines(llm_dp):
+@pytest.mark.parametrize("llm_dp, llm_tp", LLM_MESHES)
+def test_dry_run_transfers_are_the_built_pipelines(llm_dp, llm_tp):
     """`train --dry-run`'s transfers (abstract stage programs, no params) == the built pipeline's
     for a microbatch at the same buckets."""
     from dflop_jax.contracts import BucketSet
     from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
 
     cfg = llava_onevision_config(VISION, TEXT)
-    dry = dry_run_bytes(_layout(llm_dp), BucketSet((T,), (S,)), cfg, jnp.float32)
-    (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp), _microbatch(llm_dp))
+    layout = _layout(llm_dp, llm_tp)
+    dry = dry_run_bytes(layout, BucketSet((T,), (S,)), cfg, jnp.float32)
+    (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp, llm_tp), _microbatch(llm_dp))
     assert dry == [{"stage": 0, "forward_bytes": built.forward, "backward_bytes": built.backward}]
     assert built.forward > 0 and built.backward > 0
-    frozen = dry_run_bytes(_layout(llm_dp), BucketSet((T,), (S,)), cfg, jnp.float32, ("llm",))
+    frozen = dry_run_bytes(layout, BucketSet((T,), (S,)), cfg, jnp.float32, ("llm",))
     assert frozen == [{**dry[0], "backward_bytes": 0}]  # nothing trained before the LLM
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first LLM stage still takes every row's features replicated (x_spec P()): each "
-    "LLM data row receives the whole microbatch's features",
-)
 def test_features_bytes_do_not_grow_with_llm_dp():
     one, three = (transfer_bytes_per_microbatch(_pipeline(dp), _microbatch(dp))[0] for dp in (1, 3))
-    assert three.forward <= one.forward
+    assert three.forward == one.forward > 0
+    assert three.backward == one.backward > 0

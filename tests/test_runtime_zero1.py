@@ -122,7 +122,8 @@ def test_zero1_layout_pads_the_largest_axis_when_nothing_divides():
 def test_microbatch_backward_has_no_data_reduction(stage):
     """dp 2 stages (tp 1, tp 2, the last): no parameter gradient crosses data replicas in a
     microbatch's backward; on the last stage only the scalar loss and token count are summed over
-    "data", on the first (MLLM) one only dL/d(features), which every replica's rows read."""
+    "data", on the first (MLLM) one only dL/d(features), which every replica's rows read (the
+    features arrive split over the stage's devices: the sum is scattered back to that split)."""
     cfg = model_config_for_arch(
         "tiny", "float32"
     )  # an MLLM: the profiler's stage builder needs one
@@ -133,10 +134,12 @@ def test_microbatch_backward_has_no_data_reduction(stage):
             prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
         ).compile()
     across = _data_collectives(compiled, spec.tp)
-    if spec.has_embedding:  # the image features x are replicated over "data": dL/dx is summed
+    if spec.has_embedding:  # the image features x are gathered over "data": dL/dx is summed
         x = prog.x_abs
-        assert x.sharding.spec == P()
-        assert across == [f"f32[{','.join(map(str, x.shape))}]{{2,1,0}}"], across
+        assert x.sharding.spec == P(("data", "model"))
+        whole = f"f32[{','.join(map(str, x.shape))}]{{2,1,0}}"  # XLA:CPU: all-reduce, then a slice
+        split = f"f32[{','.join(map(str, x.sharding.shard_shape(x.shape)))}]{{2,1,0}}"
+        assert across in ([whole], [split]), across
     elif spec.has_head:
         assert across == ["(f32[], f32[])"], across
     else:
@@ -206,12 +209,19 @@ def test_zero1_update_equals_replicated_update():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_replicated_stage_input_gets_every_replicas_gradient(tp):
-    """An x replicated over "data" (the MLLM's image features, x_spec P()) is read by every replica's
-    rows: its dL/dx is the sum of the replicas' shares, as on one device."""
+@pytest.mark.parametrize("split", [False, True], ids=["replicated", "split"])
+def test_replicated_stage_input_gets_every_replicas_gradient(tp, split):
+    """An x the functions take replicated over "data" is read by every replica's rows: its dL/dx is
+    the sum of the replicas' shares, as on one device; also where x arrives split over all the
+    stage's devices (the MLLM's image features: x_spec P(("data", "model"))) and is gathered in the
+    program, its dL/dx going back split."""
     mesh = Mesh(np.array(jax.devices()[: 2 * tp]).reshape(2, tp), ("data", "model"))
+    x_spec, inner = (P(("data", "model")), P()) if split else (P(), None)
     fns = StageFns(
-        forward=lambda p, x, s: jnp.tanh(x[s["rows"]] @ p["w"]), side_keys=("rows",), x_spec=P()
+        forward=lambda p, x, s: jnp.tanh(x[s["rows"]] @ p["w"]),
+        side_keys=("rows",),
+        x_spec=x_spec,
+        x_compute_spec=inner,
     )
     rng = np.random.default_rng(0)
     w, x = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
@@ -219,7 +229,7 @@ def test_replicated_stage_input_gets_every_replicas_gradient(tp):
     params = {"w": put_host(w, NamedSharding(mesh, P(None, "model")))}
     stage = StageProgram(mesh, fns, params, compute_dtype=jnp.float32)
     gx, acc = stage.backward(
-        put_host(x, NamedSharding(mesh, P())),
+        put_host(x, NamedSharding(mesh, x_spec)),
         stage.put_side({"rows": rows}),
         put_host(gy, NamedSharding(mesh, P("data"))),
         stage.zero_grads(),
@@ -227,6 +237,7 @@ def test_replicated_stage_input_gets_every_replicas_gradient(tp):
     _, vjp = jax.vjp(lambda w_, x_: jnp.tanh(x_[rows] @ w_), w, x)
     want_gw, want_gx = vjp(gy)
     np.testing.assert_allclose(np.asarray(gx), want_gx, rtol=1e-5, atol=1e-6)
+    assert gx.sharding.spec == x_spec
     np.testing.assert_allclose(np.asarray(acc["w"]).sum(0), want_gw, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(acc["w"])[0] - want_gw).max() > 1e-3  # per replica, not reduced
 

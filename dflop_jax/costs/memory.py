@@ -13,8 +13,9 @@ policy "recompute" the runtime's backward recomputes its stage's forward from th
 "layers" it also holds its layer residuals (every layer's, or each layer's input with layer remat),
 which then leave the transient (`_held`; the weight copies are not among them): x (the previous stage's output, or the
 packed tiles, or on the first LLM stage of an MLLM the image features of every data shard's row,
-replicated over the stage's mesh) and its side arrays (token ids, segment ids, positions, targets,
-loss mask, feature taps).
+split over the stage's dp x tp devices as the transfer delivers them) and its side arrays (token ids,
+segment ids, positions, targets, loss mask, feature taps). That stage's program gathers the features
+in its mesh: the whole copy (and in the backward its gradient) is transient.
 
 Transient (`temp`): one microbatch's training program on top of that: the residuals saved for
 backward (all layers' without remat; with remat each layer's input, or under "dots" also its matmul
@@ -459,10 +460,11 @@ def llm_stage_memory(
     if stage.has_embedding:
         n_params += embed
         inputs += tokens * 4  # token ids
-        if arch.vision is not None:  # image features of every data shard's row, replicated
+        if arch.vision is not None:  # image features of every data shard's row
             inputs += tokens * (4 + 2 * 4 * FEATURE_TAPS)  # feature index, taps and weights
             features = stage.dp * tokens * m.hidden_size * cb
-            inputs += features
+            inputs += features / stage.num_devices  # as they arrive: split over the devices
+            temp += features if stage.num_devices > 1 else 0.0  # gathered in the stage's mesh
             temp += features if role.input_grad and not forward else 0.0  # their gradient
     else:
         inputs += hidden

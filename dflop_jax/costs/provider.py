@@ -24,9 +24,12 @@ Analytic model, per data-parallel shard of one microbatch on a stage with tensor
   here: the XLA and Pallas paths do skip other samples' blocks at run time (cuDNN does not), which a
   static bucket cannot see; a measured table (the profiler runs the configured implementation on
   packed rows) carries the difference.
-Transfers: one data shard's output bytes per round at the link's bandwidth (intra- or inter-host),
-in as many rounds as the runtime's transfer needs (`boundary_rounds`: the encoder's features go to
-every device of the first LLM stage). The update after each step's pipeline: costs/update.py.
+Transfers: the bytes the busiest device of a boundary sends or receives, at the link's bandwidth
+(intra- or inter-host); between stages of one module that is one data shard's output. The encoder's
+features cross once, split over the first LLM stage's devices, and that stage all-gathers them in its
+mesh (a ring: each device receives the others' blocks) at its own bandwidth (`boundary_shards`); dL/dx
+returns the same way (a reduce-scatter, the same bytes). The update after each step's pipeline:
+costs/update.py.
 With `trainable` (a recipe, costs/recipe.py) frozen stages cost what the runtime runs for them: forward
 only (backward 0), dx only (2/3 of the backward), or an encoder head stage's projector alone.
 """
@@ -342,41 +345,46 @@ def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> boo
     return start // devices_per_host != end // devices_per_host
 
 
-def boundary_rounds(layout: Layout, index: int) -> int:
-    """Shard-sized sends in sequence across the boundary after stage `index`, as the runtime's
-    transfer moves them (`runtime/transfer.py`: rounds in which no device sends or receives twice).
+def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, float]:
+    """(across, within): the bytes the boundary after stage `index` moves in sequence at `bucket`
+    (the sending stage's), in units of one sending data shard's output.
 
-    Between stages of one module each device of the next stage takes its own shard: 1. The first
-    LLM stage of an MLLM takes the encoder's features replicated on every one of its devices
-    (`runtime/model_stages.py`, x_spec P(): any packed row may gather any tile), so the encoder
-    head's dp x tp devices (tp copies of each shard) send to all dp x tp LLM devices and each of those
-    receives every encoder shard: max(ceil(LLM devices / encoder tp), encoder dp) rounds.
+    across: what its busiest device sends or receives over the link between the stages. Between
+    stages of one module each device of the next stage takes its own shard: 1. The encoder's
+    features [encoder_dp * T, ...] go to the first LLM stage once, their tile axis split over its
+    L = dp x tp devices (`runtime/model_stages.py`, padded to a multiple of L): each LLM device
+    receives ceil(encoder_dp * T / L) tiles, each encoder shard of T tiles leaves from its tp
+    replicas, about T / tp tiles each (the transfer sends every piece from one replica).
+    within: the in-mesh all-gather inside the LLM stage's program, a ring in which each device
+    receives the L - 1 other blocks (0 where L = 1); dL/dx's reduce-scatter moves the same.
     """
     a, b = layout.stages[index], layout.stages[index + 1]
-    if a.module == "encoder" and b.module == "llm":
-        return max(-(-b.num_devices // a.tp), a.dp)
-    return 1
+    if not (a.module == "encoder" and b.module == "llm") or bucket < 1:
+        return 1.0, 0.0
+    block = -(-a.dp * bucket // b.num_devices)  # tiles per LLM device
+    sent = -(-bucket // a.tp)  # tiles per encoder device
+    return max(block, sent) / bucket, (b.num_devices - 1) * block / bucket
 
 
 def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:
     """(tile_bucket, length_bucket) -> [num_stages - 1] seconds to move activations across each
-    boundary: one shard's output bytes per round (`boundary_rounds`) at the link's bandwidth."""
+    boundary (`boundary_shards`): the busiest device's bytes at the link's bandwidth between the
+    stages, plus an in-mesh gather at the receiving stage's own (inter-host where it spans hosts)."""
     stages = layout.stages
-    cross = [
-        stage_crosses_host(layout, i, provider.device.devices_per_host)
-        for i in range(len(stages) - 1)
-    ]
-    rounds = [boundary_rounds(layout, i) for i in range(len(stages) - 1)]
+    per_host = provider.device.devices_per_host
+    cross = [stage_crosses_host(layout, i, per_host) for i in range(len(stages) - 1)]
+    spans = [stages[i + 1].num_devices > per_host for i in range(len(stages) - 1)]
 
     def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
         buckets = _stage_buckets(layout, tile_bucket, length_bucket)
-        return np.array(
-            [
-                rounds[i] * provider.transfer_time(stages[i], buckets[i], cross[i])
-                for i in range(len(stages) - 1)
-            ],
-            dtype=np.float64,
-        )
+        out = []
+        for i in range(len(stages) - 1):
+            across, within = boundary_shards(layout, i, buckets[i])
+            t = across * provider.transfer_time(stages[i], buckets[i], cross[i])
+            if within:
+                t += within * provider.transfer_time(stages[i], buckets[i], spans[i])
+            out.append(t)
+        return np.array(out, dtype=np.float64)
 
     return costs
 

@@ -46,7 +46,7 @@ from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal, stage_config
-from dflop_jax.runtime.stages import accumulator_structs, stage_jits
+from dflop_jax.runtime.stages import accumulator_structs, boundary_shape, stage_jits
 from dflop_jax.runtime.train_state import trained_mask
 
 
@@ -227,7 +227,7 @@ def stage_program(
 
     Args:
       feature_tiles: tiles whose features the first LLM stage of an MLLM receives (the whole
-        microbatch's, replicated on its mesh); default half the row's tokens as image tokens.
+        microbatch's, gathered in its mesh); default half the row's tokens as image tokens.
       tile_bucket: T: `spec` (the first LLM stage) is the FUSED stage of a colocated encoder, at T
         tiles and `bucket` tokens per data shard (the trainer's `with_encoder` stage program).
       trainable: the recipe's trained parts: the programs the stage runs under it (module docstring;
@@ -251,6 +251,8 @@ def stage_program(
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
     x_shape = _x_shape(model_cfg, spec, bucket, dp, features, fused)
     x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
+    if x_shape is not None:  # as the transfer delivers it: padded where the devices do not divide
+        x_shape = (boundary_shape(x_shape[0], x_sharding), x_shape[1])
     x_abs = None if x_shape is None else jax.ShapeDtypeStruct(*x_shape, sharding=x_sharding)
     if head:
         seed_abs = jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)

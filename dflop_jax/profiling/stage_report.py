@@ -28,7 +28,7 @@ from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.profiling.programs import PartProgram
-from dflop_jax.runtime.stages import signature
+from dflop_jax.runtime.stages import boundary_shape, signature
 
 
 def program_flops(compiled) -> float:
@@ -132,9 +132,9 @@ def transfer_bytes_per_microbatch(
     out = []
     for s, (a, b, spec) in enumerate(zip(progs, progs[1:], layout.stages[1:])):
         y, x = a.seed_abs, b.x_abs  # an inner stage's backward seed is dL/dy: y's struct
-        if y.shape != x.shape:
+        if boundary_shape(y.shape, x.sharding) != x.shape:
             raise ValueError(f"stage {s} outputs {y.shape}, stage {s + 1} takes {x.shape}")
         back = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
-        out.append({"stage": s, "forward_bytes": transfer_bytes(y, x.sharding),
-                    "backward_bytes": transfer_bytes(x, y.sharding) if back else 0})  # fmt: skip
+        out.append({"stage": s, "forward_bytes": transfer_bytes(y, x.sharding, x.shape),
+                    "backward_bytes": transfer_bytes(x, y.sharding, y.shape) if back else 0})  # fmt: skip
     return out

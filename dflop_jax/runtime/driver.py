@@ -19,9 +19,10 @@ is kept for a backward, and no cotangent is sent to them. So that such a head do
 batch ahead (its outputs wait on the next stage's mesh), its forward of microbatch m also waits for
 the next stage's forward of m - (P - s), the in-flight bound 1F1B gives stage s.
 
-Transfers: a stage's output goes to the next stage with `transfer(y, next.x_sharding)`
-(`runtime/transfer.py`: one device-to-device program for any two shardings, within a process and across
-processes); cotangents go back the same way. `transfer_bytes_per_microbatch(stages, microbatch)` gives,
+Transfers: a stage's output goes to the next stage as `next.x_struct(y)` (its `x_sharding`, an axis its
+devices do not divide padded) with `transfer` (`runtime/transfer.py`: one device-to-device program for
+any two shardings, within a process and across processes); cotangents go back the same way, to y's
+sharding and shape. `transfer_bytes_per_microbatch(stages, microbatch)` gives,
 per stage boundary, the bytes those programs move for one microbatch's shapes, without running them.
 
 Multi-process runs: every process walks the same op order. It dispatches the ops of its LOCAL stages
@@ -184,6 +185,7 @@ def run_pipeline(
         tuple[int, int], Held
     ] = {}  # until the microbatch's backward: residuals or (x, side)
     cotangents: dict[tuple[int, int], jax.Array] = {}
+    outputs: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # where dL/dy goes back to
     losses: list[jax.Array | None] = [None] * num_mb
     moved = 0
     measure = sample is not None
@@ -220,9 +222,12 @@ def run_pipeline(
             times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
             valid[m] &= stage.compiles == compiles
         if op.kind == "F" and not stage.is_last:
-            inputs[s + 1, m], n = _send(y, stages[s + 1].x_sharding)
-        elif stage.input_grad:  # dL/dx goes back to the previous stage's output sharding
-            cotangents[s - 1, m], n = _send(gx, stages[s - 1].y_sharding)
+            nxt = stages[s + 1]
+            inputs[s + 1, m], n = _send(y, nxt.x_struct(y))
+            if nxt.input_grad:
+                outputs[s, m] = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
+        elif stage.input_grad:  # dL/dx goes back to the previous stage's output
+            cotangents[s - 1, m], n = _send(gx, outputs.pop((s - 1, m)))
         else:
             n = 0
         moved += n
@@ -255,9 +260,9 @@ def transfer_bytes_per_microbatch(
     out, x = [], None
     for s, (a, b) in enumerate(zip(stages, stages[1:])):
         y = a.output_struct(x, a.side_structs(batch))
-        x = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=b.x_sharding)
-        back = transfer_bytes(x, a.y_sharding) if b.input_grad else 0
-        out.append(BoundaryBytes(s, transfer_bytes(y, b.x_sharding), back))
+        x = b.x_struct(y)
+        back = transfer_bytes(x, a.y_sharding, y.shape) if b.input_grad else 0
+        out.append(BoundaryBytes(s, transfer_bytes(y, x.sharding, x.shape), back))
     return out
 
 
@@ -347,9 +352,11 @@ def _like_x(stage: StageProgram, x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
 
 
-def _send(value, dst) -> tuple[jax.Array, int]:
-    """`transfer(value, dst)` and the bytes it moves between devices (the same on every process)."""
-    return transfer(value, dst), transfer_bytes(value, dst)
+def _send(value, dst: jax.ShapeDtypeStruct) -> tuple[jax.Array, int]:
+    """`value` transferred to `dst`'s sharding and shape, and the bytes that moves between devices
+    (the same on every process)."""
+    return (transfer(value, dst.sharding, dst.shape),
+            transfer_bytes(value, dst.sharding, dst.shape))  # fmt: skip
 
 
 def microbatch_fields(mb: PackedMicrobatch | Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:

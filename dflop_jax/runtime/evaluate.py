@@ -73,7 +73,8 @@ def forward_losses(
                 totals = stage.eval_loss(x, side, totals) if stage.local else totals
             else:
                 y = stage.forward(x, side) if stage.local else stage.output_struct(x, side)
-                x = transfer(y, stages[s + 1].x_sharding)
+                x = stages[s + 1].x_struct(y)
+                x = transfer(y, x.sharding, x.shape)
     return totals
 
 

@@ -23,9 +23,13 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
   encoder, first:   tiles [v_dp*T, H, W, 3] -> hidden [v_dp*T, N, Dv]
   encoder, other:   hidden -> hidden; the last one (+ tile_pool) -> features [v_dp*T, tokens_per_tile, D]
   LLM, first:       tokens, segment_ids, positions -> hidden [l_dp, S, D]; in an MLLM also the encoder
-                    features as x (REPLICATED on its mesh, x_spec P(): any packed row may gather any
-                    tile's features) placed by feature_index, or by feature_taps / feature_weight
-                    [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps)
+                    features as x, placed by feature_index, or by feature_taps / feature_weight
+                    [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps).
+                    The features arrive ONCE, their tile axis split over all the stage's devices
+                    (x_spec P(("data", "model")), padded with zero tiles where l_dp * l_tp does not
+                    divide it: `stages.boundary_shape`); the program all-gathers them in-mesh
+                    (x_compute_spec P(): any packed row may gather any tile's features) and
+                    reduce-scatters dL/dx back, so the boundary carries one copy whatever l_dp.
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
@@ -56,6 +60,9 @@ from dflop_jax.runtime.train_state import trained_mask
 from models.stages import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
+# How the first LLM stage of an MLLM takes the encoder features [tiles, tokens_per_tile, D] from the
+# transfer: the tile axis split over every device of its mesh, so one copy crosses the boundary.
+FEATURES_SPEC = P(("data", "model"))
 # Where a run's params come from: an int seed (keyed random init) or an HF model directory.
 ParamSource = int | str | os.PathLike
 
@@ -163,9 +170,11 @@ def _llm_fns(
                 x = stage.embed(s["tokens"])
             return stage, stage(x, s["segment_ids"], s["positions"])
 
-    x_spec = (P() if features else None) if spec.has_embedding else P("data")
+    x_spec = (FEATURES_SPEC if features else None) if spec.has_embedding else P("data")
     if with_encoder:
         x_spec = None
+    # the features arrive split over the stage's devices and are gathered in-mesh (module docstring)
+    inner = P() if features and not with_encoder else None
     optional = TAP_KEYS if features else ()
     if not spec.has_head:
         return StageFns(
@@ -173,6 +182,7 @@ def _llm_fns(
             side_keys=side,
             optional_keys=optional,
             x_spec=x_spec,
+            x_compute_spec=inner,
         )
 
     def loss(params, x, s):
@@ -181,7 +191,11 @@ def _llm_fns(
             return stage.loss(h, s["targets"], s["loss_mask"])
 
     return StageFns(
-        loss=loss, side_keys=side + ("targets", "loss_mask"), optional_keys=optional, x_spec=x_spec
+        loss=loss,
+        side_keys=side + ("targets", "loss_mask"),
+        optional_keys=optional,
+        x_spec=x_spec,
+        x_compute_spec=inner,
     )
 
 

@@ -101,10 +101,10 @@ def pipeline_lowerings(
             break
         y = stage.output_struct(x, side)
         nxt = stages[s + 1]
-        x = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=nxt.x_sharding)
-        out += [Lowering("transfer", lw) for lw in lower_transfer(y, nxt.x_sharding)]
-        if nxt.input_grad:  # dL/dx back to this stage's output sharding
-            out += [Lowering("transfer", lw) for lw in lower_transfer(x, stage.y_sharding)]
+        x = nxt.x_struct(y)
+        out += [Lowering("transfer", lw) for lw in lower_transfer(y, x.sharding, x.shape)]
+        if nxt.input_grad:  # dL/dx back to this stage's output
+            out += [Lowering("transfer", lw) for lw in lower_transfer(x, stage.y_sharding, y.shape)]
     return out
 
 

@@ -59,7 +59,7 @@ shardings and dtypes are fixed here).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,13 @@ class StageFns:
       side_keys: the microbatch fields this stage reads (keys of `side`).
       optional_keys: fields placed only when the microbatch has them (present and not None), e.g.
         the exact feature taps of LLaVA-OV data; the functions test `key in side` (a separate compile).
-      x_spec: PartitionSpec of the stage input x on this stage's mesh (None: the stage has no x).
+      x_spec: PartitionSpec of the stage input x on this stage's mesh, as the transfer delivers it
+        (None: the stage has no x). An axis it shards that its devices do not divide arrives
+        padded with zeros at the end (`boundary_shape`).
+      x_compute_spec: the spec the functions take x in, when it differs from `x_spec` (None: the
+        same): the programs reshard x to it on entry, an in-mesh collective (e.g. the all-gather
+        of features that arrive split over the stage's devices), and dL/dx back to `x_spec` (the
+        matching reduce-scatter), so the bytes that cross the stage boundary are one copy.
       y_spec: PartitionSpec of the stage output y (unused for the last stage).
     """
 
@@ -129,6 +135,7 @@ class StageFns:
     side_keys: tuple[str, ...] = ()
     optional_keys: tuple[str, ...] = ()
     x_spec: P | None = None
+    x_compute_spec: P | None = None
     y_spec: P = P("data")
 
     def __post_init__(self):
@@ -212,6 +219,19 @@ class StageJits:
     residuals: str = "recompute"
 
 
+def boundary_shape(shape: Sequence[int], sharding: NamedSharding) -> tuple[int, ...]:
+    """`shape` with each axis that `sharding` splits padded up to a multiple of its shard count:
+    the shape a stage takes its input in (a jit input's sharded axis must divide evenly). Unchanged
+    where every axis divides, as between stages of one module."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    out = []
+    for n, entry in zip(shape, spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        k = int(np.prod([sharding.mesh.shape[a] for a in names], dtype=int))
+        out.append(-(-n // k) * k)
+    return tuple(out)
+
+
 def _local_spec(spec: P | None) -> P | None:
     """`spec` as a `shard_map` over "data" sees it: only the manual "data" axis named."""
     if spec is None:
@@ -282,7 +302,9 @@ def stage_jits(
     trains = bool(jax.tree.leaves(accs))
     frozen = negate(trained)
     dp = mesh.shape["data"]
-    xl, yl = _local_spec(fns.x_spec), _local_spec(fns.y_spec)
+    # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
+    inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
+    xl, yl = _local_spec(inner), _local_spec(fns.y_spec)
     # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
     # replica's share of dL/dx summed over "data" (an activation gradient, not the params'). The sum
     # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
@@ -298,7 +320,14 @@ def stage_jits(
     def whole_gx(gx):
         return None if gx is None else (gx.sum(0) if x_replicated else gx)
 
-    def apply(params, x, side):
+    def gather(x):
+        """x in the functions' layout: an in-mesh all-gather where it arrives split (`x_spec`).
+        dL/dx leaves in the boundary layout (`gxs`): its sum over data replicas reduce-scattered."""
+        if x is None or fns.x_compute_spec is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner))
+
+    def apply(params, x, side):  # x in the functions' layout (inside `per_replica`: its shard)
         p = cast_floating(params, compute_dtype)
         if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(compute_dtype)
@@ -340,7 +369,9 @@ def stage_jits(
 
     def bwd(params, x, side, gy, gacc):
         specs = (P(), xl, P("data"), yl, P("data"))
-        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(params, x, side, gy, gacc)
+        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(
+            params, gather(x), side, gy, gacc
+        )
         return whole_gx(gx), gacc
 
     def last_local(params, x, side, normalizer, gacc):
@@ -358,7 +389,7 @@ def stage_jits(
     def last(params, x, side, normalizer, gacc):
         specs = (P(), xl, P("data"), P(), P("data"))
         fn = per_replica(last_local, specs, (P(), P(), gxl, P("data")))
-        loss, count, gx, gacc = fn(params, x, side, normalizer, gacc)
+        loss, count, gx, gacc = fn(params, gather(x), side, normalizer, gacc)
         return loss, count, whole_gx(gx), gacc
 
     # Backward from saved residuals. The forward takes the vjp of the stage w.r.t. the compute-dtype
@@ -396,7 +427,7 @@ def stage_jits(
             vjps[sig] = (tree, where, None if x is None else x.dtype)
             return y, [jnp.asarray(a)[None] for a, w in zip(leaves, where) if w is None]
 
-        y, kept = per_replica(body, (P(), xl, P("data")), (yl, P("data")))(params, x, side)
+        y, kept = per_replica(body, (P(), xl, P("data")), (yl, P("data")))(params, gather(x), side)
         return jax.lax.with_sharding_constraint(y, ys), kept
 
     def bwd_res(params, kept, gy, gacc, sig):
@@ -417,11 +448,15 @@ def stage_jits(
     saves = check_residual_policy(residuals) != "recompute" and fns.loss is None and (trains or dx)
 
     def eval_loss(params, x, side, totals):
-        loss_sum, count = apply(params, x, side)
+        loss_sum, count = apply(params, gather(x), side)
         return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
 
     return StageJits(
-        forward=jax.jit(apply, in_shardings=(ps, xs, side_s), out_shardings=ys),
+        forward=jax.jit(
+            lambda params, x, side: apply(params, gather(x), side),
+            in_shardings=(ps, xs, side_s),
+            out_shardings=ys,
+        ),
         backward=jax.jit(
             bwd,
             in_shardings=(ps, xs, side_s, ys, accs),
@@ -551,6 +586,13 @@ class StageProgram:
     @property
     def has_x(self) -> bool:
         return self.fns.x_spec is not None
+
+    def x_struct(self, y) -> jax.ShapeDtypeStruct:
+        """The stage input made of the previous stage's output `y` (its shape and dtype): on
+        `x_sharding`, padded where its devices do not divide an axis (`boundary_shape`). The
+        transfer delivers x as this; dL/dx goes back to y's shape."""
+        shape = boundary_shape(y.shape, self.x_sharding)
+        return jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
 
     @property
     def trains(self) -> bool:

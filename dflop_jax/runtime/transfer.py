@@ -23,9 +23,14 @@ Rules for callers (the pipeline driver keeps them): every process owning a devic
 the transfer, in the same order relative to other programs on those devices; a process outside the
 union may call it too (it returns a stand-in without running anything); a process owning no source
 device passes a stand-in (`stand_in`) or a `jax.ShapeDtypeStruct` with the source sharding. One program
-is compiled per (source sharding, destination sharding, shape, dtype). A replicated source sends each
+is compiled per (source sharding, destination sharding, shapes, dtype). A replicated source sends each
 piece from one replica (the destination device itself when it holds one); a replicated destination
 receives one copy per device.
+
+The destination may have another shape (`shape=`): what lies beyond the source's extent on an axis is
+zeros, what lies beyond the destination's is not sent. A stage whose input axis its devices do not
+divide takes that axis padded (`stages.boundary_shape`: the encoder's features into the first LLM
+stage), and its dL/dx goes back cropped, with nothing moved for the padding.
 """
 
 from __future__ import annotations
@@ -79,66 +84,95 @@ def stand_in(shape: Sequence[int], dtype, sharding: Sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
 
 
-def transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> jax.Array:
+def transfer(
+    x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
+) -> jax.Array:
     """`x` placed on `dst` (same values), through the union-mesh program; see the module docstring.
 
     Args:
       x: the source array (on this process: its addressable shards are sent), or a stand-in /
         `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` on a process holding no source device.
       dst: the destination sharding.
+      shape: the destination's shape (None: x's); past x's extent zeros, past its own x is cut off.
 
     Returns:
       The array on `dst` (a stand-in without shards where this process holds no destination device).
     """
-    if x.sharding == dst and isinstance(x, jax.Array):
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if x.sharding == dst and isinstance(x, jax.Array) and shape == x.shape:
         return x
-    if _same_layout(x, dst):  # nothing moves: the same shards, re-labelled
+    if _same_layout(x, dst, shape):  # nothing moves: the same shards, re-labelled
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
         shards = [held[d] for d in dst.addressable_devices]
         return jax.make_array_from_single_device_arrays(x.shape, dst, shards, dtype=x.dtype)
-    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype))(x)
+    return _program_of(x, dst, shape)(x)
 
 
-def lower_transfer(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> list[jax.stages.Lowered]:
-    """The programs `transfer(x, dst)` runs on this process, lowered (none when nothing moves)."""
-    if x.sharding == dst or _same_layout(x, dst):
+def lower_transfer(
+    x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
+) -> list[jax.stages.Lowered]:
+    """The programs `transfer(x, dst, shape)` runs on this process, lowered (none when nothing
+    moves)."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if _same_layout(x, dst, shape):
         return []
-    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype)).lower()
+    return _program_of(x, dst, shape).lower()
 
 
-def transfer_bytes(x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding) -> int:
-    """Bytes `transfer(x, dst)` moves between devices (0 when the layout already matches)."""
-    if x.sharding == dst or _same_layout(x, dst):
+def transfer_bytes(
+    x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
+) -> int:
+    """Bytes `transfer(x, dst, shape)` moves between devices (0 when the layout already matches)."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if _same_layout(x, dst, shape):
         return 0
-    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype)).bytes_moved
+    return _program_of(x, dst, shape).bytes_moved
 
 
-def _same_layout(x, dst: Sharding) -> bool:
-    """True when every device holds the same block on both sides (nothing moves)."""
-    if x.sharding.device_set != dst.device_set:
+def _same_layout(x, dst: Sharding, shape: tuple[int, ...]) -> bool:
+    """True when both sides have one shape and every device holds the same block (nothing
+    moves)."""
+    if x.sharding.device_set != dst.device_set or tuple(x.shape) != shape:
         return False
-    shape = tuple(x.shape)
     a, b = x.sharding.devices_indices_map(shape), dst.devices_indices_map(shape)
     return all(_box(a[d], shape) == _box(b[d], shape) for d in a)
 
 
+def _program_of(x, dst: Sharding, shape: tuple[int, ...]) -> Transfer:
+    same = shape == tuple(x.shape)  # one cache entry per transfer, however the shape is given
+    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype), None if same else shape)
+
+
 @functools.cache
-def _program(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype) -> Transfer:
-    return Transfer(src, dst, shape, dtype)
+def _program(
+    src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype, dst_shape=None
+) -> Transfer:
+    return Transfer(src, dst, shape, dtype, dst_shape)
 
 
 class Transfer:
-    """The compiled transport of one (source sharding, destination sharding, shape, dtype)."""
+    """The compiled transport of one (source sharding, destination sharding, shapes, dtype)."""
 
-    def __init__(self, src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype):
+    def __init__(
+        self,
+        src: Sharding,
+        dst: Sharding,
+        shape: tuple[int, ...],
+        dtype,
+        dst_shape: tuple[int, ...] | None = None,
+    ):
         if not shape:
             raise ValueError("transfer: scalars have no blocks to move; give arrays of rank >= 1")
+        dst_shape = shape if dst_shape is None else tuple(dst_shape)
+        if len(dst_shape) != len(shape):
+            raise ValueError(f"transfer: shape {shape} to {dst_shape}: the ranks differ")
         self.src, self.dst, self.shape, self.dtype = src, dst, shape, jnp.dtype(dtype)
+        self.dst_shape = dst_shape
         self.devices = _union(src, dst)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.src_block = _block_shape(src, shape)
-        self.dst_block = _block_shape(dst, shape)
-        self.rounds = plan_rounds(src, dst, shape, self.devices)
+        self.dst_block = _block_shape(dst, dst_shape)
+        self.rounds = plan_rounds(src, dst, shape, self.devices, dst_shape)
         me = jax.process_index()
         self._local = [d for d in self.devices if d.process_index == me]
         self.participates = bool(self._local)
@@ -160,14 +194,14 @@ class Transfer:
 
     def __call__(self, x: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         if not self.participates:
-            return stand_in(self.shape, self.dtype, self.dst)
+            return stand_in(self.dst_shape, self.dtype, self.dst)
         union = self._union_input(x)
         with jax.set_mesh(self.mesh):
             out = self._run(union)
         mine = {s.device: s.data for s in out.addressable_shards}
         shards = [mine[d] for d in self.dst.addressable_devices]
         return jax.make_array_from_single_device_arrays(
-            self.shape, self.dst, shards, dtype=self.dtype
+            self.dst_shape, self.dst, shards, dtype=self.dtype
         )
 
     def lower(self) -> list[jax.stages.Lowered]:
@@ -213,22 +247,29 @@ class Transfer:
 
 
 def plan_rounds(
-    src: Sharding, dst: Sharding, shape: tuple[int, ...], devices: Sequence[jax.Device]
+    src: Sharding,
+    dst: Sharding,
+    shape: tuple[int, ...],
+    devices: Sequence[jax.Device],
+    dst_shape: tuple[int, ...] | None = None,
 ) -> list[Round]:
     """The pieces every destination block needs, grouped into rounds (same plan on every process).
 
     Each destination device takes every distinct source block overlapping its own from one holder:
     itself if it holds that block, else a holder on its own process, else the least loaded holder.
+    With a `dst_shape`, destination boxes are cut from it (a box past the source's extent overlaps
+    nothing there: it stays zeros).
     """
+    dst_shape = shape if dst_shape is None else dst_shape
     pos = {d: i for i, d in enumerate(devices)}
-    src_map, dst_map = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+    src_map, dst_map = src.devices_indices_map(shape), dst.devices_indices_map(dst_shape)
     holders: dict[tuple, list[jax.Device]] = {}
     for d in sorted(src_map, key=lambda d: d.id):
         holders.setdefault(_box(src_map[d], shape), []).append(d)
     load: dict[jax.Device, int] = dict.fromkeys(src_map, 0)
     pieces = []
     for d in sorted(dst_map, key=lambda d: d.id):
-        want = _box(dst_map[d], shape)
+        want = _box(dst_map[d], dst_shape)
         for have, who in holders.items():
             overlap = _intersect(have, want)
             if overlap is None:
