@@ -17,8 +17,8 @@ vision layers are frozen but whose projector trains (LLaVA-OV stage 1, encoder s
 whose input needs no gradient recomputes its frozen layers' forward and back-propagates through the
 projector only: backward = (stage forward - projector forward) + projector backward.
 
-A colocated encoder (no encoder stages: the whole encoder inside LLM stage 0's fused program) never
-runs forward only: the fused stage always trains something (it holds a part of each module), and its
+A colocated encoder (no encoder stages: the whole encoder inside LLM stage 0's colocated program) never
+runs forward only: the colocated stage always trains something (it holds a part of each module), and its
 backward program recomputes the whole stage forward, so a frozen encoder adds its FORWARD to that
 backward (no backward of its own: nothing trained in it, no dx into it), and a projector-only one its
 frozen layers' forward plus the projector's backward (`colocated_backward`).
@@ -121,8 +121,8 @@ def recipe_backward(
 def colocated_backward(
     role: StageRole, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0
 ) -> float:
-    """Backward seconds a colocated encoder of role `role` adds to the fused stage's backward program
+    """Backward seconds a colocated encoder of role `role` adds to the colocated stage's backward program
     (module docstring), from its trainable (fwd, bwd) and its projector's (head_fwd, head_bwd)."""
     if role.kind == "forward":
-        return fwd  # re-run inside the fused backward, nothing differentiated
+        return fwd  # re-run inside the colocated stage's backward, nothing differentiated
     return recipe_backward(role, fwd, bwd, head_fwd, head_bwd)

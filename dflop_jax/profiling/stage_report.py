@@ -6,7 +6,7 @@
 FLOPs are XLA's cost analysis (`compiled.cost_analysis()["flops"]`) of the programs the trainer runs,
 built by the profiler's builder (`programs.stage_program`, hence `runtime.stages.stage_jits`) from
 abstract arrays, summed over every bucket of the plan the stage runs (tile buckets on encoder stages,
-length buckets on LLM stages, every (tiles, length) pair on a colocated encoder's fused stage). XLA
+length buckets on LLM stages, every (tiles, length) pair on a colocated stage). XLA
 counts a loop's body once whatever its trip count, in the forward and in the backward alike, so the
 two figures compare. What each figure is, per stage kind:
   inner stage, saving policy ("all", "layers"): the forward that returns the residuals, and the
@@ -71,17 +71,17 @@ def stage_flops(
 ) -> list[dict]:
     """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
     (module docstring)."""
-    from dflop_jax.profiling.compile_check import _devices, fused_stage, stage_program_at
+    from dflop_jax.profiling.compile_check import _devices, colocated_stage_index, stage_program_at
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
-    fused = fused_stage(layout, model_cfg)
+    coloc = colocated_stage_index(layout, model_cfg)
     tiles, lengths = buckets.tiles, buckets.lengths
     out = []
     for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals)):
         # the buckets the stage runs: its tile buckets, its length buckets, or every pair
-        if i == fused:
+        if i == coloc:
             pairs = [(t, n) for t in tiles for n in lengths]
         elif spec.module == "encoder":
             pairs = [(t, lengths[-1]) for t in tiles]
