@@ -332,7 +332,7 @@ class MeasuredCostProvider:
         role = stage_role(stage, self.trainable, self._multimodal)
         parts = self._parts(stage, bucket)
         if self._measured_recipe:  # each part's recipe program was timed (module docstring)
-            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.kind != "forward"))
+            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.has_backward))
             return float(fwd), float(bwd)
         fwd, bwd = self._summed(parts, [p.bwd for p in parts])
         # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)

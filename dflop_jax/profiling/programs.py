@@ -8,8 +8,9 @@ A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtim
             fp32 accumulator), or on the LLM head part `StageJits.last` (forward + loss + backward fused,
             as the last pipeline stage trains).
 Under a training recipe (`trainable`, costs/recipe.py) a part's programs are the ones it runs under
-that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and an input gradient iff
-a part before it in the model trains, `costs.recipe.stage_role`): a frozen part behind a trained one
+that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and the part's role,
+`costs.recipe.stage_role`: an input gradient iff a part before it in the model trains; the colocated
+stage's role is that of its one program of all three parts): a frozen part behind a trained one
 has a dx-only backward, a frozen part with nothing trained before it NO backward (`bwd` None: it runs
 forward only), a trained part with nothing trained before it computes no dx.
 This file only supplies the inputs: abstract ones to compile from and random real ones to time with,
@@ -242,8 +243,8 @@ def stage_program(
         raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
     bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated)
     mask = trained_mask(bp.state, trainable)
-    input_grad = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
-    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, input_grad, residuals)
+    role = stage_role(spec, trainable, is_multimodal(model_cfg), colocated=colocated)
+    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, role, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)

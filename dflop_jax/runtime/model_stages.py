@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.recipe import stage_role
 from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.runtime.stages import StageFns, StageProgram, check_residual_policy
 from dflop_jax.runtime.train_state import trained_mask
@@ -320,8 +321,8 @@ def build_stages(
       meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
-      trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, a stage
-        with nothing trained and nothing trained before it runs forward only (`runtime/stages.py`).
+      trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, and each
+        stage runs as its role says (`costs.recipe.stage_role`: trained, dx-only or forward-only).
       residuals: each stage's residual policy (`stages.RESIDUAL_POLICIES`; None: "recompute"
         everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
     """
@@ -348,6 +349,10 @@ def build_stages(
             f"optimizer.trainable={list(trainable)} trains no parameter of this model "
             "(a decoder-only model has only 'llm')"
         )
+    roles = [
+        stage_role(spec, trainable, is_multimodal(model_cfg), colocated=coloc and i == 0)
+        for i, spec in enumerate(layout.stages)
+    ]
     return [
         StageProgram(
             mesh,
@@ -355,10 +360,10 @@ def build_stages(
             bp.state,
             compute_dtype,
             trained=mask,
-            input_grad=any(trains[:i]),
+            role=role,
             residuals=policy,
         )  # fmt: skip
-        for i, (bp, mesh, mask, policy) in enumerate(zip(blueprints, meshes, masks, residuals))
+        for bp, mesh, mask, role, policy in zip(blueprints, meshes, masks, roles, residuals)
     ]
 
 
