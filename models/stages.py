@@ -47,18 +47,18 @@ def stage_module(
     has_embedding: bool,
     has_head: bool,
     rngs: nnx.Rngs,
-    with_encoder: bool = False,
+    colocated: bool = False,
 ) -> nnx.Module:
     """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`.
 
-    with_encoder: the first LLM stage of an MLLM also holds the whole encoder (`ColocatedStage`).
+    colocated: the first LLM stage of an MLLM also holds the whole encoder (`ColocatedStage`).
     """
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
-    if with_encoder:
+    if colocated:
         if isinstance(cfg, DecoderConfig) or module != "llm" or not has_embedding:
             raise ValueError(
-                "with_encoder: only an MLLM's first LLM stage (module='llm', has_embedding) "
+                "colocated: only an MLLM's first LLM stage (module='llm', has_embedding) "
                 "can hold the encoder"
             )
         encoder = EncoderStage(cfg, first_layer=0, num_layers=cfg.vision.num_layers,

@@ -7,7 +7,7 @@ preflight: versions, the devices JAX sees, `nvidia-smi`, that every entry point 
 each, in parallel subprocesses), and one bf16 matmul's time and TFLOP/s. Exit 1 when any of them failed.
 summary: `OUT/summary.json` (the steps' statuses, the preflight, the demo's headline figures),
 `OUT/demo.json` (the demo's per-step metrics, plan and profile timings) and `OUT/bench.json` (the
-`bench gpu` parts and `bench fused`), from what the steps left in WORK. Standard library only, so it
+`bench gpu` parts and `bench colocated`), from what the steps left in WORK. Standard library only, so it
 runs whatever state the steps left.
 """
 
@@ -33,7 +33,7 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12
 ENTRY_POINTS = (("dflop_jax.train",), ("dflop_jax.plan",), ("dflop_jax.profile",),
                 ("dflop_jax.schedule",), ("dflop_jax.simulate",), ("dflop_jax.export",),
                 ("dflop_jax.costs",), ("dflop_jax.bench",), ("dflop_jax.bench", "gpu"),
-                ("dflop_jax.bench", "fused"))  # fmt: skip
+                ("dflop_jax.bench", "colocated"))  # fmt: skip
 STEP_FILES = {"demo": "demo.json", "bench": "bench.json", "summary": "summary.json"}
 
 
@@ -205,7 +205,7 @@ def summary(work: Path, out: Path, dry: bool) -> int:
     demo = demo_figures(work / "demo")
     bench = {p.stem.removeprefix("bench_gpu_"): _read_json(p)
              for p in sorted(work.glob("bench_gpu_*.json"))}  # fmt: skip
-    bench["fused"] = _read_json(work / "bench_fused.json")
+    bench["colocated"] = _read_json(work / "bench_colocated.json")
     preflight = _read_json(work / "preflight.json")
     headline = None
     if demo is not None:

@@ -11,7 +11,7 @@
 #   summary.json    per step: status (ok / failed / timeout / skipped), rc, seconds; preflight; demo figures
 #   check.log       per step: the command, rc, seconds and the last lines of its output
 #   pytest_gpu.log  the gpu-marked tests;  demo.log / demo.json  the demo's console and its metrics
-#   bench.log / bench.json  `bench gpu` (one process per part) and `bench fused`: tables and figures
+#   bench.log / bench.json  `bench gpu` (one process per part) and `bench colocated`: tables and figures
 # Environment: PY (python, default python3), OUT (default /tmp/gpu_out), GPU_CHECK_DEADLINE (seconds,
 # default 480; 400 dry), GPU_CHECK_WORK (big files: run dirs, full logs; default a fresh temp folder).
 set -uo pipefail
@@ -75,13 +75,13 @@ summarize() { $PY scripts/gpu_check.py summary --work "$WORK" --out "$OUT" --dry
 
 if [[ "$DRY" == 1 ]]; then
   MATMUL=256 PYTEST_T=120 DEMO_T=300 BENCH_SIZE=smoke BENCH_RUNS="warmup=0 runs=1"
-  FUSED_ARGS="rounds=1 runs=1"
+  COLOCATED_ARGS="rounds=1 runs=1"
   DEMO_ARGS=(steps=3 "profile.encoder_buckets=[1]" "profile.llm_buckets=[256]" data.max_tokens=256
     data.max_grid=1 data.max_frames=2 data.synth_samples=64 profile.warmup=0 profile.runs=1
     planner.samples=1 planner.screen_top=2 planner.top_n=1 "planner.microbatches=[2]")
 else
   MATMUL=8192 PYTEST_T=150 DEMO_T=240 BENCH_SIZE=real BENCH_RUNS="warmup=2 runs=5"
-  FUSED_ARGS="rounds=3 runs=5"
+  COLOCATED_ARGS="rounds=3 runs=5"
   DEMO_ARGS=(steps=24)
 fi
 # The demo on one device: one encoder + LLM stage, colocated (what exists today); the bare demo is
@@ -137,7 +137,7 @@ for part_s in stage:180 attention:150 host:90 profiler:150; do
   step "bench_${part_s%%:*}" 45 "${part_s##*:}" bash "$0" __call bench_part "${part_s%%:*}"
   summarize
 done
-step bench_fused 30 90 $PY -m dflop_jax.bench fused $FUSED_ARGS "json_out=$WORK/bench_fused.json"
+step bench_colocated 30 90 $PY -m dflop_jax.bench colocated $COLOCATED_ARGS "json_out=$WORK/bench_colocated.json"
 cat "$WORK"/bench_*.out >"$WORK/bench.all" 2>/dev/null
 keep "$WORK/bench.all" bench.log
 summarize

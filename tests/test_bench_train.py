@@ -56,7 +56,7 @@ def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path, capsys):
     plan = load_plan(tmp_path / "ab" / "data_blind_plan.yaml")
     assert plan.mode == "uniform" and plan.layout.encoder_stages == ()
     assert len({s.tp for s in plan.layout.llm_stages}) == 1
-    # the demo's 2 LLM stages: the fused stage hands its activations to LLM stage 1 (the 8-device
+    # the demo's 2 LLM stages: the colocated stage hands its activations to LLM stage 1 (the 8-device
     # transfer that hung before the CPU client's pool was sized, DESIGN 11)
     assert blind["layout"].startswith("enc@llm0 | llm tp") and " pp2" in blind["layout"]
     assert dflop["layout"].startswith("enc tp")  # the demo's planner keeps separate encoder stages

@@ -26,14 +26,14 @@ COMMANDS = [
     "dflop_jax.data.synth",
     "dflop_jax.bench",
 ]
-BENCHES = ["attention", "cluster", "costmodel", "fused", "gpu", "loader", "loss", "multihost",
+BENCHES = ["attention", "cluster", "colocated", "costmodel", "gpu", "loader", "loss", "multihost",
            "scheduler", "step", "train", "zero1"]  # fmt: skip
 FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
 COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
 FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
 # The benchmarks that have no small size: their examples take 5-15 minutes (the third tier, `long`).
-LONG_BENCHES = ["costmodel", "fused"]
+LONG_BENCHES = ["colocated", "costmodel"]
 SLOW_BENCHES = [
     pytest.param(
         f"dflop_jax.bench {name}", marks=[pytest.mark.long] if name in LONG_BENCHES else []

@@ -87,7 +87,9 @@ def _resolved(encoder_layers):
 
 def test_resolved_plan_rejects_layouts_the_runtime_cannot_run():
     assert _resolved(1).check_runnable("auto", multimodal=True).layout.encoder_stages
-    assert not _resolved(0).check_runnable("auto", multimodal=True).layout.encoder_stages  # fused
+    assert (
+        not _resolved(0).check_runnable("auto", multimodal=True).layout.encoder_stages
+    )  # colocated
     llm = (StageSpec("llm", 0, 2, 2, 1, has_embedding=True, has_head=True),)
     own_tp = ResolvedPlan(Layout((), llm, 1), BucketSet((4,), (256,)), (1, 2), provider=None)
     with pytest.raises(ValueError, match="plan=auto: the encoder is colocated at its own tp=1"):

@@ -2,7 +2,7 @@
 used as measured (a stage's backward is its parts' measured backwards, a frozen part with no backward
 of its own re-run forward inside a stage that has one), one profiled under another frozen recipe is
 refused, an all-trainable table (and one written before recipes) still derives; the colocated
-encoder's share of the fused stage honours the recipe in the analytic and the measured provider."""
+encoder's share of the colocated stage honours the recipe in the analytic and the measured provider."""
 
 import json
 
@@ -21,7 +21,7 @@ BUCKETS, TILES, ROW = (64, 256, 1024), (1, 2, 4), 64
 SLOPE = {"llm_layers": (2e-6, 5e-6, 3e-6), "llm_embedding": (1e-7, 3e-7, 2e-7),
          "llm_head": (4e-7, 9e-7, 6e-7), "encoder_layers": (3e-5, 8e-5, 5e-5),
          "encoder_embedding": (1e-5, 2e-5, 0.0), "encoder_head": (2e-5, 6e-5, 4e-5)}  # fmt: skip
-FUSED = (5e-4, 9e-4)  # colocated_embedding seconds per tile (fwd, trainable bwd)
+COLOCATED = (5e-4, 9e-4)  # colocated_embedding seconds per tile (fwd, trainable bwd)
 
 
 def _entry(kind, bucket, layers, fwd, bwd, param_bytes, grad_bytes=None, length=0):
@@ -48,7 +48,7 @@ def table(recipe=None) -> ProfiledCostTable:
                 t.add(_entry(kind, x, n, f * x * max(n, 1), b * x * max(n, 1), 100.0, grads))
     for x in TILES:
         emb_f, emb_b = SLOPE["llm_embedding"][0] * ROW, SLOPE["llm_embedding"][1] * ROW
-        t.add(_entry("colocated_embedding", x, 0, FUSED[0] * x + emb_f, FUSED[1] * x + emb_b,
+        t.add(_entry("colocated_embedding", x, 0, COLOCATED[0] * x + emb_f, COLOCATED[1] * x + emb_b,
                      300.0, length=ROW))  # fmt: skip
     return t
 
@@ -119,9 +119,9 @@ def _coloc(arch):
 
 @pytest.mark.parametrize("provider", ["analytic", "measured"])
 def test_colocated_encoder_share_honours_the_recipe(provider):
-    """All trained: the fused program's share. LLM only trained: the frozen encoder is re-run forward
-    in the fused backward (its forward, no backward of its own). Projector only / vision frozen: the
-    frozen layers' forward plus the projector's backward, no dx into the ViT."""
+    """All trained: the colocated program's share. LLM only trained: the frozen encoder is re-run
+    forward in the colocated stage's backward (its forward, no backward of its own). Projector only /
+    vision frozen: the frozen layers' forward plus the projector's backward, no dx into the ViT."""
     if provider == "analytic":
         enc, tiles = _coloc(BIG), 8
         make = lambda r: AnalyticCostProvider(BIG, H100, trainable=r)  # noqa: E731
@@ -134,7 +134,7 @@ def test_colocated_encoder_share_honours_the_recipe(provider):
         hf, hb = SLOPE["encoder_head"][0] * tiles, SLOPE["encoder_head"][1] * tiles
     f, b = make(("vision", "projector", "llm")).colocated_encoder_time(enc, tiles)
     if provider == "measured":
-        assert (f, b) == pytest.approx((FUSED[0] * tiles, FUSED[1] * tiles), rel=1e-9)
+        assert (f, b) == pytest.approx((COLOCATED[0] * tiles, COLOCATED[1] * tiles), rel=1e-9)
     assert make(("llm",)).colocated_encoder_time(enc, tiles) == pytest.approx((f, f), rel=1e-9)
     for recipe in (("projector",), ("projector", "llm")):
         share = make(recipe).colocated_encoder_time(enc, tiles)
@@ -151,13 +151,13 @@ def test_colocated_stage_costs_add_the_recipe_share():
     assert row == pytest.approx((llm[0] + enc_f, llm[1] + enc_f))
 
 
-def test_a_recipe_table_colocated_share_is_the_measured_fused_program():
+def test_a_recipe_table_colocated_share_is_the_measured_colocated_program():
     p = MeasuredCostProvider(table(("projector",)), ARCH, DEV)
     emb_f = SLOPE["llm_embedding"][0] * ROW
     emb_b = SLOPE["llm_embedding"][2] * ROW  # the embedding's dx-only program under the recipe
     f, b = p.colocated_encoder_time(_coloc(ARCH), 2)
     assert (f, b) == pytest.approx(
-        (FUSED[0] * 2, FUSED[1] * 2 + SLOPE["llm_embedding"][1] * ROW - emb_b), rel=1e-9
+        (COLOCATED[0] * 2, COLOCATED[1] * 2 + SLOPE["llm_embedding"][1] * ROW - emb_b), rel=1e-9
     )
     assert emb_f > 0
 

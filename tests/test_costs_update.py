@@ -61,9 +61,9 @@ def test_layout_update_times_hosts_and_colocated_encoder():
     assert (r1, a1) == stage_update_time(stub, lay.stages[1], True)
     assert r1 > 6 * r0  # 7/8 x 4 GB at 50 GB/s vs 3/4 x 4 GB at 450 GB/s
     # a colocated encoder's parameters are reduced and updated with LLM stage 0's: twice the bytes
-    fused = Layout((), (_llm(2, 4, has_embedding=True),))
-    assert layout_update_times(stub, fused) == [
-        stage_update_time(_Stub(8e9), fused.stages[0], False)
+    colocated = Layout((), (_llm(2, 4, has_embedding=True),))
+    assert layout_update_times(stub, colocated) == [
+        stage_update_time(_Stub(8e9), colocated.stages[0], False)
     ]
     # interleaved: a device group's chunks add up (virtual stages 0 and 2 on group 0, with the
     # colocated encoder; 1 and 3 on group 1)

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["preflight", "pytest_gpu", "demo", "bench_stage", "bench_attention", "bench_host",
-         "bench_profiler", "bench_fused"]  # fmt: skip
+         "bench_profiler", "bench_colocated"]  # fmt: skip
 MAX_FILES, MAX_BYTES = 8, 200_000  # env.log (written by the GPU machine's device_env.sh) is the 8th
 
 
@@ -56,7 +56,7 @@ def test_a_deadline_too_short_skips_every_step_and_says_so(tmp_path):
 
 
 # Eight jax processes, a demo profiled, planned and trained: 8-10 min on 2 idle cores, 20 when the
-# other xdist worker and other jobs load them (bench fused, the last step, then met the deadline).
+# other xdist worker and other jobs load them (bench colocated, the last step, then met the deadline).
 @pytest.mark.slow
 @pytest.mark.long
 def test_dry_run_runs_every_step_and_writes_every_file(tmp_path):
@@ -75,7 +75,7 @@ def _check_full_run(out, files, summary):
         "dflop_jax.train",
         "dflop_jax.plan",
         "dflop_jax.bench gpu",
-        "dflop_jax.bench fused",
+        "dflop_jax.bench colocated",
     }
     assert all(e["rc"] == 0 for e in pre["entry_points"]), pre["entry_points"]
     demo = json.loads((out / "demo.json").read_text())
@@ -92,7 +92,7 @@ def _check_full_run(out, files, summary):
     # one device: one pipeline stage, the encoder colocated in it (the GPU machine's paths)
     assert bench["host"]["host"]["pipeline_stages"] == 1
     assert bench["profiler"]["profiler"]["stage_dp"] == [1]
-    assert bench["fused"] and all(r["fused_s"] > 0 for r in bench["fused"])
+    assert bench["colocated"] and all(r["colocated_s"] > 0 for r in bench["colocated"])
     assert "passed" in (out / "pytest_gpu.log").read_text() or "skipped" in (
         out / "pytest_gpu.log").read_text()  # fmt: skip
 

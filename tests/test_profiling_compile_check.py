@@ -96,10 +96,10 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
         assert check.compile_s > 0
 
 
-def test_colocated_stage_is_compiled_as_the_fused_program_that_trains():
-    """A layout without encoder stages: stage 0 is ONE program, the runtime's fused stage
-    (`init_stage(..., with_encoder=True)`): its parameters are the trainer's stage-0 params (the whole
-    encoder and the LLM layers), and its compiled bytes are those of the fused program at the largest
+def test_colocated_stage_is_compiled_as_the_one_program_that_trains():
+    """A layout without encoder stages: stage 0 is ONE program, the runtime's colocated stage
+    (`init_stage(..., colocated=True)`): its parameters are the trainer's stage-0 params (the whole
+    encoder and the LLM layers), and its compiled bytes are those of the colocated program at the largest
     (tile, length) buckets."""
     layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),))
     (check,) = check_plan(tiny_plan(layout), CFG)

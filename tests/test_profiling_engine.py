@@ -158,15 +158,15 @@ def test_internvl_style_arch_is_profiled_through_its_own_stages(tmp_path):
     assert isinstance(cfg, InternVLConfig) and cfg.vision.seq_len == 17  # 16 patches + CLS
     settings = ProfileSettings(tps=(2,), encoder_buckets=(3,), llm_buckets=(64,), **FAST)
     table = profile_model(cfg, jax.devices(), settings, tmp_path / "ct.json", plot=False)
-    # 6 parts (layer parts at 1 and 2 layers), and the colocated encoder's fused stage program
+    # 6 parts (layer parts at 1 and 2 layers), and the colocated stage's program
     assert not table.skipped() and len(table.entries) == 9
-    fused = table.get("colocated_embedding", 2, 3, 0)
-    assert fused.length == 64  # its row: the smallest LLM bucket
+    colocated = table.get("colocated_embedding", 2, 3, 0)
+    assert colocated.length == 64  # its row: the smallest LLM bucket
     # it holds exactly the whole encoder (2 layers) and the LLM's embedding, as one program
     parts = [("encoder_embedding", 0), ("encoder_layers", 2), ("encoder_head", 0)]
     expect = sum(table.get(k, 2, 3, n).param_bytes for k, n in parts)
     expect += table.get("llm_embedding", 2, 64, 0).param_bytes
-    assert fused.param_bytes == expect
+    assert colocated.param_bytes == expect
     head = table.get("encoder_head", 2, 3, 0)
     # pixel shuffle 0.5 + LayerNorm + MLP(4 Dv -> D -> D) over 3 tiles x 4 tokens, per tp shard
     mlp = 2 * 3 * 4 * (4 * 64 * 64 + 64 * 64) / 2

@@ -125,8 +125,8 @@ def _flops(prog) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("recipe", [ALL, ("llm",), ("projector", "llm")])
-def test_colocated_encoder_share_of_the_fused_backward_is_the_recipe_rule(recipe):
-    """What `recipe.colocated_backward` assumes, on the compiled programs: the fused stage's
+def test_colocated_encoder_share_of_the_stage_backward_is_the_recipe_rule(recipe):
+    """What `recipe.colocated_backward` assumes, on the compiled programs: the colocated stage's
     backward minus the same LLM stage's without the encoder is the encoder's FORWARD when it is
     frozen (re-run, nothing differentiated), a little more with the projector trained (its own
     backward, no dx into the ViT), over twice its forward when everything trains."""
@@ -135,9 +135,11 @@ def test_colocated_encoder_share_of_the_fused_backward_is_the_recipe_rule(recipe
     from dflop_jax.profiling.programs import profile_mesh, stage_program
 
     mesh, spec = profile_mesh(jax.devices(), 1), StageSpec("llm", 0, 1, tp=1, has_embedding=True)
-    fused = _flops(stage_program(CFG, spec, mesh, 64, jnp.float32, tile_bucket=2, trainable=recipe))
+    colocated = _flops(
+        stage_program(CFG, spec, mesh, 64, jnp.float32, tile_bucket=2, trainable=recipe)
+    )
     alone = _flops(stage_program(CFG, spec, mesh, 64, jnp.float32, 2, trainable=recipe))
-    enc_fwd, enc_bwd = fused[0] - alone[0], fused[1] - alone[1]
+    enc_fwd, enc_bwd = colocated[0] - alone[0], colocated[1] - alone[1]
     if recipe == ("llm",):
         assert enc_bwd == pytest.approx(enc_fwd, rel=0.02)
     elif recipe == ALL:

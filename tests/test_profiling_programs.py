@@ -127,14 +127,14 @@ def test_last_stage_costs_equal_and_a_changed_input_dtype_is_caught(trained):
     assert _normalized(int_mask) != _normalized(profiled)
 
 
-def test_profiled_fused_stage_lowers_to_the_trained_one():
-    """The colocated encoder's fused stage (`ColocatedStage`: ViT + projector + the first LLM layer in
+def test_profiled_colocated_stage_lowers_to_the_trained_one():
+    """The colocated stage (`ColocatedStage`: ViT + projector + the first LLM layer in
     one program, tiles packed by row): the profiler's program (`stage_program(..., tile_bucket=T)`,
     what the colocated_embedding entries and the compile check build) is the trainer's LLM stage 0
     of a layout without encoder stages, forward and backward, fed the packer's colocated microbatch."""
-    fused = Layout((), (StageSpec("llm", 0, 1, tp=2, has_embedding=True),
+    coloc = Layout((), (StageSpec("llm", 0, 1, tp=2, has_embedding=True),
                         StageSpec("llm", 1, 3, tp=2, has_head=True)))  # fmt: skip
-    stage = build_stages(CFG, fused, stage_meshes(fused), 0, compute_dtype=DTYPE)[0]
+    stage = build_stages(CFG, coloc, stage_meshes(coloc), 0, compute_dtype=DTYPE)[0]
     v = CFG.vision
     mb, _ = pack_microbatch(MicrobatchPlan(T, S, ((),), tiles_by_row=True), [], [], encoder_dp=1,
                             llm_dp=1, tile_shape=(v.image_size, v.image_size, v.num_channels),
@@ -143,7 +143,7 @@ def test_profiled_fused_stage_lowers_to_the_trained_one():
     with jax.set_mesh(stage.mesh):
         y = jax.eval_shape(stage.jits.forward, params, None, side)
     seed = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
-    prog = stage_program(CFG, fused.stages[0], profile_mesh(jax.devices(), 2), S, DTYPE,
+    prog = stage_program(CFG, coloc.stages[0], profile_mesh(jax.devices(), 2), S, DTYPE,
                          tile_bucket=T)  # fmt: skip
     assert prog.x_abs is None and "tiles" in prog.side_abs
     trained_bwd = (params, None, side, seed, accumulator_structs(params))

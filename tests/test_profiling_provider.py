@@ -39,7 +39,7 @@ def synthetic_table(tps=(1, 2)) -> ProfiledCostTable:
 
 
 def truth(stage: StageSpec, s: int, d: str) -> float:
-    """One fused program: one BASE, plus each part's per-token work."""
+    """One colocated program: one BASE, plus each part's per-token work."""
     t = BASE + stage.num_layers * PER_LAYER[d] * s / stage.tp
     t += EMB[d] * s / stage.tp if stage.has_embedding else 0.0
     return t + (HEAD[d] * s / stage.tp if stage.has_head else 0.0)

@@ -5,7 +5,7 @@ and InternVL, with 1 and 2 LLM stages and LLM dp 1 and 2.
 
 Row r's tiles sit in tile slots [r*T, (r+1)*T) and its feature indices are GLOBAL slot rows inside
 that range (what the packer writes for a colocated plan), so the unsplit reference, which gathers from
-the whole microbatch's features, sees the same placement the fused stage makes row by row.
+the whole microbatch's features, sees the same placement the colocated stage makes row by row.
 
 Also: a layout whose tp splits a head is refused; checkpoints round-trip between the colocated and a
 separate-encoder layout; the scheduler keeps each sample's tiles on its row's shard; an explicit
@@ -155,7 +155,7 @@ def test_colocated_step_matches_single_device(family, dp, llm_stages):
     mbs = _batch(family, dp, model.cfg.tokens_per_tile)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
-    assert not stages[0].has_x  # the fused stage takes tiles, not an activation
+    assert not stages[0].has_x  # the colocated stage takes tiles, not an activation
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, norm, "1f1b")
@@ -218,22 +218,22 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     tree: a separate-encoder run restored from it holds exactly the colocated run's state and computes
     the same next loss, and a colocated run restored from that run's save holds its state exactly."""
     batches = [_batch("llava_ov", 2, llava_onevision_config(SIGLIP, TEXT).tokens_per_tile)] * 2
-    fused, fused_opts = _run(_layout(2, 2), 0)
-    _step(fused, fused_opts, batches[0])
+    coloc, coloc_opts = _run(_layout(2, 2), 0)
+    _step(coloc, coloc_opts, batches[0])
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)
-    ckpt.save(1, list(_layout(2, 2).stages), [s.params for s in fused],
-              [o.state for o in fused_opts], meta={})  # fmt: skip
+    ckpt.save(1, list(_layout(2, 2).stages), [s.params for s in coloc],
+              [o.state for o in coloc_opts], meta={})  # fmt: skip
 
     split, split_opts = _run(SEPARATE, 1)  # other init: the restore must overwrite all of it
     _restore(ckpt, SEPARATE, split, split_opts, 1)
-    assert_trees_close(_tree(SEPARATE, split, split_opts), _tree(_layout(2, 2), fused, fused_opts),
+    assert_trees_close(_tree(SEPARATE, split, split_opts), _tree(_layout(2, 2), coloc, coloc_opts),
                        rtol=0, atol=0)  # fmt: skip
-    loss_fused = _step(fused, fused_opts, batches[1])
+    loss_coloc = _step(coloc, coloc_opts, batches[1])
     loss_split = _step(split, split_opts, batches[1])
     # The restored state computes what the colocated run computes. (Not compared after the update:
     # the ViT's key bias has an exactly-zero gradient, so AdamW turns each layout's float round-off
     # in it into different lr-sized steps.)
-    np.testing.assert_allclose(loss_split, loss_fused, rtol=1e-5)
+    np.testing.assert_allclose(loss_split, loss_coloc, rtol=1e-5)
 
     ckpt.save(2, list(SEPARATE.stages), [s.params for s in split], [o.state for o in split_opts],
               meta={})  # fmt: skip
@@ -266,8 +266,8 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     assert "encoder_colocated: true" in plan
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the fused stage encoded tiles
-    # the planner scored the colocated layout with the profiled fused stage program
+    assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the colocated stage encoded tiles
+    # the planner scored the colocated layout with the profiled colocated stage program
     table = load_table(tmp_path / "run" / "auto_plan" / "cost_table.json")
     assert table.buckets("colocated_embedding", 1, 0) == [4, 16]
     sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
@@ -305,13 +305,13 @@ def test_explicit_colocated_layout_config():
 @pytest.mark.slow
 def test_explicit_colocated_layout_trains(tmp_path):
     """The trainer path on an explicit colocated layout (2 LLM stages, dp 2, tp 2): schedule with tiles
-    on their row's shard, packing, the fused stage, metrics."""
+    on their row's shard, packing, the colocated stage, metrics."""
     report = run(_demo_cfg(tmp_path))
     assert report.layout.encoder_stages == () and len(report.layout.llm_stages) == 2
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0
-    for r in rows:  # the fused stage pads tiles and tokens, each reported on its own
+    for r in rows:  # the colocated stage pads tiles and tokens, each reported on its own
         tiles, tokens = r["encoder_padding_ratio"], r["llm_padding_ratio"]
         assert r["stage_padding"] == [{"tiles": tiles, "tokens": tokens}, {"tokens": tokens}]
         assert r["tile_padding_ratio"] == tiles and tiles != tokens
@@ -340,16 +340,16 @@ def test_colocated_schedule_keeps_tiles_on_their_row():
         schedule_batch([SampleShape("big", 13, 50)], problem, SchedulerConfig(solver="greedy"))
 
 
-# ------------------------------------------------ cost and correction accounting of the fused stage
+# ------------------------------------------------ cost and correction accounting of the colocated stage
 
 LLAVA = llava_onevision_config(SIGLIP, TEXT)
-FUSED_LAYOUT = Layout((), (StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
+COLOCATED_LAYOUT = Layout((), (StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
                            StageSpec("llm", 2, 1, tp=2, dp=2, has_head=True)))  # fmt: skip
 
 
-def _table(fused: bool) -> ProfiledCostTable:
+def _table(colocated: bool) -> ProfiledCostTable:
     """A cost table of simple per-part times at tp 2 (LLM rows 256, 512; tiles 4, 8), with the
-    fused stage's program (colocated_embedding, its row 256 tokens) when `fused`."""
+    colocated stage's program (colocated_embedding, its row 256 tokens) when `colocated`."""
     table = ProfiledCostTable("cpu", "cpu", 8, "h", "v")
     per = {"llm_embedding": 1e-6, "llm_layers": 3e-6, "llm_head": 2e-6}
     for kind, rate in per.items():
@@ -366,49 +366,53 @@ def _table(fused: bool) -> ProfiledCostTable:
             for n in (1, 2) if kind == "encoder_layers" else (0,):
                 table.add(CostEntry(kind, 2, t, n, fwd_s=rate * t * max(n, 1),
                                     bwd_s=2 * rate * t * max(n, 1)))  # fmt: skip
-    if fused:  # the fused program: 256e-6 s of embedding at its row + 3e-3 s per tile of encoder
+    if (
+        colocated
+    ):  # the colocated program: 256e-6 s of embedding at its row + 3e-3 s per tile of encoder
         for t in (4, 8):
             table.add(CostEntry("colocated_embedding", 2, t, 0, fwd_s=256e-6 + 3e-3 * t,
                                 bwd_s=2 * (256e-6 + 3e-3 * t), length=256))  # fmt: skip
     return table
 
 
-def test_fused_stage_cost_comes_from_the_profiled_fused_program():
-    """LLM stage 0 of a colocated layout costs its LLM parts plus the fused program's encoder share
+def test_colocated_stage_cost_comes_from_the_profiled_colocated_program():
+    """LLM stage 0 of a colocated layout costs its LLM parts plus the colocated program's encoder share
     (colocated_embedding minus the embedding at its row), interpolated in tiles; without that entry,
     the encoder's parts as a separate stage. The scheduler problem has ONE stage for it."""
     arch, cpu = arch_of_model(LLAVA), get_device("cpu")
-    fused = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
+    coloc = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
     apart = MeasuredCostProvider(_table(False), arch, cpu, fit="interpolate")
-    problem = ResolvedPlan(FUSED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), fused).problem()
+    problem = ResolvedPlan(COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), coloc).problem()
     assert problem.num_stages == 2 and problem.colocated
-    llm0 = np.array(fused.stage_time(FUSED_LAYOUT.stages[0], 512))
+    llm0 = np.array(coloc.stage_time(COLOCATED_LAYOUT.stages[0], 512))
     got = problem.stage_costs(6, 512)
     np.testing.assert_allclose(got[0], llm0 + [3e-3 * 6, 2 * 3e-3 * 6], rtol=1e-9)
-    np.testing.assert_allclose(got[1], fused.stage_time(FUSED_LAYOUT.stages[1], 512), rtol=1e-9)
-    assert fused.sources()["colocated_embedding"] == {"interpolated": 1}
-    enc = apart.stage_time(colocated_encoder_stage(arch, FUSED_LAYOUT), 6)
-    np.testing.assert_allclose(layout_stage_costs(apart, FUSED_LAYOUT)(6, 512)[0],
+    np.testing.assert_allclose(got[1], coloc.stage_time(COLOCATED_LAYOUT.stages[1], 512), rtol=1e-9)
+    assert coloc.sources()["colocated_embedding"] == {"interpolated": 1}
+    enc = apart.stage_time(colocated_encoder_stage(arch, COLOCATED_LAYOUT), 6)
+    np.testing.assert_allclose(layout_stage_costs(apart, COLOCATED_LAYOUT)(6, 512)[0],
                                llm0 + np.array(enc), rtol=1e-9)  # fmt: skip
     assert "colocated_embedding" not in apart.sources()
 
 
-def test_correction_observes_the_fused_stage_as_one_stage():
+def test_correction_observes_the_colocated_stage_as_one_stage():
     """The runtime builds one program per stage of the colocated layout (the encoder inside stage 0),
     so a step's measured times are [M, 2, 2]; the correction learns stage 0's factor against the
-    fused prediction (LLM parts + encoder), not against an encoder stage of its own."""
-    meshes = stage_meshes(FUSED_LAYOUT, jax.devices())
-    stages = build_stages(LLAVA, FUSED_LAYOUT, meshes, 0, compute_dtype=jnp.float32)
+    colocated stage's prediction (LLM parts + encoder), not against an encoder stage of its own."""
+    meshes = stage_meshes(COLOCATED_LAYOUT, jax.devices())
+    stages = build_stages(LLAVA, COLOCATED_LAYOUT, meshes, 0, compute_dtype=jnp.float32)
     assert len(stages) == 2 and "tiles" in stages[0].fns.side_keys
     arch, cpu = arch_of_model(LLAVA), get_device("cpu")
     provider = AnalyticCostProvider(arch, cpu)
-    problem = ResolvedPlan(FUSED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), provider).problem()
+    problem = ResolvedPlan(
+        COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), provider
+    ).problem()
     shapes = [SampleShape(i, 1 + i % 3, 60 + 37 * i) for i in range(8)]
     scheduler = Scheduler(problem, SchedulerConfig(solver="greedy", correction="on"))
     schedule = scheduler.schedule(shapes, 1)
     raw = np.array([problem.stage_costs(mb.tile_bucket, mb.length_bucket)
                     for mb in schedule.microbatches])  # fmt: skip
-    measured = raw * [[1.0], [3.0]]  # stage 1 (the fused stage is 0) runs 3x its prediction
+    measured = raw * [[1.0], [3.0]]  # stage 1 (the colocated stage is 0) runs 3x its prediction
     measured[:, -1, 0], measured[:, -1, 1] = measured[:, -1].sum(1), 0.0  # the fused last step
     obs = Observation.of_step(problem, schedule, measured, np.ones(len(raw), bool))
     assert np.asarray(obs.times).shape == (len(raw), 2, 2)
@@ -420,20 +424,20 @@ def test_correction_observes_the_fused_stage_as_one_stage():
         np.testing.assert_allclose(scheduler.correction.factor(ti, si), [[1, 1], [3, 3]])
 
 
-def test_stage_modules_name_the_fused_stage():
-    from dflop_jax.runtime.metrics import FUSED, stage_modules
+def test_stage_modules_name_the_colocated_stage():
+    from dflop_jax.runtime.metrics import COLOCATED, stage_modules
 
-    assert stage_modules(FUSED_LAYOUT, True) == [FUSED, "llm"]
-    assert stage_modules(FUSED_LAYOUT, False) == ["llm", "llm"]  # a decoder: no encoder to fuse
+    assert stage_modules(COLOCATED_LAYOUT, True) == [COLOCATED, "llm"]
+    assert stage_modules(COLOCATED_LAYOUT, False) == ["llm", "llm"]  # a decoder: no encoder
     separate = Layout((StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
-                      FUSED_LAYOUT.llm_stages)  # fmt: skip
+                      COLOCATED_LAYOUT.llm_stages)  # fmt: skip
     assert stage_modules(separate, True) == ["encoder", "llm", "llm"]
 
 
 def test_data_blind_schedule_keeps_each_shard_within_the_largest_tile_bucket():
     """The data-blind baseline on a colocated layout (its own planner's choice): in-order first-fit,
     every microbatch at the largest buckets, and no shard holding more of its rows' tiles than the
-    largest tile bucket (the runtime's fused stage encodes exactly them). The loader order puts two
+    largest tile bucket (the runtime's colocated stage encodes exactly them). The loader order puts two
     5-tile samples first: a separate encoder would pool them over both shards; here they split."""
     shapes = [SampleShape(0, 5, 40), SampleShape(1, 5, 40)] + [
         SampleShape(i, 1, 40) for i in range(2, 8)

@@ -265,7 +265,7 @@ COLOCATED = ["layout.encoder_colocated=true", "layout.encoder_layers=[]", "layou
 @pytest.mark.slow
 def test_multimodal_eval_loss_is_the_same_on_separate_and_colocated_encoders(tmp_path):
     """The forward wave through encoder stages (tiles on the first, features passed on) and through
-    the fused stage give one eval loss: the same held-out samples, the same parameters (a step at
+    the colocated stage give one eval loss: the same held-out samples, the same parameters (a step at
     lr 1e-12 leaves them at the shared init to float32 round-off)."""
     demo = REPO / "configs" / "demo.yaml"
     losses = []

@@ -281,7 +281,7 @@ def test_colocated_recipe_step_matches_single_device(trainable):
     layout = colo._layout(1, 2)
     mbs = colo._batch("llava_ov", 1, model.cfg.tokens_per_tile)
     run = _step(model, layout, mbs, colo._loss, trainable)
-    assert run.stages[0].has_backward  # the fused stage trains the projector
+    assert run.stages[0].has_backward  # the colocated stage trains the projector
     _check_step(run, trainable)
 
 

@@ -1,9 +1,9 @@
 """The encoder COLOCATED on LLM stage 0 across real processes: 2 jax processes x 4 CPU devices train the
-demo LLaVA-OV with `layout.encoder_colocated: true`, the fused stage (ViT + projector + the first 2 LLM
-layers, tp 2 dp 2) on process 0 and the second LLM stage (tp 2 dp 2) on process 1; every step's loss
-equals a single-process run of the same layout (8 devices, same data and schedule) to 1e-5 (float32).
+demo LLaVA-OV with `layout.encoder_colocated: true`, the colocated stage (ViT + projector + the
+first 2 LLM layers, tp 2 dp 2) on process 0 and the second LLM stage (tp 2 dp 2) on process 1; every
+step's loss equals a single-process run of the same layout (8 devices, same data and schedule) to 1e-5 (float32).
 
-What crosses processes here and nowhere else: the fused stage's inputs are tiles (not features), its
+What crosses processes here and nowhere else: the colocated stage's inputs are tiles (not features), its
 output goes to the other process's stage, and the loader packs each sample's tiles on its row's shard
 (`MicrobatchPlan.tiles_by_row`) identically on both processes."""
 
@@ -37,7 +37,7 @@ def test_two_processes_colocated_encoder_train_like_one(tmp_path):
     finish(launch(logs, 2, _args(tmp_path, run_dir) + ["num_cpu_devices=4"], limit_s=240), 260)
     multi = rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in multi] == [1, 2, 3]
-    assert min(r["encoder_padding_ratio"] for r in multi) < 1.0  # the fused stage encoded tiles
+    assert min(r["encoder_padding_ratio"] for r in multi) < 1.0  # the colocated stage encoded tiles
 
     cfg = load_config(TrainConfig, REPO / "configs" / "demo.yaml",
                       _args(tmp_path, tmp_path / "sp") + ["num_cpu_devices=8"])  # fmt: skip

@@ -17,13 +17,13 @@ Stage kinds (a planner `StageSpec` is the sum of its parts, see `costs/measured.
   encoder_layers (layers 1 and 2), encoder_embedding (patch + position embedding),
   encoder_head (post-norm + projector), llm_layers (1 and 2), llm_embedding (token embedding + image
   feature placement), llm_head (final norm + LM head + loss).
-The fused stage of a colocated encoder (`models.mllm.ColocatedStage`: the whole encoder and the first
-LLM layers in ONE program on LLM stage 0's mesh) adds colocated_embedding (FUSED_KINDS): that program
-with no LLM layer (ViT + projector + token embedding + each row placing its own tiles' features), at
-`bucket` tiles per shard and a row of `length` tokens; the provider takes the fused stage's encoder
-share from it (`costs/measured.py`).
-Buckets: tiles per encoder shard for encoder kinds (and the fused kind), tokens of the packed row for
-LLM kinds.
+The colocated stage (`models.mllm.ColocatedStage`: the whole encoder and the first LLM layers in ONE
+program on LLM stage 0's mesh) adds colocated_embedding (COLOCATED_KINDS): that program with no LLM
+layer (ViT + projector + token embedding + each row placing its own tiles' features), at `bucket`
+tiles per shard and a row of `length` tokens; the provider takes the colocated stage's encoder share
+from it (`costs/measured.py`).
+Buckets: tiles per encoder shard for encoder kinds (and the colocated kind), tokens of the packed row
+for LLM kinds.
 A table is profiled under a training recipe (`trainable`, the parts trained; absent in files written
 before recipes existed, which profiled everything trained): each part's programs are the runtime's for
 that part under the recipe (`runtime.stages.stage_jits` with `trained` / `input_grad`): a frozen
@@ -46,8 +46,8 @@ TABLE_VERSION = 1
 ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
 LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
 STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
-FUSED_KINDS = ("colocated_embedding",)
-ALL_KINDS = STAGE_KINDS + FUSED_KINDS
+COLOCATED_KINDS = ("colocated_embedding",)
+ALL_KINDS = STAGE_KINDS + COLOCATED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
 TRAINABLE_PARTS = ("vision", "projector", "llm")  # what a training recipe trains or freezes
@@ -71,7 +71,7 @@ class CostEntry:
       memory_fwd, memory_bwd: `compiled.memory_analysis()` bytes per device (MEMORY_FIELDS).
       param_bytes: parameter bytes per device (fp32 masters, sharded by tp).
       input_bytes: bytes per device of the program's stage input (x and the side arrays).
-      length: tokens of the packed row of a fused kind's program (0 for the other kinds).
+      length: tokens of the packed row of a colocated kind's program (0 for the other kinds).
       grad_bytes: bytes per device of the program's gradient accumulator (its trained leaves, per
         data replica); None: `param_bytes` (every leaf trained: tables written before recipes).
     """

@@ -28,7 +28,7 @@ class ProfileSettings:
       tps: candidate tensor-parallel degrees (kept if they divide the heads and fit the devices).
       encoder_buckets: tiles per encoder shard to profile.
       llm_buckets: tokens per packed LLM row to profile.
-      kinds: stage parts to profile (default: all, the colocated encoder's fused program included).
+      kinds: stage parts to profile (default: all, the colocated stage's program included).
       warmup: untimed runs per program after compiling.
       runs: timed runs per program.
       statistic: which of the timed runs is kept: "median" (default), or "min" (robust on a machine

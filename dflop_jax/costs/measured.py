@@ -46,8 +46,8 @@ in-flight microbatch under recompute-in-backward), temp = the rest of the backwa
 parts run inside one program may reuse buffers).
 
 The colocated encoder (a layout with no encoder stages runs it inside LLM stage 0's program):
-`colocated_encoder_time` is the fused program's share beyond the LLM embedding, measured = the
-colocated_embedding entry (the runtime's fused program with no LLM layer, at the tile bucket and a
+`colocated_encoder_time` is the colocated program's share beyond the LLM embedding, measured = the
+colocated_embedding entry (the runtime's colocated program with no LLM layer, at the tile bucket and a
 row of `entry.length` tokens) minus the llm_embedding part at that row, piecewise-linear in the tile
 bucket; LLM stage 0 then costs its LLM parts plus that share. Without colocated_embedding entries at
 the stage's tp it is the encoder's parts summed as a separate stage (noted per source as usual).
@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from dflop_jax.contracts.cost_table import FUSED_KINDS, ProfiledCostTable, load_table
+from dflop_jax.contracts.cost_table import COLOCATED_KINDS, ProfiledCostTable, load_table
 from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.devices import DeviceSpec
 from dflop_jax.costs.layout import StageSpec
@@ -332,7 +332,7 @@ class MeasuredCostProvider:
         role = stage_role(stage, self.trainable, self._multimodal)
         parts = self._parts(stage, bucket)
         if self._measured_recipe:  # each part's recipe program was timed (module docstring)
-            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.kind != "forward"))
+            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.has_backward))
             return float(fwd), float(bwd)
         fwd, bwd = self._summed(parts, [p.bwd for p in parts])
         # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
@@ -365,10 +365,10 @@ class MeasuredCostProvider:
         adds to that stage's program at `tile_bucket` tiles per shard (module docstring)."""
         if tile_bucket <= 0:
             return 0.0, 0.0
-        kind = FUSED_KINDS[0]
+        kind = COLOCATED_KINDS[0]
         entries = [self.table.get(kind, encoder.tp, b, 0)
                    for b in self.table.buckets(kind, encoder.tp, 0)]  # fmt: skip
-        if not entries:  # the encoder's parts as a stage of its own, re-run in the fused backward
+        if not entries:  # the encoder's parts as a stage of its own, re-run in the stage's backward
             return self._colocated_recipe(
                 encoder, tile_bucket, *self._trainable_time(encoder, tile_bucket)
             )
@@ -391,8 +391,8 @@ class MeasuredCostProvider:
         return self._summed(parts, [p.bwd for p in parts])
 
     def _colocated_recipe(self, encoder: StageSpec, tiles: int, fwd: float, bwd: float):
-        """(fwd, bwd) of a colocated encoder from its time in the fused program, frozen parts by
-        `recipe.colocated_backward` (an all-trained table's timings; a recipe table's, whose fused
+        """(fwd, bwd) of a colocated encoder from its time in the colocated program, frozen parts by
+        `recipe.colocated_backward` (an all-trained table's timings; a recipe table's, whose colocated
         program was profiled under the recipe, are already the recipe's: returned as they are)."""
         if self._measured_recipe:
             return float(fwd), float(bwd)

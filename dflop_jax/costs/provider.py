@@ -205,8 +205,8 @@ class AnalyticCostProvider:
         return self._recipe_time(stage, bucket, recipe_backward)
 
     def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
-        """(fwd, bwd) seconds the colocated `encoder` adds to LLM stage 0's fused program: its cost
-        as a stage, but a frozen encoder is re-run forward in the fused backward
+        """(fwd, bwd) seconds the colocated `encoder` adds to LLM stage 0's colocated program: its cost
+        as a stage, but a frozen encoder is re-run forward in the colocated stage's backward
         (`recipe.colocated_backward`)."""
         if tile_bucket <= 0:
             return 0.0, 0.0
@@ -298,7 +298,7 @@ def colocated_encoder_time(
     provider: CostProvider, encoder: StageSpec, tile_bucket: int
 ) -> tuple[float, float]:
     """(fwd, bwd) seconds a colocated `encoder` adds to LLM stage 0's program: the provider's own
-    rule when it has one (a measured table's fused-stage entries, `costs/measured.py`), else the
+    rule when it has one (a measured table's colocated-stage entries, `costs/measured.py`), else the
     encoder's cost as a stage of its own."""
     own = getattr(provider, "colocated_encoder_time", None)
     return (
@@ -313,8 +313,8 @@ def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list
 def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
     """(tile_bucket, length_bucket) -> [num_stages, 2] (fwd, bwd) seconds, stages in pipeline order.
 
-    With no encoder stages, the encoder runs colocated on LLM stage 0 (one fused program) and its
-    cost at the tile bucket (`colocated_encoder_time`) is added to stage 0: the fused stage is ONE
+    With no encoder stages, the encoder runs colocated on LLM stage 0 (one colocated program) and its
+    cost at the tile bucket (`colocated_encoder_time`) is added to stage 0: the colocated stage is ONE
     stage, as the runtime runs and times it. Results are memoized per bucket pair.
     """
     stages = layout.stages

@@ -1,7 +1,12 @@
-"""What a training recipe (`optimizer.trainable`) makes each pipeline stage run, for the cost models.
+"""What a training recipe (`optimizer.trainable`) makes each pipeline stage run: its role.
 
-The runtime (runtime/stages.py) executes a stage by what it trains and whether its
-input needs a gradient (some part before it trains):
+`stage_role` is the one place a stage's role is decided. The runtime's stage builder
+(`runtime.model_stages.build_stages`) gives each stage program its role, from which it takes whether
+the stage has a backward program and whether its input gets a gradient (runtime/stages.py); the
+profiler (`profiling/programs.py`), the cost providers and the memory model read the same function.
+Which parameter leaves a part covers is the models' labelling (`models.stages.param_part`, the
+runtime's trained-leaf masks); `stage_parts` names the same parts per stage.
+Roles by what a stage trains and whether its input needs a gradient (some part before it trains):
 
 - "train": it holds a trained part: recompute-in-backward, weight gradients of the trained parts only
   (fp32 accumulator, ZeRO-1 AdamW state for them alone);
@@ -17,9 +22,10 @@ vision layers are frozen but whose projector trains (LLaVA-OV stage 1, encoder s
 whose input needs no gradient recomputes its frozen layers' forward and back-propagates through the
 projector only: backward = (stage forward - projector forward) + projector backward.
 
-A colocated encoder (no encoder stages: the whole encoder inside LLM stage 0's fused program) never
-runs forward only: the fused stage always trains something (it holds a part of each module), and its
-backward program recomputes the whole stage forward, so a frozen encoder adds its FORWARD to that
+A colocated encoder (no encoder stages: the whole encoder inside LLM stage 0's colocated program) never
+runs forward only: the colocated stage always trains something (it holds a part of each module:
+`stage_role(..., colocated=True)`, the runtime's view of that one program), and its backward program
+recomputes the whole stage forward, so a frozen encoder adds its FORWARD to that
 backward (no backward of its own: nothing trained in it, no dx into it), and a projector-only one its
 frozen layers' forward plus the projector's backward (`colocated_backward`).
 
@@ -48,17 +54,20 @@ def check_trainable(trainable: Iterable[str], key: str = "trainable") -> tuple[s
     return chosen
 
 
-def stage_parts(stage: StageSpec) -> tuple[str, ...]:
+def stage_parts(stage: StageSpec, colocated: bool = False) -> tuple[str, ...]:
     """The recipe parts whose parameters `stage` holds (encoder layers/embedding: vision; encoder
-    head: projector; any LLM stage: llm)."""
+    head: projector; any LLM stage: llm; the colocated stage: all three)."""
     if stage.module == "llm":
-        return ("llm",)
+        return TRAINABLE_PARTS if colocated else ("llm",)
     body = ("vision",) if stage.num_layers or stage.has_embedding else ()
     return body + (("projector",) if stage.has_head else ())
 
 
-def _upstream(stage: StageSpec, multimodal: bool) -> tuple[str, ...]:
-    """Parts that run before `stage`'s input (encoder stages first, then LLM stages)."""
+def _upstream(stage: StageSpec, multimodal: bool, colocated: bool) -> tuple[str, ...]:
+    """Parts that run before `stage`'s input (encoder stages first, then LLM stages; none before
+    the colocated stage, which takes the tiles)."""
+    if colocated:
+        return ()
     if stage.module == "encoder":
         return () if stage.has_embedding else ("vision",)
     mm = ("vision", "projector") if multimodal else ()
@@ -85,6 +94,11 @@ class StageRole:
         return "dx" if self.input_grad else "forward"
 
     @property
+    def has_backward(self) -> bool:
+        """Whether the stage has a backward program (kind "train" or "dx")."""
+        return self.kind != "forward"
+
+    @property
     def head_only(self) -> bool:
         """An encoder head stage training its projector only, nothing before it needing dx."""
         return self.trains == ("projector",) and "vision" in self.frozen and not self.input_grad
@@ -93,14 +107,24 @@ class StageRole:
 ALL_TRAIN = StageRole(TRAINABLE_PARTS, (), True)
 
 
-def stage_role(stage: StageSpec, trainable: Iterable[str], multimodal: bool = True) -> StageRole:
-    """The role of `stage` under `trainable` (module docstring)."""
+def stage_role(
+    stage: StageSpec, trainable: Iterable[str], multimodal: bool = True, colocated: bool = False
+) -> StageRole:
+    """The role of `stage` under `trainable` (module docstring).
+
+    Args:
+      multimodal: the model has an encoder (it runs before the first LLM stage).
+      colocated: `stage` is LLM stage 0 holding the whole encoder too (a multimodal layout without
+        encoder stages, as the runtime builds it): one program of all three parts, no stage input.
+        The cost models leave it False and cost that stage as LLM stage 0 plus the encoder
+        (`colocated_backward`).
+    """
     chosen = set(trainable)
-    parts = stage_parts(stage)
+    parts = stage_parts(stage, colocated)
     return StageRole(
         tuple(p for p in parts if p in chosen),
         tuple(p for p in parts if p not in chosen),
-        any(p in chosen for p in _upstream(stage, multimodal)),
+        any(p in chosen for p in _upstream(stage, multimodal, colocated)),
     )
 
 
@@ -121,8 +145,8 @@ def recipe_backward(
 def colocated_backward(
     role: StageRole, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0
 ) -> float:
-    """Backward seconds a colocated encoder of role `role` adds to the fused stage's backward program
+    """Backward seconds a colocated encoder of role `role` adds to the colocated stage's backward program
     (module docstring), from its trainable (fwd, bwd) and its projector's (head_fwd, head_bwd)."""
     if role.kind == "forward":
-        return fwd  # re-run inside the fused backward, nothing differentiated
+        return fwd  # re-run inside the colocated stage's backward, nothing differentiated
     return recipe_backward(role, fwd, bwd, head_fwd, head_bwd)

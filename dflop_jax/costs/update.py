@@ -15,7 +15,7 @@ no accumulator and cost nothing here), dp its data replicas and L the device's c
 
 The dp group's bandwidth: intra-host when the stage's devices sit on one host (stages on consecutive
 device ids, as `stage_crosses_host` places them), else inter-host (a NIC per device: the ring's slowest
-link). A colocated encoder's parameters join LLM stage 0's (the fused stage reduces and updates both).
+link). A colocated encoder's parameters join LLM stage 0's (the colocated stage reduces and updates both).
 Not counted: the padding ZeRO-1 adds to a leaf no axis of which divides by dp (at most dp - 1 elements
 per leaf), and the summing of a tied embedding's copies across stages (one [vocab, D] transfer).
 """
@@ -77,8 +77,8 @@ def layout_update_times(provider, layout: Layout, chunks: int = 1) -> list[tuple
       layout: the layout, or with chunks > 1 its virtual layout (virtual stage j on group j % P,
         P = num_stages / chunks; the first P entries sit where the groups' devices do).
     """
-    fused = not layout.encoder_stages and provider.arch.vision is not None
-    coloc = colocated_encoder_stage(provider.arch, layout) if fused else None
+    colocates = not layout.encoder_stages and provider.arch.vision is not None
+    coloc = colocated_encoder_stage(provider.arch, layout) if colocates else None
     groups = layout.num_stages // chunks
     spans = [stage_spans_hosts(layout, d, provider.device.devices_per_host) for d in range(groups)]
     out = [(0.0, 0.0)] * groups

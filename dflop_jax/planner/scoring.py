@@ -171,7 +171,7 @@ def problem_for(
 
 def tiles_by_row(layout: Layout) -> bool:
     """Whether each sample's tiles are encoded on its row's shard: the encoder colocated at LLM stage
-    0's tp and dp (what the runtime fuses), so microbatches keep whole samples per shard."""
+    0's tp and dp (what the runtime colocates), so microbatches keep whole samples per shard."""
     return not layout.encoder_stages and layout.colocated_encoder_tp is None
 
 

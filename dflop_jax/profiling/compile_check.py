@@ -30,8 +30,8 @@ trained, nothing trained before it) compiles its forward program, has no accumul
 optimizer state, and keeps no input for a backward (in_flight 1: the one its forward reads).
 
 A colocated encoder (`encoder_colocated` plans) runs inside LLM stage 0's program: that stage is
-compiled as the runtime trains it, ONE fused program (`models.mllm.ColocatedStage`, built by
-`abstract_stage(..., with_encoder=True)`, part "encoder+llm") at the largest tile and length buckets,
+compiled as the runtime trains it, ONE colocated program (`models.mllm.ColocatedStage`, built by
+`abstract_stage(..., colocated=True)`, part "encoder+llm") at the largest tile and length buckets,
 tiles in (packed by row) and no feature input: its params, inputs and transient (the encoder's
 features live through the LLM layers' backward) are those of the program that trains.
 """
@@ -133,7 +133,7 @@ def stage_programs(
     trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[tuple[str, PartProgram]]:
     """(part, programs) of each stage of `layout` on its mesh, at the largest of `buckets`, as the
-    runtime builds them (the fused colocated stage as one "encoder+llm" program). Nothing is
+    runtime builds them (the colocated stage as one "encoder+llm" program). Nothing is
     compiled."""
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
     return [
@@ -155,10 +155,10 @@ def stage_program_at(
 ) -> tuple[str, PartProgram]:
     """(part, programs) of stage `stage` of `layout` for microbatches of `tiles` tiles per encoder
     data shard and `length` tokens per LLM row: an encoder stage runs at the tiles, an LLM stage at
-    the length (the first one taking the features of `encoder_dp * tiles` tiles), the fused
-    colocated stage at both."""
+    the length (the first one taking the features of `encoder_dp * tiles` tiles), the colocated
+    stage at both."""
     spec = layout.stages[stage]
-    if stage == fused_stage(layout, model_cfg):
+    if stage == colocated_stage_index(layout, model_cfg):
         prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
                              trainable=trainable, residuals=residuals)  # fmt: skip
         return "encoder+llm", prog
@@ -201,14 +201,15 @@ def lower_stage_programs(
     return out
 
 
-def fused_stage(layout: Layout, model_cfg) -> int | None:
+def colocated_stage_index(layout: Layout, model_cfg) -> int | None:
     """The index of the stage that also runs the encoder (0 when an MLLM layout has no encoder
     stages: the runtime's `model_stages.colocated`), else None."""
     from dflop_jax.runtime.model_stages import check_colocated, colocated
 
     if not colocated(model_cfg, layout):
         return None
-    check_colocated(model_cfg, layout)  # the runtime refuses what it cannot fuse: so does the check
+    # the runtime refuses what it cannot colocate: so does the check
+    check_colocated(model_cfg, layout)
     return 0
 
 

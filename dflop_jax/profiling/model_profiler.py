@@ -18,11 +18,11 @@ so planning from the table uses measured frozen costs (`costs/measured.py`). The
 recipe (`ProfiledCostTable.trainable`) and the hash includes it: a table is never resumed across
 recipes.
 
-The fused stage of a colocated encoder is measured too (kind colocated_embedding, FUSED_KINDS): the
-runtime's own fused stage program (`abstract_stage(..., with_encoder=True)`, as the trainer builds LLM
+The colocated stage is measured too (kind colocated_embedding, COLOCATED_KINDS): the
+runtime's own colocated stage program (`abstract_stage(..., colocated=True)`, as the trainer builds LLM
 stage 0 of a layout without encoder stages) with no LLM layer, at each encoder bucket (tiles per shard)
 and a row of the smallest LLM bucket, at the tps dividing both models' heads. The cost provider takes
-the fused stage's encoder share from it (`costs/measured.py`), so a colocated plan is scored with the
+the colocated stage's encoder share from it (`costs/measured.py`), so a colocated plan is scored with the
 program that trains, not with a separately compiled encoder.
 """
 
@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, check_trainable
-from dflop_jax.profiling.programs import build_fused, build_part, per_device_bytes
+from dflop_jax.profiling.programs import build_colocated, build_part, per_device_bytes
 from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
-    FUSED_KINDS,
+    COLOCATED_KINDS,
     LAYER_KINDS,
     STAGE_KINDS,
     CostEntry,
@@ -72,9 +72,9 @@ CODE_PACKAGES = (
 
 def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
     """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices; a
-    fused kind runs both models at one tp (`runtime.model_stages.check_colocated`)."""
+    colocated kind runs both models at one tp (`runtime.model_stages.check_colocated`)."""
     text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
-    if kind in FUSED_KINDS:
+    if kind in COLOCATED_KINDS:
         heads = (model_cfg.vision.num_heads, *text)
     elif kind.startswith("encoder"):
         heads = (model_cfg.vision.num_heads,)
@@ -185,12 +185,12 @@ def profile_entry(
     model_cfg, kind, tp, bucket, layers, devices, settings, seed=0, trainable=TRAINABLE_PARTS
 ) -> CostEntry:
     """Compiles, analyses and times one table part under `trainable`; over-memory entries come back
-    skipped. A fused kind's row is the smallest LLM bucket (its llm_embedding entry is then measured,
+    skipped. A colocated kind's row is the smallest LLM bucket (its llm_embedding entry is then measured,
     not fitted, when the provider subtracts it)."""
     dtype = jnp.dtype(settings.compute_dtype)
-    if kind in FUSED_KINDS:
+    if kind in COLOCATED_KINDS:
         length = min(settings.llm_buckets)
-        prog = build_fused(model_cfg, tp, bucket, length, devices, dtype, trainable)
+        prog = build_colocated(model_cfg, tp, bucket, length, devices, dtype, trainable)
         return CostEntry(kind, tp, bucket, layers, length=length,
                          **measure_program(prog, settings, seed))  # fmt: skip
     prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype, trainable)
@@ -202,7 +202,7 @@ def _grid(
 ) -> list[tuple[str, int, int, int]]:
     grid = []
     for kind in settings.kinds:
-        tiles = kind.startswith("encoder") or kind in FUSED_KINDS
+        tiles = kind.startswith("encoder") or kind in COLOCATED_KINDS
         buckets = settings.encoder_buckets if tiles else settings.llm_buckets
         layer_counts = (1, 2) if kind in LAYER_KINDS else (0,)
         for tp in candidate_tps(model_cfg, kind, settings.tps, num_devices):

@@ -8,8 +8,9 @@ A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtim
             fp32 accumulator), or on the LLM head part `StageJits.last` (forward + loss + backward fused,
             as the last pipeline stage trains).
 Under a training recipe (`trainable`, costs/recipe.py) a part's programs are the ones it runs under
-that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and an input gradient iff
-a part before it in the model trains, `costs.recipe.stage_role`): a frozen part behind a trained one
+that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and the part's role,
+`costs.recipe.stage_role`: an input gradient iff a part before it in the model trains; the colocated
+stage's role is that of its one program of all three parts): a frozen part behind a trained one
 has a dx-only backward, a frozen part with nothing trained before it NO backward (`bwd` None: it runs
 forward only), a trained part with nothing trained before it computes no dx.
 This file only supplies the inputs: abstract ones to compile from and random real ones to time with,
@@ -22,8 +23,8 @@ The LLM embedding part places image features of F = max(1, S // (2 tokens_per_ti
 row as image tokens, a typical mix), through the exact feature taps when the model family packs them
 (LLaVA-OV, as `data.loader.pack_taps` does).
 
-The FUSED stage of a colocated encoder (`tile_bucket` given: `models.mllm.ColocatedStage`, built by
-`abstract_stage(..., with_encoder=True)` as the trainer builds it) takes per data shard T tiles and one
+The colocated stage (`tile_bucket` given: `models.mllm.ColocatedStage`, built by
+`abstract_stage(..., colocated=True)` as the trainer builds it) takes per data shard T tiles and one
 row of S tokens, packed `tiles_by_row` (row r's tiles in its own shard's slots); the row's second half
 places features of its own tiles (up to T tiles' worth), as the packer writes a colocated microbatch.
 """
@@ -121,7 +122,7 @@ def _microbatch(
     model_cfg, st, bucket: int, dp: int, features: int, tile_bucket: int | None
 ) -> dict[str, np.ndarray]:
     """An all-padding microbatch of the part's bucket on `dp` data shards, packed by the data layer
-    (its shapes, dtypes); an LLM part places `features` tiles' features; the fused stage
+    (its shapes, dtypes); an LLM part places `features` tiles' features; the colocated stage
     (`tile_bucket` T) packs T tiles per row's shard (`tiles_by_row`)."""
     from models.internvl import InternVLConfig
 
@@ -141,7 +142,7 @@ def _microbatch(
 
 def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_row: bool) -> None:
     """Random pixels and tokens, one sample per row, the second half of the row image features (of
-    the row's own tiles when `by_row`: the fused stage)."""
+    the row's own tiles when `by_row`: the colocated stage)."""
     vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
     tiles = batch["tiles"].shape[0] // rows if by_row else batch["tiles"].shape[0]
     n_features = tiles * model_cfg.tokens_per_tile
@@ -162,12 +163,12 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_
         batch["feature_weight"][...] = weights.reshape(rows, length, k)
 
 
-def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, fused: bool):
+def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool):
     """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first),
     global over `dp` data shards; the first LLM part's x is the `features` tiles' projected features
-    (none for the fused stage: it encodes its tiles itself)."""
+    (none for the colocated stage: it encodes its tiles itself)."""
     v, t = model_cfg.vision, model_cfg.text
-    if fused:
+    if colocated:
         return None
     if st.module == "encoder":
         hidden = (dp * bucket, v.seq_len, v.hidden_size)
@@ -187,11 +188,11 @@ def build_part(
     return build_program(model_cfg, st, tp, bucket, devices, compute_dtype, trainable)
 
 
-def build_fused(
+def build_colocated(
     model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype,
     trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> PartProgram:  # fmt: skip
-    """The fused colocated stage's programs with no LLM layer (table kind colocated_embedding: the
+    """The colocated stage's programs with no LLM layer (table kind colocated_embedding: the
     whole encoder + the LLM's embedding and feature placement, `ColocatedStage`) on a (1, tp) mesh
     at `tile_bucket` tiles and a `length`-token row. Nothing is compiled."""
     spec = StageSpec("llm", 0, 0, tp=tp, dp=1, has_embedding=True)
@@ -228,8 +229,8 @@ def stage_program(
     Args:
       feature_tiles: tiles whose features the first LLM stage of an MLLM receives (the whole
         microbatch's, gathered in its mesh); default half the row's tokens as image tokens.
-      tile_bucket: T: `spec` (the first LLM stage) is the FUSED stage of a colocated encoder, at T
-        tiles and `bucket` tokens per data shard (the trainer's `with_encoder` stage program).
+      tile_bucket: T: `spec` (the first LLM stage) is the colocated stage, at T
+        tiles and `bucket` tokens per data shard (the trainer's `colocated` stage program).
       trainable: the recipe's trained parts: the programs the stage runs under it (module docstring;
         its input needs a gradient iff a part before it trains, as `build_stages` decides per stage).
       residuals: the stage's residual policy, as `build_stages` applies it (a "layers" stage is
@@ -237,19 +238,19 @@ def stage_program(
     """
     model_cfg = stage_config(model_cfg, residuals)
     dp = mesh.shape["data"]
-    fused = tile_bucket is not None
-    if fused and not (spec.module == "llm" and spec.has_embedding):
+    colocated = tile_bucket is not None
+    if colocated and not (spec.module == "llm" and spec.has_embedding):
         raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
-    bp = abstract_stage(model_cfg, spec, mesh, with_encoder=fused)
+    bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated)
     mask = trained_mask(bp.state, trainable)
-    input_grad = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
-    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, input_grad, residuals)
+    role = stage_role(spec, trainable, is_multimodal(model_cfg), colocated=colocated)
+    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, role, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
     batch = _microbatch(model_cfg, spec, bucket, dp, features, tile_bucket)
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
-    x_shape = _x_shape(model_cfg, spec, bucket, dp, features, fused)
+    x_shape = _x_shape(model_cfg, spec, bucket, dp, features, colocated)
     x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
     if x_shape is not None:  # as the transfer delivers it: padded where the devices do not divide
         x_shape = (boundary_shape(x_shape[0], x_sharding), x_shape[1])
@@ -271,7 +272,7 @@ def stage_program(
         return jax.tree.map(leaf, bp.state)
 
     def make_inputs(rng: np.random.Generator):
-        _fill(batch, model_cfg, rng, fused)
+        _fill(batch, model_cfg, rng, colocated)
         side = {k: jax.device_put(batch[k], a.sharding) for k, a in side_abs.items()}
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 

@@ -6,7 +6,7 @@
 FLOPs are XLA's cost analysis (`compiled.cost_analysis()["flops"]`) of the programs the trainer runs,
 built by the profiler's builder (`programs.stage_program`, hence `runtime.stages.stage_jits`) from
 abstract arrays, summed over every bucket of the plan the stage runs (tile buckets on encoder stages,
-length buckets on LLM stages, every (tiles, length) pair on a colocated encoder's fused stage). XLA
+length buckets on LLM stages, every (tiles, length) pair on a colocated stage). XLA
 counts a loop's body once whatever its trip count, in the forward and in the backward alike, so the
 two figures compare. What each figure is, per stage kind:
   inner stage, saving policy ("all", "layers"): the forward that returns the residuals, and the
@@ -72,14 +72,14 @@ def stage_flops(
 ) -> list[dict]:
     """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
     (module docstring); `progress(phase, done, total)` after each bucket's programs compile."""
-    from dflop_jax.profiling.compile_check import _devices, fused_stage, stage_program_at
+    from dflop_jax.profiling.compile_check import _devices, colocated_stage_index, stage_program_at
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
-    fused = fused_stage(layout, model_cfg)
+    coloc = colocated_stage_index(layout, model_cfg)
     pairs = [
-        _stage_buckets(i == fused, spec.module, buckets) for i, spec in enumerate(layout.stages)
+        _stage_buckets(i == coloc, spec.module, buckets) for i, spec in enumerate(layout.stages)
     ]
     total, done = sum(map(len, pairs)), 0
     out = []
@@ -96,11 +96,11 @@ def stage_flops(
     return out
 
 
-def _stage_buckets(fused: bool, module: str, buckets: BucketSet) -> list[tuple[int, int]]:
+def _stage_buckets(colocated: bool, module: str, buckets: BucketSet) -> list[tuple[int, int]]:
     """The (tiles, length) buckets a stage runs: its tile buckets (encoder), its length buckets
-    (LLM), or every pair (the fused colocated stage)."""
+    (LLM), or every pair (the colocated stage)."""
     tiles, lengths = buckets.tiles, buckets.lengths
-    if fused:
+    if colocated:
         return [(t, n) for t in tiles for n in lengths]
     if module == "encoder":
         return [(t, lengths[-1]) for t in tiles]

@@ -11,8 +11,8 @@ from typing import Any
 
 from dflop_jax.contracts.cost_table import (
     ALL_KINDS,
+    COLOCATED_KINDS,
     ENCODER_KINDS,
-    FUSED_KINDS,
     LAYER_KINDS,
     LLM_KINDS,
     MEMORY_FIELDS,
@@ -48,8 +48,8 @@ def code_version(*packages: str) -> str:
 
 __all__ = [
     "ALL_KINDS",
+    "COLOCATED_KINDS",
     "ENCODER_KINDS",
-    "FUSED_KINDS",
     "LAYER_KINDS",
     "LLM_KINDS",
     "MEMORY_FIELDS",

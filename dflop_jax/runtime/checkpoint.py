@@ -73,15 +73,15 @@ def holds_encoder(params: PyTree) -> bool:
     return bool(flat) and all(key_name(path[0]) in COLOCATED_MODULES for path, _ in flat)
 
 
-def model_paths(path, spec: StageSpec, fused: bool = False) -> list[tuple[str, ...]]:
+def model_paths(path, spec: StageSpec, colocated: bool = False) -> list[tuple[str, ...]]:
     """A stage leaf's paths (module, *names) in the model-level tree, the stage's own first.
 
-    fused: the stage holds the colocated encoder; a leaf under a `COLOCATED_MODULES` key (wherever it sits,
-    e.g. inside an optimizer's moment tree) goes to that module without the key, the encoder's
-    layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
+    colocated: the stage holds the colocated encoder; a leaf under a `COLOCATED_MODULES` key
+    (wherever it sits, e.g. inside an optimizer's moment tree) goes to that module without the key,
+    the encoder's layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
     """
     names = [key_name(k) for k in path]
-    if not fused:
+    if not colocated:
         return [(spec.module, *_offset_layers(names, spec.first_layer))]
     part = next((i for i, n in enumerate(names) if n in COLOCATED_MODULES), None)
     if part is None:
@@ -115,10 +115,10 @@ def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[Py
     """The layout-independent tree {module: {"params": ..., "opt": ...}} of these stages' state."""
     tree: dict = {}
     for spec, p, o in zip(specs, params, opt_states):
-        fused = holds_encoder(p)
+        colocated = holds_encoder(p)
         for kind, sub in (("params", p), ("opt", o)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                for module, *names in model_paths(path, spec, fused):
+                for module, *names in model_paths(path, spec, colocated):
                     _insert(tree, (module, kind, *names), leaf)
     return tree
 
@@ -426,11 +426,11 @@ def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
 def _stage_trees(spec: StageSpec, params: PyTree, opt_state: PyTree, tree: dict):
     """Inverse of `model_tree` for one stage: (params, opt state) shaped like the templates."""
 
-    fused = holds_encoder(params)
+    colocated = holds_encoder(params)
 
     def pick(kind, template):
         def one(path, _):
-            module, *names = model_paths(path, spec, fused)[0]
+            module, *names = model_paths(path, spec, colocated)[0]
             return _lookup(tree, (module, kind, *names))
 
         return jax.tree_util.tree_map_with_path(one, template)

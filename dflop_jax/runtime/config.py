@@ -579,7 +579,7 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     require(all(m.num_heads % tp == 0 for tp in lay.llm_tp), "layout.llm_tp", lay.llm_tp, fix)
     if m.kind == "decoder":
         return
-    if lay.encoder_colocated:  # the fused stage runs both models at LLM stage 0's tp
+    if lay.encoder_colocated:  # the colocated stage runs both models at LLM stage 0's tp
         fix = f"with layout.encoder_colocated it must divide model.vision_num_heads={m.vision_num_heads} too"
         tp0 = lay.llm_tp[0]
         require(m.vision_num_heads % tp0 == 0, "layout.llm_tp", lay.llm_tp, fix)

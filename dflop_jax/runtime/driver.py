@@ -13,9 +13,10 @@ mostly compilation). Why not every op, from threads watching them finish: on XLA
 nothing (every op of a step was seen "ready" at the end of the dispatch loop: the watching threads
 wait for the GIL and CPU devices run programs on the host's cores), DESIGN section 5.
 
-Frozen stages (`StageProgram.has_backward` False: nothing trained, no input gradient; a prefix of the
-pipeline, e.g. a frozen vision encoder at its head) run forward only: their ops are forwards, nothing
-is kept for a backward, and no cotangent is sent to them. So that such a head does not run the whole
+Frozen stages (`StageProgram.has_backward` False: role "forward" by `costs.recipe.stage_role`,
+nothing trained and no input gradient; a prefix of the pipeline, e.g. a frozen vision encoder at its
+head) run forward only: their ops are forwards, nothing is kept for a backward, and no cotangent is
+sent to them. So that such a head does not run the whole
 batch ahead (its outputs wait on the next stage's mesh), its forward of microbatch m also waits for
 the next stage's forward of m - (P - s), the in-flight bound 1F1B gives stage s.
 
@@ -285,8 +286,10 @@ def placed_batch(stages: Sequence[StageProgram], batch):
 
 
 def _forward_only(stages: Sequence[StageProgram]) -> int:
-    """How many leading stages run forward only; raises unless they are a prefix (a stage behind a
-    trainable one must pass cotangents back) and each stage's input gradient agrees with it."""
+    """How many leading stages run forward only (their roles decide, `costs.recipe.stage_role`);
+    raises unless they are a prefix (a stage behind a trainable one must pass cotangents back) and
+    each stage's input gradient agrees with it: what `build_stages` makes from the roles, checked
+    here for stage lists built by hand."""
     backward = [s.has_backward for s in stages]
     k = backward.index(True) if True in backward else len(stages)
     wants = [s.has_x and i > k for i, s in enumerate(stages)]

@@ -4,7 +4,7 @@ Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MF
 real work / (step time x devices x peak FLOP/s), the peak being the run device's preset figure
 (`costs.devices`, `device.peak_flops` to override); padding ratio = 1 - real / computed per module (stage_padding_ratio:
 the same per stage, as every stage of a module runs its bucket shapes). A stage that runs the colocated
-encoder (FUSED, `stage_modules`) computes both: `stage_padding` reports its tiles and its tokens
+encoder (COLOCATED, `stage_modules`) computes both: `stage_padding` reports its tiles and its tokens
 separately (the tile bucket and the length bucket pad independently), and the console shows the tile
 padding beside the token padding of any run that encodes tiles. Steps that measured
 stage times (the scheduler's adaptive correction) add pred_raw_mape / pred_corrected_mape: the stage-time
@@ -53,9 +53,9 @@ class StepMetrics:
       step_time_s, tokens_per_s, samples_per_s, mfu: throughput (real tokens/samples; one MFU,
         `dflop_jax.costs.flops.mfu`).
       llm_padding_ratio, encoder_padding_ratio, stage_padding_ratio: padding per module / per stage
-        (stage_padding_ratio: of a stage's main work, the fused stage's tokens).
+        (stage_padding_ratio: of a stage's main work, the colocated stage's tokens).
       stage_padding: per stage, the padding of each thing it computes: {"tiles": r} (encoder stage),
-        {"tokens": r} (LLM stage), {"tiles": r, "tokens": r} (the fused stage of a colocated encoder).
+        {"tokens": r} (LLM stage), {"tiles": r, "tokens": r} (the colocated stage).
       tile_padding_ratio: the tile padding of a run whose stages encode tiles (console "tile
         padding"), None without an encoder.
       microbatches, loss_tokens, skipped: the global batch.
@@ -124,14 +124,14 @@ class StepMetrics:
 
 
 # `stage_modules` name of a stage that runs the colocated encoder and LLM layers in one program.
-FUSED = "encoder+llm"
+COLOCATED = "encoder+llm"
 
 
 def stage_modules(layout, multimodal: bool) -> list[str]:
-    """What each stage of `layout` computes: "encoder", "llm", or FUSED for LLM stage 0 of an MLLM
+    """What each stage of `layout` computes: "encoder", "llm", or COLOCATED for LLM stage 0 of an MLLM
     layout without encoder stages (the runtime's `model_stages.colocated`)."""
-    fused = multimodal and not layout.encoder_stages
-    return [FUSED if fused and i == 0 else s.module for i, s in enumerate(layout.stages)]
+    colocated = multimodal and not layout.encoder_stages
+    return [COLOCATED if colocated and i == 0 else s.module for i, s in enumerate(layout.stages)]
 
 
 def step_metrics(
@@ -146,11 +146,11 @@ def step_metrics(
     """The record of one step: `update` (loss, grad_norm, lr, step_time_s, mfu, compiles, recompiles,
     stage_times_measured), the batch's stats and schedule, and the scheduler's `prediction_error()`
     (`correction`; `observed_before`: its observation count before this step). `stage_modules`:
-    per stage "encoder", "llm" or FUSED (`stage_modules()`)."""
+    per stage "encoder", "llm" or COLOCATED (`stage_modules()`)."""
     st, schedule, time_s = batch.stats, batch.schedule, update["step_time_s"]
     tiles, tokens = st.encoder_padding_ratio, st.llm_padding_ratio
     pads = {"encoder": {"tiles": tiles}, "llm": {"tokens": tokens},
-            FUSED: {"tiles": tiles, "tokens": tokens}}  # fmt: skip
+            COLOCATED: {"tiles": tiles, "tokens": tokens}}  # fmt: skip
     encodes = any(m != "llm" for m in stage_modules)
     return StepMetrics(
         step=step,

@@ -33,7 +33,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
-                    (`models.mllm.ColocatedStage`, `with_encoder=True` below): tiles [l_dp*T, H, W, 3]
+                    (`models.mllm.ColocatedStage`, `colocated=True` below): tiles [l_dp*T, H, W, 3]
                     (row r's tiles in slots r*T ..., `MicrobatchPlan.tiles_by_row`),
                     tile_pool, tokens, feature_index, ... -> hidden [l_dp, S, D] (or the loss); no x.
                     Tiles and rows are both sharded over "data", and each row gathers only its own
@@ -54,6 +54,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.recipe import stage_role
 from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.runtime.stages import StageFns, StageProgram, check_residual_policy
 from dflop_jax.runtime.train_state import trained_mask
@@ -74,9 +75,9 @@ def is_multimodal(model_cfg) -> bool:
     return not isinstance(model_cfg, DecoderConfig)
 
 
-def stage_rules(model_cfg, spec: StageSpec, *, with_encoder: bool = False) -> Rules:
+def stage_rules(model_cfg, spec: StageSpec, *, colocated: bool = False) -> Rules:
     """The rules of a stage: its kind's table, replicating the axes whose sizes tp does not divide
-    (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage `with_encoder` replicates an
+    (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage `colocated` replicates an
     axis that either model's tp does not divide (both use one table: the same logical names)."""
     v = model_cfg.vision if is_multimodal(model_cfg) else None
     vision = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size) if v else {}
@@ -86,7 +87,7 @@ def stage_rules(model_cfg, spec: StageSpec, *, with_encoder: bool = False) -> Ru
     if spec.module == "encoder":
         kind, sizes = "vision", [vision]
     else:
-        kind, sizes = "decoder", [text, vision] if with_encoder else [text]
+        kind, sizes = "decoder", [text, vision] if colocated else [text]
     odd = {name for part in sizes for name, n in part.items() if n % spec.tp}
     return rules_for(kind, {name: None for name in odd})
 
@@ -98,7 +99,7 @@ def colocated(model_cfg, layout: Layout) -> bool:
 
 def check_colocated(model_cfg, layout: Layout) -> None:
     """Raises ValueError (with the reason) when the runtime cannot colocate the encoder as `layout`
-    asks: the fused stage runs both models at LLM stage 0's tp, which must divide both models'
+    asks: the colocated stage runs both models at LLM stage 0's tp, which must divide both models'
     attention heads (a head split across devices is not a tensor-parallel layout)."""
     stage = layout.llm_stages[0]
     own = layout.colocated_encoder_tp
@@ -118,22 +119,22 @@ def check_colocated(model_cfg, layout: Layout) -> None:
 
 
 def stage_fns(
-    graphdef, spec: StageSpec, rules: Rules, *, multimodal: bool, with_encoder: bool = False
+    graphdef, spec: StageSpec, rules: Rules, *, multimodal: bool, colocated: bool = False
 ) -> StageFns:
     """Pure functions of one stage module (`EncoderStage`, `LLMStage`, `DecoderStage` or, with
-    `with_encoder`, `ColocatedStage`).
+    `colocated`, `ColocatedStage`).
 
     Args:
       graphdef: the stage module's nnx graphdef (its params are the functions' `params`).
       spec: the stage (module, layers, embedding / head).
       rules: its logical->mesh rules (`stage_rules`).
       multimodal: an MLLM (the first LLM stage takes the encoder's features as x).
-      with_encoder: the first LLM stage also runs the encoder (tiles in, no x).
+      colocated: the first LLM stage also runs the encoder (tiles in, no x).
     """
     if spec.module == "encoder":
         return _encoder_fns(graphdef, spec, rules)
     features = multimodal and spec.has_embedding
-    return _llm_fns(graphdef, spec, rules, features=features, with_encoder=with_encoder)
+    return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated)
 
 
 def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
@@ -151,18 +152,18 @@ def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
 
 
 def _llm_fns(
-    graphdef, spec: StageSpec, rules: Rules, *, features: bool, with_encoder: bool
+    graphdef, spec: StageSpec, rules: Rules, *, features: bool, colocated: bool
 ) -> StageFns:
     side = ("segment_ids", "positions")
     if spec.has_embedding:
         side = ("tokens",) + (("feature_index",) if features else ()) + side
-    if with_encoder:
+    if colocated:
         side = ("tiles", "tile_pool") + side
 
     def hidden(params, x, s):
         with nnx.logical_axis_rules(rules):
             stage = nnx.merge(graphdef, params)
-            if with_encoder:
+            if colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:
                 x = stage.embed(s["tokens"], x, *_placement(s))
@@ -171,10 +172,10 @@ def _llm_fns(
             return stage, stage(x, s["segment_ids"], s["positions"])
 
     x_spec = (FEATURES_SPEC if features else None) if spec.has_embedding else P("data")
-    if with_encoder:
+    if colocated:
         x_spec = None
     # the features arrive split over the stage's devices and are gathered in-mesh (module docstring)
-    inner = P() if features and not with_encoder else None
+    inner = P() if features and not colocated else None
     optional = TAP_KEYS if features else ()
     if not spec.has_head:
         return StageFns(
@@ -224,13 +225,13 @@ class StageBlueprint:
 
 
 def stage_blueprint(
-    module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh, *, with_encoder: bool = False
+    module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False
 ) -> StageBlueprint:
-    """The blueprint of a stage module of `model_cfg` on `mesh` (`with_encoder`: a `ColocatedStage`)."""
-    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
+    """The blueprint of a stage module of `model_cfg` on `mesh` (`colocated`: a `ColocatedStage`)."""
+    rules = stage_rules(model_cfg, spec, colocated=colocated)
     graphdef, state = nnx.split(module)
     fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg),
-                    with_encoder=with_encoder)  # fmt: skip
+                    colocated=colocated)  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
 
 
@@ -240,25 +241,25 @@ def _flags(spec: StageSpec) -> dict:
 
 
 def stage_module(
-    model_cfg, spec: StageSpec, rngs: nnx.Rngs, *, with_encoder: bool = False
+    model_cfg, spec: StageSpec, rngs: nnx.Rngs, *, colocated: bool = False
 ) -> nnx.Module:
     """A fresh stage module of `spec` (`models.stages.stage_module`: random init keyed by global layer)."""
     from models.stages import stage_module as build
 
-    return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, with_encoder=with_encoder)
+    return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, colocated=colocated)
 
 
 def abstract_stage(
-    model_cfg, spec: StageSpec, mesh: Mesh, *, with_encoder: bool = False
+    model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False
 ) -> StageBlueprint:
     """The blueprint of a fresh stage module without allocating it: `state` holds ShapeDtypeStructs
     carrying their shardings (what the profiler compiles from, and a non-local stage's params)."""
-    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
+    rules = stage_rules(model_cfg, spec, colocated=colocated)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         module = nnx.eval_shape(
-            lambda: stage_module(model_cfg, spec, nnx.Rngs(0), with_encoder=with_encoder)
+            lambda: stage_module(model_cfg, spec, nnx.Rngs(0), colocated=colocated)
         )
-    bp = stage_blueprint(module, model_cfg, spec, mesh, with_encoder=with_encoder)
+    bp = stage_blueprint(module, model_cfg, spec, mesh, colocated=colocated)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), bp.state, bp.shardings
     )
@@ -272,7 +273,7 @@ def is_local(mesh: Mesh) -> bool:
 
 
 def init_stage(
-    model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource, *, with_encoder: bool = False
+    model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource, *, colocated: bool = False
 ) -> StageBlueprint:
     """The blueprint of a stage with its params created directly in their stage sharding.
 
@@ -282,31 +283,31 @@ def init_stage(
         each device's slice read on its own: `models.hf.load_stage`).
 
     A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
-    their shardings): nothing of it is compiled, read or allocated here. `with_encoder`: the stage
+    their shardings): nothing of it is compiled, read or allocated here. `colocated`: the stage
     also holds the whole encoder (`ColocatedStage`).
     """
     if not is_local(mesh):
-        return abstract_stage(model_cfg, spec, mesh, with_encoder=with_encoder)
-    rules = stage_rules(model_cfg, spec, with_encoder=with_encoder)
+        return abstract_stage(model_cfg, spec, mesh, colocated=colocated)
+    rules = stage_rules(model_cfg, spec, colocated=colocated)
     if isinstance(source, int):
         module = create_sharded(
-            lambda rngs: stage_module(model_cfg, spec, rngs, with_encoder=with_encoder),
+            lambda rngs: stage_module(model_cfg, spec, rngs, colocated=colocated),
             source,
             mesh,
             rules,
         )
     else:
-        module = _load_hf(source, model_cfg, spec, mesh, rules, with_encoder)
-    return stage_blueprint(module, model_cfg, spec, mesh, with_encoder=with_encoder)
+        module = _load_hf(source, model_cfg, spec, mesh, rules, colocated)
+    return stage_blueprint(module, model_cfg, spec, mesh, colocated=colocated)
 
 
-def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, with_encoder: bool):
+def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, colocated: bool):
     """The stage's tensors of an HF checkpoint; with the encoder, its stage and the LLM's, joined."""
     from models.hf import load_stage
     from models.mllm import ColocatedStage
 
     llm = load_stage(source, model_cfg, spec.module, **_flags(spec), mesh=mesh, rules=rules)
-    if not with_encoder:
+    if not colocated:
         return llm
     whole = dict(first_layer=0, num_layers=model_cfg.vision.num_layers, has_embedding=True,
                  has_head=True)  # fmt: skip
@@ -334,8 +335,8 @@ def build_stages(
       meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
-      trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, a stage
-        with nothing trained and nothing trained before it runs forward only (`runtime/stages.py`).
+      trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, and each
+        stage runs as its role says (`costs.recipe.stage_role`: trained, dx-only or forward-only).
       residuals: each stage's residual policy (`stages.RESIDUAL_POLICIES`; None: "recompute"
         everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
     """
@@ -348,13 +349,11 @@ def build_stages(
         raise ValueError(
             "a decoder-only model has no encoder: give a layout without encoder stages"
         )
-    fused = colocated(model_cfg, layout)
-    if fused:
+    coloc = colocated(model_cfg, layout)
+    if coloc:
         check_colocated(model_cfg, layout)
     blueprints = [
-        init_stage(
-            stage_config(model_cfg, policy), spec, mesh, source, with_encoder=fused and i == 0
-        )
+        init_stage(stage_config(model_cfg, policy), spec, mesh, source, colocated=coloc and i == 0)
         for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals))
     ]
     masks = [trained_mask(bp.state, trainable) for bp in blueprints]
@@ -364,6 +363,10 @@ def build_stages(
             f"optimizer.trainable={list(trainable)} trains no parameter of this model "
             "(a decoder-only model has only 'llm')"
         )
+    roles = [
+        stage_role(spec, trainable, is_multimodal(model_cfg), colocated=coloc and i == 0)
+        for i, spec in enumerate(layout.stages)
+    ]
     return [
         StageProgram(
             mesh,
@@ -371,10 +374,10 @@ def build_stages(
             bp.state,
             compute_dtype,
             trained=mask,
-            input_grad=any(trains[:i]),
+            role=role,
             residuals=policy,
         )  # fmt: skip
-        for i, (bp, mesh, mask, policy) in enumerate(zip(blueprints, meshes, masks, residuals))
+        for bp, mesh, mask, role, policy in zip(blueprints, meshes, masks, roles, residuals)
     ]
 
 

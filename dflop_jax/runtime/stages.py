@@ -25,13 +25,15 @@ driver holds each microbatch's residuals (`Held`) from its forward to its backwa
 fuses forward, loss and backward in one program under every policy.
 
 Frozen parameters (a training recipe's `optimizer.trainable`, e.g. LLaVA-OV stage 1 trains the
-projector only): `trained` marks the leaves that get gradients and `input_grad` says whether the stage
-input needs one (some earlier stage trains). The backward differentiates w.r.t. the trained leaves (and
-x only when `input_grad`), so a frozen leaf has no accumulator and no weight-gradient computation, and
-a stage with nothing trained behind a trainable one computes dL/dx only. A stage with nothing trained
-and no input gradient has NO backward program (`StageJits.backward` None, `has_backward` False): it
-runs forward only, keeps no input for a backward, and the driver leaves it out of the backward wave.
-Such stages form a prefix of the pipeline (a stage after a trainable one needs dL/dx).
+projector only): `trained` marks the leaves that get gradients, and the stage's `role`
+(`costs.recipe.stage_role`, the one place it is decided) says whether the stage input needs one (some
+earlier stage trains) and whether the stage has a backward at all. The backward differentiates w.r.t.
+the trained leaves (and x only when the role's `input_grad`), so a frozen leaf has no accumulator and
+no weight-gradient computation, and a stage with nothing trained behind a trainable one ("dx")
+computes dL/dx only. A "forward" stage (nothing trained, no input gradient) has NO backward program
+(`StageJits.backward` None, `has_backward` False): it runs forward only, keeps no input for a
+backward, and the driver leaves it out of the backward wave. Such stages form a prefix of the
+pipeline (a stage after a trainable one needs dL/dx).
 
 One data-parallel reduction per step: the backward programs run their body per data replica (a
 `shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
@@ -68,6 +70,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
@@ -274,7 +278,7 @@ def stage_jits(
     param_shardings: PyTree,
     compute_dtype,
     trained: PyTree | None = None,
-    input_grad: bool = True,
+    role: StageRole = ALL_TRAIN,
     residuals: str = "recompute",
 ) -> StageJits:
     """Jits the programs of a stage: the one place a stage program is made, for training and profiling.
@@ -286,13 +290,14 @@ def stage_jits(
       compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
       trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
         frozen (no accumulator, no weight gradient computed).
-      input_grad: whether the stage input x needs a gradient (some earlier stage trains).
+      role: the stage's role under the recipe (`costs.recipe.stage_role`): whether the stage input x
+        gets a gradient and whether there is a backward program.
       residuals: the residual policy (`RESIDUAL_POLICIES`); "all" and "layers" make the same
         programs (which residuals a stage has is its functions' layer remat, `build_stages`).
     """
     ps = param_shardings
     trained = all_trained(ps) if trained is None else trained
-    dx = input_grad and fns.x_spec is not None  # the backward returns dL/dx
+    dx = role.input_grad and fns.x_spec is not None  # the backward returns dL/dx
     xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
     gxs = xs if dx else None
     side_s = NamedSharding(mesh, P("data"))
@@ -300,6 +305,8 @@ def stage_jits(
     ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
     accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
     trains = bool(jax.tree.leaves(accs))
+    if trains and not role.has_backward:
+        raise ValueError(f"a stage of role {role} runs forward only but holds trained parameters")
     frozen = negate(trained)
     dp = mesh.shape["data"]
     # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
@@ -445,7 +452,9 @@ def stage_jits(
         gx, gacc = per_replica(body, specs, (gxl, P("data")))(params, kept, gy, gacc)
         return whole_gx(gx), gacc
 
-    saves = check_residual_policy(residuals) != "recompute" and fns.loss is None and (trains or dx)
+    saves = (
+        check_residual_policy(residuals) != "recompute" and fns.loss is None and role.has_backward
+    )
 
     def eval_loss(params, x, side, totals):
         loss_sum, count = apply(params, gather(x), side)
@@ -463,7 +472,7 @@ def stage_jits(
             out_shardings=(gxs, accs),
             donate_argnums=(4,),
         )
-        if trains or dx
+        if role.has_backward
         else None,
         last=jax.jit(
             last,
@@ -535,7 +544,8 @@ class StageProgram:
       params: fp32 parameters, already placed on `mesh` (each leaf a NamedSharding on it).
       compute_dtype: dtype of the stage's matmuls (bf16 by default in training, fp32 in parity tests).
       trained: bool per leaf of `params`, whether it is trained (None: all); see `stage_jits`.
-      input_grad: whether the stage input needs a gradient (some earlier stage trains).
+      role: the stage's role (`costs.recipe.stage_role`; default: everything trained); see
+        `stage_jits`.
       residuals: what a microbatch keeps for its backward (`RESIDUAL_POLICIES`; "layers" expects
         `fns` built with layer remat, as `build_stages` does).
     """
@@ -548,7 +558,7 @@ class StageProgram:
         compute_dtype=jnp.bfloat16,
         *,
         trained: PyTree | None = None,
-        input_grad: bool = True,
+        role: StageRole = ALL_TRAIN,
         residuals: str = "recompute",
     ):
         self.mesh = mesh
@@ -556,13 +566,14 @@ class StageProgram:
         self.params = params
         self.compute_dtype = compute_dtype
         self.trained = all_trained(params) if trained is None else trained
-        self.input_grad = input_grad and fns.x_spec is not None
+        self.role = role
+        self.input_grad = role.input_grad and fns.x_spec is not None
         self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
         self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
         self.jits = stage_jits(
-            mesh, fns, self.param_shardings, compute_dtype, trained, input_grad, residuals
+            mesh, fns, self.param_shardings, compute_dtype, trained, role, residuals
         )
         self._signatures: set[tuple] = set()
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
@@ -601,9 +612,9 @@ class StageProgram:
 
     @property
     def has_backward(self) -> bool:
-        """False for a stage that runs forward only (nothing trained, no input gradient); the last
-        stage's backward is fused into its forward (`forward_backward_loss`)."""
-        return self.is_last or self.jits.backward is not None
+        """False for a stage that runs forward only (its role's kind "forward"); the last stage's
+        backward is fused into its forward (`forward_backward_loss`)."""
+        return self.is_last or self.role.has_backward
 
     @property
     def signatures(self) -> frozenset[tuple]:

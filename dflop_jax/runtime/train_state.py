@@ -452,9 +452,11 @@ def tied_groups(specs: list[StageSpec], params: list[PyTree]) -> list[TiedGroup]
     """Leaves that several stages hold (same model-level path): one group per tied parameter."""
     where: dict[tuple, list] = {}
     for i, (spec, tree) in enumerate(zip(specs, params)):
-        fused = holds_encoder(tree)
+        colocated = holds_encoder(tree)
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where.setdefault(model_paths(path, spec, fused)[0], []).append((i, _leaf_names(path)))
+            where.setdefault(model_paths(path, spec, colocated)[0], []).append(
+                (i, _leaf_names(path))
+            )
     return [tuple(group) for group in where.values() if len(group) > 1]
 
 

@@ -1,15 +1,15 @@
-"""Is the fused colocated stage the sum the cost provider composes?
+"""Is the colocated stage the sum the cost provider composes?
 
-    python -m dflop_jax.bench fused [rounds=3] [runs=5] [statistic=median|min] [json_out=out.json]
+    python -m dflop_jax.bench colocated [rounds=3] [runs=5] [statistic=median|min] [json_out=out.json]
 
 A colocated encoder runs inside LLM stage 0's program (`models.mllm.ColocatedStage`). The profiler
-times that fused program with no LLM layer (table kind colocated_embedding), and the measured cost
+times that program with no LLM layer (table kind colocated_embedding), and the measured cost
 provider scores the stage as that entry's encoder share plus the LLM stage's own parts
 (`costs/measured.py`): share(T) = F_0(T, L0) - G_0(L0), stage = share(T) + G_n(S). This benchmark
 times, on 8 simulated CPU devices with the tiny arch, the runtime's own programs (the profiler's
 builder, `profiling.programs.stage_program`, which lowers to what the trainer runs):
 
-    F_n(T, S)  the fused stage with n LLM layers at T tiles and S tokens (what trains)
+    F_n(T, S)  the colocated stage with n LLM layers at T tiles and S tokens (what trains)
     F_0(T, S)  the same with no LLM layer (what the colocated_embedding entry times)
     G_n(S)     LLM stage 0 without the encoder (T tiles' features handed in), G_0(S) its embedding
 
@@ -38,14 +38,14 @@ LENGTHS = (128, 512)  # LENGTHS[0] plays the profiler's smallest LLM bucket (the
 LAYERS = 2
 
 COMMAND = command(
-    "fused",
+    "colocated",
     __doc__.split("\n\n")[0],
-    "python -m dflop_jax.bench fused rounds=1 runs=1",
+    "python -m dflop_jax.bench colocated rounds=1 runs=1",
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedBenchConfig:
+class ColocatedBenchConfig:
     """How each program is timed and where the rows go.
 
     Attributes:
@@ -81,7 +81,7 @@ def _programs(model_cfg, devices, dtype):
                                                        tile_bucket=t)  # fmt: skip
         for n, fam in ((LAYERS, "G_n"), (0, "G_0")):
             spec = StageSpec("llm", 0, n, tp=tp, has_embedding=True)
-            for t in TILES:  # the features of the fused stage's T tiles, handed in
+            for t in TILES:  # the features of the colocated stage's T tiles, handed in
                 for s in LENGTHS:
                     out[fam, tp, t, s] = stage_program(model_cfg, spec, mesh, s, dtype, t)
     return out
@@ -140,27 +140,27 @@ def compare(times: dict) -> list[dict]:
     for tp in sorted({k[1] for k in times}):
         for t in TILES:
             for s in LENGTHS:
-                fused = med["F_n", tp, t, s]
+                colocated = med["F_n", tp, t, s]
                 composed = med["F_0", tp, t, s] - med["G_0", tp, t, s] + med["G_n", tp, t, s]
                 provider = med["F_0", tp, t, s0] - med["G_0", tp, t, s0] + med["G_n", tp, t, s]
                 keys = [(f, tp, t, x) for f in ("F_n", "F_0", "G_0", "G_n") for x in {s, s0}]
-                rows.append(dict(tp=tp, tiles=t, length=s, fused_s=fused, composed_s=composed,
-                                 provider_s=provider, composed_err=composed / fused - 1,
-                                 provider_err=provider / fused - 1,
+                rows.append(dict(tp=tp, tiles=t, length=s, colocated_s=colocated, composed_s=composed,
+                                 provider_s=provider, composed_err=composed / colocated - 1,
+                                 provider_err=provider / colocated - 1,
                                  noise=max(spread[k] for k in keys)))  # fmt: skip
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, _ = load(COMMAND, FusedBenchConfig, argv)
+    cfg, _ = load(COMMAND, ColocatedBenchConfig, argv)
     from dflop_jax.host_devices import simulate_cpu_devices
 
     simulate_cpu_devices(8)  # before jax starts its backend
     rows = compare(measure(cfg.rounds, cfg.runs, cfg.statistic))
-    print(f"{'tp':>2} {'T':>2} {'S':>4} {'fused ms':>9} {'composed':>9} {'err':>7} "
+    print(f"{'tp':>2} {'T':>2} {'S':>4} {'coloc ms':>9} {'composed':>9} {'err':>7} "
           f"{'provider':>9} {'err':>7} {'noise':>6}")  # fmt: skip
     for r in rows:
-        print(f"{r['tp']:>2} {r['tiles']:>2} {r['length']:>4} {1e3 * r['fused_s']:9.2f} "
+        print(f"{r['tp']:>2} {r['tiles']:>2} {r['length']:>4} {1e3 * r['colocated_s']:9.2f} "
               f"{1e3 * r['composed_s']:9.2f} {r['composed_err']:+7.1%} "
               f"{1e3 * r['provider_s']:9.2f} {r['provider_err']:+7.1%} {r['noise']:6.1%}")  # fmt: skip
     if cfg.json_out:
