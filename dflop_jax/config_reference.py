@@ -1,7 +1,7 @@
 """`docs/config.md`: every key of the run config with its type, default and meaning, from the dataclasses.
 
 The schema's dataclasses are the one source: types and defaults come from their fields, meanings from
-the `Attributes:` section of each class's docstring. `tests/test_config_reference.py` fails when the
+the `Attributes:` section of each class's docstring. `tests/cli/test_config_reference.py` fails when the
 file is stale. Regenerate with:
 
     python -m dflop_jax.config_reference out=docs/config.md

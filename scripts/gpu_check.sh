@@ -123,7 +123,7 @@ echo "gpu_check: dry=$DRY deadline=${DEADLINE}s work=$WORK python=$PY $(date -u 
 step preflight 30 90 $PY scripts/gpu_check.py preflight --out "$WORK/preflight.json" --matmul $MATMUL
 summarize
 # Only the files holding gpu-marked tests: collecting the whole suite costs more than it checks.
-GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+GPU_TESTS=$(grep -rl --include="test_*.py" "pytest.mark.gpu" tests | tr '\n' ' ')
 step pytest_gpu 30 $PYTEST_T $PY -m pytest -q -p no:cacheprovider -p no:xdist -m gpu -rA $GPU_TESTS
 keep "$WORK/pytest_gpu.out" pytest_gpu.log
 summarize

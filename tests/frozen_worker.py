@@ -1,8 +1,8 @@
-"""One process of the multi-process recipe test (tests/test_runtime_multiprocess_frozen.py).
+"""One process of the multi-process recipe test (tests/multiprocess/test_runtime_multiprocess_frozen.py).
 
     python tests/frozen_worker.py <processes> <rank> <host:port> <out dir> <recipe>...
 
-The tiny LLaVA-OV of tests/test_runtime_frozen.py over its 2 encoder + 2 LLM stage layout (8 devices,
+The tiny LLaVA-OV of tests/runtime/test_runtime_frozen.py over its 2 encoder + 2 LLM stage layout (8 devices,
 4 per process: the encoder stages on process 0, the LLM stages on process 1), one pipelined step per
 recipe (`test_runtime_frozen.RECIPES`) with the same microbatches and optimizer. Each process writes
 `<out>/<recipe>_rank<rank>.npz`: the step's loss and global gradient norm (read on every process) and
@@ -13,7 +13,7 @@ the initial and the updated params of its own stages under their model-level pat
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent / d) for d in ("", "runtime")]
 
 from dflop_jax.host_devices import simulate_cpu_devices  # noqa: E402  (before jax starts)
 

@@ -10,7 +10,7 @@ dp 3), the same samples and float32 compute:
   on    `optimizer.zero1=true` (the default): AdamW moments (and the reduced gradient) sharded over dp.
 Both arms accumulate each data replica's gradient unreduced and reduce once per step (that part has no
 switch: the compiled-HLO evidence, no data-axis all-reduce in a microbatch's backward and one in the
-step's reduce, is `tests/test_runtime_zero1.py`'s).
+step's reduce, is `tests/runtime/test_runtime_zero1.py`'s).
 
 Reported per arm: the state each stage holds per device after training (fp32 params, AdamW state, the
 per-replica gradient accumulator `runtime.stages.accumulator_structs` allocates every step), the host's

@@ -4,7 +4,7 @@
 
 Settings are config keys (`key.sub=value`, typed and checked by the command's config dataclass); flags
 only pick a mode (`--check`, `--dry-run`, `--json`, `--list`, `--help`). Every `--help` ends with an
-example that works (`tests/test_cli_examples.py` runs each).
+example that works (`tests/cli/test_cli_examples.py` runs each).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ the compute dtype and that gradient's fp32 form (`weight_transient_bytes`: 8 B a
 
 Residuals per token per layer, calibrated against `jax.ad_checkpoint.print_saved_residuals` of the
 runtime's layers (models/decoder.py: RMSNorm with f32 statistics, f32 RoPE tables, SwiGLU;
-tests/test_costs_memory.py re-derives it from a hand-written layer). `cb` = compute bytes, no
+tests/costs/test_costs_memory.py re-derives it from a hand-written layer). `cb` = compute bytes, no
 sequence parallelism:
 - LLM RMSNorm: its f32 input and f32 normalized value, and the cb-byte cast and scaled output:
   (8 + 2 cb) * D each (replicated over tp);
@@ -63,7 +63,7 @@ XLA:CPU has no bf16 dot: it rounds the weights to bf16 and converts them back to
 layer loop's dots (the backward's transposed ones included) read is an f32 stack of every layer's
 weights (`convert(convert(concatenate))`, f32[L, ...] in the buffer assignment) plus one layer's f32
 slice in the loop body: `dot_bytes=CPU_DOT_BYTES` (4), measured 4.0 B per frozen layer parameter on a
-dx-only Qwen2.5-7B-width stage at tp 1 (4.1 at tp 4; tests/test_profiling_compile_check.py,
+dx-only Qwen2.5-7B-width stage at tp 1 (4.1 at tp 4; tests/profiling/test_profiling_compile_check.py,
 docs/benchmarks.md). The LM head's copy stays in the compute dtype on CPU too, and a frozen token
 embedding read only by its gather holds no copy at all (measured on CPU: the gather converts the rows
 it reads). The trained parameters' 8 B above are not split by backend (XLA:CPU measures ~6 B per layer

@@ -18,7 +18,7 @@ from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, name, **over):

@@ -21,7 +21,7 @@ from models_fixtures import save_tiny_llava_ov
 from dflop_jax.data.tokenizer import ASSET
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUM_RECORDS = 20
 
 

@@ -257,7 +257,7 @@ AUTO = ["plan=auto", "steps=2", "global_batch=8", "data.synth_samples=48", "chec
 def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     """`plan: auto` on the demo model: the planner's layout has the encoder colocated, and the trainer
     trains it as planned (the loader packs each sample's tiles on its row's shard)."""
-    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}",
             "compilation_cache="]  # fmt: skip
     report = run(load_config(TrainConfig, demo, AUTO + over))
@@ -284,7 +284,7 @@ EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_la
 
 
 def _demo_cfg(tmp_path, *extra):
-    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}",
             "compilation_cache="]  # fmt: skip
     return load_config(TrainConfig, demo, [*EXPLICIT, *over, *extra])

@@ -11,7 +11,7 @@ from multiprocess_launch import own_devices_env
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # config stem -> (kind, decoder hidden size, decoder layers, vision layers)
 SHIPPED = {
     "llava_ov_0.5b": ("llava_ov", 896, 24, 26),

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from multiprocess_launch import own_devices_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHEAP = [
     "data.synth_samples=48",
     "global_batch=4",

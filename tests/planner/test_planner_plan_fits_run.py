@@ -62,7 +62,7 @@ def test_train_refuses_a_plan_cli_plan_for_other_devices_in_one_line(tmp_path):
 
     from dflop_jax import plan as plan_cli
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     config = ["--config", str(root / "configs" / "plan_tiny_cpu.yaml"), "planner.samples=1",
               f"data.synth_dir={tmp_path / 'synth'}", "data.synth_samples=16"]  # fmt: skip
     made = tmp_path / "made"

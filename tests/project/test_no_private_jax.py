@@ -5,7 +5,7 @@ private modules move without notice. Public replacements: `jax.experimental.mult
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # `jax._src...` in any form (import, attribute, string for importlib) and `from jax import _src`.
 PRIVATE = re.compile(r"\bjax\s*\.\s*_src\b|\bfrom\s+jax\s+import\s+[^\n]*\b_src\b|[\"']jax\._src")
 

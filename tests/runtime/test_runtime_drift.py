@@ -129,7 +129,7 @@ def test_a_drifting_mix_replans_once_after_the_switch_and_says_why(tmp_path):
     from dflop_jax.config import load_config
     from dflop_jax.runtime.config import TrainConfig
 
-    demo = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
     over = [f"data.source={_curriculum(tmp_path)}", f"run_dir={tmp_path / 'run'}",
             f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
     cfg = load_config(TrainConfig, demo, DRIFTING + over)

@@ -10,7 +10,7 @@ from dflop_jax.config import load_config
 from dflop_jax.data import Processor, load_source
 from dflop_jax.runtime.config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "your_data"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflop_jax.config import load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 def _root_for(command: str):

@@ -15,7 +15,7 @@ from dflop_jax.runtime.trainer import prepare_run_dir, train
 from dflop_jax.train_plan import abstract_model_config, resolve_plan
 from models.stages import with_attention
 
-DEMO = Path(__file__).parents[1] / "configs" / "demo.yaml"
+DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 LAYOUT = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
           "layout.encoder_dp=2", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=2",
           "layout.tiles=[8]", "layout.lengths=[512]", "layout.microbatches=[2, 3]",

@@ -10,7 +10,7 @@ from dflop_jax.config import ConfigError, load_config
 from dflop_jax.costs import DEVICE_PRESETS, DeviceConfig, preset_for_kind
 from dflop_jax.costs.devices import MANUAL_KEYS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

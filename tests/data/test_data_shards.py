@@ -335,7 +335,7 @@ def test_three_formats_train_to_the_same_losses(tmp_path):
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.train import run
 
-    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
     formats = three_formats(tmp_path / "data", samples=32, tile=56)
     losses = {}
     for name, (source, root) in formats.items():

@@ -15,7 +15,7 @@ import pytest
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_entry(module: str, *args: str) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 tiny LLaVA-OV (tests/frozen_worker.py: encoder stages on process 0, LLM stages on process 1) under
 the projector-only recipe; the loss, the global gradient norm and every updated
 parameter equal one single-device step of the unsplit model with `stop_gradient` on the frozen parts
-(tests/test_runtime_frozen.py's reference, float32), and the frozen parameters come out bit-identical.
+(tests/runtime/test_runtime_frozen.py's reference, float32), and the frozen parameters come out bit-identical.
 
 What crosses processes here and nowhere else: projector-only, the frozen LLM on process 1 runs a
 dx-only backward whose dL/dx goes back to the projector's stage on process 0, and only process 0's
@@ -30,7 +30,7 @@ def _flat(tree) -> dict:
 
 
 # Projector-only alone: it is the recipe whose dx-only backward (the frozen LLM) crosses processes; the
-# vision-frozen step differs only inside a process (tests/test_runtime_frozen.py) and would double the
+# vision-frozen step differs only inside a process (tests/runtime/test_runtime_frozen.py) and would double the
 # launch's compile time.
 RECIPES = ("projector_only",)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from dflop_jax.config_reference import attribute_docs, render, root_configs
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def test_attribute_docs_parse_google_style_entries():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["preflight", "pytest_gpu", "demo", "bench_stage", "bench_attention", "bench_host",
          "bench_profiler", "bench_colocated"]  # fmt: skip

@@ -344,7 +344,7 @@ STAGE1 = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1
 
 def _stage1(tmp_path, name, steps):
     """configs/llava_ov_stage1.yaml (projector only) on an explicit 2 encoder + 2 LLM stage layout."""
-    cfg = Path(__file__).parents[1] / "configs" / "llava_ov_stage1.yaml"
+    cfg = Path(__file__).parents[2] / "configs" / "llava_ov_stage1.yaml"
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
             "compilation_cache=", f"steps={steps}"]  # fmt: skip
     return load_config(TrainConfig, cfg, [*STAGE1, *over])
@@ -385,7 +385,7 @@ def demo_stage1_exports(tmp_path_factory):
     from dflop_jax.export import main as export
 
     tmp = tmp_path_factory.mktemp("demo_stage1")
-    cfg = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    cfg = Path(__file__).parents[2] / "configs" / "demo.yaml"
     over = [f"data.synth_dir={tmp / 'synth'}", f"run_dir={tmp / 'run'}",
             "compilation_cache="]  # fmt: skip
     run(load_config(TrainConfig, cfg, [*DEMO_STAGE1, *over]))

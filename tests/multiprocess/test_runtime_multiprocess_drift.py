@@ -1,4 +1,4 @@
-"""The drifting-mix re-plan (`tests/test_runtime_drift.py`) in 2 jax processes x 2 CPU devices: the
+"""The drifting-mix re-plan (`tests/runtime/test_runtime_drift.py`) in 2 jax processes x 2 CPU devices: the
 LLM stage spans both processes before the re-plan. Both processes take the same decision at the same
 checkpoint (each measures on its own; the planner is deterministic): both finish, and each
 process's checkpoint after the re-plan records the new layout."""

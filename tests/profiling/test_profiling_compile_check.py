@@ -150,7 +150,7 @@ def test_train_dry_run_compiles_every_stage_of_the_run(tmp_path, capsys):
     report = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())
     stages = report["layout"]
     assert len(stages) == 4  # the default explicit layout: 2 encoder + 2 LLM stages
-    boundaries = report["transfers"]  # values: tests/test_runtime_transfer_bytes.py
+    boundaries = report["transfers"]  # values: tests/runtime/test_runtime_transfer_bytes.py
     assert [t["stage"] for t in boundaries] == [0, 1, 2]
     assert all(t["forward_bytes"] > 0 and t["backward_bytes"] > 0 for t in boundaries)
     for s in stages:

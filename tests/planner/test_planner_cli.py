@@ -14,7 +14,7 @@ from dflop_jax.planner.replay import read_samples_jsonl, replay
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.scheduler import llava_ov_mix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLAN_CONFIGS = ["plan_llava_ov_7b_h100x64.yaml", "internvl_h100x32.yaml", "plan_tiny_cpu.yaml",
                 "llava_ov_7b_h100x64.yaml"]  # fmt: skip
 TINY = ["model=tiny", "device=cpu", "num_devices=4", "profile.data_source=llava-ov",

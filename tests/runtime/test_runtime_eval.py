@@ -36,7 +36,7 @@ from dflop_jax.train import run
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_split_is_deterministic_disjoint_and_keyed_by_id():
