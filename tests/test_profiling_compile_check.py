@@ -266,6 +266,22 @@ def test_all_residuals_check_agrees_with_the_memory_model(saving_checks, stage):
     assert abs(checks[stage].total / predicted[stage] - 1) <= DISAGREE
 
 
+def test_dry_run_predicts_saving_stages_with_the_analytic_model():
+    """A cost table prices recomputing stages only: under a saving policy the dry run's prediction
+    comes from the analytic memory model (the one that picked the policies); otherwise the plan's."""
+    from dflop_jax.planner.resolve import ResolvedPlan
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train_plan import _memory_provider
+
+    cfg, table = TrainConfig(), object()  # a measured provider: anything not analytic
+    resolved = ResolvedPlan(SAVING_LAYOUT, SAVING_BUCKETS, (1, MAX_M), table)
+    assert _memory_provider(cfg, CFG, resolved) is table  # no policy: "recompute"
+    recompute = dataclasses.replace(resolved, residuals=("recompute",) * 3)
+    assert _memory_provider(cfg, CFG, recompute) is table
+    saving = dataclasses.replace(resolved, residuals=("all", "layers", "recompute"))
+    assert isinstance(_memory_provider(cfg, CFG, saving), AnalyticCostProvider)
+
+
 @pytest.mark.slow
 def test_encoder_transient_per_tile_matches_the_memory_model():
     """SigLIP-400M widths (729-token tiles, 16 heads), 2 layers under remat, one device: the compiled
