@@ -245,11 +245,15 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     resolved = resolve_plan(cfg, model_cfg)
     lay = resolved.layout
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
-    predicted = [m.total() for m in layout_memory(resolved.provider, lay, resolved.buckets, counts)]
+    policies = resolved.residuals  # both memory figures describe the programs the run trains
+    provider = _memory_provider(cfg, model_cfg, resolved)
+    memory = layout_memory(provider, lay, resolved.buckets, counts, residuals=policies)
+    predicted = [m.total() for m in memory]
     dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
     with progress_bar(lines=True) as progress:  # each compile takes minutes at real sizes
         checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
-                              compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
+                              compute_dtype=dtype, trainable=trainable, progress=progress,
+                              residuals=policies)  # fmt: skip
         flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals,
                             compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
     stages = [
@@ -261,6 +265,18 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))
     return stages
+
+
+def _memory_provider(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan):
+    """The provider that predicts the dry run's stage memory: the plan's, unless a stage saves its
+    residuals and the plan's provider (a measured cost table) prices "recompute" only; then the
+    analytic memory model, as `stage_residuals` picks the policies with."""
+    saving = any(r != "recompute" for r in resolved.residuals or ())
+    if not saving or isinstance(resolved.provider, AnalyticCostProvider):
+        return resolved.provider
+    log.warning("the cost table prices recomputing stages only: the analytic memory model "
+                "predicts the stages under residual policies %s", list(resolved.residuals))  # fmt: skip
+    return analytic_provider(cfg, model_cfg)
 
 
 def abstract_model_config(cfg: TrainConfig):

@@ -42,9 +42,12 @@ class StageCheck:
       parts: the programs compiled ("llm", or "encoder" then "llm" for a colocated encoder).
       program_bytes: per part, `memory_analysis()` arguments + outputs - aliased + temporaries.
       params, grads, optimizer: fp32 master weights, gradient accumulator, AdamW m + v.
-      inputs: stage inputs of the `in_flight` microbatches alive under 1F1B.
+      inputs: stage inputs of the `in_flight` microbatches alive under 1F1B (under a saving residual
+        policy one microbatch's: the others keep their residuals instead).
       transient: the largest part's temporaries, incoming dy and outgoing dx.
       compile_s: seconds to lower and compile the parts.
+      residuals: under a saving residual policy ("all", "layers"), the residuals the `in_flight`
+        microbatches keep from their forward to their backward (0 under "recompute").
     """
 
     stage: int
@@ -57,14 +60,15 @@ class StageCheck:
     transient: float
     in_flight: int
     compile_s: float
+    residuals: float = 0.0
 
     @property
     def total(self) -> float:
         """Peak bytes per device the runtime holds for the stage."""
-        return self.params + self.grads + self.optimizer + self.inputs + self.transient
+        return sum(getattr(self, k) for k in _CHECK_TERMS)
 
 
-_CHECK_TERMS = ("params", "grads", "optimizer", "inputs", "transient")
+_CHECK_TERMS = ("params", "grads", "optimizer", "inputs", "residuals", "transient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +239,8 @@ def _check_from_dict(i: int, s: dict[str, Any]) -> StageCheck:
         stage=i,
         parts=tuple(str(p) for p in c["parts"]),
         program_bytes=tuple(float(b) for b in c["program_bytes"]),
-        **{k: float(c[k]) for k in _CHECK_TERMS},
+        # a recompute check may have been written before it had a residual term: it held none
+        **{k: float(c.get(k, 0.0) if k == "residuals" else c[k]) for k in _CHECK_TERMS},
         in_flight=int(c["in_flight"]),
         compile_s=float(s["compile_s"]),
     )

@@ -17,11 +17,21 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
               padded where no axis divides: `runtime.zero1.zero1_layout`)
   inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps
               min(P - stage, M) of them until their backward (recompute-in-backward: nothing else)
+  residuals   0 under "recompute"; under a saving policy ("all", "layers") the residuals each
+              in-flight microbatch keeps from its forward to its backward (`runtime.stages.Held`)
   transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
               recomputed forward, the cast weights, XLA workspace), the incoming gradient dy and the
               outgoing dx.
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
 program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
+
+Under each stage's residual policy (`residuals=`, `runtime.stages.RESIDUAL_POLICIES`; default
+"recompute" everywhere) an inner stage under "all" / "layers" trains with two programs, the forward
+that returns its residuals (`forward_residuals`) and the backward from them (`backward_residuals`):
+both are compiled, the residuals per microbatch are the forward's outputs but y, and the driver keeps
+those INSTEAD of the stage input (it drops x and the side arrays once the forward has run), so
+`total = params + grads + optimizer + inputs (one microbatch's, the forward's) + in_flight x
+residuals + the larger transient of the two programs`.
 
 Under the plan's training recipe (`planner.trainable`, costs/recipe.py) each stage compiles the
 programs it runs under it (`stage_program(..., trainable=)`, as `runtime.model_stages.build_stages`
@@ -71,10 +81,15 @@ class PartCheck:
     inputs: float
     transient: float
     compile_s: float
+    residuals: float = 0.0  # per microbatch, kept for the backward by a saving policy's forward
 
 
 def check_plan(
-    plan: Plan, model_cfg, devices: Sequence[jax.Device] | None = None, compute_dtype=jnp.bfloat16
+    plan: Plan,
+    model_cfg,
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=jnp.bfloat16,
+    residuals: Sequence[str] | None = None,
 ) -> list[StageCheck]:
     """Compiles every stage program of `plan` for `model_cfg` (its remat policy included).
 
@@ -84,6 +99,7 @@ def check_plan(
       devices: default: `jax.devices()`, or the CPU devices when there are fewer accelerators than
         the layout needs (simulate them with `host_devices.simulate_cpu_devices` before JAX starts).
       compute_dtype: the stage programs' compute dtype.
+      residuals: each stage's residual policy (None: "recompute" everywhere).
 
     Returns:
       one `StageCheck` per stage in layout order.
@@ -91,7 +107,7 @@ def check_plan(
     counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
     trainable = tuple(plan.planner_config.get("trainable", TRAINABLE_PARTS))
     return check_layout(plan.layout, plan.buckets, counts, plan.stage_memory_bytes, model_cfg,
-                        devices, compute_dtype, trainable)  # fmt: skip
+                        devices, compute_dtype, trainable, residuals=residuals)  # fmt: skip
 
 
 def check_layout(
@@ -104,18 +120,19 @@ def check_layout(
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
     progress: Callable[[str, int, int], None] = lambda *_: None,
+    residuals: Sequence[str] | None = None,
 ) -> list[StageCheck]:
     """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
     and predicted bytes (a warning names the stages more than `DISAGREE` apart), under the recipe
-    `trainable`. `progress(phase, done, total)` after each stage's compile (minutes each at real
-    sizes)."""
+    `trainable` and each stage's residual policy `residuals` (None: "recompute" everywhere).
+    `progress(phase, done, total)` after each stage's compile (minutes each at real sizes)."""
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
     out = []
     for i, (part, prog) in enumerate(
-        stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable)
+        stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable, residuals)
     ):
         held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
         out.append(_stage_check(i, [compile_part(part, prog)], held))
@@ -131,14 +148,18 @@ def stage_programs(
     meshes: Sequence[jax.sharding.Mesh],
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
+    residuals: Sequence[str] | None = None,
 ) -> list[tuple[str, PartProgram]]:
     """(part, programs) of each stage of `layout` on its mesh, at the largest of `buckets`, as the
-    runtime builds them (the colocated stage as one "encoder+llm" program). Nothing is
-    compiled."""
+    runtime builds them (the colocated stage as one "encoder+llm" program) under each stage's
+    residual policy (None: "recompute" everywhere). Nothing is compiled."""
     tiles, length = buckets.tiles[-1], buckets.lengths[-1]
+    policies = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
+    if len(policies) != layout.num_stages:
+        raise ValueError(f"residuals has {len(policies)} entries for {layout.num_stages} stages")
     return [
-        stage_program_at(layout, i, model_cfg, mesh, tiles, length, compute_dtype, trainable)
-        for i, mesh in enumerate(meshes)
+        stage_program_at(layout, i, model_cfg, mesh, tiles, length, compute_dtype, trainable, r)
+        for i, (mesh, r) in enumerate(zip(meshes, policies))
     ]
 
 
@@ -227,7 +248,10 @@ def _devices(needed: int) -> list[jax.Device]:
 
 def compile_part(part: str, prog: PartProgram) -> PartCheck:
     """Compiles the training program of `prog` (backward, or the fused last step; the forward of a
-    stage that runs forward only) and splits its `memory_analysis()` into the terms above."""
+    stage that runs forward only; under a saving residual policy the forward with residuals and the
+    backward from them) and splits its `memory_analysis()` into the terms above."""
+    if prog.jits is not None and prog.jits.forward_residuals is not None:
+        return _compile_saving(part, prog)
     t0 = time.perf_counter()
     with jax.set_mesh(prog.mesh):
         if prog.bwd is None:
@@ -238,12 +262,54 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
             ).compile()
     seconds = time.perf_counter() - t0
     total = program_bytes(compiled)
+    params, grads, optimizer, inputs = _state_and_inputs(prog)
+    transient = total - params - grads - inputs
+    return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds)
+
+
+def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
+    """`compile_part` of an inner stage under a saving residual policy: its forward that returns the
+    residuals and its backward from them, as `runtime.stages.StageProgram.forward_train` and
+    `backward_from` run them. `program_bytes` is the larger program's."""
+    t0 = time.perf_counter()
+    fwd, bwd = compile_residual_programs(prog)
+    seconds = time.perf_counter() - t0
+    params, grads, optimizer, inputs = _state_and_inputs(prog)
+    # The driver holds every residual the forward returns until the backward runs (`Held`): the
+    # compiled forward's outputs but y (an inner stage's seed dL/dy has y's struct), per device as
+    # XLA places them. Not the backward's arguments: jit drops those its program does not read
+    # (a few % fewer bytes on the tiny LLM stages), and `eval_shape`'s residual structs carry no
+    # sharding to count them per device.
+    residuals = fwd.memory_analysis().output_size_in_bytes - per_device_bytes(prog.seed_abs)
+    forward = program_bytes(fwd) - params - inputs - residuals  # y and temporaries
+    backward = program_bytes(bwd) - params - grads - residuals  # dy, dx and temporaries
+    return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,
+                     inputs, max(forward, backward), seconds, residuals)  # fmt: skip
+
+
+def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+    """(forward_residuals, backward_residuals) of a saving stage's `prog`, compiled: the backward at
+    the residuals' structs `jax.eval_shape` gives and the forward inputs' `signature`, as
+    `runtime.stages.StageProgram.backward_from` calls it."""
+    from dflop_jax.runtime.stages import signature
+
+    jits, args = prog.jits, (prog.params_abs, prog.x_abs, prog.side_abs)
+    with jax.set_mesh(prog.mesh):
+        fwd = jits.forward_residuals.lower(*args).compile()
+        _, kept = jax.eval_shape(jits.forward_residuals, *args)
+        sig = signature(prog.x_abs, prog.side_abs)
+        bwd = jits.backward_residuals.lower(
+            prog.params_abs, kept, prog.seed_abs, prog.gacc_abs, sig
+        ).compile()
+    return fwd, bwd
+
+
+def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, inputs of one microbatch) of `prog`, bytes per device."""
     params = per_device_bytes(prog.params_abs)
     grads = per_device_bytes(prog.gacc_abs)  # the trained leaves' accumulator
     optimizer = 2 * per_device_bytes(_zero1(prune(prog.params_abs, prog.trained)))  # m and v
-    inputs = per_device_bytes((prog.x_abs, prog.side_abs))
-    transient = total - params - grads - inputs
-    return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds)
+    return params, grads, optimizer, per_device_bytes((prog.x_abs, prog.side_abs))
 
 
 def _zero1(params_abs):
@@ -271,6 +337,9 @@ def program_bytes(compiled) -> float:
 
 def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageCheck:
     params = sum(p.params for p in parts)
+    # a saving policy's in-flight microbatches hold their residuals, not their inputs (`Held`): only
+    # the one whose forward runs reads an input
+    saving = any(p.residuals for p in parts)
     return StageCheck(
         stage=index,
         parts=tuple(p.part for p in parts),
@@ -278,10 +347,11 @@ def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageChe
         params=params,
         grads=sum(p.grads for p in parts),
         optimizer=sum(p.optimizer for p in parts),
-        inputs=in_flight * sum(p.inputs for p in parts),
+        inputs=(1 if saving else in_flight) * sum(p.inputs for p in parts),
         transient=max(p.transient for p in parts),
         in_flight=in_flight,
         compile_s=sum(p.compile_s for p in parts),
+        residuals=in_flight * sum(p.residuals for p in parts),
     )
 
 

@@ -28,7 +28,7 @@ from dflop_jax.contracts import BucketSet
 from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.profiling.programs import PartProgram
-from dflop_jax.runtime.stages import boundary_shape, signature
+from dflop_jax.runtime.stages import boundary_shape
 
 
 def program_flops(compiled) -> float:
@@ -42,17 +42,14 @@ def program_flops(compiled) -> float:
 def training_flops(prog: PartProgram) -> tuple[float, float]:
     """(forward, backward) FLOPs of the programs a stage trains with at `prog`'s shape (module
     docstring)."""
+    from dflop_jax.profiling.compile_check import compile_residual_programs
+
     jits = prog.jits
     args = (prog.params_abs, prog.x_abs, prog.side_abs)
+    if jits.forward_residuals is not None:
+        fwd, bwd = compile_residual_programs(prog)
+        return program_flops(fwd), program_flops(bwd)
     with jax.set_mesh(prog.mesh):
-        if jits.forward_residuals is not None:
-            fwd = jits.forward_residuals.lower(*args).compile()
-            _, kept = jax.eval_shape(jits.forward_residuals, *args)
-            sig = signature(prog.x_abs, prog.side_abs)
-            bwd = jits.backward_residuals.lower(
-                prog.params_abs, kept, prog.seed_abs, prog.gacc_abs, sig
-            ).compile()
-            return program_flops(fwd), program_flops(bwd)
         fwd = program_flops(jits.forward.lower(*args).compile())
         if prog.bwd is None:
             return fwd, 0.0
