@@ -35,9 +35,9 @@ def test_each_shipped_config_is_its_model_on_its_devices(stem, n):
     assert model_cfg.text.attention_impl == cfg.model.attention_impl
 
 
-# 64 simulated devices compiling a 7B model's stages at real sizes, at every bucket for the FLOPs: 33
-# minutes on 2 cores shared with other work (2 minutes of it the memory check), so in the third tier
-# (`long`, by hand).
+# 64 simulated devices compiling a 7B model's stages at real sizes, at every bucket for the FLOPs: 12
+# minutes on 2 cores at load 5 (2 stages; 33 minutes for an earlier 4-stage plan), so in the third
+# tier (`long`, by hand).
 @pytest.mark.slow
 @pytest.mark.long
 def test_the_7b_64_gpu_config_dry_runs_on_cpu(tmp_path):
