@@ -205,6 +205,9 @@ def saving_checks():
     return out
 
 
+# Two 3-stage checks in the fixture (about a minute of compiles): the second tier. The fast tier's dry
+# run test checks the residual term of a saving stage too.
+@pytest.mark.slow
 def test_saved_residuals_are_held_by_every_in_flight_microbatch(saving_checks):
     """Under "all" the inner LLM stage compiles the forward that returns its residuals and the
     backward from them: each of its in-flight microbatches holds the forward's outputs but y (not
@@ -256,6 +259,7 @@ _INNER_LLM_OFF = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage", [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=_INNER_LLM_OFF)), 2]
 )
