@@ -1,7 +1,8 @@
 """The figures only a GPU can give: attention path, a real-size stage at MFU, profiler accuracy, host overhead.
 
     python -m dflop_jax.bench gpu [parts=attention,stage,profiler,host] [size=real|small|smoke]
-                                  [remat=none,full,dots] [out=runs/bench_gpu]
+                                  [remat=none,full,dots] [residuals=all,recompute]
+                                  [attention=xla,cudnn,pallas] [out=runs/bench_gpu]
                                   [json_out=runs/bench_gpu/gpu.json]
 
 Each part measures against the strongest alternative in the same run:
@@ -13,10 +14,13 @@ Each part measures against the strongest alternative in the same run:
   stage      forward + backward of LLM layers (4 Qwen2.5-7B layers at 8192 tokens) and of the SigLIP-400M
              tower on a bucket of 384 px tiles, each as the runtime's own stage program (the profiler's
              `programs.build_program` -> `runtime.stages.stage_jits`, bf16 compute, fp32 weights), timed
-             by the profiler's `measure_program`: step = fwd + bwd (the backward recomputes the forward,
-             as training runs it); MFU = model FLOPs (`costs.flops`, 3x forward) / (step x peak). One
-             row per attention implementation, then the LLM stage under each other remat policy
-             (`remat=`; every policy on a GPU). The JSON is rewritten after each row.
+             by the profiler's `measure_program` as training runs them under a residual policy
+             (`residuals=`: "all", the forward keeps its residuals and the backward runs none of it
+             again; "recompute", the backward re-runs the forward): step = fwd + bwd; MFU = model
+             FLOPs (`costs.flops`, 3x forward) / (step x peak), HFU counts what the backward re-runs.
+             One row per attention implementation (`attention=`), then the LLM stage under each
+             other residual policy and each other remat policy (`remat=`; every policy on a GPU).
+             The JSON is rewritten after each row.
   profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan;
              on one device the encoder colocated with the LLM, one stage) trains the demo's model with
              stage times measured every step: per (stage, bucket) the
@@ -278,24 +282,25 @@ def attention_case(length: int, samples: int, heads, impls, warmup: int, runs: i
                               "fwd_bwd_tflops": 3 * fwd_flops / t_fb / 1e12,
                               "fwd_temp_bytes": fwd_mem, "fwd_bwd_temp_bytes": both_mem,
                               "vs_fp32": _parity(results[impl], ref)}  # fmt: skip
-    for impl in results:
-        if impl != "xla":
+    for impl in results:  # a probe of one implementation alone has no XLA result to compare with
+        if impl != "xla" and "xla" in results:
             row[f"{impl}_vs_xla"] = _parity(results[impl], results["xla"])
     return row
 
 
-def attention_impls(info: dict) -> tuple[tuple[str, ...], dict[str, str]]:
+def attention_impls(info: dict, wanted=()) -> tuple[tuple[str, ...], dict[str, str]]:
     """(the implementations to measure, {implementation: why not} for the others).
 
-    XLA always; on a GPU every other implementation the decoder accepts
+    Of `wanted` (() = all): XLA always runs; on a GPU every other implementation the decoder accepts
     (`models.decoder_config.ATTENTION_IMPLS`: cuDNN, and a Pallas kernel where this tree has one)
     that runs a small packed row forward and backward here."""
     from models.decoder_config import ATTENTION_IMPLS
 
-    others = ("cudnn", "pallas")
+    others = tuple(i for i in ("cudnn", "pallas") if not wanted or i in wanted)
+    xla = ["xla"] if not wanted or "xla" in wanted else []
     if not info["gpu"]:
-        return ("xla",), {i: "needs a GPU" for i in others}
-    usable, missing = ["xla"], {}
+        return tuple(xla), {i: "needs a GPU" for i in others}
+    usable, missing = xla, {}
     for impl in others:
         if impl not in ATTENTION_IMPLS:
             missing[impl] = (
@@ -313,8 +318,10 @@ def attention_impls(info: dict) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(usable), missing
 
 
-def attention_part(size: Size, info: dict, warmup: int, runs: int) -> dict:
-    impls, missing = attention_impls(info)
+def attention_part(size: Size, info: dict, warmup: int, runs: int, wanted=()) -> dict:
+    """Packed rows at the size's lengths, one sample and `size.attn_packed` samples, per implementation
+    of `wanted` (() = all that run here) and XLA, the reference of the parity columns."""
+    impls, missing = attention_impls(info, (*wanted, "xla") if wanted else ())
     cases = [attention_case(n, s, size.attn_heads, impls, warmup, runs)
              for n in size.attn_lengths for s in (1, size.attn_packed)]  # fmt: skip
     note = (
@@ -344,19 +351,33 @@ def _stage_cases(arch, size: Size):
     )  # fmt: skip
 
 
-def _stage_variants(impls, remats) -> list[tuple[str, str, str]]:
-    """(module, attention implementation, LLM remat) per stage program timed, most telling first: the
-    LLM stage and the vision tower per implementation (no remat), then the LLM stage under each other
-    remat policy with the first implementation after XLA (the fused kernel where one runs)."""
+def _stage_variants(impls, remats, policies) -> list[tuple[str, str, str, str]]:
+    """(module, attention implementation, LLM remat, residual policy) per stage program timed, most
+    telling first (a deadline keeps the first rows): the LLM stage per implementation under the first
+    residual policy (no remat), then under each other policy with the first implementation after
+    XLA (the fused kernel where one runs), the vision tower per implementation, then the LLM stage
+    under each other remat policy (first policy, that implementation)."""
     best = impls[1] if len(impls) > 1 else impls[0]
-    return ([("llm", i, "none") for i in impls] + [("encoder", i, "none") for i in impls]
-            + [("llm", best, r) for r in remats if r != "none"])  # fmt: skip
+    first = policies[0]
+    return ([("llm", i, "none", first) for i in impls]
+            + [("llm", best, "none", p) for p in policies[1:]]
+            + [("encoder", i, "none", first) for i in impls]
+            + [("llm", best, r, first) for r in remats if r != "none"])  # fmt: skip
+
+
+def hardware_factor(residuals: str, remat: str) -> float:
+    """Executed over model FLOPs of a stage step (matmuls): the backward's own 2x, plus the forward
+    again where the backward re-runs it ("recompute": the stage's; "layers": each layer's; full
+    layer remat under "recompute": a third time). "dots" remat keeps the matmuls' outputs."""
+    again = (residuals != "all") + (residuals == "recompute" and remat == "full")
+    return (3 + again) / 3
 
 
 def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
-               progress=lambda rows: None) -> dict:  # fmt: skip
-    """Each stage program timed on one device by the profiler's `measure_program`; MFU and HFU, per
-    attention implementation and LLM remat policy. `progress(rows)` after each row (partial saves)."""
+               policies=("all",), impls=(), progress=lambda rows: None) -> dict:  # fmt: skip
+    """Each stage program timed on one device by the profiler's `measure_program`, as the runtime
+    trains it under each residual policy; MFU and HFU, per attention implementation (`impls`, () =
+    every one that runs here) and LLM remat policy. `progress(rows)` after each row (partial saves)."""
     import dataclasses
 
     import jax
@@ -374,9 +395,9 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
     base = model_config_for_arch(arch, "bfloat16")
     settings = ProfileSettings(tps=(1,), warmup=warmup, runs=runs, memory_limit_bytes=2.0**60)
     cases = {shape.module: c for c in _stage_cases(arch, size) for shape in [c[1]]}
-    impls, _ = attention_impls(info)
+    impls, _ = attention_impls(info, impls)
     rows = []
-    for module, impl, remat in _stage_variants(impls, remats):
+    for module, impl, remat, residuals in _stage_variants(impls, remats, policies):
         name, shape, bucket, flops = cases[module]
         model_cfg = with_remat(base, {"vision": "none", "llm": remat})
         model_cfg = dataclasses.replace(model_cfg,
@@ -388,9 +409,11 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
             "bucket": bucket,
             "attention": impl,
             "remat": remat,
+            "residuals": residuals,
         }
         try:
-            prog = build_program(model_cfg, shape, 1, bucket, jax.devices()[:1], jnp.bfloat16)
+            prog = build_program(model_cfg, shape, 1, bucket, jax.devices()[:1], jnp.bfloat16,
+                                 residuals=residuals)  # fmt: skip
             m = measure_program(prog, settings)
         except (
             Exception
@@ -407,7 +430,7 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
                      "memory_peak_bytes": max(m["memory_fwd"]["peak"],
                                               m["memory_bwd"].get("peak", 0.0)),
                      "mfu": mfu(flops, step, 1, info["peak_flops"]),
-                     "hfu": 4 / 3 * flops / (step * info["peak_flops"])})  # fmt: skip
+                     "hfu": hardware_factor(residuals, remat) * flops / (step * info["peak_flops"])})  # fmt: skip
         progress(rows)
     return {"arch": size.arch, "peak_flops": info["peak_flops"], "stages": rows}
 
@@ -614,11 +637,12 @@ def _print_attention(rep: dict, info: dict) -> None:
 def _print_stage(rep: dict, info: dict) -> None:
     print(f"\n## stage programs ({rep['arch']}), peak {rep['peak_flops'] / 1e12:.3g} TFLOP/s "
           f"({info['peak_source']})" + _label(info))  # fmt: skip
-    print("| stage | bucket | attention | LLM remat | fwd ms | bwd ms | step ms | peak GiB | MFU | "
-          "HFU (with the recompute) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| stage | bucket | attention | LLM remat | residuals | fwd ms | bwd ms | step ms | "
+          "peak GiB | MFU | HFU (with what the backward re-runs) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rep["stages"]:
-        head = f"| {r['stage']} | {r['bucket']} | {r['attention']} | {r['remat']} |"
+        head = (f"| {r['stage']} | {r['bucket']} | {r['attention']} | {r['remat']} | "
+                f"{r['residuals']} |")  # fmt: skip
         if "error" in r:
             print(f"{head} failed: {r['error'][:200]} |||||")
             continue
@@ -628,8 +652,8 @@ def _print_stage(rep: dict, info: dict) -> None:
     llm = max(llms, key=lambda r: r["mfu"], default=None)
     if llm is not None and llm["mfu"] < GOAL_LLM_MFU:
         print(f"misses goal: LLM stage MFU {llm['mfu']:.1%} < {GOAL_LLM_MFU:.0%} at best "
-              f"({llm['attention']}, remat {llm['remat']}; HFU {llm['hfu']:.1%}: the backward "
-              "recomputes the forward)" + _label(info))  # fmt: skip
+              f"({llm['attention']}, remat {llm['remat']}, residuals {llm['residuals']}; "
+              f"HFU {llm['hfu']:.1%})" + _label(info))  # fmt: skip
 
 
 def _print_profiler(rep: dict, info: dict) -> None:
@@ -678,9 +702,12 @@ PRINTERS = {"attention": _print_attention, "stage": _print_stage, "profiler": _p
 
 
 def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: dict,
-        remats=("none",), save=lambda report: None) -> dict:  # fmt: skip
+        remats=("none",), save=lambda report: None, residuals=("all",),
+        attention=()) -> dict:  # fmt: skip
     """Runs `parts` and returns the report (device info `info`, size, one entry per part); `save`
-    is called with the report after each part and each stage program (a killed run keeps those)."""
+    is called with the report after each part and each stage program (a killed run keeps those).
+    `remats`, `residuals`: the stage part's LLM remat and residual policies; `attention`: the
+    attention implementations of the attention and stage parts (() = every one that runs here)."""
     size_name = size_name or ("real" if info["gpu"] else "small")
     size = SIZES[size_name]
     out.mkdir(parents=True, exist_ok=True)
@@ -693,9 +720,10 @@ def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: d
     for part in parts:
         try:
             if part == "attention":
-                report[part] = attention_part(size, info, warmup, runs)
+                report[part] = attention_part(size, info, warmup, runs, attention)
             elif part == "stage":
-                report[part] = stage_part(size, info, warmup, runs, remats, stage_progress)
+                report[part] = stage_part(size, info, warmup, runs, remats, residuals, attention,
+                                          stage_progress)  # fmt: skip
             elif part == "profiler":
                 report[part] = profiler_part(size, info, out)
             else:
@@ -729,6 +757,10 @@ class GpuBenchConfig:
       parts: parts to run, from attention, stage, profiler, host.
       size: "real" (the default on a GPU), "small" (the default on CPU) or "smoke" (CI); "" = by device.
       remat: LLM remat policies for the stage part ([] = every policy on a GPU, none on CPU).
+      residuals: residual policies of the stage part, the first for every row (`RESIDUAL_POLICIES`;
+        [] = all then recompute on a GPU, all on CPU).
+      attention: attention implementations of the attention and stage parts, from xla, cudnn,
+        pallas ([] = every one that runs here; the attention part always adds XLA, its reference).
       out: folder for the runs' files.
       json_out: write the report as JSON to this path, after every part and row ("" = none).
       warmup: untimed runs per timed program.
@@ -738,6 +770,8 @@ class GpuBenchConfig:
     parts: tuple[str, ...] = BENCH_PARTS
     size: Literal["", "real", "small", "smoke"] = ""
     remat: tuple[str, ...] = ()
+    residuals: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()
     out: str = "runs/bench_gpu"
     json_out: str = ""
     warmup: int = 2
@@ -747,10 +781,18 @@ class GpuBenchConfig:
         bad = [p for p in self.parts if p not in BENCH_PARTS]
         require(bool(self.parts) and not bad, "parts", list(self.parts),
                 f"choose from {', '.join(BENCH_PARTS)}")  # fmt: skip
-        from models.decoder_config import REMAT_MODES
+        from models.decoder_config import ATTENTION_IMPLS, REMAT_MODES
 
         bad = [r for r in self.remat if r not in REMAT_MODES]
         require(not bad, "remat", list(self.remat), f"choose from {', '.join(REMAT_MODES)}")
+        from dflop_jax.runtime.stages import RESIDUAL_POLICIES
+
+        bad = [r for r in self.residuals if r not in RESIDUAL_POLICIES]
+        require(not bad, "residuals", list(self.residuals),
+                f"choose from {', '.join(RESIDUAL_POLICIES)}")  # fmt: skip
+        impls = [a for a in ATTENTION_IMPLS if a]
+        bad = [a for a in self.attention if a not in impls]
+        require(not bad, "attention", list(self.attention), f"choose from {', '.join(impls)}")
         require(self.warmup >= 0, "warmup", self.warmup, "must be >= 0")
         require(self.runs >= 1, "runs", self.runs, "must be >= 1")
 
@@ -763,9 +805,11 @@ def main(argv: list[str] | None = None) -> int:
     from models.decoder_config import REMAT_MODES
 
     remats = cfg.remat or (REMAT_MODES if info["gpu"] else ("none",))
+    residuals = cfg.residuals or (("all", "recompute") if info["gpu"] else ("all",))
     save = lambda report: _write_json(report, cfg.json_out)  # noqa: E731
     parts = list(cfg.parts)
-    report = run(parts, cfg.size or None, Path(cfg.out), cfg.warmup, cfg.runs, info, remats, save)
+    report = run(parts, cfg.size or None, Path(cfg.out), cfg.warmup, cfg.runs, info, remats, save,
+                 residuals, cfg.attention)  # fmt: skip
     for part in parts:
         if "error" in report[part]:
             print(f"\n## {part}: failed: {report[part]['error']}" + _label(info))

@@ -61,7 +61,12 @@ from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight
-from dflop_jax.profiling.programs import PartProgram, per_device_bytes, stage_program
+from dflop_jax.profiling.programs import (
+    PartProgram,
+    compile_residual_programs,
+    per_device_bytes,
+    stage_program,
+)
 from dflop_jax.runtime.stages import prune
 
 log = logging.getLogger(__name__)
@@ -285,23 +290,6 @@ def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     backward = program_bytes(bwd) - params - grads - residuals  # dy, dx and temporaries
     return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,
                      inputs, max(forward, backward), seconds, residuals)  # fmt: skip
-
-
-def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
-    """(forward_residuals, backward_residuals) of a saving stage's `prog`, compiled: the backward at
-    the residuals' structs `jax.eval_shape` gives and the forward inputs' `signature`, as
-    `runtime.stages.StageProgram.backward_from` calls it."""
-    from dflop_jax.runtime.stages import signature
-
-    jits, args = prog.jits, (prog.params_abs, prog.x_abs, prog.side_abs)
-    with jax.set_mesh(prog.mesh):
-        fwd = jits.forward_residuals.lower(*args).compile()
-        _, kept = jax.eval_shape(jits.forward_residuals, *args)
-        sig = signature(prog.x_abs, prog.side_abs)
-        bwd = jits.backward_residuals.lower(
-            prog.params_abs, kept, prog.seed_abs, prog.gacc_abs, sig
-        ).compile()
-    return fwd, bwd
 
 
 def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:

@@ -39,7 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, check_trainable
-from dflop_jax.profiling.programs import build_colocated, build_part, per_device_bytes
+from dflop_jax.profiling.programs import (
+    build_colocated,
+    build_part,
+    compile_residual_programs,
+    per_device_bytes,
+)
 from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
     COLOCATED_KINDS,
@@ -135,15 +140,16 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     """Compiles `prog` (a `programs.PartProgram`) from its abstract inputs, records cost and memory
     analyses, and (unless over `settings.memory_limit_bytes`) times it on its mesh's devices.
 
+    The programs are the ones the stage trains with: under a saving residual policy
+    (`prog.jits.forward_residuals` set) the forward that keeps its residuals and the backward from
+    them, else the forward and the backward that recomputes it.
+
     Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, input_bytes, and fwd_s / bwd_s,
     or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
     and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
     """
-    with jax.set_mesh(prog.mesh):
-        fwd_c = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
-        bwd_c = None if prog.bwd is None else prog.bwd.lower(
-            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
-        ).compile()  # fmt: skip
+    saving = prog.jits is not None and prog.jits.forward_residuals is not None
+    fwd_c, bwd_c = compile_residual_programs(prog) if saving else _recompute_pair(prog)
     mem_f, mem_b = _memory(fwd_c), {} if bwd_c is None else _memory(bwd_c)
     (flops_f, bytes_f), (flops_b, bytes_b) = (
         _cost(fwd_c),
@@ -165,9 +171,11 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     x, side, seed = prog.make_inputs(rng)
     zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
     gacc = [jax.tree.map(zeros, prog.gacc_abs)]
+    # the backward's first input: the forward inputs, or the residuals one real forward kept
+    held = (x, side) if not saving else (fwd_c(params, x, side)[1],)
 
     def backward():
-        out = bwd_c(params, x, side, seed, gacc[0])
+        out = bwd_c(params, *held, seed, gacc[0])
         gacc[0] = out[-1]  # donated: feed the accumulator back
         return out
 
@@ -179,6 +187,16 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
             bwd.append(0.0 if bwd_c is None else time_call(backward, *timing))
     out = dict(stats, fwd_s=fwd[0], bwd_s=bwd[0])
     return out if repeats == 1 else dict(out, fwd_reps=fwd, bwd_reps=bwd)
+
+
+def _recompute_pair(prog):
+    """(forward, backward or None) of `prog`, compiled: the backward re-runs the forward."""
+    with jax.set_mesh(prog.mesh):
+        fwd = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
+        bwd = None if prog.bwd is None else prog.bwd.lower(
+            prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
+        ).compile()  # fmt: skip
+    return fwd, bwd
 
 
 def profile_entry(

@@ -47,7 +47,7 @@ from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal, stage_config
-from dflop_jax.runtime.stages import accumulator_structs, boundary_shape, stage_jits
+from dflop_jax.runtime.stages import accumulator_structs, boundary_shape, signature, stage_jits
 from dflop_jax.runtime.train_state import trained_mask
 
 
@@ -203,12 +203,13 @@ def build_colocated(
 
 def build_program(
     model_cfg, st: StageShape, tp: int, bucket: int, devices, compute_dtype,
-    trainable: Sequence[str] = TRAINABLE_PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS, residuals: str = "recompute",
 ) -> PartProgram:  # fmt: skip
     """The runtime's forward / backward programs of `st` on a (1, tp) mesh at `bucket` under
-    `trainable`, with inputs. Nothing is compiled."""
+    `trainable` and the residual policy `residuals`, with inputs. Nothing is compiled."""
     mesh = profile_mesh(devices, tp)
-    return stage_program(model_cfg, st.spec(tp), mesh, bucket, compute_dtype, trainable=trainable)
+    return stage_program(model_cfg, st.spec(tp), mesh, bucket, compute_dtype, trainable=trainable,
+                         residuals=residuals)  # fmt: skip
 
 
 def stage_program(
@@ -279,6 +280,21 @@ def stage_program(
     return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
                        side_abs, seed_abs, accumulator_structs(bp.state, mask), make_params,
                        make_inputs, mask, jits)  # fmt: skip
+
+
+def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+    """(forward_residuals, backward_residuals) of a saving stage's `prog`, compiled: the backward at
+    the residuals' structs `jax.eval_shape` gives and the forward inputs' `signature`, as
+    `runtime.stages.StageProgram.backward_from` calls it."""
+    jits, args = prog.jits, (prog.params_abs, prog.x_abs, prog.side_abs)
+    with jax.set_mesh(prog.mesh):
+        fwd = jits.forward_residuals.lower(*args).compile()
+        _, kept = jax.eval_shape(jits.forward_residuals, *args)
+        sig = signature(prog.x_abs, prog.side_abs)
+        bwd = jits.backward_residuals.lower(
+            prog.params_abs, kept, prog.seed_abs, prog.gacc_abs, sig
+        ).compile()
+    return fwd, bwd
 
 
 def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:

@@ -42,7 +42,7 @@ def program_flops(compiled) -> float:
 def training_flops(prog: PartProgram) -> tuple[float, float]:
     """(forward, backward) FLOPs of the programs a stage trains with at `prog`'s shape (module
     docstring)."""
-    from dflop_jax.profiling.compile_check import compile_residual_programs
+    from dflop_jax.profiling.programs import compile_residual_programs
 
     jits = prog.jits
     args = (prog.params_abs, prog.x_abs, prog.side_abs)

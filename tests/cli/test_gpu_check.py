@@ -122,22 +122,47 @@ def test_demo_figures_from_a_metrics_file(tmp_path):
     assert helper.demo_figures(tmp_path / "missing") is None
 
 
-def test_bench_gpu_stage_variants_and_remat_option():
+def test_bench_gpu_stage_variants_and_options():
     from dflop_jax.bench import gpu
 
-    assert gpu._stage_variants(("xla",), ("none",)) == [
-        ("llm", "xla", "none"),
-        ("encoder", "xla", "none"),
+    assert gpu._stage_variants(("xla",), ("none",), ("all",)) == [
+        ("llm", "xla", "none", "all"),
+        ("encoder", "xla", "none", "all"),
     ]
-    # with a fused kernel: each implementation per module, then the LLM's other remat policies on it
-    assert gpu._stage_variants(("xla", "cudnn"), ("none", "full", "dots")) == [
-        ("llm", "xla", "none"), ("llm", "cudnn", "none"), ("encoder", "xla", "none"),
-        ("encoder", "cudnn", "none"), ("llm", "cudnn", "full"), ("llm", "cudnn", "dots")]  # fmt: skip
+    # with a fused kernel: the LLM per implementation under the first residual policy, then on the
+    # kernel its other residual policies, the encoder per implementation, the LLM's remat policies
+    assert gpu._stage_variants(("xla", "cudnn"), ("none", "full", "dots"), ("all", "recompute")) == [
+        ("llm", "xla", "none", "all"), ("llm", "cudnn", "none", "all"),
+        ("llm", "cudnn", "none", "recompute"), ("encoder", "xla", "none", "all"),
+        ("encoder", "cudnn", "none", "all"), ("llm", "cudnn", "full", "all"),
+        ("llm", "cudnn", "dots", "all")]  # fmt: skip
+    # executed over model FLOPs: 3 forwards' worth, plus each forward the backward runs again
+    assert gpu.hardware_factor("all", "none") == 1.0
+    assert gpu.hardware_factor("all", "full") == 1.0
+    assert gpu.hardware_factor("layers", "none") == pytest.approx(4 / 3)
+    assert gpu.hardware_factor("recompute", "dots") == pytest.approx(4 / 3)
+    assert gpu.hardware_factor("recompute", "full") == pytest.approx(5 / 3)
     from dflop_jax.config import ConfigError, load_config
 
-    assert load_config(gpu.GpuBenchConfig, None, ["remat=none,dots"]).remat == ("none", "dots")
-    with pytest.raises(ConfigError, match="remat="):
-        load_config(gpu.GpuBenchConfig, None, ["remat=none,sometimes"])
+    cfg = load_config(gpu.GpuBenchConfig, None, ["remat=none,dots", "residuals=all,layers",
+                                                 "attention=pallas"])  # fmt: skip
+    assert (cfg.remat, cfg.residuals, cfg.attention) == (("none", "dots"), ("all", "layers"),
+                                                         ("pallas",))  # fmt: skip
+    for bad in ("remat=none,sometimes", "residuals=some", "attention=flash"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0] + "="):
+            load_config(gpu.GpuBenchConfig, None, [bad])
     # on CPU only XLA runs; the others say why
     impls, missing = gpu.attention_impls({"gpu": False})
     assert impls == ("xla",) and set(missing) == {"cudnn", "pallas"}
+    assert gpu.attention_impls({"gpu": False}, ("pallas",)) == ((), {"pallas": "needs a GPU"})
+
+
+def test_bench_gpu_probe_keeps_an_implementation_that_runs():
+    """The GPU path's probe, on CPU: the Pallas kernels run here (interpret mode), so the probe keeps
+    them; cuDNN cannot start without a GPU and is reported with the reason. The probe measures one
+    implementation alone (no XLA result to compare with)."""
+    from dflop_jax.bench import gpu
+
+    impls, missing = gpu.attention_impls({"gpu": True}, ("pallas", "cudnn"))
+    assert impls == ("pallas",) and list(missing) == ["cudnn"]
+    assert missing["cudnn"].startswith("fails here: ") and "cuDNN" in missing["cudnn"]

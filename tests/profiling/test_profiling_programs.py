@@ -154,3 +154,24 @@ def test_profiled_colocated_stage_lowers_to_the_trained_one():
     assert _normalized(_lower(prog.mesh, prog.fwd, profiled_bwd[:3])) == _normalized(
         _lower(stage.mesh, stage.jits.forward, trained_bwd[:3])
     )
+
+
+def test_measure_program_times_what_a_saving_stage_trains():
+    """Under a saving policy the profiler compiles, costs and times the forward that keeps its
+    residuals and the backward from them: that backward runs within 2.2 forwards of FLOPs, where the
+    backward that recomputes the forward runs about 3."""
+    from dflop_jax.profiling.model_profiler import measure_program
+    from dflop_jax.profiling.settings import ProfileSettings
+
+    settings = ProfileSettings(tps=(1,), warmup=0, runs=1, memory_limit_bytes=2.0**60)
+    measured = {}
+    for policy in ("all", "recompute"):
+        prog = build_program(CFG, StageShape("llm", 2), 1, S, jax.devices(), DTYPE,
+                             residuals=policy)  # fmt: skip
+        measured[policy] = measure_program(prog, settings)
+    saving, recompute = measured["all"], measured["recompute"]
+    assert saving["flops_bwd"] <= 2.2 * saving["flops_fwd"]
+    assert recompute["flops_bwd"] >= 2.6 * recompute["flops_fwd"]
+    assert saving["fwd_s"] > 0 and saving["bwd_s"] > 0
+    # the residuals are the forward's outputs: its program writes them, the recompute one does not
+    assert saving["memory_fwd"]["output"] > recompute["memory_fwd"]["output"]
