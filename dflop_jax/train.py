@@ -85,6 +85,7 @@ def run(cfg, console=None, clock=time.perf_counter):
     """
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
+    from dflop_jax.runtime.device import attention_hint
     from dflop_jax.runtime.trainer import prepare_run_dir, train
     from dflop_jax.train_plan import resolve_plan, with_plan_remat
 
@@ -98,6 +99,9 @@ def run(cfg, console=None, clock=time.perf_counter):
         compute_dtype=cfg.compute_dtype,
         pixel_norm=(cfg.data.mean, cfg.data.std),
     )
+    hint = attention_hint(cfg.model.attention_impl)
+    if hint:
+        logging.getLogger(__name__).warning(hint)
     plan = resolve_plan(cfg, model_cfg)
     arch = arch_of_model(model_cfg)
     return train(cfg, model_cfg, arch, plan, console, clock)

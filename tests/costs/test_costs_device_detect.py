@@ -82,3 +82,20 @@ def test_a_bad_device_is_one_config_error_line_before_jax():
     assert out.stderr.strip().splitlines() == [
         "config error: device.memory_gib=-1.0: 0 (preset's) or > 0"
     ]
+
+
+def test_the_xla_attention_path_on_a_gpu_gets_one_hint(monkeypatch):
+    """A run on a GPU with the portable XLA attention path is told which kernels exist there; on
+    CPU, or with a GPU kernel chosen, nothing is said."""
+    import types
+
+    import jax
+
+    from dflop_jax.runtime.device import attention_hint
+
+    assert attention_hint("xla") is None  # this host: CPU
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    monkeypatch.setattr(jax, "local_devices", lambda: [gpu])
+    hint = attention_hint("xla")
+    assert hint and "model.attention_impl=pallas" in hint and "cudnn" in hint
+    assert attention_hint("pallas") is None and attention_hint("cudnn") is None
