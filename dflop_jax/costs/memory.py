@@ -115,12 +115,14 @@ class StageMemory:
 
     Attributes:
       params, grads, optimizer: resident state.
-      activations_per_microbatch: held by one in-flight microbatch (its stage input).
+      activations_per_microbatch: held by one in-flight microbatch (its stage input, or under a
+        saving residual policy its residuals instead).
       temp: the training program's transient peak on top (residuals, gradients, weight casts).
       in_flight: microbatches alive at once on this stage (1F1B: P - stage index); `total()` default.
-      residuals: the stage's residual policy (`RESIDUAL_POLICIES`): under "all" / "layers" its saved
-        layer residuals are part of `activations_per_microbatch` (held by every in-flight
-        microbatch until its backward), not of `temp`.
+      residuals: the stage's residual policy (`RESIDUAL_POLICIES`): under "all" / "layers" an inner
+        stage's saved residuals are `activations_per_microbatch` (held by every in-flight
+        microbatch until its backward), not part of `temp`, which holds the one input a forward
+        reads.
     """
 
     params: float
