@@ -430,7 +430,7 @@ def encoder_stage_memory(
     held = 0.0
     if saves and layers:
         held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
-        temp += _workspace(tokens, full, remat)
+        temp += _workspace(tokens, full, remat) if stage.num_layers else 0.0
     if stage.num_layers and attention_impl == "pallas":  # per tile: no mask, so no cuDNN bias
         temp += tiles * attention_transient_bytes(
             attention_impl, v.num_heads, v.dh, v.seq_len, tp, not forward, cb
