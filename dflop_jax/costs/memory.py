@@ -9,19 +9,24 @@ padded to a multiple, so 8 / dp holds up to that padding).
 
 In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): under the residual
 policy "recompute" the runtime's backward recomputes its stage's forward from the saved stage INPUT
-(`runtime/stages.py`), so a microbatch waiting for its backward holds only that input; under "all" /
-"layers" it also holds its layer residuals (every layer's, or each layer's input with layer remat),
-which then leave the transient (`_held`; the weight copies are not among them): x (the previous stage's output, or the
-packed tiles, or on the first LLM stage of an MLLM the image features of every data shard's row,
-split over the stage's dp x tp devices as the transfer delivers them) and its side arrays (token ids,
-segment ids, positions, targets, loss mask, feature taps). That stage's program gathers the features
-in its mesh: the whole copy (and in the backward its gradient) is transient.
+(`runtime/stages.py`), so a microbatch waiting for its backward holds only that input: x (the
+previous stage's output, or the packed tiles, or on the first LLM stage of an MLLM the image features
+of every data shard's row, split over the stage's dp x tp devices as the transfer delivers them) and
+its side arrays (token ids, segment ids, positions, targets, loss mask, feature taps). That stage's
+program gathers the features in its mesh: the whole copy (and in the backward its gradient) is
+transient. Under "all" / "layers" an inner stage's microbatch holds its residuals INSTEAD (`_held`):
+every layer's, or each layer's input and bf16 weight slice with layer remat, and those of the parts
+around the layers (the patch pixels, the projector's, the feature placement's), which then leave
+the transient; the driver drops the input once the saving forward has run, so only one
+microbatch's input (the one a forward reads) is alive, in the transient.
 
 Transient (`temp`): one microbatch's training program on top of that: the residuals saved for
 backward (all layers' without remat; with remat each layer's input, or under "dots" also its matmul
 outputs, plus one layer rebuilt at a time), the incoming gradient dy and outgoing dx, one loss
 chunk's logits on the last stage, and per parameter the compute-dtype weight copy, its gradient in
-the compute dtype and that gradient's fp32 form (`weight_transient_bytes`: 8 B at bf16).
+the compute dtype and that gradient's fp32 form (`weight_transient_bytes`: 8 B at bf16). The
+backward from saved residuals cannot free them (they are its arguments): without remat it holds
+one layer's cotangents on top (`_workspace`; with remat they reuse the rebuilt layer's space).
 
 Residuals per token per layer, calibrated against `jax.ad_checkpoint.print_saved_residuals` of the
 runtime's layers (models/decoder.py: RMSNorm with f32 statistics, f32 RoPE tables, SwiGLU;
@@ -82,7 +87,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflop_jax.costs import flops
-from dflop_jax.costs.architectures import LLMArch, MLLMArch, VisionArch
+from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, StageRole, stage_role
 
@@ -110,12 +115,14 @@ class StageMemory:
 
     Attributes:
       params, grads, optimizer: resident state.
-      activations_per_microbatch: held by one in-flight microbatch (its stage input).
+      activations_per_microbatch: held by one in-flight microbatch (its stage input, or under a
+        saving residual policy its residuals instead).
       temp: the training program's transient peak on top (residuals, gradients, weight casts).
       in_flight: microbatches alive at once on this stage (1F1B: P - stage index); `total()` default.
-      residuals: the stage's residual policy (`RESIDUAL_POLICIES`): under "all" / "layers" its saved
-        layer residuals are part of `activations_per_microbatch` (held by every in-flight
-        microbatch until its backward), not of `temp`.
+      residuals: the stage's residual policy (`RESIDUAL_POLICIES`): under "all" / "layers" an inner
+        stage's saved residuals are `activations_per_microbatch` (held by every in-flight
+        microbatch until its backward), not part of `temp`, which holds the one input a forward
+        reads.
     """
 
     params: float
@@ -194,6 +201,18 @@ def vision_activation_bytes_per_token(
     return replicated + sharded / tp
 
 
+def projector_activation_bytes_per_token(
+    p: ProjectorArch, tp: int = 1, compute_bytes: int = 2
+) -> float:
+    """Activation bytes the projector saves per output token on one device: its input (InternVL's
+    LayerNorm keeps what a ViT norm keeps, `vision_activation_bytes_per_token`) and, per element of
+    fc1's output, what GELU's and fc2's backward read: four compute-dtype values and a boolean (the
+    residuals of the LLaVA-OV projector's saving forward at SigLIP widths)."""
+    cb = compute_bytes
+    norm = (3 * F32 + cb) * p.in_dim if p.kind == "internvl_mlp" else cb * p.in_dim
+    return norm + (4 * cb + 1) * p.out_dim / tp
+
+
 def dense_attention_bytes(
     heads: int, length: int, tp: int, causal: bool, compute_bytes: int = 2
 ) -> float:
@@ -214,6 +233,13 @@ def attention_transient_bytes(
     if impl == "pallas" and backward:
         return heads / tp * length * (2 * F32 * dh + F32)
     return 0.0
+
+
+def _placement_bytes_per_token(d: int, cb: int) -> float:
+    """What placing the image features into the token embeddings saves for its backward, per token:
+    the select's mask (a boolean per hidden element), the feature index and the clamped copy its
+    gather reads (int32), each bilinear tap's index (int32) and weight (compute dtype)."""
+    return d + 2 * 4 + FEATURE_TAPS * (4 + cb)
 
 
 def _sharded(layer_params: float, replicated: float, tp: int) -> float:
@@ -245,6 +271,15 @@ def _held(
     if remat == "none":
         return layers * tokens * full
     return layers * (tokens * saved + layer_weights)
+
+
+def _workspace(tokens: int, full: float, remat: str) -> float:
+    """What the backward from saved residuals holds beyond them while it differentiates a layer: that
+    layer's cotangents, one per residual with its shape and dtype (`full` per token). The saved
+    residuals are the program's arguments: nothing frees them, so without remat this comes on top
+    of all of them. With remat the layer's rebuilt residuals (`_residuals`' one layer) are
+    temporaries its backward frees as it consumes them, and the cotangents reuse that space."""
+    return tokens * full if remat == "none" else 0.0
 
 
 def _policy_remat(residuals: str, remat: str) -> str:
@@ -332,17 +367,22 @@ def _memory(
     inputs: float,
     temp: float,
     dot_bytes: int | None,
-    held: float = 0.0,
+    held: float | None = None,
     residuals: str = "recompute",
 ) -> StageMemory:
     """The StageMemory of a stage's terms (`loop`: its frozen layers, parameters per layer, and the
-    frozen parameters only a gather reads; `held`: residual bytes `residuals` moves from the
-    transient into each in-flight microbatch); a forward-only stage holds its input only while it
-    runs."""
+    frozen parameters only a gather reads). `held`: under a saving residual policy `residuals`, the
+    residual bytes each in-flight microbatch keeps from its forward to its backward, which `temp`
+    counts as the recomputing backward's; None where the stage keeps its input instead ("recompute",
+    the last stage's fused program). A forward-only stage holds its input only while it runs."""
     params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes)
     if role.kind == "forward":
         return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
-    return StageMemory(params, grads, optimizer, inputs + held, temp - held + weights,
+    if held is None:
+        return StageMemory(params, grads, optimizer, inputs, temp + weights, residuals=residuals)
+    # the driver drops a microbatch's input once its saving forward has run: only the input the
+    # running forward reads is alive, beside every in-flight microbatch's residuals
+    return StageMemory(params, grads, optimizer, held, temp - held + inputs + weights,
                        residuals=residuals)  # fmt: skip
 
 
@@ -381,13 +421,16 @@ def encoder_stage_memory(
     if not flash_attention or v.seq_len <= DENSE_MAX_TOKENS:  # a tile's square (module docstring)
         full += dense_attention_bytes(v.num_heads, v.seq_len, tp, False, cb) / v.seq_len
     kept = _kept_per_token(v.hidden_size, _vision_dots_bytes_per_token(v, tp, cb), cb, remat)
-    held = 0.0
-    if forward or role.head_only:  # no backward through the layers: one layer alive at a time
+    saves = residuals != "recompute" and not forward
+    layers = not (forward or role.head_only)  # a backward through the layers
+    if not layers:  # one layer alive at a time
         temp = full * tokens if stage.num_layers else 0.0
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
-        if residuals != "recompute":
-            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+    held = 0.0
+    if saves and layers:
+        held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+        temp += _workspace(tokens, full, remat) if stage.num_layers else 0.0
     if stage.num_layers and attention_impl == "pallas":  # per tile: no mask, so no cuDNN bias
         temp += tiles * attention_transient_bytes(
             attention_impl, v.num_heads, v.dh, v.seq_len, tp, not forward, cb
@@ -397,7 +440,10 @@ def encoder_stage_memory(
     if stage.has_embedding:
         n_body += flops.vision_embedding_params(v)
         inputs = tiles * v.image_size**2 * 3  # the packed tiles, uint8 (normalized on device)
-        temp += tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb  # patch pixels
+        # the patch pixels, the patch embedding's input
+        pixels = tiles * v.patches_per_tile * 3 * v.patch_size**2 * cb
+        temp += pixels
+        held += pixels if saves and layers else 0.0
     else:
         inputs = hidden
         temp += hidden if role.input_grad and not forward else 0.0  # dx
@@ -405,15 +451,15 @@ def encoder_stage_memory(
         n_head = flops.projector_params(p) / tp
         out_tokens = tiles * v.tokens_per_tile
         inputs += tiles  # tile_pool flags
-        # norm/fc1 input, fc1 output, GELU internals and output; the incoming gradient
-        temp += out_tokens * (_norm_bytes(p.in_dim, cb) + 4 * p.out_dim * cb / tp)
-        temp += 0.0 if forward else out_tokens * p.out_dim * cb
+        projector = out_tokens * projector_activation_bytes_per_token(p, tp, cb)
+        temp += projector + (0.0 if forward else out_tokens * p.out_dim * cb)  # and dy
+        held += projector if saves else 0.0
     elif not forward:
         temp += hidden  # dy
     trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
     loop = (0, 0.0, 0.0) if "vision" in role.trains else (stage.num_layers, n_layer, 0.0)
-    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes, held,
-                   residuals)  # fmt: skip
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes,
+                   held if saves else None, residuals)  # fmt: skip
 
 
 def llm_stage_memory(
@@ -443,13 +489,15 @@ def llm_stage_memory(
     if not flash_attention:
         full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
     kept = _kept_per_token(m.hidden_size, _llm_dots_bytes_per_token(m, tp, cb), cb, remat)
+    saves = residuals != "recompute" and not forward and not stage.has_head  # the head: fused
     held = 0.0
     if forward:
         temp = full * tokens if stage.num_layers else 0.0
     else:
         temp = _residuals(stage.num_layers, tokens, kept, full, remat)
-        if residuals != "recompute" and not stage.has_head:
-            held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+    if saves:
+        held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
+        temp += _workspace(tokens, full, remat) if stage.num_layers else 0.0
     if stage.num_layers:
         temp += attention_transient_bytes(
             attention_impl, m.num_heads, m.dh, tokens, tp, not forward, cb
@@ -466,6 +514,9 @@ def llm_stage_memory(
             inputs += features / stage.num_devices  # as they arrive: split over the devices
             temp += features if stage.num_devices > 1 else 0.0  # gathered in the stage's mesh
             temp += features if role.input_grad and not forward else 0.0  # their gradient
+            placed = tokens * _placement_bytes_per_token(m.hidden_size, cb)
+            temp += placed if not forward else 0.0
+            held += placed if saves else 0.0
     else:
         inputs += hidden
         temp += hidden if role.input_grad and not forward else 0.0  # dx
@@ -481,8 +532,8 @@ def llm_stage_memory(
     trained, frozen = _split(role, {"llm": n_params})
     gathered = embed if stage.has_embedding and not (stage.has_head and m.tie_embeddings) else 0.0
     loop = (0, 0.0, 0.0) if "llm" in role.trains else (stage.num_layers, n_layer, gathered)
-    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes, held,
-                   residuals)  # fmt: skip
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes,
+                   held if saves else None, residuals)  # fmt: skip
 
 
 def stage_memory(

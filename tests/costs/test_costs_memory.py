@@ -227,40 +227,72 @@ def test_encoder_tile_short_enough_to_run_dense_keeps_its_attention_square(monke
 
 def test_saved_residuals_are_held_by_every_in_flight_microbatch():
     """A saving policy moves an inner stage's layer residuals from the backward's transient into
-    each in-flight microbatch: "all" holds every layer's, "layers" each layer's input only (one
-    layer rebuilt at a time stays transient); the last stage's fused program holds nothing between
-    programs; the planner's pick is the policy with the least backward work that fits."""
+    each in-flight microbatch, instead of its input (the driver keeps only the input the running
+    forward reads): "all" holds every layer's, "layers" each layer's input and bf16 weight slice
+    (one layer rebuilt at a time stays transient). Without remat the backward from them also holds
+    one layer's cotangents beside them (its arguments are not freed). The last stage's fused program
+    holds nothing between programs; the planner's pick is the policy with the least backward work
+    that fits."""
+    from dflop_jax.costs.memory import FEATURE_TAPS
+
     inner = StageSpec("llm", 0, 8, tp=2, dp=1, has_embedding=True)
     last = StageSpec("llm", 8, 8, tp=2, dp=1, has_head=True)
-    tokens = 4096
+    tokens, d = 4096, ARCH.llm.hidden_size
     mem = {r: stage_memory(ARCH, inner, tokens, residuals=r) for r in RESIDUAL_POLICIES}
+    remat = {r: stage_memory(ARCH, inner, tokens, True, residuals=r) for r in RESIDUAL_POLICIES}
     full = llm_activation_bytes_per_token(ARCH.llm, 2, False) * tokens
-    kept = ARCH.llm.hidden_size * 2 * tokens
-    base = mem["recompute"].activations_per_microbatch
-    assert mem["all"].activations_per_microbatch == pytest.approx(base + 8 * full)
+    kept = d * 2 * tokens
+    # the feature placement's select mask, indices and bilinear taps
+    placed = tokens * (d + 8 + FEATURE_TAPS * (4 + 2))
+    assert mem["all"].activations_per_microbatch == pytest.approx(8 * full + placed)
     weights = 8 * llm_layer_params(ARCH.llm) / 2 * 2  # tp 2, bf16 (norms replicated: ~)
-    assert mem["layers"].activations_per_microbatch == pytest.approx(base + 8 * kept + weights,
+    assert mem["layers"].activations_per_microbatch == pytest.approx(8 * kept + weights + placed,
                                                                      rel=1e-3)  # fmt: skip
+    inputs = mem["recompute"].activations_per_microbatch
     for r in ("all", "layers"):
-        held = mem[r].activations_per_microbatch - base
-        # the same program bytes, (n - 1) more microbatches' residuals alive
-        once = mem[r].total(1) - mem["recompute"].total(1)
-        assert mem[r].total(3) - mem["recompute"].total(3) == pytest.approx(2 * held + once)
-    assert mem["all"].total(1) == pytest.approx(mem["recompute"].total(1))
+        held = mem[r].activations_per_microbatch
+        # (n - 1) more microbatches' residuals alive, not their inputs
+        assert mem[r].total(3) - mem[r].total(1) == pytest.approx(2 * held)
+        assert mem[r].total(3) - mem["recompute"].total(3) < 2 * held - 2 * inputs + held
+    # one microbatch: the recompute backward's bytes, plus one layer's cotangents without remat
+    assert mem["all"].total(1) == pytest.approx(mem["recompute"].total(1) + full)
+    assert mem["layers"].total(1) == pytest.approx(remat["recompute"].total(1))
     tail = {r: stage_memory(ARCH, last, tokens, residuals=r) for r in RESIDUAL_POLICIES}
     assert tail["all"] == dataclasses.replace(tail["recompute"], residuals="all")
     # without layer remat, recompute rebuilds all 8 layers' residuals at once: more than "layers"
     assert mem["layers"].total(3) < mem["recompute"].total(3) < mem["all"].total(3)
     budgets = [mem["all"].total(3), mem["recompute"].total(3), 0.0]
     assert [pick_residuals(mem, 3, b) for b in budgets] == ["all", "layers", "layers"]
-    remat = {r: stage_memory(ARCH, inner, tokens, True, residuals=r) for r in RESIDUAL_POLICIES}
     assert pick_residuals(remat, 3, remat["recompute"].total(3)) == "recompute"
+
+
+def test_saving_encoder_head_stage_holds_its_projector_and_pixels():
+    """An encoder stage with the patch embedding and the projector under a saving policy holds, per
+    in-flight microbatch, the layers' residuals, the patch pixels the embedding's backward reads
+    and the projector's residuals (its input, and four bf16 values and a boolean per element of
+    fc1's output), not the packed tiles."""
+    from dflop_jax.costs.flops import vision_layer_params
+    from dflop_jax.costs.memory import encoder_stage_memory, projector_activation_bytes_per_token
+
+    v, p = ARCH.vision, ARCH.projector
+    spec = StageSpec("encoder", 0, 4, has_embedding=True, has_head=True)
+    tiles = 3
+    rec = encoder_stage_memory(ARCH, spec, tiles, remat=True)
+    mem = encoder_stage_memory(ARCH, spec, tiles, remat=True, residuals="all")
+    assert projector_activation_bytes_per_token(p) == p.in_dim * 2 + 9 * p.out_dim
+    pixels = tiles * v.patches_per_tile * 3 * v.patch_size**2 * 2
+    projector = tiles * v.tokens_per_tile * projector_activation_bytes_per_token(p)
+    layers = 4 * tiles * v.seq_len * v.hidden_size * 2
+    weights = 4 * vision_layer_params(v) * 2  # the remat'd layers' bf16 weight slices
+    assert mem.activations_per_microbatch == pytest.approx(pixels + projector + layers + weights)
+    assert mem.total(1) == pytest.approx(rec.total(1))  # with remat: nothing on top
+    assert mem.total(2) - mem.total(1) == pytest.approx(mem.activations_per_microbatch)
 
 
 @pytest.mark.parametrize("policy", ["all", "layers"])
 def test_held_residuals_match_the_residual_programs_outputs(policy):
     """What a saving stage's forward returns per microbatch (its residuals, per device) is what the
-    memory model adds to the in-flight bytes, at two lengths (so per token and the fixed part: under
+    memory model holds per in-flight microbatch, at two lengths (so per token and the fixed part: under
     "layers" the layers' bf16 weight slices; no full weight copy under "all")."""
     from dflop_jax.profiling.model_config import model_config_for_arch
     from dflop_jax.profiling.programs import per_device_bytes, profile_mesh, stage_program
@@ -273,9 +305,5 @@ def test_held_residuals_match_the_residual_programs_outputs(policy):
         with jax.set_mesh(mesh):
             fwd = prog.jits.forward_residuals
             _, kept = jax.eval_shape(fwd, prog.params_abs, prog.x_abs, prog.side_abs)
-        mem = stage_memory(arch, spec, tokens, residuals=policy)
-        model = (
-            mem.activations_per_microbatch
-            - stage_memory(arch, spec, tokens).activations_per_microbatch
-        )
-        assert model == pytest.approx(per_device_bytes(kept), rel=0.1)
+        mem = stage_memory(arch, spec, tokens, residuals=policy)  # residuals instead of the input
+        assert mem.activations_per_microbatch == pytest.approx(per_device_bytes(kept), rel=0.1)
