@@ -1,9 +1,8 @@
 """The demo (configs/demo.yaml) at the least it allows, for the tests that train it with `plan: auto`
-where neither the profile grid, the search nor the dtype is the subject: one tp, one profiled bucket
-per part, a few samples (of the demo's sizes: shorter ones would skip most records), one planner
-sample, no checkpoints, float32 (XLA's CPU backend compiles and runs bfloat16 slower; the demo's
-bfloat16 is trained end to end by tests/cli/test_demo_device_counts.py). The planner still makes two
-buckets per part (its least), so a run compiles its stages at 4 bucket pairs: most of its time.
+where neither the profile grid nor the search is the subject: one tp, one profiled bucket per part,
+a few samples (of the demo's sizes: shorter ones would skip most records), one planner sample, no
+checkpoints. The planner still makes two buckets per part (its least), so a run compiles its stages
+at 4 bucket pairs: most of its time.
 
 Every such test passes the same list (plus its own keys after it), so their programs are the same
 where their layouts are, and the run's one compilation cache (tests/conftest.py) compiles each once:
@@ -15,7 +14,6 @@ SMALL_DEMO = [
     "data.synth_samples=48",
     "data.cache_dir=",
     "global_batch=4",
-    "compute_dtype=float32",
     "profile.tps=[1]",
     "profile.encoder_buckets=[4]",
     "profile.llm_buckets=[512]",

@@ -1,7 +1,7 @@
 """The demo trains on the devices it finds: `python -m dflop_jax.train num_cpu_devices=N steps=3` on
 1, 2 and 3 simulated CPU devices profiles, plans a layout that fits N (the planner's search space is
-fitted to the count) and finishes its steps, in the demo's bfloat16. Sizes are cut to the least the
-demo config allows (`SMALL_DEMO`)."""
+fitted to the count) and finishes its steps. Sizes are cut to the least the demo config allows
+(`SMALL_DEMO`)."""
 
 import json
 import math
@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_demo_trains_on_any_device_count(devices, tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "dflop_jax.train", f"num_cpu_devices={devices}", "steps=3",
-            f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *SMALL_DEMO,
-            "compute_dtype=bfloat16"]  # fmt: skip
+            f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *SMALL_DEMO]  # fmt: skip
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=own_devices_env(),
                          timeout=1800)  # fmt: skip
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"

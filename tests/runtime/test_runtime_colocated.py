@@ -249,9 +249,9 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
 # the 2-layer ViT, so no separate-encoder candidate exists and the planner colocates.
 # A global batch of 8: on the 8 devices at tp 1 the LLM runs at dp 4 (pp 2), and a candidate needs
 # microbatches x LLM dp <= global batch.
-AUTO = [*SMALL_DEMO, "steps=2", "global_batch=8", "measure_stage_times_every=1",
-        "device.peak_flops=1000000000.0", "planner.llm_pp=[1, 2]", "planner.colocate=true",
-        "planner.encoder_pp=[4]"]  # fmt: skip
+AUTO = [*SMALL_DEMO, "steps=2", "global_batch=8", "compute_dtype=float32",
+        "measure_stage_times_every=1", "device.peak_flops=1000000000.0", "planner.llm_pp=[1, 2]",
+        "planner.colocate=true", "planner.encoder_pp=[4]"]  # fmt: skip
 
 
 @pytest.mark.slow

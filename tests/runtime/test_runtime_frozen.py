@@ -369,8 +369,8 @@ def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
 
 
 # The demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`), checkpointed and
-# exported at two steps. Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32
-# samples, 4 steps.
+# exported at two steps. Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout at
+# one bucket pair, 32 samples, 4 steps.
 EARLY, LATE = 2, 4  # the exported steps
 DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", f"checkpoint.every={EARLY}",
                f"steps={LATE}"]  # fmt: skip

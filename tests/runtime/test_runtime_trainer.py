@@ -97,8 +97,8 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_demo_trains_and_loss_decreases(tmp_path):
-    """The demo config itself at its least (`SMALL_DEMO`: profile, plan and train, float32), with more
-    steps and a larger learning rate."""
+    """The demo config itself at its least (`SMALL_DEMO`: profile, plan and train), with more steps
+    and a larger learning rate."""
     cfg = load_config(
         TrainConfig,
         REPO / "configs" / "demo.yaml",
