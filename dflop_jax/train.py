@@ -27,7 +27,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 COMMAND = Command(
     prog="python -m dflop_jax.train",
     description=__doc__.split("\n")[0] + " (no --config: the demo, configs/demo.yaml)",
-    example="python -m dflop_jax.train steps=2 checkpoint.every=2 run_dir=runs/demo",
+    example="python -m dflop_jax.train plan=analytic steps=2 checkpoint.every=2 run_dir=runs/demo",
     modes={
         "dry-run": "resolve the plan and compile every stage program at its real sizes; no training"
     },

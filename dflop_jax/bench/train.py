@@ -197,7 +197,8 @@ def _print(report: dict) -> None:
 COMMAND = command(
     "train",
     __doc__.split("\n\n")[0],
-    "python -m dflop_jax.bench train train_overrides=[steps=3,plan=analytic] out=runs/bench_train",
+    "python -m dflop_jax.bench train out=runs/bench_train "
+    "train_overrides=[steps=3,plan=analytic,compute_dtype=float32,data.synth_samples=48]",
 )
 
 

@@ -4,24 +4,19 @@ shards the AdamW state of each stage over its data axis (the figures the benchma
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from example_fixtures import example_argv, run_example
 
 from dflop_jax.bench import zero1
 
 
 @pytest.mark.slow
 def test_zero1_arms_shard_the_optimizer_state_and_train_alike(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "dflop_jax.bench", "zero1", "size=tiny", "steps=3",
-         f"out={tmp_path}"],  # fmt: skip
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "bench_zero1.json").read_text())
+    """The benchmark's `--help` example (the tiny size, into runs/bench_zero1), as a user runs it."""
+    out = run_example(example_argv(zero1.COMMAND), tmp_path)
+    result = json.loads((tmp_path / "runs" / "bench_zero1" / "bench_zero1.json").read_text())
     off, on = result["off"], result["on"]
     # ZeRO-1 changes where the optimizer state lives, not what the update computes.
     np.testing.assert_allclose(on["losses"], off["losses"], rtol=1e-5)

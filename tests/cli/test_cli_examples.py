@@ -1,18 +1,18 @@
 """Every command has the one CLI form and a `--help` that ends with an example that works.
 
 The fast test checks each `--help` and runs the examples that take seconds; the slow ones run the rest
-(plan -> simulate, train -> export in the order their inputs need; the benchmarks that train or time
-compiled programs one by one). Examples run in a scratch directory
-that sees the repository's `configs/` (where their example inputs live), so their outputs land there.
+(plan -> simulate and train -> export, each chain in the order its inputs need; the benchmarks that
+train or time compiled programs one by one, but those whose own test runs their example). Examples
+run in a scratch directory (`example_fixtures.run_example`).
 """
 
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from example_fixtures import env, run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = [
@@ -34,25 +34,25 @@ FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
 # The benchmarks that have no small size: their examples take 5-15 minutes (the third tier, `long`).
 LONG_BENCHES = ["colocated", "costmodel"]
+# The benchmarks whose own test runs their example and checks the figures it writes
+# (tests/bench/test_bench_<name>.py).
+EXAMPLE_RUN_BY_OWN_TEST = ["train", "zero1"]
 SLOW_BENCHES = [
     pytest.param(
         f"dflop_jax.bench {name}", marks=[pytest.mark.long] if name in LONG_BENCHES else []
     )
     for name in BENCHES
-    if name not in FAST_BENCHES
+    if name not in FAST_BENCHES + EXAMPLE_RUN_BY_OWN_TEST
 ]
-SLOW_CHAIN = ["dflop_jax.plan", "dflop_jax.simulate", "dflop_jax.train", "dflop_jax.export"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+# The examples that read what another one wrote, each chain in the order its inputs need.
+SLOW_CHAINS = [("dflop_jax.plan", "dflop_jax.simulate"), ("dflop_jax.train", "dflop_jax.export")]
 
 
 def help_example(module: str) -> list[str]:
     """The example `python -m <module> --help` ends with, as an argv (`module` may name a benchmark:
     "dflop_jax.bench loss")."""
     out = subprocess.run([sys.executable, "-m", *module.split(), "--help"], capture_output=True,
-                         text=True, env=_env(), timeout=300)  # fmt: skip
+                         text=True, env=env(), timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.rstrip().splitlines() if line.strip()]
     assert lines[-2].strip() == "example:", (
@@ -61,13 +61,6 @@ def help_example(module: str) -> list[str]:
     argv = shlex.split(lines[-1])
     assert argv[: 2 + len(module.split())] == ["python", "-m", *module.split()], argv
     return [sys.executable, *argv[1:]]
-
-
-def run_example(argv: list[str], cwd: Path) -> None:
-    if not (cwd / "configs").exists():
-        (cwd / "configs").symlink_to(ROOT / "configs")
-    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=_env(), timeout=1800)
-    assert out.returncode == 0, f"{shlex.join(argv)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("module", COMMANDS)
@@ -110,8 +103,9 @@ def test_a_setting_given_as_a_flag_is_one_line(capsys):
 
 
 @pytest.mark.slow
-def test_examples_that_train_or_plan_work(tmp_path):
-    for module in SLOW_CHAIN:
+@pytest.mark.parametrize("chain", SLOW_CHAINS, ids=" then ".join)
+def test_examples_that_train_or_plan_work(chain, tmp_path):
+    for module in chain:
         run_example(help_example(module), tmp_path)
 
 

@@ -1,6 +1,7 @@
 """The demo trains on the devices it finds: `python -m dflop_jax.train num_cpu_devices=N steps=3` on
 1, 2 and 3 simulated CPU devices profiles, plans a layout that fits N (the planner's search space is
-fitted to the count) and finishes its steps. Sizes are cut to the least the demo config allows."""
+fitted to the count) and finishes its steps. Sizes are cut to the least the demo config allows
+(`SMALL_DEMO`)."""
 
 import json
 import math
@@ -10,20 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from demo_fixtures import SMALL_DEMO
 from multiprocess_launch import own_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
-CHEAP = [
-    "data.synth_samples=48",
-    "global_batch=4",
-    "profile.tps=[1]",
-    "profile.encoder_buckets=[4,8]",
-    "profile.llm_buckets=[512,1024]",
-    "profile.runs=1",
-    "planner.microbatches=[2]",
-    "planner.samples=1",
-    "checkpoint.every=0",
-]
 
 
 @pytest.mark.slow
@@ -31,7 +22,7 @@ CHEAP = [
 def test_the_demo_trains_on_any_device_count(devices, tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "dflop_jax.train", f"num_cpu_devices={devices}", "steps=3",
-            f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *CHEAP]  # fmt: skip
+            f"run_dir={run_dir}", f"data.synth_dir={tmp_path / 'synth'}", *SMALL_DEMO]  # fmt: skip
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=own_devices_env(),
                          timeout=1800)  # fmt: skip
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"

@@ -319,7 +319,7 @@ def test_streaming_10x_the_rows_held_does_not_grow_memory(tmp_path):
 # The demo's LLaVA-OV-style model, encoder colocated on the first of 2 LLM stages (8 CPU devices).
 TRAIN = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
          "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]", "layout.llm_dp=2",
-         "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+         "layout.tiles=[16]", "layout.lengths=[1024]", "layout.microbatches=[2, 3]",
          "steps=3", "global_batch=8", "checkpoint.every=0", "compute_dtype=float32",
          "measure_stage_times_every=0", "device.peak_flops=1000000000.0", "scheduler.solver=greedy",
          "data.cache_dir=", "seed=0"]  # fmt: skip

@@ -13,7 +13,8 @@ _single: dict[str, list[dict]] = {}
 
 def _run(tmp_path_factory, model: str, processes: int) -> list[dict]:
     synth = tmp_path_factory.getbasetemp() / f"synth_{model}"
-    overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2"]
+    # One tile bucket (the layout's largest): what is tested is who compiles and decodes what.
+    overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2", "layout.tiles=[16]"]
     return launch(processes, overrides, tmp_path_factory.mktemp(f"{model}_{processes}p"), 400)
 
 

@@ -10,12 +10,13 @@ from multiprocess_launch import launch, rows, tail
 
 from dflop_jax.bench.multihost import TINY_LLAVA_OV
 
-# The tiny LLaVA-OV model (not its explicit layout), profiled at few shapes: what is tested is who
-# profiles and what travels, not the plan's quality.
+# The tiny LLaVA-OV model (not its explicit layout), profiled at one shape per part, planned from one
+# sample: what is tested is who profiles and what travels, not the plan's quality.
 TINY_MODEL = [a for a in TINY_LLAVA_OV if not a.startswith(("plan=", "layout.", "scheduler."))]
 FAST_PROFILE = ["profile.runs=1", "profile.warmup=0", "profile.tps=[1]", "planner.tp=[1]",
-                "profile.encoder_buckets=[4, 16]",
-                "profile.llm_buckets=[256, 512]", "planner.microbatches=[2]"]  # fmt: skip
+                "profile.encoder_buckets=[16]", "profile.llm_buckets=[512]",
+                "planner.microbatches=[2]", "planner.samples=1", "planner.screen_top=2",
+                "planner.top_n=1"]  # fmt: skip
 
 
 @pytest.mark.multiprocess

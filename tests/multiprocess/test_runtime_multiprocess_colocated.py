@@ -17,7 +17,7 @@ from dflop_jax.train import run
 
 LAYOUT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
           "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]",
-          "layout.llm_dp=2", "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]",
+          "layout.llm_dp=2", "layout.tiles=[16]", "layout.lengths=[1024]",
           "layout.microbatches=[2, 3]"]  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from demo_fixtures import SMALL_DEMO
 from flax import nnx
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
@@ -244,13 +245,13 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     ckpt.close()
 
 
-AUTO = ["plan=auto", "steps=2", "global_batch=8", "data.synth_samples=48", "checkpoint.every=0",
-        "compute_dtype=float32", "measure_stage_times_every=1", "device.peak_flops=1000000000.0",
-        "profile.runs=1", "profile.warmup=0", "profile.tps=[1]", "profile.encoder_buckets=[4, 16]",
-        "profile.llm_buckets=[512, 1024]", "planner.tp=[1]", "planner.llm_pp=[1, 2]",
-        "planner.microbatches=[2]", "planner.colocate=true",
-        # deeper than the 2-layer ViT: no separate-encoder candidate, the planner colocates
-        "planner.encoder_pp=[4]"]  # fmt: skip
+# The demo at its least (`SMALL_DEMO`), its planner free to colocate: the encoder pipeline is deeper than
+# the 2-layer ViT, so no separate-encoder candidate exists and the planner colocates.
+# A global batch of 8: on the 8 devices at tp 1 the LLM runs at dp 4 (pp 2), and a candidate needs
+# microbatches x LLM dp <= global batch.
+AUTO = [*SMALL_DEMO, "steps=2", "global_batch=8", "compute_dtype=float32",
+        "measure_stage_times_every=1", "device.peak_flops=1000000000.0", "planner.llm_pp=[1, 2]",
+        "planner.colocate=true", "planner.encoder_pp=[4]"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -258,8 +259,7 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     """`plan: auto` on the demo model: the planner's layout has the encoder colocated, and the trainer
     trains it as planned (the loader packs each sample's tiles on its row's shard)."""
     demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
-    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}",
-            "compilation_cache="]  # fmt: skip
+    over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / 'run'}"]
     report = run(load_config(TrainConfig, demo, AUTO + over))
     assert report.layout.encoder_stages == () and report.layout.colocated_encoder_tp is None
     plan = (tmp_path / "run" / "auto_plan" / "plan.yaml").read_text()
@@ -269,7 +269,7 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
     assert min(r["encoder_padding_ratio"] for r in rows) < 1.0  # the colocated stage encoded tiles
     # the planner scored the colocated layout with the profiled colocated stage program
     table = load_table(tmp_path / "run" / "auto_plan" / "cost_table.json")
-    assert table.buckets("colocated_embedding", 1, 0) == [4, 16]
+    assert table.buckets("colocated_embedding", 1, 0) == [4]  # SMALL_DEMO's one encoder bucket
     sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
     assert sum(sources["colocated_embedding"].values()) > 0
     assert "fallback" not in sources["colocated_embedding"]
@@ -277,7 +277,7 @@ def test_auto_plan_colocated_trains_end_to_end(tmp_path):
 
 EXPLICIT = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layers=[]",
             "layout.encoder_tp=[]", "layout.llm_layers=[2, 2]", "layout.llm_tp=[2]",
-            "layout.llm_dp=2", "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]",
+            "layout.llm_dp=2", "layout.tiles=[16]", "layout.lengths=[1024]",
             "layout.microbatches=[2, 3]", "steps=2", "global_batch=8", "data.synth_samples=32",
             "checkpoint.every=0", "compute_dtype=float32", "measure_stage_times_every=1",
             "device.peak_flops=1000000000.0", "scheduler.solver=greedy"]  # fmt: skip

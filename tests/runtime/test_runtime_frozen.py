@@ -337,7 +337,7 @@ def test_pipeline_order_leaves_forward_only_stages_out_of_the_backward_wave():
 
 STAGE1 = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
           "layout.encoder_dp=2", "layout.llm_layers=[2, 2]", "layout.llm_tp=[1]", "layout.llm_dp=2",
-          "layout.tiles=[8, 16]", "layout.lengths=[512, 1024]", "layout.microbatches=[2, 3]",
+          "layout.tiles=[16]", "layout.lengths=[1024]", "layout.microbatches=[2, 3]",
           "global_batch=8", "data.synth_samples=32", "checkpoint.every=2", "compute_dtype=float32",
           "device.peak_flops=1000000000.0", "optimizer.warmup_steps=0", "log_every=1"]  # fmt: skip
 
@@ -369,8 +369,8 @@ def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
 
 
 # The demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`), checkpointed and
-# exported at two steps. Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout, 32
-# samples, 4 steps.
+# exported at two steps. Kept small: the demo's model on an explicit 2 encoder + 2 LLM stage layout at
+# one bucket pair, 32 samples, 4 steps.
 EARLY, LATE = 2, 4  # the exported steps
 DEMO_STAGE1 = [*STAGE1, "optimizer.trainable=[projector]", f"checkpoint.every={EARLY}",
                f"steps={LATE}"]  # fmt: skip

@@ -121,7 +121,7 @@ def _cfg(tmp_path, *extra):
         "layout.encoder_dp=2",
         "layout.llm_layers=[1, 1]",
         "layout.llm_tp=[2]",
-        "layout.tiles=[8, 16]",
+        "layout.tiles=[16]",
         "layout.lengths=[512]",
         "layout.microbatches=[1, 4]",
         "scheduler.solver=greedy",

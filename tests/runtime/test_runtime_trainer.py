@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from demo_fixtures import SMALL_DEMO
 from models_fixtures import tiny_decoder_run
 
 from dflop_jax.config import ConfigError, load_config
@@ -96,22 +97,17 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_demo_trains_and_loss_decreases(tmp_path):
-    """The demo config itself (fewer steps, a smaller synthetic set, no checkpoints, and tp 1 only:
-    half the profile, which is most of the test's time)."""
+    """The demo config itself at its least (`SMALL_DEMO`: profile, plan and train), with more steps
+    and a larger learning rate."""
     cfg = load_config(
         TrainConfig,
         REPO / "configs" / "demo.yaml",
         [
+            *SMALL_DEMO,
             "steps=6",
-            "profile.tps=[1]",
-            "planner.tp=[1]",
             "optimizer.lr=0.01",
-            "data.synth_samples=64",
             f"data.synth_dir={tmp_path / 'synth'}",
-            "data.cache_dir=",
-            "checkpoint.every=0",
             f"run_dir={tmp_path / 'demo'}",
-            "compilation_cache=",
             "device.peak_flops=1000000000.0",
             "measure_stage_times_every=1",
         ],
