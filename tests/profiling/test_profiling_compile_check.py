@@ -277,15 +277,11 @@ def test_dry_run_predicts_saving_stages_with_the_analytic_model():
     assert isinstance(_memory_provider(cfg, CFG, saving), AnalyticCostProvider)
 
 
-@pytest.mark.slow
-def test_encoder_transient_per_tile_matches_the_memory_model():
-    """SigLIP-400M widths (729-token tiles, 16 heads), 2 layers under remat, one device: the compiled
-    encoder program's transient grows per tile as the memory model's (within 10%). Without a tile's
-    attention square the model's growth was a third low (docs/benchmarks.md, "plan --check")."""
+def _siglip_encoder_stage():
+    """(arch, model config, stage, one-device mesh) of a SigLIP-400M-width encoder stage as the 7B
+    plan's: patch embedding, 2 layers under remat, the projector."""
     from jax.sharding import Mesh
 
-    from dflop_jax.costs.memory import encoder_stage_memory
-    from dflop_jax.profiling.compile_check import compile_part
     from models.stages import with_remat
 
     base = get_arch("siglip-so400m+qwen2.5-7b")
@@ -293,6 +289,18 @@ def test_encoder_transient_per_tile_matches_the_memory_model():
     cfg = with_remat(model_config_for_arch(arch), {"vision": "full", "llm": "full"})
     spec = StageSpec("encoder", 0, 2, has_embedding=True, has_head=True)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    return arch, cfg, spec, mesh
+
+
+@pytest.mark.slow
+def test_encoder_transient_per_tile_matches_the_memory_model():
+    """SigLIP-400M widths (729-token tiles, 16 heads), 2 layers under remat, one device: the compiled
+    encoder program's transient grows per tile as the memory model's (within 10%). Without a tile's
+    attention square the model's growth was a third low (docs/benchmarks.md, "plan --check")."""
+    from dflop_jax.costs.memory import encoder_stage_memory
+    from dflop_jax.profiling.compile_check import compile_part
+
+    arch, cfg, spec, mesh = _siglip_encoder_stage()
     few, many = 2, 6
     compiled = [
         compile_part("encoder", stage_program(cfg, spec, mesh, t, jnp.bfloat16)).transient
@@ -310,17 +318,10 @@ def test_saving_siglip_encoder_stage_agrees_with_the_memory_model():
     microbatch are the model's held bytes (the projector's and the patch pixels with the layers':
     the model once counted the layers' alone, 71 of 170 MiB), and with the 7B stage's 2 microbatches
     in flight the compiled peak is within `DISAGREE` of the model's."""
-    from jax.sharding import Mesh
-
     from dflop_jax.costs.memory import encoder_stage_memory
     from dflop_jax.profiling.compile_check import compile_part
-    from models.stages import with_remat
 
-    base = get_arch("siglip-so400m+qwen2.5-7b")
-    arch = dataclasses.replace(base, vision=dataclasses.replace(base.vision, num_layers=2))
-    cfg = with_remat(model_config_for_arch(arch), {"vision": "full", "llm": "full"})
-    spec = StageSpec("encoder", 0, 2, has_embedding=True, has_head=True)
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    arch, cfg, spec, mesh = _siglip_encoder_stage()
     tiles, in_flight = 4, 2
     c = compile_part("encoder", stage_program(cfg, spec, mesh, tiles, jnp.bfloat16,
                                               residuals="all"))  # fmt: skip
