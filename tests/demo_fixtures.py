@@ -1,8 +1,7 @@
 """The demo (configs/demo.yaml) at the least it allows, for the tests that train it with `plan: auto`
 where neither the profile grid nor the search is the subject: one tp, one profiled bucket per part,
-a few samples (of the demo's sizes: shorter ones would skip most records), one planner sample, no
-checkpoints. The planner still makes two buckets per part (its least), so a run compiles its stages
-at 4 bucket pairs: most of its time.
+a few samples (of the demo's sizes: shorter ones would skip most records), one planner sample, one
+bucket per ladder (a run compiles its stages once: most of its time), no checkpoints.
 
 Every such test passes the same list (plus its own keys after it), so their programs are the same
 where their layouts are, and the run's one compilation cache (tests/conftest.py) compiles each once:
@@ -22,6 +21,7 @@ SMALL_DEMO = [
     "planner.tp=[1]",
     "planner.microbatches=[2]",
     "planner.samples=1",
+    "planner.num_buckets=[1]",
     "planner.screen_top=2",
     "planner.top_n=1",
     "checkpoint.every=0",

@@ -38,8 +38,9 @@ class PlannerConfig:
       microbatches: candidate microbatch counts M per global batch.
       microbatch_slack: the scheduler may use M .. ceil(M x (1 + slack)) microbatches (absorbs batches
         that do not fit M microbatches of the largest buckets; the simulation scores what it picks).
-      num_buckets: candidate sizes (>= 2) of the tile and length bucket ladders (planner/buckets.py;
-        the uniform baseline always uses one size).
+      num_buckets: candidate sizes of the tile and length bucket ladders (planner/buckets.py): more
+        sizes pad less and compile more programs; one size is the top of the ladder, the largest
+        shape (what the uniform baseline always uses), scheduled data-aware all the same.
       length_align: length buckets are multiples of this many tokens.
       memory_margin: fraction of device memory kept free (a layout must fit in (1 - margin) x capacity).
       samples: K global batches sampled from the shape distribution to score a candidate.
@@ -116,12 +117,6 @@ class PlannerConfig:
             _positive_ints(self.encoder_tp, "planner.encoder_tp")
         for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets", "virtual_stages"):
             _positive_ints(getattr(self, key), f"planner.{key}")
-        require(
-            min(self.num_buckets) >= 2,
-            "planner.num_buckets",
-            self.num_buckets,
-            "ladders need >= 2 sizes each",
-        )
         require(
             self.microbatch_slack >= 0,
             "planner.microbatch_slack",

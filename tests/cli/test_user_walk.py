@@ -81,7 +81,7 @@ def write_run_config(path: Path, hf_dir: Path, records: Path) -> Path:
         "plan": "auto",  # train is given the plan.yaml `plan` writes
         "profile": {"data_samples": NUM_RECORDS, "tps": [1], "encoder_buckets": [8],
                     "llm_buckets": [512], "warmup": 0, "runs": 1},
-        "planner": {"tp": [1], "microbatches": [2], "num_buckets": [2], "samples": 1,
+        "planner": {"tp": [1], "microbatches": [2], "num_buckets": [1], "samples": 1,
                     "screen_top": 2, "top_n": 1},
         "global_batch": 4,
         "steps": 3,

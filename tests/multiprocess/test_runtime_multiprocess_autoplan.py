@@ -15,8 +15,8 @@ from dflop_jax.bench.multihost import TINY_LLAVA_OV
 TINY_MODEL = [a for a in TINY_LLAVA_OV if not a.startswith(("plan=", "layout.", "scheduler."))]
 FAST_PROFILE = ["profile.runs=1", "profile.warmup=0", "profile.tps=[1]", "planner.tp=[1]",
                 "profile.encoder_buckets=[16]", "profile.llm_buckets=[512]",
-                "planner.microbatches=[2]", "planner.samples=1", "planner.screen_top=2",
-                "planner.top_n=1"]  # fmt: skip
+                "planner.microbatches=[2]", "planner.num_buckets=[1]", "planner.samples=1",
+                "planner.screen_top=2", "planner.top_n=1"]  # fmt: skip
 
 
 @pytest.mark.multiprocess

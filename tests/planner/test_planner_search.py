@@ -193,7 +193,7 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="planner.memory_margin=1.5"):
         PlannerConfig(memory_margin=1.5)
     with pytest.raises(ConfigError, match="planner.num_buckets"):
-        PlannerConfig(num_buckets=(1,))
+        PlannerConfig(num_buckets=(0,))
     with pytest.raises(ConfigError, match="planner.tp"):
         PlannerConfig(tp=())
 
