@@ -49,6 +49,17 @@ def _compilation_cache_first():
     jax.jit(lambda x: x + 1)(0).block_until_ready()
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The session's one trained demo run (`demo_fixtures.DEMO_RUN`): its run directory. Under
+    xdist the workers share it (their base temp directories have one parent)."""
+    from demo_fixtures import train_demo_once
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return train_demo_once(shared / "demo_run")
+
+
 def pytest_unconfigure(config):
     for path in _OWN_CACHE:
         shutil.rmtree(path, ignore_errors=True)

@@ -1,7 +1,7 @@
-"""The demo trains on the devices it finds: `python -m dflop_jax.train num_cpu_devices=N steps=3` on
-1, 2 and 3 simulated CPU devices profiles, plans a layout that fits N (the planner's search space is
-fitted to the count) and finishes its steps. Sizes are cut to the least the demo config allows
-(`SMALL_DEMO`)."""
+"""The demo trains on the devices it finds: `python -m dflop_jax.train num_cpu_devices=N` on 1, 2
+and 3 simulated CPU devices, and on its own 8 (the session's shared demo run), profiles, plans a layout
+that fits N (the planner's search space is fitted to the count) and finishes its steps. Sizes are
+cut to the least the demo config allows (`SMALL_DEMO`)."""
 
 import json
 import math
@@ -26,10 +26,18 @@ def test_the_demo_trains_on_any_device_count(devices, tmp_path):
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=own_devices_env(),
                          timeout=1800)  # fmt: skip
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    _check_run(run_dir, devices, steps=3)
 
+
+@pytest.mark.slow
+def test_the_demo_trains_on_its_own_8_devices(demo_run):
+    _check_run(demo_run, 8, steps=6)
+
+
+def _check_run(run_dir, devices: int, steps: int) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    assert sorted(losses) == [1, 2, 3]  # metrics count steps from 1
+    assert sorted(losses) == list(range(1, steps + 1))  # metrics count steps from 1
     assert all(math.isfinite(v) for v in losses.values())
 
     plan = yaml.safe_load((run_dir / "auto_plan" / "plan.yaml").read_text())

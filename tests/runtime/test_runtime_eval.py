@@ -252,7 +252,7 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
 # The demo's LLaVA-OV-style model on two explicit 8-device layouts: 2 encoder stages + 1 LLM stage, or
 # the encoder colocated on the first of 2 LLM stages.
 MLLM = ["plan=explicit", "layout.llm_tp=[2]", "layout.llm_dp=2",
-        "layout.tiles=[8, 16]", "layout.lengths=[1024]", "layout.microbatches=[2, 3]",
+        "layout.tiles=[16]", "layout.lengths=[1024]", "layout.microbatches=[2, 3]",
         "steps=1", "global_batch=8", "data.synth_samples=32", "checkpoint.every=0",
         "compute_dtype=float32", "measure_stage_times_every=0", "device.peak_flops=1000000000.0",
         "scheduler.solver=greedy", "eval.every=1", "eval.fraction=0.3", "eval.batches=1"]  # fmt: skip
