@@ -6,8 +6,8 @@ bucket per ladder (a run compiles its stages once: most of its time), no checkpo
 Every such test passes the same list (plus its own keys after it), so their programs are the same
 where their layouts are, and the run's one compilation cache (tests/conftest.py) compiles each once:
 `compilation_cache=` leaves the cache to the JAX_COMPILATION_CACHE_DIR the run set (in-process and in
-the jax processes a test starts). A program is keyed by its HLO and devices, not by the run's device
-count."""
+the jax processes a test starts). The cache finds a program only in a process with the same number
+of (simulated) devices: on CPU its key holds the client's whole topology (docs/design.md)."""
 
 import subprocess
 import sys
