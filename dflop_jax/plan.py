@@ -12,13 +12,16 @@ synthetic mix instead). Writes `run_dir/plan.yaml`, recording what it read (path
 the resolved config beside it (`run_dir/plan.config.yaml`); `train --config RUN.yaml
 plan=RUN_DIR/plan.yaml` trains it. An infeasible request exits with status 2 and a one-line
 explanation. `--check` then compiles every stage program of the chosen layout at its real sizes from
-abstract arrays on the run's (simulated CPU) devices and writes each stage's `compiled_memory_gib` and
-`compile_s` beside its predicted `memory_gib` (`profiling/compile_check.py`), each as it trains under
-the plan's recipe; stages more than 15% apart are warned.
+abstract arrays on the run's (simulated CPU) devices, as `train plan=RUN_DIR/plan.yaml` would train
+them (the run's recipe, compute dtype and per-stage residual policy, `residuals`), and writes each
+stage's `residuals`, `compiled_memory_gib` and `compile_s` beside the memory model's prediction for
+the same programs (`checked_memory_gib`; `profiling/compile_check.py`); stages more than 15% apart
+are warned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -34,8 +37,6 @@ log = logging.getLogger(__name__)
 def run(cfg, progress=None, check: bool = False):
     """Plans per the run config `cfg` and writes `run_dir/plan.yaml` and the resolved config; returns
     the plan. With `check` the stage programs are compiled too (JAX must see the run's devices)."""
-    import dataclasses
-
     from dflop_jax.planner import save_plan
     from dflop_jax.train_plan import abstract_model_config, plan_from_run_dir
 
@@ -45,7 +46,7 @@ def run(cfg, progress=None, check: bool = False):
     dump_yaml(cfg, out.with_name("plan.config.yaml"))
     save_plan(plan, out)
     if check:
-        plan = dataclasses.replace(plan, checks=check_compiled(plan, model_cfg))
+        plan = dataclasses.replace(plan, checks=check_compiled(cfg, out, progress))
         save_plan(plan, out)
     return plan
 
@@ -55,12 +56,21 @@ def plan_path(cfg) -> Path:
     return Path(cfg.run_dir) / "plan.yaml"
 
 
-def check_compiled(plan, model_cfg) -> tuple:
-    """The plan's stage programs compiled for the run's model under the plan's remat policy."""
-    from dflop_jax.profiling.compile_check import check_plan
-    from models.stages import with_remat
+def check_compiled(cfg, plan_file: Path, progress=None) -> tuple:
+    """The stage programs of the plan at `plan_file` compiled as `train --config ... plan=PLAN_FILE`
+    would train them: its remat, the run's compute dtype and recipe, and the residual policy each
+    stage trains under (`residuals`, "auto": the least backward work that fits)."""
+    from dflop_jax.train_plan import (
+        abstract_model_config,
+        compile_stages,
+        resolve_plan,
+        with_plan_remat,
+    )
 
-    return tuple(check_plan(plan, with_remat(model_cfg, plan.remat)))
+    run_cfg = with_plan_remat(dataclasses.replace(cfg, plan=str(plan_file)))
+    model_cfg = abstract_model_config(run_cfg)
+    resolved = resolve_plan(run_cfg, model_cfg)
+    return tuple(compile_stages(run_cfg, model_cfg, resolved, progress))
 
 
 def _recipe(cfg) -> str:

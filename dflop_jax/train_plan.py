@@ -233,38 +233,51 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     import jax.numpy as jnp
     import yaml
 
-    from dflop_jax.costs import layout_memory
     from dflop_jax.planner.plan_file import check_to_dict
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.planner.scoring import in_flight
-    from dflop_jax.profiling.compile_check import check_layout
     from dflop_jax.profiling.stage_report import stage_flops, transfer_bytes_per_microbatch
 
     cfg = with_plan_remat(cfg)
     model_cfg = abstract_model_config(cfg)
     resolved = resolve_plan(cfg, model_cfg)
+    dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
+    with progress_bar(lines=True) as progress:  # each compile takes minutes at real sizes
+        checks = compile_stages(cfg, model_cfg, resolved, progress)
+        flops = stage_flops(resolved.layout, resolved.buckets, model_cfg, resolved.residuals,
+                            compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
+    stages = [
+        {"stage": c.stage, "memory_gib": round(c.predicted / 2**30, 2),
+         **check_to_dict(c, c.predicted), **f}
+        for c, f in zip(checks, flops)
+    ]  # fmt: skip
+    transfers = transfer_bytes_per_microbatch(resolved.layout, resolved.buckets, model_cfg, dtype,
+                                              trainable)  # fmt: skip
+    out = Path(cfg.run_dir) / "dry_run.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))
+    return stages
+
+
+def compile_stages(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan, progress=None) -> list:
+    """Every stage program of `resolved` compiled at its largest buckets under the residual policies
+    the run trains (`resolved.residuals`), each `StageCheck` beside the memory model's prediction
+    for the same policy: what `train --dry-run` and `plan --check` report."""
+    import jax.numpy as jnp
+
+    from dflop_jax.costs import layout_memory
+    from dflop_jax.planner.scoring import in_flight
+    from dflop_jax.profiling.compile_check import check_layout
+
     lay = resolved.layout
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
     policies = resolved.residuals  # both memory figures describe the programs the run trains
     provider = _memory_provider(cfg, model_cfg, resolved)
     memory = layout_memory(provider, lay, resolved.buckets, counts, residuals=policies)
     predicted = [m.total() for m in memory]
-    dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
-    with progress_bar(lines=True) as progress:  # each compile takes minutes at real sizes
-        checks = check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
-                              compute_dtype=dtype, trainable=trainable, progress=progress,
-                              residuals=policies)  # fmt: skip
-        flops = stage_flops(lay, resolved.buckets, model_cfg, resolved.residuals,
-                            compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
-    stages = [
-        {"stage": c.stage, "memory_gib": round(p / 2**30, 2), **check_to_dict(c, p), **f}
-        for c, p, f in zip(checks, predicted, flops)
-    ]
-    transfers = transfer_bytes_per_microbatch(lay, resolved.buckets, model_cfg, dtype, trainable)
-    out = Path(cfg.run_dir) / "dry_run.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))
-    return stages
+    return check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
+                        compute_dtype=jnp.dtype(cfg.compute_dtype),
+                        trainable=tuple(cfg.optimizer.trainable),
+                        progress=progress or (lambda *_: None), residuals=policies)  # fmt: skip
 
 
 def _memory_provider(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan):

@@ -48,6 +48,9 @@ class StageCheck:
       compile_s: seconds to lower and compile the parts.
       residuals: under a saving residual policy ("all", "layers"), the residuals the `in_flight`
         microbatches keep from their forward to their backward (0 under "recompute").
+      policy: the residual policy the stage's programs were compiled under (what the run trains).
+      predicted: the memory model's bytes for the stage under `policy` (0: not recorded; the plan's
+        own prediction, made at "recompute", stands for it).
     """
 
     stage: int
@@ -61,6 +64,8 @@ class StageCheck:
     in_flight: int
     compile_s: float
     residuals: float = 0.0
+    policy: str = "recompute"
+    predicted: float = 0.0
 
     @property
     def total(self) -> float:
@@ -172,7 +177,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             }
         )
         if plan.checks:
-            stages[-1].update(check_to_dict(plan.checks[i], mem))
+            stages[-1].update(_checked_stage(plan.checks[i], mem))
     return {
         "dflop_plan": PLAN_VERSION,
         "model": plan.model,
@@ -219,8 +224,17 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _checked_stage(c: StageCheck, planned: float) -> dict[str, Any]:
+    """A plan.yaml stage's check: compared with the prediction under the policy it was compiled at
+    (`checked_memory_gib`, written where it is not the plan's own "recompute" figure)."""
+    if not c.predicted:
+        return check_to_dict(c, planned)
+    return {"checked_memory_gib": round(c.predicted / _GIB, 2), **check_to_dict(c, c.predicted)}
+
+
 def check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
     return {
+        "residuals": c.policy,
         "compiled_memory_gib": round(c.total / _GIB, 2),
         "compiled_vs_predicted": round(c.total / predicted - 1, 3) if predicted > 0 else None,
         "compile_s": round(c.compile_s, 1),
@@ -229,6 +243,7 @@ def check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
             "program_bytes": [float(b) for b in c.program_bytes],
             **{k: float(getattr(c, k)) for k in _CHECK_TERMS},
             "in_flight": c.in_flight,
+            "predicted": float(c.predicted),
         },
     }
 
@@ -243,6 +258,8 @@ def _check_from_dict(i: int, s: dict[str, Any]) -> StageCheck:
         **{k: float(c.get(k, 0.0) if k == "residuals" else c[k]) for k in _CHECK_TERMS},
         in_flight=int(c["in_flight"]),
         compile_s=float(s["compile_s"]),
+        policy=str(s.get("residuals", "recompute")),
+        predicted=float(c.get("predicted", 0.0)),
     )
 
 

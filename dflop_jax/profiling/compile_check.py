@@ -135,12 +135,14 @@ def check_layout(
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
+    policies = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
     out = []
     for i, (part, prog) in enumerate(
         stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable, residuals)
     ):
         held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
-        out.append(_stage_check(i, [compile_part(part, prog)], held))
+        check = _stage_check(i, [compile_part(part, prog)], held)
+        out.append(dataclasses.replace(check, policy=policies[i], predicted=float(predicted[i])))
         progress("memory check: compiling stage programs", i + 1, layout.num_stages)
     warn_disagreements(out, predicted)
     return out

@@ -109,7 +109,10 @@ def test_plan_check_plans_only_what_the_runtime_trains(tmp_path, monkeypatch):
     """`--check` compiles the runtime's programs, which run a colocated encoder at its stage's tp:
     the planner is kept from an encoder at its own tp (the 7B config's planner picks one otherwise)."""
     compiled = []
-    monkeypatch.setattr(plan_cli, "check_compiled", lambda p, m: compiled.append(p) or ())
+    from dflop_jax.planner import load_plan
+
+    check = lambda c, path, progress=None: compiled.append(load_plan(path)) or ()  # noqa: E731
+    monkeypatch.setattr(plan_cli, "check_compiled", check)
     cfg = load_config(TrainConfig, None, [*TINY, f"run_dir={tmp_path}"])
     assert cfg.planner.colocate_own_tp
     plan = plan_cli.run(cfg, check=True)
@@ -117,3 +120,23 @@ def test_plan_check_plans_only_what_the_runtime_trains(tmp_path, monkeypatch):
     own = plan.layout.colocated_encoder_tp
     assert own is None or own == plan.layout.llm_stages[0].tp
     assert not plan.planner_config["colocate_own_tp"]
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute"])
+def test_plan_check_compiles_the_residual_policy_the_run_trains(policy, tmp_path):
+    """`--check` compiles each stage as `train plan=...` would train it: under "auto" the tiny model
+    keeps every residual (it fits), and an inner stage's compiled memory then holds them; each stage
+    is compared with the memory model's figure for that policy."""
+    cfg = load_config(TrainConfig, None, [*TINY, f"run_dir={tmp_path}", f"residuals={policy}"])
+    plan_cli.run(cfg, check=True)
+    stages = yaml.safe_load((tmp_path / "plan.yaml").read_text())["layout"]
+    want = "all" if policy == "auto" else "recompute"
+    assert [s["residuals"] for s in stages] == [want] * len(stages)
+    terms = ("params", "grads", "optimizer", "inputs", "residuals", "transient")
+    for s in stages:
+        c, inner = s["compiled"], s["stage"] < len(stages) - 1
+        assert (c["residuals"] > 0) == (want == "all" and inner), s
+        # compared with the memory model's figure for the programs compiled, not the planner's
+        assert s["checked_memory_gib"] == round(c["predicted"] / 2**30, 2)
+        total = sum(c[k] for k in terms)
+        assert s["compiled_vs_predicted"] == round(total / c["predicted"] - 1, 3)
