@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{describe_layout(plan.layout)} | M={plan.microbatches} on {plan.layout.num_devices}/{plan.num_devices} "
               f"{plan.device}: step {plan.step_time_mean_s * 1e3:.1f} ms (p90 {plan.step_time_p90_s * 1e3:.1f}), "
               f"idle {plan.idle_fraction:.1%}{_recipe(cfg)} -> {plan_path(cfg)}")  # fmt: skip
-    for c, predicted in zip(plan.checks, plan.stage_memory_bytes):
-        print(f"stage {c.stage} ({'+'.join(c.parts)}): predicted {predicted / 2**30:.2f} GiB, "
-              f"compiled {c.total / 2**30:.2f} GiB, compile {c.compile_s:.1f} s")  # fmt: skip
+    for c in plan.checks:
+        print(f"stage {c.stage} ({'+'.join(c.parts)}, residuals {c.policy}): predicted "
+              f"{c.predicted / 2**30:.2f} GiB, compiled {c.total / 2**30:.2f} GiB "
+              f"({c.total / c.predicted - 1:+.1%}), compile {c.compile_s:.1f} s")  # fmt: skip
     return 0
 
 
