@@ -1,7 +1,9 @@
 """The drifting-mix re-plan (`tests/runtime/test_runtime_drift.py`) in 2 jax processes x 2 CPU devices: the
 LLM stage spans both processes before the re-plan. Both processes take the same decision at the same
 checkpoint (each measures on its own; the planner is deterministic): both finish, and each
-process's checkpoint after the re-plan records the new layout."""
+process's checkpoint after the re-plan records the new layout. The one run of the drifting mix: its
+checks are those of a one-process run (the re-plan line, the regrets under and over the threshold,
+the new layout) and the processes' agreement."""
 
 import json
 

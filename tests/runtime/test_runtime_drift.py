@@ -1,6 +1,10 @@
 """Drift measured in a training run (`planner.replan_every`): every that many steps the run scores its
 recent batches under its plan and the planner's best, and logs `plan_regret` to the console,
-metrics.jsonl and TensorBoard; with `planner.replan: on_drift` it re-plans at a checkpoint."""
+metrics.jsonl and TensorBoard; with `planner.replan: on_drift` it re-plans at a checkpoint.
+
+The drifting mix below (`DRIFTING`, `check_replan_line`, `check_drift_rows`) trains end to end in
+`tests/multiprocess/test_runtime_multiprocess_drift.py`, in 2 jax processes: the same checks as one
+process, and both processes deciding alike (the one-process re-plan is trained here, on a decoder)."""
 
 import io
 import json
@@ -116,29 +120,6 @@ def _curriculum(tmp_path, batch: int = 8):
     path = tmp_path / "curriculum.yaml"
     path.write_text(yaml.safe_dump(mix))
     return path
-
-
-@pytest.mark.slow
-def test_a_drifting_mix_replans_once_after_the_switch_and_says_why(tmp_path):
-    """Images first, then video: the measurement on the image batches stays under the threshold,
-    the first one on video batches passes it, and the run re-plans once, at the checkpoint after it,
-    onto a layout with more encoder devices whose predicted step time on the video batches is lower;
-    the losses carry on; the measurement on the new layout is under the threshold again."""
-    from pathlib import Path
-
-    from dflop_jax.config import load_config
-    from dflop_jax.runtime.config import TrainConfig
-
-    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
-    over = [f"data.source={_curriculum(tmp_path)}", f"run_dir={tmp_path / 'run'}",
-            f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
-    cfg = load_config(TrainConfig, demo, DRIFTING + over)
-    out = io.StringIO()
-    report = run(cfg, console=Console(file=out, width=400))
-    new_layout = check_replan_line(out.getvalue())
-    assert [s.dp for s in report.layout.encoder_stages] == [2] and "encoder[0..1 dp2" in new_layout
-    assert np.all(np.isfinite(report.losses)) and len(report.losses) == 6
-    check_drift_rows(tmp_path / "run")
 
 
 def check_replan_line(log: str) -> str:
