@@ -75,14 +75,14 @@ def stage_module(
     return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
 
 
-def with_attention(model_cfg, implementation: str):
-    """`model_cfg` whose decoder and vision tower (when it has one) run attention `implementation`
-    ("xla", "pallas" or "cudnn": `models.attention`)."""
+def with_attention(model_cfg, implementation: str, vision: str | None = None):
+    """`model_cfg` whose decoder runs attention `implementation` ("xla", "pallas" or "cudnn":
+    `models.attention`) and whose vision tower (when it has one) runs `vision` (None: the same)."""
     if isinstance(model_cfg, DecoderConfig):
         return model_cfg.replace(attention_impl=implementation)
     return dataclasses.replace(
         model_cfg,
-        vision=model_cfg.vision.replace(attention_impl=implementation),
+        vision=model_cfg.vision.replace(attention_impl=vision or implementation),
         text=model_cfg.text.replace(attention_impl=implementation),
     )
 

@@ -48,6 +48,9 @@ class ModelConfig:
         planner's memory model assumes the same policy (`costs/memory.py`).
       attention_impl: the attention kernel of every layer (vision and decoder, also with `hf_dir`):
         "xla" (portable), or an accelerator kernel `models/attention.py` offers (e.g. "cudnn").
+      vision_attention_impl: the vision tower's kernel where it differs ("": `attention_impl`).
+        cuDNN's fused attention refused SigLIP's 729-token tiles (jax 0.11.2 on an H200: "Unsupported
+        sequence length"), so a LLaVA-OV run on "cudnn" sets "pallas" here.
     """
 
     SHORTHAND = "arch"  # a bare string given for the section sets this key
@@ -70,6 +73,7 @@ class ModelConfig:
     vision_remat: str = "none"
     llm_remat: str = "none"
     attention_impl: str = "xla"
+    vision_attention_impl: str = ""
 
     def __post_init__(self):
         if self.arch:
@@ -82,6 +86,8 @@ class ModelConfig:
         impls = [i for i in ATTENTION_IMPLS if i]
         require(self.attention_impl in impls, "model.attention_impl", self.attention_impl,
                 f"use one of {impls}")  # fmt: skip
+        require(self.vision_attention_impl in ["", *impls], "model.vision_attention_impl",
+                self.vision_attention_impl, f"use one of {impls}, or '' for model.attention_impl")  # fmt: skip
         for name in ("vision_remat", "llm_remat"):
             value = getattr(self, name)
             require(value in REMAT_MODES, f"model.{name}", value, f"use one of {REMAT_MODES}")
@@ -154,14 +160,16 @@ class ModelConfig:
             from models.stages import with_attention, with_remat
 
             cfg = model_config_for_arch(self.arch, compute_dtype)
-            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl)
+            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl,
+                                 self.vision_attention_impl)  # fmt: skip
             return _with_pixel_norm(cfg, pixel_norm)
         if self.hf_dir:
             from models.hf import load_config
             from models.stages import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
-            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl)
+            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl,
+                                 self.vision_attention_impl)  # fmt: skip
             return _with_pixel_norm(cfg, pixel_norm)
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
@@ -185,7 +193,7 @@ class ModelConfig:
             "patch_size": patch_size,
             "dtype": compute_dtype,
             "remat": self.vision_remat,
-            "attention_impl": self.attention_impl,
+            "attention_impl": self.vision_attention_impl or self.attention_impl,
         }
         if self.kind == "decoder":
             return dcfg

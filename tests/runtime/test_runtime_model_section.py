@@ -16,6 +16,20 @@ def test_attention_impl_reaches_every_attention_layer(kind):
         assert model_cfg.vision.attention_impl == "cudnn"
 
 
+@pytest.mark.parametrize("source", ["built", "arch"])
+def test_vision_attention_impl_sets_the_vision_tower_alone(source):
+    """The vision tower's kernel where it differs from the decoder's (cuDNN refuses SigLIP tiles)."""
+    keys = {"arch": "siglip-so400m+qwen2.5-7b"} if source == "arch" else {}
+    cfg = ModelConfig(**keys, attention_impl="cudnn", vision_attention_impl="pallas")
+    model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
+    assert (model_cfg.text.attention_impl, model_cfg.vision.attention_impl) == ("cudnn", "pallas")
+
+
+def test_a_bad_vision_attention_impl_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^model.vision_attention_impl='flash': use one of"):
+        from_dict(TrainConfig, {"model": {"vision_attention_impl": "flash"}})
+
+
 def test_a_bad_attention_impl_is_one_config_error():
     with pytest.raises(ConfigError, match=r"^model.attention_impl='flash': use one of \['xla'"):
         from_dict(TrainConfig, {"model": {"attention_impl": "flash"}})
