@@ -312,8 +312,9 @@ def stage_jits(
     # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
     inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
     xl, yl = _local_spec(inner), _local_spec(fns.y_spec)
-    # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
-    # replica's share of dL/dx summed over "data" (an activation gradient, not the params'). The sum
+    # an x the functions take replicated over "data" (every replica's rows may read all of it; the
+    # MLLM's image features are taken per row, P("data"), so not they) gets every replica's share of
+    # dL/dx summed over "data" (an activation gradient, not the params'). The sum
     # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
     # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
     # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)

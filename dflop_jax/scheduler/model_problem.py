@@ -68,4 +68,6 @@ def model_problem(
         microbatches=microbatches,
         buckets=buckets,
         stage_costs=layout_stage_costs(provider, layout),
+        tiles_by_row=layout.tiles_by_row,
+        row_align=layout.row_align,
     )

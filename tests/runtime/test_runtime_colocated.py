@@ -326,7 +326,7 @@ def test_colocated_schedule_keeps_tiles_on_their_row():
     ]
     costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
     problem = ScheduleProblem(2, 2, 1, (2, 4), BucketSet((4, 8, 12), (256, 512)), costs,
-                              colocated=True)  # fmt: skip
+                              tiles_by_row=True)  # fmt: skip
     schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
     for mb in schedule.microbatches:
         assert mb.tiles_by_row
@@ -383,7 +383,7 @@ def test_colocated_stage_cost_comes_from_the_profiled_colocated_program():
     coloc = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
     apart = MeasuredCostProvider(_table(False), arch, cpu, fit="interpolate")
     problem = ResolvedPlan(COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), coloc).problem()
-    assert problem.num_stages == 2 and problem.colocated
+    assert problem.num_stages == 2 and problem.tiles_by_row
     llm0 = np.array(coloc.stage_time(COLOCATED_LAYOUT.stages[0], 512))
     got = problem.stage_costs(6, 512)
     np.testing.assert_allclose(got[0], llm0 + [3e-3 * 6, 2 * 3e-3 * 6], rtol=1e-9)
@@ -443,13 +443,15 @@ def test_data_blind_schedule_keeps_each_shard_within_the_largest_tile_bucket():
         SampleShape(i, 1, 40) for i in range(2, 8)
     ]
     costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
-    problem = ScheduleProblem(2, 2, 1, (2, 2), BucketSet((4, 8), (256, 512)), costs, colocated=True)
+    problem = ScheduleProblem(
+        2, 2, 1, (2, 2), BucketSet((4, 8), (256, 512)), costs, tiles_by_row=True
+    )
     schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="data_blind"))
     assert sorted(i for mb in schedule.microbatches for i in mb.samples()) == list(range(8))
     for mb in schedule.microbatches:
         assert mb.tiles_by_row and (mb.tile_bucket, mb.length_bucket) == (8, 512)
         assert max(sum(shapes[i].tiles for i in shard) for shard in mb.shards) <= 8
     assert schedule.microbatches[0].shards == ((0, 2, 3), (1,))
-    separate = dataclasses.replace(problem, colocated=False)
+    separate = dataclasses.replace(problem, tiles_by_row=False)
     pooled = schedule_batch(shapes, separate, SchedulerConfig(solver="data_blind"))
     assert pooled.microbatches[0].shards == ((0, 1, 2, 3), ())  # 10 tiles pooled over 2 x 8
