@@ -53,6 +53,12 @@ class ScheduleProblem:
         if self.row_align < 1:
             raise ValueError(f"row_align={self.row_align}: need >= 1")
 
+    @property
+    def tile_shards(self) -> int:
+        """Over how many shards a microbatch's tiles spread, each holding at most the tile bucket:
+        the LLM rows when tiles are packed by row, else the encoder's shards."""
+        return self.llm_dp if self.tiles_by_row else self.encoder_dp
+
 
 def row_tile_slots(tile_bucket: int, encoder_dp: int, llm_dp: int, row_align: int = 1) -> int:
     """Tile slots of one LLM row's block when tiles are packed by row: the row's tile bucket padded

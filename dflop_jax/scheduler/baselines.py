@@ -161,7 +161,7 @@ def maxtext_packer_schedule(
     t0 = time.perf_counter()
     tokens, tiles, table = _prepare(shapes, problem)
     ldp, smax = problem.llm_dp, float(table.lengths[-1])
-    tmax = float(table.tiles[-1]) * problem.encoder_dp
+    tmax = float(table.tiles[-1]) * problem.tile_shards
     row_tiles = max(tmax // ldp, float(tiles.max()))  # a row's share, at least the largest sample
     tok_load: list[float] = []
     tile_load: list[float] = []
@@ -258,7 +258,7 @@ def _repair(bin_of, m, tokens, tiles, problem, table) -> tuple[np.ndarray, int, 
     """Moves samples out of bins over the largest buckets (largest first, to the emptiest bin that
     takes them); samples no bin takes open extra microbatches. Returns (bin_of, microbatches, moves)."""
     ldp, smax = problem.llm_dp, table.lengths[-1]
-    tmax = table.tiles[-1] * problem.encoder_dp
+    tmax = table.tiles[-1] * problem.tile_shards
     moves = 0
     while True:
         nb = m * ldp

@@ -135,7 +135,7 @@ def evaluate(
         need = np.bincount(bin_of, weights=tiles, minlength=m * ldp).reshape(m, ldp).max(axis=1)
     else:
         tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
-        need = np.ceil(tile_load / problem.encoder_dp - 1e-9)
+        need = np.ceil(tile_load / problem.tile_shards - 1e-9)
     over = need > table.tiles[-1]
     if problem.tiles_by_row and over.any():  # infeasible here; the search moves on (obj inf)
         need = np.minimum(need, table.tiles[-1])

@@ -138,7 +138,16 @@ def test_dry_run_transfers_are_the_built_pipelines(llm_dp, llm_tp):
 
 
 def test_features_bytes_do_not_grow_with_llm_dp():
-    """The same 6 tiles: one row of 6 at llm_dp 1, three rows of 2 at llm_dp 3."""
+    """The same 6 tiles: one row of 6 at llm_dp 1, three rows of 2 at llm_dp 3; as built and as
+    `train --dry-run` reports them (its buckets: tiles per row)."""
+    from dflop_jax.contracts import BucketSet
+    from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
+
     one, three = (transfer_bytes_per_microbatch(_pipeline(dp), _microbatch(dp))[0] for dp in (1, 3))
     assert three.forward == one.forward > 0
     assert three.backward == one.backward > 0
+    cfg = llava_onevision_config(VISION, TEXT)
+    dry = [dry_run_bytes(_layout(dp), BucketSet((TILES // dp,), (S,)), cfg, jnp.float32)[0]
+           for dp in (1, 3)]  # fmt: skip
+    assert dry[0] == dry[1] == {"stage": 0, "forward_bytes": one.forward,
+                                "backward_bytes": one.backward}  # fmt: skip
