@@ -151,3 +151,10 @@ def test_features_bytes_do_not_grow_with_llm_dp():
            for dp in (1, 3)]  # fmt: skip
     assert dry[0] == dry[1] == {"stage": 0, "forward_bytes": one.forward,
                                 "backward_bytes": one.backward}  # fmt: skip
+
+
+def test_features_not_in_row_blocks_of_the_stage_are_refused():
+    """Rows of 3 tiles (packed for tp 1) into an LLM stage at tp 2: its blocks would need end
+    padding, which shifts them: refused with a clear message, never silently misplaced."""
+    with pytest.raises(ValueError, match="does not split evenly .* packed for another layout"):
+        transfer_bytes_per_microbatch(_pipeline(2, 2), _microbatch(2, 1))
