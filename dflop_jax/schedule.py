@@ -97,7 +97,7 @@ def run(cfg: ScheduleConfig) -> dict:
     shapes = read_samples_jsonl(cfg.samples)
     counts = (cfg.microbatches[0], cfg.microbatches[-1])
     edp = cfg.encoder_dp or cfg.llm_dp
-    guess = default_buckets(shapes, counts[0], edp, cfg.llm_dp)
+    guess = default_buckets(shapes, counts[0], edp, cfg.llm_dp, by_row=True)  # `model_problem`'s
     buckets = BucketSet(cfg.tile_buckets or guess.tiles, cfg.length_buckets or guess.lengths)
     problem = model_problem(
         cfg.arch, cfg.device, buckets, counts, edp, cfg.llm_dp, cfg.stages, cfg.tp

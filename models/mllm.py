@@ -131,15 +131,24 @@ class LLMStage(nnx.Module):
     ) -> jax.Array:
         """tokens [B,S]; features [T, tokens_per_tile, D] or None (text only); feature_index [B,S](,K).
 
-        per_row: features are [B, F, D], row b's own (indices count within the row; `ColocatedStage`).
+        per_row: the tiles are packed by row, row b's in [b*T/B, (b+1)*T/B), and row b gathers only
+        its own block's features. Indices may stay the data layer's global tile-slot rows: row b's
+        lie in [b*L, (b+1)*L) (L = T/B * tokens_per_tile), so modulo L is the row's own, also where
+        this code sees only some rows (the runtime's per-replica backward runs on each data shard,
+        with that shard's block of tiles). Each row then needs only its own features on its devices.
         """
         h = self.decoder.embed(tokens)
-        if features is None:
+        if features is None or features.shape[0] == 0:
             return h
         newline = self.image_newline[...] if self.cfg.has_newline else None
         features = features.astype(h.dtype)
-        table = features if per_row else flatten_tiles(features)
-        return place_features(h, table, feature_index, newline, feature_weight)
+        if not per_row:
+            return place_features(
+                h, flatten_tiles(features), feature_index, newline, feature_weight
+            )
+        table = features.reshape(tokens.shape[0], -1, features.shape[-1])  # [B, L, D]
+        local = jnp.where(feature_index >= 0, feature_index % table.shape[1], feature_index)
+        return place_features(h, table, local, newline, feature_weight)
 
     def __call__(
         self, h: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
@@ -163,9 +172,9 @@ class ColocatedStage(nnx.Module):
     stage 0's devices (the layout the planner picks when a separate encoder would idle).
 
     The tiles of packed row b sit in tile slots [b*T, (b+1)*T) (T = tiles // rows): the encoder runs
-    data-parallel over the rows' shard axis and each row gathers only its own tiles' features, so
-    with tiles and rows sharded alike no feature crosses shards. `feature_index` / taps keep the data
-    layer's global tile-slot rows (row b's lie in [b*T*tokens_per_tile, (b+1)*T*tokens_per_tile)).
+    data-parallel over the rows' shard axis and each row gathers only its own tiles' features
+    (`LLMStage.embed(per_row=True)`), so with tiles and rows sharded alike no feature crosses
+    shards.
     Params are `encoder` (an `EncoderStage` holding every vision layer and the projector) and `llm`
     (an `LLMStage` with the embedding), the same names and init as `MLLM`'s.
     """
@@ -178,13 +187,8 @@ class ColocatedStage(nnx.Module):
         -> the rows' embeddings with their features placed [B,S,D]."""
         if tiles.shape[0] == 0:
             return self.llm.embed(tokens, None, None)
-        rows = tokens.shape[0]
         features = self.encoder(tiles, tile_pool)  # [B*T, tokens_per_tile, D]
-        features = features.reshape(rows, -1, features.shape[-1])  # [B, T*tokens_per_tile, D]
-        # Row b's global indices lie in [b*L, (b+1)*L): modulo L is the row's own, also where this
-        # code sees only some rows (the runtime's per-replica backward runs on each data shard).
-        local = jnp.where(feature_index >= 0, feature_index % features.shape[1], feature_index)
-        return self.llm.embed(tokens, features, local, feature_weight, per_row=True)
+        return self.llm.embed(tokens, features, feature_index, feature_weight, per_row=True)
 
     def __call__(self, h, segment_ids, positions) -> jax.Array:
         return self.llm(h, segment_ids, positions)

@@ -124,11 +124,16 @@ def evaluate(plan: Plan, batches, scheduler, costs: LayoutCosts, dynamic: bool =
 
 
 def _tiles_per_shard(mb, batch, plan: Plan) -> int:
+    """The microbatch's real tiles in tile-bucket units: the fullest row's, packed by row
+    (`Layout.tiles_by_row`), else an even share of the encoder shards."""
+    if plan.layout.tiles_by_row:
+        return max((sum(batch[i].tiles for i in sh) for sh in mb.shards), default=0)
     return math.ceil(sum(batch[i].tiles for i in mb.samples()) / plan.layout.encoder_dp)
 
 
 def _real_loads(sched: Schedule, batch, plan: Plan) -> list[tuple[int, int]]:
-    """Per microbatch (tiles per encoder shard, tokens of the largest LLM shard) actually present."""
+    """Per microbatch (its tiles in tile-bucket units, tokens of the largest LLM shard) actually
+    present."""
     return [
         (
             _tiles_per_shard(mb, batch, plan),
@@ -139,8 +144,8 @@ def _real_loads(sched: Schedule, batch, plan: Plan) -> list[tuple[int, int]]:
 
 
 def _shard_costs(sched: Schedule, batch, costs: LayoutCosts, plan: Plan) -> np.ndarray:
-    """[M, R, P, 2]: each LLM data-parallel rank's stage costs at its real load (tiles split evenly
-    over the encoder shards); a rank whose load is lighter than another's waits for it."""
+    """[M, R, P, 2]: each LLM data-parallel rank's stage costs at its real load (tiles as
+    `_tiles_per_shard` counts them); a rank whose load is lighter than another's waits for it."""
     out = []
     for mb in sched.microbatches:
         t = _tiles_per_shard(mb, batch, plan)

@@ -119,7 +119,7 @@ def run(cfg: LoaderBenchConfig) -> dict:
     )
     records = load_source(data)
     shapes, meta_rate = measure_metadata(data, records)
-    buckets = default_buckets(shapes, cfg.microbatches, DP, DP, batch_size=cfg.batch)
+    buckets = default_buckets(shapes, cfg.microbatches, DP, DP, batch_size=cfg.batch, by_row=True)
     problem = model_problem("tiny", "cpu", buckets, (1, 2 * cfg.microbatches), DP, DP)
     rows = []
     combos = [(w, d) for w in cfg.workers for d in cfg.decode_workers if not (w and d)]

@@ -79,7 +79,7 @@ def distribution(workload: str, seed: int) -> list[SampleShape]:
 def _problem(workload, dist, n, stages=STAGES):
     m = max(1, n // 32)
     buckets = default_buckets(
-        dist, m, DP, DP, batch_size=n, num_lengths=10, num_tiles=8, growth=2**0.25
+        dist, m, DP, DP, batch_size=n, num_lengths=10, num_tiles=8, growth=2**0.25, by_row=True
     )
     return model_problem(MODELS[workload], "h100", buckets, (m, m), DP, DP, stages, TP), m
 

@@ -15,6 +15,7 @@ from dflop_jax.contracts.schedule import (
     ScheduleFn,
     ScheduleProblem,
     StageCostFn,
+    row_tile_slots,
     schedule_digest,
 )
 from dflop_jax.contracts.shape_distribution import (
@@ -35,6 +36,7 @@ __all__ = [
     "StageCostFn",
     "load_shape_distribution",
     "load_table",
+    "row_tile_slots",
     "save_shape_distribution",
     "save_table",
     "schedule_digest",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -31,8 +32,12 @@ class ScheduleProblem:
       microbatches: allowed microbatch counts (min, max), inclusive.
       buckets: the bucket sets.
       stage_costs: predicted per-stage (fwd, bwd) seconds of a microbatch at given buckets.
-      colocated: the encoder runs on the LLM's data shards (encoder_dp == llm_dp): each sample's tiles
-        go to the shard holding its row, so a microbatch's tile bucket covers its fullest shard.
+      tiles_by_row: each LLM row's samples' tiles fill that row's own block of the microbatch's tile
+        slots (`MicrobatchPlan.tile_slots`), so the first LLM stage gathers features only within a
+        row; the tile bucket is then tiles per ROW and covers the fullest row. Every layout the
+        runtime runs packs so (an encoder colocated on the LLM's shards, or one on its own stages).
+      row_align: a row's block of tile slots is a multiple of this (the first LLM stage's tp, over
+        whose devices the block arrives split; 1 for a colocated encoder).
     """
 
     encoder_dp: int
@@ -41,13 +46,27 @@ class ScheduleProblem:
     microbatches: tuple[int, int]
     buckets: BucketSet
     stage_costs: StageCostFn
-    colocated: bool = False
+    tiles_by_row: bool = False
+    row_align: int = 1
 
     def __post_init__(self):
-        if self.colocated and self.encoder_dp != self.llm_dp:
-            raise ValueError(
-                f"colocated encoder: encoder_dp={self.encoder_dp} must equal llm_dp={self.llm_dp}"
-            )
+        if self.row_align < 1:
+            raise ValueError(f"row_align={self.row_align}: need >= 1")
+
+    @property
+    def tile_shards(self) -> int:
+        """Over how many shards a microbatch's tiles spread, each holding at most the tile bucket:
+        the LLM rows when tiles are packed by row, else the encoder's shards."""
+        return self.llm_dp if self.tiles_by_row else self.encoder_dp
+
+
+def row_tile_slots(tile_bucket: int, encoder_dp: int, llm_dp: int, row_align: int = 1) -> int:
+    """Tile slots of one LLM row's block when tiles are packed by row: the row's tile bucket padded
+    up to a multiple of `row_align` (the block splits evenly over the receiving stage's tp devices)
+    and so that the llm_dp blocks together split evenly over the encoder's encoder_dp shards. The
+    padding sits at the end of each block, so every block starts at row * slots."""
+    step = math.lcm(row_align, encoder_dp // math.gcd(encoder_dp, llm_dp))
+    return -(-tile_bucket // step) * step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,43 +74,65 @@ class MicrobatchPlan:
     """One microbatch: its buckets and which samples each LLM data-parallel shard packs.
 
     Attributes:
-      tile_bucket: T, tiles per encoder shard (all encoder shards use the same T).
+      tile_bucket: T, tiles per encoder shard (all encoder shards use the same T); with
+        `tiles_by_row` tiles per LLM row.
       length_bucket: S, tokens per LLM shard row (all LLM shards use the same S).
       shards: per LLM dp shard, indices into the global batch's sample list, in packing order.
-      tiles_by_row: the encoder is colocated: shard r's samples' tiles fill encoder shard r.
+      tiles_by_row: row r's samples' tiles fill row r's own block of tile slots,
+        [r * R, (r + 1) * R) with R = `row_tile_slots(T, encoder_dp, llm_dp, row_align)`.
+      row_align: see `ScheduleProblem.row_align`.
     """
 
     tile_bucket: int
     length_bucket: int
     shards: tuple[tuple[int, ...], ...]
     tiles_by_row: bool = False
+    row_align: int = 1
 
     def samples(self) -> tuple[int, ...]:
         return tuple(i for shard in self.shards for i in shard)
 
+    def tile_slots(self, encoder_dp: int) -> int:
+        """Tile slots of the microbatch (the encoder's tile axis, split over its encoder_dp shards)."""
+        if not self.tiles_by_row:
+            return encoder_dp * self.tile_bucket
+        rows = len(self.shards)
+        return rows * row_tile_slots(self.tile_bucket, encoder_dp, rows, self.row_align)
+
+    def tile_placement(
+        self, shapes: Sequence[SampleShape], encoder_dp: int
+    ) -> dict[tuple[int, int], int]:
+        """(sample index, tile index) -> tile slot. The encoder's tiles are independent, so without
+        `tiles_by_row` they fill the slots in sample order (a sample's tiles may span encoder
+        shards); with it row r's samples' tiles fill row r's block from its start."""
+        if not self.tiles_by_row:
+            tiles = [(i, t) for i in self.samples() for t in range(shapes[i].tiles)]
+            if len(tiles) > self.tile_slots(encoder_dp):
+                raise ValueError(
+                    f"microbatch has {len(tiles)} tiles > encoder_dp {encoder_dp} x tile bucket "
+                    f"{self.tile_bucket}"
+                )
+            return {it: k for k, it in enumerate(tiles)}
+        block = self.tile_slots(encoder_dp) // len(self.shards)
+        out = {}
+        for r, shard in enumerate(self.shards):
+            tiles = [(i, t) for i in shard for t in range(shapes[i].tiles)]
+            if len(tiles) > self.tile_bucket:
+                raise ValueError(
+                    f"microbatch packed by row: row {r} has {len(tiles)} tiles > tile bucket "
+                    f"{self.tile_bucket}"
+                )
+            out.update({it: r * block + k for k, it in enumerate(tiles)})
+        return out
+
     def encoder_tiles(
         self, shapes: Sequence[SampleShape], encoder_dp: int
     ) -> list[list[tuple[int, int]]]:
-        """Tiles per encoder shard as (sample index, tile index), filled in order: shard 0 up to T, ...
-
-        The encoder's tiles are independent, so any sample's tiles may be split across shards; with
-        `tiles_by_row` shard r holds exactly the tiles of LLM shard r's samples (so the colocated
-        encoder's features stay on the shard that places them).
-        """
-        if self.tiles_by_row:
-            out = [[(i, t) for i in shard for t in range(shapes[i].tiles)] for shard in self.shards]
-            if len(out) != encoder_dp or max(map(len, out), default=0) > self.tile_bucket:
-                raise ValueError(
-                    f"colocated microbatch: shard tiles {[len(o) for o in out]} over encoder_dp="
-                    f"{encoder_dp} shards of tile bucket {self.tile_bucket}"
-                )
-            return out
+        """Tiles per encoder shard as (sample index, tile index), in slot order (`tile_placement`)."""
+        per_shard = self.tile_slots(encoder_dp) // encoder_dp
         out: list[list[tuple[int, int]]] = [[] for _ in range(encoder_dp)]
-        slot = 0
-        for i in self.samples():
-            for t in range(shapes[i].tiles):
-                out[slot // self.tile_bucket].append((i, t))
-                slot += 1
+        for it, slot in sorted(self.tile_placement(shapes, encoder_dp).items(), key=lambda x: x[1]):
+            out[slot // per_shard].append(it)
         return out
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from dflop_jax.contracts.schedule import row_tile_slots
+
 Module = Literal["encoder", "llm"]
 
 
@@ -114,3 +116,27 @@ class Layout:
     @property
     def llm_dp(self) -> int:
         return self.llm_stages[0].dp
+
+    @property
+    def tiles_by_row(self) -> bool:
+        """Whether microbatches pack each LLM row's tiles in the row's own block of tile slots
+        (`MicrobatchPlan.tiles_by_row`, tile buckets per row): every layout the runtime runs, an
+        encoder on its own stages (the first LLM stage then receives each row only its own
+        samples' features) or colocated at LLM stage 0's tp and dp (each shard encodes its own
+        row's tiles). Not an encoder colocated at its own tp (`colocated_encoder_tp`), which the
+        planner alone models, its tiles split over its replicas as one pool."""
+        return self.colocated_encoder_tp is None
+
+    @property
+    def row_align(self) -> int:
+        """A row's block of tile slots is a multiple of this: the first LLM stage's tp, over whose
+        devices each row's features arrive split (1 colocated: the features never leave the shard)."""
+        return self.llm_stages[0].tp if self.encoder_stages else 1
+
+    def encoder_tiles(self, tile_bucket: int) -> int:
+        """Tiles per encoder shard of a microbatch at `tile_bucket`: the bucket itself, or packed by
+        row, llm_dp row blocks (`row_tile_slots`) split over the encoder's shards."""
+        if not self.tiles_by_row:
+            return tile_bucket
+        row = row_tile_slots(tile_bucket, self.encoder_dp, self.llm_dp, self.row_align)
+        return self.llm_dp * row // self.encoder_dp

@@ -11,10 +11,10 @@ In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count)
 policy "recompute" the runtime's backward recomputes its stage's forward from the saved stage INPUT
 (`runtime/stages.py`), so a microbatch waiting for its backward holds only that input: x (the
 previous stage's output, or the packed tiles, or on the first LLM stage of an MLLM the image features
-of every data shard's row, split over the stage's dp x tp devices as the transfer delivers them) and
-its side arrays (token ids, segment ids, positions, targets, loss mask, feature taps). That stage's
-program gathers the features in its mesh: the whole copy (and in the backward its gradient) is
-transient. Under "all" / "layers" an inner stage's microbatch holds its residuals INSTEAD (`_held`):
+of the device's own row, split over the row's tp devices as the transfer delivers them) and its side
+arrays (token ids, segment ids, positions, targets, loss mask, feature taps). That stage's program
+gathers each row's features over its tp devices: the row's copy (and in the backward its gradient)
+is transient. Under "all" / "layers" an inner stage's microbatch holds its residuals INSTEAD (`_held`):
 every layer's, or each layer's input and bf16 weight slice with layer remat, and those of the parts
 around the layers (the patch pixels, the projector's, the feature placement's), which then leave
 the transient; the driver drops the input once the saving forward has run, so only one
@@ -508,11 +508,11 @@ def llm_stage_memory(
     if stage.has_embedding:
         n_params += embed
         inputs += tokens * 4  # token ids
-        if arch.vision is not None:  # image features of every data shard's row
+        if arch.vision is not None:  # image features of the device's own row (at most a row)
             inputs += tokens * (4 + 2 * 4 * FEATURE_TAPS)  # feature index, taps and weights
-            features = stage.dp * tokens * m.hidden_size * cb
-            inputs += features / stage.num_devices  # as they arrive: split over the devices
-            temp += features if stage.num_devices > 1 else 0.0  # gathered in the stage's mesh
+            features = tokens * m.hidden_size * cb
+            inputs += features / tp  # as they arrive: the row's block split over its tp devices
+            temp += features if tp > 1 else 0.0  # gathered over the row's tp devices
             temp += features if role.input_grad and not forward else 0.0  # their gradient
             placed = tokens * _placement_bytes_per_token(m.hidden_size, cb)
             temp += placed if not forward else 0.0

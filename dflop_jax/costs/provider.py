@@ -307,7 +307,10 @@ def colocated_encoder_time(
 
 
 def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list[int]:
-    return [tile_bucket if s.module == "encoder" else length_bucket for s in layout.stages]
+    """Each stage's bucket: an encoder stage's tiles per shard (`Layout.encoder_tiles`: with tiles
+    packed by row, llm_dp padded row blocks over the encoder's shards), an LLM stage's length."""
+    tiles = layout.encoder_tiles(tile_bucket)
+    return [tiles if s.module == "encoder" else length_bucket for s in layout.stages]
 
 
 def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
@@ -329,7 +332,7 @@ def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
                 [provider.stage_time(s, b) for s, b in zip(stages, buckets)], dtype=np.float64
             )
             if coloc is not None:
-                out[0] += colocated_encoder_time(provider, coloc, key[0])
+                out[0] += colocated_encoder_time(provider, coloc, layout.encoder_tiles(key[0]))
             out.setflags(write=False)
             cache[key] = out
         return cache[key]
@@ -351,19 +354,21 @@ def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, flo
 
     across: what its busiest device sends or receives over the link between the stages. Between
     stages of one module each device of the next stage takes its own shard: 1. The encoder's
-    features [encoder_dp * T, ...] go to the first LLM stage once, their tile axis split over its
-    L = dp x tp devices (`runtime/model_stages.py`, padded to a multiple of L): each LLM device
-    receives ceil(encoder_dp * T / L) tiles, each encoder shard of T tiles leaves from its tp
+    features [encoder_dp * T, ...] (T = `bucket`, tiles per encoder shard) go to the first LLM
+    stage once, packed by row (`Layout.tiles_by_row`): row r's block of tiles split over the tp
+    devices of LLM row r (`runtime/model_stages.py`), so each LLM device receives
+    encoder_dp * T / (dp x tp) tiles, and each encoder shard of T tiles leaves from its tp
     replicas, about T / tp tiles each (the transfer sends every piece from one replica).
-    within: the in-mesh all-gather inside the LLM stage's program, a ring in which each device
-    receives the L - 1 other blocks (0 where L = 1); dL/dx's reduce-scatter moves the same.
+    within: the in-mesh all-gather of each row's block over its tp devices inside the LLM stage's
+    program, a ring in which each device receives the tp - 1 other pieces of its row's block (0
+    where tp = 1); dL/dx's reduce-scatter moves the same.
     """
     a, b = layout.stages[index], layout.stages[index + 1]
     if not (a.module == "encoder" and b.module == "llm") or bucket < 1:
         return 1.0, 0.0
     block = -(-a.dp * bucket // b.num_devices)  # tiles per LLM device
     sent = -(-bucket // a.tp)  # tiles per encoder device
-    return max(block, sent) / bucket, (b.num_devices - 1) * block / bucket
+    return max(block, sent) / bucket, (b.tp - 1) * block / bucket
 
 
 def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:

@@ -1,16 +1,17 @@
 """Packing processed samples into the static-shape arrays of a schedule (DESIGN section 3).
 
 `pack_global_batch(schedule, samples, shapes, ...)` turns the scheduler's answer for one global batch into
-`PackedMicrobatch`es: encoder tiles placed per encoder data-parallel shard in the order
-`MicrobatchPlan.encoder_tiles()` gives, and one packed LLM row per LLM shard (segment ids, positions
+`PackedMicrobatch`es: encoder tiles placed in the slots `MicrobatchPlan.tile_placement()` gives (packed
+by row, row r's samples' tiles in row r's own block of slots), and one packed LLM row per LLM shard (segment ids, positions
 restarting per sample, next-token targets of the same sample, assistant-only loss mask, and the indices
 that place image features into the row).
 
 Multi-host: with a `HostShardSpec`, only the host's own shards are filled in. The arrays keep their GLOBAL
-shapes (encoder `encoder_dp * T` rows, LLM `llm_dp` rows), so a process places them on a stage mesh that
+shapes (encoder `MicrobatchPlan.tile_slots` rows, LLM `llm_dp` rows), so a process places them on a stage mesh that
 spans hosts exactly as a single process would (each process writes only the shards its devices hold);
 other hosts' rows stay zero and cost no memory (untouched pages of `np.zeros`). `feature_index` holds
-global tile-slot rows, because the encoder features of the whole microbatch reach the LLM's first stage.
+global tile-slot rows (slot * tokens_per_tile + j); packed by row, row r's lie in its own block, which
+the first LLM stage takes modulo the block (`models.mllm.LLMStage.embed`).
 Samples a host does not need may be `None` in `samples`; their slots are computed from `shapes`, so every
 host agrees on the placement. `HostShardSpec.from_meshes` gives a process its shards from the stage
 meshes.
@@ -117,21 +118,11 @@ def needed_samples(
 ) -> set[int]:
     """Indices of the samples whose tiles or tokens land on this host's shards in microbatch `plan`."""
     out = {i for r in host.llm_shards for i in plan.shards[r]}
-    placement = _checked_tiles(plan, shapes, encoder_dp)
-    for e in host.encoder_shards:
-        out.update(i for i, _ in placement[e])
+    per_shard = plan.tile_slots(encoder_dp) // encoder_dp
+    mine = set(host.encoder_shards)
+    out.update(i for (i, _), slot in plan.tile_placement(shapes, encoder_dp).items()
+               if slot // per_shard in mine)  # fmt: skip
     return out
-
-
-def _checked_tiles(
-    plan: MicrobatchPlan, shapes: Sequence[SampleShape], encoder_dp: int
-) -> list[list[tuple[int, int]]]:
-    total = sum(shapes[i].tiles for i in plan.samples())
-    if total > encoder_dp * plan.tile_bucket:
-        raise ValueError(
-            f"microbatch has {total} tiles > encoder_dp {encoder_dp} x tile bucket {plan.tile_bucket}"
-        )
-    return plan.encoder_tiles(shapes, encoder_dp)
 
 
 def pack_microbatch(
@@ -171,22 +162,21 @@ def pack_microbatch(
         raise ValueError(f"feature_taps={feature_taps}: need 0 (plain gather) or K >= 1 taps")
     if len(plan.shards) != llm_dp:
         raise ValueError(f"microbatch has {len(plan.shards)} LLM shards, llm_dp={llm_dp}")
-    T, S = plan.tile_bucket, plan.length_bucket
-    placement = _checked_tiles(plan, shapes, encoder_dp)
-    slot_of = {it: e * T + k for e, tiles in enumerate(placement) for k, it in enumerate(tiles)}
+    S = plan.length_bucket
+    slot_of = plan.tile_placement(shapes, encoder_dp)
+    slots = plan.tile_slots(encoder_dp)
+    per_shard, mine = slots // encoder_dp, set(host.encoder_shards)
 
-    tiles = np.zeros((encoder_dp * T, *tile_shape), np.uint8)
-    tile_valid = np.zeros((encoder_dp * T,), bool)
-    tile_pool = np.zeros((encoder_dp * T,), bool)
-    for e in host.encoder_shards:
-        for k, (i, t) in enumerate(placement[e]):
-            sample = samples[i]
-            if sample is None:
-                continue
-            row = e * T + k
-            tiles[row] = _uint8_tiles(sample)[t]
-            tile_valid[row] = True
-            tile_pool[row] = sample.tile_pool[t]
+    tiles = np.zeros((slots, *tile_shape), np.uint8)
+    tile_valid = np.zeros((slots,), bool)
+    tile_pool = np.zeros((slots,), bool)
+    for (i, t), row in slot_of.items():
+        sample = samples[i]
+        if sample is None or row // per_shard not in mine:
+            continue
+        tiles[row] = _uint8_tiles(sample)[t]
+        tile_valid[row] = True
+        tile_pool[row] = sample.tile_pool[t]
 
     fields = ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index")
     if feature_taps:
@@ -201,12 +191,12 @@ def pack_microbatch(
     # as scheduled (their samples' sizes), this host's as packed (a failed sample is padding).
     remote_tokens = sum(shapes[i].tokens for r, shard in enumerate(plan.shards)
                         if r not in host.llm_shards for i in shard)  # fmt: skip
-    remote_tiles = sum(len(t) for e, t in enumerate(placement) if e not in host.encoder_shards)
+    remote_tiles = sum(1 for row in slot_of.values() if row // per_shard not in mine)
     counts = PackCounts(
         tokens_real=int((mb.segment_ids > 0).sum()) + remote_tokens,
         tokens_computed=llm_dp * S,
         tiles_real=int(tile_valid.sum()) + remote_tiles,
-        tiles_computed=encoder_dp * T,
+        tiles_computed=slots,
         loss_tokens=int(mb.loss_mask.sum()),
     )
     return mb, counts

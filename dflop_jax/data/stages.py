@@ -47,7 +47,8 @@ class PackSpec:
       encoder_dp, llm_dp: data-parallel degrees (from the plan).
       tile_shape: (H, W, 3) of one encoder tile.
       tokens_per_tile: feature rows per tile slot (729 SigLIP-384, 256 InternViT after pixel shuffle).
-      max_tiles: most tiles one sample may have (encoder_dp x largest tile bucket).
+      max_tiles: most tiles one sample may have (the largest tile bucket, times encoder_dp unless
+        tiles are packed by row).
       max_tokens: most LLM tokens one sample may have (largest length bucket).
       feature_taps: K exact feature taps per position (`types.FEATURE_TAPS` for LLaVA-OV, whose
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
@@ -70,7 +71,7 @@ class PackSpec:
             problem.llm_dp,
             tuple(tile_shape),
             tokens_per_tile,
-            problem.encoder_dp * problem.buckets.tiles[-1],
+            problem.buckets.tiles[-1] * (1 if problem.tiles_by_row else problem.encoder_dp),
             problem.buckets.lengths[-1],
             feature_taps,
         )

@@ -34,7 +34,7 @@ def balanced_layout(
     provider, layout: Layout, stage_costs: np.ndarray, tile_bucket: int, length_bucket: int
 ) -> Layout:
     """`layout` with each pipelined module's layers re-split to balance `stage_costs` ([P, 2] at the
-    mean-shape buckets: tiles per encoder shard, tokens per LLM row).
+    mean-shape buckets: the tile bucket, tokens per LLM row).
 
     Returns `layout` itself when no split changes.
     """
@@ -77,7 +77,7 @@ def _with_layers(stage: StageSpec, n: int) -> StageSpec:
 
 def _rebalanced_layout(layout: Layout, totals: np.ndarray, slopes, buckets: tuple[int, int]):
     e = len(layout.encoder_stages)
-    enc = _rebalanced(layout.encoder_stages, totals[:e], slopes, buckets[0])
+    enc = _rebalanced(layout.encoder_stages, totals[:e], slopes, layout.encoder_tiles(buckets[0]))
     llm = _rebalanced(layout.llm_stages, totals[e:], slopes, buckets[1])
     if enc == layout.encoder_stages and llm == layout.llm_stages:
         return layout

@@ -2,7 +2,8 @@
 
 A microbatch's per-shard load depends on the layout: with G samples per global batch, M microbatches
 and an LLM data-parallel degree l_dp, a packed row holds on average L = G * mean_tokens / (M * l_dp)
-tokens, and an encoder shard T = G * mean_tiles / (M * v_dp) tiles. A ladder of n sizes spans
+tokens, and an encoder shard T = G * mean_tiles / (M * v_dp) tiles, or with tiles packed by row
+(`Layout.tiles_by_row`) a row's block T = G * mean_tiles / (M * l_dp). A ladder of n sizes spans
 [0.8 L, max(largest sample, 1.5 L)] geometrically: dense near L, where most microbatches land, so
 padding stays small. The top is the fixed "max length" a data-blind setup would use too (a one-size
 ladder is just the top), so memory checks of both see the same largest shape. A batch that does not
@@ -72,7 +73,7 @@ def bucket_set(
     llm_dp: int,
     num_buckets: int,
     length_align: int,
-    whole_samples: bool = False,
+    by_row: bool = False,
 ) -> BucketSet:
     """The tile and length ladders for one (global batch, M, dp) combination; see the module docstring.
 
@@ -83,12 +84,15 @@ def bucket_set(
       encoder_dp, llm_dp: data-parallel degrees of the two modules.
       num_buckets: sizes per ladder.
       length_align: length buckets are multiples of this.
-      whole_samples: a sample's tiles stay on one encoder shard (an encoder colocated on the LLM's
-        shards): the largest tile bucket holds the largest sample, not its share of encoder_dp shards.
+      by_row: tiles are packed by LLM row (`Layout.tiles_by_row`): tile buckets count a row's tiles
+        (its share of the llm_dp rows), and the largest holds the largest sample, not its share of
+        encoder_dp shards.
     """
     token_load = global_batch * stats.mean_tokens / (microbatches * llm_dp)
-    tile_load = global_batch * stats.mean_tiles / (microbatches * encoder_dp)
+    tile_load = (
+        global_batch * stats.mean_tiles / (microbatches * (llm_dp if by_row else encoder_dp))
+    )
     lengths = ladder(token_load, stats.max_tokens, num_buckets, length_align)
-    largest = stats.max_tiles if whole_samples else stats.max_tiles / encoder_dp
+    largest = stats.max_tiles if by_row else stats.max_tiles / encoder_dp
     tile_sizes = ladder(tile_load, largest, num_buckets, 1)
     return BucketSet(tiles=tile_sizes, lengths=lengths)

@@ -20,7 +20,6 @@ from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_cos
 from dflop_jax.costs.layout import Layout
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.plan_file import Plan, load_plan, save_plan
-from dflop_jax.planner.scoring import tiles_by_row
 from dflop_jax.planner.search import make_plan
 
 
@@ -45,7 +44,7 @@ class ResolvedPlan:
         costs = layout_stage_costs(self.provider, lay)
         return ScheduleProblem(
             lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
-            colocated=tiles_by_row(lay),
+            tiles_by_row=lay.tiles_by_row, row_align=lay.row_align,
         )  # fmt: skip
 
     def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:

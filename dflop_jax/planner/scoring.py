@@ -95,7 +95,7 @@ def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig)
         lay.llm_dp,
         cand.num_buckets,
         config.length_align,
-        whole_samples=tiles_by_row(lay),
+        by_row=lay.tiles_by_row,
     )
 
 
@@ -156,7 +156,8 @@ def problem_for(
     costs: LayoutCosts, microbatches: tuple[int, int], buckets: BucketSet
 ) -> ScheduleProblem:
     """The scheduling problem a candidate is scored on: the runtime's own (`ResolvedPlan.problem`),
-    a colocated encoder's tiles kept on their rows' shards (the fullest shard sets the tile bucket)."""
+    tiles packed by row where the layout packs so (`Layout.tiles_by_row`: the fullest row sets the
+    tile bucket)."""
     lay = costs.layout
     return ScheduleProblem(
         encoder_dp=lay.encoder_dp,
@@ -165,14 +166,9 @@ def problem_for(
         microbatches=microbatches,
         buckets=buckets,
         stage_costs=costs.stage,
-        colocated=tiles_by_row(lay),
+        tiles_by_row=lay.tiles_by_row,
+        row_align=lay.row_align,
     )
-
-
-def tiles_by_row(layout: Layout) -> bool:
-    """Whether each sample's tiles are encoded on its row's shard: the encoder colocated at LLM stage
-    0's tp and dp (what the runtime colocates), so microbatches keep whole samples per shard."""
-    return not layout.encoder_stages and layout.colocated_encoder_tp is None
 
 
 def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b") -> SimResult:
@@ -235,12 +231,12 @@ def screen_buckets(
     """Per microbatch of the screen, its (tile, length) bucket: the typical batch, sorted, cut into M
     consecutive microbatches (a bucket-aware scheduler groups samples of like length), each at the
     smallest buckets holding its FULLEST shard. A packed row holds whole samples, so that shard holds
-    at least the microbatch's longest sample, and at least the mean load; so does a colocated
-    encoder's shard of tiles kept on their rows (`tiles_by_row`); other encoder shards split the
-    tiles evenly. With about one sample per shard (high dp, few microbatches) the fullest shard is
+    at least the microbatch's longest sample, and at least the mean load; so does a row's block of
+    tiles packed by row (`Layout.tiles_by_row`: the tile bucket is per row); otherwise the encoder
+    shards split the tiles evenly. With about one sample per shard (high dp, few microbatches) the fullest shard is
     the longest sample, not the mean one: a mean-load screen ranks such layouts far too well."""
     lay, out = cand.layout, []
-    by_row = tiles_by_row(lay)
+    by_row = lay.tiles_by_row
     for tok, til in zip(
         *(np.array_split(a, cand.microbatches) for a in (batch.tokens, batch.tiles))
     ):
@@ -248,8 +244,7 @@ def screen_buckets(
             out.append((buckets.tiles[0], buckets.lengths[0]))
             continue
         length = max(tok.sum() / lay.llm_dp, tok.max())
-        tiles = til.sum() / lay.encoder_dp
-        tiles = max(tiles, til.max()) if by_row else tiles
+        tiles = max(til.sum() / lay.llm_dp, til.max()) if by_row else til.sum() / lay.encoder_dp
         out.append((_smallest_at_least(buckets.tiles, math.ceil(tiles - 1e-9)),
                     _smallest_at_least(buckets.lengths, length)))  # fmt: skip
     return out

@@ -181,18 +181,19 @@ def stage_program_at(
     trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: str = "recompute",
 ) -> tuple[str, PartProgram]:
-    """(part, programs) of stage `stage` of `layout` for microbatches of `tiles` tiles per encoder
-    data shard and `length` tokens per LLM row: an encoder stage runs at the tiles, an LLM stage at
-    the length (the first one taking the features of `encoder_dp * tiles` tiles), the colocated
-    stage at both."""
+    """(part, programs) of stage `stage` of `layout` for microbatches at tile bucket `tiles` and
+    `length` tokens per LLM row: an encoder stage runs at its tiles per shard
+    (`Layout.encoder_tiles`), an LLM stage at the length (the first one taking each row's block of
+    features, `encoder_dp` x that / `llm_dp` tiles per row), the colocated stage at both."""
     spec = layout.stages[stage]
     if stage == colocated_stage_index(layout, model_cfg):
         prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
                              trainable=trainable, residuals=residuals)  # fmt: skip
         return "encoder+llm", prog
-    bucket = tiles if spec.module == "encoder" else length
+    per_shard = layout.encoder_tiles(tiles)
+    bucket = per_shard if spec.module == "encoder" else length
     first_llm = spec.module == "llm" and spec.has_embedding and layout.encoder_stages
-    features = layout.encoder_dp * tiles if first_llm else None
+    features = layout.encoder_dp * per_shard // layout.llm_dp if first_llm else None
     prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
                          trainable=trainable, residuals=residuals)  # fmt: skip
     return spec.module, prog

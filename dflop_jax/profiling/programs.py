@@ -19,9 +19,10 @@ shaped and typed as the data layer packs a microbatch (`data.packing.pack_microb
 
 Shapes per dp shard (bucket b): encoder kinds take T = b tiles (pixels [T,H,W,3] for the embedding,
 hidden [T,N,Dv] otherwise); LLM kinds take one packed row of S = b tokens ([1,S] ids, [1,S,D] hidden).
-The LLM embedding part places image features of F = max(1, S // (2 tokens_per_tile)) tiles (half the
-row as image tokens, a typical mix), through the exact feature taps when the model family packs them
-(LLaVA-OV, as `data.loader.pack_taps` does).
+The LLM embedding part places image features of F = max(1, S // (2 tokens_per_tile)) tiles per row
+(half the row as image tokens, a typical mix), packed by row as the trainer packs them (each row's
+block padded to a multiple of tp: `contracts.row_tile_slots`), through the exact feature taps when
+the model family packs them (LLaVA-OV, as `data.loader.pack_taps` does).
 
 The colocated stage (`tile_bucket` given: `models.mllm.ColocatedStage`, built by
 `abstract_stage(..., colocated=True)` as the trainer builds it) takes per data shard T tiles and one
@@ -41,7 +42,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.contracts import MicrobatchPlan
+from dflop_jax.contracts import MicrobatchPlan, row_tile_slots
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
@@ -122,17 +123,20 @@ def _microbatch(
     model_cfg, st, bucket: int, dp: int, features: int, tile_bucket: int | None
 ) -> dict[str, np.ndarray]:
     """An all-padding microbatch of the part's bucket on `dp` data shards, packed by the data layer
-    (its shapes, dtypes); an LLM part places `features` tiles' features; the colocated stage
-    (`tile_bucket` T) packs T tiles per row's shard (`tiles_by_row`)."""
+    (its shapes, dtypes); an LLM part places the features of `features` tiles per row (packed by
+    row, blocks of a multiple of the stage's tp); the colocated stage (`tile_bucket` T) packs T
+    tiles per row's shard (`tiles_by_row`)."""
     from models.internvl import InternVLConfig
 
     v = model_cfg.vision
     enc = st.module == "encoder"
     if tile_bucket is not None:
         plan, enc_dp = MicrobatchPlan(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
+    elif enc:
+        plan, enc_dp = MicrobatchPlan(bucket, 1, ((),) * dp), dp
     else:
-        plan = MicrobatchPlan(bucket if enc else features, 1 if enc else bucket, ((),) * dp)
-        enc_dp = dp if enc else 1
+        plan = MicrobatchPlan(features, bucket, ((),) * dp, tiles_by_row=True, row_align=st.tp)
+        enc_dp = 1
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
     mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=dp,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
@@ -140,11 +144,11 @@ def _microbatch(
     return dataclasses.asdict(mb)
 
 
-def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_row: bool) -> None:
-    """Random pixels and tokens, one sample per row, the second half of the row image features (of
-    the row's own tiles when `by_row`: the colocated stage)."""
+def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
+    """Random pixels and tokens, one sample per row, the second half of the row image features of
+    the row's own block of tiles (packed by row, as the trainer packs)."""
     vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
-    tiles = batch["tiles"].shape[0] // rows if by_row else batch["tiles"].shape[0]
+    tiles = batch["tiles"].shape[0] // rows
     n_features = tiles * model_cfg.tokens_per_tile
     batch["tiles"][...] = rng.integers(0, 256, batch["tiles"].shape, np.uint8)  # uint8, as trained
     batch["tokens"][...] = rng.integers(0, vocab, (rows, length))
@@ -154,7 +158,7 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_
     batch["loss_mask"][...] = 1
     n = min(length // 2, n_features)
     batch["feature_index"][...] = TEXT
-    offset = np.arange(rows)[:, None] * n_features if by_row else 0  # global slot rows, as packed
+    offset = np.arange(rows)[:, None] * n_features  # global slot rows, as packed
     batch["feature_index"][:, length - n :] = offset + np.arange(n)
     if batch["feature_taps"] is not None:
         k = batch["feature_taps"].shape[-1]
@@ -165,8 +169,9 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator, by_
 
 def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool):
     """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first),
-    global over `dp` data shards; the first LLM part's x is the `features` tiles' projected features
-    (none for the colocated stage: it encodes its tiles itself)."""
+    global over `dp` data shards; the first LLM part's x is the projected features of `features`
+    tiles per row, each row's block padded to a multiple of tp (none for the colocated stage: it
+    encodes its tiles itself)."""
     v, t = model_cfg.vision, model_cfg.text
     if colocated:
         return None
@@ -174,7 +179,8 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool
         hidden = (dp * bucket, v.seq_len, v.hidden_size)
         return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))
     if st.has_embedding:  # the projector's features, computed in the vision dtype
-        return (features, model_cfg.tokens_per_tile, t.hidden_size), jnp.dtype(v.dtype)
+        tiles = dp * row_tile_slots(features, 1, dp, st.tp)
+        return (tiles, model_cfg.tokens_per_tile, t.hidden_size), jnp.dtype(v.dtype)
     return (dp, bucket, t.hidden_size), jnp.dtype(t.dtype)
 
 
@@ -228,8 +234,8 @@ def stage_program(
     shard, with inputs. Nothing is compiled.
 
     Args:
-      feature_tiles: tiles whose features the first LLM stage of an MLLM receives (the whole
-        microbatch's, gathered in its mesh); default half the row's tokens as image tokens.
+      feature_tiles: tiles per row whose features the first LLM stage of an MLLM receives (each
+        row's own, gathered over its tp devices); default half the row's tokens as image tokens.
       tile_bucket: T: `spec` (the first LLM stage) is the colocated stage, at T
         tiles and `bucket` tokens per data shard (the trainer's `colocated` stage program).
       trainable: the recipe's trained parts: the programs the stage runs under it (module docstring;
@@ -273,7 +279,7 @@ def stage_program(
         return jax.tree.map(leaf, bp.state)
 
     def make_inputs(rng: np.random.Generator):
-        _fill(batch, model_cfg, rng, colocated)
+        _fill(batch, model_cfg, rng)
         side = {k: jax.device_put(batch[k], a.sharding) for k, a in side_abs.items()}
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 

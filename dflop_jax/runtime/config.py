@@ -238,7 +238,7 @@ class LayoutConfig:
       llm_layers: decoder layers held by each LLM stage (sum = model layers).
       llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
       llm_dp: LLM data-parallel degree.
-      tiles, lengths: bucket sets (tiles per encoder shard, tokens per LLM row).
+      tiles, lengths: bucket sets (tiles per LLM row, packed by row; tokens per LLM row).
       microbatches: (min, max) microbatches per global batch.
     """
 

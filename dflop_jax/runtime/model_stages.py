@@ -20,16 +20,24 @@ stage's own tensors of an HF checkpoint, read slice by slice. A stage with no de
 holds abstract params (ShapeDtypeStructs with shardings).
 
 Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data"):
-  encoder, first:   tiles [v_dp*T, H, W, 3] -> hidden [v_dp*T, N, Dv]
-  encoder, other:   hidden -> hidden; the last one (+ tile_pool) -> features [v_dp*T, tokens_per_tile, D]
+  encoder, first:   tiles [l_dp*R, H, W, 3] -> hidden [l_dp*R, N, Dv] (v_dp*T tiles, T = l_dp*R/v_dp
+                    per encoder shard)
+  encoder, other:   hidden -> hidden; the last one (+ tile_pool) -> features [l_dp*R, tokens_per_tile, D]
   LLM, first:       tokens, segment_ids, positions -> hidden [l_dp, S, D]; in an MLLM also the encoder
                     features as x, placed by feature_index, or by feature_taps / feature_weight
                     [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps).
+                    Tiles are packed BY ROW (`MicrobatchPlan.tiles_by_row`): row r's samples' tiles
+                    fill slots r*R ... (r+1)*R - 1, R the row's tile bucket padded to a multiple of
+                    l_tp and so that v_dp divides l_dp*R (`contracts.row_tile_slots`; the padding
+                    ends each block, so no end padding by `stages.boundary_shape` is needed).
                     The features arrive ONCE, their tile axis split over all the stage's devices
-                    (x_spec P(("data", "model")), padded with zero tiles where l_dp * l_tp does not
-                    divide it: `stages.boundary_shape`); the program all-gathers them in-mesh
-                    (x_compute_spec P(): any packed row may gather any tile's features) and
-                    reduce-scatters dL/dx back, so the boundary carries one copy whatever l_dp.
+                    (x_spec FEATURES_SPEC = P(("data", "model")): row r's block split over row r's
+                    tp devices); the program all-gathers each block over "model" only
+                    (x_compute_spec ROW_FEATURES_SPEC = P("data")) and each row gathers its
+                    features from its own block (`LLMStage.embed(per_row=True)`: feature_index /
+                    taps taken modulo the block, the row-local index). dL/dx comes back the same
+                    way (per row, to its tp devices' pieces). So the boundary carries one copy and
+                    each device holds one row's features whatever l_dp.
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
@@ -62,8 +70,11 @@ from models.stages import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
 # How the first LLM stage of an MLLM takes the encoder features [tiles, tokens_per_tile, D] from the
-# transfer: the tile axis split over every device of its mesh, so one copy crosses the boundary.
+# transfer: the tile axis (packed by row) split over every device of its mesh, so one copy crosses
+# the boundary and row r's block lands on row r's tp devices ...
 FEATURES_SPEC = P(("data", "model"))
+# ... and how its programs compute on them: each row's block gathered over its tp devices only.
+ROW_FEATURES_SPEC = P("data")
 # Where a run's params come from: an int seed (keyed random init) or an HF model directory.
 ParamSource = int | str | os.PathLike
 
@@ -166,7 +177,7 @@ def _llm_fns(
             if colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:
-                x = stage.embed(s["tokens"], x, *_placement(s))
+                x = stage.embed(s["tokens"], x, *_placement(s), per_row=True)
             elif spec.has_embedding:
                 x = stage.embed(s["tokens"])
             return stage, stage(x, s["segment_ids"], s["positions"])
@@ -174,8 +185,8 @@ def _llm_fns(
     x_spec = (FEATURES_SPEC if features else None) if spec.has_embedding else P("data")
     if colocated:
         x_spec = None
-    # the features arrive split over the stage's devices and are gathered in-mesh (module docstring)
-    inner = P() if features and not colocated else None
+    # each row's features arrive split over its tp devices and are gathered over them (docstring)
+    inner = ROW_FEATURES_SPEC if features and not colocated else None
     optional = TAP_KEYS if features else ()
     if not spec.has_head:
         return StageFns(

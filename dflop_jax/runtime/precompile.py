@@ -78,7 +78,13 @@ def bucket_microbatches(problem: ScheduleProblem, data_cfg) -> list[dict[str, np
     out = []
     for t in problem.buckets.tiles:
         for s in problem.buckets.lengths:
-            plan = MicrobatchPlan(t, s, ((),) * problem.llm_dp, tiles_by_row=problem.colocated)
+            plan = MicrobatchPlan(
+                t,
+                s,
+                ((),) * problem.llm_dp,
+                tiles_by_row=problem.tiles_by_row,
+                row_align=problem.row_align,
+            )
             mb, _ = pack_microbatch(plan, [], [], encoder_dp=problem.encoder_dp,
                                     llm_dp=problem.llm_dp, tile_shape=tile_shape,
                                     tokens_per_tile=tokens_per_tile,

@@ -130,7 +130,8 @@ class StageFns:
       x_compute_spec: the spec the functions take x in, when it differs from `x_spec` (None: the
         same): the programs reshard x to it on entry, an in-mesh collective (e.g. the all-gather
         of features that arrive split over the stage's devices), and dL/dx back to `x_spec` (the
-        matching reduce-scatter), so the bytes that cross the stage boundary are one copy.
+        matching reduce-scatter), so the bytes that cross the stage boundary are one copy. Such an
+        x must arrive unpadded (`StageProgram.x_struct` refuses one that would need padding).
       y_spec: PartitionSpec of the stage output y (unused for the last stage).
     """
 
@@ -312,8 +313,9 @@ def stage_jits(
     # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
     inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
     xl, yl = _local_spec(inner), _local_spec(fns.y_spec)
-    # an x replicated over "data" (MLLM image features: any row may gather any tile) gets every
-    # replica's share of dL/dx summed over "data" (an activation gradient, not the params'). The sum
+    # an x the functions take replicated over "data" (every replica's rows may read all of it; the
+    # MLLM's image features are taken per row, P("data"), so not they) gets every replica's share of
+    # dL/dx summed over "data" (an activation gradient, not the params'). The sum
     # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
     # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
     # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
@@ -601,8 +603,16 @@ class StageProgram:
     def x_struct(self, y) -> jax.ShapeDtypeStruct:
         """The stage input made of the previous stage's output `y` (its shape and dtype): on
         `x_sharding`, padded where its devices do not divide an axis (`boundary_shape`). The
-        transfer delivers x as this; dL/dx goes back to y's shape."""
+        transfer delivers x as this; dL/dx goes back to y's shape. An x the stage regathers
+        (`x_compute_spec`: the MLLM's features, in row blocks) must split evenly: end padding
+        would shift its blocks, so a microbatch packed for another layout is refused here."""
         shape = boundary_shape(y.shape, self.x_sharding)
+        if shape != tuple(y.shape) and self.fns.x_compute_spec is not None:
+            raise ValueError(
+                f"stage input {tuple(y.shape)} does not split evenly over {self.x_sharding.spec} "
+                f"on a {dict(self.mesh.shape)} mesh: a microbatch packed for another layout? "
+                "(tiles packed by row: blocks of `contracts.row_tile_slots` tiles per row)"
+            )
         return jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
 
     @property

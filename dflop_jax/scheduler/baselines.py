@@ -8,8 +8,7 @@ baseline's own order) for comparisons against `schedule_batch`'s stage-aware ord
 
 - data-blind (Megatron/MaxText style): microbatches cut in loader order (equal sample counts), in-order
   first-fit of each microbatch's samples into its LLM shards, every microbatch at the LARGEST buckets,
-  fixed count (a colocated encoder: a shard also holds at most the largest tile bucket of its rows'
-  tiles, as its encoder shard encodes exactly them). A sample that no longer fits its microbatch
+  fixed count (tiles packed by row: a row also holds at most the largest tile bucket of tiles). A sample that no longer fits its microbatch
   moves on to the next one; samples left after the last microbatch open extra microbatches
   (`info["extra_microbatches"]`).
 - reference-like (the DFLOP reference's rule): per-sample cost proportional to its predicted work
@@ -79,9 +78,9 @@ def data_blind_schedule(
     t0 = time.perf_counter()
     tokens, tiles, table = _prepare(shapes, problem)
     ldp, smax = problem.llm_dp, float(table.lengths[-1])
-    # A colocated encoder encodes each row's own tiles: the largest tile bucket bounds each shard;
-    # a separate one takes the microbatch's tiles as one pool over its encoder shards.
-    by_row = problem.colocated
+    # Tiles packed by row: the largest tile bucket bounds each row's tiles; otherwise the encoder
+    # takes the microbatch's tiles as one pool over its encoder shards.
+    by_row = problem.tiles_by_row
     tmax = float(table.tiles[-1]) * (1 if by_row else problem.encoder_dp)
     n = len(tokens)
     bounds = np.linspace(0, n, microbatches + 1).round().astype(int)
@@ -162,7 +161,7 @@ def maxtext_packer_schedule(
     t0 = time.perf_counter()
     tokens, tiles, table = _prepare(shapes, problem)
     ldp, smax = problem.llm_dp, float(table.lengths[-1])
-    tmax = float(table.tiles[-1]) * problem.encoder_dp
+    tmax = float(table.tiles[-1]) * problem.tile_shards
     row_tiles = max(tmax // ldp, float(tiles.max()))  # a row's share, at least the largest sample
     tok_load: list[float] = []
     tile_load: list[float] = []
@@ -259,7 +258,7 @@ def _repair(bin_of, m, tokens, tiles, problem, table) -> tuple[np.ndarray, int, 
     """Moves samples out of bins over the largest buckets (largest first, to the emptiest bin that
     takes them); samples no bin takes open extra microbatches. Returns (bin_of, microbatches, moves)."""
     ldp, smax = problem.llm_dp, table.lengths[-1]
-    tmax = table.tiles[-1] * problem.encoder_dp
+    tmax = table.tiles[-1] * problem.tile_shards
     moves = 0
     while True:
         nb = m * ldp

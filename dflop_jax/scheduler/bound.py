@@ -42,7 +42,7 @@ def aggregate_bound(
     pairs = [(t, s) for t, s, _ in table.nondominated()]
     wmax = float(table.w.max()) or 1.0
     wint = [math.floor(table.w[t, s] / wmax * _UNITS) for t, s in pairs]
-    ldp, edp = problem.llm_dp, problem.encoder_dp
+    ldp, edp = problem.llm_dp, problem.tile_shards
     cap_s = [int(table.lengths[s]) * ldp for _, s in pairs]
     cap_t = [int(table.tiles[t]) * edp for t, _ in pairs]
 
@@ -96,10 +96,10 @@ def _dual_bound(
     t = np.repeat(table.tiles[:, None], len(table.lengths), 1).ravel().astype(np.float64)
     w = table.w.ravel()
     a = float(tokens.sum()) / problem.llm_dp
-    bt = float(tiles.sum()) / problem.encoder_dp
+    bt = float(tiles.sum()) / problem.tile_shards
     # the largest sample by tiles and the largest by tokens may differ: each alone forces a pair
     ti, si = table.pair_for(
-        np.array([np.ceil(tiles.max() / problem.encoder_dp - 1e-9), 0.0]),
+        np.array([np.ceil(tiles.max() / problem.tile_shards - 1e-9), 0.0]),
         np.array([0.0, tokens.max()]),
     )
     w_big = float(table.w[ti, si].max())

@@ -37,7 +37,7 @@ def fill_assign(
     subset. Neither wins everywhere (heavy-tailed batches: each is better on some), so the greedy
     tries both.
     """
-    ldp, edp, m = problem.llm_dp, problem.encoder_dp, len(target)
+    ldp, edp, m = problem.llm_dp, problem.tile_shards, len(target)
     tok = tokens.astype(np.int64)
     left = np.ones(len(tok), dtype=bool)
     bin_of = np.full(len(tok), -1, dtype=np.int64)
@@ -85,7 +85,7 @@ def _closest_subset(sizes: np.ndarray, cap: int) -> np.ndarray:
 
 def _place_leftovers(bin_of, left, tokens, tiles, tok_load, tile_load, problem, table):
     """Leftover samples into the least loaded bins that take them, never past the largest buckets."""
-    ldp, edp = problem.llm_dp, problem.encoder_dp
+    ldp, edp = problem.llm_dp, problem.tile_shards
     mb = np.arange(len(tok_load)) // ldp
     for i in np.flatnonzero(left)[np.argsort(-tokens[left], kind="stable")]:
         hard = (tok_load + tokens[i] <= table.lengths[-1]) & (

@@ -84,7 +84,7 @@ def targeted_assign(
     cap_s = np.array([table.lengths[s] for _, s in target], dtype=np.float64)[
         np.arange(m * ldp) // ldp
     ]
-    cap_t = np.array([table.tiles[t] * problem.encoder_dp for t, _ in target], dtype=np.float64)
+    cap_t = np.array([table.tiles[t] * problem.tile_shards for t, _ in target], dtype=np.float64)
     mb = np.arange(m * ldp) // ldp
     key = tokens / max(tokens.mean(), 1.0) + tiles / max(tiles.mean(), 1.0)
     order = np.lexsort((np.arange(len(tokens)), -key))
@@ -99,7 +99,7 @@ def targeted_assign(
             score = np.where(fits, tok_room + (tile_room if tiles[i] > 0 else 0.0), np.inf)
         else:  # overflow least, but never past the largest buckets
             hard = (tok_load + tokens[i] <= table.lengths[-1]) & (
-                tile_load[mb] + tiles[i] <= table.tiles[-1] * problem.encoder_dp
+                tile_load[mb] + tiles[i] <= table.tiles[-1] * problem.tile_shards
             )
             if not hard.any():
                 return None
@@ -125,7 +125,7 @@ class _State:
         self.moves_made = 0
 
     def _pairs(self, ks):
-        need_t = np.ceil(self.tile_load[ks] / self.p.encoder_dp - 1e-9)
+        need_t = np.ceil(self.tile_load[ks] / self.p.tile_shards - 1e-9)
         need_s = self.tok_load.reshape(self.m, self.ldp)[ks].max(axis=1)
         return self.table.pair_for(need_t, need_s)
 
@@ -147,7 +147,7 @@ class _State:
         cheaper = sorted(((w, t, s) for t, s, w in self._pairs_nd if w < cur), reverse=True)
         for _, t, s in cheaper[:_SHRINK_CANDIDATES]:
             moves = self._plan_moves(
-                k, int(self.table.tiles[t]) * self.p.encoder_dp, int(self.table.lengths[s])
+                k, int(self.table.tiles[t]) * self.p.tile_shards, int(self.table.lengths[s])
             )
             if moves is not None:
                 self.ti, self.si = self._pairs(np.arange(self.m))
@@ -189,7 +189,7 @@ class _State:
         tok = self.tok_load.reshape(self.m, self.ldp)
         excess = np.maximum(tok[k] - tok_cap, 0.0).sum()
         room = np.maximum(caps[:, None] - tok, 0.0).sum()
-        tile_caps = self.table.tiles[self.ti].astype(np.float64) * self.p.encoder_dp
+        tile_caps = self.table.tiles[self.ti].astype(np.float64) * self.p.tile_shards
         tile_excess = max(self.tile_load[k] - tile_cap, 0.0)
         tile_room = np.maximum(np.delete(tile_caps - self.tile_load, k), 0.0).sum()
         return excess <= room and tile_excess <= tile_room
@@ -207,7 +207,7 @@ class _State:
             ]
         )
         s_of_bin = self.table.lengths[self.si][self.mb_of_bin].astype(np.float64)
-        t_cap_of_mb = self.table.tiles[self.ti].astype(np.float64) * self.p.encoder_dp
+        t_cap_of_mb = self.table.tiles[self.ti].astype(np.float64) * self.p.tile_shards
         s_of_bin[self.mb_of_bin == k] = tok_cap
         t_cap_of_mb[k] = tile_cap
         for j in order:
@@ -432,7 +432,7 @@ def greedy_schedule(
         raise ValueError(
             f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
             f"microbatches of llm_dp={problem.llm_dp} x {problem.buckets.lengths[-1]} tokens and "
-            f"encoder_dp={problem.encoder_dp} x {problem.buckets.tiles[-1]} tiles: raise the largest "
+            f"{problem.tile_shards} tile shards x {problem.buckets.tiles[-1]} tiles: raise the largest "
             "buckets or the microbatch count"
         )
     return (*best, lb)

@@ -113,7 +113,7 @@ def _repack(best, ks, m, tokens, tiles, problem, table, pairs, wint, budget, see
     wmax = max(w for _, _, w in pairs) or 1.0  # the integer units of `cpsat.int_costs`
     outside_top = int(round(max((w_all[k] for k in outside), default=0.0) / wmax * W_UNITS))
     nb = Neighbourhood(
-        tokens[members], tiles[members], hint, len(ks), ldp, problem.encoder_dp,
+        tokens[members], tiles[members], hint, len(ks), ldp, problem.tile_shards,
         problem.num_stages, outside_top,
     )  # fmt: skip
     return repack(nb, table, pairs, wint, budget.round_deterministic_time, seed), members
@@ -139,7 +139,7 @@ def _pick(best, m, tokens, tiles, problem, table, budget, rng, failed) -> tuple[
 
 def _excess_room(best, m, tokens, tiles, problem, table) -> tuple[np.ndarray, np.ndarray]:
     """Per microbatch: relative excess over its next cheaper bucket pair, and relative room under its own."""
-    ldp, edp = problem.llm_dp, problem.encoder_dp
+    ldp, edp = problem.llm_dp, problem.tile_shards
     tok = np.bincount(best, weights=tokens, minlength=m * ldp).reshape(m, ldp).max(axis=1)
     til = np.bincount(best // ldp, weights=tiles, minlength=m)
     _, w, ti, si = evaluate(best, m, tokens, tiles, problem, table)

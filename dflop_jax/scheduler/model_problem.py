@@ -2,7 +2,9 @@
 
 Stage costs come from the costs package's analytic provider over a simple layout: `encoder_stages`
 encoder stages then `llm_stages` LLM stages, layers split as evenly as possible, one tp degree per
-module. With 0 encoder stages the encoder runs colocated on the first LLM stage.
+module. With 0 encoder stages the encoder runs colocated on the first LLM stage. Tiles are packed by
+row as the runtime packs them (`Layout.tiles_by_row`): give tile buckets per row
+(`default_buckets(..., by_row=True)`).
 """
 
 from __future__ import annotations
@@ -68,4 +70,6 @@ def model_problem(
         microbatches=microbatches,
         buckets=buckets,
         stage_costs=layout_stage_costs(provider, layout),
+        tiles_by_row=layout.tiles_by_row,
+        row_align=layout.row_align,
     )

@@ -131,13 +131,13 @@ def evaluate(
     """Returns (objective, W per microbatch [M], tile-bucket idx [M], length-bucket idx [M])."""
     ldp = problem.llm_dp
     tok_load = np.bincount(bin_of, weights=tokens, minlength=m * ldp).reshape(m, ldp)
-    if problem.colocated:  # tiles stay on their row's shard: the fullest shard sets T
+    if problem.tiles_by_row:  # tiles stay in their row's block: the fullest row sets T
         need = np.bincount(bin_of, weights=tiles, minlength=m * ldp).reshape(m, ldp).max(axis=1)
     else:
         tile_load = np.bincount(bin_of // ldp, weights=tiles, minlength=m)
-        need = np.ceil(tile_load / problem.encoder_dp - 1e-9)
+        need = np.ceil(tile_load / problem.tile_shards - 1e-9)
     over = need > table.tiles[-1]
-    if problem.colocated and over.any():  # infeasible here; the search moves on (obj inf)
+    if problem.tiles_by_row and over.any():  # infeasible here; the search moves on (obj inf)
         need = np.minimum(need, table.tiles[-1])
     ti, si = table.pair_for(need, tok_load.max(axis=1))
     w = table.w[ti, si]
@@ -163,7 +163,8 @@ def to_plans(
             int(table.tiles[ti[k]]),
             int(table.lengths[si[k]]),
             tuple(tuple(s) for s in shards[k]),
-            tiles_by_row=problem.colocated,
+            tiles_by_row=problem.tiles_by_row,
+            row_align=problem.row_align,
         )
         for k in range(m)
     )
@@ -181,15 +182,15 @@ def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
             raise ValueError(
                 f"sample {s.id!r} (index {i}) has {s.tokens} tokens > largest length bucket {b.lengths[-1]}"
             )
-        if s.tiles > problem.encoder_dp * b.tiles[-1]:
+        if not problem.tiles_by_row and s.tiles > problem.encoder_dp * b.tiles[-1]:
             raise ValueError(
                 f"sample {s.id!r} (index {i}) has {s.tiles} tiles > encoder_dp*largest tile bucket "
                 f"{problem.encoder_dp}*{b.tiles[-1]}"
             )
-        if problem.colocated and s.tiles > b.tiles[-1]:
+        if problem.tiles_by_row and s.tiles > b.tiles[-1]:
             raise ValueError(
                 f"sample {s.id!r} (index {i}) has {s.tiles} tiles > largest tile bucket "
-                f"{b.tiles[-1]} (a colocated encoder keeps a sample's tiles on one shard)"
+                f"{b.tiles[-1]} (tiles packed by row keep a sample's tiles in its row's block)"
             )
 
 
@@ -201,7 +202,7 @@ def padding_ratios(
 ) -> dict[str, float]:
     """1 - real / computed, per side (LLM tokens, encoder tiles)."""
     comp_tok = sum(p.length_bucket for p in plans) * problem.llm_dp
-    comp_tile = sum(p.tile_bucket for p in plans) * problem.encoder_dp
+    comp_tile = sum(p.tile_slots(problem.encoder_dp) for p in plans)
     return {
         "padding_tokens": 1.0 - float(tokens.sum()) / comp_tok if comp_tok else 0.0,
         "padding_tiles": 1.0 - float(tiles.sum()) / comp_tile if comp_tile else 0.0,

@@ -1,9 +1,10 @@
-"""Colocated encoder: every sample's tiles on the shard that holds its row (`ScheduleProblem.colocated`).
+"""Tiles packed by row: every sample's tiles in its row's block (`ScheduleProblem.tiles_by_row`).
 
-The greedy and the refinement balance a microbatch's tiles over its shards as one pool (a separate
-encoder takes any tile on any shard). With the encoder colocated on the LLM's shards, a shard encodes
-exactly its own samples' tiles, so the fullest shard sets the microbatch's tile bucket and no shard
-may hold more tiles than the largest bucket. `fit_rows` repairs a finished assignment for that:
+The greedy and the refinement balance a microbatch's tiles over its shards as one pool. Packed by
+row, each LLM row's block of tile slots holds exactly its own samples' tiles (a colocated encoder
+encodes them on the row's shard; a separate one sends each row only its own features), so the
+fullest row sets the microbatch's tile bucket and no row may hold more tiles than the largest
+bucket. `fit_rows` repairs a finished assignment for that:
 
 1. within each microbatch, re-pack its samples over its shards, tiles first (LPT on tiles, ties on
    tokens), kept when it lowers the fullest shard's tiles and no row grows past its length bucket;
@@ -31,8 +32,8 @@ def fit_rows(
     table: CostTable,
 ) -> np.ndarray:
     """`bin_of` (bins k * l_dp + r) with each bin's tiles balanced and, where possible, within the
-    largest tile bucket; unchanged for a problem that is not colocated."""
-    if not problem.colocated:
+    largest tile bucket; unchanged for a problem whose tiles are not packed by row."""
+    if not problem.tiles_by_row:
         return bin_of
     out = bin_of.copy()
     for k in range(m):

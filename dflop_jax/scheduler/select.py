@@ -37,10 +37,10 @@ def finish(
     bin_of, m, tokens, tiles, problem: ScheduleProblem, table: CostTable, min_count: int
 ) -> tuple[np.ndarray, int]:
     """What the runtime gets from a candidate: no empty microbatch, shards balanced (never dearer);
-    with a colocated encoder, each shard's tiles balanced and within the largest bucket (`rows.py`;
+    with tiles packed by row, each row's tiles balanced and within the largest bucket (`rows.py`;
     the token-only balancing, blind to tiles, is then left out)."""
     bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, min_count)
-    if problem.colocated:
+    if problem.tiles_by_row:
         return fit_rows(bin_of, m, tokens, tiles, problem, table), m
     return balance_shards(bin_of, m, tokens, problem.llm_dp), m
 
@@ -67,7 +67,9 @@ def pick_by_makespan(
         obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
         stages.append(table.stage[ti, si])
         objs.append(obj)
-        fresh = sig not in seen and np.isfinite(obj)  # inf: infeasible (colocated tiles)
+        fresh = sig not in seen and np.isfinite(
+            obj
+        )  # inf: infeasible (a row over the largest tile bucket)
         seen.add(sig)
         scores.append(order_microbatches(stages[-1], quick)[1] if fresh else np.inf)
     ranked = sorted(range(1, len(candidates)), key=lambda i: (scores[i], objs[i], i))

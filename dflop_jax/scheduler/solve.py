@@ -118,7 +118,7 @@ def schedule_batch(
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
     if not np.isfinite(obj):
         raise ValueError(
-            f"colocated encoder: no schedule keeps every shard's tiles within the largest tile "
+            f"tiles packed by row: no schedule keeps every row's tiles within the largest tile "
             f"bucket {problem.buckets.tiles[-1]} ({int(tiles.sum())} tiles, llm_dp="
             f"{problem.llm_dp}); raise the largest tile bucket or the microbatch count"
         )

@@ -107,6 +107,7 @@ def default_buckets(
     num_tiles: int = 5,
     multiple: int = 128,
     growth: float = 2**0.5,
+    by_row: bool = False,
 ) -> BucketSet:
     """Geometric (ratio `growth`) bucket sets whose largest covers the largest sample and 1.5x the mean load.
 
@@ -116,14 +117,17 @@ def default_buckets(
       batch_size: samples per global batch (default len(shapes)).
       multiple: length buckets are multiples of this.
       growth: ratio between consecutive buckets (finer buckets: less padding, more compiled programs).
+      by_row: tiles are packed by row (`ScheduleProblem.tiles_by_row`): tile buckets count a row's
+        tiles, the largest covering the largest sample's.
     """
     n = batch_size if batch_size is not None else len(shapes)
     tok = np.array([s.tokens for s in shapes], dtype=np.float64)
     til = np.array([s.tiles for s in shapes], dtype=np.float64)
     mean_bin_tok = tok.mean() * n / (microbatches * llm_dp)
-    mean_mb_tiles = til.mean() * n / (microbatches * encoder_dp)
+    shards = llm_dp if by_row else encoder_dp
+    mean_mb_tiles = til.mean() * n / (microbatches * shards)
     top_s = max(tok.max(), 1.5 * mean_bin_tok)
-    top_t = max(math.ceil(til.max() / encoder_dp), 1.5 * mean_mb_tiles, 1.0)
+    top_t = max(math.ceil(til.max() / (1 if by_row else encoder_dp)), 1.5 * mean_mb_tiles, 1.0)
     lengths = {int(math.ceil(top_s / growth**j / multiple) * multiple) for j in range(num_lengths)}
     tiles = {max(1, int(math.ceil(top_t / growth**j))) for j in range(num_tiles)}
     return BucketSet(tuple(sorted(tiles)), tuple(sorted(x for x in lengths if x > 0)))

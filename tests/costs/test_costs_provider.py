@@ -1,5 +1,7 @@
 """AnalyticCostProvider and the layout helpers: monotonicity, tp scaling, colocated encoder, memory."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -90,10 +92,28 @@ def test_transfer_costs_use_host_boundaries():
     prov = AnalyticCostProvider(ARCH, H100)
     t = layout_transfer_costs(prov, _layout(enc=True, tp=2, dp=2))(8, 8192)
     # encoder (2 devices) + llm0 (4) fit one host; llm0 + llm1 span devices 2..9 -> inter-host.
-    # The 16 feature tiles cross once, 4 to each of llm0's 2 x 2 devices, each encoder device
-    # sending its 8; then llm0 all-gathers them in its mesh (each device receives the other 12).
-    assert t[0] == pytest.approx((8 + 12) * 729 * 3584 * 2 / H100.intra_host_bandwidth)
+    # Tiles packed by row, 8 per row: the 16 feature tiles cross once, 4 to each of llm0's 2 x 2
+    # devices, each encoder device sending its 8; then each row gathers its block over its 2 tp
+    # devices only (each device receives the other 4 tiles of its row, none of the other row's).
+    assert t[0] == pytest.approx((8 + 4) * 729 * 3584 * 2 / H100.intra_host_bandwidth)
     assert t[1] == pytest.approx(8192 * 3584 * 2 / H100.inter_host_bandwidth)
+
+
+def test_encoder_slots_of_tiles_packed_by_row():
+    """Packed by row, tile bucket T counts a row's tiles: the encoder takes llm_dp row blocks, each
+    padded to a multiple of LLM stage 0's tp and so that the encoder's shards split them evenly."""
+    prov = AnalyticCostProvider(ARCH, H100)
+    enc = StageSpec("encoder", 0, 26, tp=1, dp=2, has_embedding=True, has_head=True)
+    llm = StageSpec("llm", 0, 28, tp=2, dp=3, has_embedding=True, has_head=True)
+    lay = Layout((enc,), (llm,))
+    assert lay.tiles_by_row and lay.row_align == 2
+    assert lay.encoder_tiles(3) == 3 * 4 // 2  # rows of 3 tiles pad to 4 (tp 2): 12 slots / 2
+    assert layout_stage_costs(prov, lay)(3, 8192)[0] == pytest.approx(prov.stage_time(enc, 6))
+    wide = Layout((dataclasses.replace(enc, dp=4),), (dataclasses.replace(llm, tp=1),))
+    assert wide.encoder_tiles(3) == 3  # rows of 3 pad to 4 so that 4 encoder shards split 3 rows
+    assert wide.encoder_tiles(4) == 3
+    colocated = Layout((), (llm,))
+    assert colocated.row_align == 1 and colocated.encoder_tiles(3) == 3  # a shard per row
 
 
 def test_layout_memory_in_flight_counts():

@@ -55,12 +55,14 @@ def shape_of(s: ProcessedSample) -> SampleShape:
     return SampleShape(s.id, s.num_tiles, s.num_tokens, s.modality)
 
 
-def check_microbatch(mb, plan, samples, encoder_dp, llm_dp):
-    """Independent check of one packed microbatch against the samples it should hold."""
+def check_microbatch(mb, plan, samples, encoder_dp, llm_dp, slots=None):
+    """Independent check of one packed microbatch against the samples it should hold (`slots`:
+    its tile slots, default encoder_dp x the tile bucket)."""
     T, S = plan.tile_bucket, plan.length_bucket
-    assert mb.tiles.shape == (encoder_dp * T, *TILE)
+    slots = encoder_dp * T if slots is None else slots
+    assert mb.tiles.shape == (slots, *TILE)
     assert mb.tiles.dtype == np.uint8  # pixels cross host -> device as uint8 (normalized on device)
-    assert mb.tile_valid.shape == mb.tile_pool.shape == (encoder_dp * T,)
+    assert mb.tile_valid.shape == mb.tile_pool.shape == (slots,)
     for name in ("tokens", "segment_ids", "positions", "targets", "loss_mask", "feature_index"):
         assert getattr(mb, name).shape == (llm_dp, S), name
     # Every sample tile appears exactly once among valid slots.
@@ -125,6 +127,36 @@ def test_hand_built_microbatch():
     assert stats.tiles_real == 5 and stats.tiles_computed == 6
     want_loss = sum(int(s.assistant_mask[1:].sum()) for s in samples)
     assert stats.loss_tokens == want_loss == int(mb.loss_mask.sum())
+
+
+def test_tiles_packed_by_row_stay_in_their_rows_blocks():
+    """Packed by row at tile bucket 3 (tiles per row), LLM dp 3 x tp 2, encoder dp 2: each row's
+    block pads to 4 slots (a multiple of tp 2, and 3 x 4 = 12 slots split over 2 encoder shards),
+    row r's samples' tiles fill slots 4r.. and its feature indices point into its own block only;
+    a host with encoder shard 1 packs slots 6..11 (rows 1's last two and row 2's) only."""
+    rng = np.random.default_rng(1)
+    samples = [make_sample(0, 3, 4, rng), make_sample(1, 1, 5, rng), make_sample(2, 2, 3, rng),
+               make_sample(3, 0, 6, rng)]  # fmt: skip
+    plan = MicrobatchPlan(3, 48, ((0,), (1, 2), (3,)), tiles_by_row=True, row_align=2)
+    mb, stats = pack_microbatch(
+        plan, samples, encoder_dp=2, llm_dp=3, tile_shape=TILE, tokens_per_tile=TPT
+    )
+    check_microbatch(mb, plan, samples, 2, 3, slots=12)
+    tags = [tile_tag(t) if v else None for t, v in zip(mb.tiles, mb.tile_valid)]
+    assert tags == [(0, 0), (0, 1), (0, 2), None, (1, 0), (2, 0), (2, 1), None] + [None] * 4
+    for r in range(3):
+        f = mb.feature_index[r][mb.feature_index[r] >= 0]
+        assert ((f >= r * 4 * TPT) & (f < (r + 1) * 4 * TPT)).all()
+    assert stats.tiles_real == 6 and stats.tiles_computed == 12
+    host = HostShardSpec(encoder_shards=(1,), llm_shards=())
+    assert needed_samples(plan, [shape_of(s) for s in samples], 2, host) == {2}
+    local, _ = pack_microbatch(plan, samples, encoder_dp=2, llm_dp=3, tile_shape=TILE,
+                               tokens_per_tile=TPT, host=host)  # fmt: skip
+    assert local.tile_valid.tolist() == [False] * 6 + [True] + [False] * 5  # sample 2, tile 1
+    with pytest.raises(ValueError, match="row 0 has 4 tiles > tile bucket 3"):
+        pack_microbatch(MicrobatchPlan(3, 48, ((0, 1), (2,), (3,)), tiles_by_row=True),
+                        samples, encoder_dp=2, llm_dp=3, tile_shape=TILE,
+                        tokens_per_tile=TPT)  # fmt: skip
 
 
 def test_overflow_is_rejected():

@@ -78,9 +78,11 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
     assert list(load_plan(path).checks) == rounded
 
     meshes = stage_meshes(LAYOUT, jax.devices())
-    features = LAYOUT.encoder_dp * BUCKETS.tiles[-1]
+    # tiles packed by row: the one row's 3 tiles pad to a block of 4 (LLM tp 2), which the
+    # encoder's 2 shards split, 2 tiles each; the LLM stage takes the row's 4 tiles' features
+    features, encoder_tiles = 4, 2
     for check, spec, mesh in zip(plan.checks, LAYOUT.stages, meshes):
-        bucket = BUCKETS.tiles[-1] if spec.module == "encoder" else BUCKETS.lengths[-1]
+        bucket = encoder_tiles if spec.module == "encoder" else BUCKETS.lengths[-1]
         feats = features if spec.module == "llm" and spec.has_embedding else None
         program = _memory_analysis_bytes(spec, mesh, bucket, feats)
         assert check.program_bytes == (program,)
@@ -184,8 +186,9 @@ SAVING_LAYOUT = Layout(
      StageSpec("llm", 2, 2, tp=1, dp=1, has_head=True)),
 )  # fmt: skip
 # 256 tokens: XLA:CPU runs the LLM's attention blocked (flash-like, no saved square), as the model
-# assumes; at 128 it takes the dense path and saves the square the model leaves out.
-SAVING_BUCKETS = BucketSet((2,), (256,))
+# assumes; at 128 it takes the dense path and saves the square the model leaves out. 4 tiles per row
+# (packed by row): 2 per encoder shard, the LLM stage taking the row's 4 tiles' features.
+SAVING_BUCKETS = BucketSet((4,), (256,))
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +222,7 @@ def test_saved_residuals_are_held_by_every_in_flight_microbatch(saving_checks):
     spec, c = SAVING_LAYOUT.stages[1], saving[1]
     assert c.in_flight == 2 and rec[1].residuals == 0
     mesh = stage_meshes(SAVING_LAYOUT, jax.devices())[1]
-    features = SAVING_LAYOUT.encoder_dp * SAVING_BUCKETS.tiles[-1]
+    features = SAVING_BUCKETS.tiles[-1]  # the one row's block (a multiple of tp 2)
     prog = stage_program(CFG, spec, mesh, SAVING_BUCKETS.lengths[-1], jnp.bfloat16, features,
                          residuals="all")  # fmt: skip
     args = (prog.params_abs, prog.x_abs, prog.side_abs)

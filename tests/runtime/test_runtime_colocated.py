@@ -84,9 +84,11 @@ def _taps(rng, fidx, lo, hi):
     return taps.astype(np.int32), weights.astype(np.float32)
 
 
-def _microbatch(rng, rows: int, length: int, tpt: int, *, taps: bool, video: bool) -> dict:
-    """`rows` packed rows of two segments, each placing features of its own tiles only."""
-    per_row = TILES * tpt
+def _microbatch(
+    rng, rows: int, length: int, tpt: int, *, taps: bool, video: bool, tiles: int = TILES
+) -> dict:
+    """`rows` packed rows of two segments, each placing features of its own `tiles` tiles only."""
+    per_row = tiles * tpt
     fidx = np.full((rows, length), -1, np.int32)
     k = min(per_row - 2, length - 8)
     for r in range(rows):  # row r's features: global rows [r*per_row, (r+1)*per_row)
@@ -97,10 +99,10 @@ def _microbatch(rng, rows: int, length: int, tpt: int, *, taps: bool, video: boo
     pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
     tokens = rng.integers(1, TEXT.vocab_size, (rows, length)).astype(np.int32)
     mb = {
-        "tiles": rng.integers(0, 256, (rows * TILES, 28, 28, 3)).astype(np.uint8),
-        "tile_valid": np.ones(rows * TILES, bool),
+        "tiles": rng.integers(0, 256, (rows * tiles, 28, 28, 3)).astype(np.uint8),
+        "tile_valid": np.ones(rows * tiles, bool),
         # video: the last slot of every row is a frame pooled 2x2 after the projector
-        "tile_pool": (np.arange(rows * TILES) % TILES == TILES - 1) & video,
+        "tile_pool": (np.arange(rows * tiles) % tiles == tiles - 1) & video,
         "tokens": tokens,
         "segment_ids": seg,
         "positions": pos,
@@ -133,14 +135,14 @@ def _model(family: str):
         return LlavaOnevision(llava_onevision_config(SIGLIP, TEXT), rngs=nnx.Rngs(0))
 
 
-def _batch(family: str, rows: int, tpt: int) -> list[dict]:
+def _batch(family: str, rows: int, tpt: int, tiles: int = TILES) -> list[dict]:
     """LLaVA-OV: an anyres microbatch with exact taps and a video frame pooled per row, then a
     multi-image one (several tiles per row, plain gathers); InternVL: plain gathers (its features are
     never interpolated). Two input signatures: two compiles per program."""
     rng = np.random.default_rng(1)
     llava = family == "llava_ov"
     return [
-        _microbatch(rng, rows, 40, tpt, taps=t, video=v)
+        _microbatch(rng, rows, 40, tpt, taps=t, video=v, tiles=tiles)
         for t, v in ((llava, llava), (False, False))
     ]
 
@@ -217,8 +219,11 @@ def _restore(ckpt, layout, stages, opts, step):
 def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     """The colocated stage's encoder params AND optimizer moments / step counts map to the model-level
     tree: a separate-encoder run restored from it holds exactly the colocated run's state and computes
-    the same next loss, and a colocated run restored from that run's save holds its state exactly."""
-    batches = [_batch("llava_ov", 2, llava_onevision_config(SIGLIP, TEXT).tokens_per_tile)] * 2
+    the same next loss, and a colocated run restored from that run's save holds its state exactly.
+    4 tiles per row: packed by row for both layouts (SEPARATE's first LLM stage, at tp 2, takes row
+    blocks of a multiple of 2 tiles)."""
+    tpt = llava_onevision_config(SIGLIP, TEXT).tokens_per_tile
+    batches = [_batch("llava_ov", 2, tpt, tiles=4)] * 2
     coloc, coloc_opts = _run(_layout(2, 2), 0)
     _step(coloc, coloc_opts, batches[0])
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)
@@ -326,7 +331,7 @@ def test_colocated_schedule_keeps_tiles_on_their_row():
     ]
     costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
     problem = ScheduleProblem(2, 2, 1, (2, 4), BucketSet((4, 8, 12), (256, 512)), costs,
-                              colocated=True)  # fmt: skip
+                              tiles_by_row=True)  # fmt: skip
     schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
     for mb in schedule.microbatches:
         assert mb.tiles_by_row
@@ -383,7 +388,7 @@ def test_colocated_stage_cost_comes_from_the_profiled_colocated_program():
     coloc = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
     apart = MeasuredCostProvider(_table(False), arch, cpu, fit="interpolate")
     problem = ResolvedPlan(COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), coloc).problem()
-    assert problem.num_stages == 2 and problem.colocated
+    assert problem.num_stages == 2 and problem.tiles_by_row
     llm0 = np.array(coloc.stage_time(COLOCATED_LAYOUT.stages[0], 512))
     got = problem.stage_costs(6, 512)
     np.testing.assert_allclose(got[0], llm0 + [3e-3 * 6, 2 * 3e-3 * 6], rtol=1e-9)
@@ -443,13 +448,15 @@ def test_data_blind_schedule_keeps_each_shard_within_the_largest_tile_bucket():
         SampleShape(i, 1, 40) for i in range(2, 8)
     ]
     costs = lambda t, s: np.array([[1e-3 * t + 1e-5 * s, 2e-3 * t + 2e-5 * s]])  # noqa: E731
-    problem = ScheduleProblem(2, 2, 1, (2, 2), BucketSet((4, 8), (256, 512)), costs, colocated=True)
+    problem = ScheduleProblem(
+        2, 2, 1, (2, 2), BucketSet((4, 8), (256, 512)), costs, tiles_by_row=True
+    )
     schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="data_blind"))
     assert sorted(i for mb in schedule.microbatches for i in mb.samples()) == list(range(8))
     for mb in schedule.microbatches:
         assert mb.tiles_by_row and (mb.tile_bucket, mb.length_bucket) == (8, 512)
         assert max(sum(shapes[i].tiles for i in shard) for shard in mb.shards) <= 8
     assert schedule.microbatches[0].shards == ((0, 2, 3), (1,))
-    separate = dataclasses.replace(problem, colocated=False)
+    separate = dataclasses.replace(problem, tiles_by_row=False)
     pooled = schedule_batch(shapes, separate, SchedulerConfig(solver="data_blind"))
     assert pooled.microbatches[0].shards == ((0, 1, 2, 3), ())  # 10 tiles pooled over 2 x 8

@@ -1,7 +1,8 @@
 """Bytes a built pipeline's transfers move per microbatch (`driver.transfer_bytes_per_microbatch`),
 checked against the collective-permutes of the compiled transfer programs (their HLO), on a tiny
 LLaVA-OV-style MLLM: one encoder stage (dp 2), one LLM stage at (llm_dp, llm_tp) (1, 1), (3, 1) and
-(2, 2) (6 feature tiles over 4 devices: the tile axis arrives padded to 8)."""
+(2, 2), each microbatch holding 6 tiles packed by row (the data layer's all-padding microbatch at
+6 / llm_dp tiles per row; at (2, 2) each row's 3 tiles pad to a block of 4, a multiple of tp)."""
 
 import collections
 import functools
@@ -12,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.provider import boundary_shards
+from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.runtime import transfer as tr
 from dflop_jax.runtime.driver import transfer_bytes_per_microbatch
 from dflop_jax.runtime.mesh import stage_meshes
@@ -29,7 +32,7 @@ TEXT = DecoderConfig(
 VISION = SiglipConfig(
     hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, image_size=28, patch_size=7
 )
-V_DP, T, S, TPT = 2, 3, 32, 16  # encoder dp, tiles per encoder shard, row length, tokens per tile
+V_DP, TILES, S, TPT = 2, 6, 32, 16  # encoder dp, tiles per microbatch, row length, tokens per tile
 HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u8": 1, "pred": 1}
 
 
@@ -43,19 +46,12 @@ def _layout(llm_dp: int, llm_tp: int = 1) -> Layout:
     )
 
 
-def _microbatch(llm_dp: int) -> dict:
-    rows = np.zeros((llm_dp, S), np.int32)
-    return {
-        "tiles": np.zeros((V_DP * T, 28, 28, 3), np.uint8),
-        "tile_valid": np.ones(V_DP * T, bool),
-        "tile_pool": np.zeros(V_DP * T, bool),
-        "tokens": rows,
-        "segment_ids": rows + 1,
-        "positions": rows,
-        "targets": rows,
-        "loss_mask": rows.astype(np.float32),
-        "feature_index": rows - 1,
-    }
+def _microbatch(llm_dp: int, llm_tp: int = 1) -> dict:
+    """The packer's microbatch at TILES / llm_dp tiles per row (tiles packed by row)."""
+    plan = MicrobatchPlan(TILES // llm_dp, S, ((),) * llm_dp, tiles_by_row=True, row_align=llm_tp)
+    mb, _ = pack_microbatch(plan, [], [], encoder_dp=V_DP, llm_dp=llm_dp, tile_shape=(28, 28, 3),
+                            tokens_per_tile=TPT)  # fmt: skip
+    return {k: v for k, v in vars(mb).items() if v is not None}
 
 
 @functools.cache
@@ -98,15 +94,16 @@ def _busiest(program: tr.Transfer) -> int:
 @pytest.mark.parametrize("llm_dp, llm_tp", LLM_MESHES)
 def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp, llm_tp):
     stages = _pipeline(llm_dp, llm_tp)
-    mb = _microbatch(llm_dp)
+    mb = _microbatch(llm_dp, llm_tp)
     (boundary,) = transfer_bytes_per_microbatch(stages, mb)
     enc, llm = stages
-    y = enc.output_struct(None, enc.side_structs(mb))  # features [V_DP * T, TPT, D], dp-sharded
-    assert y.shape == (V_DP * T, TPT, TEXT.hidden_size)
-    x = llm.x_struct(y)  # the tile axis split over all llm_dp * llm_tp devices, padded to divide
+    y = enc.output_struct(None, enc.side_structs(mb))  # features [llm_dp * R, TPT, D], dp-sharded
+    row = -(-TILES // llm_dp // llm_tp) * llm_tp  # each row's block, padded to a multiple of tp
+    assert y.shape == (llm_dp * row, TPT, TEXT.hidden_size)
+    x = llm.x_struct(y)  # the tile axis split over all llm_dp * llm_tp devices, no end padding
     devices = llm_dp * llm_tp
-    assert x.shape == (-(-V_DP * T // devices) * devices, *y.shape[1:])
-    assert x.sharding.shard_shape(x.shape)[0] == x.shape[0] // devices
+    assert x.shape == y.shape
+    assert x.sharding.shard_shape(x.shape)[0] == row // llm_tp
     assert boundary.stage == 0
     assert boundary.forward == _hlo_bytes(y, x) > 0
     y_back = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=enc.y_sharding)
@@ -115,10 +112,11 @@ def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp, llm_tp):
     assert boundary.forward == boundary.backward == y.size * jnp.dtype(y.dtype).itemsize
     # the cost model prices the plan's busiest device (shard units), then the in-mesh gather
     shard = y.size // V_DP * jnp.dtype(y.dtype).itemsize
-    across, within = boundary_shards(_layout(llm_dp, llm_tp), 0, T)
+    across, within = boundary_shards(_layout(llm_dp, llm_tp), 0, y.shape[0] // V_DP)
     assert across * shard == pytest.approx(_busiest(tr._program_of(y, x.sharding, x.shape)))
     block = x.size // devices * jnp.dtype(x.dtype).itemsize
-    assert within * shard == pytest.approx((devices - 1) * block)
+    # the in-mesh gather: each row's block over its tp devices only
+    assert within * shard == pytest.approx((llm_tp - 1) * block)
 
 
 @pytest.mark.parametrize("llm_dp, llm_tp", LLM_MESHES)
@@ -130,15 +128,33 @@ def test_dry_run_transfers_are_the_built_pipelines(llm_dp, llm_tp):
 
     cfg = llava_onevision_config(VISION, TEXT)
     layout = _layout(llm_dp, llm_tp)
-    dry = dry_run_bytes(layout, BucketSet((T,), (S,)), cfg, jnp.float32)
-    (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp, llm_tp), _microbatch(llm_dp))
+    buckets = BucketSet((TILES // llm_dp,), (S,))  # tiles per row
+    dry = dry_run_bytes(layout, buckets, cfg, jnp.float32)
+    (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp, llm_tp), _microbatch(llm_dp, llm_tp))
     assert dry == [{"stage": 0, "forward_bytes": built.forward, "backward_bytes": built.backward}]
     assert built.forward > 0 and built.backward > 0
-    frozen = dry_run_bytes(layout, BucketSet((T,), (S,)), cfg, jnp.float32, ("llm",))
+    frozen = dry_run_bytes(layout, buckets, cfg, jnp.float32, ("llm",))
     assert frozen == [{**dry[0], "backward_bytes": 0}]  # nothing trained before the LLM
 
 
 def test_features_bytes_do_not_grow_with_llm_dp():
+    """The same 6 tiles: one row of 6 at llm_dp 1, three rows of 2 at llm_dp 3; as built and as
+    `train --dry-run` reports them (its buckets: tiles per row)."""
+    from dflop_jax.contracts import BucketSet
+    from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
+
     one, three = (transfer_bytes_per_microbatch(_pipeline(dp), _microbatch(dp))[0] for dp in (1, 3))
     assert three.forward == one.forward > 0
     assert three.backward == one.backward > 0
+    cfg = llava_onevision_config(VISION, TEXT)
+    dry = [dry_run_bytes(_layout(dp), BucketSet((TILES // dp,), (S,)), cfg, jnp.float32)[0]
+           for dp in (1, 3)]  # fmt: skip
+    assert dry[0] == dry[1] == {"stage": 0, "forward_bytes": one.forward,
+                                "backward_bytes": one.backward}  # fmt: skip
+
+
+def test_features_not_in_row_blocks_of_the_stage_are_refused():
+    """Rows of 3 tiles (packed for tp 1) into an LLM stage at tp 2: its blocks would need end
+    padding, which shifts them: refused with a clear message, never silently misplaced."""
+    with pytest.raises(ValueError, match="does not split evenly .* packed for another layout"):
+        transfer_bytes_per_microbatch(_pipeline(2, 2), _microbatch(2, 1))

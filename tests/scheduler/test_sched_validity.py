@@ -208,3 +208,25 @@ def test_baseline_api_runs_all_and_picks_the_strongest():
     assert dflop.objective <= best.objective  # same evaluator, same objective
     with pytest.raises(ValueError, match="unknown baseline"):
         run_baselines(shapes, problem, 2, ["megatron"])
+
+
+def test_tiles_packed_by_row_with_a_separate_encoder():
+    """A separate encoder (dp 1) before an LLM at dp 3 x tp 2, tiles packed by row: each
+    microbatch's tile bucket covers its fullest row (not the encoder's share of the total), and its
+    plans say how its rows' blocks align, which the packer's slots follow (3 rows of the bucket
+    rounded up to a multiple of 2)."""
+    rng = np.random.default_rng(5)
+    shapes = [
+        SampleShape(i, int(rng.integers(0, 6)), int(rng.integers(20, 200))) for i in range(18)
+    ]
+    costs = lambda t, s: np.array([[1e-3 * t, 2e-3 * t], [1e-5 * s, 2e-5 * s]])  # noqa: E731
+    problem = ScheduleProblem(1, 3, 2, (2, 3), BucketSet((3, 5, 8), (256, 512)), costs,
+                              tiles_by_row=True, row_align=2)  # fmt: skip
+    schedule = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
+    assert sorted(i for mb in schedule.microbatches for i in mb.samples()) == list(range(18))
+    for mb in schedule.microbatches:
+        rows = [sum(shapes[i].tiles for i in shard) for shard in mb.shards]
+        smaller = [t for t in problem.buckets.tiles if t < mb.tile_bucket]
+        assert max(rows) <= mb.tile_bucket and all(t < max(rows) for t in smaller)
+        assert mb.tiles_by_row and mb.row_align == 2
+        assert mb.tile_slots(1) == 3 * (-(-mb.tile_bucket // 2) * 2)
