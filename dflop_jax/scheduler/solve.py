@@ -115,6 +115,10 @@ def schedule_batch(
         bin_of, m, order, makespan = _select(
             bin_of, m, pool, tokens, tiles, eff, table, config, info
         )
+    elif problem.tiles_by_row and not np.isfinite(
+        evaluate(bin_of, m, tokens, tiles, eff, table)[0]
+    ):
+        bin_of, m = _fitting(tokens, tiles, eff, table, info)
     obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
     if not np.isfinite(obj):
         raise ValueError(
@@ -153,6 +157,20 @@ def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
         selected_surrogate_pick=best == 0,
     )
     return (*cands[best], order, makespan)
+
+
+def _fitting(tokens, tiles, problem, table, info):
+    """Packed by row, the greedy's surrogate pick may break a row's tile cap that `finish` cannot
+    repair: then every greedy candidate, finished, and the one with the lowest finite surrogate
+    (the first when none fits: `schedule_batch` says so)."""
+    pool: list = []
+    greedy_schedule(tokens, tiles, problem, table, pool)
+    finished = [finish(b, k, tokens, tiles, problem, table, problem.microbatches[0])
+                for b, k, _ in pool]  # fmt: skip
+    objs = [evaluate(b, k, tokens, tiles, problem, table)[0] for b, k in finished]
+    best = int(np.argmin(objs))
+    info["fallback"] = "the surrogate's pick broke a row's tile cap: the best fitting candidate"
+    return finished[best]
 
 
 def _refine(bin_of, m, greedy_obj, lb, tokens, tiles, problem, table, config, stop, info):
