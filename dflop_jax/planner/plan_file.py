@@ -225,8 +225,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 
 def _checked_stage(c: StageCheck, planned: float) -> dict[str, Any]:
-    """A plan.yaml stage's check: compared with the prediction under the policy it was compiled at
-    (`checked_memory_gib`, written where it is not the plan's own "recompute" figure)."""
+    """A plan.yaml stage's check: compared with the memory model's figure under the policy it was
+    compiled at (`checked_memory_gib`); a check that recorded none compares with the plan's own."""
     if not c.predicted:
         return check_to_dict(c, planned)
     return {"checked_memory_gib": round(c.predicted / _GIB, 2), **check_to_dict(c, c.predicted)}
