@@ -35,6 +35,19 @@ TINY_LLAMA3_SCALING = Llama3RopeScaling(
 )
 
 
+def tiny_llava_ov_config():
+    """A 2-layer SigLIP + 2-layer decoder LLaVA-OV config (28 px tiles of 7 px patches: 16 feature
+    rows per tile) for tests of how features move, where the model's size is not the subject."""
+    from models.llava_onevision import llava_onevision_config
+    from models.siglip import SiglipConfig
+
+    text = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    vision = SiglipConfig(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                          image_size=28, patch_size=7)  # fmt: skip
+    return llava_onevision_config(vision, text)
+
+
 def _save(model, path: Path) -> Path:
     model.eval()
     model.save_pretrained(path)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_fixtures import tiny_llava_ov_config
 
 from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import Layout, StageSpec
@@ -21,17 +22,8 @@ from dflop_jax.runtime import transfer as tr
 from dflop_jax.runtime.driver import transfer_bytes_per_microbatch
 from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.model_stages import build_stages
-from models.decoder_config import DecoderConfig
-from models.llava_onevision import llava_onevision_config
-from models.siglip import SiglipConfig
 
-TEXT = DecoderConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=8,
-)  # fmt: skip
-VISION = SiglipConfig(
-    hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, image_size=28, patch_size=7
-)
+CFG = tiny_llava_ov_config()
 V_DP, TILES, S, TPT = 2, 6, 32, 16  # encoder dp, tiles per microbatch, row length, tokens per tile
 HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u8": 1, "pred": 1}
 
@@ -57,8 +49,7 @@ def _microbatch(llm_dp: int, llm_tp: int = 1) -> dict:
 @functools.cache
 def _pipeline(llm_dp: int, llm_tp: int = 1):
     layout = _layout(llm_dp, llm_tp)
-    cfg = llava_onevision_config(VISION, TEXT)
-    return build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
+    return build_stages(CFG, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
 
 
 def _hlo_bytes(x: jax.ShapeDtypeStruct, dst: jax.ShapeDtypeStruct) -> int:
@@ -99,7 +90,7 @@ def test_bytes_per_microbatch_match_the_compiled_programs(llm_dp, llm_tp):
     enc, llm = stages
     y = enc.output_struct(None, enc.side_structs(mb))  # features [llm_dp * R, TPT, D], dp-sharded
     row = -(-TILES // llm_dp // llm_tp) * llm_tp  # each row's block, padded to a multiple of tp
-    assert y.shape == (llm_dp * row, TPT, TEXT.hidden_size)
+    assert y.shape == (llm_dp * row, TPT, CFG.text.hidden_size)
     x = llm.x_struct(y)  # the tile axis split over all llm_dp * llm_tp devices, no end padding
     devices = llm_dp * llm_tp
     assert x.shape == y.shape
@@ -126,14 +117,13 @@ def test_dry_run_transfers_are_the_built_pipelines(llm_dp, llm_tp):
     from dflop_jax.contracts import BucketSet
     from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
 
-    cfg = llava_onevision_config(VISION, TEXT)
     layout = _layout(llm_dp, llm_tp)
     buckets = BucketSet((TILES // llm_dp,), (S,))  # tiles per row
-    dry = dry_run_bytes(layout, buckets, cfg, jnp.float32)
+    dry = dry_run_bytes(layout, buckets, CFG, jnp.float32)
     (built,) = transfer_bytes_per_microbatch(_pipeline(llm_dp, llm_tp), _microbatch(llm_dp, llm_tp))
     assert dry == [{"stage": 0, "forward_bytes": built.forward, "backward_bytes": built.backward}]
     assert built.forward > 0 and built.backward > 0
-    frozen = dry_run_bytes(layout, buckets, cfg, jnp.float32, ("llm",))
+    frozen = dry_run_bytes(layout, buckets, CFG, jnp.float32, ("llm",))
     assert frozen == [{**dry[0], "backward_bytes": 0}]  # nothing trained before the LLM
 
 
@@ -146,8 +136,7 @@ def test_features_bytes_do_not_grow_with_llm_dp():
     one, three = (transfer_bytes_per_microbatch(_pipeline(dp), _microbatch(dp))[0] for dp in (1, 3))
     assert three.forward == one.forward > 0
     assert three.backward == one.backward > 0
-    cfg = llava_onevision_config(VISION, TEXT)
-    dry = [dry_run_bytes(_layout(dp), BucketSet((TILES // dp,), (S,)), cfg, jnp.float32)[0]
+    dry = [dry_run_bytes(_layout(dp), BucketSet((TILES // dp,), (S,)), CFG, jnp.float32)[0]
            for dp in (1, 3)]  # fmt: skip
     assert dry[0] == dry[1] == {"stage": 0, "forward_bytes": one.forward,
                                 "backward_bytes": one.backward}  # fmt: skip

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_fixtures import GROUPS, replica_groups
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models_fixtures import tiny_decoder_config
@@ -56,33 +57,9 @@ def _two_stage_decoder(dp: int) -> Layout:
 LAYOUT_DP3, LAYOUT_DP2 = _two_stage_decoder(3), _two_stage_decoder(2)
 
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=0.5)
-GROUPS = r"\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|mesh\[[^\]]*\] \{[^}]*\}"
 COLLECTIVE = re.compile(
     rf"= (\(.*?\)|\S+) (?:all-reduce|reduce-scatter)(?:-start)?\(.*?replica_groups=({GROUPS}),"
 )
-IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-MESH = re.compile(r"mesh\[([^\]]*)\] \{([^}]*)\}")
-
-
-def _groups(text: str) -> list[list[int]]:
-    """HLO replica groups: explicit ({{0,2},{1,3}}), iota ([2,2]<=[4], [2,2]<=[2,2]T(1,0)) or
-    over named mesh axes (mesh['axis_0'=2,'axis_1'=2] {'axis_0'}: devices varying along those)."""
-    if text.startswith("{"):
-        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([0-9,]*)\}", text)]
-    if m := MESH.fullmatch(text):
-        axes = [(a.split("=")[0].strip("'"), int(a.split("=")[1])) for a in m[1].split(",")]
-        chosen = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m[2]]
-        rest = [i for i in range(len(axes)) if i not in chosen]
-        ids = np.arange(np.prod([n for _, n in axes])).reshape([n for _, n in axes])
-        size = int(np.prod([axes[i][1] for i in chosen]))
-        return ids.transpose(rest + chosen).reshape(-1, size).tolist()
-    m = IOTA.fullmatch(text)
-    assert m, f"unparsed replica groups {text}"
-    shape, dims = [int(i) for i in m[1].split(",")], [int(i) for i in m[2].split(",")]
-    ids = np.arange(np.prod(dims)).reshape(dims)
-    if m[3]:
-        ids = ids.transpose([int(i) for i in m[3].split(",")])
-    return ids.reshape(shape).tolist()
 
 
 def _data_collectives(compiled, tp: int) -> list[str]:
@@ -90,7 +67,7 @@ def _data_collectives(compiled, tp: int) -> list[str]:
     of a (dp, tp) mesh in row-major order: a group with members in two rows crosses "data")."""
     out = []
     for shape, groups in COLLECTIVE.findall(compiled.as_text()):
-        if any(len({d // tp for d in g}) > 1 for g in _groups(groups)):
+        if any(len({d // tp for d in g}) > 1 for g in replica_groups(groups)):
             out.append(shape)
     return out
 
