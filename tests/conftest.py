@@ -10,14 +10,16 @@ from dflop_jax.host_devices import simulate_cpu_devices  # no jax
 simulate_cpu_devices(8)  # and the CPU client's thread pool for them (DESIGN 11)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
-    # The suite's programs are tiny and compile-bound: LLVM's optimizations cost 2-3x the compile
-    # time of a test-sized stage program and save less run time than that. The HLO (fusion, sharding,
-    # collectives, buffer assignment: what the tests inspect) is made before LLVM sees it.
-    # Inherited by every jax process a test starts (`host_devices.own_devices_env` keeps all XLA
-    # flags but the device count).
+    # The suite's programs are tiny and compile-bound. LLVM's optimizations cost 2-3x the compile
+    # time of a test-sized stage program and save less run time than that; XLA:CPU's MLIR fusion
+    # emitters take most of what is left (the legacy emitters compile the demo's 96 stage programs
+    # 2.5x faster; docs/design.md). Sharding, collectives and buffer assignment (what the tests
+    # inspect) are decided in the HLO passes, before code generation. Inherited by every jax process a test starts
+    # (`host_devices.own_devices_env` keeps all XLA flags but the device count).
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        + " --xla_cpu_use_fusion_emitters=false"
     ).strip()
 
 import pytest  # noqa: E402

@@ -96,9 +96,11 @@ _PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[1, 2, 4]", "profi
                   "planner.encoder_pp=[1]", "planner.llm_pp=[1]", "planner.microbatches=[2, 4]",
                   "planner.num_buckets=[2]", "planner.samples=1", "planner.screen_top=2",
                   "planner.top_n=1", "global_batch=8")  # fmt: skip
-# The CI smoke size: one profiled bucket per module (predictions scale with the bucket), 2-layer decoder.
+# The CI smoke size: one profiled bucket per module (predictions scale with the bucket), one planned
+# bucket pair and microbatch count (the fewest programs to compile), 2-layer decoder.
 _PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[1]", "profile.llm_buckets=[256]",
-                  "data.max_tokens=256", "profile.warmup=0", "profile.runs=1")  # fmt: skip
+                  "data.max_tokens=256", "profile.warmup=0", "profile.runs=1",
+                  "planner.num_buckets=[1]", "planner.microbatches=[2]")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
 _SMALL = dict(arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256)
