@@ -12,6 +12,7 @@ separate-encoder layout; the scheduler keeps each sample's tiles on its row's sh
 `layout.encoder_colocated` run and a `plan: auto` run whose planner colocates train end to end (slow)."""
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -128,6 +129,7 @@ def _loss(m, mb):
     return m.loss(*args, feature_weight=mb["feature_weight"])[0]
 
 
+@functools.cache  # not changed by a test (the reference step splits off its state)
 def _model(family: str):
     with jax.default_device(jax.devices()[0]):
         if family == "internvl":
@@ -147,17 +149,36 @@ def _batch(family: str, rows: int, tpt: int, tiles: int = TILES) -> list[dict]:
     ]
 
 
+ROWS = 2  # rows per microbatch at LLM dp 1 and 2: one batch, so one reference step, per family
+
+
+@functools.cache
+def _reference(family: str) -> tuple[float, dict]:
+    """(loss, updated model tree) of the single-device step on `family`'s batch, shared by its
+    layouts (the unsplit model and its batch do not depend on the layout)."""
+    model = _model(family)
+    mbs = _batch(family, ROWS, model.cfg.tokens_per_tile)
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, _loss)
+    enc_layers = model.cfg.vision.num_layers
+    ref_tree = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
+                          [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
+    return ref_loss, jax.device_get(ref_tree)
+
+
 @pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 @pytest.mark.parametrize(
     "family,dp,llm_stages",
     [("llava_ov", 1, 1), ("llava_ov", 2, 2), ("internvl", 2, 1), ("internvl", 1, 2)],
 )  # fmt: skip
 def test_colocated_step_matches_single_device(family, dp, llm_stages):
-    model = _model(family)
+    """At dp 1 the colocated stage's one shard holds both rows (and their 2T tile slots); at dp 2
+    each shard one."""
+    cfg = _model(family).cfg
     layout = _layout(dp, llm_stages)
-    mbs = _batch(family, dp, model.cfg.tokens_per_tile)
+    mbs = _batch(family, ROWS, cfg.tokens_per_tile)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
+    stages = build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
     assert not stages[0].has_x  # the colocated stage takes tiles, not an activation
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
     with no_host_round_trip():
@@ -165,10 +186,7 @@ def test_colocated_step_matches_single_device(family, dp, llm_stages):
     loss = sum(float(x) for x in out.loss)
     apply_updates(opts, out.grads, OPT.clip_norm)
 
-    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, _loss)
-    enc_layers = model.cfg.vision.num_layers
-    ref_tree = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
-                          [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
+    ref_loss, ref_tree = _reference(family)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     got = model_tree(list(layout.stages), [s.params for s in stages], [{} for _ in stages])
     assert_trees_close(got, ref_tree)
@@ -221,9 +239,10 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     tree: a separate-encoder run restored from it holds exactly the colocated run's state and computes
     the same next loss, and a colocated run restored from that run's save holds its state exactly.
     4 tiles per row: packed by row for both layouts (SEPARATE's first LLM stage, at tp 2, takes row
-    blocks of a multiple of 2 tiles)."""
+    blocks of a multiple of 2 tiles). One microbatch (the anyres one) per step: one input signature,
+    so one compile per program; what is checked is the state the layouts map between."""
     tpt = llava_onevision_config(SIGLIP, TEXT).tokens_per_tile
-    batches = [_batch("llava_ov", 2, tpt, tiles=4)] * 2
+    batches = [_batch("llava_ov", 2, tpt, tiles=4)[:1]] * 2
     coloc, coloc_opts = _run(_layout(2, 2), 0)
     _step(coloc, coloc_opts, batches[0])
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)

@@ -13,6 +13,7 @@ when it trains. The colocated layout (encoder on LLM stage 0) trains under the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -167,16 +168,39 @@ def _check_frozen_kept(before, after, trainable):
     assert changed == set(trainable)
 
 
+def _one_signature(mbs: list[dict]) -> list[dict]:
+    """The microbatches of `mbs` at its first microbatch's shapes: one compile per program (the
+    recipes' checks do not depend on the bucket; the placements of other shapes are
+    test_runtime_mllm_pipeline's and test_runtime_colocated's)."""
+    shapes = lambda mb: {k: np.shape(v) for k, v in mb.items() if v is not None}  # noqa: E731
+    return [mb for mb in mbs if shapes(mb) == shapes(mbs[0])]
+
+
+@functools.cache
+def _separate_step(trainable) -> _Run:
+    """The recipe's step on the separate layout, shared by the tests that inspect it."""
+    mbs = _one_signature(sep._batch())
+    return _step(sep._model(), sep.LAYOUT, mbs, sep._llava_loss, trainable)
+
+
 @pytest.fixture(scope="module", params=RECIPE_PARAMS)
 def separate(request):
-    trainable = request.param
-    return trainable, _step(sep._model(), sep.LAYOUT, sep._batch(), sep._llava_loss, trainable)
+    """Only the step's own test takes both recipes: the slow recipe's run is built by one test
+    (under xdist a module fixture is built again on each worker that runs a test taking it)."""
+    return request.param, _separate_step(request.param)
+
+
+@pytest.fixture(scope="module")
+def projector_only():
+    trainable = RECIPES["projector_only"]
+    return trainable, _separate_step(trainable)
 
 
 def test_recipe_step_matches_single_device_with_stop_gradient(separate):
     trainable, run = separate
     stages, out = run.stages, run.out
     _check_step(run, trainable)
+    _check_vision_only_stage(stages)
     # No accumulator for a frozen leaf: the step's gradients are the trained leaves only.
     for stage, grads in zip(stages, out.grads):
         trained = [k for k in jax.tree.leaves(stage.trained) if k]
@@ -218,12 +242,13 @@ def _texts(stage, fn, *args) -> tuple[str, str]:
         return lowered.as_text(), lowered.compile().as_text()
 
 
-def test_vision_only_stage_runs_forward_only(separate):
-    stages = separate[1].stages
+def _check_vision_only_stage(stages):
+    """The vision-only encoder stage 0 has, dispatched and compiled a forward only, outputting only
+    the activation; nothing goes back to it."""
     enc0 = stages[0]
     assert not enc0.trains and not enc0.has_backward and enc0.jits.backward is None
     assert {sig[0] for sig in enc0.signatures} == {"fwd"}  # dispatched: forwards only
-    assert enc0.compiles == 2  # one forward per bucket, no backward
+    assert enc0.compiles == 1  # one forward (one input signature), no backward
     for sig in enc0.signatures:  # what ran: outputs only the activation, no residuals
         x, side = _abstract_args(enc0, sig)
         y = enc0.output_struct(x, side)
@@ -251,10 +276,9 @@ def test_recipe_step_from_saved_residuals_matches_single_device():
     assert {"fwd_res", "bwd_res"} <= kinds[-1]  # the frozen LLM stage before the last
 
 
-def test_frozen_stage_behind_trainable_passes_dx_only(separate):
-    trainable, stages = separate[0], separate[1].stages
-    if trainable != RECIPES["projector_only"]:
-        pytest.skip("only the projector-only run has an LLM frozen behind a trainable stage")
+def test_frozen_stage_behind_trainable_passes_dx_only(projector_only):
+    """Only the projector-only recipe has an LLM stage frozen behind a trainable one."""
+    stages = projector_only[1].stages
     llm0 = stages[2]
     assert not llm0.trains and llm0.input_grad
     params = jax.tree.leaves(llm0.params)
@@ -279,7 +303,9 @@ def test_frozen_stage_behind_trainable_passes_dx_only(separate):
 def test_colocated_recipe_step_matches_single_device(trainable):
     model = colo._model("llava_ov")
     layout = colo._layout(1, 2)
-    mbs = colo._batch("llava_ov", 1, model.cfg.tokens_per_tile)
+    rng = np.random.default_rng(1)  # two anyres microbatches (exact taps, a pooled video frame)
+    mbs = [colo._microbatch(rng, 1, 40, model.cfg.tokens_per_tile, taps=True, video=True)
+           for _ in range(2)]  # fmt: skip
     run = _step(model, layout, mbs, colo._loss, trainable)
     assert run.stages[0].has_backward  # the colocated stage trains the projector
     _check_step(run, trainable)
@@ -346,26 +372,26 @@ def _stage1(tmp_path, name, steps):
     """configs/llava_ov_stage1.yaml (projector only) on an explicit 2 encoder + 2 LLM stage layout."""
     cfg = Path(__file__).parents[2] / "configs" / "llava_ov_stage1.yaml"
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / name}",
-            "compilation_cache=", f"steps={steps}"]  # fmt: skip
+            "compilation_cache=", f"steps={steps}", "checkpoint.every=1"]  # fmt: skip
     return load_config(TrainConfig, cfg, [*STAGE1, *over])
 
 
 @pytest.mark.slow  # over a minute in the fast tier (CI's second tier runs it)
 def test_stage1_recipe_trains_the_projector_only_and_resumes_exactly(tmp_path):
     """The trainer under the LLaVA-OV stage-1 recipe: the vision-only encoder stage runs forward only,
-    4 steps straight == 2, stop, resume to 4 (losses, every param), the frozen parts bit-identical
-    to step 2's, the projector not."""
-    straight = run(_stage1(tmp_path, "a", 4))
-    half = run(_stage1(tmp_path, "b", 2))
-    resumed = run(_stage1(tmp_path, "b", 4))
-    assert resumed.first_step == 2 and half.losses + resumed.losses == straight.losses
+    2 steps straight == 1, stop, resume to 2 (losses, every param: the resumed step starts from the
+    checkpoint's AdamW moments), the frozen parts bit-identical to step 1's, the projector not."""
+    straight = run(_stage1(tmp_path, "a", 2))
+    half = run(_stage1(tmp_path, "b", 1))
+    resumed = run(_stage1(tmp_path, "b", 2))
+    assert resumed.first_step == 1 and half.losses + resumed.losses == straight.losses
     assert {sig[0] for sig in straight.stages[0].signatures} == {"fwd"}
     for a, b in zip(straight.stages, resumed.stages):
         jax.tree.map(np.testing.assert_array_equal, *jax.device_get((a.params, b.params)))
     layout = straight.layout
-    at4 = _tree(layout, straight.stages)
-    at2 = _tree(layout, half.stages)
-    _check_frozen_kept(at2, at4, ("projector",))
+    at2 = _tree(layout, straight.stages)
+    at1 = _tree(layout, half.stages)
+    _check_frozen_kept(at1, at2, ("projector",))
 
 
 # The demo trained under LLaVA-OV stage 1 (`optimizer.trainable=[projector]`), checkpointed and
