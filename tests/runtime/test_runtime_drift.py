@@ -147,7 +147,7 @@ def check_drift_rows(run_dir) -> None:
     """Steps 1..6 logged; regret under the threshold on the image batches, over it on the first
     video batches, under it again on the new layout."""
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 5))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(np.isfinite(r["loss"]) for r in rows)
     regrets = {
         r["plan_regret_step"]: r["plan_regret"] for r in rows if r["plan_regret"] is not None
