@@ -14,8 +14,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # time of a test-sized stage program and save less run time than that; XLA:CPU's MLIR fusion
     # emitters take most of what is left (the legacy emitters compile the demo's 96 stage programs
     # 2.5x faster; docs/design.md). Sharding, collectives and buffer assignment (what the tests
-    # inspect) are decided in the HLO passes, before code generation. Inherited by every jax process a test starts
-    # (`host_devices.own_devices_env` keeps all XLA flags but the device count).
+    # inspect) are decided in the HLO passes, before code generation. Inherited by every jax
+    # process a test starts (`host_devices.own_devices_env` keeps all XLA flags but the device count).
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
