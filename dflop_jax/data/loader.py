@@ -19,7 +19,8 @@ the stages live in `dflop_jax/data/stages.py`):
                              processes when `decode_workers` > 0, `data/decode_pool.py`), then pack
                              uint8 tiles (the first encoder stage normalizes them on device)
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
-  .mp_prefetch(...)          optional worker processes (`num_workers` > 0)
+  .mp_prefetch(...)          optional worker processes (`num_workers` > 0); a batch crosses from a
+                             worker as its arrays (in shared memory) plus a small pickled rest
 
 Skipped records are not replaced: a global batch holds B records minus its skips (`stats.skipped`);
 a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
@@ -46,6 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
+import numpy as np
 
 from dflop_jax.config import ConfigError
 from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
@@ -157,9 +159,10 @@ class Loader:
                 num_threads=1 if prefetch else 0, prefetch_buffer_size=max(prefetch, 1)
             )
         )
+        self._workers = num_workers
         if num_workers:
             _mark_flags_parsed()
-            it_ds = it_ds.mp_prefetch(
+            it_ds = it_ds.map(_arrays_apart).mp_prefetch(
                 grain.MultiprocessingOptions(
                     num_workers=num_workers, per_worker_buffer_size=max(prefetch, 1)
                 )
@@ -182,6 +185,8 @@ class Loader:
     def __next__(self) -> GlobalBatch:
         start = time.perf_counter()
         batch = next(self._it)
+        if self._workers:
+            batch = _arrays_back(*batch)
         if self._place is not None:
             batch = self._place(batch)
         batch.stats = dataclasses.replace(batch.stats, data_wait_s=time.perf_counter() - start)
@@ -238,6 +243,47 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArraySlot:
+    """Where a microbatch array stood: its index in the list that travels beside the batch."""
+
+    index: int
+
+
+def _arrays_apart(batch: GlobalBatch) -> tuple[GlobalBatch, list[np.ndarray]]:
+    """The batch with its microbatch arrays taken out, and those arrays.
+
+    A grain worker hands each leaf ndarray of what it yields to the main process in shared memory and
+    pickles the rest through a pipe. A whole `GlobalBatch` is one leaf (grain does not look inside
+    dataclasses), so megabytes would go through the pipe: slower, and a worker whose queue feeder is
+    still writing one when the loader closes cannot exit until grain kills it 25 s later.
+    """
+    arrays: list[np.ndarray] = []
+
+    def slot(a: np.ndarray) -> _ArraySlot:
+        arrays.append(a)
+        return _ArraySlot(len(arrays) - 1)
+
+    mbs = [
+        dataclasses.replace(
+            mb, **{k: slot(v) for k, v in vars(mb).items() if isinstance(v, np.ndarray)}
+        )
+        for mb in batch.microbatches
+    ]
+    return dataclasses.replace(batch, microbatches=mbs), arrays
+
+
+def _arrays_back(batch: GlobalBatch, arrays: list[np.ndarray]) -> GlobalBatch:
+    """Inverse of `_arrays_apart`."""
+    mbs = [
+        dataclasses.replace(
+            mb, **{k: arrays[v.index] for k, v in vars(mb).items() if isinstance(v, _ArraySlot)}
+        )
+        for mb in batch.microbatches
+    ]
+    return dataclasses.replace(batch, microbatches=mbs)
 
 
 def _mark_flags_parsed() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import shutil
 
 import numpy as np
@@ -128,11 +129,19 @@ def test_real_worker_processes_match_and_resume(synth):
     with loader_for(cfg, records, num_workers=2) as loader:
         head = [next(loader) for _ in range(2)]
         state = json.loads(json.dumps(loader.get_state()))
+        workers = grain_workers()
     with loader_for(cfg, records, num_workers=2) as loader:
         loader.set_state(state)
         tail = [next(loader) for _ in range(3)]
+        workers += grain_workers()
     for a, b in zip(full, head + tail, strict=True):
         assert_same(a, b)
+    # Closing stops each worker: it exits by itself (0), not killed when grain's join times out.
+    assert [p.exitcode for p in workers] == [0] * 4
+
+
+def grain_workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("grain-")]
 
 
 @pytest.mark.slow
