@@ -154,10 +154,10 @@ class Loader:
         self._place = place if num_workers or not prefetch else None
         if place is not None and self._place is None:
             dataset = dataset.map(place)
+        # A worker process fills its own buffer (`per_worker_buffer_size`): no read thread inside it.
+        threads = 1 if prefetch and not num_workers else 0
         it_ds = dataset.to_iter_dataset(
-            grain.ReadOptions(
-                num_threads=1 if prefetch else 0, prefetch_buffer_size=max(prefetch, 1)
-            )
+            grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(prefetch, 1))
         )
         self._workers = num_workers
         if num_workers:
