@@ -787,7 +787,7 @@ class GpuBenchConfig:
 
         bad = [r for r in self.remat if r not in REMAT_MODES]
         require(not bad, "remat", list(self.remat), f"choose from {', '.join(REMAT_MODES)}")
-        from dflop_jax.runtime.stages import RESIDUAL_POLICIES
+        from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 
         bad = [r for r in self.residuals if r not in RESIDUAL_POLICIES]
         require(not bad, "residuals", list(self.residuals),

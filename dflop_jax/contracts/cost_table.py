@@ -30,6 +30,12 @@ that part under the recipe (`runtime.stages.stage_jits` with `trained` / `input_
 part behind a trained one times its dx-only backward, a frozen part with nothing trained before it has
 no backward program (bwd_s 0, memory_bwd empty), a trained part after frozen ones computes no dx.
 `grad_bytes` is the per-device gradient accumulator of the trained leaves (absent: `param_bytes`).
+A table is profiled under one residual policy (`residuals`, RESIDUAL_POLICIES; absent in files written
+before it was recorded, which timed "recompute"): an inner part's programs are the ones a stage under
+that policy trains with, under "all" / "layers" the forward that returns its residuals and the
+backward from them (`residual_bytes`: what the forward hands over per microbatch), under
+"recompute" the forward and the backward that re-runs it. The LLM head part always times the last
+stage's fused program (forward, loss and backward in one, no forward run twice).
 Memory fields are per device, from `compiled.memory_analysis()`; `peak` is XLA's peak when it reports
 one, else argument + output + temp - alias. Entries that could not run have status "skipped" and a
 `reason` (e.g. over device memory, tp does not divide the heads).
@@ -51,6 +57,13 @@ ALL_KINDS = STAGE_KINDS + COLOCATED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
 TRAINABLE_PARTS = ("vision", "projector", "llm")  # what a training recipe trains or freezes
+# What an inner stage keeps per in-flight microbatch for its backward (`runtime.stages` builds them):
+#   "all"        every residual of the stage forward (its `jax.vjp`): the backward runs no forward;
+#   "layers"     the same programs over a stage built with layer remat (`jax.checkpoint` per layer,
+#                the models' `remat="full"`): the residuals are the layer inputs, and the backward
+#                rebuilds one layer's forward at a time;
+#   "recompute"  the stage input only: the backward re-runs the whole stage forward under `jax.vjp`.
+RESIDUAL_POLICIES = ("all", "layers", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +77,8 @@ class CostEntry:
       layers: transformer layers in the program (1 or 2 for *_layers kinds, else 0).
       status: "ok" or "skipped".
       reason: why skipped ("" if ok).
-      fwd_s, bwd_s: median seconds of the forward program and of the backward program (which re-runs
-        the forward under `jax.vjp`, as the runtime's recompute-in-backward stage programs do).
+      fwd_s, bwd_s: median seconds of the forward program and of the backward program, as a stage
+        under the table's residual policy trains (module docstring).
       flops_fwd, flops_bwd, bytes_fwd, bytes_bwd: `compiled.cost_analysis()` "flops" and
         "bytes accessed" (per device for sharded programs).
       memory_fwd, memory_bwd: `compiled.memory_analysis()` bytes per device (MEMORY_FIELDS).
@@ -74,6 +87,8 @@ class CostEntry:
       length: tokens of the packed row of a colocated kind's program (0 for the other kinds).
       grad_bytes: bytes per device of the program's gradient accumulator (its trained leaves, per
         data replica); None: `param_bytes` (every leaf trained: tables written before recipes).
+      residual_bytes: bytes per device the forward hands its backward per microbatch under a saving
+        residual policy (its outputs but y); 0 under "recompute" and for programs that save none.
     """
 
     kind: str
@@ -94,6 +109,7 @@ class CostEntry:
     input_bytes: float = 0.0
     length: int = 0
     grad_bytes: float | None = None
+    residual_bytes: float = 0.0
 
     @property
     def accumulator_bytes(self) -> float:
@@ -129,6 +145,7 @@ class ProfiledCostTable:
     flax_version: str = ""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     trainable: tuple[str, ...] = TRAINABLE_PARTS  # the recipe profiled (module docstring)
+    residuals: str = "recompute"  # the residual policy profiled (module docstring)
     entries: dict[tuple[str, int, int, int], CostEntry] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -136,6 +153,10 @@ class ProfiledCostTable:
         if not self.trainable or not set(self.trainable) <= set(TRAINABLE_PARTS):
             raise ValueError(
                 f"cost table trainable={list(self.trainable)}: a subset of {TRAINABLE_PARTS}"
+            )
+        if self.residuals not in RESIDUAL_POLICIES:
+            raise ValueError(
+                f"cost table residuals={self.residuals!r}: use one of {list(RESIDUAL_POLICIES)}"
             )
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflop_jax.config import InputPath, require
-from dflop_jax.contracts.cost_table import ALL_KINDS
+from dflop_jax.contracts.cost_table import ALL_KINDS, RESIDUAL_POLICIES
 
 # Shape mixes that stand in for a data profile: LLaVA-OV-like (`scheduler.llava_ov_mix`) and the
 # published InternVL statistics (`scheduler.omnibal_shapes`).
@@ -34,6 +34,9 @@ class ProfileSettings:
       statistic: which of the timed runs is kept: "median" (default), or "min" (robust on a machine
         shared with other jobs: the minimum is the uncontended time).
       compute_dtype: dtype of the programs' matmuls ("bfloat16" as in training, or "float32").
+      residuals: the residual policy whose programs are timed (`RESIDUAL_POLICIES`): "all" (what
+        the run's "auto" trains wherever it fits: the forward keeping its residuals, the backward
+        from them), "layers", or "recompute" (the backward re-runs the stage forward).
       memory_limit_bytes: per-device memory; entries whose compiled peak exceeds it are skipped.
     """
 
@@ -47,6 +50,7 @@ class ProfileSettings:
     runs: int = 5
     statistic: str = "median"
     compute_dtype: str = "bfloat16"
+    residuals: str = "all"
     memory_limit_bytes: float = 2 * 2**30
 
     def __post_init__(self):
@@ -67,6 +71,8 @@ class ProfileSettings:
         require(self.warmup >= 0, "profile.warmup", self.warmup, "must be >= 0")
         require(self.compute_dtype in ("bfloat16", "float32"), "profile.compute_dtype",
                 self.compute_dtype, "use 'bfloat16' or 'float32'")  # fmt: skip
+        require(self.residuals in RESIDUAL_POLICIES, "profile.residuals", self.residuals,
+                f"use one of {list(RESIDUAL_POLICIES)}")  # fmt: skip
         require(self.memory_limit_bytes > 0, "profile.memory_limit_bytes",
                 self.memory_limit_bytes, "must be > 0")  # fmt: skip
 

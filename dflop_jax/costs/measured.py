@@ -27,23 +27,26 @@ Frozen stages (a recipe's `trainable`, costs/recipe.py), two ways by the table's
 (`ProfiledCostTable.trainable`):
 - a table profiled with everything trained (and every table written before recipes) times the
   trainable programs only, so under a frozen recipe a forward-only stage's time is the MEASURED
-  forward, a dx-only stage's backward is DERIVED (2/3 of the measured backward), a projector-only
-  encoder head stage's backward is DERIVED (measured stage forward minus head forward, plus the
-  measured head backward); temp stays the trainable program's (an upper bound);
+  forward, a dx-only stage's backward is DERIVED (2/3 of the measured backward; 1/2 from saved
+  residuals), a projector-only encoder head stage's backward is DERIVED (the measured head backward,
+  plus under "recompute" the measured stage forward minus head forward); temp stays the trainable
+  program's (an upper bound) (`costs/recipe.py`, under the table's `residuals`);
 - a table profiled UNDER the recipe (the profiler times each part's programs as the recipe runs
   them) is MEASURED throughout: a stage's backward is the sum of its parts' measured backwards, a
   frozen part with nothing trained before it (no backward program of its own) counting its forward
-  when the stage has a backward program (the stage re-runs its whole forward there), 0 when the
-  stage runs forward only; temp comes from the program the part runs.
+  when the stage has a backward program that re-runs its whole forward (a "recompute" table), 0 when
+  the stage runs forward only or its backward starts from saved residuals; temp comes from the program
+  the part runs.
 A table profiled under one frozen recipe cannot cost another: `with_trainable` raises ValueError.
 grads and optimizer count the trained parts' measured parameter bytes either way.
 
 Memory (per device, in_flight = 1), from `memory_analysis()` of the backward programs, which hold the
 most: params = parameter bytes, grads = the fp32 accumulator (same size), optimizer = AdamW m + v
-(2 x params), activations_per_microbatch = the stage input (x + side arrays: what the runtime keeps per
-in-flight microbatch under recompute-in-backward), temp = the rest of the backward program's peak
-(XLA temporaries, the incoming and outgoing activation gradients), summed over parts (an upper bound:
-parts run inside one program may reuse buffers).
+(2 x params), activations_per_microbatch = what the runtime keeps per in-flight microbatch: the stage
+input (x + side arrays) under "recompute", the parts' residuals (`residual_bytes`) under a saving
+policy, temp = the rest of the backward program's peak (XLA temporaries, the incoming and outgoing
+activation gradients; plus one stage input under a saving policy, the microbatch a forward reads),
+summed over parts (an upper bound: parts run inside one program may reuse buffers).
 
 The colocated encoder (a layout with no encoder stages runs it inside LLM stage 0's program):
 `colocated_encoder_time` is the colocated program's share beyond the LLM embedding, measured = the
@@ -161,6 +164,7 @@ class _Part:
     params: float
     inputs: float
     temp: float
+    residuals: float = 0.0  # what its saving forward hands the backward per microbatch (else 0)
 
 
 class MeasuredCostProvider:
@@ -204,7 +208,8 @@ class MeasuredCostProvider:
     # ------------------------------------------------------------ table access
 
     def _curve(self, kind: str, tp: int, layers: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(buckets [n], values [n, 7]: fwd, bwd, params, inputs, temp, -, -) of the ok entries."""
+        """(buckets [n], values [n, 7]: fwd, bwd, params, inputs, temp, residuals, forward temp) of
+        the ok entries."""
         key = (kind, tp, layers)
         if key not in self._curves:
             buckets = self.table.buckets(kind, tp, layers)
@@ -215,7 +220,15 @@ class MeasuredCostProvider:
                 # the program the part runs: its backward, or its forward when it has none
                 peak = (e.memory_bwd or e.memory_fwd).get("peak", 0.0)
                 temp = max(0.0, peak - params - e.accumulator_bytes - e.input_bytes)
-                rows.append([e.fwd_s, e.bwd_s, params, e.input_bytes, temp])
+                forward_temp = 0.0
+                if e.residual_bytes:  # a saving pair: each program's transient beyond the state,
+                    # the input and the residuals, both kept unclamped (linear in the layers); the
+                    # larger one counts (`_measured_part`), as `compile_check` assembles a stage
+                    kept = e.residual_bytes
+                    temp = peak - params - e.accumulator_bytes - kept
+                    forward_temp = e.memory_fwd.get("peak", 0.0) - params - e.input_bytes - kept
+                rows.append([e.fwd_s, e.bwd_s, params, e.input_bytes, temp, e.residual_bytes,
+                             forward_temp])  # fmt: skip
             self._curves[key] = (
                 (np.array(buckets, dtype=np.float64), np.array(rows, dtype=np.float64))
                 if buckets
@@ -252,7 +265,7 @@ class MeasuredCostProvider:
             value, base = v1 + (layers - 1) * (v2 - v1), 2 * v1 - v2
             how = hows[0] if hows[0] == hows[1] else "extrapolated"
         else:
-            value, base, how = values[0], np.zeros(5), hows[0]
+            value, base, how = values[0], np.zeros(7), hows[0]
         times, base_times = np.maximum(value[:2], 0.0), np.maximum(base[:2], 0.0)
         fit = self._time_fit(kind, tp)
         if fit is not None:  # memory columns stay interpolated: they are exact, not noisy
@@ -261,7 +274,7 @@ class MeasuredCostProvider:
         self._note(kind, how)
         inputs = values[0][3]
         return _Part(times[0], times[1], base_times[0], base_times[1], max(value[2], 0.0), inputs,
-                     max(value[4], 0.0))  # fmt: skip
+                     max(value[4], value[6], 0.0), max(value[5], 0.0))  # fmt: skip
 
     @staticmethod
     def _interp(curve, bucket: int) -> tuple[np.ndarray, str]:
@@ -336,7 +349,7 @@ class MeasuredCostProvider:
             return float(fwd), float(bwd)
         fwd, bwd = self._summed(parts, [p.bwd for p in parts])
         # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
-        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd)
+        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd, self.table.residuals)
         return float(fwd), float(bwd)  # plain floats: plans are written as YAML
 
     @staticmethod
@@ -353,11 +366,13 @@ class MeasuredCostProvider:
     def _recipe_bwds(self, stage: StageSpec, parts: list[_Part], has_backward: bool) -> list[float]:
         """Per part of `stage` under a table profiled under the recipe: its measured backward, or,
         for a part with no backward program of its own, its forward when the stage has a backward
-        program (re-run there) and 0 when the stage runs forward only."""
+        program that re-runs the stage forward ("recompute"), else 0 (forward only, or a backward
+        from saved residuals, which holds none of that part's)."""
         out = []
         for p, (module, part) in zip(parts, _held_parts(stage)):
             own = stage_role(_part_spec(module, part, stage), self.trainable, self._multimodal)
-            out.append(p.bwd if own.kind != "forward" else (p.fwd if has_backward else 0.0))
+            rerun = has_backward and self.table.residuals == "recompute"
+            out.append(p.bwd if own.kind != "forward" else (p.fwd if rerun else 0.0))
         return out
 
     def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
@@ -398,7 +413,8 @@ class MeasuredCostProvider:
             return float(fwd), float(bwd)
         role = stage_role(encoder, self.trainable, self._multimodal)
         head = self._parts(StageSpec("encoder", 0, 0, tp=encoder.tp, has_head=True), tiles)[0]
-        return float(fwd), float(colocated_backward(role, fwd, bwd, head.fwd, head.bwd))
+        bwd = colocated_backward(role, fwd, bwd, head.fwd, head.bwd, self.table.residuals)
+        return float(fwd), float(bwd)
 
     def stage_memory(self, stage: StageSpec, bucket: int) -> StageMemory:
         if bucket <= 0:
@@ -410,14 +426,19 @@ class MeasuredCostProvider:
             sum(p.params for p, name in zip(parts, _recipe_parts(stage)) if name in role.trains)
         )
         forward = role.kind == "forward"
+        # Under a saving policy an in-flight microbatch holds its parts' residuals, not the stage
+        # input; one input (the microbatch a forward reads) stays transient.
+        kept = float(sum(p.residuals for p in parts))
+        held = 0.0 if forward else (kept or float(parts[0].inputs))
+        transient = float(parts[0].inputs) if forward or kept else 0.0
         return StageMemory(
             params=params,
             grads=trained,
             optimizer=2.0 * trained,
-            activations_per_microbatch=0.0 if forward else float(parts[0].inputs),
+            activations_per_microbatch=held,
             # a recipe table's: each part's own program; else the trainable program's (an upper
             # bound for a frozen stage's)
-            temp=float(sum(p.temp for p in parts)) + (float(parts[0].inputs) if forward else 0.0),
+            temp=float(sum(p.temp for p in parts)) + transient,
         )
 
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
 from dflop_jax.costs.layout import StageSpec
@@ -100,7 +101,6 @@ LOSS_CHUNK = 1024  # positions whose logits the loss computes at once (DecoderCo
 FEATURE_TAPS = 4  # bilinear taps per image position (data.types.FEATURE_TAPS)
 DENSE_MAX_TOKENS = 1024  # models.attention.dense_max on accelerators: shorter rows run unblocked
 REMAT_POLICIES = ("none", "full", "dots")  # models.layers.REMAT_POLICIES
-RESIDUAL_POLICIES = ("all", "layers", "recompute")  # runtime.stages.RESIDUAL_POLICIES
 CPU_DOT_BYTES = F32  # XLA:CPU upcasts bf16 dot operands to f32 (module docstring: frozen parts)
 ATTENTION_IMPLS = (
     "xla",

@@ -8,26 +8,31 @@ Which parameter leaves a part covers is the models' labelling (`models.stages.pa
 runtime's trained-leaf masks); `stage_parts` names the same parts per stage.
 Roles by what a stage trains and whether its input needs a gradient (some part before it trains):
 
-- "train": it holds a trained part: recompute-in-backward, weight gradients of the trained parts only
+- "train": it holds a trained part: a backward program with weight gradients of the trained parts only
   (fp32 accumulator, ZeRO-1 AdamW state for them alone);
-- "dx": nothing trained, but a trained part lies before it: the backward program recomputes the stage
-  forward and pulls the cotangent to x only (no weight gradients, no accumulator, no optimizer state);
+- "dx": nothing trained, but a trained part lies before it: the backward program pulls the cotangent
+  to x only (no weight gradients, no accumulator, no optimizer state);
 - "forward": nothing trained and nothing before it trains: forward only (no backward program, no stage
   input kept for one); such stages form a prefix of the pipeline and leave the backward wave.
 
 Time factors (the same for the analytic and the measured provider, which both know the trainable
-program's backward): a trainable backward program is recompute (~1 forward) + dx (~1 forward) + weight
-gradients (~1 forward), so a dx-only backward is `DX_FRACTION` = 2/3 of it. An encoder stage whose
-vision layers are frozen but whose projector trains (LLaVA-OV stage 1, encoder stage with the head) and
-whose input needs no gradient recomputes its frozen layers' forward and back-propagates through the
-projector only: backward = (stage forward - projector forward) + projector backward.
+program's backward), by the residual policy the trainable programs were timed under
+(`contracts.cost_table.RESIDUAL_POLICIES`; the analytic provider applies "recompute"'s, an upper
+bound): under "recompute" a trainable backward program is recompute (~1 forward) + dx (~1 forward) +
+weight gradients (~1 forward), so a dx-only backward is `DX_FRACTION` = 2/3 of it; from saved residuals
+("all") it is dx + weight gradients, so `SAVED_DX_FRACTION` = 1/2; under "layers" the differentiated
+layers are rebuilt, 2/3 again. An encoder stage whose vision layers are frozen but whose projector trains
+(LLaVA-OV stage 1, encoder stage with the head) and whose input needs no gradient back-propagates
+through the projector only: backward = projector backward, plus, under "recompute", its frozen layers'
+forward re-run (stage forward - projector forward).
 
 A colocated encoder (no encoder stages: the whole encoder inside LLM stage 0's colocated program) never
 runs forward only: the colocated stage always trains something (it holds a part of each module:
 `stage_role(..., colocated=True)`, the runtime's view of that one program), and its backward program
-recomputes the whole stage forward, so a frozen encoder adds its FORWARD to that
-backward (no backward of its own: nothing trained in it, no dx into it), and a projector-only one its
-frozen layers' forward plus the projector's backward (`colocated_backward`).
+recomputes the whole stage forward under "recompute", so a frozen encoder adds its FORWARD to that
+backward (no backward of its own: nothing trained in it, no dx into it; nothing under a saving
+policy), and a projector-only one the projector's backward, plus its frozen layers' forward under
+"recompute" (`colocated_backward`).
 
 The parts are `contracts.cost_table.TRAINABLE_PARTS` (the models name the same ones in
 `models.stages.TRAINABLE_PARTS`; not imported: the cost layer imports no JAX).
@@ -42,6 +47,7 @@ from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
 from dflop_jax.costs.layout import StageSpec
 
 DX_FRACTION = 2.0 / 3.0  # dx-only backward / trainable backward (recompute + dx, no weight grads)
+SAVED_DX_FRACTION = 0.5  # the same from saved residuals: dx of dx + weight gradients
 
 
 def check_trainable(trainable: Iterable[str], key: str = "trainable") -> tuple[str, ...]:
@@ -129,24 +135,36 @@ def stage_role(
 
 
 def recipe_backward(
-    role: StageRole, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0
+    role: StageRole,
+    fwd: float,
+    bwd: float,
+    head_fwd: float = 0.0,
+    head_bwd: float = 0.0,
+    residuals: str = "recompute",
 ) -> float:
     """Backward seconds of a stage under its role, from the trainable program's (fwd, bwd) and, for a
-    head-only stage, its projector's (head_fwd, head_bwd)."""
+    head-only stage, its projector's (head_fwd, head_bwd), under the residual policy those programs
+    ran with (module docstring: "all" recomputes nothing, "layers" the differentiated layers only,
+    "recompute" the whole stage)."""
     if role.kind == "forward":
         return 0.0
     if role.kind == "dx":
-        return DX_FRACTION * bwd
+        return (SAVED_DX_FRACTION if residuals == "all" else DX_FRACTION) * bwd
     if role.head_only:
-        return max(fwd - head_fwd, 0.0) + head_bwd
+        return head_bwd + (max(fwd - head_fwd, 0.0) if residuals == "recompute" else 0.0)
     return bwd
 
 
 def colocated_backward(
-    role: StageRole, fwd: float, bwd: float, head_fwd: float = 0.0, head_bwd: float = 0.0
+    role: StageRole,
+    fwd: float,
+    bwd: float,
+    head_fwd: float = 0.0,
+    head_bwd: float = 0.0,
+    residuals: str = "recompute",
 ) -> float:
     """Backward seconds a colocated encoder of role `role` adds to the colocated stage's backward program
     (module docstring), from its trainable (fwd, bwd) and its projector's (head_fwd, head_bwd)."""
-    if role.kind == "forward":
-        return fwd  # re-run inside the colocated stage's backward, nothing differentiated
-    return recipe_backward(role, fwd, bwd, head_fwd, head_bwd)
+    if role.kind == "forward":  # nothing differentiated: re-run only by a backward that recomputes
+        return fwd if residuals == "recompute" else 0.0
+    return recipe_backward(role, fwd, bwd, head_fwd, head_bwd, residuals)

@@ -26,7 +26,7 @@ from dflop_jax.planner.search import make_plan
 @dataclasses.dataclass(frozen=True)
 class ResolvedPlan:
     """What the trainer runs: layout, buckets, microbatch range, the costs the scheduler predicts
-    with, and each stage's residual policy (`runtime.stages.RESIDUAL_POLICIES`; None: "recompute")."""
+    with, and each stage's residual policy (`contracts.cost_table.RESIDUAL_POLICIES`; None: "recompute")."""
 
     layout: Layout
     buckets: BucketSet

@@ -25,7 +25,7 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
 program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
 
-Under each stage's residual policy (`residuals=`, `runtime.stages.RESIDUAL_POLICIES`; default
+Under each stage's residual policy (`residuals=`, `contracts.cost_table.RESIDUAL_POLICIES`; default
 "recompute" everywhere) an inner stage under "all" / "layers" trains with two programs, the forward
 that returns its residuals (`forward_residuals`) and the backward from them (`backward_residuals`):
 both are compiled, the residuals per microbatch are the forward's outputs but y, and the driver keeps

@@ -7,7 +7,9 @@ KV heads, within the devices) and bucket: take the runtime's programs of the par
 (`profiling/programs.py`; layer parts with 1 and 2 layers), lower and compile them from abstract
 sharded inputs, record
 `cost_analysis()` and `memory_analysis()`, skip what is over the device memory, then time the forward
-and backward programs on the real devices (warm-up, median of `runs`). Writes the cost table after
+and backward programs on the real devices (warm-up, median of `runs`). The programs are those of the
+residual policy `profile.residuals` (default "all", what the run's "auto" trains wherever it fits:
+the forward that keeps its residuals and the backward from them, no forward run twice). Writes the cost table after
 every entry (so an interrupted run resumes: entries of a table with the same config hash and code
 version are reused) and `<table stem>.png` (time vs bucket per part).
 
@@ -91,7 +93,7 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
 def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=TRAINABLE_PARTS) -> str:
     """What makes measured entries comparable: the model, dtype, device kind/count, jax version and
     the recipe (only when it freezes a part: all-trainable hashes are those of tables written before
-    recipes). The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger
+    recipes) and the residual policy (only when it saves residuals, likewise). The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger
     grid reuses the entries it shares with a smaller one."""
     what = {
         "model": dataclasses.asdict(model_cfg),
@@ -102,6 +104,8 @@ def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=TRAINABL
     }
     if set(trainable) != set(TRAINABLE_PARTS):
         what["trainable"] = list(trainable)
+    if settings.residuals != "recompute":
+        what["residuals"] = settings.residuals
     return config_hash(what)
 
 
@@ -155,11 +159,13 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
         _cost(fwd_c),
         (0.0, 0.0) if bwd_c is None else _cost(bwd_c),
     )
+    # what the saving forward hands its backward: its outputs but y (the backward's seed's shape)
+    kept = mem_f["output"] - per_device_bytes(prog.seed_abs) if saving else 0.0
     stats = dict(
         flops_fwd=flops_f, flops_bwd=flops_b, bytes_fwd=bytes_f, bytes_bwd=bytes_b,
         memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.params_abs),
         input_bytes=per_device_bytes((prog.x_abs, prog.side_abs)),
-        grad_bytes=per_device_bytes(prog.gacc_abs),
+        grad_bytes=per_device_bytes(prog.gacc_abs), residual_bytes=max(kept, 0.0),
     )  # fmt: skip
     peak = max(mem_f["peak"], mem_b.get("peak", 0.0))
     if peak > settings.memory_limit_bytes:
@@ -208,10 +214,12 @@ def profile_entry(
     dtype = jnp.dtype(settings.compute_dtype)
     if kind in COLOCATED_KINDS:
         length = min(settings.llm_buckets)
-        prog = build_colocated(model_cfg, tp, bucket, length, devices, dtype, trainable)
+        prog = build_colocated(model_cfg, tp, bucket, length, devices, dtype, trainable,
+                               settings.residuals)  # fmt: skip
         return CostEntry(kind, tp, bucket, layers, length=length,
                          **measure_program(prog, settings, seed))  # fmt: skip
-    prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype, trainable)
+    prog = build_part(model_cfg, kind, tp, bucket, layers, devices, dtype, trainable,
+                      settings.residuals)  # fmt: skip
     return CostEntry(kind, tp, bucket, layers, **measure_program(prog, settings, seed))
 
 
@@ -277,6 +285,7 @@ def profile_model(
         jax_version=jax.__version__, flax_version=_flax_version(),
         settings={"warmup": settings.warmup, "runs": settings.runs,
                   "compute_dtype": settings.compute_dtype}, trainable=trainable,
+        residuals=settings.residuals,
     )  # fmt: skip
     table = _fresh_or_resumed(out_path, meta)
     grid = _grid(model_cfg, settings, len(devices))

@@ -3,10 +3,13 @@
 A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtime `StageSpec` on a
 ("data", "model") = (1, tp) mesh. Its programs come from the runtime's one builder
 (`runtime.model_stages.abstract_stage` -> `runtime.stages.stage_jits`), so what is timed is what trains:
-  forward:  `StageJits.forward` (on the LLM head part: forward + loss, without gradients)
+  forward:  `StageJits.forward` (on the LLM head part: forward + loss, without gradients), or under a
+            saving residual policy ("all", "layers") `StageJits.forward_residuals` (the forward that
+            also returns its residuals)
   backward: `StageJits.backward` (recompute the forward under `jax.vjp`, add dL/dparams into a donated
-            fp32 accumulator), or on the LLM head part `StageJits.last` (forward + loss + backward fused,
-            as the last pipeline stage trains).
+            fp32 accumulator), under a saving policy `StageJits.backward_residuals` (the backward from
+            those residuals, no forward), or on the LLM head part `StageJits.last` (forward + loss +
+            backward fused, as the last pipeline stage trains).
 Under a training recipe (`trainable`, costs/recipe.py) a part's programs are the ones it runs under
 that recipe, as the trainer builds them (`runtime.train_state.trained_mask`, and the part's role,
 `costs.recipe.stage_role`: an input gradient iff a part before it in the model trains; the colocated
@@ -186,17 +189,17 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool
 
 def build_part(
     model_cfg, kind: str, tp: int, bucket: int, layers: int, devices, compute_dtype,
-    trainable: Sequence[str] = TRAINABLE_PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS, residuals: str = "recompute",
 ) -> PartProgram:  # fmt: skip
-    """The profiling programs of one table part under `trainable` (see the module docstring).
-    Nothing is compiled."""
+    """The profiling programs of one table part under `trainable` and the residual policy
+    `residuals` (see the module docstring). Nothing is compiled."""
     st = part_shape(kind, layers)
-    return build_program(model_cfg, st, tp, bucket, devices, compute_dtype, trainable)
+    return build_program(model_cfg, st, tp, bucket, devices, compute_dtype, trainable, residuals)
 
 
 def build_colocated(
     model_cfg, tp: int, tile_bucket: int, length: int, devices, compute_dtype,
-    trainable: Sequence[str] = TRAINABLE_PARTS,
+    trainable: Sequence[str] = TRAINABLE_PARTS, residuals: str = "recompute",
 ) -> PartProgram:  # fmt: skip
     """The colocated stage's programs with no LLM layer (table kind colocated_embedding: the
     whole encoder + the LLM's embedding and feature placement, `ColocatedStage`) on a (1, tp) mesh
@@ -204,7 +207,7 @@ def build_colocated(
     spec = StageSpec("llm", 0, 0, tp=tp, dp=1, has_embedding=True)
     mesh = profile_mesh(devices, tp)
     return stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tile_bucket,
-                         trainable=trainable)  # fmt: skip
+                         trainable=trainable, residuals=residuals)  # fmt: skip
 
 
 def build_program(

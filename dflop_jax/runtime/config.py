@@ -11,6 +11,7 @@ from typing import Literal
 from dflop_jax.config import require, require_seed
 from dflop_jax.config.inputs import InputPath
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.costs.layout import Layout, StageSpec
@@ -413,7 +414,7 @@ class TrainConfig:
         rule (exact resume, every process alike; `runtime/lagged_schedule.py`).
       eval: held-out evaluation (`EvalConfig`).
       residuals: what each inner stage keeps per in-flight microbatch for its backward
-        (`runtime.stages.RESIDUAL_POLICIES`): "auto" picks per stage the policy with the least
+        (`contracts.cost_table.RESIDUAL_POLICIES`): "auto" picks per stage the policy with the least
         backward work whose memory fits the plan device (`costs.residual_policies`), or one policy
         ("all", "layers", "recompute") for every stage.
     """
@@ -473,7 +474,7 @@ class TrainConfig:
             "0 (off) or steps between measured steps",
         )
         require(self.prefetch >= 1, "prefetch", self.prefetch, "must be >= 1 (batches ahead)")
-        policies = ("auto", "all", "layers", "recompute")
+        policies = ("auto", *RESIDUAL_POLICIES)
         require(self.residuals in policies, "residuals", self.residuals, f"use one of {policies}")
         require_seed(self.seed, "seed")
         require(

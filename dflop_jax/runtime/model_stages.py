@@ -348,7 +348,7 @@ def build_stages(
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
       trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, and each
         stage runs as its role says (`costs.recipe.stage_role`: trained, dx-only or forward-only).
-      residuals: each stage's residual policy (`stages.RESIDUAL_POLICIES`; None: "recompute"
+      residuals: each stage's residual policy (`contracts.cost_table.RESIDUAL_POLICIES`; None: "recompute"
         everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
     """
     residuals = ["recompute"] * layout.num_stages if residuals is None else list(residuals)

@@ -71,19 +71,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
 LossFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]
-
-# What an inner stage keeps per in-flight microbatch for its backward (module docstring):
-#   "all"        every residual of the stage forward (its `jax.vjp`): the backward runs no forward;
-#   "layers"     the same programs over a stage built with layer remat (`jax.checkpoint` per layer,
-#                the models' `remat="full"`): the residuals are the layer inputs, and the backward
-#                rebuilds one layer's forward at a time;
-#   "recompute"  the stage input only: the backward re-runs the whole stage forward under `jax.vjp`.
-RESIDUAL_POLICIES = ("all", "layers", "recompute")
 
 
 def check_residual_policy(policy: str) -> str:

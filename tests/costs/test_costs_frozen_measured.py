@@ -1,8 +1,9 @@
-"""Frozen-aware costs from a profile, no jax: a cost table profiled UNDER a recipe is
-used as measured (a stage's backward is its parts' measured backwards, a frozen part with no backward
-of its own re-run forward inside a stage that has one), one profiled under another frozen recipe is
-refused, an all-trainable table (and one written before recipes) still derives; the colocated
-encoder's share of the colocated stage honours the recipe in the analytic and the measured provider."""
+"""Frozen-aware costs from a profile, no jax: a cost table profiled UNDER a recipe is used as
+measured (a stage's backward is its parts' measured backwards, a frozen part with no backward of its
+own re-run forward inside a stage that has one under "recompute", not from saved residuals), one
+profiled under another frozen recipe is refused, an all-trainable table (and one written before
+recipes) still derives; the colocated encoder's share of the colocated stage honours the recipe in
+the analytic and the measured provider."""
 
 import json
 
@@ -31,12 +32,12 @@ def _entry(kind, bucket, layers, fwd, bwd, param_bytes, grad_bytes=None, length=
                      memory_fwd={"peak": param_bytes + 10.0 * bucket})  # fmt: skip
 
 
-def table(recipe=None) -> ProfiledCostTable:
+def table(recipe=None, residuals="recompute") -> ProfiledCostTable:
     """Linear costs (exactly interpolated). recipe None: the trainable programs (a table written
     before recipes); ("projector",): LLaVA-OV stage 1's programs: vision parts forward only (bwd 0),
-    the projector dw only, the LLM dx only."""
+    the projector dw only, the LLM dx only. `residuals`: the policy the table says it timed."""
     kw = {} if recipe is None else {"trainable": recipe}
-    t = ProfiledCostTable("cpu", "cpu", 8, "h", "c", model="tiny", **kw)
+    t = ProfiledCostTable("cpu", "cpu", 8, "h", "c", model="tiny", residuals=residuals, **kw)
     for kind, (f, b, dx) in SLOPE.items():
         enc = kind.startswith("encoder")
         if recipe is not None:  # the part's program under projector-only
@@ -78,6 +79,23 @@ def test_a_table_profiled_under_the_recipe_is_used_as_measured():
     assert p.stage_memory(LLM, 256).grads == 0.0
     # temp from each part's own program: peak - params - accumulator - input
     assert p.stage_memory(ENC_BODY, 4).temp == pytest.approx(0.0 + 10.0 * 4)  # + its input
+
+
+def test_a_saving_table_reruns_no_frozen_forward_and_derives_dx_as_half():
+    """Timed under "all" (the backward from saved residuals), a frozen part adds nothing to a
+    backward and a dx-only backward is half the trainable one (dx of dx + weight gradients)."""
+    p = MeasuredCostProvider(table(("projector",), "all"), ARCH, DEV)
+    assert p.stage_time(ENC_HEAD, 4)[1] == pytest.approx(SLOPE["encoder_head"][1] / 2 * 4, rel=1e-9)
+    derived = MeasuredCostProvider(table(None, "all"), ARCH, DEV).with_trainable(("projector",))
+    trainable_bwd = (3 * SLOPE["llm_layers"][1] + SLOPE["llm_embedding"][1]) * 256
+    assert derived.stage_time(LLM, 256)[1] == pytest.approx(trainable_bwd / 2, rel=1e-9)
+    # the projector-only head stage: the projector's backward alone, no frozen layer re-run
+    head = SLOPE["encoder_head"][1] * 4
+    assert derived.stage_time(ENC_HEAD, 4)[1] == pytest.approx(head, rel=1e-9)
+    recompute = MeasuredCostProvider(table(), ARCH, DEV).with_trainable(("projector",))
+    assert recompute.stage_time(ENC_HEAD, 4)[1] > head  # its frozen layer's forward on top
+    with pytest.raises(ValueError, match="residuals='some'"):
+        table(residuals="some")
 
 
 def test_a_table_of_another_frozen_recipe_is_refused():

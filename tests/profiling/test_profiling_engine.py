@@ -27,9 +27,10 @@ def test_table_flops_equal_cost_analysis_of_the_same_function(tmp_path):
     from models.mllm import EncoderStage
 
     settings = ProfileSettings(tps=(1,), encoder_buckets=(3,), kinds=("encoder_head",), **FAST)
-    table = profile_model(CFG, jax.devices(), settings, tmp_path / "ct.json", plot=False)
+    recompute = dataclasses.replace(settings, residuals="recompute")
+    table = profile_model(CFG, jax.devices(), recompute, tmp_path / "ct.json", plot=False)
     entry = table.get("encoder_head", 1, 3, 0)
-    assert entry.ok
+    assert entry.ok and table.residuals == "recompute" and entry.residual_bytes == 0
 
     # the same projector head (with its video-frame pooling), jitted on one device without any mesh
     stage = EncoderStage(CFG, first_layer=0, num_layers=0, has_embedding=False, has_head=True,
@@ -47,12 +48,19 @@ def test_table_flops_equal_cost_analysis_of_the_same_function(tmp_path):
     assert entry.flops_bwd > 2 * entry.flops_fwd  # recompute + vjp
     assert entry.param_bytes == sum(a.nbytes for a in jax.tree.leaves(params))
 
+    # By default the table times what "auto" trains: the backward from saved residuals, which
+    # runs no forward again, and a forward that hands those residuals over.
+    table = profile_model(CFG, jax.devices(), settings, tmp_path / "saving.json", plot=False)
+    saving = table.get("encoder_head", 1, 3, 0)
+    assert table.residuals == "all" and saving.residual_bytes > 0
+    assert saving.flops_bwd < 2 * entry.flops_fwd < entry.flops_bwd
+
 
 def _compiled_memory(layers: int, has_head: bool, bucket: int, settings) -> dict:
     """Backward memory analysis of an LLM program at tp 2 (over a tiny limit: compiled, never run)."""
-    prog = build_program(
-        CFG, StageShape("llm", layers, False, has_head), 2, bucket, jax.devices(), jnp.float32
-    )
+    shape = StageShape("llm", layers, False, has_head)
+    prog = build_program(CFG, shape, 2, bucket, jax.devices(), jnp.float32,
+                         residuals=settings.residuals)  # fmt: skip
     measured = measure_program(prog, dataclasses.replace(settings, memory_limit_bytes=0.5))
     assert measured["status"] == "skipped"
     return measured
@@ -73,7 +81,7 @@ def test_predicted_memory_is_the_parts_peaks_and_bounds_the_stage_peak(tmp_path)
     still bounds the compiled peak.
     """
     settings = ProfileSettings(tps=(2,), llm_buckets=(64, 128), kinds=("llm_layers", "llm_head"),
-                               **FAST)  # fmt: skip
+                               residuals="recompute", **FAST)  # fmt: skip
     table = profile_model(CFG, jax.devices(), settings, tmp_path / "ct.json", plot=False)
     provider = MeasuredCostProvider(table, arch_for_model_config(CFG, "tiny"), get_device("cpu"))
     spec = StageSpec("llm", 0, 3, tp=2, has_head=True)
@@ -91,6 +99,27 @@ def test_predicted_memory_is_the_parts_peaks_and_bounds_the_stage_peak(tmp_path)
     between = provider.stage_memory(spec, 96)
     stage = _compiled_memory(3, True, 96, settings)
     assert between.total() - between.optimizer >= stage["memory_bwd"]["peak"]
+
+
+def test_saving_table_predicts_held_residuals_and_the_backward_peak(tmp_path):
+    """Under a table of the default residual policy ("all") an inner 3-layer LLM stage holds its
+    residuals per in-flight microbatch, not its input: at a profiled bucket the prediction equals the
+    saving programs compiled independently at 3 layers, with no tolerance: the residuals the forward
+    hands over, and the state, one input (the microbatch a forward reads) and the larger of the two
+    programs' transients on top (the forward's y and temporaries; the backward's dy, dx and
+    temporaries), as `compile_check` assembles a saving stage."""
+    settings = ProfileSettings(tps=(2,), llm_buckets=(64, 128), kinds=("llm_layers",), **FAST)
+    table = profile_model(CFG, jax.devices(), settings, tmp_path / "ct.json", plot=False)
+    provider = MeasuredCostProvider(table, arch_for_model_config(CFG, "tiny"), get_device("cpu"))
+    predicted = provider.stage_memory(StageSpec("llm", 1, 3, tp=2), 128)
+    stage = _compiled_memory(3, False, 128, settings)
+    assert stage["residual_bytes"] > stage["input_bytes"] > 0
+    assert predicted.activations_per_microbatch == pytest.approx(stage["residual_bytes"], rel=1e-9)
+    state, kept = stage["param_bytes"] + stage["grad_bytes"], stage["residual_bytes"]
+    forward = stage["memory_fwd"]["peak"] - stage["param_bytes"] - stage["input_bytes"] - kept
+    backward = stage["memory_bwd"]["peak"] - state - kept
+    want = state + stage["input_bytes"] + kept + max(forward, backward)
+    assert predicted.total() - predicted.optimizer == pytest.approx(want, rel=1e-9)
 
 
 def test_rerun_reuses_fresh_entries_and_redoes_stale_ones(tmp_path, monkeypatch):

@@ -25,28 +25,47 @@ FAST = ProfileSettings(warmup=0, runs=1, compute_dtype="float32")
 ALL, PROJ = ("vision", "projector", "llm"), ("projector",)
 
 
+RECOMPUTE = dataclasses.replace(FAST, residuals="recompute")
+
+
 @pytest.fixture(scope="module")
 def entries():
-    """(kind, recipe) -> CostEntry at tp 1, one bucket each."""
+    """(kind, recipe) -> CostEntry at tp 1, one bucket each, under the default residual policy
+    ("all": the forward keeping its residuals, the backward from them); (kind, recipe, "recompute")
+    -> the same under "recompute" (the backward re-runs the forward)."""
     grid = [("encoder_layers", 2, 1), ("encoder_head", 2, 0), ("llm_layers", 64, 1)]
-    return {(kind, r): profile_entry(CFG, kind, 1, b, n, jax.devices(), FAST, trainable=r)
-            for kind, b, n in grid for r in (ALL, PROJ)}  # fmt: skip
+    out = {(kind, r): profile_entry(CFG, kind, 1, b, n, jax.devices(), FAST, trainable=r)
+           for kind, b, n in grid for r in (ALL, PROJ)}  # fmt: skip
+    for kind, b, n in grid[::2]:
+        for r in (ALL, PROJ):
+            out[kind, r, "recompute"] = profile_entry(CFG, kind, 1, b, n, jax.devices(), RECOMPUTE,
+                                                      trainable=r)  # fmt: skip
+    return out
 
 
 def test_frozen_prefix_part_has_no_backward_program(entries):
-    full, frozen = entries["encoder_layers", ALL], entries["encoder_layers", PROJ]
+    full, frozen = entries["encoder_layers", ALL, "recompute"], entries["encoder_layers", PROJ]
     assert frozen.ok and frozen.flops_fwd == full.flops_fwd  # the same forward program
     assert (frozen.bwd_s, frozen.flops_bwd, frozen.memory_bwd, frozen.grad_bytes) == (0, 0, {}, 0)
+    # forward only: the same program whatever the residual policy
+    assert frozen.residual_bytes == 0
+    assert entries["encoder_layers", PROJ, "recompute"].flops_fwd == frozen.flops_fwd
     assert full.flops_bwd > 2 * full.flops_fwd and full.grad_bytes == full.param_bytes
+    saving = entries["encoder_layers", ALL]  # the backward from residuals: no forward again
+    assert saving.residual_bytes > 0 and saving.flops_bwd < 2.2 * frozen.flops_fwd
 
 
 def test_frozen_llm_behind_the_projector_runs_dx_only(entries):
-    full, dx = entries["llm_layers", ALL], entries["llm_layers", PROJ]
+    full, dx = entries["llm_layers", ALL, "recompute"], entries["llm_layers", PROJ, "recompute"]
     f = full.flops_fwd
     # recompute + dx (~2 forwards), without the weight-gradient matmuls (~1 forward)
     assert 1.5 * f < dx.flops_bwd < full.flops_bwd - 0.5 * f
     assert dx.grad_bytes == 0 and full.grad_bytes == full.param_bytes
     assert dx.memory_bwd["output"] < full.memory_bwd["output"] - 0.9 * full.param_bytes
+    # from saved residuals: dx alone (~1 forward) of dx + weight gradients (~2)
+    full, dx = entries["llm_layers", ALL], entries["llm_layers", PROJ]
+    assert 0.5 * f < dx.flops_bwd < full.flops_bwd - 0.5 * f < 1.6 * f
+    assert dx.residual_bytes > 0 and dx.grad_bytes == 0
 
 
 def test_projector_after_a_frozen_vit_computes_no_input_gradient(entries):
