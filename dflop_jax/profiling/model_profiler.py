@@ -9,9 +9,9 @@ sharded inputs, record
 `cost_analysis()` and `memory_analysis()`, skip what is over the device memory, then time the forward
 and backward programs on the real devices (warm-up, median of `runs`). The programs are those of the
 residual policy `profile.residuals` (default "all", what the run's "auto" trains wherever it fits:
-the forward that keeps its residuals and the backward from them, no forward run twice). Writes the cost table after
-every entry (so an interrupted run resumes: entries of a table with the same config hash and code
-version are reused) and `<table stem>.png` (time vs bucket per part).
+the forward that keeps its residuals and the backward from them, no forward run twice). Writes the
+cost table after every entry (so an interrupted run resumes: entries of a table with the same config
+hash and code version are reused) and `<table stem>.png` (time vs bucket per part).
 
 Under a training recipe (`trainable`, e.g. LLaVA-OV stage 1's projector only) every part is profiled
 with the programs it runs under that recipe (`programs.stage_program`): a frozen part behind a trained
@@ -93,8 +93,9 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
 def table_hash(model_cfg, settings: ProfileSettings, devices, trainable=TRAINABLE_PARTS) -> str:
     """What makes measured entries comparable: the model, dtype, device kind/count, jax version and
     the recipe (only when it freezes a part: all-trainable hashes are those of tables written before
-    recipes) and the residual policy (only when it saves residuals, likewise). The grid (tps, buckets, kinds) and the timing repeats are not part of it, so a bigger
-    grid reuses the entries it shares with a smaller one."""
+    recipes) and the residual policy (only when it saves residuals, likewise). The grid (tps,
+    buckets, kinds) and the timing repeats are not part of it, so a bigger grid reuses the entries it
+    shares with a smaller one."""
     what = {
         "model": dataclasses.asdict(model_cfg),
         "compute_dtype": settings.compute_dtype,
