@@ -224,11 +224,19 @@ class Watchdog:
             sys.stdout.flush()  # what the run printed so far: os._exit flushes nothing
         for child in multiprocessing.active_children():
             child.kill()
-        print(f"process {self.me}/{self.n}: {text}", file=sys.stderr, flush=True)
-        # jax's coordination agent sees the same loss from its own C++ threads and logs it in the
-        # moments before os._exit; this process's last word on stderr stays the line above.
-        with contextlib.suppress(OSError):
+        # jax's coordination agent sees the same loss from its own C++ threads and logs it to fd 2
+        # in the very moments this thread reports it: fd 2 goes to /dev/null first, and the line
+        # goes to the stream fd 2 was, so it is this process's last word there.
+        line = f"process {self.me}/{self.n}: {text}\n".encode()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        try:
+            err = os.dup(2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        except OSError:
+            err = 2
+        with contextlib.suppress(OSError):
+            os.write(err, line)
         os._exit(EXIT_CODE)
 
 
