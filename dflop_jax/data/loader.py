@@ -20,7 +20,8 @@ the stages live in `dflop_jax/data/stages.py`):
                              uint8 tiles (the first encoder stage normalizes them on device)
   .to_iter_dataset(...)      background thread prefetching `prefetch` global batches
   .mp_prefetch(...)          optional worker processes (`num_workers` > 0); a batch crosses from a
-                             worker as its arrays (in shared memory) plus a small pickled rest
+                             worker as its arrays (in shared memory: /dev/shm must hold `prefetch`
+                             batches per worker) plus a small pickled rest
 
 Skipped records are not replaced: a global batch holds B records minus its skips (`stats.skipped`);
 a batch whose records are all bad has no microbatches. A sample that passed metadata but fails to decode
@@ -276,10 +277,17 @@ def _arrays_apart(batch: GlobalBatch) -> tuple[GlobalBatch, list[np.ndarray]]:
 
 
 def _arrays_back(batch: GlobalBatch, arrays: list[np.ndarray]) -> GlobalBatch:
-    """Inverse of `_arrays_apart`."""
+    """Inverse of `_arrays_apart`, each array copied out of its shared-memory block (which grain
+    unlinks once the block's array is dropped): the batch holds plain arrays that own their memory,
+    and /dev/shm holds only the batches in flight."""
     mbs = [
         dataclasses.replace(
-            mb, **{k: arrays[v.index] for k, v in vars(mb).items() if isinstance(v, _ArraySlot)}
+            mb,
+            **{
+                k: np.array(arrays[v.index])
+                for k, v in vars(mb).items()
+                if isinstance(v, _ArraySlot)
+            },
         )
         for mb in batch.microbatches
     ]
