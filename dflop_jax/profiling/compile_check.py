@@ -64,6 +64,7 @@ from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.programs import (
     PartProgram,
     compile_residual_programs,
+    held_residual_bytes,
     per_device_bytes,
     stage_program,
 )
@@ -283,12 +284,7 @@ def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     fwd, bwd = compile_residual_programs(prog)
     seconds = time.perf_counter() - t0
     params, grads, optimizer, inputs = _state_and_inputs(prog)
-    # The driver holds every residual the forward returns until the backward runs (`Held`): the
-    # compiled forward's outputs but y (an inner stage's seed dL/dy has y's struct), per device as
-    # XLA places them. Not the backward's arguments: jit drops those its program does not read
-    # (a few % fewer bytes on the tiny LLM stages), and `eval_shape`'s residual structs carry no
-    # sharding to count them per device.
-    residuals = fwd.memory_analysis().output_size_in_bytes - per_device_bytes(prog.seed_abs)
+    residuals = held_residual_bytes(prog, fwd)
     forward = program_bytes(fwd) - params - inputs - residuals  # y and temporaries
     backward = program_bytes(bwd) - params - grads - residuals  # dy, dx and temporaries
     return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,

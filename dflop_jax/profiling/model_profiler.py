@@ -45,6 +45,7 @@ from dflop_jax.profiling.programs import (
     build_colocated,
     build_part,
     compile_residual_programs,
+    held_residual_bytes,
     per_device_bytes,
 )
 from dflop_jax.profiling.settings import ProfileSettings
@@ -160,8 +161,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
         _cost(fwd_c),
         (0.0, 0.0) if bwd_c is None else _cost(bwd_c),
     )
-    # what the saving forward hands its backward: its outputs but y (the backward's seed's shape)
-    kept = mem_f["output"] - per_device_bytes(prog.seed_abs) if saving else 0.0
+    kept = held_residual_bytes(prog, fwd_c) if saving else 0.0
     stats = dict(
         flops_fwd=flops_f, flops_bwd=flops_b, bytes_fwd=bytes_f, bytes_bwd=bytes_b,
         memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.params_abs),

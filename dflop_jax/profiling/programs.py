@@ -306,6 +306,15 @@ def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, j
     return fwd, bwd
 
 
+def held_residual_bytes(prog: PartProgram, forward: jax.stages.Compiled) -> float:
+    """Bytes per device the driver holds per microbatch from `prog`'s compiled saving `forward`
+    until its backward runs (`Held`): the forward's outputs but y (an inner stage's seed dL/dy has
+    y's struct), as XLA places them. Not the backward's arguments: jit drops those its program does
+    not read (a few % fewer bytes on the tiny LLM stages), and `eval_shape`'s residual structs carry
+    no sharding to count them per device."""
+    return forward.memory_analysis().output_size_in_bytes - per_device_bytes(prog.seed_abs)
+
+
 def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
