@@ -32,7 +32,7 @@ COMMAND = Command(
     example="python -m dflop_jax.profile data --config configs/data_llava_ov.yaml "
     "data.synth_samples=64 profile.data_samples=64",
     modes={
-        "no-progress": "model: no progress bar",
+        "no-progress": "no progress (a bar on a terminal, else a line every 10 s)",
         "profile-only": "auto: stop after the data and model profiles",
     },
     positional=("what", ("data", "model", "auto")),
@@ -73,6 +73,7 @@ def _steps(cfg):
 
 
 def _data(cfg, args) -> int:
+    from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.pipeline import AutoPlanConfig, data_profile
     from dflop_jax.train_plan import auto_plan_dir
 
@@ -83,7 +84,8 @@ def _data(cfg, args) -> int:
     if auto.data_source != "dataset":
         print(f"profile.data_source={auto.data_source}: the plan reads that, nothing to profile")
         return 0
-    path, _ = data_profile(auto, cfg.data, cache, {})
+    with progress_bar(not args.no_progress) as progress:
+        path, _ = data_profile(auto, cfg.data, cache, {}, progress)
     print(f"wrote {path} and {path.with_name('shape_histogram.png')}")
     return 0
 
@@ -111,12 +113,14 @@ def _model(cfg, args) -> int:
 
 def _auto(cfg, args) -> int:
     from dflop_jax.planner import describe_layout
+    from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.pipeline import ensure_plan
     from dflop_jax.train_plan import run_name
 
     auto, model_cfg, cache = _steps(cfg)
-    plan = ensure_plan(auto, model_cfg, cache, cfg.data, name=run_name(cfg),
-                       plan=not args.profile_only)  # fmt: skip
+    with progress_bar(not args.no_progress) as progress:
+        plan = ensure_plan(auto, model_cfg, cache, cfg.data, name=run_name(cfg),
+                           plan=not args.profile_only, progress=progress)  # fmt: skip
     if plan is None:
         print(f"profiles in {cache}")
     else:

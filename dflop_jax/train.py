@@ -102,7 +102,12 @@ def run(cfg, console=None, clock=time.perf_counter):
     hint = attention_hint(cfg.model.attention_impl)
     if hint:
         logging.getLogger(__name__).warning(hint)
-    plan = resolve_plan(cfg, model_cfg)
+    import jax
+
+    from dflop_jax.planner.progress import progress_bar
+
+    with progress_bar(jax.process_index() == 0) as progress:
+        plan = resolve_plan(cfg, model_cfg, progress)
     arch = arch_of_model(model_cfg)
     return train(cfg, model_cfg, arch, plan, console, clock)
 

@@ -62,10 +62,11 @@ def attention_impl(model_cfg) -> str:
     return getattr(model_cfg, "text", model_cfg).attention_impl or "xla"
 
 
-def resolve_plan(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
+def resolve_plan(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
     """The layout, buckets, microbatch range, cost provider and residual policies of `cfg.plan`
-    for `model_cfg`."""
-    resolved = _resolve_layout(cfg, model_cfg)
+    for `model_cfg`; `progress(phase, done, total)` reports the profiling and planning steps
+    (`planner.progress.progress_bar`)."""
+    resolved = _resolve_layout(cfg, model_cfg, progress)
     return dataclasses.replace(resolved, residuals=stage_residuals(cfg, model_cfg, resolved))
 
 
@@ -87,7 +88,7 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
     return tuple(residual_policies(analytic, lay, resolved.buckets, counts, budget))
 
 
-def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
+def _resolve_layout(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
     arch, device = arch_of_model(model_cfg), run_device(cfg.device)
     analytic = analytic_provider(cfg, model_cfg)
     multimodal = cfg.model.kind != "decoder"
@@ -108,12 +109,12 @@ def _resolve_layout(cfg: TrainConfig, model_cfg) -> ResolvedPlan:
 
         auto = auto_plan_config(cfg, model_cfg)  # its search space checked before any profiling
         plan, measured = profiled_plan(
-            auto, model_cfg, auto_plan_dir(cfg), cfg.data, name=run_name(cfg)
+            auto, model_cfg, auto_plan_dir(cfg), cfg.data, name=run_name(cfg), progress=progress
         )
         measured = measured.with_trainable(auto.planner.trainable)
         return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
     plan = static_plan(cfg.plan, arch, device, num_devices(cfg), run_planner(cfg, arch, device),
-                       lambda: sample_shapes(cfg), cfg.run_dir, analytic)  # fmt: skip
+                       lambda: sample_shapes(cfg), cfg.run_dir, analytic, progress)  # fmt: skip
     return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
 
 
@@ -129,7 +130,7 @@ def run_planner(cfg: TrainConfig, arch, device):
     its search space fitted to the run's devices (a space nothing satisfies is one config error,
     raised before any profiling). The uniform baseline keeps its own space."""
     planner = training_planner(cfg.planner, cfg.global_batch, cfg.model.kind != "decoder",
-                               tuple(cfg.optimizer.trainable))  # fmt: skip
+                               tuple(cfg.optimizer.trainable), cfg.steps)  # fmt: skip
     if planner.mode == "uniform":
         return planner
     return fit_search_space(arch, num_devices(cfg), device, planner)
@@ -241,7 +242,7 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
     model_cfg = abstract_model_config(cfg)
     resolved = resolve_plan(cfg, model_cfg)
     dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
-    with progress_bar(lines=True) as progress:  # each compile takes minutes at real sizes
+    with progress_bar() as progress:  # each compile takes minutes at real sizes
         checks = compile_stages(cfg, model_cfg, resolved, progress)
         flops = stage_flops(resolved.layout, resolved.buckets, model_cfg, resolved.residuals,
                             compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip

@@ -184,7 +184,9 @@ def _plan(arch, device, provider) -> tuple[float, str]:
     cfg = load_config(
         TrainConfig, Path(__file__).resolve().parents[2] / "configs/plan_tiny_cpu.yaml"
     )
-    planner = training_planner(cfg.planner, cfg.global_batch, True, cfg.optimizer.trainable)
+    planner = training_planner(
+        cfg.planner, cfg.global_batch, True, cfg.optimizer.trainable, cfg.steps
+    )
     shapes = load_shapes(cfg.profile.data_source, cfg.profile.data_samples, cfg.seed)
     t0 = time.perf_counter()
     try:

@@ -133,7 +133,9 @@ def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
     table = dflop_dir / "auto_plan" / "cost_table.json"
     if cfg.plan == "auto":  # DFLOP planned on its measured table: so does the baseline
         provider = MeasuredCostProvider(table, arch, device, fallback=provider)
-    planner = training_planner(cfg.planner, cfg.global_batch, cfg.model.kind != "decoder")
+    planner = training_planner(
+        cfg.planner, cfg.global_batch, cfg.model.kind != "decoder", steps=cfg.steps
+    )
     plan = make_plan(arch, device, len(jax.devices()), sample_shapes(cfg), planner, provider,
                      mode="uniform")  # fmt: skip
     return save_plan(plan, path)

@@ -33,13 +33,21 @@ class BucketSet:
     """The static shapes a stage program is compiled for.
 
     Attributes:
-      tiles: tile buckets T, ascending: tiles per encoder data-parallel shard per microbatch.
+      tiles: tile buckets T, ascending: tiles per encoder data-parallel shard (or per LLM row, tiles
+        packed by row) per microbatch.
       lengths: length buckets S, ascending: tokens of the one packed row per LLM data-parallel shard
         per microbatch.
+      pairs: the (T, S) pairs a microbatch may take, ascending; empty = every pair of the grid. A
+        program that sees both sizes (a colocated stage, the first LLM stage taking the encoder's
+        features) is compiled once per pair, so a sparse set covering the data compiles far fewer
+        programs than the grid. The largest pair (max T, max S) is always in the set: any
+        microbatch the grid holds fits it, and the scheduler runs a microbatch at the cheapest
+        allowed pair at least as large as its need (`covering`).
     """
 
     tiles: tuple[int, ...]
     lengths: tuple[int, ...]
+    pairs: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         for name, values in (("tiles", self.tiles), ("lengths", self.lengths)):
@@ -47,3 +55,64 @@ class BucketSet:
                 raise ValueError(
                     f"buckets.{name}={values}: need distinct positive sizes, ascending"
                 )
+        if not self.pairs:
+            return
+        pairs = tuple(tuple(p) for p in self.pairs)
+        object.__setattr__(self, "pairs", pairs)
+        if list(pairs) != sorted(set(pairs)):
+            raise ValueError(f"buckets.pairs={list(pairs)}: need distinct pairs, ascending")
+        outside = [p for p in pairs if p[0] not in self.tiles or p[1] not in self.lengths]
+        if outside:
+            raise ValueError(
+                f"buckets.pairs {outside} are not (tile bucket, length bucket) pairs of "
+                f"tiles={list(self.tiles)} lengths={list(self.lengths)}"
+            )
+        if self.top not in pairs:
+            raise ValueError(
+                f"buckets.pairs={list(pairs)} must hold the largest pair {self.top}: it is the "
+                "one every microbatch fits"
+            )
+        if len(pairs) == len(self.tiles) * len(self.lengths):  # the grid: one spelling of it
+            object.__setattr__(self, "pairs", ())
+
+    @property
+    def top(self) -> tuple[int, int]:
+        """The largest pair (max T, max S)."""
+        return self.tiles[-1], self.lengths[-1]
+
+    @property
+    def grid(self) -> bool:
+        """True when every (T, S) pair of the two ladders is allowed."""
+        return not self.pairs
+
+    def allowed(self) -> tuple[tuple[int, int], ...]:
+        """The (T, S) pairs a microbatch may take, ascending (the whole grid when `pairs` is empty)."""
+        return self.pairs or tuple((t, s) for t in self.tiles for s in self.lengths)
+
+    def allows(self, tile_bucket: int, length_bucket: int) -> bool:
+        if not self.pairs:
+            return tile_bucket in self.tiles and length_bucket in self.lengths
+        return (tile_bucket, length_bucket) in self.pairs
+
+    def covering(self, tiles: float, tokens: float) -> list[tuple[int, int]]:
+        """The allowed pairs holding a microbatch of `tiles` per shard and `tokens` per row (those
+        with T >= tiles and S >= tokens), ascending; [] when none does."""
+        return [(t, s) for t, s in self.allowed() if t >= tiles and s >= tokens]
+
+    def smallest_covering(self, tiles: float, tokens: float) -> tuple[int, int]:
+        """The allowed pair of least area (T x S, ties: smaller S) holding (`tiles`, `tokens`), or the
+        largest pair when none holds it: a cost-free stand-in for the scheduler's cheapest pair."""
+        pairs = self.covering(tiles, tokens)
+        return min(pairs, key=lambda p: (p[0] * p[1], p[1], p[0])) if pairs else self.top
+
+    def to_dict(self) -> dict:
+        """As plan.yaml writes it (`pairs` only when sparse)."""
+        out: dict = {"tiles": list(self.tiles), "lengths": list(self.lengths)}
+        if not self.grid:
+            out["pairs"] = [list(p) for p in self.pairs]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BucketSet:
+        pairs = tuple(tuple(int(v) for v in p) for p in d.get("pairs") or ())
+        return cls(tuple(int(v) for v in d["tiles"]), tuple(int(v) for v in d["lengths"]), pairs)

@@ -15,8 +15,8 @@ import logging
 import multiprocessing
 import os
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -31,20 +31,28 @@ from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key, take
 
 log = logging.getLogger(__name__)
+# progress(phase, done, total): how the profile reports its records (`planner.progress.progress_bar`)
+ProgressFn = Callable[[str, int, int], None]
+PHASE = "data profile"
 PERCENTILES = (50, 90, 99)
 MAX_PROFILE_WORKERS = 8  # shard groups profiled at once (header reads and tokenizing: CPU-bound)
 RECORDS_PER_WORKER = 1000  # fewer records per worker than this: starting a process costs more
 
 
 def profile_data(
-    cfg: DataConfig, num_samples: int = 10000, seed: int = 0, out_dir: str | Path = "runs/profile"
+    cfg: DataConfig,
+    num_samples: int = 10000,
+    seed: int = 0,
+    out_dir: str | Path = "runs/profile",
+    progress: ProgressFn | None = None,
 ) -> Path:
-    """Profiles up to `num_samples` records (seeded draw); returns the shape-distribution file's path."""
+    """Profiles up to `num_samples` records (seeded draw), reporting `progress("data profile", done,
+    total)` as records are read; returns the shape-distribution file's path."""
     records = load_source(cfg, seed)
     if len(records) > num_samples:
         keep = np.sort(np.random.default_rng(seed).choice(len(records), num_samples, replace=False))
         records = take(records, keep.tolist())
-    results, names, extra, hits = profile_records(cfg, records)
+    results, names, extra, hits = profile_records(cfg, records, progress)
     shapes, sources, bad = [], [], Counter()
     for name, res in zip(names, results):
         if isinstance(res, BadSample):
@@ -71,7 +79,9 @@ def profile_data(
     return path
 
 
-def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, list, dict, int]:
+def profile_records(
+    cfg: DataConfig, records: Sequence[dict], progress: ProgressFn | None = None
+) -> tuple[list, list, dict, int]:
     """(shape or BadSample per record, source name per record, extra keys: {"records": how many
     carry keys the data layer ignores, "keys": {key: records carrying it}}, cache hits).
 
@@ -83,12 +93,20 @@ def profile_records(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, lis
         for i in range(len(records)):
             groups[group_key(records, i)].append(i)
     workers = profile_workers(len(groups), len(records))
+    report = progress or (lambda *_: None)
     if workers <= 1:
-        return _profile_part(cfg, records)
+        return _profile_part(cfg, records, report)
     parts = [take(records, idx) for idx in groups.values()]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX threads
+    done, read = [None] * len(parts), 0
+    report(PHASE, 0, len(records))
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        done = list(pool.map(_profile_part, [cfg] * len(parts), parts))
+        futures = {pool.submit(_profile_part, cfg, part): k for k, part in enumerate(parts)}
+        for future in as_completed(futures):  # progress per shard group as workers finish
+            k = futures[future]
+            done[k] = future.result()
+            read += len(parts[k])
+            report(PHASE, read, len(records))
     results, names, hits = [None] * len(records), [None] * len(records), 0
     keys: Counter[str] = Counter()
     carrying = 0
@@ -109,14 +127,19 @@ def profile_workers(num_groups: int, num_records: int) -> int:
     return min(num_groups, cpus, MAX_PROFILE_WORKERS, num_records // RECORDS_PER_WORKER)
 
 
-def _profile_part(cfg: DataConfig, records: Sequence[dict]) -> tuple[list, list, dict, int]:
+def _profile_part(
+    cfg: DataConfig, records: Sequence[dict], progress: ProgressFn | None = None
+) -> tuple[list, list, dict, int]:
     processor = Processor(cfg)
     names: list[str] = [""] * len(records)
     keys: Counter[str] = Counter()
-    carrying = 0
+    carrying, seen = 0, 0
 
     def visit(i: int, record: dict) -> None:
-        nonlocal carrying
+        nonlocal carrying, seen
+        seen += 1
+        if progress is not None:
+            progress(PHASE, seen, len(records))
         names[i] = _source_name(record)
         extra = processor.extra_keys(record) if isinstance(record, dict) else ()
         carrying += bool(extra)

@@ -39,8 +39,13 @@ class PlannerConfig:
       microbatch_slack: the scheduler may use M .. ceil(M x (1 + slack)) microbatches (absorbs batches
         that do not fit M microbatches of the largest buckets; the simulation scores what it picks).
       num_buckets: candidate sizes of the tile and length bucket ladders (planner/buckets.py): more
-        sizes pad less and compile more programs; one size is the top of the ladder, the largest
-        shape (what the uniform baseline always uses), scheduled data-aware all the same.
+        sizes pad less and compile more programs, and with `steps` the planner prices both (a
+        short run takes fewer); one size is the top of the ladder, the largest shape (what the
+        uniform baseline always uses), scheduled data-aware all the same.
+      steps: the run's optimizer steps: a candidate's compile time (its programs, `costs/compile.py`)
+        is added to its expected step time amortized over them, so the ladder (and the sparse set
+        of (tile, length) pairs a stage seeing both compiles) is chosen for the run's length. A
+        training run's planner takes the run's `steps`; 0 = compiling is not priced.
       length_align: length buckets are multiples of this many tokens.
       memory_margin: fraction of device memory kept free (a layout must fit in (1 - margin) x capacity).
       samples: K global batches sampled from the shape distribution to score a candidate.
@@ -86,7 +91,8 @@ class PlannerConfig:
     llm_pp: tuple[int, ...] = (1, 2, 4, 7, 8)
     microbatches: tuple[int, ...] = (8, 16, 32, 64)
     microbatch_slack: float = 0.25
-    num_buckets: tuple[int, ...] = (6,)
+    num_buckets: tuple[int, ...] = (1, 2, 3, 4, 6)
+    steps: int = 0
     length_align: int = 64
     memory_margin: float = 0.1
     samples: int = 4
@@ -131,6 +137,8 @@ class PlannerConfig:
             "give distinct booleans, e.g. [false, true], or [] for the cost provider's setting",
         )
         require(self.length_align >= 1, "planner.length_align", self.length_align, "must be >= 1")
+        fix = "0 (compile time not priced) or the run's optimizer steps"
+        require(self.steps >= 0, "planner.steps", self.steps, fix)
         require(
             0.0 <= self.memory_margin < 1.0,
             "planner.memory_margin",

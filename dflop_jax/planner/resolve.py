@@ -74,17 +74,20 @@ def training_planner(
     global_batch: int,
     multimodal: bool,
     trainable: tuple[str, ...] | None = None,
+    steps: int | None = None,
 ) -> PlannerConfig:
-    """The planner settings of a training run: its global batch; its recipe (`optimizer.trainable`,
-    None: the planner's own); a colocated encoder only at LLM stage 0's own tp (the runtime runs no
-    colocated encoder at a smaller tp); no encoder stages for a decoder-only model. The planner's
-    choice between separate and colocated encoders is otherwise its own; the drift keys
-    (`replan_*`) are the trainer's."""
+    """The planner settings of a training run: its global batch and steps (over which compiling
+    is amortized; None: the planner's own); its recipe (`optimizer.trainable`, None: the planner's
+    own); a colocated encoder only at LLM stage 0's own tp (the runtime runs no colocated encoder
+    at a smaller tp); no encoder stages for a decoder-only model. The planner's choice between
+    separate and colocated encoders is otherwise its own; the drift keys (`replan_*`) are the
+    trainer's."""
     trainable = planner.trainable if trainable is None else tuple(trainable)
+    steps = planner.steps if steps is None else steps
     # The run's drift schedule is no search setting: plans (and plan: auto's cache) ignore it.
     base = PlannerConfig()
     return dataclasses.replace(
-        planner, global_batch=global_batch, colocate_own_tp=False, trainable=trainable,
+        planner, global_batch=global_batch, steps=steps, colocate_own_tp=False, trainable=trainable,
         encoder_stages=planner.encoder_stages and multimodal,
         replan_every=base.replan_every, replan_batches=base.replan_batches, replan=base.replan,
         replan_threshold=base.replan_threshold,
@@ -100,13 +103,14 @@ def static_plan(
     shapes: Callable[[], Sequence[SampleShape]],
     out_dir: str | Path,
     provider: CostProvider | None = None,
+    progress=None,
 ) -> Plan:
     """`mode` "analytic": plans on the dataset's `shapes()` with analytic costs (`provider`, default
     the plain analytic one) and saves `out_dir/plan.yaml`; otherwise `mode` is a plan.yaml path,
     loaded."""
     if mode != "analytic":
         return load_plan(mode)
-    plan = make_plan(arch, device, num_devices, shapes(), planner, provider)
+    plan = make_plan(arch, device, num_devices, shapes(), planner, provider, progress)
     save_plan(plan, Path(out_dir) / "plan.yaml")
     return plan
 

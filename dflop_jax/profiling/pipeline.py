@@ -107,7 +107,7 @@ def _step(name: str, out: Path, digest: str, build, timings: dict) -> Path:
 
 
 def data_profile(
-    cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict
+    cfg: AutoPlanConfig, data_cfg, cache: Path, timings: dict, progress=None
 ) -> tuple[Path | str, str]:
     """Step 1 (`python -m dflop_jax.profile data`): (shape file path or synthetic name, its digest)."""
     if cfg.data_source in SYNTHETIC:
@@ -124,7 +124,8 @@ def data_profile(
     out = shape_file(cache)
     digest = config_hash([data_cfg, cfg.data_samples, cfg.seed, code_version("dflop_jax/data")])
     _step("data profile", out, digest,
-          lambda: profile_data(data_cfg, cfg.data_samples, cfg.seed, out.parent), timings)  # fmt: skip
+          lambda: profile_data(data_cfg, cfg.data_samples, cfg.seed, out.parent, progress),
+          timings)  # fmt: skip
     return out, digest
 
 
@@ -170,6 +171,7 @@ def ensure_plan(
     name: str = "model",
     plan: bool = True,
     devices=None,
+    progress=None,
 ):
     """Data profile -> model profile -> plan, reusing fresh outputs in `cache_dir` (module docstring).
 
@@ -182,6 +184,7 @@ def ensure_plan(
       plan: False stops after the two profiles (DFLOP's profiling step alone) and returns None.
       devices: the devices the model profile runs on (default `jax.devices()`; a multi-process run
         profiles on process 0's own devices).
+      progress: `progress(phase, done, total)` of the three steps (`planner.progress.progress_bar`).
 
     Returns:
       the `planner.Plan` (also saved as `cache_dir/plan.yaml`).
@@ -205,10 +208,10 @@ def ensure_plan(
     cfg = dataclasses.replace(
         cfg, planner=fit_search_space(arch, cfg.num_devices, device, cfg.planner)
     )
-    shapes_src, data_digest = data_profile(cfg, data_cfg, cache, timings)
+    shapes_src, data_digest = data_profile(cfg, data_cfg, cache, timings, progress)
     devices = list(jax.devices() if devices is None else devices)
     table_path, model_digest = model_profile(cfg, model_cfg, cache, timings, name=name,
-                                             devices=devices)  # fmt: skip
+                                             devices=devices, progress=progress)  # fmt: skip
     if not plan:
         (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
         return None
@@ -223,9 +226,8 @@ def ensure_plan(
             table_path, arch, device, AnalyticCostProvider(arch, device)
         )
         shapes = load_shapes(shapes_src, cfg.data_samples, cfg.seed)
-        save_plan(
-            make_plan(arch, device, cfg.num_devices, shapes, cfg.planner, provider), plan_path
-        )
+        plan = make_plan(arch, device, cfg.num_devices, shapes, cfg.planner, provider, progress)
+        save_plan(plan, plan_path)
         sources = provider.sources()
         (cache / "cost_sources.json").write_text(json.dumps(sources, indent=1) + "\n")
         fallback = {k: v["fallback"] for k, v in sources.items() if "fallback" in v}
@@ -242,7 +244,7 @@ def ensure_plan(
 
 def profiled_plan(
     cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, name: str,
-    share_timeout_s: int = 3600,
+    share_timeout_s: int = 3600, progress=None,
 ):  # fmt: skip
     """`plan: auto` of a training run: `ensure_plan` on these devices, and the measured cost provider
     (analytic fallback) the scheduler then predicts with.
@@ -268,7 +270,7 @@ def profiled_plan(
     # own devices and plans for all of them; every other process takes its plan and cost table.
     if jax.process_index() == 0:
         ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, name=name,
-                    devices=jax.local_devices())  # fmt: skip
+                    devices=jax.local_devices(), progress=progress)  # fmt: skip
     cache = Path(cache_dir)
     share_files([cache / "plan.yaml", cache / "cost_table.json"], "auto-plan", share_timeout_s)
     plan = load_plan(cache / "plan.yaml")

@@ -486,6 +486,8 @@ class TrainConfig:
             "a run plans with its model's remat (model.vision_remat, model.llm_remat): leave it []"
         )
         require(not self.planner.remat, "planner.remat", self.planner.remat, fix)
+        fix = f"a run plans for its own steps (steps={self.steps}): leave planner.steps at 0"
+        require(not self.planner.steps, "planner.steps", self.planner.steps, fix)
         fix = "re-planning happens at checkpoints and resumes from them: set checkpoint.every"
         replans = self.planner.replan_every and self.planner.replan == "on_drift"
         ok = not replans or (self.checkpoint.every > 0 and self.checkpoint.resume)

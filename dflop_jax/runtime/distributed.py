@@ -15,6 +15,7 @@ above the watchdog's, as a backstop that names the task but not the step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -29,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
-from dflop_jax.runtime.transfer import transfer
+from dflop_jax.runtime.transfer import lower_transfer, transfer
 from dflop_jax.runtime.watchdog import JobError, Watchdog, WatchdogSettings, install
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,32 @@ def _as_vector(value: jax.Array):
     shape = (max(int(np.prod(value.shape)), 1),)
     if value.addressable_shards:
         with jax.set_mesh(value.sharding.mesh):
-            return jax.lax.with_sharding_constraint(value.reshape(shape), sharding)
+            return _vector_program(sharding, shape)(value)
     return jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
+
+
+@functools.cache
+def _vector_program(sharding: NamedSharding, shape: tuple[int, ...]):
+    """The jitted reshape of a value into a replicated vector on `sharding` (one program: an eager
+    reshape would compile at its first read, out of `lower_reads`' reach)."""
+    return jax.jit(lambda v: v.reshape(shape), out_shardings=sharding)
+
+
+def lower_reads(values: list[jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
+    """The programs `host_scalars(values)` runs on this process, lowered from the values' shapes
+    (none in a single-process run, which reads its values directly)."""
+    if jax.process_count() == 1:
+        return []
+    out = []
+    for v in values:
+        sharding = NamedSharding(v.sharding.mesh, P())
+        shape = (max(int(np.prod(v.shape)), 1),)
+        vector = jax.ShapeDtypeStruct(shape, v.dtype, sharding=sharding)
+        if any(d.process_index == jax.process_index() for d in v.sharding.device_set):
+            with jax.set_mesh(v.sharding.mesh):
+                out.append(_vector_program(sharding, shape).lower(v))
+        out += lower_transfer(vector, _readers())
+    return out
 
 
 def exchange_host(local: np.ndarray, tag: str, timeout_s: int = 600) -> np.ndarray:

@@ -61,8 +61,8 @@ class StepMetrics:
       microbatches, loss_tokens, skipped: the global batch.
       scheduler_latency_s, scheduler_gap, scheduler_solver, predicted_step_time_s: the schedule.
       data_wait_s: time the step waited for the loader.
-      compiles, recompiles: executables JAX built so far in this process / while this step was
-        dispatched (`runtime/precompile.py`: 0 after step 1 when every shape compiled ahead).
+      compiles, recompiles: executables the run has built so far in this process / while this step
+        was dispatched (`runtime/precompile.py`: 0 when every program was compiled ahead).
       stage_times_measured: this step timed its stage programs (adaptive correction).
       pred_raw_mape, pred_corrected_mape: recent-window stage-time prediction error (out of sample)
         of the cost model and of the corrected one (None before any observation).
@@ -255,10 +255,6 @@ class MetricsLog:
             "scheduler_latency_s_mean": mean("scheduler_latency_s"),
             "data_wait_s_mean": mean("data_wait_s"),
             "predicted_step_time_s_mean": mean("predicted_step_time_s"),
-            "compiles": last.compiles,
-            # New (stage, bucket) programs after the first step: first sightings of a bucket only;
-            # a steady state adds none.
-            "new_compiles_after_first_step": sum(r.recompiles for r in self.history[1:]),
             "skipped_samples": sum(r.skipped for r in self.history),
             # Adaptive correction at the end of the run: stage-time MAPE of the raw cost model and
             # of the corrected one (recent window, out of sample), and the microbatches observed.

@@ -661,24 +661,31 @@ class StageProgram:
         return self._outputs[key]
 
     def lower(self, x, side, evaluation: bool = False) -> list[Lowering]:
-        """The programs a microbatch of this input signature runs on the stage, traced and lowered
-        from abstract inputs (`x`, `side`: ShapeDtypeStructs with shardings) under the stage's mesh,
-        as the step calls them: compiling them fills the jits' caches, so the step compiles nothing
-        (`runtime/precompile.py`). Training's programs, plus evaluation's with `evaluation`; each
-        (kind, signature) is recorded as seen (`compiles`)."""
+        """The programs a microbatch of this input signature runs on the stage that are not lowered
+        yet, traced and lowered from abstract inputs (`x`, `side`: ShapeDtypeStructs with
+        shardings) under the stage's mesh, as the step calls them: compiling them fills the jits'
+        caches, so the step compiles nothing (`runtime/precompile.py`). Training's programs, plus
+        evaluation's with `evaluation`; each (kind, signature) is recorded as seen (`compiles`), so
+        a signature two bucket pairs share (an encoder stage's tile bucket, a later LLM stage's
+        length bucket) is lowered once."""
         sig, out = signature(x, side), []
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
         accs = accumulator_structs(self.params, self.trained)
 
         def add(kind, jit, *args, then=None):
+            if (kind, *sig) in self._signatures:
+                return
             self._record(kind, x, side)
             out.append(Lowering(kind, jit.lower(self.params, *args), then))
 
         with jax.set_mesh(self.mesh):
             if self.is_last:
                 add("last", self.jits.last, x, side, scalar, accs)
-                if "loss_mask" in side:  # `loss_tokens`
-                    out.append(Lowering("count", self._count.lower(scalar, side["loss_mask"])))
+                mask = side.get("loss_mask")
+                count = None if mask is None else ("count", *signature(None, {"loss_mask": mask}))
+                if count and count not in self._signatures:  # `loss_tokens`, per length bucket
+                    self._signatures.add(count)
+                    out.append(Lowering("count", self._count.lower(scalar, mask)))
                 if evaluation:
                     totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=scalar.sharding)
                     add("eval", self.jits.eval_loss, x, side, totals)

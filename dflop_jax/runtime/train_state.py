@@ -71,7 +71,7 @@ from dflop_jax.runtime.stages import (
     prune,
     put_host,
 )
-from dflop_jax.runtime.transfer import stand_in, transfer
+from dflop_jax.runtime.transfer import lower_transfer, stand_in, transfer
 from dflop_jax.runtime.zero1 import (
     pad,
     replicated_layout,
@@ -190,6 +190,22 @@ def param_labels(params: PyTree) -> PyTree:
 def trained_mask(params: PyTree, trainable: Sequence[str]) -> PyTree:
     """Bool per leaf of a stage's params: whether its part is in `trainable` (`StageProgram.trained`)."""
     return jax.tree.map(lambda part: part in trainable, param_labels(params))
+
+
+# The update's glue between the stages' own programs, each one jitted program (an eager op would
+# compile in step 1, out of `lower_update`'s reach).
+_add = jax.jit(operator.add)
+
+
+@functools.cache
+def _tie_correction(scalar: NamedSharding):
+    """-(copies - 1) |summed gradient|^2, the tied group's norm correction, as a [1] vector on
+    `scalar`."""
+    return jax.jit(
+        lambda total, copies: (-(copies - 1) * jnp.sum(jnp.square(total))).reshape(1),
+        static_argnums=1,
+        out_shardings=scalar,
+    )
 
 
 STATS = ("loss", "grad_norm", "applied", "skipped_steps", "clip_norm")
@@ -360,6 +376,19 @@ class StageOptimizer:
                 out += [self._reduce.lower(accs), self._sq_norm.lower(self.grad_structs())]
         return out
 
+    def lower_save(self) -> list[jax.stages.Lowered]:
+        """The program a checkpoint runs (`state`: the padded leaves cut back), lowered; none when
+        nothing is padded or the stage is not local."""
+        if not self._padded or not getattr(self.stage, "local", True):
+            return []
+        shards = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            self.shards,
+            self.state_shardings,
+        )
+        with jax.set_mesh(self.stage.mesh):
+            return [self._unpad.lower(shards)]
+
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
         buffer has another shape; the caller drops it)."""
@@ -484,13 +513,13 @@ def tie_gradients(
         total = leaves[s0][index[s0][p0]]
         for s, p in rest:
             moved = transfer(leaves[s][index[s][p]], total.sharding)
-            total = total + moved if _holds(total) else total
+            total = _add(total, moved) if _holds(total) else total
         for s, p in group:
             j = index[s][p]
             leaves[s][j] = transfer(total, leaves[s][j].sharding)
         scalar = NamedSharding(total.sharding.mesh, P())
         corrections.append(
-            (-(len(group) - 1) * jnp.sum(jnp.square(total))).reshape(1)
+            _tie_correction(scalar)(total, len(group))
             if _holds(total)
             else stand_in((1,), jnp.float32, scalar)
         )
@@ -553,10 +582,10 @@ def apply_updates(
             previous if previous is not None else put_host(np.zeros(len(STATS), np.float32), home)
         )
         with jax.set_mesh(home.mesh):
-            # the loss summed pairwise from 0 first: one add program, compiled in step 1, for any
-            # microbatch count (a list argument would compile `_combine` once per count)
+            # the loss summed pairwise from 0 first: one add program for any microbatch count (a
+            # list argument would compile `_combine` once per count)
             zero = put_host(np.float32(0), home)
-            total = functools.reduce(operator.add, loss, zero)
+            total = functools.reduce(_add, loss, zero)
             stats = _combine(parts, total, prev, np.float32(clip_norm))
     else:
         stats = stand_in((len(STATS),), jnp.float32, home)
@@ -565,6 +594,51 @@ def apply_updates(
         if here:
             opt.apply(g, mine)
     return copies
+
+
+def lower_update(
+    optimizers: list[StageOptimizer], clip_norm: float, tied: list[TiedGroup] = ()
+) -> list[jax.stages.Lowered]:
+    """The programs `apply_updates` runs on this process beyond each optimizer's own
+    (`StageOptimizer.lower`), lowered from shapes: the tied groups' transfers, sums and norm
+    corrections, the norm and statistics transfers, the loss sum and `_combine`. What
+    `apply_updates` dispatches, step for step (a run compiling nothing in step 1 tests the two
+    agree)."""
+    local = [getattr(opt.stage, "local", True) for opt in optimizers]
+    grads = [opt.grad_structs() for opt in optimizers]
+    out, corrections = [], []
+    flat = [jax.tree_util.tree_flatten_with_path(g)[0] for g in grads]
+    index = [{_leaf_names(path): leaf for path, leaf in f} for f in flat]
+    for group in tied:
+        if any(p not in index[s] for s, p in group):
+            continue
+        (s0, p0), *rest = group
+        total = index[s0][p0]
+        for s, p in rest:
+            out += lower_transfer(index[s][p], total.sharding)
+            if local[s0]:
+                out.append(_add.lower(total, total))
+        out += [lw for s, p in group for lw in lower_transfer(total, index[s][p].sharding)]
+        scalar = NamedSharding(total.sharding.mesh, P())
+        if local[s0]:
+            out.append(_tie_correction(scalar).lower(total, len(group)))
+        corrections.append(jax.ShapeDtypeStruct((1,), jnp.float32, sharding=scalar))
+    home = optimizers[-1].scalar
+    sq = [
+        jax.ShapeDtypeStruct((1,), jnp.float32, sharding=o.scalar) for o in optimizers if o.trains
+    ]
+    for x in sq + corrections:
+        out += lower_transfer(x, home)
+    stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=home)
+    if local[-1]:
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=home)
+        parts = [jax.ShapeDtypeStruct((1,), jnp.float32, sharding=home)] * len(sq + corrections)
+        with jax.set_mesh(home.mesh):  # as `apply_updates` calls them (the mesh keys the cache)
+            out.append(_add.lower(scalar, scalar))
+            out.append(_combine.lower(parts, scalar, stats, np.float32(clip_norm)))
+    for opt in optimizers:
+        out += lower_transfer(stats, opt.scalar)
+    return out
 
 
 @jax.jit

@@ -43,13 +43,14 @@ from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
+from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.resolve import ResolvedPlan, training_planner
 from dflop_jax.runtime import watchdog
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
-from dflop_jax.runtime.distributed import exchange_host, host_scalars
+from dflop_jax.runtime.distributed import exchange_host, host_scalars, lower_reads
 from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
@@ -66,7 +67,13 @@ from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, pr
 from dflop_jax.runtime.replan import describe, next_plan, pick_digest, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
 from dflop_jax.runtime.stages import enable_compilation_cache, put_host
-from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, tied_groups
+from dflop_jax.runtime.train_state import (
+    STATS,
+    StageOptimizer,
+    apply_updates,
+    lower_update,
+    tied_groups,
+)
 from dflop_jax.scheduler import Scheduler
 
 
@@ -123,6 +130,7 @@ def train(
     watchdog.resume_from(str(Path(cfg.run_dir).absolute() / "config.yaml"))
     watchdog.progress(start + 1, "compile")
     trainer.precompile()
+    ahead, replanned = trainer.programs, 0  # built before step 1; by re-plans' precompiles
 
     def log(rows: list[StepMetrics]) -> None:
         for row in rows:
@@ -145,13 +153,19 @@ def train(
                 log(trainer.read(through=step))
                 trainer.save(step)
                 if step < cfg.steps and trainer.replan_due(step):
+                    before = trainer.programs
                     trainer = _replanned(trainer, step, model_cfg)
+                    replanned += trainer.programs - before
         log(trainer.read(through=cfg.steps))
     finally:
         trainer.close()
         metrics.close()
     watchdog.finish()
     summary = metrics.summary()
+    if summary:  # the run's one count of programs (`runtime/precompile.py`)
+        summary.update(programs=trainer.programs,
+                       programs_after_precompile=trainer.programs - ahead - replanned,
+                       **({"programs_replanned": replanned} if replanned else {}))  # fmt: skip
     if summary:
         console.print(
             "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
@@ -198,10 +212,16 @@ class _Trainer:
     """The parts of a run that live across steps (stages, optimizers, scheduler, loader, checkpoints)
     and the step itself."""
 
-    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock):
+    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock,
+                 counter_start: int | None = None):  # fmt: skip
+        """`counter_start`: the compile count where the run began (a re-planned trainer continues
+        its predecessor's count); None: now."""
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
         self.plan = plan
         self.clock = clock
+        self.counter = CompileCounter()
+        # the stages' initialization counts as the run's
+        self.counter_start = self.counter.count if counter_start is None else counter_start
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
         _print_plan(console, plan, meshes)
@@ -238,7 +258,8 @@ class _Trainer:
         self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = run_device(cfg.device).peak_flops  # the preset's: nothing is timed
-        self.lr = cfg.optimizer.schedule()
+        # jitted (and compiled ahead) so reading a step's rate compiles nothing
+        self.lr = jax.jit(cfg.optimizer.schedule())
         self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
         self.in_flight: list[_InFlight] = []
         self.observed = 0  # observations the last read batch was scheduled with
@@ -247,20 +268,38 @@ class _Trainer:
         self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
         self.drifts: list = []  # drift measurements finished, not yet in a row
         self.latest_drift = None  # the last one put in a row
-        self.counter = CompileCounter()
 
     def precompile(self) -> None:
-        """Compiles every stage and transfer program of every bucket pair of the plan (and
-        evaluation's when it is on) and the optimizers' programs before step 1
-        (`runtime/precompile.py`)."""
-        t0, before = time.perf_counter(), self.counter.count
+        """Compiles every program the run dispatches before step 1, each once per shape it
+        receives (`runtime/precompile.py`): the stages' and transfers' of every allowed bucket
+        pair of the plan (evaluation's when it is on) and the per-step ones (optimizers, the
+        update's glue, the host reads, the checkpoint's); one line says how many programs the run
+        has built so far (`programs`), the count every later figure continues."""
+        hits, t0 = self.counter.cache_hits, time.perf_counter()
         batches = bucket_microbatches(self.problem, self.cfg.data)
-        done = precompile(self.stages, batches, self.console, self.evaluator is not None, self.opts)
+        extra = [lw for opt in self.opts for lw in opt.lower()]
+        extra += lower_update(self.opts, self.cfg.optimizer.clip_norm, self.tied)
+        stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.opts[-1].scalar)
+        totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=self.opts[-1].scalar)
+        extra += lower_reads([stats] + ([totals] if self.evaluator is not None else []))
+        if self.cfg.checkpoint.every:
+            extra += [lw for opt in self.opts for lw in opt.lower_save()]
+        extra.append(self.lr.lower(jax.ShapeDtypeStruct((), jnp.int32)))
+        with progress_bar(jax.process_index() == 0) as progress:
+            done = precompile(self.stages, batches, progress,
+                              evaluation=self.evaluator is not None, extra=extra)  # fmt: skip
+        loaded = self.counter.cache_hits - hits
         self.console.print(
-            f"compiled {len(done)} programs for {len(batches)} bucket pairs "
-            f"({self.counter.count - before} executables built) in {time.perf_counter() - t0:.1f}s",
+            f"compiled {self.programs} programs ({done.programs} for {done.pairs} bucket pairs and "
+            f"the step{f', {loaded} from the persistent cache' if loaded else ''}) in "
+            f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
         )
+
+    @property
+    def programs(self) -> int:
+        """Executables this run (this trainer) has built so far, in this process."""
+        return self.counter.count - self.counter_start
 
     def _place(self, batch: GlobalBatch) -> GlobalBatch:
         """The loader's hook (its prefetch thread): the batch's side inputs onto the devices of the
@@ -324,7 +363,7 @@ class _Trainer:
         pipeline, the clipped update (skipped on device when not finite); a measured step times the
         ops of one microbatch (step % M). Raises on an empty batch."""
         measure = bool(self.measure_every) and step % self.measure_every == 0
-        compiles_before = self.counter.count
+        compiles_before = self.programs
         batch = next(self.loader)
         if not batch.microbatches:
             raise RuntimeError(
@@ -349,7 +388,7 @@ class _Trainer:
                                self.stats, tied=self.tied)  # fmt: skip
         self.stats = copies[-1]
         dispatched = time.perf_counter()
-        compiles = self.counter.count
+        compiles = self.programs
         self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
         del out  # its accumulators are the update's (donated); nothing else of it outlives dispatch
         flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
@@ -479,7 +518,7 @@ class _Trainer:
         return step_metrics(
             f.step, f.batch, stage_modules(self.layout, self.has_encoder), correction,
             observed_before=observed_before, loss=stats["loss"], grad_norm=stats["grad_norm"],
-            lr=float(self.lr(f.step - 1)), step_time_s=step_time,
+            lr=float(self.lr(np.int32(f.step - 1))), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=f.compiles, recompiles=f.recompiles, stage_times_measured=f.measured,
             dispatch_s=f.dispatched_s - f.start_s, wall_s=wall, update_skipped=stats["applied"] == 0,
@@ -526,7 +565,9 @@ def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> Drif
     """Drift measurements of this run's plan: its cost provider, the run's planner settings and
     devices (`planner/drift.py`)."""
     multimodal = cfg.model.kind != "decoder"
-    config = training_planner(cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable)
+    config = training_planner(
+        cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable, cfg.steps
+    )
     running = RunningPlan(plan.layout, plan.buckets, plan.microbatches, plan.provider)
     device = run_device(cfg.device)
     measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
@@ -543,8 +584,9 @@ def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
         describe(old.latest_drift, old.plan, plan, step), highlight=False, soft_wrap=True
     )
     old.close()  # waits for the checkpoint
-    new = _Trainer(old.cfg, model_cfg, old.arch, plan, old.console, old.clock)
+    new = _Trainer(old.cfg, model_cfg, old.arch, plan, old.console, old.clock, old.counter_start)
     new.restore()
+    new.precompile()  # the new plan's programs, before it runs a step
     return new
 
 

@@ -36,13 +36,19 @@ def surrogate_step_time(costs: np.ndarray) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """W over all bucket pairs plus the cheapest pair fitting any (tile, token) need.
+    """W over all bucket pairs plus the cheapest allowed pair fitting any (tile, token) need.
+
+    A sparse pair set (`BucketSet.pairs`) is taken as costs: a pair outside it costs what the
+    cheapest allowed pair at least as large on both sides costs (where such a microbatch runs), and
+    `best` never names it. So every search below (greedy, bound, filling, CP-SAT) sees the true
+    cost of any bucket choice, and `pair_for` / `to_plans` return allowed pairs only.
 
     Attributes:
       tiles: tile buckets [nT]; lengths: length buckets [nS].
-      stage: per-stage (fwd, bwd) seconds [nT, nS, P, 2].
-      w: max_s (fwd + bwd) [nT, nS].
-      best: [nT, nS, 2] index pair (ti, si) of the cheapest pair with T >= tiles[ti] and S >= lengths[si].
+      stage: per-stage (fwd, bwd) seconds [nT, nS, P, 2] (of the covering allowed pair).
+      w: max_s (fwd + bwd) [nT, nS] (of the covering allowed pair).
+      best: [nT, nS, 2] index pair (ti, si) of the cheapest allowed pair with T >= tiles[ti] and
+        S >= lengths[si].
     """
 
     tiles: np.ndarray
@@ -55,8 +61,12 @@ class CostTable:
     def build(cls, problem: ScheduleProblem) -> CostTable:
         b = problem.buckets
         stage = np.zeros((len(b.tiles), len(b.lengths), problem.num_stages, 2))
+        allowed = np.zeros((len(b.tiles), len(b.lengths)), dtype=bool)
         for ti, t in enumerate(b.tiles):
             for si, s in enumerate(b.lengths):
+                if not b.allows(t, s):
+                    continue
+                allowed[ti, si] = True
                 c = np.asarray(problem.stage_costs(t, s), dtype=np.float64)
                 if (
                     c.shape != (problem.num_stages, 2)
@@ -68,8 +78,10 @@ class CostTable:
                         f"({problem.num_stages}, 2)"
                     )
                 stage[ti, si] = c
-        w = stage.sum(axis=3).max(axis=2)
-        return cls(np.asarray(b.tiles), np.asarray(b.lengths), stage, w, _suffix_argmin(w))
+        w = np.where(allowed, stage.sum(axis=3).max(axis=2), np.inf)
+        best = _suffix_argmin(w)
+        ti, si = best[..., 0], best[..., 1]
+        return cls(np.asarray(b.tiles), np.asarray(b.lengths), stage[ti, si], w[ti, si], best)
 
     def nondominated(self) -> list[tuple[int, int, float]]:
         """Pairs (ti, si, W) no other pair beats: none at least as large on both sides and cheaper
@@ -88,7 +100,8 @@ class CostTable:
     def pair_for(
         self, tile_need: np.ndarray, token_need: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Cheapest bucket-pair indices (ti [M], si [M]) with T >= tile_need and S >= token_need."""
+        """Cheapest allowed bucket-pair indices (ti [M], si [M]) with T >= tile_need and
+        S >= token_need."""
         ti = np.searchsorted(self.tiles, tile_need, side="left")
         si = np.searchsorted(self.lengths, token_need, side="left")
         if np.any(ti >= len(self.tiles)) or np.any(si >= len(self.lengths)):
@@ -158,6 +171,7 @@ def to_plans(
     shards: list[list[list[int]]] = [[[] for _ in range(ldp)] for _ in range(m)]
     for i, b in enumerate(bin_of.tolist()):
         shards[b // ldp][b % ldp].append(i)
+    ti, si = (np.asarray(a) for a in np.moveaxis(table.best[ti, si], -1, 0))  # allowed pairs only
     return tuple(
         MicrobatchPlan(
             int(table.tiles[ti[k]]),

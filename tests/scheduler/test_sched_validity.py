@@ -36,7 +36,9 @@ def linear_costs(num_stages, a, b):
 
 
 @st.composite
-def instances(draw):
+def instances(draw, sparse: bool = False):
+    """(shapes, problem); `sparse`: the problem's buckets allow a random subset of the (tile,
+    length) grid that holds the largest pair (`BucketSet.pairs`)."""
     n = draw(st.integers(1, 40))
     shapes = [
         SampleShape(f"s{i}", draw(st.integers(0, 12)), draw(st.integers(1, 3000)), "image")
@@ -56,7 +58,13 @@ def instances(draw):
     tiles = tuple(sorted({max(1, tmax >> j) for j in range(nt)}))
     p = draw(st.integers(1, 4))
     fn = linear_costs(p, draw(st.floats(1e-4, 1e-2)), draw(st.floats(1e-7, 1e-5)))
-    return shapes, ScheduleProblem(edp, ldp, p, (lo, hi), BucketSet(tiles, lengths), fn)
+    pairs = ()
+    if sparse:
+        grid = [(t, s) for t in tiles for s in lengths]
+        keep = draw(st.lists(st.booleans(), min_size=len(grid), max_size=len(grid)))
+        pairs = tuple(sorted({g for g, k in zip(grid, keep) if k} | {(tiles[-1], lengths[-1])}))
+    buckets = BucketSet(tiles, lengths, pairs)
+    return shapes, ScheduleProblem(edp, ldp, p, (lo, hi), buckets, fn)
 
 
 def check_valid(schedule, shapes, problem, dflop=True):
@@ -71,6 +79,7 @@ def check_valid(schedule, shapes, problem, dflop=True):
         assert len(mb.shards) == problem.llm_dp
         assert mb.tile_bucket in problem.buckets.tiles
         assert mb.length_bucket in problem.buckets.lengths
+        assert problem.buckets.allows(mb.tile_bucket, mb.length_bucket), "an allowed pair"
         for shard in mb.shards:
             assert sum(shapes[i].tokens for i in shard) <= mb.length_bucket
         tiles = sum(shapes[i].tiles for i in mb.samples())
@@ -98,6 +107,21 @@ def test_greedy_valid(inst):
     assert 0.0 <= s.info["padding_tokens"] < 1.0
 
 
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=FAST,
+)
+@given(instances(sparse=True))
+def test_greedy_valid_on_sparse_pairs(inst):
+    """With a sparse pair set every microbatch takes an allowed pair and the reported objective is
+    the surrogate of the pairs it runs at (`check_valid`)."""
+    shapes, problem = inst
+    check_valid(schedule_batch(shapes, problem, SchedulerConfig(solver="greedy")), shapes, problem)
+
+
 @pytest.mark.slow
 @settings(
     max_examples=12,
@@ -106,7 +130,7 @@ def test_greedy_valid(inst):
     suppress_health_check=[HealthCheck.too_slow],
     phases=FAST,
 )
-@given(instances())
+@given(st.booleans().flatmap(lambda sparse: instances(sparse)))
 def test_cpsat_valid_and_never_worse(inst):
     """Valid under both selection rules; the makespan rule's 1F1B makespan is never worse than the
     surrogate rule's, and under the surrogate rule the refinement never worsens the surrogate (the
