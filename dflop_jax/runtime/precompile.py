@@ -96,15 +96,26 @@ class PrecompileReport:
     """What `precompile` did.
 
     Attributes:
-      programs: the programs lowered and compiled (distinct signatures).
+      stage_programs: the stage and transfer programs of the bucket pairs (distinct signatures:
+        what `costs.compile.program_counts` predicts as `bucket_programs`).
+      step_programs: the per-step programs (`extra`).
       pairs: the bucket pairs walked.
-      lower_s, compile_s: seconds lowering (this thread) and until the last compile ended.
+      lower_s: seconds lowering the stage and transfer programs (this thread).
+      wall_s: seconds until the last compile ended.
+      compile_s: per program kind ("fwd", "bwd_res", "last", "transfer", "step", ...), the seconds
+        its compiles took, summed over the pool's threads.
     """
 
-    programs: int
+    stage_programs: int
+    step_programs: int
     pairs: int
     lower_s: float
-    compile_s: float
+    wall_s: float
+    compile_s: dict[str, float]
+
+    @property
+    def programs(self) -> int:
+        return self.stage_programs + self.step_programs
 
 
 def bucket_microbatches(problem: ScheduleProblem, data_cfg) -> list[dict[str, np.ndarray]]:
@@ -181,20 +192,29 @@ def precompile(
     for i, batch in enumerate(microbatches):
         todo += pipeline_lowerings(stages, batch, evaluation, seen)
         report("lower", i + 1, len(microbatches))
-    todo += [Lowering("step", lw) for lw in extra]
     lower_s = time.perf_counter() - t0
-    total, done = len(todo), 0
+    todo += [Lowering("step", lw) for lw in extra]
+    total, done, seconds = len(todo), 0, {}
     workers = workers or max(os.cpu_count() or 1, 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="dflop-compile") as pool:
-        running = {pool.submit(lw.lowered.compile): lw for lw in todo}
+        running = {pool.submit(_timed, lw.lowered): lw for lw in todo}
         report("compile", 0, total)
         while running:
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                lw, compiled = running.pop(future), future.result()
+                lw, (compiled, s) = running.pop(future), future.result()
                 done += 1
+                seconds[lw.kind] = seconds.get(lw.kind, 0.0) + s
                 more = lw.then(compiled) if lw.then else []  # lowered here, on this thread
                 total += len(more)
-                running.update({pool.submit(m.lowered.compile): m for m in more})
+                running.update({pool.submit(_timed, m.lowered): m for m in more})
             report("compile", done, total)
-    return PrecompileReport(done, len(microbatches), lower_s, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return PrecompileReport(
+        done - len(extra), len(extra), len(microbatches), lower_s, wall, seconds
+    )
+
+
+def _timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float]:
+    t0 = time.perf_counter()
+    return lowered.compile(), time.perf_counter() - t0

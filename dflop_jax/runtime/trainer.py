@@ -288,10 +288,12 @@ class _Trainer:
         with progress_bar(jax.process_index() == 0) as progress:
             done = precompile(self.stages, batches, progress,
                               evaluation=self.evaluator is not None, extra=extra)  # fmt: skip
+        self.precompiled = done
         loaded = self.counter.cache_hits - hits
         self.console.print(
-            f"compiled {self.programs} programs ({done.programs} for {done.pairs} bucket pairs and "
-            f"the step{f', {loaded} from the persistent cache' if loaded else ''}) in "
+            f"compiled {self.programs} programs ({done.stage_programs} stage and transfer programs "
+            f"for {done.pairs} bucket pairs, {done.step_programs} per-step"
+            f"{f'; {loaded} from the persistent cache' if loaded else ''}) in "
             f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
         )
