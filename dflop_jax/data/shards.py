@@ -11,7 +11,8 @@ read whole:
     decoded row groups (`ROW_GROUPS_HELD`) serves the neighbours of a sequential pass.
     `image` is HF's Image struct {bytes, path} or a list of them (kept as is: the processor reads
     the bytes, or resolves `path` under `image_root` when bytes are absent); null columns are dropped
-    (text-only rows); `data_source` stays the record's group for the data profile.
+    and an empty `image` list is kept (both are text-only rows, `Processor`); `data_source` stays the
+    record's group for the data profile.
   - Tar (WebDataset): members group by key (`<dir>/<key>.<ext>`, the key ends at the basename's first
     dot): `<key>.json` holds the record, image members (`<key>.jpg`, `<key>.1.png`, ...) are its images
     in member order, as {bytes, path} structs. An index of member offsets per shard, built once and
