@@ -80,6 +80,7 @@ def open_shards(
     each shard's folder. `cache_dir` keeps tar indexes ("" = rebuilt in memory each time)."""
     files = shard_files(spec)
     if files[0].suffix == ".parquet":
+        _pyarrow_parquet(spec)  # missing: one line naming the source
         return ParquetRecords(files, image_root, video_root)
     return TarRecords(files, image_root, video_root, cache_dir)
 
@@ -202,13 +203,19 @@ def hf_row_record(row: dict, location: str) -> dict:
     return record
 
 
-def _pyarrow_parquet():
+PYARROW_MISSING = (
+    "parquet shards need pyarrow, which is not installed: "
+    "pip install -c constraints.txt -e '.[parquet]' in the repository"
+)
+
+
+def _pyarrow_parquet(source: str | Path | None = None):
+    """`pyarrow.parquet`, or a one-line ConfigError (naming `source`) saying how to install it."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError(
-            "reading parquet shards needs pyarrow: pip install 'dflop_jax[parquet]'"
-        ) from None
+        where = f"{str(source)!r}: " if source is not None else ""
+        raise ConfigError(where + PYARROW_MISSING) from None
     return pq
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import sys
 import tarfile
 import tracemalloc
 
@@ -312,6 +313,17 @@ def test_an_empty_image_list_is_a_text_row(tmp_path):
 def test_a_glob_matching_no_shard_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.source='.*nothing-\*.parquet': no .parquet"):
         load_source(DataConfig(source=str(tmp_path / "nothing-*.parquet")))
+
+
+def test_a_missing_pyarrow_is_one_sentence_naming_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "train-00000-of-00001.parquet").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # `import pyarrow.parquet` fails
+    with pytest.raises(ConfigError) as e:
+        load_source(DataConfig(source=str(tmp_path)))
+    assert str(e.value) == (
+        f"data.source='{tmp_path}': parquet shards need pyarrow, which is not installed: "
+        "pip install -c constraints.txt -e '.[parquet]' in the repository"
+    )
 
 
 def test_streaming_10x_the_rows_held_does_not_grow_memory(tmp_path):
