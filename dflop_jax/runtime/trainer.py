@@ -84,11 +84,17 @@ class TrainReport:
     optimizers: list = dataclasses.field(default_factory=list)  # their StageOptimizers (state)
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Creates `run_dir`, writes the resolved config (process 0) and turns on the compilation cache."""
+def prepare_run_dir(cfg: TrainConfig, model_cfg=None) -> Path:
+    """Creates `run_dir`, writes the resolved config (process 0) and turns on the compilation cache.
+
+    With `model_cfg` (the model the run builds), config.yaml records its kind and sizes in the
+    `model` section also where `model.hf_dir` or `model.arch` gives them (`ModelConfig.with_sizes_of`):
+    the file says what was trained, and loads back to the same model."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
+        if model_cfg is not None:
+            cfg = dataclasses.replace(cfg, model=cfg.model.with_sizes_of(model_cfg))
         dump_yaml(cfg, run_dir / "config.yaml")
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
