@@ -263,6 +263,7 @@ def export_run(
         # The starting checkpoint's tensors the model never builds: copied, one at a time.
         source = CheckpointReader(cfg.model.hf_dir) if cfg.model.hf_dir else None
         kept = unread_tensors(model_cfg, source.keys()) if source else {}
+        kept = {k: key for k, key in kept.items() if k not in tensors}  # the run's own win
         if kept:
             config = _with_source_structure(config, read_config(cfg.model.hf_dir))
         (out / "config.json").write_text(json.dumps(config, indent=2))
