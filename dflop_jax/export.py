@@ -1,4 +1,4 @@
-"""Export a training run's checkpoint as an HF model directory (config.json, safetensors, tokenizer).
+"""Export a training run's checkpoint as an HF directory (config, weights, tokenizer, processor).
 
     python -m dflop_jax.export run=runs/demo out=runs/demo/hf            # the latest checkpoint
     python -m dflop_jax.export run=runs/demo step=8 out=/tmp/hf shard_gb=2
@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, CheckpointError) as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2
-    print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes / 1e9:.3f} GB "
-          f"-> {cfg.out} ({len(report.files)} files)")  # fmt: skip
+    copied = f", {report.copied} copied unchanged from model.hf_dir" if report.copied else ""
+    print(f"exported step {report.step}: {report.tensors} tensors{copied}, "
+          f"{report.bytes / 1e9:.3f} GB -> {cfg.out} ({len(report.files)} files)")  # fmt: skip
     return 0
 
 

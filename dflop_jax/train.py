@@ -90,7 +90,6 @@ def run(cfg, console=None, clock=time.perf_counter):
     from dflop_jax.train_plan import resolve_plan, with_plan_remat
 
     cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
-    prepare_run_dir(cfg)
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     model_cfg = cfg.model.model_config(
         vocab,
@@ -99,6 +98,7 @@ def run(cfg, console=None, clock=time.perf_counter):
         compute_dtype=cfg.compute_dtype,
         pixel_norm=(cfg.data.mean, cfg.data.std),
     )
+    prepare_run_dir(cfg, model_cfg)  # config.yaml records the model's sizes (hf_dir's, arch's)
     hint = attention_hint(cfg.model.attention_impl)
     if hint:
         logging.getLogger(__name__).warning(hint)

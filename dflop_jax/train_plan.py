@@ -32,6 +32,7 @@ from dflop_jax.planner.plan_file import load_plan
 from dflop_jax.planner.resolve import (
     ResolvedPlan,
     check_plan_fits_run,
+    plan_data_note,
     static_plan,
     training_planner,
 )
@@ -102,7 +103,13 @@ def _resolve_layout(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
     ):  # a plan.yaml: made for this model, recipe and devices?
         plan = load_plan(cfg.plan)
         trainable = tuple(cfg.optimizer.trainable)
-        check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable)
+        check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable,
+                            cfg.global_batch)  # fmt: skip
+        from dflop_jax.profiling.pipeline import shape_file
+
+        note = plan_data_note(plan, cfg.plan, shape_file(auto_plan_dir(cfg)))
+        if note:
+            log.warning(note)
         return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
     if cfg.plan == "auto":
         from dflop_jax.profiling.pipeline import profiled_plan

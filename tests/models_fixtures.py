@@ -187,16 +187,18 @@ def save_tiny_llava_ov(
     seed: int = 0,
     image_token: int = 90,
     video_token: int = 91,
+    vision_use_head: bool = False,
     **text,
 ) -> Path:
     """Tiny random LlavaOnevisionForConditionalGeneration (28 px tiles, 7 px patches) saved to `path`;
-    `text` changes its Qwen2 config (e.g. `vocab_size`)."""
+    `text` changes its Qwen2 config (e.g. `vocab_size`). Its SigLIP tower has a post-layernorm and,
+    with `vision_use_head`, a pooling head: tensors LLaVA-OV never reads."""
     import torch
     import transformers
 
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
-        image_size=28, patch_size=7, vision_use_head=False,
+        image_size=28, patch_size=7, vision_use_head=vision_use_head,
     )  # fmt: skip
     text_cfg = transformers.Qwen2Config(**{
         "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,

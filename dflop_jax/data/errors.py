@@ -16,7 +16,7 @@ REASONS = (
     "no_conversations",  # no `conversations`/`text`, empty, or no assistant turn to learn from
     "unknown_fields",  # a turn's `from` is no known role, image + video together, extra keys (strict)
     "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
-    "bad_markers",  # more `<image>` markers than images (or markers in a non-user turn)
+    "bad_markers",  # `<image>` markers not matching the images (none: `image` empty), or in a non-user turn
     "corrupt_shard",  # a parquet row group or tar member that cannot be read (truncated, damaged)
 )
 

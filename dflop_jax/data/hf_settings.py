@@ -3,7 +3,8 @@
 A model trained on its own data keeps the tokenization, prompt format and pixel preprocessing it was
 pretrained with; `TrainConfig` fills the data keys left at "auto" from `model.hf_dir` with
 `hf_data_settings`. Reading is plain JSON (no JAX, no transformers). A file the directory lacks leaves
-the key to its family default, logged once.
+the key to its family default, logged once. `processor_config` is the way back: the
+preprocessor_config.json of a run's data settings (`python -m dflop_jax.export` writes it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ def hf_data_settings(hf_dir: str) -> dict:
             out["max_tiles"] = int(max_tiles)
         log.info("%s: no preprocessor_config.json; pixel mean/std are the family's", hf_dir)
         return out
-    proc = _read_json(pre)
+    out |= processor_settings(_read_json(pre))
+    if max_tiles and "max_tiles" not in out:
+        out["max_tiles"] = int(max_tiles)
+    return out
+
+
+def processor_settings(proc: dict) -> dict:
+    """The `DataConfig` values a preprocessor_config.json dict gives (`hf_data_settings`)."""
+    out: dict = {}
     tile = _side(proc.get("crop_size")) or _side(proc.get("size"))
     if tile:
         out["tile_size"] = tile
@@ -59,9 +68,51 @@ def hf_data_settings(hf_dir: str) -> dict:
     pinpoints = proc.get("image_grid_pinpoints")
     if pinpoints and tile:
         out["max_grid"] = max(max(p) for p in pinpoints) // tile
-    max_tiles = proc.get("max_patches") or max_tiles
-    if max_tiles:
-        out["max_tiles"] = int(max_tiles)
+    if proc.get("max_patches"):
+        out["max_tiles"] = int(proc["max_patches"])
+    return out
+
+
+# The HF image processors of the two families as transformers writes them, less the settings a run
+# decides (`processor_config`).
+_FAMILY_PROCESSORS = {
+    "llava_ov": {
+        "image_processor_type": "LlavaOnevisionImageProcessor",
+        "processor_class": "LlavaOnevisionProcessor",
+        "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_pad": True,
+    },
+    "internvl": {
+        "image_processor_type": "GotOcr2ImageProcessor",
+        "processor_class": "InternVLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "crop_to_patches": True, "min_patches": 1,
+    },
+}  # fmt: skip
+
+
+def processor_config(data_cfg, base: dict | None = None) -> dict:
+    """preprocessor_config.json of a run's data settings, the inverse of `hf_data_settings`: `base`
+    (an HF directory's own, its other keys kept; None = the family's image processor) with the
+    run's tile size, pixel mean/std and LLaVA-OV pinpoints grid or InternVL tile budget wherever
+    `base` reads back to other values (so `base` comes back unchanged when it gave the run its
+    settings)."""
+    family = data_cfg.model_family
+    out = dict(_FAMILY_PROCESSORS[family] if base is None else base)
+    tile, have = data_cfg.tile_px, processor_settings(out)
+    if have.get("tile_size") != tile:
+        out["size"] = {"height": tile, "width": tile}
+        if out.get("crop_size"):
+            out["crop_size"] = {"height": tile, "width": tile}
+    for key, name, value in (("image_mean", "pixel_mean", data_cfg.mean),
+                             ("image_std", "pixel_std", data_cfg.std)):  # fmt: skip
+        if have.get(name) != tuple(value):
+            out[key] = list(value)
+    if family == "llava_ov" and have.get("max_grid") != data_cfg.anyres_grid:
+        grid = range(1, data_cfg.anyres_grid + 1)
+        out["image_grid_pinpoints"] = [[tile * r, tile * c] for r in grid for c in grid]
+    if family == "internvl" and have.get("max_tiles") != data_cfg.dynamic_max_tiles:
+        out["max_patches"] = data_cfg.dynamic_max_tiles
     return out
 
 

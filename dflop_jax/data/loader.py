@@ -42,6 +42,7 @@ agreement), waiting for a step that has not finished.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +114,59 @@ def build_dataset(
         ds = ds[:num_batches]
     ds = ds.map_with_index(ScheduleStage(schedule_fn))
     return ds.map(PackStage(processor, spec, host, strict, pool))
+
+
+class TooFewRecords(ConfigError):
+    """The data holds fewer usable records than one global batch (key `global_batch`, one line).
+
+    Attributes:
+      global_batch: records per global batch asked for.
+      usable: records whose shape the loader would keep (metadata only: not bad, not too long).
+      records: records in the data given to the loader.
+      skipped: the others, by reason.
+      held_out: records held out of the data for evaluation (`eval.fraction`), 0 for none.
+      fraction: the `eval.fraction` that held them out.
+    """
+
+    def __init__(self, global_batch: int, usable: int, records: int, skipped: dict[str, int],
+                 held_out: int = 0, fraction: float = 0.0):  # fmt: skip
+        self.global_batch, self.usable, self.records = global_batch, usable, records
+        self.skipped, self.held_out, self.fraction = dict(skipped), held_out, fraction
+        counts = [f"{records} records"]
+        if skipped:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+            counts.append(f"{sum(skipped.values())} skipped ({reasons})")
+        if held_out:
+            counts.append(f"{held_out} more held out by eval.fraction={fraction}")
+        fix = f"set global_batch={usable} or fewer, or" if usable else "fix the skipped records or"
+        fix += " give more data" + (" (or a smaller eval.fraction)" if held_out else "")
+        super().__init__(
+            f"global_batch={global_batch}: the data has {usable} usable record(s), fewer than one "
+            f"global batch ({'; '.join(counts)}); {fix}"
+        )
+
+    def with_held_out(self, held_out: int, fraction: float) -> TooFewRecords:
+        """The same error naming the records held out for evaluation too."""
+        return TooFewRecords(self.global_batch, self.usable, self.records, self.skipped,
+                             held_out, fraction)  # fmt: skip
+
+
+def check_usable(
+    records: Sequence[Any], stage: ShapeStage, global_batch_size: int
+) -> tuple[int, dict[str, int]]:
+    """(usable records, skips by reason) of `records` under the loader's shape stage, read in dataset
+    order until one global batch's worth is usable (metadata only, as the loader reads it). Raises
+    `TooFewRecords` when fewer are: a loader of them would train on short or empty global batches."""
+    usable, skipped = 0, collections.Counter()
+    for i in range(len(records)):
+        meta = stage(records[i])
+        if meta.shape is None:
+            skipped[meta.reason] += 1
+            continue
+        usable += 1
+        if usable >= global_batch_size:
+            return usable, dict(skipped)
+    raise TooFewRecords(global_batch_size, usable, len(records), dict(skipped))
 
 
 def _check_phases(phase_ends: Sequence[int], global_batch_size: int) -> None:
@@ -395,11 +449,7 @@ def make_loader(
 
     if records is None:
         records = load_source(data_cfg, seed)
-    # The largest length bucket caps a sample: the processor truncates to it ("truncate") or skips
-    # longer samples as too_long ("skip"), before any scheduler sees them.
-    cap = problem.buckets.lengths[-1]
-    if data_cfg.max_tokens > cap:
-        data_cfg = dataclasses.replace(data_cfg, max_tokens=cap)
+    data_cfg = capped(data_cfg, problem)
     if precompute_shapes and processor is not None:
         raise ValueError(
             "precompute_shapes uses Processor(data_cfg); it cannot be combined with `processor`"
@@ -411,8 +461,7 @@ def make_loader(
         from dflop_jax.data.process import Processor
 
         shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(records)
-    tile_shape, tokens_per_tile = pack_geometry(data_cfg)
-    spec = PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
+    spec = pack_spec(data_cfg, problem)
     workers = resolve_decode_workers(data_cfg, records, decode_workers, num_workers)
     pool = DecodePool(processor, workers) if workers else None
     ds = build_dataset(
@@ -430,6 +479,32 @@ def make_loader(
         num_batches=num_batches,
     )
     return Loader(ds, num_workers=num_workers, prefetch=prefetch, pool=pool, place=place)
+
+
+def capped(data_cfg: Any, problem: ScheduleProblem) -> Any:
+    """`data_cfg` whose `max_tokens` is at most the largest length bucket: the processor truncates to
+    it ("truncate") or skips longer samples as too_long ("skip"), before any scheduler sees them."""
+    cap = problem.buckets.lengths[-1]
+    if data_cfg.max_tokens > cap:
+        return dataclasses.replace(data_cfg, max_tokens=cap)
+    return data_cfg
+
+
+def pack_spec(data_cfg: Any, problem: ScheduleProblem) -> PackSpec:
+    """The static shapes the loader packs `problem`'s microbatches into, for `data_cfg`'s encoder."""
+    tile_shape, tokens_per_tile = pack_geometry(data_cfg)
+    return PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
+
+
+def check_records(
+    data_cfg: Any, records: Sequence[Any], problem: ScheduleProblem, global_batch_size: int
+) -> int:
+    """How many of `records` the loader of `make_loader(data_cfg, records, problem, ...)` would
+    keep, counted until one global batch's worth (`check_usable`); raises `TooFewRecords` (a
+    one-line ConfigError on `global_batch`) when fewer than `global_batch_size` are usable."""
+    data_cfg = capped(data_cfg, problem)
+    stage = ShapeStage(LazyProcessor(data_cfg), pack_spec(data_cfg, problem), False, quiet=True)
+    return check_usable(records, stage, global_batch_size)[0]
 
 
 def resolve_decode_workers(
@@ -459,9 +534,14 @@ __all__ = [
     "Loader",
     "PackSpec",
     "SampleProcessor",
+    "TooFewRecords",
     "build_dataset",
+    "capped",
+    "check_records",
+    "check_usable",
     "make_loader",
     "pack_geometry",
+    "pack_spec",
     "pack_taps",
     "resolve_decode_workers",
     "schedule_digest",

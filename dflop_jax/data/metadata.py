@@ -4,7 +4,7 @@
     shapes = cache.shapes(records)          # [SampleShape | BadSample], in record order
 
 One cache file per (dataset file or shard, media roots): keyed by the file's content hash and a hash of every
-processing setting (`DataConfig.processing_key()`), holding each record's (tiles, tokens, modality) or its
+processing setting (`DataConfig.processing_key()`) and of `SHAPE_RULES`, holding each record's (tiles, tokens, modality) or its
 bad-sample reason by location. A changed dataset or setting is a new key; media files are trusted not to
 change under an unchanged dataset file.
 """
@@ -23,6 +23,10 @@ from dflop_jax.contracts.files import file_hash
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key
+
+# The processor's rules for what a record becomes (its shape, or its bad-sample reason), part of the
+# cache key: raise it when a change makes a cached entry wrong (2: an empty `image` list is text).
+SHAPE_RULES = 2
 
 
 def compute_shape(processor: Processor, record: dict) -> SampleShape | BadSample:
@@ -43,7 +47,8 @@ class MetadataCache:
     def __init__(self, cache_dir: str | Path, processor: Processor):
         self.dir = Path(cache_dir) if cache_dir else None
         self.processor = processor
-        settings = json.dumps(processor.cfg.processing_key(), sort_keys=True, default=str)
+        key = {**processor.cfg.processing_key(), "shape_rules": SHAPE_RULES}
+        settings = json.dumps(key, sort_keys=True, default=str)
         self._settings = hashlib.sha256(settings.encode()).hexdigest()[:16]
         self._file_hashes: dict[str, str] = {}
         self.hits = self.misses = 0

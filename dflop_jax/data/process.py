@@ -176,18 +176,19 @@ class Processor:
         return _Plan(sample_id, location, modality, pieces, tuple(spans), tuple(media), False)
 
     def _media(self, record: dict, location: str) -> tuple[list[_Media], str]:
-        if "image" in record and "video" in record:
+        # `image: []` / `image: null` is how HF datasets store a text-only row in a media column.
+        given = [k for k in ("image", "video") if record.get(k) not in (None, [])]
+        if len(given) == 2:
             raise BadSample("unknown_fields", location, "a record has `image` or `video`, not both")
-        if "video" in record:
+        if given == ["video"]:
             path = _resolve(record, "video", "_video_root", location)
             idx = video.video_indices(path, location, self.cfg.video_fps, self.cfg.max_frames)
             return [_Media("video", path, self._video_layout(len(idx)), frames=idx)], "video"
-        if "image" not in record:
+        if not given:
+            _check_no_markers(record, location)
             return [], "text"
         refs = record["image"] if isinstance(record["image"], list) else [record["image"]]
         paths = [_image_source(record, ref, location) for ref in refs]
-        if not paths:
-            raise BadSample("missing_file", location, "`image` is an empty list")
         kind = "image" if len(paths) == 1 or self.cfg.model_family == "internvl" else "multi"
         media = [self._image_media(p, kind, location) for p in paths]
         return media, ("image" if len(paths) == 1 else "multi_image")
@@ -374,6 +375,22 @@ def _check_conversations(record: dict, location: str) -> list[dict]:
     if not any(ROLES[t["from"]] == "assistant" for t in conv):
         raise BadSample("no_conversations", location, "no assistant (gpt) turn to learn from")
     return conv
+
+
+def _check_no_markers(record: dict, location: str) -> None:
+    """A record whose media column is empty (`image: []`, `image: null`) is text only: a `<image>` or
+    `<video>` marker in its conversations names media it does not have."""
+    empty = [k for k in ("image", "video") if k in record]
+    markers = sum(
+        t["value"].count(MARKER) + t["value"].count("<video>") for t in record["conversations"]
+    )
+    if empty and markers:
+        raise BadSample(
+            "bad_markers",
+            location,
+            f"`{empty[0]}` is {record[empty[0]]!r} (no media) but the conversations hold "
+            f"{markers} `<image>`/`<video>` marker(s)",
+        )
 
 
 def _place_markers(conversations: list[dict], n_media: int, location: str) -> list[dict]:

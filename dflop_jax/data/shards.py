@@ -11,7 +11,8 @@ read whole:
     decoded row groups (`ROW_GROUPS_HELD`) serves the neighbours of a sequential pass.
     `image` is HF's Image struct {bytes, path} or a list of them (kept as is: the processor reads
     the bytes, or resolves `path` under `image_root` when bytes are absent); null columns are dropped
-    (text-only rows); `data_source` stays the record's group for the data profile.
+    and an empty `image` list is kept (both are text-only rows, `Processor`); `data_source` stays the
+    record's group for the data profile.
   - Tar (WebDataset): members group by key (`<dir>/<key>.<ext>`, the key ends at the basename's first
     dot): `<key>.json` holds the record, image members (`<key>.jpg`, `<key>.1.png`, ...) are its images
     in member order, as {bytes, path} structs. An index of member offsets per shard, built once and
@@ -79,6 +80,7 @@ def open_shards(
     each shard's folder. `cache_dir` keeps tar indexes ("" = rebuilt in memory each time)."""
     files = shard_files(spec)
     if files[0].suffix == ".parquet":
+        _pyarrow_parquet(spec)  # missing: one line naming the source
         return ParquetRecords(files, image_root, video_root)
     return TarRecords(files, image_root, video_root, cache_dir)
 
@@ -201,13 +203,19 @@ def hf_row_record(row: dict, location: str) -> dict:
     return record
 
 
-def _pyarrow_parquet():
+PYARROW_MISSING = (
+    "parquet shards need pyarrow, which is not installed: "
+    "pip install -c constraints.txt -e '.[parquet]' in the repository"
+)
+
+
+def _pyarrow_parquet(source: str | Path | None = None):
+    """`pyarrow.parquet`, or a one-line ConfigError (naming `source`) saying how to install it."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError(
-            "reading parquet shards needs pyarrow: pip install 'dflop_jax[parquet]'"
-        ) from None
+        where = f"{str(source)!r}: " if source is not None else ""
+        raise ConfigError(where + PYARROW_MISSING) from None
     return pq
 
 

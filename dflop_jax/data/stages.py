@@ -103,6 +103,10 @@ class SkipLog:
             )
 
 
+def _quiet(*args) -> None:
+    """A `SkipLog` that logs nothing."""
+
+
 @dataclasses.dataclass
 class Meta:
     """A record after the shape stage: its shape, or why it is skipped."""
@@ -113,11 +117,14 @@ class Meta:
 
 
 class ShapeStage:
-    """record -> Meta; bad records and samples larger than the largest bucket are marked as skips."""
+    """record -> Meta; bad records and samples larger than the largest bucket are marked as skips
+    (logged once each unless `quiet`)."""
 
-    def __init__(self, processor: SampleProcessor, spec: PackSpec, strict: bool):
+    def __init__(
+        self, processor: SampleProcessor, spec: PackSpec, strict: bool, quiet: bool = False
+    ):
         self.processor, self.spec, self.strict = processor, spec, strict
-        self._log = SkipLog()
+        self._log = _quiet if quiet else SkipLog()
 
     def __call__(self, item: Any) -> Meta:
         record = item.record if isinstance(item, Known) else item

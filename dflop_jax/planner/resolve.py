@@ -116,9 +116,10 @@ def static_plan(
 
 
 def check_plan_fits_run(plan: Plan, path: str, arch: MLLMArch, device: DeviceSpec,
-                        num_devices: int, trainable: tuple[str, ...]) -> None:  # fmt: skip
+                        num_devices: int, trainable: tuple[str, ...], global_batch: int) -> None:  # fmt: skip
     """Raises a one-line ConfigError when a plan.yaml was made for another model (its layers, or the
-    named architecture's widths), recipe (trained parts), device kind or device count than the run's."""
+    named architecture's widths), recipe (trained parts), device kind, device count or global batch
+    than the run's (its buckets and microbatch counts are sized for its global batch)."""
     from dflop_jax.config import ConfigError
     from dflop_jax.costs import get_arch, list_archs
 
@@ -139,9 +140,31 @@ def check_plan_fits_run(plan: Plan, path: str, arch: MLLMArch, device: DeviceSpe
         problems.append(f"device {plan.device!r} (this run's is {device.name!r})")
     if plan.num_devices != num_devices:
         problems.append(f"{plan.num_devices} devices (this run has {num_devices})")
+    fix = "re-plan for this run (python -m dflop_jax.plan) or use plan=auto"
+    if plan.global_batch != global_batch:
+        problems.append(f"global_batch={plan.global_batch} (this run's is {global_batch})")
+        fix += f", or set global_batch={plan.global_batch}"
     if problems:
-        raise ConfigError(f"plan={path} was made for " + "; ".join(problems)
-                          + ": re-plan for this run (python -m dflop_jax.plan) or use plan=auto")  # fmt: skip
+        raise ConfigError(f"plan={path} was made for " + "; ".join(problems) + f": {fix}")
+
+
+def plan_data_note(plan: Plan, path: str, shapes: str | Path) -> str:
+    """One line when the plan records the shape distribution it was made from (`Plan.inputs`: a path
+    and its sha256) and the run's own shape file `shapes` exists with other contents: the data
+    profile changed since the plan was made. "" otherwise."""
+    from dflop_jax.contracts.files import file_hash
+
+    made = plan.inputs.get("shapes")
+    if not isinstance(made, dict) or "sha256" not in made or not Path(shapes).is_file():
+        return ""
+    now = file_hash(shapes)
+    if now == made["sha256"]:
+        return ""
+    return (
+        f"plan={path} was made from the shape distribution {made.get('path')} (sha256 "
+        f"{made['sha256'][:12]}), but this run's {shapes} differs (sha256 {now[:12]}): the data "
+        "changed since the plan was made; re-plan (python -m dflop_jax.plan) to plan for it"
+    )
 
 
 def load_shapes(source, samples: int = 4000, seed: int = 0):

@@ -124,6 +124,33 @@ class ModelConfig:
         """The per-module policy, as plan.yaml records it ({"vision": ..., "llm": ...})."""
         return {"vision": self.vision_remat, "llm": self.llm_remat}
 
+    def with_sizes_of(self, model_cfg) -> ModelConfig:
+        """This section with the kind and sizes of `model_cfg`, the model built from it, for the run's
+        config.yaml: with `hf_dir` or `arch` those come from config.json or the architecture (the
+        fields here are ignored and would keep their defaults); otherwise the section is returned
+        unchanged (its fields are the model's, `vocab_size` 0 still meaning the tokenizer's)."""
+        if not (self.hf_dir or self.arch):
+            return self
+        text = getattr(model_cfg, "text", model_cfg)
+        sizes = {
+            "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "intermediate_size": text.intermediate_size, "num_layers": text.num_layers,
+            "num_heads": text.num_heads, "num_kv_heads": text.num_kv_heads,
+            "head_dim": text.head_dim,
+        }  # fmt: skip
+        vision = getattr(model_cfg, "vision", None)
+        if vision is None:
+            return dataclasses.replace(self, kind="decoder", **sizes)
+        sizes |= {
+            "vision_hidden_size": vision.hidden_size,
+            "vision_intermediate_size": vision.intermediate_size,
+            "vision_num_layers": vision.num_layers, "vision_num_heads": vision.num_heads,
+        }  # fmt: skip
+        from models.internvl import InternVLConfig
+
+        kind = "internvl" if isinstance(model_cfg, InternVLConfig) else "llava_ov"
+        return dataclasses.replace(self, kind=kind, **sizes)
+
     @property
     def source(self) -> int | str:
         """Where the params come from (`runtime.model_stages.ParamSource`): the HF directory, else

@@ -10,6 +10,13 @@ would hold ALL of a module. Tensors are read from orbax one at a time onto the h
 whole model in memory: one safetensors shard's tensors at most) and written as HF does: shards of at most
 `max_shard_bytes` plus `model.safetensors.index.json`. config.json is the adapter's `config_to_hf` of the
 run's model config (the inverse of `models.hf.load_config`).
+
+A run that started from `model.hf_dir` exports a complete directory: the tensors of that checkpoint its
+model never builds (SigLIP's post-layernorm and pooling head, vision layers past the feature layer:
+`models.hf.unread_tensors`) are copied unchanged, config.json keeping the structure they belong to.
+The image processor's preprocessor_config.json is hf_dir's, or the family's, with the run's data
+settings (`data.hf_settings.processor_config`: what `model.hf_dir=<export>` reads back), beside
+hf_dir's other processor files and the run's tokenizer files.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Processor files of an HF directory besides the image processor's (copied from model.hf_dir).
+PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json")
 DEFAULT_SHARD_BYTES = 4 << 30
 
 
@@ -50,12 +59,14 @@ class ExportError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ExportReport:
-    """Attributes: step exported, files written, tensors and bytes of the weights."""
+    """Attributes: step exported, files written, tensors and bytes of the weights, and how many of
+    those tensors were copied unchanged from model.hf_dir."""
 
     step: int
     files: list[Path]
     tensors: int
     bytes: int
+    copied: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +183,48 @@ def copy_tokenizer(cfg: TrainConfig, out: Path) -> list[Path]:
     return copied
 
 
+def write_processor(cfg: TrainConfig, out: Path) -> list[Path]:
+    """The image processor's preprocessor_config.json (`processor_config`: model.hf_dir's, kept
+    byte for byte when the run's data settings are its own, else the family's) and model.hf_dir's
+    other processor files (`PROCESSOR_FILES`). Nothing for a decoder-only run."""
+    from dflop_jax.data.hf_settings import processor_config
+
+    if cfg.model.kind == "decoder":
+        return []
+    hf_dir = Path(cfg.model.hf_dir) if cfg.model.hf_dir else None
+    source = hf_dir / "preprocessor_config.json" if hf_dir else None
+    base = json.loads(source.read_text()) if source and source.is_file() else None
+    config, target = processor_config(cfg.data, base), out / "preprocessor_config.json"
+    if config == base:
+        shutil.copyfile(source, target)
+    else:
+        target.write_text(json.dumps(config, indent=2))
+    files = [target]
+    for name in PROCESSOR_FILES if hf_dir else ():
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out / name)
+            files.append(out / name)
+    return files
+
+
+def _with_source_structure(config: dict, source: dict) -> dict:
+    """config.json of an export that copies the source checkpoint's unread vision tensors: the
+    source's vision tower keeps its pooling head (`vision_use_head`) and its layers past the feature
+    layer (`num_hidden_layers`, `vision_feature_layer`), so transformers finds every tensor where
+    it looks and computes the same features."""
+    vision, theirs = dict(config.get("vision_config") or {}), source.get("vision_config") or {}
+    if not vision:
+        return config
+    out = dict(config)
+    if "vision_use_head" in theirs:
+        vision["vision_use_head"] = theirs["vision_use_head"]
+    if theirs.get("num_hidden_layers", 0) > vision.get("num_hidden_layers", 0):
+        vision["num_hidden_layers"] = theirs["num_hidden_layers"]
+        out["vision_feature_layer"] = source.get("vision_feature_layer", -1)
+    out["vision_config"] = vision
+    return out
+
+
 def export_run(
     run_dir: str | Path,
     out: str | Path,
@@ -185,7 +238,14 @@ def export_run(
       ExportError: no config.yaml, no complete checkpoint (of that step), or a checkpoint whose params
         are not the run's model's.
     """
-    from models.hf import adapter_of, shard_plan, write_shards
+    from models.hf import (
+        CheckpointReader,
+        adapter_of,
+        read_config,
+        shard_plan,
+        unread_tensors,
+        write_shards,
+    )
 
     run_dir, out = Path(run_dir), Path(out)
     cfg = run_config(run_dir)
@@ -200,14 +260,23 @@ def export_run(
         _check_fits(saved, tensors, checkpoints)
         out.mkdir(parents=True, exist_ok=True)
         config = adapter_of(model_cfg)[1].config_to_hf(model_cfg)
+        # The starting checkpoint's tensors the model never builds: copied, one at a time.
+        source = CheckpointReader(cfg.model.hf_dir) if cfg.model.hf_dir else None
+        kept = unread_tensors(model_cfg, source.keys()) if source else {}
+        kept = {k: key for k, key in kept.items() if k not in tensors}  # the run's own win
+        if kept:
+            config = _with_source_structure(config, read_config(cfg.model.hf_dir))
         (out / "config.json").write_text(json.dumps(config, indent=2))
         sizes = {k: math.prod(t.shape) * _itemsize(saved, t) for k, t in tensors.items()}
-        files = write_shards(
-            shard_plan(sizes, max_shard_bytes),
-            lambda key: np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored))),
-            out,
-        )
+        sizes |= {k: source.get(key).nbytes for k, key in kept.items()}
+
+        def get(key: str) -> np.ndarray:
+            if key in kept:
+                return source.get(kept[key])
+            return np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored)))
+
+        files = write_shards(shard_plan(sizes, max_shard_bytes), get, out)
     finally:
         saved.close()
-    files = [out / "config.json", *files, *copy_tokenizer(cfg, out)]
-    return ExportReport(saved.step, files, len(tensors), sum(sizes.values()))
+    files = [out / "config.json", *files, *copy_tokenizer(cfg, out), *write_processor(cfg, out)]
+    return ExportReport(saved.step, files, len(sizes), sum(sizes.values()), len(kept))

@@ -40,6 +40,7 @@ from dflop_jax.config import ConfigError, dump_yaml
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, load_source, make_loader
+from dflop_jax.data.loader import TooFewRecords, check_records
 from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
@@ -90,11 +91,17 @@ class TrainReport:
     optimizers: list = dataclasses.field(default_factory=list)  # their StageOptimizers (state)
 
 
-def prepare_run_dir(cfg: TrainConfig) -> Path:
-    """Creates `run_dir`, writes the resolved config (process 0) and turns on the compilation cache."""
+def prepare_run_dir(cfg: TrainConfig, model_cfg=None) -> Path:
+    """Creates `run_dir`, writes the resolved config (process 0) and turns on the compilation cache.
+
+    With `model_cfg` (the model the run builds), config.yaml records its kind and sizes in the
+    `model` section also where `model.hf_dir` or `model.arch` gives them (`ModelConfig.with_sizes_of`):
+    the file says what was trained, and loads back to the same model."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
+        if model_cfg is not None:
+            cfg = dataclasses.replace(cfg, model=cfg.model.with_sizes_of(model_cfg))
         dump_yaml(cfg, run_dir / "config.yaml")
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache)
@@ -225,6 +232,9 @@ class _Trainer:
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
         _print_plan(console, plan, meshes)
+        self.problem = plan.problem()
+        # Enough data for a global batch, checked before any parameter is made (loading weights).
+        records, held_out = _training_records(cfg, self.problem)
         opt = cfg.optimizer
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
@@ -236,7 +246,6 @@ class _Trainer:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
-        self.problem = plan.problem()
         # Processes must solve alike whatever their load: no wall-clock cut-off (`agreement.py`).
         self.scheduler = Scheduler(self.problem, cfg.scheduler, backstop=jax.process_count() == 1)
         self.owners = stage_owners(meshes)
@@ -245,9 +254,6 @@ class _Trainer:
         # steps <= b - prefetch (deterministic: exact resume, every process alike).
         self.schedule_fn = LaggedSchedule(self.scheduler, cfg.prefetch)
         host = _host_shards(plan.layout, meshes, self.has_encoder)
-        records, held_out = split_records(
-            load_source(cfg.data, cfg.seed), cfg.eval.fraction, cfg.eval.seed
-        )
         self.loader = make_loader(
             cfg.data, records, self.problem, self.schedule_fn,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
@@ -601,6 +607,20 @@ def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | N
     n = len(layout.encoder_stages)
     encoder = grids[:n] if n or not has_encoder else grids[:1]
     return HostShardSpec.from_meshes(encoder, grids[n:], jax.process_index())
+
+
+def _training_records(cfg: TrainConfig, problem) -> tuple:
+    """(training records, held-out records) of `data.source` (`eval.fraction`); raises a one-line
+    ConfigError on `global_batch` when the training records hold fewer usable ones than a global
+    batch (the loader would train on short or empty batches)."""
+    records, held_out = split_records(
+        load_source(cfg.data, cfg.seed), cfg.eval.fraction, cfg.eval.seed
+    )
+    try:
+        check_records(cfg.data, records, problem, cfg.global_batch)
+    except TooFewRecords as e:
+        raise (e.with_held_out(len(held_out), cfg.eval.fraction) if held_out else e) from None
+    return records, held_out
 
 
 def _evaluator(cfg: TrainConfig, problem, host, held_out: list) -> Evaluator:

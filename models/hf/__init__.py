@@ -29,7 +29,7 @@ from models.hf.io import (
     write_safetensors,
     write_shards,
 )
-from models.stages import stage_module
+from models.stages import MODULES, stage_module
 
 MODEL_TYPES: dict[str, ModelAdapter] = {
     "qwen2": qwen2.ADAPTER,
@@ -168,6 +168,43 @@ def module_tensors(config, module: str) -> list[tuple[tuple, jax.ShapeDtypeStruc
     return out
 
 
+def unread_tensors(config, keys: list[str]) -> dict[str, str]:
+    """The tensors of a checkpoint (its `keys`, in its own key layout) that no parameter of
+    `config`'s model reads (SigLIP's post-layernorm and pooling head, vision layers past the feature
+    layer, ...), as {key in the export's layout: key in the checkpoint}: what an export of a model
+    trained from that checkpoint copies unchanged to stay complete. A tied model's stored head is
+    left out (its weights are the embedding's)."""
+    model_type, adapter = adapter_of(config)
+    if adapter.stage_name_map is None:
+        raise CheckpointError(f"model_type={model_type!r} has no pipeline stages")
+    read, prefixes = set(), set()
+    for module in MODULES if hasattr(config, "vision") else ("llm",):
+        flags = dict(first_layer=0, num_layers=module_layers(config, module),
+                     has_embedding=True, has_head=True)  # fmt: skip
+        ours = adapter.stage_name_map(config, [], module, **flags)
+        for path, tm in adapter.stage_name_map(config, keys, module, **flags).items():
+            read.add(tm.hf_key)
+            prefixes.add(_prefixes(tm.hf_key, ours[path].hf_key))
+    renames = sorted(((a, b) for a, b in prefixes if a and a != b), key=lambda ab: -len(ab[0]))
+    tied = (config.text if hasattr(config, "text") else config).tie_embeddings
+    out = {}
+    for key in keys:
+        if key in read or (tied and key.endswith("lm_head.weight")):
+            continue
+        a, b = next(((a, b) for a, b in renames if key.startswith(a)), ("", ""))
+        out[b + key[len(a) :]] = key
+    return out
+
+
+def _prefixes(source: str, ours: str) -> tuple[str, str]:
+    """The prefixes of two names of one tensor before their longest common dotted suffix."""
+    a, b = source.split("."), ours.split(".")
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return "".join(f"{x}." for x in a[: len(a) - n]), "".join(f"{x}." for x in b[: len(b) - n])
+
+
 def module_layers(config, module: str) -> int:
     """Layers of `module` in `config` (vision layers for "encoder", decoder layers for "llm")."""
     if module == "encoder":
@@ -215,6 +252,7 @@ __all__ = [
     "read_config",
     "save_pretrained",
     "shard_plan",
+    "unread_tensors",
     "write_safetensors",
     "write_shards",
 ]

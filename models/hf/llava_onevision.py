@@ -7,7 +7,8 @@ Key layouts: transformers 5 `save_pretrained` writes `vision_tower.*` (SigLIP ke
 llava-hf checkpoints use `vision_tower.vision_model.*` and module-style variants (`model.*`, `lm_head`):
 `load_llava_onevision(path)` detects the layout from the checkpoint's keys and handles all of them.
 Vision layers past `vision_feature_layer` and SigLIP's `post_layernorm` are never read by LLaVA-OV:
-they are skipped on import and absent from the export.
+they are skipped on import and absent from our model's export (`unread_tensors` lists them for a
+caller that copies them from the checkpoint it started from).
 """
 
 from __future__ import annotations

@@ -190,3 +190,39 @@ def test_a_decoder_reports_its_vision_keys_as_ignored(caplog):
         load_config(TrainConfig, None, over)
     (record,) = caplog.records
     assert record.getMessage().startswith("ignored config keys model.vision_num_layers (")
+
+
+def test_a_global_batch_larger_than_the_usable_data_is_one_line(tmp_path, capsys):
+    """Records left after the bad ones are skipped and after the eval hold-out: fewer than
+    global_batch is one `config error: global_batch=...` line (exit 2), before any param is made."""
+    import json
+
+    from models_fixtures import tiny_decoder_run
+
+    from dflop_jax import train
+    from dflop_jax.data import load_source
+    from dflop_jax.data.config import DataConfig
+    from dflop_jax.data.split import split_records
+
+    lines = [json.dumps({"id": f"t{i}", "text": f"plain text number {i}"}) for i in range(10)]
+    lines += [
+        "{not json",
+        json.dumps({"id": "empty", "text": ""}),
+    ]  # invalid_json, no_conversations
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    kept, held = split_records(load_source(DataConfig(source=str(data))), 0.25, 0)
+    usable = sum(str(r.get("id", "")).startswith("t") for r in kept)
+    bad = len(kept) - usable
+    assert held and bad  # this split exercises both
+    over = {"data.source": str(data), "eval.fraction": 0.25, "eval.every": 2, "global_batch": 12,
+            "plan": "explicit"}  # fmt: skip
+    assert train.main(tiny_decoder_run(tmp_path, "run", 8, **over)) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("config error")]
+    assert line.startswith(
+        f"config error: global_batch=12: the data has {usable} usable record(s), fewer than one "
+        f"global batch ({len(kept)} records; {bad} skipped ("
+    ), line
+    assert f"{len(held)} more held out by eval.fraction=0.25); set global_batch={usable} or" in line
+    assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import sys
 import tarfile
 import tracemalloc
 
@@ -280,9 +281,49 @@ def test_hf_image_struct_with_a_path_only_and_a_mix_of_shards(tmp_path):
     assert Processor(cfg).shape(records[0]) == want
 
 
+def test_an_empty_image_list_is_a_text_row(tmp_path):
+    """HF datasets store a text-only row of an image-list column as `image: []` (or null): a text
+    sample in parquet, tar and JSON alike; with an `<image>` marker the row names media it lacks."""
+    root, (singles, multis) = synth_records(tmp_path / "synth", 24, TILE_PX)
+    texts = [r for r in singles if "image" not in r][:3]
+    ask = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]
+    rows = parquet_rows([r for r in multis if "image" in r][:2], root, as_list=True)
+    rows += [{**texts[0], "image": []}, {**texts[1], "image": None}]
+    rows += [{**texts[2], "id": "marked", "conversations": ask, "image": []}]
+    path = write_parquet(rows, tmp_path / "hf" / "train.parquet")
+    cfg = config(str(path), root, tmp_path, cache_dir="")
+    records = load_source(cfg)
+    assert records[2]["image"] == [] and "image" not in records[3]  # as HF datasets store them
+    proc = Processor(cfg)
+    want = [proc.shape(r) for r in texts[:2]]  # the same rows without an `image` key
+    assert [proc.shape(records[i]) for i in (2, 3)] == want
+    assert {w.modality for w in want} == {"text"} and proc.process(records[2]).modality == "text"
+    assert proc.shape(records[0]).modality == "multi_image"
+    with pytest.raises(BadSample) as e:
+        proc.shape(records[4])
+    assert e.value.reason == "bad_markers" and "`image` is [] (no media)" in e.value.detail
+    summary = json.loads(profile_data(cfg, out_dir=tmp_path / "p").read_text())["summary"]
+    assert summary["bad"] == {"bad_markers": 1}
+    # A WebDataset sample whose JSON holds `image: []` and no image member; a JSON record's null.
+    tar = shards.tar_sample_record("k", [("json", json.dumps(rows[2]).encode())], "s.tar:k")
+    assert tar["image"] == [] and proc.shape(tar) == want[0]
+    assert proc.shape({**texts[1], "image": None, "video": None}) == want[1]
+
+
 def test_a_glob_matching_no_shard_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.source='.*nothing-\*.parquet': no .parquet"):
         load_source(DataConfig(source=str(tmp_path / "nothing-*.parquet")))
+
+
+def test_a_missing_pyarrow_is_one_sentence_naming_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "train-00000-of-00001.parquet").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # `import pyarrow.parquet` fails
+    with pytest.raises(ConfigError) as e:
+        load_source(DataConfig(source=str(tmp_path)))
+    assert str(e.value) == (
+        f"data.source='{tmp_path}': parquet shards need pyarrow, which is not installed: "
+        "pip install -c constraints.txt -e '.[parquet]' in the repository"
+    )
 
 
 def test_streaming_10x_the_rows_held_does_not_grow_memory(tmp_path):

@@ -20,8 +20,9 @@ from test_loader_fakes import (
 )
 
 from dflop_jax.data.errors import BadSample
-from dflop_jax.data.loader import Loader, PackSpec, build_dataset
+from dflop_jax.data.loader import Loader, PackSpec, TooFewRecords, build_dataset, check_usable
 from dflop_jax.data.packing import HostShardSpec
+from dflop_jax.data.stages import ShapeStage
 
 ARRAYS = ("tiles", "tile_valid", "tile_pool", "tokens", "segment_ids", "positions", "targets")
 ARRAYS += ("loss_mask", "feature_index")
@@ -175,6 +176,34 @@ def test_all_bad_batch_yields_an_empty_batch():
         and gb.num_loss_tokens == 0
         and gb.stats.skipped == {"missing_file": 4}
     )
+
+
+def test_too_few_usable_records_for_a_global_batch_is_one_config_error():
+    """Bad records and ones too long for the largest bucket do not count; the count stops reading
+    once a global batch's worth is usable."""
+    records = fake_records(12, bad={1: "missing_file", 4: "corrupt_image", 7: "missing_file"})
+    records[9]["text"] = 200  # too long for the largest length bucket (64)
+    spec = PackSpec.from_problem(fake_problem(), TILE, TPT)
+    processor = CountingProcessor()
+    stage = ShapeStage(processor, spec, strict=False, quiet=True)
+    assert check_usable(records, stage, 6) == (6, {"missing_file": 2, "corrupt_image": 1})
+    assert processor.shaped == list(range(9))  # stopped at the 6th usable record
+    with pytest.raises(TooFewRecords) as e:
+        check_usable(records, stage, 9)
+    assert str(e.value) == (
+        "global_batch=9: the data has 8 usable record(s), fewer than one global batch (12 records; "
+        "4 skipped (corrupt_image 1, missing_file 2, too_long 1)); set global_batch=8 or fewer, or "
+        "give more data"
+    )
+    held = e.value.with_held_out(3, 0.2)
+    assert (
+        "12 records; 4 skipped (corrupt_image 1, missing_file 2, too_long 1); 3 more held out by "
+        "eval.fraction=0.2); set global_batch=8 or fewer, or give more data (or a smaller "
+        "eval.fraction)" in str(held)
+    )
+    all_bad = fake_records(3, bad=dict.fromkeys(range(3), "missing_file"))
+    with pytest.raises(TooFewRecords, match="0 usable record.*; fix the skipped records or give"):
+        check_usable(all_bad, stage, 2)
 
 
 @pytest.mark.parametrize("workers", [0])  # worker processes: test_loader_real.py

@@ -55,15 +55,17 @@ def _run_config(tmp_path, kind: str) -> TrainConfig:
     )
 
 
-def _write_run(tmp_path, kind: str, steps=(2,)):
-    """A run directory: config.yaml + a checkpoint (params bumped per step, optimizer state too)."""
-    cfg = _run_config(tmp_path, kind)
+def _write_run(tmp_path, kind: str, steps=(2,), cfg: TrainConfig | None = None):
+    """A run directory: config.yaml + a checkpoint (params bumped per step, optimizer state too);
+    `cfg` replaces the run config of `kind` (its params start from `cfg.model.source`)."""
+    cfg = cfg or _run_config(tmp_path, kind)
     run = tmp_path / "run"
     run.mkdir()
     dump_yaml(cfg, run / "config.yaml")
     model_cfg = model_config_of(cfg)
     layout = cfg.layout.layout()
-    stages = build_stages(model_cfg, layout, stage_meshes(layout), SEED, compute_dtype=jnp.float32)
+    stages = build_stages(model_cfg, layout, stage_meshes(layout), cfg.model.source,
+                          compute_dtype=jnp.float32)  # fmt: skip
     opts = [StageOptimizer(s, OptimizerConfig().build()) for s in stages]
     ckpt = Checkpointer(run / "checkpoints")
     for step in steps:
@@ -167,6 +169,80 @@ def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
     text = "<|im_start|>user\nhi <image>"
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok(text)["input_ids"] == list(load_tokenizer("bundled").encode(text)[0])
+    # The family's image processor with the run's data settings, as an HF directory brings them.
+    _assert_processor_of_run(out, _run_config(tmp_path, "llava_ov"), "LlavaOnevisionImageProcessor")
+
+
+def _assert_processor_of_run(out, cfg: TrainConfig, name: str):
+    """`out`'s preprocessor_config.json loads in transformers as `name` and gives back the run's
+    tile size, pixel mean/std and tiling limit (what `model.hf_dir=<export>` reads)."""
+    import transformers
+
+    from dflop_jax.data.hf_settings import hf_data_settings
+
+    proc = transformers.AutoImageProcessor.from_pretrained(out)
+    assert type(proc).__name__.startswith(name)
+    d = cfg.data
+    assert (proc.size["height"], proc.size["width"]) == (d.tile_px, d.tile_px)
+    assert tuple(proc.image_mean) == d.mean and tuple(proc.image_std) == d.std
+    got = hf_data_settings(str(out))
+    assert (got["tile_size"], got["pixel_mean"], got["pixel_std"]) == (d.tile_px, d.mean, d.std)
+    if d.model_family == "llava_ov":
+        assert got["max_grid"] == d.anyres_grid
+    else:
+        assert got["max_tiles"] == d.dynamic_max_tiles == proc.max_patches
+
+
+@pytest.mark.hf
+def test_an_export_of_a_run_from_an_hf_checkpoint_is_complete(tmp_path):
+    """A run started from an HF LLaVA-OV whose SigLIP tower has a post-layernorm and a pooling head
+    (never built: LLaVA-OV reads the last layer's features) exports every tensor of that checkpoint,
+    the ones it never trained bit for bit, and its image processor; transformers loads both with
+    nothing missing or left over."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from models_fixtures import save_tiny_llava_ov
+
+    from models.hf import CheckpointReader
+
+    hf = save_tiny_llava_ov(tmp_path / "ov", vision_use_head=True)
+    transformers.LlavaOnevisionImageProcessor(
+        size={"height": TILE, "width": TILE}, image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6],
+        image_grid_pinpoints=[[TILE * r, TILE * c] for r in (1, 2) for c in (1, 2)],
+    ).save_pretrained(hf)  # fmt: skip
+    (hf / "processor_config.json").write_text('{"processor_class": "LlavaOnevisionProcessor"}')
+    cfg = dataclasses.replace(
+        _run_config(tmp_path, "llava_ov"),
+        model=ModelConfig(hf_dir=str(hf)),
+        data=DataConfig(patch_size=PATCH),  # tile size, mean/std, max grid: hf's processor's
+        layout=LayoutConfig(
+            encoder_layers=(1, 1), encoder_tp=(2,), llm_layers=(1, 1), llm_tp=(2, 1)
+        ),
+    )
+    _, _, run = _write_run(tmp_path, "llava_ov", cfg=cfg)
+    out = tmp_path / "hf_out"
+    _export(run, out)
+    source, exported = CheckpointReader(hf), CheckpointReader(out)
+    keys = source.keys()
+    assert exported.keys() == keys
+    never_built = ("vision_tower.post_layernorm.", "vision_tower.head.")
+    untouched = [k for k in keys if k.startswith(never_built)]
+    assert any(".head." in k for k in untouched) and any("post_layernorm" in k for k in untouched)
+    for key in untouched:
+        a, b = source.get(key), exported.get(key)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), key
+    trained = "language_model.model.layers.0.mlp.up_proj.weight"
+    assert not np.array_equal(source.get(trained), exported.get(trained))  # the run's, not copied
+    model, info = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.vision_config.vision_use_head
+    assert (out / "preprocessor_config.json").read_bytes() == (
+        hf / "preprocessor_config.json"
+    ).read_bytes()  # the run's data settings are hf's own: copied
+    assert (out / "processor_config.json").is_file()
+    _assert_processor_of_run(out, cfg, "LlavaOnevisionImageProcessor")
 
 
 @pytest.mark.hf
@@ -177,6 +253,7 @@ def test_internvl_export_loads_in_transformers_with_our_logits(tmp_path):
 
     _, model_cfg, run = _write_run(tmp_path, "internvl")
     _export(run, tmp_path / "hf")
+    _assert_processor_of_run(tmp_path / "hf", _run_config(tmp_path, "internvl"), "GotOcr2")
     ref = transformers.InternVLForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     ours = _reference(model_cfg, InternVL)
     img = model_cfg.image_token_id

@@ -115,3 +115,35 @@ def test_internvl_max_dynamic_patch_sets_max_tiles(tmp_path):
     cfg = _load(*over)
     assert (cfg.data.dynamic_max_tiles, cfg.data.tile_px) == (6, 448)
     assert _load(*over, "data.max_tiles=2").data.dynamic_max_tiles == 2
+
+
+def test_the_run_config_records_the_hf_model_and_loads_back_to_it(hf_dir, tmp_path):
+    """run_dir/config.yaml holds the sizes of the model trained (config.json's), not the section's
+    defaults, keeps hf_dir, and reads back (resume, export) to the same model."""
+    import yaml
+
+    from dflop_jax.runtime.hf_export import model_config_of, run_config
+    from dflop_jax.runtime.trainer import prepare_run_dir
+
+    cfg = _load(f"model.hf_dir={hf_dir}", f"run_dir={tmp_path / 'run'}", "compilation_cache=")
+    prepare_run_dir(cfg, model_config_of(cfg))
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    hf = json.loads((hf_dir / "config.json").read_text())
+    text, vision = hf["text_config"], hf["vision_config"]
+    assert written["hf_dir"] == str(hf_dir) and written["kind"] == "llava_ov"
+    want = {
+        "vocab_size": text["vocab_size"], "hidden_size": text["hidden_size"],
+        "intermediate_size": text["intermediate_size"], "num_layers": text["num_hidden_layers"],
+        "num_heads": text["num_attention_heads"], "num_kv_heads": text["num_key_value_heads"],
+        "head_dim": text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        "vision_hidden_size": vision["hidden_size"],
+        "vision_intermediate_size": vision["intermediate_size"],
+        "vision_num_layers": vision["num_hidden_layers"],
+        "vision_num_heads": vision["num_attention_heads"],
+    }  # fmt: skip
+    assert {k: written[k] for k in want} == want
+    again = run_config(tmp_path / "run")  # validated as `python -m dflop_jax.export` reads it
+    assert again.model.hf_dir == str(hf_dir)
+    assert model_config_of(again) == model_config_of(cfg)
+    resumed = load_config(TrainConfig, tmp_path / "run" / "config.yaml")  # --config run/config.yaml
+    assert resumed.model == again.model and resumed.data == cfg.data

@@ -53,3 +53,26 @@ def test_an_hf_dir_brings_its_tokenizer_unless_another_is_given(tmp_path):
     assert given.data.tokenizer == str(other)
     (hf / "tokenizer.json").unlink()  # a weights-only directory: the bundled tokenizer stays
     assert from_dict(TrainConfig, {"model": {"hf_dir": str(hf)}}).data.tokenizer == "bundled"
+
+
+def test_an_arch_section_records_the_architectures_sizes():
+    """run_dir/config.yaml's model section (`with_sizes_of`) says the named architecture's sizes;
+    a section built from its fields is already what it builds."""
+    from dflop_jax.costs import get_arch
+
+    cfg = ModelConfig(arch="siglip-so400m+qwen2.5-7b")
+    model_cfg = cfg.model_config(100, tile_px=384, patch_size=14, compute_dtype="float32")
+    recorded, arch = cfg.with_sizes_of(model_cfg), get_arch(cfg.arch)
+    assert (recorded.hidden_size, recorded.num_layers, recorded.num_kv_heads) == (
+        arch.llm.hidden_size, arch.llm.num_layers, arch.llm.num_kv_heads
+    )  # fmt: skip
+    assert (recorded.vision_hidden_size, recorded.vision_num_layers) == (
+        arch.vision.hidden_size, arch.vision.num_layers
+    )  # fmt: skip
+    assert recorded.vocab_size == arch.llm.vocab_size and recorded.hidden_size != cfg.hidden_size
+    assert (
+        recorded.model_config(100, tile_px=384, patch_size=14, compute_dtype="float32") == model_cfg
+    )
+    built = ModelConfig(kind="decoder")
+    assert built.with_sizes_of(built.model_config(100, tile_px=56, patch_size=14,
+                                                  compute_dtype="float32")) is built  # fmt: skip
