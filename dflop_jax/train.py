@@ -83,8 +83,11 @@ def run(cfg, console=None, clock=time.perf_counter):
     Returns the `TrainReport`; `clock` times the sampled stage programs of measured steps (tests pass
     a deterministic one).
     """
+    import jax
+
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
+    from dflop_jax.planner.progress import progress_bar
     from dflop_jax.runtime.device import attention_hint
     from dflop_jax.runtime.trainer import prepare_run_dir, train
     from dflop_jax.train_plan import resolve_plan, with_plan_remat
@@ -102,10 +105,6 @@ def run(cfg, console=None, clock=time.perf_counter):
     hint = attention_hint(cfg.model.attention_impl)
     if hint:
         logging.getLogger(__name__).warning(hint)
-    import jax
-
-    from dflop_jax.planner.progress import progress_bar
-
     with progress_bar(jax.process_index() == 0) as progress:
         plan = resolve_plan(cfg, model_cfg, progress)
     arch = arch_of_model(model_cfg)

@@ -89,6 +89,9 @@ class CostEntry:
         data replica); None: `param_bytes` (every leaf trained: tables written before recipes).
       residual_bytes: bytes per device the forward hands its backward per microbatch under a saving
         residual policy (its outputs but y); 0 under "recompute" and for programs that save none.
+      compile_s: seconds to lower and compile the entry's programs (forward and backward, one after
+        the other) on the profiling host: what a stage of this part costs before its first step
+        (`costs/compile.py`); 0 in tables written before it was recorded.
     """
 
     kind: str
@@ -110,6 +113,7 @@ class CostEntry:
     length: int = 0
     grad_bytes: float | None = None
     residual_bytes: float = 0.0
+    compile_s: float = 0.0
 
     @property
     def accumulator_bytes(self) -> float:

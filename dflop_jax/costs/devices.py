@@ -25,7 +25,9 @@ Numbers are vendor datasheet figures (dense bf16, no sparsity) per device:
 50-60% MFU on H100/A100 at scale); `layer_overhead_s` is the fixed per-layer cost (kernel launches,
 small ops) that makes tiny buckets not free; `collective_latency_s` the fixed cost of one step of a
 collective or one stage-to-stage hop of a scalar (NCCL's per-step latency is ~10-30 us; on CPU a
-program dispatch).
+program dispatch). `compile_block_s` / `small_compile_s` are nominal compile times (the one H200 run
+compiled the tiny demo's stage programs at about 5 s each, 4 blocks; this CPU about 1 s per block):
+a measured cost table's compile seconds replace them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class DeviceSpec:
       matmul_efficiency: achieved fraction of peak for large matmuls.
       layer_overhead_s: fixed seconds per transformer layer per forward (launch / small-op cost).
       collective_latency_s: fixed seconds per ring step of a collective or per hop of a scalar.
+      compile_block_s: nominal seconds to lower and compile one block (a transformer layer, an
+        embedding, a head) of a stage's programs for one shape (forward and backward together):
+        what `costs/compile.py` prices a plan's programs at when no measured table gives it.
+      small_compile_s: nominal seconds per small program (a transfer, an optimizer step's glue).
     """
 
     name: str
@@ -62,6 +68,8 @@ class DeviceSpec:
     matmul_efficiency: float
     layer_overhead_s: float = 0.0
     collective_latency_s: float = 0.0
+    compile_block_s: float = 1.5
+    small_compile_s: float = 0.2
 
     def __post_init__(self):
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_host_bandwidth",
@@ -99,7 +107,20 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         DeviceSpec(
             "a100_40gb", 312e12, 40 * _GB, 1.56e12, 300 * _GB, 25 * _GB, 8, 0.6, 25e-6, 20e-6
         ),
-        DeviceSpec("cpu", 25e9, 2 * 2**30, 10 * _GB, 10 * _GB, 10 * _GB, 8, 0.5, 100e-6, 100e-6),
+        DeviceSpec(
+            "cpu",
+            25e9,
+            2 * 2**30,
+            10 * _GB,
+            10 * _GB,
+            10 * _GB,
+            8,
+            0.5,
+            100e-6,
+            100e-6,
+            compile_block_s=1.0,
+            small_compile_s=0.1,
+        ),  # fmt: skip
     )
 }
 

@@ -444,6 +444,36 @@ class MeasuredCostProvider:
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         return self._transfer.transfer_time(stage, bucket, cross_host)
 
+    def compile_time(self, stage: StageSpec, bucket: int) -> float:
+        """Seconds to lower and compile the stage's programs for one shape: its parts' measured
+        `compile_s` at the bucket (piecewise-linear between profiled buckets; layers: the 1-layer
+        entry plus the 2-layer entry's extra per further layer), summed; the fallback's figure
+        where the table has none (a table written before compile times were recorded)."""
+        total = 0.0
+        for module, part in _held_parts(stage):
+            layers = stage.num_layers if part == "layers" else 0
+            value = self._compile_part(f"{module}_{part}", stage.tp, bucket, layers)
+            if value is None:
+                fallback = self.fallback or self._transfer
+                return fallback.compile_time(stage, bucket)
+            total += value
+        return total
+
+    def _compile_part(self, kind: str, tp: int, bucket: int, layers: int) -> float | None:
+        counts = (1, 2) if kind.endswith("_layers") else (0,)
+        values = []
+        for n in counts:
+            points = [(b, self.table.get(kind, tp, b, n).compile_s)
+                      for b in self.table.buckets(kind, tp, n)]  # fmt: skip
+            points = [(b, c) for b, c in points if c > 0]
+            if not points:
+                return None
+            xs, ys = (np.array(col, dtype=np.float64) for col in zip(*points))
+            values.append(interpolate(xs, ys, float(bucket))[0])
+        if len(values) == 1:
+            return values[0]
+        return values[0] + (layers - 1) * max(values[1] - values[0], 0.0)
+
     @property
     def _multimodal(self) -> bool:
         return self.arch.vision is not None

@@ -90,6 +90,10 @@ class CostProvider(Protocol):
         """Seconds to send this stage's output activations (one shard) to the next stage."""
         ...
 
+    def compile_time(self, stage: StageSpec, bucket: int) -> float:
+        """Seconds to lower and compile the stage's programs for one shape (`costs/compile.py`)."""
+        ...
+
 
 class AnalyticCostProvider:
     """FLOPs / effective peak + tp all-reduces + per-layer overhead (see the module docstring)."""
@@ -267,6 +271,13 @@ class AnalyticCostProvider:
     def transfer_time(self, stage: StageSpec, bucket: int, cross_host: bool = True) -> float:
         bw = self.device.inter_host_bandwidth if cross_host else self.device.intra_host_bandwidth
         return self.output_bytes(stage, bucket) / bw
+
+    def compile_time(self, stage: StageSpec, bucket: int) -> float:
+        """The device's nominal seconds per block (`DeviceSpec.compile_block_s`) times the stage's
+        blocks: compile time follows a program's ops, not its sizes."""
+        del bucket
+        blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
+        return blocks * self.device.compile_block_s
 
 
 def trainable_suffix(trainable: tuple[str, ...]) -> str:

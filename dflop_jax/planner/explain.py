@@ -65,10 +65,11 @@ def over_memory_reason(memory: list[float], usable: float) -> str:
 
 
 def alternatives_for(
-    ranked, evaluated, usable: float, top_n: int, mode: str
+    ranked, evaluated, usable: float, top_n: int, mode: str, steps: int = 0
 ) -> tuple[Alternative, ...]:
-    """The next `top_n` scored candidates ("slower by x%") plus up to two layouts rejected for memory
-    whose mean-shape surrogate beat the winner's ("over memory by y GiB")."""
+    """The next `top_n` scored candidates ("slower by x%", counting the compile time per step of a
+    run of `steps` where it was priced) plus up to two layouts rejected for memory whose mean-shape
+    surrogate beat the winner's ("over memory by y GiB")."""
     best = ranked[0]
     out = []
     for e in ranked[1:]:
@@ -83,9 +84,13 @@ def alternatives_for(
             step, ref, what = e.screen, best.screen, "mean-shape step"
         else:
             continue
+        total, ref_total = step + e.compile_per_step(steps), ref + best.compile_per_step(steps)
         reason = f"{what} {step * 1e3:.1f} ms: slower by {(step / ref - 1) * 100:.1f}%"
-        if step <= ref:
-            reason = f"{what} {step * 1e3:.1f} ms: equal time, lost the tie-break (devices, microbatches, stages)"
+        if total != step:
+            reason = (f"{what} {step * 1e3:.1f} ms + compile {e.compile.seconds:.0f} s over "
+                      f"{steps} steps: slower by {(total / ref_total - 1) * 100:.1f}%")  # fmt: skip
+        if total <= ref_total:
+            reason += ", equal or faster: lost the tie-break (devices, microbatches, stages)"
         out.append(Alternative(e.cand.describe(), e.cand.microbatches, step, reason))
     over = sorted((e for e in evaluated if max(e.memory) > usable and e.surrogate < best.surrogate),
                   key=lambda e: (e.surrogate, e.cand.key))  # fmt: skip

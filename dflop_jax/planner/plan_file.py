@@ -3,8 +3,10 @@
     plan = make_plan(...); save_plan(plan, "plan.yaml"); plan = load_plan("plan.yaml")
 
 plan.yaml lists each stage (module, layer range, tp, dp, devices, predicted memory vs capacity), the
-buckets, the microbatch count, the predicted step time (mean, p90 over the sampled batches), the
-cost provider, and the top alternatives with the reason each lost.
+buckets (and the sparse set of (tile, length) pairs where the planner narrowed it), the microbatch
+count, the predicted step time (mean, p90 over the sampled batches), what compiling it costs and why
+its ladder won (where the planner priced compiling), the cost provider, and the top alternatives
+with the reason each lost.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ class Plan:
       checks: per stage, what compiling it found (empty unless `plan --check` ran).
       inputs: what the plan was made from: per input ("shapes", "cost_table") its file's path and
         sha256, or the built-in source's name; {} where the caller records none.
+      compile: what the plan costs before its first step, where the planner priced it
+        (`planner.steps`): programs, estimated compile seconds (`costs/compile.py`), the run's steps,
+        that time per step, the bucket pairs and the padding of the sampled batches; {} otherwise.
+      ladders: the chosen layout at each ladder size scored (buckets, pairs, programs, compile
+        seconds, padding, step time, and step time plus compile per step, which the planner
+        minimized), smallest first; why the ladder won.
     """
 
     model: str
@@ -126,6 +134,8 @@ class Plan:
     planner_config: dict = dataclasses.field(default_factory=dict)
     checks: tuple[StageCheck, ...] = ()
     inputs: dict = dataclasses.field(default_factory=dict)
+    compile: dict = dataclasses.field(default_factory=dict)
+    ladders: tuple[dict, ...] = ()
 
     def __post_init__(self):
         if len(self.stage_memory_bytes) != self.layout.num_stages:
@@ -205,7 +215,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         },
         **({"inputs": plan.inputs} if plan.inputs else {}),
         "layout": stages,
-        "buckets": {"tiles": list(plan.buckets.tiles), "lengths": list(plan.buckets.lengths)},
+        "buckets": plan.buckets.to_dict(),
+        **({"compile": dict(plan.compile)} if plan.compile else {}),
+        **({"ladders": [dict(row) for row in plan.ladders]} if plan.ladders else {}),
         "alternatives": [
             {
                 "layout": a.description,
@@ -342,7 +354,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         cost_provider=str(d["cost_provider"]),
         mode=str(d["mode"]),
         layout=layout,
-        buckets=BucketSet(tuple(d["buckets"]["tiles"]), tuple(d["buckets"]["lengths"])),
+        buckets=BucketSet.from_dict(d["buckets"]),
         microbatches=int(d["microbatches"]),
         max_microbatches=int(d["max_microbatches"]),
         global_batch=int(d["global_batch"]),
@@ -363,4 +375,6 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         planner_config=dict(d["planner_config"]),
         checks=tuple(_check_from_dict(i, s) for i, s in enumerate(d["layout"]) if "compiled" in s),
         inputs=dict(d.get("inputs") or {}),
+        compile=dict(d.get("compile") or {}),
+        ladders=tuple(dict(row) for row in d.get("ladders") or ()),
     )

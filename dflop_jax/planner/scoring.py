@@ -250,6 +250,13 @@ def screen_buckets(
     return out
 
 
+def screen_pairs(cand: Candidate, buckets: BucketSet, batch: ScreenBatch) -> BucketSet:
+    """`buckets` narrowed to the pairs the screen's typical batch uses and the largest: the screen's
+    guess of the sparse pair set, for its compile estimate."""
+    pairs = {*screen_buckets(cand, buckets, batch), buckets.top}
+    return BucketSet(buckets.tiles, buckets.lengths, tuple(sorted(pairs)))
+
+
 def screen_step_time(
     costs: LayoutCosts, cand: Candidate, buckets: BucketSet, batch: ScreenBatch, kind: str
 ) -> float:
@@ -269,11 +276,15 @@ def _smallest_at_least(sizes: tuple[int, ...], need: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Score:
-    """Simulated step times and idle fractions of a candidate over the K sampled batches."""
+    """Simulated step times and idle fractions of a candidate over the K sampled batches, the
+    (tile, length) pairs its schedules used and their mean padding."""
 
     step_times: tuple[float, ...]
     idle_fractions: tuple[float, ...]
     solver: str
+    pairs: frozenset = frozenset()
+    padding_tokens: float = 0.0
+    padding_tiles: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -300,19 +311,37 @@ def expected_step_time(
     kind: str,
 ) -> Score:
     """Schedules and simulates each batch; see the module docstring."""
-    steps, idles, solvers = [], [], set()
+    steps, idles, solvers, pairs, pads = [], [], set(), set(), []
     for batch in batches:
         try:
             sched = scheduler(batch, problem)
-        except (
-            ValueError
-        ) as e:  # e.g. a batch the candidate's buckets cannot hold: the candidate fails
+        except ValueError as e:  # e.g. a batch the candidate's buckets cannot hold: it fails
             return Score((math.inf,), (1.0,), f"failed: {e}")
         res = simulate_schedule(sched, costs, kind)
         steps.append(res.step_time)
         idles.append(res.idle_fraction)
         solvers.add(sched.solver)
-    return Score(tuple(steps), tuple(idles), "+".join(sorted(solvers)))
+        pairs.update((mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches)
+        pads.append((sched.info.get("padding_tokens", 0.0), sched.info.get("padding_tiles", 0.0)))
+    tokens, tiles = (float(np.mean(col)) for col in zip(*pads))
+    return Score(tuple(steps), tuple(idles), "+".join(sorted(solvers)), frozenset(pairs), tokens,
+                 tiles)  # fmt: skip
+
+
+def used_pairs(
+    batches: Sequence[Sequence[SampleShape]], problem: ScheduleProblem, scheduler: SchedulePolicy
+) -> BucketSet:
+    """The problem's buckets narrowed to the (tile, length) pairs the scheduler uses on `batches`
+    (and the largest pair, which holds anything): the sparse set a stage seeing both compiles
+    (`BucketSet.pairs`). The grid where a batch cannot be scheduled."""
+    b, pairs = problem.buckets, {problem.buckets.top}
+    for batch in batches:
+        try:
+            sched = scheduler(batch, problem)
+        except ValueError:
+            return b
+        pairs.update((mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches)
+    return BucketSet(b.tiles, b.lengths, tuple(sorted(pairs)))
 
 
 def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> SchedulePolicy:

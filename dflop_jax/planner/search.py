@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 from dflop_jax.config import to_dict
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+from dflop_jax.costs.compile import CompileCost, compile_cost
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.balance import balanced_layout, memory_balanced_layout
 from dflop_jax.planner.buckets import ShapeStats
@@ -66,14 +67,18 @@ from dflop_jax.planner.scoring import (
     online_scheduler,
     problem_for,
     sample_batches,
+    screen_pairs,
     screen_step_time,
     stage_in_flight,
     stage_memory_bytes,
+    used_pairs,
 )
 from dflop_jax.planner.variants import ProviderVariants, can_vary
 from dflop_jax.scheduler import BucketSet, SampleShape
 
 log = logging.getLogger(__name__)
+# Global batches (beside the K scored ones) a priced search finds each candidate's sparse pair set on.
+PAIR_BATCHES = 16
 
 # progress(phase, done, total): called as the search advances (the CLI draws a rich progress bar)
 ProgressFn = Callable[[str, int, int], None]
@@ -92,10 +97,18 @@ class Evaluated:
     score: Score | None = None
     provider: object = None  # the cost provider it was scored with (planner/variants.py)
     dominated: bool = False  # remat on where the same candidate fits with remat off (`_screen_all`)
+    compile: CompileCost | None = None  # its programs and compile seconds (priced runs only)
 
-    def rank_key(self, num_devices: int, step: float) -> tuple:
+    def compile_per_step(self, steps: int) -> float:
+        """Its compile seconds amortized over the run's `steps` (0 when not priced)."""
+        return self.compile.seconds / steps if steps and self.compile is not None else 0.0
+
+    def rank_key(self, num_devices: int, step: float, steps: int = 0) -> tuple:
+        """Ranks by `step` (a simulated step time) plus the compile time per step of a run of
+        `steps`; ties as the module docstring says."""
         c, lay = self.cand, self.cand.physical_layout
-        return (round(step, 6), num_devices - lay.num_devices, c.microbatches, lay.num_stages,
+        total = step + self.compile_per_step(steps)
+        return (round(total, 6), num_devices - lay.num_devices, c.microbatches, lay.num_stages,
                 c.chunks, c.num_buckets, c.key)  # fmt: skip
 
 
@@ -150,13 +163,16 @@ def make_plan(
     fits = [e for e in evaluated if max(e.memory) <= usable and not e.dominated]
     if not fits:
         raise PlanningError(explain_over_memory(evaluated, device, config))
-    by_screen = sorted(fits, key=lambda e: e.rank_key(num_devices, e.screen))
+    by_screen = sorted(fits, key=lambda e: e.rank_key(num_devices, e.screen, config.steps))
 
     batches = sample_batches(shapes, config.global_batch, config.samples, config.seed)
     if mode == "uniform":
         ranked = _score_uniform(by_screen, shapes, batches, config, num_devices)
     else:
-        ranked = _score_dflop(by_screen, batches, config, num_devices, report)
+        discovery = sample_batches(shapes, config.global_batch, PAIR_BATCHES, config.seed + 1)
+        multimodal = any(s.tiles for s in shapes)
+        ranked = _score_dflop(by_screen, (batches, discovery, multimodal), config, num_devices,
+                              report)  # fmt: skip
     best = ranked[0]
     if best.score is None or best.score.failed:
         raise PlanningError(
@@ -197,9 +213,11 @@ def make_plan(
         stage_memory_bytes=tuple(best.memory),
         memory_capacity_bytes=usable,
         device_memory_bytes=device.memory_bytes,
-        alternatives=alternatives_for(ranked, evaluated, usable, config.top_n, mode),
+        alternatives=alternatives_for(ranked, evaluated, usable, config.top_n, mode, config.steps),
         search=search,
         planner_config=to_dict(config),
+        compile=_compile_summary(best, config.steps),
+        ladders=_ladders(best, ranked, config.steps),
     )
 
 
@@ -287,8 +305,17 @@ def _evaluate(
     surrogate = mean_shape_surrogate(costs, cand, buckets, stats, config)
     fits = max(memory) <= usable and not dominated
     screen = screen_step_time(costs, cand, buckets, typical, config.schedule) if fits else math.inf
+    priced = config.steps and fits
+    multimodal = stats.max_tiles > 0  # a data set without tiles plans a decoder-only model
+    compiled = _compile(provider, cand, screen_pairs(cand, buckets, typical), multimodal, config)
     return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider,
-                     dominated=dominated)  # fmt: skip
+                     dominated=dominated, compile=compiled if priced else None)  # fmt: skip
+
+
+def _compile(provider, cand: Candidate, buckets: BucketSet, multimodal: bool,
+             config: PlannerConfig) -> CompileCost:  # fmt: skip
+    """The candidate's programs and compile seconds (`costs/compile.py`) with `buckets`."""
+    return compile_cost(provider, cand.physical_layout, buckets, multimodal, config.trainable)
 
 
 def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluated]:
@@ -306,30 +333,105 @@ def shortlist(by_screen: list[Evaluated], config: PlannerConfig) -> list[Evaluat
 
 
 def _score_dflop(
-    by_screen: list[Evaluated], batches, config: PlannerConfig, num_devices: int, report
+    by_screen: list[Evaluated], batches: tuple, config: PlannerConfig, num_devices: int, report
 ):
-    """Scores the shortlist on the sampled batches, optionally refines the best few."""
+    """Scores the shortlist on the sampled batches (`batches`: the scored ones and those the pair
+    sets are found on), then the winner's other ladder sizes (so the ladder is chosen against the
+    run's compile time), and optionally refines the best few."""
+    scored, discovery, multimodal = batches
     scheduler = online_scheduler(config.solver, config.seed)
+    steps = config.steps
+
+    def rank(es):
+        return sorted(es, key=lambda e: e.rank_key(num_devices, e.score.mean, steps))
+
     top = shortlist(by_screen, config)
     for i, e in enumerate(top):
-        e.score = _score(e, batches, scheduler, config)
+        _score_priced(e, scored, (discovery, multimodal), scheduler, config)
         report("score", i + 1, len(top))
-    ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
+    ranked = rank(top)
+    ladders = [e for e in by_screen if e.score is None and _same_but_ladder(e, ranked[0])]
+    for i, e in enumerate(ladders):
+        _score_priced(e, scored, (discovery, multimodal), scheduler, config)
+        report("ladders", i + 1, len(ladders))
+    top += ladders
+    ranked = rank(top)
     if config.refine_top:
         refiner = online_scheduler(config.refine_solver, config.seed, config.refine_time_limit_s)
         for i, e in enumerate(ranked[: config.refine_top]):
-            refined = _score(e, batches, refiner, config)
+            refined = _score(e, scored, refiner, config)
             e.score = refined if refined.mean < e.score.mean else e.score
             report("refine", i + 1, min(config.refine_top, len(ranked)))
-        ranked = sorted(top, key=lambda e: e.rank_key(num_devices, e.score.mean))
+        ranked = rank(top)
     return ranked + [e for e in by_screen if e.score is None]
 
 
-def _score(e: Evaluated, batches, scheduler: SchedulePolicy, config: PlannerConfig) -> Score:
-    problem = problem_for(
+def _same_but_ladder(e: Evaluated, best: Evaluated) -> bool:
+    a, b = e.cand, best.cand
+    return (a.layout, a.microbatches, a.remat, a.chunks) == (
+        b.layout, b.microbatches, b.remat, b.chunks,
+    ) and a.num_buckets != b.num_buckets  # fmt: skip
+
+
+def _score_priced(e: Evaluated, scored, pairs: tuple, scheduler, config: PlannerConfig) -> None:
+    """Scores `e`; in a priced run (`planner.steps`) on the sparse pair set its schedules use on the
+    discovery batches (`pairs`: (those batches, multimodal); `used_pairs`: what a stage seeing both
+    buckets compiles, the rest rounded up to an allowed pair), with its compile cost for that set."""
+    if config.steps:
+        discovery, multimodal = pairs
+        e.buckets = used_pairs(discovery, _problem(e, config), scheduler)
+        e.compile = _compile(e.provider, e.cand, e.buckets, multimodal, config)
+    e.score = _score(e, scored, scheduler, config)
+
+
+def _problem(e: Evaluated, config: PlannerConfig):
+    return problem_for(
         e.costs, microbatch_range(e.cand.microbatches, config.microbatch_slack), e.buckets
     )
-    return expected_step_time(batches, e.costs, problem, scheduler, config.schedule)
+
+
+def _score(e: Evaluated, batches, scheduler: SchedulePolicy, config: PlannerConfig) -> Score:
+    return expected_step_time(batches, e.costs, _problem(e, config), scheduler, config.schedule)
+
+
+def _compile_summary(best: Evaluated, steps: int) -> dict:
+    """plan.yaml's `compile`: the winner's programs, compile seconds, and what that costs per step
+    of a run of `steps` (empty when compiling was not priced)."""
+    if best.compile is None:
+        return {}
+    c, score = best.compile, best.score
+    return {
+        "programs": c.programs,
+        "estimated_s": round(c.seconds, 1),
+        "steps": steps,
+        "per_step_s": round(c.seconds / steps, 6),
+        "pairs": len(best.buckets.allowed()),
+        "padding_tokens": round(score.padding_tokens, 4),
+        "padding_tiles": round(score.padding_tiles, 4),
+    }
+
+
+def _ladders(best: Evaluated, ranked: list[Evaluated], steps: int) -> tuple[dict, ...]:
+    """The winner's layout at each ladder size scored, smallest first: buckets, programs, compile
+    seconds, padding, step time and the total per step the ranking compared (why the ladder won)."""
+    if best.compile is None:
+        return ()
+    rows = [e for e in ranked if e.score is not None and e.compile is not None
+            and (e is best or _same_but_ladder(e, best))]  # fmt: skip
+    out = []
+    for e in sorted(rows, key=lambda e: e.cand.num_buckets):
+        out.append({
+            "num_buckets": e.cand.num_buckets,
+            "pairs": len(e.buckets.allowed()),
+            "programs": e.compile.programs,
+            "compile_s": round(e.compile.seconds, 1),
+            "padding_tokens": round(e.score.padding_tokens, 4),
+            "padding_tiles": round(e.score.padding_tiles, 4),
+            "step_time_s": round(e.score.mean, 6),
+            "per_step_s": round(e.score.mean + e.compile_per_step(steps), 6),
+            "chosen": e is best,
+        })  # fmt: skip
+    return tuple(out)
 
 
 def _score_uniform(

@@ -150,12 +150,14 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     (`prog.jits.forward_residuals` set) the forward that keeps its residuals and the backward from
     them, else the forward and the backward that recomputes it.
 
-    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, input_bytes, and fwd_s / bwd_s,
-    or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
+    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, input_bytes, compile_s (the
+    seconds lowering and compiling took), and fwd_s / bwd_s, or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
     and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
     """
     saving = prog.jits is not None and prog.jits.forward_residuals is not None
+    t0 = time.perf_counter()
     fwd_c, bwd_c = compile_residual_programs(prog) if saving else _recompute_pair(prog)
+    compile_s = time.perf_counter() - t0
     mem_f, mem_b = _memory(fwd_c), {} if bwd_c is None else _memory(bwd_c)
     (flops_f, bytes_f), (flops_b, bytes_b) = (
         _cost(fwd_c),
@@ -167,6 +169,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
         memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.params_abs),
         input_bytes=per_device_bytes((prog.x_abs, prog.side_abs)),
         grad_bytes=per_device_bytes(prog.gacc_abs), residual_bytes=max(kept, 0.0),
+        compile_s=compile_s,
     )  # fmt: skip
     peak = max(mem_f["peak"], mem_b.get("peak", 0.0))
     if peak > settings.memory_limit_bytes:

@@ -1,0 +1,192 @@
+"""What a plan costs before its first step: the programs a run compiles, and the seconds that takes.
+
+    counts = program_counts(layout, buckets, multimodal=True)          # runtime/precompile.py's
+    cost = compile_cost(provider, layout, buckets, multimodal=True)    # CompileCost(programs, s)
+
+The runtime compiles every program once per shape it receives, before step 1
+(`runtime/precompile.py`), so a plan's program count follows from its layout and bucket pairs
+(`BucketSet.allowed`):
+  - an encoder stage sees a tile bucket: one signature per tile bucket of the pairs;
+  - the first LLM stage of an MLLM (taking the encoder's features, or running the encoder colocated)
+    sees both: one per allowed (tile, length) pair, which is why a sparse pair set pays;
+  - any other LLM stage sees a length bucket: one per length bucket of the pairs.
+Per signature an inner stage with a backward compiles two programs (its forward and its backward, or
+the residual-saving pair), a forward-only stage one, the last stage one (forward, loss and backward
+fused); the last stage also compiles a loss-token count per length bucket. Every stage boundary moves
+one shape per signature of its sending stage, forward and (where the next stage passes a gradient
+back) backward, two programs each (`runtime/transfer.py`: the transport and its zero blocks).
+The per-step programs: each stage's optimizer (4 where it trains: fresh accumulator, reduction, norm,
+update; 1 otherwise), the update's glue (each trained stage's norm to the last stage and the
+statistics back to every stage, 2 programs per transfer; the loss sum and the statistics, 2) and the
+learning rate (1). Not counted: evaluation's forward programs, tied parameters' glue, a padded
+optimizer's checkpoint program and multi-process reads (`runtime/precompile.py` lists them all).
+
+Seconds: each signature's programs cost the provider's `compile_time(stage, bucket)` (a measured
+table's lowering + compile seconds of the stage's parts, or the analytic per-block estimate), the
+colocated stage adds its encoder's; the small programs cost `DeviceSpec.small_compile_s` each. Each
+process compiles the stages on its own devices (hosts in parallel), so the run waits for the host
+with the most: the figure is the largest host's serial sum. The runtime compiles in a thread pool,
+so on a many-core host the wall time is lower; the planner uses the figure to rank ladders, not to
+promise a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflop_jax.contracts.shapes import BucketSet
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
+
+OPTIMIZER_PROGRAMS = 4  # fresh accumulator, reduction, norm, update (`StageOptimizer.lower`)
+TRANSFER_PROGRAMS = 2  # the transport and its zero blocks (`transfer.Transfer.lower`)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCounts:
+    """The programs a run of a plan compiles before step 1 (module docstring).
+
+    Attributes:
+      stage: per stage, its stage programs (signatures x programs per signature).
+      transfers: stage-to-stage transfer programs.
+      count: the last stage's loss-token count programs.
+      step: the per-step programs (optimizers, the update's glue, the learning rate).
+    """
+
+    stage: tuple[int, ...]
+    transfers: int
+    count: int
+    step: int
+
+    @property
+    def bucket_programs(self) -> int:
+        """The programs that grow with the bucket pairs (stages, transfers, counts)."""
+        return sum(self.stage) + self.transfers + self.count
+
+    @property
+    def total(self) -> int:
+        return self.bucket_programs + self.step
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCost:
+    """A plan's programs and the seconds to compile them (module docstring).
+
+    Attributes:
+      programs: `ProgramCounts.total`.
+      seconds: the host with the most to compile, its serial seconds.
+      per_stage_s: each stage's seconds (its signatures' programs; transfers and step programs apart).
+    """
+
+    programs: int
+    seconds: float
+    per_stage_s: tuple[float, ...]
+
+
+def stage_buckets(layout: Layout, buckets: BucketSet, multimodal: bool) -> list[list[tuple]]:
+    """Per stage, the bucket signatures it receives (module docstring): (tile bucket,) for an
+    encoder stage, (tile, length) for an MLLM's first LLM stage, (length,) for the others."""
+    pairs = buckets.allowed()
+    tiles = sorted({(t,) for t, _ in pairs})
+    lengths = sorted({(s,) for _, s in pairs})
+    out = []
+    for stage in layout.stages:
+        if stage.module == "encoder":
+            out.append(tiles)
+        elif multimodal and stage.has_embedding:
+            out.append(list(pairs))
+        else:
+            out.append(lengths)
+    return out
+
+
+def _roles(layout: Layout, multimodal: bool, trainable: tuple[str, ...]):
+    colocated = multimodal and not layout.encoder_stages
+    return [
+        stage_role(s, trainable, multimodal, colocated=colocated and i == 0)
+        for i, s in enumerate(layout.stages)
+    ]
+
+
+def program_counts(
+    layout: Layout,
+    buckets: BucketSet,
+    multimodal: bool = True,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
+) -> ProgramCounts:
+    """The programs a run of `layout` with `buckets` compiles before step 1 (module docstring)."""
+    sigs = stage_buckets(layout, buckets, multimodal)
+    roles = _roles(layout, multimodal, trainable)
+    last = layout.num_stages - 1
+    stage = []
+    for i, (n, role) in enumerate(zip(sigs, roles)):
+        per_signature = 1 if i == last or not role.has_backward else 2
+        stage.append(len(n) * per_signature)
+    transfers = 0
+    for i in range(last):
+        shapes = len({sig[-1:] if layout.stages[i].module == "llm" else sig[:1] for sig in sigs[i]})
+        back = roles[i + 1].input_grad
+        transfers += shapes * TRANSFER_PROGRAMS * (2 if back else 1)
+    count = len({sig[-1] for sig in sigs[last]})
+    trains = [role.kind == "train" for role in roles]
+    step = sum(OPTIMIZER_PROGRAMS if t else 1 for t in trains)
+    step += TRANSFER_PROGRAMS * (sum(trains[:last]) + last)  # norms in, statistics out
+    step += 2 + 1  # the loss sum and `_combine`; the learning rate
+    return ProgramCounts(tuple(stage), transfers, count, step)
+
+
+def compile_cost(
+    provider,
+    layout: Layout,
+    buckets: BucketSet,
+    multimodal: bool = True,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
+) -> CompileCost:
+    """The programs of `program_counts` and the seconds to compile them on the busiest host
+    (module docstring)."""
+    from dflop_jax.costs.provider import colocated_encoder_stage
+
+    counts = program_counts(layout, buckets, multimodal, trainable)
+    sigs = stage_buckets(layout, buckets, multimodal)
+    colocated = multimodal and not layout.encoder_stages
+    encoder = colocated_encoder_stage(provider.arch, layout) if colocated else None
+    per_stage = []
+    for i, stage in enumerate(layout.stages):
+        seconds = 0.0
+        for sig in sigs[i]:
+            bucket = layout.encoder_tiles(sig[0]) if stage.module == "encoder" else sig[-1]
+            seconds += _compile_time(provider, stage, bucket)
+            if encoder is not None and i == 0:
+                seconds += _compile_time(provider, encoder, layout.encoder_tiles(sig[0]))
+        per_stage.append(seconds)
+    small = counts.transfers + counts.count + counts.step
+    hosts = _stage_hosts(layout, provider.device.devices_per_host)
+    busiest = {}
+    for h, s in zip(hosts, per_stage):
+        busiest[h] = busiest.get(h, 0.0) + s
+    share = small * provider.device.small_compile_s / max(len(busiest), 1)
+    seconds = max(busiest.values()) + share
+    return CompileCost(counts.total, seconds, tuple(per_stage))
+
+
+def _compile_time(provider, stage: StageSpec, bucket: int) -> float:
+    """The provider's `compile_time`, or for a provider without one the device's nominal per-block
+    figure."""
+    own = getattr(provider, "compile_time", None)
+    if own is not None:
+        return own(stage, bucket)
+    return block_count(stage) * provider.device.compile_block_s
+
+
+def _stage_hosts(layout: Layout, devices_per_host: int) -> list[int]:
+    """The host of each stage's first device, stages on consecutive devices in pipeline order."""
+    out, start = [], 0
+    for s in layout.stages:
+        out.append(start // devices_per_host)
+        start += s.num_devices
+    return out
+
+
+def block_count(stage: StageSpec) -> int:
+    """The blocks a stage's programs hold: its layers, and its embedding and head."""
+    return stage.num_layers + int(stage.has_embedding) + int(stage.has_head)

@@ -1,0 +1,61 @@
+"""What the runtime compiles before step 1 is what the planner prices: the programs
+`precompile` lowers for a layout and a (sparse) set of bucket pairs, counted without compiling, equal
+`costs.compile.program_counts` for separate encoder stages (tp 2 LLM stages), a colocated stage and
+a colocated pipeline; a stage compiles once per bucket it sees (an encoder stage per tile bucket, a
+later LLM stage per length bucket, the first LLM stage per pair)."""
+
+import jax
+import pytest
+from models_fixtures import tiny_llava_ov_config
+
+from dflop_jax.contracts import BucketSet, ScheduleProblem
+from dflop_jax.costs.compile import program_counts
+from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.data.config import DataConfig
+from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.runtime.precompile import bucket_microbatches, pipeline_lowerings
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, lower_update
+
+SEPARATE = Layout(
+    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (
+        StageSpec("llm", 0, 1, tp=2, dp=1, has_embedding=True),
+        StageSpec("llm", 1, 1, tp=1, dp=1, has_head=True),
+    ),
+)
+COLOCATED = Layout((), (StageSpec("llm", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),))
+COLOCATED_PP = Layout(
+    (),
+    (
+        StageSpec("llm", 0, 1, tp=2, dp=1, has_embedding=True),
+        StageSpec("llm", 1, 1, tp=2, dp=1, has_head=True),
+    ),
+)
+BUCKETS = BucketSet((2, 4), (64, 128), ((2, 64), (4, 64), (4, 128)))
+DATA = DataConfig(tile_size=28, patch_size=7)
+
+
+@pytest.mark.parametrize(
+    "layout", [SEPARATE, COLOCATED, COLOCATED_PP], ids=["separate", "colocated", "pp"]
+)
+def test_precompile_lowers_what_the_planner_counts(layout):
+    model_cfg = tiny_llava_ov_config()
+    stages = build_stages(model_cfg, layout, stage_meshes(layout), 0, compute_dtype=jax.numpy.float32,
+                          residuals=["all"] * layout.num_stages)  # fmt: skip
+    problem = ScheduleProblem(layout.encoder_dp, layout.llm_dp, layout.num_stages, (1, 2), BUCKETS,
+                              lambda t, s: None, tiles_by_row=True, row_align=layout.row_align)  # fmt: skip
+    seen, lowered = set(), []
+    for batch in bucket_microbatches(problem, DATA):
+        lowered += pipeline_lowerings(stages, batch, seen=seen)
+    # a forward keeping residuals is followed, once compiled, by its backward from them
+    runtime = len(lowered) + sum(lw.then is not None for lw in lowered)
+    opts = [StageOptimizer(s, OptimizerConfig().build()) for s in stages]
+    step = sum(len(o.lower()) for o in opts) + len(lower_update(opts, 1.0)) + 1  # + the rate
+    counts = program_counts(layout, BUCKETS)
+    assert (runtime, step) == (counts.bucket_programs, counts.step)
+    kinds = [s.module for s in layout.stages]
+    for i, stage in enumerate(stages):  # signatures per stage: tiles, pairs or lengths
+        sigs = {sig[1:] for sig in stage.signatures if sig[0] in ("fwd_res", "last", "fwd")}
+        want = 2 if kinds[i] == "encoder" else 3 if i == len(layout.encoder_stages) else 2
+        assert len(sigs) == want, (i, sigs)
