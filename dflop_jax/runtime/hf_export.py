@@ -65,6 +65,7 @@ class _Tensor:
     stored: tuple[str, ...]
     shape: tuple[int, ...]
     to_hf: object
+    elements: int  # of the HF tensor (a fused parameter's HF tensors are parts of it)
 
 
 def run_config(run_dir: Path) -> TrainConfig:
@@ -117,7 +118,8 @@ def hf_tensors(model_cfg) -> dict[str, _Tensor]:
     for module in modules:
         for path, value, tm in module_tensors(model_cfg, module):
             stored = (module, "params", *map(str, path), *suffix)
-            out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf))
+            elements = math.prod(jax.eval_shape(tm.to_hf, value).shape)
+            out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf, elements))
     return out
 
 
@@ -201,7 +203,7 @@ def export_run(
         out.mkdir(parents=True, exist_ok=True)
         config = adapter_of(model_cfg)[1].config_to_hf(model_cfg)
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        sizes = {k: math.prod(t.shape) * _itemsize(saved, t) for k, t in tensors.items()}
+        sizes = {k: t.elements * _itemsize(saved, t) for k, t in tensors.items()}
         files = write_shards(
             shard_plan(sizes, max_shard_bytes),
             lambda key: np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored))),
