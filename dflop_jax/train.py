@@ -87,7 +87,7 @@ def run(cfg, console=None, clock=time.perf_counter):
     from dflop_jax.data import load_tokenizer
     from dflop_jax.runtime.device import attention_hint
     from dflop_jax.runtime.trainer import prepare_run_dir, train
-    from dflop_jax.train_plan import resolve_plan, with_plan_remat
+    from dflop_jax.train_plan import attention_impl, resolve_plan, with_plan_remat
 
     cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
     prepare_run_dir(cfg)
@@ -99,7 +99,9 @@ def run(cfg, console=None, clock=time.perf_counter):
         compute_dtype=cfg.compute_dtype,
         pixel_norm=(cfg.data.mean, cfg.data.std),
     )
-    hint = attention_hint(cfg.model.attention_impl)
+    hint = attention_hint(
+        attention_impl(model_cfg)
+    )  # the resolved kernel ("auto": never xla on a GPU)
     if hint:
         logging.getLogger(__name__).warning(hint)
     plan = resolve_plan(cfg, model_cfg)
