@@ -90,7 +90,7 @@ def run(cfg, console=None, clock=time.perf_counter):
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.runtime.device import attention_hint
     from dflop_jax.runtime.trainer import prepare_run_dir, train
-    from dflop_jax.train_plan import resolve_plan, with_plan_remat
+    from dflop_jax.train_plan import attention_impl, resolve_plan, with_plan_remat
 
     cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
     vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
@@ -102,7 +102,9 @@ def run(cfg, console=None, clock=time.perf_counter):
         pixel_norm=(cfg.data.mean, cfg.data.std),
     )
     prepare_run_dir(cfg, model_cfg)  # config.yaml records the model's sizes (hf_dir's, arch's)
-    hint = attention_hint(cfg.model.attention_impl)
+    hint = attention_hint(
+        attention_impl(model_cfg)
+    )  # the resolved kernel (auto: never xla on a GPU)
     if hint:
         logging.getLogger(__name__).warning(hint)
     with progress_bar(jax.process_index() == 0) as progress:

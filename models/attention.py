@@ -13,19 +13,16 @@
   - implementation "pallas": `models.pallas_attention.pallas_attention`, our flash kernels (Triton
     on GPU, Pallas interpret mode elsewhere) whose loops visit only the key blocks a query block's
     segments reach, so key blocks of other samples are never loaded; no mask is materialized.
-  - implementation "cudnn": `jax.nn.dot_product_attention(..., implementation="cudnn")` given the
-    segment mask plus `is_causal`. jax 0.10.2's public API has no segment / offset form for cuDNN:
-    `query_seq_lengths` / `key_value_seq_lengths` give ONE valid prefix per batch row, and cuDNN's
-    packed layout (`q_offsets` / `kv_offsets`) is reachable only through jax's private cuDNN
-    module `fused_attention_stablehlo` (public `query_seq_offsets` is the unmerged jax-ml/jax
-    PR 29731). The public path turns a boolean mask into an additive bias, so cuDNN
-    skips the causal upper triangle but still computes cross-sample tiles. jax refuses to even trace
-    the cuDNN path without cuDNN ("cuDNN is not detected"), so the CPU tests check that the same
-    arguments give our result through `jax.nn.dot_product_attention(..., implementation="xla")`;
-    the cuDNN test itself is marked `gpu`.
+  - implementation "cudnn": `models.cudnn_attention.cudnn_attention`, one cuDNN call per kind of
+    row and no dense mask: a row without segment ids (a vision tile) or, when the caller passes
+    `single_sample=True`, a row of one sample and its padding, through jax's public API with the
+    valid length per row; a packed row through cuDNN's packed layout (`models.cudnn_packed`, jax's
+    private module, Hopper and a verified jax), else through the Pallas kernels.
 A token attends only to tokens of its own segment (segment id 0 marks padding; padding tokens attend
 among themselves, so their output is finite and simply ignored by the loss) and, when causal, only to
 earlier-or-equal indices. Packed samples are contiguous in a row, so index order is position order.
+The "cudnn" paths differ only at padding positions (0 there, or attention within each run of
+padding), equally finite and ignored by the loss.
 """
 
 from __future__ import annotations
@@ -49,22 +46,6 @@ def attention_mask(segment_ids: jax.Array | None, length: int, causal: bool) -> 
         tri = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]  # [1,1,S,S]
         mask = tri if mask is None else mask & tri
     return mask
-
-
-def fused_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    segment_ids: jax.Array | None,
-    causal: bool,
-    implementation: str,
-) -> jax.Array:
-    """`jax.nn.dot_product_attention` with our masking semantics (segment mask + `is_causal`)."""
-    mask = attention_mask(segment_ids, q.shape[1], causal=False)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=causal, implementation=implementation
-    )
 
 
 # ---- dense path: every (query, key) pair, masked ----
@@ -318,6 +299,7 @@ def attention(
     segment_ids: jax.Array | None,
     causal: bool,
     implementation: str | None = None,
+    single_sample: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention with grouped KV heads.
 
@@ -326,7 +308,10 @@ def attention(
       segment_ids: [B,S] int (0 = padding) or None (one segment).
       causal: causal within each segment.
       implementation: "xla" / None (XLA path), "pallas" (our flash kernels) or "cudnn" (fused
-        GPU kernel).
+        GPU kernels, `models.cudnn_attention`).
+      single_sample: every row holds one sample (segment id 1) followed only by padding (id 0), as
+        the caller knows (the data is not inspected); "cudnn" then passes cuDNN the valid length
+        instead of packed segments. The other implementations ignore it.
 
     Returns:
       [B,S,H,Dh] in q.dtype.
@@ -338,9 +323,9 @@ def attention(
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     if implementation == "cudnn":
-        return fused_attention(
-            q, k, v, segment_ids=segment_ids, causal=causal, implementation="cudnn"
-        ).astype(q.dtype)
+        from models.cudnn_attention import cudnn_attention
+
+        return cudnn_attention(q, k, v, segment_ids, causal, single_sample).astype(q.dtype)
     if implementation == "pallas":
         from models.pallas_attention import pallas_attention
 

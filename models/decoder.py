@@ -69,8 +69,9 @@ class SelfAttention(nnx.Module):
         v = self._project(x, self.v_kernel, self.v_bias if bias else None, "act_kv_heads")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(
-            q, k, v, segment_ids=segment_ids, causal=True, implementation=self.cfg.attention_impl
-        )
+            q, k, v, segment_ids=segment_ids, causal=True,
+            implementation=self.cfg.attention_impl, single_sample=self.cfg.single_sample_rows,
+        )  # fmt: skip
         return jnp.einsum("bshk,hkd->bsd", o, self.o_kernel[...].astype(x.dtype))
 
 

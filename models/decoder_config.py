@@ -29,6 +29,11 @@ class DecoderConfig:
     remat: "none" | "full" (recompute every block) | "dots" (save matmul outputs, recompute the rest).
     loss_chunk: sequence positions whose vocabulary logits the loss computes at once
       (`models.loss.chunked_cross_entropy_sum`); the whole sequence when it is shorter.
+    attention_impl: `models.attention` implementation ("xla" / None, "pallas", "cudnn"); a run's
+      "auto" is resolved to one of these before the model is configured.
+    single_sample_rows: every row the model is given holds one sample followed only by padding
+      (a promise of whoever builds the rows; the data is not inspected): "cudnn" then runs cuDNN
+      with each row's valid length instead of its packed layout. False for packed rows.
     """
 
     vocab_size: int
@@ -49,6 +54,7 @@ class DecoderConfig:
     attention_impl: str | None = "xla"
     remat: str = "none"
     loss_chunk: int = 1024
+    single_sample_rows: bool = False
 
     def __post_init__(self):
         positive = (

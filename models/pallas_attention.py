@@ -17,6 +17,8 @@ log-sum-exp), dq (per query block), dk/dv (per key block and query head; the flo
 partials are summed over each kv group outside the kernel: one [B,S,H,Dh] float32 buffer each,
 which the memory model counts as transient). Rows are padded to a multiple of the block with a
 fresh segment id and the head dim to a power of two with zeros (no effect on logits or outputs).
+Compiled, the tile edge follows the head dim, row length and dtype (`gpu_block`: the shared-memory
+budget of a program's q, k and v tiles).
 
 `interpret=None` picks interpret mode unless the default backend is a GPU; `forced_mode` (a
 context manager) overrides it, which is how CPU tests lower the real Triton kernels for CUDA.
@@ -36,7 +38,9 @@ from jax.sharding import PartitionSpec as P
 from models.layers import auto_mesh_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
-BLOCK = 64  # tile edge on GPU: a [64, 128] q / k / v tile each fits shared memory at Dh 128
+GPU_BLOCKS = (128, 64, 32, 16)  # tile edges the compiled kernels choose from (`gpu_block`)
+SMEM_BUDGET = 96 * 1024  # bytes of one program's q tile and double-buffered k / v tiles
+NUM_STAGES = 2  # Triton software pipelining: loads of the next k / v tiles overlap the current
 INTERPRET_BLOCK = 128  # interpret mode pays per grid step, not per flop: fewer, bigger blocks
 _FORCED: list[bool] = []  # stack of interpret settings from `forced_mode`
 
@@ -59,11 +63,36 @@ def _interpret(interpret: bool | None) -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _compiler_params(head_dim: int):
-    """Triton launch settings (ignored in interpret mode)."""
+def head_width(head_dim: int) -> int:
+    """The head dim the kernels run at: a power of two >= 16 (Triton's tile sizes), zero-padded."""
+    return max(16, pl.next_power_of_2(head_dim))
+
+
+def gpu_block(head_dim: int, length: int, itemsize: int = 2) -> int:
+    """Tile edge (queries and keys alike) of the compiled kernels for rows of `length` tokens.
+
+    Why: a program holds in shared memory its query tile and `NUM_STAGES` buffers of its key and
+    value tiles, (block + 2 * NUM_STAGES * block) * W elements of `itemsize` bytes at the padded
+    head dim W (`head_width`). The largest of `GPU_BLOCKS` within `SMEM_BUDGET` is taken: a bigger
+    tile feeds the tensor cores longer per load and launches fewer programs, and 96 KiB leaves room
+    on an A100 (164 KiB a block) for the backward's extra do / dq tiles. bf16 gives 128 at W <= 64,
+    64 at W 128 (SigLIP's Dh 72 runs at W 128), 32 at W 256; float32 (parity runs) half those. The
+    tile never exceeds the row (rounded up to a power of two). Not yet timed on a GPU.
+    """
+    width = head_width(head_dim)
+    fits = [b for b in GPU_BLOCKS if (1 + 2 * NUM_STAGES) * b * width * itemsize <= SMEM_BUDGET]
+    block = fits[0] if fits else GPU_BLOCKS[-1]
+    return min(block, pl.next_power_of_2(max(16, length)))
+
+
+def _compiler_params(width: int, block: int):
+    """Triton launch settings (ignored in interpret mode): 8 warps from a [128, 64] tile up (more
+    threads for the f32 [block, block] logits and [block, W] accumulator), else 4."""
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    return plgpu.CompilerParams(
+        num_warps=8 if block * width >= 128 * 64 else 4, num_stages=NUM_STAGES
+    )
 
 
 # ---- block ranges from segment ids ----
@@ -250,7 +279,7 @@ def _specs(s, dh, block, group):
     )
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, dh, name):
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, dh, block, name):
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -258,7 +287,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, dh, name):
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(dh),
+        compiler_params=None if interpret else _compiler_params(dh, block),
         name=name,
     )
 
@@ -282,6 +311,7 @@ def _backward(causal, block, interpret, scale_dh, res, dout):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret,
         dh,
+        block,
         "packed_flash_dq",
     )(keys, seg, q, k, v, dout, lse, delta)
     per_head = jax.ShapeDtypeStruct(q.shape, jnp.float32)
@@ -294,6 +324,7 @@ def _backward(causal, block, interpret, scale_dh, res, dout):
         (per_head, per_head),
         interpret,
         dh,
+        block,
         "packed_flash_dkv",
     )(queries, seg, q, k, v, dout, lse, delta)
     dk, dv = (x.reshape(b, s, kvh, group, dh).sum(3).astype(k.dtype) for x in (dk, dv))
@@ -324,6 +355,7 @@ def _forward(q, k, v, seg, causal, block, interpret, scale_dh):
         (q, jax.ShapeDtypeStruct((b, h, s), jnp.float32)),
         interpret,
         dh,
+        block,
         "packed_flash_forward",
     )(keys, seg, q, k, v)
 
@@ -344,19 +376,20 @@ def pallas_attention(
     """q [B,S,H,Dh], k / v [B,S,K,Dh] (H % K == 0) -> [B,S,H,Dh] in q.dtype.
 
     `block` (a power of two >= 16, Triton's smallest dot) is the tile edge of queries and keys
-    alike; rows are padded to a multiple of it. Default: `BLOCK` compiled, `INTERPRET_BLOCK`
-    interpreted, or the row's length rounded up to a power of two when that is shorter."""
+    alike; rows are padded to a multiple of it. Default: `gpu_block` compiled (by head dim, row
+    length and dtype), `INTERPRET_BLOCK` interpreted, either at most the row's length rounded up
+    to a power of two."""
     interpret = _interpret(interpret)
-    if block is None:
-        block = min(
-            INTERPRET_BLOCK if interpret else BLOCK, pl.next_power_of_2(max(16, q.shape[1]))
-        )
+    if block is None and interpret:
+        block = min(INTERPRET_BLOCK, pl.next_power_of_2(max(16, q.shape[1])))
+    elif block is None:
+        block = gpu_block(q.shape[-1], q.shape[1], q.dtype.itemsize)
     if block < 16 or block & (block - 1):
         raise ValueError(f"pallas attention block={block} must be a power of two >= 16")
     b, s, h, dh = q.shape
     seg = jnp.ones((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     extra = -s % block
-    width = max(16, pl.next_power_of_2(dh))
+    width = head_width(dh)
     if extra or width != dh:
         widen = ((0, 0), (0, extra), (0, 0), (0, width - dh))
         q, k, v = (jnp.pad(x, widen) for x in (q, k, v))

@@ -8,7 +8,9 @@ layer i) is what a stage ending at layer k returns without its head.
 Parameter layouts and logical axes (see `dflop_jax/runtime/sharding.py`):
   patch_kernel [P*P*C, D] ("patch","embed") (HF conv weight [D,C,P,P] transposed to (py,px,c) rows);
   pos_embed [N(+1), D] ("pos","embed"); cls_token [D] ("embed");
-  q/k/v_kernel [D,H,Dh] ("embed","heads","head_dim"), biases [H,Dh]; o_kernel [H,Dh,D];
+  qkv_kernel [D,3,H,Dh] ("embed","qkv","heads","head_dim"): q, k and v in one matmul, heads kept
+  as their own axis so tensor parallelism splits heads (never the fused column); qkv_bias [3,H,Dh];
+  o_kernel [H,Dh,D];
   qk-norm scales [H,Dh] ("heads","head_dim") (RMSNorm over all heads, as InternViT-6B);
   fc1 [D,F] ("embed","mlp"), fc2 [F,D] ("mlp","embed"); norms [D] ("norm"); layer scales [D] ("layer_scale").
 """
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import attention
-from models.decoder_config import REMAT_MODES
+from models.decoder_config import ATTENTION_IMPLS, REMAT_MODES
 from models.layers import constrain, keyed_rngs, make_param, run_layers
 
 NORMS = ("layer_norm", "rms_norm")
@@ -84,6 +86,11 @@ class ViTConfig:
         _check(
             self.remat in REMAT_MODES,
             f"{type(self).__name__}.remat={self.remat!r}; use one of {REMAT_MODES}",
+        )
+        _check(
+            self.attention_impl in ATTENTION_IMPLS,
+            f"{type(self).__name__}.attention_impl={self.attention_impl!r}; use one of "
+            f"{ATTENTION_IMPLS}",
         )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
@@ -149,25 +156,30 @@ def gelu(x: jax.Array, act: str) -> jax.Array:
     return jax.nn.gelu(x, approximate=(act == "gelu_tanh"))
 
 
+def stacked_init(init, n: int):
+    """Initializer of a [D, n, ...] kernel as n independent draws of `init` over [D, ...]: the fused
+    q / k / v kernel keeps the distribution of three separate ones."""
+
+    def draw(key, shape, dtype):
+        assert shape[1] == n, (shape, n)
+        keys = jax.random.split(key, n)
+        return jnp.stack([init(k, (shape[0], *shape[2:]), dtype) for k in keys], axis=1)
+
+    return draw
+
+
 class ViTAttention(nnx.Module):
-    """Bidirectional multi-head self-attention with optional biases and qk RMSNorm."""
+    """Bidirectional multi-head self-attention with optional biases and qk RMSNorm; q, k and v come
+    from one fused projection."""
 
     def __init__(self, cfg: ViTConfig, rngs: nnx.Rngs):
         d, h, dh, pd = cfg.hidden_size, cfg.num_heads, cfg.head_dim, jnp.dtype(cfg.param_dtype)
         init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros
         self.cfg = cfg
-        for name in ("q", "k", "v"):
-            setattr(
-                self,
-                f"{name}_kernel",
-                make_param(rngs, init, (d, h, dh), ("embed", "heads", "head_dim"), pd),
-            )
-            if cfg.qkv_bias:
-                setattr(
-                    self,
-                    f"{name}_bias",
-                    make_param(rngs, zeros, (h, dh), ("heads", "head_dim"), pd),
-                )
+        axes = ("embed", "qkv", "heads", "head_dim")
+        self.qkv_kernel = make_param(rngs, stacked_init(init, 3), (d, 3, h, dh), axes, pd)
+        if cfg.qkv_bias:
+            self.qkv_bias = make_param(rngs, zeros, (3, h, dh), axes[1:], pd)
         self.o_kernel = make_param(rngs, init, (h, dh, d), ("heads", "head_dim", "embed"), pd)
         self.o_bias = make_param(rngs, zeros, (d,), ("embed",), pd)
         if cfg.qk_norm:
@@ -175,11 +187,12 @@ class ViTAttention(nnx.Module):
             self.q_norm = make_param(rngs, ones, (h, dh), ("heads", "head_dim"), pd)
             self.k_norm = make_param(rngs, ones, (h, dh), ("heads", "head_dim"), pd)
 
-    def _project(self, x, name):
-        y = jnp.einsum("tnd,dhk->tnhk", x, getattr(self, f"{name}_kernel")[...].astype(x.dtype))
+    def _project(self, x):
+        """x [T,N,D] -> q, k, v [T,N,H,Dh] from one matmul [T*N, D] x [D, 3*H*Dh]."""
+        y = jnp.einsum("tnd,dchk->tnchk", x, self.qkv_kernel[...].astype(x.dtype))  # [T,N,3,H,Dh]
         if self.cfg.qkv_bias:
-            y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
-        return y
+            y = y + self.qkv_bias[...].astype(x.dtype)
+        return y[:, :, 0], y[:, :, 1], y[:, :, 2]
 
     def _rms_all_heads(self, y, scale):
         """RMSNorm over the flattened heads (HF normalizes the [.., H*Dh] projection)."""
@@ -189,7 +202,7 @@ class ViTAttention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T,N,D] -> [T,N,D]."""
-        q, k, v = (self._project(x, n) for n in ("q", "k", "v"))
+        q, k, v = self._project(x)
         if self.cfg.qk_norm:
             q, k = self._rms_all_heads(q, self.q_norm), self._rms_all_heads(k, self.k_norm)
         q = constrain(q, ("batch", "length", "act_heads", "head_dim"))

@@ -57,9 +57,14 @@ By attention implementation (`attention_impl`, `models.attention`; `attention_tr
   "xla" and "pallas" keep per layer what a flash kernel keeps (above). Pallas's backward also holds,
   for the one layer it differentiates at a time, the per-query-head f32 dk / dv partials (summed over
   each kv group after the kernel) and the f32 row sums delta: (8 Dh + 4) H / tp per token. "cudnn"
-  gets our segment mask as a dense [1, 1, S, S] boolean and jax turns it into an additive bias in
-  the compute dtype (jax's public cuDNN API has no segment form): (1 + cb) S^2 per row of the stage
-  program, counted once (the layers' masks are one value; not measured: no GPU on the test hosts).
+  builds no mask. On packed LLM rows (`models.cudnn_packed`) cuDNN keeps its softmax statistics per
+  segment slot, [M, H, S] f32 per row for M = `cudnn_segment_bound(S)` slots: M - 1 more f32 per
+  head and token than a flash kernel, a per-layer residual like the rest; and the program also
+  holds the Pallas kernels for rows with more runs than M (a `lax.cond`, which keeps both branches'
+  residuals: Pallas's is the flash log-sum-exp already counted), so the transient is Pallas's. A vision tile's padding to 64 tokens (729 -> 768) is not counted (5% of q, k, v for one
+  layer). The "cudnn" figures are reasoned from jax's source, not measured (no GPU has run them).
+  The encoder stage prices the decoder's implementation (the provider holds one): Pallas's partials
+  where the vision tower runs cuDNN beside a Pallas decoder, an overstatement.
 Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
 gradient accumulator and no optimizer state, and the program holds only a weight copy (no weight
 gradient), in the dtype the backend's dots read (`dot_bytes`). On an accelerator that is the compute
@@ -106,7 +111,8 @@ ATTENTION_IMPLS = (
     "xla",
     "pallas",
     "cudnn",
-)  # models.attention.IMPLEMENTATIONS (costs import no JAX)
+)  # models.attention.IMPLEMENTATIONS, concrete ("auto" is resolved first; costs import no JAX)
+CUDNN_SEGMENT_TOKENS, CUDNN_MAX_SEGMENTS = 256, 64  # models.cudnn_packed.segment_bound's constants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,16 +227,26 @@ def dense_attention_bytes(
     return heads / tp * length**2 * per_pair
 
 
+def cudnn_segment_bound(length: int) -> int:
+    """Segment slots of cuDNN's packed call on rows of `length` tokens (`models.cudnn_packed`)."""
+    return max(2, min(CUDNN_MAX_SEGMENTS, length // CUDNN_SEGMENT_TOKENS))
+
+
+def cudnn_stats_bytes_per_token(heads: int, length: int, tp: int) -> float:
+    """Per-layer residual bytes per token cuDNN's packed path keeps beyond a flash kernel's
+    log-sum-exp: its f32 statistics per segment slot (module docstring)."""
+    return (cudnn_segment_bound(length) - 1) * F32 * heads / tp
+
+
 def attention_transient_bytes(
     impl: str, heads: int, dh: int, length: int, tp: int, backward: bool, compute_bytes: int = 2
 ) -> float:
     """Bytes a stage program holds beyond the flash residuals for one packed row of `length` tokens
-    with attention implementation `impl` (module docstring)."""
+    with attention implementation `impl` (module docstring): the Pallas backward's partials, which
+    a "cudnn" program holds too (its fallback for rows of many samples)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}: use one of {ATTENTION_IMPLS}")
-    if impl == "cudnn":
-        return float(length**2 * (1 + compute_bytes))
-    if impl == "pallas" and backward:
+    if impl in ("pallas", "cudnn") and backward:
         return heads / tp * length * (2 * F32 * dh + F32)
     return 0.0
 
@@ -431,7 +447,7 @@ def encoder_stage_memory(
     if saves and layers:
         held = _held(stage.num_layers, tokens, kept, full, remat, n_layer * cb)
         temp += _workspace(tokens, full, remat) if stage.num_layers else 0.0
-    if stage.num_layers and attention_impl == "pallas":  # per tile: no mask, so no cuDNN bias
+    if stage.num_layers and attention_impl == "pallas":  # cuDNN on tiles: a flash kernel's lse
         temp += tiles * attention_transient_bytes(
             attention_impl, v.num_heads, v.dh, v.seq_len, tp, not forward, cb
         )
@@ -488,6 +504,8 @@ def llm_stage_memory(
     full = llm_activation_bytes_per_token(m, tp, False, cb)
     if not flash_attention:
         full += dense_attention_bytes(m.num_heads, tokens, tp, True, cb) / tokens
+    if attention_impl == "cudnn":  # the packed path's statistics per segment slot
+        full += cudnn_stats_bytes_per_token(m.num_heads, tokens, tp)
     kept = _kept_per_token(m.hidden_size, _llm_dots_bytes_per_token(m, tp, cb), cb, remat)
     saves = residuals != "recompute" and not forward and not stage.has_head  # the head: fused
     held = 0.0

@@ -48,10 +48,12 @@ class ModelConfig:
         outputs). Training from a plan.yaml applies the plan's policy instead (`train_plan`); the
         planner's memory model assumes the same policy (`costs/memory.py`).
       attention_impl: the attention kernel of every layer (vision and decoder, also with `hf_dir`):
-        "xla" (portable), or an accelerator kernel `models/attention.py` offers (e.g. "cudnn").
-      vision_attention_impl: the vision tower's kernel where it differs ("": `attention_impl`).
-        cuDNN's fused attention refused SigLIP's 729-token tiles (jax 0.11.2 on an H200: "Unsupported
-        sequence length"), so a LLaVA-OV run on "cudnn" sets "pallas" here.
+        "auto" picks per device and part, once per process (`runtime.device.attention_kernels`:
+        "xla" off GPU; on Hopper or newer "cudnn", the decoder "pallas" where cuDNN's packed layout
+        is unusable; on older GPUs "pallas"), or one of "xla" (portable), "pallas" (our flash
+        kernels), "cudnn" (`models/cudnn_attention.py`). The model config carries the resolved names.
+      vision_attention_impl: the vision tower's kernel where it differs ("": `attention_impl`;
+        "auto" as above).
     """
 
     SHORTHAND = "arch"  # a bare string given for the section sets this key
@@ -73,7 +75,7 @@ class ModelConfig:
     init_seed: int = 0
     vision_remat: str = "none"
     llm_remat: str = "none"
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
     vision_attention_impl: str = ""
 
     def __post_init__(self):
@@ -84,7 +86,7 @@ class ModelConfig:
                     f"use one of {', '.join(list_archs())}")  # fmt: skip
             family = "internvl" if get_arch(self.arch).vision.class_token else "llava_ov"
             object.__setattr__(self, "kind", family)  # the architecture's family, not the default
-        impls = [i for i in ATTENTION_IMPLS if i]
+        impls = [*(i for i in ATTENTION_IMPLS if i), "auto"]
         require(self.attention_impl in impls, "model.attention_impl", self.attention_impl,
                 f"use one of {impls}")  # fmt: skip
         require(self.vision_attention_impl in ["", *impls], "model.vision_attention_impl",
@@ -151,6 +153,19 @@ class ModelConfig:
         kind = "internvl" if isinstance(model_cfg, InternVLConfig) else "llava_ov"
         return dataclasses.replace(self, kind=kind, **sizes)
 
+    def attention_kernels(self) -> tuple[str, str]:
+        """(vision, decoder) attention implementations with "auto" resolved for this process's
+        device (`runtime.device.local_attention_kernels`, asked only when "auto" is set)."""
+        vision = self.vision_attention_impl or self.attention_impl
+        llm = self.attention_impl
+        if "auto" in (vision, llm):
+            from dflop_jax.runtime.device import local_attention_kernels
+
+            auto = local_attention_kernels()
+            vision = auto.vision if vision == "auto" else vision
+            llm = auto.llm if llm == "auto" else llm
+        return vision, llm
+
     @property
     def source(self) -> int | str:
         """Where the params come from (`runtime.model_stages.ParamSource`): the HF directory, else
@@ -183,21 +198,20 @@ class ModelConfig:
         """
         from models.decoder_config import DecoderConfig
 
+        vision_impl, llm_impl = self.attention_kernels()
         if self.arch and not self.hf_dir:
             from dflop_jax.runtime.arch_model import model_config_for_arch
             from models.stages import with_attention, with_remat
 
             cfg = model_config_for_arch(self.arch, compute_dtype)
-            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl,
-                                 self.vision_attention_impl)  # fmt: skip
+            cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
             return _with_pixel_norm(cfg, pixel_norm)
         if self.hf_dir:
             from models.hf import load_config
             from models.stages import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
-            cfg = with_attention(with_remat(cfg, self.remat), self.attention_impl,
-                                 self.vision_attention_impl)  # fmt: skip
+            cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
             return _with_pixel_norm(cfg, pixel_norm)
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
@@ -210,7 +224,7 @@ class ModelConfig:
             dtype=compute_dtype,
             param_dtype="float32",
             remat=self.llm_remat,
-            attention_impl=self.attention_impl,
+            attention_impl=llm_impl,
         )
         vision = {
             "hidden_size": self.vision_hidden_size,
@@ -221,7 +235,7 @@ class ModelConfig:
             "patch_size": patch_size,
             "dtype": compute_dtype,
             "remat": self.vision_remat,
-            "attention_impl": self.vision_attention_impl or self.attention_impl,
+            "attention_impl": vision_impl,
         }
         if self.kind == "decoder":
             return dcfg

@@ -1,9 +1,15 @@
 """The accelerator a run is on, as the cost model and MFU see it: `DeviceConfig` resolved against the
-first local JAX device (its `device_kind` picks the preset, its runtime's `bytes_limit` the memory)."""
+first local JAX device (its `device_kind` picks the preset, its runtime's `bytes_limit` the memory),
+and the attention kernels `model.attention_impl: auto` picks for it (`attention_kernels`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from dflop_jax.costs.devices import DeviceConfig, DeviceSpec
+
+HOPPER = (9, 0)  # compute capability from which cuDNN's fast paths apply (packed layout included)
 
 
 def local_device_kind() -> tuple[str, float | None]:
@@ -25,17 +31,61 @@ def run_device(cfg: DeviceConfig) -> DeviceSpec:
     return cfg.resolve(*local_device_kind())
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionKernels:
+    """The concrete `models.attention` implementation of each part: the vision tower's and the
+    decoder's ("xla", "pallas" or "cudnn")."""
+
+    vision: str
+    llm: str
+
+
+def attention_kernels(
+    platform: str, compute_capability: str | None, jax_version: str
+) -> AttentionKernels:
+    """What `auto` runs on a backend, from its facts (`jax.devices()[0]`: platform, CUDA compute
+    capability such as "9.0"; `jax.__version__`).
+
+    Off GPU: "xla" (the only path that compiles there). On a GPU of compute capability >= 9.0
+    (Hopper and newer): "cudnn" for the vision tower (jax's public cuDNN call, one valid length per
+    tile) and for the decoder where cuDNN's packed layout is usable (`models.cudnn_packed`: a jax
+    whose private signature was verified), else "pallas" for the decoder. Older GPUs (A100) and GPUs
+    without a compute capability (ROCm): "pallas", our kernels. Never "xla" on a GPU.
+    """
+    from models.cudnn_packed import capability_tuple, unavailable_reason
+
+    if platform != "gpu":
+        return AttentionKernels("xla", "xla")
+    cc = capability_tuple(compute_capability)
+    if cc is None or cc < HOPPER:
+        return AttentionKernels("pallas", "pallas")
+    packed = unavailable_reason(platform, compute_capability, jax_version) is None
+    return AttentionKernels("cudnn", "cudnn" if packed else "pallas")
+
+
+@functools.cache
+def local_attention_kernels() -> AttentionKernels:
+    """`attention_kernels` of this process's first device and jax (resolved once per process)."""
+    import jax
+
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    return attention_kernels(dev.platform, cc, jax.__version__)
+
+
 # On one H200 (docs/benchmarks.md, GPU figures) the LLM stage of 4 Qwen2.5-7B layers at 8192 tokens
 # ran at 16% MFU with the XLA attention path, 40% with the Pallas kernels and 48% with cuDNN.
 _GPU_ATTENTION_HINT = (
     "model.attention_impl=xla on a GPU: the portable path, 2.5-3x slower per LLM stage step than "
-    "the GPU kernels on an H200; model.attention_impl=pallas runs the flash kernels for packed rows "
-    "(vision tower included), cudnn the fused kernel (docs/benchmarks.md, GPU figures)"
+    "the GPU kernels on an H200; model.attention_impl=auto (the default) picks a GPU kernel: "
+    "model.attention_impl=pallas, our flash kernels for packed rows, or cudnn, the fused kernels "
+    "(docs/benchmarks.md, GPU figures)"
 )
 
 
 def attention_hint(attention_impl: str) -> str | None:
-    """A line for a run on a GPU with the XLA attention path (`model.attention_impl`), else None."""
+    """A line for a run on a GPU whose decoder runs the XLA attention path (the resolved
+    `model.attention_impl`: set by hand, since "auto" never picks it on a GPU), else None."""
     import jax
 
     on_gpu = jax.local_devices()[0].platform == "gpu"

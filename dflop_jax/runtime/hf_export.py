@@ -76,6 +76,7 @@ class _Tensor:
     stored: tuple[str, ...]
     shape: tuple[int, ...]
     to_hf: object
+    elements: int  # of the HF tensor (a fused parameter's HF tensors are parts of it)
 
 
 def run_config(run_dir: Path) -> TrainConfig:
@@ -128,7 +129,8 @@ def hf_tensors(model_cfg) -> dict[str, _Tensor]:
     for module in modules:
         for path, value, tm in module_tensors(model_cfg, module):
             stored = (module, "params", *map(str, path), *suffix)
-            out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf))
+            elements = math.prod(jax.eval_shape(tm.to_hf, value).shape)
+            out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf, elements))
     return out
 
 
@@ -267,7 +269,7 @@ def export_run(
         if kept:
             config = _with_source_structure(config, read_config(cfg.model.hf_dir))
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        sizes = {k: math.prod(t.shape) * _itemsize(saved, t) for k, t in tensors.items()}
+        sizes = {k: t.elements * _itemsize(saved, t) for k, t in tensors.items()}
         sizes |= {k: source.get(key).nbytes for k, key in kept.items()}
 
         def get(key: str) -> np.ndarray:

@@ -231,7 +231,7 @@ class _Trainer:
         self.counter_start = self.counter.count if counter_start is None else counter_start
         meshes = stage_meshes(plan.layout)
         self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
-        _print_plan(console, plan, meshes)
+        _print_plan(console, plan, meshes, model_cfg)
         self.problem = plan.problem()
         # Enough data for a global batch, checked before any parameter is made (loading weights).
         records, held_out = _training_records(cfg, self.problem)
@@ -646,7 +646,7 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
     return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
 
-def _print_plan(console: Console, plan: ResolvedPlan, meshes) -> None:
+def _print_plan(console: Console, plan: ResolvedPlan, meshes, model_cfg) -> None:
     console.print("[bold]plan[/bold]")
     for i, (s, m) in enumerate(zip(plan.layout.stages, meshes)):
         ids = [d.id for d in m.devices.flat]
@@ -660,6 +660,10 @@ def _print_plan(console: Console, plan: ResolvedPlan, meshes) -> None:
         f"microbatches={plan.microbatches} residuals={list(plan.residuals or ['recompute'])}",
         highlight=False,
     )
+    vision = getattr(model_cfg, "vision", None)  # the kernels the model runs ("auto" resolved)
+    kernels = f"vision={vision.attention_impl or 'xla'} " if vision is not None else ""
+    llm = getattr(model_cfg, "text", model_cfg).attention_impl or "xla"
+    console.print(f"  attention: {kernels}llm={llm}", highlight=False)
 
 
 def _fmt(v) -> str:

@@ -21,11 +21,14 @@ from models.hf.io import (
     CheckpointReader,
     ModelAdapter,
     NameMap,
+    StackedMap,
     TensorMap,
     export_tensors,
+    hf_keys,
     load_state,
     read_config,
     shard_plan,
+    tensor_maps,
     write_safetensors,
     write_shards,
 )
@@ -150,9 +153,10 @@ def adapter_of(config, model_type: str | None = None) -> tuple[str, ModelAdapter
 
 
 def module_tensors(config, module: str) -> list[tuple[tuple, jax.ShapeDtypeStruct, TensorMap]]:
-    """(state path, abstract value, TensorMap) of every parameter of the stage that holds ALL of
-    `module` ("encoder" or "llm"; paths from the stage's root, as `load_stage` maps them): what a
-    layout-independent export reads, one tensor at a time."""
+    """(state path, abstract value, TensorMap) per HF tensor of every parameter of the stage that
+    holds ALL of `module` ("encoder" or "llm"; paths from the stage's root, as `load_stage` maps
+    them): what a layout-independent export reads, one tensor at a time. A fused parameter (a ViT's
+    q / k / v) gives one row per HF tensor, each `to_hf` taking the whole parameter."""
     model_type, adapter = adapter_of(config)
     if adapter.stage_name_map is None:
         raise CheckpointError(f"model_type={model_type!r} has no pipeline stages")
@@ -164,7 +168,8 @@ def module_tensors(config, module: str) -> list[tuple[tuple, jax.ShapeDtypeStruc
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         if path not in names:
             raise CheckpointError(f"{model_type}: parameter {path} has no HF name (adapter bug)")
-        out.append((path, jax.ShapeDtypeStruct(var.shape, var.dtype), names[path]))
+        value = jax.ShapeDtypeStruct(var.shape, var.dtype)
+        out.extend((path, value, tm) for tm in tensor_maps(names[path]))
     return out
 
 
@@ -238,11 +243,13 @@ __all__ = [
     "CheckpointReader",
     "ModelAdapter",
     "NameMap",
+    "StackedMap",
     "TensorMap",
     "adapter_for",
     "adapter_of",
     "decoder_name_map",
     "export_tensors",
+    "hf_keys",
     "load_config",
     "load_pretrained",
     "load_stage",
@@ -252,6 +259,7 @@ __all__ = [
     "read_config",
     "save_pretrained",
     "shard_plan",
+    "tensor_maps",
     "unread_tensors",
     "write_safetensors",
     "write_shards",

@@ -5,7 +5,7 @@ InternViT + pixel-shuffle projector + Qwen2 / Llama decoder), adapters for `mode
 HF vision keys (prefix "" in a vision-only save, "vision_tower." in the full model):
   embeddings.cls_token [1,1,D], embeddings.position_embeddings [1,N+1,D],
   embeddings.patch_embeddings.projection.{weight,bias}, encoder.layer.{i}.attention.{q,k,v}_proj
-  (+bias if attention_bias), .projection_layer, .q_norm/.k_norm (use_qk_norm), lambda_1/lambda_2,
+  (+bias if attention_bias; stacked into our fused qkv_kernel / qkv_bias), .projection_layer, .q_norm/.k_norm (use_qk_norm), lambda_1/lambda_2,
   layernorm_before/after, mlp.fc1/fc2; layernorm (only when use_mean_pooling is False).
 Full model: multi_modal_projector.{layer_norm,linear_1,linear_2}, language_model.model.* (decoder),
 lm_head.weight (absent when tied) — the layout transformers 5 `save_pretrained` writes.
@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from models.hf import llama, qwen2
 from models.hf.causal_lm import decoder_name_map
 from models.hf.io import CheckpointError, ModelAdapter, NameMap, TensorMap
-from models.hf.siglip import IGNORED_KEYS, heads_vec, linear_in, linear_out, patch_conv, transpose
+from models.hf.siglip import (
+    IGNORED_KEYS,
+    fused_qkv,
+    heads_vec,
+    linear_out,
+    patch_conv,
+    transpose,
+)
 from models.internvit import InternViTConfig
 from models.internvl import InternVL, InternVLConfig, internvl_config
 from models.vit import VisionTower, ViTConfig
@@ -104,14 +111,10 @@ def internvit_name_map(
         )
     for i in range(num_layers):
         k, p = f"{hf_prefix}encoder.layer.{first_layer + i}.", (*prefix, "layers", i)
-        for n in ("q", "k", "v"):
-            out[(*p, "attn", f"{n}_kernel")] = TensorMap(
-                f"{k}attention.{n}_proj.weight", **linear_in(d, h, dh)
-            )
-            if cfg.qkv_bias:
-                out[(*p, "attn", f"{n}_bias")] = TensorMap(
-                    f"{k}attention.{n}_proj.bias", **heads_vec(h, dh)
-                )
+        qkv, qkv_bias = fused_qkv(f"{k}attention.{{}}_proj", d, h, dh)
+        out[(*p, "attn", "qkv_kernel")] = qkv
+        if cfg.qkv_bias:
+            out[(*p, "attn", "qkv_bias")] = qkv_bias
         if cfg.qk_norm:
             out[(*p, "attn", "q_norm")] = TensorMap(
                 f"{k}attention.q_norm.weight", **heads_vec(h, dh)

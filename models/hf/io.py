@@ -5,7 +5,8 @@ A model family describes itself with a `ModelAdapter` (config conversion, module
 `models.hf.load_pretrained` dispatches on config.json `model_type` to one.
 
 Name map: our flat state path (e.g. ("stage", "layers", 0, "attn", "q_kernel")) -> `TensorMap` (HF key,
-HF->ours and ours->HF array transforms). Loading places every tensor with `jax.make_array_from_callback`
+HF->ours and ours->HF array transforms), or `StackedMap` (a fused parameter stacked from several HF
+tensors, e.g. a ViT's q / k / v projections). Loading places every tensor with `jax.make_array_from_callback`
 under its NamedSharding: the callback runs for this process's devices only and reads just the slice
 of the safetensors tensor that its shard needs (`models/hf/slices.py`), so a host never holds a whole
 tensor its devices do not keep whole. `CheckpointReader.bytes_read` counts what was read.
@@ -14,6 +15,7 @@ tensor its devices do not keep whole. `CheckpointReader.bytes_read` counts what 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -55,7 +57,39 @@ class TensorMap:
     to_hf: Callable[[np.ndarray], np.ndarray] = identity
 
 
-NameMap = dict[Path_, TensorMap]
+@dataclasses.dataclass(frozen=True)
+class StackedMap:
+    """One parameter stacked from several HF tensors along `axis` of our layout, e.g. a fused q / k / v
+    kernel [D, 3, H, Dh] from HF's q_proj, k_proj and v_proj: part i is `parts[i]` (its `to_ours`
+    gives our layout without `axis`) at index i of `axis`. Loading reads each part's slice alone."""
+
+    parts: tuple[TensorMap, ...]
+    axis: int
+
+
+NameMap = dict[Path_, TensorMap | StackedMap]
+
+
+def hf_keys(entry: TensorMap | StackedMap) -> tuple[str, ...]:
+    """The HF keys a name-map entry reads."""
+    return (
+        tuple(p.hf_key for p in entry.parts) if isinstance(entry, StackedMap) else (entry.hf_key,)
+    )
+
+
+def _take(to_hf: Callable, axis: int, index: int, value):
+    return to_hf(value.take(index, axis=axis))
+
+
+def tensor_maps(entry: TensorMap | StackedMap) -> list[TensorMap]:
+    """One `TensorMap` per HF tensor of an entry, each `to_hf` taking the WHOLE parameter (for a
+    stacked entry: its part's slice, then the part's `to_hf`; `to_ours` stays the part's)."""
+    if isinstance(entry, TensorMap):
+        return [entry]
+    return [
+        TensorMap(p.hf_key, p.to_ours, functools.partial(_take, p.to_hf, entry.axis, i))
+        for i, p in enumerate(entry.parts)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +253,7 @@ def _check_coverage(
     if unmapped:
         problems.append(_listing("model parameters without an HF name (adapter bug)", unmapped))
     available = set(reader.keys())
-    missing = [name_map[p].hf_key for p, _ in abs_flat if p in name_map]
+    missing = [k for p, _ in abs_flat if p in name_map for k in hf_keys(name_map[p])]
     missing = [k for k in missing if k not in available]
     if missing:
         problems.append(_listing("missing from checkpoint", missing))
@@ -230,13 +264,21 @@ def _check_coverage(
         problems.append(_listing("unsupported checkpoint keys", unsupported))
     mismatched = []
     for p, var in abs_flat:
-        tm = name_map.get(p)
-        if tm is None or tm.hf_key not in available:
+        entry = name_map.get(p)
+        if entry is None or not all(k in available for k in hf_keys(entry)):
             continue
-        hf_shape = reader.shape(tm.hf_key)
-        ours = jax.eval_shape(tm.to_ours, jax.ShapeDtypeStruct(hf_shape, jnp.float32)).shape
-        if tuple(ours) != tuple(var.shape):
-            mismatched.append(f"{tm.hf_key} {hf_shape} -> {tuple(ours)} != expected {var.shape}")
+        parts = entry.parts if isinstance(entry, StackedMap) else (entry,)
+        for tm in parts:
+            hf_shape = reader.shape(tm.hf_key)
+            ours = jax.eval_shape(tm.to_ours, jax.ShapeDtypeStruct(hf_shape, jnp.float32)).shape
+            want = tuple(var.shape)
+            if isinstance(entry, StackedMap):  # part i: the parameter without the stacked axis
+                want = want[: entry.axis] + want[entry.axis + 1 :]
+            if tuple(ours) != want:
+                mismatched.append(f"{tm.hf_key} {hf_shape} -> {tuple(ours)} != expected {want}")
+        if isinstance(entry, StackedMap) and var.shape[entry.axis] != len(parts):
+            mismatched.append(f"{p}: {len(parts)} HF tensors stacked into axis {entry.axis} of "
+                              f"{var.shape}")  # fmt: skip
     if mismatched:
         problems.append(_listing("shape mismatches", mismatched))
     if problems:
@@ -245,12 +287,20 @@ def _check_coverage(
         )
 
 
-def _load(reader: CheckpointReader, tm: TensorMap, var, sharding) -> jax.Array:
-    """One parameter: whole onto the default device, or each addressable shard read on its own."""
-    view = tm.to_ours(LazyView(reader.shape(tm.hf_key)))
+def _load(reader: CheckpointReader, entry: TensorMap | StackedMap, var, sharding) -> jax.Array:
+    """One parameter: whole onto the default device, or each addressable shard read on its own (a
+    stacked parameter: each part's slice of the shard from its own HF tensor)."""
+    parts = entry.parts if isinstance(entry, StackedMap) else (entry,)
+    views = [tm.to_ours(LazyView(reader.shape(tm.hf_key))) for tm in parts]
 
     def block(index) -> np.ndarray:
-        return reader.read(tm.hf_key, view, index_box(index, var.shape)).astype(var.dtype)
+        box = index_box(index, var.shape)
+        if isinstance(entry, TensorMap):
+            return reader.read(entry.hf_key, views[0], box).astype(var.dtype)
+        lo, hi = box[entry.axis]
+        rest = box[: entry.axis] + box[entry.axis + 1 :]
+        read = [reader.read(parts[i].hf_key, views[i], rest) for i in range(lo, hi)]
+        return np.stack(read, axis=entry.axis).astype(var.dtype)
 
     if sharding is None:
         return jnp.asarray(block(()))
@@ -285,7 +335,7 @@ def load_state(
             shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(abs_state, mesh)))
     abs_flat = list(nnx.to_flat_state(abs_state))
     if full_keys is None:
-        full_keys = [tm.hf_key for tm in name_map.values()]
+        full_keys = [k for entry in name_map.values() for k in hf_keys(entry)]
     _check_coverage(reader, abs_flat, name_map, ignored, full_keys)
     flat = []
     for path, var in abs_flat:
@@ -299,8 +349,10 @@ def export_tensors(module: nnx.Module, name_map: NameMap) -> Iterator[tuple[str,
     (e.g. tied copies) is emitted once."""
     seen = set()
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        tm = name_map[path]
-        if tm.hf_key in seen:
-            continue
-        seen.add(tm.hf_key)
-        yield tm.hf_key, np.asarray(tm.to_hf(np.asarray(jax.device_get(var[...]))))
+        value = None
+        for tm in tensor_maps(name_map[path]):
+            if tm.hf_key in seen:
+                continue
+            seen.add(tm.hf_key)
+            value = np.asarray(jax.device_get(var[...])) if value is None else value
+            yield tm.hf_key, np.asarray(tm.to_hf(value))

@@ -1,7 +1,9 @@
 """HF SigLIP vision weights <-> `models.vit.VisionStage` / `VisionTower`, and the `siglip_vision_model`
 and `siglip` adapters of `models.hf.load_pretrained`.
 
-Name maps follow `models/hf/io.py` (our state path -> `TensorMap(hf_key, to_ours, to_hf)`). Vision
+Name maps follow `models/hf/io.py` (our state path -> `TensorMap(hf_key, to_ours, to_hf)`; the fused
+q / k / v kernel and bias stack HF's three projections, `StackedMap`). The patch embedding is one
+matmul: HF's conv kernel [D, C, P, P] maps to our [P*P*C, D] (`patch_conv`). Vision
 keys are built with an HF prefix: "" for a transformers-5 `SiglipVisionModel` save, "vision_model."
 for a full `SiglipModel` (google/siglip-*), "vision_tower." inside LLaVA-OneVision. A `siglip`
 checkpoint's text tower, logit scale/bias and the vision pooling head are skipped (`IGNORED_KEYS`):
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from models.hf.io import ModelAdapter, NameMap, TensorMap
+from models.hf.io import ModelAdapter, NameMap, StackedMap, TensorMap
 from models.siglip import SiglipConfig
 from models.vit import VisionTower, ViTConfig
 
@@ -30,6 +32,14 @@ def linear_out(d: int, h: int, dh: int) -> dict:
 def heads_vec(h: int, dh: int) -> dict:
     """[H*Dh] <-> [H, Dh]."""
     return dict(to_ours=lambda b: b.reshape(h, dh), to_hf=lambda b: b.reshape(h * dh))
+
+
+def fused_qkv(keys: str, d: int, h: int, dh: int) -> tuple[StackedMap, StackedMap]:
+    """HF's separate q / k / v projections <-> our fused `qkv_kernel` [D, 3, H, Dh] and `qkv_bias`
+    [3, H, Dh]. `keys` holds "{}" where HF puts q / k / v (e.g. "l.0.self_attn.{}_proj")."""
+    kernel = [TensorMap(f"{keys.format(n)}.weight", **linear_in(d, h, dh)) for n in "qkv"]
+    bias = [TensorMap(f"{keys.format(n)}.bias", **heads_vec(h, dh)) for n in "qkv"]
+    return StackedMap(tuple(kernel), axis=1), StackedMap(tuple(bias), axis=0)
 
 
 def transpose() -> dict:
@@ -104,13 +114,8 @@ def siglip_name_map(
         out[(*prefix, "pos_embed")] = TensorMap(f"{hf_prefix}embeddings.position_embedding.weight")
     for i in range(num_layers):
         k, p = f"{hf_prefix}encoder.layers.{first_layer + i}.", (*prefix, "layers", i)
-        for n in ("q", "k", "v"):
-            out[(*p, "attn", f"{n}_kernel")] = TensorMap(
-                f"{k}self_attn.{n}_proj.weight", **linear_in(d, h, dh)
-            )
-            out[(*p, "attn", f"{n}_bias")] = TensorMap(
-                f"{k}self_attn.{n}_proj.bias", **heads_vec(h, dh)
-            )
+        qkv, qkv_bias = fused_qkv(f"{k}self_attn.{{}}_proj", d, h, dh)
+        out[(*p, "attn", "qkv_kernel")], out[(*p, "attn", "qkv_bias")] = qkv, qkv_bias
         out[(*p, "attn", "o_kernel")] = TensorMap(
             f"{k}self_attn.out_proj.weight", **linear_out(d, h, dh)
         )

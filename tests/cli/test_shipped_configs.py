@@ -32,7 +32,10 @@ def test_each_shipped_config_is_its_model_on_its_devices(stem, n):
     assert (model_cfg.text.hidden_size, model_cfg.text.num_layers) == (hidden, layers)
     assert model_cfg.vision.num_layers == vision_layers
     assert model_cfg.vision.image_size == cfg.data.tile_px
-    assert model_cfg.text.attention_impl == cfg.model.attention_impl
+    assert cfg.model.attention_impl == "auto"  # resolved per device: the model carries the result
+    assert (model_cfg.vision.attention_impl, model_cfg.text.attention_impl) == (
+        cfg.model.attention_kernels()
+    )
 
 
 # 64 simulated devices compiling a 7B model's stages at real sizes, at every bucket for the FLOPs: 12

@@ -1,7 +1,8 @@
-"""The memory model by attention implementation (costs/memory.py, `attention_transient_bytes`): cuDNN's
-dense [1, 1, S, S] mask and bias, (1 + cb) S^2 per row of an LLM stage program; Pallas's backward
-f32 dk / dv partials per query head and delta, (8 Dh + 4) H / tp per token, in a stage that runs a
-backward only; XLA adds nothing; the provider carries the implementation into its memory and name."""
+"""The memory model by attention implementation (costs/memory.py, `attention_transient_bytes`): Pallas's
+backward f32 dk / dv partials per query head and delta, (8 Dh + 4) H / tp per token, in a stage that
+runs a backward only; cuDNN's packed path its f32 statistics per segment slot (M - 1 more per head and
+token than a flash kernel) plus the Pallas fallback's partials; XLA adds nothing; the provider carries
+the implementation into its memory and name."""
 
 import dataclasses
 
@@ -20,13 +21,33 @@ def _temp(spec, bucket, impl, **kw):
     return stage_memory(ARCH, spec, bucket, remat="full", attention_impl=impl, **kw).temp
 
 
-@pytest.mark.parametrize("tokens", [4096, 8192])
-def test_cudnn_holds_the_dense_mask_and_its_bias(tokens):
+def _cudnn_extra(spec, tokens):
+    """What the cudnn LLM stage holds beyond xla under remat "full": one layer's statistics beyond
+    a flash kernel's, [M - 1, H / tp, S] f32 with M = models.cudnn_packed.segment_bound(S), and the
+    Pallas fallback's backward partials."""
+    from models.cudnn_packed import segment_bound
+
+    stats = (segment_bound(tokens) - 1) * 4 * ARCH.llm.num_heads / spec.tp * tokens
+    return stats + _temp(spec, tokens, "pallas") - _temp(spec, tokens, "xla")
+
+
+@pytest.mark.parametrize("tokens", [4096, 8192, 32768])
+def test_cudnn_holds_segment_statistics_and_the_pallas_fallback(tokens):
     extra = _temp(LLM, tokens, "cudnn") - _temp(LLM, tokens, "xla")
-    assert extra == tokens**2 * (1 + 2)  # bool mask + bf16 bias
-    # quadratic in the row: 4x the bytes at twice the tokens, whatever tp
+    assert extra == pytest.approx(_cudnn_extra(LLM, tokens))
     wide = dataclasses.replace(LLM, tp=1)
-    assert _temp(wide, tokens, "cudnn") - _temp(wide, tokens, "xla") == extra
+    assert _temp(wide, tokens, "cudnn") - _temp(wide, tokens, "xla") == pytest.approx(
+        _cudnn_extra(wide, tokens)
+    )
+
+
+def test_cost_model_restates_the_segment_bound_of_the_packed_path():
+    """costs/ imports no JAX, so it restates `models.cudnn_packed.segment_bound`: they agree."""
+    from dflop_jax.costs.memory import cudnn_segment_bound
+    from models.cudnn_packed import segment_bound
+
+    for length in (1, 255, 256, 511, 512, 4096, 8192, 13440, 16383, 16384, 32768, 1 << 20):
+        assert cudnn_segment_bound(length) == segment_bound(length), length
 
 
 def test_pallas_backward_holds_per_head_partials():
@@ -55,7 +76,9 @@ def test_provider_knows_the_implementation():
     xla = AnalyticCostProvider(ARCH, h100, remat=True)
     cudnn = AnalyticCostProvider(ARCH, h100, remat=True, attention_impl="cudnn")
     assert cudnn.name == xla.name + "+cudnn"
-    assert cudnn.stage_memory(LLM, 4096).temp - xla.stage_memory(LLM, 4096).temp == 3 * 4096**2
+    assert cudnn.stage_memory(LLM, 4096).temp - xla.stage_memory(LLM, 4096).temp == pytest.approx(
+        _cudnn_extra(LLM, 4096)
+    )
     assert cudnn.with_trainable(("projector",)).attention_impl == "cudnn"
     with pytest.raises(ValueError, match="attention_impl='flash': use one of"):
         AnalyticCostProvider(ARCH, h100, attention_impl="flash")

@@ -11,7 +11,15 @@ import pytest
 from models_fixtures import packed_segment_ids
 
 from models.attention import attention, attention_mask
-from models.pallas_attention import block_ranges, pallas_attention, visited_blocks
+from models.pallas_attention import (
+    NUM_STAGES,
+    SMEM_BUDGET,
+    block_ranges,
+    gpu_block,
+    head_width,
+    pallas_attention,
+    visited_blocks,
+)
 
 TOL = 2e-5  # float32 round-off of values and gradients of O(1) (both sides tile differently)
 
@@ -97,6 +105,22 @@ def test_block_ranges_hold_every_needed_block_and_only_those(causal):
     # blocks 1 (token 30's sample) and 2 only, not block 0.
     if causal:
         assert tuple(keys[2, 2]) == (1, 3)
+
+
+def test_gpu_block_by_head_dim_length_and_dtype():
+    """The compiled kernels' tile: the largest whose q tile and double-buffered k / v tiles fit the
+    shared-memory budget at the padded head dim (bf16: 128 up to Dh 64, 64 at Dh 72..128 (SigLIP's
+    72 runs at width 128), 32 at 256; float32 half), never longer than the row."""
+    assert [gpu_block(dh, 8192) for dh in (32, 64, 72, 128, 256)] == [128, 128, 64, 64, 32]
+    assert [gpu_block(dh, 8192, itemsize=4) for dh in (64, 72, 128, 256)] == [64, 32, 32, 16]
+    for dh in (32, 64, 72, 128, 256):
+        for itemsize in (2, 4):
+            block, width = gpu_block(dh, 8192, itemsize), head_width(dh)
+            tiles = (1 + 2 * NUM_STAGES) * width * itemsize  # bytes per tile row
+            assert block * tiles <= SMEM_BUDGET and (
+                block == 128 or 2 * block * tiles > SMEM_BUDGET
+            )
+    assert (gpu_block(64, 40), gpu_block(64, 10), gpu_block(128, 100)) == (64, 16, 64)
 
 
 def test_bad_block_is_refused():

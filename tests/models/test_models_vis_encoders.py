@@ -44,6 +44,7 @@ def test_siglip_vision_features_match_hf(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from models.hf import load_pretrained, save_pretrained
+    from models.hf.io import hf_keys
     from models.hf.siglip import siglip_name_map
 
     hf_cfg = transformers.SiglipVisionConfig(
@@ -78,7 +79,8 @@ def test_siglip_vision_features_match_hf(tmp_path):
     with torch.no_grad():
         again = back(torch.from_numpy(px)).last_hidden_state.numpy()
     np.testing.assert_array_equal(again, out.last_hidden_state.numpy())
-    assert len(siglip_name_map(cfg)) == len(ref.state_dict())
+    keys = [k for entry in siglip_name_map(cfg).values() for k in hf_keys(entry)]
+    assert sorted(keys) == sorted(ref.state_dict())
 
 
 @pytest.mark.hf
@@ -211,3 +213,26 @@ def test_dual_siglip_checkpoint_loads_vision_tower(tmp_path):
         want = ref.vision_model(torch.from_numpy(px)).last_hidden_state.numpy()
     got = nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(px.transpose(0, 2, 3, 1)))
     np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+
+
+def test_patch_embedding_matmul_equals_the_conv_it_replaces():
+    """The embedding's patchify + one matmul equals a stride-P "valid" conv with HF's kernel layout
+    [D, C, P, P] (what `patch_conv` maps; 30 px / 7 leaves 2 px unused, as SigLIP's 384 / 14 does)."""
+    from models.hf.siglip import patch_conv
+
+    cfg = SiglipConfig(hidden_size=8, intermediate_size=16, num_layers=0, num_heads=2,
+                       image_size=30, patch_size=7)  # fmt: skip
+    rng = np.random.default_rng(0)
+    conv_w = rng.standard_normal((8, 3, 7, 7)).astype(np.float32)
+    pixels = jnp.asarray(rng.standard_normal((2, 30, 30, 3)), jnp.float32)  # float: as given
+    stage = VisionStage(cfg, first_layer=0, num_layers=0, has_embedding=True, has_head=False,
+                        rngs=nnx.Rngs(0))  # fmt: skip
+    stage.patch_kernel.set_value(jnp.asarray(patch_conv(cfg)["to_ours"](conv_w)))
+    stage.pos_embed.set_value(jnp.zeros_like(stage.pos_embed[...]))
+    conv = jax.lax.conv_general_dilated(
+        pixels, jnp.asarray(conv_w), (7, 7), "VALID", dimension_numbers=("NHWC", "OIHW", "NHWC")
+    )  # [T, 4, 4, D]
+    got = np.asarray(stage.embed(pixels))  # sums of 147 products of O(1): f32 round-off, relative
+    np.testing.assert_allclose(got, conv.reshape(2, 16, 8), rtol=1e-5, atol=1e-5)
+    back = patch_conv(cfg)["to_hf"](patch_conv(cfg)["to_ours"](conv_w))
+    np.testing.assert_array_equal(back, conv_w)

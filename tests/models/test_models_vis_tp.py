@@ -67,6 +67,10 @@ def test_mllm_tensor_parallel_matches_single_device(reference, tp, overrides):
     sharded = nnx.merge(graphdef, state)
     fc1 = sharded.encoder.vision.layers[0].mlp.fc1[...]
     assert {s.data.shape[1] for s in fc1.addressable_shards} == {VISION.intermediate_size // tp}
+    # the fused q / k / v kernel [D, 3, H, Dh] splits its heads, each device all three of its heads'
+    qkv = sharded.encoder.vision.layers[0].attn.qkv_kernel[...]
+    d, h = VISION.hidden_size, VISION.num_heads
+    assert {s.data.shape for s in qkv.addressable_shards} == {(d, 3, h // tp, d // h)}
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         loss, grads = nnx.jit(nnx.value_and_grad(_loss))(sharded, *_batch())
     assert abs(float(loss) - ref_loss) <= TOL

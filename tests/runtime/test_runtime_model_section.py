@@ -18,11 +18,87 @@ def test_attention_impl_reaches_every_attention_layer(kind):
 
 @pytest.mark.parametrize("source", ["built", "arch"])
 def test_vision_attention_impl_sets_the_vision_tower_alone(source):
-    """The vision tower's kernel where it differs from the decoder's (cuDNN refuses SigLIP tiles)."""
+    """The vision tower's kernel where it differs from the decoder's."""
     keys = {"arch": "siglip-so400m+qwen2.5-7b"} if source == "arch" else {}
     cfg = ModelConfig(**keys, attention_impl="cudnn", vision_attention_impl="pallas")
     model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
     assert (model_cfg.text.attention_impl, model_cfg.vision.attention_impl) == ("cudnn", "pallas")
+
+
+# (platform, compute capability, jax) -> (vision, llm): CPU; H100 / H200 and Blackwell on a verified
+# jax; Hopper on a jax outside the verified range (old and new); A100; a GPU reporting no capability.
+AUTO_CASES = [
+    (("cpu", None, "0.10.2"), ("xla", "xla")),
+    (("gpu", "9.0", "0.10.2"), ("cudnn", "cudnn")),
+    (("gpu", "9.0", "0.11.1.dev20260808"), ("cudnn", "cudnn")),
+    (("gpu", "10.0", "0.11.0"), ("cudnn", "cudnn")),
+    (("gpu", "9.0", "0.9.2"), ("cudnn", "pallas")),
+    (("gpu", "9.0", "0.12.0"), ("cudnn", "pallas")),
+    (("gpu", "8.0", "0.10.2"), ("pallas", "pallas")),
+    (("gpu", None, "0.10.2"), ("pallas", "pallas")),
+]
+
+
+@pytest.mark.parametrize("facts, want", AUTO_CASES)
+def test_auto_resolves_per_device_and_part(facts, want):
+    from dflop_jax.runtime.device import attention_kernels
+
+    got = attention_kernels(*facts)
+    assert (got.vision, got.llm) == want
+    if facts[0] == "gpu":  # the XLA path is never auto's pick on a GPU (attention_hint's premise)
+        assert "xla" not in want
+
+
+def test_auto_is_the_default_and_resolves_to_xla_on_this_cpu():
+    cfg = ModelConfig()
+    assert cfg.attention_impl == "auto" and cfg.attention_kernels() == ("xla", "xla")
+    model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
+    assert (model_cfg.vision.attention_impl, model_cfg.text.attention_impl) == ("xla", "xla")
+
+
+@pytest.mark.parametrize("source", ["built", "arch", "decoder"])
+def test_the_model_config_carries_the_resolved_kernels(monkeypatch, source):
+    """What "auto" resolves to is what the model config (and so the memory model, cost table and
+    profiler hash) sees; a part set by hand keeps its kernel."""
+    from dflop_jax.runtime import device
+
+    monkeypatch.setattr(device, "local_attention_kernels",
+                        lambda: device.AttentionKernels("cudnn", "pallas"))  # fmt: skip
+    keys = {"arch": "siglip-so400m+qwen2.5-7b"} if source == "arch" else {}
+    keys |= {"kind": "decoder"} if source == "decoder" else {}
+    model_cfg = ModelConfig(**keys).model_config(100, tile_px=56, patch_size=14,
+                                                 compute_dtype="float32")  # fmt: skip
+    if source == "decoder":
+        assert model_cfg.attention_impl == "pallas"
+        return
+    assert (model_cfg.vision.attention_impl, model_cfg.text.attention_impl) == ("cudnn", "pallas")
+    by_hand = ModelConfig(**keys, vision_attention_impl="xla")
+    assert by_hand.attention_kernels() == ("xla", "pallas")
+    assert ModelConfig(
+        **keys, attention_impl="cudnn", vision_attention_impl="auto"
+    ).attention_kernels() == ("cudnn", "cudnn")
+
+
+def test_auto_asks_the_device_once_per_process(monkeypatch):
+    import types
+
+    import jax
+
+    from dflop_jax.runtime import device
+
+    asked = []
+
+    def devices():
+        asked.append(1)
+        return [types.SimpleNamespace(platform="gpu", compute_capability="8.0")]
+
+    device.local_attention_kernels.cache_clear()
+    monkeypatch.setattr(jax, "devices", devices)
+    try:
+        first, second = device.local_attention_kernels(), device.local_attention_kernels()
+    finally:
+        device.local_attention_kernels.cache_clear()
+    assert first == second == device.AttentionKernels("pallas", "pallas") and len(asked) == 1
 
 
 def test_a_bad_vision_attention_impl_is_one_config_error():
@@ -76,3 +152,29 @@ def test_an_arch_section_records_the_architectures_sizes():
     built = ModelConfig(kind="decoder")
     assert built.with_sizes_of(built.model_config(100, tile_px=56, patch_size=14,
                                                   compute_dtype="float32")) is built  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["llava_ov", "decoder"])
+def test_the_plan_print_names_the_kernels_the_model_runs(kind):
+    """`train`'s plan print has one line with the resolved kernels of each part."""
+    import types
+
+    import numpy as np
+    from rich.console import Console
+
+    from dflop_jax.costs.layout import StageSpec
+    from dflop_jax.runtime.trainer import _print_plan
+
+    cfg = ModelConfig(kind=kind, attention_impl="pallas", vision_attention_impl="cudnn")
+    model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
+    plan = types.SimpleNamespace(
+        layout=types.SimpleNamespace(stages=[StageSpec("llm", 0, 4, 1, 1, True, True)]),
+        buckets=types.SimpleNamespace(tiles=(2,), lengths=(64,)),
+        microbatches=(1, 2),
+        residuals=None,
+    )
+    meshes = [types.SimpleNamespace(devices=np.array([types.SimpleNamespace(id=0)]))]
+    console = Console(record=True, width=200)
+    _print_plan(console, plan, meshes, model_cfg)
+    want = "attention: vision=cudnn llm=pallas" if kind != "decoder" else "attention: llm=pallas"
+    assert want in console.export_text().splitlines()[-1]
