@@ -310,6 +310,8 @@ def attention_impls(info: dict, wanted=()) -> tuple[tuple[str, ...], dict[str, s
             )
             continue
         try:
+            if impl == "cudnn":  # its paths fall back to Pallas where cuDNN is absent: probe cuDNN
+                _probe_cudnn()
             attention_case(256, 2, (4, 2, 64), (impl,), 0, 1)
         except Exception as e:  # the probe's purpose: an implementation that cannot run here
             missing[impl] = (
@@ -318,6 +320,18 @@ def attention_impls(info: dict, wanted=()) -> tuple[tuple[str, ...], dict[str, s
             continue
         usable.append(impl)
     return tuple(usable), missing
+
+
+def _probe_cudnn() -> None:
+    """One bf16 forward and backward of jax's cuDNN attention (raises where cuDNN cannot run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.cudnn_attention import prefix_attention
+
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    loss = lambda q: prefix_attention(q, q, q, None, True).astype(jnp.float32).sum()
+    jax.block_until_ready(jax.grad(loss)(q))
 
 
 def attention_part(size: Size, info: dict, warmup: int, runs: int, wanted=()) -> dict:

@@ -187,9 +187,10 @@ def unread_tensors(config, keys: list[str]) -> dict[str, str]:
         flags = dict(first_layer=0, num_layers=module_layers(config, module),
                      has_embedding=True, has_head=True)  # fmt: skip
         ours = adapter.stage_name_map(config, [], module, **flags)
-        for path, tm in adapter.stage_name_map(config, keys, module, **flags).items():
-            read.add(tm.hf_key)
-            prefixes.add(_prefixes(tm.hf_key, ours[path].hf_key))
+        for path, entry in adapter.stage_name_map(config, keys, module, **flags).items():
+            for key, mine in zip(hf_keys(entry), hf_keys(ours[path])):  # a stacked entry: each part
+                read.add(key)
+                prefixes.add(_prefixes(key, mine))
     renames = sorted(((a, b) for a, b in prefixes if a and a != b), key=lambda ab: -len(ab[0]))
     tied = (config.text if hasattr(config, "text") else config).tie_embeddings
     out = {}

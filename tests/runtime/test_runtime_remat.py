@@ -50,9 +50,11 @@ def test_remat_keeps_loss_and_grads_and_shrinks_temporaries(module):
     for policy in ("full", "dots"):
         first_r, grads_r, temp_r = _train_step(policy, module)
         np.testing.assert_allclose(np.asarray(first_r), np.asarray(first), rtol=1e-6, atol=1e-7)
+        # float32 rounding grows through the layers' backward (recomputed forwards reassociate
+        # sums): each leaf is compared to 1e-6 of its own magnitude besides 1e-5 of each element
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                                                    atol=1e-7),
+                                                    atol=1e-6 * float(np.abs(b).max())),
             grads_r, grads,
         )  # fmt: skip
         assert temp_r < temp, f"{module} remat={policy}: temp {temp_r} >= {temp} without remat"
