@@ -66,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(cfg) -> int:
+    from dflop_jax.profiling.stage_report import SCALED
     from dflop_jax.train_plan import dry_run
 
-    for s in dry_run(cfg):
+    for s in dry_run(cfg, show=lambda line: print(line, flush=True)):
         print(f"stage {s['stage']} ({'+'.join(s['compiled']['parts'])}): predicted "
               f"{s['memory_gib']:.2f} GiB, compiled {s['compiled_memory_gib']:.2f} GiB, "
-              f"compile {s['compile_s']:.1f} s")  # fmt: skip
-    print(f"wrote {cfg.run_dir}/dry_run.yaml")
+              f"compile {s['compile_s']:.1f} s, {s['flops_forward']:.3g} + "
+              f"{s['flops_backward']:.3g} FLOPs per step's buckets")  # fmt: skip
+    print(f"wrote {cfg.run_dir}/dry_run.yaml (FLOPs {SCALED})")
     return 0
 
 

@@ -232,27 +232,34 @@ def sample_shapes(cfg: TrainConfig):
     return shapes
 
 
-def dry_run(cfg: TrainConfig) -> list[dict]:
-    """`python -m dflop_jax.train --dry-run`: resolve the run's plan and compile every stage program at
-    its largest buckets from abstract arrays (`profiling/compile_check.py`); nothing is materialized.
-    Writes `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds, the
-    residual policy and the training programs' FLOPs, `profiling/stage_report.py`; per transfer its
-    bytes per microbatch) and returns its stages."""
+def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
+    """`python -m dflop_jax.train --dry-run`: resolve the run's plan, `show` it (a line at a time,
+    before anything compiles), then compile each kind of stage program once at its largest buckets
+    from abstract arrays (`profiling/compile_check.py`); nothing is materialized. Writes
+    `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds, the residual
+    policy and the training programs' FLOPs summed over its buckets, compiled at the largest and
+    scaled to the others by the cost model, `profiling/stage_report.py`; per transfer its bytes per
+    microbatch) and returns its stages."""
     import jax.numpy as jnp
     import yaml
 
     from dflop_jax.planner.plan_file import check_to_dict
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.profiling.stage_report import stage_flops, transfer_bytes_per_microbatch
+    from dflop_jax.profiling.stage_report import SCALED, stage_flops, transfer_bytes_per_microbatch
 
     cfg = with_plan_remat(cfg)
     model_cfg = abstract_model_config(cfg)
-    resolved = resolve_plan(cfg, model_cfg)
+    multimodal = hasattr(model_cfg, "vision")
+    with progress_bar() as progress:
+        resolved = resolve_plan(cfg, model_cfg, progress)
+    show("plan:")
+    for line in resolved.describe(multimodal):
+        show(f"  {line}")
     dtype, trainable = jnp.dtype(cfg.compute_dtype), tuple(cfg.optimizer.trainable)
     with progress_bar() as progress:  # each compile takes minutes at real sizes
         checks = compile_stages(cfg, model_cfg, resolved, progress)
-        flops = stage_flops(resolved.layout, resolved.buckets, model_cfg, resolved.residuals,
-                            compute_dtype=dtype, trainable=trainable, progress=progress)  # fmt: skip
+    flops = stage_flops(resolved.layout, resolved.buckets, arch_of_model(model_cfg), checks,
+                        multimodal)  # fmt: skip
     stages = [
         {"stage": c.stage, "memory_gib": round(c.predicted / 2**30, 2),
          **check_to_dict(c, c.predicted), **f}
@@ -262,7 +269,8 @@ def dry_run(cfg: TrainConfig) -> list[dict]:
                                               trainable)  # fmt: skip
     out = Path(cfg.run_dir) / "dry_run.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump({"layout": stages, "transfers": transfers}, sort_keys=False))
+    report = {"flops": SCALED, "layout": stages, "transfers": transfers}
+    out.write_text(yaml.safe_dump(report, sort_keys=False))
     return stages
 
 

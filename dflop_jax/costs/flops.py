@@ -156,6 +156,19 @@ def llm_head_flops(llm: LLMArch, tokens: float) -> float:
     return 2.0 * tokens * llm.hidden_size * llm.vocab_size
 
 
+def stage_forward_flops(arch: MLLMArch, stage, bucket: int) -> float:
+    """Forward FLOPs of one data shard of a pipeline stage (`costs.layout.StageSpec`) at `bucket`:
+    tiles through an encoder stage's blocks, or one packed row of `bucket` tokens through an LLM
+    stage's (attention over S^2 / 2 causal pairs, as the analytic time prices it)."""
+    if stage.module == "encoder":
+        per_tile = stage.num_layers * vision_layer_flops(arch.vision)
+        per_tile += vision_embedding_flops(arch.vision) if stage.has_embedding else 0.0
+        per_tile += projector_flops_per_tile(arch) if stage.has_head else 0.0
+        return bucket * per_tile
+    body = stage.num_layers * llm_layer_flops(arch.llm, bucket, bucket * bucket / 2.0)
+    return body + (llm_head_flops(arch.llm, bucket) if stage.has_head else 0.0)
+
+
 def llm_flops(llm: LLMArch, segment_lengths: Sequence[int], include_head: bool = True) -> float:
     """Forward FLOPs of all decoder layers (+ LM head) over one packed row of the given segments."""
     tokens = float(sum(segment_lengths))

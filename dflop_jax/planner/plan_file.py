@@ -53,6 +53,9 @@ class StageCheck:
       policy: the residual policy the stage's programs were compiled under (what the run trains).
       predicted: the memory model's bytes for the stage under `policy` (0: not recorded; the plan's
         own prediction, made at "recompute", stands for it).
+      flops_forward, flops_backward: XLA's FLOP count of the compiled training programs at these
+        buckets (`profiling/compile_check.py`; the backward of the last stage: its fused program
+        minus its forward); 0: not recorded.
     """
 
     stage: int
@@ -68,6 +71,8 @@ class StageCheck:
     residuals: float = 0.0
     policy: str = "recompute"
     predicted: float = 0.0
+    flops_forward: float = 0.0
+    flops_backward: float = 0.0
 
     @property
     def total(self) -> float:
@@ -256,6 +261,8 @@ def check_to_dict(c: StageCheck, predicted: float) -> dict[str, Any]:
             **{k: float(getattr(c, k)) for k in _CHECK_TERMS},
             "in_flight": c.in_flight,
             "predicted": float(c.predicted),
+            "flops_forward": float(c.flops_forward),
+            "flops_backward": float(c.flops_backward),
         },
     }
 
@@ -272,6 +279,8 @@ def _check_from_dict(i: int, s: dict[str, Any]) -> StageCheck:
         compile_s=float(s["compile_s"]),
         policy=str(s.get("residuals", "recompute")),
         predicted=float(c.get("predicted", 0.0)),
+        flops_forward=float(c.get("flops_forward", 0.0)),
+        flops_backward=float(c.get("flops_backward", 0.0)),
     )
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
 from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_costs
+from dflop_jax.costs.compile import compile_cost
 from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.plan_file import Plan, load_plan, save_plan
 from dflop_jax.planner.search import make_plan
@@ -46,6 +48,25 @@ class ResolvedPlan:
             lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
             tiles_by_row=lay.tiles_by_row, row_align=lay.row_align,
         )  # fmt: skip
+
+    def describe(self, multimodal: bool, devices: list[list[int]] | None = None) -> list[str]:
+        """The plan for people, a line per stage (with its device ids when given), its buckets
+        (the sparse pairs' count where narrowed), microbatches and residual policies, and what
+        compiling it costs (`costs.compile.compile_cost` with the plan's provider)."""
+        lines = []
+        for i, s in enumerate(self.layout.stages):
+            where = f" devices={devices[i]}" if devices else ""
+            lines.append(f"stage {i}: {s.module} layers {s.first_layer}..{s.first_layer + s.num_layers - 1}"
+                         f" dp={s.dp} tp={s.tp} emb={s.has_embedding} head={s.has_head}{where}")  # fmt: skip
+        b = self.buckets
+        pairs = "" if b.grid else f" pairs={len(b.pairs)} of {len(b.tiles) * len(b.lengths)}"
+        lines.append(f"buckets tiles={b.tiles} lengths={b.lengths}{pairs} microbatches="
+                     f"{self.microbatches} residuals={list(self.residuals or ['recompute'])}")  # fmt: skip
+        trainable = getattr(self.provider, "trainable", TRAINABLE_PARTS)
+        cost = compile_cost(self.provider, self.layout, b, multimodal, trainable)
+        lines.append(f"compile: {cost.programs} programs before step 1, estimated "
+                     f"{cost.seconds:.0f}s ({self.provider.name})")  # fmt: skip
+        return lines
 
     def check_runnable(self, mode: str, multimodal: bool) -> ResolvedPlan:
         """Raises ValueError if the runtime cannot run this plan; returns it otherwise."""

@@ -88,6 +88,8 @@ class PartCheck:
     transient: float
     compile_s: float
     residuals: float = 0.0  # per microbatch, kept for the backward by a saving policy's forward
+    flops_forward: float = 0.0  # XLA's count of the training programs (`training_flops`)
+    flops_backward: float = 0.0
 
 
 def check_plan(
@@ -131,22 +133,40 @@ def check_layout(
     """`check_plan` of a layout at the largest of `buckets`, with each stage's 1F1B in-flight count
     and predicted bytes (a warning names the stages more than `DISAGREE` apart), under the recipe
     `trainable` and each stage's residual policy `residuals` (None: "recompute" everywhere).
-    `progress(phase, done, total)` after each stage's compile (minutes each at real sizes)."""
+    Stages alike but for their layer range (the middle stages of a deep pipeline) compile once:
+    their programs differ only in which layers' weights they hold. `progress(phase, done, total)`
+    after each compile (minutes each at real sizes)."""
     from dflop_jax.runtime.mesh import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
     policies = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
+    if len(policies) != layout.num_stages:
+        raise ValueError(f"residuals has {len(policies)} entries for {layout.num_stages} stages")
+    kinds = [_stage_kind(layout, i, policies[i]) for i in range(layout.num_stages)]
+    tiles, length = buckets.tiles[-1], buckets.lengths[-1]
+    compiled: dict[tuple, tuple[PartCheck, bool]] = {}
     out = []
-    for i, (part, prog) in enumerate(
-        stage_programs(layout, buckets, model_cfg, meshes, compute_dtype, trainable, residuals)
-    ):
-        held = in_flight_counts[i] if prog.bwd is not None else 1  # forward only: keeps no input
-        check = _stage_check(i, [compile_part(part, prog)], held)
-        out.append(dataclasses.replace(check, policy=policies[i], predicted=float(predicted[i])))
-        progress("memory check: compiling stage programs", i + 1, layout.num_stages)
+    for i, (mesh, policy, kind) in enumerate(zip(meshes, policies, kinds)):
+        if kind not in compiled:
+            part, prog = stage_program_at(layout, i, model_cfg, mesh, tiles, length,
+                                          compute_dtype, trainable, policy)  # fmt: skip
+            compiled[kind] = (compile_part(part, prog), prog.bwd is not None)
+            progress("memory check: compiling stage programs", len(compiled), len(set(kinds)))
+        check, trains = compiled[kind]
+        held = in_flight_counts[i] if trains else 1  # forward only: keeps no input
+        stage = _stage_check(i, [check], held)
+        out.append(dataclasses.replace(stage, policy=policy, predicted=float(predicted[i])))
     warn_disagreements(out, predicted)
     return out
+
+
+def _stage_kind(layout: Layout, index: int, policy: str) -> tuple:
+    """What a stage's compiled programs depend on: its spec but its first layer, its position (the
+    first LLM stage takes the features; the first stage of a colocated layout runs the encoder)
+    and its residual policy."""
+    spec = layout.stages[index]
+    return (dataclasses.replace(spec, first_layer=0), index == len(layout.encoder_stages), policy)
 
 
 def stage_programs(
@@ -262,18 +282,23 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
     if prog.jits is not None and prog.jits.forward_residuals is not None:
         return _compile_saving(part, prog)
     t0 = time.perf_counter()
+    args = (prog.params_abs, prog.x_abs, prog.side_abs)
     with jax.set_mesh(prog.mesh):
-        if prog.bwd is None:
-            compiled = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile()
-        else:
-            compiled = prog.bwd.lower(
-                prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs, prog.gacc_abs
-            ).compile()
+        forward = prog.fwd.lower(*args).compile()
+        if prog.bwd is not None:
+            compiled = prog.bwd.lower(*args, prog.seed_abs, prog.gacc_abs).compile()
     seconds = time.perf_counter() - t0
-    total = program_bytes(compiled)
+    compiled = forward if prog.bwd is None else compiled
+    total = program_bytes(compiled)  # the backward holds the memory
     params, grads, optimizer, inputs = _state_and_inputs(prog)
     transient = total - params - grads - inputs
-    return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds)
+    # the forward's count from its compiled program (an uncompiled lowering counts what XLA drops)
+    fwd = program_flops(forward)
+    bwd = 0.0 if prog.bwd is None else program_flops(compiled)
+    if prog.jits is not None and prog.bwd is prog.jits.last:  # fused: its forward share apart
+        bwd -= fwd
+    return PartCheck(part, total, params, grads, optimizer, inputs, transient, seconds,
+                     flops_forward=fwd, flops_backward=bwd)  # fmt: skip
 
 
 def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
@@ -288,7 +313,16 @@ def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     forward = program_bytes(fwd) - params - inputs - residuals  # y and temporaries
     backward = program_bytes(bwd) - params - grads - residuals  # dy, dx and temporaries
     return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,
-                     inputs, max(forward, backward), seconds, residuals)  # fmt: skip
+                     inputs, max(forward, backward), seconds, residuals, program_flops(fwd),
+                     program_flops(bwd))  # fmt: skip
+
+
+def program_flops(program) -> float:
+    """XLA's FLOP count of a lowered or compiled program (0 where the backend reports none)."""
+    cost = program.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
 
 
 def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:
@@ -339,6 +373,8 @@ def _stage_check(index: int, parts: list[PartCheck], in_flight: int) -> StageChe
         in_flight=in_flight,
         compile_s=sum(p.compile_s for p in parts),
         residuals=in_flight * sum(p.residuals for p in parts),
+        flops_forward=sum(p.flops_forward for p in parts),
+        flops_backward=sum(p.flops_backward for p in parts),
     )
 
 

@@ -1,14 +1,15 @@
 """Per-stage figures of the compiled training programs, for `python -m dflop_jax.train --dry-run`.
 
-    stage_flops(layout, buckets, model_cfg, residuals)   -> per stage flops_forward / flops_backward
+    stage_flops(layout, buckets, arch, checks)   -> per stage flops_forward / flops_backward
     transfer_bytes_per_microbatch(layout, buckets, model_cfg) -> per stage boundary, bytes moved
 
-FLOPs are XLA's cost analysis (`compiled.cost_analysis()["flops"]`) of the programs the trainer runs,
-built by the profiler's builder (`programs.stage_program`, hence `runtime.stages.stage_jits`) from
-abstract arrays, summed over every bucket of the plan the stage runs (tile buckets on encoder stages,
-length buckets on LLM stages, every (tiles, length) pair on a colocated stage). XLA
-counts a loop's body once whatever its trip count, in the forward and in the backward alike, so the
-two figures compare. What each figure is, per stage kind:
+FLOPs: XLA's cost analysis of the programs the trainer runs, compiled once per stage kind at the
+plan's largest buckets by the memory check (`compile_check.check_layout`: `StageCheck.flops_*`),
+scaled to every bucket signature the stage runs (`costs.compile.stage_buckets`: its tile buckets,
+its length buckets, or the pairs a stage seeing both runs) by the cost model's FLOP counts
+(`costs.flops.stage_forward_flops`), and summed: compiling every bucket only to count FLOPs would
+take the dry run of a real model hours. XLA counts a loop's body once whatever its trip count, in the
+forward and in the backward alike, so the two figures compare. What each figure is, per stage kind:
   inner stage, saving policy ("all", "layers"): the forward that returns the residuals, and the
     backward from them;
   inner stage, "recompute": the forward, and the backward that re-runs it under `jax.vjp`;
@@ -19,89 +20,47 @@ two figures compare. What each figure is, per stage kind:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.costs.compile import stage_buckets
+from dflop_jax.costs.flops import stage_forward_flops
 from dflop_jax.costs.layout import Layout
+from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
-from dflop_jax.profiling.programs import PartProgram
+from dflop_jax.planner.plan_file import StageCheck
 from dflop_jax.runtime.stages import boundary_shape
 
-
-def program_flops(compiled) -> float:
-    """XLA's FLOP count of a compiled program (0 where the backend reports none)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
-def training_flops(prog: PartProgram) -> tuple[float, float]:
-    """(forward, backward) FLOPs of the programs a stage trains with at `prog`'s shape (module
-    docstring)."""
-    from dflop_jax.profiling.programs import compile_residual_programs
-
-    jits = prog.jits
-    args = (prog.params_abs, prog.x_abs, prog.side_abs)
-    if jits.forward_residuals is not None:
-        fwd, bwd = compile_residual_programs(prog)
-        return program_flops(fwd), program_flops(bwd)
-    with jax.set_mesh(prog.mesh):
-        fwd = program_flops(jits.forward.lower(*args).compile())
-        if prog.bwd is None:
-            return fwd, 0.0
-        bwd = program_flops(prog.bwd.lower(*args, prog.seed_abs, prog.gacc_abs).compile())
-    return fwd, (bwd - fwd if prog.bwd is jits.last else bwd)
+SCALED = "compiled at the largest buckets, scaled to the others by the cost model's FLOP counts"
 
 
 def stage_flops(
-    layout: Layout,
-    buckets: BucketSet,
-    model_cfg,
-    residuals: Sequence[str],
-    devices: Sequence[jax.Device] | None = None,
-    compute_dtype=jnp.bfloat16,
-    trainable: Sequence[str] = TRAINABLE_PARTS,
-    progress: Callable[[str, int, int], None] = lambda *_: None,
+    layout: Layout, buckets: BucketSet, arch, checks: Sequence[StageCheck], multimodal: bool = True
 ) -> list[dict]:
-    """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the plan's buckets
-    (module docstring); `progress(phase, done, total)` after each bucket's programs compile."""
-    from dflop_jax.profiling.compile_check import _devices, colocated_stage_index, stage_program_at
-    from dflop_jax.runtime.mesh import stage_meshes
+    """Per stage: {"residuals", "flops_forward", "flops_backward"} summed over the bucket signatures
+    it runs (module docstring), from each stage's compiled counts at the largest buckets
+    (`checks`)."""
+    encoder = (
+        colocated_encoder_stage(arch, layout) if multimodal and not layout.encoder_stages else None
+    )
 
-    devices = _devices(layout.num_devices) if devices is None else list(devices)
-    meshes = stage_meshes(layout, devices)
-    coloc = colocated_stage_index(layout, model_cfg)
-    pairs = [
-        _stage_buckets(i == coloc, spec.module, buckets) for i, spec in enumerate(layout.stages)
-    ]
-    total, done = sum(map(len, pairs)), 0
+    def analytic(i: int, sig: tuple) -> float:
+        stage = layout.stages[i]
+        bucket = layout.encoder_tiles(sig[0]) if stage.module == "encoder" else sig[-1]
+        flops = stage_forward_flops(arch, stage, bucket)
+        if encoder is not None and i == 0:
+            flops += stage_forward_flops(arch, encoder, layout.encoder_tiles(sig[0]))
+        return flops
+
     out = []
-    for i, (mesh, policy, stage_pairs) in enumerate(zip(meshes, residuals, pairs)):
-        fwd = bwd = 0.0
-        for t, n in stage_pairs:
-            _, prog = stage_program_at(layout, i, model_cfg, mesh, t, n, compute_dtype, trainable,
-                                       policy)  # fmt: skip
-            f, b = training_flops(prog)
-            fwd, bwd = fwd + f, bwd + b
-            done += 1
-            progress("FLOPs: compiling training programs per bucket", done, total)
-        out.append({"residuals": policy, "flops_forward": fwd, "flops_backward": bwd})
+    for i, (sigs, check) in enumerate(zip(stage_buckets(layout, buckets, multimodal), checks)):
+        largest = analytic(i, sigs[-1])  # ascending: the largest tiles, length or pair is last
+        scale = sum(analytic(i, sig) for sig in sigs) / largest if largest else float(len(sigs))
+        out.append({"residuals": check.policy, "flops_forward": check.flops_forward * scale,
+                    "flops_backward": check.flops_backward * scale})  # fmt: skip
     return out
-
-
-def _stage_buckets(colocated: bool, module: str, buckets: BucketSet) -> list[tuple[int, int]]:
-    """The (tiles, length) buckets a stage runs: its tile buckets (encoder), its length buckets
-    (LLM), or every pair (the colocated stage)."""
-    tiles, lengths = buckets.tiles, buckets.lengths
-    if colocated:
-        return [(t, n) for t in tiles for n in lengths]
-    if module == "encoder":
-        return [(t, lengths[-1]) for t in tiles]
-    return [(tiles[-1], n) for n in lengths]
 
 
 def transfer_bytes_per_microbatch(

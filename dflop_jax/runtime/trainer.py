@@ -298,7 +298,7 @@ class _Trainer:
         loaded = self.counter.cache_hits - hits
         self.console.print(
             f"compiled {self.programs} programs ({done.stage_programs} stage and transfer programs "
-            f"for {done.pairs} bucket pairs, {done.step_programs} per-step"
+            f"for {done.pairs} bucket pair{'s' * (done.pairs != 1)}, {done.step_programs} per-step"
             f"{f'; {loaded} from the persistent cache' if loaded else ''}) in "
             f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
@@ -648,18 +648,9 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
 
 def _print_plan(console: Console, plan: ResolvedPlan, meshes, model_cfg) -> None:
     console.print("[bold]plan[/bold]")
-    for i, (s, m) in enumerate(zip(plan.layout.stages, meshes)):
-        ids = [d.id for d in m.devices.flat]
-        console.print(
-            f"  stage {i}: {s.module} layers {s.first_layer}..{s.first_layer + s.num_layers - 1}"
-            f" dp={s.dp} tp={s.tp} emb={s.has_embedding} head={s.has_head} devices={ids}",
-            highlight=False,
-        )
-    console.print(
-        f"  buckets tiles={plan.buckets.tiles} lengths={plan.buckets.lengths} "
-        f"microbatches={plan.microbatches} residuals={list(plan.residuals or ['recompute'])}",
-        highlight=False,
-    )
+    devices = [[d.id for d in m.devices.flat] for m in meshes]
+    for line in plan.describe(is_multimodal(model_cfg), devices):
+        console.print(f"  {line}", highlight=False)
     vision = getattr(model_cfg, "vision", None)  # the kernels the model runs ("auto" resolved)
     kernels = f"vision={vision.attention_impl or 'xla'} " if vision is not None else ""
     llm = getattr(model_cfg, "text", model_cfg).attention_impl or "xla"
