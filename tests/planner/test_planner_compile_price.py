@@ -1,0 +1,50 @@
+"""Compilation priced in the plan: a run's compile time (its programs, `costs/compile.py`) amortized
+over its steps joins the expected step time, so a short run takes a shorter bucket ladder than a long
+one on the same data; the plan records its programs, compile estimate and the ladders it compared,
+and narrows a stage seeing both buckets to the (tile, length) pairs its schedules use."""
+
+import dataclasses
+
+from dflop_jax.planner import PlannerConfig, load_plan, make_plan, save_plan
+from dflop_jax.scheduler import llava_ov_mix
+
+SPACE = PlannerConfig(tp=(1,), encoder_pp=(1,), llm_pp=(1,), microbatches=(4,), global_batch=32,
+                      samples=2, num_buckets=(1, 2, 3, 4, 6), colocate=True,
+                      encoder_stages=False)  # fmt: skip
+SHAPES = llava_ov_mix(400, 0)
+
+
+def _plan(steps: int):
+    return make_plan("tiny", "h100", 1, SHAPES, dataclasses.replace(SPACE, steps=steps))
+
+
+def _chosen(plan) -> dict:
+    (row,) = [r for r in plan.ladders if r["chosen"]]
+    return row
+
+
+def test_a_short_run_takes_a_shorter_ladder_than_a_long_one(tmp_path):
+    short, long = _plan(20), _plan(20000)
+    assert _chosen(short)["num_buckets"] < _chosen(long)["num_buckets"]
+    assert short.compile["programs"] < long.compile["programs"]
+    for plan in (short, long):
+        rows = plan.ladders
+        assert sorted(r["num_buckets"] for r in rows) == [1, 2, 3, 4, 6]  # every size compared
+        best = min(r["per_step_s"] for r in rows)
+        assert _chosen(plan)["per_step_s"] == best  # what the ranking minimized
+        for r in rows:  # step time plus the compile time per step of the run
+            steps = plan.compile["steps"]
+            assert abs(r["per_step_s"] - (r["step_time_s"] + r["compile_s"] / steps)) < 1e-3
+        # the colocated stage compiles per pair: only those the schedules used, the largest too
+        b = plan.buckets
+        assert b.top in b.allowed() and len(b.allowed()) == plan.compile["pairs"]
+    # more buckets pad less (the trade the compile time prices)
+    rows = sorted(long.ladders, key=lambda r: r["num_buckets"])
+    assert rows[-1]["padding_tokens"] < rows[0]["padding_tokens"]
+    back = load_plan(save_plan(long, tmp_path / "plan.yaml"))
+    assert (back.buckets, back.compile, back.ladders) == (long.buckets, long.compile, long.ladders)
+
+
+def test_an_unpriced_plan_keeps_the_grid_and_records_no_compile():
+    plan = _plan(0)
+    assert plan.buckets.grid and plan.compile == {} and plan.ladders == ()
