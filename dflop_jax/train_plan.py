@@ -72,15 +72,22 @@ def resolve_plan(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
 
 
 def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tuple[str, ...]:
-    """Each stage's residual policy: `cfg.residuals` for every stage, or under "auto" the one with
-    the least backward work that fits the plan device's usable memory (analytic memory model at the
-    plan's largest buckets and in-flight counts)."""
+    """Each stage's residual policy: `cfg.residuals` for every stage; under "auto" the plan's own
+    (the planner chose each with the layout: what its memory and times assume), or for a plan
+    that records none (an explicit layout) the one with the least backward work that fits the plan
+    device's usable memory (analytic memory model at the plan's largest buckets and in-flight
+    counts, the planner's rule)."""
     from dflop_jax.costs import residual_policies
     from dflop_jax.planner.scoring import in_flight
 
     lay = resolved.layout
     if cfg.residuals != "auto":
+        if resolved.residuals and set(resolved.residuals) != {cfg.residuals}:
+            log.warning("residuals=%s for every stage: the plan was made for %s", cfg.residuals,
+                        list(resolved.residuals))  # fmt: skip
         return (cfg.residuals,) * lay.num_stages
+    if resolved.residuals:
+        return tuple(resolved.residuals)
     device = run_device(cfg.device)
     analytic = AnalyticCostProvider(arch_of_model(model_cfg), device, remat=cfg.model.remat,
                                     trainable=tuple(cfg.optimizer.trainable))  # fmt: skip

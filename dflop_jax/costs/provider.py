@@ -228,6 +228,20 @@ class AnalyticCostProvider:
             head = self._encoder_time(StageSpec("encoder", 0, 0, stage.tp, has_head=True), bucket)
         return fwd, rule(role, fwd, bwd, *head)
 
+    def with_remat(self, remat: bool | Mapping[str, str]) -> AnalyticCostProvider:
+        """This provider with another layer remat (itself if the same)."""
+        policy = (
+            {m: remat_policy(remat) for m in ("vision", "llm")}
+            if isinstance(remat, bool)
+            else {m: remat_policy(remat[m]) for m in ("vision", "llm")}
+        )
+        if policy == self.policy:
+            return self
+        return AnalyticCostProvider(self.arch, self.device, remat=policy,
+                                    compute_bytes=self.compute_bytes,
+                                    flash_attention=self.flash_attention, trainable=self.trainable,
+                                    attention_impl=self.attention_impl)  # fmt: skip
+
     def with_trainable(self, trainable: tuple[str, ...]) -> AnalyticCostProvider:
         """This provider under another recipe (itself if the same)."""
         if tuple(trainable) == self.trainable:
@@ -324,15 +338,22 @@ def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list
     return [tiles if s.module == "encoder" else length_bucket for s in layout.stages]
 
 
-def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
+def layout_stage_costs(
+    provider: CostProvider, layout: Layout, residuals: Sequence[str] | None = None
+) -> StageCostFn:
     """(tile_bucket, length_bucket) -> [num_stages, 2] (fwd, bwd) seconds, stages in pipeline order.
 
     With no encoder stages, the encoder runs colocated on LLM stage 0 (one colocated program) and its
     cost at the tile bucket (`colocated_encoder_time`) is added to stage 0: the colocated stage is ONE
-    stage, as the runtime runs and times it. Results are memoized per bucket pair.
+    stage, as the runtime runs and times it. `residuals`: each stage's residual policy; a stage
+    whose backward runs its forward again ("layers", "recompute") costs it (`policy_provider`).
+    Results are memoized per bucket pair.
     """
     stages = layout.stages
+    policies = residuals or [None] * len(stages)
+    timers = [policy_provider(provider, s.module, r) for s, r in zip(stages, policies)]
     coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
+    encoder = policy_provider(provider, "encoder", policies[0])
     cache: dict[tuple[int, int], np.ndarray] = {}
 
     def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
@@ -340,15 +361,29 @@ def layout_stage_costs(provider: CostProvider, layout: Layout) -> StageCostFn:
         if key not in cache:
             buckets = _stage_buckets(layout, *key)
             out = np.array(
-                [provider.stage_time(s, b) for s, b in zip(stages, buckets)], dtype=np.float64
+                [t.stage_time(s, b) for t, s, b in zip(timers, stages, buckets)], dtype=np.float64
             )
             if coloc is not None:
-                out[0] += colocated_encoder_time(provider, coloc, layout.encoder_tiles(key[0]))
+                out[0] += colocated_encoder_time(encoder, coloc, layout.encoder_tiles(key[0]))
             out.setflags(write=False)
             cache[key] = out
         return cache[key]
 
     return costs
+
+
+def policy_provider(provider: CostProvider, module: str, residuals: str | None) -> CostProvider:
+    """The provider whose times are a stage's under residual policy `residuals`: an analytic
+    provider without layer remat for `module` prices "layers" and "recompute" as its layer-remat
+    twin (the backward runs the layers' forward again; "recompute" also re-runs the embedding and
+    head, left out); "all", None, and any other provider (a measured table times its own policy,
+    `ProfiledCostTable.residuals`) price themselves."""
+    if residuals in (None, "all") or not isinstance(provider, AnalyticCostProvider):
+        return provider
+    part = "vision" if module == "encoder" else "llm"
+    if provider.policy[part] != "none":
+        return provider
+    return provider.with_remat({**provider.policy, part: "full"})
 
 
 def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> bool:

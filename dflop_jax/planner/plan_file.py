@@ -115,6 +115,9 @@ class Plan:
       ladders: the chosen layout at each ladder size scored (buckets, pairs, programs, compile
         seconds, padding, step time, and step time plus compile per step, which the planner
         minimized), smallest first; why the ladder won.
+      residuals: each stage's residual policy (`contracts.cost_table.RESIDUAL_POLICIES`): what
+        its memory and times were planned under and what a run of the plan trains (`residuals:
+        auto`); () where the planner chose none (an interleaved baseline).
     """
 
     model: str
@@ -141,11 +144,16 @@ class Plan:
     inputs: dict = dataclasses.field(default_factory=dict)
     compile: dict = dataclasses.field(default_factory=dict)
     ladders: tuple[dict, ...] = ()
+    residuals: tuple[str, ...] = ()
 
     def __post_init__(self):
         if len(self.stage_memory_bytes) != self.layout.num_stages:
             raise ValueError(
                 f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for {self.layout.num_stages} stages"
+            )
+        if self.residuals and len(self.residuals) != self.layout.num_stages:
+            raise ValueError(
+                f"residuals has {len(self.residuals)} entries for {self.layout.num_stages} stages"
             )
         if self.checks and len(self.checks) != self.layout.num_stages:
             raise ValueError(
@@ -188,6 +196,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 "devices": s.num_devices,
                 "has_embedding": s.has_embedding,
                 "has_head": s.has_head,
+                **({"residuals": plan.residuals[i]} if plan.residuals else {}),
                 "memory_gib": round(mem / _GIB, 2),
             }
         )
@@ -386,4 +395,13 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         inputs=dict(d.get("inputs") or {}),
         compile=dict(d.get("compile") or {}),
         ladders=tuple(dict(row) for row in d.get("ladders") or ()),
+        residuals=_planned_residuals(d),
     )
+
+
+def _planned_residuals(d: dict[str, Any]) -> tuple[str, ...]:
+    """Each stage's residual policy (a check compiles the plan's, so its entry of the same name
+    agrees); () for a plan written before the planner chose them."""
+    if not all("residuals" in s for s in d["layout"]):
+        return ()
+    return tuple(str(s["residuals"]) for s in d["layout"])

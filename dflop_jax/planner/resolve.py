@@ -38,12 +38,16 @@ class ResolvedPlan:
 
     @classmethod
     def of(cls, plan: Plan, provider: CostProvider) -> ResolvedPlan:
-        return cls(plan.layout, plan.buckets, plan.microbatch_range, provider)
+        """The plan's layout, buckets, microbatch range and residual policies, priced by
+        `provider`."""
+        residuals = plan.residuals or None
+        return cls(plan.layout, plan.buckets, plan.microbatch_range, provider, residuals)
 
     def problem(self) -> ScheduleProblem:
-        """The scheduling problem of every global batch: dp degrees, buckets, predicted stage costs."""
+        """The scheduling problem of every global batch: dp degrees, buckets, predicted stage costs
+        (each stage's under its residual policy)."""
         lay = self.layout
-        costs = layout_stage_costs(self.provider, lay)
+        costs = layout_stage_costs(self.provider, lay, self.residuals)
         return ScheduleProblem(
             lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
             tiles_by_row=lay.tiles_by_row, row_align=lay.row_align,

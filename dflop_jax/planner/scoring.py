@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflop_jax.costs import layout_memory, layout_stage_costs, layout_transfer_costs
+from dflop_jax.costs import (
+    AnalyticCostProvider,
+    layout_memory,
+    layout_stage_costs,
+    layout_transfer_costs,
+    residual_policies,
+)
 from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.update import layout_update_times, norm_barrier_time
 from dflop_jax.planner.buckets import ShapeStats, bucket_set
@@ -47,11 +53,14 @@ class LayoutCosts:
     update: StepUpdate | None = None  # the per-step update after the pipeline (costs/update.py)
 
     @classmethod
-    def build(cls, provider, layout: Layout, chunks: int = 1) -> LayoutCosts:
+    def build(
+        cls, provider, layout: Layout, chunks: int = 1, residuals: Sequence[str] | None = None
+    ) -> LayoutCosts:
         """Transfers between virtual stages are costed as if the virtual stages sat on consecutive
         devices (the same stage sizes; the wrap-around from the last device group to the first is
         counted like any stage boundary). Every step pays the update after its pipeline: ZeRO-1
-        reduce-scatter, global-norm barrier, AdamW, all-gather (`costs/update.py`)."""
+        reduce-scatter, global-norm barrier, AdamW, all-gather (`costs/update.py`). Stage times are
+        those of each stage's residual policy (`residuals`, `costs.layout_stage_costs`)."""
         xfer = layout_transfer_costs(provider, layout)
         cache: dict[tuple[int, int], np.ndarray] = {}
 
@@ -63,7 +72,8 @@ class LayoutCosts:
         groups = layout_update_times(provider, layout, chunks)
         update = StepUpdate(tuple(r for r, _ in groups), tuple(a for _, a in groups),
                             norm_barrier_time(provider))  # fmt: skip
-        return cls(layout, layout_stage_costs(provider, layout), transfer, chunks, update)
+        stage = layout_stage_costs(provider, layout, residuals)
+        return cls(layout, stage, transfer, chunks, update)
 
     def simulate(self, times: np.ndarray, transfer, kind: str) -> SimResult:
         """`sim.simulate` of `times` [M, P, 2] under `kind`, interleaved when the layout has chunks.
@@ -112,15 +122,41 @@ def stage_in_flight(cand: Candidate, config: PlannerConfig) -> list[int]:
     return in_flight(cand.layout.num_stages, most, config.schedule)
 
 
+def stage_residuals(
+    provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig, usable: float
+) -> tuple[str, ...] | None:
+    """Each stage's residual policy, the one its run trains (`residuals: auto`): with analytic
+    costs the first of "all", "layers", "recompute" whose peak with its in-flight microbatches fits
+    `usable` bytes (`costs.residual_policies`, the runtime's own rule); a measured table's own
+    policy for every stage (its times and memory are that policy's); None for an interleaved
+    baseline, planned as "recompute"."""
+    if cand.chunks > 1:
+        return None
+    table = getattr(provider, "table", None)
+    if table is not None:
+        return (table.residuals,) * cand.layout.num_stages
+    if not isinstance(provider, AnalyticCostProvider):
+        return None
+    counts = stage_in_flight(cand, config)
+    return tuple(residual_policies(provider, cand.layout, buckets, counts, usable))
+
+
 def stage_memory_bytes(
-    provider, cand: Candidate, buckets: BucketSet, config: PlannerConfig
+    provider,
+    cand: Candidate,
+    buckets: BucketSet,
+    config: PlannerConfig,
+    residuals: Sequence[str] | None = None,
 ) -> list[float]:
     """Peak bytes per device of each stage at the largest buckets with its in-flight activations
-    (with chunks: per device group, see `interleaved_memory_bytes`)."""
+    under its residual policy (`stage_residuals`; with chunks: per device group, see
+    `interleaved_memory_bytes`)."""
     if cand.chunks > 1:
         return interleaved_memory_bytes(provider, cand, buckets, config)
     counts = stage_in_flight(cand, config)
-    return [m.total() for m in layout_memory(provider, cand.layout, buckets, counts)]
+    analytic = isinstance(provider, AnalyticCostProvider)  # a table's memory is its own policy's
+    policies = residuals if analytic else None
+    return [m.total() for m in layout_memory(provider, cand.layout, buckets, counts, policies)]
 
 
 def interleaved_memory_bytes(

@@ -71,6 +71,7 @@ from dflop_jax.planner.scoring import (
     screen_step_time,
     stage_in_flight,
     stage_memory_bytes,
+    stage_residuals,
     used_pairs,
 )
 from dflop_jax.planner.variants import ProviderVariants, can_vary
@@ -98,6 +99,7 @@ class Evaluated:
     provider: object = None  # the cost provider it was scored with (planner/variants.py)
     dominated: bool = False  # remat on where the same candidate fits with remat off (`_screen_all`)
     compile: CompileCost | None = None  # its programs and compile seconds (priced runs only)
+    residuals: tuple[str, ...] | None = None  # each stage's residual policy (`stage_residuals`)
 
     def compile_per_step(self, steps: int) -> float:
         """Its compile seconds amortized over the run's `steps` (0 when not priced)."""
@@ -218,6 +220,7 @@ def make_plan(
         planner_config=to_dict(config),
         compile=_compile_summary(best, config.steps),
         ladders=_ladders(best, ranked, config.steps),
+        residuals=best.residuals or (),
     )
 
 
@@ -296,12 +299,13 @@ def _evaluate(
 ) -> Evaluated:  # fmt: skip
     """`data`: (ShapeStats, ScreenBatch) of the shape distribution."""
     stats, typical = data
-    key = (cand.layout, cand.chunks, provider.name)
-    if key not in costs_of:
-        costs_of[key] = LayoutCosts.build(provider, cand.layout, cand.chunks)
-    costs = costs_of[key]
     buckets = candidate_buckets(cand, stats, config)
-    memory = stage_memory_bytes(provider, cand, buckets, config)
+    residuals = stage_residuals(provider, cand, buckets, config, usable)
+    key = (cand.layout, cand.chunks, provider.name, residuals)
+    if key not in costs_of:
+        costs_of[key] = LayoutCosts.build(provider, cand.layout, cand.chunks, residuals)
+    costs = costs_of[key]
+    memory = stage_memory_bytes(provider, cand, buckets, config, residuals)
     surrogate = mean_shape_surrogate(costs, cand, buckets, stats, config)
     fits = max(memory) <= usable and not dominated
     screen = screen_step_time(costs, cand, buckets, typical, config.schedule) if fits else math.inf
@@ -309,7 +313,8 @@ def _evaluate(
     multimodal = stats.max_tiles > 0  # a data set without tiles plans a decoder-only model
     compiled = _compile(provider, cand, screen_pairs(cand, buckets, typical), multimodal, config)
     return Evaluated(cand, buckets, costs, memory, screen, surrogate, provider=provider,
-                     dominated=dominated, compile=compiled if priced else None)  # fmt: skip
+                     dominated=dominated, compile=compiled if priced else None,
+                     residuals=residuals)  # fmt: skip
 
 
 def _compile(provider, cand: Candidate, buckets: BucketSet, multimodal: bool,

@@ -48,3 +48,29 @@ def test_a_short_run_takes_a_shorter_ladder_than_a_long_one(tmp_path):
 def test_an_unpriced_plan_keeps_the_grid_and_records_no_compile():
     plan = _plan(0)
     assert plan.buckets.grid and plan.compile == {} and plan.ladders == ()
+
+
+def test_the_plan_records_each_stages_residual_policy_and_plans_its_memory(tmp_path):
+    """The planner picks each stage's residual policy with the layout (the run's rule: the least
+    backward work that fits), plans its memory under it, records it, and a run of the plan trains
+    it (`train_plan.stage_residuals`)."""
+    from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
+    from dflop_jax.planner.resolve import ResolvedPlan
+    from dflop_jax.planner.scoring import in_flight
+    from dflop_jax.runtime.config import TrainConfig
+    from dflop_jax.train_plan import stage_residuals
+
+    space = dataclasses.replace(SPACE, encoder_stages=True, colocate=False, encoder_pp=(1,),
+                                llm_pp=(1, 2))  # fmt: skip
+    plan = make_plan("tiny", "h100", 3, SHAPES, space)
+    assert len(plan.residuals) == plan.layout.num_stages
+    assert set(plan.residuals) <= {"all", "layers", "recompute"}
+    provider = AnalyticCostProvider(get_arch("tiny"), get_device("h100"))
+    counts = in_flight(plan.layout.num_stages, plan.max_microbatches, plan.schedule)
+    want = layout_memory(provider, plan.layout, plan.buckets, counts, plan.residuals)
+    assert list(plan.stage_memory_bytes) == [m.total() for m in want]
+    back = load_plan(save_plan(plan, tmp_path / "plan.yaml"))
+    assert back.residuals == plan.residuals
+    resolved = ResolvedPlan.of(back, provider)
+    cfg = TrainConfig()  # residuals: auto
+    assert stage_residuals(cfg, None, resolved) == plan.residuals
