@@ -45,7 +45,10 @@ class PlannerConfig:
       steps: the run's optimizer steps: a candidate's compile time (its programs, `costs/compile.py`)
         is added to its expected step time amortized over them, so the ladder (and the sparse set
         of (tile, length) pairs a stage seeing both compiles) is chosen for the run's length. A
-        training run's planner takes the run's `steps`; 0 = compiling is not priced.
+        training run's planner takes the run's `steps` (unless `price_compile` is off); 0 =
+        compiling is not priced (the full grid of pairs).
+      price_compile: a training run's planner prices compiling over the run's steps (False: it
+        plans the full grid of (tile, length) pairs without pricing them).
       length_align: length buckets are multiples of this many tokens.
       memory_margin: fraction of device memory kept free (a layout must fit in (1 - margin) x capacity).
       samples: K global batches sampled from the shape distribution to score a candidate.
@@ -93,6 +96,7 @@ class PlannerConfig:
     microbatch_slack: float = 0.25
     num_buckets: tuple[int, ...] = (1, 2, 3, 4, 6)
     steps: int = 0
+    price_compile: bool = True
     length_align: int = 64
     memory_margin: float = 0.1
     samples: int = 4

@@ -109,6 +109,7 @@ def training_planner(
     trainer's."""
     trainable = planner.trainable if trainable is None else tuple(trainable)
     steps = planner.steps if steps is None else steps
+    steps = steps if planner.price_compile else 0
     # The run's drift schedule is no search setting: plans (and plan: auto's cache) ignore it.
     base = PlannerConfig()
     return dataclasses.replace(

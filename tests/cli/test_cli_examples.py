@@ -26,14 +26,14 @@ COMMANDS = [
     "dflop_jax.data.synth",
     "dflop_jax.bench",
 ]
-BENCHES = ["attention", "cluster", "colocated", "costmodel", "gpu", "loader", "loss", "multihost",
-           "scheduler", "step", "train", "zero1"]  # fmt: skip
+BENCHES = ["attention", "cluster", "colocated", "costmodel", "first_step", "gpu", "loader", "loss",
+           "multihost", "scheduler", "step", "train", "zero1"]  # fmt: skip
 FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
 COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
 FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
 # The benchmarks that have no small size: their examples take 5-15 minutes (the third tier, `long`).
-LONG_BENCHES = ["colocated", "costmodel"]
+LONG_BENCHES = ["colocated", "costmodel", "first_step"]
 # The benchmarks whose own test runs their example and checks the figures it writes
 # (tests/bench/test_bench_<name>.py).
 EXAMPLE_RUN_BY_OWN_TEST = ["train", "zero1"]
