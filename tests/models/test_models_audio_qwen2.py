@@ -213,3 +213,16 @@ def test_feature_index_counts_tokens_against_features():
     np.testing.assert_array_equal(idx, [[-1, 0, 1, -1], [4, -1, -1, -1]])
     with pytest.raises(ValueError, match="3 audio tokens but 4 audio features"):
         audio_feature_index(tokens, AUDIO, [2, 2], slots=4)
+
+
+def test_stage_exports_cover_the_checkpoint(checkpoint):
+    """`module_tensors` (the trainer's layout-free export) names every tensor of the checkpoint
+    once, and `unread_tensors` finds none the model skips."""
+    from models.hf import module_tensors, unread_tensors
+    from models.hf.io import CheckpointReader
+
+    path, _, _, cfg = checkpoint
+    keys = CheckpointReader(path).keys()
+    written = [tm.hf_key for m in ("encoder", "llm") for _, _, tm in module_tensors(cfg, m)]
+    assert sorted(written) == keys
+    assert unread_tensors(cfg, keys) == {}
