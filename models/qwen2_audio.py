@@ -67,7 +67,8 @@ class AudioProjector(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.dtype = dtype
         init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros
-        self.kernel = make_param(rngs, init, (d_in, d_out), ("embed_in", "embed"), param_dtype)
+        # Replicated (a small matrix; its input axis is the tower's width, its output the LLM's).
+        self.kernel = make_param(rngs, init, (d_in, d_out), (None, "embed"), param_dtype)
         self.bias = make_param(rngs, zeros, (d_out,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

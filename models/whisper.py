@@ -20,8 +20,8 @@ them) for at least the two frames the convolutions read past the last valid one.
 the head if last, as `models.vit.VisionStage` does for images.
 
 Parameter layouts and logical axes:
-  conv1_kernel [3, M, D] ("conv", "mel", "embed"), conv2_kernel [3, D, D] ("conv", "conv_in",
-  "embed") (HF Conv1d weight [out, in, 3] reversed); pos_embed [P, D] ("pos", "embed"), frozen as
+  conv1_kernel [3, M, D], conv2_kernel [3, D, D] (None, None, "embed"): replicated, being small (HF
+  Conv1d weight [out, in, 3] reversed); pos_embed [P, D] ("pos", "embed"), frozen as
   HF freezes it (its gradient is zero); qkv_kernel [D, 3, H, Dh]; qv_bias [2, H, Dh] (q and v; k has
   no bias); o_kernel [H, Dh, D]; fc1 [D, F], fc2 [F, D]; norms [D].
 """
@@ -212,9 +212,9 @@ class AudioStage(nnx.Module):
     def _init_embedding(self, cfg: WhisperEncoderConfig, rngs: nnx.Rngs) -> None:
         d, m, pd = cfg.hidden_size, cfg.num_mel_bins, jnp.dtype(cfg.param_dtype)
         init, zeros = nnx.initializers.lecun_normal(in_axis=(0, 1)), nnx.initializers.zeros
-        self.conv1_kernel = make_param(rngs, init, (3, m, d), ("conv", "mel", "embed"), pd)
+        self.conv1_kernel = make_param(rngs, init, (3, m, d), (None, None, "embed"), pd)
         self.conv1_bias = make_param(rngs, zeros, (d,), ("embed",), pd)
-        self.conv2_kernel = make_param(rngs, init, (3, d, d), ("conv", "conv_in", "embed"), pd)
+        self.conv2_kernel = make_param(rngs, init, (3, d, d), (None, None, "embed"), pd)
         self.conv2_bias = make_param(rngs, zeros, (d,), ("embed",), pd)
         pos = nnx.initializers.normal(0.02)
         self.pos_embed = make_param(rngs, pos, (cfg.max_source_positions, d), ("pos", "embed"), pd)
@@ -228,8 +228,8 @@ class AudioStage(nnx.Module):
                 f"audio features {features.shape}: want [B, F, {cfg.num_mel_bins}] with F a "
                 f"multiple of {cfg.frame_multiple} and at most {cfg.max_frames} (one 30 s window)"
             )
-        x = jax.nn.gelu(conv1d(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1),
-                        approximate=False)  # fmt: skip
+        x = conv1d(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1)
+        x = jax.nn.gelu(x, approximate=False)  # exact GELU after both convs, whatever cfg.act
         x = jax.nn.gelu(
             conv1d(x, self.conv2_kernel[...], self.conv2_bias[...], 2), approximate=False
         )

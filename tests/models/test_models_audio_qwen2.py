@@ -226,3 +226,23 @@ def test_stage_exports_cover_the_checkpoint(checkpoint):
     written = [tm.hf_key for m in ("encoder", "llm") for _, _, tm in module_tensors(cfg, m)]
     assert sorted(written) == keys
     assert unread_tensors(cfg, keys) == {}
+
+
+def test_load_onto_sharded_mesh(checkpoint):
+    import jax
+    from jax.sharding import Mesh
+
+    from dflop_jax.runtime.sharding import rules_for
+    from models.hf import load_pretrained
+
+    path, _, model, cfg = checkpoint
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    rules = rules_for("vision")
+    sharded, _ = load_pretrained(path, mesh=mesh, rules=rules)
+    fc1 = sharded.encoder.audio.layers[0].mlp.fc1[...]
+    assert {s.data.shape for s in fc1.addressable_shards} == {(32, 24)}  # "mlp" split over tp=2
+    x, _ = _inputs(VALID, seed=7)
+    tokens = _prompt(cfg, VALID)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        got = _ours(sharded, cfg, x, VALID, tokens)
+    np.testing.assert_allclose(got, _ours(model, cfg, x, VALID, tokens), atol=1e-5)

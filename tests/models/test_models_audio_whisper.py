@@ -86,14 +86,15 @@ def test_qwen2_audio_encoder_full_window_matches_hf(tmp_path):
 
 
 def _hf_masked(tower, x, valid):
-    """HF's encoder on features padded to the window, keys past each clip's conv outputs masked as
-    `Qwen2AudioModel.forward` builds the mask from `feature_attention_mask`."""
+    """HF's encoder on features [C, M, F] padded to the window, keys past each clip's conv outputs
+    masked as `Qwen2AudioModel.forward` builds the mask from `feature_attention_mask`."""
     import torch
     from transformers.masking_utils import create_bidirectional_mask
 
     conv, _ = tower._get_feat_extract_output_lengths(torch.as_tensor(valid))
-    keep = (torch.arange(FRAMES // 2)[None, :] < conv[:, None]).long()
-    dummy = torch.zeros(len(valid), FRAMES // 2, 1)
+    t = x.shape[2] // 2
+    keep = (torch.arange(t)[None, :] < conv[:, None]).long()
+    dummy = torch.zeros(len(valid), t, 1)
     mask = create_bidirectional_mask(config=tower.config, inputs_embeds=dummy, attention_mask=keep)
     with torch.no_grad():
         return tower(torch.from_numpy(x), attention_mask=mask).last_hidden_state.numpy()
@@ -107,7 +108,7 @@ def test_qwen2_audio_encoder_variable_length_matches_hf_masked(tmp_path):
     pytest.importorskip("transformers")
     tower, ours, cfg = _hf_qwen2_audio_encoder(tmp_path)
     x = _features(3, seed=2)
-    valid = np.array([9, 22, 40])
+    valid = np.array([9, 20, 40])
     want = _hf_masked(tower, x, valid)
     out_n = cfg.output_lengths(valid)
     assert list(out_n) == [2, 5, 10]
@@ -120,6 +121,48 @@ def test_qwen2_audio_encoder_variable_length_matches_hf_masked(tmp_path):
         np.testing.assert_allclose(short[0, : out_n[c]], want[c, : out_n[c]], atol=TOL)
     unmasked = _ours(ours, x[:1])  # the mask is what makes a short clip match
     assert np.abs(unmasked[0, : out_n[0]] - want[0, : out_n[0]]).max() > 1e-3
+    # ... and so do the two frames past the clip: cut at its 20 valid frames, the last valid conv
+    # output reads conv zero padding where HF reads frame 20
+    cut = _ours(ours, x[1:2, :, :20], [20])
+    assert np.abs(cut[0, : out_n[1]] - want[1, : out_n[1]]).max() > 1e-3
+
+
+@pytest.mark.hf
+def test_data_layer_features_give_hf_encoder_outputs(tmp_path):
+    """A 1.28 s clip end to end: HF's feature extractor (padded to 30 s) and its masked encoder,
+    against `dflop_jax.data.audio`'s 132 kept frames (128 valid) through ours (80 mel bins, a
+    1500-position table)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("av")
+    from models_fixtures import TINY_AUDIO_ENCODER, _randomize_all
+    from transformers.models.whisper import feature_extraction_whisper as fx
+
+    from dflop_jax.data.audio import audio_windows
+    from models.hf import load_pretrained
+
+    shape = {**TINY_AUDIO_ENCODER, "num_mel_bins": 80, "max_source_positions": 1500}
+    torch.manual_seed(0)
+    tower = transformers.Qwen2AudioEncoder(transformers.Qwen2AudioEncoderConfig(**shape)).eval()
+    _randomize_all(tower, 0)
+    tower.save_pretrained(tmp_path)
+    ours, cfg = load_pretrained(tmp_path)
+    t = np.arange(int(1.28 * 16000)) / 16000
+    clip = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.random.default_rng(0).standard_normal(
+        t.size
+    )
+    fe = transformers.WhisperFeatureExtractor(feature_size=80)
+    with pytest.MonkeyPatch.context() as mp:  # HF's float64 numpy path, as the data layer computes
+        mp.setattr(fx, "is_torch_available", lambda: False)
+        hf = fe(clip.astype(np.float32), sampling_rate=16000, return_attention_mask=True)
+    valid = int(np.sum(hf["attention_mask"]))
+    want = _hf_masked(tower, np.asarray(hf["input_features"], np.float32), [valid])
+    (window,) = audio_windows(clip.astype(np.float32), "clip", n_mels=80)
+    assert window.valid_frames == valid == 128 and window.features.shape == (132, 80)
+    got = np.asarray(run(ours, jnp.asarray(window.features[None]), jnp.asarray([valid])))
+    n = cfg.output_lengths(valid)
+    assert got.shape[1] == 33 and n == 32
+    np.testing.assert_allclose(got[0, :n], want[0, :n], atol=TOL)
 
 
 @pytest.mark.hf
