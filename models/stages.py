@@ -4,7 +4,8 @@
 
 A `DecoderConfig` gives `DecoderStage`s (module "llm" only); an MLLM config (LLaVA-OV, InternVL) gives
 `EncoderStage` ("encoder": vision layers, + patch embedding if first, + projector if last) or
-`LLMStage` ("llm"). Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
+`LLMStage` ("llm"); a Qwen2-Audio config `AudioEncoderStage` (audio layers, + conv embedding if
+first, + pool, norm and projector if last) or `LLMStage`. Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
 so `stage_module(cfg, ..., rngs=nnx.Rngs(s))` holds exactly the params that the whole model built with
 `nnx.Rngs(s)` holds for that range: a stage can be initialized alone, in its own sharding.
 """
@@ -18,6 +19,7 @@ from flax import nnx
 from models.decoder import DecoderStage
 from models.decoder_config import DecoderConfig
 from models.mllm import ColocatedStage, EncoderStage, LLMStage
+from models.qwen2_audio import AudioEncoderStage, Qwen2AudioConfig
 
 MODULES = ("encoder", "llm")
 # The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
@@ -56,9 +58,13 @@ def stage_module(
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
     if colocated:
-        if isinstance(cfg, DecoderConfig) or module != "llm" or not has_embedding:
+        if (
+            isinstance(cfg, DecoderConfig | Qwen2AudioConfig)
+            or module != "llm"
+            or not has_embedding
+        ):
             raise ValueError(
-                "colocated: only an MLLM's first LLM stage (module='llm', has_embedding) "
+                "colocated: only a vision MLLM's first LLM stage (module='llm', has_embedding) "
                 "can hold the encoder"
             )
         encoder = EncoderStage(cfg, first_layer=0, num_layers=cfg.vision.num_layers,
@@ -72,7 +78,8 @@ def stage_module(
         if module == "encoder":
             raise ValueError("a decoder-only model has no encoder stage; use module='llm'")
         return DecoderStage(cfg, **flags)
-    return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
+    encoder = AudioEncoderStage if isinstance(cfg, Qwen2AudioConfig) else EncoderStage
+    return (encoder if module == "encoder" else LLMStage)(cfg, **flags)
 
 
 def with_attention(model_cfg, implementation: str, vision: str | None = None):

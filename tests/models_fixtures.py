@@ -248,3 +248,58 @@ def packed_segment_ids(s: int, lengths) -> np.ndarray:
             sample += 1
         pos += abs(n)
     return ids
+
+
+# Tiny audio encoders: 16 mel bins, 20 positions (40 frames, a "0.4 s" window).
+TINY_AUDIO_ENCODER = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4,
+                          encoder_ffn_dim=48, d_model=32, max_source_positions=20)  # fmt: skip
+
+
+def _randomize_all(model, seed: int) -> None:
+    """Every parameter plus noise: HF's zero biases, unit norms and (Whisper) sinusoidal positions
+    would hide a mapping that swaps or drops them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def save_tiny_whisper(path: Path, *, seed: int = 0, encoder_only: bool = False) -> Path:
+    """Tiny random WhisperForConditionalGeneration (encoder + a 1-layer decoder; `encoder_only`: a
+    bare WhisperEncoder) saved to `path`."""
+    import torch
+    import transformers
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    cfg = transformers.WhisperConfig(
+        **TINY_AUDIO_ENCODER, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=48,
+        vocab_size=100, max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    cls = WhisperEncoder if encoder_only else transformers.WhisperForConditionalGeneration
+    model = cls(cfg)
+    _randomize_all(model, seed)
+    return _save(model, path)
+
+
+def save_tiny_qwen2_audio(path: Path, *, seed: int = 0, audio_token: int = 90, **text) -> Path:
+    """Tiny random Qwen2AudioForConditionalGeneration (the tiny audio encoder + a 2-layer Qwen2)
+    saved to `path`; `text` changes its Qwen2 config."""
+    import torch
+    import transformers
+
+    audio = transformers.Qwen2AudioEncoderConfig(**TINY_AUDIO_ENCODER)
+    text_cfg = transformers.Qwen2Config(**{
+        "vocab_size": 96, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False, **text,
+    })  # fmt: skip
+    cfg = transformers.Qwen2AudioConfig(
+        audio_config=audio.to_dict(), text_config=text_cfg.to_dict(), audio_token_index=audio_token
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2AudioForConditionalGeneration(cfg)
+    _randomize_all(model, seed)
+    return _save(model, path)

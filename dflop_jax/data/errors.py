@@ -9,7 +9,7 @@ except BadSample as e:
 from __future__ import annotations
 
 REASONS = (
-    "missing_file",  # an image/video/frame folder named by the record does not exist
+    "missing_file",  # an image/video/audio file or frame folder named by the record does not exist
     "corrupt_image",  # Pillow cannot read the header or the pixels (truncated, not an image)
     "unreadable_video",  # PyAV cannot open/decode it, or a frame folder is empty
     "invalid_json",  # a JSONL line (or a whole JSON file) does not parse, or a record is not an object
@@ -18,6 +18,9 @@ REASONS = (
     "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
     "bad_markers",  # `<image>` markers not matching the images (none: `image` empty), or in a non-user turn
     "corrupt_shard",  # a parquet row group or tar member that cannot be read (truncated, damaged)
+    "unreadable_audio",  # PyAV cannot open/decode it, or it holds no audio stream
+    "empty_audio",  # decodes to no samples, or too few for one encoder output
+    "audio_too_long",  # longer than the `max_seconds` the caller allows
 )
 
 

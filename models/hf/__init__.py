@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from models.hf import internvl, llama, llava_onevision, qwen2, siglip
+from models.hf import internvl, llama, llava_onevision, qwen2, qwen2_audio, siglip, whisper
 from models.hf.causal_lm import decoder_name_map
 from models.hf.io import (
     CheckpointError,
@@ -42,6 +42,9 @@ MODEL_TYPES: dict[str, ModelAdapter] = {
     "internvl_vision": internvl.VISION_ADAPTER,
     "internvl": internvl.ADAPTER,
     "llava_onevision": llava_onevision.ADAPTER,
+    "whisper": whisper.WHISPER_ADAPTER,
+    "qwen2_audio_encoder": whisper.QWEN2_AUDIO_ENCODER_ADAPTER,
+    "qwen2_audio": qwen2_audio.ADAPTER,
 }
 
 
@@ -81,10 +84,14 @@ def load_pretrained(
     reader = CheckpointReader(path)
     cfg = adapter.config_from_hf(hf_config, dtype or "float32", param_dtype or "float32")
     cfg = cfg if configure is None else configure(cfg)
+    if adapter.checkpoint_name_map is None:
+        names = adapter.name_map(cfg)
+    else:
+        names = adapter.checkpoint_name_map(cfg, reader.keys())
     model = load_state(
         reader,
         lambda: adapter.build(cfg, nnx.Rngs(0)),
-        adapter.name_map(cfg),
+        names,
         ignored=adapter.ignored_keys,
         mesh=mesh,
         rules=rules,
@@ -183,7 +190,7 @@ def unread_tensors(config, keys: list[str]) -> dict[str, str]:
     if adapter.stage_name_map is None:
         raise CheckpointError(f"model_type={model_type!r} has no pipeline stages")
     read, prefixes = set(), set()
-    for module in MODULES if hasattr(config, "vision") else ("llm",):
+    for module in MODULES if _encoder(config) is not None else ("llm",):
         flags = dict(first_layer=0, num_layers=module_layers(config, module),
                      has_embedding=True, has_head=True)  # fmt: skip
         ours = adapter.stage_name_map(config, [], module, **flags)
@@ -211,10 +218,16 @@ def _prefixes(source: str, ours: str) -> tuple[str, str]:
     return "".join(f"{x}." for x in a[: len(a) - n]), "".join(f"{x}." for x in b[: len(b) - n])
 
 
+def _encoder(config):
+    """The encoder config of an MLLM config (`vision` or `audio`); None for a decoder alone."""
+    return getattr(config, "vision", None) or getattr(config, "audio", None)
+
+
 def module_layers(config, module: str) -> int:
-    """Layers of `module` in `config` (vision layers for "encoder", decoder layers for "llm")."""
+    """Layers of `module` in `config` (vision or audio layers for "encoder", decoder layers for
+    "llm")."""
     if module == "encoder":
-        return config.vision.num_layers
+        return _encoder(config).num_layers
     return (config.text if hasattr(config, "text") else config).num_layers
 
 

@@ -105,6 +105,8 @@ class ModelAdapter:
     stage_name_map(config, checkpoint_keys, module, **flags) -> NameMap of `models.stages.stage_module(
       config, module, **flags)` (state paths from the stage's root); None for a model with no
       pipeline stages (a bare vision tower).
+    checkpoint_name_map(config, checkpoint_keys) -> NameMap in the key layout the checkpoint uses,
+      for a family whose checkpoints come in several (None: `name_map`, the export's layout).
     """
 
     config_from_hf: Callable[[dict, str, str], Any]
@@ -114,6 +116,7 @@ class ModelAdapter:
     matches: Callable[[Any], bool]
     ignored_keys: tuple[str, ...] = ()
     stage_name_map: Callable[..., NameMap] | None = None
+    checkpoint_name_map: Callable[[Any, list[str]], NameMap] | None = None
 
 
 def read_config(path: str | Path) -> dict:
