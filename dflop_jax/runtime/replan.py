@@ -35,20 +35,24 @@ def pick_digest(drift: Drift | None) -> int:
 
 
 def covering(new: BucketSet, old: BucketSet) -> BucketSet:
-    """`new`'s ladders, each topped with `old`'s largest bucket where that is larger."""
+    """`new`'s ladders, each topped with `old`'s largest bucket where that is larger; a sparse pair
+    set keeps its pairs and gains the new largest pair (the one anything fits)."""
 
     def top(ladder: tuple[int, ...], largest: int) -> tuple[int, ...]:
         return (*ladder, largest) if largest > ladder[-1] else tuple(ladder)
 
-    return BucketSet(top(new.tiles, max(old.tiles)), top(new.lengths, max(old.lengths)))
+    tiles, lengths = top(new.tiles, max(old.tiles)), top(new.lengths, max(old.lengths))
+    pairs = tuple(sorted({*new.pairs, (tiles[-1], lengths[-1])})) if new.pairs else ()
+    return BucketSet(tiles, lengths, pairs)
 
 
 def next_plan(drift: Drift, running: ResolvedPlan) -> ResolvedPlan:
-    """The plan to go on with: the drift's pick (its layout, microbatch range), covering buckets, the
-    running cost provider."""
+    """The plan to go on with: the drift's pick (its layout, microbatch range, residual policies),
+    covering buckets, the running cost provider."""
     plan = drift.best
     buckets = covering(plan.buckets, running.buckets)
-    return ResolvedPlan(plan.layout, buckets, plan.microbatch_range, running.provider)
+    residuals = plan.residuals or None
+    return ResolvedPlan(plan.layout, buckets, plan.microbatch_range, running.provider, residuals)
 
 
 def describe(drift: Drift, old: RunningPlan | ResolvedPlan, new: ResolvedPlan, step: int) -> str:

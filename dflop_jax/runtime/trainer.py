@@ -173,7 +173,6 @@ def train(
         summary.update(programs=trainer.programs,
                        programs_after_precompile=trainer.programs - ahead - replanned,
                        **({"programs_replanned": replanned} if replanned else {}))  # fmt: skip
-    if summary:
         console.print(
             "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
             highlight=False,

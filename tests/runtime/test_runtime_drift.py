@@ -79,6 +79,10 @@ def test_on_drift_replans_once_at_a_checkpoint_and_the_losses_carry_on(tmp_path)
     np.testing.assert_allclose(moved.losses, kept.losses, rtol=1e-5)
     rows = [json.loads(r) for r in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 5))
+    # the new plan's programs compile at the re-plan, before its first step: no step compiles
+    assert moved.summary["programs_replanned"] > 0
+    assert moved.summary["programs_after_precompile"] == 0
+    assert [r["recompiles"] for r in rows] == [0] * 4
 
 
 def test_on_drift_needs_checkpoints_to_replan_at(tmp_path):

@@ -233,6 +233,8 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     finally:
         reader.close()
     assert report.summary["final_eval_loss"] == second["eval_loss"]
+    # evaluation's programs and the checkpoint's compiled before step 1 with the rest
+    assert report.summary["programs_after_precompile"] == 0
 
     # Evaluating changes nothing of training: the same split without evaluations trains alike.
     plain = run(_cfg(tmp_path, "plain"))
@@ -243,6 +245,7 @@ def test_eval_loss_matches_reference_and_training_never_sees_eval_records(tmp_pa
     half = run(_cfg(tmp_path, "resume", steps=2, **over))
     resumed = run(_cfg(tmp_path, "resume", **over))
     assert resumed.first_step == 2 and half.losses + resumed.losses == report.losses
+    assert resumed.summary["programs_after_precompile"] == 0  # a resumed run compiles ahead too
     again = [
         json.loads(r) for r in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()
     ]
