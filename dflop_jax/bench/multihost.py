@@ -207,6 +207,8 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "xla_stage_programs_in_steps": sum(
             inside and name in STAGE_PROGRAMS for name, inside in compiles
         ),
+        # the run's own count (`runtime/precompile.py`): programs built after the precompile
+        "programs_after_precompile": report.summary.get("programs_after_precompile"),
         "decoded": sorted(decoded),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "transfer_bytes": moved,

@@ -40,6 +40,7 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
         for here, n in zip(r["local_stages"], r["stage_compiles"]):
             assert (n > 0) == here
         assert r["xla_stage_programs_in_steps"] == 0
+        assert r["programs_after_precompile"] == 0  # the reads' and update's programs too
         assert 0 < r["xla_stage_programs"] < single["xla_stage_programs"]
     # Devices: encoder [0, 1] (tp 2), LLM stage 0 [2, 3, 4] (spans processes), stage 1 [5, 6, 7].
     per_process = 8 // processes
