@@ -152,8 +152,11 @@ def run_planner(cfg: TrainConfig, arch, device):
 
 def run_name(cfg: TrainConfig) -> str:
     """The model's name in the cost table and the plan of `plan: auto` and the CLI steps: its named
-    architecture where it has one (then `python -m dflop_jax.simulate` replays the plan), else
-    "<kind>-run"."""
+    architecture where it has one (then `python -m dflop_jax.simulate` replays the plan), that name
+    with "-llm<N>" for the architecture cut to its first N decoder layers (`model.llm_layers_kept`;
+    not a named one), else "<kind>-run"."""
+    if cfg.model.arch and cfg.model.llm_layers_kept:
+        return f"{cfg.model.arch}-llm{cfg.model.llm_layers_kept}"
     return cfg.model.arch or f"{cfg.model.kind}-run"
 
 
@@ -239,6 +242,13 @@ def sample_shapes(cfg: TrainConfig):
     return shapes
 
 
+# What a dry run of `plan: auto` says where no GPU is present.
+DRY_RUN_ANALYTIC_NOTE = (
+    "plan: auto profiles the model on the devices present, and these are {platform} devices, not "
+    "GPUs: this dry run plans with the analytic costs (plan=analytic); on the GPU the run profiles first"
+)
+
+
 def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
     """`python -m dflop_jax.train --dry-run`: resolve the run's plan, `show` it (a line at a time,
     before anything compiles), then compile each kind of stage program once at its largest buckets
@@ -246,7 +256,12 @@ def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
     `run_dir/dry_run.yaml` (per stage: predicted and compiled GiB, compile seconds, the residual
     policy and the training programs' FLOPs summed over its buckets, compiled at the largest and
     scaled to the others by the cost model, `profiling/stage_report.py`; per transfer its bytes per
-    microbatch) and returns its stages."""
+    microbatch) and returns its stages.
+
+    `plan: auto` profiles the model on the devices present: without a GPU (a CPU checking a GPU
+    config) the dry run plans with the analytic costs instead (`plan: analytic`), says so, and
+    records it in dry_run.yaml (`plan_note`); profiling a real-size model on CPU would take hours and
+    price a CPU."""
     import jax.numpy as jnp
     import yaml
 
@@ -254,6 +269,11 @@ def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.stage_report import SCALED, stage_flops, transfer_bytes_per_microbatch
 
+    note = ""
+    if cfg.plan == "auto" and jax.devices()[0].platform != "gpu":
+        note = DRY_RUN_ANALYTIC_NOTE.format(platform=jax.devices()[0].platform)
+        show(note)
+        cfg = dataclasses.replace(cfg, plan="analytic")
     cfg = with_plan_remat(cfg)
     model_cfg = abstract_model_config(cfg)
     multimodal = hasattr(model_cfg, "vision")
@@ -276,7 +296,8 @@ def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
                                               trainable)  # fmt: skip
     out = Path(cfg.run_dir) / "dry_run.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"flops": SCALED, "layout": stages, "transfers": transfers}
+    report = {"flops": SCALED, **({"plan_note": note} if note else {}), "layout": stages,
+              "transfers": transfers}  # fmt: skip
     out.write_text(yaml.safe_dump(report, sort_keys=False))
     return stages
 
@@ -287,20 +308,30 @@ def compile_stages(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan, progress
     for the same policy: what `train --dry-run` and `plan --check` report."""
     import jax.numpy as jnp
 
-    from dflop_jax.costs import layout_memory
     from dflop_jax.planner.scoring import in_flight
     from dflop_jax.profiling.compile_check import check_layout
 
     lay = resolved.layout
     counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
-    policies = resolved.residuals  # both memory figures describe the programs the run trains
-    provider = _memory_provider(cfg, model_cfg, resolved)
-    memory = layout_memory(provider, lay, resolved.buckets, counts, residuals=policies)
-    predicted = [m.total() for m in memory]
+    predicted = [m.total() for m in predicted_stage_memory(cfg, model_cfg, resolved)]
     return check_layout(lay, resolved.buckets, counts, predicted, model_cfg,
                         compute_dtype=jnp.dtype(cfg.compute_dtype),
                         trainable=tuple(cfg.optimizer.trainable),
-                        progress=progress or (lambda *_: None), residuals=policies)  # fmt: skip
+                        progress=progress or (lambda *_: None),
+                        residuals=resolved.residuals)  # fmt: skip
+
+
+def predicted_stage_memory(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> list:
+    """The memory model's `StageMemory` per stage of `resolved` at its largest buckets and in-flight
+    counts, under the residual policies the run trains (`resolved.residuals`): what the dry run and
+    `plan --check` set beside the compiled programs."""
+    from dflop_jax.costs import layout_memory
+    from dflop_jax.planner.scoring import in_flight
+
+    lay = resolved.layout
+    counts = in_flight(lay.num_stages, resolved.microbatches[1], cfg.pipeline)
+    provider = _memory_provider(cfg, model_cfg, resolved)
+    return layout_memory(provider, lay, resolved.buckets, counts, residuals=resolved.residuals)
 
 
 def _memory_provider(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan):

@@ -5,10 +5,12 @@
 
 preflight: versions, the devices JAX sees, `nvidia-smi`, that every entry point imports (`--help` of
 each, in parallel subprocesses), and one bf16 matmul's time and TFLOP/s. Exit 1 when any of them failed.
-summary: `OUT/summary.json` (the steps' statuses, the preflight, the demo's headline figures),
-`OUT/demo.json` (the demo's per-step metrics, plan and profile timings) and `OUT/bench.json` (the
-`bench gpu` parts and `bench colocated`), from what the steps left in WORK. Standard library only, so it
-runs whatever state the steps left.
+summary: `OUT/summary.json` (the steps' statuses, the preflight, each measuring step's headline
+figures), `OUT/bench.json` (each `bench gpu` step's report, `bench colocated`'s, the demo's per-step
+metrics, plan and profile timings) and `OUT/vision_ops.md` (the vision tower's per-op table), from what
+the steps left in WORK; a step cut short keeps what it wrote (the model steps' figures then come from
+their runs' metrics.jsonl, marked partial). Standard library only, so it runs whatever state the steps
+left.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ ENTRY_POINTS = (("dflop_jax.train",), ("dflop_jax.plan",), ("dflop_jax.profile",
                 ("dflop_jax.schedule",), ("dflop_jax.simulate",), ("dflop_jax.export",),
                 ("dflop_jax.costs",), ("dflop_jax.bench",), ("dflop_jax.bench", "gpu"),
                 ("dflop_jax.bench", "colocated"))  # fmt: skip
-STEP_FILES = {"demo": "demo.json", "bench": "bench.json", "summary": "summary.json"}
+OUT_FILES = {"summary": "summary.json", "bench": "bench.json", "ops": "vision_ops.md"}
+# `scripts/gpu_check.sh` steps that run one `bench gpu` part (WORK/bench_gpu_<step>.json) -> the part.
+BENCH_STEPS = {"llm_attention": "stage", "vision_ops": "ops", "model": "model",
+               "model_blind": "model_blind", "host": "host", "stage": "stage",
+               "attention": "attention", "profiler": "profiler"}  # fmt: skip
+# The run folder each model step trains in (under WORK/bench_runs: `bench gpu`'s out).
+MODEL_RUNS = {"model": "model_run", "model_blind": "model_blind_run"}
 
 
 # ------------------------------------------------------------------------------------------ preflight
@@ -197,35 +205,96 @@ def demo_figures(run_dir: Path) -> dict | None:
     }
 
 
+def _part(bench: dict, step: str):
+    """The part report of a `bench gpu` step's JSON (None when absent)."""
+    return (bench.get(step) or {}).get(BENCH_STEPS[step])
+
+
+def llm_attention_figures(part: dict | None) -> dict | None:
+    """Per LLM stage row: kernel, step ms and MFU (or its error), and what `auto` picks."""
+    if not part or "stages" not in part:
+        return part
+    rows = [{"attention": r["attention"], "step_ms": r.get("step_s", 0) * 1e3 or None,
+             "mfu": r.get("mfu"), **({"error": r["error"][:300]} if "error" in r else {})}
+            for r in part["stages"] if r.get("module") == "llm"]  # fmt: skip
+    return {"rows": rows, "auto": part.get("auto"), "partial": bool(part.get("partial"))}
+
+
+def vision_ops_figures(part: dict | None) -> dict | None:
+    """The tower's step times, op time per step and its 5 most expensive ops."""
+    if not part or "top" not in part:
+        return part
+    keys = (
+        "tiles",
+        "tokens_per_tile",
+        "attention",
+        "fwd_s",
+        "bwd_s",
+        "op_ms_per_step",
+        "source",
+        "ops",
+    )
+    top = [
+        {k: r[k] for k in ("op", "program", "hlo", "ms_per_step", "share")} for r in part["top"][:5]
+    ]
+    return {**{k: part.get(k) for k in keys}, "top5": top}
+
+
+def model_figures(step: str, part: dict | None, work: Path) -> dict | None:
+    """The model step's report; where the step left none, its run's metrics.jsonl figures and the
+    device memory its last logged step saw (device_memory.json), marked partial."""
+    if part and "error" not in part:
+        return part
+    figures = demo_figures(work / "bench_runs" / MODEL_RUNS[step])
+    if figures is None:
+        return part
+    figures = {k: v for k, v in figures.items() if k not in ("per_step", "plan_yaml")}
+    memory = _read_json(work / "bench_runs" / MODEL_RUNS[step] / "device_memory.json")
+    return {"partial": "the step did not finish: figures from its metrics.jsonl (steps after the "
+                       "first)", **({"error": part["error"]} if part else {}), **figures,
+            **({"memory": memory} if memory else {})}  # fmt: skip
+
+
 def summary(work: Path, out: Path, dry: bool) -> int:
     steps = []
     results = work / "steps.jsonl"
     if results.exists():
         steps = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
     demo = demo_figures(work / "demo")
-    bench = {p.stem.removeprefix("bench_gpu_"): _read_json(p)
-             for p in sorted(work.glob("bench_gpu_*.json"))}  # fmt: skip
+    bench = {step: _read_json(work / f"bench_gpu_{step}.json") for step in BENCH_STEPS}
+    bench = {k: v for k, v in bench.items() if v is not None}
     bench["colocated"] = _read_json(work / "bench_colocated.json")
     preflight = _read_json(work / "preflight.json")
     headline = None
     if demo is not None:
         headline = {k: v for k, v in demo.items() if k not in ("per_step", "plan_yaml")}
         headline["peak_source"] = ((preflight or {}).get("peak") or {}).get("peak_source")
+    host = _part(bench, "host") if "host" in bench else None
+    ops = _part(bench, "vision_ops") if "vision_ops" in bench else None
     report = {
         "dry": dry,
         "note": "CPU dry run: figures are not GPU figures" if dry else None,
         "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "steps": steps,
         "preflight": preflight,
+        "llm_attention": llm_attention_figures(_part(bench, "llm_attention"))
+        if "llm_attention" in bench
+        else None,
+        "vision_ops": vision_ops_figures(ops),
+        "model": model_figures("model", _part(bench, "model"), work),
+        "model_blind": model_figures("model_blind", _part(bench, "model_blind"), work),
+        "host": {k: v for k, v in host.items() if k != "steps"} if host else None,
         "demo": headline,
         "bench_parts": {k: sorted(v) if isinstance(v, dict) else None for k, v in bench.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / STEP_FILES["summary"]).write_text(json.dumps(report, indent=1))
+    (out / OUT_FILES["summary"]).write_text(json.dumps(report, indent=1))
     if demo is not None:
-        (out / STEP_FILES["demo"]).write_text(json.dumps(demo, indent=1))
+        bench["demo"] = demo
     if any(v is not None for v in bench.values()):
-        (out / STEP_FILES["bench"]).write_text(json.dumps(bench, indent=1))
+        (out / OUT_FILES["bench"]).write_text(json.dumps(bench, indent=1))
+    if ops and ops.get("table_md"):
+        (out / OUT_FILES["ops"]).write_text(ops["table_md"])
     return 0
 
 

@@ -2,8 +2,9 @@
 
     python -m dflop_jax.bench gpu [parts=attention,stage,profiler,host] [size=real|small|smoke]
                                   [remat=none,full,dots] [residuals=all,recompute]
-                                  [attention=xla,cudnn,pallas] [out=runs/bench_gpu]
-                                  [json_out=runs/bench_gpu/gpu.json]
+                                  [attention=xla,cudnn,pallas] [stages=llm,encoder]
+                                  [out=runs/bench_gpu] [json_out=runs/bench_gpu/gpu.json]
+    python -m dflop_jax.bench gpu parts=ops|model|model_blind      # by name only (not in the default)
 
 Each part measures against the strongest alternative in the same run:
   attention  each implementation of `models.attention.attention` that runs here (XLA; on a GPU cuDNN,
@@ -19,7 +20,9 @@ Each part measures against the strongest alternative in the same run:
              again; "recompute", the backward re-runs the forward): step = fwd + bwd; MFU = model
              FLOPs (`costs.flops`, 3x forward) / (step x peak), HFU counts what the backward re-runs.
              One row per attention implementation (`attention=`), then the LLM stage under each
-             other residual policy and each other remat policy (`remat=`; every policy on a GPU).
+             other residual policy and each other remat policy (`remat=`; every policy on a GPU);
+             `stages=llm` keeps the LLM stage's rows only. The report names the kernels
+             `model.attention_impl: auto` picks here (`auto`: its rows are those kernels' rows).
              The JSON is rewritten after each row.
   profiler   the trainer's `plan: auto` (data profile -> the model profiler on these devices -> plan;
              on one device the encoder colocated with the LLM, one stage) trains the demo's model with
@@ -29,6 +32,14 @@ Each part measures against the strongest alternative in the same run:
              last stage runs fwd + bwd fused; the trainer splits its time by the predicted ratio.
   host       a pipelined decoder trained a few steps: host seconds to dispatch a step (the driver
              call, before anything blocks) vs the step time, and the loader's data wait.
+  ops        the vision tower's step (the stage part's tile bucket, the `auto` kernel) traced with
+             `jax.profiler`: the 20 most expensive XLA ops by time and share (`_gpu_ops.py`).
+  model      a real model's training step: `configs/llava_ov_7b_1gpu.yaml` (LLaVA-OV-7B cut to the
+             decoder layers one 80 GB GPU holds; the tiny arch at the CPU sizes) with `plan: auto`:
+             tokens/s, MFU, host share, data wait, compilations after step 1, memory predicted vs
+             compiled vs measured, stage-time MAPE raw and corrected (`_gpu_model.py`).
+  model_blind  the same model, data and steps on the data-blind planner's layout and scheduler:
+             tokens/s and the model part's over it (run after `model`, same `out`).
 Peak FLOP/s: the `costs.devices` preset of the GPU `nvidia-smi` names (H200: the H100 preset, the same
 dense bf16 peak), else the measured fp32 matmul peak of one device (`runtime.metrics`), as on CPU.
 On CPU every figure is labelled "CPU: figures are not GPU figures": sizes are tiny, stages share cores.
@@ -36,7 +47,6 @@ On CPU every figure is labelled "CPU: figures are not GPU figures": sizes are ti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -47,18 +57,28 @@ from typing import Literal
 
 import numpy as np
 
-from dflop_jax.bench._accuracy import mape
 from dflop_jax.bench._cli import command, load
+from dflop_jax.bench._gpu_model import model_blind_part, model_part, print_model
+from dflop_jax.bench._gpu_ops import ops_part, print_ops
+from dflop_jax.bench._gpu_train import (  # noqa: F401  (the goals are read as gpu.GOAL_*)
+    GOAL_CORRECTED_MAPE,
+    GOAL_RAW_MAPE,
+    host_part,
+    print_host,
+    print_profiler,
+    profiler_part,
+)
 from dflop_jax.config import require
 from dflop_jax.host_devices import simulate_cpu_devices
 
-BENCH_PARTS = ("attention", "stage", "profiler", "host")
+BENCH_PARTS = ("attention", "stage", "profiler", "host")  # the default
+BY_NAME_PARTS = ("ops", "model", "model_blind")  # heavier, run when named (the GPU check does)
+STAGE_MODULES = ("llm", "encoder")
 CPU_BANNER = "CPU: figures are not GPU figures"
-# Goals on one H100: LLM stage MFU, and the profiler's stage-time prediction error.
-GOAL_LLM_MFU, GOAL_RAW_MAPE, GOAL_CORRECTED_MAPE = 0.55, 0.10, 0.05
+# Goal on one H100: LLM stage MFU (the profiler's: `_gpu_train`).
+GOAL_LLM_MFU = 0.55
 # bf16 parity: max |a - b| / max |reference| (8-bit mantissa: 2^-8 per rounding, sums of many terms).
 ATTN_TOL = {"out": 2e-2, "grad": 5e-2}
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +94,8 @@ class Size:
       host: TrainConfig overrides of the host part's decoder; host_layers: its layers (split over
         up to 2 pipeline stages); host_tokens: its packed row length.
       steps: training steps of the profiler and host parts (the first ones compile).
+      model: overrides of `configs/llava_ov_7b_1gpu.yaml` for the model parts ((): as shipped);
+        model_steps: their training steps.
     """
 
     attn_lengths: tuple[int, ...]
@@ -88,6 +110,8 @@ class Size:
     host_layers: int
     host_tokens: int
     steps: int
+    model: tuple[str, ...] = ()
+    model_steps: int = 30
 
 
 _PROFILE_SMALL = ("profile.tps=[1]", "profile.encoder_buckets=[1, 2, 4]", "profile.llm_buckets=[128, 256, 512]",
@@ -103,7 +127,15 @@ _PROFILE_SMOKE = (*_PROFILE_SMALL, "profile.encoder_buckets=[1]", "profile.llm_b
                   "planner.num_buckets=[1]", "planner.microbatches=[2]")  # fmt: skip
 _HOST_SMALL = ("model.hidden_size=64", "model.intermediate_size=128", "model.num_heads=4",
                "model.num_kv_heads=2", "model.head_dim=16")  # fmt: skip
-_SMALL = dict(arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256)
+# The real model's parts at the CPU sizes: the tiny arch (56 px tiles), cut to 2 of its 4 decoder
+# layers as the real config cuts Qwen2.5-7B, one profiled bucket per module, one bucket pair.
+_MODEL_SMALL = ("model.arch=tiny", "model.llm_layers_kept=2", "data.tile_size=56", "data.max_grid=1",
+                "data.max_frames=2", "data.max_tokens=256", "data.synth_samples=32",
+                "profile.encoder_buckets=[1]", "profile.llm_buckets=[256]", "profile.warmup=0",
+                "profile.runs=1", "planner.microbatches=[2]", "planner.num_buckets=[1]",
+                "planner.samples=1", "global_batch=4")  # fmt: skip
+_SMALL = dict(arch="tiny", attn_packed=16, host=_HOST_SMALL, host_layers=2, host_tokens=256,
+              model=_MODEL_SMALL)  # fmt: skip
 SIZES = {
     "smoke": Size(
         attn_lengths=(64, 128),
@@ -113,6 +145,7 @@ SIZES = {
         encoder_tiles=2,
         profiler=_PROFILE_SMOKE,
         steps=3,
+        model_steps=6,
         **_SMALL,
     ),
     "small": Size(
@@ -123,6 +156,7 @@ SIZES = {
         encoder_tiles=4,
         profiler=_PROFILE_SMALL,
         steps=6,
+        model_steps=8,
         **_SMALL,
     ),
     "real": Size(
@@ -390,10 +424,13 @@ def hardware_factor(residuals: str, remat: str) -> float:
 
 
 def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
-               policies=("all",), impls=(), progress=lambda rows: None) -> dict:  # fmt: skip
+               policies=("all",), impls=(), progress=lambda rows: None,
+               modules=STAGE_MODULES) -> dict:  # fmt: skip
     """Each stage program timed on one device by the profiler's `measure_program`, as the runtime
     trains it under each residual policy; MFU and HFU, per attention implementation (`impls`, () =
-    every one that runs here) and LLM remat policy. `progress(rows)` after each row (partial saves)."""
+    every one that runs here) and LLM remat policy, of the stages of `modules` ("llm", "encoder").
+    `progress(rows)` after each row (partial saves). The report's `auto` names the kernels
+    `model.attention_impl: auto` picks here (its rows are theirs)."""
     import dataclasses
 
     import jax
@@ -405,6 +442,7 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
     from dflop_jax.profiling.model_profiler import measure_program
     from dflop_jax.profiling.programs import build_program
     from dflop_jax.profiling.settings import ProfileSettings
+    from dflop_jax.runtime.device import local_attention_kernels
     from models.stages import with_remat
 
     arch = get_arch(size.arch)
@@ -414,6 +452,8 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
     impls, _ = attention_impls(info, impls)
     rows = []
     for module, impl, remat, residuals in _stage_variants(impls, remats, policies):
+        if module not in modules:
+            continue
         name, shape, bucket, flops = cases[module]
         model_cfg = with_remat(base, {"vision": "none", "llm": remat})
         model_cfg = dataclasses.replace(model_cfg,
@@ -448,175 +488,9 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
                      "mfu": mfu(flops, step, 1, info["peak_flops"]),
                      "hfu": hardware_factor(residuals, remat) * flops / (step * info["peak_flops"])})  # fmt: skip
         progress(rows)
-    return {"arch": size.arch, "peak_flops": info["peak_flops"], "stages": rows}
-
-
-# -------------------------------------------------------------------------------------------- profiler
-
-
-@contextlib.contextmanager
-def _recorded_observations():
-    """Records what the scheduler observes: per microbatch its buckets, measured [P, 2] stage times, the
-    raw prediction and the corrected one taken before the observation updates the factors.
-
-    The trainer exposes only window MAPEs, so this wraps `Scheduler.observe` for the duration.
-    """
-    from dflop_jax.scheduler.correction import Scheduler
-
-    records: list[dict] = []
-    original = Scheduler.observe
-
-    def observe(self, schedule, measured):
-        tix = {t: i for i, t in enumerate(self.correction.tiles)}
-        six = {s: i for i, s in enumerate(self.correction.lengths)}
-        for mb, meas in zip(schedule.microbatches, np.asarray(measured, np.float64)):
-            raw = np.asarray(self.problem.stage_costs(mb.tile_bucket, mb.length_bucket))
-            factor = self.correction.factor(tix[mb.tile_bucket], six[mb.length_bucket])
-            records.append({"tile_bucket": int(mb.tile_bucket), "length_bucket": int(mb.length_bucket),
-                            "raw": raw.tolist(), "corrected": (raw * factor).tolist(),
-                            "measured": meas.tolist()})  # fmt: skip
-        return original(self, schedule, measured)
-
-    Scheduler.observe = observe
-    try:
-        yield records
-    finally:
-        Scheduler.observe = original
-
-
-def stage_time_pairs(records: list[dict], layout) -> list[dict]:
-    """One row per (observed microbatch, stage, direction) with a measured time > 0: the stage's bucket
-    (tiles for encoder stages, tokens for LLM stages), raw and corrected predictions, measured."""
-    rows = []
-    for r in records:
-        for p, spec in enumerate(layout.stages):
-            bucket = r["tile_bucket"] if spec.module == "encoder" else r["length_bucket"]
-            for d, direction in enumerate(("fwd", "bwd")):
-                if r["measured"][p][d] > 0:
-                    rows.append({"stage": p, "module": spec.module, "bucket": bucket,
-                                 "direction": direction, "raw": r["raw"][p][d],
-                                 "corrected": r["corrected"][p][d],
-                                 "measured": r["measured"][p][d]})  # fmt: skip
-    return rows
-
-
-def summarize_pairs(pairs: list[dict]) -> dict:
-    """MAPE (mean, worst) raw and corrected over all pairs, and per (stage, bucket) means."""
-    col = lambda k, rows: np.array([r[k] for r in rows])  # noqa: E731
-    groups: dict[tuple, list[dict]] = {}
-    for r in pairs:
-        groups.setdefault((r["stage"], r["module"], r["bucket"]), []).append(r)
-    table = [{"stage": s, "module": m, "bucket": b, "n": len(rows),
-              "measured": float(col("measured", rows).mean()), "raw": float(col("raw", rows).mean()),
-              "raw_mape": mape(col("raw", rows), col("measured", rows))[0],
-              "corrected_mape": mape(col("corrected", rows), col("measured", rows))[0]}
-             for (s, m, b), rows in sorted(groups.items())]  # fmt: skip
-    return {"mape_raw": mape(col("raw", pairs), col("measured", pairs)),
-            "mape_corrected": mape(col("corrected", pairs), col("measured", pairs)),
-            "per_stage_bucket": table}  # fmt: skip
-
-
-def _train(config: Path | None, overrides: list[str]):
-    """(config, report) of the trainer's library `run` on a fresh run directory (quiet console)."""
-    from rich.console import Console
-
-    from dflop_jax.config import load_config
-    from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train import run
-
-    cfg = load_config(TrainConfig, config, overrides)
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return cfg, run(cfg, console=Console(quiet=True))
-
-
-def _metric_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-
-
-def profiler_part(size: Size, info: dict, out: Path) -> dict:
-    """plan: auto (the model profiler on these devices) then training with stage times measured."""
-    from dflop_jax.planner import describe_layout
-
-    # One device: the encoder runs inside the LLM stage (colocated), one stage, tp 1.
-    single = ("planner.colocate=true", "planner.encoder_pp=[1]", "planner.llm_pp=[1]",
-              "planner.tp=[1]", "profile.tps=[1]", "num_cpu_devices=1")  # fmt: skip
-    run_dir = out / "profiler_run"
-    # The scheduler observes a step's stage times `prefetch` batches later (`lagged_schedule.py`):
-    # prefetch 1 and 2 more steps, so the measured steps 2..steps are all observed.
-    overrides = [*size.profiler, *(single if info["num_devices"] < 2 else ()),
-                 f"run_dir={run_dir}", f"data.synth_dir={out / 'synth_mm'}",
-                 f"steps={size.steps + 2}", "prefetch=1", "measure_stage_times_every=1",
-                 "checkpoint.every=0",
-                 f"compilation_cache={out / 'jax_cache'}", f"device.peak_flops={info['peak_flops']}"]  # fmt: skip
-    with _recorded_observations() as records:
-        cfg, report = _train(DEMO_CONFIG, overrides)
-    pairs = stage_time_pairs(records, report.layout)
-    if not pairs:
-        return {"skipped": "no stage times were observed (every measured microbatch compiled)"}
-    timings = run_dir / "auto_plan" / "timings.json"
-    last = _metric_rows(run_dir)[-1]
-    profiled = {"encoder": cfg.profile.encoder_buckets, "llm": cfg.profile.llm_buckets}
-    outside = sorted({(p["module"], p["bucket"]) for p in pairs
-                      if not min(profiled[p["module"]]) <= p["bucket"] <= max(profiled[p["module"]])})  # fmt: skip
-    return {"layout": describe_layout(report.layout), "steps": size.steps + 2, "pairs": pairs,
-            **summarize_pairs(pairs), "profiled_buckets": profiled,
-            "outside_profiled": [list(x) for x in outside],
-            "stage_dp": [s.dp for s in report.layout.stages],
-            "scheduler_window_mape": [last["pred_raw_mape"], last["pred_corrected_mape"]],
-            "profile_timings_s": json.loads(timings.read_text()) if timings.exists() else None}  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------ host
-
-
-@contextlib.contextmanager
-def _timed_dispatch():
-    """Host seconds of each `run_pipeline` call the trainer makes (it returns before the device is
-    done: the step's outputs are fetched afterwards). Wraps the trainer's reference for the duration."""
-    from dflop_jax.runtime import trainer
-
-    seconds: list[float] = []
-    original = trainer.run_pipeline
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(*args, **kwargs)
-        seconds.append(time.perf_counter() - t0)
-        return out
-
-    trainer.run_pipeline = timed
-    try:
-        yield seconds
-    finally:
-        trainer.run_pipeline = original
-
-
-def host_part(size: Size, info: dict, out: Path) -> dict:
-    """A decoder pipelined over up to 2 devices: dispatch vs step time and data wait per steady step."""
-    stages = min(2, info["num_devices"])
-    split = [size.host_layers // stages] * stages
-    run_dir = out / "host_run"
-    overrides = [*size.host, "model.kind=decoder", f"model.num_layers={size.host_layers}",
-                 "layout.encoder_layers=[]", f"layout.llm_layers={split}",
-                 f"layout.llm_tp={[1] * stages}", f"layout.lengths=[{size.host_tokens}]",
-                 "layout.microbatches=[4, 8]", "plan=explicit", "data.synth_mix=text",
-                 f"data.synth_dir={out / 'synth_text'}", "data.synth_samples=96",
-                 f"data.max_tokens={size.host_tokens}", "scheduler.solver=greedy",
-                 "global_batch=8", f"steps={size.steps}", "checkpoint.every=0",
-                 "measure_stage_times_every=0", f"run_dir={run_dir}",
-                 f"compilation_cache={out / 'jax_cache'}", f"device.peak_flops={info['peak_flops']}"]  # fmt: skip
-    with _timed_dispatch() as dispatch:
-        _train(None, overrides)
-    rows = _metric_rows(run_dir)
-    steps = [{"step": r["step"], "dispatch_s": d, "step_time_s": r["step_time_s"],
-              "data_wait_s": r["data_wait_s"], "recompiles": r["recompiles"]}
-             for r, d in zip(rows, dispatch)]  # fmt: skip
-    steady = [s for s in steps[1:] if s["recompiles"] == 0] or steps[-1:]
-    med = lambda k: float(np.median([s[k] for s in steady]))  # noqa: E731
-    return {"pipeline_stages": stages, "layers": size.host_layers, "tokens": size.host_tokens,
-            "steps": steps, "steady_steps": len(steady), "dispatch_s": med("dispatch_s"),
-            "step_time_s": med("step_time_s"), "data_wait_s": med("data_wait_s"),
-            "dispatch_fraction": med("dispatch_s") / med("step_time_s")}  # fmt: skip
+    auto = local_attention_kernels()
+    return {"arch": size.arch, "peak_flops": info["peak_flops"], "stages": rows,
+            "auto": {"llm": auto.llm, "vision": auto.vision}}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -664,6 +538,9 @@ def _print_stage(rep: dict, info: dict) -> None:
             continue
         print(f"{head} {r['fwd_s'] * 1e3:.1f} | {r['bwd_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
               f"{r['memory_peak_bytes'] / 2**30:.2f} | {r['mfu']:.1%} | {r['hfu']:.1%} |")  # fmt: skip
+    if "auto" in rep:
+        print(f"model.attention_impl=auto runs {rep['auto']['llm']} in the LLM stage and "
+              f"{rep['auto']['vision']} in the tower here: its rows are those")  # fmt: skip
     llms = [r for r in rep["stages"] if r["module"] == "llm" and "error" not in r]
     llm = max(llms, key=lambda r: r["mfu"], default=None)
     if llm is not None and llm["mfu"] < GOAL_LLM_MFU:
@@ -672,58 +549,24 @@ def _print_stage(rep: dict, info: dict) -> None:
               f"HFU {llm['hfu']:.1%})" + _label(info))  # fmt: skip
 
 
-def _print_profiler(rep: dict, info: dict) -> None:
-    print("\n## profiler accuracy (plan: auto, then training)" + _label(info))
-    if "skipped" in rep:
-        print(f"skipped: {rep['skipped']}")
-        return
-    print(f"layout {rep['layout']}, {len(rep['pairs'])} measured (stage, direction) times")
-    print(
-        "| stage | module | bucket | n | measured ms | predicted ms | raw MAPE | corrected MAPE |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rep["per_stage_bucket"]:
-        print(f"| {r['stage']} | {r['module']} | {r['bucket']} | {r['n']} | {r['measured'] * 1e3:.2f} "
-              f"| {r['raw'] * 1e3:.2f} | {r['raw_mape']:.1%} | {r['corrected_mape']:.1%} |")  # fmt: skip
-    (raw, raw_w), (cor, cor_w) = rep["mape_raw"], rep["mape_corrected"]
-    print(f"MAPE raw {raw:.1%} (worst {raw_w:.1%}), corrected {cor:.1%} (worst {cor_w:.1%})"
-          + _label(info))  # fmt: skip
-    if raw > GOAL_RAW_MAPE:
-        print(f"misses goal: raw MAPE {raw:.1%} > {GOAL_RAW_MAPE:.0%}" + _label(info))
-        _print_causes(rep, info)
-    if cor > GOAL_CORRECTED_MAPE:
-        print(f"misses goal: corrected MAPE {cor:.1%} > {GOAL_CORRECTED_MAPE:.0%}" + _label(info))
-
-
-def _print_causes(rep: dict, info: dict) -> None:
-    """The effects this run can name: buckets the profile extrapolates to, replicas sharing CPU cores."""
-    if rep["outside_profiled"]:
-        print(f"  extrapolated: buckets outside the profiled grid {rep['profiled_buckets']}: "
-              + ", ".join(f"{m} {b}" for m, b in rep["outside_profiled"]))  # fmt: skip
-    if not info["gpu"] and max(rep["stage_dp"]) > 1:
-        print(f"  CPU: stages of dp {rep['stage_dp']} run their replicas on shared cores; the "
-              "profile timed one device alone")  # fmt: skip
-
-
-def _print_host(rep: dict, info: dict) -> None:
-    print(f"\n## host overhead: decoder, {rep['layers']} layers over {rep['pipeline_stages']} "
-          f"pipeline stage(s), {rep['tokens']}-token rows" + _label(info))  # fmt: skip
-    print(f"median over {rep['steady_steps']} steady steps: dispatch {rep['dispatch_s'] * 1e3:.1f} ms, "
-          f"step {rep['step_time_s'] * 1e3:.1f} ms ({rep['dispatch_fraction']:.0%} of the step "
-          f"spent dispatching), data wait {rep['data_wait_s'] * 1e3:.1f} ms")  # fmt: skip
-
-
-PRINTERS = {"attention": _print_attention, "stage": _print_stage, "profiler": _print_profiler,
-            "host": _print_host}  # fmt: skip
+def _printers():
+    """{part: printer(report part, device info)}."""
+    own = {"attention": _print_attention, "stage": _print_stage}
+    labelled = {"profiler": print_profiler, "host": print_host, "ops": print_ops,
+                "model": print_model, "model_blind": print_model}  # fmt: skip
+    return own | {
+        k: (lambda rep, info, f=f: f(rep, info, _label(info))) for k, f in labelled.items()
+    }
 
 
 def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: dict,
         remats=("none",), save=lambda report: None, residuals=("all",),
-        attention=()) -> dict:  # fmt: skip
+        attention=(), stages=STAGE_MODULES) -> dict:  # fmt: skip
     """Runs `parts` and returns the report (device info `info`, size, one entry per part); `save`
     is called with the report after each part and each stage program (a killed run keeps those).
     `remats`, `residuals`: the stage part's LLM remat and residual policies; `attention`: the
-    attention implementations of the attention and stage parts (() = every one that runs here)."""
+    attention implementations of the attention and stage parts (() = every one that runs here);
+    `stages`: the stage part's modules."""
     size_name = size_name or ("real" if info["gpu"] else "small")
     size = SIZES[size_name]
     out.mkdir(parents=True, exist_ok=True)
@@ -739,11 +582,17 @@ def run(parts, size_name: str | None, out: Path, warmup: int, runs: int, info: d
                 report[part] = attention_part(size, info, warmup, runs, attention)
             elif part == "stage":
                 report[part] = stage_part(size, info, warmup, runs, remats, residuals, attention,
-                                          stage_progress)  # fmt: skip
+                                          stage_progress, stages)  # fmt: skip
             elif part == "profiler":
                 report[part] = profiler_part(size, info, out)
-            else:
+            elif part == "host":
                 report[part] = host_part(size, info, out)
+            elif part == "ops":
+                report[part] = ops_part(size, info, out, warmup, runs)
+            elif part == "model":
+                report[part] = model_part(size, info, out)
+            else:
+                report[part] = model_blind_part(size, info, out)
         except Exception as e:  # one part failing (e.g. out of memory) keeps the others' figures
             report[part] = {
                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -770,13 +619,16 @@ class GpuBenchConfig:
     """Which parts to measure, at what size, and where their files go.
 
     Attributes:
-      parts: parts to run, from attention, stage, profiler, host.
+      parts: parts to run, from attention, stage, profiler, host (the default), and, run only when
+        named, ops (the vision tower op by op), model and model_blind (a real model's training
+        step, DFLOP's and the data-blind one's; model first).
       size: "real" (the default on a GPU), "small" (the default on CPU) or "smoke" (CI); "" = by device.
       remat: LLM remat policies for the stage part ([] = every policy on a GPU, none on CPU).
       residuals: residual policies of the stage part, the first for every row (`RESIDUAL_POLICIES`;
         [] = all then recompute on a GPU, all on CPU).
       attention: attention implementations of the attention and stage parts, from xla, cudnn,
         pallas ([] = every one that runs here; the attention part always adds XLA, its reference).
+      stages: the stage part's stages, from llm, encoder ([llm]: the LLM stage's rows only).
       out: folder for the runs' files.
       json_out: write the report as JSON to this path, after every part and row ("" = none).
       warmup: untimed runs per timed program.
@@ -788,15 +640,20 @@ class GpuBenchConfig:
     remat: tuple[str, ...] = ()
     residuals: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
+    stages: tuple[str, ...] = STAGE_MODULES
     out: str = "runs/bench_gpu"
     json_out: str = ""
     warmup: int = 2
     runs: int = 5
 
     def __post_init__(self):
-        bad = [p for p in self.parts if p not in BENCH_PARTS]
+        known = (*BENCH_PARTS, *BY_NAME_PARTS)
+        bad = [p for p in self.parts if p not in known]
         require(bool(self.parts) and not bad, "parts", list(self.parts),
-                f"choose from {', '.join(BENCH_PARTS)}")  # fmt: skip
+                f"choose from {', '.join(known)}")  # fmt: skip
+        bad = [m for m in self.stages if m not in STAGE_MODULES]
+        require(bool(self.stages) and not bad, "stages", list(self.stages),
+                f"choose from {', '.join(STAGE_MODULES)}")  # fmt: skip
         from models.decoder_config import ATTENTION_IMPLS, REMAT_MODES
 
         bad = [r for r in self.remat if r not in REMAT_MODES]
@@ -825,12 +682,13 @@ def main(argv: list[str] | None = None) -> int:
     save = lambda report: _write_json(report, cfg.json_out)  # noqa: E731
     parts = list(cfg.parts)
     report = run(parts, cfg.size or None, Path(cfg.out), cfg.warmup, cfg.runs, info, remats, save,
-                 residuals, cfg.attention)  # fmt: skip
+                 residuals, cfg.attention, cfg.stages)  # fmt: skip
+    printers = _printers()
     for part in parts:
         if "error" in report[part]:
             print(f"\n## {part}: failed: {report[part]['error']}" + _label(info))
         else:
-            PRINTERS[part](report[part], report["device"])
+            printers[part](report[part], report["device"])
     if cfg.json_out:
         _write_json(report, cfg.json_out)
         print(f"\nwrote {cfg.json_out}")

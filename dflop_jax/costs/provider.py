@@ -133,7 +133,7 @@ class AnalyticCostProvider:
         )
         self.name = (
             f"analytic:{arch.name}@{device.name}"
-            + _remat_suffix(self.policy)
+            + remat_suffix(self.policy)
             + ("" if self.flash_attention else "+dense-attn")
             + ("" if attention_impl == "xla" else f"+{attention_impl}")
             + trainable_suffix(self.trainable)
@@ -299,7 +299,7 @@ def trainable_suffix(trainable: tuple[str, ...]) -> str:
     return "" if set(trainable) == set(TRAINABLE_PARTS) else "+train:" + ",".join(trainable)
 
 
-def _remat_suffix(policy: Mapping[str, str]) -> str:
+def remat_suffix(policy: Mapping[str, str]) -> str:
     """ "+remat" for full remat of both modules (what `plan_file.Plan.remat` reads back), else the
     policy spelled out ("+remat:vision=dots,llm=full"), "" for none."""
     if all(p == "none" for p in policy.values()):

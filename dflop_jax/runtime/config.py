@@ -54,6 +54,12 @@ class ModelConfig:
         kernels), "cudnn" (`models/cudnn_attention.py`). The model config carries the resolved names.
       vision_attention_impl: the vision tower's kernel where it differs ("": `attention_impl`;
         "auto" as above).
+      llm_layers_kept: keep only the first N decoder layers of `arch` or `hf_dir` (0 = all of them):
+        a real model cut to fit fewer devices (`configs/llava_ov_7b_1gpu.yaml`). The vision tower,
+        projector, embedding, final norm and LM head stay whole; from `hf_dir` the first N layers'
+        weights are read and the rest are not. Planning, memory, FLOPs and MFU are the cut
+        model's; an export writes the cut model. Only with `arch` or `hf_dir` (else set
+        `num_layers`).
     """
 
     SHORTHAND = "arch"  # a bare string given for the section sets this key
@@ -77,6 +83,7 @@ class ModelConfig:
     llm_remat: str = "none"
     attention_impl: str = "auto"
     vision_attention_impl: str = ""
+    llm_layers_kept: int = 0
 
     def __post_init__(self):
         if self.arch:
@@ -86,6 +93,14 @@ class ModelConfig:
                     f"use one of {', '.join(list_archs())}")  # fmt: skip
             family = "internvl" if get_arch(self.arch).vision.class_token else "llava_ov"
             object.__setattr__(self, "kind", family)  # the architecture's family, not the default
+            total = get_arch(self.arch).llm.num_layers
+            require(self.llm_layers_kept <= total, "model.llm_layers_kept", self.llm_layers_kept,
+                    f"{self.arch} has {total} decoder layers: keep 1..{total} (0 = all)")  # fmt: skip
+        require(self.llm_layers_kept >= 0, "model.llm_layers_kept", self.llm_layers_kept,
+                "0 (every layer) or the number of first decoder layers to keep")  # fmt: skip
+        fix = "it cuts model.arch or model.hf_dir; a model built from the fields sets model.num_layers"
+        require(not self.llm_layers_kept or bool(self.arch or self.hf_dir),
+                "model.llm_layers_kept", self.llm_layers_kept, fix)  # fmt: skip
         impls = [*(i for i in ATTENTION_IMPLS if i), "auto"]
         require(self.attention_impl in impls, "model.attention_impl", self.attention_impl,
                 f"use one of {impls}")  # fmt: skip
@@ -205,14 +220,14 @@ class ModelConfig:
 
             cfg = model_config_for_arch(self.arch, compute_dtype)
             cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
-            return _with_pixel_norm(cfg, pixel_norm)
+            return _with_pixel_norm(self._cut(cfg), pixel_norm)
         if self.hf_dir:
             from models.hf import load_config
             from models.stages import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
             cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
-            return _with_pixel_norm(cfg, pixel_norm)
+            return _with_pixel_norm(self._cut(cfg), pixel_norm)
         dcfg = DecoderConfig(
             vocab_size=self.vocab_size or -(-tokenizer_vocab // 128) * 128,
             hidden_size=self.hidden_size,
@@ -248,6 +263,18 @@ class ModelConfig:
         from models.siglip import SiglipConfig
 
         return _with_pixel_norm(llava_onevision_config(SiglipConfig(**vision), dcfg), pixel_norm)
+
+    def _cut(self, model_cfg):
+        """`model_cfg` with only its first `llm_layers_kept` decoder layers (unchanged at 0)."""
+        n = self.llm_layers_kept
+        if not n:
+            return model_cfg
+        text = getattr(model_cfg, "text", model_cfg)
+        fix = f"the model has {text.num_layers} decoder layers: keep 1..{text.num_layers} (0 = all)"
+        require(n <= text.num_layers, "model.llm_layers_kept", n, fix)
+        if text is model_cfg:  # a decoder-only model
+            return text.replace(num_layers=n)
+        return dataclasses.replace(model_cfg, text=text.replace(num_layers=n))
 
 
 def _with_pixel_norm(model_cfg, pixel_norm):

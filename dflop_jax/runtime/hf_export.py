@@ -209,6 +209,26 @@ def write_processor(cfg: TrainConfig, out: Path) -> list[Path]:
     return files
 
 
+def without_cut_layers(kept: dict[str, str], tensors) -> dict[str, str]:
+    """`kept` (unread source tensors, by export name) less the decoder layers past the model's own:
+    a model cut to its first N layers (`model.llm_layers_kept`) exports as the cut model, its
+    config.json saying N, so the checkpoint's later layers are not copied. Decoder layers are the
+    `<prefix>layers.<i>.` names whose prefix is the model's own layer 0's outside the vision tower."""
+
+    def index(name: str, prefix: str) -> int | None:
+        i = name[len(prefix) + len("layers.") :].split(".", 1)[0]
+        return int(i) if name.startswith(f"{prefix}layers.") and i.isdigit() else None
+
+    prefixes = {k[: k.index("layers.0.")] for k in tensors if "layers.0." in k}
+    own = {p: 1 + max(i for k in tensors if (i := index(k, p)) is not None)
+           for p in prefixes if "vision" not in p}  # fmt: skip
+
+    def past(name: str) -> bool:
+        return any((i := index(name, p)) is not None and i >= n for p, n in own.items())
+
+    return {k: v for k, v in kept.items() if not past(k)}
+
+
 def _with_source_structure(config: dict, source: dict) -> dict:
     """config.json of an export that copies the source checkpoint's unread vision tensors: the
     source's vision tower keeps its pooling head (`vision_use_head`) and its layers past the feature
@@ -266,6 +286,7 @@ def export_run(
         source = CheckpointReader(cfg.model.hf_dir) if cfg.model.hf_dir else None
         kept = unread_tensors(model_cfg, source.keys()) if source else {}
         kept = {k: key for k, key in kept.items() if k not in tensors}  # the run's own win
+        kept = without_cut_layers(kept, tensors)
         if kept:
             config = _with_source_structure(config, read_config(cfg.model.hf_dir))
         (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -93,6 +93,55 @@ def test_profiler_and_host_parts(tmp_path, capsys):
     assert host["dispatch_fraction"] == pytest.approx(host["dispatch_s"] / host["step_time_s"])
 
 
+def test_the_llm_stage_alone_per_kernel_and_what_auto_picks(tmp_path, capsys):
+    """`stages=llm` (the GPU check's first measuring step): the LLM stage's rows only; the report
+    names the kernels `model.attention_impl: auto` picks here (on CPU: xla)."""
+    path = tmp_path / "llm.json"
+    argv = ["parts=stage", "stages=llm", "size=smoke", f"out={tmp_path}", f"json_out={path}",
+            "warmup=0", "runs=1"]  # fmt: skip
+    assert gpu.main(argv) == 0
+    stage = json.loads(path.read_text())["stage"]
+    assert [(r["module"], r["attention"]) for r in stage["stages"]] == [("llm", "xla")]
+    assert stage["auto"] == {"llm": "xla", "vision": "xla"}
+    assert "model.attention_impl=auto runs xla in the LLM stage" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two training runs of the tiny arch with plan: auto (about a minute on 2 cores)
+def test_model_parts_train_the_1gpu_config_both_ways(tmp_path, capsys):
+    """The real-model parts at the smoke size: the 1-GPU config (tiny arch, cut to 2 of its 4 decoder
+    layers) trained with plan: auto, then the data-blind arm on the same device, data and steps."""
+    import yaml
+
+    from dflop_jax.bench._gpu_model import arm_figures
+
+    report, text = _run(tmp_path, capsys, "model,model_blind")
+    model, blind = report["model"], report["model_blind"]
+    size = gpu.SIZES["smoke"]
+    assert model["plan"] == "auto" and model["llm_layers"] == 2
+    assert model["layout"] == blind["layout"] == "enc@llm0 | llm tp1 pp1 dp1"  # one device
+    assert model["steps"] == blind["steps"] == size.model_steps
+    assert model["programs_after_precompile"] == 0 and model["compiles_after_step_1"] == 0
+    assert model["stage_time_mape_raw"] is not None and model["correction_observations"] >= 1
+    mem = model["memory"]
+    assert mem["compiled_gib"] == pytest.approx(
+        mem["compiled_program_gib"] + mem["optimizer_state_gib"]
+    )
+    assert 0 < mem["optimizer_state_gib"] < mem["compiled_gib"] and mem["predicted_gib"] > 0
+    assert mem["measured_peak_gib"] is None  # CPU keeps no allocator statistics
+    # the figures are those of the runs' metrics; the ratio is the two arms' steady tokens/s
+    rows = lambda d: [
+        json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+    ]  # noqa: E731
+    assert model["tokens_per_s"] == pytest.approx(arm_figures(rows("model_run"))["tokens_per_s"])
+    assert blind["dflop_over_blind"] == pytest.approx(model["tokens_per_s"] / blind["tokens_per_s"])
+    # the data-blind arm trains the remat its plan priced: the config's (the profiled model's)
+    plan = yaml.safe_load((tmp_path / "model_blind_plan.yaml").read_text())
+    assert (
+        plan["remat"] == {"vision": "full", "llm": "full"} and plan["search"]["mode"] == "uniform"
+    )
+    assert "DFLOP over data-blind tokens/s" in text
+
+
 def test_unknown_part_is_one_line_error(capsys):
     with pytest.raises(SystemExit) as e:
         gpu.main(["parts=attention,warp"])

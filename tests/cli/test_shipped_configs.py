@@ -57,3 +57,66 @@ def test_the_7b_64_gpu_config_dry_runs_on_cpu(tmp_path):
     assert len(stages) == len(plan["layout"]) >= 2  # every stage of the plan compiled
     for s in stages:  # compiled at real sizes: a 7B model's stage holds GiBs
         assert s["compiled_memory_gib"] > 1 and s["compile_s"] > 0
+
+
+# --- configs/llava_ov_7b_1gpu.yaml: LLaVA-OV-7B's real layers on one 80 GB GPU -------------------
+
+ONE_GPU = REPO / "configs" / "llava_ov_7b_1gpu.yaml"
+KEPT = 5  # the decoder layers the memory model fits on one H100 with the config's data and batch
+
+
+def test_the_1gpu_config_is_the_real_tower_and_the_first_decoder_layers():
+    cfg = load_config(TrainConfig, ONE_GPU)
+    assert (cfg.model.arch, cfg.model.llm_layers_kept, cfg.model.hf_dir) == (
+        "siglip-so400m+qwen2.5-7b", KEPT, "")  # fmt: skip
+    assert cfg.plan == "auto" and cfg.model.attention_impl == "auto"
+    assert (cfg.data.source, cfg.data.synth_mix, cfg.data.tile_px) == ("synthetic", "llava-ov", 384)
+    assert cfg.optimizer.trainable == ("vision", "projector", "llm")  # every part: 16 B/param
+    model_cfg = cfg.model.model_config(0, tile_px=cfg.data.tile_px, patch_size=14,
+                                       compute_dtype=cfg.compute_dtype)  # fmt: skip
+    assert (model_cfg.text.num_layers, model_cfg.vision.num_layers) == (KEPT, 26)
+    assert (model_cfg.text.hidden_size, model_cfg.vision.image_size) == (3584, 384)
+
+
+@pytest.mark.parametrize("layers, fits", [(KEPT, True), (KEPT + 1, False)])
+def test_the_1gpu_config_keeps_as_many_decoder_layers_as_fit_an_h100(tmp_path, layers, fits):
+    """The analytic planner on one H100 (80 GB, 10% kept free), the LLaVA-OV shape mix: the config's
+    cut fits, one more decoder layer does not."""
+    from dflop_jax.config import ConfigError
+    from dflop_jax.planner.explain import PlanningError
+    from dflop_jax.train_plan import abstract_model_config, plan_from_run_dir
+
+    cfg = load_config(TrainConfig, ONE_GPU, [f"model.llm_layers_kept={layers}", "device=h100",
+                                             "num_devices=1", "profile.data_source=llava-ov",
+                                             "profile.data_samples=500", f"run_dir={tmp_path}"])  # fmt: skip
+    model_cfg = abstract_model_config(cfg)
+    if not fits:
+        with pytest.raises((PlanningError, ConfigError), match="no layout fits in memory"):
+            plan_from_run_dir(cfg, model_cfg)
+        return
+    plan = plan_from_run_dir(cfg, model_cfg)
+    assert plan.layout.num_stages == 1 and plan.layout.llm_stages[0].num_layers == KEPT
+    assert max(plan.stage_memory_bytes) <= plan.memory_capacity_bytes
+
+
+# A 7B-wide stage (the SigLIP tower + 5 decoder layers) compiled at real sizes on CPU: about a minute
+# on 2 cores, so in the third tier with the 64-GPU dry run.
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_1gpu_config_dry_runs_on_cpu_with_the_analytic_planner(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dflop_jax.train", "--config", str(ONE_GPU), "--dry-run",
+         "device=h100", "num_devices=1", f"run_dir={tmp_path}",
+         f"data.synth_dir={tmp_path / 'synth'}", "compilation_cache="],
+        capture_output=True, text=True, cwd=REPO, timeout=3600, env=own_devices_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    # plan: auto needs a GPU to profile on: the dry run says it plans analytically instead
+    assert "plans with the analytic costs (plan=analytic)" in out.stdout
+    report = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())
+    assert "analytic" in report["plan_note"]
+    (stage,) = report["layout"]  # one device: the encoder colocated in the one stage
+    assert stage["compiled"]["parts"] == ["encoder+llm"]
+    usable = 80e9 * 0.9 / 2**30  # the h100 preset less planner.memory_margin
+    assert 40 < stage["memory_gib"] <= usable and 40 < stage["compiled_memory_gib"] <= usable
+    assert stage["compiled_memory_gib"] == pytest.approx(stage["memory_gib"], rel=0.15)

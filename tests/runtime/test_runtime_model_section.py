@@ -181,3 +181,116 @@ def test_the_plan_print_names_the_kernels_the_model_runs(kind):
     _print_plan(console, plan, meshes, model_cfg)
     want = "attention: vision=cudnn llm=pallas" if kind != "decoder" else "attention: llm=pallas"
     assert want in console.export_text().splitlines()[-1]
+
+
+# --- model.llm_layers_kept: a real architecture cut to its first decoder layers ----------------------
+
+
+def test_llm_layers_kept_cuts_the_decoder_and_keeps_the_rest():
+    """The arch's first N decoder layers, its whole tower, embedding and head; config.yaml records
+    the cut model (and loads back to it); plan files name it apart from the named architecture."""
+    from dflop_jax.costs import arch_of_model, get_arch
+    from dflop_jax.train_plan import run_name
+
+    name = "siglip-so400m+qwen2.5-7b"
+    whole = ModelConfig(arch=name).model_config(100, tile_px=384, patch_size=14,
+                                                compute_dtype="float32")  # fmt: skip
+    cfg = ModelConfig(arch=name, llm_layers_kept=5)
+    cut = cfg.model_config(100, tile_px=384, patch_size=14, compute_dtype="float32")
+    assert cut.text.num_layers == 5 and whole.text.num_layers == get_arch(name).llm.num_layers == 28
+    assert cut.vision == whole.vision and cut.text.replace(num_layers=28) == whole.text
+    # costs, FLOPs and MFU are the cut model's
+    assert (
+        arch_of_model(cut).llm.num_layers == 5
+        and arch_of_model(cut).vision == arch_of_model(whole).vision
+    )
+    recorded = cfg.with_sizes_of(cut)
+    assert (recorded.num_layers, recorded.llm_layers_kept) == (5, 5)
+    assert recorded.model_config(100, tile_px=384, patch_size=14, compute_dtype="float32") == cut
+    train = from_dict(TrainConfig, {"model": {"arch": name, "llm_layers_kept": 5}})
+    assert run_name(train) == f"{name}-llm5"
+    assert run_name(from_dict(TrainConfig, {"model": {"arch": name}})) == name
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (
+            {"arch": "siglip-so400m+qwen2.5-7b", "llm_layers_kept": 29},
+            r"siglip-so400m\+qwen2.5-7b has 28 decoder layers: keep 1\.\.28",
+        ),
+        ({"arch": "siglip-so400m+qwen2.5-7b", "llm_layers_kept": -1}, r"0 \(every layer\)"),
+        ({"llm_layers_kept": 2}, r"it cuts model.arch or model.hf_dir.*model.num_layers"),
+    ],
+)
+def test_a_bad_llm_layers_kept_is_one_config_error(model, match):
+    with pytest.raises(ConfigError, match=r"^model.llm_layers_kept=-?\d+: " + match):
+        from_dict(TrainConfig, {"model": model})
+
+
+@pytest.mark.hf
+def test_a_cut_hf_checkpoint_loads_its_first_layers_and_its_head(tmp_path):
+    """From an HF directory the cut model's LLM stage holds the checkpoint's first N layers, its
+    embedding, final norm and LM head, bit for bit; the tower is whole; more layers than the
+    checkpoint has is one config error."""
+    pytest.importorskip("transformers")
+    import jax
+    import jax.numpy as jnp
+    import models_fixtures as fx
+    import numpy as np
+
+    from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.runtime.mesh import stage_meshes
+    from dflop_jax.runtime.model_stages import build_stages
+
+    path = str(fx.save_tiny_llava_ov(tmp_path / "ov", layers=5))
+    built = {}
+    for n in (0, 2):
+        cfg = ModelConfig(hf_dir=path, llm_layers_kept=n)
+        model_cfg = cfg.model_config(0, tile_px=28, patch_size=7, compute_dtype="float32")
+        layers = model_cfg.text.num_layers
+        layout = Layout((StageSpec("encoder", 0, 5, 1, 1, has_embedding=True, has_head=True),),
+                        (StageSpec("llm", 0, layers, 1, 1, has_embedding=True, has_head=True),))  # fmt: skip
+        stages = build_stages(model_cfg, layout, stage_meshes(layout), path,
+                              compute_dtype=jnp.float32)  # fmt: skip
+        flat = lambda s: {  # noqa: E731
+            jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(s.params))[0]
+        }
+        built[n] = (layers, [flat(s) for s in stages])
+    (whole_layers, (whole_enc, whole_llm)), (cut_layers, (cut_enc, cut_llm)) = built[0], built[2]
+    assert (whole_layers, cut_layers) == (5, 2)
+    assert cut_enc.keys() == whole_enc.keys()
+    for key, value in cut_enc.items():
+        np.testing.assert_array_equal(value, whole_enc[key], err_msg=key)
+    shorter = 0
+    for key, value in cut_llm.items():
+        want = whole_llm[key]
+        if value.shape != want.shape:  # stacked layers: the first 2 of 5
+            assert (value.shape[0], want.shape[0]) == (2, 5), key
+            want, shorter = want[:2], shorter + 1
+        np.testing.assert_array_equal(value, want, err_msg=key)
+    assert shorter or set(whole_llm) > set(cut_llm)  # the later layers are not there
+    assert any("norm" in k for k in cut_llm) and any("lm_head" in k or "head" in k for k in cut_llm)
+    with pytest.raises(
+        ConfigError, match=r"model.llm_layers_kept=6: the model has 5 decoder layers"
+    ):
+        ModelConfig(hf_dir=path, llm_layers_kept=6).model_config(
+            0, tile_px=28, patch_size=7, compute_dtype="float32"
+        )
+
+
+def test_an_export_of_a_cut_model_leaves_the_later_decoder_layers_out():
+    """The unread source tensors an export copies: not the decoder layers past the cut (the
+    exported config.json says the cut's count); the tower's unread layers and heads stay."""
+    from dflop_jax.runtime.hf_export import without_cut_layers
+
+    lm, vt = "model.language_model.", "model.vision_tower.vision_model.encoder."
+    tensors = {f"{lm}layers.{i}.mlp.up_proj.weight" for i in range(2)} | {
+        f"{vt}layers.{i}.mlp.fc1.weight" for i in range(3)} | {f"{lm}norm.weight", "lm_head.weight"}  # fmt: skip
+    kept = {f"{lm}layers.2.mlp.up_proj.weight": "a", f"{lm}layers.11.self_attn.q_proj.bias": "b",
+            f"{vt}layers.3.mlp.fc1.weight": "c", "model.vision_tower.head.probe": "d",
+            f"{lm}layers.1.extra": "e"}  # fmt: skip
+    assert without_cut_layers(kept, tensors) == {
+        f"{vt}layers.3.mlp.fc1.weight": "c", "model.vision_tower.head.probe": "d",
+        f"{lm}layers.1.extra": "e"}  # fmt: skip
