@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.pipeline_order import stage_order
 from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.runtime.dispatch import ISSUED
 from dflop_jax.runtime.stages import Held, PyTree, StageProgram, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
 
@@ -202,6 +203,7 @@ def run_pipeline(
             sides[s, m] = put(batches[m])
         timed = m == sample and stage.local
         if timed:  # inputs ready first, so only the program is timed
+            ISSUED.note_wait()
             jax.block_until_ready((inputs.get((s, m)), sides.get((s, m)), held.get((s, m)),
                                    cotangents.get((s, m)), grads[s]))  # fmt: skip
             compiles, t0 = stage.compiles, clock()

@@ -73,6 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.runtime.dispatch import STAGE, issue
 
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
@@ -712,10 +713,9 @@ class StageProgram:
         """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
         scalar on the stage's mesh: the loss normalizer of a global batch packed per host."""
         total = put_host(np.float32(0), NamedSharding(self.mesh, P()))
-        with jax.set_mesh(self.mesh):
-            for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
-                placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
-                total = self._count(total, placed)
+        for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
+            placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
+            total = issue(STAGE, self.mesh, self._count, total, placed)
         return total
 
     def zero_grads(self) -> PyTree:
@@ -723,20 +723,18 @@ class StageProgram:
         nothing of the stage is trained)."""
         if not self.trains:
             return prune(self.params, self.trained)  # no leaves: nothing to compile or place
-        return self.jits.zeros(self.params)
+        return issue(STAGE, None, self.jits.zeros, self.params)
 
     def forward(self, x, side) -> jax.Array:
         """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
         self._record("fwd", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.forward(self.params, x, side)
+        return issue(STAGE, self.mesh, self.jits.forward, self.params, x, side)
 
     def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
         """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
         gradients; `totals` (float32[2], replicated on this mesh) is donated."""
         self._record("eval", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.eval_loss(self.params, x, side, totals)
+        return issue(STAGE, self.mesh, self.jits.eval_loss, self.params, x, side, totals)
 
     def forward_train(self, x, side) -> tuple[jax.Array, Held]:
         """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
@@ -744,8 +742,7 @@ class StageProgram:
         if self.jits.forward_residuals is None:
             return self.forward(x, side), Held(None, (x, side))
         self._record("fwd_res", x, side)
-        with jax.set_mesh(self.mesh):
-            y, kept = self.jits.forward_residuals(self.params, x, side)
+        y, kept = issue(STAGE, self.mesh, self.jits.forward_residuals, self.params, x, side)
         return y, Held(signature(x, side), kept)
 
     def backward_from(self, held: Held, gy, gacc) -> tuple[jax.Array | None, PyTree]:
@@ -753,16 +750,15 @@ class StageProgram:
         if held.sig is None:
             return self.backward(*held.values, gy, gacc)
         self._signatures.add(("bwd_res", *held.sig))
-        with jax.set_mesh(self.mesh):
-            return self.jits.backward_residuals(self.params, held.values, gy, gacc, held.sig)
+        jit = self.jits.backward_residuals
+        return issue(STAGE, self.mesh, jit, self.params, held.values, gy, gacc, held.sig)
 
     def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""
         if self.jits.backward is None:
             raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
         self._record("bwd", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.backward(self.params, x, side, gy, gacc)
+        return issue(STAGE, self.mesh, self.jits.backward, self.params, x, side, gy, gacc)
 
     def forward_backward_loss(self, x, side, normalizer, gacc):
         """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams).
@@ -772,5 +768,4 @@ class StageProgram:
         norm = normalizer
         if not isinstance(normalizer, jax.Array):
             norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
-        with jax.set_mesh(self.mesh):
-            return self.jits.last(self.params, x, side, norm, gacc)
+        return issue(STAGE, self.mesh, self.jits.last, self.params, x, side, norm, gacc)

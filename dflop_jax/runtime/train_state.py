@@ -61,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
+from dflop_jax.runtime.dispatch import UPDATE, issue
 from dflop_jax.runtime.stages import (
     PyTree,
     StageProgram,
@@ -392,8 +393,7 @@ class StageOptimizer:
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
         buffer has another shape; the caller drops it)."""
-        with jax.set_mesh(self.stage.mesh):
-            return self._reduce(acc)
+        return issue(UPDATE, self.stage.mesh, self._reduce, acc)
 
     def grad_structs(self) -> PyTree:
         """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in): the ZeRO-1
@@ -410,8 +410,7 @@ class StageOptimizer:
 
     def sq_norm(self, grads: PyTree) -> jax.Array:
         """|grads|^2 (the trained leaves) as a [1] vector, replicated on the stage's mesh."""
-        with jax.set_mesh(self.stage.mesh):
-            return self._sq_norm(grads)
+        return issue(UPDATE, self.stage.mesh, self._sq_norm, grads)
 
     def apply(self, grads: PyTree, stats: jax.Array) -> None:
         """Updates the stage's params and state in place (old buffers donated) from REDUCED gradients
@@ -419,8 +418,8 @@ class StageOptimizer:
         skipped unless applied."""
         trained = self.stage.trained
         params = self.stage.params
-        with jax.set_mesh(self.stage.mesh):
-            new, self.shards = self._update(prune(params, trained), self.shards, grads, stats)
+        new, self.shards = issue(UPDATE, self.stage.mesh, self._update, prune(params, trained),
+                                 self.shards, grads, stats)  # fmt: skip
         self.stage.params = graft(new, prune(params, negate(trained)))
 
 
@@ -513,13 +512,13 @@ def tie_gradients(
         total = leaves[s0][index[s0][p0]]
         for s, p in rest:
             moved = transfer(leaves[s][index[s][p]], total.sharding)
-            total = _add(total, moved) if _holds(total) else total
+            total = issue(UPDATE, None, _add, total, moved) if _holds(total) else total
         for s, p in group:
             j = index[s][p]
             leaves[s][j] = transfer(total, leaves[s][j].sharding)
         scalar = NamedSharding(total.sharding.mesh, P())
         corrections.append(
-            _tie_correction(scalar)(total, len(group))
+            issue(UPDATE, None, _tie_correction(scalar), total, len(group))
             if _holds(total)
             else stand_in((1,), jnp.float32, scalar)
         )
@@ -581,12 +580,12 @@ def apply_updates(
         prev = (
             previous if previous is not None else put_host(np.zeros(len(STATS), np.float32), home)
         )
-        with jax.set_mesh(home.mesh):
-            # the loss summed pairwise from 0 first: one add program for any microbatch count (a
-            # list argument would compile `_combine` once per count)
-            zero = put_host(np.float32(0), home)
-            total = functools.reduce(_add, loss, zero)
-            stats = _combine(parts, total, prev, np.float32(clip_norm))
+        # the loss summed pairwise from 0 first: one add program for any microbatch count (a list
+        # argument would compile `_combine` once per count)
+        total = put_host(np.float32(0), home)
+        for x in loss:
+            total = issue(UPDATE, home.mesh, _add, total, x)
+        stats = issue(UPDATE, home.mesh, _combine, parts, total, prev, np.float32(clip_norm))
     else:
         stats = stand_in((len(STATS),), jnp.float32, home)
     copies = [transfer(stats, opt.scalar) for opt in optimizers]

@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.runtime.dispatch import TRANSFER, issue
+
 AXIS = "u"
 Block = tuple[slice, ...]
 
@@ -196,8 +198,7 @@ class Transfer:
         if not self.participates:
             return stand_in(self.dst_shape, self.dtype, self.dst)
         union = self._union_input(x)
-        with jax.set_mesh(self.mesh):
-            out = self._run(union)
+        out = issue(TRANSFER, self.mesh, self._run, union)
         mine = {s.device: s.data for s in out.addressable_shards}
         shards = [mine[d] for d in self.dst.addressable_devices]
         return jax.make_array_from_single_device_arrays(
@@ -219,7 +220,11 @@ class Transfer:
         """x's local shards plus zero blocks on this process's destination-only devices, as one
         union-mesh array [n * block0, *block[1:]] sharded over "u" (no copy of x)."""
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
-        zeros = dict(zip(self._fill, _blocks(self._zeros(), self._fill))) if self._fill else {}
+        zeros = (
+            dict(zip(self._fill, _blocks(issue(TRANSFER, None, self._zeros), self._fill)))
+            if self._fill
+            else {}
+        )
         blocks = [held[d] if d in held else zeros[d] for d in self._local]
         shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
         sharding = NamedSharding(self.mesh, P(AXIS))
