@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import numpy as np
 from dflop_jax.bench._cli import command, load
 from dflop_jax.config import require
 
-PARTS = ("demo",)
+PARTS = ("demo", "real")
 WARMUP = 2  # first steps left out of the trainer's figures (step 1 compiles its small programs)
 DEMO_LAYOUT = [
     "plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
@@ -179,6 +180,7 @@ def demo_part(out: Path, steps: int, rounds: int) -> dict:
     from dflop_jax.train import run
 
     cfg = demo_config(out, steps)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run (metrics.jsonl is appended to)
     report = run(cfg)
     rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").open()]
     trainer = trainer_figures(rows)
@@ -208,6 +210,96 @@ def _print_demo(rep: dict) -> None:
           f"{f['floor_us_per_program']:.0f} | {f['floor_cpu_us_per_program']:.0f} |")  # fmt: skip
     print(f"path / floor: {f['path_over_floor']:.2f}x wall, {f['path_over_floor_cpu']:.2f}x CPU "
           f"(median of {f['rounds']} rounds of {FLOOR_MICROBATCHES} microbatches)")  # fmt: skip
+
+
+REAL = dict(arch="siglip-so400m+qwen2.5-7b", first=4, layers=4, tp=4, tokens=4096, microbatches=4)
+
+
+def real_part(rounds: int) -> dict:
+    """The Python layers of a real-size stage's dispatch path, each jitted program stubbed by a
+    function that flattens its arguments (as jax does) and returns its outputs' shapes."""
+    import dataclasses as dc
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from dflop_jax.costs.layout import StageSpec
+    from dflop_jax.data.packing import pack_microbatch
+    from dflop_jax.runtime.arch_model import model_config_for_arch
+    from dflop_jax.runtime.dispatch import ISSUED
+    from dflop_jax.runtime.model_stages import abstract_stage
+    from dflop_jax.runtime.stages import StageProgram
+    from dflop_jax.scheduler.types import MicrobatchPlan
+
+    r = REAL
+    model_cfg = model_config_for_arch(r["arch"])
+    spec = StageSpec("llm", r["first"], r["layers"], tp=r["tp"])
+    mesh = Mesh(np.array(jax.devices()[: r["tp"]]).reshape(1, r["tp"]), ("data", "model"))
+    bp = abstract_stage(model_cfg, spec, mesh)
+    stage = StageProgram(mesh, bp.fns, bp.state, jnp.bfloat16, residuals="all")
+    v = model_cfg.vision
+    mb, _ = pack_microbatch(MicrobatchPlan(1, r["tokens"], ((),)), [], [], encoder_dp=1, llm_dp=1,
+                            tile_shape=(v.image_size, v.image_size, v.num_channels),
+                            tokens_per_tile=model_cfg.tokens_per_tile)  # fmt: skip
+    side = stage.side_structs(dc.asdict(mb))
+    hidden = model_cfg.text.hidden_size
+    x = jax.ShapeDtypeStruct((1, r["tokens"], hidden), jnp.bfloat16, sharding=stage.x_sharding)
+    jits = stage.jits
+    with jax.set_mesh(mesh):  # traced, not compiled
+        y, kept = jax.eval_shape(jits.forward_residuals, stage.leaves, x, side)
+        accs = jax.eval_shape(jits.zeros.jit, stage.leaves)
+    gx = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
+
+    params, acc_tree = stage.params, jits.zeros.outs
+
+    acc = acc_tree.unflatten(accs)
+
+    def stub(out, trees: bool, acc_in: bool, acc_out: bool):
+        def program(*args):
+            jax.tree.flatten(args)  # what jax's own call does first
+            if trees:  # as when the parameter and accumulator trees crossed the jit boundary
+                jax.tree.flatten((params, acc) if acc_in else params)
+                if acc_out:
+                    acc_tree.unflatten(accs)
+            return out
+
+        return program
+
+    def step():
+        acc = stage.zero_grads()
+        held = [stage.forward_train(x, side) for _ in range(r["microbatches"])]
+        for _, h in held:
+            _, acc = stage.backward_from(h, y, acc)
+
+    out = {**r, "param_leaves": len(stage.leaves), "accumulator_leaves": len(accs),
+           "residual_leaves": len(kept), "side_inputs": len(side)}  # fmt: skip
+    for name, trees in (("", False), ("trees_", True)):
+        jits.zeros.jit = stub(accs, trees, False, True)
+        jits.forward_residuals.jit = stub((y, kept), trees, False, False)
+        jits.backward_residuals.jit = stub((gx, accs), trees, True, True)
+        times = []
+        for _ in range(rounds + 1):
+            before = ISSUED.snapshot()
+            times.append(_times(step))
+            calls = sum(ISSUED.snapshot()) - sum(before)
+        for i, unit in ((0, "us"), (1, "cpu_us")):
+            out[f"{name}{unit}_per_call"] = (
+                float(np.median([t[i] for t in times[1:]])) / calls * 1e6
+            )
+    return dict(out, calls=calls)
+
+
+def _print_real(rep: dict) -> None:
+    print(f"\n## real-size stage: {rep['arch']} LLM layers {rep['first']}..."
+          f"{rep['first'] + rep['layers'] - 1} at tp {rep['tp']}, {rep['tokens']} tokens, "
+          f"{rep['microbatches']} microbatches; programs stubbed (our layers only)")  # fmt: skip
+    print(f"{rep['param_leaves']} parameter leaves, {rep['accumulator_leaves']} accumulator leaves, "
+          f"{rep['residual_leaves']} residual leaves, {rep['side_inputs']} side inputs: "
+          f"{rep['calls']} calls per round, {rep['us_per_call']:.1f} us per call "
+          f"(CPU {rep['cpu_us_per_call']:.1f}); with the parameter and accumulator trees "
+          f"flattened and rebuilt per call (as before they crossed as leaves): "
+          f"{rep['trees_us_per_call']:.1f} us (CPU {rep['trees_cpu_us_per_call']:.1f})")  # fmt: skip
 
 
 COMMAND = command(
@@ -250,6 +342,9 @@ def run(cfg: DispatchBenchConfig) -> dict:
     if "demo" in cfg.parts:
         report["demo"] = demo_part(out.resolve(), cfg.steps, cfg.rounds)
         _print_demo(report["demo"])
+    if "real" in cfg.parts:
+        report["real"] = real_part(cfg.rounds)
+        _print_real(report["real"])
     if cfg.json_out:
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_out).write_text(json.dumps(report, indent=1))
