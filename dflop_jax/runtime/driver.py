@@ -35,6 +35,7 @@ process holds and skips the rest, so programs sharing devices are issued in one 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -46,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.pipeline_order import stage_order
 from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.runtime.dispatch import ISSUED
 from dflop_jax.runtime.stages import Held, PyTree, StageProgram, put_host
 from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
 
@@ -70,6 +72,11 @@ def stage_ops(
     if stage == num_stages - 1 or not backward:
         return [Op(stage, m, "F") for m in range(num_mb)]
     return [Op(stage, m, kind) for kind, m in stage_order(order, stage, num_stages, num_mb)]
+
+
+@functools.cache
+def _order(num_stages: int, num_mb: int, order: Order, forward_only: int) -> tuple[Op, ...]:
+    return tuple(pipeline_order(num_stages, num_mb, order, forward_only))
 
 
 def pipeline_order(num_stages: int, num_mb: int, order: Order, forward_only: int = 0) -> list[Op]:
@@ -125,8 +132,9 @@ class StepOutput:
     Attributes:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
-      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only: frozen
-        ones None, `stages.prune`), on each stage's mesh (None for non-local stages).
+      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only:
+        `stages.accumulator_structs`), as the accumulator's leaves (`StageProgram.zero_grads`), on
+        each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
         sampled microbatch's row filled; the last stage's fused forward+backward program is reported
@@ -192,7 +200,7 @@ def run_pipeline(
     measure = sample is not None
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
     valid = np.arange(num_mb) == sample if measure else None
-    for op in pipeline_order(num_stages, num_mb, order, forward_only):
+    for op in _order(num_stages, num_mb, order, forward_only):  # the same every such step
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F" and placed is not None and stage.local:
@@ -202,6 +210,7 @@ def run_pipeline(
             sides[s, m] = put(batches[m])
         timed = m == sample and stage.local
         if timed:  # inputs ready first, so only the program is timed
+            ISSUED.note_wait()
             jax.block_until_ready((inputs.get((s, m)), sides.get((s, m)), held.get((s, m)),
                                    cotangents.get((s, m)), grads[s]))  # fmt: skip
             compiles, t0 = stage.compiles, clock()
@@ -226,7 +235,7 @@ def run_pipeline(
             nxt = stages[s + 1]
             inputs[s + 1, m], n = _send(y, nxt.x_struct(y))
             if nxt.input_grad:
-                outputs[s, m] = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
+                outputs[s, m] = stage.y_struct(y)
         elif stage.input_grad:  # dL/dx goes back to the previous stage's output
             cotangents[s - 1, m], n = _send(gx, outputs.pop((s - 1, m)))
         else:
@@ -332,7 +341,7 @@ def _forward_train(stage: StageProgram, x, side) -> tuple[jax.Array, Held]:
 
 
 def _backward(stage: StageProgram, held: Held, gy, gacc):
-    """(dL/dx or None, gacc + dL/dparams); non-local: (dL/dx's shape or None, None)."""
+    """(dL/dx or None, gacc + dL/dparams, as leaves); non-local: (dL/dx's shape or None, None)."""
     if stage.local:
         return stage.backward_from(held, gy, gacc)
     return _like_x(stage, held.values[0]), None

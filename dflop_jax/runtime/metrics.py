@@ -69,6 +69,15 @@ class StepMetrics:
       correction_observations, correction_active, new_observations: the correction's state as the
         batch was scheduled (with the observations of steps <= step - 1 - prefetch).
       dispatch_s: host seconds the trainer spent issuing the step (it does not wait for it).
+      dispatch_cpu_s: CPU seconds of the dispatching thread in that time (its own work: Python and
+        jax's dispatch; dispatch_s adds what it waited for, e.g. cores busy running programs).
+      dispatch_programs, dispatch_stage_programs, dispatch_transfer_programs,
+        dispatch_update_programs: programs the step issued, all and by kind (`runtime/dispatch.py`:
+        stage programs, transfer programs, the update's programs).
+      dispatch_us_per_program, dispatch_cpu_us_per_program: dispatch_s and dispatch_cpu_s per
+        program issued, in microseconds.
+      dispatch_first_wait_s: seconds from the dispatch's start to the first time it waited on a
+        device (a measured step's sampled microbatch); dispatch_s when it never waited.
       wall_s: seconds between the previous step's end and this one's (its data wait included when
         the batch was late); step_time_s leaves a late batch's wait out.
       update_skipped: the loss or the gradients were not finite: the update was skipped on device.
@@ -111,6 +120,14 @@ class StepMetrics:
     correction_active: bool
     new_observations: int
     dispatch_s: float = 0.0
+    dispatch_cpu_s: float = 0.0
+    dispatch_programs: int = 0
+    dispatch_stage_programs: int = 0
+    dispatch_transfer_programs: int = 0
+    dispatch_update_programs: int = 0
+    dispatch_us_per_program: float = 0.0
+    dispatch_cpu_us_per_program: float = 0.0
+    dispatch_first_wait_s: float = 0.0
     wall_s: float = 0.0
     update_skipped: bool = False
     skipped_steps: int = 0
@@ -177,6 +194,25 @@ def step_metrics(
         new_observations=correction["observations"] - observed_before,
         **update,
     )
+
+
+def dispatch_metrics(
+    seconds: float, cpu_s: float, issued: Sequence[int], first_wait_s: float | None
+) -> dict[str, Any]:
+    """The `StepMetrics` dispatch fields of a step issued in `seconds` (wall; `cpu_s` of the
+    dispatching thread) that issued `issued` programs per kind (stage, transfer, update:
+    `runtime.dispatch.KINDS`) and first waited on a device `first_wait_s` after its start (None:
+    never)."""
+    n = sum(issued)
+    stage, moved, update = issued
+    return dict(
+        dispatch_s=seconds, dispatch_cpu_s=cpu_s, dispatch_programs=n,
+        dispatch_stage_programs=stage, dispatch_transfer_programs=moved,
+        dispatch_update_programs=update,
+        dispatch_us_per_program=seconds / n * 1e6 if n else 0.0,
+        dispatch_cpu_us_per_program=cpu_s / n * 1e6 if n else 0.0,
+        dispatch_first_wait_s=seconds if first_wait_s is None else first_wait_s,
+    )  # fmt: skip
 
 
 def real_work(batch: GlobalBatch, has_encoder: bool) -> list[tuple[int, int]]:
@@ -254,6 +290,12 @@ class MetricsLog:
             "llm_padding_ratio_mean": mean("llm_padding_ratio"),
             "scheduler_latency_s_mean": mean("scheduler_latency_s"),
             "data_wait_s_mean": mean("data_wait_s"),
+            # Host time issuing a step, per program issued (`runtime/dispatch.py`): wall and the
+            # dispatching thread's CPU time.
+            "dispatch_s_mean": mean("dispatch_s"),
+            "dispatch_programs_mean": mean("dispatch_programs"),
+            "dispatch_us_per_program_mean": mean("dispatch_us_per_program"),
+            "dispatch_cpu_us_per_program_mean": mean("dispatch_cpu_us_per_program"),
             "predicted_step_time_s_mean": mean("predicted_step_time_s"),
             "skipped_samples": sum(r.skipped for r in self.history),
             # Adaptive correction at the end of the run: stage-time MAPE of the raw cost model and

@@ -56,6 +56,12 @@ counts the distinct signatures seen, called or lowered ahead (`StageProgram.lowe
 runs for every bucket before step 1: `runtime/precompile.py`), which is the number of XLA
 compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
 shardings and dtypes are fixed here).
+
+Dispatch: each program is a `LeafProgram` (`runtime/leaf_program.py`): the parameter and accumulator
+trees cross the jit boundary as lists of leaves. `StageProgram` keeps its parameters' leaves
+(`leaves`, flattened when the parameters are set) and passes the accumulator as leaves from
+`zero_grads` to the last backward of a step, so a call flattens no tree; its programs are issued
+through `runtime.dispatch.issue` (counted per step).
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.runtime.dispatch import STAGE, issue
+from dflop_jax.runtime.leaf_program import LeafProgram
+from dflop_jax.runtime.trees import (  # noqa: F401  (re-exported: callers import them from here)
+    accumulator_sharding,
+    accumulator_structs,
+    all_trained,
+    cast_floating,
+    graft,
+    negate,
+    prune,
+)
 
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
@@ -149,42 +166,11 @@ class StageFns:
         return self.side_keys + optional
 
 
-def _is_none(x) -> bool:
-    return x is None
-
-
-def prune(tree: PyTree, keep: PyTree | None) -> PyTree:
-    """`tree` with the leaves where `keep` (a bool tree of the same structure) is False replaced by
-    None, an empty subtree: what jax sees of it is the kept leaves only. keep None keeps all."""
-    if keep is None:
-        return tree
-    return jax.tree.map(lambda a, k: a if k else None, tree, keep)
-
-
-def graft(trained: PyTree, frozen: PyTree) -> PyTree:
-    """The whole tree from its two `prune`d halves (each leaf from the half that holds it)."""
-    return jax.tree.map(lambda t, f: f if t is None else t, trained, frozen, is_leaf=_is_none)
-
-
-def negate(keep: PyTree) -> PyTree:
-    return jax.tree.map(lambda k: not k, keep)
-
-
-def all_trained(params: PyTree) -> PyTree:
-    """The `trained` mask of a stage that trains every leaf."""
-    return jax.tree.map(lambda _: True, params)
-
-
-def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
-    """Casts the floating leaves of `tree` to `dtype` (integer leaves untouched)."""
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class StageJits:
-    """The jitted programs of one stage (jit compiles lazily: a program never called is never built).
+    """The jitted programs of one stage (jit compiles lazily: a program never called is never built),
+    each a `LeafProgram`: called (or lowered) with the parameter and accumulator trees as below, or
+    through its `jit` with their leaves.
 
     Attributes:
       forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
@@ -240,30 +226,6 @@ def _local_spec(spec: P | None) -> P | None:
 def _only_data(entry):
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     return "data" if "data" in names else None
-
-
-def accumulator_sharding(param_sharding: NamedSharding) -> NamedSharding:
-    """The accumulator of a param: a leading data-replica axis over "data", the param's spec after."""
-    spec = tuple(param_sharding.spec)
-    if any(_only_data(e) for e in spec):
-        raise ValueError(
-            f"a parameter sharded over 'data' ({param_sharding.spec}) is not supported"
-        )
-    return NamedSharding(param_sharding.mesh, P("data", *spec))
-
-
-def accumulator_structs(params: PyTree, trained: PyTree | None = None) -> PyTree:
-    """Abstract per-replica gradient accumulator of `params` (leaves with shardings): fp32 leaves of
-    shape (dp, *param.shape), replica r's gradient sum at [r]; only the `trained` leaves (a bool tree
-    like `params`, None = all), the frozen ones are None (`prune`)."""
-
-    def leaf(a):
-        dp = a.sharding.mesh.shape["data"]
-        return jax.ShapeDtypeStruct(
-            (dp, *a.shape), jnp.float32, sharding=accumulator_sharding(a.sharding)
-        )
-
-    return jax.tree.map(leaf, prune(params, trained))
 
 
 def stage_jits(
@@ -455,44 +417,60 @@ def stage_jits(
         loss_sum, count = apply(params, gather(x), side)
         return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
 
+    pt, at = jax.tree.structure(ps), jax.tree.structure(accs)  # params, accumulator
     return StageJits(
-        forward=jax.jit(
+        forward=LeafProgram(
             lambda params, x, side: apply(params, gather(x), side),
+            (pt, None, None),
+            None,
             in_shardings=(ps, xs, side_s),
             out_shardings=ys,
         ),
-        backward=jax.jit(
+        backward=LeafProgram(
             bwd,
+            (pt, None, None, None, at),
+            (None, at),
             in_shardings=(ps, xs, side_s, ys, accs),
             out_shardings=(gxs, accs),
             donate_argnums=(4,),
         )
         if role.has_backward
         else None,
-        last=jax.jit(
+        last=LeafProgram(
             last,
+            (pt, None, None, None, at),
+            (None, None, None, at),
             in_shardings=(ps, xs, side_s, scalar, accs),
             out_shardings=(scalar, scalar, gxs, accs),
             donate_argnums=(4,),
         ),
-        zeros=jax.jit(
+        zeros=LeafProgram(
             lambda p: jax.tree.map(
                 lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, trained)
             ),
+            (pt,),
+            at,
             in_shardings=(ps,),
             out_shardings=accs,
         ),
         eval_loss=None
         if fns.loss is None
-        else jax.jit(
+        else LeafProgram(
             eval_loss,
+            (pt, None, None, None),
+            None,
             in_shardings=(ps, xs, side_s, scalar),
             out_shardings=scalar,
             donate_argnums=(3,),
         ),
-        forward_residuals=jax.jit(fwd_res) if saves else None,
-        backward_residuals=jax.jit(
-            bwd_res, static_argnums=(4,), out_shardings=(gxs, accs), donate_argnums=(3,)
+        forward_residuals=LeafProgram(fwd_res, (pt, None, None), (None, None)) if saves else None,
+        backward_residuals=LeafProgram(
+            bwd_res,
+            (pt, None, None, at, None),
+            (None, at),
+            static_argnums=(4,),
+            out_shardings=(gxs, accs),
+            donate_argnums=(3,),
         )
         if saves
         else None,
@@ -561,6 +539,11 @@ class StageProgram:
         self.params = params
         self.compute_dtype = compute_dtype
         self.trained = all_trained(params) if trained is None else trained
+        # per parameter leaf (`leaves` order): trained or not
+        self.trained_leaves = tuple(bool(k) for k in jax.tree.leaves(self.trained))
+        self.trains = any(self.trained_leaves)
+        me = jax.process_index()
+        self.local = any(d.process_index == me for d in mesh.devices.flat)
         self.role = role
         self.input_grad = role.input_grad and fns.x_spec is not None
         self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
@@ -571,8 +554,11 @@ class StageProgram:
             mesh, fns, self.param_shardings, compute_dtype, trained, role, residuals
         )
         self._signatures: set[tuple] = set()
+        self._seen: dict[tuple, tuple] = {}  # (kind, shapes and dtypes) -> its `signature`
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
+        self._x_structs: dict[tuple, jax.ShapeDtypeStruct] = {}
         scalar = NamedSharding(mesh, P())
+        self._zero = None  # a 0.0 on `scalar`, placed once (`loss_tokens`)
         self._count = jax.jit(
             lambda total, mask: total + jnp.sum(mask, dtype=jnp.float32),
             in_shardings=(scalar, self.side_sharding),
@@ -580,10 +566,26 @@ class StageProgram:
         )
 
     @property
-    def local(self) -> bool:
-        """True when this process holds a device of the stage's mesh (it runs the stage's programs)."""
-        me = jax.process_index()
-        return any(d.process_index == me for d in self.mesh.devices.flat)
+    def params(self) -> PyTree:
+        """The fp32 parameters (a tree like the one given). The programs take them as `leaves`
+        (flattened once, when set: `set_leaves` after an update); the tree is rebuilt on reading."""
+        if self._params is None:
+            self._params = self._treedef.unflatten(self._leaves)
+        return self._params
+
+    @params.setter
+    def params(self, value: PyTree) -> None:
+        self._params = value
+        self._leaves, self._treedef = jax.tree.flatten(value)
+
+    @property
+    def leaves(self) -> list:
+        """The parameters' leaves (`jax.tree.leaves(params)` order), as the programs take them."""
+        return self._leaves
+
+    def set_leaves(self, leaves: Sequence) -> None:
+        """Replaces the parameters by `leaves` (same order, shapes and shardings)."""
+        self._leaves, self._params = list(leaves), None
 
     @property
     def is_last(self) -> bool:
@@ -599,6 +601,9 @@ class StageProgram:
         transfer delivers x as this; dL/dx goes back to y's shape. An x the stage regathers
         (`x_compute_spec`: the MLLM's features, in row blocks) must split evenly: end padding
         would shift its blocks, so a microbatch packed for another layout is refused here."""
+        key = (y.shape, y.dtype)
+        if key in self._x_structs:
+            return self._x_structs[key]
         shape = boundary_shape(y.shape, self.x_sharding)
         if shape != tuple(y.shape) and self.fns.x_compute_spec is not None:
             raise ValueError(
@@ -606,12 +611,15 @@ class StageProgram:
                 f"on a {dict(self.mesh.shape)} mesh: a microbatch packed for another layout? "
                 "(tiles packed by row: blocks of `contracts.row_tile_slots` tiles per row)"
             )
-        return jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
+        out = self._x_structs[key] = jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
+        return out
 
-    @property
-    def trains(self) -> bool:
-        """Whether any of the stage's parameters is trained (it has a gradient accumulator)."""
-        return bool(jax.tree.leaves(prune(self.params, self.trained)))
+    def y_struct(self, y) -> jax.ShapeDtypeStruct:
+        """`y`'s shape and dtype on `y_sharding` (where dL/dy goes back to), made once per shape."""
+        key = (y.shape, y.dtype, None)
+        if key not in self._x_structs:
+            self._x_structs[key] = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=self.y_sharding)
+        return self._x_structs[key]
 
     @property
     def has_backward(self) -> bool:
@@ -634,8 +642,17 @@ class StageProgram:
         """The residual policy: what `forward_train` keeps for the backward (`RESIDUAL_POLICIES`)."""
         return self.jits.residuals
 
-    def _record(self, kind: str, x, side) -> None:
-        self._signatures.add((kind, *signature(x, side)))
+    def _record(self, kind: str, x, side) -> tuple:
+        """Records that program `kind` runs on (x, side) (`signatures`); returns their
+        `signature`, computed once per shapes and dtypes (a call looks it up by the arrays' own)."""
+        xs = None if x is None else (x.shape, x.dtype)
+        key = (kind, xs, tuple([(k, a.shape, a.dtype) for k, a in side.items()]))
+        sig = self._seen.get(key)
+        if sig is None:
+            sig = self._seen[key] = signature(x, side)
+            if kind != "shape":  # `output_struct`'s trace, not a program
+                self._signatures.add((kind, *sig))
+        return sig
 
     def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
@@ -651,10 +668,10 @@ class StageProgram:
     def output_struct(self, x, side) -> jax.ShapeDtypeStruct:
         """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
         (once per input signature)."""
-        key = signature(x, side)
+        key = self._record("shape", x, side)
         if key not in self._outputs:
             with jax.set_mesh(self.mesh):
-                out = jax.eval_shape(self.jits.forward, self.params, x, side)
+                out = jax.eval_shape(self.jits.forward, self._leaves, x, side)
             self._outputs[key] = jax.ShapeDtypeStruct(
                 out.shape, out.dtype, sharding=self.y_sharding
             )
@@ -676,7 +693,7 @@ class StageProgram:
             if (kind, *sig) in self._signatures:
                 return
             self._record(kind, x, side)
-            out.append(Lowering(kind, jit.lower(self.params, *args), then))
+            out.append(Lowering(kind, jit.lower(self._leaves, *args), then))
 
         with jax.set_mesh(self.mesh):
             if self.is_last:
@@ -697,7 +714,7 @@ class StageProgram:
                 _, kept = forward.out_info
                 self._signatures.add(("bwd_res", *sig))
                 with jax.set_mesh(self.mesh):
-                    bwd = self.jits.backward_residuals.lower(self.params, kept, y, accs, sig)
+                    bwd = self.jits.backward_residuals.lower(self._leaves, kept, y, accs, sig)
                 return [Lowering("bwd_res", bwd)]
 
             if self.jits.forward_residuals is not None:
@@ -711,66 +728,73 @@ class StageProgram:
     def loss_tokens(self, masks: list[np.ndarray]) -> jax.Array:
         """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
         scalar on the stage's mesh: the loss normalizer of a global batch packed per host."""
-        total = put_host(np.float32(0), NamedSharding(self.mesh, P()))
-        with jax.set_mesh(self.mesh):
-            for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
-                placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
-                total = self._count(total, placed)
+        if self._zero is None:  # not donated: one placed 0.0 serves every step
+            self._zero = put_host(np.float32(0), NamedSharding(self.mesh, P()))
+        total = self._zero
+        for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
+            placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
+            total = issue(STAGE, self.mesh, self._count, total, placed)
         return total
 
-    def zero_grads(self) -> PyTree:
-        """A zero accumulator of the trained leaves (`accumulator_structs`; no arrays at all when
-        nothing of the stage is trained)."""
+    def zero_grads(self) -> list:
+        """A zero accumulator of the trained leaves (`accumulator_structs`), as its leaves (what
+        the backward programs take and return; none when nothing of the stage is trained)."""
         if not self.trains:
-            return prune(self.params, self.trained)  # no leaves: nothing to compile or place
-        return self.jits.zeros(self.params)
+            return []  # no leaves: nothing to compile or place
+        return issue(STAGE, None, self.jits.zeros.jit, self._leaves)
 
     def forward(self, x, side) -> jax.Array:
         """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
         self._record("fwd", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.forward(self.params, x, side)
+        return issue(STAGE, self.mesh, self.jits.forward.jit, self._leaves, x, side)
 
     def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
         """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
         gradients; `totals` (float32[2], replicated on this mesh) is donated."""
         self._record("eval", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.eval_loss(self.params, x, side, totals)
+        return issue(STAGE, self.mesh, self.jits.eval_loss.jit, self._leaves, x, side, totals)
 
     def forward_train(self, x, side) -> tuple[jax.Array, Held]:
         """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
         saved residuals, or under "recompute" the stage input and side arrays."""
         if self.jits.forward_residuals is None:
             return self.forward(x, side), Held(None, (x, side))
-        self._record("fwd_res", x, side)
-        with jax.set_mesh(self.mesh):
-            y, kept = self.jits.forward_residuals(self.params, x, side)
-        return y, Held(signature(x, side), kept)
+        sig = self._record("fwd_res", x, side)
+        y, kept = issue(STAGE, self.mesh, self.jits.forward_residuals.jit, self._leaves, x, side)
+        return y, Held(sig, kept)
 
-    def backward_from(self, held: Held, gy, gacc) -> tuple[jax.Array | None, PyTree]:
-        """The backward of the microbatch whose `forward_train` gave `held`; `gacc` is donated."""
+    def backward_from(self, held: Held, gy, gacc: list) -> tuple[jax.Array | None, list]:
+        """The backward of the microbatch whose `forward_train` gave `held`: (dL/dx or None, the
+        accumulator's leaves + dL/dparams); `gacc` (leaves, `zero_grads`) is donated."""
         if held.sig is None:
-            return self.backward(*held.values, gy, gacc)
-        self._signatures.add(("bwd_res", *held.sig))
-        with jax.set_mesh(self.mesh):
-            return self.jits.backward_residuals(self.params, held.values, gy, gacc, held.sig)
+            x, side = held.values
+            return self._backward(x, side, gy, gacc)
+        key = ("bwd_res", held.sig)
+        if key not in self._seen:
+            self._seen[key] = held.sig
+            self._signatures.add(("bwd_res", *held.sig))
+        jit = self.jits.backward_residuals.jit
+        return issue(STAGE, self.mesh, jit, self._leaves, held.values, gy, gacc, held.sig)
 
-    def backward(self, x, side, gy, gacc) -> tuple[jax.Array | None, PyTree]:
-        """Returns (dL/dx or None, gacc + dL/dparams); `gacc` is donated."""
+    def backward(self, x, side, gy, gacc: PyTree) -> tuple[jax.Array | None, PyTree]:
+        """Returns (dL/dx or None, gacc + dL/dparams) with the accumulator as a tree (`gacc`: its
+        tree or its leaves, donated)."""
+        gx, acc = self._backward(x, side, gy, jax.tree.leaves(gacc))
+        return gx, self.jits.backward.outs[1].unflatten(acc)
+
+    def _backward(self, x, side, gy, gacc: list) -> tuple[jax.Array | None, list]:
         if self.jits.backward is None:
             raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
         self._record("bwd", x, side)
-        with jax.set_mesh(self.mesh):
-            return self.jits.backward(self.params, x, side, gy, gacc)
+        return issue(STAGE, self.mesh, self.jits.backward.jit, self._leaves, x, side, gy, gacc)
 
-    def forward_backward_loss(self, x, side, normalizer, gacc):
-        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, gacc + dL/dparams).
+    def forward_backward_loss(self, x, side, normalizer, gacc: list):
+        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, the
+        accumulator's leaves + dL/dparams); `gacc` (leaves, `zero_grads`) is donated.
 
         `normalizer`: a number, or a replicated scalar on this mesh (`loss_tokens`)."""
         self._record("last", x, side)
         norm = normalizer
         if not isinstance(normalizer, jax.Array):
             norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
-        with jax.set_mesh(self.mesh):
-            return self.jits.last(self.params, x, side, norm, gacc)
+        return issue(STAGE, self.mesh, self.jits.last.jit, self._leaves, x, side, norm, gacc)

@@ -61,7 +61,9 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.config import require
 from dflop_jax.costs.layout import StageSpec
 from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
+from dflop_jax.runtime.dispatch import UPDATE, issue
 from dflop_jax.runtime.stages import (
+    LeafProgram,
     PyTree,
     StageProgram,
     accumulator_sharding,
@@ -208,6 +210,12 @@ def _tie_correction(scalar: NamedSharding):
     )
 
 
+@functools.cache
+def _zero(sharding: NamedSharding) -> jax.Array:
+    """0.0 placed on `sharding` once (never donated: every step starts its loss sum from it)."""
+    return put_host(np.float32(0), sharding)
+
+
 STATS = ("loss", "grad_norm", "applied", "skipped_steps", "clip_norm")
 """Fields of the per-step statistics vector `apply_updates` leaves on the last stage's mesh."""
 
@@ -269,6 +277,7 @@ class StageOptimizer:
             in_shardings=(view_shardings,),
             out_shardings=self.state_shardings,
         )
+        self._state_tree = jax.tree.structure(abstract)
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
         self.shards = (
             self._fresh()
@@ -281,10 +290,20 @@ class StageOptimizer:
         )
         accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
         grad_layout = prune(self.layout, trained)
-        self._reduce = jax.jit(
+        # The per-step programs take and return trees as their leaves (`stages.LeafProgram`).
+        at, gt = jax.tree.structure(accs), jax.tree.structure(self.grad_shardings)
+        pt, st = jax.tree.structure(prune(ps, trained)), self._state_tree
+        self.trains = bool(jax.tree.leaves(self.grad_shardings))
+        self._grad_structs = jax.tree.map(
+            lambda lay: jax.ShapeDtypeStruct(lay.padded, jnp.float32, sharding=lay.sharding),
+            grad_layout,
+        )
+        self._reduce = LeafProgram(
             lambda acc: jax.tree.map(
                 lambda a, lay: jnp.sum(pad(a, lay.padded), axis=0), acc, grad_layout
             ),
+            (at,),
+            gt,
             in_shardings=(accs,),
             out_shardings=self.grad_shardings,
         )
@@ -295,8 +314,10 @@ class StageOptimizer:
                 (jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros((), jnp.float32)
             ).reshape(1)
 
-        self._sq_norm = jax.jit(
+        self._sq_norm = LeafProgram(
             sq_norm,
+            (gt,),
+            None,
             in_shardings=(self.grad_shardings,),
             out_shardings=scalar,
         )
@@ -304,12 +325,26 @@ class StageOptimizer:
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
         update = functools.partial(_guarded_update, tx, grad_layout,
                                    prune(padded, frozen), trained)  # fmt: skip
-        self._update = jax.jit(
+        self._update = LeafProgram(
             update,
+            (pt, st, gt, None),
+            (pt, st),
             in_shardings=(prune(ps, trained), self.state_shardings, self.grad_shardings, scalar),
             out_shardings=(prune(ps, trained), self.state_shardings),
             donate_argnums=(0, 1),
         )
+
+    @property
+    def shards(self) -> PyTree:
+        """The live optimizer state in the ZeRO-1 layout (padded leaves padded). The update takes
+        it as leaves (`shard_leaves`); the tree is rebuilt on reading."""
+        if self._shards is None:
+            self._shards = self._state_tree.unflatten(self.shard_leaves)
+        return self._shards
+
+    @shards.setter
+    def shards(self, value: PyTree) -> None:
+        self._shards, self.shard_leaves = value, jax.tree.leaves(value)
 
     def _over_state(self, state: PyTree, params_fn, other=None) -> PyTree:
         """`params_fn(leaf, its param's Zero1Leaf)` over the state's param-shaped leaves (moments),
@@ -392,36 +427,44 @@ class StageOptimizer:
     def reduce(self, acc: PyTree) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
         buffer has another shape; the caller drops it)."""
-        with jax.set_mesh(self.stage.mesh):
-            return self._reduce(acc)
+        return issue(UPDATE, self.stage.mesh, self._reduce, acc)
+
+    def reduce_leaves(self, acc: list) -> list:
+        """`reduce` of the accumulator's leaves (`StageProgram.zero_grads`), as the gradient's
+        leaves (`grad_tree` makes them a tree)."""
+        return issue(UPDATE, self.stage.mesh, self._reduce.jit, acc)
+
+    def grad_tree(self, leaves: list) -> PyTree:
+        """The reduced gradient's tree (`grad_structs`'s) of its leaves."""
+        return self._reduce.outs.unflatten(leaves)
 
     def grad_structs(self) -> PyTree:
         """Shapes and shardings of `reduce`'s output (a non-local stage's stand-in): the ZeRO-1
         layout's, padded where a leaf has no axis that its tp x dp divides."""
-        return jax.tree.map(
-            lambda lay: jax.ShapeDtypeStruct(lay.padded, jnp.float32, sharding=lay.sharding),
-            prune(self.layout, self.stage.trained),
-        )
+        return self._grad_structs
 
     @property
-    def trains(self) -> bool:
-        """Whether the stage has trained leaves (a gradient to reduce and to count in the norm)."""
-        return bool(jax.tree.leaves(self.grad_shardings))
+    def grad_leaves(self) -> list:
+        """`grad_structs`'s leaves."""
+        return jax.tree.leaves(self._grad_structs)
 
     def sq_norm(self, grads: PyTree) -> jax.Array:
-        """|grads|^2 (the trained leaves) as a [1] vector, replicated on the stage's mesh."""
-        with jax.set_mesh(self.stage.mesh):
-            return self._sq_norm(grads)
+        """|grads|^2 (the trained leaves; a tree or its leaves) as a [1] vector, replicated on the
+        stage's mesh."""
+        return issue(UPDATE, self.stage.mesh, self._sq_norm.jit, jax.tree.leaves(grads))
 
     def apply(self, grads: PyTree, stats: jax.Array) -> None:
         """Updates the stage's params and state in place (old buffers donated) from REDUCED gradients
         (`reduce`) and the step's `STATS` vector on this stage's mesh: clipped by its global norm,
-        skipped unless applied."""
-        trained = self.stage.trained
-        params = self.stage.params
-        with jax.set_mesh(self.stage.mesh):
-            new, self.shards = self._update(prune(params, trained), self.shards, grads, stats)
-        self.stage.params = graft(new, prune(params, negate(trained)))
+        skipped unless applied. `grads`: a tree or its leaves."""
+        stage = self.stage
+        leaves, mask = stage.leaves, stage.trained_leaves
+        trained = [a for a, k in zip(leaves, mask) if k]
+        args = (trained, self.shard_leaves, jax.tree.leaves(grads), stats)
+        new, state = issue(UPDATE, stage.mesh, self._update.jit, *args)
+        self._shards, self.shard_leaves = None, state
+        it = iter(new)
+        stage.set_leaves([next(it) if k else a for a, k in zip(leaves, mask)])
 
 
 def _masked(x) -> bool:
@@ -513,13 +556,13 @@ def tie_gradients(
         total = leaves[s0][index[s0][p0]]
         for s, p in rest:
             moved = transfer(leaves[s][index[s][p]], total.sharding)
-            total = _add(total, moved) if _holds(total) else total
+            total = issue(UPDATE, None, _add, total, moved) if _holds(total) else total
         for s, p in group:
             j = index[s][p]
             leaves[s][j] = transfer(total, leaves[s][j].sharding)
         scalar = NamedSharding(total.sharding.mesh, P())
         corrections.append(
-            _tie_correction(scalar)(total, len(group))
+            issue(UPDATE, None, _tie_correction(scalar), total, len(group))
             if _holds(total)
             else stand_in((1,), jnp.float32, scalar)
         )
@@ -564,12 +607,14 @@ def apply_updates(
     # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
     # A stage with nothing trained has no gradient: no reduction, no norm (its update still runs).
     grads = [
-        opt.reduce(g) if here and opt.trains else opt.grad_structs()
+        opt.reduce_leaves(jax.tree.leaves(g)) if here and opt.trains else opt.grad_leaves
         for opt, g, here in zip(optimizers, grads, local)
     ]
     corrections = []
-    if tied:
-        grads, corrections = tie_gradients(list(grads), list(tied))
+    if tied:  # by the gradients' trees (their leaf paths name the tied copies)
+        trees = [opt.grad_tree(g) for opt, g in zip(optimizers, grads)]
+        trees, corrections = tie_gradients(trees, list(tied))
+        grads = [jax.tree.leaves(t) for t in trees]
     sq = [
         opt.sq_norm(g) if here else stand_in((1,), jnp.float32, opt.scalar)
         for opt, g, here in zip(optimizers, grads, local)
@@ -581,12 +626,12 @@ def apply_updates(
         prev = (
             previous if previous is not None else put_host(np.zeros(len(STATS), np.float32), home)
         )
-        with jax.set_mesh(home.mesh):
-            # the loss summed pairwise from 0 first: one add program for any microbatch count (a
-            # list argument would compile `_combine` once per count)
-            zero = put_host(np.float32(0), home)
-            total = functools.reduce(_add, loss, zero)
-            stats = _combine(parts, total, prev, np.float32(clip_norm))
+        # the loss summed pairwise from 0 first: one add program for any microbatch count (a list
+        # argument would compile `_combine` once per count)
+        total = _zero(home)
+        for x in loss:
+            total = issue(UPDATE, home.mesh, _add, total, x)
+        stats = issue(UPDATE, home.mesh, _combine, parts, total, prev, np.float32(clip_norm))
     else:
         stats = stand_in((len(STATS),), jnp.float32, home)
     copies = [transfer(stats, opt.scalar) for opt in optimizers]

@@ -51,6 +51,7 @@ from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stag
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.device import run_device
+from dflop_jax.runtime.dispatch import ISSUED
 from dflop_jax.runtime.distributed import exchange_host, host_scalars, lower_reads
 from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
@@ -59,6 +60,7 @@ from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
     StepMetrics,
+    dispatch_metrics,
     real_work,
     stage_modules,
     step_metrics,
@@ -190,6 +192,7 @@ class _InFlight:
     Attributes:
       stats: the `STATS` vector on the last stage's mesh (`apply_updates`).
       start_s, dispatched_s: the clock when its dispatch began (its batch in hand) and ended.
+      dispatch: its `dispatch_metrics` (programs issued, the dispatching thread's CPU seconds).
       done: set by a waiting thread to the clock when the step's statistics are ready.
     """
 
@@ -203,6 +206,7 @@ class _InFlight:
     measured: bool
     done: threading.Event
     done_s: list[float]
+    dispatch: dict
 
 
 @dataclasses.dataclass
@@ -383,7 +387,8 @@ class _Trainer:
                 self.drift.measure(step)
             if step == self.cfg.steps:
                 self.drift.join()  # the last row read carries it
-        t0 = time.perf_counter()
+        t0, cpu0, issued = time.perf_counter(), time.thread_time(), ISSUED.snapshot()
+        ISSUED.reset_wait()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
         out = run_pipeline(
             self.stages, batch.microbatches, None, self.cfg.pipeline,
@@ -394,12 +399,15 @@ class _Trainer:
         copies = apply_updates(self.opts, out.grads, self.cfg.optimizer.clip_norm, out.loss,
                                self.stats, tied=self.tied)  # fmt: skip
         self.stats = copies[-1]
-        dispatched = time.perf_counter()
+        dispatched, cpu = time.perf_counter(), time.thread_time() - cpu0
+        counts = [b - a for a, b in zip(issued, ISSUED.snapshot())]
+        waited = None if ISSUED.first_wait is None else ISSUED.first_wait - t0
         compiles = self.programs
         self.schedule_fn.post(step, self._observation(step, batch, out) if measure else _none)
         del out  # its accumulators are the update's (donated); nothing else of it outlives dispatch
         flight = _InFlight(step, batch, copies[-1], t0, dispatched, compiles,
-                           compiles - compiles_before, measure, threading.Event(), [0.0])  # fmt: skip
+                           compiles - compiles_before, measure, threading.Event(), [0.0],
+                           dispatch_metrics(dispatched - t0, cpu, counts, waited))  # fmt: skip
         _when_ready([c for c in copies if _holds(c)][:1], flight)
         self.in_flight.append(flight)
 
@@ -528,8 +536,8 @@ class _Trainer:
             lr=float(self.lr(np.int32(f.step - 1))), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=f.compiles, recompiles=f.recompiles, stage_times_measured=f.measured,
-            dispatch_s=f.dispatched_s - f.start_s, wall_s=wall, update_skipped=stats["applied"] == 0,
-            skipped_steps=int(stats["skipped_steps"]),
+            wall_s=wall, update_skipped=stats["applied"] == 0,
+            skipped_steps=int(stats["skipped_steps"]), **f.dispatch,
         )  # fmt: skip
 
 

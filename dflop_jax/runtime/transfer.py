@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.runtime.dispatch import TRANSFER, issue
+
 AXIS = "u"
 Block = tuple[slice, ...]
 
@@ -98,14 +100,14 @@ def transfer(
     Returns:
       The array on `dst` (a stand-in without shards where this process holds no destination device).
     """
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if x.sharding == dst and isinstance(x, jax.Array) and shape == x.shape:
+    route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
+    if route.same and isinstance(x, jax.Array):
         return x
-    if _same_layout(x, dst, shape):  # nothing moves: the same shards, re-labelled
+    if route.program is None:  # nothing moves: the same shards, re-labelled
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
         shards = [held[d] for d in dst.addressable_devices]
         return jax.make_array_from_single_device_arrays(x.shape, dst, shards, dtype=x.dtype)
-    return _program_of(x, dst, shape)(x)
+    return route.program(x)
 
 
 def lower_transfer(
@@ -123,10 +125,27 @@ def transfer_bytes(
     x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
 ) -> int:
     """Bytes `transfer(x, dst, shape)` moves between devices (0 when the layout already matches)."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if _same_layout(x, dst, shape):
-        return 0
-    return _program_of(x, dst, shape).bytes_moved
+    route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
+    return 0 if route.program is None else route.program.bytes_moved
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """What `transfer` does for one (source sharding, destination, shapes, dtype): `same`: return x
+    itself (when it is an array); else re-label its shards (`program` None) or run `program`."""
+
+    same: bool
+    program: Transfer | None
+
+
+@functools.cache
+def _route(src: Sharding, dst: Sharding, shape: tuple[int, ...], dst_shape: tuple[int, ...],
+           dtype) -> _Route:  # fmt: skip
+    same = src == dst and tuple(shape) == tuple(dst_shape)
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=src)
+    if _same_layout(x, dst, tuple(dst_shape)):
+        return _Route(same, None)
+    return _Route(same, _program_of(x, dst, tuple(dst_shape)))
 
 
 def _same_layout(x, dst: Sharding, shape: tuple[int, ...]) -> bool:
@@ -185,23 +204,25 @@ class Transfer:
                 self._body, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False
             )
         )
-
-    @property
-    def bytes_moved(self) -> int:
-        """Bytes that cross between devices per call (local copies excluded)."""
         size = self.dtype.itemsize
-        return sum(int(np.prod(r.shape)) * size * len(r.pieces) for r in self.rounds if not r.local)
+        self.bytes_moved = sum(
+            int(np.prod(r.shape)) * size * len(r.pieces) for r in self.rounds if not r.local
+        )  # bytes that cross between devices per call (local copies excluded)
+        # Per call: this process's union devices in order, each taking its block from x (its
+        # device) or from the zero blocks (its position there); the destination's devices here.
+        self._where = [(d, self._fill.index(d) if d in self._fill else None) for d in self._local]
+        self._dst_devices = list(dst.addressable_devices)
+        self._union_shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
+        self._union_sharding = NamedSharding(self.mesh, P(AXIS))
 
     def __call__(self, x: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         if not self.participates:
             return stand_in(self.dst_shape, self.dtype, self.dst)
         union = self._union_input(x)
-        with jax.set_mesh(self.mesh):
-            out = self._run(union)
+        out = issue(TRANSFER, self.mesh, self._run, union)
         mine = {s.device: s.data for s in out.addressable_shards}
-        shards = [mine[d] for d in self.dst.addressable_devices]
         return jax.make_array_from_single_device_arrays(
-            self.dst_shape, self.dst, shards, dtype=self.dtype
+            self.dst_shape, self.dst, [mine[d] for d in self._dst_devices], dtype=self.dtype
         )
 
     def lower(self) -> list[jax.stages.Lowered]:
@@ -219,11 +240,11 @@ class Transfer:
         """x's local shards plus zero blocks on this process's destination-only devices, as one
         union-mesh array [n * block0, *block[1:]] sharded over "u" (no copy of x)."""
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
-        zeros = dict(zip(self._fill, _blocks(self._zeros(), self._fill))) if self._fill else {}
-        blocks = [held[d] if d in held else zeros[d] for d in self._local]
-        shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
-        sharding = NamedSharding(self.mesh, P(AXIS))
-        return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=self.dtype)
+        zeros = _blocks(issue(TRANSFER, None, self._zeros), self._fill) if self._fill else []
+        blocks = [held[d] if k is None else zeros[k] for d, k in self._where]
+        return jax.make_array_from_single_device_arrays(
+            self._union_shape, self._union_sharding, blocks, dtype=self.dtype
+        )
 
     def _body(self, block: jax.Array) -> jax.Array:  # [*src_block] -> [*dst_block]
         n = len(self.devices)
