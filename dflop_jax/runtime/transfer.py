@@ -158,15 +158,24 @@ def _same_layout(x, dst: Sharding, shape: tuple[int, ...]) -> bool:
 
 
 def _program_of(x, dst: Sharding, shape: tuple[int, ...]) -> Transfer:
+    """The one program of a transfer. The source is known by its layout, not its sharding object:
+    a program's output may report a sharding equivalent to the one asked for (`P("data")` over a
+    size-1 axis comes back as `P()`), and both must find the program compiled before step 1."""
     same = shape == tuple(x.shape)  # one cache entry per transfer, however the shape is given
-    return _program(x.sharding, dst, tuple(x.shape), jnp.dtype(x.dtype), None if same else shape)
+    key = (_layout(x.sharding, tuple(x.shape)), dst, tuple(x.shape), jnp.dtype(x.dtype),
+           None if same else shape)  # fmt: skip
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = Transfer(x.sharding, *key[1:])
+    return _PROGRAMS[key]
 
 
-@functools.cache
-def _program(
-    src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype, dst_shape=None
-) -> Transfer:
-    return Transfer(src, dst, shape, dtype, dst_shape)
+_PROGRAMS: dict[tuple, Transfer] = {}  # per source layout, destination, shapes and dtype
+
+
+def _layout(sharding: Sharding, shape: tuple[int, ...]) -> tuple:
+    """Which block of `shape` each device of `sharding` holds: equal for equivalent shardings."""
+    boxes = sharding.devices_indices_map(shape)
+    return tuple(sorted((d.id, _box(boxes[d], shape)) for d in boxes))
 
 
 class Transfer:

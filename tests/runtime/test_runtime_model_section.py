@@ -165,16 +165,16 @@ def test_the_plan_print_names_the_kernels_the_model_runs(kind):
     from dflop_jax.contracts import BucketSet
     from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
     from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.planner.resolve import ResolvedPlan
     from dflop_jax.runtime.trainer import _print_plan
 
     cfg = ModelConfig(kind=kind, attention_impl="pallas", vision_attention_impl="cudnn")
     model_cfg = cfg.model_config(100, tile_px=56, patch_size=14, compute_dtype="float32")
-    plan = types.SimpleNamespace(
-        layout=Layout((), (StageSpec("llm", 0, 4, 1, 1, True, True),)),
-        buckets=BucketSet((2,), (64,)),
-        microbatches=(1, 2),
-        residuals=None,
-        provider=AnalyticCostProvider(arch_of_model(model_cfg), get_device("cpu")),
+    plan = ResolvedPlan(
+        Layout((), (StageSpec("llm", 0, 4, 1, 1, True, True),)),
+        BucketSet((2,), (64,)),
+        (1, 2),
+        AnalyticCostProvider(arch_of_model(model_cfg), get_device("cpu")),
     )
     meshes = [types.SimpleNamespace(devices=np.array([types.SimpleNamespace(id=0)]))]
     console = Console(record=True, width=200)
