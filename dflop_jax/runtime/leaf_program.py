@@ -45,6 +45,8 @@ class LeafProgram:
             trees = [a if t is None else t.unflatten(a) for a, t in zip(args, ins)]
             return self._leaves_out(fn(*trees))
 
+        # jax names the program after its function (compile logs, `bench multihost`'s counts)
+        on_leaves.__name__ = on_leaves.__qualname__ = getattr(fn, "__name__", "on_leaves")
         if in_shardings is not None:
             jit["in_shardings"] = tuple(
                 s if t is None else jax.tree.leaves(s) for s, t in zip(in_shardings, ins)

@@ -55,8 +55,14 @@ def test_transfer_is_exact_on_device(name, reverse):
 def test_one_program_per_signature_and_bytes():
     src, dst = (_sharding(*c) for c in CASES["dp2->dp3 replicated"])
     _, x = _placed(src)
-    program = tr._program(src, dst, SHAPE, x.dtype)
-    assert tr._program(src, dst, SHAPE, x.dtype) is program
+    program = tr._program_of(x, dst, SHAPE)
+    assert tr._program_of(x, dst, SHAPE) is program
+    # a source sharding naming another layout-equivalent spec (P("data") over one replica, as
+    # a program's output may report P()) shares the program compiled for it
+    one = _sharding((0,), (1,), P("data"))
+    alike = NamedSharding(one.mesh, P())
+    a, b = (jax.ShapeDtypeStruct(SHAPE, x.dtype, sharding=s) for s in (one, alike))
+    assert tr._program_of(a, dst, SHAPE) is tr._program_of(b, dst, SHAPE)
     # Each of the 3 destination devices needs both halves; none holds a source block: all cross.
     assert program.bytes_moved == 3 * x.nbytes
     # 2 senders, 3 receivers of 2 pieces each: at least 3 rounds, no round reuses a device.
@@ -100,7 +106,7 @@ def test_lowered_ahead_the_call_builds_nothing_and_keeps_no_buffer():
     y = jax.block_until_ready(tr.transfer(x, dst))
     assert counter.count == before
     np.testing.assert_array_equal(np.asarray(y), value)
-    program = tr._program(src, dst, SHAPE, x.dtype)
+    program = tr._program_of(x, dst, SHAPE)
     del y
     gc.collect()
     held = jax.tree.leaves(list(vars(program).values()))
