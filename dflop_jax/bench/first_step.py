@@ -43,7 +43,7 @@ ARMS = {
     "priced": [],
     "grid": ["planner.num_buckets=[6]", "planner.price_compile=false"],
 }
-COMPILED = re.compile(r"compiled (\d+) programs .* in ([\d.]+)s")
+COMPILED = re.compile(r"compiled (\d+) programs .*? in ([\d.]+)s", re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -305,6 +305,7 @@ class _Trainer:
             f"{f'; {loaded} from the persistent cache' if loaded else ''}) in "
             f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
+            soft_wrap=True,
         )
 
     @property
