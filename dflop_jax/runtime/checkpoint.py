@@ -310,11 +310,12 @@ class Checkpointer:
                 args["meta"] = ocp.args.JsonSave(meta)
             self._manager(g).save(step, args=ocp.args.Composite(**args))
 
-    def restore(self, specs, params, opt_states, step: int | None = None):
+    def restore(self, specs, params, opt_states, step: int | None = None, progress=None):
         """Restores onto the CURRENT stages' shapes and shardings (any layout, any process count).
 
         Each process reads only the slices its devices hold of the stages it takes part in; the
-        others' entries are returned unchanged.
+        others' entries are returned unchanged. `progress("restore checkpoint", done, total)`
+        after each stage (`planner.progress.progress_bar`).
 
         Returns:
           (params per stage, opt state per stage, meta dict of this process, or of process 0 when
@@ -331,10 +332,13 @@ class Checkpointer:
         sources = [self.directory / g / str(step) / "state" for g in meta["groups"]]
         stored = [(d, set(_flat(_metadata_tree(reader, d)))) for d in sources if d.is_dir()]
         new_p, new_o = list(params), list(opt_states)
+        report = progress or (lambda *_: None)
+        report("restore checkpoint", 0, len(specs))
         for i, (spec, p, o) in enumerate(zip(specs, params, opt_states)):
             if me in owners(p):
                 values = _read(reader, stored, model_tree([spec], [p], [o]), step)
                 new_p[i], new_o[i] = _stage_trees(spec, p, o, values)
+            report("restore checkpoint", i + 1, len(specs))
         reader.close()
         return new_p, new_o, meta
 

@@ -326,12 +326,14 @@ class _Trainer:
         self.ckpt.discard_after(latest or 0)  # what a run killed mid-save left behind
         if latest is None:
             return 0
-        params, states, meta = self.ckpt.restore(
-            list(self.layout.stages),
-            [s.params for s in self.stages],
-            [o.state for o in self.opts],
-            latest,
-        )
+        with progress_bar(jax.process_index() == 0) as progress:
+            params, states, meta = self.ckpt.restore(
+                list(self.layout.stages),
+                [s.params for s in self.stages],
+                [o.state for o in self.opts],
+                latest,
+                progress,
+            )
         for s, o, p, st in zip(self.stages, self.opts, params, states):
             s.params, o.state = p, st
         # The schedule function first: the loader's thread schedules the next batch as soon as its
