@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from dflop_jax.config import ConfigError
+    from dflop_jax.programs.processes import initialize, resolve
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.runtime.distributed import initialize, resolve
 
     try:  # every value, combination and input file (and the env's process settings), before JAX
         cfg = load_command_config(TrainConfig, args, DEMO_CONFIG)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist is not None:
         initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
 
-    from dflop_jax.runtime.mesh import LayoutError
+    from dflop_jax.programs.meshes import LayoutError
 
     try:
         # What only the run can see (a mix's dataset files, a layout needing more devices than
@@ -90,7 +90,7 @@ def run(cfg, console=None, clock=time.perf_counter):
     from dflop_jax.costs import arch_of_model
     from dflop_jax.data import load_tokenizer
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.runtime.device import attention_hint
+    from dflop_jax.programs.devices import attention_hint
     from dflop_jax.runtime.trainer import prepare_run_dir, train
     from dflop_jax.train_plan import attention_impl, resolve_plan, with_plan_remat
 

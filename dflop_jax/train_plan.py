@@ -37,8 +37,8 @@ from dflop_jax.planner.resolve import (
     training_planner,
 )
 from dflop_jax.planner.space import fit_search_space
+from dflop_jax.programs.devices import run_device
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.device import run_device
 
 log = logging.getLogger(__name__)
 

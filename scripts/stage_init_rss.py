@@ -51,8 +51,9 @@ def _whole(cfg, layout, meshes):
     import jax
     from flax import nnx
 
-    from dflop_jax.runtime.model_stages import stage_blueprint
-    from dflop_jax.runtime.stages import StageProgram, put_host
+    from dflop_jax.programs.stage_builder import stage_blueprint
+    from dflop_jax.programs.stage_program import StageProgram
+    from dflop_jax.programs.transfer import put_host
     from models.llava_onevision import LlavaOnevision
     from models.mllm import extract_stages
 
@@ -74,8 +75,8 @@ def _whole(cfg, layout, meshes):
 def main(mode: str) -> None:
     import jax
 
-    from dflop_jax.runtime.mesh import stage_meshes
-    from dflop_jax.runtime.model_stages import build_stages
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.stage_builder import build_stages
 
     cfg, layout = _model_cfg(), _layout()
     meshes = stage_meshes(layout)

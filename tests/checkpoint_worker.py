@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.programs.meshes import stage_meshes
 
 LAYOUTS = {  # all llm, 4 layers, 8 devices
     # 2 processes x 4: two stages on process 0, one stage on process 1 (first_layer, layers, dp, tp)

@@ -22,7 +22,8 @@ def _local_params(layout, stages) -> dict:
     """{"module/params/...": host array} of this process's stages."""
     import jax
 
-    from dflop_jax.runtime.checkpoint import key_name, model_tree
+    from dflop_jax.programs.param_paths import key_name
+    from dflop_jax.runtime.checkpoint import model_tree
 
     out = {}
     for spec, stage in zip(layout.stages, stages):
@@ -41,10 +42,10 @@ def step(recipe: str, out_dir: Path) -> None:
     import test_runtime_frozen as frozen
     import test_runtime_mllm_pipeline as sep
 
-    from dflop_jax.runtime.distributed import host_scalars
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.processes import host_scalars
+    from dflop_jax.programs.stage_builder import build_stages
     from dflop_jax.runtime.driver import connect, run_pipeline
-    from dflop_jax.runtime.mesh import stage_meshes
-    from dflop_jax.runtime.model_stages import build_stages
     from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
     from models.llava_onevision import llava_onevision_config
 
@@ -70,8 +71,8 @@ def step(recipe: str, out_dir: Path) -> None:
 
 def main(processes: int, rank: int, coordinator: str, out_dir: str, *recipes: str) -> None:
     simulate_cpu_devices(8 // processes)
-    from dflop_jax.runtime import watchdog
-    from dflop_jax.runtime.distributed import DistributedConfig, initialize
+    from dflop_jax.programs import watchdog
+    from dflop_jax.programs.processes import DistributedConfig, initialize
 
     initialize(DistributedConfig(coordinator, processes, rank, timeout_s=60))
     for recipe in recipes:

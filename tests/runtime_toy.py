@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.stages import StageFns, StageProgram
+from dflop_jax.programs.stage_fns import StageFns
+from dflop_jax.programs.stage_program import StageProgram
 
 PATCH, IMG, DE, D, F, V = 2, 4, 8, 16, 32, 24
 TOKENS_PER_TILE = (IMG // PATCH) ** 2

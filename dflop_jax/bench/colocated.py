@@ -116,8 +116,8 @@ def measure(rounds: int, runs: int, statistic: str = "median") -> dict:
     import jax
     import jax.numpy as jnp
 
-    from dflop_jax.profiling.model_config import model_config_for_arch
     from dflop_jax.profiling.model_profiler import time_call
+    from dflop_jax.programs.model_configs import model_config_for_arch
 
     model_cfg = model_config_for_arch("tiny")
     progs = _programs(model_cfg, jax.devices(), jnp.dtype(jnp.float32))

@@ -100,7 +100,7 @@ def path_and_floor(stages, opts, microbatches, clip_norm: float, rounds: int) ->
     a tight loop, `rounds` times each, devices idle at each start."""
     import jax
 
-    from dflop_jax.runtime.dispatch import ISSUED, record
+    from dflop_jax.programs.dispatch import ISSUED, record
     from dflop_jax.runtime.driver import place_sides, run_pipeline
     from dflop_jax.runtime.train_state import apply_updates
 
@@ -226,10 +226,10 @@ def real_part(rounds: int) -> dict:
 
     from dflop_jax.costs.layout import StageSpec
     from dflop_jax.data.packing import pack_microbatch
-    from dflop_jax.runtime.arch_model import model_config_for_arch
-    from dflop_jax.runtime.dispatch import ISSUED
-    from dflop_jax.runtime.model_stages import abstract_stage
-    from dflop_jax.runtime.stages import StageProgram
+    from dflop_jax.programs.dispatch import ISSUED
+    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.stage_builder import abstract_stage
+    from dflop_jax.programs.stage_program import StageProgram
     from dflop_jax.scheduler.types import MicrobatchPlan
 
     r = REAL

@@ -204,7 +204,7 @@ def device_info() -> dict:
     import jax
 
     from dflop_jax.costs import DeviceConfig
-    from dflop_jax.runtime.device import run_device
+    from dflop_jax.programs.devices import run_device
 
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
@@ -436,13 +436,13 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
     import jax
     import jax.numpy as jnp
 
+    from dflop_jax.contracts.profile_settings import ProfileSettings
     from dflop_jax.costs import get_arch
     from dflop_jax.costs.flops import mfu
-    from dflop_jax.profiling.model_config import model_config_for_arch
     from dflop_jax.profiling.model_profiler import measure_program
     from dflop_jax.profiling.programs import build_program
-    from dflop_jax.profiling.settings import ProfileSettings
-    from dflop_jax.runtime.device import local_attention_kernels
+    from dflop_jax.programs.devices import local_attention_kernels
+    from dflop_jax.programs.model_configs import model_config_for_arch
     from models.stages import with_remat
 
     arch = get_arch(size.arch)

@@ -157,8 +157,8 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     """One process of a run: joins the job (env DFLOP_*), trains, writes its share to `report_path`."""
     from dflop_jax.config import load_config
     from dflop_jax.host_devices import simulate_cpu_devices
+    from dflop_jax.programs.processes import initialize, resolve
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.runtime.distributed import initialize, resolve
 
     cfg = load_config(TrainConfig, None, overrides)
     dist = resolve(cfg.distributed, os.environ)

@@ -123,7 +123,7 @@ def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
     from dflop_jax.costs.provider import remat_suffix
     from dflop_jax.planner import make_plan, save_plan
     from dflop_jax.planner.resolve import training_planner
-    from dflop_jax.runtime.device import run_device
+    from dflop_jax.programs.devices import run_device
     from dflop_jax.train_plan import abstract_model_config, num_devices, sample_shapes
 
     model_cfg = abstract_model_config(cfg)

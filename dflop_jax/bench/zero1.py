@@ -108,8 +108,8 @@ def measure_arm(overrides: list[str]) -> dict:
 
     from dflop_jax.config import load_config
     from dflop_jax.profiling.programs import per_device_bytes
+    from dflop_jax.programs.trees import accumulator_structs
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.runtime.stages import accumulator_structs
     from dflop_jax.train import run
 
     cfg = load_config(TrainConfig, DEMO_CONFIG, overrides, [])

@@ -14,7 +14,7 @@ Per signature an inner stage with a backward compiles two programs (its forward 
 the residual-saving pair), a forward-only stage one, the last stage one (forward, loss and backward
 fused); the last stage also compiles a loss-token count per length bucket. Every stage boundary moves
 one shape per signature of its sending stage, forward and (where the next stage passes a gradient
-back) backward, two programs each (`runtime/transfer.py`: the transport and its zero blocks).
+back) backward, two programs each (`programs/transfer.py`: the transport and its zero blocks).
 The per-step programs: each stage's optimizer (4 where it trains: fresh accumulator, reduction, norm,
 update; 1 otherwise), the update's glue (each trained stage's norm to the last stage and the
 statistics back to every stage, 2 programs per transfer; the loss sum and the statistics, 2) and the

@@ -4,12 +4,12 @@ State, per parameter, sharded by tensor parallelism (matrices split over tp, nor
 parameters that double as the master copy (4 B, replicated over data parallelism; the models keep
 `param_dtype=float32` and cast to the compute dtype inside each program), the fp32 gradient
 accumulator (4 B: each device holds its own data replica's sum, reduced once per step), AdamW m and v
-(8 B, ZeRO-1: sharded over the stage's dp, `runtime/zero1.py`; a leaf no axis of which divides is
+(8 B, ZeRO-1: sharded over the stage's dp, `programs/zero1_layout.py`; a leaf no axis of which divides is
 padded to a multiple, so 8 / dp holds up to that padding).
 
 In flight (`activations_per_microbatch`, times the stage's 1F1B in-flight count): under the residual
 policy "recompute" the runtime's backward recomputes its stage's forward from the saved stage INPUT
-(`runtime/stages.py`), so a microbatch waiting for its backward holds only that input: x (the
+(`programs/stage_jits.py`), so a microbatch waiting for its backward holds only that input: x (the
 previous stage's output, or the packed tiles, or on the first LLM stage of an MLLM the image features
 of the device's own row, split over the row's tp devices as the transfer delivers them) and its side
 arrays (token ids, segment ids, positions, targets, loss mask, feature taps). That stage's program

@@ -402,7 +402,7 @@ def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, flo
     stages of one module each device of the next stage takes its own shard: 1. The encoder's
     features [encoder_dp * T, ...] (T = `bucket`, tiles per encoder shard) go to the first LLM
     stage once, packed by row (`Layout.tiles_by_row`): row r's block of tiles split over the tp
-    devices of LLM row r (`runtime/model_stages.py`), so each LLM device receives
+    devices of LLM row r (`programs/stage_builder.py`), so each LLM device receives
     encoder_dp * T / (dp x tp) tiles, and each encoder shard of T tiles leaves from its tp
     replicas, about T / tp tiles each (the transfer sends every piece from one replica).
     within: the in-mesh all-gather of each row's block over its tp devices inside the LLM stage's

@@ -81,7 +81,7 @@ class ResolvedPlan:
 def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
     """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files).
 
-    An encoder colocated on LLM stage 0 runs at that stage's tp (`runtime/model_stages.py`); the
+    An encoder colocated on LLM stage 0 runs at that stage's tp (`programs/stage_builder.py`); the
     heads check needs the model and is made when the stages are built."""
     own = layout.colocated_encoder_tp
     if multimodal and own is not None and own != layout.llm_stages[0].tp:

@@ -18,7 +18,7 @@ from dflop_jax.profiling.table import (
 
 _LAZY = {
     "profile_model": "dflop_jax.profiling.model_profiler",
-    "ProfileSettings": "dflop_jax.profiling.settings",
+    "ProfileSettings": "dflop_jax.contracts.profile_settings",
     "ensure_plan": "dflop_jax.profiling.pipeline",
     "AutoPlanConfig": "dflop_jax.profiling.pipeline",
 }

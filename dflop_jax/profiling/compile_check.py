@@ -68,7 +68,7 @@ from dflop_jax.profiling.programs import (
     per_device_bytes,
     stage_program,
 )
-from dflop_jax.runtime.stages import prune
+from dflop_jax.programs.trees import prune
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def check_layout(
     Stages alike but for their layer range (the middle stages of a deep pipeline) compile once:
     their programs differ only in which layers' weights they hold. `progress(phase, done, total)`
     after each compile (minutes each at real sizes)."""
-    from dflop_jax.runtime.mesh import stage_meshes
+    from dflop_jax.programs.meshes import stage_meshes
 
     devices = _devices(layout.num_devices) if devices is None else list(devices)
     meshes = stage_meshes(layout, devices)
@@ -254,7 +254,7 @@ def lower_stage_programs(
 def colocated_stage_index(layout: Layout, model_cfg) -> int | None:
     """The index of the stage that also runs the encoder (0 when an MLLM layout has no encoder
     stages: the runtime's `model_stages.colocated`), else None."""
-    from dflop_jax.runtime.model_stages import check_colocated, colocated
+    from dflop_jax.programs.stage_builder import check_colocated, colocated
 
     if not colocated(model_cfg, layout):
         return None
@@ -336,7 +336,7 @@ def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:
 def _zero1(params_abs):
     """fp32 leaves of the params in the ZeRO-1 optimizer layout (`runtime.zero1.zero1_layout`:
     padded, where no axis divides by tp x dp, to the shape the runtime's moments have)."""
-    from dflop_jax.runtime.zero1 import zero1_layout
+    from dflop_jax.programs.zero1_layout import zero1_layout
 
     def leaf(a):
         lay = zero1_layout(a.shape, a.sharding)

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, check_trainable
 from dflop_jax.profiling.programs import (
     build_colocated,
@@ -48,7 +49,6 @@ from dflop_jax.profiling.programs import (
     held_residual_bytes,
     per_device_bytes,
 )
-from dflop_jax.profiling.settings import ProfileSettings
 from dflop_jax.profiling.table import (
     COLOCATED_KINDS,
     LAYER_KINDS,
@@ -63,17 +63,14 @@ from dflop_jax.profiling.table import (
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
-# Directories and files whose code a table measures: the models, the profiler, and the runtime's stage
-# program builder (with the rules and the packing that shape its inputs, and what decides a recipe's
-# trained leaves and input gradients).
+# Directories and files whose code a table measures: the models, the profiler, the compiled programs
+# (the one stage program builder, its rules, and what decides a recipe's trained leaves), what decides
+# a stage's role and the packing that shapes its inputs.
 CODE_PACKAGES = (
     "models",
     "dflop_jax/profiling",
+    "dflop_jax/programs",
     "dflop_jax/costs/recipe.py",
-    "dflop_jax/runtime/train_state.py",
-    "dflop_jax/runtime/stages.py",
-    "dflop_jax/runtime/model_stages.py",
-    "dflop_jax/runtime/sharding.py",
     "dflop_jax/data/packing.py",
 )
 

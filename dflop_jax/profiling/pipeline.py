@@ -145,7 +145,7 @@ def model_profile(
     """Step 2 (`python -m dflop_jax.profile model`): (the cost table's path, its digest), profiled on
     `devices` under the planner's recipe unless fresh."""
     from dflop_jax.profiling import model_profiler
-    from dflop_jax.runtime.device import run_device
+    from dflop_jax.programs.devices import run_device
 
     device = run_device(cfg.device)
     settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
@@ -196,8 +196,8 @@ def ensure_plan(
     from dflop_jax.planner import load_plan, make_plan, save_plan
     from dflop_jax.planner.resolve import load_shapes
     from dflop_jax.planner.space import fit_search_space
-    from dflop_jax.profiling.model_config import arch_for_model_config
-    from dflop_jax.runtime.device import run_device
+    from dflop_jax.programs.devices import run_device
+    from dflop_jax.programs.model_configs import arch_for_model_config
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -261,8 +261,8 @@ def profiled_plan(
     from dflop_jax.costs import AnalyticCostProvider, arch_of_model
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan
-    from dflop_jax.runtime.device import run_device
-    from dflop_jax.runtime.distributed import share_files
+    from dflop_jax.programs.devices import run_device
+    from dflop_jax.programs.processes import share_files
 
     if not hasattr(model_cfg, "vision"):
         raise ValueError("plan=auto profiles multimodal models only; use plan=analytic or explicit")

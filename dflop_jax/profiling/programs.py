@@ -50,9 +50,11 @@ from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
-from dflop_jax.runtime.model_stages import abstract_stage, is_multimodal, stage_config
-from dflop_jax.runtime.stages import accumulator_structs, boundary_shape, signature, stage_jits
-from dflop_jax.runtime.train_state import trained_mask
+from dflop_jax.programs.param_paths import trained_mask
+from dflop_jax.programs.stage_builder import abstract_stage, is_multimodal, stage_config
+from dflop_jax.programs.stage_fns import boundary_shape, signature
+from dflop_jax.programs.stage_jits import stage_jits
+from dflop_jax.programs.trees import accumulator_structs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import StageCheck
-from dflop_jax.runtime.stages import boundary_shape
+from dflop_jax.programs.stage_fns import boundary_shape
 
 SCALED = "compiled at the largest buckets, scaled to the others by the cost model's FLOP counts"
 
@@ -78,9 +78,9 @@ def transfer_bytes_per_microbatch(
     compiles (`compile_check.stage_programs`); nothing is compiled."""
     from dflop_jax.costs.recipe import stage_role
     from dflop_jax.profiling.compile_check import _devices, stage_programs
-    from dflop_jax.runtime.mesh import stage_meshes
-    from dflop_jax.runtime.model_stages import is_multimodal
-    from dflop_jax.runtime.transfer import transfer_bytes
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.stage_builder import is_multimodal
+    from dflop_jax.programs.transfer import transfer_bytes
 
     meshes = stage_meshes(layout, _devices(layout.num_devices))
     progs = [p for _, p in stage_programs(layout, buckets, model_cfg, meshes, compute_dtype,

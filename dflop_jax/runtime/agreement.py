@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from dflop_jax.runtime.distributed import exchange_host
-from dflop_jax.runtime.watchdog import JobError
+from dflop_jax.programs.processes import exchange_host
+from dflop_jax.programs.watchdog import JobError
 
 
 class ScheduleMismatch(JobError):

@@ -40,57 +40,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.runtime.stages import PyTree
-
-
-def key_name(k) -> str:
-    """The name of one pytree path entry (dict key, sequence index or attribute)."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-# Top-level keys of a stage that holds the colocated encoder (`models.mllm.ColocatedStage`).
-COLOCATED_MODULES = ("encoder", "llm")
-
-
-def global_path(path, spec: StageSpec) -> tuple[str, ...]:
-    """A leaf's path in the model-level tree: key names, layer indices offset to global ones."""
-    return _offset_layers([key_name(k) for k in path], spec.first_layer)
-
-
-def _offset_layers(names: list[str], first_layer: int) -> tuple[str, ...]:
-    for i in range(1, len(names)):
-        if names[i - 1] == "layers" and names[i].isdigit():
-            names[i] = str(int(names[i]) + first_layer)
-    return tuple(names)
-
-
-def holds_encoder(params: PyTree) -> bool:
-    """Whether a stage's params are a colocated stage's (`COLOCATED_MODULES` at the top)."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return bool(flat) and all(key_name(path[0]) in COLOCATED_MODULES for path, _ in flat)
-
-
-def model_paths(path, spec: StageSpec, colocated: bool = False) -> list[tuple[str, ...]]:
-    """A stage leaf's paths (module, *names) in the model-level tree, the stage's own first.
-
-    colocated: the stage holds the colocated encoder; a leaf under a `COLOCATED_MODULES` key
-    (wherever it sits, e.g. inside an optimizer's moment tree) goes to that module without the key,
-    the encoder's layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
-    """
-    names = [key_name(k) for k in path]
-    if not colocated:
-        return [(spec.module, *_offset_layers(names, spec.first_layer))]
-    part = next((i for i, n in enumerate(names) if n in COLOCATED_MODULES), None)
-    if part is None:
-        return [
-            (m, *names) for m in (spec.module, *(m for m in COLOCATED_MODULES if m != spec.module))
-        ]
-    module = names.pop(part)
-    first = spec.first_layer if module == spec.module else 0
-    return [(module, *_offset_layers(names, first))]
+from dflop_jax.programs.param_paths import holds_encoder, key_name, model_paths
+from dflop_jax.programs.stage_fns import PyTree
 
 
 def _insert(tree: dict, path: tuple[str, ...], value) -> None:

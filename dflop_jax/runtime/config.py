@@ -17,7 +17,7 @@ from dflop_jax.costs.devices import DeviceConfig
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
-from dflop_jax.runtime.distributed import DistributedConfig
+from dflop_jax.programs.processes import DistributedConfig
 from dflop_jax.runtime.train_state import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
 from models.decoder_config import ATTENTION_IMPLS, REMAT_MODES
@@ -174,7 +174,7 @@ class ModelConfig:
         vision = self.vision_attention_impl or self.attention_impl
         llm = self.attention_impl
         if "auto" in (vision, llm):
-            from dflop_jax.runtime.device import local_attention_kernels
+            from dflop_jax.programs.devices import local_attention_kernels
 
             auto = local_attention_kernels()
             vision = auto.vision if vision == "auto" else vision
@@ -215,7 +215,7 @@ class ModelConfig:
 
         vision_impl, llm_impl = self.attention_kernels()
         if self.arch and not self.hf_dir:
-            from dflop_jax.runtime.arch_model import model_config_for_arch
+            from dflop_jax.programs.model_configs import model_config_for_arch
             from models.stages import with_attention, with_remat
 
             cfg = model_config_for_arch(self.arch, compute_dtype)

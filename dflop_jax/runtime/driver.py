@@ -21,7 +21,7 @@ batch ahead (its outputs wait on the next stage's mesh), its forward of microbat
 the next stage's forward of m - (P - s), the in-flight bound 1F1B gives stage s.
 
 Transfers: a stage's output goes to the next stage as `next.x_struct(y)` (its `x_sharding`, an axis its
-devices do not divide padded) with `transfer` (`runtime/transfer.py`: one device-to-device program for
+devices do not divide padded) with `transfer` (`programs/transfer.py`: one device-to-device program for
 any two shardings, within a process and across processes); cotangents go back the same way, to y's
 sharding and shape. `transfer_bytes_per_microbatch(stages, microbatch)` gives,
 per stage boundary, the bytes those programs move for one microbatch's shapes, without running them.
@@ -47,9 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.pipeline_order import stage_order
 from dflop_jax.data.types import PackedMicrobatch
-from dflop_jax.runtime.dispatch import ISSUED
-from dflop_jax.runtime.stages import Held, PyTree, StageProgram, put_host
-from dflop_jax.runtime.transfer import stand_in, transfer, transfer_bytes
+from dflop_jax.programs.dispatch import ISSUED
+from dflop_jax.programs.stage_fns import PyTree
+from dflop_jax.programs.stage_program import Held, StageProgram
+from dflop_jax.programs.transfer import put_host, stand_in, transfer, transfer_bytes
 
 Order = Literal["1f1b", "gpipe"]
 

@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.programs.stage_program import StageProgram
+from dflop_jax.programs.transfer import put_host, transfer
 from dflop_jax.runtime.driver import microbatch_fields, placed_batch
-from dflop_jax.runtime.stages import StageProgram, put_host
-from dflop_jax.runtime.transfer import transfer
 from dflop_jax.scheduler import Scheduler
 from dflop_jax.scheduler.config import SchedulerConfig
 

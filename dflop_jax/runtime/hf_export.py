@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from dflop_jax.config.loader import from_dict, read_yaml
-from dflop_jax.runtime.checkpoint import SavedState, key_name
+from dflop_jax.programs.param_paths import key_name
+from dflop_jax.runtime.checkpoint import SavedState
 from dflop_jax.runtime.config import TrainConfig
 
 # What an HF tokenizer directory holds (copied when the run's tokenizer is one).

@@ -72,7 +72,7 @@ class StepMetrics:
       dispatch_cpu_s: CPU seconds of the dispatching thread in that time (its own work: Python and
         jax's dispatch; dispatch_s adds what it waited for, e.g. cores busy running programs).
       dispatch_programs, dispatch_stage_programs, dispatch_transfer_programs,
-        dispatch_update_programs: programs the step issued, all and by kind (`runtime/dispatch.py`:
+        dispatch_update_programs: programs the step issued, all and by kind (`programs/dispatch.py`:
         stage programs, transfer programs, the update's programs).
       dispatch_us_per_program, dispatch_cpu_us_per_program: dispatch_s and dispatch_cpu_s per
         program issued, in microseconds.
@@ -290,7 +290,7 @@ class MetricsLog:
             "llm_padding_ratio_mean": mean("llm_padding_ratio"),
             "scheduler_latency_s_mean": mean("scheduler_latency_s"),
             "data_wait_s_mean": mean("data_wait_s"),
-            # Host time issuing a step, per program issued (`runtime/dispatch.py`): wall and the
+            # Host time issuing a step, per program issued (`programs/dispatch.py`): wall and the
             # dispatching thread's CPU time.
             "dispatch_s_mean": mean("dispatch_s"),
             "dispatch_programs_mean": mean("dispatch_programs"),

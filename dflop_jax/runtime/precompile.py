@@ -44,8 +44,8 @@ import numpy as np
 from dflop_jax.contracts import MicrobatchPlan, ScheduleProblem
 from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
-from dflop_jax.runtime.stages import Lowering, StageProgram
-from dflop_jax.runtime.transfer import lower_transfer
+from dflop_jax.programs.stage_program import Lowering, StageProgram
+from dflop_jax.programs.transfer import lower_transfer
 
 # jax.monitoring's event for building one executable (the backend compile's duration event), and
 # the one for finding it in the persistent compilation cache instead.

@@ -14,8 +14,8 @@ Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
 
 ZeRO-1 and one reduction per step: the stage programs leave each data replica's gradient sum in a
-per-replica accumulator (`runtime/stages.py`). Once per step, `StageOptimizer.reduce` sums it over the
-replicas straight into the ZeRO-1 layout (`runtime/zero1.py`: each leaf's largest divisible axis also
+per-replica accumulator (`programs/stage_jits.py`). Once per step, `StageOptimizer.reduce` sums it over the
+replicas straight into the ZeRO-1 layout (`programs/zero1_layout.py`: each leaf's largest divisible axis also
 sharded over "data", or its largest axis padded with zeros to a multiple when none divides; XLA
 makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the update computes AdamW
 on those shards with the moments stored sharded (and padded) the same way, each replica reading its
@@ -29,7 +29,7 @@ not 16.
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
 model-level path in several stages), `apply_updates` gives every copy the SUM of the copies' gradients
-(moved between the stage meshes like activations, `runtime/transfer.py`) and counts it once in the global norm, so the copies
+(moved between the stage meshes like activations, `programs/transfer.py`) and counts it once in the global norm, so the copies
 start equal (built from one array), get the same update from the same AdamW state, and stay equal:
 what the single-device model computes. A checkpoint stores the parameter once and restores it to every
 copy.
@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,29 +58,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
-from dflop_jax.costs.layout import StageSpec
-from dflop_jax.runtime.checkpoint import holds_encoder, key_name, model_paths
-from dflop_jax.runtime.dispatch import UPDATE, issue
-from dflop_jax.runtime.stages import (
-    LeafProgram,
-    PyTree,
-    StageProgram,
-    accumulator_sharding,
-    accumulator_structs,
-    graft,
-    negate,
-    prune,
-    put_host,
-)
-from dflop_jax.runtime.transfer import lower_transfer, stand_in, transfer
-from dflop_jax.runtime.zero1 import (
+from dflop_jax.programs.dispatch import UPDATE, issue
+from dflop_jax.programs.leaf_program import LeafProgram
+from dflop_jax.programs.param_paths import TiedGroup, leaf_names, param_labels
+from dflop_jax.programs.stage_fns import PyTree
+from dflop_jax.programs.stage_program import StageProgram
+from dflop_jax.programs.transfer import lower_transfer, put_host, stand_in, transfer
+from dflop_jax.programs.trees import accumulator_sharding, accumulator_structs, graft, negate, prune
+from dflop_jax.programs.zero1_layout import (
     pad,
     replicated_layout,
     unpad,
     zero1_layout,
-    zero1_sharding,  # noqa: F401  (re-exported: callers import it from here)
 )
-from models.stages import TRAINABLE_PARTS, param_part
+from models.stages import TRAINABLE_PARTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,16 +172,6 @@ class OptimizerConfig:
             for p in TRAINABLE_PARTS
         }
         return optax.multi_transform(parts, param_labels)
-
-
-def param_labels(params: PyTree) -> PyTree:
-    """The part of each leaf of a stage's params (`models.stages.param_part` of its key path)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: param_part(_leaf_names(path)), params)
-
-
-def trained_mask(params: PyTree, trainable: Sequence[str]) -> PyTree:
-    """Bool per leaf of a stage's params: whether its part is in `trainable` (`StageProgram.trained`)."""
-    return jax.tree.map(lambda part: part in trainable, param_labels(params))
 
 
 # The update's glue between the stages' own programs, each one jitted program (an eager op would
@@ -513,25 +493,6 @@ def _guarded_update(tx, layout, frozen, trained, params, state, grads, stats):
     return new_params, pick(new_state, state)
 
 
-TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
-
-
-def _leaf_names(path) -> tuple[str, ...]:
-    return tuple(key_name(k) for k in path)
-
-
-def tied_groups(specs: list[StageSpec], params: list[PyTree]) -> list[TiedGroup]:
-    """Leaves that several stages hold (same model-level path): one group per tied parameter."""
-    where: dict[tuple, list] = {}
-    for i, (spec, tree) in enumerate(zip(specs, params)):
-        colocated = holds_encoder(tree)
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where.setdefault(model_paths(path, spec, colocated)[0], []).append(
-                (i, _leaf_names(path))
-            )
-    return [tuple(group) for group in where.values() if len(group) > 1]
-
-
 def tie_gradients(
     grads: list[PyTree], groups: list[TiedGroup]
 ) -> tuple[list[PyTree], list[jax.Array]]:
@@ -547,7 +508,7 @@ def tie_gradients(
     """
     flat = [jax.tree_util.tree_flatten_with_path(g) for g in grads]
     leaves = [[leaf for _, leaf in f] for f, _ in flat]
-    index = [{_leaf_names(path): j for j, (path, _) in enumerate(f)} for f, _ in flat]
+    index = [{leaf_names(path): j for j, (path, _) in enumerate(f)} for f, _ in flat]
     corrections = []
     for group in groups:
         if any(p not in index[s] for s, p in group):
@@ -653,7 +614,7 @@ def lower_update(
     grads = [opt.grad_structs() for opt in optimizers]
     out, corrections = [], []
     flat = [jax.tree_util.tree_flatten_with_path(g)[0] for g in grads]
-    index = [{_leaf_names(path): leaf for path, leaf in f} for f in flat]
+    index = [{leaf_names(path): leaf for path, leaf in f} for f in flat]
     for group in tied:
         if any(p not in index[s] for s, p in group):
             continue

@@ -46,17 +46,20 @@ from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.resolve import ResolvedPlan, training_planner
-from dflop_jax.runtime import watchdog
+from dflop_jax.programs import watchdog
+from dflop_jax.programs.devices import enable_compilation_cache, run_device
+from dflop_jax.programs.dispatch import ISSUED
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import tied_groups
+from dflop_jax.programs.processes import exchange_host, host_scalars, lower_reads
+from dflop_jax.programs.stage_builder import build_stages, is_multimodal
+from dflop_jax.programs.transfer import put_host
 from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.device import run_device
-from dflop_jax.runtime.dispatch import ISSUED
-from dflop_jax.runtime.distributed import exchange_host, host_scalars, lower_reads
 from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
 from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
-from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.metrics import (
     MetricsLog,
     StepMetrics,
@@ -65,18 +68,10 @@ from dflop_jax.runtime.metrics import (
     stage_modules,
     step_metrics,
 )
-from dflop_jax.runtime.model_stages import build_stages, is_multimodal
 from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
 from dflop_jax.runtime.replan import describe, next_plan, pick_digest, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
-from dflop_jax.runtime.stages import enable_compilation_cache, put_host
-from dflop_jax.runtime.train_state import (
-    STATS,
-    StageOptimizer,
-    apply_updates,
-    lower_update,
-    tied_groups,
-)
+from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, lower_update
 from dflop_jax.scheduler import Scheduler
 
 

@@ -71,7 +71,7 @@ def load_pretrained(
       dtype: compute dtype ("float32" default, "bfloat16").
       param_dtype: stored parameter dtype ("float32" default: fp32 master weights).
       mesh, rules: if given, every tensor goes straight into its NamedSharding on `mesh` (logical
-        axes mapped by `rules`, e.g. `dflop_jax.runtime.sharding.rules_for("decoder")`).
+        axes mapped by `rules`, e.g. `dflop_jax.programs.sharding.rules_for("decoder")`).
       configure: config -> config applied to the config read from config.json before the model is
         built (settings the checkpoint does not hold, e.g. the layers' `remat` policy).
 

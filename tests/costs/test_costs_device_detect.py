@@ -67,7 +67,7 @@ def test_the_section_takes_a_preset_name_as_shorthand():
 
 
 def test_on_this_host_auto_is_the_cpu_preset():
-    from dflop_jax.runtime.device import run_device
+    from dflop_jax.programs.devices import run_device
 
     assert run_device(DeviceConfig()) == DEVICE_PRESETS["cpu"]
     assert run_device(DeviceConfig(preset="a100_40gb")).memory_bytes == 40e9
@@ -91,7 +91,7 @@ def test_the_xla_attention_path_on_a_gpu_gets_one_hint(monkeypatch):
 
     import jax
 
-    from dflop_jax.runtime.device import attention_hint
+    from dflop_jax.programs.devices import attention_hint
 
     assert attention_hint("xla") is None  # this host: CPU
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")

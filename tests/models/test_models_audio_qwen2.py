@@ -232,7 +232,7 @@ def test_load_onto_sharded_mesh(checkpoint):
     import jax
     from jax.sharding import Mesh
 
-    from dflop_jax.runtime.sharding import rules_for
+    from dflop_jax.programs.sharding import rules_for
     from models.hf import load_pretrained
 
     path, _, model, cfg = checkpoint

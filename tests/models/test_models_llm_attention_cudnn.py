@@ -326,7 +326,7 @@ def test_cudnn_packed_rows_equal_xla_on_gpu():
 
 @pytest.mark.gpu
 def test_auto_never_picks_xla_on_a_gpu():
-    from dflop_jax.runtime.device import local_attention_kernels
+    from dflop_jax.programs.devices import local_attention_kernels
 
     kernels = local_attention_kernels()
     assert "xla" not in (kernels.vision, kernels.llm)

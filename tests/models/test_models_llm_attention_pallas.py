@@ -194,7 +194,7 @@ def test_tensor_parallel_heads_run_on_their_own_devices():
     """GSPMD cannot split a Pallas call: under the runtime's rules (heads on "model", rows on
     "data") each device runs its own heads' kernels (no all-gather), with the XLA path's values;
     without the rules the heads are gathered onto every device."""
-    from dflop_jax.runtime.sharding import rules_for
+    from dflop_jax.programs.sharding import rules_for
 
     rules = rules_for("decoder")
     (value, grads), gathers = _sharded_run("pallas", rules)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from models_fixtures import tiny_decoder_config
 from safetensors.numpy import load_file, save_file
 
-from dflop_jax.runtime.sharding import rules_for
+from dflop_jax.programs.sharding import rules_for
 from models.decoder import Decoder, extract_stage
 from models.hf import CheckpointError, load_config, load_pretrained, load_stage, save_pretrained
 

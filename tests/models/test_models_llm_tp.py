@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from models_fixtures import tiny_decoder_config
 
-from dflop_jax.runtime.sharding import create_sharded, rules_for, state_shardings
+from dflop_jax.programs.sharding import create_sharded, rules_for, state_shardings
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum
 

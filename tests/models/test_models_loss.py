@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models_fixtures import tiny_decoder_config
 
-from dflop_jax.runtime.sharding import rules_for, state_shardings
+from dflop_jax.programs.sharding import rules_for, state_shardings
 from models.decoder import Decoder
 from models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 

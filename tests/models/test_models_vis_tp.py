@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflop_jax.runtime.sharding import rules_for, state_shardings
+from dflop_jax.programs.sharding import rules_for, state_shardings
 from models.decoder_config import DecoderConfig
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 from models.placement import NEWLINE, TEXT

@@ -9,7 +9,7 @@ import time
 import pytest
 from multiprocess_launch import decoder_args, group_gone, launch, tail, wait_for_rows
 
-from dflop_jax.runtime.watchdog import EXIT_CODE
+from dflop_jax.programs.watchdog import EXIT_CODE
 
 
 @pytest.mark.multiprocess

@@ -23,7 +23,7 @@ WORKER = REPO / "tests" / "frozen_worker.py"
 
 
 def _flat(tree) -> dict:
-    from dflop_jax.runtime.checkpoint import key_name
+    from dflop_jax.programs.param_paths import key_name
 
     return {"/".join(key_name(k) for k in path): np.asarray(leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]}  # fmt: skip

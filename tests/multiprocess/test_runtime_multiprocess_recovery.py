@@ -18,9 +18,9 @@ import pytest
 from multiprocess_launch import REPO, decoder_args, env, group_gone, launch, tail
 
 from dflop_jax.config import load_config
+from dflop_jax.programs.watchdog import EXIT_CODE
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.watchdog import EXIT_CODE
 from dflop_jax.train import run
 
 # Layout A (decoder_args): two LLM stages of dp 2 x tp 2, one per process. Schedules from predictions

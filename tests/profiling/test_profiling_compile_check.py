@@ -24,10 +24,10 @@ from dflop_jax.profiling.compile_check import (
     check_plan,
     warn_disagreements,
 )
-from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import per_device_bytes, stage_program
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import abstract_stage, build_stages, stage_module
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.stage_builder import abstract_stage, build_stages, stage_module
 
 CFG = model_config_for_arch("tiny", "bfloat16")
 LAYOUT = Layout(
@@ -218,7 +218,7 @@ def test_saved_residuals_are_held_by_every_in_flight_microbatch(saving_checks):
     backward from them: each of its in-flight microbatches holds the forward's outputs but y (not
     its input), and the stage's peak is the larger of the two programs' with the other microbatches'
     residuals beside it (both read from the compiled programs here)."""
-    from dflop_jax.runtime.stages import signature
+    from dflop_jax.programs.stage_fns import signature
 
     (rec, _), (saving, _) = saving_checks["recompute"], saving_checks["all"]
     spec, c = SAVING_LAYOUT.stages[1], saving[1]

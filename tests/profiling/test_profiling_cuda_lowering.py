@@ -21,9 +21,9 @@ from dflop_jax.contracts import BucketSet
 from dflop_jax.costs import get_arch
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.profiling.compile_check import lower_stage_programs
-from dflop_jax.profiling.model_config import model_config_for_arch
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_configs import model_config_for_arch
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.train_plan import abstract_model_config, resolve_plan
 from models.stages import with_attention, with_remat
 

@@ -15,9 +15,9 @@ from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs import StageSpec, get_device
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.profiling import model_profiler
-from dflop_jax.profiling.model_config import arch_for_model_config, model_config_for_arch
 from dflop_jax.profiling.model_profiler import measure_program, profile_model
 from dflop_jax.profiling.programs import StageShape, build_program
+from dflop_jax.programs.model_configs import arch_for_model_config, model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 FAST = dict(warmup=0, runs=1, compute_dtype="float32")

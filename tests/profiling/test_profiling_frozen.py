@@ -17,8 +17,8 @@ from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.planner import Plan
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.compile_check import DISAGREE, check_plan
-from dflop_jax.profiling.model_config import arch_for_model_config, model_config_for_arch
 from dflop_jax.profiling.model_profiler import profile_entry, profile_model, table_hash
+from dflop_jax.programs.model_configs import arch_for_model_config, model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 FAST = ProfileSettings(warmup=0, runs=1, compute_dtype="float32")

@@ -13,8 +13,8 @@ from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_ta
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import model_profiler, pipeline
-from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
+from dflop_jax.programs.model_configs import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,

@@ -1,6 +1,6 @@
 """The profiled program is the trained program: for an encoder stage, the first, a middle and the last
 LLM stage, the model profiler's programs (`profiling/programs.py`) lower to the same StableHLO as the
-programs the runtime trains (`runtime/model_stages.py`), fed as the pipeline feeds them: the data
+programs the runtime trains (`programs/stage_builder.py`), fed as the pipeline feeds them: the data
 layer's packed microbatch and the previous stage's actual output. Built on the tiny arch in bf16 (as
 training computes) with an odd vocabulary, so tp=2 must replicate the vocab axis on both sides."""
 
@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS
-from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import StageShape, build_program, profile_mesh, stage_program
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.stages import accumulator_structs
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.programs.trees import accumulator_structs
 from dflop_jax.scheduler.types import MicrobatchPlan
 
 TINY = model_config_for_arch("tiny", "bfloat16")
@@ -160,8 +160,8 @@ def test_measure_program_times_what_a_saving_stage_trains():
     """Under a saving policy the profiler compiles, costs and times the forward that keeps its
     residuals and the backward from them: that backward runs within 2.2 forwards of FLOPs, where the
     backward that recomputes the forward runs about 3."""
+    from dflop_jax.contracts.profile_settings import ProfileSettings
     from dflop_jax.profiling.model_profiler import measure_program
-    from dflop_jax.profiling.settings import ProfileSettings
 
     settings = ProfileSettings(tps=(1,), warmup=0, runs=1, memory_limit_bytes=2.0**60)
     measured = {}

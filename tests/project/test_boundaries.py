@@ -1,12 +1,14 @@
 """Import boundaries of DESIGN section 2 / STYLE (b)2: the planning brain imports no jax or flax,
 models/ imports nothing from dflop_jax, and dflop_jax's packages depend on each other one way only.
 
-DESIGN draws data flowing `models <- runtime; data -> scheduler -> runtime; profiling -> planner ->
-scheduler`. As imports (every import in the source, lazy ones inside functions included): the shared
-contracts (sample shape, bucket set, schedule, the shape-distribution and cost-table file formats,
-profile settings) sit at the bottom; the data layer and the scheduler meet only in those contracts; the
-runtime uses data, scheduler and planner results; the profiler runs the runtime's stage programs and
-hands its tables to the planner; entry points (`dflop_jax/<name>.py`) and `bench` sit on top.
+DESIGN draws data flowing `models <- programs <- runtime; data -> scheduler -> runtime; profiling ->
+planner -> scheduler`. As imports (every import in the source, lazy ones inside functions included):
+the shared contracts (sample shape, bucket set, schedule, the shape-distribution and cost-table file
+formats, profile settings) sit at the bottom; the data layer and the scheduler meet only in those
+contracts; the compiled programs (`programs/`) sit under both the profiler and the runtime, which
+import nothing of each other: the profiler times the programs the runtime trains and hands its tables
+to the planner; the runtime uses data, scheduler and planner results; entry points
+(`dflop_jax/<name>.py`) and `bench` sit on top.
 """
 
 import ast
@@ -36,8 +38,9 @@ ALLOWED = {
     "data": {"config", "contracts"},
     "scheduler": {"config", "contracts", "costs", "sim"},
     "planner": {"config", "contracts", "costs", "scheduler", "sim"},
-    "runtime": {"config", "contracts", "costs", "data", "scheduler", "planner"},
-    "profiling": {"config", "contracts", "costs", "data", "planner", "runtime", "host_devices"},
+    "programs": {"config", "contracts", "costs"},
+    "runtime": {"config", "contracts", "costs", "data", "scheduler", "planner", "programs"},
+    "profiling": {"config", "contracts", "costs", "data", "planner", "programs", "host_devices"},
 }
 
 
@@ -80,7 +83,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_import_graph_sees_known_edges():
     graph = import_graph()  # guards the parser: these edges exist by design
     assert "contracts" in graph["data"] and "scheduler" in graph["planner"]
-    assert "runtime" in graph["train"] and "runtime" in graph["profiling"]
+    assert "runtime" in graph["train"] and "programs" in graph["profiling"]
 
 
 def test_no_cycles_between_packages():

@@ -5,9 +5,9 @@ import numpy as np
 import runtime_toy as toy
 
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.mesh import stage_meshes
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 
 LAYOUT_A = Layout(

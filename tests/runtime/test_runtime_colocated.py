@@ -33,12 +33,12 @@ from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.data.types import plain_taps
 from dflop_jax.planner.resolve import ResolvedPlan
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.lagged_schedule import Observation
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from dflop_jax.scheduler import Scheduler, SchedulerConfig, schedule_batch
 from dflop_jax.train import run

@@ -10,16 +10,12 @@ from models_fixtures import tiny_decoder_config
 from pipeline_reference import assert_trees_close, reference_step
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.checkpoint import key_name, model_tree
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import key_name, tied_groups
+from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.train_state import (
-    OptimizerConfig,
-    StageOptimizer,
-    apply_updates,
-    tied_groups,
-)
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum
 

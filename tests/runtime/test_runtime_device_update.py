@@ -15,17 +15,12 @@ from pipeline_reference import assert_trees_close
 from test_runtime_decoder_pipeline import LAYOUT, _decoder_loss, _microbatch
 
 from dflop_jax.costs.layout import StageSpec
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import tied_groups
+from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.train_state import (
-    STATS,
-    OptimizerConfig,
-    StageOptimizer,
-    apply_updates,
-    tied_groups,
-)
+from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer, apply_updates
 from models.decoder import Decoder
 
 # A small clip_norm so that clipping is active on every step (the gradient norm is ~1 here).

@@ -1,4 +1,4 @@
-"""What the dispatching thread issues per step (`runtime/dispatch.py`): every metrics.jsonl row counts
+"""What the dispatching thread issues per step (`programs/dispatch.py`): every metrics.jsonl row counts
 the programs its step issued, by kind, as the schedule implies them for an explicit layout (the tiny
 decoder over 2 LLM stages, 2-3 microbatches), with its host time per program and the time before
 the first device wait (a measured step waits for its sampled microbatch's inputs)."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflop_jax.runtime.distributed import _bounded, host_scalars
+from dflop_jax.programs.processes import _bounded, host_scalars
 
 
 def test_bounded_exchange_times_out_with_its_tag():

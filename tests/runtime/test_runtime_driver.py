@@ -4,8 +4,8 @@ import jax
 import pytest
 
 from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.programs.meshes import LayoutError, stage_meshes
 from dflop_jax.runtime.driver import Op, pipeline_order, stage_ops
-from dflop_jax.runtime.mesh import LayoutError, stage_meshes
 
 
 def test_stage_ops_1f1b_bounds_in_flight():

@@ -27,11 +27,12 @@ from dflop_jax.config import ConfigError, load_config
 from dflop_jax.data import load_source, load_tokenizer
 from dflop_jax.data.loader import Loader
 from dflop_jax.data.split import split_records
+from dflop_jax.programs.param_paths import key_name
+from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.runtime import evaluate
-from dflop_jax.runtime.checkpoint import SavedState, key_name, model_tree
+from dflop_jax.runtime.checkpoint import SavedState, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.metrics import MetricsLog
-from dflop_jax.runtime.stages import StageProgram
 from dflop_jax.train import run
 from models.decoder import Decoder
 from models.loss import cross_entropy_sum

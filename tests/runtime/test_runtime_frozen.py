@@ -29,18 +29,14 @@ from pipeline_reference import assert_trees_close, no_host_round_trip, reference
 
 from dflop_jax.config import load_config
 from dflop_jax.costs.layout import StageSpec
-from dflop_jax.runtime.checkpoint import key_name, model_tree
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import key_name, tied_groups
+from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.programs.trees import accumulator_structs
+from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.stages import accumulator_structs
-from dflop_jax.runtime.train_state import (
-    OptimizerConfig,
-    StageOptimizer,
-    apply_updates,
-    tied_groups,
-)
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from dflop_jax.train import run
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 

@@ -17,11 +17,12 @@ from flax import nnx
 from dflop_jax.config.loader import dump_yaml
 from dflop_jax.data.config import DataConfig
 from dflop_jax.export import main
-from dflop_jax.runtime.checkpoint import Checkpointer, key_name
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import key_name
+from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
 from dflop_jax.runtime.hf_export import model_config_of
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
 from models import layouts
 
@@ -93,7 +94,7 @@ def _saved_params(run, step) -> dict:
 
 
 def _global(path, spec):
-    from dflop_jax.runtime.checkpoint import global_path
+    from dflop_jax.programs.param_paths import global_path
 
     return global_path(path, spec)
 

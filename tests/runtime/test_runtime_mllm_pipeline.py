@@ -19,10 +19,10 @@ from pipeline_reference import assert_trees_close, no_host_round_trip, reference
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.types import plain_taps
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from models.decoder_config import DecoderConfig
 from models.llava_onevision import LlavaOnevision, llava_onevision_config

@@ -41,7 +41,7 @@ AUTO_CASES = [
 
 @pytest.mark.parametrize("facts, want", AUTO_CASES)
 def test_auto_resolves_per_device_and_part(facts, want):
-    from dflop_jax.runtime.device import attention_kernels
+    from dflop_jax.programs.devices import attention_kernels
 
     got = attention_kernels(*facts)
     assert (got.vision, got.llm) == want
@@ -60,7 +60,7 @@ def test_auto_is_the_default_and_resolves_to_xla_on_this_cpu():
 def test_the_model_config_carries_the_resolved_kernels(monkeypatch, source):
     """What "auto" resolves to is what the model config (and so the memory model, cost table and
     profiler hash) sees; a part set by hand keeps its kernel."""
-    from dflop_jax.runtime import device
+    from dflop_jax.programs import devices as device
 
     monkeypatch.setattr(device, "local_attention_kernels",
                         lambda: device.AttentionKernels("cudnn", "pallas"))  # fmt: skip
@@ -84,7 +84,7 @@ def test_auto_asks_the_device_once_per_process(monkeypatch):
 
     import jax
 
-    from dflop_jax.runtime import device
+    from dflop_jax.programs import devices as device
 
     asked = []
 
@@ -240,8 +240,8 @@ def test_a_cut_hf_checkpoint_loads_its_first_layers_and_its_head(tmp_path):
     import numpy as np
 
     from dflop_jax.costs.layout import Layout, StageSpec
-    from dflop_jax.runtime.mesh import stage_meshes
-    from dflop_jax.runtime.model_stages import build_stages
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.stage_builder import build_stages
 
     path = str(fx.save_tiny_llava_ov(tmp_path / "ov", layers=5))
     built = {}

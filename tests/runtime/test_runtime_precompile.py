@@ -12,8 +12,8 @@ from dflop_jax.contracts import BucketSet, ScheduleProblem
 from dflop_jax.costs.compile import program_counts
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.precompile import bucket_microbatches, pipeline_lowerings
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, lower_update
 

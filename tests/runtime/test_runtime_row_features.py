@@ -15,7 +15,7 @@ from models_fixtures import tiny_llava_ov_config
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.profiling.programs import stage_program
-from dflop_jax.runtime.mesh import stage_meshes
+from dflop_jax.programs.meshes import stage_meshes
 
 CFG = tiny_llava_ov_config()
 DP, TP, ROW_TILES, S = 2, 2, 4, 32

@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 from models_fixtures import tiny_decoder_config
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages, init_stage
-from dflop_jax.runtime.sharding import create_sharded, rules_for
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.sharding import create_sharded, rules_for
+from dflop_jax.programs.stage_builder import build_stages, init_stage
 from models.decoder import Decoder, extract_stage
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 from models.mllm import extract_stages

@@ -15,10 +15,10 @@ import test_runtime_mllm_pipeline as sep
 from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import StageRole, stage_parts, stage_role
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import abstract_stage, build_stages, colocated
-from dflop_jax.runtime.stages import StageProgram
-from dflop_jax.runtime.train_state import param_labels
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.param_paths import param_labels
+from dflop_jax.programs.stage_builder import abstract_stage, build_stages, colocated
+from dflop_jax.programs.stage_program import StageProgram
 from models.llava_onevision import llava_onevision_config
 
 RECIPES = [c for n in (1, 2, 3) for c in itertools.combinations(TRAINABLE_PARTS, n)]

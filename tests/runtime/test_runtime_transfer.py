@@ -1,4 +1,4 @@
-"""Union-mesh stage transfers (runtime/transfer.py) in one process on 8 CPU devices: exact values for
+"""Union-mesh stage transfers (programs/transfer.py) in one process on 8 CPU devices: exact values for
 many (source, destination) sharding pairs, both directions, no host round trip, one program per
 signature."""
 
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.runtime import transfer as tr
+from dflop_jax.programs import transfer as tr
 
 SHAPE = (12, 6, 4)
 

@@ -18,10 +18,10 @@ from dflop_jax.contracts import MicrobatchPlan
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.provider import boundary_shards
 from dflop_jax.data.packing import pack_microbatch
-from dflop_jax.runtime import transfer as tr
+from dflop_jax.programs import transfer as tr
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.driver import transfer_bytes_per_microbatch
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
 
 CFG = tiny_llava_ov_config()
 V_DP, TILES, S, TPT = 2, 6, 32, 16  # encoder dp, tiles per microbatch, row length, tokens per tile

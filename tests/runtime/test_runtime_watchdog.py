@@ -8,11 +8,11 @@ import sys
 import textwrap
 import time
 
-from dflop_jax.runtime.watchdog import EXIT_CODE
+from dflop_jax.programs.watchdog import EXIT_CODE
 
 SETUP = """
     import socket
-    from dflop_jax.runtime.watchdog import JobError, Watchdog, WatchdogSettings, install
+    from dflop_jax.programs.watchdog import JobError, Watchdog, WatchdogSettings, install
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -67,7 +67,7 @@ def test_a_lost_peers_line_names_the_command_that_resumes_without_it():
     line names the loss and how the process that remains resumes the run."""
     code = textwrap.dedent("""
         import socket, threading, time
-        from dflop_jax.runtime.watchdog import Watchdog, WatchdogSettings, install, resume_from
+        from dflop_jax.programs.watchdog import Watchdog, WatchdogSettings, install, resume_from
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""ZeRO-1 and one data-parallel reduction per step (runtime/stages.py, runtime/train_state.py).
+"""ZeRO-1 and one data-parallel reduction per step (programs/stage_jits.py, runtime/train_state.py).
 
 Asserted on the compiled HLO text: a dp=2 stage's per-microbatch backward moves no gradient between
 data replicas (no all-reduce / reduce-scatter at all on an inner stage; only the two loss scalars on
@@ -19,18 +19,16 @@ from models_fixtures import tiny_decoder_config
 from pipeline_reference import assert_trees_close
 
 from dflop_jax.costs.layout import Layout, StageSpec
-from dflop_jax.profiling.model_config import model_config_for_arch
 from dflop_jax.profiling.programs import stage_program
-from dflop_jax.runtime.mesh import stage_meshes
-from dflop_jax.runtime.model_stages import build_stages
-from dflop_jax.runtime.stages import StageFns, StageProgram, accumulator_structs, put_host
-from dflop_jax.runtime.train_state import (
-    OptimizerConfig,
-    StageOptimizer,
-    apply_updates,
-    zero1_sharding,
-)
-from dflop_jax.runtime.zero1 import zero1_layout
+from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.programs.stage_fns import StageFns
+from dflop_jax.programs.stage_program import StageProgram
+from dflop_jax.programs.transfer import put_host
+from dflop_jax.programs.trees import accumulator_structs
+from dflop_jax.programs.zero1_layout import zero1_layout, zero1_sharding
+from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 
 LAYOUT = Layout(
     (),

@@ -1,11 +1,13 @@
 """The accelerator a run is on, as the cost model and MFU see it: `DeviceConfig` resolved against the
 first local JAX device (its `device_kind` picks the preset, its runtime's `bytes_limit` the memory),
-and the attention kernels `model.attention_impl: auto` picks for it (`attention_kernels`)."""
+the attention kernels `model.attention_impl: auto` picks for it (`attention_kernels`), and JAX's
+persistent compilation cache (`enable_compilation_cache`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 from dflop_jax.costs.devices import DeviceConfig, DeviceSpec
 
@@ -90,3 +92,13 @@ def attention_hint(attention_impl: str) -> str | None:
 
     on_gpu = jax.local_devices()[0].platform == "gpu"
     return _GPU_ATTENTION_HINT if on_gpu and attention_impl == "xla" else None
+
+
+def enable_compilation_cache(cache_dir: str | Path) -> None:
+    """Turns on JAX's persistent compilation cache (every program, however fast it compiles)."""
+    import jax
+
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -6,7 +6,7 @@
 
 Why: jax flattens a jit's arguments on every call. A list of arrays is flattened in C++; an nnx
 parameter tree (flax `Variable` nodes) calls back into Python for every leaf, and a tree output is
-rebuilt leaf by leaf. The stage programs (`runtime/stages.py`) and the optimizer's per-step programs
+rebuilt leaf by leaf. The stage programs (`programs/stage_jits.py`) and the optimizer's per-step programs
 (`runtime/train_state.py`) take their parameter, accumulator and optimizer-state trees as leaves,
 which their owners flatten once per step (when the values change), not once per call.
 """

@@ -1,14 +1,14 @@
 """Stages of the real models: `models/` nnx stage modules -> rules, pure functions, jitted programs.
 
 The one builder of real-model stage programs, used by the trainer and by the model profiler:
-  stage_rules(model_cfg, spec)        logical->mesh rules (`runtime/sharding.py` table of the stage's
+  stage_rules(model_cfg, spec)        logical->mesh rules (`programs/sharding.py` table of the stage's
                                       kind, axes that tp does not divide replicated)
   stage_fns(graphdef, spec, rules, multimodal=...)   the stage's pure functions (`StageFns`)
   stage_blueprint(module, model_cfg, spec, mesh)     graphdef, state, shardings and functions of a module
   abstract_stage(model_cfg, spec, mesh)              the same for a fresh module, without arrays
   init_stage(model_cfg, spec, mesh, source)          the same with params made in their sharding
   build_stages(model_cfg, layout, meshes, source)    a whole pipeline
-The programs themselves come from `runtime/stages.py` (`stage_jits`). The profiler compiles
+The programs themselves come from `programs/stage_jits.py` (`stage_jits`). The profiler compiles
 `abstract_stage(...)` through `stage_jits`; the trainer wraps `init_stage(...)` in a `StageProgram`.
 
 Two model kinds: a decoder-only LLM (`models.decoder.Decoder`, stage module `DecoderStage`) and a
@@ -63,9 +63,10 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import stage_role
-from dflop_jax.runtime.sharding import Rules, create_sharded, rules_for, state_shardings
-from dflop_jax.runtime.stages import StageFns, StageProgram, check_residual_policy
-from dflop_jax.runtime.train_state import trained_mask
+from dflop_jax.programs.param_paths import trained_mask
+from dflop_jax.programs.sharding import Rules, create_sharded, rules_for, state_shardings
+from dflop_jax.programs.stage_fns import StageFns, check_residual_policy
+from dflop_jax.programs.stage_program import StageProgram
 from models.stages import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")

@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.runtime.dispatch import TRANSFER, issue
+from dflop_jax.programs.dispatch import TRANSFER, issue
 
 AXIS = "u"
 Block = tuple[slice, ...]
@@ -379,3 +379,10 @@ def _zero_blocks(devices: Sequence[jax.Device], block: tuple[int, ...], dtype):
 def _blocks(zeros: jax.Array, devices: Sequence[jax.Device]) -> list[jax.Array]:
     by_device = {s.device: s.data for s in zeros.addressable_shards}
     return [by_device[d] for d in devices]
+
+
+def put_host(value, sharding: NamedSharding) -> jax.Array:
+    """Places a host value (identical on every process) onto `sharding`; each process writes only
+    the shards it addresses, so this also works when the mesh spans (or lies on) other processes."""
+    arr = np.asarray(value)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx], dtype=arr.dtype)

@@ -30,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
-from dflop_jax.runtime.transfer import lower_transfer, transfer
-from dflop_jax.runtime.watchdog import JobError, Watchdog, WatchdogSettings, install
+from dflop_jax.programs.transfer import lower_transfer, transfer
+from dflop_jax.programs.watchdog import JobError, Watchdog, WatchdogSettings, install
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def host_scalars(values: list[jax.Array], tag: str, timeout_s: int = 600) -> np.
     devices, concatenated in order.
 
     Every value is moved, as a vector, onto every device of the job with `transfer`
-    (`runtime/transfer.py`: the device-to-device program that carries activations between pipeline
+    (`programs/transfer.py`: the device-to-device program that carries activations between pipeline
     stages, valid for any device counts) and each process reads its own copy. Every process must call
     this at the same point of the same driver loop, as the trainer does at its log steps (each move is
     one program over all devices). A process that does not hold a value passes a stand-in

@@ -1,0 +1,386 @@
+"""The jitted programs of one pipeline stage: forward, backward, the fused last step, on its submesh.
+
+A stage is given as pure functions over (params, x, side):
+  forward(params, x, side) -> y                      every stage but the last
+  loss(params, x, side) -> (loss_sum, count)         the last stage (forward + loss)
+where `x` is the activation from the previous stage (None for the pipeline's first stage), `side` a dict
+of this stage's microbatch arrays (tiles, segment ids, targets, ...), and `params` fp32 master weights.
+`stage_jits` turns them into the jitted programs; it is the only place they are made: the trainer runs
+them through `StageProgram`, and the model profiler (`profiling/programs.py`) compiles and times the
+same jits from abstract inputs, so the profiled cost is the cost of what trains.
+
+Backward designs, per stage (`RESIDUAL_POLICIES`, picked by `costs.residual_policies` from the memory
+budget). "recompute": the forward program returns only its output; the backward program re-runs the
+forward under `jax.vjp` from the saved stage input and pulls the cotangent through (memory per
+in-flight microbatch: one stage input; work: one extra stage forward). "all" / "layers": the forward
+program (`forward_residuals`) takes the stage's `jax.vjp` and returns its residuals, the pytree leaves
+of the vjp function, each with a leading data-replica axis (the body runs per replica); the vjp's
+treedef (its linear program) stays in a table of the jit, keyed by the input signature that traced it,
+and the backward program (`backward_residuals`, that signature a static argument) rebuilds the
+function from it and the residuals and applies it: no forward runs again. Residual leaves that are the
+compute-dtype weight copies are not returned (1F1B would hold a copy per in-flight microbatch); the
+backward casts the params again. "layers" is the same pair of programs over a stage built with layer
+remat, whose residuals are the layer inputs (each layer's forward rebuilt inside the backward). The
+driver holds each microbatch's residuals (`Held`) from its forward to its backward. The last stage
+fuses forward, loss and backward in one program under every policy.
+
+Frozen parameters (a training recipe's `optimizer.trainable`, e.g. LLaVA-OV stage 1 trains the
+projector only): `trained` marks the leaves that get gradients, and the stage's `role`
+(`costs.recipe.stage_role`, the one place it is decided) says whether the stage input needs one (some
+earlier stage trains) and whether the stage has a backward at all. The backward differentiates w.r.t.
+the trained leaves (and x only when the role's `input_grad`), so a frozen leaf has no accumulator and
+no weight-gradient computation, and a stage with nothing trained behind a trainable one ("dx")
+computes dL/dx only. A "forward" stage (nothing trained, no input gradient) has NO backward program
+(`StageJits.backward` None, `has_backward` False): it runs forward only, keeps no input for a
+backward, and the driver leaves it out of the backward wave. Such stages form a prefix of the
+pipeline (a stage after a trainable one needs dL/dx).
+
+One data-parallel reduction per step: the backward programs run their body per data replica (a
+`shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
+replica's gradient, UNREDUCED, into a donated fp32 accumulator with a leading data-replica axis
+(`accumulator_structs`: shape (dp, *param.shape), sharded over "data" on that axis and like the
+param on the rest), so a microbatch's backward moves no gradient between replicas. The step's one
+reduction (a sum over that axis, reduce-scattered into the ZeRO-1 optimizer's shards) is
+`runtime/train_state.py`'s. JAX's reduced/unreduced sharding types would say the same without the
+extra axis, but need Explicit mesh axes, which the models' Auto-axis meshes are not (DESIGN 11).
+
+Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
+w.r.t. the fp32 masters come back in fp32; side arrays enter as the data layer packs them.
+
+Multi-process runs: a stage whose mesh has no device of this process is NON-LOCAL (`local` False):
+nothing of it is compiled or dispatched here; the driver only needs the shapes of its outputs
+(`output_struct`, a trace without compilation) to take part in transfers from it.
+
+Compiles: every program is compiled once per input-shape signature (bucket); `StageProgram.compiles`
+counts the distinct signatures seen, called or lowered ahead (`StageProgram.lower`, which the trainer
+runs for every bucket before step 1: `runtime/precompile.py`), which is the number of XLA
+compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
+shardings and dtypes are fixed here).
+
+Dispatch: each program is a `LeafProgram` (`runtime/leaf_program.py`): the parameter and accumulator
+trees cross the jit boundary as lists of leaves. `StageProgram` keeps its parameters' leaves
+(`leaves`, flattened when the parameters are set) and passes the accumulator as leaves from
+`zero_grads` to the last backward of a step, so a call flattens no tree; its programs are issued
+through `runtime.dispatch.issue` (counted per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.programs.leaf_program import LeafProgram
+from dflop_jax.programs.stage_fns import PyTree, StageFns, check_residual_policy, signature
+from dflop_jax.programs.trees import (
+    accumulator_sharding,
+    all_trained,
+    cast_floating,
+    graft,
+    negate,
+    prune,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageJits:
+    """The jitted programs of one stage (jit compiles lazily: a program never called is never built),
+    each a `LeafProgram`: called (or lowered) with the parameter and accumulator trees as below, or
+    through its `jit` with their leaves.
+
+    Attributes:
+      forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
+        `last` (evaluation and the profiler's forward timing; training uses `last`).
+      backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated
+        (per data replica, trained leaves only: `accumulator_structs`); None for a stage that
+        runs forward only (nothing trained, no input gradient).
+      last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
+        gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
+      zeros: params -> a zero accumulator (`accumulator_structs`).
+      eval_loss: last stage only (None elsewhere): (params, x, side, totals) -> totals + (loss_sum,
+        count), float32[2] replicated, `totals` donated: the forward and loss without gradients or
+        accumulator, summed over an evaluation's microbatches on device (`runtime/evaluate.py`).
+      forward_residuals: inner stages with a backward under a saving policy ("all", "layers"),
+        else None: (params, x, side) -> (y, residuals), the residuals a list of arrays, each with
+        a leading data-replica axis (dp, ...) sharded over "data" (replica r's at [r]).
+      backward_residuals: with `forward_residuals`: (params, residuals, gy, gacc, sig) ->
+        (dL/dx or None, gacc + dL/dparams), `gacc` donated, `sig` (static) the forward call's
+        `signature(x, side)`; it runs no forward (module docstring: backward designs).
+      residuals: the stage's residual policy (`RESIDUAL_POLICIES`).
+    """
+
+    forward: Callable
+    backward: Callable | None
+    last: Callable
+    zeros: Callable
+    eval_loss: Callable | None = None
+    forward_residuals: Callable | None = None
+    backward_residuals: Callable | None = None
+    residuals: str = "recompute"
+
+
+def _local_spec(spec: P | None) -> P | None:
+    """`spec` as a `shard_map` over "data" sees it: only the manual "data" axis named."""
+    if spec is None:
+        return None
+    return P(*(_only_data(e) for e in spec))
+
+
+def _only_data(entry):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return "data" if "data" in names else None
+
+
+def stage_jits(
+    mesh: Mesh,
+    fns: StageFns,
+    param_shardings: PyTree,
+    compute_dtype,
+    trained: PyTree | None = None,
+    role: StageRole = ALL_TRAIN,
+    residuals: str = "recompute",
+) -> StageJits:
+    """Jits the programs of a stage: the one place a stage program is made, for training and profiling.
+
+    Args:
+      mesh: the stage's ("data", "model") mesh.
+      fns: the stage's pure functions.
+      param_shardings: NamedShardings of the fp32 parameters (same tree as the params).
+      compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
+      trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
+        frozen (no accumulator, no weight gradient computed).
+      role: the stage's role under the recipe (`costs.recipe.stage_role`): whether the stage input x
+        gets a gradient and whether there is a backward program.
+      residuals: the residual policy (`RESIDUAL_POLICIES`); "all" and "layers" make the same
+        programs (which residuals a stage has is its functions' layer remat, `build_stages`).
+    """
+    ps = param_shardings
+    trained = all_trained(ps) if trained is None else trained
+    dx = role.input_grad and fns.x_spec is not None  # the backward returns dL/dx
+    xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+    gxs = xs if dx else None
+    side_s = NamedSharding(mesh, P("data"))
+    scalar = NamedSharding(mesh, P())
+    ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
+    accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
+    trains = bool(jax.tree.leaves(accs))
+    if trains and not role.has_backward:
+        raise ValueError(f"a stage of role {role} runs forward only but holds trained parameters")
+    frozen = negate(trained)
+    dp = mesh.shape["data"]
+    # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
+    inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
+    xl, yl = _local_spec(inner), _local_spec(fns.y_spec)
+    # an x the functions take replicated over "data" (every replica's rows may read all of it; the
+    # MLLM's image features are taken per row, P("data"), so not they) gets every replica's share of
+    # dL/dx summed over "data" (an activation gradient, not the params'). The sum
+    # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
+    # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
+    # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
+    # manual partitioning mode").
+    x_replicated = dp > 1 and xl is not None and not any(xl)
+    gxl = (P("data", *xl) if x_replicated else xl) if dx else None
+
+    def share_gx(gx):
+        return gx[None] if x_replicated else gx
+
+    def whole_gx(gx):
+        return None if gx is None else (gx.sum(0) if x_replicated else gx)
+
+    def gather(x):
+        """x in the functions' layout: an in-mesh all-gather where it arrives split (`x_spec`).
+        dL/dx leaves in the boundary layout (`gxs`): its sum over data replicas reduce-scattered."""
+        if x is None or fns.x_compute_spec is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner))
+
+    def apply(params, x, side):  # x in the functions' layout (inside `per_replica`: its shard)
+        p = cast_floating(params, compute_dtype)
+        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(compute_dtype)
+        return fns.forward(p, x, side) if fns.loss is None else fns.loss(p, x, side)
+
+    def per_replica(body, in_specs, out_specs):
+        """`body` on each data replica's shard. Without replication checks (`check_vma=False`)
+        autodiff inside the body keeps each replica's parameter gradient local (with them it would
+        psum the gradient of the replicated params over "data", and the models' scans would need
+        their carries cast to replica-varying)."""
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={"data"},
+            check_vma=False,
+        )
+
+    def add(gacc, gp):
+        return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
+
+    def differentiable(params, x, side):
+        """(f, primals): the stage as a function of what gets gradients (trained leaves, and x when
+        `dx`); the frozen leaves and an x without gradient are closed over, so autodiff computes no
+        cotangent for them (no weight gradient of a frozen layer, no backward of a frozen prefix)."""
+        held = prune(params, frozen)
+
+        def f(t, *x_):
+            return apply(graft(t, held), x_[0] if dx else x, side)
+
+        return f, (prune(params, trained), *((x,) if dx else ()))
+
+    def bwd_local(params, x, side, gy, gacc):
+        f, primals = differentiable(params, x, side)
+        _, vjp = jax.vjp(f, *primals)
+        gp, *gx = vjp(gy)
+        return (share_gx(gx[0]) if dx else None), add(gacc, gp)
+
+    def bwd(params, x, side, gy, gacc):
+        specs = (P(), xl, P("data"), yl, P("data"))
+        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(
+            params, gather(x), side, gy, gacc
+        )
+        return whole_gx(gx), gacc
+
+    def last_local(params, x, side, normalizer, gacc):
+        f, primals = differentiable(params, x, side)
+
+        def objective(*args):
+            loss_sum, count = f(*args)
+            return loss_sum.astype(jnp.float32) / normalizer, count
+
+        argnums = tuple(range(len(primals)))
+        (loss, count), (gp, *gx) = jax.value_and_grad(objective, argnums, has_aux=True)(*primals)
+        loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
+        return loss, count, (share_gx(gx[0]) if dx else None), add(gacc, gp)
+
+    def last(params, x, side, normalizer, gacc):
+        specs = (P(), xl, P("data"), P(), P("data"))
+        fn = per_replica(last_local, specs, (P(), P(), gxl, P("data")))
+        loss, count, gx, gacc = fn(params, gather(x), side, normalizer, gacc)
+        return loss, count, whole_gx(gx), gacc
+
+    # Backward from saved residuals. The forward takes the vjp of the stage w.r.t. the compute-dtype
+    # copies of its trained params (and x when `dx`) and returns the vjp's pytree leaves; its treedef
+    # (the linear program) stays here, per input signature, from the forward's trace. Residual leaves
+    # that ARE a weight copy are not returned (1F1B would hold one copy per in-flight microbatch):
+    # the backward casts the params again, a cheap elementwise op.
+    vjps: dict[tuple, tuple] = {}  # signature -> (vjp treedef, weight-copy slot per leaf, x dtype)
+    cd = compute_dtype
+
+    def weight_copies(params):
+        return jax.tree.leaves((cast_floating(prune(params, trained), cd),
+                                cast_floating(prune(params, frozen), cd)))  # fmt: skip
+
+    def fwd_res(params, x, side):
+        sig = signature(x, side)
+
+        def body(params, x, side):
+            t = cast_floating(prune(params, trained), cd)
+            held = cast_floating(prune(params, frozen), cd)
+            xc = x.astype(cd) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+            def f(t, *x_):
+                return fns.forward(graft(t, held), x_[0] if dx else xc, side)
+
+            y, vjp = jax.vjp(f, t, *((xc,) if dx else ()))
+            leaves, tree = jax.tree_util.tree_flatten(vjp)
+            if any(callable(leaf) for leaf in leaves):
+                raise RuntimeError(
+                    f"this jax ({jax.__version__}) does not return jax.vjp's function as a pytree "
+                    "of arrays: train with residuals=recompute"
+                )
+            slots = {id(c): i for i, c in enumerate(jax.tree.leaves((t, held)))}
+            where = tuple(slots.get(id(leaf)) for leaf in leaves)
+            vjps[sig] = (tree, where, None if x is None else x.dtype)
+            return y, [jnp.asarray(a)[None] for a, w in zip(leaves, where) if w is None]
+
+        y, kept = per_replica(body, (P(), xl, P("data")), (yl, P("data")))(params, gather(x), side)
+        return jax.lax.with_sharding_constraint(y, ys), kept
+
+    def bwd_res(params, kept, gy, gacc, sig):
+        if sig not in vjps:
+            raise RuntimeError(f"no forward with residuals was traced for the signature {sig}")
+        tree, where, x_dtype = vjps[sig]
+
+        def body(params, kept, gy, gacc):
+            copies, it = weight_copies(params), iter(kept)
+            leaves = [next(it)[0] if w is None else copies[w] for w in where]
+            gp, *gx = jax.tree_util.tree_unflatten(tree, leaves)(gy)
+            return (share_gx(gx[0].astype(x_dtype)) if dx else None), add(gacc, gp)
+
+        specs = (P(), P("data"), yl, P("data"))
+        gx, gacc = per_replica(body, specs, (gxl, P("data")))(params, kept, gy, gacc)
+        return whole_gx(gx), gacc
+
+    saves = (
+        check_residual_policy(residuals) != "recompute" and fns.loss is None and role.has_backward
+    )
+
+    def eval_loss(params, x, side, totals):
+        loss_sum, count = apply(params, gather(x), side)
+        return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
+
+    pt, at = jax.tree.structure(ps), jax.tree.structure(accs)  # params, accumulator
+    return StageJits(
+        forward=LeafProgram(
+            lambda params, x, side: apply(params, gather(x), side),
+            (pt, None, None),
+            None,
+            in_shardings=(ps, xs, side_s),
+            out_shardings=ys,
+        ),
+        backward=LeafProgram(
+            bwd,
+            (pt, None, None, None, at),
+            (None, at),
+            in_shardings=(ps, xs, side_s, ys, accs),
+            out_shardings=(gxs, accs),
+            donate_argnums=(4,),
+        )
+        if role.has_backward
+        else None,
+        last=LeafProgram(
+            last,
+            (pt, None, None, None, at),
+            (None, None, None, at),
+            in_shardings=(ps, xs, side_s, scalar, accs),
+            out_shardings=(scalar, scalar, gxs, accs),
+            donate_argnums=(4,),
+        ),
+        zeros=LeafProgram(
+            lambda p: jax.tree.map(
+                lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, trained)
+            ),
+            (pt,),
+            at,
+            in_shardings=(ps,),
+            out_shardings=accs,
+        ),
+        eval_loss=None
+        if fns.loss is None
+        else LeafProgram(
+            eval_loss,
+            (pt, None, None, None),
+            None,
+            in_shardings=(ps, xs, side_s, scalar),
+            out_shardings=scalar,
+            donate_argnums=(3,),
+        ),
+        forward_residuals=LeafProgram(fwd_res, (pt, None, None), (None, None)) if saves else None,
+        backward_residuals=LeafProgram(
+            bwd_res,
+            (pt, None, None, at, None),
+            (None, at),
+            static_argnums=(4,),
+            out_shardings=(gxs, accs),
+            donate_argnums=(3,),
+        )
+        if saves
+        else None,
+        residuals=residuals,
+    )

@@ -1,0 +1,353 @@
+"""`StageProgram`: one stage's params and jitted programs (`programs/stage_jits.py`) on its submesh.
+
+The trainer runs a stage through it (`runtime/driver.py`), calling its programs with the parameter
+and accumulator trees as leaves (`programs/leaf_program.py`: flattened when they change, not per
+call) through `programs.dispatch.issue` (counted per step). It records the input signature of each
+call and each program lowered ahead (`lower`, `runtime/precompile.py`), so `compiles` is the XLA
+compilations its jits perform (a jit recompiles iff the abstract signature changes). A stage whose
+mesh has no device of this process is NON-LOCAL (`local` False): nothing of it is compiled or
+dispatched here; the driver only needs the shapes of its outputs (`output_struct`, a trace without
+compilation) to take part in transfers from it. Between a forward and its backward an in-flight
+microbatch keeps `Held`: its residuals (saving policies) or its input (recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.programs.dispatch import STAGE, issue
+from dflop_jax.programs.stage_fns import PyTree, StageFns, boundary_shape, signature
+from dflop_jax.programs.stage_jits import stage_jits
+from dflop_jax.programs.transfer import put_host
+from dflop_jax.programs.trees import accumulator_structs, all_trained
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """A lowered program to compile before the step that runs it (`StageProgram.lower`).
+
+    Attributes:
+      kind: which program ("fwd", "fwd_res", "bwd", "bwd_res", "last", "eval", "count", ...).
+      lowered: the program, traced and lowered from abstract inputs.
+      then: given the compiled program, further lowerings that need its compiled output shardings
+        (the backward from residuals of a forward with residuals); None when there are none.
+    """
+
+    kind: str
+    lowered: jax.stages.Lowered
+    then: Callable[[jax.stages.Compiled], list[Lowering]] | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What an in-flight microbatch keeps on a stage until its backward (`StageProgram.forward_train`).
+
+    Attributes:
+      sig: the forward call's `signature`, None under "recompute".
+      values: the residual arrays (saving policies) or (x, side) (recompute).
+    """
+
+    sig: tuple | None = dataclasses.field(metadata=dict(static=True))
+    values: Any
+
+
+class StageProgram:
+    """One stage's params and jitted programs (`stage_jits`) on its submesh.
+
+    Args:
+      mesh: the stage's ("data", "model") mesh.
+      fns: the stage's pure functions.
+      params: fp32 parameters, already placed on `mesh` (each leaf a NamedSharding on it).
+      compute_dtype: dtype of the stage's matmuls (bf16 by default in training, fp32 in parity tests).
+      trained: bool per leaf of `params`, whether it is trained (None: all); see `stage_jits`.
+      role: the stage's role (`costs.recipe.stage_role`; default: everything trained); see
+        `stage_jits`.
+      residuals: what a microbatch keeps for its backward (`RESIDUAL_POLICIES`; "layers" expects
+        `fns` built with layer remat, as `build_stages` does).
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        fns: StageFns,
+        params: PyTree,
+        compute_dtype=jnp.bfloat16,
+        *,
+        trained: PyTree | None = None,
+        role: StageRole = ALL_TRAIN,
+        residuals: str = "recompute",
+    ):
+        self.mesh = mesh
+        self.fns = fns
+        self.params = params
+        self.compute_dtype = compute_dtype
+        self.trained = all_trained(params) if trained is None else trained
+        # per parameter leaf (`leaves` order): trained or not
+        self.trained_leaves = tuple(bool(k) for k in jax.tree.leaves(self.trained))
+        self.trains = any(self.trained_leaves)
+        me = jax.process_index()
+        self.local = any(d.process_index == me for d in mesh.devices.flat)
+        self.role = role
+        self.input_grad = role.input_grad and fns.x_spec is not None
+        self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
+        self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+        self.y_sharding = NamedSharding(mesh, fns.y_spec)
+        self.side_sharding = NamedSharding(mesh, P("data"))
+        self.jits = stage_jits(
+            mesh, fns, self.param_shardings, compute_dtype, trained, role, residuals
+        )
+        self._signatures: set[tuple] = set()
+        self._seen: dict[tuple, tuple] = {}  # (kind, shapes and dtypes) -> its `signature`
+        self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
+        self._x_structs: dict[tuple, jax.ShapeDtypeStruct] = {}
+        scalar = NamedSharding(mesh, P())
+        self._zero = None  # a 0.0 on `scalar`, placed once (`loss_tokens`)
+        self._count = jax.jit(
+            lambda total, mask: total + jnp.sum(mask, dtype=jnp.float32),
+            in_shardings=(scalar, self.side_sharding),
+            out_shardings=scalar,
+        )
+
+    @property
+    def params(self) -> PyTree:
+        """The fp32 parameters (a tree like the one given). The programs take them as `leaves`
+        (flattened once, when set: `set_leaves` after an update); the tree is rebuilt on reading."""
+        if self._params is None:
+            self._params = self._treedef.unflatten(self._leaves)
+        return self._params
+
+    @params.setter
+    def params(self, value: PyTree) -> None:
+        self._params = value
+        self._leaves, self._treedef = jax.tree.flatten(value)
+
+    @property
+    def leaves(self) -> list:
+        """The parameters' leaves (`jax.tree.leaves(params)` order), as the programs take them."""
+        return self._leaves
+
+    def set_leaves(self, leaves: Sequence) -> None:
+        """Replaces the parameters by `leaves` (same order, shapes and shardings)."""
+        self._leaves, self._params = list(leaves), None
+
+    @property
+    def is_last(self) -> bool:
+        return self.fns.loss is not None
+
+    @property
+    def has_x(self) -> bool:
+        return self.fns.x_spec is not None
+
+    def x_struct(self, y) -> jax.ShapeDtypeStruct:
+        """The stage input made of the previous stage's output `y` (its shape and dtype): on
+        `x_sharding`, padded where its devices do not divide an axis (`boundary_shape`). The
+        transfer delivers x as this; dL/dx goes back to y's shape. An x the stage regathers
+        (`x_compute_spec`: the MLLM's features, in row blocks) must split evenly: end padding
+        would shift its blocks, so a microbatch packed for another layout is refused here."""
+        key = (y.shape, y.dtype)
+        if key in self._x_structs:
+            return self._x_structs[key]
+        shape = boundary_shape(y.shape, self.x_sharding)
+        if shape != tuple(y.shape) and self.fns.x_compute_spec is not None:
+            raise ValueError(
+                f"stage input {tuple(y.shape)} does not split evenly over {self.x_sharding.spec} "
+                f"on a {dict(self.mesh.shape)} mesh: a microbatch packed for another layout? "
+                "(tiles packed by row: blocks of `contracts.row_tile_slots` tiles per row)"
+            )
+        out = self._x_structs[key] = jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
+        return out
+
+    def y_struct(self, y) -> jax.ShapeDtypeStruct:
+        """`y`'s shape and dtype on `y_sharding` (where dL/dy goes back to), made once per shape."""
+        key = (y.shape, y.dtype, None)
+        if key not in self._x_structs:
+            self._x_structs[key] = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=self.y_sharding)
+        return self._x_structs[key]
+
+    @property
+    def has_backward(self) -> bool:
+        """False for a stage that runs forward only (its role's kind "forward"); the last stage's
+        backward is fused into its forward (`forward_backward_loss`)."""
+        return self.is_last or self.role.has_backward
+
+    @property
+    def signatures(self) -> frozenset[tuple]:
+        """The (program, x shape, side shapes) signatures run so far ("fwd", "bwd" or "last")."""
+        return frozenset(self._signatures)
+
+    @property
+    def compiles(self) -> int:
+        """Distinct (program, input-shape) signatures seen = XLA compilations of this stage."""
+        return len(self._signatures)
+
+    @property
+    def residuals(self) -> str:
+        """The residual policy: what `forward_train` keeps for the backward (`RESIDUAL_POLICIES`)."""
+        return self.jits.residuals
+
+    def _record(self, kind: str, x, side) -> tuple:
+        """Records that program `kind` runs on (x, side) (`signatures`); returns their
+        `signature`, computed once per shapes and dtypes (a call looks it up by the arrays' own)."""
+        xs = None if x is None else (x.shape, x.dtype)
+        key = (kind, xs, tuple([(k, a.shape, a.dtype) for k, a in side.items()]))
+        sig = self._seen.get(key)
+        if sig is None:
+            sig = self._seen[key] = signature(x, side)
+            if kind != "shape":  # `output_struct`'s trace, not a program
+                self._signatures.add((kind, *sig))
+        return sig
+
+    def put_side(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Places this stage's microbatch fields on its mesh, sharded over "data" on the leading axis."""
+        return {k: put_host(batch[k], self.side_sharding) for k in self.fns.fields(batch)}
+
+    def side_structs(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes of what `put_side` would place (a non-local stage's inputs, for `output_struct`)."""
+        return {
+            k: jax.ShapeDtypeStruct(batch[k].shape, batch[k].dtype, sharding=self.side_sharding)
+            for k in self.fns.fields(batch)
+        }
+
+    def output_struct(self, x, side) -> jax.ShapeDtypeStruct:
+        """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
+        (once per input signature)."""
+        key = self._record("shape", x, side)
+        if key not in self._outputs:
+            with jax.set_mesh(self.mesh):
+                out = jax.eval_shape(self.jits.forward, self._leaves, x, side)
+            self._outputs[key] = jax.ShapeDtypeStruct(
+                out.shape, out.dtype, sharding=self.y_sharding
+            )
+        return self._outputs[key]
+
+    def lower(self, x, side, evaluation: bool = False) -> list[Lowering]:
+        """The programs a microbatch of this input signature runs on the stage that are not lowered
+        yet, traced and lowered from abstract inputs (`x`, `side`: ShapeDtypeStructs with
+        shardings) under the stage's mesh, as the step calls them: compiling them fills the jits'
+        caches, so the step compiles nothing (`runtime/precompile.py`). Training's programs, plus
+        evaluation's with `evaluation`; each (kind, signature) is recorded as seen (`compiles`), so
+        a signature two bucket pairs share (an encoder stage's tile bucket, a later LLM stage's
+        length bucket) is lowered once."""
+        sig, out = signature(x, side), []
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+        accs = accumulator_structs(self.params, self.trained)
+
+        def add(kind, jit, *args, then=None):
+            if (kind, *sig) in self._signatures:
+                return
+            self._record(kind, x, side)
+            out.append(Lowering(kind, jit.lower(self._leaves, *args), then))
+
+        with jax.set_mesh(self.mesh):
+            if self.is_last:
+                add("last", self.jits.last, x, side, scalar, accs)
+                mask = side.get("loss_mask")
+                count = None if mask is None else ("count", *signature(None, {"loss_mask": mask}))
+                if count and count not in self._signatures:  # `loss_tokens`, per length bucket
+                    self._signatures.add(count)
+                    out.append(Lowering("count", self._count.lower(scalar, mask)))
+                if evaluation:
+                    totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=scalar.sharding)
+                    add("eval", self.jits.eval_loss, x, side, totals)
+                return out
+            y = self.output_struct(x, side)
+
+            def backward_residuals(forward: jax.stages.Compiled) -> list[Lowering]:
+                # the residuals' shardings are the compiled forward's (the partitioner picks them)
+                _, kept = forward.out_info
+                self._signatures.add(("bwd_res", *sig))
+                with jax.set_mesh(self.mesh):
+                    bwd = self.jits.backward_residuals.lower(self._leaves, kept, y, accs, sig)
+                return [Lowering("bwd_res", bwd)]
+
+            if self.jits.forward_residuals is not None:
+                add("fwd_res", self.jits.forward_residuals, x, side, then=backward_residuals)
+            if self.jits.forward_residuals is None or evaluation:
+                add("fwd", self.jits.forward, x, side)
+            if self.jits.forward_residuals is None and self.jits.backward is not None:
+                add("bwd", self.jits.backward, x, side, y, accs)
+        return out
+
+    def loss_tokens(self, masks: list[np.ndarray]) -> jax.Array:
+        """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
+        scalar on the stage's mesh: the loss normalizer of a global batch packed per host."""
+        if self._zero is None:  # not donated: one placed 0.0 serves every step
+            self._zero = put_host(np.float32(0), NamedSharding(self.mesh, P()))
+        total = self._zero
+        for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
+            placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
+            total = issue(STAGE, self.mesh, self._count, total, placed)
+        return total
+
+    def zero_grads(self) -> list:
+        """A zero accumulator of the trained leaves (`accumulator_structs`), as its leaves (what
+        the backward programs take and return; none when nothing of the stage is trained)."""
+        if not self.trains:
+            return []  # no leaves: nothing to compile or place
+        return issue(STAGE, None, self.jits.zeros.jit, self._leaves)
+
+    def forward(self, x, side) -> jax.Array:
+        """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
+        self._record("fwd", x, side)
+        return issue(STAGE, self.mesh, self.jits.forward.jit, self._leaves, x, side)
+
+    def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
+        """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
+        gradients; `totals` (float32[2], replicated on this mesh) is donated."""
+        self._record("eval", x, side)
+        return issue(STAGE, self.mesh, self.jits.eval_loss.jit, self._leaves, x, side, totals)
+
+    def forward_train(self, x, side) -> tuple[jax.Array, Held]:
+        """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
+        saved residuals, or under "recompute" the stage input and side arrays."""
+        if self.jits.forward_residuals is None:
+            return self.forward(x, side), Held(None, (x, side))
+        sig = self._record("fwd_res", x, side)
+        y, kept = issue(STAGE, self.mesh, self.jits.forward_residuals.jit, self._leaves, x, side)
+        return y, Held(sig, kept)
+
+    def backward_from(self, held: Held, gy, gacc: list) -> tuple[jax.Array | None, list]:
+        """The backward of the microbatch whose `forward_train` gave `held`: (dL/dx or None, the
+        accumulator's leaves + dL/dparams); `gacc` (leaves, `zero_grads`) is donated."""
+        if held.sig is None:
+            x, side = held.values
+            return self._backward(x, side, gy, gacc)
+        key = ("bwd_res", held.sig)
+        if key not in self._seen:
+            self._seen[key] = held.sig
+            self._signatures.add(("bwd_res", *held.sig))
+        jit = self.jits.backward_residuals.jit
+        return issue(STAGE, self.mesh, jit, self._leaves, held.values, gy, gacc, held.sig)
+
+    def backward(self, x, side, gy, gacc: PyTree) -> tuple[jax.Array | None, PyTree]:
+        """Returns (dL/dx or None, gacc + dL/dparams) with the accumulator as a tree (`gacc`: its
+        tree or its leaves, donated)."""
+        gx, acc = self._backward(x, side, gy, jax.tree.leaves(gacc))
+        return gx, self.jits.backward.outs[1].unflatten(acc)
+
+    def _backward(self, x, side, gy, gacc: list) -> tuple[jax.Array | None, list]:
+        if self.jits.backward is None:
+            raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
+        self._record("bwd", x, side)
+        return issue(STAGE, self.mesh, self.jits.backward.jit, self._leaves, x, side, gy, gacc)
+
+    def forward_backward_loss(self, x, side, normalizer, gacc: list):
+        """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, the
+        accumulator's leaves + dL/dparams); `gacc` (leaves, `zero_grads`) is donated.
+
+        `normalizer`: a number, or a replicated scalar on this mesh (`loss_tokens`)."""
+        self._record("last", x, side)
+        norm = normalizer
+        if not isinstance(normalizer, jax.Array):
+            norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
+        return issue(STAGE, self.mesh, self.jits.last.jit, self._leaves, x, side, norm, gacc)
