@@ -35,7 +35,7 @@ def _model_cfg():
 
 
 def _layout():
-    from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.contracts.layout import Layout, StageSpec
 
     enc = (
         StageSpec("encoder", 0, 3, has_embedding=True),

@@ -67,7 +67,7 @@ class ColocatedBenchConfig:
 
 def _programs(model_cfg, devices, dtype):
     """{(name, tp, T, S): PartProgram} of the four program families (module docstring)."""
-    from dflop_jax.costs.layout import StageSpec
+    from dflop_jax.contracts.layout import StageSpec
     from dflop_jax.profiling.programs import profile_mesh, stage_program
 
     out = {}

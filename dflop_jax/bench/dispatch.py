@@ -224,7 +224,7 @@ def real_part(rounds: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from dflop_jax.costs.layout import StageSpec
+    from dflop_jax.contracts.layout import StageSpec
     from dflop_jax.data.packing import pack_microbatch
     from dflop_jax.programs.dispatch import ISSUED
     from dflop_jax.programs.model_configs import model_config_for_arch

@@ -3,6 +3,7 @@
 from dflop_jax.costs import get_arch, get_device, AnalyticCostProvider, layout_stage_costs
 """
 
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.architectures import (
     DEFAULT_ARCH,
     LLM_PRESETS,
@@ -48,7 +49,6 @@ from dflop_jax.costs.flops import (
     vision_layer_params,
     vision_params,
 )
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.memory import (
     StageMemory,

@@ -12,6 +12,7 @@ import sys
 
 from dflop_jax.config import ConfigError, require
 from dflop_jax.config.cli import Command, config_error, load_command_config
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.architectures import DEFAULT_ARCH, get_arch, list_archs
 from dflop_jax.costs.devices import get_device, list_devices
 from dflop_jax.costs.flops import (
@@ -20,7 +21,6 @@ from dflop_jax.costs.flops import (
     projector_flops_per_tile,
     vision_flops_per_tile,
 )
-from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.provider import AnalyticCostProvider
 
 COMMAND = Command(

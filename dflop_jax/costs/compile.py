@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.contracts.shapes import BucketSet
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 
 OPTIMIZER_PROGRAMS = 4  # fresh accumulator, reduction, norm, update (`StageOptimizer.lower`)

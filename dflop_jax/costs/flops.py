@@ -157,7 +157,7 @@ def llm_head_flops(llm: LLMArch, tokens: float) -> float:
 
 
 def stage_forward_flops(arch: MLLMArch, stage, bucket: int) -> float:
-    """Forward FLOPs of one data shard of a pipeline stage (`costs.layout.StageSpec`) at `bucket`:
+    """Forward FLOPs of one data shard of a pipeline stage (`contracts.layout.StageSpec`) at `bucket`:
     tiles through an encoder stage's blocks, or one packed row of `bucket` tokens through an LLM
     stage's (attention over S^2 / 2 causal pairs, as the analytic time prices it)."""
     if stage.module == "encoder":

@@ -92,9 +92,9 @@ from __future__ import annotations
 import dataclasses
 
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
-from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, StageRole, stage_role
 
 PARAM_BYTES = 4  # fp32 parameters = master copy

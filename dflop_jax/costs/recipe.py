@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.contracts.layout import StageSpec
 
 DX_FRACTION = 2.0 / 3.0  # dx-only backward / trainable backward (recompute + dx, no weight grads)
 SAVED_DX_FRACTION = 0.5  # the same from saved residuals: dx of dx + weight gradients

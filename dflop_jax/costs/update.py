@@ -22,7 +22,7 @@ per leaf), and the summing of a tied embedding's copies across stages (one [voca
 
 from __future__ import annotations
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.memory import GRAD_BYTES, PARAM_BYTES
 from dflop_jax.costs.provider import colocated_encoder_stage
 

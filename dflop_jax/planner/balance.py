@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 
 
 def balanced_layout(

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from dflop_jax.contracts import BucketSet, SampleShape
-from dflop_jax.costs.layout import Layout
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.explain import PlanningError
 from dflop_jax.planner.plan_file import Plan

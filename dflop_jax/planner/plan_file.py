@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from dflop_jax.contracts import BucketSet
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 
 PLAN_VERSION = 1
 _GIB = 2**30

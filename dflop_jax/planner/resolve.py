@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_costs
 from dflop_jax.costs.compile import compile_cost
-from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.plan_file import Plan, load_plan, save_plan

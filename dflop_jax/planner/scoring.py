@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import (
     AnalyticCostProvider,
     layout_memory,
@@ -22,7 +23,6 @@ from dflop_jax.costs import (
     layout_transfer_costs,
     residual_policies,
 )
-from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.update import layout_update_times, norm_barrier_time
 from dflop_jax.planner.buckets import ShapeStats, bucket_set
 from dflop_jax.planner.candidates import Candidate

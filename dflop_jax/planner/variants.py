@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider
 from dflop_jax.costs.architectures import pad_vision_heads
-from dflop_jax.costs.layout import Layout, StageSpec
 
 
 def encoder_tp(layout: Layout) -> int:

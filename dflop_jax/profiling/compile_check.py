@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
-from dflop_jax.costs.layout import Layout
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import Plan, StageCheck
 from dflop_jax.planner.scoring import in_flight

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs.compile import stage_buckets
 from dflop_jax.costs.flops import stage_forward_flops
-from dflop_jax.costs.layout import Layout
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import StageCheck

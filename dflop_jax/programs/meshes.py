@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 
 AXES = ("data", "model")
 

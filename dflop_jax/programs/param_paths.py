@@ -1,6 +1,6 @@
 """Where a parameter lives: its path in a stage, in the whole model, its part and whether it trains.
 
-A stage's params are one module's layer range (`costs.layout.StageSpec`), or for the colocated
+A stage's params are one module's layer range (`contracts.layout.StageSpec`), or for the colocated
 stage the whole encoder beside the first LLM layers (`COLOCATED_MODULES` at the top). The model-level
 path of a leaf (`model_paths`: module, names, layer indices offset to global ones) is what
 checkpoints store and what ties a parameter held by two stages (`tied_groups`: a tied embedding);
@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.contracts.layout import StageSpec
 from models.stages import param_part
 
 PyTree = Any

@@ -61,7 +61,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import stage_role
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.sharding import Rules, create_sharded, rules_for, state_shardings

@@ -39,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.param_paths import holds_encoder, key_name, model_paths
 from dflop_jax.programs.stage_fns import PyTree
 

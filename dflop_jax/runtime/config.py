@@ -12,9 +12,9 @@ from dflop_jax.config import require, require_seed
 from dflop_jax.config.inputs import InputPath
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs.devices import DeviceConfig
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.programs.processes import DistributedConfig

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 
 
 def layout_from_dict(d: dict) -> Layout:

@@ -37,8 +37,8 @@ import numpy as np
 from rich.console import Console
 
 from dflop_jax.config import ConfigError, dump_yaml
+from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
-from dflop_jax.costs.layout import Layout
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.loader import TooFewRecords, check_records
 from dflop_jax.data.split import split_records

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.costs.layout import StageSpec
 from dflop_jax.costs.memory import stage_memory
 
 ARCH = get_arch("siglip-so400m+qwen2.5-7b")

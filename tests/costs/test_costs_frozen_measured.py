@@ -10,8 +10,8 @@ import json
 import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
+from dflop_jax.contracts.layout import StageSpec as Spec
 from dflop_jax.costs import AnalyticCostProvider, Layout, StageSpec, get_arch, get_device
-from dflop_jax.costs.layout import StageSpec as Spec
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.provider import colocated_encoder_stage, layout_stage_costs
 

@@ -3,8 +3,8 @@ its place in the simulated step, and what it costs a plan leaning to high data p
 
 import pytest
 
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, StageMemory, get_arch, get_device
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.update import layout_update_times, norm_barrier_time, stage_update_time
 from dflop_jax.planner.scoring import LayoutCosts
 from dflop_jax.sim import StepUpdate, simulate

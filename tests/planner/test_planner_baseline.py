@@ -150,7 +150,7 @@ def test_interleaved_memory_is_the_peak_of_the_simulated_live_activations(siglip
 def test_interleaved_scoring_pads_a_spilled_microbatch_count_with_empty_microbatches():
     import numpy as np
 
-    from dflop_jax.costs.layout import Layout
+    from dflop_jax.contracts.layout import Layout
     from dflop_jax.planner.candidates import module_stages
     from dflop_jax.planner.scoring import LayoutCosts
     from dflop_jax.sim import simulate

@@ -7,8 +7,8 @@ missed, ranking such layouts first and dropping the better tp4 dp16 from the sho
 import numpy as np
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.planner.buckets import ShapeStats
 from dflop_jax.planner.candidates import Candidate

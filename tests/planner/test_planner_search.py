@@ -213,7 +213,7 @@ class PerLayer:
 
 
 def test_balanced_split_offloads_the_stage_running_the_encoder():
-    from dflop_jax.costs.layout import Layout
+    from dflop_jax.contracts.layout import Layout
     from dflop_jax.planner.balance import balanced_layout
     from dflop_jax.planner.candidates import module_stages
 
@@ -228,7 +228,7 @@ def test_balanced_split_offloads_the_stage_running_the_encoder():
 
 
 def test_balanced_split_moves_encoder_layers_off_the_projector_stage_only_within_the_encoder():
-    from dflop_jax.costs.layout import Layout
+    from dflop_jax.contracts.layout import Layout
     from dflop_jax.planner.balance import balanced_layout
     from dflop_jax.planner.candidates import module_stages
 
@@ -254,7 +254,7 @@ class LayerMemory:
 def test_memory_balanced_split_minimizes_the_peak_over_all_splits():
     import itertools
 
-    from dflop_jax.costs.layout import Layout
+    from dflop_jax.contracts.layout import Layout
     from dflop_jax.planner.balance import memory_balanced_layout
     from dflop_jax.planner.candidates import module_stages
 
@@ -278,8 +278,8 @@ def test_memory_balanced_split_minimizes_the_peak_over_all_splits():
 
 
 def test_colocated_encoder_at_its_own_tp_costs_like_that_encoder_stage():
+    from dflop_jax.contracts.layout import Layout, StageSpec
     from dflop_jax.costs import layout_memory, layout_stage_costs
-    from dflop_jax.costs.layout import Layout, StageSpec
     from dflop_jax.planner.candidates import module_stages
 
     arch = get_arch("siglip-6b+qwen2.5-7b")

@@ -13,8 +13,8 @@ import yaml
 from flax import nnx
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.planner import Plan, load_plan, save_plan
 from dflop_jax.planner.plan_file import StageCheck
 from dflop_jax.planner.scoring import in_flight

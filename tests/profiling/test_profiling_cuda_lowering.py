@@ -18,8 +18,8 @@ from jax.sharding import AxisType, Mesh
 
 from dflop_jax.config import load_config
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import get_arch
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.profiling.compile_check import lower_stage_programs
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_configs import model_config_for_arch

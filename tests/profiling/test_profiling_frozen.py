@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.planner import Plan
 from dflop_jax.planner.scoring import in_flight

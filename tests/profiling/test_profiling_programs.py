@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.types import FEATURE_TAPS
 from dflop_jax.profiling.programs import StageShape, build_program, profile_mesh, stage_program

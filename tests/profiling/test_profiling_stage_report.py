@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from dflop_jax.contracts import BucketSet
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import arch_of_model
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.profiling.compile_check import check_layout
 from dflop_jax.profiling.stage_report import stage_flops
 from dflop_jax.programs.model_configs import model_config_for_arch

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import runtime_toy as toy
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.driver import run_pipeline

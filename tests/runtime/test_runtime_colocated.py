@@ -27,8 +27,8 @@ from pipeline_reference import assert_trees_close, no_host_round_trip, reference
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device, layout_stage_costs
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.data.types import plain_taps

@@ -9,7 +9,7 @@ from flax import nnx
 from models_fixtures import tiny_decoder_config
 from pipeline_reference import assert_trees_close, reference_step
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import key_name, tied_groups
 from dflop_jax.programs.stage_builder import build_stages

@@ -14,7 +14,7 @@ from models_fixtures import tiny_decoder_config
 from pipeline_reference import assert_trees_close
 from test_runtime_decoder_pipeline import LAYOUT, _decoder_loss, _microbatch
 
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.stage_builder import build_stages

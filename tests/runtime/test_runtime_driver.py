@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import LayoutError, stage_meshes
 from dflop_jax.runtime.driver import Op, pipeline_order, stage_ops
 

@@ -28,7 +28,7 @@ from flax import nnx
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
 from dflop_jax.config import load_config
-from dflop_jax.costs.layout import StageSpec
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import key_name, tied_groups
 from dflop_jax.programs.stage_builder import build_stages

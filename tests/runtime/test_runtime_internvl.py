@@ -13,7 +13,7 @@ from models_fixtures import TINY_TRAIN_DECODER, tiny_decoder_config
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
 from dflop_jax.config import ConfigError, load_config
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree

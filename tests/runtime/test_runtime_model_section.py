@@ -163,8 +163,8 @@ def test_the_plan_print_names_the_kernels_the_model_runs(kind):
     from rich.console import Console
 
     from dflop_jax.contracts import BucketSet
+    from dflop_jax.contracts.layout import Layout, StageSpec
     from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device
-    from dflop_jax.costs.layout import Layout, StageSpec
     from dflop_jax.planner.resolve import ResolvedPlan
     from dflop_jax.runtime.trainer import _print_plan
 
@@ -239,7 +239,7 @@ def test_a_cut_hf_checkpoint_loads_its_first_layers_and_its_head(tmp_path):
     import models_fixtures as fx
     import numpy as np
 
-    from dflop_jax.costs.layout import Layout, StageSpec
+    from dflop_jax.contracts.layout import Layout, StageSpec
     from dflop_jax.programs.meshes import stage_meshes
     from dflop_jax.programs.stage_builder import build_stages
 

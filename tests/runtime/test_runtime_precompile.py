@@ -9,8 +9,8 @@ import pytest
 from models_fixtures import tiny_llava_ov_config
 
 from dflop_jax.contracts import BucketSet, ScheduleProblem
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.compile import program_counts
-from dflop_jax.costs.layout import Layout, StageSpec
 from dflop_jax.data.config import DataConfig
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets, stage_map
 
 OLD = Layout(

@@ -13,7 +13,7 @@ import pytest
 from hlo_fixtures import GROUPS, replica_groups
 from models_fixtures import tiny_llava_ov_config
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.profiling.programs import stage_program
 from dflop_jax.programs.meshes import stage_meshes
 

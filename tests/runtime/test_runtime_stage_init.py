@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from models_fixtures import tiny_decoder_config
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.sharding import create_sharded, rules_for
 from dflop_jax.programs.stage_builder import build_stages, init_stage

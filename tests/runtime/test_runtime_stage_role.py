@@ -13,7 +13,7 @@ import test_runtime_colocated as colo
 import test_runtime_mllm_pipeline as sep
 
 from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import StageRole, stage_parts, stage_role
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import param_labels

@@ -15,7 +15,7 @@ import pytest
 from models_fixtures import tiny_llava_ov_config
 
 from dflop_jax.contracts import MicrobatchPlan
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.provider import boundary_shards
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.programs import transfer as tr

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from models_fixtures import tiny_decoder_config
 from pipeline_reference import assert_trees_close
 
-from dflop_jax.costs.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.profiling.programs import stage_program
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_configs import model_config_for_arch
