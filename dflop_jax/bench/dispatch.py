@@ -230,7 +230,7 @@ def real_part(rounds: int) -> dict:
     from dflop_jax.programs.model_configs import model_config_for_arch
     from dflop_jax.programs.stage_builder import abstract_stage
     from dflop_jax.programs.stage_program import StageProgram
-    from dflop_jax.scheduler.types import MicrobatchPlan
+    from dflop_jax.scheduler.types import ScheduledMicrobatch
 
     r = REAL
     model_cfg = model_config_for_arch(r["arch"])
@@ -239,7 +239,7 @@ def real_part(rounds: int) -> dict:
     bp = abstract_stage(model_cfg, spec, mesh)
     stage = StageProgram(mesh, bp.fns, bp.state, jnp.bfloat16, residuals="all")
     v = model_cfg.vision
-    mb, _ = pack_microbatch(MicrobatchPlan(1, r["tokens"], ((),)), [], [], encoder_dp=1, llm_dp=1,
+    mb, _ = pack_microbatch(ScheduledMicrobatch(1, r["tokens"], ((),)), [], [], encoder_dp=1, llm_dp=1,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=model_cfg.tokens_per_tile)  # fmt: skip
     side = stage.side_structs(dc.asdict(mb))

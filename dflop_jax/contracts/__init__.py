@@ -10,8 +10,8 @@ from dflop_jax outside this package:
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
 from dflop_jax.contracts.schedule import (
-    MicrobatchPlan,
     Schedule,
+    ScheduledMicrobatch,
     ScheduleFn,
     ScheduleProblem,
     StageCostFn,
@@ -27,7 +27,7 @@ from dflop_jax.contracts.shapes import BucketSet, SampleShape
 __all__ = [
     "BucketSet",
     "CostEntry",
-    "MicrobatchPlan",
+    "ScheduledMicrobatch",
     "ProfiledCostTable",
     "SampleShape",
     "Schedule",

@@ -120,7 +120,7 @@ class Layout:
     @property
     def tiles_by_row(self) -> bool:
         """Whether microbatches pack each LLM row's tiles in the row's own block of tile slots
-        (`MicrobatchPlan.tiles_by_row`, tile buckets per row): every layout the runtime runs, an
+        (`ScheduledMicrobatch.tiles_by_row`, tile buckets per row): every layout the runtime runs, an
         encoder on its own stages (the first LLM stage then receives each row only its own
         samples' features) or colocated at LLM stage 0's tp and dp (each shard encodes its own
         row's tiles). Not an encoder colocated at its own tp (`colocated_encoder_tp`), which the

@@ -33,7 +33,7 @@ class ScheduleProblem:
       buckets: the bucket sets.
       stage_costs: predicted per-stage (fwd, bwd) seconds of a microbatch at given buckets.
       tiles_by_row: each LLM row's samples' tiles fill that row's own block of the microbatch's tile
-        slots (`MicrobatchPlan.tile_slots`), so the first LLM stage gathers features only within a
+        slots (`ScheduledMicrobatch.tile_slots`), so the first LLM stage gathers features only within a
         row; the tile bucket is then tiles per ROW and covers the fullest row. Every layout the
         runtime runs packs so (an encoder colocated on the LLM's shards, or one on its own stages).
       row_align: a row's block of tile slots is a multiple of this (the first LLM stage's tp, over
@@ -70,8 +70,8 @@ def row_tile_slots(tile_bucket: int, encoder_dp: int, llm_dp: int, row_align: in
 
 
 @dataclasses.dataclass(frozen=True)
-class MicrobatchPlan:
-    """One microbatch: its buckets and which samples each LLM data-parallel shard packs.
+class ScheduledMicrobatch:
+    """One scheduled microbatch: its buckets and which samples each LLM data-parallel shard packs.
 
     Attributes:
       tile_bucket: T, tiles per encoder shard (all encoder shards use the same T); with
@@ -149,7 +149,7 @@ class Schedule:
       info: extra report fields (greedy objective, cpsat status, padding ratios, ...).
     """
 
-    microbatches: tuple[MicrobatchPlan, ...]
+    microbatches: tuple[ScheduledMicrobatch, ...]
     objective: float
     lower_bound: float
     solver: str

@@ -1,13 +1,13 @@
 """Packing processed samples into the static-shape arrays of a schedule (DESIGN section 3).
 
 `pack_global_batch(schedule, samples, shapes, ...)` turns the scheduler's answer for one global batch into
-`PackedMicrobatch`es: encoder tiles placed in the slots `MicrobatchPlan.tile_placement()` gives (packed
+`PackedMicrobatch`es: encoder tiles placed in the slots `ScheduledMicrobatch.tile_placement()` gives (packed
 by row, row r's samples' tiles in row r's own block of slots), and one packed LLM row per LLM shard (segment ids, positions
 restarting per sample, next-token targets of the same sample, assistant-only loss mask, and the indices
 that place image features into the row).
 
 Multi-host: with a `HostShardSpec`, only the host's own shards are filled in. The arrays keep their GLOBAL
-shapes (encoder `MicrobatchPlan.tile_slots` rows, LLM `llm_dp` rows), so a process places them on a stage mesh that
+shapes (encoder `ScheduledMicrobatch.tile_slots` rows, LLM `llm_dp` rows), so a process places them on a stage mesh that
 spans hosts exactly as a single process would (each process writes only the shards its devices hold);
 other hosts' rows stay zero and cost no memory (untouched pages of `np.zeros`). `feature_index` holds
 global tile-slot rows (slot * tokens_per_tile + j); packed by row, row r's lie in its own block, which
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
+from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.types import (
     TEXT,
     BatchStats,
@@ -114,7 +114,7 @@ def all_shards(encoder_dp: int, llm_dp: int) -> HostShardSpec:
 
 
 def needed_samples(
-    plan: MicrobatchPlan, shapes: Sequence[SampleShape], encoder_dp: int, host: HostShardSpec
+    plan: ScheduledMicrobatch, shapes: Sequence[SampleShape], encoder_dp: int, host: HostShardSpec
 ) -> set[int]:
     """Indices of the samples whose tiles or tokens land on this host's shards in microbatch `plan`."""
     out = {i for r in host.llm_shards for i in plan.shards[r]}
@@ -126,7 +126,7 @@ def needed_samples(
 
 
 def pack_microbatch(
-    plan: MicrobatchPlan,
+    plan: ScheduledMicrobatch,
     samples: Sequence[ProcessedSample | None],
     shapes: Sequence[SampleShape] | None = None,
     *,

@@ -126,7 +126,7 @@ class PackCounts:
     Attributes:
       tokens_real, tokens_computed: sample tokens, and row slots S per LLM shard row.
       tiles_real, tiles_computed: valid tiles, and the microbatch's tile slots
-        (`MicrobatchPlan.tile_slots`).
+        (`ScheduledMicrobatch.tile_slots`).
       loss_tokens: positions of this host's shards whose target is an assistant token (this host's
         share of the loss normalizer).
     """

@@ -26,11 +26,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from dflop_jax.contracts import BucketSet, SampleShape
+from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.layout import Layout
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.planner.explain import PlanningError
 from dflop_jax.planner.plan_file import Plan
+from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.planner.scoring import (
     LayoutCosts,
     expected_step_time,
@@ -40,16 +41,6 @@ from dflop_jax.planner.scoring import (
 from dflop_jax.planner.search import make_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunningPlan:
-    """What the run runs, as the planner scores it."""
-
-    layout: Layout
-    buckets: BucketSet
-    microbatches: tuple[int, int]
-    provider: object  # the CostProvider the run's scheduler predicts with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +88,13 @@ def _describe(layout: Layout) -> str:
 
 
 def score_on(
-    batches: Sequence[Sequence[SampleShape]],
-    provider,
-    layout: Layout,
-    buckets: BucketSet,
-    microbatches: tuple[int, int],
-    config: PlannerConfig,
-    kind: str,
+    batches: Sequence[Sequence[SampleShape]], plan: ResolvedPlan, config: PlannerConfig, kind: str
 ) -> float:
-    """A plan's expected step time on exactly `batches` (the planner's scoring: online scheduler with
-    its solver and seed, then the simulator)."""
-    costs = LayoutCosts.build(provider, layout)
-    problem = problem_for(costs, tuple(microbatches), buckets)
+    """A plan's expected step time on exactly `batches` (the planner's scoring: its stage costs under
+    each stage's residual policy, the online scheduler with its solver and seed, then the
+    simulator)."""
+    costs = LayoutCosts.build(plan.provider, plan.layout, residuals=plan.residuals)
+    problem = problem_for(costs, tuple(plan.microbatches), plan.buckets)
     scheduler = online_scheduler(config.solver, config.seed)
     return expected_step_time(batches, costs, problem, scheduler, kind).mean
 
@@ -116,7 +102,7 @@ def score_on(
 def measure_drift(
     step: int,
     batches: Sequence[Sequence[SampleShape]],
-    running: RunningPlan,
+    running: ResolvedPlan,
     arch,
     device,
     config: PlannerConfig,
@@ -128,16 +114,14 @@ def measure_drift(
     the run's.
     """
     batches = [list(b) for b in batches]
-    running_s = score_on(batches, running.provider, running.layout, running.buckets,
-                         running.microbatches, config, kind)  # fmt: skip
+    running_s = score_on(batches, running, config, kind)
     shapes = [s for b in batches for s in b]
     try:
         plan = make_plan(arch, device, running.layout.num_devices, shapes, config,
                          running.provider)  # fmt: skip
     except PlanningError as e:
         return Drift(step, len(batches), running_s, math.inf, None, str(e).splitlines()[0])
-    planned_s = score_on(batches, running.provider, plan.layout, plan.buckets,
-                         plan.microbatch_range, config, kind)  # fmt: skip
+    planned_s = score_on(batches, ResolvedPlan.of(plan, running.provider), config, kind)
     return Drift(step, len(batches), running_s, planned_s, plan)
 
 

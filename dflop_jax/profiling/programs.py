@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.contracts import MicrobatchPlan, row_tile_slots
+from dflop_jax.contracts import ScheduledMicrobatch, row_tile_slots
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
@@ -136,11 +136,11 @@ def _microbatch(
     v = model_cfg.vision
     enc = st.module == "encoder"
     if tile_bucket is not None:
-        plan, enc_dp = MicrobatchPlan(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
+        plan, enc_dp = ScheduledMicrobatch(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
     elif enc:
-        plan, enc_dp = MicrobatchPlan(bucket, 1, ((),) * dp), dp
+        plan, enc_dp = ScheduledMicrobatch(bucket, 1, ((),) * dp), dp
     else:
-        plan = MicrobatchPlan(features, bucket, ((),) * dp, tiles_by_row=True, row_align=st.tp)
+        plan = ScheduledMicrobatch(features, bucket, ((),) * dp, tiles_by_row=True, row_align=st.tp)
         enc_dp = 1
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
     mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=dp,

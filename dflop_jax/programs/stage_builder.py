@@ -26,7 +26,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
   LLM, first:       tokens, segment_ids, positions -> hidden [l_dp, S, D]; in an MLLM also the encoder
                     features as x, placed by feature_index, or by feature_taps / feature_weight
                     [l_dp, S, K] when the microbatch has them (LLaVA-OV's exact bilinear taps).
-                    Tiles are packed BY ROW (`MicrobatchPlan.tiles_by_row`): row r's samples' tiles
+                    Tiles are packed BY ROW (`ScheduledMicrobatch.tiles_by_row`): row r's samples' tiles
                     fill slots r*R ... (r+1)*R - 1, R the row's tile bucket padded to a multiple of
                     l_tp and so that v_dp divides l_dp*R (`contracts.row_tile_slots`; the padding
                     ends each block, so no end padding by `stages.boundary_shape` is needed).
@@ -42,7 +42,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
                     (`models.mllm.ColocatedStage`, `colocated=True` below): tiles [l_dp*T, H, W, 3]
-                    (row r's tiles in slots r*T ..., `MicrobatchPlan.tiles_by_row`),
+                    (row r's tiles in slots r*T ..., `ScheduledMicrobatch.tiles_by_row`),
                     tile_pool, tokens, feature_index, ... -> hidden [l_dp, S, D] (or the loss); no x.
                     Tiles and rows are both sharded over "data", and each row gathers only its own
                     tiles' features: the encoder is data-parallel and no feature crosses shards.

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule, ScheduleProblem
+from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.scheduler import Scheduler
 
 
@@ -66,7 +66,7 @@ class Observation:
         )
 
     def feed(self, scheduler: Scheduler) -> None:
-        plans = tuple(MicrobatchPlan(t, s, ()) for t, s in self.buckets)
+        plans = tuple(ScheduledMicrobatch(t, s, ()) for t, s in self.buckets)
         scheduler.observe(Schedule(plans, 0.0, 0.0, "observed", 0.0), np.asarray(self.times))
 
     def to_json(self) -> dict:

@@ -41,7 +41,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import jax
 import numpy as np
 
-from dflop_jax.contracts import MicrobatchPlan, ScheduleProblem
+from dflop_jax.contracts import ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.programs.stage_program import Lowering, StageProgram
@@ -125,7 +125,7 @@ def bucket_microbatches(problem: ScheduleProblem, data_cfg) -> list[dict[str, np
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     out = []
     for t, s in problem.buckets.allowed():
-        plan = MicrobatchPlan(
+        plan = ScheduledMicrobatch(
             t,
             s,
             ((),) * problem.llm_dp,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 
 from dflop_jax.contracts import BucketSet
-from dflop_jax.planner.drift import Drift, RunningPlan
+from dflop_jax.planner.drift import Drift
 from dflop_jax.planner.resolve import ResolvedPlan
 
 
@@ -55,7 +55,7 @@ def next_plan(drift: Drift, running: ResolvedPlan) -> ResolvedPlan:
     return ResolvedPlan(plan.layout, buckets, plan.microbatch_range, running.provider, residuals)
 
 
-def describe(drift: Drift, old: RunningPlan | ResolvedPlan, new: ResolvedPlan, step: int) -> str:
+def describe(drift: Drift, old: ResolvedPlan, new: ResolvedPlan, step: int) -> str:
     """The log line of a re-plan: why, and both layouts with their predicted step times."""
     return (
         f"re-plan after step {step}: plan_regret {drift.regret:.1%} (measured after step "

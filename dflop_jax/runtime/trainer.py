@@ -43,7 +43,7 @@ from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.loader import TooFewRecords, check_records
 from dflop_jax.data.split import split_records
 from dflop_jax.data.types import GlobalBatch
-from dflop_jax.planner.drift import DriftMonitor, RunningPlan, measure_drift
+from dflop_jax.planner.drift import DriftMonitor, measure_drift
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.resolve import ResolvedPlan, training_planner
 from dflop_jax.programs import watchdog
@@ -581,9 +581,8 @@ def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> Drif
     config = training_planner(
         cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable, cfg.steps
     )
-    running = RunningPlan(plan.layout, plan.buckets, plan.microbatches, plan.provider)
     device = run_device(cfg.device)
-    measure = functools.partial(measure_drift, running=running, arch=arch, device=device,
+    measure = functools.partial(measure_drift, running=plan, arch=arch, device=device,
                                 config=config, kind=cfg.pipeline)  # fmt: skip
     return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")
 

@@ -20,9 +20,9 @@ from dflop_jax.scheduler.objective import CostTable, surrogate_step_time
 from dflop_jax.scheduler.solve import schedule_batch
 from dflop_jax.scheduler.types import (
     BucketSet,
-    MicrobatchPlan,
     SampleShape,
     Schedule,
+    ScheduledMicrobatch,
     ScheduleProblem,
     StageCostFn,
 )
@@ -40,7 +40,7 @@ __all__ = [
     "BucketSet",
     "CostCorrection",
     "CostTable",
-    "MicrobatchPlan",
+    "ScheduledMicrobatch",
     "SampleShape",
     "Schedule",
     "ScheduleProblem",

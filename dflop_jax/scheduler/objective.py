@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from dflop_jax.scheduler.types import BucketSet, MicrobatchPlan, SampleShape, ScheduleProblem
+from dflop_jax.scheduler.types import BucketSet, SampleShape, ScheduledMicrobatch, ScheduleProblem
 
 
 def surrogate_step_time(costs: np.ndarray) -> float:
@@ -165,15 +165,15 @@ def to_plans(
     si: np.ndarray,
     problem: ScheduleProblem,
     table: CostTable,
-) -> tuple[MicrobatchPlan, ...]:
-    """Array assignment -> MicrobatchPlans (samples within a shard keep their batch order)."""
+) -> tuple[ScheduledMicrobatch, ...]:
+    """Array assignment -> ScheduledMicrobatches (samples within a shard keep their batch order)."""
     ldp = problem.llm_dp
     shards: list[list[list[int]]] = [[[] for _ in range(ldp)] for _ in range(m)]
     for i, b in enumerate(bin_of.tolist()):
         shards[b // ldp][b % ldp].append(i)
     ti, si = (np.asarray(a) for a in np.moveaxis(table.best[ti, si], -1, 0))  # allowed pairs only
     return tuple(
-        MicrobatchPlan(
+        ScheduledMicrobatch(
             int(table.tiles[ti[k]]),
             int(table.lengths[si[k]]),
             tuple(tuple(s) for s in shards[k]),
@@ -209,7 +209,7 @@ def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
 
 
 def padding_ratios(
-    plans: tuple[MicrobatchPlan, ...],
+    plans: tuple[ScheduledMicrobatch, ...],
     tokens: np.ndarray,
     tiles: np.ndarray,
     problem: ScheduleProblem,

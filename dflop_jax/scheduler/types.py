@@ -2,8 +2,8 @@
 below every package that reads them): sample shapes in, a static-shape schedule out."""
 
 from dflop_jax.contracts.schedule import (
-    MicrobatchPlan,
     Schedule,
+    ScheduledMicrobatch,
     ScheduleFn,
     ScheduleProblem,
     StageCostFn,
@@ -12,7 +12,7 @@ from dflop_jax.contracts.shapes import BucketSet, SampleShape
 
 __all__ = [
     "BucketSet",
-    "MicrobatchPlan",
+    "ScheduledMicrobatch",
     "SampleShape",
     "Schedule",
     "ScheduleFn",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_packing_arrays import TILE, TPT, batches, make_sample
 
-from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
+from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import PackSpec, pack_geometry, pack_taps
@@ -86,7 +86,7 @@ def packed(records):
     shapes = [SampleShape(s.id, s.num_tiles, s.num_tokens, s.modality) for s in samples]
     S = max(samples[0].num_tokens + samples[1].num_tokens, shapes[3].tokens + shapes[2].tokens) + 5
     T = -(-sum(s.tiles for s in shapes) // 2) + 1
-    plan = MicrobatchPlan(T, S, ((0, 1), (3, 2)))
+    plan = ScheduledMicrobatch(T, S, ((0, 1), (3, 2)))
     mb, _ = pack_microbatch(
         plan, samples, shapes, encoder_dp=2, llm_dp=2, tile_shape=(TILE_PX, TILE_PX, 3),
         tokens_per_tile=P * P, feature_taps=pack_taps(cfg),
@@ -201,7 +201,7 @@ def test_internvl_leaves_taps_none(records):
     assert pack_taps(cfg) == 0
     tile_shape, tpt = pack_geometry(cfg)
     shapes = [SampleShape(s.id, s.num_tiles, s.num_tokens, s.modality) for s in samples]
-    plan = MicrobatchPlan(
+    plan = ScheduledMicrobatch(
         sum(s.tiles for s in shapes), sum(s.tokens for s in shapes), ((0, 1, 2, 3),)
     )
     mb, _ = pack_microbatch(
@@ -213,7 +213,7 @@ def test_internvl_leaves_taps_none(records):
 def test_pack_stage_carries_taps_and_refuses_to_drop_them(records):
     cfg, proc, recs = _processor(records)
     shapes = [proc.shape(r) for r in recs]
-    plan = MicrobatchPlan(
+    plan = ScheduledMicrobatch(
         sum(s.tiles for s in shapes), sum(s.tokens for s in shapes), ((0, 1, 2, 3),)
     )
     schedule = Schedule((plan,), 1.0, 1.0, "test", 0.0)
@@ -263,7 +263,7 @@ def test_random_schedules_map_every_tap_like_feature_index(case, k, procs):
         )
         tokens = max(sum(shapes[i].tokens for i in sh) for sh in shards)
         T = -(-sum(shapes[i].tiles for sh in shards for i in sh) // encoder_dp) + extra_t or 1
-        plans.append(MicrobatchPlan(T, max(tokens, 1) + extra_s, shards))
+        plans.append(ScheduledMicrobatch(T, max(tokens, 1) + extra_s, shards))
     schedule = Schedule(tuple(plans), 1.0, 1.0, "test", 0.0)
     kw = dict(encoder_dp=encoder_dp, llm_dp=llm_dp, tile_shape=TILE, tokens_per_tile=TPT)
     full = pack_global_batch(schedule, samples, shapes, feature_taps=4, **kw)

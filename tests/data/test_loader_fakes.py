@@ -9,9 +9,9 @@ import numpy as np
 
 from dflop_jax.contracts import (
     BucketSet,
-    MicrobatchPlan,
     SampleShape,
     Schedule,
+    ScheduledMicrobatch,
     ScheduleProblem,
 )
 from dflop_jax.data.errors import BadSample
@@ -139,7 +139,7 @@ class FirstFit:
             tiles = sum(shapes[j].tiles for row in mb for j in row)
             S = next(b for b in p.buckets.lengths if b >= tokens)
             T = next(b for b in p.buckets.tiles if b * p.encoder_dp >= tiles)
-            plans.append(MicrobatchPlan(T, S, tuple(tuple(row) for row in mb)))
+            plans.append(ScheduledMicrobatch(T, S, tuple(tuple(row) for row in mb)))
         return Schedule(tuple(plans), 1.0, 1.0, "firstfit", 0.0)
 
 

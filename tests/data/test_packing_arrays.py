@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loader_fakes import tagged_tile, tile_tag
 
-from dflop_jax.contracts import MicrobatchPlan, SampleShape, Schedule
+from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
 from dflop_jax.data.types import NEWLINE, TEXT, ProcessedSample
 
@@ -113,7 +113,7 @@ def test_hand_built_microbatch():
     rng = np.random.default_rng(0)
     samples = [make_sample(0, 3, 4, rng), make_sample(1, 0, 5, rng), make_sample(2, 2, 3, rng)]
     # Encoder: 5 tiles over 2 shards of T=3: shard 0 gets s0 t0..t2, shard 1 gets s2 t0..t1.
-    plan = MicrobatchPlan(tile_bucket=3, length_bucket=32, shards=((0, 1), (2,)))
+    plan = ScheduledMicrobatch(tile_bucket=3, length_bucket=32, shards=((0, 1), (2,)))
     mb, stats = pack_microbatch(
         plan, samples, encoder_dp=2, llm_dp=2, tile_shape=TILE, tokens_per_tile=TPT
     )
@@ -137,7 +137,7 @@ def test_tiles_packed_by_row_stay_in_their_rows_blocks():
     rng = np.random.default_rng(1)
     samples = [make_sample(0, 3, 4, rng), make_sample(1, 1, 5, rng), make_sample(2, 2, 3, rng),
                make_sample(3, 0, 6, rng)]  # fmt: skip
-    plan = MicrobatchPlan(3, 48, ((0,), (1, 2), (3,)), tiles_by_row=True, row_align=2)
+    plan = ScheduledMicrobatch(3, 48, ((0,), (1, 2), (3,)), tiles_by_row=True, row_align=2)
     mb, stats = pack_microbatch(
         plan, samples, encoder_dp=2, llm_dp=3, tile_shape=TILE, tokens_per_tile=TPT
     )
@@ -154,7 +154,7 @@ def test_tiles_packed_by_row_stay_in_their_rows_blocks():
                                tokens_per_tile=TPT, host=host)  # fmt: skip
     assert local.tile_valid.tolist() == [False] * 6 + [True] + [False] * 5  # sample 2, tile 1
     with pytest.raises(ValueError, match="row 0 has 4 tiles > tile bucket 3"):
-        pack_microbatch(MicrobatchPlan(3, 48, ((0, 1), (2,), (3,)), tiles_by_row=True),
+        pack_microbatch(ScheduledMicrobatch(3, 48, ((0, 1), (2,), (3,)), tiles_by_row=True),
                         samples, encoder_dp=2, llm_dp=3, tile_shape=TILE,
                         tokens_per_tile=TPT)  # fmt: skip
 
@@ -162,12 +162,12 @@ def test_tiles_packed_by_row_stay_in_their_rows_blocks():
 def test_overflow_is_rejected():
     rng = np.random.default_rng(1)
     samples = [make_sample(0, 2, 10, rng), make_sample(1, 2, 10, rng)]
-    too_short = MicrobatchPlan(tile_bucket=4, length_bucket=16, shards=((0, 1),))
+    too_short = ScheduledMicrobatch(tile_bucket=4, length_bucket=16, shards=((0, 1),))
     with pytest.raises(ValueError, match="length bucket"):
         pack_microbatch(
             too_short, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
         )
-    few_tiles = MicrobatchPlan(tile_bucket=3, length_bucket=64, shards=((0, 1),))
+    few_tiles = ScheduledMicrobatch(tile_bucket=3, length_bucket=64, shards=((0, 1),))
     with pytest.raises(ValueError, match="tiles"):
         pack_microbatch(
             few_tiles, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
@@ -178,7 +178,7 @@ def test_metadata_mismatch_is_rejected():
     rng = np.random.default_rng(2)
     samples = [make_sample(0, 1, 4, rng)]
     shapes = [SampleShape(0, 1, samples[0].num_tokens + 1)]
-    plan = MicrobatchPlan(tile_bucket=1, length_bucket=32, shards=((0,),))
+    plan = ScheduledMicrobatch(tile_bucket=1, length_bucket=32, shards=((0,),))
     with pytest.raises(ValueError, match="metadata said"):
         pack_microbatch(
             plan, samples, shapes, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
@@ -213,7 +213,7 @@ def test_random_schedules(case):
         tokens = max(sum(samples[i].num_tokens for i in sh) for sh in shards)
         tiles = sum(samples[i].num_tiles for sh in shards for i in sh)
         T = -(-tiles // encoder_dp) + extra_t or 1
-        plans.append(MicrobatchPlan(T, max(tokens, 1) + extra_s, shards))
+        plans.append(ScheduledMicrobatch(T, max(tokens, 1) + extra_s, shards))
     schedule = Schedule(tuple(plans), 1.0, 1.0, "test", 0.0)
     gb = pack_global_batch(
         schedule,
@@ -236,7 +236,7 @@ def test_host_shards_materialise_local_rows_only():
     rng = np.random.default_rng(3)
     samples = [make_sample(i, t, 4, rng) for i, t in enumerate([2, 1, 3, 0])]
     shapes = [shape_of(s) for s in samples]
-    plan = MicrobatchPlan(tile_bucket=2, length_bucket=40, shards=((0,), (1, 3), (2,), ()))
+    plan = ScheduledMicrobatch(tile_bucket=2, length_bucket=40, shards=((0,), (1, 3), (2,), ()))
     full, full_stats = pack_microbatch(
         plan, samples, encoder_dp=3, llm_dp=4, tile_shape=TILE, tokens_per_tile=TPT
     )
@@ -275,7 +275,7 @@ def test_failed_sample_leaves_padding_in_place():
     rng = np.random.default_rng(4)
     samples = [make_sample(i, 1, 3, rng) for i in range(3)]
     shapes = [shape_of(s) for s in samples]
-    plan = MicrobatchPlan(tile_bucket=3, length_bucket=64, shards=((0, 1, 2),))
+    plan = ScheduledMicrobatch(tile_bucket=3, length_bucket=64, shards=((0, 1, 2),))
     full, _ = pack_microbatch(
         plan, samples, encoder_dp=1, llm_dp=1, tile_shape=TILE, tokens_per_tile=TPT
     )

@@ -5,7 +5,7 @@ step's loss equals a single-process run of the same layout (8 devices, same data
 
 What crosses processes here and nowhere else: the colocated stage's inputs are tiles (not features), its
 output goes to the other process's stage, and the loader packs each sample's tiles on its row's shard
-(`MicrobatchPlan.tiles_by_row`) identically on both processes."""
+(`ScheduledMicrobatch.tiles_by_row`) identically on both processes."""
 
 import numpy as np
 import pytest

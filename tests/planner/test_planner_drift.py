@@ -9,7 +9,8 @@ import pytest
 
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 from dflop_jax.planner import PlannerConfig, make_plan
-from dflop_jax.planner.drift import Drift, DriftMonitor, RunningPlan, measure_drift, score_on
+from dflop_jax.planner.drift import Drift, DriftMonitor, measure_drift, score_on
+from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.planner.scoring import sample_batches
 from dflop_jax.scheduler import SampleShape
 
@@ -36,7 +37,7 @@ def _mix(n: int, seed: int, video_share: float) -> list[SampleShape]:
 def running():
     provider = AnalyticCostProvider(ARCH, DEVICE)
     plan = make_plan(ARCH, DEVICE, 8, _mix(300, 7, 0.3), CONFIG, provider)
-    return RunningPlan(plan.layout, plan.buckets, plan.microbatch_range, provider)
+    return ResolvedPlan.of(plan, provider)
 
 
 def test_regret_grows_when_the_data_drifts_from_the_plan(running):
@@ -52,8 +53,7 @@ def test_regret_grows_when_the_data_drifts_from_the_plan(running):
     assert moved.regret == pytest.approx(moved.running_s / moved.planned_s - 1)
     assert moved.best.buckets.lengths[-1] < running.buckets.lengths[-1]
     # Both are the planner's expected step time on exactly these batches.
-    assert moved.running_s == score_on(drifted, running.provider, running.layout, running.buckets,
-                                       running.microbatches, CONFIG, "1f1b")  # fmt: skip
+    assert moved.running_s == score_on(drifted, running, CONFIG, "1f1b")
     assert moved.step == 9 and moved.batches == 3
     assert (
         f"plan_regret after step 9: {moved.regret:.1%} over the last 3 batches" in moved.describe()
@@ -91,14 +91,13 @@ def test_monitor_measures_the_last_window_off_thread_and_skips_while_busy():
 
 def test_replan_takes_the_pick_over_the_threshold_with_buckets_covering_the_old(running):
     from dflop_jax.contracts import BucketSet
-    from dflop_jax.planner.resolve import ResolvedPlan
     from dflop_jax.runtime.replan import covering, describe, next_plan, wants_replan
 
     drifted = sample_batches(_mix(200, 11, 0.0), 16, 3, 3)
     drift = measure_drift(6, drifted, running, ARCH, DEVICE, CONFIG)
     assert wants_replan(drift, 0.1) and not wants_replan(drift, drift.regret)
     assert not wants_replan(None, 0.1) and not wants_replan(Drift(1, 2, 3.0, 1.0, None), 0.1)
-    old = ResolvedPlan(running.layout, running.buckets, running.microbatches, running.provider)
+    old = running
     new = next_plan(drift, old)
     assert new.layout == drift.best.layout and new.provider is running.provider
     # The pick's ladders (made for image-only batches) topped with the old largest buckets: a

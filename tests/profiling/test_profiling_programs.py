@@ -21,7 +21,7 @@ from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_configs import model_config_for_arch
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.programs.trees import accumulator_structs
-from dflop_jax.scheduler.types import MicrobatchPlan
+from dflop_jax.scheduler.types import ScheduledMicrobatch
 
 TINY = model_config_for_arch("tiny", "bfloat16")
 CFG = dataclasses.replace(TINY, text=TINY.text.replace(vocab_size=511))
@@ -58,7 +58,7 @@ def trained():
     """Per stage: (spec, abstract runtime args of its forward and of its backward / fused last step)."""
     stages = build_stages(CFG, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=DTYPE)
     v = CFG.vision
-    mb, _ = pack_microbatch(MicrobatchPlan(T, S, ((),)), [], [], encoder_dp=1, llm_dp=1,
+    mb, _ = pack_microbatch(ScheduledMicrobatch(T, S, ((),)), [], [], encoder_dp=1, llm_dp=1,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=CFG.tokens_per_tile, feature_taps=FEATURE_TAPS)  # fmt: skip
     batch = dataclasses.asdict(mb)
@@ -136,7 +136,7 @@ def test_profiled_colocated_stage_lowers_to_the_trained_one():
                         StageSpec("llm", 1, 3, tp=2, has_head=True)))  # fmt: skip
     stage = build_stages(CFG, coloc, stage_meshes(coloc), 0, compute_dtype=DTYPE)[0]
     v = CFG.vision
-    mb, _ = pack_microbatch(MicrobatchPlan(T, S, ((),), tiles_by_row=True), [], [], encoder_dp=1,
+    mb, _ = pack_microbatch(ScheduledMicrobatch(T, S, ((),), tiles_by_row=True), [], [], encoder_dp=1,
                             llm_dp=1, tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=CFG.tokens_per_tile, feature_taps=FEATURE_TAPS)  # fmt: skip
     params, side = _abstract(stage.params), _abstract(stage.put_side(dataclasses.asdict(mb)))

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from dflop_jax.contracts import MicrobatchPlan, Schedule
+from dflop_jax.contracts import Schedule, ScheduledMicrobatch
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 
 
@@ -24,7 +24,7 @@ class _FakeScheduler:
 
     def schedule(self, shapes, index):
         self.batches[index] = tuple(self.seen)
-        return Schedule((MicrobatchPlan(1, 8, ((0,),)),), 1.0, 1.0, "fake", 0.0, {})
+        return Schedule((ScheduledMicrobatch(1, 8, ((0,),)),), 1.0, 1.0, "fake", 0.0, {})
 
     def prediction_error(self):
         return {"observations": len(self.seen)}

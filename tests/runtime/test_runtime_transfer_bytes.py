@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from models_fixtures import tiny_llava_ov_config
 
-from dflop_jax.contracts import MicrobatchPlan
+from dflop_jax.contracts import ScheduledMicrobatch
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.provider import boundary_shards
 from dflop_jax.data.packing import pack_microbatch
@@ -40,7 +40,9 @@ def _layout(llm_dp: int, llm_tp: int = 1) -> Layout:
 
 def _microbatch(llm_dp: int, llm_tp: int = 1) -> dict:
     """The packer's microbatch at TILES / llm_dp tiles per row (tiles packed by row)."""
-    plan = MicrobatchPlan(TILES // llm_dp, S, ((),) * llm_dp, tiles_by_row=True, row_align=llm_tp)
+    plan = ScheduledMicrobatch(
+        TILES // llm_dp, S, ((),) * llm_dp, tiles_by_row=True, row_align=llm_tp
+    )
     mb, _ = pack_microbatch(plan, [], [], encoder_dp=V_DP, llm_dp=llm_dp, tile_shape=(28, 28, 3),
                             tokens_per_tile=TPT)  # fmt: skip
     return {k: v for k, v in vars(mb).items() if v is not None}
