@@ -6,7 +6,7 @@
 
 Every step reads the run config (`TrainConfig`, the file `python -m dflop_jax.train` and
 `python -m dflop_jax.plan` read; default `configs/demo.yaml`) and writes into `run_dir/auto_plan`,
-each output reused while fresh (`dflop_jax.profiling.pipeline`): the same files `train plan=auto`
+each output reused while fresh (`dflop_jax.profiling.auto_plan`): the same files `train plan=auto`
 reads, so a run trains on what these commands measured.
 data:  the shape distribution of the run's `data` (`profile.data_samples` records drawn with `seed`)
        -> data/shape_distribution.json (+ histogram; `dflop_jax.data.profile`).
@@ -74,7 +74,7 @@ def _steps(cfg):
 
 def _data(cfg, args) -> int:
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.profiling.pipeline import AutoPlanConfig, data_profile
+    from dflop_jax.profiling.auto_plan import AutoPlanConfig, data_profile
     from dflop_jax.train_plan import auto_plan_dir
 
     # the data step reads only these (the model and its search space play no part)
@@ -94,7 +94,7 @@ def _model(cfg, args) -> int:
     import jax
 
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.profiling.pipeline import model_profile
+    from dflop_jax.profiling.auto_plan import model_profile
     from dflop_jax.train_plan import run_name
 
     auto, model_cfg, cache = _steps(cfg)
@@ -114,7 +114,7 @@ def _model(cfg, args) -> int:
 def _auto(cfg, args) -> int:
     from dflop_jax.planner import describe_layout
     from dflop_jax.planner.progress import progress_bar
-    from dflop_jax.profiling.pipeline import ensure_plan
+    from dflop_jax.profiling.auto_plan import ensure_plan
     from dflop_jax.train_plan import run_name
 
     auto, model_cfg, cache = _steps(cfg)

@@ -3,11 +3,11 @@
     resolved = resolve_plan(cfg, model_cfg)   # -> planner.resolve.ResolvedPlan
 
 Beside the entry point because it joins the two sides the runtime must not import: the planner
-(`planner/resolve.py`, no jax) and, for `plan: auto`, the profiler (`profiling/pipeline.py`, which runs
+(`planner/resolve.py`, no jax) and, for `plan: auto`, the profiler (`profiling/auto_plan.py`, which runs
 the real stage programs). "explicit" is the config's `layout` section; "analytic" plans on the
 dataset's shapes with analytic costs; a path loads a plan.yaml; "auto" profiles data and model in
 `run_dir/auto_plan` (reusing fresh outputs) and plans on measured costs, which the scheduler then
-predicts with too.
+predicts with too. Each way is one named function in `PLAN_SOURCES`.
 
 The same run config drives the step commands: `auto_plan_config` gives `python -m dflop_jax.profile
 data|model|auto` the settings `plan: auto` uses (so each reuses what the other wrote), and
@@ -31,9 +31,9 @@ from dflop_jax.costs import AnalyticCostProvider, arch_of_model
 from dflop_jax.planner.plan_file import load_plan
 from dflop_jax.planner.resolve import (
     ResolvedPlan,
+    analytic_plan,
     check_plan_fits_run,
     plan_data_note,
-    static_plan,
     training_planner,
 )
 from dflop_jax.planner.space import fit_search_space
@@ -96,40 +96,65 @@ def stage_residuals(cfg: TrainConfig, model_cfg, resolved: ResolvedPlan) -> tupl
     return tuple(residual_policies(analytic, lay, resolved.buckets, counts, budget))
 
 
-def _resolve_layout(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
+def plan_source(plan: str) -> str:
+    """The way `TrainConfig.plan` is got: "explicit", "analytic", "auto", or "file" (a plan.yaml
+    path); a running job's re-plan is the fifth (`runtime/replan.next_plan`)."""
+    return plan if plan in ("explicit", "analytic", "auto") else "file"
+
+
+def _explicit_plan(cfg: TrainConfig, model_cfg, analytic, progress) -> ResolvedPlan:
+    """The config's `layout` section, priced by the analytic provider."""
+    lay = cfg.layout
+    return ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), analytic)
+
+
+def _file_plan(cfg: TrainConfig, model_cfg, analytic, progress) -> ResolvedPlan:
+    """A plan.yaml, refused when made for another model, recipe, device or global batch; a note when
+    the data profile changed since."""
+    from dflop_jax.profiling.auto_plan import shape_file
+
+    plan = load_plan(cfg.plan)
+    check_plan_fits_run(plan, cfg.plan, arch_of_model(model_cfg), run_device(cfg.device),
+                        num_devices(cfg), tuple(cfg.optimizer.trainable), cfg.global_batch)  # fmt: skip
+    note = plan_data_note(plan, cfg.plan, shape_file(auto_plan_dir(cfg)))
+    if note:
+        log.warning(note)
+    return ResolvedPlan.of(plan, analytic)
+
+
+def _auto_plan(cfg: TrainConfig, model_cfg, analytic, progress) -> ResolvedPlan:
+    """Profiles data and model in `run_dir/auto_plan` (reusing fresh outputs) and plans on the
+    measured costs, which the scheduler then predicts with."""
+    from dflop_jax.profiling.auto_plan import profiled_plan
+
+    auto = auto_plan_config(cfg, model_cfg)  # its search space checked before any profiling
+    plan, measured = profiled_plan(
+        auto, model_cfg, auto_plan_dir(cfg), cfg.data, name=run_name(cfg), progress=progress
+    )
+    return ResolvedPlan.of(plan, measured.with_trainable(auto.planner.trainable))
+
+
+def _analytic_plan(cfg: TrainConfig, model_cfg, analytic, progress) -> ResolvedPlan:
+    """Plans on the dataset's shapes with analytic costs; saves `run_dir/plan.yaml`."""
     arch, device = arch_of_model(model_cfg), run_device(cfg.device)
-    analytic = analytic_provider(cfg, model_cfg)
-    multimodal = cfg.model.kind != "decoder"
-    if cfg.plan == "explicit":
-        lay = cfg.layout
-        resolved = ResolvedPlan(lay.layout(), lay.buckets(), tuple(lay.microbatches), analytic)
-        return resolved.check_runnable(cfg.plan, multimodal)
-    if cfg.plan not in (
-        "auto",
-        "analytic",
-    ):  # a plan.yaml: made for this model, recipe and devices?
-        plan = load_plan(cfg.plan)
-        trainable = tuple(cfg.optimizer.trainable)
-        check_plan_fits_run(plan, cfg.plan, arch, device, num_devices(cfg), trainable,
-                            cfg.global_batch)  # fmt: skip
-        from dflop_jax.profiling.pipeline import shape_file
-
-        note = plan_data_note(plan, cfg.plan, shape_file(auto_plan_dir(cfg)))
-        if note:
-            log.warning(note)
-        return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
-    if cfg.plan == "auto":
-        from dflop_jax.profiling.pipeline import profiled_plan
-
-        auto = auto_plan_config(cfg, model_cfg)  # its search space checked before any profiling
-        plan, measured = profiled_plan(
-            auto, model_cfg, auto_plan_dir(cfg), cfg.data, name=run_name(cfg), progress=progress
-        )
-        measured = measured.with_trainable(auto.planner.trainable)
-        return ResolvedPlan.of(plan, measured).check_runnable(cfg.plan, multimodal)
-    plan = static_plan(cfg.plan, arch, device, num_devices(cfg), run_planner(cfg, arch, device),
+    plan = analytic_plan(arch, device, num_devices(cfg), run_planner(cfg, arch, device),
                        lambda: sample_shapes(cfg), cfg.run_dir, analytic, progress)  # fmt: skip
-    return ResolvedPlan.of(plan, analytic).check_runnable(cfg.plan, multimodal)
+    return ResolvedPlan.of(plan, analytic)
+
+
+# `plan_source(cfg.plan)` -> (cfg, model_cfg, analytic provider, progress) -> ResolvedPlan
+PLAN_SOURCES = {
+    "explicit": _explicit_plan,
+    "file": _file_plan,
+    "auto": _auto_plan,
+    "analytic": _analytic_plan,
+}
+
+
+def _resolve_layout(cfg: TrainConfig, model_cfg, progress=None) -> ResolvedPlan:
+    get = PLAN_SOURCES[plan_source(cfg.plan)]
+    resolved = get(cfg, model_cfg, analytic_provider(cfg, model_cfg), progress)
+    return resolved.check_runnable(cfg.plan, cfg.model.kind != "decoder")
 
 
 def analytic_provider(cfg: TrainConfig, model_cfg) -> AnalyticCostProvider:
@@ -166,10 +191,10 @@ def auto_plan_dir(cfg: TrainConfig) -> Path:
 
 
 def auto_plan_config(cfg: TrainConfig, model_cfg):
-    """The profiling pipeline's settings for this run (`profiling.pipeline.AutoPlanConfig`): the same
+    """The auto-plan workflow's settings for this run (`profiling.auto_plan.AutoPlanConfig`): the same
     for `plan: auto` and `python -m dflop_jax.profile data|model|auto`, so each reuses what the
     other wrote while it is fresh."""
-    from dflop_jax.profiling.pipeline import AutoPlanConfig
+    from dflop_jax.profiling.auto_plan import AutoPlanConfig
 
     planner = run_planner(cfg, arch_of_model(model_cfg), run_device(cfg.device))
     return AutoPlanConfig(cfg.device, num_devices(cfg), cfg.profile.data_source,
@@ -184,7 +209,7 @@ def plan_from_run_dir(cfg: TrainConfig, model_cfg, progress=None):
     was read (paths and sha256)."""
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import make_plan
-    from dflop_jax.profiling.pipeline import cost_table_file
+    from dflop_jax.profiling.auto_plan import cost_table_file
 
     arch, device = arch_of_model(model_cfg, run_name(cfg)), run_device(cfg.device)
     planner = run_planner(cfg, arch, device)
@@ -205,7 +230,7 @@ def plan_shapes(cfg: TrainConfig):
     """(the shapes the run plans for, how `Plan.inputs` records them), per `profile.data_source`."""
     from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES
     from dflop_jax.planner.resolve import load_shapes
-    from dflop_jax.profiling.pipeline import shape_file
+    from dflop_jax.profiling.auto_plan import shape_file
 
     source = cfg.profile.data_source
     if source in SYNTHETIC_SHAPES:

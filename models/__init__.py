@@ -10,7 +10,7 @@ from models.decoder import Decoder, DecoderLayer, DecoderStage, extract_stage
 from models.decoder_config import DECODER_PRESETS, DecoderConfig
 from models.layers import Llama3RopeScaling, RMSNorm, SwiGLU, constrain, keyed_rngs, make_param
 from models.loss import cross_entropy_sum
-from models.stages import stage_module
+from models.stage_modules import stage_module
 
 __all__ = [
     "DECODER_PRESETS",

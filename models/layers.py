@@ -4,7 +4,7 @@ random init keyed by name / global layer index (`keyed_rngs`), and cutting a lay
 model as a stage that shares its arrays.
 
 Every parameter carries logical axis names (`out_sharding` metadata, as `nnx.with_partitioning`
-sets); `dflop_jax/runtime/sharding.py` maps them to mesh axes. Logical names used here:
+sets); `dflop_jax/programs/sharding.py` maps them to mesh axes. Logical names used here:
   "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"  (parameters)
   "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"  (activations)
 No mesh axis name appears in models/.

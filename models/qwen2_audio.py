@@ -12,7 +12,7 @@ Build: `Qwen2Audio(cfg, rngs=...)`. Call: `model(features, lengths, tokens, segm
 feature_index) -> logits`, with features [C, F, M] (C clips, F frames, a multiple of 4, at most
 3000) and lengths [C] valid frames. Stages: `AudioEncoderStage` (audio layers, + conv embedding if
 first, + pool, norm and projector if last) and `models.mllm.LLMStage` (decoder layers, + token
-embedding and feature placement if first), built alone through `models.stages.stage_module`.
+embedding and feature placement if first), built alone through `models.stage_modules.stage_module`.
 """
 
 from __future__ import annotations

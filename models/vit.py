@@ -5,7 +5,7 @@ embedding (pixels [T,H,W,C] -> [T,N,D]) and the head (the post-norm when the con
 pipeline stage materializes only its own layers. HF `hidden_states[k]` (k = 0 embeddings, k = i after
 layer i) is what a stage ending at layer k returns without its head.
 
-Parameter layouts and logical axes (see `dflop_jax/runtime/sharding.py`):
+Parameter layouts and logical axes (see `dflop_jax/programs/sharding.py`):
   patch_kernel [P*P*C, D] ("patch","embed") (HF conv weight [D,C,P,P] transposed to (py,px,c) rows);
   pos_embed [N(+1), D] ("pos","embed"); cls_token [D] ("embed");
   qkv_kernel [D,3,H,Dh] ("embed","qkv","heads","head_dim"): q, k and v in one matmul, heads kept

@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from dflop_jax.config.errors import ConfigError
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -28,13 +30,6 @@ log = logging.getLogger(__name__)
 # Where a section's shorthand value (`device: h100`) waits for the schema to name its key
 # (the section's `SHORTHAND`, e.g. `preset`) once an override has opened the section.
 SHORTHAND_KEY = "<shorthand>"
-
-
-class ConfigError(ValueError):
-    """A config problem, phrased for the person who wrote the config (always one line)."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 @typing.runtime_checkable

@@ -165,7 +165,7 @@ def schedule_digest(schedule: Schedule | None) -> str:
     """A short hash of the schedule's buckets and assignment, in execution order ("" for None).
 
     It fixes which programs run and what each shard packs, so the processes of a run must agree on it
-    before dispatching a batch (`runtime/agreement.py` compares it every step).
+    before dispatching a batch (`runtime/schedule_agreement.py` compares it every step).
     """
     if schedule is None:
         return ""

@@ -4,7 +4,7 @@
 (`runtime.model_stages.build_stages`) gives each stage program its role, from which it takes whether
 the stage has a backward program and whether its input gets a gradient (programs/stage_jits.py); the
 profiler (`profiling/programs.py`), the cost providers and the memory model read the same function.
-Which parameter leaves a part covers is the models' labelling (`models.stages.param_part`, the
+Which parameter leaves a part covers is the models' labelling (`models.stage_modules.param_part`, the
 runtime's trained-leaf masks); `stage_parts` names the same parts per stage.
 Roles by what a stage trains and whether its input needs a gradient (some part before it trains):
 
@@ -35,7 +35,7 @@ policy), and a projector-only one the projector's backward, plus its frozen laye
 "recompute" (`colocated_backward`).
 
 The parts are `contracts.cost_table.TRAINABLE_PARTS` (the models name the same ones in
-`models.stages.TRAINABLE_PARTS`; not imported: the cost layer imports no JAX).
+`models.stage_modules.TRAINABLE_PARTS`; not imported: the cost layer imports no JAX).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     loader.close()
 
 Pipeline (grain, all `MapDataset` up to prefetching, so the iterator state is an index and resume is exact;
-the stages live in `dflop_jax/data/stages.py`):
+the stages live in `dflop_jax/data/transforms.py`):
   source(records).shuffle(seed).repeat(epochs)      # a new permutation every epoch; a curriculum
                              (a mix with `phases:`, `mix.Phased`) is read in its own order, unshuffled
   .map(shape stage)          per record: `SampleShape` from metadata only (no pixels); a bad record or one
@@ -56,7 +56,7 @@ from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
 from dflop_jax.data.decode_pool import DecodePool, auto_decode_workers
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
-from dflop_jax.data.stages import (
+from dflop_jax.data.transforms import (
     PackSpec,
     PackStage,
     SampleProcessor,

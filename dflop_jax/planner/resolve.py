@@ -1,11 +1,11 @@
 """The plan a training run trains with (`TrainConfig.plan`), as far as it needs no devices. No jax.
 
     resolved = ResolvedPlan(layout, buckets, (2, 6), provider)                     # plan: explicit
-    resolved = ResolvedPlan.of(static_plan("analytic", ...), provider)             # plan: analytic
-    resolved = ResolvedPlan.of(static_plan("runs/x/plan.yaml", ...), provider)    # plan: <path>
+    resolved = ResolvedPlan.of(analytic_plan(arch, device, ...), provider)        # plan: analytic
+    resolved = ResolvedPlan.of(load_plan("runs/x/plan.yaml"), provider)          # plan: <path>
 
 `plan: auto` (profile the model on the devices, then plan) needs jax: the entry point runs it through
-`dflop_jax.profiling.pipeline.profiled_plan`, which returns a `Plan` and its measured cost provider;
+`dflop_jax.profiling.auto_plan.profiled_plan`, which returns a `Plan` and its measured cost provider;
 the planner never calls the profiler.
 """
 
@@ -21,7 +21,7 @@ from dflop_jax.costs import CostProvider, DeviceSpec, MLLMArch, layout_stage_cos
 from dflop_jax.costs.compile import compile_cost
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.config import PlannerConfig
-from dflop_jax.planner.plan_file import Plan, load_plan, save_plan
+from dflop_jax.planner.plan_file import Plan, save_plan
 from dflop_jax.planner.search import make_plan
 
 
@@ -120,8 +120,7 @@ def training_planner(
     )  # fmt: skip
 
 
-def static_plan(
-    mode: str,
+def analytic_plan(
     arch: MLLMArch,
     device: DeviceSpec,
     num_devices: int,
@@ -131,11 +130,8 @@ def static_plan(
     provider: CostProvider | None = None,
     progress=None,
 ) -> Plan:
-    """`mode` "analytic": plans on the dataset's `shapes()` with analytic costs (`provider`, default
-    the plain analytic one) and saves `out_dir/plan.yaml`; otherwise `mode` is a plan.yaml path,
-    loaded."""
-    if mode != "analytic":
-        return load_plan(mode)
+    """Plans on the dataset's `shapes()` with analytic costs (`provider`, default the plain analytic
+    one) and saves `out_dir/plan.yaml`."""
     plan = make_plan(arch, device, num_devices, shapes(), planner, provider, progress)
     save_plan(plan, Path(out_dir) / "plan.yaml")
     return plan

@@ -19,8 +19,8 @@ from dflop_jax.profiling.table import (
 _LAZY = {
     "profile_model": "dflop_jax.profiling.model_profiler",
     "ProfileSettings": "dflop_jax.contracts.profile_settings",
-    "ensure_plan": "dflop_jax.profiling.pipeline",
-    "AutoPlanConfig": "dflop_jax.profiling.pipeline",
+    "ensure_plan": "dflop_jax.profiling.auto_plan",
+    "AutoPlanConfig": "dflop_jax.profiling.auto_plan",
 }
 
 

@@ -4,7 +4,7 @@ A stage's params are one module's layer range (`contracts.layout.StageSpec`), or
 stage the whole encoder beside the first LLM layers (`COLOCATED_MODULES` at the top). The model-level
 path of a leaf (`model_paths`: module, names, layer indices offset to global ones) is what
 checkpoints store and what ties a parameter held by two stages (`tied_groups`: a tied embedding);
-its part (`param_labels`: vision, projector, llm, by `models.stages.param_part`) is what a training
+its part (`param_labels`: vision, projector, llm, by `models.stage_modules.param_part`) is what a training
 recipe trains or freezes (`trained_mask`). The profiler, the stage builder, the optimizer and the
 checkpoints all read these.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from dflop_jax.contracts.layout import StageSpec
-from models.stages import param_part
+from models.stage_modules import param_part
 
 PyTree = Any
 
@@ -73,7 +73,7 @@ def model_paths(path, spec: StageSpec, colocated: bool = False) -> list[tuple[st
 
 
 def param_labels(params: PyTree) -> PyTree:
-    """The part of each leaf of a stage's params (`models.stages.param_part` of its key path)."""
+    """The part of each leaf of a stage's params (`models.stage_modules.param_part` of its key path)."""
     return jax.tree_util.tree_map_with_path(lambda path, _: param_part(leaf_names(path)), params)
 
 

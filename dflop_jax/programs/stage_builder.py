@@ -67,7 +67,7 @@ from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.programs.stage_fns import StageFns, check_residual_policy
 from dflop_jax.programs.stage_program import StageProgram
-from models.stages import TRAINABLE_PARTS
+from models.stage_modules import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
 # How the first LLM stage of an MLLM takes the encoder features [tiles, tokens_per_tile, D] from the
@@ -255,8 +255,8 @@ def _flags(spec: StageSpec) -> dict:
 def stage_module(
     model_cfg, spec: StageSpec, rngs: nnx.Rngs, *, colocated: bool = False
 ) -> nnx.Module:
-    """A fresh stage module of `spec` (`models.stages.stage_module`: random init keyed by global layer)."""
-    from models.stages import stage_module as build
+    """A fresh stage module of `spec` (`models.stage_modules.stage_module`: random init keyed by global layer)."""
+    from models.stage_modules import stage_module as build
 
     return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, colocated=colocated)
 
@@ -396,7 +396,7 @@ def build_stages(
 def stage_config(model_cfg, residuals: str):
     """The model config a stage under residual policy `residuals` is built with: layer remat
     ("full") for "layers" (its residuals are the layer inputs), `model_cfg` itself otherwise."""
-    from models.stages import with_remat
+    from models.stage_modules import with_remat
 
     if check_residual_policy(residuals) != "layers":
         return model_cfg

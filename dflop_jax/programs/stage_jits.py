@@ -57,7 +57,7 @@ runs for every bucket before step 1: `runtime/precompile.py`), which is the numb
 compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
 shardings and dtypes are fixed here).
 
-Dispatch: each program is a `LeafProgram` (`runtime/leaf_program.py`): the parameter and accumulator
+Dispatch: each program is a `LeafProgram` (`programs/leaf_program.py`): the parameter and accumulator
 trees cross the jit boundary as lists of leaves. `StageProgram` keeps its parameters' leaves
 (`leaves`, flattened when the parameters are set) and passes the accumulator as leaves from
 `zero_grads` to the last backward of a step, so a call flattens no tree; its programs are issued

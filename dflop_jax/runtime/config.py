@@ -216,14 +216,14 @@ class ModelConfig:
         vision_impl, llm_impl = self.attention_kernels()
         if self.arch and not self.hf_dir:
             from dflop_jax.programs.model_configs import model_config_for_arch
-            from models.stages import with_attention, with_remat
+            from models.stage_modules import with_attention, with_remat
 
             cfg = model_config_for_arch(self.arch, compute_dtype)
             cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
             return _with_pixel_norm(self._cut(cfg), pixel_norm)
         if self.hf_dir:
             from models.hf import load_config
-            from models.stages import with_attention, with_remat
+            from models.stage_modules import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
             cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
@@ -476,7 +476,7 @@ class TrainConfig:
         microbatch (step % M; the other microbatches are not waited for: `runtime/driver.py`) and
         feed the times to the scheduler's adaptive correction (`Scheduler.observe`); 0 = off.
         Multi-process runs too: each stage's times come from the process owning it and are shared,
-        so every process observes alike (`agreement.py`).
+        so every process observes alike (`schedule_agreement.py`).
       prefetch: global batches the loader solves and decodes ahead in its background thread. Batch
         k (step k + 1) is scheduled with the observations of steps <= k - prefetch, a deterministic
         rule (exact resume, every process alike; `runtime/lagged_schedule.py`).

@@ -122,7 +122,7 @@ def _variable_suffix() -> tuple[str, ...]:
 def hf_tensors(model_cfg) -> dict[str, _Tensor]:
     """HF key -> where its tensor is stored, in module then parameter order (tied copies once)."""
     from models.hf import module_tensors
-    from models.stages import MODULES
+    from models.stage_modules import MODULES
 
     suffix = _variable_suffix()
     modules = MODULES if hasattr(model_cfg, "vision") else ("llm",)

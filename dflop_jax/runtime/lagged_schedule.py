@@ -12,7 +12,7 @@ batch b (step b + 1) is scheduled after exactly the observations of steps 1..b -
 order. With lag = prefetch the thread only waits when it is `lag` batches ahead and the step it needs
 has not finished, so the step itself never waits for the solver (only for a batch that is late).
 Every process applies the same observations in the same order (each a bit-exact exchange,
-`agreement.shared_stage_times`), so schedules agree across processes, and a resumed run repeats
+`schedule_agreement.shared_stage_times`), so schedules agree across processes, and a resumed run repeats
 them: a checkpoint after step s stores the scheduler's state through step s - 1 - lag (the latest
 state the loader is sure to have passed) plus the observations of the steps after it.
 

@@ -71,7 +71,7 @@ from dflop_jax.programs.zero1_layout import (
     unpad,
     zero1_layout,
 )
-from models.stages import TRAINABLE_PARTS
+from models.stage_modules import TRAINABLE_PARTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class OptimizerConfig:
       b1, b2, eps: Adam moments.
       weight_decay: decoupled decay, applied to matrices only (ndim >= 2).
       clip_norm: max global gradient norm (0 disables clipping).
-      trainable: the parts trained ("vision", "projector", "llm"; `models.stages.param_part`); the
+      trainable: the parts trained ("vision", "projector", "llm"; `models.stage_modules.param_part`); the
         others are frozen: no optimizer state, no update, no share of the gradient norm.
       lr_scale, weight_decay_scale: per-part multipliers of `lr` and `weight_decay` (missing = 1),
         e.g. {vision: 0.2} (LLaVA-OV stage 2: the vision tower at 1/5 of the rate).

@@ -54,7 +54,6 @@ from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.processes import exchange_host, host_scalars, lower_reads
 from dflop_jax.programs.stage_builder import build_stages, is_multimodal
 from dflop_jax.programs.transfer import put_host
-from dflop_jax.runtime.agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
@@ -71,6 +70,7 @@ from dflop_jax.runtime.metrics import (
 from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
 from dflop_jax.runtime.replan import describe, next_plan, pick_digest, wants_replan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
+from dflop_jax.runtime.schedule_agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, lower_update
 from dflop_jax.scheduler import Scheduler
 
@@ -244,7 +244,7 @@ class _Trainer:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
-        # Processes must solve alike whatever their load: no wall-clock cut-off (`agreement.py`).
+        # Processes must solve alike whatever their load: no wall-clock cut-off (`schedule_agreement.py`).
         self.scheduler = Scheduler(self.problem, cfg.scheduler, backstop=jax.process_count() == 1)
         self.owners = stage_owners(meshes)
         self.measure_every = cfg.measure_stage_times_every

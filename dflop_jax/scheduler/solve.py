@@ -14,7 +14,7 @@ What is promised (DESIGN section 4):
   fixed by the inputs, and the report says which. Which of the two still depends on the load, so a
   multi-process run, where every process must reach the same answer, turns the backstop off
   (`backstop=False`): the answer is then the refined one on every process whatever the load, and the
-  refinement's time is bounded by its deterministic budget alone (`runtime/agreement.py` checks the
+  refinement's time is bounded by its deterministic budget alone (`runtime/schedule_agreement.py` checks the
   digest of every batch anyway).
 - Never fails because of the solver: an infeasible/invalid CP-SAT model or any exception inside the
   refinement keeps the greedy answer, with the reason in `info["fallback"]`.

@@ -32,7 +32,7 @@ from models.hf.io import (
     write_safetensors,
     write_shards,
 )
-from models.stages import MODULES, stage_module
+from models.stage_modules import MODULES, stage_module
 
 MODEL_TYPES: dict[str, ModelAdapter] = {
     "qwen2": qwen2.ADAPTER,
@@ -117,7 +117,7 @@ def load_stage(
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
 ) -> nnx.Module:
-    """One pipeline stage of an HF checkpoint: `models.stages.stage_module(config, module, ...)` filled
+    """One pipeline stage of an HF checkpoint: `models.stage_modules.stage_module(config, module, ...)` filled
     with only the tensors it holds (vision layers + projector for an encoder stage; a decoder layer
     range + embedding and/or head for an LLM stage), each device's shard read as a slice.
 

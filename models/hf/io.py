@@ -102,7 +102,7 @@ class ModelAdapter:
     name_map(config) -> NameMap for the module `build` returns
     matches(config) -> bool: whether `save_pretrained` should export this config with this adapter
     ignored_keys: HF keys that carry nothing we need (e.g. rotary caches), skipped silently.
-    stage_name_map(config, checkpoint_keys, module, **flags) -> NameMap of `models.stages.stage_module(
+    stage_name_map(config, checkpoint_keys, module, **flags) -> NameMap of `models.stage_modules.stage_module(
       config, module, **flags)` (state paths from the stage's root); None for a model with no
       pipeline stages (a bare vision tower).
     checkpoint_name_map(config, checkpoint_keys) -> NameMap in the key layout the checkpoint uses,

@@ -3,7 +3,8 @@
 import dataclasses
 from pathlib import Path
 
-from dflop_jax.config_reference import attribute_docs, render, root_configs
+from dflop_jax.config.reference import attribute_docs, render
+from dflop_jax.config_reference import root_configs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

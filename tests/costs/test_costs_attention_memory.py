@@ -94,7 +94,7 @@ def test_training_plan_prices_the_models_implementation(tmp_path):
     from dflop_jax.profiling.model_profiler import table_hash
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.train_plan import abstract_model_config, resolve_plan
-    from models.stages import with_attention
+    from models.stage_modules import with_attention
 
     cfg = load_config(TrainConfig, "configs/demo.yaml", ["plan=explicit", f"run_dir={tmp_path}"])
     model_cfg = abstract_model_config(cfg)

@@ -22,7 +22,7 @@ from test_loader_fakes import (
 from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import Loader, PackSpec, TooFewRecords, build_dataset, check_usable
 from dflop_jax.data.packing import HostShardSpec
-from dflop_jax.data.stages import ShapeStage
+from dflop_jax.data.transforms import ShapeStage
 
 ARRAYS = ("tiles", "tile_valid", "tile_pool", "tokens", "segment_ids", "positions", "targets")
 ARRAYS += ("loss_mask", "feature_index")

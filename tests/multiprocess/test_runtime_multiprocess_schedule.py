@@ -12,8 +12,8 @@ from multiprocess_launch import REPO, decoder_args, launch, rows, tail
 
 from dflop_jax.config import load_config
 from dflop_jax.programs.watchdog import EXIT_CODE
-from dflop_jax.runtime.agreement import _owners_columns
 from dflop_jax.runtime.config import TrainConfig
+from dflop_jax.runtime.schedule_agreement import _owners_columns
 from dflop_jax.train import run
 
 # Figures every process computes from the schedule and the shared observations.

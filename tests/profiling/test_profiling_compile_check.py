@@ -287,7 +287,7 @@ def _siglip_encoder_stage():
     plan's: patch embedding, 2 layers under remat, the projector."""
     from jax.sharding import Mesh
 
-    from models.stages import with_remat
+    from models.stage_modules import with_remat
 
     base = get_arch("siglip-so400m+qwen2.5-7b")
     arch = dataclasses.replace(base, vision=dataclasses.replace(base.vision, num_layers=2))
@@ -350,7 +350,7 @@ def test_dx_only_transient_per_layer_matches_the_memory_model():
 
     from dflop_jax.costs.memory import CPU_DOT_BYTES, llm_stage_memory
     from dflop_jax.profiling.compile_check import compile_part
-    from models.stages import with_remat
+    from models.stage_modules import with_remat
 
     base = get_arch("siglip-so400m+qwen2.5-7b")
     arch = dataclasses.replace(base, llm=dataclasses.replace(base.llm, num_layers=6))
@@ -386,7 +386,7 @@ def test_dx_only_whole_llm_stage_transient_matches_the_memory_model():
 
     from dflop_jax.costs.memory import CPU_DOT_BYTES, llm_stage_memory
     from dflop_jax.profiling.compile_check import compile_part
-    from models.stages import with_remat
+    from models.stage_modules import with_remat
 
     base = get_arch("siglip-so400m+qwen2.5-7b")
     arch = dataclasses.replace(base, llm=dataclasses.replace(base.llm, num_layers=2))

@@ -25,7 +25,7 @@ from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_configs import model_config_for_arch
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train_plan import abstract_model_config, resolve_plan
-from models.stages import with_attention, with_remat
+from models.stage_modules import with_attention, with_remat
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowers to for CUDA
 

@@ -12,8 +12,9 @@ import pytest
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
 from dflop_jax.contracts.profile_settings import ProfileSettings
 from dflop_jax.planner import PlannerConfig
-from dflop_jax.profiling import model_profiler, pipeline
-from dflop_jax.profiling.pipeline import AutoPlanConfig, ensure_plan
+from dflop_jax.profiling import auto_plan as pipeline
+from dflop_jax.profiling import model_profiler
+from dflop_jax.profiling.auto_plan import AutoPlanConfig, ensure_plan
 from dflop_jax.programs.model_configs import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")

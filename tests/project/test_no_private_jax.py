@@ -1,6 +1,6 @@
 """No private JAX APIs (`jax._src`) anywhere in dflop_jax/ or models/: GPU hosts run newer jax, where
 private modules move without notice. Public replacements: `jax.experimental.multihost_utils`,
-`jax.live_arrays`, files in a shared directory (see dflop_jax/runtime/distributed.py).
+`jax.live_arrays`, files in a shared directory (see dflop_jax/programs/processes.py).
 
 One exception, `ALLOWED`: models/cudnn_packed.py reaches cuDNN's packed attention layout, which no
 public API offers; it imports the module lazily, checks the running jax against the versions whose

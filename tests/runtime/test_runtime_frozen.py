@@ -426,7 +426,7 @@ def _hf_part(name: str) -> str:
         return "vision"
     if "multi_modal_projector." in name:
         return "projector"
-    return "llm"  # the image newline too (models/stages.py `param_part`, as in LLaVA-NeXT)
+    return "llm"  # the image newline too (models/stage_modules.py `param_part`, as in LLaVA-NeXT)
 
 
 def test_demo_stage1_exports_differ_in_the_projector_only(demo_stage1_exports):

@@ -13,7 +13,7 @@ from dflop_jax.costs import arch_of_model
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.trainer import prepare_run_dir, train
 from dflop_jax.train_plan import abstract_model_config, resolve_plan
-from models.stages import with_attention
+from models.stage_modules import with_attention
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 LAYOUT = ["plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",

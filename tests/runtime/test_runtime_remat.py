@@ -14,7 +14,7 @@ from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.profiling.programs import profile_mesh, stage_program
 from dflop_jax.programs.model_configs import model_config_for_arch
 from dflop_jax.runtime.config import TrainConfig
-from models.stages import with_remat
+from models.stage_modules import with_remat
 
 TINY = model_config_for_arch("tiny", "float32")
 CFG = dataclasses.replace(

@@ -1,7 +1,7 @@
 """A stage's role under a training recipe is decided in one place, `costs.recipe.stage_role`: the
 runtime's stage builder gives each stage program its role and takes from it whether the stage has a
 backward program and whether its input gets a gradient; the parts a role names are the parts whose
-parameters the built stage holds (`models.stages.param_part`, which the trained-leaf masks follow)."""
+parameters the built stage holds (`models.stage_modules.param_part`, which the trained-leaf masks follow)."""
 
 import itertools
 
