@@ -9,7 +9,7 @@ Every step reads the run config (`TrainConfig`, the file `python -m dflop_jax.tr
 each output reused while fresh (`dflop_jax.profiling.auto_plan`): the same files `train plan=auto`
 reads, so a run trains on what these commands measured.
 data:  the shape distribution of the run's `data` (`profile.data_samples` records drawn with `seed`)
-       -> data/shape_distribution.json (+ histogram; `dflop_jax.data.profile`).
+       -> data/shape_distribution.json (+ histogram; `dflop_jax.data.shape_profile`).
 model: per-stage cost table (+ PNG) of the run's model (`model`: random weights) on the devices JAX
        sees (on CPU: `num_devices` or `num_cpu_devices` simulated devices), grid from `profile`,
        under the run's recipe (`optimizer.trainable`) -> cost_table.json.

@@ -1,6 +1,6 @@
 """Placing projected image features into packed token rows: a gather with indices the loader precomputes.
 
-`feature_index` follows `dflop_jax/data/types.py` (restated here because models/ does not import
+`feature_index` follows `dflop_jax/data/sample_arrays.py` (restated here because models/ does not import
 dflop_jax): TEXT (-1) keeps the token embedding, NEWLINE (-2) takes the learned image-newline vector,
 i >= 0 takes row i of the microbatch's flattened features [num_tile_slots * tokens_per_tile, D], or,
 with per-row features [B, F, D] (an encoder colocated on the LLM's mesh: each packed row reads only the

@@ -119,7 +119,7 @@ def preflight(out_path: Path, n: int) -> int:
     report["entry_points"] = entry_points()
     try:
         report["jax"] = devices_and_matmul(n)
-        # The peak MFU is measured against (the demo is given it): the GPU's `costs.devices` preset.
+        # The peak MFU is measured against (the demo is given it): the GPU's `costs.device_specs` preset.
         from dflop_jax.bench.gpu import device_info
 
         info = device_info()

@@ -224,13 +224,13 @@ def real_part(rounds: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
+    from dflop_jax.contracts import ScheduledMicrobatch
     from dflop_jax.contracts.layout import StageSpec
     from dflop_jax.data.packing import pack_microbatch
     from dflop_jax.programs.dispatch import ISSUED
     from dflop_jax.programs.model_configs import model_config_for_arch
     from dflop_jax.programs.stage_builder import abstract_stage
     from dflop_jax.programs.stage_program import StageProgram
-    from dflop_jax.scheduler.types import ScheduledMicrobatch
 
     r = REAL
     model_cfg = model_config_for_arch(r["arch"])

@@ -40,7 +40,7 @@ Each part measures against the strongest alternative in the same run:
              compiled vs measured, stage-time MAPE raw and corrected (`_gpu_model.py`).
   model_blind  the same model, data and steps on the data-blind planner's layout and scheduler:
              tokens/s and the model part's over it (run after `model`, same `out`).
-Peak FLOP/s: the `costs.devices` preset of the GPU `nvidia-smi` names (H200: the H100 preset, the same
+Peak FLOP/s: the `costs.device_specs` preset of the GPU `nvidia-smi` names (H200: the H100 preset, the same
 dense bf16 peak), else the measured fp32 matmul peak of one device (`runtime.metrics`), as on CPU.
 On CPU every figure is labelled "CPU: figures are not GPU figures": sizes are tiny, stages share cores.
 """
@@ -210,7 +210,7 @@ def device_info() -> dict:
     gpu = dev.platform == "gpu"
     name = nvidia_smi_name() if gpu else None
     spec = run_device(DeviceConfig())
-    peak, source = spec.peak_flops, f"costs.devices preset {spec.name!r} (dense bf16)"
+    peak, source = spec.peak_flops, f"costs.device_specs preset {spec.name!r} (dense bf16)"
     return {"platform": dev.platform, "gpu": gpu, "gpu_name": name, "device_kind": dev.device_kind,
             "num_devices": len(jax.devices()), "peak_flops": peak, "peak_source": source}  # fmt: skip
 

@@ -1,8 +1,8 @@
 """Typed configuration: dataclass schemas, YAML + overrides loading, validation."""
 
-from dflop_jax.config.errors import ConfigError
+from dflop_jax.config.config_error import ConfigError
 from dflop_jax.config.inputs import InputPath, check_inputs
-from dflop_jax.config.loader import (
+from dflop_jax.config.parsing import (
     apply_overrides,
     dump_yaml,
     from_dict,

@@ -15,8 +15,8 @@ import sys
 import typing
 from pathlib import Path
 
-from dflop_jax.config.errors import ConfigError
-from dflop_jax.config.loader import load_config
+from dflop_jax.config.config_error import ConfigError
+from dflop_jax.config.parsing import load_config
 
 T = typing.TypeVar("T")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from dflop_jax.config.errors import ConfigError
+from dflop_jax.config.config_error import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,7 @@ from dflop_jax outside this package:
   cost_table          the model profiler's cost-table file (profiler -> measured cost model)
 """
 
-from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
-from dflop_jax.contracts.schedule import (
+from dflop_jax.contracts.batch_schedule import (
     Schedule,
     ScheduledMicrobatch,
     ScheduleFn,
@@ -18,6 +17,7 @@ from dflop_jax.contracts.schedule import (
     row_tile_slots,
     schedule_digest,
 )
+from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
 from dflop_jax.contracts.shape_distribution import (
     load_shape_distribution,
     save_shape_distribution,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from dflop_jax.contracts.schedule import row_tile_slots
+from dflop_jax.contracts.batch_schedule import row_tile_slots
 
 Module = Literal["encoder", "llm"]
 

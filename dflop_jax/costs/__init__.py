@@ -22,7 +22,7 @@ from dflop_jax.costs.architectures import (
     projector_for,
     vision_arch_from_config,
 )
-from dflop_jax.costs.devices import (
+from dflop_jax.costs.device_specs import (
     DEVICE_PRESETS,
     DeviceConfig,
     DeviceSpec,

@@ -14,7 +14,7 @@ from dflop_jax.config import ConfigError, require
 from dflop_jax.config.cli import Command, config_error, load_command_config
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.architectures import DEFAULT_ARCH, get_arch, list_archs
-from dflop_jax.costs.devices import get_device, list_devices
+from dflop_jax.costs.device_specs import get_device, list_devices
 from dflop_jax.costs.flops import (
     llm_flops,
     param_count,

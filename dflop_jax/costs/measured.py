@@ -74,7 +74,7 @@ from scipy.optimize import nnls
 from dflop_jax.contracts.cost_table import COLOCATED_KINDS, ProfiledCostTable, load_table
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.architectures import MLLMArch
-from dflop_jax.costs.devices import DeviceSpec
+from dflop_jax.costs.device_specs import DeviceSpec
 from dflop_jax.costs.memory import StageMemory
 from dflop_jax.costs.provider import AnalyticCostProvider, CostProvider, trainable_suffix
 from dflop_jax.costs.recipe import (

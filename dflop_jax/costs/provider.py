@@ -42,12 +42,12 @@ from typing import Protocol
 
 import numpy as np
 
+from dflop_jax.contracts.batch_schedule import StageCostFn
 from dflop_jax.contracts.layout import Layout, StageSpec
-from dflop_jax.contracts.schedule import StageCostFn
 from dflop_jax.contracts.shapes import BucketSet
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import MLLMArch
-from dflop_jax.costs.devices import DeviceSpec
+from dflop_jax.costs.device_specs import DeviceSpec
 from dflop_jax.costs.memory import (
     ATTENTION_IMPLS,
     RESIDUAL_POLICIES,

@@ -1,9 +1,9 @@
 """Data layer: sources, processing, shape metadata, synthetic data, packing and the grain loader."""
 
 # data-A: config, errors, metadata, mix, process, sources, synth, tokenizer. data-B: loader, packing.
+from dflop_jax.data.bad_sample import REASONS, BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
-from dflop_jax.data.errors import REASONS, BadSample
 from dflop_jax.data.loader import (
     Loader,
     PackSpec,

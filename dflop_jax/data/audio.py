@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 
 SAMPLE_RATE = 16000
 N_FFT = 400

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 
 _RESAMPLE = Image.Resampling.BICUBIC
 WHITE = (255, 255, 255)  # what transparent pixels become (`to_rgb` says why)

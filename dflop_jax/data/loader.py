@@ -53,9 +53,10 @@ import numpy as np
 
 from dflop_jax.config import ConfigError
 from dflop_jax.contracts import SampleShape, ScheduleFn, ScheduleProblem
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.decode_pool import DecodePool, auto_decode_workers
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.packing import HostShardSpec, all_shards
+from dflop_jax.data.sample_arrays import FEATURE_TAPS, BatchStats, GlobalBatch, ProcessedSample
 from dflop_jax.data.transforms import (
     PackSpec,
     PackStage,
@@ -65,7 +66,6 @@ from dflop_jax.data.transforms import (
     WithShapes,
     schedule_digest,
 )
-from dflop_jax.data.types import FEATURE_TAPS, BatchStats, GlobalBatch, ProcessedSample
 
 
 def build_dataset(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.files import file_hash
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key
 

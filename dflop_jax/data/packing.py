@@ -16,7 +16,7 @@ Samples a host does not need may be `None` in `samples`; their slots are compute
 host agrees on the placement. `HostShardSpec.from_meshes` gives a process its shards from the stage
 meshes.
 
-Exact feature taps: with `feature_taps=K` (4 for LLaVA-OV, `types.FEATURE_TAPS`) the microbatch also
+Exact feature taps: with `feature_taps=K` (4 for LLaVA-OV, `sample_arrays.FEATURE_TAPS`) the microbatch also
 holds `feature_taps` [rows, S, K] (every tap mapped to global tile-slot rows exactly like `feature_index`)
 and `feature_weight` [rows, S, K]; samples without taps count as plain gathers. `feature_index` stays the
 nearest tap. Memory: `feature_taps` quadruples `feature_index`'s 4 bytes per position and `feature_weight`
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
-from dflop_jax.data.types import (
+from dflop_jax.data.sample_arrays import (
     TEXT,
     BatchStats,
     GlobalBatch,

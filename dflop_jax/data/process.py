@@ -23,11 +23,11 @@ import numpy as np
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.data import images, video
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.chat import ROLES, ChatTemplate, to_messages
 from dflop_jax.data.config import DataConfig
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, ProcessedSample, plain_taps
 from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
-from dflop_jax.data.types import FEATURE_TAPS, TEXT, ProcessedSample, plain_taps
 from models import layouts
 
 KNOWN_FIELDS = frozenset({"id", "image", "video", "conversations", "text", "data_source", "source"})

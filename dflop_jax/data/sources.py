@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 
 
 def read_records(path: str | Path, strict: bool = False) -> Iterator[dict]:

@@ -21,9 +21,9 @@ from dflop_jax.contracts import (
     ScheduleProblem,
     schedule_digest,
 )
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch
-from dflop_jax.data.types import BatchStats, GlobalBatch, ProcessedSample
+from dflop_jax.data.sample_arrays import BatchStats, GlobalBatch, ProcessedSample
 
 if TYPE_CHECKING:
     from dflop_jax.data.decode_pool import DecodePool
@@ -50,7 +50,7 @@ class PackSpec:
       max_tiles: most tiles one sample may have (the largest tile bucket, times encoder_dp unless
         tiles are packed by row).
       max_tokens: most LLM tokens one sample may have (largest length bucket).
-      feature_taps: K exact feature taps per position (`types.FEATURE_TAPS` for LLaVA-OV, whose
+      feature_taps: K exact feature taps per position (`sample_arrays.FEATURE_TAPS` for LLaVA-OV, whose
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
     """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.images import load_image
 
 FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")

@@ -6,7 +6,7 @@
     plan, measured = profiled_plan(AutoPlanConfig(...), model_cfg, "runs/demo/auto_plan", data_cfg)
 
 Steps, in `cache_dir`:
-  1. data profile  -> data/shape_distribution.json (`dflop_jax.data.profile.profile_data`), or a given
+  1. data profile  -> data/shape_distribution.json (`dflop_jax.data.shape_profile.profile_data`), or a given
      shape file / synthetic mix ("llava-ov", "omnibal") when `data_source` names one;
   2. model profile -> cost_table.json (+ .png) (`profile_model`), resumed entry by entry, under the
      planner's recipe (`planner.trainable`: each part timed with the programs it runs under it);
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES, ProfileSettings
-from dflop_jax.costs.devices import DeviceConfig
+from dflop_jax.costs.device_specs import DeviceConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
 
@@ -119,7 +119,7 @@ def data_profile(
         return path, config_hash([str(path), path.stat().st_mtime_ns, path.stat().st_size])
     if data_cfg is None:
         raise ValueError("data_source='dataset' needs the training data config (data_cfg)")
-    from dflop_jax.data.profile import profile_data
+    from dflop_jax.data.shape_profile import profile_data
 
     out = shape_file(cache)
     digest = config_hash([data_cfg, cfg.data_samples, cfg.seed, code_version("dflop_jax/data")])

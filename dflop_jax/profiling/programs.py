@@ -49,7 +49,7 @@ from dflop_jax.contracts import ScheduledMicrobatch, row_tile_slots
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
-from dflop_jax.data.types import FEATURE_TAPS, TEXT, plain_taps
+from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.stage_builder import abstract_stage, is_multimodal, stage_config
 from dflop_jax.programs.stage_fns import boundary_shape, signature

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from dflop_jax.costs.devices import DeviceConfig, DeviceSpec
+from dflop_jax.costs.device_specs import DeviceConfig, DeviceSpec
 
 HOPPER = (9, 0)  # compute capability from which cuDNN's fast paths apply (packed layout included)
 

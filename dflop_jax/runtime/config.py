@@ -14,7 +14,7 @@ from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.contracts.profile_settings import ProfileSettings
-from dflop_jax.costs.devices import DeviceConfig
+from dflop_jax.costs.device_specs import DeviceConfig
 from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.programs.processes import DistributedConfig
@@ -451,7 +451,7 @@ class TrainConfig:
         plan, each reused from `run_dir/auto_plan` while fresh; see `profile` and `planner`);
         "analytic" (plan on the data's shapes with analytic costs, no profiling); or a plan.yaml path
         written by `python -m dflop_jax.plan`.
-      device: the accelerator (`costs.devices.DeviceConfig`; "auto" = the one JAX reports) for
+      device: the accelerator (`costs.device_specs.DeviceConfig`; "auto" = the one JAX reports) for
         planning, the scheduler's analytic costs (memory capacity, hosts; with `plan: auto` measured
         costs replace the analytic ones) and MFU's peak.
       profile: the profiling steps' settings (`python -m dflop_jax.profile data|model|auto` and

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.pipeline_order import stage_order
-from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import Held, StageProgram

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.data import HostShardSpec, make_loader
-from dflop_jax.data.types import PackedMicrobatch
+from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import put_host, transfer
 from dflop_jax.runtime.driver import microbatch_fields, placed_batch

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflop_jax.config.loader import from_dict, read_yaml
+from dflop_jax.config.parsing import from_dict, read_yaml
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.runtime.checkpoint import SavedState
 from dflop_jax.runtime.config import TrainConfig

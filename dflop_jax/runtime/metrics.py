@@ -2,7 +2,7 @@
 
 Definitions (DESIGN section 9): tokens/s counts real LLM tokens (no padding); MFU = model FLOPs of the
 real work / (step time x devices x peak FLOP/s), the peak being the run device's preset figure
-(`costs.devices`, `device.peak_flops` to override); padding ratio = 1 - real / computed per module (stage_padding_ratio:
+(`costs.device_specs`, `device.peak_flops` to override); padding ratio = 1 - real / computed per module (stage_padding_ratio:
 the same per stage, as every stage of a module runs its bucket shapes). A stage that runs the colocated
 encoder (COLOCATED, `stage_modules`) computes both: `stage_padding` reports its tiles and its tokens
 separately (the tile bucket and the length bucket pad independently), and the console shows the tile
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from dflop_jax.data.types import GlobalBatch
+from dflop_jax.data.sample_arrays import GlobalBatch
 
 # (row key, column name, format): the console line names each column it shows.
 CONSOLE_COLUMNS = (

@@ -41,8 +41,8 @@ from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.loader import TooFewRecords, check_records
+from dflop_jax.data.sample_arrays import GlobalBatch
 from dflop_jax.data.split import split_records
-from dflop_jax.data.types import GlobalBatch
 from dflop_jax.planner.drift import DriftMonitor, measure_drift
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.resolve import ResolvedPlan, training_planner

@@ -5,6 +5,14 @@ per-step object the runtime owns (its `schedule(shapes, index)` is the loader's 
 adaptive cost correction and checkpointable state).
 """
 
+from dflop_jax.contracts import (
+    BucketSet,
+    SampleShape,
+    Schedule,
+    ScheduledMicrobatch,
+    ScheduleProblem,
+    StageCostFn,
+)
 from dflop_jax.scheduler.baselines import (
     BASELINES,
     data_blind_schedule,
@@ -18,14 +26,6 @@ from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.correction import CostCorrection, Scheduler
 from dflop_jax.scheduler.objective import CostTable, surrogate_step_time
 from dflop_jax.scheduler.solve import schedule_batch
-from dflop_jax.scheduler.types import (
-    BucketSet,
-    SampleShape,
-    Schedule,
-    ScheduledMicrobatch,
-    ScheduleProblem,
-    StageCostFn,
-)
 from dflop_jax.scheduler.workloads import (
     default_buckets,
     llava_ov_mix,

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.scheduler.bound import aggregate_bound
 from dflop_jax.scheduler.objective import (
     CostTable,
@@ -42,7 +43,6 @@ from dflop_jax.scheduler.objective import (
     to_plans,
 )
 from dflop_jax.scheduler.reference_cpsat import minmax_bins
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.sim.pipeline import simulate
 
 REFERENCE_DETERMINISTIC_TIME = 1.0  # CP-SAT deterministic seconds of the reference-exact baseline

@@ -20,8 +20,8 @@ import math
 import numpy as np
 from ortools.sat.python import cp_model
 
+from dflop_jax.contracts import ScheduleProblem
 from dflop_jax.scheduler.objective import CostTable
-from dflop_jax.scheduler.types import ScheduleProblem
 
 _UNITS = 1_000_000
 log = logging.getLogger(__name__)

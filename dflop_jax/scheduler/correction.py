@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.objective import CostTable
 from dflop_jax.scheduler.solve import schedule_batch
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 
 _WINDOW = 64
 

@@ -23,10 +23,10 @@ import dataclasses
 
 import numpy as np
 
+from dflop_jax.contracts import ScheduleProblem
 from dflop_jax.scheduler.bound import aggregate_bound
 from dflop_jax.scheduler.fill import fill_assign
 from dflop_jax.scheduler.objective import CostTable, evaluate
-from dflop_jax.scheduler.types import ScheduleProblem
 
 MAX_COUNTS = 8
 _SHRINK_CANDIDATES = 4

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dflop_jax.contracts import ScheduleProblem
 from dflop_jax.scheduler.cpsat import W_UNITS, Neighbourhood, int_costs, repack
 from dflop_jax.scheduler.objective import CostTable, evaluate
-from dflop_jax.scheduler.types import ScheduleProblem
 
 
 class Aborted(Exception):

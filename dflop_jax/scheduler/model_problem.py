@@ -9,9 +9,9 @@ row as the runtime packs them (`Layout.tiles_by_row`): give tile buckets per row
 
 from __future__ import annotations
 
+from dflop_jax.contracts import BucketSet, ScheduleProblem
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_stage_costs
-from dflop_jax.scheduler.types import BucketSet, ScheduleProblem
 
 
 def split_stages(

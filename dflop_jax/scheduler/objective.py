@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from dflop_jax.scheduler.types import BucketSet, SampleShape, ScheduledMicrobatch, ScheduleProblem
+from dflop_jax.contracts import BucketSet, SampleShape, ScheduledMicrobatch, ScheduleProblem
 
 
 def surrogate_step_time(costs: np.ndarray) -> float:

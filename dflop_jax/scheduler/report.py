@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflop_jax.scheduler.types import SampleShape, Schedule
+from dflop_jax.contracts import SampleShape, Schedule
 
 
 def read_samples_jsonl(path: str | Path) -> list[SampleShape]:

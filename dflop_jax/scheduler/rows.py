@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflop_jax.contracts import ScheduleProblem
 from dflop_jax.scheduler.objective import CostTable
-from dflop_jax.scheduler.types import ScheduleProblem
 
 
 def fit_rows(

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflop_jax.contracts import ScheduleProblem
 from dflop_jax.scheduler.greedy import balance_shards, ensure_nonempty
 from dflop_jax.scheduler.objective import CostTable, evaluate
 from dflop_jax.scheduler.order import order_microbatches
 from dflop_jax.scheduler.rows import fit_rows
-from dflop_jax.scheduler.types import ScheduleProblem
 
 
 def finish(

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.scheduler.baselines import data_blind_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.greedy import ensure_nonempty, greedy_schedule
@@ -49,7 +50,6 @@ from dflop_jax.scheduler.objective import (
 )
 from dflop_jax.scheduler.order import makespan_lower_bound, order_microbatches
 from dflop_jax.scheduler.select import finish, pick_by_makespan
-from dflop_jax.scheduler.types import SampleShape, Schedule, ScheduleProblem
 from dflop_jax.sim.pipeline import simulate
 
 log = logging.getLogger(__name__)

@@ -107,7 +107,7 @@ def test_plan_and_profile_reject_a_missing_shape_file_in_one_line(command):
 
 def test_keys_the_mode_ignores_are_reported_in_one_warning(caplog):
     demo = REPO / "configs" / "demo.yaml"  # plan: auto
-    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.parsing"):
         load_config(TrainConfig, demo, ["layout.llm_tp=[2]", "layout.tiles=[8]", "steps=3"])
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
@@ -117,13 +117,13 @@ def test_keys_the_mode_ignores_are_reported_in_one_warning(caplog):
 
 def test_planner_and_profile_keys_are_read_whatever_the_plan(caplog):
     """`python -m dflop_jax.plan` and `... profile` read them from the same run config."""
-    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.parsing"):
         load_config(TrainConfig, None, ["plan=explicit", "planner.samples=3", "profile.runs=2"])
     assert not caplog.records
 
 
 def test_used_keys_are_not_reported(caplog):
-    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.parsing"):
         load_config(TrainConfig, REPO / "configs" / "demo.yaml", ["planner.samples=3"])
     assert caplog.records == []
 
@@ -186,7 +186,7 @@ def test_inputs_that_exist_pass_and_a_dir_missing_its_file_is_named(tiny_plans, 
 
 def test_a_decoder_reports_its_vision_keys_as_ignored(caplog):
     over = ["model.kind=decoder", "layout.encoder_layers=[]", "model.vision_num_layers=3"]
-    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.loader"):
+    with caplog.at_level(logging.WARNING, logger="dflop_jax.config.parsing"):
         load_config(TrainConfig, None, over)
     (record,) = caplog.records
     assert record.getMessage().startswith("ignored config keys model.vision_num_layers (")

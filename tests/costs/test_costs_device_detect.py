@@ -8,7 +8,7 @@ import pytest
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.costs import DEVICE_PRESETS, DeviceConfig, preset_for_kind
-from dflop_jax.costs.devices import MANUAL_KEYS
+from dflop_jax.costs.device_specs import MANUAL_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from dflop_jax.data.audio import (
     kept_frames,
     load_audio,
 )
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 
 pytest.importorskip("av")
 SR = audio.SAMPLE_RATE

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.images import load_image, to_rgb
 
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.process import Processor
-from dflop_jax.data.types import NEWLINE, TEXT
+from dflop_jax.data.sample_arrays import NEWLINE, TEXT
 
 
 def _image(path, w, h):

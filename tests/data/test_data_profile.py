@@ -8,12 +8,12 @@ import pytest
 from PIL import Image
 
 from dflop_jax import profile as profile_cli
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
-from dflop_jax.data.profile import profile_data
+from dflop_jax.data.shape_profile import profile_data
 from dflop_jax.data.synth import main as synth_main
 from dflop_jax.data.synth import synth_dataset
 from dflop_jax.scheduler.workloads import load_shape_distribution, omnibal_shapes

@@ -24,14 +24,15 @@ from shard_fixtures import (
 )
 
 from dflop_jax.config import ConfigError
-from dflop_jax.data import images, profile, shards
+from dflop_jax.data import images, shards
+from dflop_jax.data import shape_profile as profile
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
-from dflop_jax.data.profile import profile_data
+from dflop_jax.data.shape_profile import profile_data
 from dflop_jax.data.split import split_records
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, Scheduler, SchedulerConfig
 

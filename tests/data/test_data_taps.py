@@ -26,8 +26,8 @@ from dflop_jax.data.dataset import load_source
 from dflop_jax.data.loader import PackSpec, pack_geometry, pack_taps
 from dflop_jax.data.packing import HostShardSpec, all_shards, pack_global_batch, pack_microbatch
 from dflop_jax.data.process import Processor
+from dflop_jax.data.sample_arrays import FEATURE_TAPS, NEWLINE, TEXT
 from dflop_jax.data.transforms import PackStage, Scheduled
-from dflop_jax.data.types import FEATURE_TAPS, NEWLINE, TEXT
 from models import layouts
 from models.placement import place_features
 

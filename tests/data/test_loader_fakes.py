@@ -14,8 +14,8 @@ from dflop_jax.contracts import (
     ScheduledMicrobatch,
     ScheduleProblem,
 )
-from dflop_jax.data.errors import BadSample
-from dflop_jax.data.types import TEXT, ProcessedSample
+from dflop_jax.data.bad_sample import BadSample
+from dflop_jax.data.sample_arrays import TEXT, ProcessedSample
 
 TPT = 2
 TILE = (2, 2, 3)

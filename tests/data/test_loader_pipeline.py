@@ -19,7 +19,7 @@ from test_loader_fakes import (
     tile_tag,
 )
 
-from dflop_jax.data.errors import BadSample
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.loader import Loader, PackSpec, TooFewRecords, build_dataset, check_usable
 from dflop_jax.data.packing import HostShardSpec
 from dflop_jax.data.transforms import ShapeStage

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
 from dflop_jax.data.decode_pool import auto_decode_workers
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.loader import make_loader, pack_geometry, resolve_decode_workers
 from dflop_jax.data.process import Processor
 from dflop_jax.data.synth import synth_dataset

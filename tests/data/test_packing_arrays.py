@@ -13,7 +13,7 @@ from test_loader_fakes import tagged_tile, tile_tag
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
-from dflop_jax.data.types import NEWLINE, TEXT, ProcessedSample
+from dflop_jax.data.sample_arrays import NEWLINE, TEXT, ProcessedSample
 
 TPT = 3  # feature rows per tile
 TILE = (2, 2, 3)

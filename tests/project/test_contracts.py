@@ -10,7 +10,7 @@ import pytest
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
 from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import StageSpec, arch_of_model, llm_arch_from_config
-from dflop_jax.data.types import BatchStats, PackCounts, PackedMicrobatch
+from dflop_jax.data.sample_arrays import BatchStats, PackCounts, PackedMicrobatch
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.runtime import driver
 from dflop_jax.runtime.config import ModelConfig

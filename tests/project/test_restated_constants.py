@@ -12,7 +12,7 @@ import pytest
 from dflop_jax.contracts import cost_table
 from dflop_jax.contracts.layout import Module
 from dflop_jax.costs import memory
-from dflop_jax.data import types as data_types
+from dflop_jax.data import sample_arrays as data_types
 from dflop_jax.programs import param_paths
 from models import (
     cudnn_packed,
@@ -28,12 +28,12 @@ attention = importlib.import_module("models.attention")
 
 RESTATED = {
     "TEXT": [
-        (data_types.TEXT, "data.types"),
+        (data_types.TEXT, "data.sample_arrays"),
         (layouts.TEXT, "models.layouts"),
         (placement.TEXT, "models.placement"),
     ],  # fmt: skip
     "NEWLINE": [
-        (data_types.NEWLINE, "data.types"),
+        (data_types.NEWLINE, "data.sample_arrays"),
         (layouts.NEWLINE, "models.layouts"),
         (placement.NEWLINE, "models.placement"),
     ],  # fmt: skip
@@ -43,7 +43,7 @@ RESTATED = {
     ],  # fmt: skip
     "FEATURE_TAPS": [
         (memory.FEATURE_TAPS, "costs.memory"),
-        (data_types.FEATURE_TAPS, "data.types"),
+        (data_types.FEATURE_TAPS, "data.sample_arrays"),
     ],  # fmt: skip
     "REMAT_POLICIES": [
         (tuple(memory.REMAT_POLICIES), "costs.memory"),

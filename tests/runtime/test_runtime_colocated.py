@@ -31,7 +31,7 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device, layout_stage_costs
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.provider import colocated_encoder_stage
-from dflop_jax.data.types import plain_taps
+from dflop_jax.data.sample_arrays import plain_taps
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages

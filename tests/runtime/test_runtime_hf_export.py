@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflop_jax.config.loader import dump_yaml
+from dflop_jax.config.parsing import dump_yaml
 from dflop_jax.data.config import DataConfig
 from dflop_jax.export import main
 from dflop_jax.programs.meshes import stage_meshes

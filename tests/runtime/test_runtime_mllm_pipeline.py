@@ -18,7 +18,7 @@ from flax import nnx
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
 from dflop_jax.contracts.layout import Layout, StageSpec
-from dflop_jax.data.types import plain_taps
+from dflop_jax.data.sample_arrays import plain_taps
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree

@@ -23,9 +23,9 @@ import numpy as np
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.shape_distribution import save_shape_distribution
+from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
-from dflop_jax.data.errors import BadSample
 from dflop_jax.data.metadata import MetadataCache
 from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key, take

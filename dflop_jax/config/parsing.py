@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from dflop_jax.config.errors import ConfigError
+from dflop_jax.config.config_error import ConfigError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
