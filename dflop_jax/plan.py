@@ -38,10 +38,10 @@ def run(cfg, progress=None, check: bool = False):
     """Plans per the run config `cfg` and writes `run_dir/plan.yaml` and the resolved config; returns
     the plan. With `check` the stage programs are compiled too (JAX must see the run's devices)."""
     from dflop_jax.planner import save_plan
-    from dflop_jax.train_plan import abstract_model_config, plan_from_run_dir
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import plan_from_run_dir
 
-    model_cfg = abstract_model_config(cfg)
-    plan = plan_from_run_dir(cfg, model_cfg, progress)
+    plan = plan_from_run_dir(RunContext.build(cfg), progress)
     out = plan_path(cfg)
     dump_yaml(cfg, out.with_name("plan.config.yaml"))
     save_plan(plan, out)
@@ -60,17 +60,11 @@ def check_compiled(cfg, plan_file: Path, progress=None) -> tuple:
     """The stage programs of the plan at `plan_file` compiled as `train --config ... plan=PLAN_FILE`
     would train them: its remat, the run's compute dtype and recipe, and the residual policy each
     stage trains under (`residuals`, "auto": the least backward work that fits)."""
-    from dflop_jax.train_plan import (
-        abstract_model_config,
-        compile_stages,
-        resolve_plan,
-        with_plan_remat,
-    )
+    from dflop_jax.resolve import RunContext, resolve_plan
+    from dflop_jax.resolve.dry_run import compile_stages
 
-    run_cfg = with_plan_remat(dataclasses.replace(cfg, plan=str(plan_file)))
-    model_cfg = abstract_model_config(run_cfg)
-    resolved = resolve_plan(run_cfg, model_cfg)
-    return tuple(compile_stages(run_cfg, model_cfg, resolved, progress))
+    ctx = RunContext.build(dataclasses.replace(cfg, plan=str(plan_file)))
+    return tuple(compile_stages(ctx, resolve_plan(ctx), progress))
 
 
 def _recipe(cfg) -> str:

@@ -65,17 +65,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _steps(cfg):
-    """(the pipeline's settings, the model config, the run's auto_plan directory)."""
-    from dflop_jax.train_plan import abstract_model_config, auto_plan_config, auto_plan_dir
+    """(the run's context, the auto-plan workflow's settings)."""
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import auto_plan_config
 
-    model_cfg = abstract_model_config(cfg)
-    return auto_plan_config(cfg, model_cfg), model_cfg, auto_plan_dir(cfg)
+    ctx = RunContext.build(cfg)
+    return ctx, auto_plan_config(ctx)
 
 
 def _data(cfg, args) -> int:
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.auto_plan import AutoPlanConfig, data_profile
-    from dflop_jax.train_plan import auto_plan_dir
+    from dflop_jax.resolve.run_context import auto_plan_dir
 
     # the data step reads only these (the model and its search space play no part)
     auto = AutoPlanConfig(data_source=cfg.profile.data_source,
@@ -95,12 +96,12 @@ def _model(cfg, args) -> int:
 
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.auto_plan import model_profile
-    from dflop_jax.train_plan import run_name
 
-    auto, model_cfg, cache = _steps(cfg)
+    ctx, auto = _steps(cfg)
+    cache = ctx.auto_plan_dir
     cache.mkdir(parents=True, exist_ok=True)
     with progress_bar(not args.no_progress) as progress:
-        path, _ = model_profile(auto, model_cfg, cache, {}, name=run_name(cfg),
+        path, _ = model_profile(auto, ctx.model_cfg, cache, {}, name=ctx.name,
                                 devices=jax.devices(), progress=progress)  # fmt: skip
     from dflop_jax.contracts.cost_table import load_table
 
@@ -115,11 +116,11 @@ def _auto(cfg, args) -> int:
     from dflop_jax.planner import describe_layout
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.auto_plan import ensure_plan
-    from dflop_jax.train_plan import run_name
 
-    auto, model_cfg, cache = _steps(cfg)
+    ctx, auto = _steps(cfg)
+    cache = ctx.auto_plan_dir
     with progress_bar(not args.no_progress) as progress:
-        plan = ensure_plan(auto, model_cfg, cache, cfg.data, name=run_name(cfg),
+        plan = ensure_plan(auto, ctx.model_cfg, cache, cfg.data, name=ctx.name,
                            plan=not args.profile_only, progress=progress)  # fmt: skip
     if plan is None:
         print(f"profiles in {cache}")

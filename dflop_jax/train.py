@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dry_run(cfg) -> int:
     from dflop_jax.profiling.stage_report import SCALED
-    from dflop_jax.train_plan import dry_run
+    from dflop_jax.resolve.dry_run import dry_run
 
     for s in dry_run(cfg, show=lambda line: print(line, flush=True)):
         print(f"stage {s['stage']} ({'+'.join(s['compiled']['parts'])}): predicted "
@@ -79,7 +79,7 @@ def _dry_run(cfg) -> int:
 
 
 def run(cfg, console=None, clock=time.perf_counter):
-    """DFLOP's training run: the model's config, its plan (`train_plan`), training (`trainer`: each
+    """DFLOP's training run: the model's config, its plan (`resolve`), training (`trainer`: each
     stage makes its own params on its own mesh; the whole model is never built).
 
     Returns the `TrainReport`; `clock` times the sampled stage programs of measured steps (tests pass
@@ -87,32 +87,19 @@ def run(cfg, console=None, clock=time.perf_counter):
     """
     import jax
 
-    from dflop_jax.costs import arch_of_model
-    from dflop_jax.data import load_tokenizer
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.programs.devices import attention_hint
+    from dflop_jax.resolve import RunContext, resolve_plan
     from dflop_jax.runtime.trainer import prepare_run_dir, train
-    from dflop_jax.train_plan import attention_impl, resolve_plan, with_plan_remat
 
-    cfg = with_plan_remat(cfg)  # a plan.yaml's remat policy, before the model is built
-    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    model_cfg = cfg.model.model_config(
-        vocab,
-        tile_px=cfg.data.tile_px,
-        patch_size=cfg.data.patch_size,
-        compute_dtype=cfg.compute_dtype,
-        pixel_norm=(cfg.data.mean, cfg.data.std),
-    )
-    prepare_run_dir(cfg, model_cfg)  # config.yaml records the model's sizes (hf_dir's, arch's)
-    hint = attention_hint(
-        attention_impl(model_cfg)
-    )  # the resolved kernel (auto: never xla on a GPU)
+    ctx = RunContext.build(cfg)  # a plan.yaml's remat policy applied before the model is built
+    prepare_run_dir(ctx.cfg, ctx.model_cfg)  # config.yaml records the model's sizes
+    hint = attention_hint(ctx.attention_impl)  # the resolved kernel (auto: never xla on a GPU)
     if hint:
         logging.getLogger(__name__).warning(hint)
     with progress_bar(jax.process_index() == 0) as progress:
-        plan = resolve_plan(cfg, model_cfg, progress)
-    arch = arch_of_model(model_cfg)
-    return train(cfg, model_cfg, arch, plan, console, clock)
+        plan = resolve_plan(ctx, progress)
+    return train(ctx.cfg, ctx.model_cfg, ctx.arch, ctx.device, plan, console, clock)
 
 
 def _config_error(e: Exception) -> int:

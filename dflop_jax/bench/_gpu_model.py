@@ -9,7 +9,7 @@ model        trains `configs/llava_ov_7b_1gpu.yaml` (the size's overrides: none 
              stage-time MAPE raw and corrected (the summary's `pred_raw_mape` / `pred_corrected_mape`);
              and the memory of its stage (one device: one stage), three ways (`memory_figures`):
                predicted  the memory model at the plan's largest buckets under the residual policy
-                          the run trains (`train_plan.predicted_stage_memory`, as the dry run);
+                          the run trains (`resolve.dry_run.predicted_stage_memory`, as the dry run);
                compiled   the largest stage program the trainer compiled (arguments + outputs -
                           aliased + temporaries) plus its optimizer state's bytes;
                measured   `jax.devices()[0].memory_stats()`: peak bytes in use (None where the
@@ -99,9 +99,9 @@ def _captured_run(run_dir: Path):
         update_ids.update(id(lw) for lw in kwargs.get("extra", ()))
         return pre(*args, **kwargs)
 
-    def train_(cfg, model_cfg, arch, plan, *args, **kwargs):
+    def train_(cfg, model_cfg, arch, device, plan, *args, **kwargs):
         seen["train"] = (cfg, model_cfg, plan)
-        return train(cfg, model_cfg, arch, plan, *args, **kwargs)
+        return train(cfg, model_cfg, arch, device, plan, *args, **kwargs)
 
     def log_(self, row):
         log(self, row)
@@ -127,12 +127,13 @@ def _device_bytes(tree) -> float:
 
 def memory_figures(seen: dict, report) -> dict:
     """Predicted, compiled and measured memory of a one-stage run (module docstring), GiB."""
-    from dflop_jax.train_plan import predicted_stage_memory
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.dry_run import predicted_stage_memory
 
     out: dict = {}
     if seen["train"] is not None:
         cfg, model_cfg, plan = seen["train"]
-        stages = predicted_stage_memory(cfg, model_cfg, plan)
+        stages = predicted_stage_memory(RunContext.of(cfg, model_cfg), plan)
         out["predicted_gib"] = max(m.total() for m in stages) / _GIB
         out["residuals"] = list(plan.residuals or ())
         out["buckets"] = {"tiles": list(plan.buckets.tiles), "lengths": list(plan.buckets.lengths)}

@@ -10,10 +10,10 @@
         wait. Then, on the trained stages and one all-padding microbatch per scheduled slot (4),
         `rounds` times each, devices idle at the start: the dispatch path (`run_pipeline` +
         `apply_updates`, as the trainer calls them) against its floor, the same executables called
-        in a tight loop (recorded from one dispatch with `runtime.dispatch.record`, their arguments
+        in a tight loop (recorded from one dispatch with `programs.dispatch.record`, their arguments
         made ahead, donated ones fresh per round); the ratio path / floor, wall and CPU.
   real  the stage programs of a real-size stage (Qwen2.5-7B, 4 LLM layers at tp 4, 4096 tokens per
-        row, abstract parameters from `runtime.model_stages.abstract_stage`): the Python layers of the
+        row, abstract parameters from `programs.stage_builder.abstract_stage`): the Python layers of the
         dispatch path (`StageProgram.zero_grads`, `forward_train`, `backward_from` over 4
         microbatches) with each jitted program stubbed by a function that returns its outputs'
         shapes (nothing is compiled or run): host microseconds per program call of OUR layers at
@@ -77,15 +77,9 @@ def demo_config(out: Path, steps: int):
 
 def _problem(cfg):
     """The run's scheduling problem (its buckets and data-parallel geometry)."""
-    from dflop_jax.data import load_tokenizer
-    from dflop_jax.train_plan import resolve_plan
+    from dflop_jax.resolve import RunContext, resolve_plan
 
-    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    model_cfg = cfg.model.model_config(vocab, tile_px=cfg.data.tile_px,
-                                       patch_size=cfg.data.patch_size,
-                                       compute_dtype=cfg.compute_dtype,
-                                       pixel_norm=(cfg.data.mean, cfg.data.std))  # fmt: skip
-    return resolve_plan(cfg, model_cfg).problem()
+    return resolve_plan(RunContext.build(cfg)).problem()
 
 
 def _times(fn) -> tuple[float, float]:

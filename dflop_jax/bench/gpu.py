@@ -14,7 +14,7 @@ Each part measures against the strongest alternative in the same run:
              FLOPs: causal pairs x 4 Dh H forward, 3x that forward + backward) and XLA's temp memory.
   stage      forward + backward of LLM layers (4 Qwen2.5-7B layers at 8192 tokens) and of the SigLIP-400M
              tower on a bucket of 384 px tiles, each as the runtime's own stage program (the profiler's
-             `programs.build_program` -> `runtime.stages.stage_jits`, bf16 compute, fp32 weights), timed
+             `programs.build_program` -> `programs.stage_jits.stage_jits`, bf16 compute, fp32 weights), timed
              by the profiler's `measure_program` as training runs them under a residual policy
              (`residuals=`: "all", the forward keeps its residuals and the backward runs none of it
              again; "recompute", the backward re-runs the forward): step = fwd + bwd; MFU = model

@@ -90,7 +90,7 @@ TINY_INTERNVL = [
 ]
 
 
-# The stage programs' jitted functions (`runtime.stages.stage_jits`), as XLA names them.
+# The stage programs' jitted functions (`programs.stage_jits.stage_jits`), as XLA names them.
 STAGE_PROGRAMS = ("jit(apply)", "jit(bwd)", "jit(last)", "jit(fwd_res)", "jit(bwd_res)")
 
 

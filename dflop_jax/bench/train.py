@@ -118,16 +118,16 @@ def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
     """The data-blind planner's plan (`make_plan(mode="uniform")`) for the run `cfg` (the DFLOP arm,
     trained in `dflop_dir`), on the same devices (the run's `num_devices`, else those JAX sees),
     dataset shapes and cost provider DFLOP planned with; saved to `path`."""
-    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
+    from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.costs.provider import remat_suffix
     from dflop_jax.planner import make_plan, save_plan
     from dflop_jax.planner.resolve import training_planner
-    from dflop_jax.programs.devices import run_device
-    from dflop_jax.train_plan import abstract_model_config, num_devices, sample_shapes
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import sample_shapes
 
-    model_cfg = abstract_model_config(cfg)
-    arch, device = arch_of_model(model_cfg), run_device(cfg.device)
+    ctx = RunContext.build(cfg)
+    arch, device = ctx.arch, ctx.device
     provider = AnalyticCostProvider(arch, device, remat=cfg.model.remat)
     table = dflop_dir / "auto_plan" / "cost_table.json"
     if cfg.plan == "auto":  # DFLOP planned on its measured table: so does the baseline
@@ -135,7 +135,7 @@ def blind_plan(cfg, dflop_dir: Path, path: Path) -> Path:
     planner = training_planner(
         cfg.planner, cfg.global_batch, cfg.model.kind != "decoder", steps=cfg.steps
     )
-    plan = make_plan(arch, device, num_devices(cfg), sample_shapes(cfg), planner, provider,
+    plan = make_plan(arch, device, ctx.num_devices, sample_shapes(cfg), planner, provider,
                      mode="uniform")  # fmt: skip
     if cfg.plan == "auto":  # the table timed the run's model, its remat too: the plan says so
         name = plan.cost_provider + remat_suffix(cfg.model.remat)

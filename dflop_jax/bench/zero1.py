@@ -13,7 +13,7 @@ switch: the compiled-HLO evidence, no data-axis all-reduce in a microbatch's bac
 step's reduce, is `tests/runtime/test_runtime_zero1.py`'s).
 
 Reported per arm: the state each stage holds per device after training (fp32 params, AdamW state, the
-per-replica gradient accumulator `runtime.stages.accumulator_structs` allocates every step), the host's
+per-replica gradient accumulator `programs.trees.accumulator_structs` allocates every step), the host's
 peak RSS (all 8 simulated devices live in one process), and the median step and wall time over the
 steps after the first 2 (compiles). On simulated devices sharing the host's cores, collectives are
 memory copies: the memory figures are the real ones; the time figures show that ZeRO-1's sharded update
@@ -50,7 +50,7 @@ LAYOUT = [
     "layout.microbatches=[2,3]",
 ]
 # Widths divisible by 2 and 3 (the stages' dp): ZeRO-1 splits a leaf on an axis dp divides
-# (`runtime.zero1.zero1_layout`); a leaf with none is padded to a multiple first.
+# (`programs.zero1_layout.zero1_layout`); a leaf with none is padded to a multiple first.
 SIZES = {
     "mid": [
         "model.hidden_size=768",

@@ -26,7 +26,7 @@ Buckets: tiles per encoder shard for encoder kinds (and the colocated kind), tok
 for LLM kinds.
 A table is profiled under a training recipe (`trainable`, the parts trained; absent in files written
 before recipes existed, which profiled everything trained): each part's programs are the runtime's for
-that part under the recipe (`runtime.stages.stage_jits` with `trained` / `input_grad`): a frozen
+that part under the recipe (`programs.stage_jits.stage_jits` with `trained` / `input_grad`): a frozen
 part behind a trained one times its dx-only backward, a frozen part with nothing trained before it has
 no backward program (bwd_s 0, memory_bwd empty), a trained part after frozen ones computes no dx.
 `grad_bytes` is the per-device gradient accumulator of the trained leaves (absent: `param_bytes`).
@@ -57,7 +57,7 @@ ALL_KINDS = STAGE_KINDS + COLOCATED_KINDS
 LAYER_KINDS = ("encoder_layers", "llm_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
 TRAINABLE_PARTS = ("vision", "projector", "llm")  # what a training recipe trains or freezes
-# What an inner stage keeps per in-flight microbatch for its backward (`runtime.stages` builds them):
+# What an inner stage keeps per in-flight microbatch for its backward (`programs.stage_jits` builds them):
 #   "all"        every residual of the stage forward (its `jax.vjp`): the backward runs no forward;
 #   "layers"     the same programs over a stage built with layer remat (`jax.checkpoint` per layer,
 #                the models' `remat="full"`): the residuals are the layer inputs, and the backward

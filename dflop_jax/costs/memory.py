@@ -300,7 +300,7 @@ def _workspace(tokens: int, full: float, remat: str) -> float:
 
 def _policy_remat(residuals: str, remat: str) -> str:
     """The layer remat a stage runs under residual policy `residuals` ("layers" builds it with full
-    remat, `runtime.model_stages.stage_config`)."""
+    remat, `programs.stage_builder.stage_config`)."""
     if residuals not in RESIDUAL_POLICIES:
         raise ValueError(f"residual policy {residuals!r}: use one of {list(RESIDUAL_POLICIES)}")
     return "full" if residuals == "layers" else remat

@@ -1,7 +1,7 @@
 """What a training recipe (`optimizer.trainable`) makes each pipeline stage run: its role.
 
 `stage_role` is the one place a stage's role is decided. The runtime's stage builder
-(`runtime.model_stages.build_stages`) gives each stage program its role, from which it takes whether
+(`programs.stage_builder.build_stages`) gives each stage program its role, from which it takes whether
 the stage has a backward program and whether its input gets a gradient (programs/stage_jits.py); the
 profiler (`profiling/programs.py`), the cost providers and the memory model read the same function.
 Which parameter leaves a part covers is the models' labelling (`models.stage_modules.param_part`, the

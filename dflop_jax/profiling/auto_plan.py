@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES, ProfileSettings
-from dflop_jax.costs.device_specs import DeviceConfig
+from dflop_jax.costs.device_specs import DeviceSpec
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
 
@@ -38,12 +38,12 @@ SYNTHETIC = SYNTHETIC_SHAPES
 @dataclasses.dataclass(frozen=True)
 class AutoPlanConfig:
     """What the pipeline needs besides the model config; a run's (`plan: auto` and the profile
-    commands alike) is `train_plan.auto_plan_config`, from its `profile`, `planner`, `device` and
-    `num_devices`.
+    commands alike) is `resolve.plan_sources.auto_plan_config`, from its `profile`, `planner`, resolved
+    device and device count.
 
     Attributes:
-      device: the planned devices' accelerator (`DeviceConfig`: "auto" = the one JAX reports, or a
-        preset name): capacity and hosts.
+      device: the planned devices' spec (the run's resolved `DeviceSpec`): capacity and hosts; the
+        data step alone needs none.
       num_devices: devices to plan for.
       data_source: "dataset" (profile the training data config passed to `ensure_plan`), a
         shape-distribution JSON path, or a synthetic mix ("llava-ov", "omnibal")
@@ -54,7 +54,7 @@ class AutoPlanConfig:
       planner: the planner's search space.
     """
 
-    device: DeviceConfig = DeviceConfig()
+    device: DeviceSpec | None = None
     num_devices: int = 8
     data_source: str = "dataset"
     data_samples: int = 2000
@@ -72,6 +72,16 @@ class AutoPlanConfig:
             return []
         fix = f"give a shape-distribution JSON, 'dataset' or one of {SYNTHETIC}"
         return [InputPath("data_source", self.data_source, "file", fix)]
+
+
+def _device(cfg: AutoPlanConfig) -> DeviceSpec:
+    """The planned devices' spec; the data step alone runs without one."""
+    if cfg.device is None:
+        raise ValueError(
+            "AutoPlanConfig.device is unset: profiling the model and planning need the "
+            "run's device spec (resolve.plan_sources.auto_plan_config gives it)"
+        )
+    return cfg.device
 
 
 def _stamp_path(out: Path) -> Path:
@@ -145,9 +155,8 @@ def model_profile(
     """Step 2 (`python -m dflop_jax.profile model`): (the cost table's path, its digest), profiled on
     `devices` under the planner's recipe unless fresh."""
     from dflop_jax.profiling import model_profiler
-    from dflop_jax.programs.devices import run_device
 
-    device = run_device(cfg.device)
+    device = _device(cfg)
     settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
     table_path = cost_table_file(cache)
     grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
@@ -196,13 +205,12 @@ def ensure_plan(
     from dflop_jax.planner import load_plan, make_plan, save_plan
     from dflop_jax.planner.resolve import load_shapes
     from dflop_jax.planner.space import fit_search_space
-    from dflop_jax.programs.devices import run_device
     from dflop_jax.programs.model_configs import arch_for_model_config
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    device = run_device(cfg.device)
+    device = _device(cfg)
     arch = arch_for_model_config(model_cfg, name)
     # before any profiling: a search space these devices cannot hold is one config error
     cfg = dataclasses.replace(
@@ -251,7 +259,7 @@ def profiled_plan(
 
     Multi-process runs: process 0 profiles on its local devices and plans for the whole job; the
     others wait (at most `share_timeout_s`) and receive `plan.yaml` and `cost_table.json` from it
-    (`runtime.distributed.share_files`), so every process trains and schedules from the same bytes.
+    (`programs.processes.share_files`), so every process trains and schedules from the same bytes.
 
     Returns:
       (planner `Plan`, `MeasuredCostProvider`).
@@ -261,7 +269,6 @@ def profiled_plan(
     from dflop_jax.costs import AnalyticCostProvider, arch_of_model
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan
-    from dflop_jax.programs.devices import run_device
     from dflop_jax.programs.processes import share_files
 
     if not hasattr(model_cfg, "vision"):
@@ -274,7 +281,7 @@ def profiled_plan(
     cache = Path(cache_dir)
     share_files([cache / "plan.yaml", cache / "cost_table.json"], "auto-plan", share_timeout_s)
     plan = load_plan(cache / "plan.yaml")
-    arch, device = arch_of_model(model_cfg), run_device(cfg.device)
+    arch, device = arch_of_model(model_cfg), _device(cfg)
     table = Path(cache_dir) / "cost_table.json"
     return plan, MeasuredCostProvider(
         table, arch, device, fallback=AnalyticCostProvider(arch, device)

@@ -5,20 +5,20 @@
 
 MaxText's ahead-of-time compile habit, per MPMD stage: each stage's training program (the backward, or
 on the last stage the fused forward + loss + backward) is built by the runtime's one builder
-(`profiling.programs.stage_program` -> `runtime.model_stages.abstract_stage` -> `runtime.stages.
-stage_jits`) on the stage's own ("data", "model") mesh of the layout (`runtime.mesh.stage_meshes`; on a
+(`profiling.programs.stage_program` -> `programs.stage_builder.abstract_stage` -> `programs.stage_jits.
+stage_jits`) on the stage's own ("data", "model") mesh of the layout (`programs.meshes.stage_meshes`; on a
 host without enough accelerators, simulated CPU devices), at the plan's largest buckets, and compiled.
 
 What the runtime holds per device for a stage, term by term (`StageCheck`):
   params      fp32 master weights (the program's parameter arguments)
   grads       the fp32 per-data-replica gradient accumulator (a donated argument, aliased with its
-              output; each device holds its replica's sum, `runtime.stages.accumulator_structs`)
+              output; each device holds its replica's sum, `programs.trees.accumulator_structs`)
   optimizer   AdamW m and v, fp32, the parameters' shapes in the ZeRO-1 layout (sharded over dp too,
-              padded where no axis divides: `runtime.zero1.zero1_layout`)
+              padded where no axis divides: `programs.zero1_layout.zero1_layout`)
   inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps
               min(P - stage, M) of them until their backward (recompute-in-backward: nothing else)
   residuals   0 under "recompute"; under a saving policy ("all", "layers") the residuals each
-              in-flight microbatch keeps from its forward to its backward (`runtime.stages.Held`)
+              in-flight microbatch keeps from its forward to its backward (`programs.stage_program.Held`)
   transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
               recomputed forward, the cast weights, XLA workspace), the incoming gradient dy and the
               outgoing dx.
@@ -34,7 +34,7 @@ those INSTEAD of the stage input (it drops x and the side arrays once the forwar
 residuals + the larger transient of the two programs`.
 
 Under the plan's training recipe (`planner.trainable`, costs/recipe.py) each stage compiles the
-programs it runs under it (`stage_program(..., trainable=)`, as `runtime.model_stages.build_stages`
+programs it runs under it (`stage_program(..., trainable=)`, as `programs.stage_builder.build_stages`
 builds them): grads and optimizer cover the trained leaves only; a forward-only stage (nothing
 trained, nothing trained before it) compiles its forward program, has no accumulator and no
 optimizer state, and keeps no input for a backward (in_flight 1: the one its forward reads).
@@ -253,7 +253,7 @@ def lower_stage_programs(
 
 def colocated_stage_index(layout: Layout, model_cfg) -> int | None:
     """The index of the stage that also runs the encoder (0 when an MLLM layout has no encoder
-    stages: the runtime's `model_stages.colocated`), else None."""
+    stages: the runtime's `stage_builder.colocated`), else None."""
     from dflop_jax.programs.stage_builder import check_colocated, colocated
 
     if not colocated(model_cfg, layout):
@@ -303,7 +303,7 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
 
 def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     """`compile_part` of an inner stage under a saving residual policy: its forward that returns the
-    residuals and its backward from them, as `runtime.stages.StageProgram.forward_train` and
+    residuals and its backward from them, as `programs.stage_program.StageProgram.forward_train` and
     `backward_from` run them. `program_bytes` is the larger program's."""
     t0 = time.perf_counter()
     fwd, bwd = compile_residual_programs(prog)
@@ -334,7 +334,7 @@ def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:
 
 
 def _zero1(params_abs):
-    """fp32 leaves of the params in the ZeRO-1 optimizer layout (`runtime.zero1.zero1_layout`:
+    """fp32 leaves of the params in the ZeRO-1 optimizer layout (`programs.zero1_layout.zero1_layout`:
     padded, where no axis divides by tp x dp, to the shape the runtime's moments have)."""
     from dflop_jax.programs.zero1_layout import zero1_layout
 

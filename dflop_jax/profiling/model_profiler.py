@@ -77,7 +77,7 @@ CODE_PACKAGES = (
 
 def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
     """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices; a
-    colocated kind runs both models at one tp (`runtime.model_stages.check_colocated`)."""
+    colocated kind runs both models at one tp (`programs.stage_builder.check_colocated`)."""
     text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
     if kind in COLOCATED_KINDS:
         heads = (model_cfg.vision.num_heads, *text)

@@ -2,7 +2,7 @@
 
 A part (STAGE_KINDS) or a whole stage (`StageShape`) at (tp, bucket) is a runtime `StageSpec` on a
 ("data", "model") = (1, tp) mesh. Its programs come from the runtime's one builder
-(`runtime.model_stages.abstract_stage` -> `runtime.stages.stage_jits`), so what is timed is what trains:
+(`programs.stage_builder.abstract_stage` -> `programs.stage_jits.stage_jits`), so what is timed is what trains:
   forward:  `StageJits.forward` (on the LLM head part: forward + loss, without gradients), or under a
             saving residual policy ("all", "layers") `StageJits.forward_residuals` (the forward that
             also returns its residuals)
@@ -68,10 +68,10 @@ class PartProgram:
       params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
         seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
-        gacc_abs the per-replica gradient accumulator (`runtime.stages.accumulator_structs`).
+        gacc_abs the per-replica gradient accumulator (`programs.trees.accumulator_structs`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
       trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
-      jits: all the stage's programs (`runtime.stages.StageJits`), e.g. the residual-saving pair.
+      jits: all the stage's programs (`programs.stage_jits.StageJits`), e.g. the residual-saving pair.
     """
 
     mesh: Mesh
@@ -296,7 +296,7 @@ def stage_program(
 def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
     """(forward_residuals, backward_residuals) of a saving stage's `prog`, compiled: the backward at
     the residuals' structs `jax.eval_shape` gives and the forward inputs' `signature`, as
-    `runtime.stages.StageProgram.backward_from` calls it."""
+    `programs.stage_program.StageProgram.backward_from` calls it."""
     jits, args = prog.jits, (prog.params_abs, prog.x_abs, prog.side_abs)
     with jax.set_mesh(prog.mesh):
         fwd = jits.forward_residuals.lower(*args).compile()

@@ -73,7 +73,7 @@ def transfer_bytes_per_microbatch(
     """Per stage boundary, the bytes one microbatch at the largest of `buckets` moves between
     devices: `forward_bytes` (the stage's output into the next stage's input sharding) and
     `backward_bytes` (dL/dx back, 0 where the next stage passes none under the recipe). The figures
-    are the runtime's transfer programs' (`runtime.transfer.transfer_bytes`, what a training step
+    are the runtime's transfer programs' (`programs.transfer.transfer_bytes`, what a training step
     adds to `StepOutput.transfer_bytes`) between the shardings of the stage programs the dry run
     compiles (`compile_check.stage_programs`); nothing is compiled."""
     from dflop_jax.costs.recipe import stage_role

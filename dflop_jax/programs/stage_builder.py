@@ -344,7 +344,7 @@ def build_stages(
       model_cfg: a `DecoderConfig` (decoder-only: no encoder stages) or an MLLM config (LLaVA-OV,
         InternVL: the encoder runs on its own stages, or with none, colocated on LLM stage 0:
         `check_colocated`).
-      meshes: one mesh per stage (`runtime.mesh.stage_meshes`).
+      meshes: one mesh per stage (`programs.meshes.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
       compute_dtype: dtype the stage programs compute in (params cast inside the program).
       trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, and each

@@ -61,7 +61,7 @@ Dispatch: each program is a `LeafProgram` (`programs/leaf_program.py`): the para
 trees cross the jit boundary as lists of leaves. `StageProgram` keeps its parameters' leaves
 (`leaves`, flattened when the parameters are set) and passes the accumulator as leaves from
 `zero_grads` to the last backward of a step, so a call flattens no tree; its programs are issued
-through `runtime.dispatch.issue` (counted per step).
+through `programs.dispatch.issue` (counted per step).
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ class ModelConfig:
       init_seed: seed of the random initialization (ignored when loading).
       vision_remat, llm_remat: activation recomputation in the backward of each vision / decoder
         layer: "none", "full" (keep only the layer's input) or "dots" (also keep the matmul
-        outputs). Training from a plan.yaml applies the plan's policy instead (`train_plan`); the
+        outputs). Training from a plan.yaml applies the plan's policy instead (`resolve.RunContext`); the
         planner's memory model assumes the same policy (`costs/memory.py`).
       attention_impl: the attention kernel of every layer (vision and decoder, also with `hf_dir`):
-        "auto" picks per device and part, once per process (`runtime.device.attention_kernels`:
+        "auto" picks per device and part, once per process (`programs.devices.attention_kernels`:
         "xla" off GPU; on Hopper or newer "cudnn", the decoder "pallas" where cuDNN's packed layout
         is unusable; on older GPUs "pallas"), or one of "xla" (portable), "pallas" (our flash
         kernels), "cudnn" (`models/cudnn_attention.py`). The model config carries the resolved names.
@@ -170,7 +170,7 @@ class ModelConfig:
 
     def attention_kernels(self) -> tuple[str, str]:
         """(vision, decoder) attention implementations with "auto" resolved for this process's
-        device (`runtime.device.local_attention_kernels`, asked only when "auto" is set)."""
+        device (`programs.devices.local_attention_kernels`, asked only when "auto" is set)."""
         vision = self.vision_attention_impl or self.attention_impl
         llm = self.attention_impl
         if "auto" in (vision, llm):
@@ -183,7 +183,7 @@ class ModelConfig:
 
     @property
     def source(self) -> int | str:
-        """Where the params come from (`runtime.model_stages.ParamSource`): the HF directory, else
+        """Where the params come from (`programs.stage_builder.ParamSource`): the HF directory, else
         the init seed."""
         return self.hf_dir or self.init_seed
 
@@ -198,7 +198,7 @@ class ModelConfig:
     ):
         """The `models` config of the model (fp32 master params): from the fields, or from `hf_dir`'s
         config.json. No parameter is made here: each pipeline stage makes its own
-        (`runtime.model_stages.build_stages(model_cfg, layout, meshes, self.source)`).
+        (`programs.stage_builder.build_stages(model_cfg, layout, meshes, self.source)`).
 
         Args:
           tokenizer_vocab: the tokenizer's vocabulary (used when `vocab_size` is 0, padded to a

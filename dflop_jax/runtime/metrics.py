@@ -146,7 +146,7 @@ COLOCATED = "encoder+llm"
 
 def stage_modules(layout, multimodal: bool) -> list[str]:
     """What each stage of `layout` computes: "encoder", "llm", or COLOCATED for LLM stage 0 of an MLLM
-    layout without encoder stages (the runtime's `model_stages.colocated`)."""
+    layout without encoder stages (the runtime's `stage_builder.colocated`)."""
     colocated = multimodal and not layout.encoder_stages
     return [COLOCATED if colocated and i == 0 else s.module for i, s in enumerate(layout.stages)]
 
@@ -201,7 +201,7 @@ def dispatch_metrics(
 ) -> dict[str, Any]:
     """The `StepMetrics` dispatch fields of a step issued in `seconds` (wall; `cpu_s` of the
     dispatching thread) that issued `issued` programs per kind (stage, transfer, update:
-    `runtime.dispatch.KINDS`) and first waited on a device `first_wait_s` after its start (None:
+    `programs.dispatch.KINDS`) and first waited on a device `first_wait_s` after its start (None:
     never)."""
     n = sum(issued)
     stage, moved, update = issued

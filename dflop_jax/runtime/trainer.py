@@ -1,10 +1,9 @@
 """The training loop: stage meshes -> stage programs -> scheduler + loader -> pipelined steps -> metrics.
 
-    model_cfg = cfg.model.model_config(vocab, tile_px=..., patch_size=..., compute_dtype=...)
-    report = train(cfg, model_cfg, arch_of_model(model_cfg), resolved_plan)
+    ctx = RunContext.build(cfg)  # dflop_jax.resolve: model config, arch, device, once
+    report = train(ctx.cfg, ctx.model_cfg, ctx.arch, ctx.device, resolve_plan(ctx))
 
-(`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`; the plan comes from
-`dflop_jax.train_plan.resolve_plan`.) Before step 1 every stage and transfer program of every bucket
+(`python -m dflop_jax.train` does exactly this: `dflop_jax.train.run`.) Before step 1 every stage and transfer program of every bucket
 pair of the plan is compiled (`runtime/precompile.py`), so no step after the first compiles
 (`recompiles` in the metrics counts what did). Per step the trainer takes a scheduled, packed
 `GlobalBatch` from the loader (solved and decoded `prefetch` batches ahead, its side inputs put on the
@@ -38,7 +37,7 @@ from rich.console import Console
 
 from dflop_jax.config import ConfigError, dump_yaml
 from dflop_jax.contracts.layout import Layout
-from dflop_jax.costs import MLLMArch, batch_model_flops, mfu
+from dflop_jax.costs import DeviceSpec, MLLMArch, batch_model_flops, mfu
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.loader import TooFewRecords, check_records
 from dflop_jax.data.sample_arrays import GlobalBatch
@@ -47,7 +46,7 @@ from dflop_jax.planner.drift import DriftMonitor, measure_drift
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.resolve import ResolvedPlan, training_planner
 from dflop_jax.programs import watchdog
-from dflop_jax.programs.devices import enable_compilation_cache, run_device
+from dflop_jax.programs.devices import enable_compilation_cache
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
@@ -109,6 +108,7 @@ def train(
     cfg: TrainConfig,
     model_cfg,
     arch: MLLMArch,
+    device: DeviceSpec,
     plan: ResolvedPlan,
     console: Console | None = None,
     clock: Callable[[], float] = time.perf_counter,
@@ -118,10 +118,11 @@ def train(
 
     Args:
       arch: the model's cost-model architecture (MFU).
+      device: the run's accelerator spec (peak FLOP/s for MFU; the drift measurements' planner).
       clock: times the sampled stage programs of measured steps (tests pass a deterministic one).
     """
     console = console or Console(quiet=jax.process_index() != 0)
-    trainer = _Trainer(cfg, model_cfg, arch, plan, console, clock)
+    trainer = _Trainer(cfg, model_cfg, arch, device, plan, console, clock)
     metrics = MetricsLog(
         cfg.run_dir,
         cfg.log_every,
@@ -217,12 +218,12 @@ class _Trainer:
     """The parts of a run that live across steps (stages, optimizers, scheduler, loader, checkpoints)
     and the step itself."""
 
-    def __init__(self, cfg: TrainConfig, model_cfg, arch, plan: ResolvedPlan, console, clock,
-                 counter_start: int | None = None):  # fmt: skip
+    def __init__(self, cfg: TrainConfig, model_cfg, arch, device: DeviceSpec, plan: ResolvedPlan,
+                 console, clock, counter_start: int | None = None):  # fmt: skip
         """`counter_start`: the compile count where the run began (a re-planned trainer continues
         its predecessor's count); None: now."""
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
-        self.plan = plan
+        self.plan, self.device = plan, device
         self.clock = clock
         self.counter = CompileCounter()
         # the stages' initialization counts as the run's
@@ -261,7 +262,7 @@ class _Trainer:
         self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
         self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
         self.ckpt = _checkpointer(cfg)
-        self.peak_flops = run_device(cfg.device).peak_flops  # the preset's: nothing is timed
+        self.peak_flops = device.peak_flops  # the preset's: nothing is timed
         # jitted (and compiled ahead) so reading a step's rate compiles nothing
         self.lr = jax.jit(cfg.optimizer.schedule())
         self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
@@ -269,7 +270,7 @@ class _Trainer:
         self.observed = 0  # observations the last read batch was scheduled with
         self.skipped_steps = 0  # updates skipped on device (non-finite), as of the last read
         self.last_done_s: float | None = None
-        self.drift = _drift_monitor(cfg, plan, arch) if cfg.planner.replan_every else None
+        self.drift = _drift_monitor(cfg, plan, arch, device) if cfg.planner.replan_every else None
         self.drifts: list = []  # drift measurements finished, not yet in a row
         self.latest_drift = None  # the last one put in a row
 
@@ -574,14 +575,15 @@ def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
     threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
 
 
-def _drift_monitor(cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch) -> DriftMonitor:
+def _drift_monitor(
+    cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch, device: DeviceSpec
+) -> DriftMonitor:
     """Drift measurements of this run's plan: its cost provider, the run's planner settings and
     devices (`planner/drift.py`)."""
     multimodal = cfg.model.kind != "decoder"
     config = training_planner(
         cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable, cfg.steps
     )
-    device = run_device(cfg.device)
     measure = functools.partial(measure_drift, running=plan, arch=arch, device=device,
                                 config=config, kind=cfg.pipeline)  # fmt: skip
     return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")
@@ -596,7 +598,8 @@ def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
         describe(old.latest_drift, old.plan, plan, step), highlight=False, soft_wrap=True
     )
     old.close()  # waits for the checkpoint
-    new = _Trainer(old.cfg, model_cfg, old.arch, plan, old.console, old.clock, old.counter_start)
+    new = _Trainer(old.cfg, model_cfg, old.arch, old.device, plan, old.console, old.clock,
+                   old.counter_start)  # fmt: skip
     new.restore()
     new.precompile()  # the new plan's programs, before it runs a step
     return new

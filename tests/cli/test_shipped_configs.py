@@ -84,17 +84,18 @@ def test_the_1gpu_config_keeps_as_many_decoder_layers_as_fit_an_h100(tmp_path, l
     cut fits, one more decoder layer does not."""
     from dflop_jax.config import ConfigError
     from dflop_jax.planner.explain import PlanningError
-    from dflop_jax.train_plan import abstract_model_config, plan_from_run_dir
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import plan_from_run_dir
 
     cfg = load_config(TrainConfig, ONE_GPU, [f"model.llm_layers_kept={layers}", "device=h100",
                                              "num_devices=1", "profile.data_source=llava-ov",
                                              "profile.data_samples=500", f"run_dir={tmp_path}"])  # fmt: skip
-    model_cfg = abstract_model_config(cfg)
+    ctx = RunContext.build(cfg)
     if not fits:
         with pytest.raises((PlanningError, ConfigError), match="no layout fits in memory"):
-            plan_from_run_dir(cfg, model_cfg)
+            plan_from_run_dir(ctx)
         return
-    plan = plan_from_run_dir(cfg, model_cfg)
+    plan = plan_from_run_dir(ctx)
     assert plan.layout.num_stages == 1 and plan.layout.llm_stages[0].num_layers == KEPT
     assert max(plan.stage_memory_bytes) <= plan.memory_capacity_bytes
 

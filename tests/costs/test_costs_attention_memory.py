@@ -85,21 +85,22 @@ def test_provider_knows_the_implementation():
 
 
 def test_training_plan_prices_the_models_implementation(tmp_path):
-    """`train_plan.resolve_plan` costs the implementation the model config runs; the model profiler's
+    """`resolve.resolve_plan` costs the implementation the model config runs; the model profiler's
     table is keyed by it too (its hash covers the whole model config)."""
     import jax
 
     from dflop_jax.config import load_config
     from dflop_jax.contracts.profile_settings import ProfileSettings
     from dflop_jax.profiling.model_profiler import table_hash
+    from dflop_jax.resolve import RunContext, resolve_plan
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train_plan import abstract_model_config, resolve_plan
     from models.stage_modules import with_attention
 
     cfg = load_config(TrainConfig, "configs/demo.yaml", ["plan=explicit", f"run_dir={tmp_path}"])
-    model_cfg = abstract_model_config(cfg)
-    assert resolve_plan(cfg, model_cfg).provider.attention_impl == "xla"
+    ctx = RunContext.build(cfg)
+    model_cfg = ctx.model_cfg
+    assert resolve_plan(ctx).provider.attention_impl == "xla"
     cudnn = with_attention(model_cfg, "cudnn")
-    assert resolve_plan(cfg, cudnn).provider.attention_impl == "cudnn"
+    assert resolve_plan(RunContext.of(cfg, cudnn)).provider.attention_impl == "cudnn"
     devices, settings = jax.devices(), ProfileSettings()
     assert table_hash(model_cfg, settings, devices) != table_hash(cudnn, settings, devices)

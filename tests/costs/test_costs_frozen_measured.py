@@ -195,10 +195,11 @@ def test_profile_model_profiles_the_run_recipe():
     """`profile model` profiles under the run's `optimizer.trainable` (its pipeline settings'
     planner recipe, which the model profile's digest and programs take)."""
     from dflop_jax.config import load_config
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import auto_plan_config
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train_plan import abstract_model_config, auto_plan_config
 
     cfg = load_config(TrainConfig, None, ["model=tiny", "num_devices=8", "device=cpu",
                                           "optimizer.trainable=[projector]"])  # fmt: skip
-    auto = auto_plan_config(cfg, abstract_model_config(cfg))
+    auto = auto_plan_config(RunContext.build(cfg))
     assert auto.planner.trainable == ("projector",)

@@ -53,12 +53,14 @@ def test_an_unpriced_plan_keeps_the_grid_and_records_no_compile():
 def test_the_plan_records_each_stages_residual_policy_and_plans_its_memory(tmp_path):
     """The planner picks each stage's residual policy with the layout (the run's rule: the least
     backward work that fits), plans its memory under it, records it, and a run of the plan trains
-    it (`train_plan.stage_residuals`)."""
+    it (`resolve.plan_sources.stage_residuals`)."""
     from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
     from dflop_jax.planner.resolve import ResolvedPlan
     from dflop_jax.planner.scoring import in_flight
+    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.plan_sources import stage_residuals
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train_plan import stage_residuals
 
     space = dataclasses.replace(SPACE, encoder_stages=True, colocate=False, encoder_pp=(1,),
                                 llm_pp=(1, 2))  # fmt: skip
@@ -72,5 +74,5 @@ def test_the_plan_records_each_stages_residual_policy_and_plans_its_memory(tmp_p
     back = load_plan(save_plan(plan, tmp_path / "plan.yaml"))
     assert back.residuals == plan.residuals
     resolved = ResolvedPlan.of(back, provider)
-    cfg = TrainConfig()  # residuals: auto
-    assert stage_residuals(cfg, None, resolved) == plan.residuals
+    ctx = RunContext.of(TrainConfig(), model_config_for_arch("tiny", "float32"))  # residuals: auto
+    assert stage_residuals(ctx, resolved) == plan.residuals

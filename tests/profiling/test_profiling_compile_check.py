@@ -270,16 +270,17 @@ def test_dry_run_predicts_saving_stages_with_the_analytic_model():
     """A cost table prices recomputing stages only: under a saving policy the dry run's prediction
     comes from the analytic memory model (the one that picked the policies); otherwise the plan's."""
     from dflop_jax.planner.resolve import ResolvedPlan
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.dry_run import memory_provider
     from dflop_jax.runtime.config import TrainConfig
-    from dflop_jax.train_plan import _memory_provider
 
-    cfg, table = TrainConfig(), object()  # a measured provider: anything not analytic
+    ctx, table = RunContext.of(TrainConfig(), CFG), object()  # a measured provider: not analytic
     resolved = ResolvedPlan(SAVING_LAYOUT, SAVING_BUCKETS, (1, MAX_M), table)
-    assert _memory_provider(cfg, CFG, resolved) is table  # no policy: "recompute"
+    assert memory_provider(ctx, resolved) is table  # no policy: "recompute"
     recompute = dataclasses.replace(resolved, residuals=("recompute",) * 3)
-    assert _memory_provider(cfg, CFG, recompute) is table
+    assert memory_provider(ctx, recompute) is table
     saving = dataclasses.replace(resolved, residuals=("all", "layers", "recompute"))
-    assert isinstance(_memory_provider(cfg, CFG, saving), AnalyticCostProvider)
+    assert isinstance(memory_provider(ctx, saving), AnalyticCostProvider)
 
 
 def _siglip_encoder_stage():

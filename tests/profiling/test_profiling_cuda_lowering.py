@@ -23,8 +23,8 @@ from dflop_jax.costs import get_arch
 from dflop_jax.profiling.compile_check import lower_stage_programs
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.resolve import RunContext, resolve_plan
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.train_plan import abstract_model_config, resolve_plan
 from models.stage_modules import with_attention, with_remat
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowers to for CUDA
@@ -33,9 +33,9 @@ TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowers to for
 def _demo(tmp_path):
     """The demo's model and its explicit layout (2 encoder + 2 LLM stages) and buckets."""
     cfg = load_config(TrainConfig, "configs/demo.yaml", ["plan=explicit", f"run_dir={tmp_path}"])
-    model_cfg = abstract_model_config(cfg)
-    plan = resolve_plan(cfg, model_cfg)
-    return model_cfg, plan.layout, plan.buckets, stage_meshes(plan.layout, jax.devices())
+    ctx = RunContext.build(cfg)
+    plan = resolve_plan(ctx)
+    return ctx.model_cfg, plan.layout, plan.buckets, stage_meshes(plan.layout, jax.devices())
 
 
 def _mesh(spec):

@@ -41,6 +41,17 @@ ALLOWED = {
     "programs": {"config", "contracts", "costs"},
     "runtime": {"config", "contracts", "costs", "data", "scheduler", "planner", "programs"},
     "profiling": {"config", "contracts", "costs", "data", "planner", "programs", "host_devices"},
+    # a run config resolved once per command: joins the planner, the profiler and the runtime's config
+    "resolve": {
+        "config",
+        "contracts",
+        "costs",
+        "data",
+        "planner",
+        "programs",
+        "profiling",
+        "runtime",
+    },
 }
 
 

@@ -190,7 +190,7 @@ def test_llm_layers_kept_cuts_the_decoder_and_keeps_the_rest():
     """The arch's first N decoder layers, its whole tower, embedding and head; config.yaml records
     the cut model (and loads back to it); plan files name it apart from the named architecture."""
     from dflop_jax.costs import arch_of_model, get_arch
-    from dflop_jax.train_plan import run_name
+    from dflop_jax.resolve.run_context import run_name
 
     name = "siglip-so400m+qwen2.5-7b"
     whole = ModelConfig(arch=name).model_config(100, tile_px=384, patch_size=14,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from dflop_jax.config import load_config
-from dflop_jax.costs import arch_of_model
+from dflop_jax.resolve import RunContext, resolve_plan
+from dflop_jax.resolve.run_context import run_model_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.trainer import prepare_run_dir, train
-from dflop_jax.train_plan import abstract_model_config, resolve_plan
 from models.stage_modules import with_attention
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
@@ -29,10 +29,11 @@ def _losses(tmp_path, impl) -> list[float]:
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / impl}",
             f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
     cfg = load_config(TrainConfig, DEMO, [*LAYOUT, *over])
-    model_cfg = with_attention(abstract_model_config(cfg), impl)
+    model_cfg = with_attention(run_model_config(cfg), impl)
     assert model_cfg.text.attention_impl == model_cfg.vision.attention_impl == impl
     prepare_run_dir(cfg)
-    report = train(cfg, model_cfg, arch_of_model(model_cfg), resolve_plan(cfg, model_cfg))
+    ctx = RunContext.of(cfg, model_cfg)
+    report = train(cfg, model_cfg, ctx.arch, ctx.device, resolve_plan(ctx))
     return report.losses
 
 

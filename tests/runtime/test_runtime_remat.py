@@ -75,12 +75,12 @@ def test_training_from_a_plan_applies_its_remat(tmp_path):
     from test_profiling_compile_check import tiny_plan
 
     from dflop_jax.planner import load_plan, save_plan
-    from dflop_jax.train_plan import with_plan_remat
+    from dflop_jax.resolve.run_context import with_plan_remat
 
     plan = tiny_plan()
     path = save_plan(dataclasses.replace(plan, cost_provider=plan.cost_provider + "+remat"),
                      tmp_path / "plan.yaml")  # fmt: skip
     assert load_plan(path).remat == {"vision": "full", "llm": "full"}
     cfg = dataclasses.replace(TrainConfig(), plan=str(path))
-    assert with_plan_remat(cfg).model.remat == {"vision": "full", "llm": "full"}
-    assert with_plan_remat(TrainConfig()).model.remat == {"vision": "none", "llm": "none"}
+    assert with_plan_remat(cfg, load_plan(path)).model.remat == {"vision": "full", "llm": "full"}
+    assert with_plan_remat(TrainConfig(), None).model.remat == {"vision": "none", "llm": "none"}

@@ -1,4 +1,4 @@
-"""Stage-local params (`runtime.model_stages.build_stages`): each stage made on its own mesh equals the
+"""Stage-local params (`programs.stage_builder.build_stages`): each stage made on its own mesh equals the
 same cut of the whole model, bit for bit, for a seeded random init (keyed by global layer index) and for
 an HF checkpoint read stage by stage, slice by slice; a non-local stage stays abstract."""
 

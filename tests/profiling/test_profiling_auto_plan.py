@@ -11,13 +11,14 @@ import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
 from dflop_jax.contracts.profile_settings import ProfileSettings
+from dflop_jax.costs import get_device
 from dflop_jax.planner import PlannerConfig
-from dflop_jax.profiling import auto_plan as pipeline
-from dflop_jax.profiling import model_profiler
+from dflop_jax.profiling import auto_plan, model_profiler
 from dflop_jax.profiling.auto_plan import AutoPlanConfig, ensure_plan
 from dflop_jax.programs.model_configs import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
+CPU = get_device("cpu")  # what "auto" resolves to on these machines
 PLANNER = PlannerConfig(global_batch=16, microbatches=(4,), samples=1, screen_top=2, top_n=1,
                         llm_pp=(1, 2), encoder_pp=(1,), tp=(1, 2))  # fmt: skip
 
@@ -43,8 +44,8 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
     # The pipeline's clock advances 1 s per read: a step that runs records exactly 1 s, a reused one 0.
     ticks = itertools.count()
-    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
-    cfg = AutoPlanConfig(data_source="llava-ov", data_samples=200, planner=PLANNER,
+    monkeypatch.setattr(auto_plan, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    cfg = AutoPlanConfig(CPU, data_source="llava-ov", data_samples=200, planner=PLANNER,
                          profile=ProfileSettings(tps=(1,), llm_buckets=(64, 512)))  # fmt: skip
     plan = ensure_plan(cfg, CFG, tmp_path, name="tiny")
     assert len(calls) == 1 and plan.layout.num_devices <= 8
@@ -82,7 +83,7 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
 
 
 def test_missing_shape_file_is_a_clear_error(tmp_path):
-    cfg = AutoPlanConfig(data_source=str(tmp_path / "nope.json"))
+    cfg = AutoPlanConfig(CPU, data_source=str(tmp_path / "nope.json"))
     with pytest.raises(FileNotFoundError, match="nope.json"):
         ensure_plan(cfg, CFG, tmp_path)
 
@@ -126,9 +127,9 @@ def test_train_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkey
     profiles are fresh for it (same settings, same stamps), so neither runs again."""
     from dflop_jax.config import load_config
     from dflop_jax.profile import main as profile_main
+    from dflop_jax.resolve import RunContext, resolve_plan
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.train import DEMO_CONFIG
-    from dflop_jax.train_plan import abstract_model_config, resolve_plan
 
     calls = []
     monkeypatch.setattr(model_profiler, "profile_model", _fake_profiler(calls))
@@ -141,7 +142,7 @@ def test_train_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkey
     assert profile_main(["model", "--no-progress", *run]) == 0
     assert len(calls) == 1
     cfg = load_config(TrainConfig, DEMO_CONFIG, run)  # the commands' default config, as train's
-    resolve_plan(cfg, abstract_model_config(cfg))
+    resolve_plan(RunContext.build(cfg))
     assert len(calls) == 1
     timings = json.loads((tmp_path / "auto_plan" / "timings.json").read_text())
     assert timings["data profile"] == 0.0 and timings["model profile"] == 0.0
