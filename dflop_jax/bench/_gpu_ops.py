@@ -203,7 +203,7 @@ def ops_part(size, info: dict, out: Path, warmup: int, runs: int) -> dict:
     from dflop_jax.profiling.model_profiler import compile_residual_programs, time_call
     from dflop_jax.profiling.programs import StageShape, build_program
     from dflop_jax.programs.devices import local_attention_kernels
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
 
     arch = get_arch(size.arch)
     impl = local_attention_kernels().vision

@@ -117,7 +117,7 @@ def measure(rounds: int, runs: int, statistic: str = "median") -> dict:
     import jax.numpy as jnp
 
     from dflop_jax.profiling.model_profiler import time_call
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
 
     model_cfg = model_config_for_arch("tiny")
     progs = _programs(model_cfg, jax.devices(), jnp.dtype(jnp.float32))

@@ -124,7 +124,7 @@ def run(out_dir: Path, runs: int, warmup: int, statistic: str = "median") -> dic
     from dflop_jax.costs import AnalyticCostProvider, StageSpec, get_arch, get_device
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.profiling.model_profiler import ProfileSettings, profile_model
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
 
     arch, device = get_arch("tiny"), get_device("cpu")
     model_cfg = model_config_for_arch(arch)

@@ -222,7 +222,7 @@ def real_part(rounds: int) -> dict:
     from dflop_jax.contracts.layout import StageSpec
     from dflop_jax.data.packing import pack_microbatch
     from dflop_jax.programs.dispatch import ISSUED
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
     from dflop_jax.programs.stage_builder import abstract_stage
     from dflop_jax.programs.stage_program import StageProgram
 

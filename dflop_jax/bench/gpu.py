@@ -442,7 +442,7 @@ def stage_part(size: Size, info: dict, warmup: int, runs: int, remats=("none",),
     from dflop_jax.profiling.model_profiler import measure_program
     from dflop_jax.profiling.programs import build_program
     from dflop_jax.programs.devices import local_attention_kernels
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
     from models.stage_modules import with_remat
 
     arch = get_arch(size.arch)

@@ -200,18 +200,17 @@ def ensure_plan(
     """
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider
+    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan, make_plan, save_plan
     from dflop_jax.planner.resolve import load_shapes
     from dflop_jax.planner.space import fit_search_space
-    from dflop_jax.programs.model_configs import arch_for_model_config
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     device = _device(cfg)
-    arch = arch_for_model_config(model_cfg, name)
+    arch = arch_of_model(model_cfg, name)
     # before any profiling: a search space these devices cannot hold is one config error
     cfg = dataclasses.replace(
         cfg, planner=fit_search_space(arch, cfg.num_devices, device, cfg.planner)

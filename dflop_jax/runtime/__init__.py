@@ -2,8 +2,9 @@
 per-stage optimizer state, checkpoints, metrics, evaluation, re-planning and the training loop
 (`trainer.train`; `dflop_jax.train.run` resolves the plan and calls it)."""
 
+from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
-from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, TrainConfig
 from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipeline, stage_ops
 from dflop_jax.runtime.train_state import (
     STATS,

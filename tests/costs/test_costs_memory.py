@@ -295,7 +295,7 @@ def test_held_residuals_match_the_residual_programs_outputs(policy):
     memory model holds per in-flight microbatch, at two lengths (so per token and the fixed part: under
     "layers" the layers' bf16 weight slices; no full weight copy under "all")."""
     from dflop_jax.profiling.programs import per_device_bytes, profile_mesh, stage_program
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
 
     cfg, arch = model_config_for_arch("tiny", "bfloat16"), get_arch("tiny")
     spec = StageSpec("llm", 0, 4, tp=1, dp=1)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dflop_jax.data.config import DataConfig
-from dflop_jax.runtime.config import ModelConfig
+from dflop_jax.programs.model_section import ModelConfig
 from models.internvit import InternViTConfig
 from models.siglip import SiglipConfig
 from models.vit import VisionStage, normalize_pixels

@@ -57,7 +57,7 @@ def test_the_plan_records_each_stages_residual_policy_and_plans_its_memory(tmp_p
     from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
     from dflop_jax.planner.resolve import ResolvedPlan
     from dflop_jax.planner.scoring import in_flight
-    from dflop_jax.programs.model_configs import model_config_for_arch
+    from dflop_jax.programs.model_section import model_config_for_arch
     from dflop_jax.resolve import RunContext
     from dflop_jax.resolve.plan_sources import stage_residuals
     from dflop_jax.runtime.config import TrainConfig

@@ -15,7 +15,7 @@ from dflop_jax.costs import get_device
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import auto_plan, model_profiler
 from dflop_jax.profiling.auto_plan import AutoPlanConfig, ensure_plan
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 CPU = get_device("cpu")  # what "auto" resolves to on these machines

@@ -26,7 +26,7 @@ from dflop_jax.profiling.compile_check import (
 )
 from dflop_jax.profiling.programs import per_device_bytes, stage_program
 from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import abstract_stage, build_stages, stage_module
 
 CFG = model_config_for_arch("tiny", "bfloat16")

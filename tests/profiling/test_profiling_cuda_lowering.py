@@ -22,7 +22,7 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import get_arch
 from dflop_jax.profiling.compile_check import lower_stage_programs
 from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.resolve import RunContext, resolve_plan
 from dflop_jax.runtime.config import TrainConfig
 from models.stage_modules import with_attention, with_remat

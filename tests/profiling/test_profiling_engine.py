@@ -12,12 +12,12 @@ import pytest
 from flax import nnx
 
 from dflop_jax.contracts.profile_settings import ProfileSettings
-from dflop_jax.costs import StageSpec, get_device
+from dflop_jax.costs import StageSpec, arch_of_model, get_device
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.profiling import model_profiler
 from dflop_jax.profiling.model_profiler import measure_program, profile_model
 from dflop_jax.profiling.programs import StageShape, build_program
-from dflop_jax.programs.model_configs import arch_for_model_config, model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 FAST = dict(warmup=0, runs=1, compute_dtype="float32")
@@ -83,7 +83,7 @@ def test_predicted_memory_is_the_parts_peaks_and_bounds_the_stage_peak(tmp_path)
     settings = ProfileSettings(tps=(2,), llm_buckets=(64, 128), kinds=("llm_layers", "llm_head"),
                                residuals="recompute", **FAST)  # fmt: skip
     table = profile_model(CFG, jax.devices(), settings, tmp_path / "ct.json", plot=False)
-    provider = MeasuredCostProvider(table, arch_for_model_config(CFG, "tiny"), get_device("cpu"))
+    provider = MeasuredCostProvider(table, arch_of_model(CFG, "tiny"), get_device("cpu"))
     spec = StageSpec("llm", 0, 3, tp=2, has_head=True)
 
     predicted = provider.stage_memory(spec, 128)
@@ -110,7 +110,7 @@ def test_saving_table_predicts_held_residuals_and_the_backward_peak(tmp_path):
     temporaries), as `compile_check` assembles a saving stage."""
     settings = ProfileSettings(tps=(2,), llm_buckets=(64, 128), kinds=("llm_layers",), **FAST)
     table = profile_model(CFG, jax.devices(), settings, tmp_path / "ct.json", plot=False)
-    provider = MeasuredCostProvider(table, arch_for_model_config(CFG, "tiny"), get_device("cpu"))
+    provider = MeasuredCostProvider(table, arch_of_model(CFG, "tiny"), get_device("cpu"))
     predicted = provider.stage_memory(StageSpec("llm", 1, 3, tp=2), 128)
     stage = _compiled_memory(3, False, 128, settings)
     assert stage["residual_bytes"] > stage["input_bytes"] > 0
@@ -164,7 +164,7 @@ def test_named_archs_map_to_model_configs_and_back(name):
     arch = get_arch(name)
     cfg = model_config_for_arch(arch)
     assert isinstance(cfg, InternVLConfig) == name.startswith("internvit")
-    back = arch_for_model_config(cfg, name)
+    back = arch_of_model(cfg, name)
     strip = lambda a: dataclasses.replace(a, name="")
     assert strip(back.vision) == strip(arch.vision)
     assert dataclasses.replace(strip(back.llm), head_dim=back.llm.dh) == dataclasses.replace(
@@ -200,7 +200,7 @@ def test_internvl_style_arch_is_profiled_through_its_own_stages(tmp_path):
     # pixel shuffle 0.5 + LayerNorm + MLP(4 Dv -> D -> D) over 3 tiles x 4 tokens, per tp shard
     mlp = 2 * 3 * 4 * (4 * 64 * 64 + 64 * 64) / 2
     assert mlp <= head.flops_fwd < 2 * mlp
-    provider = MeasuredCostProvider(table, arch_for_model_config(cfg), get_device("cpu"))
+    provider = MeasuredCostProvider(table, arch_of_model(cfg, "custom"), get_device("cpu"))
     fwd, bwd = provider.stage_time(StageSpec("encoder", 0, 2, tp=2, has_embedding=True), 3)
     assert provider.sources()["encoder_layers"] == {"measured": 1}
     # One program of two profiled parts: at most their sum, at least the larger part (only the

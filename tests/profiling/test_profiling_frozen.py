@@ -12,13 +12,13 @@ import pytest
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.contracts.profile_settings import ProfileSettings
-from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
+from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_arch, get_device, layout_memory
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.planner import Plan
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.compile_check import DISAGREE, check_plan
 from dflop_jax.profiling.model_profiler import profile_entry, profile_model, table_hash
-from dflop_jax.programs.model_configs import arch_for_model_config, model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")
 FAST = ProfileSettings(warmup=0, runs=1, compute_dtype="float32")
@@ -85,7 +85,7 @@ def test_a_profile_under_projector_only_plans_the_frozen_prefix_forward_only(tmp
     assert table.trainable == PROJ
     assert table_hash(CFG, settings, jax.devices(), PROJ) == table.config_hash
     assert table.config_hash != table_hash(CFG, settings, jax.devices())  # never resumed across
-    provider = MeasuredCostProvider(table, arch_for_model_config(CFG, "tiny"), get_device("cpu"))
+    provider = MeasuredCostProvider(table, arch_of_model(CFG, "tiny"), get_device("cpu"))
     body = StageSpec("encoder", 0, 2, tp=1, has_embedding=True)
     fwd, bwd = provider.stage_time(body, 2)
     layers = table.get("encoder_layers", 1, 2, 2).fwd_s

@@ -19,7 +19,7 @@ from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.sample_arrays import FEATURE_TAPS
 from dflop_jax.profiling.programs import StageShape, build_program, profile_mesh, stage_program
 from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.programs.trees import accumulator_structs
 

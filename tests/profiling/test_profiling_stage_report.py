@@ -12,7 +12,7 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import arch_of_model
 from dflop_jax.profiling.compile_check import check_layout
 from dflop_jax.profiling.stage_report import stage_flops
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 
 CFG = model_config_for_arch("tiny", "float32")  # the demo model's architecture
 ARCH = arch_of_model(CFG)

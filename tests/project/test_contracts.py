@@ -12,8 +12,8 @@ from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import StageSpec, arch_of_model, llm_arch_from_config
 from dflop_jax.data.sample_arrays import BatchStats, PackCounts, PackedMicrobatch
 from dflop_jax.planner.resolve import ResolvedPlan
+from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.runtime import driver
-from dflop_jax.runtime.config import ModelConfig
 from dflop_jax.scheduler import Scheduler, SchedulerConfig, correction
 
 PROBLEM = ScheduleProblem(

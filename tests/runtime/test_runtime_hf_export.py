@@ -18,10 +18,11 @@ from dflop_jax.config.parsing import dump_yaml
 from dflop_jax.data.config import DataConfig
 from dflop_jax.export import main
 from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import Checkpointer
-from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.config import LayoutConfig, TrainConfig
 from dflop_jax.runtime.hf_export import model_config_of
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
 from models import layouts

@@ -3,7 +3,8 @@
 import pytest
 
 from dflop_jax.config import ConfigError, from_dict
-from dflop_jax.runtime.config import ModelConfig, TrainConfig
+from dflop_jax.programs.model_section import ModelConfig
+from dflop_jax.runtime.config import TrainConfig
 
 
 @pytest.mark.parametrize("kind", ["llava_ov", "internvl", "decoder"])

@@ -12,12 +12,13 @@ import pytest
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.programs.meshes import stage_meshes
+from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.programs.trees import prune
 from dflop_jax.runtime.checkpoint import Checkpointer
-from dflop_jax.runtime.config import LayoutConfig, ModelConfig, TrainConfig
+from dflop_jax.runtime.config import LayoutConfig, TrainConfig
 from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer
 
 BASE = dict(lr=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1)

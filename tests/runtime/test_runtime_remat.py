@@ -12,7 +12,7 @@ import pytest
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.profiling.programs import profile_mesh, stage_program
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.runtime.config import TrainConfig
 from models.stage_modules import with_remat
 

@@ -21,7 +21,7 @@ from pipeline_reference import assert_trees_close
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.profiling.programs import stage_program
 from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.model_configs import model_config_for_arch
+from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.programs.stage_fns import StageFns
 from dflop_jax.programs.stage_program import StageProgram
