@@ -17,13 +17,13 @@ the batch index, and batch k sees the measured stage times of steps <= k - prefe
 With `eval.every`, the held-out records (`data/split.py`, never in the training loader) are evaluated
 after every that many steps (`runtime/evaluate.py`: forward programs only, its own loader and
 schedules, so training's batches and corrections are untouched); the loss is read with that step's
-numbers and saved in the checkpoint's metadata.
+numbers and saved in the checkpoint's metadata. Evaluation and the checkpoint (with a re-plan) are
+hooks the loop calls on their period; drift measurement is fed each batch (`runtime/run_hooks.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import threading
 import time
@@ -35,28 +35,26 @@ import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
-from dflop_jax.config import ConfigError, dump_yaml
+from dflop_jax.config import dump_yaml
 from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs import DeviceSpec, MLLMArch, batch_model_flops, mfu
 from dflop_jax.data import HostShardSpec, load_source, make_loader
 from dflop_jax.data.loader import TooFewRecords, check_records
 from dflop_jax.data.sample_arrays import GlobalBatch
 from dflop_jax.data.split import split_records
-from dflop_jax.planner.drift import DriftMonitor, measure_drift
 from dflop_jax.planner.progress import progress_bar
-from dflop_jax.planner.resolve import ResolvedPlan, training_planner
+from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.programs import watchdog
 from dflop_jax.programs.devices import enable_compilation_cache
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
-from dflop_jax.programs.processes import exchange_host, host_scalars, lower_reads
+from dflop_jax.programs.processes import host_scalars, lower_reads
 from dflop_jax.programs.stage_builder import build_stages, is_multimodal
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import StepOutput, connect, placed_batch, run_pipeline
-from dflop_jax.runtime.evaluate import Evaluator, eval_loss
 from dflop_jax.runtime.lagged_schedule import LaggedSchedule, Observation
 from dflop_jax.runtime.metrics import (
     MetricsLog,
@@ -67,8 +65,9 @@ from dflop_jax.runtime.metrics import (
     step_metrics,
 )
 from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
-from dflop_jax.runtime.replan import describe, next_plan, pick_digest, wants_replan
+from dflop_jax.runtime.replan import describe, next_plan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
+from dflop_jax.runtime.run_hooks import DriftWatch, HeldOutEval, Hook
 from dflop_jax.runtime.schedule_agreement import check_schedule, shared_stage_times, stage_owners
 from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, lower_update
 from dflop_jax.scheduler import Scheduler
@@ -142,43 +141,58 @@ def train(
             losses.append(row.loss)
             metrics.log(row)
 
+    def checkpoint(trainer: _Trainer, step: int) -> _Trainer:
+        """Reads and saves after `step`; a due re-plan goes on from there on its new plan."""
+        watchdog.progress(step, "checkpoint")
+        if trainer.drift is not None:
+            trainer.drift.settle()
+        log(trainer.read(through=step))
+        trainer.save(step)
+        if step == cfg.steps or trainer.drift is None or not trainer.drift.replan_due(step):
+            return trainer
+        return _replanned(trainer, step, model_cfg)
+
+    # Side jobs on their period: evaluation right after its step is dispatched (read with that
+    # step's numbers), the checkpoint (and a re-plan) once the step is read.
+    after_dispatch = [Hook(cfg.eval.every, _evaluate)]
+    after_read = [Hook(cfg.checkpoint.every, checkpoint)]
     try:
         for step in range(start + 1, cfg.steps + 1):
             watchdog.progress(step)
             trainer.dispatch(step)
-            if trainer.eval_due(step):
-                watchdog.progress(step, "evaluation")
-                trainer.evaluate(step)
+            for hook in (h for h in after_dispatch if h.due(step, cfg.steps)):
+                trainer = hook.fn(trainer, step)
             # Step k's numbers are read after step k + 1 is dispatched, and only at log steps.
             if step - 1 > start and trainer.read_due(step - 1, first=start + 1):
                 log(trainer.read(through=step - 1))
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
-                watchdog.progress(step, "checkpoint")
-                trainer.settle_drift()
-                log(trainer.read(through=step))
-                trainer.save(step)
-                if step < cfg.steps and trainer.replan_due(step):
-                    before = trainer.programs
-                    trainer = _replanned(trainer, step, model_cfg)
-                    replanned += trainer.programs - before
+            for hook in (h for h in after_read if h.due(step, cfg.steps)):
+                before, programs = trainer, trainer.programs
+                trainer = hook.fn(trainer, step)
+                replanned += trainer.programs - programs if trainer is not before else 0
         log(trainer.read(through=cfg.steps))
     finally:
         trainer.close()
         metrics.close()
     watchdog.finish()
+    summary = _summary(metrics, console, trainer.programs, ahead, replanned)
+    return TrainReport(
+        losses, summary, Path(cfg.run_dir), trainer.layout, start, trainer.stages, trainer.opts
+    )
+
+
+def _summary(metrics: MetricsLog, console, programs: int, ahead: int, replanned: int) -> dict:
+    """The run's summary, printed, with its one count of programs (`runtime/precompile.py`): all,
+    those after the precompile (none, unless a shape escaped it) and a re-plan's."""
     summary = metrics.summary()
-    if summary:  # the run's one count of programs (`runtime/precompile.py`)
-        summary.update(programs=trainer.programs,
-                       programs_after_precompile=trainer.programs - ahead - replanned,
+    if summary:
+        summary.update(programs=programs, programs_after_precompile=programs - ahead - replanned,
                        **({"programs_replanned": replanned} if replanned else {}))  # fmt: skip
         console.print(
             "[bold]summary[/bold] " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()),
             highlight=False,
             soft_wrap=True,
         )
-    return TrainReport(
-        losses, summary, Path(cfg.run_dir), trainer.layout, start, trainer.stages, trainer.opts
-    )
+    return summary
 
 
 @dataclasses.dataclass
@@ -203,15 +217,6 @@ class _InFlight:
     done: threading.Event
     done_s: list[float]
     dispatch: dict
-
-
-@dataclasses.dataclass
-class _Evaluation:
-    """A dispatched evaluation after `step` (its totals: `Evaluator.dispatch`), not read yet."""
-
-    step: int
-    totals: jax.Array
-    recompiles: int
 
 
 class _Trainer:
@@ -258,9 +263,8 @@ class _Trainer:
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
             host=host, num_batches=cfg.steps, place=self._place,
         )  # fmt: skip
-        self.evaluator = _evaluator(cfg, self.problem, host, held_out) if cfg.eval.every else None
-        self.evaluations: list[_Evaluation] = []  # dispatched, not read yet
-        self.last_eval: dict | None = None  # {"step", "loss", "tokens"} of the last evaluation read
+        self.eval = HeldOutEval.build(cfg, self.problem, host, held_out) if cfg.eval.every else None
+        self.restored_eval: dict | None = None
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = device.peak_flops  # the preset's: nothing is timed
         # jitted (and compiled ahead) so reading a step's rate compiles nothing
@@ -270,9 +274,7 @@ class _Trainer:
         self.observed = 0  # observations the last read batch was scheduled with
         self.skipped_steps = 0  # updates skipped on device (non-finite), as of the last read
         self.last_done_s: float | None = None
-        self.drift = _drift_monitor(cfg, plan, arch, device) if cfg.planner.replan_every else None
-        self.drifts: list = []  # drift measurements finished, not yet in a row
-        self.latest_drift = None  # the last one put in a row
+        self.drift = DriftWatch(cfg, plan, arch, device) if cfg.planner.replan_every else None
 
     def precompile(self) -> None:
         """Compiles every program the run dispatches before step 1, each once per shape it
@@ -286,13 +288,13 @@ class _Trainer:
         extra += lower_update(self.opts, self.cfg.optimizer.clip_norm, self.tied)
         stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.opts[-1].scalar)
         totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=self.opts[-1].scalar)
-        extra += lower_reads([stats] + ([totals] if self.evaluator is not None else []))
+        extra += lower_reads([stats] + ([totals] if self.eval is not None else []))
         if self.cfg.checkpoint.every:
             extra += [lw for opt in self.opts for lw in opt.lower_save()]
         extra.append(self.lr.lower(jax.ShapeDtypeStruct((), jnp.int32)))
         with progress_bar(jax.process_index() == 0) as progress:
             done = precompile(self.stages, batches, progress,
-                              evaluation=self.evaluator is not None, extra=extra)  # fmt: skip
+                              evaluation=self.eval is not None, extra=extra)  # fmt: skip
         self.precompiled = done
         loaded = self.counter.cache_hits - hits
         self.console.print(
@@ -344,7 +346,10 @@ class _Trainer:
             self.console.print(f"note: {carried.message()}", highlight=False, soft_wrap=True)
         self.schedule_fn.load(saved)
         self.loader.set_state(meta["loader"])
-        self.last_eval = meta.get("eval")
+        if self.eval is not None:
+            self.eval.last = meta.get("eval")
+        else:
+            self.restored_eval = meta.get("eval")  # carried on by a run that does not evaluate
         self.skipped_steps = skipped = meta.get("skipped_steps", 0)
         self.stats = put_host(np.array([0, 0, 1, skipped, 0], np.float32), self.opts[-1].scalar)
         self.console.print(f"resumed from step {meta['step']}", highlight=False)
@@ -358,7 +363,7 @@ class _Trainer:
             "layout": dataclasses.asdict(self.layout),
             "seed": self.cfg.seed,
             "skipped_steps": self.skipped_steps,
-            "eval": self.last_eval,
+            "eval": self.eval.last if self.eval is not None else self.restored_eval,
         }
         params, states = [s.params for s in self.stages], [o.state for o in self.opts]
         self.ckpt.save(step, list(self.layout.stages), params, states, meta)
@@ -381,11 +386,7 @@ class _Trainer:
             )
         check_schedule(step, batch.stats.schedule_digest)  # before anything is dispatched
         if self.drift is not None:  # measured on the monitor's thread, read with a later step
-            self.drift.add(batch.shapes)
-            if step % self.cfg.planner.replan_every == 0:
-                self.drift.measure(step)
-            if step == self.cfg.steps:
-                self.drift.join()  # the last row read carries it
+            self.drift.add(step, batch.shapes)
         t0, cpu0, issued = time.perf_counter(), time.thread_time(), ISSUED.snapshot()
         ISSUED.reset_wait()
         # The normalizer (every host's loss tokens) is counted on the last stage's devices.
@@ -423,52 +424,12 @@ class _Trainer:
 
         return resolve
 
-    def settle_drift(self) -> None:
-        """Re-planning runs: waits for the running drift measurement (every process then holds the
-        same ones at a checkpoint)."""
-        if self.drift is not None and self.drift.wait:
-            self.drift.join()
-
-    def replan_due(self, step: int) -> bool:
-        """Whether this run re-plans after `step` (`planner.replan: on_drift`, `runtime/replan.py`).
-
-        Decided once for the job: process 0's decision, shared with every process through the
-        coordinator (`exchange_host`), with the digest of its pick; a process whose own measurement
-        picked another plan stops the job in one line rather than train on another layout."""
-        planner = self.cfg.planner
-        if planner.replan != "on_drift":
-            return False
-        mine = wants_replan(self.latest_drift, planner.replan_threshold)
-        if jax.process_count() == 1:
-            return mine
-        local = np.array([int(mine), pick_digest(self.latest_drift) if mine else 0], np.int64)
-        votes = exchange_host(local, f"step{step}/replan")
-        if not votes[0, 0]:
-            return False
-        if any(tuple(v) != tuple(votes[0]) for v in votes):
-            raise RuntimeError(
-                f"re-plan after step {step}: process 0 re-plans to pick {votes[0, 1]:#x} but the "
-                f"processes decided {votes.tolist()} ([re-plan, pick] per process): their drift "
-                "measurements differ (planner.replan=log keeps the plan)"
-            )
-        return True
-
-    def eval_due(self, step: int) -> bool:
-        """Whether the held-out set is evaluated after `step`: every `eval.every` steps and the last."""
-        every = self.cfg.eval.every
-        return bool(every) and (step % every == 0 or step == self.cfg.steps)
-
-    def evaluate(self, step: int) -> None:
-        """Issues the evaluation of the params after `step` (read later, with `step`'s numbers)."""
-        before = self.counter.count
-        totals = self.evaluator.dispatch(self.stages)
-        recompiles = self.counter.count - before
-        self.evaluations.append(_Evaluation(step, totals, recompiles))
-
     def read_due(self, step: int, first: int) -> bool:
         """Whether `step`'s numbers are read (and its metrics written) now: log steps, the first, and
         steps that evaluated."""
-        return step % self.cfg.log_every == 0 or step == first or self.eval_due(step)
+        every = self.cfg.eval.every
+        evaluated = bool(every) and (step % every == 0 or step == self.cfg.steps)
+        return step % self.cfg.log_every == 0 or step == first or evaluated
 
     def read(self, through: int) -> list[StepMetrics]:
         """Reads the dispatched steps and evaluations up to `through` (one exchange, `host_scalars`)
@@ -477,8 +438,7 @@ class _Trainer:
         if not due:
             return []
         self.in_flight = [f for f in self.in_flight if f.step > through]
-        evals = [e for e in self.evaluations if e.step <= through]
-        self.evaluations = [e for e in self.evaluations if e.step > through]
+        evals = self.eval.take(through) if self.eval is not None else []
         values = host_scalars(
             [f.stats for f in due] + [e.totals for e in evals], f"step{through}/stats"
         )
@@ -489,35 +449,13 @@ class _Trainer:
             f.done.wait()
             stats = dict(zip(STATS, v.tolist()))
             self.skipped_steps = int(stats["skipped_steps"])
-            rows.append(self._with_eval(self._metrics(f, stats), *losses.get(f.step, (None, None))))
+            row = self._metrics(f, stats)
+            if f.step in losses:
+                row = self.eval.with_eval(row, *losses[f.step])
+            rows.append(row)
         if self.drift is not None:
-            rows[-1] = self._with_drift(rows[-1])
+            rows[-1] = self.drift.with_drift(rows[-1], self.console)
         return rows
-
-    def _with_drift(self, row: StepMetrics) -> StepMetrics:
-        """`row` with the latest drift measurement finished since the last read, if any, of the
-        batches through this step or before (a later one waits for its own step's row)."""
-        self.drifts += self.drift.poll()
-        ready = [d for d in self.drifts if d.step <= row.step]
-        self.drifts = [d for d in self.drifts if d.step > row.step]
-        for d in ready:
-            self.console.print(d.describe(), highlight=False, soft_wrap=True)
-        if not ready:
-            return row
-        self.latest_drift = ready[-1]
-        return dataclasses.replace(
-            row, plan_regret=ready[-1].regret, plan_regret_step=ready[-1].step
-        )
-
-    def _with_eval(self, row: StepMetrics, evaluation: _Evaluation | None, totals) -> StepMetrics:
-        """`row` with the evaluation after its step, if there was one (then the latest, saved)."""
-        if evaluation is None:
-            return row
-        loss, tokens = eval_loss(totals), int(totals[1])
-        self.last_eval = {"step": row.step, "loss": loss, "tokens": tokens}
-        return dataclasses.replace(
-            row, eval_loss=loss, eval_tokens=tokens, eval_recompiles=evaluation.recompiles
-        )
 
     def _metrics(self, f: _InFlight, stats: dict) -> StepMetrics:
         """The step's record. Its time is from its dispatch (or the previous step's end, if later)
@@ -575,27 +513,20 @@ def _when_ready(values: list[jax.Array], flight: _InFlight) -> None:
     threading.Thread(target=wait, name=f"dflop-step{flight.step}", daemon=True).start()
 
 
-def _drift_monitor(
-    cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch, device: DeviceSpec
-) -> DriftMonitor:
-    """Drift measurements of this run's plan: its cost provider, the run's planner settings and
-    devices (`planner/drift.py`)."""
-    multimodal = cfg.model.kind != "decoder"
-    config = training_planner(
-        cfg.planner, cfg.global_batch, multimodal, cfg.optimizer.trainable, cfg.steps
-    )
-    measure = functools.partial(measure_drift, running=plan, arch=arch, device=device,
-                                config=config, kind=cfg.pipeline)  # fmt: skip
-    return DriftMonitor(measure, cfg.planner.replan_batches, wait=cfg.planner.replan == "on_drift")
+def _evaluate(trainer: _Trainer, step: int) -> _Trainer:
+    """Issues the evaluation of the params after `step` (read later, with `step`'s numbers)."""
+    watchdog.progress(step, "evaluation")
+    trainer.eval.dispatch(step, trainer.stages, trainer.counter)
+    return trainer
 
 
 def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
     """The run after `step`'s checkpoint on the plan the drift measurement found, on the same
     devices, restored from that checkpoint (`runtime/replan.py`)."""
-    plan = next_plan(old.latest_drift, old.plan)
+    plan = next_plan(old.drift.latest, old.plan)
     plan = plan.check_runnable("replan", is_multimodal(model_cfg))
     old.console.print(
-        describe(old.latest_drift, old.plan, plan, step), highlight=False, soft_wrap=True
+        describe(old.drift.latest, old.plan, plan, step), highlight=False, soft_wrap=True
     )
     old.close()  # waits for the checkpoint
     new = _Trainer(old.cfg, model_cfg, old.arch, old.device, plan, old.console, old.clock,
@@ -628,23 +559,6 @@ def _training_records(cfg: TrainConfig, problem) -> tuple:
     except TooFewRecords as e:
         raise (e.with_held_out(len(held_out), cfg.eval.fraction) if held_out else e) from None
     return records, held_out
-
-
-def _evaluator(cfg: TrainConfig, problem, host, held_out: list) -> Evaluator:
-    """The run's evaluator: the held-out share of data.source and/or eval.source's records."""
-    records = list(held_out)
-    if cfg.eval.source:
-        records += load_source(dataclasses.replace(cfg.data, source=cfg.eval.source), cfg.seed)
-    if len(records) < cfg.global_batch:
-        raise ConfigError(
-            f"eval.fraction={cfg.eval.fraction}: {len(records)} held-out records (eval.source "
-            f"{cfg.eval.source!r} included) < global_batch={cfg.global_batch}; hold out more "
-            "(eval.fraction) or give a larger eval.source"
-        )
-    return Evaluator(
-        records, cfg.data, problem, cfg.scheduler, global_batch=cfg.global_batch,
-        batches=cfg.eval.batches, seed=cfg.eval.seed, host=host,
-    )  # fmt: skip
 
 
 def _checkpointer(cfg: TrainConfig) -> Checkpointer:
