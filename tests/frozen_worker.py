@@ -2,18 +2,19 @@
 
     python tests/frozen_worker.py <processes> <rank> <host:port> <out dir> <recipe>...
 
-The tiny LLaVA-OV of tests/runtime/test_runtime_frozen.py over its 2 encoder + 2 LLM stage layout (8 devices,
-4 per process: the encoder stages on process 0, the LLM stages on process 1), one pipelined step per
-recipe (`test_runtime_frozen.RECIPES`) with the same microbatches and optimizer. Each process writes
-`<out>/<recipe>_rank<rank>.npz`: the step's loss and global gradient norm (read on every process) and
-the initial and the updated params of its own stages under their model-level paths
+The tiny LLaVA-OV of tests/runtime/test_runtime_frozen.py over its 2 encoder + 2 LLM stage layout
+(`pipeline_fixtures.SEPARATE_LAYOUT`; 8 devices, 4 per process: the encoder stages on process 0, the
+LLM stages on process 1), one pipelined step per recipe (`pipeline_reference.TRAINABLE_BY_RECIPE`)
+with the same microbatches and optimizer. Each process writes `<out>/<recipe>_rank<rank>.npz`: the
+step's loss and global gradient norm (read on every process) and the initial and the updated params
+of its own stages under their model-level paths
 ("init:encoder/params/vision/...", "param:...").
 """
 
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent / d) for d in ("", "runtime")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fixture modules under tests/
 
 from dflop_jax.host_devices import simulate_cpu_devices  # noqa: E402  (before jax starts)
 
@@ -39,8 +40,8 @@ def step(recipe: str, out_dir: Path) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import test_runtime_frozen as frozen
-    import test_runtime_mllm_pipeline as sep
+    from pipeline_fixtures import MLLM_TEXT, SEPARATE_LAYOUT, SEPARATE_VISION, separate_batch
+    from pipeline_reference import RECIPE_HYPERPARAMS, TRAINABLE_BY_RECIPE
 
     from dflop_jax.programs.meshes import stage_meshes
     from dflop_jax.programs.processes import host_scalars
@@ -49,20 +50,20 @@ def step(recipe: str, out_dir: Path) -> None:
     from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
     from models.llava_onevision import llava_onevision_config
 
-    trainable = frozen.RECIPES[recipe]
-    cfg = llava_onevision_config(sep.VISION, sep.TEXT)
-    stages = build_stages(cfg, sep.LAYOUT, stage_meshes(sep.LAYOUT), 0, compute_dtype=jnp.float32,
-                          trainable=trainable)  # fmt: skip
-    opt = OptimizerConfig(**frozen.HYPER, trainable=trainable)
+    trainable = TRAINABLE_BY_RECIPE[recipe]
+    cfg = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT)
+    stages = build_stages(cfg, SEPARATE_LAYOUT, stage_meshes(SEPARATE_LAYOUT), 0,
+                          compute_dtype=jnp.float32, trainable=trainable)  # fmt: skip
+    opt = OptimizerConfig(**RECIPE_HYPERPARAMS, trainable=trainable)
     opts = [StageOptimizer(s, opt.build()) for s in stages]
     connect(stages)
-    initial = _local_params(sep.LAYOUT, stages)
-    mbs = sep._batch()
+    initial = _local_params(SEPARATE_LAYOUT, stages)
+    mbs = separate_batch()
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     out = run_pipeline(stages, mbs, norm, "1f1b")
     stats = apply_updates(opts, out.grads, opt.clip_norm, out.loss)
     loss, grad_norm = host_scalars([stats[-1]], recipe)[:2]
-    params = _local_params(sep.LAYOUT, stages)
+    params = _local_params(SEPARATE_LAYOUT, stages)
     np.savez(out_dir / f"{recipe}_rank{jax.process_index()}.npz", loss=loss, norm=grad_norm,
              **{f"param:{k}": v for k, v in params.items()},
              **{f"init:{k}": v for k, v in initial.items()})  # fmt: skip

@@ -1,6 +1,7 @@
 """Dummy model builders shared by the models tests: tiny decoder configs and tiny random HF models
-written with `save_pretrained` to a tmp dir (no download). HF builders import torch/transformers
-lazily; callers skip with `pytest.importorskip` first."""
+written with `save_pretrained` to a tmp dir (no download), and the logits parity of an exported
+LLaVA-OV with transformers. HF builders import torch/transformers lazily; callers skip with
+`pytest.importorskip` first."""
 
 from __future__ import annotations
 
@@ -136,6 +137,49 @@ def hf_logits(path: Path, input_ids):
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(input_ids, dtype=torch.long))
     return out.logits.float().numpy()
+
+
+# The tiny exported models' image geometry in px (4 x 4 patches per tile), and how close our logits
+# (float32) must be to those of transformers on their export's HF directory.
+TINY_TILE, TINY_PATCH = 28, 7
+HF_LOGITS_TOL = 1e-4
+
+
+def assert_llava_ov_logits_equal(
+    hf_dir, ours, model_cfg, tile: int = TINY_TILE, patch: int = TINY_PATCH
+) -> None:
+    """transformers' LLaVA-OV loaded from `hf_dir` and our `ours` give the same logits (float32) on
+    text around a 3-frame video of `tile`-px frames."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from flax import nnx
+
+    from models import layouts
+
+    ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(hf_dir).eval()
+    frames, vid = 3, model_cfg.video_token_id
+    layout = layouts.llava_ov_video_layout(frames, patches_per_side=tile // patch)
+    px = np.random.default_rng(5).standard_normal((1, frames, 3, tile, tile)).astype(np.float32)
+    tokens = np.array([[1, 2] + [vid] * layout.num_tokens + [3, 4]], np.int32)
+    with torch.no_grad():
+        want = ref(
+            input_ids=torch.from_numpy(tokens).long(), pixel_values_videos=torch.from_numpy(px)
+        ).logits.numpy()
+    fidx = np.concatenate([[layouts.TEXT] * 2, layout.offset(0), [layouts.TEXT] * 2])
+    fidx = fidx[None, :, None].astype(np.int32)
+    s = tokens.shape[1]
+    got = nnx.jit(lambda m, *a: m(*a))(
+        ours,
+        jnp.asarray(px[0].transpose(0, 2, 3, 1)),
+        jnp.ones(frames, bool),
+        jnp.asarray(tokens),
+        jnp.ones((1, s), jnp.int32),
+        jnp.arange(s, dtype=jnp.int32)[None],
+        jnp.asarray(fidx),
+        jnp.ones(fidx.shape, jnp.float32),
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=HF_LOGITS_TOL)
 
 
 # The trainer tests' tiny decoder as config overrides (each test adds model.kind, layout and data).

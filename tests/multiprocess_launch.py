@@ -48,6 +48,25 @@ def decoder_args(tmp_path: Path, run_dir: Path) -> list[str]:
     ]
 
 
+# The tiny decoder's two LLM stages, one per process (`decoder_args`); checkpoints at steps 2 and 4.
+CHECKPOINTED = ["scheduler.solver=greedy", "steps=4", "checkpoint.every=2"]
+
+
+def checkpointed_decoder_args(tmp_path: Path, run_dir: Path) -> list[str]:
+    """`decoder_args` of a 4-step run that checkpoints every 2 steps (greedy scheduler)."""
+    return decoder_args(tmp_path, run_dir) + CHECKPOINTED
+
+
+def run_checkpointed_decoder(tmp_path: Path, run_dir: Path, steps: int, extra=(), name="run"):
+    """Runs both processes of `checkpointed_decoder_args` to `steps` (then exit); returns their
+    outputs."""
+    logs = tmp_path / f"{name}_logs"
+    logs.mkdir(exist_ok=True)
+    return finish(
+        launch(logs, 2, checkpointed_decoder_args(tmp_path, run_dir) + [f"steps={steps}", *extra])
+    )
+
+
 def free_ports(count: int) -> int:
     """A port p with p .. p + count - 1 all free now."""
     for _ in range(200):
@@ -138,3 +157,26 @@ def rows(path: Path) -> list[dict]:
 
 def tail(log: Path, chars: int = 3000) -> str:
     return log.read_text()[-chars:]
+
+
+CHECKPOINT_WORKER = REPO / "tests" / "checkpoint_worker.py"
+
+
+def checkpoint_workers(*args, processes=2) -> list[str]:
+    """Runs tests/checkpoint_worker.py in `processes` jax processes; returns their outputs."""
+    port = free_ports(1)
+    procs = [
+        subprocess.Popen(
+            ["timeout", "-k", "10", "300", sys.executable, str(CHECKPOINT_WORKER), *args]
+            + [str(processes), str(rank), f"127.0.0.1:{port}"],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(processes)
+    ]
+    outs = [p.communicate(timeout=320)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"
+    return outs

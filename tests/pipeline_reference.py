@@ -3,6 +3,8 @@
 A pipelined step must equal one step of the unsplit model on one device: per-microbatch
 `jax.value_and_grad` of the loss normalized by the whole batch's loss tokens, gradients summed, then
 global-norm clipping and the optimizer's update (optax, independent of the runtime's `apply_updates`).
+Under a training recipe (`optimizer.trainable`) the reference puts the frozen parts behind
+`stop_gradient` and updates only the trained ones (`stop_gradient_reference`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+
+from dflop_jax.contracts.layout import StageSpec
+from dflop_jax.programs.param_paths import key_name
+from dflop_jax.runtime.checkpoint import model_tree
+from dflop_jax.runtime.train_state import OptimizerConfig
 
 
 def reference_step(model, mbs: list[dict], norm: float, opt, loss_sum: Callable):
@@ -38,6 +45,64 @@ def reference_step(model, mbs: list[dict], norm: float, opt, loss_sum: Callable)
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     loss = sum(float(v) for v, _ in outs)
     return loss, optax.apply_updates(params, updates), float(optax.tree.norm(grads))
+
+
+# The recipe tests' optimizer: lr > 0 at step 0 (no warmup), so the step changes the trained parts.
+# Adam's first step is about lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32
+# round-off of a tiny gradient would otherwise flip a whole lr-sized step).
+RECIPE_HYPERPARAMS = dict(lr=1e-2, warmup_steps=0, decay_steps=10, clip_norm=1.0, eps=1e-3)
+# The training recipes the tests step, by name: the parts each trains (`optimizer.trainable`).
+TRAINABLE_BY_RECIPE = {"projector_only": ("projector",), "vision_frozen": ("projector", "llm")}
+
+
+def _part(path) -> str:
+    """The recipe part of a leaf of the UNSPLIT model (encoder/vision, encoder/projector, llm/...)."""
+    names = [key_name(k) for k in path]
+    return names[1] if names[0] == "encoder" else "llm"
+
+
+class _RecipeOptimizer:
+    """The single-device optimizer of a recipe, independent of the runtime's labels: AdamW on the
+    trained parts of the unsplit model, `set_to_zero` on the frozen ones."""
+
+    def __init__(self, trainable):
+        self.clip_norm, self.trainable = RECIPE_HYPERPARAMS["clip_norm"], trainable
+
+    def build(self):
+        labels = lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: "train" if _part(path) in self.trainable else "frozen", params
+        )
+        adamw = OptimizerConfig(**RECIPE_HYPERPARAMS).build()  # plain AdamW (every part trained)
+        return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def _stop_frozen(loss, trainable):
+    """`loss` of the model with its frozen parts behind `stop_gradient`."""
+
+    def frozen_loss(model, mb):
+        graphdef, state = nnx.split(model)
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, a: a if _part(path) in trainable else jax.lax.stop_gradient(a), state
+        )
+        return loss(nnx.merge(graphdef, state), mb)
+
+    return frozen_loss
+
+
+def stop_gradient_reference(model, mbs, loss, trainable) -> tuple[float, float, dict]:
+    """(loss, global gradient norm, updated model tree) of one single-device step of the unsplit MLLM
+    `model` with its frozen parts behind `stop_gradient`, under `RECIPE_HYPERPARAMS`."""
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    ref_loss, new, ref_norm = reference_step(
+        model, mbs, norm, _RecipeOptimizer(trainable), _stop_frozen(loss, trainable)
+    )
+    return ref_loss, ref_norm, unsplit_tree(model.cfg, new)
+
+
+def unsplit_tree(cfg, state) -> dict:
+    """The model tree (`model_tree`'s paths) of the unsplit LLaVA-OV's state (3 LLM layers)."""
+    specs = [StageSpec("encoder", 0, cfg.vision.num_layers), StageSpec("llm", 0, 3)]
+    return model_tree(specs, [state["encoder"], state["llm"]], [{}, {}])
 
 
 def assert_trees_close(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> None:

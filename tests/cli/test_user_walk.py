@@ -109,7 +109,7 @@ def ok(out: subprocess.CompletedProcess) -> str:
 def test_hf_model_on_llava_json_from_profile_to_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    from test_runtime_hf_export import assert_llava_ov_logits_equal
+    from models_fixtures import assert_llava_ov_logits_equal
 
     from dflop_jax.planner import load_plan
     from models.hf import load_pretrained

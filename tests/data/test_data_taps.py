@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packing_fixtures import TILE, TPT, make_sample, packing_cases
 from PIL import Image
-from test_packing_arrays import TILE, TPT, batches, make_sample
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.config import DataConfig
@@ -249,7 +249,7 @@ def _with_random_taps(sample, rng, k):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches(), st.integers(1, 4), st.integers(1, 3))
+@given(packing_cases(), st.integers(1, 4), st.integers(1, 3))
 def test_random_schedules_map_every_tap_like_feature_index(case, k, procs):
     encoder_dp, llm_dp, sizes, n_mb, bins, extra_s, extra_t, seed = case
     rng = np.random.default_rng(seed)

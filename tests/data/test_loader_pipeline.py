@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from test_loader_fakes import (
+from loader_fakes import (
     TILE,
     TPT,
     CountingProcessor,

@@ -8,47 +8,12 @@ import types
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_loader_fakes import tagged_tile, tile_tag
+from loader_fakes import tile_tag
+from packing_fixtures import TILE, TPT, make_sample, packing_cases
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
 from dflop_jax.data.packing import HostShardSpec, needed_samples, pack_global_batch, pack_microbatch
-from dflop_jax.data.sample_arrays import NEWLINE, TEXT, ProcessedSample
-
-TPT = 3  # feature rows per tile
-TILE = (2, 2, 3)
-IMAGE_TOKEN = 9
-
-
-def make_sample(idx: int, n_tiles: int, n_text: int, rng: np.random.Generator, newline=True):
-    """Text, then each tile's TPT image tokens (+ a newline token), then text.
-
-    Tile t of sample idx is `tagged_tile(idx, t)` (uint8, as the processor's tiles), so a feature row can be traced to its tile.
-    """
-    head = n_text // 2
-    ids, src = [], []
-    ids += list(rng.integers(100, 10_000, head))
-    src += [TEXT] * head
-    for t in range(n_tiles):
-        ids += [IMAGE_TOKEN] * TPT
-        src += [t * TPT + j for j in range(TPT)]
-        if newline:
-            ids.append(IMAGE_TOKEN)
-            src.append(NEWLINE)
-    tail = n_text - head
-    ids += list(rng.integers(100, 10_000, tail))
-    src += [TEXT] * tail
-    ids = np.array(ids, np.int32)
-    src = np.array(src, np.int32)
-    assistant = (rng.random(len(ids)) < 0.5) & (src == TEXT)
-    tiles = (
-        np.stack([tagged_tile(idx, t) for t in range(n_tiles)])
-        if n_tiles
-        else (np.zeros((0, *TILE), np.uint8))
-    )
-    pool = np.arange(n_tiles) % 2 == 1
-    modality = "image" if n_tiles else "text"
-    return ProcessedSample(idx, ids, assistant, src, tiles, pool, modality)
+from dflop_jax.data.sample_arrays import ProcessedSample
 
 
 def shape_of(s: ProcessedSample) -> SampleShape:
@@ -185,22 +150,8 @@ def test_metadata_mismatch_is_rejected():
         )
 
 
-@st.composite
-def batches(draw):
-    encoder_dp = draw(st.integers(1, 3))
-    llm_dp = draw(st.integers(1, 3))
-    n = draw(st.integers(1, 10))
-    sizes = [(draw(st.integers(0, 4)), draw(st.integers(1, 6))) for _ in range(n)]
-    n_mb = draw(st.integers(1, 3))
-    bins = [draw(st.integers(0, n_mb * llm_dp - 1)) for _ in range(n)]
-    extra_s = draw(st.integers(0, 5))
-    extra_t = draw(st.integers(0, 2))
-    seed = draw(st.integers(0, 2**16))
-    return encoder_dp, llm_dp, sizes, n_mb, bins, extra_s, extra_t, seed
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches())
+@given(packing_cases())
 def test_random_schedules(case):
     encoder_dp, llm_dp, sizes, n_mb, bins, extra_s, extra_t, seed = case
     rng = np.random.default_rng(seed)

@@ -7,32 +7,25 @@ import subprocess
 
 import numpy as np
 import pytest
-from multiprocess_launch import REPO, SCRIPT, decoder_args, env, finish, free_ports, launch
+from multiprocess_launch import (
+    REPO,
+    SCRIPT,
+    checkpointed_decoder_args,
+    env,
+    free_ports,
+    run_checkpointed_decoder,
+)
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
-
-# The tiny decoder's two LLM stages, one per process; checkpoints at steps 2 and 4.
-EXTRA = ["scheduler.solver=greedy", "steps=4", "checkpoint.every=2"]
-
-
-def _args(tmp_path, run_dir):
-    return decoder_args(tmp_path, run_dir) + EXTRA
-
-
-def _launch(tmp_path, run_dir, steps, extra=(), name="run"):
-    """Runs both processes to `steps` (then exit); returns their outputs."""
-    logs = tmp_path / f"{name}_logs"
-    logs.mkdir(exist_ok=True)
-    return finish(launch(logs, 2, _args(tmp_path, run_dir) + [f"steps={steps}", *extra]))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
     run_dir = tmp_path / "mp"
-    _launch(tmp_path, run_dir, steps=2)
+    run_checkpointed_decoder(tmp_path, run_dir, steps=2)
     # One orbax manager per process (each stage lives on one process), each committed step 2.
     groups = run_dir / "checkpoints"
     assert sorted(p.name for p in groups.iterdir()) == ["procs_0", "procs_1"]
@@ -40,7 +33,7 @@ def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
         ["2"],
         ["2"],
     ]
-    outs = _launch(tmp_path, run_dir, steps=4)
+    outs = run_checkpointed_decoder(tmp_path, run_dir, steps=4)
     assert "resumed from step 2" in outs[0]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -49,7 +42,7 @@ def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
     cfg = load_config(
         TrainConfig,
         REPO / "configs" / "demo.yaml",
-        _args(tmp_path, tmp_path / "sp") + ["checkpoint.every=0"],
+        checkpointed_decoder_args(tmp_path, tmp_path / "sp") + ["checkpoint.every=0"],
     )
     single = run(cfg)
     np.testing.assert_allclose([r["loss"] for r in rows], single.losses, rtol=1e-5)
@@ -58,7 +51,7 @@ def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
 @pytest.mark.multiprocess
 def test_missing_peer_fails_with_clear_message(tmp_path):
     port = free_ports(1)
-    args = _args(tmp_path, tmp_path / "lonely") + ["distributed.timeout_s=3"]
+    args = checkpointed_decoder_args(tmp_path, tmp_path / "lonely") + ["distributed.timeout_s=3"]
     p = subprocess.run(
         ["timeout", "-k", "10", "120", str(SCRIPT), "2", "0", f"127.0.0.1:{port}"] + args,
         env=env(),

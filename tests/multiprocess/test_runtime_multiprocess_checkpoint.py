@@ -5,30 +5,32 @@ checkpoint resumes in one process (8 devices) on another layout, and a 1-process
 processes on another layout. `Checkpointer` alone (tests/checkpoint_worker.py) covers several stages
 on one process.
 
-Layouts: A (in `_args`) is two LLM stages (dp 2 x tp 2), one per process; SPAN is one stage whose
-tensor-parallel groups sit on both processes (dp 4 x tp 2).
+Layouts: A (`multiprocess_launch.checkpointed_decoder_args`) is two LLM stages (dp 2 x tp 2), one
+per process; SPAN is one stage whose tensor-parallel groups sit on both processes (dp 4 x tp 2).
 """
 
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import checkpoint_worker
 import numpy as np
 import pytest
-from multiprocess_launch import REPO, env, free_ports, launch
-from test_runtime_multiprocess import _args, _launch
+from multiprocess_launch import (
+    REPO,
+    checkpoint_workers,
+    checkpointed_decoder_args,
+    launch,
+    run_checkpointed_decoder,
+)
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
 
-WORKER = REPO / "tests" / "checkpoint_worker.py"
 SPAN = ["layout.llm_layers=[2]", "layout.llm_dp=4"]
 DETERMINISTIC = ["measure_stage_times_every=0"]  # schedules from predictions only, same every run
 
@@ -50,7 +52,9 @@ def _losses(run_dir) -> dict[int, float]:
 def _single(tmp_path, run_dir, extra=()):
     """The run in this pytest process: one process, 8 devices."""
     cfg = load_config(
-        TrainConfig, REPO / "configs" / "demo.yaml", _args(tmp_path, run_dir) + [*extra]
+        TrainConfig,
+        REPO / "configs" / "demo.yaml",
+        checkpointed_decoder_args(tmp_path, run_dir) + [*extra],
     )
     return run(cfg)
 
@@ -72,7 +76,7 @@ def _kill_after_first_checkpoint(procs, checkpoints, timeout_s=400.0):
 @pytest.mark.slow
 def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout(tmp_path):
     straight_dir = tmp_path / "straight"
-    _launch(tmp_path, straight_dir, 6, SPAN + DETERMINISTIC)
+    run_checkpointed_decoder(tmp_path, straight_dir, 6, SPAN + DETERMINISTIC)
     checkpoints = straight_dir / "checkpoints"
     # The spanning stage's state in the {0, 1} group; each process's singleton group holds its meta.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["procs_0", "procs_0-1", "procs_1"]
@@ -85,10 +89,12 @@ def test_spanning_stage_resumes_identically_and_in_one_process_on_another_layout
     run_dir = tmp_path / "killed"
     logs = tmp_path / "killed_logs"
     logs.mkdir()
-    started = launch(logs, 2, _args(tmp_path, run_dir) + ["steps=6", *SPAN, *DETERMINISTIC])
+    started = launch(
+        logs, 2, checkpointed_decoder_args(tmp_path, run_dir) + ["steps=6", *SPAN, *DETERMINISTIC]
+    )
     saved = _kill_after_first_checkpoint([p for p, _ in started.values()], run_dir / "checkpoints")
     assert saved in (2, 4)
-    outs = _launch(tmp_path, run_dir, 6, SPAN + DETERMINISTIC)
+    outs = run_checkpointed_decoder(tmp_path, run_dir, 6, SPAN + DETERMINISTIC)
     assert f"resumed from step {saved}" in outs[0]
     resumed = _losses(run_dir)
     after = range(saved + 1, 7)
@@ -110,31 +116,11 @@ def test_one_process_checkpoint_resumes_in_two_processes_on_another_layout(tmp_p
     run_dir = tmp_path / "two"
     shutil.copytree(tmp_path / "sp" / "checkpoints", run_dir / "checkpoints")
     _keep_until(run_dir / "checkpoints", 2)
-    outs = _launch(tmp_path, run_dir, 4, SPAN + DETERMINISTIC)
+    outs = run_checkpointed_decoder(tmp_path, run_dir, 4, SPAN + DETERMINISTIC)
     assert "resumed from step 2" in outs[0]
     resumed = _losses(run_dir)
     assert sorted(resumed) == [3, 4]
     np.testing.assert_allclose([resumed[3], resumed[4]], straight.losses[2:], rtol=1e-5)
-
-
-def _workers(*args, processes=2):
-    """Runs tests/checkpoint_worker.py in `processes` jax processes; returns their outputs."""
-    port = free_ports(1)
-    procs = [
-        subprocess.Popen(
-            ["timeout", "-k", "10", "300", sys.executable, str(WORKER), *args]
-            + [str(processes), str(rank), f"127.0.0.1:{port}"],
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(processes)
-    ]
-    outs = [p.communicate(timeout=320)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {rank} failed:\n{out[-3000:]}"
-    return outs
 
 
 @pytest.mark.multiprocess
@@ -143,12 +129,12 @@ def test_several_stages_per_process_restore_on_other_layouts_and_process_counts(
     two stages on process 0 and one on process 1; one process restores onto two uneven stages, and
     2 processes onto one stage spanning both, each checking the shards of its own devices."""
     directory = tmp_path / "ckpt"
-    assert all("saved" in out for out in _workers("save", "two_on_p0", str(directory)))
+    assert all("saved" in out for out in checkpoint_workers("save", "two_on_p0", str(directory)))
     assert sorted(p.name for p in directory.iterdir()) == ["procs_0", "procs_1"]
 
     checkpoint_worker.main("check", "uneven", str(directory))  # this process: 8 devices
     # stage 0: 3 layers x (params, opt) x 4 devices; stage 1: 1 x 2 x 2
     assert "checked 28 shards; meta {'process': 0}" in capsys.readouterr().out
-    outs = _workers("check", "one_wide", str(directory))
+    outs = checkpoint_workers("check", "one_wide", str(directory))
     for rank, out in enumerate(outs):  # 4 layers x 2 x 4 own devices; each process's own meta
         assert f"checked 32 shards; meta {{'process': {rank}}}" in out

@@ -1,22 +1,22 @@
-"""The drifting-mix re-plan (`tests/runtime/test_runtime_drift.py`) in 2 jax processes x 2 CPU devices: the
-LLM stage spans both processes before the re-plan. Both processes take the same decision at the same
-checkpoint (each measures on its own; the planner is deterministic): both finish, and each
-process's checkpoint after the re-plan records the new layout. The one run of the drifting mix: its
-checks are those of a one-process run (the re-plan line, the regrets under and over the threshold,
-the new layout) and the processes' agreement."""
+"""The drifting-mix re-plan (`tests/runtime/test_runtime_drift.py`; the mix: tests/drift_fixtures.py)
+in 2 jax processes x 2 CPU devices: the LLM stage spans both processes before the re-plan. Both
+processes take the same decision at the same checkpoint (each measures on its own; the planner is
+deterministic): both finish, and each process's checkpoint after the re-plan records the new layout.
+The one run of the drifting mix: its checks are those of a one-process run (the re-plan line, the
+regrets under and over the threshold, the new layout) and the processes' agreement."""
 
 import json
 
 import pytest
+from drift_fixtures import DRIFTING_MIX, check_drift_rows, check_replan_line, write_curriculum
 from multiprocess_launch import finish, launch
-from test_runtime_drift import DRIFTING, _curriculum, check_drift_rows, check_replan_line
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_drifting_mix_replans_once_on_every_process_alike(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*DRIFTING, "num_cpu_devices=2", f"data.source={_curriculum(tmp_path)}",
+    args = [*DRIFTING_MIX, "num_cpu_devices=2", f"data.source={write_curriculum(tmp_path)}",
             f"run_dir={run_dir}", "compilation_cache=", "data.cache_dir=",
             "distributed.timeout_s=120"]  # fmt: skip
     outs = finish(launch(tmp_path, 2, args, limit_s=900), limit_s=920)

@@ -1,8 +1,9 @@
 """Training recipes across real processes: 2 jax processes x 4 CPU devices run one pipelined step of the
 tiny LLaVA-OV (tests/frozen_worker.py: encoder stages on process 0, LLM stages on process 1) under
-the projector-only recipe; the loss, the global gradient norm and every updated
-parameter equal one single-device step of the unsplit model with `stop_gradient` on the frozen parts
-(tests/runtime/test_runtime_frozen.py's reference, float32), and the frozen parameters come out bit-identical.
+the projector-only recipe; the loss, the global gradient norm and every updated parameter equal one
+single-device step of the unsplit model with `stop_gradient` on the frozen parts
+(`pipeline_reference.stop_gradient_reference`, as in tests/runtime/test_runtime_frozen.py; float32),
+and the frozen parameters come out bit-identical.
 
 What crosses processes here and nowhere else: projector-only, the frozen LLM on process 1 runs a
 dx-only backward whose dL/dx goes back to the projector's stage on process 0, and only process 0's
@@ -15,9 +16,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-import test_runtime_frozen as frozen
-import test_runtime_mllm_pipeline as sep
 from multiprocess_launch import REPO, env, free_ports
+from pipeline_fixtures import mllm_loss_sum, separate_batch, separate_model
+from pipeline_reference import TRAINABLE_BY_RECIPE, stop_gradient_reference
 
 WORKER = REPO / "tests" / "frozen_worker.py"
 
@@ -76,14 +77,14 @@ def workers(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_process_recipe_step_matches_single_device_with_stop_gradient(workers, recipe):
-    trainable = frozen.RECIPES[recipe]
+    trainable = TRAINABLE_BY_RECIPE[recipe]
     ranks = workers[recipe]
     for rank in ranks:  # every process read the same step numbers
         np.testing.assert_array_equal(
             [rank["loss"], rank["norm"]], [ranks[0]["loss"], ranks[0]["norm"]]
         )
-    ref_loss, ref_norm, ref = frozen.reference(
-        sep._model(), sep._batch(), sep._llava_loss, trainable
+    ref_loss, ref_norm, ref = stop_gradient_reference(
+        separate_model(), separate_batch(), mllm_loss_sum, trainable
     )
     np.testing.assert_allclose(float(ranks[0]["loss"]), ref_loss, rtol=1e-5)
     np.testing.assert_allclose(float(ranks[0]["norm"]), ref_norm, rtol=1e-5)

@@ -122,7 +122,7 @@ def test_auto_plan_entry_profile_only_then_plan(tmp_path, monkeypatch, capsys):
     assert main([*args, "profile.data_source=no/such.json"]) == 2  # one config error line
 
 
-def test_train_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkeypatch):
+def test_plan_auto_reuses_what_the_profile_commands_wrote(tmp_path, monkeypatch):
     """`profile data` and `profile model` on a run config, then that run's `plan: auto`: both
     profiles are fresh for it (same settings, same stamps), so neither runs again."""
     from dflop_jax.config import load_config

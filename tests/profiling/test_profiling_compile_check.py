@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import yaml
 from flax import nnx
+from plan_fixtures import TINY_PLAN_BUCKETS, TINY_PLAN_LAYOUT, TINY_PLAN_MAX_M, tiny_analytic_plan
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device, layout_memory
-from dflop_jax.planner import Plan, load_plan, save_plan
+from dflop_jax.planner import load_plan, save_plan
 from dflop_jax.planner.plan_file import StageCheck
 from dflop_jax.planner.scoring import in_flight
 from dflop_jax.profiling.compile_check import (
@@ -30,21 +31,6 @@ from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import abstract_stage, build_stages, stage_module
 
 CFG = model_config_for_arch("tiny", "bfloat16")
-LAYOUT = Layout(
-    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
-    (StageSpec("llm", 0, 4, tp=2, dp=1, has_embedding=True, has_head=True),),
-)
-BUCKETS = BucketSet((2, 3), (64, 128))
-MAX_M = 5
-
-
-def tiny_plan(layout=LAYOUT, scale=1.0) -> Plan:
-    arch, cpu = get_arch("tiny"), get_device("cpu")
-    counts = in_flight(layout.num_stages, MAX_M, "1f1b")
-    mems = layout_memory(AnalyticCostProvider(arch, cpu), layout, BUCKETS, counts)
-    return Plan("tiny", "cpu", 8, "analytic:tiny@cpu", "dflop", layout, BUCKETS, 4, MAX_M, 8,
-                "1f1b", 1.0, 1.0, 0.0, tuple(scale * m.total() for m in mems), 2**31, 2**31,
-                search={"remat": None})  # fmt: skip
 
 
 def _memory_analysis_bytes(spec, mesh, bucket, features) -> float:
@@ -70,19 +56,21 @@ def _param_count(spec) -> int:
 
 
 def test_check_writes_compiled_memory_of_every_stage(tmp_path):
-    plan = dataclasses.replace(tiny_plan(), checks=tuple(check_plan(tiny_plan(), CFG)))
+    plan = dataclasses.replace(
+        tiny_analytic_plan(), checks=tuple(check_plan(tiny_analytic_plan(), CFG))
+    )
     path = save_plan(plan, tmp_path / "plan.yaml")
     text = path.read_text()
-    assert text.count("compiled_memory_gib:") == LAYOUT.num_stages
+    assert text.count("compiled_memory_gib:") == TINY_PLAN_LAYOUT.num_stages
     rounded = [dataclasses.replace(c, compile_s=round(c.compile_s, 1)) for c in plan.checks]
     assert list(load_plan(path).checks) == rounded
 
-    meshes = stage_meshes(LAYOUT, jax.devices())
+    meshes = stage_meshes(TINY_PLAN_LAYOUT, jax.devices())
     # tiles packed by row: the one row's 3 tiles pad to a block of 4 (LLM tp 2), which the
     # encoder's 2 shards split, 2 tiles each; the LLM stage takes the row's 4 tiles' features
     features, encoder_tiles = 4, 2
-    for check, spec, mesh in zip(plan.checks, LAYOUT.stages, meshes):
-        bucket = encoder_tiles if spec.module == "encoder" else BUCKETS.lengths[-1]
+    for check, spec, mesh in zip(plan.checks, TINY_PLAN_LAYOUT.stages, meshes):
+        bucket = encoder_tiles if spec.module == "encoder" else TINY_PLAN_BUCKETS.lengths[-1]
         feats = features if spec.module == "llm" and spec.has_embedding else None
         program = _memory_analysis_bytes(spec, mesh, bucket, feats)
         assert check.program_bytes == (program,)
@@ -94,7 +82,7 @@ def test_check_writes_compiled_memory_of_every_stage(tmp_path):
         assert 2 * check.params / spec.dp <= check.optimizer <= 2 * check.params
         if spec.dp > 1:
             assert check.optimizer < 0.6 * 2 * check.params
-        assert check.in_flight == min(LAYOUT.num_stages - check.stage, MAX_M)
+        assert check.in_flight == min(TINY_PLAN_LAYOUT.num_stages - check.stage, TINY_PLAN_MAX_M)
         per_microbatch = check.inputs / check.in_flight
         # the runtime holds: the program's peak, the Adam moments, the other in-flight inputs
         assert check.total == pytest.approx(
@@ -109,7 +97,7 @@ def test_colocated_stage_is_compiled_as_the_one_program_that_trains():
     encoder and the LLM layers), and its compiled bytes are those of the colocated program at the largest
     (tile, length) buckets."""
     layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),))
-    (check,) = check_plan(tiny_plan(layout), CFG)
+    (check,) = check_plan(tiny_analytic_plan(layout), CFG)
     assert check.parts == ("encoder+llm",)
     mesh = stage_meshes(layout, jax.devices())[0]
     spec = layout.stages[0]
@@ -118,10 +106,10 @@ def test_colocated_stage_is_compiled_as_the_one_program_that_trains():
     enc = StageSpec("encoder", 0, 2, tp=2, dp=2, has_embedding=True, has_head=True)
     assert check.params > per_device_bytes(abstract_stage(CFG, spec, mesh).state)
     assert check.params > per_device_bytes(abstract_stage(CFG, enc, mesh).state)
-    prog = stage_program(CFG, spec, mesh, BUCKETS.lengths[-1], jnp.bfloat16,
-                         tile_bucket=BUCKETS.tiles[-1])  # fmt: skip
+    prog = stage_program(CFG, spec, mesh, TINY_PLAN_BUCKETS.lengths[-1], jnp.bfloat16,
+                         tile_bucket=TINY_PLAN_BUCKETS.tiles[-1])  # fmt: skip
     assert "tiles" in prog.side_abs and prog.x_abs is None  # it encodes its own tiles
-    assert prog.side_abs["tiles"].shape[0] == spec.dp * BUCKETS.tiles[-1]
+    assert prog.side_abs["tiles"].shape[0] == spec.dp * TINY_PLAN_BUCKETS.tiles[-1]
     with jax.set_mesh(mesh):
         m = prog.bwd.lower(prog.params_abs, prog.x_abs, prog.side_abs, prog.seed_abs,
                            prog.gacc_abs).compile().memory_analysis()  # fmt: skip
@@ -135,7 +123,7 @@ def test_colocated_check_refuses_what_the_runtime_refuses():
     layout = Layout((), (StageSpec("llm", 0, 4, tp=2, dp=2, has_embedding=True, has_head=True),),
                     colocated_encoder_tp=1)  # fmt: skip
     with pytest.raises(ValueError, match="colocated_encoder_tp=1"):
-        check_plan(tiny_plan(layout), CFG)
+        check_plan(tiny_analytic_plan(layout), CFG)
 
 
 def test_gross_disagreement_warns(caplog):
@@ -198,7 +186,7 @@ def saving_checks():
     """The check of SAVING_LAYOUT under "recompute" and under "all" everywhere, with the analytic
     memory model's prediction under the same policies."""
     provider = AnalyticCostProvider(get_arch("tiny"), get_device("cpu"))
-    counts = in_flight(SAVING_LAYOUT.num_stages, MAX_M, "1f1b")
+    counts = in_flight(SAVING_LAYOUT.num_stages, TINY_PLAN_MAX_M, "1f1b")
     out = {}
     for policy in ("recompute", "all"):
         policies = [policy] * SAVING_LAYOUT.num_stages
@@ -275,7 +263,7 @@ def test_dry_run_predicts_saving_stages_with_the_analytic_model():
     from dflop_jax.runtime.config import TrainConfig
 
     ctx, table = RunContext.of(TrainConfig(), CFG), object()  # a measured provider: not analytic
-    resolved = ResolvedPlan(SAVING_LAYOUT, SAVING_BUCKETS, (1, MAX_M), table)
+    resolved = ResolvedPlan(SAVING_LAYOUT, SAVING_BUCKETS, (1, TINY_PLAN_MAX_M), table)
     assert memory_provider(ctx, resolved) is table  # no policy: "recompute"
     recompute = dataclasses.replace(resolved, residuals=("recompute",) * 3)
     assert memory_provider(ctx, recompute) is table

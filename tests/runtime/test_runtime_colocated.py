@@ -21,7 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from demo_fixtures import SMALL_DEMO
-from flax import nnx
+from pipeline_fixtures import (
+    COLOCATED_LLAVA,
+    COLOCATED_SIGLIP,
+    COLOCATED_TILES,
+    MLLM_TEXT,
+    colocated_layout,
+    colocated_microbatch,
+    colocated_model,
+    mllm_loss_sum,
+)
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
 from dflop_jax.config import ConfigError, load_config
@@ -31,7 +40,6 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs import AnalyticCostProvider, arch_of_model, get_device, layout_stage_costs
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.provider import colocated_encoder_stage
-from dflop_jax.data.sample_arrays import plain_taps
 from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
@@ -42,109 +50,19 @@ from dflop_jax.runtime.lagged_schedule import Observation
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from dflop_jax.scheduler import Scheduler, SchedulerConfig, schedule_batch
 from dflop_jax.train import run
-from models.decoder_config import DecoderConfig
-from models.internvit import InternViTConfig
-from models.internvl import InternVL, internvl_config
-from models.llava_onevision import LlavaOnevision, llava_onevision_config
-from models.siglip import SiglipConfig
+from models.llava_onevision import llava_onevision_config
 
-TEXT = DecoderConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-    head_dim=8, qkv_bias=True,
-)  # fmt: skip
-SIGLIP = SiglipConfig(
-    hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, image_size=28, patch_size=7
-)
-INTERNVIT = InternViTConfig(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                            image_size=28, patch_size=7, dtype="float32")  # fmt: skip
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
-TILES = 3  # tile slots per row (T)
 
 
-def _layout(dp: int, llm_stages: int) -> Layout:
-    """The encoder on LLM stage 0 (tp 2); with 2 LLM stages the second holds the last layer."""
-    if llm_stages == 1:
-        return Layout((), (StageSpec("llm", 0, 3, tp=2, dp=dp, has_embedding=True, has_head=True),))
-    return Layout(
-        (),
-        (
-            StageSpec("llm", 0, 2, tp=2, dp=dp, has_embedding=True),
-            StageSpec("llm", 2, 1, tp=1, dp=dp, has_head=True),
-        ),
-    )
-
-
-def _taps(rng, fidx, lo, hi):
-    """[S,4] taps / weights of one row: image positions mix 4 random rows of [lo, hi) (the row's own
-    features) with fractional weights, as LLaVA-OV's bilinear downscale of an anyres grid does."""
-    taps, weights = plain_taps(fidx)
-    img = fidx >= 0
-    taps[img] = rng.integers(lo, hi, (int(img.sum()), 4))
-    w = rng.random((int(img.sum()), 4)) + 0.1
-    weights[img] = w / w.sum(1, keepdims=True)
-    return taps.astype(np.int32), weights.astype(np.float32)
-
-
-def _microbatch(
-    rng, rows: int, length: int, tpt: int, *, taps: bool, video: bool, tiles: int = TILES
-) -> dict:
-    """`rows` packed rows of two segments, each placing features of its own `tiles` tiles only."""
-    per_row = tiles * tpt
-    fidx = np.full((rows, length), -1, np.int32)
-    k = min(per_row - 2, length - 8)
-    for r in range(rows):  # row r's features: global rows [r*per_row, (r+1)*per_row)
-        fidx[r, 1 : 1 + k] = r * per_row + rng.permutation(per_row)[:k]
-        fidx[r, 1 + k] = -2  # an image newline (LLaVA-OV)
-    seg = np.ones((rows, length), np.int32)
-    seg[:, length - 6 :] = 2
-    pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
-    tokens = rng.integers(1, TEXT.vocab_size, (rows, length)).astype(np.int32)
-    mb = {
-        "tiles": rng.integers(0, 256, (rows * tiles, 28, 28, 3)).astype(np.uint8),
-        "tile_valid": np.ones(rows * tiles, bool),
-        # video: the last slot of every row is a frame pooled 2x2 after the projector
-        "tile_pool": (np.arange(rows * tiles) % tiles == tiles - 1) & video,
-        "tokens": tokens,
-        "segment_ids": seg,
-        "positions": pos,
-        "targets": np.roll(tokens, -1, axis=1),
-        "loss_mask": (rng.random((rows, length)) < 0.6).astype(np.float32),
-        "feature_index": fidx,
-        "feature_taps": None,
-        "feature_weight": None,
-    }
-    if taps:
-        pairs = [_taps(rng, fidx[r], r * per_row, (r + 1) * per_row) for r in range(rows)]
-        mb["feature_taps"] = np.stack([t for t, _ in pairs])
-        mb["feature_weight"] = np.stack([w for _, w in pairs])
-    return mb
-
-
-def _loss(m, mb):
-    keys = ("tiles", "tile_pool", "tokens", "segment_ids", "positions", "feature_index", "targets",
-            "loss_mask")  # fmt: skip
-    args = [mb[k] for k in keys]
-    if mb["feature_taps"] is not None:
-        args[keys.index("feature_index")] = mb["feature_taps"]
-    return m.loss(*args, feature_weight=mb["feature_weight"])[0]
-
-
-@functools.cache  # not changed by a test (the reference step splits off its state)
-def _model(family: str):
-    with jax.default_device(jax.devices()[0]):
-        if family == "internvl":
-            return InternVL(internvl_config(INTERNVIT, TEXT), rngs=nnx.Rngs(0))
-        return LlavaOnevision(llava_onevision_config(SIGLIP, TEXT), rngs=nnx.Rngs(0))
-
-
-def _batch(family: str, rows: int, tpt: int, tiles: int = TILES) -> list[dict]:
+def _batch(family: str, rows: int, tpt: int, tiles: int = COLOCATED_TILES) -> list[dict]:
     """LLaVA-OV: an anyres microbatch with exact taps and a video frame pooled per row, then a
     multi-image one (several tiles per row, plain gathers); InternVL: plain gathers (its features are
     never interpolated). Two input signatures: two compiles per program."""
     rng = np.random.default_rng(1)
     llava = family == "llava_ov"
     return [
-        _microbatch(rng, rows, 40, tpt, taps=t, video=v, tiles=tiles)
+        colocated_microbatch(rng, rows, 40, tpt, taps=t, video=v, tiles=tiles)
         for t, v in ((llava, llava), (False, False))
     ]
 
@@ -156,10 +74,10 @@ ROWS = 2  # rows per microbatch at LLM dp 1 and 2: one batch, so one reference s
 def _reference(family: str) -> tuple[float, dict]:
     """(loss, updated model tree) of the single-device step on `family`'s batch, shared by its
     layouts (the unsplit model and its batch do not depend on the layout)."""
-    model = _model(family)
+    model = colocated_model(family)
     mbs = _batch(family, ROWS, model.cfg.tokens_per_tile)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, _loss)
+    ref_loss, new, _ = reference_step(model, mbs, norm, OPT, mllm_loss_sum)
     enc_layers = model.cfg.vision.num_layers
     ref_tree = model_tree([StageSpec("encoder", 0, enc_layers), StageSpec("llm", 0, 3)],
                           [new["encoder"], new["llm"]], [{}, {}])  # fmt: skip
@@ -174,8 +92,8 @@ def _reference(family: str) -> tuple[float, dict]:
 def test_colocated_step_matches_single_device(family, dp, llm_stages):
     """At dp 1 the colocated stage's one shard holds both rows (and their 2T tile slots); at dp 2
     each shard one."""
-    cfg = _model(family).cfg
-    layout = _layout(dp, llm_stages)
+    cfg = colocated_model(family).cfg
+    layout = colocated_layout(dp, llm_stages)
     mbs = _batch(family, ROWS, cfg.tokens_per_tile)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
@@ -194,7 +112,7 @@ def test_colocated_step_matches_single_device(family, dp, llm_stages):
 
 def test_colocated_layout_refused_when_tp_splits_a_head():
     """tp 4 divides the decoder's 4 heads but not the ViT's 2: refused, saying why."""
-    cfg = llava_onevision_config(SIGLIP, TEXT)
+    cfg = llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT)
     layout = Layout((), (StageSpec("llm", 0, 3, tp=4, has_embedding=True, has_head=True),))
     with pytest.raises(ValueError, match=r"tp must divide both models' attention heads"):
         build_stages(cfg, layout, stage_meshes(layout), 0)
@@ -211,7 +129,7 @@ SEPARATE = Layout(
 
 def _run(layout, seed):
     """Stages of `layout` (params from `seed`) and their optimizers."""
-    cfg = llava_onevision_config(SIGLIP, TEXT)
+    cfg = llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT)
     stages = build_stages(cfg, layout, stage_meshes(layout), seed, compute_dtype=jnp.float32)
     return stages, [StageOptimizer(s, OPT.build()) for s in stages]
 
@@ -241,18 +159,18 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
     4 tiles per row: packed by row for both layouts (SEPARATE's first LLM stage, at tp 2, takes row
     blocks of a multiple of 2 tiles). One microbatch (the anyres one) per step: one input signature,
     so one compile per program; what is checked is the state the layouts map between."""
-    tpt = llava_onevision_config(SIGLIP, TEXT).tokens_per_tile
+    tpt = llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT).tokens_per_tile
     batches = [_batch("llava_ov", 2, tpt, tiles=4)[:1]] * 2
-    coloc, coloc_opts = _run(_layout(2, 2), 0)
+    coloc, coloc_opts = _run(colocated_layout(2, 2), 0)
     _step(coloc, coloc_opts, batches[0])
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)
-    ckpt.save(1, list(_layout(2, 2).stages), [s.params for s in coloc],
+    ckpt.save(1, list(colocated_layout(2, 2).stages), [s.params for s in coloc],
               [o.state for o in coloc_opts], meta={})  # fmt: skip
 
     split, split_opts = _run(SEPARATE, 1)  # other init: the restore must overwrite all of it
     _restore(ckpt, SEPARATE, split, split_opts, 1)
-    assert_trees_close(_tree(SEPARATE, split, split_opts), _tree(_layout(2, 2), coloc, coloc_opts),
-                       rtol=0, atol=0)  # fmt: skip
+    assert_trees_close(_tree(SEPARATE, split, split_opts),
+                       _tree(colocated_layout(2, 2), coloc, coloc_opts), rtol=0, atol=0)  # fmt: skip
     loss_coloc = _step(coloc, coloc_opts, batches[1])
     loss_split = _step(split, split_opts, batches[1])
     # The restored state computes what the colocated run computes. (Not compared after the update:
@@ -262,10 +180,10 @@ def test_colocated_checkpoint_resumes_on_separate_encoder_and_back(tmp_path):
 
     ckpt.save(2, list(SEPARATE.stages), [s.params for s in split], [o.state for o in split_opts],
               meta={})  # fmt: skip
-    back, back_opts = _run(_layout(2, 2), 1)
-    _restore(ckpt, _layout(2, 2), back, back_opts, 2)
-    assert_trees_close(_tree(_layout(2, 2), back, back_opts), _tree(SEPARATE, split, split_opts),
-                       rtol=0, atol=0)  # fmt: skip
+    back, back_opts = _run(colocated_layout(2, 2), 1)
+    _restore(ckpt, colocated_layout(2, 2), back, back_opts, 2)
+    assert_trees_close(_tree(colocated_layout(2, 2), back, back_opts),
+                       _tree(SEPARATE, split, split_opts), rtol=0, atol=0)  # fmt: skip
     ckpt.close()
 
 
@@ -366,7 +284,6 @@ def test_colocated_schedule_keeps_tiles_on_their_row():
 
 # ------------------------------------------------ cost and correction accounting of the colocated stage
 
-LLAVA = llava_onevision_config(SIGLIP, TEXT)
 COLOCATED_LAYOUT = Layout((), (StageSpec("llm", 0, 2, tp=2, dp=2, has_embedding=True),
                            StageSpec("llm", 2, 1, tp=2, dp=2, has_head=True)))  # fmt: skip
 
@@ -403,7 +320,7 @@ def test_colocated_stage_cost_comes_from_the_profiled_colocated_program():
     """LLM stage 0 of a colocated layout costs its LLM parts plus the colocated program's encoder share
     (colocated_embedding minus the embedding at its row), interpolated in tiles; without that entry,
     the encoder's parts as a separate stage. The scheduler problem has ONE stage for it."""
-    arch, cpu = arch_of_model(LLAVA), get_device("cpu")
+    arch, cpu = arch_of_model(COLOCATED_LLAVA), get_device("cpu")
     coloc = MeasuredCostProvider(_table(True), arch, cpu, fit="interpolate")
     apart = MeasuredCostProvider(_table(False), arch, cpu, fit="interpolate")
     problem = ResolvedPlan(COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), coloc).problem()
@@ -424,9 +341,9 @@ def test_correction_observes_the_colocated_stage_as_one_stage():
     so a step's measured times are [M, 2, 2]; the correction learns stage 0's factor against the
     colocated stage's prediction (LLM parts + encoder), not against an encoder stage of its own."""
     meshes = stage_meshes(COLOCATED_LAYOUT, jax.devices())
-    stages = build_stages(LLAVA, COLOCATED_LAYOUT, meshes, 0, compute_dtype=jnp.float32)
+    stages = build_stages(COLOCATED_LLAVA, COLOCATED_LAYOUT, meshes, 0, compute_dtype=jnp.float32)
     assert len(stages) == 2 and "tiles" in stages[0].fns.side_keys
-    arch, cpu = arch_of_model(LLAVA), get_device("cpu")
+    arch, cpu = arch_of_model(COLOCATED_LLAVA), get_device("cpu")
     provider = AnalyticCostProvider(arch, cpu)
     problem = ResolvedPlan(
         COLOCATED_LAYOUT, BucketSet((4, 8), (256, 512)), (2, 3), provider

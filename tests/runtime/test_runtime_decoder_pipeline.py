@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from models_fixtures import tiny_decoder_config
+from pipeline_fixtures import DECODER_LAYOUT, decoder_loss_sum, decoder_microbatch
 from pipeline_reference import assert_trees_close, reference_step
 
-from dflop_jax.contracts.layout import Layout, StageSpec
+from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import key_name, tied_groups
 from dflop_jax.programs.stage_builder import build_stages
@@ -17,41 +18,8 @@ from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
 from models.decoder import Decoder
-from models.loss import cross_entropy_sum
 
-LAYOUT = Layout(
-    (),
-    (
-        StageSpec("llm", 0, 1, tp=1, dp=2, has_embedding=True),
-        StageSpec("llm", 1, 1, tp=2, dp=2),
-        StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
-    ),
-)
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
-
-
-def _microbatch(rng, vocab, rows, length):
-    seg = np.zeros((rows, length), np.int32)
-    pos = np.zeros((rows, length), np.int32)
-    for r in range(rows):
-        cut = int(rng.integers(3, length - 3))
-        used = int(rng.integers(cut + 2, length + 1))
-        seg[r, :cut], seg[r, cut:used] = 1, 2
-        pos[r, :cut], pos[r, cut:used] = np.arange(cut), np.arange(used - cut)
-    return {
-        "tokens": rng.integers(0, vocab, (rows, length)).astype(np.int32),
-        "feature_index": np.full((rows, length), -1, np.int32),
-        "segment_ids": seg,
-        "positions": pos,
-        "targets": rng.integers(0, vocab, (rows, length)).astype(np.int32),
-        "loss_mask": ((rng.random((rows, length)) < 0.7) & (seg > 0)).astype(np.float32),
-    }
-
-
-def _decoder_loss(m, mb):
-    h = m.embed(mb["tokens"])
-    logits = m.forward_embeddings(h, mb["segment_ids"], mb["positions"])
-    return cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])[0]
 
 
 def _leaf(tree, names):
@@ -75,13 +43,13 @@ def test_decoder_pipeline_matches_reference(order, tie, residuals):
         decoder = Decoder(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     mbs = [
-        _microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)
+        decoder_microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)
     ]  # one bucket: one compile each
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32,
-                          residuals=[residuals] * 3)  # fmt: skip
+    stages = build_stages(cfg, DECODER_LAYOUT, stage_meshes(DECODER_LAYOUT), 0,
+                          compute_dtype=jnp.float32, residuals=[residuals] * 3)  # fmt: skip
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
-    tied = tied_groups(list(LAYOUT.stages), [s.params for s in stages])
+    tied = tied_groups(list(DECODER_LAYOUT.stages), [s.params for s in stages])
     assert [[i for i, _ in group] for group in tied] == ([[0, 2]] if tie else [])
     out = run_pipeline(stages, mbs, norm, order)
     saving = residuals != "recompute"
@@ -91,12 +59,13 @@ def test_decoder_pipeline_matches_reference(order, tie, residuals):
     loss = sum(float(x) for x in out.loss)
     norm_got = np.asarray(apply_updates(opts, out.grads, OPT.clip_norm, tied=tied)[-1])[1]
 
-    ref_loss, ref_params, ref_norm = reference_step(decoder, mbs, norm, OPT, _decoder_loss)
+    ref_loss, ref_params, ref_norm = reference_step(decoder, mbs, norm, OPT, decoder_loss_sum)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(norm_got, ref_norm, rtol=1e-5)  # the tied matrix counted once
     for group in tied:  # both copies took the same update
         copies = [_leaf(stages[i].params, path) for i, path in group]
         np.testing.assert_array_equal(*map(np.asarray, copies))
-    got = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])["llm"]
+    specs = list(DECODER_LAYOUT.stages)
+    got = model_tree(specs, [s.params for s in stages], [{} for _ in stages])["llm"]
     want = model_tree([StageSpec("llm", 0, 3)], [ref_params["stage"]], [{}])["llm"]
     assert_trees_close(got, want)

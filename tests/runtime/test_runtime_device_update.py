@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 from models_fixtures import tiny_decoder_config
+from pipeline_fixtures import DECODER_LAYOUT, decoder_loss_sum, decoder_microbatch
 from pipeline_reference import assert_trees_close
-from test_runtime_decoder_pipeline import LAYOUT, _decoder_loss, _microbatch
 
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.meshes import stage_meshes
@@ -31,11 +31,13 @@ def _setup():
     cfg = tiny_decoder_config(num_layers=3, dtype="float32", tie_embeddings=True)
     with jax.default_device(jax.devices()[0]):
         decoder = Decoder(cfg, rngs=nnx.Rngs(0))
-    stages = build_stages(cfg, LAYOUT, stage_meshes(LAYOUT), 0, compute_dtype=jnp.float32)
+    stages = build_stages(
+        cfg, DECODER_LAYOUT, stage_meshes(DECODER_LAYOUT), 0, compute_dtype=jnp.float32
+    )
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
-    tied = tied_groups(list(LAYOUT.stages), [s.params for s in stages])
+    tied = tied_groups(list(DECODER_LAYOUT.stages), [s.params for s in stages])
     rng = np.random.default_rng(0)
-    batches = [[_microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)] for _ in range(3)]
+    batches = [[decoder_microbatch(rng, cfg.vocab_size, 2, 16) for _ in range(3)] for _ in range(3)]
     return decoder, stages, opts, tied, batches
 
 
@@ -49,7 +51,7 @@ def _reference_run(decoder, batches):
     def step(params, state, mbs, norm):
         def loss(p):
             model = nnx.merge(graphdef, p)
-            return sum(_decoder_loss(model, mb) for mb in mbs) / norm
+            return sum(decoder_loss_sum(model, mb) for mb in mbs) / norm
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, state = tx.update(grads, state, params)
@@ -86,7 +88,7 @@ def test_device_update_matches_optax_over_steps_without_host_transfers():
     # Every stage's mesh got the same statistics.
     for c in copies:
         np.testing.assert_array_equal(np.asarray(c), np.asarray(copies[-1]))
-    tree = model_tree(list(LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])
+    tree = model_tree(list(DECODER_LAYOUT.stages), [s.params for s in stages], [{} for _ in stages])
     want = model_tree([StageSpec("llm", 0, 3)], [want_params["stage"]], [{}])["llm"]
     # Adam divides each element's moment by its root mean square, so after a few steps an element whose
     # gradient is near float32 round-off of the summation order moves by a differently-rounded share

@@ -6,7 +6,7 @@ the first device wait (a measured step waits for its sampled microbatch's inputs
 import json
 
 import pytest
-from test_runtime_trainer import _cfg, _clock
+from trainer_fixtures import decoder_train_config, millisecond_clock
 
 from dflop_jax.train import run
 
@@ -31,7 +31,10 @@ def _expected(m: int, stages: int = 2) -> dict[str, int]:
 
 
 def test_metrics_rows_count_the_programs_each_step_issued(tmp_path):
-    run(_cfg(tmp_path, "d", steps=4, measure_stage_times_every=2), clock=_clock())
+    run(
+        decoder_train_config(tmp_path, "d", steps=4, measure_stage_times_every=2),
+        clock=millisecond_clock(),
+    )
     rows = [json.loads(r) for r in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     for r in rows:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from metrics_fixtures import step_metrics
 from models_fixtures import tiny_decoder_run
 from multiprocess_launch import decoder_args, finish, launch, rows
 from rich.console import Console
@@ -80,14 +81,16 @@ def _tb_scalars(directory: Path) -> dict[str, dict[int, float]]:
 def test_eval_loss_in_console_jsonl_and_tensorboard(tmp_path):
     """An evaluating step's row prints even off the log cadence, with its eval loss, and the loss
     reaches metrics.jsonl, TensorBoard and the summary; other rows carry none."""
-    from test_runtime_metrics import _row
-
     out = io.StringIO()
     console = Console(file=out, width=400, color_system=None)
     log = MetricsLog(tmp_path, 10, True, console, total_steps=10)
-    log.log(_row(1, recompiles=3))
-    log.log(dataclasses.replace(_row(2, 0), eval_loss=1.23456, eval_tokens=77, eval_recompiles=0))
-    log.log(_row(3, recompiles=0))
+    log.log(step_metrics(1, recompiles=3))
+    log.log(
+        dataclasses.replace(
+            step_metrics(2, 0), eval_loss=1.23456, eval_tokens=77, eval_recompiles=0
+        )
+    )
+    log.log(step_metrics(3, recompiles=0))
     log.close()
     lines = out.getvalue().strip().splitlines()
     assert len(lines) == 2 and "eval loss" not in lines[0]

@@ -20,15 +20,28 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-import test_runtime_colocated as colo
-import test_runtime_mllm_pipeline as sep
 from flax import nnx
-from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
+from pipeline_fixtures import (
+    MLLM_TEXT,
+    SEPARATE_LAYOUT,
+    SEPARATE_VISION,
+    colocated_layout,
+    colocated_microbatch,
+    colocated_model,
+    mllm_loss_sum,
+    separate_batch,
+    separate_model,
+)
+from pipeline_reference import (
+    RECIPE_HYPERPARAMS,
+    TRAINABLE_BY_RECIPE,
+    assert_trees_close,
+    no_host_round_trip,
+    stop_gradient_reference,
+)
 
 from dflop_jax.config import load_config
-from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import key_name, tied_groups
 from dflop_jax.programs.stage_builder import build_stages
@@ -40,49 +53,12 @@ from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply
 from dflop_jax.train import run
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 
-# lr > 0 at step 0 (no warmup), so the step changes the trained parts. Adam's first step is about
-# lr * sign(g); eps 1e-3 keeps it smooth in g where g is near 0 (float32 round-off of a tiny gradient
-# would otherwise flip a whole lr-sized step).
-HYPER = dict(lr=1e-2, warmup_steps=0, decay_steps=10, clip_norm=1.0, eps=1e-3)
-RECIPES = {"projector_only": ("projector",), "vision_frozen": ("projector", "llm")}
 # A pipelined step and its single-device reference compile about a minute of programs per recipe: the
 # fast tier steps the projector-only recipe (the one with a dx-only stage), the slow tier both.
-RECIPE_PARAMS = [pytest.param(RECIPES["projector_only"], id="projector_only"),
-                 pytest.param(RECIPES["vision_frozen"], id="vision_frozen", marks=pytest.mark.slow)]  # fmt: skip
-
-
-def _part(path) -> str:
-    """The recipe part of a leaf of the UNSPLIT model (encoder/vision, encoder/projector, llm/...)."""
-    names = [key_name(k) for k in path]
-    return names[1] if names[0] == "encoder" else "llm"
-
-
-class _Reference:
-    """The single-device optimizer of a recipe, independent of the runtime's labels: AdamW on the
-    trained parts of the unsplit model, `set_to_zero` on the frozen ones."""
-
-    def __init__(self, trainable):
-        self.clip_norm, self.trainable = HYPER["clip_norm"], trainable
-
-    def build(self):
-        labels = lambda params: jax.tree_util.tree_map_with_path(
-            lambda path, _: "train" if _part(path) in self.trainable else "frozen", params
-        )
-        adamw = OptimizerConfig(**HYPER).build()  # plain AdamW (every part trained)
-        return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
-
-
-def _stop_frozen(loss, trainable):
-    """`loss` of the model with its frozen parts behind `stop_gradient`."""
-
-    def frozen_loss(model, mb):
-        graphdef, state = nnx.split(model)
-        state = jax.tree_util.tree_map_with_path(
-            lambda path, a: a if _part(path) in trainable else jax.lax.stop_gradient(a), state
-        )
-        return loss(nnx.merge(graphdef, state), mb)
-
-    return frozen_loss
+RECIPE_PARAMS = [
+    pytest.param(TRAINABLE_BY_RECIPE["projector_only"], id="projector_only"),
+    pytest.param(TRAINABLE_BY_RECIPE["vision_frozen"], id="vision_frozen", marks=pytest.mark.slow),
+]
 
 
 @dataclasses.dataclass
@@ -101,34 +77,18 @@ class _Run:
     ref: dict
 
 
-def reference(model, mbs, loss, trainable) -> tuple[float, float, dict]:
-    """(loss, global gradient norm, updated model tree) of one single-device step of the unsplit
-    `model` with its frozen parts behind `stop_gradient`."""
-    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    ref_loss, new, ref_norm = reference_step(
-        model, mbs, norm, _Reference(trainable), _stop_frozen(loss, trainable)
-    )
-    return ref_loss, ref_norm, unsplit_tree(model.cfg, new)
-
-
-def unsplit_tree(cfg, state) -> dict:
-    """The model tree (`model_tree`'s paths) of the unsplit LLaVA-OV's state (3 LLM layers)."""
-    specs = [StageSpec("encoder", 0, cfg.vision.num_layers), StageSpec("llm", 0, 3)]
-    return model_tree(specs, [state["encoder"], state["llm"]], [{}, {}])
-
-
 def _step(model, layout, mbs, loss, trainable, residuals=None) -> _Run:
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(model.cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
                           trainable=trainable, residuals=residuals)  # fmt: skip
-    opt = OptimizerConfig(**HYPER, trainable=trainable)
+    opt = OptimizerConfig(**RECIPE_HYPERPARAMS, trainable=trainable)
     opts = [StageOptimizer(s, opt.build()) for s in stages]
     tied = tied_groups(list(layout.stages), [s.params for s in stages])
     before = _tree(layout, stages)
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, norm, "1f1b")
     stats = apply_updates(opts, out.grads, opt.clip_norm, tied=tied)
-    ref_loss, ref_norm, ref = reference(model, mbs, loss, trainable)
+    ref_loss, ref_norm, ref = stop_gradient_reference(model, mbs, loss, trainable)
     got_loss = sum(float(x) for x in out.loss)
     got_norm = float(np.asarray(stats[-1])[1])
     return _Run(stages, out, got_loss, got_norm, _tree(layout, stages), before, tied, ref_loss,
@@ -175,8 +135,8 @@ def _one_signature(mbs: list[dict]) -> list[dict]:
 @functools.cache
 def _separate_step(trainable) -> _Run:
     """The recipe's step on the separate layout, shared by the tests that inspect it."""
-    mbs = _one_signature(sep._batch())
-    return _step(sep._model(), sep.LAYOUT, mbs, sep._llava_loss, trainable)
+    mbs = _one_signature(separate_batch())
+    return _step(separate_model(), SEPARATE_LAYOUT, mbs, mllm_loss_sum, trainable)
 
 
 @pytest.fixture(scope="module", params=RECIPE_PARAMS)
@@ -188,7 +148,7 @@ def separate(request):
 
 @pytest.fixture(scope="module")
 def projector_only():
-    trainable = RECIPES["projector_only"]
+    trainable = TRAINABLE_BY_RECIPE["projector_only"]
     return trainable, _separate_step(trainable)
 
 
@@ -262,9 +222,9 @@ def test_recipe_step_from_saved_residuals_matches_single_device():
     """The projector-only recipe with every stage keeping all residuals: the frozen LLM stage's
     dx-only backward and the trained projector's run from them (no recompute backward) and the
     step equals the stop_gradient reference."""
-    trainable = RECIPES["projector_only"]
-    layout = sep.LAYOUT
-    run = _step(sep._model(), layout, sep._batch(), sep._llava_loss, trainable,
+    trainable = TRAINABLE_BY_RECIPE["projector_only"]
+    layout = SEPARATE_LAYOUT
+    run = _step(separate_model(), layout, separate_batch(), mllm_loss_sum, trainable,
                 residuals=["all"] * layout.num_stages)  # fmt: skip
     _check_step(run, trainable)
     kinds = [{sig[0] for sig in s.signatures} for s in run.stages[:-1]]
@@ -287,7 +247,7 @@ def test_frozen_stage_behind_trainable_passes_dx_only(projector_only):
     assert _entry_outputs(frozen) == [_shard(x)]  # dL/dx and nothing parameter-shaped
     assert not shapes & set(_entry_outputs(frozen))
     # The same stage trained: its backward outputs the gradient sums and runs more matmuls.
-    trained = build_stages(sep._model().cfg, sep.LAYOUT, stage_meshes(sep.LAYOUT), 0,
+    trained = build_stages(separate_model().cfg, SEPARATE_LAYOUT, stage_meshes(SEPARATE_LAYOUT), 0,
                            compute_dtype=jnp.float32)[2]  # fmt: skip
     full_args = (trained.params, x, side, gy, accumulator_structs(trained.params))
     full_hlo, full = _texts(trained, trained.jits.backward, *full_args)
@@ -297,12 +257,12 @@ def test_frozen_stage_behind_trainable_passes_dx_only(projector_only):
 
 @pytest.mark.parametrize("trainable", RECIPE_PARAMS)
 def test_colocated_recipe_step_matches_single_device(trainable):
-    model = colo._model("llava_ov")
-    layout = colo._layout(1, 2)
+    model = colocated_model("llava_ov")
+    layout = colocated_layout(1, 2)
     rng = np.random.default_rng(1)  # two anyres microbatches (exact taps, a pooled video frame)
-    mbs = [colo._microbatch(rng, 1, 40, model.cfg.tokens_per_tile, taps=True, video=True)
+    mbs = [colocated_microbatch(rng, 1, 40, model.cfg.tokens_per_tile, taps=True, video=True)
            for _ in range(2)]  # fmt: skip
-    run = _step(model, layout, mbs, colo._loss, trainable)
+    run = _step(model, layout, mbs, mllm_loss_sum, trainable)
     assert run.stages[0].has_backward  # the colocated stage trains the projector
     _check_step(run, trainable)
 
@@ -310,9 +270,9 @@ def test_colocated_recipe_step_matches_single_device(trainable):
 def _tied_model():
     """The separate-layout test model with its embedding also the head (Qwen2.5-0.5B style): stages 2
     and 3 (the 2 LLM stages) each hold a copy."""
-    text = dataclasses.replace(sep.TEXT, tie_embeddings=True)
+    text = dataclasses.replace(MLLM_TEXT, tie_embeddings=True)
     with jax.default_device(jax.devices()[0]):
-        return LlavaOnevision(llava_onevision_config(sep.VISION, text), rngs=nnx.Rngs(0))
+        return LlavaOnevision(llava_onevision_config(SEPARATE_VISION, text), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("trainable", [("projector",), ("projector", "llm")],
@@ -322,7 +282,7 @@ def test_tied_embedding_counts_once_in_the_norm_under_a_recipe(trainable):
     no gradient (no correction, no transfer); trained behind the frozen vision tower its two copies get
     the summed gradient, counted once in the global norm (the unsplit model's jax.grad norm), and take
     the same update."""
-    run = _step(_tied_model(), sep.LAYOUT, sep._batch(), sep._llava_loss, trainable)
+    run = _step(_tied_model(), SEPARATE_LAYOUT, separate_batch(), mllm_loss_sum, trainable)
     assert [[i for i, _ in group] for group in run.tied] == [[2, 3]]
     _check_step(run, trainable)
     for group in run.tied:

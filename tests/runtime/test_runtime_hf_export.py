@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from models_fixtures import HF_LOGITS_TOL, TINY_PATCH, TINY_TILE, assert_llava_ov_logits_equal
 
 from dflop_jax.config.parsing import dump_yaml
 from dflop_jax.data.config import DataConfig
@@ -27,9 +28,7 @@ from dflop_jax.runtime.hf_export import model_config_of
 from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
 from models import layouts
 
-TOL = 1e-4
 SEED = 3
-TILE, PATCH = 28, 7  # 4 x 4 patches per tile
 SMALL = dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
              head_dim=8, vision_hidden_size=16, vision_intermediate_size=32, vision_num_layers=2,
              vision_num_heads=2, init_seed=SEED)  # fmt: skip
@@ -50,7 +49,7 @@ def _run_config(tmp_path, kind: str) -> TrainConfig:
     family = "internvl" if kind == "internvl" else "llava_ov"
     return TrainConfig(
         model=ModelConfig(kind=kind, **SMALL),
-        data=DataConfig(model_family=family, tile_size=TILE, patch_size=PATCH),
+        data=DataConfig(model_family=family, tile_size=TINY_TILE, patch_size=TINY_PATCH),
         layout=TEXT_LAYOUT if kind == "decoder" else MLLM_LAYOUT,
         compute_dtype="float32",
         run_dir=str(tmp_path / "run"),
@@ -121,37 +120,6 @@ def _export(run, out, *args):
     assert main([f"run={run}", f"out={out}", *args]) == 0
 
 
-def assert_llava_ov_logits_equal(hf_dir, ours, model_cfg, tile: int = TILE, patch: int = PATCH):
-    """transformers' LLaVA-OV loaded from `hf_dir` and our `ours` give the same logits (float32) on
-    text around a 3-frame video of `tile`-px frames."""
-    import torch
-    import transformers
-
-    ref = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(hf_dir).eval()
-    frames, vid = 3, model_cfg.video_token_id
-    layout = layouts.llava_ov_video_layout(frames, patches_per_side=tile // patch)
-    px = np.random.default_rng(5).standard_normal((1, frames, 3, tile, tile)).astype(np.float32)
-    tokens = np.array([[1, 2] + [vid] * layout.num_tokens + [3, 4]], np.int32)
-    with torch.no_grad():
-        want = ref(
-            input_ids=torch.from_numpy(tokens).long(), pixel_values_videos=torch.from_numpy(px)
-        ).logits.numpy()
-    fidx = np.concatenate([[layouts.TEXT] * 2, layout.offset(0), [layouts.TEXT] * 2])
-    fidx = fidx[None, :, None].astype(np.int32)
-    s = tokens.shape[1]
-    got = nnx.jit(lambda m, *a: m(*a))(
-        ours,
-        jnp.asarray(px[0].transpose(0, 2, 3, 1)),
-        jnp.ones(frames, bool),
-        jnp.asarray(tokens),
-        jnp.ones((1, s), jnp.int32),
-        jnp.arange(s, dtype=jnp.int32)[None],
-        jnp.asarray(fidx),
-        jnp.ones(fidx.shape, jnp.float32),
-    )
-    np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
-
-
 @pytest.mark.hf
 def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -209,14 +177,14 @@ def test_an_export_of_a_run_from_an_hf_checkpoint_is_complete(tmp_path):
 
     hf = save_tiny_llava_ov(tmp_path / "ov", vision_use_head=True)
     transformers.LlavaOnevisionImageProcessor(
-        size={"height": TILE, "width": TILE}, image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6],
-        image_grid_pinpoints=[[TILE * r, TILE * c] for r in (1, 2) for c in (1, 2)],
+        size={"height": TINY_TILE, "width": TINY_TILE}, image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6],
+        image_grid_pinpoints=[[TINY_TILE * r, TINY_TILE * c] for r in (1, 2) for c in (1, 2)],
     ).save_pretrained(hf)  # fmt: skip
     (hf / "processor_config.json").write_text('{"processor_class": "LlavaOnevisionProcessor"}')
     cfg = dataclasses.replace(
         _run_config(tmp_path, "llava_ov"),
         model=ModelConfig(hf_dir=str(hf)),
-        data=DataConfig(patch_size=PATCH),  # tile size, mean/std, max grid: hf's processor's
+        data=DataConfig(patch_size=TINY_PATCH),  # tile size, mean/std, max grid: hf's processor's
         layout=LayoutConfig(
             encoder_layers=(1, 1), encoder_tp=(2,), llm_layers=(1, 1), llm_tp=(2, 1)
         ),
@@ -260,9 +228,9 @@ def test_internvl_export_loads_in_transformers_with_our_logits(tmp_path):
     ours = _reference(model_cfg, InternVL)
     img = model_cfg.image_token_id
     layout = layouts.internvl_image_layout(
-        (60, 130), tile_size=TILE, max_tiles=6, tokens_per_tile=4
+        (60, 130), tile_size=TINY_TILE, max_tiles=6, tokens_per_tile=4
     )
-    px = np.random.default_rng(0).standard_normal((layout.num_tiles, 3, TILE, TILE))
+    px = np.random.default_rng(0).standard_normal((layout.num_tiles, 3, TINY_TILE, TINY_TILE))
     px = px.astype(np.float32)
     tokens = np.array([[1, 2] + [img] * layout.num_tokens + [3, 4, 5]], np.int32)
     with torch.no_grad():
@@ -280,7 +248,7 @@ def test_internvl_export_loads_in_transformers_with_our_logits(tmp_path):
         jnp.arange(s, dtype=jnp.int32)[None],
         jnp.asarray(fidx.astype(np.int32)),
     )
-    np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+    np.testing.assert_allclose(np.asarray(got), want, atol=HF_LOGITS_TOL)
 
 
 @pytest.mark.hf
@@ -300,7 +268,7 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
         with torch.no_grad():
             want = ref(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
         ours = _reference(model_cfg, Decoder, bumps)
-        np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=TOL)
+        np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=HF_LOGITS_TOL)
     # Our importer reads the export back bit for bit (a run can train on from it: model.hf_dir).
     again, again_cfg = load_pretrained(out)
     assert again_cfg == model_cfg
@@ -333,12 +301,12 @@ def test_a_two_process_checkpoint_reads_on_one_host(tmp_path):
     """The exporter's reader (`SavedState`) reads every leaf of a checkpoint that 2 processes wrote,
     each stage local to one process (orbax saved those through `_global_view`)."""
     import checkpoint_worker
-    from test_runtime_multiprocess_checkpoint import _workers
+    from multiprocess_launch import checkpoint_workers
 
     from dflop_jax.runtime.checkpoint import SavedState
 
     directory = tmp_path / "ckpt"
-    _workers("save", "two_on_p0", str(directory))
+    checkpoint_workers("save", "two_on_p0", str(directory))
     saved = SavedState(directory)
     weights = [p for p in saved.leaves if p[-1] == "w"]
     assert len(weights) == 8  # 4 layers x (params, opt)

@@ -3,41 +3,10 @@
 import io
 import itertools
 
+from metrics_fixtures import step_metrics
 from rich.console import Console
 
-from dflop_jax.runtime.metrics import MetricsLog, StepMetrics
-
-
-def _row(step: int, recompiles: int) -> StepMetrics:
-    return StepMetrics(
-        step=step,
-        loss=2.34567,
-        grad_norm=0.8123,
-        lr=3e-3,
-        step_time_s=1.5,
-        tokens_per_s=1234.4,
-        samples_per_s=10.0,
-        mfu=0.125,
-        llm_padding_ratio=0.1,
-        encoder_padding_ratio=0.2,
-        stage_padding_ratio=[0.2, 0.1],
-        microbatches=4,
-        loss_tokens=500,
-        scheduler_latency_s=0.003,
-        scheduler_gap=0.01,
-        scheduler_solver="greedy",
-        data_wait_s=0.012,
-        predicted_step_time_s=1.4,
-        compiles=3,
-        recompiles=recompiles,
-        skipped=0,
-        stage_times_measured=False,
-        pred_raw_mape=None,
-        pred_corrected_mape=None,
-        correction_observations=0,
-        correction_active=False,
-        new_observations=0,
-    )
+from dflop_jax.runtime.metrics import MetricsLog
 
 
 def _log(tmp_path, times, every=1, total=10):
@@ -51,7 +20,7 @@ def _log(tmp_path, times, every=1, total=10):
 
 def test_console_line_names_every_column(tmp_path):
     log, out = _log(tmp_path, [0.0, 10.0])
-    log.log(_row(1, recompiles=3))
+    log.log(step_metrics(1, recompiles=3))
     line = out.getvalue().strip()
     assert line == (
         "step 1/10 | elapsed 0:10 | ETA ? | loss 2.3457 | grad norm 0.812 | lr 3.00e-03 | "
@@ -64,7 +33,7 @@ def test_eta_is_the_mean_of_steps_that_compiled_nothing(tmp_path):
     # start 0; step 1 compiles (10 s); 2 steady (2 s); 3 compiles a new bucket (10 s); 4 steady (4 s).
     log, out = _log(tmp_path, [0.0, 10.0, 12.0, 22.0, 26.0])
     for step, recompiles in [(1, 3), (2, 0), (3, 1), (4, 0)]:
-        log.log(_row(step, recompiles))
+        log.log(step_metrics(step, recompiles))
     lines = out.getvalue().strip().splitlines()
     # After step 2: 8 steps left x 2 s; after step 3 still 2 s per step (the compile step is left out),
     # 7 left; after step 4 the steady mean is (2 + 4) / 2 = 3 s, 6 left.
@@ -80,7 +49,7 @@ def test_long_runs_show_hours_and_only_every_nth_step(tmp_path):
     clock = itertools.count(0.0, 600.0)  # every step takes 10 minutes
     log, out = _log(tmp_path, clock, every=5, total=100)
     for step in range(1, 11):
-        log.log(_row(step, recompiles=0))
+        log.log(step_metrics(step, recompiles=0))
     lines = out.getvalue().strip().splitlines()
     assert [line.split(" | loss")[0] for line in lines] == [
         "step 1/100 | elapsed 10:00 | ETA ?",  # the first step includes setup: never in the mean

@@ -72,12 +72,12 @@ def test_model_config_remat_is_validated_and_applied(tmp_path):
 
 
 def test_training_from_a_plan_applies_its_remat(tmp_path):
-    from test_profiling_compile_check import tiny_plan
+    from plan_fixtures import tiny_analytic_plan
 
     from dflop_jax.planner import load_plan, save_plan
     from dflop_jax.resolve.run_context import with_plan_remat
 
-    plan = tiny_plan()
+    plan = tiny_analytic_plan()
     path = save_plan(dataclasses.replace(plan, cost_provider=plan.cost_provider + "+remat"),
                      tmp_path / "plan.yaml")  # fmt: skip
     assert load_plan(path).remat == {"vision": "full", "llm": "full"}

@@ -8,7 +8,6 @@ changed) and then on 2 (one stage), and its per-step losses equal an uninterrupt
 
 import dataclasses
 import io
-import itertools
 import json
 
 import numpy as np
@@ -92,11 +91,6 @@ def test_other_buckets_reset_every_stage():
     assert same_buckets(_sched_state(4, 2.0), _sched_state(3, 1.0))
 
 
-def _clock():
-    ticks = itertools.count()
-    return lambda: next(ticks) * 1e-3
-
-
 LAYOUT_8 = {"layout.llm_layers": "[1, 2]", "layout.llm_tp": "[2, 2]", "layout.llm_dp": 2}
 LAYOUT_4 = {"layout.llm_layers": "[2, 1]", "layout.llm_tp": "[1, 1]", "layout.llm_dp": 2}
 LAYOUT_2 = {"layout.llm_layers": "[3]", "layout.llm_tp": "[1]", "layout.llm_dp": 2}
@@ -104,15 +98,15 @@ LAYOUT_2 = {"layout.llm_layers": "[3]", "layout.llm_tp": "[1]", "layout.llm_dp":
 
 @pytest.mark.slow
 def test_resume_on_4_then_2_devices_with_other_layouts_equals_the_8_device_run(tmp_path):
-    from test_runtime_trainer import _cfg
+    from trainer_fixtures import decoder_train_config, millisecond_clock
 
     from dflop_jax.train import run
 
     def leg(name, steps, layout):
         out = io.StringIO()
-        cfg = _cfg(tmp_path, name, steps=steps, **{"model.num_layers": 3}, **layout,
-                   **{"checkpoint.every": 3})  # fmt: skip
-        report = run(cfg, console=Console(file=out, width=200), clock=_clock())
+        cfg = decoder_train_config(tmp_path, name, steps=steps, **{"model.num_layers": 3},
+                                   **layout, **{"checkpoint.every": 3})  # fmt: skip
+        report = run(cfg, console=Console(file=out, width=200), clock=millisecond_clock())
         return report, out.getvalue()
 
     straight, _ = leg("straight", 8, LAYOUT_8)

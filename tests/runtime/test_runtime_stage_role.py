@@ -9,8 +9,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 import runtime_toy as toy
-import test_runtime_colocated as colo
-import test_runtime_mllm_pipeline as sep
+from pipeline_fixtures import (
+    COLOCATED_LLAVA,
+    MLLM_TEXT,
+    SEPARATE_LAYOUT,
+    SEPARATE_VISION,
+    colocated_layout,
+)
 
 from dflop_jax.contracts.cost_table import TRAINABLE_PARTS
 from dflop_jax.contracts.layout import Layout, StageSpec
@@ -22,11 +27,11 @@ from dflop_jax.programs.stage_program import StageProgram
 from models.llava_onevision import llava_onevision_config
 
 RECIPES = [c for n in (1, 2, 3) for c in itertools.combinations(TRAINABLE_PARTS, n)]
-SEPARATE_CFG = llava_onevision_config(sep.VISION, sep.TEXT)
+SEPARATE_CFG = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT)
 MODELS = {  # (model config, layout): encoder stages, the colocated encoder, a decoder-only model
-    "separate": (SEPARATE_CFG, sep.LAYOUT),
-    "colocated": (colo.LLAVA, colo._layout(2, 2)),
-    "decoder": (colo.TEXT, colo._layout(2, 2)),
+    "separate": (SEPARATE_CFG, SEPARATE_LAYOUT),
+    "colocated": (COLOCATED_LLAVA, colocated_layout(2, 2)),
+    "decoder": (MLLM_TEXT, colocated_layout(2, 2)),
 }
 
 
@@ -44,7 +49,7 @@ def test_the_colocated_stage_role_is_its_one_program():
     """LLM stage 0 holding the encoder: all three parts, no stage input (its tiles need no
     gradient), so it trains under every recipe; as plain LLM stage 0 it would be dx-only under a
     projector-only recipe."""
-    spec = colo._layout(2, 2).stages[0]
+    spec = colocated_layout(2, 2).stages[0]
     for trainable in RECIPES:
         role = stage_role(spec, trainable, True, colocated=True)
         assert role.kind == "train" and not role.input_grad
@@ -61,15 +66,15 @@ def test_build_stages_runs_each_stage_by_its_role():
     """The projector-only recipe on 2 encoder + 2 LLM stages has all three kinds; on the colocated
     layout the first stage trains the projector inside its one program."""
     trainable = ("projector",)
-    stages = _build(SEPARATE_CFG, sep.LAYOUT, trainable)
-    assert [s.role for s in stages] == [stage_role(s, trainable) for s in sep.LAYOUT.stages]
+    stages = _build(SEPARATE_CFG, SEPARATE_LAYOUT, trainable)
+    assert [s.role for s in stages] == [stage_role(s, trainable) for s in SEPARATE_LAYOUT.stages]
     assert [s.role.kind for s in stages] == ["forward", "train", "dx", "dx"]
     assert [s.has_backward for s in stages] == [False, True, True, True]
     assert stages[0].jits.backward is None and stages[1].jits.backward is not None
     assert [s.input_grad for s in stages] == [False, False, True, True]
 
-    layout = colo._layout(2, 2)
-    stages = _build(colo.LLAVA, layout, trainable)
+    layout = colocated_layout(2, 2)
+    stages = _build(COLOCATED_LLAVA, layout, trainable)
     assert stages[0].role == StageRole(("projector",), ("vision", "llm"), False)
     assert stages[1].role == stage_role(layout.stages[1], trainable)
     assert [s.role.kind for s in stages] == ["train", "dx"]

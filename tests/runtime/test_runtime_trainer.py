@@ -4,7 +4,6 @@ runs observe the same times; one sampled microbatch per measured step; batch k s
 of steps <= k - prefetch); the embedded
 demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
 
-import itertools
 import json
 import re
 from pathlib import Path
@@ -12,19 +11,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from models_fixtures import tiny_decoder_run
+from trainer_fixtures import decoder_train_config, millisecond_clock
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.train import run
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _cfg(tmp_path, name, **over):
-    over = {"layout.microbatches": "[2, 3]", "measure_stage_times_every": 1,
-            "scheduler.correction": "'on'", **over}  # fmt: skip
-    return load_config(TrainConfig, None, tiny_decoder_run(tmp_path, name, 96, **over))
 
 
 def test_demo_config_loads():
@@ -46,14 +39,8 @@ def test_plan_settings_are_validated(override, message):
         load_config(TrainConfig, REPO / "configs" / "demo.yaml", [override])
 
 
-def _clock():
-    """Every timed program takes 1 ms (two consecutive reads)."""
-    ticks = itertools.count()
-    return lambda: next(ticks) * 1e-3
-
-
 def test_train_loss_decreases_and_resume_is_exact(tmp_path):
-    straight = run(_cfg(tmp_path, "a", steps=6), clock=_clock())
+    straight = run(decoder_train_config(tmp_path, "a", steps=6), clock=millisecond_clock())
     assert np.mean(straight.losses[-2:]) < straight.losses[0] - 0.3
     assert (tmp_path / "a" / "config.yaml").is_file()
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -84,8 +71,14 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
         assert n <= 64
         assert r["pred_corrected_mape"] == pytest.approx(r["pred_raw_mape"] / n, rel=1e-9)
 
-    half = run(_cfg(tmp_path, "b", steps=3, **{"checkpoint.every": 3}), clock=_clock())
-    resumed = run(_cfg(tmp_path, "b", steps=6, **{"checkpoint.every": 3}), clock=_clock())
+    half = run(
+        decoder_train_config(tmp_path, "b", steps=3, **{"checkpoint.every": 3}),
+        clock=millisecond_clock(),
+    )
+    resumed = run(
+        decoder_train_config(tmp_path, "b", steps=6, **{"checkpoint.every": 3}),
+        clock=millisecond_clock(),
+    )
     assert resumed.first_step == 3
     assert half.losses + resumed.losses == straight.losses
     for s_a, s_b in zip(straight.stages, resumed.stages):
@@ -136,7 +129,8 @@ def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, m
     monkeypatch.setattr(trainer_mod._Trainer, "dispatch", guarded)
     monkeypatch.setattr(trainer_mod._Trainer, "read", logged)
     report = run(
-        _cfg(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2), clock=_clock()
+        decoder_train_config(tmp_path, "c", steps=5, log_every=2, measure_stage_times_every=2),
+        clock=millisecond_clock(),
     )
     assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "D5", "R3,4", "R5"]
     assert len(report.losses) == 5 and all(np.isfinite(report.losses))
@@ -158,7 +152,8 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_mod, "run_pipeline", recorded)
     report = run(
-        _cfg(tmp_path, "aot", steps=8, **{"layout.lengths": "[256, 2048]"}), clock=_clock()
+        decoder_train_config(tmp_path, "aot", steps=8, **{"layout.lengths": "[256, 2048]"}),
+        clock=millisecond_clock(),
     )
     rows = [json.loads(r) for r in (tmp_path / "aot" / "metrics.jsonl").read_text().splitlines()]
     assert used[0] != {256, 2048}  # step 1 leaves a bucket to the ahead-of-time compile

@@ -1,0 +1,237 @@
+"""What the pipeline parity tests pipeline: tiny models, their layouts, microbatches and summed losses
+(`pipeline_reference.reference_step`'s `loss_sum`), shared by the runtime tests.
+
+- The decoder over 3 LLM stages (`DECODER_LAYOUT`): packed text microbatches of two segments per row.
+- The tiny LLaVA-OV over 2 encoder + 2 LLM stages (`SEPARATE_LAYOUT`, encoder dp 2, LLM dp 1 x tp 2):
+  tiles packed by row, each row's feature indices into its own block of tile slots.
+- The encoder COLOCATED on the first LLM stage (`colocated_layout`), for LLaVA-OV and InternVL: row r's
+  tiles in slots [r*T, (r+1)*T), its feature indices GLOBAL slot rows inside that range.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dflop_jax.contracts.layout import Layout, StageSpec
+from dflop_jax.data.sample_arrays import plain_taps
+from models.decoder_config import DecoderConfig
+from models.internvit import InternViTConfig
+from models.internvl import InternVL, internvl_config
+from models.llava_onevision import LlavaOnevision, llava_onevision_config
+from models.loss import cross_entropy_sum
+from models.siglip import SiglipConfig
+
+# -- The decoder over 3 LLM stages ---------------------------------------------------------------
+
+DECODER_LAYOUT = Layout(
+    (),
+    (
+        StageSpec("llm", 0, 1, tp=1, dp=2, has_embedding=True),
+        StageSpec("llm", 1, 1, tp=2, dp=2),
+        StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True),
+    ),
+)
+
+
+def decoder_microbatch(rng, vocab, rows, length):
+    """`rows` packed text rows of two segments (random cut, then padding) over a `vocab` of tokens."""
+    seg = np.zeros((rows, length), np.int32)
+    pos = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        cut = int(rng.integers(3, length - 3))
+        used = int(rng.integers(cut + 2, length + 1))
+        seg[r, :cut], seg[r, cut:used] = 1, 2
+        pos[r, :cut], pos[r, cut:used] = np.arange(cut), np.arange(used - cut)
+    return {
+        "tokens": rng.integers(0, vocab, (rows, length)).astype(np.int32),
+        "feature_index": np.full((rows, length), -1, np.int32),
+        "segment_ids": seg,
+        "positions": pos,
+        "targets": rng.integers(0, vocab, (rows, length)).astype(np.int32),
+        "loss_mask": ((rng.random((rows, length)) < 0.7) & (seg > 0)).astype(np.float32),
+    }
+
+
+def decoder_loss_sum(m, mb):
+    """The summed loss of an unsplit `models.decoder.Decoder` on a microbatch dict."""
+    h = m.embed(mb["tokens"])
+    logits = m.forward_embeddings(h, mb["segment_ids"], mb["positions"])
+    return cross_entropy_sum(logits, mb["targets"], mb["loss_mask"])[0]
+
+
+# -- The tiny MLLMs: one LLM for both placements of the encoder ------------------------------------
+
+MLLM_TEXT = DecoderConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+    head_dim=8, qkv_bias=True,
+)  # fmt: skip
+
+
+def mllm_loss_sum(m, mb):
+    """The summed loss of an MLLM (LLaVA-OV, InternVL) on a microbatch dict; with `feature_taps` the
+    features are placed by the taps (and `feature_weight`) instead of `feature_index`."""
+    keys = ("tiles", "tile_pool", "tokens", "segment_ids", "positions", "feature_index", "targets",
+            "loss_mask")  # fmt: skip
+    args = [mb[k] for k in keys]
+    if mb["feature_taps"] is not None:  # MLLM.loss places with the taps instead
+        args[keys.index("feature_index")] = mb["feature_taps"]
+    return m.loss(*args, feature_weight=mb["feature_weight"])[0]
+
+
+# -- LLaVA-OV over 2 encoder + 2 LLM stages ------------------------------------------------------
+
+SEPARATE_VISION = SiglipConfig(
+    hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2, image_size=28, patch_size=7
+)
+SEPARATE_LAYOUT = Layout(
+    (
+        StageSpec("encoder", 0, 1, tp=1, dp=2, has_embedding=True),
+        StageSpec("encoder", 1, 2, tp=1, dp=2, has_head=True),
+    ),
+    (
+        StageSpec("llm", 0, 2, tp=2, dp=1, has_embedding=True),
+        StageSpec("llm", 2, 1, tp=2, dp=1, has_head=True),
+    ),
+)
+SEPARATE_ROWS, SEPARATE_TPT = 1, 16  # LLM rows per microbatch (the LLM's dp); feature rows per tile
+
+
+def _separate_taps(rng, fidx, block):
+    """[rows,S,4] taps / weights: image positions mix 4 random feature rows of their row's own block
+    (`block` feature rows per row) with random fractional weights (summing to 1); TEXT / NEWLINE
+    positions repeat their index with weight 1 on tap 0."""
+    taps, weights = plain_taps(fidx.reshape(-1))
+    img = fidx.reshape(-1) >= 0
+    row = np.repeat(np.arange(fidx.shape[0]), fidx.shape[1])[img]
+    taps[img] = row[:, None] * block + rng.integers(0, block, (int(img.sum()), 4))
+    w = rng.random((int(img.sum()), 4)) + 0.1
+    weights[img] = w / w.sum(1, keepdims=True)
+    shape = (*fidx.shape, 4)
+    return taps.reshape(shape).astype(np.int32), weights.reshape(shape).astype(np.float32)
+
+
+def separate_microbatch(rng, row_tiles, length, rows=SEPARATE_ROWS):
+    """`rows` packed rows, each gathering features of its own block of `row_tiles` tiles (global
+    slot indices, row r's in [r * row_tiles * SEPARATE_TPT, (r + 1) * row_tiles * SEPARATE_TPT)). The 48-token ones
+    carry exact LLaVA-OV feature taps (4 taps with fractional weights), others a plain feature_index."""
+    n, block = rows * row_tiles, row_tiles * SEPARATE_TPT
+    fidx = np.full((rows, length), -1, np.int32)
+    k = min(block, length - 4)
+    for r in range(rows):
+        fidx[r, 1 : 1 + k] = r * block + rng.permutation(block)[:k]
+        fidx[r, 1 + k] = -2  # image newline
+    seg = np.ones((rows, length), np.int32)
+    seg[:, length - 6 :] = 2
+    pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
+    tokens = rng.integers(1, MLLM_TEXT.vocab_size, (rows, length)).astype(np.int32)
+    taps, weights = _separate_taps(rng, fidx, block) if length == 48 else (None, None)
+    return {
+        "feature_taps": taps,
+        "feature_weight": weights,
+        "tiles": rng.standard_normal((n, 28, 28, 3)).astype(np.float32),
+        "tile_valid": np.ones(n, bool),
+        "tile_pool": np.arange(n) == 1,  # one video frame (pooled features)
+        "tokens": tokens,
+        "segment_ids": seg,
+        "positions": pos,
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": (rng.random((rows, length)) < 0.6).astype(np.float32),
+        "feature_index": fidx,
+    }
+
+
+def separate_batch(rows=SEPARATE_ROWS):
+    """Three microbatches at two bucket shapes; a row's tiles a multiple of the LLM's tp (2), as
+    the data layer pads each row's block."""
+    rng = np.random.default_rng(0)
+    shapes = ((4, 48), (2, 32), (4, 48)) if rows == 1 else ((2, 48), (4, 32), (2, 48))
+    return [separate_microbatch(rng, t, s, rows) for t, s in shapes]
+
+
+def separate_model():
+    """The unsplit LLaVA-OV of the separate layout (a new one each call)."""
+    with jax.default_device(jax.devices()[0]):
+        return LlavaOnevision(llava_onevision_config(SEPARATE_VISION, MLLM_TEXT), rngs=nnx.Rngs(0))
+
+
+# -- The encoder colocated on the first LLM stage --------------------------------------------------
+
+COLOCATED_SIGLIP = SiglipConfig(
+    hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, image_size=28, patch_size=7
+)
+COLOCATED_INTERNVIT = InternViTConfig(hidden_size=16, intermediate_size=32, num_layers=2,
+                                      num_heads=2, image_size=28, patch_size=7, dtype="float32")  # fmt: skip
+COLOCATED_LLAVA = llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT)
+COLOCATED_TILES = 3  # tile slots per row (T)
+
+
+def colocated_layout(dp: int, llm_stages: int) -> Layout:
+    """The encoder on LLM stage 0 (tp 2); with 2 LLM stages the second holds the last layer."""
+    if llm_stages == 1:
+        return Layout((), (StageSpec("llm", 0, 3, tp=2, dp=dp, has_embedding=True, has_head=True),))
+    return Layout(
+        (),
+        (
+            StageSpec("llm", 0, 2, tp=2, dp=dp, has_embedding=True),
+            StageSpec("llm", 2, 1, tp=1, dp=dp, has_head=True),
+        ),
+    )
+
+
+def _row_taps(rng, fidx, lo, hi):
+    """[S,4] taps / weights of one row: image positions mix 4 random rows of [lo, hi) (the row's own
+    features) with fractional weights, as LLaVA-OV's bilinear downscale of an anyres grid does."""
+    taps, weights = plain_taps(fidx)
+    img = fidx >= 0
+    taps[img] = rng.integers(lo, hi, (int(img.sum()), 4))
+    w = rng.random((int(img.sum()), 4)) + 0.1
+    weights[img] = w / w.sum(1, keepdims=True)
+    return taps.astype(np.int32), weights.astype(np.float32)
+
+
+def colocated_microbatch(
+    rng, rows: int, length: int, tpt: int, *, taps: bool, video: bool, tiles: int = COLOCATED_TILES
+) -> dict:
+    """`rows` packed rows of two segments, each placing features of its own `tiles` tiles only."""
+    per_row = tiles * tpt
+    fidx = np.full((rows, length), -1, np.int32)
+    k = min(per_row - 2, length - 8)
+    for r in range(rows):  # row r's features: global rows [r*per_row, (r+1)*per_row)
+        fidx[r, 1 : 1 + k] = r * per_row + rng.permutation(per_row)[:k]
+        fidx[r, 1 + k] = -2  # an image newline (LLaVA-OV)
+    seg = np.ones((rows, length), np.int32)
+    seg[:, length - 6 :] = 2
+    pos = np.tile(np.concatenate([np.arange(length - 6), np.arange(6)]), (rows, 1)).astype(np.int32)
+    tokens = rng.integers(1, MLLM_TEXT.vocab_size, (rows, length)).astype(np.int32)
+    mb = {
+        "tiles": rng.integers(0, 256, (rows * tiles, 28, 28, 3)).astype(np.uint8),
+        "tile_valid": np.ones(rows * tiles, bool),
+        # video: the last slot of every row is a frame pooled 2x2 after the projector
+        "tile_pool": (np.arange(rows * tiles) % tiles == tiles - 1) & video,
+        "tokens": tokens,
+        "segment_ids": seg,
+        "positions": pos,
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": (rng.random((rows, length)) < 0.6).astype(np.float32),
+        "feature_index": fidx,
+        "feature_taps": None,
+        "feature_weight": None,
+    }
+    if taps:
+        pairs = [_row_taps(rng, fidx[r], r * per_row, (r + 1) * per_row) for r in range(rows)]
+        mb["feature_taps"] = np.stack([t for t, _ in pairs])
+        mb["feature_weight"] = np.stack([w for _, w in pairs])
+    return mb
+
+
+@functools.cache  # not changed by a test (the reference step splits off its state)
+def colocated_model(family: str):
+    """The unsplit model of the colocated tests: "internvl" or LLaVA-OV (any other family)."""
+    with jax.default_device(jax.devices()[0]):
+        if family == "internvl":
+            return InternVL(internvl_config(COLOCATED_INTERNVIT, MLLM_TEXT), rngs=nnx.Rngs(0))
+        return LlavaOnevision(llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT), rngs=nnx.Rngs(0))
