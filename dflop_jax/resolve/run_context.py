@@ -60,7 +60,7 @@ class RunContext:
         vocabulary)."""
         plan_file = None if cfg.plan in PLAN_MODES else load_plan(cfg.plan)
         cfg = with_plan_remat(cfg, plan_file)
-        return cls.of(cfg, run_model_config(cfg), plan_file)
+        return cls.of(cfg, cfg.model_config(), plan_file)
 
     @classmethod
     def of(cls, cfg: TrainConfig, model_cfg, plan_file: Plan | None = None) -> RunContext:
@@ -147,14 +147,3 @@ def with_plan_remat(cfg: TrainConfig, plan_file: Plan | None) -> TrainConfig:
         )
     model = dataclasses.replace(cfg.model, vision_remat=remat["vision"], llm_remat=remat["llm"])
     return dataclasses.replace(cfg, model=model)
-
-
-def run_model_config(cfg: TrainConfig):
-    """The run's `models` config (`ModelConfig.model_config`: no parameter is made; an HF directory
-    gives it from its config.json alone, without reading the tokenizer)."""
-    from dflop_jax.data import load_tokenizer
-
-    vocab = 0 if cfg.model.hf_dir else load_tokenizer(cfg.data.tokenizer).vocab_size
-    return cfg.model.model_config(vocab, tile_px=cfg.data.tile_px, patch_size=cfg.data.patch_size,
-                                  compute_dtype=cfg.compute_dtype,
-                                  pixel_norm=(cfg.data.mean, cfg.data.std))  # fmt: skip

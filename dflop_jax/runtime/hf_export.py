@@ -97,13 +97,7 @@ def model_config_of(cfg: TrainConfig):
     from dflop_jax.data import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
-    model_cfg = cfg.model.model_config(
-        tok.vocab_size,
-        tile_px=cfg.data.tile_px,
-        patch_size=cfg.data.patch_size,
-        compute_dtype="float32",
-        pixel_norm=(cfg.data.mean, cfg.data.std),
-    )
+    model_cfg = cfg.model_config(compute_dtype="float32", tokenizer=tok)
     if not hasattr(model_cfg, "vision"):
         return model_cfg
     if cfg.model.kind == "internvl":

@@ -10,7 +10,6 @@ import pytest
 
 from dflop_jax.config import load_config
 from dflop_jax.resolve import RunContext, resolve_plan
-from dflop_jax.resolve.run_context import run_model_config
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.trainer import prepare_run_dir, train
 from models.stage_modules import with_attention
@@ -29,7 +28,7 @@ def _losses(tmp_path, impl) -> list[float]:
     over = [f"data.synth_dir={tmp_path / 'synth'}", f"run_dir={tmp_path / impl}",
             f"compilation_cache={tmp_path / 'jax_cache'}"]  # fmt: skip
     cfg = load_config(TrainConfig, DEMO, [*LAYOUT, *over])
-    model_cfg = with_attention(run_model_config(cfg), impl)
+    model_cfg = with_attention(cfg.model_config(), impl)
     assert model_cfg.text.attention_impl == model_cfg.vision.attention_impl == impl
     prepare_run_dir(cfg)
     ctx = RunContext.of(cfg, model_cfg)
