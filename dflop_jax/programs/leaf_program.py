@@ -33,11 +33,12 @@ class LeafProgram:
       ins: per positional argument, the treedef of a tree passed as leaves, or None.
       outs: as `ins`, for the outputs.
       in_shardings, out_shardings: as `jax.jit`'s, given for the trees (made leaves here).
+      name: the program's name (jax's `jit_<name>` module); None: `fn`'s `__name__`.
       **jit: `jax.jit`'s other arguments (`donate_argnums`, `static_argnums`: positions as given).
     """
 
     def __init__(self, fn: Callable, ins: tuple, outs, *, in_shardings=None,
-                 out_shardings=None, **jit):  # fmt: skip
+                 out_shardings=None, name: str | None = None, **jit):  # fmt: skip
         self.ins, self.outs = ins, outs
         self._many = isinstance(outs, tuple)
 
@@ -46,7 +47,8 @@ class LeafProgram:
             return self._leaves_out(fn(*trees))
 
         # jax names the program after its function (compile logs, `bench multihost`'s counts)
-        on_leaves.__name__ = on_leaves.__qualname__ = getattr(fn, "__name__", "on_leaves")
+        name = getattr(fn, "__name__", "on_leaves") if name is None else name
+        on_leaves.__name__ = on_leaves.__qualname__ = name
         if in_shardings is not None:
             jit["in_shardings"] = tuple(
                 s if t is None else jax.tree.leaves(s) for s, t in zip(in_shardings, ins)

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -159,95 +160,237 @@ def stage_jits(
       residuals: the residual policy (`RESIDUAL_POLICIES`); "all" and "layers" make the same
         programs (which residuals a stage has is its functions' layer remat, `build_stages`).
     """
-    ps = param_shardings
-    trained = all_trained(ps) if trained is None else trained
-    dx = role.input_grad and fns.x_spec is not None  # the backward returns dL/dx
-    xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
-    gxs = xs if dx else None
-    side_s = NamedSharding(mesh, P("data"))
-    scalar = NamedSharding(mesh, P())
-    ys = (scalar, scalar) if fns.loss is not None else NamedSharding(mesh, fns.y_spec)
-    accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
-    trains = bool(jax.tree.leaves(accs))
-    if trains and not role.has_backward:
+    trained = all_trained(param_shardings) if trained is None else trained
+    stage = _Stage.of(mesh, fns, param_shardings, compute_dtype, trained, role)
+    if jax.tree.leaves(stage.acc_shardings) and not role.has_backward:
         raise ValueError(f"a stage of role {role} runs forward only but holds trained parameters")
-    frozen = negate(trained)
-    dp = mesh.shape["data"]
-    # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
-    inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
-    xl, yl = _local_spec(inner), _local_spec(fns.y_spec)
-    # an x the functions take replicated over "data" (every replica's rows may read all of it; the
-    # MLLM's image features are taken per row, P("data"), so not they) gets every replica's share of
-    # dL/dx summed over "data" (an activation gradient, not the params'). The sum
-    # runs outside the manual region, over the per-replica shares stacked on "data": a psum inside it
-    # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
-    # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in (partial)
-    # manual partitioning mode").
-    x_replicated = dp > 1 and xl is not None and not any(xl)
-    gxl = (P("data", *xl) if x_replicated else xl) if dx else None
+    saves = (
+        check_residual_policy(residuals) != "recompute" and fns.loss is None and role.has_backward
+    )
+    vjps: dict[tuple, tuple] = {}  # the residual programs' table (`_forward_saving_residuals`)
+    return StageJits(
+        forward=_forward(stage),
+        backward=_backward_recomputing(stage) if role.has_backward else None,
+        last=_last_step(stage),
+        zeros=_zero_accumulator(stage),
+        eval_loss=None if fns.loss is None else _eval_loss(stage),
+        forward_residuals=_forward_saving_residuals(stage, vjps) if saves else None,
+        backward_residuals=_backward_from_residuals(stage, vjps) if saves else None,
+        residuals=residuals,
+    )
 
-    def share_gx(gx):
-        return gx[None] if x_replicated else gx
 
-    def whole_gx(gx):
-        return None if gx is None else (gx.sum(0) if x_replicated else gx)
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """What the programs of one stage share: its mesh and pure functions, the shardings the programs
+    take and return, which parameters get gradients, and the stage's pieces of program (`apply`,
+    `per_replica`, ...) built on them.
 
-    def gather(x):
+    Attributes:
+      mesh, fns, compute_dtype: as `stage_jits`'s.
+      trained: bool per parameter leaf, whether it gets a gradient; `frozen`: its negation.
+      dx: whether the backward returns dL/dx (the role's `input_grad`, on a stage with an x).
+      param_shardings: the fp32 parameters' NamedShardings.
+      x_sharding: the stage input's, as the transfer delivers it (None: the stage has no x).
+      gx_sharding: dL/dx's (`x_sharding`; None when not `dx`).
+      side_sharding: the microbatch arrays' (split over "data" on the leading axis).
+      scalar: a replicated value's.
+      y_sharding: the forward's output's; on the last stage (scalar, scalar): loss sum and count.
+      acc_shardings: the accumulator's (`accumulator_structs`: trained leaves, per data replica).
+      x_inner: the spec the functions take x in (`x_compute_spec`, else `x_spec`).
+      x_local, y_local, gx_local: the specs x, y and dL/dx have inside `per_replica`.
+      x_replicated: x is taken replicated over "data" with dp > 1: each replica's share of dL/dx
+        is stacked on "data" (`share_gx`) and summed outside the manual region (`whole_gx`).
+    """
+
+    mesh: Mesh
+    fns: StageFns
+    compute_dtype: Any
+    trained: PyTree
+    frozen: PyTree
+    dx: bool
+    param_shardings: PyTree
+    x_sharding: NamedSharding | None
+    gx_sharding: NamedSharding | None
+    side_sharding: NamedSharding
+    scalar: NamedSharding
+    y_sharding: NamedSharding | tuple[NamedSharding, NamedSharding]
+    acc_shardings: PyTree
+    x_inner: P | None
+    x_local: P | None
+    y_local: P | None
+    gx_local: P | None
+    x_replicated: bool
+
+    @classmethod
+    def of(cls, mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype,
+           trained: PyTree, role: StageRole) -> _Stage:  # fmt: skip
+        """The context of `stage_jits`'s arguments (`trained` given, not None)."""
+        dx = role.input_grad and fns.x_spec is not None
+        xs = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+        scalar = NamedSharding(mesh, P())
+        # x as the functions take it: the boundary layout (`xs`), or gathered in-mesh to its own spec
+        inner = fns.x_spec if fns.x_compute_spec is None else fns.x_compute_spec
+        xl = _local_spec(inner)
+        # an x the functions take replicated over "data" (every replica's rows may read all of it;
+        # the MLLM's image features are taken per row, P("data"), so not they) gets every replica's
+        # share of dL/dx summed over "data" (an activation gradient, not the params'). The sum runs
+        # outside the manual region, over the per-replica shares stacked on "data": a psum inside it
+        # crashes XLA:CPU's compiler when "model" is Auto with tp > 1 ("Invalid binary instruction
+        # opcode copy"), and at dp 1 it is rejected ("Cross-partition allreduce must be in
+        # (partial) manual partitioning mode").
+        x_replicated = mesh.shape["data"] > 1 and xl is not None and not any(xl)
+        return cls(
+            mesh=mesh,
+            fns=fns,
+            compute_dtype=compute_dtype,
+            trained=trained,
+            frozen=negate(trained),
+            dx=dx,
+            param_shardings=param_shardings,
+            x_sharding=xs,
+            gx_sharding=xs if dx else None,
+            side_sharding=NamedSharding(mesh, P("data")),
+            scalar=scalar,
+            y_sharding=(scalar, scalar)
+            if fns.loss is not None
+            else NamedSharding(mesh, fns.y_spec),
+            acc_shardings=jax.tree.map(accumulator_sharding, prune(param_shardings, trained)),
+            x_inner=inner,
+            x_local=xl,
+            y_local=_local_spec(fns.y_spec),
+            gx_local=(P("data", *xl) if x_replicated else xl) if dx else None,
+            x_replicated=x_replicated,
+        )
+
+    @property
+    def param_tree(self) -> jax.tree_util.PyTreeDef:
+        return jax.tree.structure(self.param_shardings)
+
+    @property
+    def acc_tree(self) -> jax.tree_util.PyTreeDef:
+        return jax.tree.structure(self.acc_shardings)
+
+    def share_gx(self, gx):
+        """One replica's dL/dx as `per_replica` returns it (stacked on "data" when `x_replicated`)."""
+        return gx[None] if self.x_replicated else gx
+
+    def whole_gx(self, gx):
+        """dL/dx of `per_replica`'s output (the replicas' shares summed when `x_replicated`)."""
+        return None if gx is None else (gx.sum(0) if self.x_replicated else gx)
+
+    def gather(self, x):
         """x in the functions' layout: an in-mesh all-gather where it arrives split (`x_spec`).
-        dL/dx leaves in the boundary layout (`gxs`): its sum over data replicas reduce-scattered."""
-        if x is None or fns.x_compute_spec is None:
+        dL/dx leaves in the boundary layout (`gx_sharding`): its sum over data replicas
+        reduce-scattered."""
+        if x is None or self.fns.x_compute_spec is None:
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.x_inner))
 
-    def apply(params, x, side):  # x in the functions' layout (inside `per_replica`: its shard)
-        p = cast_floating(params, compute_dtype)
+    def cast_x(self, x):
+        """x in the compute dtype where it is floating (token ids stay as they are)."""
         if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(compute_dtype)
-        return fns.forward(p, x, side) if fns.loss is None else fns.loss(p, x, side)
+            return x.astype(self.compute_dtype)
+        return x
 
-    def per_replica(body, in_specs, out_specs):
+    def apply(self, params, x, side):
+        """The stage's function (forward, or the last stage's loss) in the compute dtype; x in the
+        functions' layout (inside `per_replica`: its shard)."""
+        p = cast_floating(params, self.compute_dtype)
+        x = self.cast_x(x)
+        return self.fns.forward(p, x, side) if self.fns.loss is None else self.fns.loss(p, x, side)
+
+    def per_replica(self, body, in_specs, out_specs):
         """`body` on each data replica's shard. Without replication checks (`check_vma=False`)
         autodiff inside the body keeps each replica's parameter gradient local (with them it would
         psum the gradient of the replicated params over "data", and the models' scans would need
         their carries cast to replica-varying)."""
         return jax.shard_map(
             body,
-            mesh=mesh,
+            mesh=self.mesh,
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names={"data"},
             check_vma=False,
         )
 
-    def add(gacc, gp):
-        return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
-
-    def differentiable(params, x, side):
+    def differentiable(self, params, x, side):
         """(f, primals): the stage as a function of what gets gradients (trained leaves, and x when
         `dx`); the frozen leaves and an x without gradient are closed over, so autodiff computes no
         cotangent for them (no weight gradient of a frozen layer, no backward of a frozen prefix)."""
-        held = prune(params, frozen)
+        held = prune(params, self.frozen)
 
         def f(t, *x_):
-            return apply(graft(t, held), x_[0] if dx else x, side)
+            return self.apply(graft(t, held), x_[0] if self.dx else x, side)
 
-        return f, (prune(params, trained), *((x,) if dx else ()))
+        return f, (prune(params, self.trained), *((x,) if self.dx else ()))
 
-    def bwd_local(params, x, side, gy, gacc):
-        f, primals = differentiable(params, x, side)
+    def weight_copies(self, params) -> list:
+        """The compute-dtype copies of the params, trained leaves first (a residual's slot)."""
+        cd = self.compute_dtype
+        return jax.tree.leaves((cast_floating(prune(params, self.trained), cd),
+                                cast_floating(prune(params, self.frozen), cd)))  # fmt: skip
+
+
+def _accumulate(gacc, gp):
+    """The accumulator (leading data-replica axis) plus this replica's gradient `gp`."""
+    return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
+
+
+def _forward(stage: _Stage) -> LeafProgram:
+    """`StageJits.forward`: the stage's function without gradients."""
+    c = stage
+    return LeafProgram(
+        # a lambda: the XLA program is named after it (`jit__lambda`) in compile logs and profiles
+        lambda params, x, side: c.apply(params, c.gather(x), side),
+        (c.param_tree, None, None),
+        None,
+        in_shardings=(c.param_shardings, c.x_sharding, c.side_sharding),
+        out_shardings=c.y_sharding,
+    )
+
+
+def _backward_recomputing(stage: _Stage) -> LeafProgram:
+    """`StageJits.backward`: the forward re-run under `jax.vjp` from the stage input, the cotangent
+    pulled through it, the gradient added to the donated accumulator."""
+    c = stage
+
+    def recompute_and_pull_back(params, x, side, gy, gacc):  # one replica's shard
+        f, primals = c.differentiable(params, x, side)
         _, vjp = jax.vjp(f, *primals)
         gp, *gx = vjp(gy)
-        return (share_gx(gx[0]) if dx else None), add(gacc, gp)
+        return (c.share_gx(gx[0]) if c.dx else None), _accumulate(gacc, gp)
 
-    def bwd(params, x, side, gy, gacc):
-        specs = (P(), xl, P("data"), yl, P("data"))
-        gx, gacc = per_replica(bwd_local, specs, (gxl, P("data")))(
-            params, gather(x), side, gy, gacc
-        )
-        return whole_gx(gx), gacc
+    def backward_recomputing(params, x, side, gy, gacc):
+        specs = (P(), c.x_local, P("data"), c.y_local, P("data"))
+        body = c.per_replica(recompute_and_pull_back, specs, (c.gx_local, P("data")))
+        gx, gacc = body(params, c.gather(x), side, gy, gacc)
+        return c.whole_gx(gx), gacc
 
-    def last_local(params, x, side, normalizer, gacc):
-        f, primals = differentiable(params, x, side)
+    at = c.acc_tree
+    return LeafProgram(
+        backward_recomputing,
+        (c.param_tree, None, None, None, at),
+        (None, at),
+        in_shardings=(
+            c.param_shardings,
+            c.x_sharding,
+            c.side_sharding,
+            c.y_sharding,
+            c.acc_shardings,
+        ),  # fmt: skip
+        out_shardings=(c.gx_sharding, c.acc_shardings),
+        donate_argnums=(4,),
+        name="bwd",
+    )
+
+
+def _last_step(stage: _Stage) -> LeafProgram:
+    """`StageJits.last`: the last stage's forward, loss and backward in one program."""
+    c = stage
+
+    def loss_and_gradients(params, x, side, normalizer, gacc):  # one replica's shard
+        f, primals = c.differentiable(params, x, side)
 
         def objective(*args):
             loss_sum, count = f(*args)
@@ -256,131 +399,134 @@ def stage_jits(
         argnums = tuple(range(len(primals)))
         (loss, count), (gp, *gx) = jax.value_and_grad(objective, argnums, has_aux=True)(*primals)
         loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
-        return loss, count, (share_gx(gx[0]) if dx else None), add(gacc, gp)
+        return loss, count, (c.share_gx(gx[0]) if c.dx else None), _accumulate(gacc, gp)
 
-    def last(params, x, side, normalizer, gacc):
-        specs = (P(), xl, P("data"), P(), P("data"))
-        fn = per_replica(last_local, specs, (P(), P(), gxl, P("data")))
-        loss, count, gx, gacc = fn(params, gather(x), side, normalizer, gacc)
-        return loss, count, whole_gx(gx), gacc
+    def forward_loss_backward(params, x, side, normalizer, gacc):
+        specs = (P(), c.x_local, P("data"), P(), P("data"))
+        body = c.per_replica(loss_and_gradients, specs, (P(), P(), c.gx_local, P("data")))
+        loss, count, gx, gacc = body(params, c.gather(x), side, normalizer, gacc)
+        return loss, count, c.whole_gx(gx), gacc
 
-    # Backward from saved residuals. The forward takes the vjp of the stage w.r.t. the compute-dtype
-    # copies of its trained params (and x when `dx`) and returns the vjp's pytree leaves; its treedef
-    # (the linear program) stays here, per input signature, from the forward's trace. Residual leaves
-    # that ARE a weight copy are not returned (1F1B would hold one copy per in-flight microbatch):
-    # the backward casts the params again, a cheap elementwise op.
-    vjps: dict[tuple, tuple] = {}  # signature -> (vjp treedef, weight-copy slot per leaf, x dtype)
-    cd = compute_dtype
+    at = c.acc_tree
+    return LeafProgram(
+        forward_loss_backward,
+        (c.param_tree, None, None, None, at),
+        (None, None, None, at),
+        in_shardings=(c.param_shardings, c.x_sharding, c.side_sharding, c.scalar, c.acc_shardings),
+        out_shardings=(c.scalar, c.scalar, c.gx_sharding, c.acc_shardings),
+        donate_argnums=(4,),
+        name="last",
+    )
 
-    def weight_copies(params):
-        return jax.tree.leaves((cast_floating(prune(params, trained), cd),
-                                cast_floating(prune(params, frozen), cd)))  # fmt: skip
 
-    def fwd_res(params, x, side):
+def _zero_accumulator(stage: _Stage) -> LeafProgram:
+    """`StageJits.zeros`: a zero accumulator of the trained leaves, one per data replica."""
+    c = stage
+    dp = c.mesh.shape["data"]
+    return LeafProgram(
+        # a lambda: the XLA program is named after it (`jit__lambda`) in compile logs and profiles
+        lambda p: jax.tree.map(
+            lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, c.trained)
+        ),
+        (c.param_tree,),
+        c.acc_tree,
+        in_shardings=(c.param_shardings,),
+        out_shardings=c.acc_shardings,
+    )
+
+
+def _eval_loss(stage: _Stage) -> LeafProgram:
+    """`StageJits.eval_loss`: the last stage's loss sum and count added to the running totals."""
+    c = stage
+
+    def add_loss_and_count(params, x, side, totals):
+        loss_sum, count = c.apply(params, c.gather(x), side)
+        return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
+
+    return LeafProgram(
+        add_loss_and_count,
+        (c.param_tree, None, None, None),
+        None,
+        in_shardings=(c.param_shardings, c.x_sharding, c.side_sharding, c.scalar),
+        out_shardings=c.scalar,
+        donate_argnums=(3,),
+        name="eval_loss",
+    )
+
+
+# Backward from saved residuals. The forward takes the vjp of the stage w.r.t. the compute-dtype
+# copies of its trained params (and x when `dx`) and returns the vjp's pytree leaves; its treedef
+# (the linear program) stays in the table both programs share (`vjps`: signature -> (vjp treedef,
+# weight-copy slot per leaf, x dtype)), per input signature, from the forward's trace. Residual
+# leaves that ARE a weight copy are not returned (1F1B would hold one copy per in-flight
+# microbatch): the backward casts the params again, a cheap elementwise op.
+
+
+def _forward_saving_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafProgram:
+    """`StageJits.forward_residuals`: the forward under `jax.vjp`, returning y and the vjp's leaves
+    (weight copies left out), its treedef recorded in `vjps` under the call's signature."""
+    c, cd = stage, stage.compute_dtype
+
+    def forward_saving_residuals(params, x, side):
         sig = signature(x, side)
 
-        def body(params, x, side):
-            t = cast_floating(prune(params, trained), cd)
-            held = cast_floating(prune(params, frozen), cd)
-            xc = x.astype(cd) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+        def vjp_residuals(params, x, side):  # one replica's shard
+            t = cast_floating(prune(params, c.trained), cd)
+            held = cast_floating(prune(params, c.frozen), cd)
+            xc = c.cast_x(x)
 
             def f(t, *x_):
-                return fns.forward(graft(t, held), x_[0] if dx else xc, side)
+                return c.fns.forward(graft(t, held), x_[0] if c.dx else xc, side)
 
-            y, vjp = jax.vjp(f, t, *((xc,) if dx else ()))
+            y, vjp = jax.vjp(f, t, *((xc,) if c.dx else ()))
             leaves, tree = jax.tree_util.tree_flatten(vjp)
             if any(callable(leaf) for leaf in leaves):
                 raise RuntimeError(
                     f"this jax ({jax.__version__}) does not return jax.vjp's function as a pytree "
                     "of arrays: train with residuals=recompute"
                 )
-            slots = {id(c): i for i, c in enumerate(jax.tree.leaves((t, held)))}
+            slots = {id(w): i for i, w in enumerate(jax.tree.leaves((t, held)))}
             where = tuple(slots.get(id(leaf)) for leaf in leaves)
             vjps[sig] = (tree, where, None if x is None else x.dtype)
             return y, [jnp.asarray(a)[None] for a, w in zip(leaves, where) if w is None]
 
-        y, kept = per_replica(body, (P(), xl, P("data")), (yl, P("data")))(params, gather(x), side)
-        return jax.lax.with_sharding_constraint(y, ys), kept
+        body = c.per_replica(vjp_residuals, (P(), c.x_local, P("data")), (c.y_local, P("data")))
+        y, kept = body(params, c.gather(x), side)
+        return jax.lax.with_sharding_constraint(y, c.y_sharding), kept
 
-    def bwd_res(params, kept, gy, gacc, sig):
+    return LeafProgram(
+        forward_saving_residuals, (c.param_tree, None, None), (None, None), name="fwd_res"
+    )
+
+
+def _backward_from_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafProgram:
+    """`StageJits.backward_residuals`: the vjp rebuilt from `vjps`' treedef of the forward's
+    signature and the saved residuals (the weight copies cast again) and applied; no forward."""
+    c = stage
+
+    def backward_from_residuals(params, kept, gy, gacc, sig):
         if sig not in vjps:
             raise RuntimeError(f"no forward with residuals was traced for the signature {sig}")
         tree, where, x_dtype = vjps[sig]
 
-        def body(params, kept, gy, gacc):
-            copies, it = weight_copies(params), iter(kept)
+        def pull_back(params, kept, gy, gacc):  # one replica's shard
+            copies, it = c.weight_copies(params), iter(kept)
             leaves = [next(it)[0] if w is None else copies[w] for w in where]
             gp, *gx = jax.tree_util.tree_unflatten(tree, leaves)(gy)
-            return (share_gx(gx[0].astype(x_dtype)) if dx else None), add(gacc, gp)
+            return (c.share_gx(gx[0].astype(x_dtype)) if c.dx else None), _accumulate(gacc, gp)
 
-        specs = (P(), P("data"), yl, P("data"))
-        gx, gacc = per_replica(body, specs, (gxl, P("data")))(params, kept, gy, gacc)
-        return whole_gx(gx), gacc
+        specs = (P(), P("data"), c.y_local, P("data"))
+        body = c.per_replica(pull_back, specs, (c.gx_local, P("data")))
+        gx, gacc = body(params, kept, gy, gacc)
+        return c.whole_gx(gx), gacc
 
-    saves = (
-        check_residual_policy(residuals) != "recompute" and fns.loss is None and role.has_backward
-    )
-
-    def eval_loss(params, x, side, totals):
-        loss_sum, count = apply(params, gather(x), side)
-        return totals + jnp.stack([loss_sum.astype(jnp.float32), count.astype(jnp.float32)])
-
-    pt, at = jax.tree.structure(ps), jax.tree.structure(accs)  # params, accumulator
-    return StageJits(
-        forward=LeafProgram(
-            lambda params, x, side: apply(params, gather(x), side),
-            (pt, None, None),
-            None,
-            in_shardings=(ps, xs, side_s),
-            out_shardings=ys,
-        ),
-        backward=LeafProgram(
-            bwd,
-            (pt, None, None, None, at),
-            (None, at),
-            in_shardings=(ps, xs, side_s, ys, accs),
-            out_shardings=(gxs, accs),
-            donate_argnums=(4,),
-        )
-        if role.has_backward
-        else None,
-        last=LeafProgram(
-            last,
-            (pt, None, None, None, at),
-            (None, None, None, at),
-            in_shardings=(ps, xs, side_s, scalar, accs),
-            out_shardings=(scalar, scalar, gxs, accs),
-            donate_argnums=(4,),
-        ),
-        zeros=LeafProgram(
-            lambda p: jax.tree.map(
-                lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, trained)
-            ),
-            (pt,),
-            at,
-            in_shardings=(ps,),
-            out_shardings=accs,
-        ),
-        eval_loss=None
-        if fns.loss is None
-        else LeafProgram(
-            eval_loss,
-            (pt, None, None, None),
-            None,
-            in_shardings=(ps, xs, side_s, scalar),
-            out_shardings=scalar,
-            donate_argnums=(3,),
-        ),
-        forward_residuals=LeafProgram(fwd_res, (pt, None, None), (None, None)) if saves else None,
-        backward_residuals=LeafProgram(
-            bwd_res,
-            (pt, None, None, at, None),
-            (None, at),
-            static_argnums=(4,),
-            out_shardings=(gxs, accs),
-            donate_argnums=(3,),
-        )
-        if saves
-        else None,
-        residuals=residuals,
+    at = c.acc_tree
+    return LeafProgram(
+        backward_from_residuals,
+        (c.param_tree, None, None, at, None),
+        (None, at),
+        static_argnums=(4,),
+        out_shardings=(c.gx_sharding, c.acc_shardings),
+        donate_argnums=(3,),
+        name="bwd_res",
     )
