@@ -112,7 +112,7 @@ def test_model_parts_train_the_1gpu_config_both_ways(tmp_path, capsys):
     layers) trained with plan: auto, then the data-blind arm on the same device, data and steps."""
     import yaml
 
-    from dflop_jax.bench._gpu_model import arm_figures
+    from dflop_jax.bench.gpu.real_model import arm_figures
 
     report, text = _run(tmp_path, capsys, "model,model_blind")
     model, blind = report["model"], report["model_blind"]

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflop_jax.bench import _gpu_ops as ops
-from dflop_jax.bench._gpu_model import arm_figures
+from dflop_jax.bench.gpu import op_profile as ops
+from dflop_jax.bench.gpu.real_model import arm_figures
 
 
 def _gpu_trace() -> list[dict]:

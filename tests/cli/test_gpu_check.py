@@ -153,14 +153,15 @@ def test_demo_figures_from_a_metrics_file(tmp_path):
 
 def test_bench_gpu_stage_variants_and_options():
     from dflop_jax.bench import gpu
+    from dflop_jax.bench.gpu import stage_programs as stage
 
-    assert gpu._stage_variants(("xla",), ("none",), ("all",)) == [
+    assert stage._stage_variants(("xla",), ("none",), ("all",)) == [
         ("llm", "xla", "none", "all"),
         ("encoder", "xla", "none", "all"),
     ]
     # with a fused kernel: the LLM per implementation under the first residual policy, then on the
     # kernel its other residual policies, the encoder per implementation, the LLM's remat policies
-    assert gpu._stage_variants(("xla", "cudnn"), ("none", "full", "dots"), ("all", "recompute")) == [
+    assert stage._stage_variants(("xla", "cudnn"), ("none", "full", "dots"), ("all", "recompute")) == [
         ("llm", "xla", "none", "all"), ("llm", "cudnn", "none", "all"),
         ("llm", "cudnn", "none", "recompute"), ("encoder", "xla", "none", "all"),
         ("encoder", "cudnn", "none", "all"), ("llm", "cudnn", "full", "all"),

@@ -29,7 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
-MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llava_ov_7b_1gpu.yaml"
+MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "llava_ov_7b_1gpu.yaml"
 MEASURE_EVERY = 2  # stage-timing steps of the model part (the MAPEs), left out of its throughput
 _GIB = 2**30
 
@@ -156,7 +156,7 @@ def _overrides(size, info: dict, out: Path, run_dir: Path) -> list[str]:
 
 def model_part(size, info: dict, out: Path) -> dict:
     """The real model trained as configured (module docstring)."""
-    from dflop_jax.bench._gpu_train import metric_rows, train_in_process
+    from dflop_jax.bench.gpu.training_parts import metric_rows, train_in_process
     from dflop_jax.planner import describe_layout
 
     run_dir = out / "model_run"
@@ -189,7 +189,7 @@ def model_part(size, info: dict, out: Path) -> dict:
 
 def model_blind_part(size, info: dict, out: Path) -> dict:
     """The data-blind arm (module docstring), against the model part's run in `out`."""
-    from dflop_jax.bench._gpu_train import metric_rows, train_in_process
+    from dflop_jax.bench.gpu.training_parts import metric_rows, train_in_process
     from dflop_jax.bench.train import blind_plan
     from dflop_jax.config import load_config
     from dflop_jax.planner import describe_layout

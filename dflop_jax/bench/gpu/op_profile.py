@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflop_jax.bench.gpu.sizes import CPU_BANNER
+
 TOP = 20  # rows of the table
 _PROGRAMS = ("fwd", "bwd")
 
@@ -198,7 +200,6 @@ def ops_part(size, info: dict, out: Path, warmup: int, runs: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from dflop_jax.bench.gpu import CPU_BANNER
     from dflop_jax.costs import get_arch
     from dflop_jax.profiling.model_profiler import compile_residual_programs, time_call
     from dflop_jax.profiling.programs import StageShape, build_program
