@@ -101,7 +101,7 @@ def _model(cfg, args) -> int:
     cache = ctx.auto_plan_dir
     cache.mkdir(parents=True, exist_ok=True)
     with progress_bar(not args.no_progress) as progress:
-        path, _ = model_profile(auto, ctx.model_cfg, cache, {}, name=ctx.name,
+        path, _ = model_profile(auto, ctx.model_cfg, cache, {}, name=ctx.arch.name,
                                 devices=jax.devices(), progress=progress)  # fmt: skip
     from dflop_jax.contracts.cost_table import load_table
 
@@ -120,7 +120,7 @@ def _auto(cfg, args) -> int:
     ctx, auto = _steps(cfg)
     cache = ctx.auto_plan_dir
     with progress_bar(not args.no_progress) as progress:
-        plan = ensure_plan(auto, ctx.model_cfg, cache, cfg.data, name=ctx.name,
+        plan = ensure_plan(auto, ctx.model_cfg, cache, cfg.data, arch=ctx.arch,
                            plan=not args.profile_only, progress=progress)  # fmt: skip
     if plan is None:
         print(f"profiles in {cache}")

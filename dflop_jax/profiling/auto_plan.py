@@ -1,9 +1,10 @@
 """Profile -> plan, each step reused when its output is fresh (DFLOP's profiling + optimization steps).
 
-    plan = ensure_plan(AutoPlanConfig(...), model_cfg, cache_dir="runs/demo/auto_plan")
+    plan = ensure_plan(AutoPlanConfig(...), model_cfg, cache_dir="runs/demo/auto_plan", arch=arch)
     shapes, digest = data_profile(cfg, data_cfg, cache, timings)       # step 1 alone (profile data)
     table, digest = model_profile(cfg, model_cfg, cache, timings, ...)  # step 2 alone (profile model)
-    plan, measured = profiled_plan(AutoPlanConfig(...), model_cfg, "runs/demo/auto_plan", data_cfg)
+    plan, measured = profiled_plan(AutoPlanConfig(...), model_cfg, "runs/demo/auto_plan", data_cfg,
+                                   arch=arch)
 
 Steps, in `cache_dir`:
   1. data profile  -> data/shape_distribution.json (`dflop_jax.data.shape_profile.profile_data`), or a given
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from dflop_jax.config import InputPath, require, require_seed
 from dflop_jax.contracts.profile_settings import SYNTHETIC_SHAPES, ProfileSettings
+from dflop_jax.costs.architectures import MLLMArch
 from dflop_jax.costs.device_specs import DeviceSpec
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.profiling.table import code_version, config_hash
@@ -177,7 +179,7 @@ def ensure_plan(
     cache_dir: str | Path,
     data_cfg=None,
     *,
-    name: str = "model",
+    arch: MLLMArch,
     plan: bool = True,
     devices=None,
     progress=None,
@@ -189,7 +191,8 @@ def ensure_plan(
       model_cfg: the `models` MLLM config being trained (e.g. `LlavaOnevisionConfig`).
       cache_dir: where the step outputs and stamps live (e.g. `<workdir>/auto_plan`).
       data_cfg: the training `dflop_jax.data.DataConfig` (needed when cfg.data_source == "dataset").
-      name: model name recorded in the cost table and the plan.
+      arch: the model's architecture (`costs.arch_of_model(model_cfg, name)`, the run's
+        `RunContext.arch`); its name is the model's in the cost table and the plan.
       plan: False stops after the two profiles (DFLOP's profiling step alone) and returns None.
       devices: the devices the model profile runs on (default `jax.devices()`; a multi-process run
         profiles on process 0's own devices).
@@ -200,7 +203,7 @@ def ensure_plan(
     """
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
+    from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan, make_plan, save_plan
     from dflop_jax.planner.resolve import load_shapes
@@ -210,14 +213,13 @@ def ensure_plan(
     cache.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     device = _device(cfg)
-    arch = arch_of_model(model_cfg, name)
     # before any profiling: a search space these devices cannot hold is one config error
     cfg = dataclasses.replace(
         cfg, planner=fit_search_space(arch, cfg.num_devices, device, cfg.planner)
     )
     shapes_src, data_digest = data_profile(cfg, data_cfg, cache, timings, progress)
     devices = list(jax.devices() if devices is None else devices)
-    table_path, model_digest = model_profile(cfg, model_cfg, cache, timings, name=name,
+    table_path, model_digest = model_profile(cfg, model_cfg, cache, timings, name=arch.name,
                                              devices=devices, progress=progress)  # fmt: skip
     if not plan:
         (cache / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
@@ -250,7 +252,7 @@ def ensure_plan(
 
 
 def profiled_plan(
-    cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, name: str,
+    cfg: AutoPlanConfig, model_cfg, cache_dir: str | Path, data_cfg, *, arch: MLLMArch,
     share_timeout_s: int = 3600, progress=None,
 ):  # fmt: skip
     """`plan: auto` of a training run: `ensure_plan` on these devices, and the measured cost provider
@@ -265,7 +267,7 @@ def profiled_plan(
     """
     import jax
 
-    from dflop_jax.costs import AnalyticCostProvider, arch_of_model
+    from dflop_jax.costs import AnalyticCostProvider
     from dflop_jax.costs.measured import MeasuredCostProvider
     from dflop_jax.planner import load_plan
     from dflop_jax.programs.processes import share_files
@@ -275,12 +277,12 @@ def profiled_plan(
     # Timings differ between processes, so each would plan differently: process 0 profiles on its
     # own devices and plans for all of them; every other process takes its plan and cost table.
     if jax.process_index() == 0:
-        ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, name=name,
+        ensure_plan(cfg, model_cfg, cache_dir, data_cfg=data_cfg, arch=arch,
                     devices=jax.local_devices(), progress=progress)  # fmt: skip
     cache = Path(cache_dir)
     share_files([cache / "plan.yaml", cache / "cost_table.json"], "auto-plan", share_timeout_s)
     plan = load_plan(cache / "plan.yaml")
-    arch, device = arch_of_model(model_cfg), _device(cfg)
+    device = _device(cfg)
     table = Path(cache_dir) / "cost_table.json"
     return plan, MeasuredCostProvider(
         table, arch, device, fallback=AnalyticCostProvider(arch, device)

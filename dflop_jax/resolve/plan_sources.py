@@ -72,7 +72,7 @@ def _auto_plan(ctx: RunContext, progress) -> ResolvedPlan:
 
     auto = auto_plan_config(ctx)  # its search space checked before any profiling
     plan, measured = profiled_plan(auto, ctx.model_cfg, ctx.auto_plan_dir, ctx.cfg.data,
-                                   name=ctx.name, progress=progress)  # fmt: skip
+                                   arch=ctx.arch, progress=progress)  # fmt: skip
     return ResolvedPlan.of(plan, measured.with_trainable(auto.planner.trainable))
 
 
@@ -138,7 +138,7 @@ def plan_from_run_dir(ctx: RunContext, progress=None):
     from dflop_jax.planner import make_plan
     from dflop_jax.profiling.auto_plan import cost_table_file
 
-    arch = ctx.named_arch
+    arch = ctx.arch
     provider, table = ctx.analytic, cost_table_file(ctx.auto_plan_dir)
     if table.is_file():
         provider = MeasuredCostProvider(table, arch, ctx.device, fallback=provider)

@@ -40,7 +40,8 @@ class RunContext:
       cfg: the run config, with a plan file's remat policy applied (`with_plan_remat`).
       model_cfg: the `models` config of the run's model (`ModelConfig.model_config`; no parameter
         is made).
-      arch: its cost-model architecture.
+      arch: its cost-model architecture, under the run's name (`run_name`: what the cost table and
+        a plan record as the model).
       device: the accelerator's spec: the preset named, or the one JAX reports ("auto").
       num_devices: the devices the run plans for (`num_devices`, else those JAX sees).
       plan_file: the plan.yaml of `plan=FILE`, read once (None for the other plan modes).
@@ -69,8 +70,8 @@ class RunContext:
         if plan_file is None and cfg.plan not in PLAN_MODES:
             plan_file = load_plan(cfg.plan)
         devices = cfg.num_devices or len(jax.devices())
-        return cls(cfg, model_cfg, arch_of_model(model_cfg), run_device(cfg.device), devices,
-                   plan_file)  # fmt: skip
+        return cls(cfg, model_cfg, arch_of_model(model_cfg, run_name(cfg)), run_device(cfg.device),
+                   devices, plan_file)  # fmt: skip
 
     @property
     def multimodal(self) -> bool:
@@ -83,11 +84,6 @@ class RunContext:
     @property
     def name(self) -> str:
         return run_name(self.cfg)
-
-    @functools.cached_property
-    def named_arch(self) -> MLLMArch:
-        """`arch` under the run's `name` (what a plan made from profiles records as its model)."""
-        return arch_of_model(self.model_cfg, self.name)
 
     @property
     def attention_impl(self) -> str:

@@ -181,68 +181,117 @@ def run_pipeline(
       StepOutput with the loss contributions and the accumulated gradients.
     """
     num_stages, num_mb = len(stages), len(microbatches)
-    forward_only = _forward_only(stages)
     batches = [microbatch_fields(mb) for mb in microbatches]
-    last = stages[-1]
-    if normalizer is None and last.local:
-        on_device = placed is not None and "loss_mask" in placed[0][-1]
-        masks = [p[-1]["loss_mask"] for p in placed] if on_device else None
-        normalizer = last.loss_tokens(masks or [b["loss_mask"] for b in batches])
-    grads = [s.zero_grads() if s.local else None for s in stages]
-    inputs: dict[tuple[int, int], jax.Array | None] = {(0, m): None for m in range(num_mb)}
-    sides: dict[tuple[int, int], dict] = {}
-    held: dict[
-        tuple[int, int], Held
-    ] = {}  # until the microbatch's backward: residuals or (x, side)
-    cotangents: dict[tuple[int, int], jax.Array] = {}
-    outputs: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # where dL/dy goes back to
-    losses: list[jax.Array | None] = [None] * num_mb
-    moved = 0
+    if normalizer is None and stages[-1].local:
+        normalizer = _loss_tokens(stages[-1], batches, placed)
+    step = _InFlight.start(stages, num_mb)
     measure = sample is not None
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
     valid = np.arange(num_mb) == sample if measure else None
-    for op in _order(num_stages, num_mb, order, forward_only):  # the same every such step
+    for op in _order(num_stages, num_mb, order, _forward_only(stages)):  # the same every such step
         s, m = op.stage, op.mb
         stage = stages[s]
-        if op.kind == "F" and placed is not None and stage.local:
-            sides[s, m] = placed[m][s]
-        elif op.kind == "F":
-            put = stage.put_side if stage.local else stage.side_structs
-            sides[s, m] = put(batches[m])
+        if op.kind == "F":
+            step.sides[s, m] = _side(stage, batches[m], None if placed is None else placed[m][s])
         timed = m == sample and stage.local
         if timed:  # inputs ready first, so only the program is timed
             ISSUED.note_wait()
-            jax.block_until_ready((inputs.get((s, m)), sides.get((s, m)), held.get((s, m)),
-                                   cotangents.get((s, m)), grads[s]))  # fmt: skip
+            jax.block_until_ready(step.inputs_of(s, m))
             compiles, t0 = stage.compiles, clock()
-        if op.kind == "F" and stage.is_last:
-            loss, gx, grads[s] = _last(stage, inputs.pop((s, m)), sides.pop((s, m)), normalizer,
-                                       grads[s])  # fmt: skip
-            losses[m], out = loss, (loss, gx, grads[s])
-        elif op.kind == "F" and stage.has_backward:  # what the backward needs stays until it runs
-            y, held[s, m] = _forward_train(stage, inputs.pop((s, m)), sides.pop((s, m)))
-            out = (y, held[s, m])
-        elif op.kind == "F":  # forward only: nothing kept
-            y = _forward(stage, inputs.pop((s, m)), sides.pop((s, m)))
-            out = y
-        else:  # the residuals are dropped here, freed once the backward has run
-            gx, grads[s] = _backward(stage, held.pop((s, m)), cotangents.pop((s, m)), grads[s])
-            out = (gx, grads[s])
+        sent, out = step.run(op, stage, normalizer)
         if timed:
             jax.block_until_ready(out)
             times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
             valid[m] &= stage.compiles == compiles
+        step.moved += step.pass_on(op, stages, sent)
+    return StepOutput(step.losses, step.grads, step.moved, times, valid)
+
+
+def _loss_tokens(last: StageProgram, batches: list[Mapping[str, np.ndarray]], placed) -> jax.Array:
+    """The global batch's loss tokens, counted on the last stage's devices (its placed masks when
+    the loader placed them)."""
+    on_device = placed is not None and "loss_mask" in placed[0][-1]
+    masks = [p[-1]["loss_mask"] for p in placed] if on_device else None
+    return last.loss_tokens(masks or [b["loss_mask"] for b in batches])
+
+
+def _side(stage: StageProgram, batch: Mapping[str, np.ndarray], placed: dict | None):
+    """A forward's side inputs: placed by the loader, placed here, or (another process's stage)
+    their shapes only."""
+    if placed is not None and stage.local:
+        return placed
+    return (stage.put_side if stage.local else stage.side_structs)(batch)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """What one step's ops hand each other, keyed by (stage, microbatch).
+
+    Attributes:
+      grads: per stage, its gradient accumulator (None for another process's stage).
+      inputs: a stage's x for a microbatch (None: the first stage's).
+      sides: a forward's side inputs until it runs.
+      held: what a microbatch's backward needs (residuals, or x and side), until it runs.
+      cotangents: dL/dy of a stage's output, until its backward runs.
+      outputs: the shape dL/dy goes back to (the stage's output), for stages that pass one back.
+      losses: per microbatch, the last stage's loss contribution.
+      moved: bytes transferred between stages so far.
+    """
+
+    grads: list[PyTree | None]
+    inputs: dict[tuple[int, int], jax.Array | None]
+    losses: list[jax.Array | None]
+    sides: dict[tuple[int, int], dict] = dataclasses.field(default_factory=dict)
+    held: dict[tuple[int, int], Held] = dataclasses.field(default_factory=dict)
+    cotangents: dict[tuple[int, int], jax.Array] = dataclasses.field(default_factory=dict)
+    outputs: dict[tuple[int, int], jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
+    moved: int = 0
+
+    @classmethod
+    def start(cls, stages: Sequence[StageProgram], num_mb: int) -> _InFlight:
+        return cls(grads=[s.zero_grads() if s.local else None for s in stages],
+                   inputs={(0, m): None for m in range(num_mb)}, losses=[None] * num_mb)  # fmt: skip
+
+    def inputs_of(self, s: int, m: int) -> tuple:
+        """Everything op (s, m) reads (what a timed op waits for before its clock starts)."""
+        key = (s, m)
+        return (self.inputs.get(key), self.sides.get(key), self.held.get(key),
+                self.cotangents.get(key), self.grads[s])  # fmt: skip
+
+    def run(self, op: Op, stage: StageProgram, normalizer) -> tuple[jax.Array | None, tuple]:
+        """Dispatches one op: (what it sends on, y forward or dL/dx back; everything it output)."""
+        key, s = (op.stage, op.mb), op.stage
+        if op.kind == "F" and stage.is_last:
+            loss, gx, self.grads[s] = _last(stage, self.inputs.pop(key), self.sides.pop(key),
+                                            normalizer, self.grads[s])  # fmt: skip
+            self.losses[op.mb] = loss
+            return gx, (loss, gx, self.grads[s])
+        if op.kind == "F" and stage.has_backward:  # what the backward needs stays until it runs
+            y, self.held[key] = _forward_train(stage, self.inputs.pop(key), self.sides.pop(key))
+            return y, (y, self.held[key])
+        if op.kind == "F":  # forward only: nothing kept
+            y = _forward(stage, self.inputs.pop(key), self.sides.pop(key))
+            return y, y
+        # the residuals are dropped here, freed once the backward has run
+        gx, self.grads[s] = _backward(stage, self.held.pop(key), self.cotangents.pop(key),
+                                      self.grads[s])  # fmt: skip
+        return gx, (gx, self.grads[s])
+
+    def pass_on(self, op: Op, stages: Sequence[StageProgram], sent) -> int:
+        """Moves a forward's y to the next stage or a dL/dx back to the previous one's output;
+        the bytes moved."""
+        s, m = op.stage, op.mb
+        stage = stages[s]
         if op.kind == "F" and not stage.is_last:
             nxt = stages[s + 1]
-            inputs[s + 1, m], n = _send(y, nxt.x_struct(y))
+            self.inputs[s + 1, m], n = _send(sent, nxt.x_struct(sent))
             if nxt.input_grad:
-                outputs[s, m] = stage.y_struct(y)
-        elif stage.input_grad:  # dL/dx goes back to the previous stage's output
-            cotangents[s - 1, m], n = _send(gx, outputs.pop((s - 1, m)))
-        else:
-            n = 0
-        moved += n
-    return StepOutput(losses, grads, moved, times, valid)
+                self.outputs[s, m] = stage.y_struct(sent)
+            return n
+        if stage.input_grad:  # dL/dx goes back to the previous stage's output
+            self.cotangents[s - 1, m], n = _send(sent, self.outputs.pop((s - 1, m)))
+            return n
+        return 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, save_table
 from dflop_jax.contracts.profile_settings import ProfileSettings
-from dflop_jax.costs import get_device
+from dflop_jax.costs import arch_of_model, get_device
 from dflop_jax.planner import PlannerConfig
 from dflop_jax.profiling import auto_plan, model_profiler
 from dflop_jax.profiling.auto_plan import AutoPlanConfig, ensure_plan
@@ -47,7 +47,7 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
     monkeypatch.setattr(auto_plan, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     cfg = AutoPlanConfig(CPU, data_source="llava-ov", data_samples=200, planner=PLANNER,
                          profile=ProfileSettings(tps=(1,), llm_buckets=(64, 512)))  # fmt: skip
-    plan = ensure_plan(cfg, CFG, tmp_path, name="tiny")
+    plan = ensure_plan(cfg, CFG, tmp_path, arch=arch_of_model(CFG, "tiny"))
     assert len(calls) == 1 and plan.layout.num_devices <= 8
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert timings == {"model profile": 1.0, "plan": 1.0}
@@ -56,7 +56,7 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
     assert sum(from_table.values()) > 0  # the fake table's llm layers at tp 1
     assert sources["encoder_layers"]["fallback"] > 0  # not in the fake table: analytic
 
-    again = ensure_plan(cfg, CFG, tmp_path, name="tiny")  # everything fresh
+    again = ensure_plan(cfg, CFG, tmp_path, arch=arch_of_model(CFG, "tiny"))  # everything fresh
     assert len(calls) == 1 and again == plan
     assert json.loads((tmp_path / "timings.json").read_text()) == {
         "model profile": 0.0,
@@ -64,9 +64,8 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
     }
 
     changed = dataclasses.replace(CFG, text=CFG.text.replace(intermediate_size=256))
-    ensure_plan(
-        cfg, changed, tmp_path, name="tiny"
-    )  # stale model profile -> profiled and re-planned
+    # stale model profile -> profiled and re-planned
+    ensure_plan(cfg, changed, tmp_path, arch=arch_of_model(changed, "tiny"))
     assert len(calls) == 2 and calls[-1] is changed
     assert json.loads((tmp_path / "timings.json").read_text()) == {
         "model profile": 1.0,
@@ -74,7 +73,9 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
     }
 
     other = dataclasses.replace(cfg, planner=dataclasses.replace(PLANNER, microbatches=(2,)))
-    ensure_plan(other, changed, tmp_path, name="tiny")  # only the plan is stale
+    ensure_plan(
+        other, changed, tmp_path, arch=arch_of_model(changed, "tiny")
+    )  # only the plan is stale
     assert len(calls) == 2
     assert json.loads((tmp_path / "timings.json").read_text()) == {
         "model profile": 0.0,
@@ -85,7 +86,7 @@ def test_fresh_outputs_are_reused_and_stale_ones_redone(tmp_path, monkeypatch, c
 def test_missing_shape_file_is_a_clear_error(tmp_path):
     cfg = AutoPlanConfig(CPU, data_source=str(tmp_path / "nope.json"))
     with pytest.raises(FileNotFoundError, match="nope.json"):
-        ensure_plan(cfg, CFG, tmp_path)
+        ensure_plan(cfg, CFG, tmp_path, arch=arch_of_model(CFG))
 
 
 def test_profile_model_cli(tmp_path, capsys):
