@@ -150,6 +150,17 @@ def make_plan(
     report = progress if progress is not None else (lambda *_: None)
     usable = device.memory_bytes * (1.0 - config.memory_margin)
 
+    cands, pad = _candidates(arch, device, num_devices, config, provider, mode)
+    evaluated = _screen_all(cands, shapes, config, ProviderVariants(provider, pad), usable, report)
+    ranked = _ranked(evaluated, shapes, (num_devices, device, usable), config, mode, report)
+    search = _search_summary(mode, len(cands), evaluated, ranked, usable, config, t0)
+    log.info("plan: %s in %.1fs", ranked[0].cand.describe(), search["wall_time_s"])
+    return _plan_of(ranked, evaluated, (arch, device, num_devices, usable), mode, config, search)
+
+
+def _candidates(arch, device, num_devices: int, config: PlannerConfig, provider, mode: str):
+    """The layouts to consider and whether encoder heads may be padded to the tp (uniform mode with
+    analytic costs: planner/variants.py); raises when there are none, saying why."""
     if config.remat and not can_vary(provider):
         raise PlanningError(
             f"planner.remat={list(config.remat)} needs analytic costs; {provider.name} has one setting"
@@ -161,7 +172,17 @@ def make_plan(
         cands = enumerate_candidates(arch, num_devices, device.devices_per_host, config)
     if not cands:
         raise PlanningError(explain_no_candidates(arch, num_devices, device, config, mode, pad))
-    evaluated = _screen_all(cands, shapes, config, ProviderVariants(provider, pad), usable, report)
+    return cands, pad
+
+
+def _ranked(
+    evaluated: list[Evaluated], shapes, target: tuple, config: PlannerConfig, mode: str, report
+) -> list[Evaluated]:
+    """The candidates that fit (and are not dominated), fastest first by expected step time over
+    the sampled batches (the scored ones first; `_score_uniform` or `_score_dflop`). `target`:
+    (num_devices, device, usable memory per device). Raises when none fits in memory or none
+    could be scheduled."""
+    num_devices, device, usable = target
     fits = [e for e in evaluated if max(e.memory) <= usable and not e.dominated]
     if not fits:
         raise PlanningError(explain_over_memory(evaluated, device, config))
@@ -182,9 +203,18 @@ def make_plan(
             f"(first: {best.cand.describe()}: {best.score.solver if best.score else 'not scored'}); "
             "check the shape distribution and planner.global_batch"
         )
-    search = {
+    return ranked
+
+
+def _search_summary(
+    mode: str, candidates: int, evaluated, ranked, usable: float, config: PlannerConfig, t0: float
+) -> dict:
+    """The plan's `search` record: what was searched, pruned and scored, the winner's solver,
+    remat and virtual split, and the wall time since `t0`."""
+    best = ranked[0]
+    return {
         "mode": mode,
-        "candidates": len(cands),
+        "candidates": candidates,
         "over_memory": sum(max(e.memory) > usable for e in evaluated),
         "dominated": sum(e.dominated for e in evaluated),
         "scored": sum(e.score is not None for e in ranked),
@@ -196,7 +226,15 @@ def make_plan(
         "virtual_layers": [s.num_layers for s in best.cand.layout.llm_stages],
         "wall_time_s": round(time.perf_counter() - t0, 3),
     }
-    log.info("plan: %s in %.1fs", best.cand.describe(), search["wall_time_s"])
+
+
+def _plan_of(
+    ranked, evaluated, target: tuple, mode: str, config: PlannerConfig, search: dict
+) -> Plan:
+    """The Plan of the winner `ranked[0]`, with the runners-up, its compile cost and ladders.
+    `target`: (arch, device, num_devices, usable memory per device)."""
+    arch, device, num_devices, usable = target
+    best = ranked[0]
     return Plan(
         model=arch.name,
         device=device.name,

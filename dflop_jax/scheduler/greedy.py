@@ -364,9 +364,8 @@ def greedy_schedule(
 
     Candidates: best-fit packing and minimum-slack filling (`fill.py`) into the bucket pairs of the
     aggregate lower bound's optimum (`bound.aggregate_bound`; returned at once if one reaches the
-    bound), vector LPT + shrink at the
-    candidate counts and at the bound's count, then at the neighbours of the best count while that
-    improves (the coarse grid of a wide range can miss the best count).
+    bound), vector LPT + shrink at the candidate counts and at the bound's count, then at the
+    neighbours of the best count while that improves (`_best_lpt`).
 
     With `pool` (a list), every candidate built is appended to it as (bin_of, m, surrogate) and no
     shortcut is taken at the bound: the caller chooses among them by another measure (`select.py`).
@@ -380,21 +379,59 @@ def greedy_schedule(
         return _better(a, b)
 
     lb, target = aggregate_bound(tokens, tiles, problem, table)
-    packed = early = None  # early: the answer at the bound (the pool only adds candidates after it)
-    if target:
-        packed = targeted_assign(tokens, tiles, target, problem, table)
-        if packed is not None:
-            obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
-            pool.append((packed, len(target), obj))
-            if obj <= lb * (1 + 1e-9):  # reached the bound: nothing to gain
-                early = (packed, len(target), obj)
-                if not exhaustive:
-                    return (*early, lb)
+    # early: an answer at the bound; with a pool the search goes on (to fill it) but returns it
+    packed, early = _targeted(tokens, tiles, target, problem, table, lb, pool)
+    if early is not None and not exhaustive:
+        return (*early, lb)
     filled = _filled(tokens, tiles, target, problem, table, lb)
-    if early is None and filled is not None and filled[2] <= lb * (1 + 1e-9):
+    if early is None and filled is not None and _at_bound(filled[2], lb):
         early = filled
         if not exhaustive:
             return (*early, lb)
+    best = _best_lpt(tokens, tiles, problem, table, target, better)
+    best = better(best, filled)
+    if best is not None and target and best[1] != len(target):  # fill at the count LPT liked too
+        best = better(best, _filled_at_count(tokens, tiles, best[1], problem, table))
+    if packed is not None:
+        best = _with_shrunk_packing(
+            best, packed, len(target), tokens, tiles, problem, table, better
+        )
+    if early is not None:
+        return (*early, lb)
+    if best is None:
+        lo, hi = problem.microbatches
+        raise ValueError(
+            f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
+            f"microbatches of llm_dp={problem.llm_dp} x {problem.buckets.lengths[-1]} tokens and "
+            f"{problem.tile_shards} tile shards x {problem.buckets.tiles[-1]} tiles: raise the largest "
+            "buckets or the microbatch count"
+        )
+    return (*best, lb)
+
+
+def _at_bound(obj: float, lb: float) -> bool:
+    """Whether a surrogate reaches the lower bound (to rounding): nothing left to gain."""
+    return obj <= lb * (1 + 1e-9)
+
+
+def _targeted(tokens, tiles, target, problem, table, lb, pool):
+    """Best-fit packing into the bound's bucket pairs `target` (`targeted_assign`), unshrunk:
+    (packed bin_of or None, (bin_of, m, surrogate) if it reaches `lb` else None). The packing, when
+    one is found, is appended to `pool`."""
+    if not target:
+        return None, None
+    packed = targeted_assign(tokens, tiles, target, problem, table)
+    if packed is None:
+        return None, None
+    obj = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
+    pool.append((packed, len(target), obj))
+    return packed, ((packed, len(target), obj) if _at_bound(obj, lb) else None)
+
+
+def _best_lpt(tokens, tiles, problem, table, target, better):
+    """Best LPT + shrink over the candidate counts (plus the bound's count, when allowed), then over
+    the neighbours of the best count while that improves: the coarse grid of a wide range can miss
+    the best count. `better(a, b)` keeps the better candidate (and records `b`)."""
     lo, hi = problem.microbatches
     counts = candidate_counts(problem, len(tokens))
     if target and lo <= len(target) <= hi and len(target) not in counts:
@@ -411,28 +448,22 @@ def greedy_schedule(
             best = better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
             tried.add(m)
         step = 1 if best is not before else step + 1
-    best = better(best, filled)
-    if best is not None and target and best[1] != len(target):  # fill at the count LPT liked too
-        at_m = dataclasses.replace(problem, microbatches=(best[1], best[1]))
-        best = better(
-            best,
-            _filled(tokens, tiles, aggregate_bound(tokens, tiles, at_m, table)[1], problem, table),
-        )
-    if packed is not None:
-        raw = evaluate(packed, len(target), tokens, tiles, problem, table)[0]
-        # a targeted packing that overflowed (already worse than the best before shrinking) rarely
-        # wins and is slow to shrink: skip it
-        if best is None or raw < best[2]:
-            shrunk = shrink(packed, len(target), tokens, tiles, problem, table)
-            obj = evaluate(shrunk, len(target), tokens, tiles, problem, table)[0]
-            best = better(best, (shrunk, len(target), obj))
-    if early is not None:
-        return (*early, lb)
-    if best is None:
-        raise ValueError(
-            f"the batch ({int(tokens.sum())} tokens, {int(tiles.sum())} tiles) does not fit {lo}..{hi} "
-            f"microbatches of llm_dp={problem.llm_dp} x {problem.buckets.lengths[-1]} tokens and "
-            f"{problem.tile_shards} tile shards x {problem.buckets.tiles[-1]} tiles: raise the largest "
-            "buckets or the microbatch count"
-        )
-    return (*best, lb)
+    return best
+
+
+def _filled_at_count(tokens, tiles, m, problem, table) -> tuple[np.ndarray, int, float] | None:
+    """Minimum-slack filling of the bucket pairs the lower bound picks with exactly m microbatches."""
+    at_m = dataclasses.replace(problem, microbatches=(m, m))
+    return _filled(tokens, tiles, aggregate_bound(tokens, tiles, at_m, table)[1], problem, table)
+
+
+def _with_shrunk_packing(best, packed, m, tokens, tiles, problem, table, better):
+    """`best`, or the targeted packing `packed` (m microbatches) after shrinking if that is better.
+    A packing that overflowed (already worse than `best` before shrinking) rarely wins and is slow
+    to shrink: it is skipped."""
+    raw = evaluate(packed, m, tokens, tiles, problem, table)[0]
+    if best is None or raw < best[2]:
+        shrunk = shrink(packed, m, tokens, tiles, problem, table)
+        obj = evaluate(shrunk, m, tokens, tiles, problem, table)[0]
+        best = better(best, (shrunk, m, obj))
+    return best

@@ -89,9 +89,11 @@ def schedule_batch(
     if config.solver == "data_blind":
         return data_blind_schedule(shapes, problem, problem.microbatches[0])
     t0 = clock()
+    elapsed = lambda: clock() - t0
     check_fits(shapes, problem)
     lo, hi = problem.microbatches
     n = len(shapes)
+    # with fewer samples than microbatches, one sample each (no microbatch of padding only)
     eff = dataclasses.replace(problem, microbatches=(min(lo, n), min(hi, n)))
     table = table if table is not None else CostTable.build(problem)
     tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
@@ -99,36 +101,76 @@ def schedule_batch(
 
     by_makespan = config.select == "makespan" and problem.num_stages > 1
     pool: list | None = [] if by_makespan else None
-    bin_of, m, _, lb = greedy_schedule(tokens, tiles, eff, table, pool)
-    bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, eff.microbatches[0])
-    greedy_obj = evaluate(bin_of, m, tokens, tiles, eff, table)[0]
-    info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": clock() - t0}
-    if n < lo:
-        info["microbatches_below_range"] = f"{n} samples < {lo} microbatches: one sample each"
+    bin_of, m, lb, info = _greedy(tokens, tiles, (eff, lo), table, pool, elapsed)
     solver = "greedy"
     if config.solver in ("cpsat", "auto"):
-        bin_of, solver = _refine(bin_of, m, greedy_obj, lb, tokens, tiles, eff, table, config,
-                                 lambda: backstop and clock() - t0 > config.time_limit_s,
+        bin_of, solver = _refine(bin_of, m, info["greedy_objective"], lb, tokens, tiles, eff, table,
+                                 config, lambda: backstop and elapsed() > config.time_limit_s,
                                  info)  # fmt: skip
     bin_of, m = finish(bin_of, m, tokens, tiles, problem, table, eff.microbatches[0])
+    ordered = None  # (order, makespan): the makespan pick has them already
     if by_makespan:
-        bin_of, m, order, makespan = _select(
-            bin_of, m, pool, tokens, tiles, eff, table, config, info
+        bin_of, m, *ordered = _select(bin_of, m, pool, tokens, tiles, eff, table, config, info)
+    else:
+        bin_of, m = _repaired_row_caps(bin_of, m, tokens, tiles, eff, table, info)
+    obj, ti, si = _surrogate_of(bin_of, m, tokens, tiles, eff, table)
+    plans = _ordered_plans(
+        bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
+    )
+    return Schedule(plans, obj, lb, solver, elapsed(), info)
+
+
+def _greedy(tokens, tiles, capped, table, pool, elapsed):
+    """The greedy answer with no empty microbatch: (bin_of, m, lower bound, info), `info` starting
+    the report with its surrogate and time. `capped`: (the problem with its microbatch counts capped
+    at the sample count, the smallest count asked for). `pool` collects every greedy candidate
+    (`select.py`)."""
+    problem, lo = capped
+    bin_of, m, _, lb = greedy_schedule(tokens, tiles, problem, table, pool)
+    bin_of, m = ensure_nonempty(bin_of, m, problem.llm_dp, problem.microbatches[0])
+    greedy_obj = evaluate(bin_of, m, tokens, tiles, problem, table)[0]
+    info: dict = {"greedy_objective": greedy_obj, "greedy_time_s": elapsed()}
+    if len(tokens) < lo:
+        info["microbatches_below_range"] = (
+            f"{len(tokens)} samples < {lo} microbatches: one sample each"
         )
-    elif problem.tiles_by_row and not np.isfinite(
-        evaluate(bin_of, m, tokens, tiles, eff, table)[0]
+    return bin_of, m, lb, info
+
+
+def _repaired_row_caps(bin_of, m, tokens, tiles, problem, table, info):
+    """(bin_of, m) as is, or, packed by row with a row over its tile cap (an infinite surrogate),
+    the best fitting greedy candidate (`_fitting`)."""
+    if problem.tiles_by_row and not np.isfinite(
+        evaluate(bin_of, m, tokens, tiles, problem, table)[0]
     ):
-        bin_of, m = _fitting(tokens, tiles, eff, table, info)
-    obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, eff, table)
+        return _fitting(tokens, tiles, problem, table, info)
+    return bin_of, m
+
+
+def _surrogate_of(bin_of, m, tokens, tiles, problem, table):
+    """(surrogate, tile bucket ids, length bucket ids) of the final assignment; raises when packed
+    by row no candidate kept every row within the largest tile bucket."""
+    obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, problem, table)
     if not np.isfinite(obj):
         raise ValueError(
             f"tiles packed by row: no schedule keeps every row's tiles within the largest tile "
             f"bucket {problem.buckets.tiles[-1]} ({int(tiles.sum())} tiles, llm_dp="
             f"{problem.llm_dp}); raise the largest tile bucket or the microbatch count"
         )
+    return obj, ti, si
+
+
+def _ordered_plans(bin_of, m, buckets, ordered, tokens, tiles, problem, table, config, info):
+    """The microbatch plans in run order, with the rest of the report in `info` (padding, load
+    balance, the 1F1B makespans in that order and in solve order, and their lower bound).
+    `buckets`: (tile, length) bucket ids per microbatch; `ordered`: (order, makespan) of the
+    makespan pick, or None to order them here (`order_microbatches`)."""
+    ti, si = buckets
     stage = table.stage[ti, si]  # [M, P, 2]
-    if not by_makespan:
+    if ordered is None:
         order, makespan = order_microbatches(stage, config.order_evaluations)
+    else:
+        order, makespan = ordered
     plans = to_plans(bin_of, m, ti, si, problem, table)
     plans = tuple(plans[k] for k in order)
     info.update(padding_ratios(plans, tokens, tiles, problem))
@@ -139,7 +181,7 @@ def schedule_batch(
         solve_order_makespan_s=simulate(stage).step_time,
         makespan_lower_bound_s=makespan_lower_bound(stage),
     )
-    return Schedule(plans, obj, lb, solver, clock() - t0, info)
+    return plans
 
 
 def _select(bin_of, m, pool, tokens, tiles, problem, table, config, info):
