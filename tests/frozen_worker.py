@@ -47,7 +47,8 @@ def step(recipe: str, out_dir: Path) -> None:
     from dflop_jax.programs.processes import host_scalars
     from dflop_jax.programs.stage_builder import build_stages
     from dflop_jax.runtime.driver import connect, run_pipeline
-    from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+    from dflop_jax.runtime.optimizer_config import OptimizerConfig
+    from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
     from models.llava_onevision import llava_onevision_config
 
     trainable = TRAINABLE_BY_RECIPE[recipe]

@@ -20,7 +20,7 @@ from flax import nnx
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.runtime.checkpoint import model_tree
-from dflop_jax.runtime.train_state import OptimizerConfig
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
 
 
 def reference_step(model, mbs: list[dict], norm: float, opt, loss_sum: Callable):

@@ -6,12 +6,8 @@ from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
 from dflop_jax.runtime.config import CheckpointConfig, LayoutConfig, TrainConfig
 from dflop_jax.runtime.driver import Op, StepOutput, pipeline_order, run_pipeline, stage_ops
-from dflop_jax.runtime.train_state import (
-    STATS,
-    OptimizerConfig,
-    StageOptimizer,
-    apply_updates,
-)
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates
 
 __all__ = [
     "CheckpointConfig",

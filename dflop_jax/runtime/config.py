@@ -19,7 +19,7 @@ from dflop_jax.data.config import DataConfig
 from dflop_jax.planner.config import PlannerConfig
 from dflop_jax.programs.model_section import MODEL_SIZES, ModelConfig
 from dflop_jax.programs.processes import DistributedConfig
-from dflop_jax.runtime.train_state import OptimizerConfig
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
 from dflop_jax.scheduler.config import SchedulerConfig
 
 

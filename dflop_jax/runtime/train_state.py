@@ -1,14 +1,15 @@
 """Per-stage optimizer state and update, with gradient clipping by the GLOBAL norm over all stages.
 
-Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule) on its
-submesh. Clipping needs the norm of the whole model's gradient, and none of it touches the host (the
-trainer dispatches the next step before this one's numbers are read): each stage computes its squared
-norm on its mesh, `transfer` moves the [1] vectors onto the last stage's mesh (across processes too),
-one program there sums them with the loss contributions into the step's `STATS` vector, and that vector
-moves back to every stage's mesh, whose update scales its gradients by optax.clip_by_global_norm's rule
-with the global norm. A step whose loss or gradients are not finite (a non-finite sum of squares or of
-the loss) keeps every stage's params and optimizer state (optax.apply_if_finite's zero update, the
-Adam count included) and adds one to the skip counter that the vector carries from step to step.
+Each stage keeps fp32 master params and its own optax AdamW state (warmup + cosine schedule;
+`OptimizerConfig.build`, `runtime/optimizer_config.py`) on its submesh. Clipping needs the norm of
+the whole model's gradient, and none of it touches the host (the trainer dispatches the next step
+before this one's numbers are read): each stage computes its squared norm on its mesh, `transfer`
+moves the [1] vectors onto the last stage's mesh (across processes too), one program there sums them
+with the loss contributions into the step's `STATS` vector, and that vector moves back to every
+stage's mesh, whose update scales its gradients by optax.clip_by_global_norm's rule with the global
+norm. A step whose loss or gradients are not finite (a non-finite sum of squares or of the loss)
+keeps every stage's params and optimizer state (optax.apply_if_finite's zero update, the Adam count
+included) and adds one to the skip counter that the vector carries from step to step.
 
 Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from the params' shardings
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
@@ -46,7 +47,6 @@ on what is trained (checked when the optimizer is built).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 
@@ -57,10 +57,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.config import require
 from dflop_jax.programs.dispatch import UPDATE, issue
 from dflop_jax.programs.leaf_program import LeafProgram
-from dflop_jax.programs.param_paths import TiedGroup, leaf_names, param_labels
+from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer, put_host, stand_in, transfer
@@ -71,108 +70,6 @@ from dflop_jax.programs.zero1_layout import (
     unpad,
     zero1_layout,
 )
-from models.stage_modules import TRAINABLE_PARTS
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay; clipping by the global gradient norm.
-
-    Attributes:
-      lr: peak learning rate.
-      warmup_steps: linear warmup from 0 to `lr`.
-      decay_steps: total schedule length (cosine decays to `end_lr_ratio * lr` by then).
-      end_lr_ratio: final learning rate as a fraction of `lr`.
-      b1, b2, eps: Adam moments.
-      weight_decay: decoupled decay, applied to matrices only (ndim >= 2).
-      clip_norm: max global gradient norm (0 disables clipping).
-      trainable: the parts trained ("vision", "projector", "llm"; `models.stage_modules.param_part`); the
-        others are frozen: no optimizer state, no update, no share of the gradient norm.
-      lr_scale, weight_decay_scale: per-part multipliers of `lr` and `weight_decay` (missing = 1),
-        e.g. {vision: 0.2} (LLaVA-OV stage 2: the vision tower at 1/5 of the rate).
-      zero1: shard the AdamW moments (and the reduced gradient) over the stage's "data" axis;
-        False keeps them replicated like the params (the pre-ZeRO layout, for comparison).
-    """
-
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    decay_steps: int = 100
-    end_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_norm: float = 1.0
-    zero1: bool = True
-    trainable: tuple[str, ...] = TRAINABLE_PARTS
-    lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
-    weight_decay_scale: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        parts, chosen = set(TRAINABLE_PARTS), self.trainable
-        ok = 0 < len(chosen) == len(set(chosen)) and set(chosen) <= parts
-        fix = f"give a non-empty subset of {list(TRAINABLE_PARTS)}, no repeats"
-        require(ok, "optimizer.trainable", list(chosen), fix)
-        ok = set(self.lr_scale) <= parts and all(v > 0 for v in self.lr_scale.values())
-        fix = f"keys from {list(TRAINABLE_PARTS)}, values > 0"
-        require(ok, "optimizer.lr_scale", self.lr_scale, fix)
-        wd = self.weight_decay_scale
-        ok = set(wd) <= parts and all(v >= 0 for v in wd.values())
-        fix = f"keys from {list(TRAINABLE_PARTS)}, values >= 0"
-        require(ok, "optimizer.weight_decay_scale", wd, fix)
-        require(self.lr > 0, "optimizer.lr", self.lr, "must be > 0")
-        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
-        require(
-            self.decay_steps > self.warmup_steps,
-            "optimizer.decay_steps",
-            self.decay_steps,
-            "must exceed optimizer.warmup_steps",
-        )
-        require(
-            0 <= self.end_lr_ratio <= 1, "optimizer.end_lr_ratio", self.end_lr_ratio, "in [0, 1]"
-        )
-        require(
-            self.clip_norm >= 0, "optimizer.clip_norm", self.clip_norm, "must be >= 0 (0 = off)"
-        )
-        for name in ("b1", "b2"):
-            value = getattr(self, name)
-            require(0 <= value < 1, f"optimizer.{name}", value, "must be in [0, 1)")
-        require(self.eps > 0, "optimizer.eps", self.eps, "must be > 0")
-        require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
-
-    def schedule(self) -> optax.Schedule:
-        return optax.warmup_cosine_decay_schedule(
-            0.0, self.lr, self.warmup_steps, self.decay_steps, self.lr * self.end_lr_ratio
-        )
-
-    def _adamw(self, part: str) -> optax.GradientTransformation:
-        lr, wd = self.lr_scale.get(part, 1.0), self.weight_decay_scale.get(part, 1.0)
-        schedule = self.schedule()
-        return optax.adamw(
-            schedule if lr == 1 else lambda step: lr * schedule(step),
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            weight_decay=self.weight_decay * wd,
-            mask=lambda params: jax.tree.map(lambda a: a.ndim >= 2, params),
-        )
-
-    def build(self) -> optax.GradientTransformation:
-        """The per-stage transformation (clipping is applied before it, across stages): AdamW, or with
-        a recipe (frozen parts, per-part scales) one AdamW per trained part and `set_to_zero` for the
-        frozen ones (`optax.multi_transform`: a frozen leaf holds no optimizer state)."""
-        if (
-            set(self.trainable) == set(TRAINABLE_PARTS)
-            and not self.lr_scale
-            and not self.weight_decay_scale
-        ):
-            return self._adamw("llm")  # the plain AdamW state tree (checkpoints of such runs)
-        parts = {
-            p: self._adamw(p) if p in self.trainable else optax.set_to_zero()
-            for p in TRAINABLE_PARTS
-        }
-        return optax.multi_transform(parts, param_labels)
-
 
 # The update's glue between the stages' own programs, each one jitted program (an eager op would
 # compile in step 1, out of `lower_update`'s reach).
@@ -218,45 +115,21 @@ class StageOptimizer:
         for its frozen ones (`OptimizerConfig.build` of the same trainable parts)."""
         self.stage = stage
         self.tx = tx
-        trained, frozen = stage.trained, negate(stage.trained)
         ps = stage.param_shardings
-        scalar = NamedSharding(stage.mesh, P())
-        self.scalar = scalar
+        self.scalar = NamedSharding(stage.mesh, P())
         make = zero1_layout if zero1 else replicated_layout
         self.layout = jax.tree.map(lambda a, s: make(a.shape, s), stage.params, ps)
         zs = jax.tree.map(lambda lay: lay.sharding, self.layout)
-        self.grad_shardings = prune(zs, trained)
+        self.grad_shardings = prune(zs, stage.trained)
         padded = jax.tree.map(
             lambda a, lay: jax.ShapeDtypeStruct(lay.padded, a.dtype), stage.params, self.layout
         )
         abstract = jax.eval_shape(tx.init, padded)
-        _check_frozen_stateless(tx, abstract, trained)
-        self.state_shardings = self._over_state(abstract, lambda x, lay: lay.sharding, scalar)
+        _check_frozen_stateless(tx, abstract, stage.trained)
+        self.state_shardings = self._over_state(abstract, lambda x, lay: lay.sharding, self.scalar)
         self._padded = any(lay.is_padded for lay in jax.tree.leaves(self.layout))
-        view = self._over_state(
-            abstract,
-            lambda x, lay: jax.ShapeDtypeStruct(
-                lay.shape, x.dtype, sharding=lay.param_sharding if lay.is_padded else lay.sharding
-            ),
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar),
-        )
-        self._view = view  # the unpadded state's shapes and shardings (what checkpoints see)
-        view_shardings = jax.tree.map(lambda v: v.sharding, view)
-        self._init = jax.jit(
-            lambda p: tx.init(jax.tree.map(lambda a, lay: pad(a, lay.padded), p, self.layout)),
-            in_shardings=(ps,),
-            out_shardings=self.state_shardings,
-        )
-        self._unpad = jax.jit(
-            lambda st: self._over_state(st, lambda x, lay: unpad(x, lay.shape)),
-            in_shardings=(self.state_shardings,),
-            out_shardings=view_shardings,
-        )
-        self._pad = jax.jit(
-            lambda st: self._over_state(st, lambda x, lay: pad(x, lay.padded)),
-            in_shardings=(view_shardings,),
-            out_shardings=self.state_shardings,
-        )
+        self._view = self._unpadded_view(abstract)  # what checkpoints see
+        self._init, self._unpad, self._pad = self._layout_programs()
         self._state_tree = jax.tree.structure(abstract)
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
         self.shards = (
@@ -268,17 +141,59 @@ class StageOptimizer:
                 self.state_shardings,
             )
         )
-        accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
-        grad_layout = prune(self.layout, trained)
-        # The per-step programs take and return trees as their leaves (`stages.LeafProgram`).
-        at, gt = jax.tree.structure(accs), jax.tree.structure(self.grad_shardings)
-        pt, st = jax.tree.structure(prune(ps, trained)), self._state_tree
         self.trains = bool(jax.tree.leaves(self.grad_shardings))
+        grad_layout = prune(self.layout, stage.trained)
         self._grad_structs = jax.tree.map(
             lambda lay: jax.ShapeDtypeStruct(lay.padded, jnp.float32, sharding=lay.sharding),
             grad_layout,
         )
-        self._reduce = LeafProgram(
+        self._reduce, self._sq_norm, self._update = self._step_programs(grad_layout, padded)
+
+    def _unpadded_view(self, abstract: PyTree) -> PyTree:
+        """The state's shapes and shardings in the params' shapes: a padded leaf unpadded in its
+        param's stage sharding, the others as they live (`abstract`: the padded state's shapes)."""
+        return self._over_state(
+            abstract,
+            lambda x, lay: jax.ShapeDtypeStruct(
+                lay.shape, x.dtype, sharding=lay.param_sharding if lay.is_padded else lay.sharding
+            ),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.scalar),
+        )
+
+    def _layout_programs(self) -> tuple[jax.stages.Wrapped, ...]:
+        """The jitted programs between the params' shapes and the ZeRO-1 layout: fresh state from
+        the params (padded), the state's padding cut back (`state`) and put back (its setter)."""
+        view_shardings = jax.tree.map(lambda v: v.sharding, self._view)
+        init = jax.jit(
+            lambda p: self.tx.init(jax.tree.map(lambda a, lay: pad(a, lay.padded), p, self.layout)),
+            in_shardings=(self.stage.param_shardings,),
+            out_shardings=self.state_shardings,
+        )
+        unpad_state = jax.jit(
+            lambda st: self._over_state(st, lambda x, lay: unpad(x, lay.shape)),
+            in_shardings=(self.state_shardings,),
+            out_shardings=view_shardings,
+        )
+        pad_state = jax.jit(
+            lambda st: self._over_state(st, lambda x, lay: pad(x, lay.padded)),
+            in_shardings=(view_shardings,),
+            out_shardings=self.state_shardings,
+        )
+        return init, unpad_state, pad_state
+
+    def _step_programs(
+        self, grad_layout: PyTree, padded: PyTree
+    ) -> tuple[LeafProgram, LeafProgram, LeafProgram]:
+        """The per-step programs `reduce`, `sq_norm` and `apply` run (`grad_layout`: the trained
+        leaves' `Zero1Leaf`s; `padded`: every param's padded ShapeDtypeStruct)."""
+        stage, scalar = self.stage, self.scalar
+        trained, frozen = stage.trained, negate(stage.trained)
+        ps = stage.param_shardings
+        accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
+        # The per-step programs take and return trees as their leaves (`LeafProgram`).
+        at, gt = jax.tree.structure(accs), jax.tree.structure(self.grad_shardings)
+        pt, st = jax.tree.structure(prune(ps, trained)), self._state_tree
+        reduce = LeafProgram(
             lambda acc: jax.tree.map(
                 lambda a, lay: jnp.sum(pad(a, lay.padded), axis=0), acc, grad_layout
             ),
@@ -294,7 +209,7 @@ class StageOptimizer:
                 (jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros((), jnp.float32)
             ).reshape(1)
 
-        self._sq_norm = LeafProgram(
+        sq_norm_program = LeafProgram(
             sq_norm,
             (gt,),
             None,
@@ -303,9 +218,9 @@ class StageOptimizer:
         )
         # The frozen leaves enter the update as zeros of their padded shape (grads and params alike):
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
-        update = functools.partial(_guarded_update, tx, grad_layout,
+        update = functools.partial(_guarded_update, self.tx, grad_layout,
                                    prune(padded, frozen), trained)  # fmt: skip
-        self._update = LeafProgram(
+        update_program = LeafProgram(
             update,
             (pt, st, gt, None),
             (pt, st),
@@ -313,6 +228,7 @@ class StageOptimizer:
             out_shardings=(prune(ps, trained), self.state_shardings),
             donate_argnums=(0, 1),
         )
+        return reduce, sq_norm_program, update_program
 
     @property
     def shards(self) -> PyTree:

@@ -8,7 +8,8 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 
 LAYOUT_A = Layout(
     (

@@ -47,7 +47,8 @@ from dflop_jax.runtime.checkpoint import Checkpointer, model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.lagged_schedule import Observation
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 from dflop_jax.scheduler import Scheduler, SchedulerConfig, schedule_batch
 from dflop_jax.train import run
 from models.llava_onevision import llava_onevision_config

@@ -20,7 +20,8 @@ from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates
 from models.decoder import Decoder
 
 # A small clip_norm so that clipping is active on every step (the gradient norm is ~1 here).

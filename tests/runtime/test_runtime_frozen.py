@@ -49,7 +49,8 @@ from dflop_jax.programs.trees import accumulator_structs
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import Op, pipeline_order, run_pipeline
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 from dflop_jax.train import run
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 

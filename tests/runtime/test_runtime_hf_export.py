@@ -25,7 +25,8 @@ from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import LayoutConfig, TrainConfig
 from dflop_jax.runtime.hf_export import model_config_of
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer
 from models import layouts
 
 SEED = 3

@@ -19,7 +19,8 @@ from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 from dflop_jax.train import run
 from models.internvit import InternViTConfig
 from models.internvl import InternVL, internvl_config

@@ -14,8 +14,9 @@ from dflop_jax.costs.compile import program_counts
 from dflop_jax.data.config import DataConfig
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
 from dflop_jax.runtime.precompile import bucket_microbatches, pipeline_lowerings
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, lower_update
+from dflop_jax.runtime.train_state import StageOptimizer, lower_update
 
 SEPARATE = Layout(
     (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),

@@ -19,7 +19,8 @@ from dflop_jax.programs.transfer import put_host
 from dflop_jax.programs.trees import prune
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import LayoutConfig, TrainConfig
-from dflop_jax.runtime.train_state import STATS, OptimizerConfig, StageOptimizer
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import STATS, StageOptimizer
 
 BASE = dict(lr=1e-2, warmup_steps=0, decay_steps=10, weight_decay=0.1)
 

@@ -28,7 +28,8 @@ from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.programs.trees import accumulator_structs
 from dflop_jax.programs.zero1_layout import zero1_layout, zero1_sharding
-from dflop_jax.runtime.train_state import OptimizerConfig, StageOptimizer, apply_updates
+from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 
 LAYOUT = Layout(
     (),
