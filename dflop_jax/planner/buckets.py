@@ -3,12 +3,20 @@
 A microbatch's per-shard load depends on the layout: with G samples per global batch, M microbatches
 and an LLM data-parallel degree l_dp, a packed row holds on average L = G * mean_tokens / (M * l_dp)
 tokens, and an encoder shard T = G * mean_tiles / (M * v_dp) tiles, or with tiles packed by row
-(`Layout.tiles_by_row`) a row's block T = G * mean_tiles / (M * l_dp). A ladder of n sizes spans
-[0.8 L, max(largest sample, 1.5 L)] geometrically: dense near L, where most microbatches land, so
-padding stays small. The top is the fixed "max length" a data-blind setup would use too (a one-size
+(`Layout.tiles_by_row`) a row's block T = G * mean_tiles / (M * l_dp). A ladder of n sizes ends at
+max(largest sample, 1.5 L): the fixed "max length" a data-blind setup would use too (a one-size
 ladder is just the top), so memory checks of both see the same largest shape. A batch that does not
 fit M microbatches of the top size gets extra microbatches (the planner's scheduling range is
 M .. M x (1 + microbatch_slack)).
+
+Below the top, lengths and pooled tiles span [0.8 L, top] geometrically: dense near L, where a
+microbatch's load lands (rows are filled up to the length bucket; a pool of tiles sums many
+samples). Tiles packed by row are different: a microbatch's tile bucket is set by its FULLEST row,
+and a row holds few samples (G / (M * l_dp)), so the fullest of l_dp rows sits well above the mean
+row and the mean-based ladder's lower sizes are rarely usable (on the demo's data 27 of 34
+microbatches padded to the top). Their sizes are the ones that minimize the padding of the fullest
+row over microbatches drawn from the data (`fullest_rows`: samples drawn, split over the rows as
+the scheduler balances tiles, longest first), an exact dynamic program (`padding_ladder`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dflop_jax.contracts import BucketSet, SampleShape
 
 LOW_FACTOR = 0.8  # smallest bucket relative to the mean per-shard load
 HEADROOM = 1.5  # end of the dense part of the ladder, relative to the mean per-shard load
+ROW_DRAWS = 512  # microbatches drawn to place a by-row tile ladder (`fullest_rows`)
+ROW_SEED = 0  # their draws are fixed: the same data and layout give the same ladder
 
 
 def ladder(mean_load: float, largest_item: float, n: int, align: int) -> tuple[int, ...]:
@@ -48,6 +58,55 @@ def _round_up(x: float, align: int) -> int:
     return int(math.ceil(x / align - 1e-9)) * align
 
 
+def padding_ladder(values: np.ndarray, top: int, n: int) -> tuple[int, ...]:
+    """Up to `n` ascending positive integer sizes ending at `top` that minimize the summed padding of
+    `values`, each rounded up to the smallest size holding it (values above `top` count as `top`,
+    those under 1 as 1: a size holds at least one).
+
+    Exact: an optimal ladder's lower sizes are among the distinct values (lowering a size to the
+    largest value it holds pads less), so a dynamic program over them finds it: best[k][j] is the
+    least padding of the values <= the j-th candidate with k sizes, the largest at that candidate.
+    """
+    v = np.clip(np.ceil(np.asarray(values, dtype=np.float64)), 1, top)
+    cand = np.unique(np.append(v, top))  # ascending, top last
+    counts = np.array([(v == c).sum() for c in cand], dtype=np.float64)
+    sums = np.array([v[v == c].sum() for c in cand])
+    cum_n, cum_s = np.concatenate([[0.0], counts.cumsum()]), np.concatenate([[0.0], sums.cumsum()])
+
+    def pad(i: int, j: int) -> float:  # values of candidates i+1..j held by candidate j
+        return cand[j] * (cum_n[j + 1] - cum_n[i + 1]) - (cum_s[j + 1] - cum_s[i + 1])
+
+    c, k_max = len(cand), min(n, len(cand))
+    best = np.full((k_max + 1, c), np.inf)
+    prev = np.zeros((k_max + 1, c), dtype=np.int64)
+    for j in range(c):
+        best[1, j] = pad(-1, j)
+    for k in range(2, k_max + 1):
+        for j in range(k - 1, c):
+            options = [best[k - 1, i] + pad(i, j) for i in range(k - 2, j)]
+            i = int(np.argmin(options))
+            best[k, j], prev[k, j] = options[i], i + k - 2
+    k = int(np.argmin(best[1:, c - 1])) + 1  # fewer sizes when more would not pad less
+    sizes, j = [], c - 1
+    for kk in range(k, 0, -1):
+        sizes.append(int(cand[j]))
+        j = int(prev[kk, j])
+    return tuple(sorted(sizes))
+
+
+def fullest_rows(tiles: np.ndarray, samples: int, rows: int, draws: int = ROW_DRAWS) -> np.ndarray:
+    """The fullest row's tiles of `draws` microbatches of `samples` samples drawn from `tiles` (each
+    sample's tile count), split over `rows` rows as the scheduler balances them: most tiles first,
+    each to the row with the fewest (`scheduler/rows.py`)."""
+    rng = np.random.default_rng(ROW_SEED)
+    picks = -np.sort(-rng.choice(tiles, size=(draws, max(samples, 1))), axis=1)
+    load = np.zeros((draws, rows))
+    at = np.arange(draws)
+    for j in range(picks.shape[1]):
+        load[at, load.argmin(axis=1)] += picks[:, j]
+    return load.max(axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShapeStats:
     """What the ladders need of a shape distribution (computed once per search)."""
@@ -56,12 +115,14 @@ class ShapeStats:
     mean_tiles: float
     max_tokens: int
     max_tiles: int
+    tiles: tuple[int, ...] = ()  # every sample's tiles (the by-row tile ladder draws from them)
 
     @classmethod
     def of(cls, shapes: Sequence[SampleShape]) -> ShapeStats:
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
-        return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()))
+        return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()),
+                   tuple(int(s.tiles) for s in shapes))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)  # the planner's candidates share few (M, dp) combinations
@@ -95,4 +156,14 @@ def bucket_set(
     lengths = ladder(token_load, stats.max_tokens, num_buckets, length_align)
     largest = stats.max_tiles if by_row else stats.max_tiles / encoder_dp
     tile_sizes = ladder(tile_load, largest, num_buckets, 1)
+    if by_row and len(tile_sizes) > 1 and stats.tiles:
+        samples = round(global_batch / microbatches)
+        tile_sizes = _row_ladder(stats.tiles, samples, llm_dp, tile_sizes[-1], num_buckets)
     return BucketSet(tiles=tile_sizes, lengths=lengths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_ladder(tiles: tuple[int, ...], samples: int, rows: int, top: int, n: int):
+    """A by-row tile ladder ending at `top`: the sizes that pad the fullest row least (module
+    docstring)."""
+    return padding_ladder(fullest_rows(np.asarray(tiles), samples, rows), top, n)
