@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 
 from dflop_jax.config import require
 from dflop_jax.config.cli import Command, config_error, load_command_config
@@ -55,14 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tensors pass through the host only
 
     from dflop_jax.config import ConfigError
-    from dflop_jax.runtime.hf_export import ExportError, export_run
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.runtime.hf_export import ExportError, export_run, run_config
     from models.hf import CheckpointError
 
     try:
         cfg = load_command_config(ExportConfig, args)
-        report = export_run(
-            cfg.run, cfg.out, step=cfg.step or None, max_shard_bytes=int(cfg.shard_gb * 1e9)
-        )
+        # the run resolved as every command resolves it; its plan is not needed (nor read)
+        ctx = RunContext.build(run_config(Path(cfg.run)), read_plan=False)
+        report = export_run(ctx.cfg, ctx.model_cfg, cfg.run, cfg.out, step=cfg.step or None,
+                            max_shard_bytes=int(cfg.shard_gb * 1e9))  # fmt: skip
     except ConfigError as e:
         return config_error(e)
     except (ExportError, CheckpointError) as e:

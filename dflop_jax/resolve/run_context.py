@@ -55,13 +55,14 @@ class RunContext:
     plan_file: Plan | None = None
 
     @classmethod
-    def build(cls, cfg: TrainConfig) -> RunContext:
+    def build(cls, cfg: TrainConfig, *, read_plan: bool = True) -> RunContext:
         """The context of a run config: its plan file read, its remat applied, its model config
         built from the config (an HF directory's config.json, or the fields and the tokenizer's
-        vocabulary)."""
-        plan_file = None if cfg.plan in PLAN_MODES else load_plan(cfg.plan)
+        vocabulary). `read_plan=False`: a command that needs no plan (the HF export of a run whose
+        plan file may be gone) reads none and applies none."""
+        plan_file = None if not read_plan or cfg.plan in PLAN_MODES else load_plan(cfg.plan)
         cfg = with_plan_remat(cfg, plan_file)
-        return cls.of(cfg, cfg.model_config(), plan_file)
+        return cls._derive(cfg, cfg.model_config(), plan_file)
 
     @classmethod
     def of(cls, cfg: TrainConfig, model_cfg, plan_file: Plan | None = None) -> RunContext:
@@ -69,6 +70,10 @@ class RunContext:
         given is read here."""
         if plan_file is None and cfg.plan not in PLAN_MODES:
             plan_file = load_plan(cfg.plan)
+        return cls._derive(cfg, model_cfg, plan_file)
+
+    @classmethod
+    def _derive(cls, cfg: TrainConfig, model_cfg, plan_file: Plan | None) -> RunContext:
         devices = cfg.num_devices or len(jax.devices())
         return cls(cfg, model_cfg, arch_of_model(model_cfg, run_name(cfg)), run_device(cfg.device),
                    devices, plan_file)  # fmt: skip

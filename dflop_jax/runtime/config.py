@@ -293,19 +293,19 @@ class TrainConfig:
         fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
         require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
 
-    def model_config(self, compute_dtype: str | None = None, tokenizer=None):
+    def model_config(self):
         """The run's `models` config (`ModelConfig.model_config`: no parameter is made), with the
-        data's tile and patch sizes and pixel normalization; `compute_dtype` overrides the run's.
-        The tokenizer (given, or the run's) sizes the vocabulary of a model built from the fields;
-        an HF directory or a named architecture brings its own, and the tokenizer is not read."""
-        if tokenizer is None and not (self.model.hf_dir or self.model.arch):
+        data's tile and patch sizes and pixel normalization. The run's tokenizer sizes the
+        vocabulary of a model built from the fields; an HF directory or a named architecture brings
+        its own, and the tokenizer is not read. Built once per command, by `resolve.RunContext`."""
+        vocab = 0
+        if not (self.model.hf_dir or self.model.arch):
             from dflop_jax.data import load_tokenizer
 
-            tokenizer = load_tokenizer(self.data.tokenizer)
-        vocab = tokenizer.vocab_size if tokenizer is not None else 0
+            vocab = load_tokenizer(self.data.tokenizer).vocab_size
         return self.model.model_config(vocab, tile_px=self.data.tile_px,
                                        patch_size=self.data.patch_size,
-                                       compute_dtype=compute_dtype or self.compute_dtype,
+                                       compute_dtype=self.compute_dtype,
                                        pixel_norm=(self.data.mean, self.data.std))  # fmt: skip
 
     def inputs(self) -> list[InputPath]:

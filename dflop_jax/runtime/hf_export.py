@@ -1,6 +1,8 @@
 """A training run's checkpoint -> an HF model directory that transformers (and vLLM) load.
 
-    export_run("runs/demo", "runs/demo/hf", step=8)      # python -m dflop_jax.export run=... out=...
+    ctx = RunContext.build(run_config(run_dir), read_plan=False)   # the run's config, resolved
+    export_run(ctx.cfg, ctx.model_cfg, run_dir, "runs/demo/hf", step=8)
+                                                          # python -m dflop_jax.export run=... out=...
 
 The checkpoint stores each module's params layout-independently (`runtime/checkpoint.py`: global layer
 indices, merged over stages, one orbax directory per group of owning processes), so any layout and any
@@ -91,13 +93,13 @@ def run_config(run_dir: Path) -> TrainConfig:
     return from_dict(TrainConfig, read_yaml(file))
 
 
-def model_config_of(cfg: TrainConfig):
-    """The run's `models` config (fp32 params), as `dflop_jax.train.run` builds it, with the image /
-    video token ids of the run's tokenizer (the ones its data holds; HF finds the features by them)."""
+def with_token_ids(model_cfg, cfg: TrainConfig):
+    """The run's `models` config (`RunContext.model_cfg`: fp32 params, as every command resolves
+    it) with the image / video token ids of the run's tokenizer (the ones its data holds; HF finds
+    the features by them)."""
     from dflop_jax.data import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
-    model_cfg = cfg.model_config(compute_dtype="float32", tokenizer=tok)
     if not hasattr(model_cfg, "vision"):
         return model_cfg
     if cfg.model.kind == "internvl":
@@ -243,13 +245,16 @@ def _with_source_structure(config: dict, source: dict) -> dict:
 
 
 def export_run(
+    cfg: TrainConfig,
+    model_cfg,
     run_dir: str | Path,
     out: str | Path,
     *,
     step: int | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> ExportReport:
-    """Writes the HF directory `out` from `run_dir`'s checkpoint of `step` (default the latest).
+    """Writes the HF directory `out` from `run_dir`'s checkpoint of `step` (default the latest):
+    `cfg` is the run's config (`run_config(run_dir)`), `model_cfg` its model's (`RunContext`).
 
     Raises:
       ExportError: no config.yaml, no complete checkpoint (of that step), or a checkpoint whose params
@@ -265,8 +270,7 @@ def export_run(
     )
 
     run_dir, out = Path(run_dir), Path(out)
-    cfg = run_config(run_dir)
-    model_cfg = model_config_of(cfg)
+    model_cfg = with_token_ids(model_cfg, cfg)
     checkpoints = run_dir / "checkpoints"
     try:
         saved = SavedState(checkpoints, step)

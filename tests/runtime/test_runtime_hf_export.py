@@ -22,9 +22,10 @@ from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_section import ModelConfig
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.resolve import RunContext
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import LayoutConfig, TrainConfig
-from dflop_jax.runtime.hf_export import model_config_of
+from dflop_jax.runtime.hf_export import with_token_ids
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
 from dflop_jax.runtime.train_state import StageOptimizer
 from models import layouts
@@ -64,7 +65,7 @@ def _write_run(tmp_path, kind: str, steps=(2,), cfg: TrainConfig | None = None):
     run = tmp_path / "run"
     run.mkdir()
     dump_yaml(cfg, run / "config.yaml")
-    model_cfg = model_config_of(cfg)
+    model_cfg = with_token_ids(RunContext.build(cfg, read_plan=False).model_cfg, cfg)
     layout = cfg.layout.layout()
     stages = build_stages(model_cfg, layout, stage_meshes(layout), cfg.model.source,
                           compute_dtype=jnp.float32)  # fmt: skip

@@ -122,8 +122,12 @@ def test_the_run_config_records_the_hf_model_and_loads_back_to_it(hf_dir, tmp_pa
     defaults, keeps hf_dir, and reads back (resume, export) to the same model."""
     import yaml
 
-    from dflop_jax.runtime.hf_export import model_config_of, run_config
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.runtime.hf_export import run_config, with_token_ids
     from dflop_jax.runtime.trainer import prepare_run_dir
+
+    def model_config_of(cfg):  # as `python -m dflop_jax.export` resolves the run
+        return with_token_ids(RunContext.build(cfg, read_plan=False).model_cfg, cfg)
 
     cfg = _load(f"model.hf_dir={hf_dir}", f"run_dir={tmp_path / 'run'}", "compilation_cache=")
     prepare_run_dir(cfg, model_config_of(cfg))

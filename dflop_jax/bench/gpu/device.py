@@ -24,13 +24,15 @@ def device_info() -> dict:
     the preset of the device JAX reports; `device.*` figures are needed for a kind with none)."""
     import jax
 
-    from dflop_jax.costs import DeviceConfig
-    from dflop_jax.programs.devices import run_device
+    from dflop_jax.resolve import RunContext
+    from dflop_jax.runtime.config import TrainConfig
 
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     name = nvidia_smi_name() if gpu else None
-    spec = run_device(DeviceConfig())
+    # the device a run resolves to here (`device: auto`: the preset of the accelerator JAX reports),
+    # resolved as every command resolves it
+    spec = RunContext.build(TrainConfig()).device
     peak, source = spec.peak_flops, f"costs.device_specs preset {spec.name!r} (dense bf16)"
     return {"platform": dev.platform, "gpu": gpu, "gpu_name": name, "device_kind": dev.device_kind,
             "num_devices": len(jax.devices()), "peak_flops": peak, "peak_source": source}  # fmt: skip
