@@ -29,7 +29,7 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     Tiles are packed BY ROW (`ScheduledMicrobatch.tiles_by_row`): row r's samples' tiles
                     fill slots r*R ... (r+1)*R - 1, R the row's tile bucket padded to a multiple of
                     l_tp and so that v_dp divides l_dp*R (`contracts.row_tile_slots`; the padding
-                    ends each block, so no end padding by `stages.boundary_shape` is needed).
+                    ends each block, so no end padding by `stage_fns.boundary_shape` is needed).
                     The features arrive ONCE, their tile axis split over all the stage's devices
                     (x_spec FEATURES_SPEC = P(("data", "model")): row r's block split over row r's
                     tp devices); the program all-gathers each block over "model" only

@@ -29,7 +29,7 @@ receives one copy per device.
 
 The destination may have another shape (`shape=`): what lies beyond the source's extent on an axis is
 zeros, what lies beyond the destination's is not sent. A stage whose input axis its devices do not
-divide takes that axis padded (`stages.boundary_shape`: the encoder's features into the first LLM
+divide takes that axis padded (`stage_fns.boundary_shape`: the encoder's features into the first LLM
 stage), and its dL/dx goes back cropped, with nothing moved for the padding.
 """
 

@@ -134,7 +134,7 @@ class StepOutput:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
       grads: accumulated fp32 gradients per stage (per data replica, trained leaves only:
-        `stages.accumulator_structs`), as the accumulator's leaves (`StageProgram.zero_grads`), on
+        `trees.accumulator_structs`), as the accumulator's leaves (`StageProgram.zero_grads`), on
         each stage's mesh (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the

@@ -6,7 +6,7 @@
 
 Per evaluation a fresh loader (`make_loader`, one pass) packs the held-out records in a fixed order
 into scheduled global batches with the run's buckets, and every microbatch runs the forward programs
-of the inner stages and the last stage's `eval_loss` (forward + loss, no gradient; `stages.py`),
+of the inner stages and the last stage's `eval_loss` (forward + loss, no gradient; `programs/stage_jits.py`),
 which adds its loss sum and loss tokens into one device vector: no host read per microbatch, and the
 eval loss is (sum of losses) / (sum of loss tokens) over the whole held-out set.
 

@@ -36,7 +36,7 @@ what the single-device model computes. A checkpoint stores the parameter once an
 copy.
 
 Frozen parameters (`OptimizerConfig.trainable`; `StageProgram.trained` marks the trained leaves): the
-accumulator and the reduced gradient hold the trained leaves only (`stages.prune`), so a frozen leaf
+accumulator and the reduced gradient hold the trained leaves only (`programs/trees.py` `prune`), so a frozen leaf
 costs no accumulator, no reduction and no share of the norm. The update program takes and donates the
 trained params only; the optimizer (`optax.multi_transform`, `set_to_zero` for the frozen parts, which
 hold no state) sees the whole tree with zeros in place of the frozen leaves, which it ignores. It runs
