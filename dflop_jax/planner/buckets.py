@@ -68,10 +68,10 @@ def padding_ladder(values: np.ndarray, top: int, n: int) -> tuple[int, ...]:
     least padding of the values <= the j-th candidate with k sizes, the largest at that candidate.
     """
     v = np.clip(np.ceil(np.asarray(values, dtype=np.float64)), 1, top)
-    cand = np.unique(np.append(v, top))  # ascending, top last
-    counts = np.array([(v == c).sum() for c in cand], dtype=np.float64)
-    sums = np.array([v[v == c].sum() for c in cand])
-    cum_n, cum_s = np.concatenate([[0.0], counts.cumsum()]), np.concatenate([[0.0], sums.cumsum()])
+    cand, counts = np.unique(np.append(v, top), return_counts=True)  # ascending, top last
+    counts[-1] -= 1  # the appended top is a candidate, not a value
+    cum_n = np.concatenate([[0], counts.cumsum()])
+    cum_s = np.concatenate([[0.0], (cand * counts).cumsum()])  # a candidate's values all equal it
 
     def pad(i: int, j: int) -> float:  # values of candidates i+1..j held by candidate j
         return cand[j] * (cum_n[j + 1] - cum_n[i + 1]) - (cum_s[j + 1] - cum_s[i + 1])
