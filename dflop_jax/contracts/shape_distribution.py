@@ -1,8 +1,10 @@
 """The shape-distribution file: the dataset's per-sample (tiles, tokens, modality), as the data profiler
 writes it and the planner, scheduler CLI and simulator read it.
 
-    {"version": 1, "source": "...", "samples": [{"tiles": int, "tokens": int, "modality": str}, ...],
-     "summary": {...}}
+    {"version": 1, "source": "...", "samples": [{"tiles": int, "tokens": int, "modality": str,
+     "audio": [valid frames per 30 s window, ...]}, ...], "summary": {...}}
+
+`audio` is written only for samples with audio, and read as () when absent.
 
 Pure Python; imports nothing above `contracts`.
 """
@@ -30,9 +32,9 @@ def load_shape_distribution(path: str | Path) -> list[SampleShape]:
     out = []
     for i, s in enumerate(data["samples"]):
         try:
-            out.append(
-                SampleShape(i, int(s["tiles"]), int(s["tokens"]), str(s.get("modality", "text")))
-            )
+            audio = tuple(int(v) for v in s.get("audio", ()))
+            modality = str(s.get("modality", "text"))
+            out.append(SampleShape(i, int(s["tiles"]), int(s["tokens"]), modality, audio))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"{path}: samples[{i}]={s!r}: need tiles and tokens integers ({e})"
@@ -45,7 +47,9 @@ def save_shape_distribution(
 ) -> None:
     """Writes `shapes` in the shared shape-distribution format."""
     samples = [
-        {"tiles": int(s.tiles), "tokens": int(s.tokens), "modality": s.modality} for s in shapes
+        {"tiles": int(s.tiles), "tokens": int(s.tokens), "modality": s.modality}
+        | ({"audio": [int(v) for v in s.audio_windows]} if s.audio_windows else {})
+        for s in shapes
     ]
     data = {"version": FORMAT_VERSION, "source": source, "samples": samples, "summary": summary}
     Path(path).write_text(json.dumps(data))

@@ -19,13 +19,23 @@ class SampleShape:
       id: the sample's id in its dataset (opaque to the scheduler).
       tiles: encoder tiles (images tiles + video frames); 0 for text-only.
       tokens: all LLM tokens of the sample (text + image + newline tokens), exactly as the model sees them.
-      modality: "text", "image", "multi_image" or "video" (reporting only).
+      modality: "text", "image", "multi_image", "video", "audio" or "omni" (audio with images or
+        video) (reporting only).
+      audio_windows: valid log-mel frames (100 per second) of each 30 s audio window the sample's
+        clips are cut into, in order; () for a sample without audio. The audio encoder's work follows
+        them (its frames per window), and its tokens are among `tokens`.
     """
 
     id: Any
     tiles: int
     tokens: int
     modality: str = "text"
+    audio_windows: tuple[int, ...] = ()
+
+    @property
+    def audio_seconds(self) -> float:
+        """Seconds of audio (each valid frame is 10 ms)."""
+        return sum(self.audio_windows) / 100.0
 
 
 @dataclasses.dataclass(frozen=True)

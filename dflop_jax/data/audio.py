@@ -122,6 +122,25 @@ def log_mel(samples: np.ndarray, n_mels: int, frames: int) -> np.ndarray:
     return (log + 4.0) / 4.0
 
 
+def window_frames(num_samples: int, location: str, pool: int = 2) -> tuple[int, ...]:
+    """Valid frames of each 30 s window of a clip of `num_samples` (16 kHz): what the encoder sees of
+    it, known without computing a feature. Raises BadSample("empty_audio") for a clip too short
+    for one encoder output; a tail window too short for one is dropped."""
+    out = []
+    for start in range(0, num_samples, WINDOW_SAMPLES):
+        chunk = min(WINDOW_SAMPLES, num_samples - start)
+        valid = valid_frames(chunk)
+        if encoder_outputs(valid, pool) == 0:
+            if out:  # a tail too short for one output: dropped
+                break
+            raise BadSample(
+                "empty_audio", location,
+                f"{chunk} samples ({1000 * chunk / SAMPLE_RATE:.0f} ms) give no encoder output",
+            )  # fmt: skip
+        out.append(valid)
+    return tuple(out)
+
+
 def audio_windows(
     samples: np.ndarray, location: str, *, n_mels: int = 128, pool: int = 2
 ) -> list[AudioWindow]:
@@ -129,16 +148,8 @@ def audio_windows(
     if len(samples) == 0:
         raise BadSample("empty_audio", location, "no samples")
     out = []
-    for start in range(0, len(samples), WINDOW_SAMPLES):
-        chunk = samples[start : start + WINDOW_SAMPLES]
-        valid = valid_frames(len(chunk))
-        if encoder_outputs(valid, pool) == 0:
-            if out:  # a tail too short for one output: dropped
-                break
-            raise BadSample(
-                "empty_audio", location,
-                f"{len(chunk)} samples ({1000 * len(chunk) / SAMPLE_RATE:.0f} ms) give no encoder output",
-            )  # fmt: skip
+    for w, valid in enumerate(window_frames(len(samples), location, pool)):
+        chunk = samples[w * WINDOW_SAMPLES : (w + 1) * WINDOW_SAMPLES]
         out.append(AudioWindow(log_mel(chunk, n_mels, kept_frames(valid, pool)), valid))
     return out
 

@@ -16,11 +16,12 @@ REASONS = (
     "no_conversations",  # no `conversations`/`text`, empty, or no assistant turn to learn from
     "unknown_fields",  # a turn's `from` is no known role, image + video together, extra keys (strict)
     "too_long",  # more LLM tokens than `max_tokens` (policy "skip") or unfit for truncation
-    "bad_markers",  # `<image>` markers not matching the images (none: `image` empty), or in a non-user turn
+    "bad_markers",  # `<image>`/`<audio>` markers not matching the media (none: `image` empty), or in a non-user turn
     "corrupt_shard",  # a parquet row group or tar member that cannot be read (truncated, damaged)
     "unreadable_audio",  # PyAV cannot open/decode it, or it holds no audio stream
     "empty_audio",  # decodes to no samples, or too few for one encoder output
-    "audio_too_long",  # longer than the `max_seconds` the caller allows
+    "audio_too_long",  # longer than the `max_seconds` the caller allows (`data.max_audio_s`)
+    "no_audio_encoder",  # a sample with audio, for a model without an audio encoder
 )
 
 

@@ -18,7 +18,9 @@ SIGLIP_STD = (0.5, 0.5, 0.5)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-SYNTH_MIXES = ("llava-ov", "internvl", "text", "single-image", "multi-image", "video", "dflop")
+SYNTH_MIXES = (
+    "llava-ov", "internvl", "text", "single-image", "multi-image", "video", "dflop", "audio", "omni",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +33,8 @@ class DataConfig:
         into `synth_dir`).
       synth_dir: where synthetic data is written (reused if already complete).
       synth_samples, synth_mix, synth_seed: the synthetic dataset (see `dflop_jax.data.synth`).
-      image_root, video_root: folders relative image/video paths resolve against ("" = the JSON's folder).
+      image_root, video_root, audio_root: folders relative image/video/audio paths resolve against
+        ("" = the JSON's folder).
       model_family: "llava_ov" (SigLIP anyres, 729 tokens/tile) or "internvl" (448 px dynamic tiles, 256).
       tile_size: encoder tile side in pixels; 0 = auto: with `model.hf_dir` its
         preprocessor_config.json's `size` (or `crop_size`), else its config.json's vision
@@ -46,6 +49,10 @@ class DataConfig:
         `max_dynamic_patch`, else 12 (InternVL's).
       use_thumbnail: InternVL thumbnail tile.
       video_fps: frames sampled per second of video; max_frames: upper bound (uniform if more).
+      max_audio_s: longest audio clip, in seconds; a longer one is a counted skip ("audio_too_long").
+        Clips are cut into 30 s encoder windows (`data/audio.py`), each adding up to 750 tokens.
+      audio_mels: log-mel bins of the audio features: the audio encoder's `num_mel_bins` (128 for
+        Qwen2-Audio and Whisper large-v3, 80 for earlier Whisper sizes).
       tokenizer: "bundled" (byte-level, ships with the package) or an HF model/tokenizer directory.
       chat_template: "qwen2.5" | "llama3" (built in) | "from_tokenizer" (the tokenizer directory's
         chat_template.jinja or tokenizer_config.json `chat_template`) | "auto": with `model.hf_dir` whose
@@ -78,6 +85,7 @@ class DataConfig:
     synth_seed: int = 0
     image_root: str = ""
     video_root: str = ""
+    audio_root: str = ""
     model_family: Literal["llava_ov", "internvl"] = "llava_ov"
     tile_size: int = 0
     patch_size: int = 14
@@ -87,6 +95,8 @@ class DataConfig:
     use_thumbnail: bool = True
     video_fps: float = 1.0
     max_frames: int = 32
+    max_audio_s: float = 300.0
+    audio_mels: int = 128
     tokenizer: str = "bundled"
     chat_template: Literal["auto", "qwen2.5", "llama3", "from_tokenizer"] = "auto"
     system_prompt: str | None = None
@@ -152,6 +162,10 @@ class DataConfig:
             self.video_fps > 0, "data.video_fps", self.video_fps, "must be > 0 frames per second"
         )
         require(self.max_frames >= 1, "data.max_frames", self.max_frames, "must be >= 1")
+        fix = "must be > 0 seconds (clips longer than it are skipped as audio_too_long)"
+        require(self.max_audio_s > 0, "data.max_audio_s", self.max_audio_s, fix)
+        fix = "use the audio encoder's num_mel_bins (128 for Qwen2-Audio, 80 for Whisper <= v2)"
+        require(self.audio_mels >= 1, "data.audio_mels", self.audio_mels, fix)
         require(self.max_tokens >= 16, "data.max_tokens", self.max_tokens, "must be >= 16")
         for name in ("pixel_mean", "pixel_std"):
             value = getattr(self, name)
@@ -173,7 +187,7 @@ class DataConfig:
             out.append(
                 InputPath("tokenizer", self.tokenizer, "dir", fix, contains="tokenizer.json")
             )
-        for name in ("image_root", "video_root"):
+        for name in ("image_root", "video_root", "audio_root"):
             if getattr(self, name):
                 fix = "give the media folder or '' (paths relative to the dataset file)"
                 out.append(InputPath(name, getattr(self, name), "dir", fix))
@@ -212,7 +226,7 @@ class DataConfig:
         """Every field that changes a sample's tiles or tokens (the metadata cache key)."""
         keep = (
             "model_family", "tile_size", "patch_size", "anyres_max", "max_grid", "max_tiles", "use_thumbnail",
-            "video_fps", "max_frames", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
+            "video_fps", "max_frames", "max_audio_s", "audio_mels", "tokenizer", "chat_template", "system_prompt", "max_tokens", "too_long",
             "strict", "extra_fields",  # under strict, extra keys make a record bad
         )  # fmt: skip
         return {k: getattr(self, k) for k in keep}

@@ -13,14 +13,15 @@ from dflop_jax.config import ConfigError
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.mix import load_mix
 from dflop_jax.data.shards import is_shard_source, open_shards
-from dflop_jax.data.sources import read_records, with_roots
+from dflop_jax.data.sources import MediaRoots, read_records, with_roots
 
 
 def load_source(cfg: DataConfig, seed: int = 0) -> Sequence[dict]:
     """All records of `cfg.source`: a list (JSON, JSONL, synthetic), or a lazy random-access sequence
     when shards are named (alone or in a mix), whose records are read on access.
 
-    Relative media paths resolve against `cfg.image_root` / `cfg.video_root`, else the dataset's folder.
+    Relative media paths resolve against `cfg.image_root` / `video_root` / `audio_root`, else the
+    dataset's folder.
     """
     if cfg.source == "synthetic":
         from dflop_jax.data.synth import synth_dataset
@@ -30,12 +31,7 @@ def load_source(cfg: DataConfig, seed: int = 0) -> Sequence[dict]:
         )
     elif is_shard_source(cfg.source):
         try:
-            return open_shards(
-                cfg.source,
-                image_root=cfg.image_root,
-                video_root=cfg.video_root,
-                cache_dir=cfg.cache_dir,
-            )
+            return open_shards(cfg.source, roots=MediaRoots.of(cfg), cache_dir=cfg.cache_dir)
         except ConfigError as e:
             raise ConfigError(f"data.source={e}") from None
     else:
@@ -47,8 +43,7 @@ def load_source(cfg: DataConfig, seed: int = 0) -> Sequence[dict]:
             )
     if path.suffix in (".yaml", ".yml"):
         return load_mix(
-            path, seed, strict=cfg.strict, image_root=cfg.image_root, video_root=cfg.video_root,
-            cache_dir=cfg.cache_dir,
-        )  # fmt: skip
+            path, seed, strict=cfg.strict, roots=MediaRoots.of(cfg), cache_dir=cfg.cache_dir
+        )
     records = list(read_records(path, strict=cfg.strict))
-    return with_roots(records, cfg.image_root or path.parent, cfg.video_root or path.parent)
+    return with_roots(records, MediaRoots.of(cfg).under(path.parent))

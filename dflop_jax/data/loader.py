@@ -525,7 +525,9 @@ def resolve_decode_workers(
     if n >= 0:
         return n
     head = (records[i] for i in range(min(len(records), 64)))
-    has_media = any(isinstance(r, dict) and ("image" in r or "video" in r) for r in head)
+    has_media = any(
+        isinstance(r, dict) and any(k in r for k in ("image", "video", "audio")) for r in head
+    )
     return auto_decode_workers(data_cfg.tile_px, has_media)
 
 

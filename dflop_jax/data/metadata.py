@@ -4,7 +4,7 @@
     shapes = cache.shapes(records)          # [SampleShape | BadSample], in record order
 
 One cache file per (dataset file or shard, media roots): keyed by the file's content hash and a hash of every
-processing setting (`DataConfig.processing_key()`) and of `SHAPE_RULES`, holding each record's (tiles, tokens, modality) or its
+processing setting (`DataConfig.processing_key()`) and of `SHAPE_RULES`, holding each record's (tiles, tokens, modality, audio windows) or its
 bad-sample reason by location. A changed dataset or setting is a new key; media files are trusted not to
 change under an unchanged dataset file.
 """
@@ -25,8 +25,8 @@ from dflop_jax.data.process import Processor
 from dflop_jax.data.shards import group_key
 
 # The processor's rules for what a record becomes (its shape, or its bad-sample reason), part of the
-# cache key: raise it when a change makes a cached entry wrong (2: an empty `image` list is text).
-SHAPE_RULES = 2
+# cache key: raise it when a change makes a cached entry wrong (3: audio clips have shapes).
+SHAPE_RULES = 3
 
 
 def compute_shape(processor: Processor, record: dict) -> SampleShape | BadSample:
@@ -92,12 +92,10 @@ class MetadataCache:
             _write_table(path, table)
         return result
 
-    def _path(self, file: str, image_root: str, video_root: str) -> Path:
+    def _path(self, file: str, *roots: str) -> Path:
         if file not in self._file_hashes:
             self._file_hashes[file] = file_hash(Path(file))
-        roots = hashlib.sha256(
-            f"{Path(image_root).resolve()}|{Path(video_root).resolve()}".encode()
-        ).hexdigest()
+        roots = hashlib.sha256("|".join(str(Path(r).resolve()) for r in roots).encode()).hexdigest()
         name = f"{Path(file).stem}-{self._file_hashes[file][:16]}-{self._settings}-{roots[:8]}.json"
         return self.dir / name
 
@@ -105,13 +103,13 @@ class MetadataCache:
 def _encode(shape: SampleShape | BadSample) -> list | dict:
     if isinstance(shape, BadSample):
         return {"error": shape.reason, "detail": shape.detail}
-    return [shape.id, shape.tiles, shape.tokens, shape.modality]
+    return [shape.id, shape.tiles, shape.tokens, shape.modality, list(shape.audio_windows)]
 
 
 def _decode(entry, location: str) -> SampleShape | BadSample:
     if isinstance(entry, dict):
         return BadSample(entry["error"], location, entry["detail"])
-    return SampleShape(entry[0], int(entry[1]), int(entry[2]), entry[3])
+    return SampleShape(entry[0], int(entry[1]), int(entry[2]), entry[3], tuple(entry[4]))
 
 
 def _read_table(path: Path) -> dict:

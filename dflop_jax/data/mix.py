@@ -3,6 +3,7 @@
 # configs/my_mix.yaml (paths relative to this file)
 image_root: /data/llava/images         # default for every dataset (else the dataset's folder)
 video_root: /data/llava/videos
+audio_root: /data/audio                # relative `audio` paths
 datasets:
   - path: ai2d.jsonl                   # LLaVA-OV's `json_path` is accepted too
     sampling: all                      # all | first:N | first:P% | end:N | end:P% | random:N | random:P%
@@ -30,34 +31,34 @@ import numpy as np
 
 from dflop_jax.config import ConfigError, read_yaml
 from dflop_jax.data.shards import Subset, concat, is_shard_source, open_shards, take
-from dflop_jax.data.sources import read_records, with_roots
+from dflop_jax.data.sources import MEDIA_KINDS, NO_ROOTS, MediaRoots, read_records, with_roots
 
-_DATASET_KEYS = {"path", "json_path", "sampling", "sampling_strategy", "image_root", "video_root"}
+_ROOT_KEYS = {f"{kind}_root" for kind in MEDIA_KINDS}
+_DATASET_KEYS = {"path", "json_path", "sampling", "sampling_strategy", *_ROOT_KEYS}
 
 
 def load_mix(
     path: str | Path,
     seed: int = 0,
     strict: bool = False,
-    image_root: str = "",
-    video_root: str = "",
+    roots: MediaRoots = NO_ROOTS,
     cache_dir: str = "",
 ) -> Sequence[dict]:
     """Records of every dataset of the mix, sampled, in mix order (a list, or a lazy sequence when an
-    entry names shards). `image_root`/`video_root` override all; `cache_dir` keeps tar indexes."""
+    entry names shards). The set `roots` override the mix's; `cache_dir` keeps tar indexes."""
     path = Path(path)
     spec = read_yaml(path)
-    unknown = sorted(set(spec) - {"datasets", "image_root", "video_root", "phases"})
+    allowed = {"datasets", "phases", *_ROOT_KEYS}
+    unknown = sorted(set(spec) - allowed)
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key {unknown[0]!r}; allowed: datasets, image_root, video_root, phases"
+            f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}"
         )
     datasets = spec.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise ConfigError(
             f"{path}: `datasets` must be a non-empty list of {{path, sampling}} entries"
         )
-    roots = (image_root, video_root)
     parts = [
         _load_entry(path, i, entry, spec, seed, strict, roots, cache_dir)
         for i, entry in enumerate(datasets)
@@ -151,20 +152,19 @@ def _load_entry(mix_path, i, entry, spec, seed, strict, roots, cache_dir) -> Seq
         entry["sampling"] if "sampling" in entry else entry.get("sampling_strategy", "all")
     )
     rng = np.random.default_rng([seed, i])
-    img = roots[0] or _root(mix_path, entry, spec, "image_root")
-    vid = roots[1] or _root(mix_path, entry, spec, "video_root")
+    roots = roots.or_else(
+        MediaRoots(*(str(_root(mix_path, entry, spec, f"{k}_root") or "") for k in MEDIA_KINDS))
+    )
     if is_shard_source(file):
         try:
-            shards = open_shards(
-                file, image_root=img or "", video_root=vid or "", cache_dir=cache_dir
-            )
+            shards = open_shards(file, roots=roots, cache_dir=cache_dir)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
         return take(shards, sample_indices(len(shards), strategy, rng))
     if not file.is_file():
         raise ConfigError(f"{where}: dataset file not found: {file}")
     records = sample_records(list(read_records(file, strict=strict)), strategy, rng)
-    return with_roots(records, img or file.parent, vid or file.parent)
+    return with_roots(records, roots.under(file.parent))
 
 
 def _root(mix_path: Path, entry: dict, spec: dict, key: str) -> Path | None:

@@ -1,8 +1,8 @@
 """Records -> shapes (metadata only) and -> processed samples (pixels, tokens, masks), sharing one plan.
 
     proc = Processor(DataConfig(model_family="llava_ov"))
-    proc.shape(record)    # SampleShape(tiles, tokens, modality): image headers, frame counts, tokenized text
-    proc.process(record)  # ProcessedSample: decoded + tiled + normalized pixels, ids, assistant mask, sources
+    proc.shape(record)    # SampleShape: image headers, frame counts, audio windows, tokenized text
+    proc.process(record)  # ProcessedSample: tiled pixels, audio features, ids, assistant mask, sources
 
 Both go through `_plan` (the same text, the same layouts), so the counts cannot drift apart; `process`
 additionally checks that the tiles it cut from real pixels are as many as the layouts promised.
@@ -11,18 +11,23 @@ layout, InternVL `<img>` + `<IMG_CONTEXT>` per feature token + `</img>`.
 LLaVA-OV samples also carry exact bilinear `feature_taps` / `feature_weight` [L, 4] (always, so packed
 shapes are static): anyres_max_N downscales a big image's grid features by interpolation, which
 `feature_source` (the nearest tap) only approximates.
+Audio (`audio`: a path, an {bytes, path} struct, or a list of them; `<audio>` markers, added to the first
+user turn when absent) is decoded to 16 kHz mono and cut into 30 s windows (`data/audio.py`); each clip
+becomes `<|audio_bos|>`, one `<|AUDIO|>` per encoder output of its windows, `<|audio_eos|>` (Qwen2-Audio's
+placeholders). Its length needs the decoded sample count, so `shape` decodes every clip (no features).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import jinja2
 import numpy as np
 
 from dflop_jax.contracts import SampleShape
-from dflop_jax.data import images, video
+from dflop_jax.data import audio, images, video
 from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.chat import ROLES, ChatTemplate, to_messages
 from dflop_jax.data.config import DataConfig
@@ -30,9 +35,14 @@ from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, ProcessedSample, pl
 from dflop_jax.data.tokenizer import Tokenizer, load_tokenizer
 from models import layouts
 
-KNOWN_FIELDS = frozenset({"id", "image", "video", "conversations", "text", "data_source", "source"})
+KNOWN_FIELDS = frozenset(
+    {"id", "image", "video", "audio", "conversations", "text", "data_source", "source"}
+)
 TURN_FIELDS = frozenset({"from", "value"})
-MARKER = "<image>"
+MARKER = "<image>"  # an image or a video (`<video>` is read as it)
+AUDIO_MARKER = "<audio>"
+AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
+_SPLIT = re.compile(f"({re.escape(MARKER)}|{re.escape(AUDIO_MARKER)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +57,29 @@ class _Media:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Clip:
+    """One audio clip: its samples (16 kHz mono) and the valid frames of each of its 30 s windows."""
+
+    samples: np.ndarray
+    windows: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Encoder outputs of the clip: its `<|AUDIO|>` tokens."""
+        return sum(audio.encoder_outputs(v) for v in self.windows)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     sample_id: object
     location: str
     modality: str
-    pieces: tuple[
-        str, ...
-    ]  # text between media placeholders (len = len(media) + 1), or the plain text
+    pieces: tuple[str, ...]  # text between placeholders (len = len(markers) + 1), or the plain text
     spans: tuple[tuple[int, int], ...]  # assistant character spans in "".join(pieces); None = all
     media: tuple[_Media, ...]
     plain: bool
+    clips: tuple[_Clip, ...] = ()
+    markers: tuple[str, ...] = ()  # MARKER / AUDIO_MARKER between the pieces, in order
 
 
 class Processor:
@@ -82,6 +105,7 @@ class Processor:
             )
         else:
             self.img_ids = tuple(self.tok.token_id(t) for t in ("<img>", "<IMG_CONTEXT>", "</img>"))
+        self._audio_ids: tuple[int, int, int] | None = None  # looked up on the first audio clip
         eos = self.tok.hf.token_to_id(self.tok.eos_token) if self.tok.eos_token else None
         self._layouts: dict[tuple, tuple[layouts.FeatureLayout, tuple[int, int]]] = {}
         self.eos_ids = np.asarray([] if eos is None else [eos], np.int32)
@@ -109,15 +133,16 @@ class Processor:
     def shape(self, record: dict) -> SampleShape:
         """Tiles and LLM tokens of the sample from metadata only (no pixel is decoded)."""
         plan = self._plan(record, with_spans=False)
-        ids, _, _, _ = self._tokens(plan, with_mask=False)
-        return SampleShape(
-            plan.sample_id, sum(m.layout.num_tiles for m in plan.media), len(ids), plan.modality
-        )
+        tokens = self._tokens(plan, with_mask=False)
+        tiles = sum(m.layout.num_tiles for m in plan.media)
+        windows = tuple(v for clip in plan.clips for v in clip.windows)
+        return SampleShape(plan.sample_id, tiles, len(tokens.ids), plan.modality, windows)
 
     def process(self, record: dict) -> ProcessedSample:
-        """Decodes and tiles the pixels (uint8) and builds ids, assistant mask and feature sources."""
+        """Decodes and tiles the pixels (uint8), featurizes the audio, and builds ids, assistant mask
+        and feature sources."""
         plan = self._plan(record, with_spans=True)
-        ids, mask, source, taps = self._tokens(plan, with_mask=True)
+        t = self._tokens(plan, with_mask=True)
         tiles, pool = self._pixels(plan)
         expected = sum(m.layout.num_tiles for m in plan.media)
         if tiles.shape[0] != expected:  # header and pixels disagree (e.g. a lying video header)
@@ -126,10 +151,15 @@ class Processor:
                 plan.location,
                 f"{tiles.shape[0]} tiles decoded, {expected} expected",
             )
-        feature_taps, feature_weight = taps if taps is not None else (None, None)
+        windows = tuple(
+            w
+            for clip in plan.clips
+            for w in audio.audio_windows(clip.samples, plan.location, n_mels=self.cfg.audio_mels)
+        )
         return ProcessedSample(
-            plan.sample_id, ids, mask, source, tiles, pool, plan.modality,
-            feature_taps=feature_taps, feature_weight=feature_weight,
+            plan.sample_id, t.ids, t.mask, t.source, tiles, pool, plan.modality,
+            feature_taps=t.taps, feature_weight=t.weights,
+            audio=windows, audio_source=t.audio if plan.clips else None,
         )  # fmt: skip
 
     # ---- planning (metadata) ------------------------------------------------------------------------
@@ -153,7 +183,10 @@ class Processor:
             return _Plan(sample_id, location, "text", (record["text"],), (), (), True)
         conversations = _check_conversations(record, location)
         media, modality = self._media(record, location)
-        messages = _place_markers(conversations, len(media), location)
+        clips = self._clips(record, location)
+        if clips:
+            modality = "audio" if modality == "text" else "omni"
+        messages = _place_markers(conversations, len(media), len(clips), location)
         messages = to_messages(messages, self.cfg.system_prompt)
         try:
             if with_spans:
@@ -166,14 +199,19 @@ class Processor:
             raise BadSample(
                 "no_conversations", location, f"chat template refused it: {e}"
             ) from None
-        pieces = tuple(text.split(MARKER))
-        if len(pieces) != len(media) + 1:
-            raise BadSample(
-                "bad_markers",
-                location,
-                f"{len(pieces) - 1} `<image>` after templating, {len(media)} media",
-            )
-        return _Plan(sample_id, location, modality, pieces, tuple(spans), tuple(media), False)
+        parts = _SPLIT.split(text)
+        pieces, markers = tuple(parts[0::2]), tuple(parts[1::2])
+        for marker, n in ((MARKER, len(media)), (AUDIO_MARKER, len(clips))):
+            if markers.count(marker) != n:
+                raise BadSample(
+                    "bad_markers",
+                    location,
+                    f"{markers.count(marker)} `{marker}` after templating for {n} media",
+                )
+        return _Plan(
+            sample_id, location, modality, pieces, tuple(spans), tuple(media), False,
+            tuple(clips), markers,
+        )  # fmt: skip
 
     def _media(self, record: dict, location: str) -> tuple[list[_Media], str]:
         # `image: []` / `image: null` is how HF datasets store a text-only row in a media column.
@@ -185,13 +223,26 @@ class Processor:
             idx = video.video_indices(path, location, self.cfg.video_fps, self.cfg.max_frames)
             return [_Media("video", path, self._video_layout(len(idx)), frames=idx)], "video"
         if not given:
-            _check_no_markers(record, location)
+            _check_no_markers(record, ("image", "video"), (MARKER, "<video>"), location)
             return [], "text"
         refs = record["image"] if isinstance(record["image"], list) else [record["image"]]
-        paths = [_image_source(record, ref, location) for ref in refs]
+        paths = [_media_source(record, "image", ref, location) for ref in refs]
         kind = "image" if len(paths) == 1 or self.cfg.model_family == "internvl" else "multi"
         media = [self._image_media(p, kind, location) for p in paths]
         return media, ("image" if len(paths) == 1 else "multi_image")
+
+    def _clips(self, record: dict, location: str) -> list[_Clip]:
+        """The record's audio clips, decoded (16 kHz mono) and cut into windows; [] without audio."""
+        if record.get("audio") in (None, []):
+            _check_no_markers(record, ("audio",), (AUDIO_MARKER,), location)
+            return []
+        refs = record["audio"] if isinstance(record["audio"], list) else [record["audio"]]
+        clips = []
+        for ref in refs:
+            src = _media_source(record, "audio", ref, location)
+            samples = audio.decode_audio(src, location, max_seconds=self.cfg.max_audio_s)
+            clips.append(_Clip(samples, audio.window_frames(len(samples), location)))
+        return clips
 
     def _image_media(self, path: Path | bytes, kind: str, location: str) -> _Media:
         hw = images.image_size(path, location)
@@ -237,53 +288,38 @@ class Processor:
         return layouts.FeatureLayout(frames, tpt, np.arange(frames * tpt, dtype=np.int32))
 
     # ---- tokens -------------------------------------------------------------------------------------
-    def _tokens(self, plan: _Plan, with_mask: bool):
-        """([L] int32 ids, [L] bool assistant mask, [L] int32 feature source, taps), truncated per policy.
-
-        taps: ([L, 4] int32, [L, 4] float32) exact feature taps for LLaVA-OV when `with_mask` (process),
-        else None (internvl, or shape-only planning).
-        """
-        ids, mask, source, taps = [], [], [], []
-        with_taps = with_mask and self.cfg.model_family == "llava_ov"
-        char0, tile0, media_end = 0, 0, 0
+    def _tokens(self, plan: _Plan, with_mask: bool) -> _Tokens:
+        """The sample's token arrays, truncated per `too_long`; the assistant mask only `with_mask`,
+        and the exact LLaVA-OV taps only then too (shape-only planning needs neither)."""
+        parts = _TokenParts(with_mask, with_mask and self.cfg.model_family == "llava_ov")
+        char0, tile0, output0 = 0, 0, 0
+        media, clips = iter(plan.media), iter(plan.clips)
         for i, piece in enumerate(plan.pieces):
             piece_ids, offsets = self.tok.encode(piece)
-            ids.append(piece_ids)
-            source.append(np.full(len(piece_ids), TEXT, np.int32))
-            if with_taps:
-                taps.append(plain_taps(source[-1], FEATURE_TAPS))
+            learn = None
             if with_mask:
-                mask.append(
-                    _in_spans(offsets[:, 0] + char0, plan.spans)
-                    if not plan.plain
-                    else np.ones(len(piece_ids), bool)
+                learn = (
+                    np.ones(len(piece_ids), bool)
+                    if plan.plain
+                    else _in_spans(offsets[:, 0] + char0, plan.spans)
                 )
-            char0 += len(piece) + len(MARKER)
-            if i < len(plan.media):
-                m = plan.media[i]
-                m_ids, m_src = self._placeholder(m, tile0)
-                if with_taps:  # llava_ov placeholders are exactly the layout's positions
-                    taps.append(m.layout.offset_taps(tile0))
+            parts.text(piece_ids, learn)
+            if i == len(plan.markers):
+                break
+            char0 += len(piece) + len(plan.markers[i])
+            if plan.markers[i] == MARKER:
+                m = next(media)
+                ids, source = self._placeholder(m, tile0)
+                # llava_ov placeholders are exactly the layout's positions
+                parts.media(ids, source, m.layout.offset_taps(tile0) if parts.with_taps else None)
                 tile0 += m.layout.num_tiles
-                ids.append(m_ids)
-                source.append(m_src)
-                mask.append(np.zeros(len(m_ids), bool))
-                media_end = sum(len(a) for a in ids)
+            else:
+                n = next(clips).tokens
+                parts.audio(self._audio_placeholder(n), output0)
+                output0 += n
         if plan.plain:
-            ids.append(self.eos_ids)
-            source.append(np.full(len(self.eos_ids), TEXT, np.int32))
-            mask.append(np.ones(len(self.eos_ids), bool))
-            if with_taps:
-                taps.append(plain_taps(source[-1], FEATURE_TAPS))
-        ids_a, src_a = np.concatenate(ids).astype(np.int32), np.concatenate(source).astype(np.int32)
-        mask_a = np.concatenate(mask) if with_mask else np.zeros(0, bool)
-        taps_a = None
-        if with_taps:
-            taps_a = (
-                np.concatenate([t for t, _ in taps]).astype(np.int32),
-                np.concatenate([w for _, w in taps]).astype(np.float32),
-            )
-        return self._fit(plan, ids_a, mask_a, src_a, taps_a, media_end, with_mask)
+            parts.text(self.eos_ids, np.ones(len(self.eos_ids), bool))
+        return self._fit(plan, parts.arrays())
 
     def _placeholder(self, m: _Media, tile0: int) -> tuple[np.ndarray, np.ndarray]:
         src = m.layout.offset(tile0)
@@ -304,22 +340,25 @@ class Processor:
             frame_src
         ).astype(np.int32)
 
-    def _fit(self, plan, ids, mask, source, taps, media_end, with_mask):
+    def _audio_placeholder(self, outputs: int) -> np.ndarray:
+        """`<|audio_bos|>`, `outputs` x `<|AUDIO|>`, `<|audio_eos|>` (int32)."""
+        if self._audio_ids is None:
+            self._audio_ids = tuple(self.tok.token_id(t) for t in AUDIO_TOKENS)
+        bos, token, eos = self._audio_ids
+        return np.asarray([bos, *([token] * outputs), eos], np.int32)
+
+    def _fit(self, plan: _Plan, t: _Tokens) -> _Tokens:
         limit = self.cfg.max_tokens
-        if len(ids) <= limit:
-            return ids, mask, source, taps
-        if self.cfg.too_long == "skip" or media_end > limit:
-            raise BadSample("too_long", plan.location, f"{len(ids)} tokens > max_tokens={limit}")
-        ids, source = ids[:limit], source[:limit]
-        if taps is not None:  # only text after the last image is cut (media_end <= limit)
-            taps = (taps[0][:limit], taps[1][:limit])
-        if with_mask:
-            mask = mask[:limit]
-            if not mask.any():
-                raise BadSample(
-                    "too_long", plan.location, f"no assistant token within max_tokens={limit}"
-                )
-        return ids, mask, source, taps
+        if len(t.ids) <= limit:
+            return t
+        if self.cfg.too_long == "skip" or t.media_end > limit:
+            raise BadSample("too_long", plan.location, f"{len(t.ids)} tokens > max_tokens={limit}")
+        cut = t.cut(limit)  # only text after the last placeholder is cut (media_end <= limit)
+        if t.mask.size and not cut.mask.any():
+            raise BadSample(
+                "too_long", plan.location, f"no assistant token within max_tokens={limit}"
+            )
+        return cut
 
     # ---- pixels -------------------------------------------------------------------------------------
     def _pixels(self, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -377,37 +416,37 @@ def _check_conversations(record: dict, location: str) -> list[dict]:
     return conv
 
 
-def _check_no_markers(record: dict, location: str) -> None:
-    """A record whose media column is empty (`image: []`, `image: null`) is text only: a `<image>` or
-    `<video>` marker in its conversations names media it does not have."""
-    empty = [k for k in ("image", "video") if k in record]
-    markers = sum(
-        t["value"].count(MARKER) + t["value"].count("<video>") for t in record["conversations"]
-    )
-    if empty and markers:
+def _check_no_markers(record: dict, keys, markers, location: str) -> None:
+    """A record whose media column is empty (`image: []`, `audio: null`) has none of that media: a
+    marker of it in its conversations names media it does not have."""
+    empty = [k for k in keys if k in record]
+    count = sum(t["value"].count(m) for t in record["conversations"] for m in markers)
+    if empty and count:
         raise BadSample(
             "bad_markers",
             location,
             f"`{empty[0]}` is {record[empty[0]]!r} (no media) but the conversations hold "
-            f"{markers} `<image>`/`<video>` marker(s)",
+            f"{count} {'/'.join(f'`{m}`' for m in markers)} marker(s)",
         )
 
 
-def _place_markers(conversations: list[dict], n_media: int, location: str) -> list[dict]:
+def _place_markers(
+    conversations: list[dict], n_media: int, n_clips: int, location: str
+) -> list[dict]:
     """Normalizes `<video>` to `<image>`; adds missing markers to the first user turn (LLaVA does)."""
     conv = [
         {"from": t["from"], "value": t["value"].replace("<video>", MARKER)} for t in conversations
     ]
-    if any(ROLES[t["from"]] != "user" and MARKER in t["value"] for t in conv):
-        raise BadSample("bad_markers", location, "`<image>` marker outside a user turn")
-    count = sum(t["value"].count(MARKER) for t in conv)
-    if count == 0 and n_media:
-        first = next(i for i, t in enumerate(conv) if ROLES[t["from"]] == "user")
-        conv[first] = {**conv[first], "value": (MARKER + "\n") * n_media + conv[first]["value"]}
-    elif count != n_media:
-        raise BadSample(
-            "bad_markers", location, f"{count} `<image>` markers for {n_media} images/videos"
-        )
+    for marker, n in ((MARKER, n_media), (AUDIO_MARKER, n_clips)):
+        if any(ROLES[t["from"]] != "user" and marker in t["value"] for t in conv):
+            raise BadSample("bad_markers", location, f"`{marker}` marker outside a user turn")
+        count = sum(t["value"].count(marker) for t in conv)
+        if count == 0 and n:
+            first = next(i for i, t in enumerate(conv) if ROLES[t["from"]] == "user")
+            conv[first] = {**conv[first], "value": (marker + "\n") * n + conv[first]["value"]}
+        elif count != n:
+            what = "images/videos" if marker == MARKER else "audio clips"
+            raise BadSample("bad_markers", location, f"{count} `{marker}` markers for {n} {what}")
     return conv
 
 
@@ -421,9 +460,9 @@ def _resolve(record: dict, key: str, root_key: str, location: str) -> Path:
     return path
 
 
-def _image_source(record: dict, ref, location: str) -> Path | bytes:
-    """One entry of `image`: a path, or HF's Image struct {bytes, path} (the bytes when present, else
-    the path), as parquet and tar shards carry images."""
+def _media_source(record: dict, kind: str, ref, location: str) -> Path | bytes:
+    """One entry of `image` or `audio`: a path, or HF's Image / Audio struct {bytes, path} (the bytes
+    when present, else the path), as parquet and tar shards carry media."""
     if isinstance(ref, dict) and set(ref) <= {"bytes", "path"}:
         if isinstance(ref.get("bytes"), bytes) and ref["bytes"]:
             return ref["bytes"]
@@ -432,9 +471,9 @@ def _image_source(record: dict, ref, location: str) -> Path | bytes:
         raise BadSample(
             "missing_file",
             location,
-            f"`image` must be a path, an {{bytes, path}} struct, or a list of them: {ref!r:.80}",
+            f"`{kind}` must be a path, an {{bytes, path}} struct, or a list of them: {ref!r:.80}",
         )
-    return _resolve({**record, "image": ref}, "image", "_image_root", location)
+    return _resolve({**record, kind: ref}, kind, f"_{kind}_root", location)
 
 
 def _in_spans(starts: np.ndarray, spans) -> np.ndarray:
@@ -442,3 +481,79 @@ def _in_spans(starts: np.ndarray, spans) -> np.ndarray:
     for a, b in spans:
         out |= (starts >= a) & (starts < b)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """A sample's token arrays: ids, assistant mask (empty when not asked for), image feature
+    sources and taps (None unless exact LLaVA-OV taps were asked for), audio output sources, and
+    where its last placeholder ends (truncation never cuts into one)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    source: np.ndarray
+    taps: np.ndarray | None
+    weights: np.ndarray | None
+    audio: np.ndarray
+    media_end: int
+
+    def cut(self, n: int) -> _Tokens:
+        """The first `n` positions."""
+        taps = None if self.taps is None else self.taps[:n]
+        weights = None if self.weights is None else self.weights[:n]
+        return _Tokens(
+            self.ids[:n], self.mask[:n], self.source[:n], taps, weights, self.audio[:n],
+            min(self.media_end, n),
+        )  # fmt: skip
+
+
+class _TokenParts:
+    """Builds `_Tokens` piece by piece: text, image/video placeholders, audio placeholders."""
+
+    def __init__(self, with_mask: bool, with_taps: bool):
+        self.with_mask, self.with_taps = with_mask, with_taps
+        self.ids, self.mask, self.source, self.taps, self.audio_source = [], [], [], [], []
+        self.length = self.media_end = 0
+
+    def _add(self, ids, learn, source, taps, audio_source) -> None:
+        self.ids.append(np.asarray(ids, np.int32))
+        self.source.append(np.asarray(source, np.int32))
+        self.audio_source.append(audio_source)
+        if self.with_mask:
+            self.mask.append(learn)
+        if self.with_taps:
+            self.taps.append(taps if taps is not None else plain_taps(source, FEATURE_TAPS))
+        self.length += len(ids)
+
+    def text(self, ids: np.ndarray, learn: np.ndarray | None) -> None:
+        text = np.full(len(ids), TEXT, np.int32)
+        self._add(ids, learn, text, None, text)
+
+    def media(self, ids: np.ndarray, source: np.ndarray, taps) -> None:
+        """An image or video placeholder, its positions taking the features `source` (and `taps`)."""
+        self._add(ids, np.zeros(len(ids), bool), source, taps, np.full(len(ids), TEXT, np.int32))
+        self.media_end = self.length
+
+    def audio(self, ids: np.ndarray, first_output: int) -> None:
+        """An audio placeholder (bos, outputs, eos): its outputs take the sample's audio encoder
+        outputs `first_output`, `first_output + 1`, ... in order."""
+        text = np.full(len(ids), TEXT, np.int32)
+        outputs = text.copy()
+        outputs[1:-1] = first_output + np.arange(len(ids) - 2)
+        self._add(ids, np.zeros(len(ids), bool), text, None, outputs)
+        self.media_end = self.length
+
+    def arrays(self) -> _Tokens:
+        taps = weights = None
+        if self.with_taps:
+            taps = np.concatenate([t for t, _ in self.taps]).astype(np.int32)
+            weights = np.concatenate([w for _, w in self.taps]).astype(np.float32)
+        return _Tokens(
+            np.concatenate(self.ids),
+            np.concatenate(self.mask) if self.with_mask else np.zeros(0, bool),
+            np.concatenate(self.source),
+            taps,
+            weights,
+            np.concatenate(self.audio_source),
+            self.media_end,
+        )

@@ -58,6 +58,10 @@ class ProcessedSample:
       feature_taps: [L, K] int32 or None; exact sources of each position (module docstring), same
         tile-local indexing as `feature_source`; None when every position is a plain gather (internvl).
       feature_weight: [L, K] float32 or None; weights of `feature_taps` (each row sums to 1).
+      audio: the sample's audio windows (`data.audio.AudioWindow`: log-mel features [frames, n_mels]
+        and valid frames), clip after clip; () without audio.
+      audio_source: [L] int32 or None (no audio): TEXT, or the index of the audio encoder output this
+        `<|AUDIO|>` position takes, counting the valid outputs of `audio`'s windows in order.
     """
 
     id: Any
@@ -69,6 +73,8 @@ class ProcessedSample:
     modality: str = "text"
     feature_taps: np.ndarray | None = None
     feature_weight: np.ndarray | None = None
+    audio: tuple = ()
+    audio_source: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

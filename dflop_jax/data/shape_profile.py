@@ -1,4 +1,4 @@
-"""Data profiler: the (tiles, tokens, modality) distribution of a dataset sample, from metadata only.
+"""Data profiler: the (tiles, tokens, modality, audio) distribution of a dataset sample, from metadata only.
 
     python -m dflop_jax.profile data --config configs/data_internvl_stats.yaml profile.data_samples=2000
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.shape_distribution import save_shape_distribution
+from dflop_jax.data.audio import encoder_outputs
 from dflop_jax.data.bad_sample import BadSample
 from dflop_jax.data.config import DataConfig
 from dflop_jax.data.dataset import load_source
@@ -168,13 +169,23 @@ def _source_name(record: dict) -> str:
 
 
 def _stats(values: np.ndarray) -> dict:
-    out = {"mean": float(values.mean()), "max": int(values.max())}
+    top = values.max()
+    out = {
+        "mean": float(values.mean()),
+        "max": float(top) if values.dtype.kind == "f" else int(top),
+    }
     out.update({f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES})
     return out
 
 
+def audio_tokens(shape: SampleShape) -> int:
+    """The sample's audio placeholder tokens (one per encoder output of its windows)."""
+    return sum(encoder_outputs(v) for v in shape.audio_windows)
+
+
 def summarize(shapes: list[SampleShape], sources: list[str]) -> dict:
-    """{"all"|modality: {count, tiles: stats, tokens: stats}, "by_source": {name: {count, tiles_mean, tokens_mean}}}."""
+    """{"all"|modality: {count, tiles: stats, tokens: stats[, audio_seconds, audio_tokens: stats over
+    the samples with audio]}, "by_source": {name: {count, tiles_mean, tokens_mean}}}."""
     groups: dict[str, list[SampleShape]] = defaultdict(list)
     for s in shapes:
         groups[s.modality].append(s)
@@ -183,6 +194,10 @@ def summarize(shapes: list[SampleShape], sources: list[str]) -> dict:
         tiles = np.array([s.tiles for s in group])
         tokens = np.array([s.tokens for s in group])
         summary[name] = {"count": len(group), "tiles": _stats(tiles), "tokens": _stats(tokens)}
+        heard = [s for s in group if s.audio_windows]
+        if heard:
+            summary[name]["audio_seconds"] = _stats(np.array([s.audio_seconds for s in heard]))
+            summary[name]["audio_tokens"] = _stats(np.array([audio_tokens(s) for s in heard]))
     by_source: dict[str, list[SampleShape]] = defaultdict(list)
     for s, src in zip(shapes, sources):
         by_source[src].append(s)
@@ -228,6 +243,16 @@ def print_summary(summary: dict) -> None:
         )
     console = Console(width=max(130, Console().width))  # piped output defaults to 80 columns
     console.print(table)
+    heard = [(k, v) for k, v in rows if "audio_seconds" in v]
+    if heard:
+        audio = Table(title="Audio (per sample with audio)")
+        for col in ("group", "seconds mean", "seconds p50/p90/p99/max", "tokens mean",
+                    "tokens p50/p90/p99/max"):  # fmt: skip
+            audio.add_column(col, justify="right")
+        for name, v in heard:
+            s, k = v["audio_seconds"], v["audio_tokens"]
+            audio.add_row(name, f"{s['mean']:.1f}", _pcts(s), f"{k['mean']:.0f}", _pcts(k))
+        console.print(audio)
     if summary.get("extra_keys", {}).get("records"):
         console.print(extra_keys_line(summary["extra_keys"]))
     if summary.get("bad"):
@@ -235,7 +260,7 @@ def print_summary(summary: dict) -> None:
 
 
 def _pcts(s: dict) -> str:
-    return "/".join(f"{s[f'p{p}']:.0f}" for p in PERCENTILES) + f"/{s['max']}"
+    return "/".join(f"{s[f'p{p}']:.0f}" for p in PERCENTILES) + f"/{s['max']:.0f}"
 
 
 def plot_histogram(shapes: list[SampleShape], path: Path) -> None:

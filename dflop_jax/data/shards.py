@@ -1,6 +1,6 @@
 """Datasets as they ship: HF parquet shards with embedded images, and WebDataset tar shards.
 
-    records = open_shards("hf/LLaVA-OneVision-Data/", image_root="", video_root="", cache_dir="")
+    records = open_shards("hf/LLaVA-OneVision-Data/", roots=NO_ROOTS, cache_dir="")
     records[i]      # the record dict the JSON reader makes, built on access
 
 Both are random-access sequences of records (`__len__` / `__getitem__`), so grain's index sampler
@@ -9,13 +9,14 @@ read whole:
   - Parquet (`data/train-*.parquet`, the HF datasets layout): only footers are read up front; record i
     is found by (shard, row group) and its row group is read and decoded on access. A small LRU of
     decoded row groups (`ROW_GROUPS_HELD`) serves the neighbours of a sequential pass.
-    `image` is HF's Image struct {bytes, path} or a list of them (kept as is: the processor reads
-    the bytes, or resolves `path` under `image_root` when bytes are absent); null columns are dropped
+    `image` (`audio`) is HF's Image (Audio) struct {bytes, path} or a list of them (kept as is: the processor reads
+    the bytes, or resolves `path` under the image root when bytes are absent); null columns are dropped
     and an empty `image` list is kept (both are text-only rows, `Processor`); `data_source` stays the
     record's group for the data profile.
   - Tar (WebDataset): members group by key (`<dir>/<key>.<ext>`, the key ends at the basename's first
     dot): `<key>.json` holds the record, image members (`<key>.jpg`, `<key>.1.png`, ...) are its images
-    in member order, as {bytes, path} structs. An index of member offsets per shard, built once and
+    and audio members (`<key>.wav`, `<key>.flac`, `<key>.mp3`, ...) its clips, in member order, as
+    {bytes, path} structs. An index of member offsets per shard, built once and
     cached under `cache_dir` by the shard's content hash, gives one positioned read per member.
 Records carry `_location` = `shard:row` (parquet) or `shard.tar:key` (tar), so a bad row is counted by
 reason and `data.strict` names it. A row that cannot be read (a corrupt row group, a truncated tar
@@ -35,10 +36,12 @@ from pathlib import Path
 
 from dflop_jax.config import ConfigError
 from dflop_jax.contracts.files import file_hash
+from dflop_jax.data.sources import MEDIA_KINDS, NO_ROOTS, MediaRoots
 
 ROW_GROUPS_HELD = 4  # decoded parquet row groups kept per reader (HF image shards: ~100 rows each)
 SHARD_SUFFIXES = (".parquet", ".tar")
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"})
+AUDIO_EXTS = frozenset({"wav", "flac", "mp3", "ogg", "opus", "m4a", "aac", "webm"})
 
 
 def is_shard_source(spec: str | Path) -> bool:
@@ -73,27 +76,25 @@ def shard_files(spec: str | Path) -> list[Path]:
     return files
 
 
-def open_shards(
-    spec: str | Path, *, image_root: str | Path = "", video_root: str | Path = "", cache_dir=""
-) -> ShardRecords:
+def open_shards(spec: str | Path, *, roots: MediaRoots = NO_ROOTS, cache_dir="") -> ShardRecords:
     """The records of the shards `spec` names; relative media paths resolve against the roots, else
     each shard's folder. `cache_dir` keeps tar indexes ("" = rebuilt in memory each time)."""
     files = shard_files(spec)
     if files[0].suffix == ".parquet":
         _pyarrow_parquet(spec)  # missing: one line naming the source
-        return ParquetRecords(files, image_root, video_root)
-    return TarRecords(files, image_root, video_root, cache_dir)
+        return ParquetRecords(files, roots)
+    return TarRecords(files, roots, cache_dir)
 
 
 class ShardRecords(Sequence):
     """Records of shard files by global index: i -> (shard, position in shard), built on access."""
 
-    def __init__(self, files: list[Path], counts: list[int], image_root, video_root):
+    def __init__(self, files: list[Path], counts: list[int], roots: MediaRoots):
         self.files = [str(f) for f in files]
         self.starts = [0]
         for n in counts:
             self.starts.append(self.starts[-1] + n)
-        self.image_root, self.video_root = str(image_root), str(video_root)
+        self.roots = roots
         self._lock = threading.Lock()  # the loader's prefetch thread and the caller share caches
 
     def __len__(self) -> int:
@@ -104,11 +105,8 @@ class ShardRecords(Sequence):
             return Subset(self, range(len(self))[i])
         shard, pos = self._find(i)
         record = self._read(shard, pos)
-        folder = str(Path(self.files[shard]).parent)
         record["_file"] = self.files[shard]
-        record["_image_root"] = self.image_root or folder
-        record["_video_root"] = self.video_root or folder
-        return record
+        return self.roots.under(Path(self.files[shard]).parent).tag(record)
 
     def _find(self, i: int) -> tuple[int, int]:
         i = int(i)
@@ -119,11 +117,10 @@ class ShardRecords(Sequence):
         shard = bisect.bisect_right(self.starts, i) - 1
         return shard, i - self.starts[shard]
 
-    def group_key(self, i: int) -> tuple[str, str, str]:
-        """(shard file, image root, video root) of record i without reading it (metadata cache)."""
+    def group_key(self, i: int) -> tuple[str, ...]:
+        """(shard file, *media roots) of record i without reading it (metadata cache)."""
         shard, _ = self._find(i)
-        folder = str(Path(self.files[shard]).parent)
-        return self.files[shard], self.image_root or folder, self.video_root or folder
+        return self.files[shard], *self.roots.under(Path(self.files[shard]).parent).key()
 
     def _read(self, shard: int, pos: int) -> dict:
         raise NotImplementedError
@@ -144,7 +141,7 @@ class ShardRecords(Sequence):
 class ParquetRecords(ShardRecords):
     """HF-layout parquet shards, read by (shard, row group); see the module docstring."""
 
-    def __init__(self, files: list[Path], image_root="", video_root=""):
+    def __init__(self, files: list[Path], roots: MediaRoots = NO_ROOTS):
         pq = _pyarrow_parquet()
         metas = []
         for f in files:
@@ -152,7 +149,7 @@ class ParquetRecords(ShardRecords):
                 metas.append(pq.read_metadata(f))
             except (OSError, ValueError) as e:  # pyarrow's errors derive from these
                 raise ConfigError(f"{f}: not a readable parquet file ({e})") from None
-        super().__init__(files, [m.num_rows for m in metas], image_root, video_root)
+        super().__init__(files, [m.num_rows for m in metas], roots)
         self.group_starts = []  # per shard: first row of each row group, then the row count
         for m in metas:
             starts = [0]
@@ -226,9 +223,9 @@ class TarRecords(ShardRecords):
     a shuffled pass touches every shard all the time, so reloading indexes would cost a file read
     per record."""
 
-    def __init__(self, files: list[Path], image_root="", video_root="", cache_dir=""):
+    def __init__(self, files: list[Path], roots: MediaRoots = NO_ROOTS, cache_dir=""):
         self.indexes = [tar_index(f, str(cache_dir)) for f in files]
-        super().__init__(files, [len(ix) for ix in self.indexes], image_root, video_root)
+        super().__init__(files, [len(ix) for ix in self.indexes], roots)
 
     def _read(self, shard: int, pos: int) -> dict:
         path = self.files[shard]
@@ -257,13 +254,14 @@ def tar_sample_record(key: str, blobs: list[tuple[str, bytes]], location: str) -
         return {**error, "_detail": f"{key}.json is not JSON ({e})"}
     if not isinstance(record, dict):
         return {**error, "_detail": f"{key}.json is a {type(record).__name__}, not an object"}
-    images = [
-        {"bytes": data, "path": f"{key}.{ext}"}
-        for ext, data in blobs
-        if ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
-    ]
-    if images:
-        record["image"] = images[0] if len(images) == 1 else images
+    for field, exts in (("image", IMAGE_EXTS), ("audio", AUDIO_EXTS)):
+        media = [
+            {"bytes": data, "path": f"{key}.{ext}"}
+            for ext, data in blobs
+            if ext.rsplit(".", 1)[-1].lower() in exts
+        ]
+        if media:
+            record[field] = media[0] if len(media) == 1 else media
     record["_location"] = location
     return record
 
@@ -369,15 +367,15 @@ def take(records: Sequence, indices: Sequence[int]) -> Sequence:
     return Subset(records, indices)
 
 
-def group_key(records: Sequence, i: int) -> tuple[str, str, str] | None:
-    """(file, image root, video root) record i came from (the metadata cache's unit), or None;
-    lazy sources answer without reading the record."""
+def group_key(records: Sequence, i: int) -> tuple[str, ...] | None:
+    """(file, *media roots) record i came from (the metadata cache's unit), or None; lazy sources
+    answer without reading the record."""
     if hasattr(records, "group_key"):
         return records.group_key(i)
     r = records[i]
     if not isinstance(r, dict) or "_file" not in r:
         return None
-    return r["_file"], r.get("_image_root", ""), r.get("_video_root", "")
+    return r["_file"], *(r.get(f"_{kind}_root", "") for kind in MEDIA_KINDS)
 
 
 def concat(parts: list[Sequence]) -> Sequence:

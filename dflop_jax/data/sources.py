@@ -8,13 +8,15 @@ A record (LLaVA-OneVision format):
     {"id": "t1", "text": "plain text to learn from"}        # plain text (loss on every token)
 
 Every record gets internal fields (leading underscore, never part of the data format):
-  `_location` ("file:line" or "file[index]"), `_file`, `_image_root`, `_video_root`.
+  `_location` ("file:line" or "file[index]"), `_file`, and per media kind its root
+  (`_image_root`, `_video_root`, `_audio_root`: `MediaRoots`).
 A line that is not valid JSON becomes `{"_error": "invalid_json", ...}` so the processor raises
 `BadSample("invalid_json")` for it and the loader counts it like any other bad sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,9 +77,48 @@ def _error_record(location: str, path: Path, detail: str, strict: bool) -> dict:
     return {"_location": location, "_file": str(path), "_error": "invalid_json", "_detail": detail}
 
 
-def with_roots(records: list[dict], image_root: str | Path, video_root: str | Path) -> list[dict]:
-    """Sets each record's `_image_root` / `_video_root` (in place) and returns the list."""
+MEDIA_KINDS = ("image", "video", "audio")
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaRoots:
+    """The folders a record's relative media paths resolve against, one per kind ("" = unset).
+
+    Set by `data.image_root` / `video_root` / `audio_root` or a mix's keys; an unset one falls back
+    to the dataset file's folder (`under`)."""
+
+    image: str = ""
+    video: str = ""
+    audio: str = ""
+
+    @classmethod
+    def of(cls, cfg) -> MediaRoots:
+        """The roots a `DataConfig` (or anything with `<kind>_root` attributes) sets."""
+        return cls(*(str(getattr(cfg, f"{kind}_root") or "") for kind in MEDIA_KINDS))
+
+    def under(self, folder: str | Path) -> MediaRoots:
+        """These roots, each unset one replaced by `folder`."""
+        return MediaRoots(*(str(getattr(self, kind) or folder) for kind in MEDIA_KINDS))
+
+    def or_else(self, other: MediaRoots) -> MediaRoots:
+        """These roots, each unset one taken from `other`."""
+        return MediaRoots(*(getattr(self, k) or getattr(other, k) for k in MEDIA_KINDS))
+
+    def key(self) -> tuple[str, ...]:
+        return tuple(getattr(self, kind) for kind in MEDIA_KINDS)
+
+    def tag(self, record: dict) -> dict:
+        """Sets `record`'s internal `_<kind>_root` fields (in place) and returns it."""
+        for kind in MEDIA_KINDS:
+            record[f"_{kind}_root"] = getattr(self, kind)
+        return record
+
+
+NO_ROOTS = MediaRoots()  # every kind under the dataset file's folder
+
+
+def with_roots(records: list[dict], roots: MediaRoots) -> list[dict]:
+    """Sets each record's media roots (in place, `MediaRoots.tag`) and returns the list."""
     for r in records:
-        r["_image_root"] = str(image_root)
-        r["_video_root"] = str(video_root)
+        roots.tag(r)
     return records

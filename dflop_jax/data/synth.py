@@ -1,14 +1,19 @@
-"""Synthetic datasets on disk: LLaVA-format JSONL + real image files, frame folders, short videos, text.
+"""Synthetic datasets on disk: LLaVA-format JSONL + real image files, frame folders, short videos, audio
+clips, text.
 
     python -m dflop_jax.data.synth out=runs/synth samples=500 mix=llava-ov seed=0
 
 Mixes (DESIGN section 10): `llava-ov` (single image anyres, multi-image, video, text), `dflop` (the paper's:
 single image, multi-image, video), `single-image`, `multi-image`, `video`, `text`, and `internvl` (the four
 InternVL SFT subsets of `data/workload_stats/omnibal_internvl`: per subset the real tile histogram and
-text-length quantiles). Profiled with `configs/data_internvl_stats.yaml` (InternVL family, max_tiles 4,
+text-length quantiles), `audio` (speech-length clips for transcription and question answering, and
+longer sound clips that span several 30 s encoder windows) and `omni` (LLaVA-OV's mix with audio, and
+samples holding an image and a clip). Profiled with `configs/data_internvl_stats.yaml` (InternVL family, max_tiles 4,
 empty system prompt) its tiles and token means reproduce those statistics.
-Images are solid colours: only their SIZE in pixels matters for tiling, and they stay tiny in bytes.
-Output: one JSONL per subset, `images/`, `videos/`, and `mix.yaml` (the path `synth_dataset` returns).
+Images are solid colours and clips are tones (8 kHz 16-bit WAV, resampled to 16 kHz when read): only
+their SIZE in pixels and LENGTH in seconds matter for tiling and windows.
+Output: one JSONL per subset, `images/`, `videos/`, `audio/`, and `mix.yaml` (the path `synth_dataset`
+returns).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+import wave
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +69,13 @@ MIXES = {  # mix -> [(subset, weight)]
     "video": [("video", 1.0)],
     "text": [("text", 1.0)],
     "internvl": [(name, float(v[0])) for name, v in INTERNVL_SUBSETS.items()],
-}
+    "audio": [("speech", 0.7), ("sound", 0.3)],
+    "omni": [
+        ("single_image", 0.3), ("multi_image", 0.1), ("video", 0.15), ("speech", 0.15),
+        ("sound", 0.05), ("audio_image", 0.05), ("text", 0.2),
+    ],
+}  # fmt: skip
+AUDIO_RATE = 8000  # Hz of the written clips
 
 
 class _Writer:
@@ -115,6 +127,21 @@ class _Writer:
             container.mux(stream.encode())
         return name
 
+    def clip(self, seconds: float) -> str:
+        """A tone of `seconds` (8 kHz mono 16-bit WAV); returns its path relative to `out`."""
+        self.n += 1
+        name = f"audio/{self.n:06d}.wav"
+        (self.out / "audio").mkdir(exist_ok=True)
+        t = np.arange(round(seconds * AUDIO_RATE)) / AUDIO_RATE
+        hz = float(self.rng.uniform(150, 900))
+        tone = (0.3 * 32767 * np.sin(2 * np.pi * hz * t)).astype("<i2")
+        with wave.open(str(self.out / name), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(AUDIO_RATE)
+            f.writeframes(tone.tobytes())
+        return name
+
     def text(self, n_bytes: int, end: str = ".") -> str:
         """Plausible-looking ASCII text of exactly `n_bytes` bytes (one token each with the byte tokenizer)."""
         words, size = [], 0
@@ -161,6 +188,41 @@ def _video(w: _Writer) -> dict:
         w, w.text(int(rng.integers(15, 80)), "?"), w.text(int(rng.integers(30, 500))), "<video>\n"
     )
     return {"video": path, "conversations": conv}
+
+
+def _speech(w: _Writer) -> dict:
+    """A speech clip (LibriSpeech-like lengths: 1-35 s, about 12 s on average) to transcribe or ask
+    about; the answer's length follows the clip's (about 15 characters a second when transcribed)."""
+    rng = w.rng
+    seconds = float(np.clip(rng.lognormal(2.3, 0.55), 1.0, 35.0))
+    if rng.random() < 0.6:
+        question, answer = "Transcribe the audio.", w.text(int(15 * seconds) + 5)
+    else:
+        question, answer = (
+            w.text(int(rng.integers(15, 80)), "?"),
+            w.text(int(rng.integers(10, 200))),
+        )
+    return {"audio": w.clip(seconds), "conversations": _turns(w, question, answer, "<audio>\n")}
+
+
+def _sound(w: _Writer) -> dict:
+    """A longer sound or music clip (20-65 s: two or three 30 s encoder windows) to describe."""
+    rng = w.rng
+    seconds = float(rng.uniform(20, 65))
+    conv = _turns(
+        w, w.text(int(rng.integers(15, 60)), "?"), w.text(int(rng.integers(40, 300))), "<audio>\n"
+    )
+    return {"audio": w.clip(seconds), "conversations": conv}
+
+
+def _audio_image(w: _Writer) -> dict:
+    """An image and a spoken question about it."""
+    rng = w.rng
+    h, w_px = (int(384 * x) for x in rng.uniform(0.4, 3.0, 2))
+    seconds = float(np.clip(rng.lognormal(1.6, 0.4), 1.0, 15.0))
+    conv = _turns(w, "Answer the spoken question.", w.text(int(rng.integers(10, 200))),
+                  "<image>\n<audio>\n")  # fmt: skip
+    return {"image": w.image(h, w_px), "audio": w.clip(seconds), "conversations": conv}
 
 
 def _text(w: _Writer) -> dict:
@@ -228,6 +290,9 @@ GENERATORS = {
     "multi_image": _multi_image,
     "video": _video,
     "text": _text,
+    "speech": _speech,
+    "sound": _sound,
+    "audio_image": _audio_image,
 }
 
 

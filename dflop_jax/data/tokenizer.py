@@ -22,7 +22,7 @@ from dflop_jax.config import ConfigError
 ASSET = Path(__file__).parent / "assets" / "byte_tokenizer.json"
 
 # Special tokens of the bundled tokenizer, ids 256.. in this order. Chat formats of Qwen2.5 (ChatML) and
-# Llama 3, LLaVA-OV's image/video placeholders, InternVL's image tokens.
+# Llama 3, LLaVA-OV's image/video placeholders, InternVL's image tokens, Qwen2-Audio's audio tokens.
 BUNDLED_SPECIALS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -37,6 +37,9 @@ BUNDLED_SPECIALS = (
     "<img>",
     "</img>",
     "<IMG_CONTEXT>",
+    "<|audio_bos|>",
+    "<|AUDIO|>",
+    "<|audio_eos|>",
 )
 
 

@@ -52,6 +52,8 @@ class PackSpec:
       max_tokens: most LLM tokens one sample may have (largest length bucket).
       feature_taps: K exact feature taps per position (`sample_arrays.FEATURE_TAPS` for LLaVA-OV, whose
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
+      audio: whether the model has an audio encoder to take audio clips; without one a sample
+        with audio is a counted skip ("no_audio_encoder"), never trained on as placeholder tokens.
     """
 
     encoder_dp: int
@@ -61,6 +63,7 @@ class PackSpec:
     max_tiles: int
     max_tokens: int
     feature_taps: int = 0
+    audio: bool = False
 
     @classmethod
     def from_problem(
@@ -130,6 +133,12 @@ class ShapeStage:
         record = item.record if isinstance(item, Known) else item
         try:
             shape = self._shape(item)
+            if shape.audio_windows and not self.spec.audio:
+                raise BadSample(
+                    "no_audio_encoder",
+                    record_location(record),
+                    f"{shape.audio_seconds:.1f} s of audio, but the model has no audio encoder",
+                )
             if shape.tokens > self.spec.max_tokens or shape.tiles > self.spec.max_tiles:
                 raise BadSample(
                     "too_long",
