@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -347,11 +347,16 @@ def load_state(
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def export_tensors(module: nnx.Module, name_map: NameMap) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF key, host array in HF layout) for every parameter; a key shared by several parameters
-    (e.g. tied copies) is emitted once."""
+def export_tensors(
+    module: nnx.Module, name_map: NameMap, ignore: Collection[tuple] = ()
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF key, host array in HF layout) for every parameter but the paths in `ignore` (those the
+    target family does not hold); a key shared by several parameters (e.g. tied copies) is emitted
+    once."""
     seen = set()
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if path in ignore:
+            continue
         value = None
         for tm in tensor_maps(name_map[path]):
             if tm.hf_key in seen:

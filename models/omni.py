@@ -1,0 +1,102 @@
+"""An omni model: LLaVA-OneVision's vision tower and projector, Qwen2-Audio's audio tower and projector,
+and one decoder that takes both kinds of features.
+
+Image and video tokens take the vision features as LLaVA-OneVision places them (`feature_index`, or
+exact bilinear taps with `feature_weight`); `<|AUDIO|>` tokens take the audio features as Qwen2-Audio
+places them (`audio_index`, `models.qwen2_audio.audio_feature_index`). Both placements run on the
+same token embeddings, so a row may hold images, video, audio and text together.
+
+Build: `Omni(cfg, rngs=...)` (random), or from two HF checkpoints (`models.hf.omni.load_omni`: a
+LLaVA-OneVision one gives the vision tower, its projector and the decoder; a Qwen2-Audio one the audio
+tower and its projector). Params: `encoder` (the vision `EncoderStage`), `audio` (the
+`AudioEncoderStage`) and `llm` (the `LLMStage`), the names and random init of `MLLM` and `Qwen2Audio`,
+so either family's name map reads the part it knows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from models.llava_onevision import LlavaOnevisionConfig
+from models.mllm import EncoderStage, LLMStage
+from models.placement import flatten_tiles, place_features
+from models.qwen2_audio import AudioEncoderStage, Qwen2AudioConfig
+
+__all__ = ["Omni", "OmniConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OmniConfig:
+    """`vision`: the LLaVA-OneVision config (vision tower, projector and the decoder `text`);
+    `audio`: the Qwen2-Audio config whose `text` is that same decoder (its projector's output width
+    is the decoder's)."""
+
+    vision: LlavaOnevisionConfig
+    audio: Qwen2AudioConfig
+
+    def __post_init__(self):
+        if self.audio.text != self.vision.text:
+            raise ValueError(
+                "OmniConfig: the audio config's decoder must be the vision config's (one LLM); "
+                "build it with OmniConfig.compose"
+            )
+
+    @classmethod
+    def compose(cls, vision: LlavaOnevisionConfig, audio: Qwen2AudioConfig) -> OmniConfig:
+        """The omni config of a LLaVA-OneVision model and a Qwen2-Audio model's audio part: the
+        decoder is the vision model's; the audio projector must already project into its width."""
+        if audio.text.hidden_size != vision.text.hidden_size:
+            raise ValueError(
+                f"the audio projector writes {audio.text.hidden_size}-wide features but the "
+                f"decoder is {vision.text.hidden_size} wide: pick a Qwen2-Audio checkpoint whose "
+                "LLM has the vision model's width"
+            )
+        return cls(vision, audio.replace(text=vision.text))
+
+    @property
+    def text(self):
+        return self.vision.text
+
+    has_newline = True  # LLaVA-OneVision's image newline
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+class Omni(nnx.Module):
+    """The unsplit omni model: `encoder` (vision), `audio` and `llm`, each whole."""
+
+    def __init__(self, cfg: OmniConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
+        self.encoder = EncoderStage(cfg.vision, num_layers=cfg.vision.vision.num_layers, **whole)
+        self.audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
+        self.llm = LLMStage(cfg.vision, num_layers=cfg.text.num_layers, **whole)
+
+    def embed(self, tiles, tile_pool, audio, audio_lengths, tokens, feature_index, audio_index,
+              feature_weight=None) -> jax.Array:  # fmt: skip
+        """Token embeddings [B,S,D] with the vision and audio features placed.
+
+        tiles [T,H,W,3] and tile_pool [T] (T may be 0 or tiles None: no image); audio [C,F,M] log-mel
+        windows and audio_lengths [C] valid frames (C may be 0 or audio None: no audio);
+        feature_index [B,S](,K) and feature_weight: the vision placement; audio_index [B,S]: rows of
+        the flattened audio features [C * F/4, D] per `<|AUDIO|>` token, TEXT elsewhere.
+        """
+        visual = None
+        if tiles is not None and tiles.shape[0]:
+            visual = self.encoder(tiles, tile_pool)
+        h = self.llm.embed(tokens, visual, feature_index, feature_weight)
+        if audio is None or audio.shape[0] == 0:
+            return h
+        clips = self.audio(audio, audio_lengths)  # [C, F/4, D]
+        return place_features(h, flatten_tiles(clips.astype(h.dtype)), audio_index)
+
+    def __call__(self, tiles, tile_pool, audio, audio_lengths, tokens, segment_ids, positions,
+                 feature_index, audio_index, feature_weight=None) -> jax.Array:  # fmt: skip
+        """Logits [B,S,V]; arguments as `embed`'s, with segment_ids and positions [B,S]."""
+        h = self.embed(tiles, tile_pool, audio, audio_lengths, tokens, feature_index, audio_index,
+                       feature_weight)  # fmt: skip
+        return self.llm.logits(self.llm(h, segment_ids, positions))
