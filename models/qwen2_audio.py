@@ -101,13 +101,21 @@ class AudioEncoderStage(nnx.Module):
                 param_dtype=jnp.dtype(cfg.audio.param_dtype), rngs=keyed_rngs(rngs, "projector"),
             )  # fmt: skip
 
-    def __call__(self, x: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
-        """x: features [C,F,M] (first stage) or hidden [C,F/2,Da]; lengths [C] valid mel frames.
+    def __call__(
+        self,
+        x: jax.Array,
+        lengths: jax.Array | None = None,
+        windows: jax.Array | None = None,
+        valid: jax.Array | None = None,
+    ) -> jax.Array:
+        """x: features [C,F,M] (first stage) or hidden [C,F/2,Da]; lengths [C] valid mel frames,
+        or packed rows of windows (`windows`, `valid` [C,F]: `models.whisper`'s module docstring).
 
         Returns hidden [C,F/2,Da], or on the head stage projected features [C,F/4,D] (row j of clip
-        c is valid for j < `cfg.audio.output_lengths(lengths[c])`).
+        c is valid for j < `cfg.audio.output_lengths(lengths[c])`; packed, a window's outputs start
+        at its first frame / 4).
         """
-        h = self.audio(x, lengths)
+        h = self.audio(x, lengths, windows, valid)
         return self.projector(h) if self.has_head else h
 
 

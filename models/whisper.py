@@ -16,6 +16,14 @@ valid outputs equal HF's on the same clip padded to 30 s when the frames past `l
 same as HF's padding frames (the log-mel of appended silence; `dflop_jax.data.audio` computes
 them) for at least the two frames the convolutions read past the last valid one.
 
+Packed windows. A row may instead hold several windows back to back, as an LLM row holds samples:
+`windows` [B, F] numbers each frame's window (1, 2, ...; 0 on the row's padding) and `valid` [B, F]
+marks each window's valid frames. Every window starts at a multiple of 4 frames (its kept frames are
+a multiple of 2 * pool), so the stride-2 convolution and the pool never straddle two windows; the
+convolutions read zeros past a window's edges (HF's conv padding), the positions restart at each
+window, and attention stays within a window's valid outputs. Each window's valid outputs equal HF's
+on that clip alone, and the encoder's work follows the row's kept frames, not a window per clip.
+
 `AudioStage` holds layers [first_layer, first_layer + num_layers), plus the embedding if first and
 the head if last, as `models.vit.VisionStage` does for images.
 
@@ -29,6 +37,7 @@ Parameter layouts and logical axes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +184,51 @@ def valid_segments(lengths: jax.Array | None, cfg: WhisperEncoderConfig, t: int)
     return (jnp.arange(t, dtype=jnp.int32)[None, :] < valid[:, None]).astype(jnp.int32)
 
 
+def packed_segments(windows: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B,F/2] int32 attention segments of packed windows: conv output j belongs to the window of
+    frame 2j and is valid when that frame is (conv_lengths: j < (valid - 1) // 2 + 1)."""
+    return jnp.where(valid[:, ::2], windows[:, ::2], 0).astype(jnp.int32)
+
+
+def _shifted(x: jax.Array, by: int, keep: jax.Array) -> jax.Array:
+    """x [B,T,C] moved `by` steps along T (x[t - by] at t), zero where `keep` [B,T] is False or
+    the step leaves the row."""
+    pad = [(0, 0), (max(by, 0), max(-by, 0)), (0, 0)]
+    moved = jnp.pad(x, pad)[:, max(-by, 0) : x.shape[1] + max(-by, 0)]
+    return jnp.where(keep[..., None], moved, 0)
+
+
+def packed_conv1d(x, kernel, bias, windows) -> jax.Array:
+    """`conv1d` with stride 1 over packed windows: x [B,F,Cin], windows [B,F] -> [B,F,Cout], each
+    window convolved alone (zeros past its edges)."""
+    k = kernel.astype(x.dtype)
+    same_prev = jnp.pad(windows[:, 1:] == windows[:, :-1], [(0, 0), (1, 0)])
+    same_next = jnp.pad(windows[:, :-1] == windows[:, 1:], [(0, 0), (0, 1)])
+    y = jnp.einsum("btc,cd->btd", _shifted(x, 1, same_prev), k[0])
+    y = y + jnp.einsum("btc,cd->btd", x, k[1])
+    y = y + jnp.einsum("btc,cd->btd", _shifted(x, -1, same_next), k[2])
+    return y + bias.astype(x.dtype)
+
+
+def packed_conv1d_stride2(x, kernel, bias, windows) -> jax.Array:
+    """`conv1d` with stride 2 over packed windows that start at even frames: output j reads frames
+    2j - 1 (zero at a window's first frame), 2j and 2j + 1 (always in 2j's window)."""
+    k = kernel.astype(x.dtype)
+    even, odd = x[:, 0::2], x[:, 1::2]
+    starts = jnp.pad(windows[:, 1:] != windows[:, :-1], [(0, 0), (1, 0)], constant_values=True)
+    prev = _shifted(odd, 1, ~starts[:, 0::2])
+    y = jnp.einsum("btc,cd->btd", prev, k[0]) + jnp.einsum("btc,cd->btd", even, k[1])
+    return y + jnp.einsum("btc,cd->btd", odd, k[2]) + bias.astype(x.dtype)
+
+
+def window_positions(windows: jax.Array) -> jax.Array:
+    """[B,F/2] int32: each conv output's index within its window (positions restart per window)."""
+    w = windows[:, ::2]
+    idx = jnp.broadcast_to(jnp.arange(w.shape[1], dtype=jnp.int32), w.shape)
+    starts = jnp.pad(w[:, 1:] != w[:, :-1], [(0, 0), (1, 0)], constant_values=True)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
 class AudioStage(nnx.Module):
     """Encoder layers [first_layer, first_layer + num_layers), with optional embedding and head.
 
@@ -219,22 +273,30 @@ class AudioStage(nnx.Module):
         pos = nnx.initializers.normal(0.02)
         self.pos_embed = make_param(rngs, pos, (cfg.max_source_positions, d), ("pos", "embed"), pd)
 
-    def embed(self, features: jax.Array) -> jax.Array:
-        """features [B,F,M] -> [B,F/2,D] in the compute dtype (F a multiple of `frame_multiple`)."""
+    def embed(self, features: jax.Array, windows: jax.Array | None = None) -> jax.Array:
+        """features [B,F,M] -> [B,F/2,D] in the compute dtype (F a multiple of `frame_multiple`; at
+        most one 30 s window unless `windows` [B,F] packs several, see the module docstring)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         f = features.shape[1]
-        if features.shape[2] != cfg.num_mel_bins or f % cfg.frame_multiple or f > cfg.max_frames:
+        longest = cfg.max_frames if windows is None else f
+        if features.shape[2] != cfg.num_mel_bins or f % cfg.frame_multiple or f > longest:
             raise ValueError(
                 f"audio features {features.shape}: want [B, F, {cfg.num_mel_bins}] with F a "
                 f"multiple of {cfg.frame_multiple} and at most {cfg.max_frames} (one 30 s window)"
             )
-        x = conv1d(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1)
-        x = jax.nn.gelu(x, approximate=False)  # exact GELU after both convs, whatever cfg.act
-        x = jax.nn.gelu(
-            conv1d(x, self.conv2_kernel[...], self.conv2_bias[...], 2), approximate=False
-        )
-        pos = jax.lax.stop_gradient(self.pos_embed[: x.shape[1]])  # frozen, as HF
-        return x + pos.astype(dt)
+        gelu = functools.partial(jax.nn.gelu, approximate=False)  # after both convs, as HF
+        k1, b1, k2, b2 = (p[...] for p in (self.conv1_kernel, self.conv1_bias,
+                                           self.conv2_kernel, self.conv2_bias))  # fmt: skip
+        if windows is None:
+            x = gelu(conv1d(gelu(conv1d(features.astype(dt), k1, b1, 1)), k2, b2, 2))
+            pos = self.pos_embed[: x.shape[1]]
+        else:
+            x = gelu(packed_conv1d(features.astype(dt), k1, b1, windows))
+            x = gelu(packed_conv1d_stride2(x, k2, b2, windows))
+            pos = self.pos_embed[...][
+                jnp.minimum(window_positions(windows), cfg.max_source_positions - 1)
+            ]
+        return x + jax.lax.stop_gradient(pos).astype(dt)  # the table is frozen, as HF's
 
     def head(self, x: jax.Array) -> jax.Array:
         """[B,T,D] -> [B,T/pool,D]: average pool over time (floor, as torch AvgPool1d), final norm."""
@@ -244,13 +306,23 @@ class AudioStage(nnx.Module):
             x = x[:, : t // p * p].reshape(b, t // p, p, d).mean(axis=2)  # [B, T/p, D]
         return self.post_norm(x)
 
-    def __call__(self, x: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        lengths: jax.Array | None = None,
+        windows: jax.Array | None = None,
+        valid: jax.Array | None = None,
+    ) -> jax.Array:
         """features [B,F,M] (if has_embedding) or hidden [B,T,D] -> hidden [B,T,D] (or the head's
-        [B,T/pool,D]). lengths [B]: valid mel frames per clip (None: every frame is valid)."""
+        [B,T/pool,D]). lengths [B]: valid mel frames per clip (None: every frame is valid); or,
+        packed, windows and valid [B,F]: each frame's window and validity (module docstring)."""
         if self.has_embedding:
-            x = self.embed(x)
+            x = self.embed(x, windows)
         x = constrain(x.astype(jnp.dtype(self.cfg.dtype)), ("batch", "length", "act_embed"))
-        segment_ids = valid_segments(lengths, self.cfg, x.shape[1])
+        if windows is not None:
+            segment_ids = packed_segments(windows, valid)
+        else:
+            segment_ids = valid_segments(lengths, self.cfg, x.shape[1])
         x = run_layers(self.layers, x, segment_ids, remat=self.cfg.remat)
         return self.head(x) if self.has_head else x
 

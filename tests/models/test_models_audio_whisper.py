@@ -286,3 +286,52 @@ def _count(cfg) -> int:
 )
 def test_named_audio_configs_param_counts(name, published):
     assert _count(WHISPER_PRESETS[name]) == published
+
+
+def _packed_row(x, valid, pad_to: int):
+    """Clips [C, M, F] (HF layout) packed into one row: each clip's kept frames (valid + 2, rounded
+    up to 4, at most the window) back to back, then padding to `pad_to` frames. Returns features
+    [1, pad_to, M], windows and valid [1, pad_to], and each clip's first frame."""
+    feats, windows, ok, starts = [], [], [], []
+    at = 0
+    for c, n in enumerate(valid):
+        kept = min(-(-(int(n) + 2) // 4) * 4, FRAMES)
+        feats.append(x[c, :, :kept].T)
+        windows += [c + 1] * kept
+        ok += [True] * int(n) + [False] * (kept - int(n))
+        starts.append(at)
+        at += kept
+    rest = pad_to - at
+    row = np.concatenate([*feats, np.zeros((rest, MELS), np.float32)])[None]
+    windows = np.array([windows + [0] * rest], np.int32)
+    ok = np.array([ok + [False] * rest])
+    return row, windows, ok, starts
+
+
+@pytest.mark.hf
+def test_packed_windows_match_hf_clip_by_clip(tmp_path):
+    """Three clips in one row (kept frames 12 + 40 + 24, then 4 of padding): each window's valid
+    outputs equal HF's on that clip alone, padded to the window and masked; the row costs 80 frames
+    where one window per clip would cost 120."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    tower, ours, cfg = _hf_qwen2_audio_encoder(tmp_path)
+    x = _features(3, seed=7)
+    valid = np.array([9, 40, 22])
+    want = _hf_masked(tower, x, valid)
+    row, windows, ok, starts = _packed_row(x, valid, pad_to=80)
+    got = nnx.jit(lambda m, *a: m.stage(*a))(
+        ours, jnp.asarray(row), None, jnp.asarray(windows), jnp.asarray(ok)
+    )
+    got = np.asarray(got)[0]
+    assert got.shape[0] == 80 // 4
+    for c, n in enumerate(cfg.output_lengths(valid)):
+        first = starts[c] // 4
+        np.testing.assert_allclose(got[first : first + n], want[c, :n], atol=TOL)
+    # The windows are what keep the clips apart: one window over the whole row does not match.
+    mixed = nnx.jit(lambda m, *a: m.stage(*a))(
+        ours, jnp.asarray(row), None, jnp.asarray(np.minimum(windows, 1)), jnp.asarray(ok)
+    )
+    n1 = cfg.output_lengths(valid)[1]
+    first = starts[1] // 4
+    assert np.abs(np.asarray(mixed)[0, first : first + n1] - want[1, :n1]).max() > 1e-3
