@@ -81,6 +81,9 @@ class ScheduledMicrobatch:
       tiles_by_row: row r's samples' tiles fill row r's own block of tile slots,
         [r * R, (r + 1) * R) with R = `row_tile_slots(T, encoder_dp, llm_dp, row_align)`.
       row_align: see `ScheduleProblem.row_align`.
+      audio_bucket: A, audio encoder frames per LLM row: row r's samples' audio windows, their kept
+        frames back to back (`SampleShape.audio_frames`), then padding; 0 for a microbatch without
+        audio.
     """
 
     tile_bucket: int
@@ -88,6 +91,7 @@ class ScheduledMicrobatch:
     shards: tuple[tuple[int, ...], ...]
     tiles_by_row: bool = False
     row_align: int = 1
+    audio_bucket: int = 0
 
     def samples(self) -> tuple[int, ...]:
         return tuple(i for shard in self.shards for i in shard)
@@ -169,7 +173,8 @@ def schedule_digest(schedule: Schedule | None) -> str:
     """
     if schedule is None:
         return ""
-    text = repr([(p.tile_bucket, p.length_bucket, p.shards) for p in schedule.microbatches])
+    text = repr([(p.tile_bucket, p.length_bucket, p.shards) + ((p.audio_bucket,) if p.audio_bucket else ())
+                 for p in schedule.microbatches])  # fmt: skip
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

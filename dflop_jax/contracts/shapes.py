@@ -10,6 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+WINDOW_FRAMES = 3000  # log-mel frames of one 30 s audio encoder window (100 a second)
+CONV_CONTEXT = 2  # frames the audio encoder's convolutions read past a window's last valid one
+
+
+def kept_frames(valid: int, pool: int = 2) -> int:
+    """Frames the audio encoder runs for a window of `valid` valid frames: valid + CONV_CONTEXT
+    rounded up to 2 * pool (conv stride 2, then the pool), at most one window (past its end HF's
+    convolutions see zero padding too). Packed windows then start at multiples of 2 * pool."""
+    multiple = 2 * pool
+    return min(-(-(valid + CONV_CONTEXT) // multiple) * multiple, WINDOW_FRAMES)
+
 
 @dataclasses.dataclass(frozen=True)
 class SampleShape:
@@ -36,6 +47,11 @@ class SampleShape:
     def audio_seconds(self) -> float:
         """Seconds of audio (each valid frame is 10 ms)."""
         return sum(self.audio_windows) / 100.0
+
+    @property
+    def audio_frames(self) -> int:
+        """Frames the audio encoder runs for the sample's windows (`kept_frames` of each)."""
+        return sum(kept_frames(v) for v in self.audio_windows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,14 +34,28 @@ from pathlib import Path
 
 import numpy as np
 
+from dflop_jax.contracts.shapes import CONV_CONTEXT, WINDOW_FRAMES, kept_frames
 from dflop_jax.data.bad_sample import BadSample
+
+__all__ = [
+    "CONV_CONTEXT",
+    "SAMPLE_RATE",
+    "WINDOW_FRAMES",
+    "AudioWindow",
+    "audio_windows",
+    "decode_audio",
+    "encoder_outputs",
+    "kept_frames",
+    "load_audio",
+    "log_mel",
+    "valid_frames",
+    "window_frames",
+]
 
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
-WINDOW_SAMPLES = 30 * SAMPLE_RATE  # one encoder window: 30 s
-WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000
-CONV_CONTEXT = 2  # frames the two convolutions read past the last valid one
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # one encoder window: 30 s (WINDOW_FRAMES = 3000 frames)
 
 AudioSource = Path | bytes  # a file, or encoded bytes embedded in the dataset
 
@@ -63,13 +77,6 @@ def valid_frames(num_samples: int) -> int:
 def encoder_outputs(valid: int, pool: int = 2) -> int:
     """Encoder outputs (Qwen2-Audio: audio tokens) of `valid` valid frames: conv stride 2, then pool."""
     return ((valid - 1) // 2 + 1) // pool
-
-
-def kept_frames(valid: int, pool: int = 2) -> int:
-    """Frames the encoder runs for `valid` valid frames: valid + CONV_CONTEXT rounded up to 2 * pool,
-    at most one window (past its end HF's convolutions see zero padding too)."""
-    multiple = 2 * pool
-    return min(-(-(valid + CONV_CONTEXT) // multiple) * multiple, WINDOW_FRAMES)
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:

@@ -24,6 +24,12 @@ adds as much again: 32 bytes per position on top of the 24 of the six [S] arrays
 row), negligible next to the tiles (one 384 px uint8 tile is 432 KiB; a 37-tile image 16 MiB). Tiles stay
 uint8 up to the device: the first encoder stage normalizes them (`models.vit.normalize_pixels`), so
 they cross host -> device at a quarter of float32's bytes.
+
+Audio (`audio_mels=M` and a microbatch's `audio_bucket` A > 0): each LLM row's samples' audio windows
+go to that row's own audio row of A frames, back to back in sample order (each window its kept frames,
+`SampleShape.audio_frames`), numbered within the row (`audio_windows`) with their valid frames marked
+(`audio_valid`): the audio encoder runs the row as `models.whisper`'s packed windows, whose outputs
+sit at frame / 4. `audio_index` maps each `<|AUDIO|>` position to its global output row r*A/4 + j.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduledMicrobatch
+from dflop_jax.data.audio import encoder_outputs
 from dflop_jax.data.sample_arrays import (
     TEXT,
     BatchStats,
@@ -136,6 +143,7 @@ def pack_microbatch(
     tokens_per_tile: int,
     host: HostShardSpec | None = None,
     feature_taps: int = 0,
+    audio_mels: int = 0,
 ) -> tuple[PackedMicrobatch, dict]:
     """Packs one microbatch of the global batch.
 
@@ -150,6 +158,8 @@ def pack_microbatch(
       host: the shards this process materialises (default: all).
       feature_taps: K > 0 fills `feature_taps` / `feature_weight` [rows, S, K] (exact interpolated
         features); 0 leaves them None (then no sample may need more than a gather).
+      audio_mels: mel bins of the audio features; with the microbatch's `audio_bucket` > 0 the
+        audio arrays are filled (module docstring).
 
     Returns:
       (PackedMicrobatch, PackCounts) counted over the materialised (local) shards.
@@ -182,9 +192,15 @@ def pack_microbatch(
     if feature_taps:
         fields += ("feature_taps", "feature_weight")
     arrays = {f: _empty_rows(f, llm_dp, S, feature_taps) for f in fields}
+    A = plan.audio_bucket
+    if A:
+        arrays.update(_empty_audio(llm_dp, A, S, audio_mels))
     for r in host.llm_shards:
         row = _pack_row(plan.shards[r], samples, shapes, S, slot_of, tokens_per_tile, feature_taps)
-        for f in fields:
+        if A:
+            audio = _pack_audio_row(plan.shards[r], samples, shapes, row, A, audio_mels, r * A // 4)
+            row.update(audio)
+        for f in arrays:
             arrays[f][r] = row[f]
     mb = PackedMicrobatch(tiles=tiles, tile_valid=tile_valid, tile_pool=tile_pool, **arrays)
     # Throughput and padding describe the global batch on every host: other hosts' shards are counted
@@ -198,6 +214,8 @@ def pack_microbatch(
         tiles_real=int(tile_valid.sum()) + remote_tiles,
         tiles_computed=slots,
         loss_tokens=int(mb.loss_mask.sum()),
+        audio_frames_real=sum(shapes[i].audio_frames for i in plan.samples()) if A else 0,
+        audio_frames_computed=llm_dp * A,
     )
     return mb, counts
 
@@ -205,7 +223,8 @@ def pack_microbatch(
 def _shape_of(sample: ProcessedSample | None) -> SampleShape:
     if sample is None:
         raise ValueError("pack_microbatch: pass `shapes` when some samples are None")
-    return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality)
+    windows = tuple(w.valid_frames for w in sample.audio)
+    return SampleShape(sample.id, sample.num_tiles, sample.num_tokens, sample.modality, windows)
 
 
 def _uint8_tiles(sample: ProcessedSample) -> np.ndarray:
@@ -272,6 +291,56 @@ def _pack_row(
             row["feature_taps"][span] = _global_features(taps, slots, tokens_per_tile)
             row["feature_weight"][span] = weights
         offset += L
+    return row
+
+
+def _empty_audio(rows: int, A: int, S: int, mels: int) -> dict[str, np.ndarray]:
+    """Zero audio rows (other hosts' rows stay so)."""
+    if mels < 1:
+        raise ValueError(f"a microbatch with audio_bucket={A} needs audio_mels >= 1 (PackSpec)")
+    return {
+        "audio": np.zeros((rows, A, mels), np.float32),
+        "audio_windows": np.zeros((rows, A), np.int32),
+        "audio_valid": np.zeros((rows, A), bool),
+        "audio_index": np.full((rows, S), TEXT, np.int32),
+    }
+
+
+def _pack_audio_row(indices, samples, shapes, tokens_row, A: int, mels: int, first_output: int):
+    """One LLM row's audio row: its samples' windows back to back (a sample that failed to load
+    keeps its room as padding), and `audio_index` over the row's tokens (`tokens_row`, just packed:
+    its segments give each sample's token span)."""
+    need = sum(shapes[i].audio_frames for i in indices)
+    if need > A:
+        raise ValueError(
+            f"LLM row holds {need} audio frames > audio bucket {A} (samples {list(indices)})"
+        )
+    row = _empty_audio(1, A, len(tokens_row["tokens"]), mels)
+    row = {k: v[0] for k, v in row.items()}
+    frame, window = 0, 1
+    for segment, i in enumerate(indices, start=1):
+        sample = samples[i]
+        if sample is None:
+            frame += shapes[i].audio_frames
+            continue
+        if tuple(w.valid_frames for w in sample.audio) != shapes[i].audio_windows:
+            raise ValueError(
+                f"sample {i} ({sample.id!r}): processed audio windows of "
+                f"{[w.valid_frames for w in sample.audio]} valid frames, metadata said "
+                f"{list(shapes[i].audio_windows)}"
+            )
+        outputs = []  # the global encoder output row of each of the sample's valid outputs
+        for w in sample.audio:
+            kept = w.features.shape[0]
+            row["audio"][frame : frame + kept] = w.features
+            row["audio_windows"][frame : frame + kept] = window
+            row["audio_valid"][frame : frame + w.valid_frames] = True
+            outputs.append(first_output + frame // 4 + np.arange(encoder_outputs(w.valid_frames)))
+            frame, window = frame + kept, window + 1
+        if sample.audio_source is not None:
+            span = np.flatnonzero(tokens_row["segment_ids"] == segment)
+            heard = sample.audio_source >= 0
+            row["audio_index"][span[heard]] = np.concatenate(outputs)[sample.audio_source[heard]]
     return row
 
 
@@ -342,6 +411,7 @@ def pack_global_batch(
     tokens_per_tile: int,
     host: HostShardSpec | None = None,
     feature_taps: int = 0,
+    audio_mels: int = 0,
 ) -> GlobalBatch:
     """Packs every microbatch of `schedule`; see `pack_microbatch` for the arguments.
 
@@ -360,6 +430,7 @@ def pack_global_batch(
             tokens_per_tile=tokens_per_tile,
             host=host,
             feature_taps=feature_taps,
+            audio_mels=audio_mels,
         )
         microbatches.append(mb)
         totals += counts

@@ -101,6 +101,13 @@ class PackedMicrobatch:
       feature_index: [l_dp, S] int32, see the module docstring (the nearest tap).
       feature_taps: [l_dp, S, K] int32 or None; exact taps with GLOBAL rows like `feature_index`.
       feature_weight: [l_dp, S, K] float32 or None; their weights (named as `place_features` names it).
+    Audio side (None without audio; each LLM row's windows packed into that row's own audio row of A
+    frames, `ScheduledMicrobatch.audio_bucket`):
+      audio: [l_dp, A, M] float32 log-mel frames, the row's samples' windows back to back.
+      audio_windows: [l_dp, A] int32, each frame's window (1, 2, ... within the row; 0 on padding).
+      audio_valid: [l_dp, A] bool, the windows' valid frames (`models.whisper` packed windows).
+      audio_index: [l_dp, S] int32, TEXT or the GLOBAL row of the flattened audio encoder outputs
+        [l_dp * A / 4, D] each `<|AUDIO|>` position takes (row r's lie in [r*A/4, (r+1)*A/4)).
     """
 
     tiles: np.ndarray
@@ -114,6 +121,10 @@ class PackedMicrobatch:
     feature_index: np.ndarray
     feature_taps: np.ndarray | None = None
     feature_weight: np.ndarray | None = None
+    audio: np.ndarray | None = None
+    audio_windows: np.ndarray | None = None
+    audio_valid: np.ndarray | None = None
+    audio_index: np.ndarray | None = None
 
     @property
     def tile_bucket_total(self) -> int:
@@ -135,6 +146,8 @@ class PackCounts:
         (`ScheduledMicrobatch.tile_slots`).
       loss_tokens: positions of this host's shards whose target is an assistant token (this host's
         share of the loss normalizer).
+      audio_frames_real, audio_frames_computed: the audio windows' kept frames, and the audio
+        frames of the LLM rows (A per row).
     """
 
     tokens_real: int = 0
@@ -142,6 +155,8 @@ class PackCounts:
     tiles_real: int = 0
     tiles_computed: int = 0
     loss_tokens: int = 0
+    audio_frames_real: int = 0
+    audio_frames_computed: int = 0
 
     def __add__(self, other: PackCounts) -> PackCounts:
         return PackCounts(
@@ -156,6 +171,10 @@ class PackCounts:
     @property
     def encoder_padding_ratio(self) -> float:
         return _padding(self.tiles_real, self.tiles_computed)
+
+    @property
+    def audio_padding_ratio(self) -> float:
+        return _padding(self.audio_frames_real, self.audio_frames_computed)
 
 
 def _padding(real: int, computed: int) -> float:

@@ -52,8 +52,8 @@ class PackSpec:
       max_tokens: most LLM tokens one sample may have (largest length bucket).
       feature_taps: K exact feature taps per position (`sample_arrays.FEATURE_TAPS` for LLaVA-OV, whose
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
-      audio: whether the model has an audio encoder to take audio clips; without one a sample
-        with audio is a counted skip ("no_audio_encoder"), never trained on as placeholder tokens.
+      audio_mels: mel bins of the model's audio encoder, 0 when it has none: then a sample with
+        audio is a counted skip ("no_audio_encoder"), never trained on as placeholder tokens.
     """
 
     encoder_dp: int
@@ -63,7 +63,7 @@ class PackSpec:
     max_tiles: int
     max_tokens: int
     feature_taps: int = 0
-    audio: bool = False
+    audio_mels: int = 0
 
     @classmethod
     def from_problem(
@@ -133,7 +133,7 @@ class ShapeStage:
         record = item.record if isinstance(item, Known) else item
         try:
             shape = self._shape(item)
-            if shape.audio_windows and not self.spec.audio:
+            if shape.audio_windows and not self.spec.audio_mels:
                 raise BadSample(
                     "no_audio_encoder",
                     record_location(record),
@@ -260,6 +260,7 @@ class PackStage:
             tokens_per_tile=spec.tokens_per_tile,
             host=self.host,
             feature_taps=spec.feature_taps,
+            audio_mels=spec.audio_mels,
         )
         batch.stats = self._stats(item, skipped, batch.stats, load_s)
         return batch

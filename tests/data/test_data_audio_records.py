@@ -225,7 +225,7 @@ def test_a_model_without_an_audio_encoder_skips_audio_samples_counted(proc, clip
     assert heard.shape is None and heard.reason == "no_audio_encoder"
     text = stage(_rec(clips, conversations=_conv("Hi", "Yo")))
     assert text.shape is not None
-    hearing = ShapeStage(proc, PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio=True),
+    hearing = ShapeStage(proc, PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio_mels=128),
                          strict=False, quiet=True)  # fmt: skip
     assert hearing(_rec(clips, audio="short.wav", conversations=_conv())).shape is not None
 
