@@ -22,7 +22,7 @@ from dflop_jax.contracts.shape_distribution import (
     load_shape_distribution,
     save_shape_distribution,
 )
-from dflop_jax.contracts.shapes import BucketSet, SampleShape
+from dflop_jax.contracts.shapes import BucketSet, SampleShape, kept_frames
 
 __all__ = [
     "BucketSet",
@@ -39,5 +39,6 @@ __all__ = [
     "row_tile_slots",
     "save_shape_distribution",
     "save_table",
+    "kept_frames",
     "schedule_digest",
 ]

@@ -14,12 +14,26 @@ WINDOW_FRAMES = 3000  # log-mel frames of one 30 s audio encoder window (100 a s
 CONV_CONTEXT = 2  # frames the audio encoder's convolutions read past a window's last valid one
 
 
+def encoder_outputs(valid: int, pool: int = 2) -> int:
+    """Encoder outputs (Qwen2-Audio: audio tokens) of `valid` valid frames: conv stride 2, then pool."""
+    return ((valid - 1) // 2 + 1) // pool
+
+
 def kept_frames(valid: int, pool: int = 2) -> int:
     """Frames the audio encoder runs for a window of `valid` valid frames: valid + CONV_CONTEXT
     rounded up to 2 * pool (conv stride 2, then the pool), at most one window (past its end HF's
     convolutions see zero padding too). Packed windows then start at multiples of 2 * pool."""
     multiple = 2 * pool
     return min(-(-(valid + CONV_CONTEXT) // multiple) * multiple, WINDOW_FRAMES)
+
+
+def row_audio_frames(tokens: int) -> int:
+    """The most audio frames a row of `tokens` LLM tokens can hold. A clip's tokens are its bos and
+    eos and one per encoder output o of each window, and a window keeps at most 4 o + 8 frames
+    (`kept_frames`: valid + 2 rounded up to 4, valid <= 4 o + 3), so a one-window clip runs at most
+    4 frames per token; each further window is a whole 30 s one (750 outputs) adding 8 frames past
+    4 per token. The audio ladder ends here, so a row the length ladder holds never lacks one."""
+    return 4 * tokens + 8 * (tokens // 752)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +83,16 @@ class BucketSet:
         programs than the grid. The largest pair (max T, max S) is always in the set: any
         microbatch the grid holds fits it, and the scheduler runs a microbatch at the cheapest
         allowed pair at least as large as its need (`covering`).
+      audio: audio buckets A, ascending: audio encoder frames per LLM row (its samples' windows
+        packed back to back, `ScheduledMicrobatch.audio_bucket`); multiples of 4, so every packed
+        window starts where the encoder's stride and pool need it. Empty: no audio. Only the
+        stage that runs the audio encoder sees A, so the ladder adds programs to that stage alone.
     """
 
     tiles: tuple[int, ...]
     lengths: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...] = ()
+    audio: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name, values in (("tiles", self.tiles), ("lengths", self.lengths)):
@@ -81,6 +100,10 @@ class BucketSet:
                 raise ValueError(
                     f"buckets.{name}={values}: need distinct positive sizes, ascending"
                 )
+        a = tuple(self.audio)
+        object.__setattr__(self, "audio", a)
+        if a and (list(a) != sorted(set(a)) or a[0] < 4 or any(x % 4 for x in a)):
+            raise ValueError(f"buckets.audio={list(a)}: need distinct multiples of 4, ascending")
         if not self.pairs:
             return
         pairs = tuple(tuple(p) for p in self.pairs)
@@ -131,14 +154,31 @@ class BucketSet:
         pairs = self.covering(tiles, tokens)
         return min(pairs, key=lambda p: (p[0] * p[1], p[1], p[0])) if pairs else self.top
 
+    def audio_bucket(self, frames: int) -> int:
+        """The smallest audio bucket holding `frames` (0 for none); ValueError past the largest."""
+        if frames <= 0:
+            return 0
+        for a in self.audio:
+            if a >= frames:
+                return a
+        raise ValueError(
+            f"{frames} audio frames in one LLM row > the largest audio bucket "
+            f"{self.audio[-1] if self.audio else 0} (buckets.audio={list(self.audio)})"
+        )
+
     def to_dict(self) -> dict:
-        """As plan.yaml writes it (`pairs` only when sparse)."""
+        """As plan.yaml writes it (`pairs` only when sparse, `audio` only when there is audio)."""
         out: dict = {"tiles": list(self.tiles), "lengths": list(self.lengths)}
         if not self.grid:
             out["pairs"] = [list(p) for p in self.pairs]
+        if self.audio:
+            out["audio"] = list(self.audio)
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketSet:
         pairs = tuple(tuple(int(v) for v in p) for p in d.get("pairs") or ())
-        return cls(tuple(int(v) for v in d["tiles"]), tuple(int(v) for v in d["lengths"]), pairs)
+        audio = tuple(int(v) for v in d.get("audio") or ())
+        return cls(
+            tuple(int(v) for v in d["tiles"]), tuple(int(v) for v in d["lengths"]), pairs, audio
+        )

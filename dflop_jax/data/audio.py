@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflop_jax.contracts.shapes import CONV_CONTEXT, WINDOW_FRAMES, kept_frames
+from dflop_jax.contracts.shapes import CONV_CONTEXT, WINDOW_FRAMES, encoder_outputs, kept_frames
 from dflop_jax.data.bad_sample import BadSample
 
 __all__ = [
@@ -72,11 +72,6 @@ class AudioWindow:
 def valid_frames(num_samples: int) -> int:
     """Frames of a clip of `num_samples` (<= 30 s) that HF's `feature_attention_mask` marks valid."""
     return -(-num_samples // HOP)
-
-
-def encoder_outputs(valid: int, pool: int = 2) -> int:
-    """Encoder outputs (Qwen2-Audio: audio tokens) of `valid` valid frames: conv stride 2, then pool."""
-    return ((valid - 1) // 2 + 1) // pool
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:

@@ -17,6 +17,12 @@ row and the mean-based ladder's lower sizes are rarely usable (on the demo's dat
 microbatches padded to the top). Their sizes are the ones that minimize the padding of the fullest
 row over microbatches drawn from the data (`fullest_rows`: samples drawn, split over the rows as
 the scheduler balances tiles, longest first), an exact dynamic program (`padding_ladder`).
+
+Audio (samples with `audio_windows`): each LLM row packs its samples' audio frames, so the audio ladder
+counts frames per row and is placed like the by-row tile ladder, on the fullest row's frames, in
+multiples of 4 (packed windows' alignment). Its top is the most frames a row of the top length
+bucket can hold (`row_audio_frames`, about 4 per token): the scheduler balances rows on tokens and
+tiles, not frames, and every row it packs must have an audio bucket.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflop_jax.contracts import BucketSet, SampleShape
+from dflop_jax.contracts.shapes import row_audio_frames
 
 LOW_FACTOR = 0.8  # smallest bucket relative to the mean per-shard load
 HEADROOM = 1.5  # end of the dense part of the ladder, relative to the mean per-shard load
@@ -116,13 +123,15 @@ class ShapeStats:
     max_tokens: int
     max_tiles: int
     tiles: tuple[int, ...] = ()  # every sample's tiles (the by-row tile ladder draws from them)
+    audio: tuple[int, ...] = ()  # every sample's audio frames; () when no sample has audio
 
     @classmethod
     def of(cls, shapes: Sequence[SampleShape]) -> ShapeStats:
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
+        audio = tuple(s.audio_frames for s in shapes)
         return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()),
-                   tuple(int(s.tiles) for s in shapes))  # fmt: skip
+                   tuple(int(s.tiles) for s in shapes), audio if any(audio) else ())  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)  # the planner's candidates share few (M, dp) combinations
@@ -156,14 +165,25 @@ def bucket_set(
     lengths = ladder(token_load, stats.max_tokens, num_buckets, length_align)
     largest = stats.max_tiles if by_row else stats.max_tiles / encoder_dp
     tile_sizes = ladder(tile_load, largest, num_buckets, 1)
+    samples = round(global_batch / microbatches)
     if by_row and len(tile_sizes) > 1 and stats.tiles:
-        samples = round(global_batch / microbatches)
         tile_sizes = _row_ladder(stats.tiles, samples, llm_dp, tile_sizes[-1], num_buckets)
-    return BucketSet(tiles=tile_sizes, lengths=lengths)
+    audio = _audio_ladder(stats.audio, samples, llm_dp, row_audio_frames(lengths[-1]), num_buckets)
+    return BucketSet(tiles=tile_sizes, lengths=lengths, audio=audio)
+
+
+def _audio_ladder(audio: tuple[int, ...], samples: int, rows: int, top: int, n: int):
+    """The audio ladder (frames per row; module docstring) ending at `top`, () without audio. Rows
+    without audio count as the smallest size, 4 frames."""
+    if not audio:
+        return ()
+    if n == 1:
+        return (top,)
+    return padding_ladder(np.maximum(fullest_rows(np.asarray(audio), samples, rows), 4), top, n)
 
 
 @functools.lru_cache(maxsize=1024)
 def _row_ladder(tiles: tuple[int, ...], samples: int, rows: int, top: int, n: int):
-    """A by-row tile ladder ending at `top`: the sizes that pad the fullest row least (module
-    docstring)."""
+    """A by-row ladder (tiles, or audio frames) ending at `top`: the sizes that pad the fullest row
+    least (module docstring)."""
     return padding_ladder(fullest_rows(np.asarray(tiles), samples, rows), top, n)

@@ -290,7 +290,7 @@ def screen_pairs(cand: Candidate, buckets: BucketSet, batch: ScreenBatch) -> Buc
     """`buckets` narrowed to the pairs the screen's typical batch uses and the largest: the screen's
     guess of the sparse pair set, for its compile estimate."""
     pairs = {*screen_buckets(cand, buckets, batch), buckets.top}
-    return BucketSet(buckets.tiles, buckets.lengths, tuple(sorted(pairs)))
+    return dataclasses.replace(buckets, pairs=tuple(sorted(pairs)))
 
 
 def screen_step_time(
@@ -377,7 +377,7 @@ def used_pairs(
         except ValueError:
             return b
         pairs.update((mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches)
-    return BucketSet(b.tiles, b.lengths, tuple(sorted(pairs)))
+    return dataclasses.replace(b, pairs=tuple(sorted(pairs)))
 
 
 def online_scheduler(solver: str, seed: int, time_limit_s: float = 1.0) -> SchedulePolicy:

@@ -43,7 +43,8 @@ def covering(new: BucketSet, old: BucketSet) -> BucketSet:
 
     tiles, lengths = top(new.tiles, max(old.tiles)), top(new.lengths, max(old.lengths))
     pairs = tuple(sorted({*new.pairs, (tiles[-1], lengths[-1])})) if new.pairs else ()
-    return BucketSet(tiles, lengths, pairs)
+    audio = top(new.audio, max(old.audio)) if new.audio and old.audio else new.audio
+    return BucketSet(tiles, lengths, pairs, audio)
 
 
 def next_plan(drift: Drift, running: ResolvedPlan) -> ResolvedPlan:

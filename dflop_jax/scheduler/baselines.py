@@ -41,6 +41,7 @@ from dflop_jax.scheduler.objective import (
     load_balance,
     padding_ratios,
     to_plans,
+    with_audio,
 )
 from dflop_jax.scheduler.reference_cpsat import minmax_bins
 from dflop_jax.sim.pipeline import simulate
@@ -54,12 +55,18 @@ def _prepare(
     """Checks every sample fits the largest buckets; returns (tokens [N], tiles [N], cost table)."""
     shapes = list(shapes)
     check_fits(shapes, problem)
+    return (*_loads(shapes), CostTable.build(problem))
+
+
+def _loads(shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [N], tiles [N]) float64."""
     tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
     tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
-    return tokens, tiles, CostTable.build(problem)
+    return tokens, tiles
 
 
-def _report(name, bin_of, m, ti, si, tokens, tiles, problem, table, t0, info) -> Schedule:
+def _report(name, bin_of, m, ti, si, shapes, problem, table, t0, info) -> Schedule:
+    tokens, tiles = _loads(shapes)
     w = table.w[ti, si]
     obj = float(w.sum() + (problem.num_stages - 1) * w.max())
     plans = to_plans(bin_of, m, ti, si, problem, table)
@@ -68,6 +75,7 @@ def _report(name, bin_of, m, ti, si, tokens, tiles, problem, table, t0, info) ->
     info.update(load_balance(bin_of, m, tokens, tiles, problem.llm_dp))
     info["microbatches"] = m
     info["simulated_makespan_s"] = simulate(table.stage[ti, si]).step_time
+    plans = with_audio(plans, shapes, problem.buckets)
     return Schedule(plans, obj, lb, name, time.perf_counter() - t0, info)
 
 
@@ -106,7 +114,7 @@ def data_blind_schedule(
     info = {"extra_microbatches": k - microbatches}
     return _report(
         "data_blind", bin_of, k, top + len(table.tiles) - 1, top + len(table.lengths) - 1,
-        tokens, tiles, problem, table, t0, info,
+        shapes, problem, table, t0, info,
     )  # fmt: skip
 
 
@@ -135,7 +143,7 @@ def reference_like_schedule(
     tokens, tiles, table = _prepare(shapes, problem)
     ldp, m = problem.llm_dp, microbatches
     bin_of = _lpt(per_sample_costs(tokens, tiles, table), m * ldp)
-    return _fit_buckets("reference-like", bin_of, m, tokens, tiles, problem, table, t0)
+    return _fit_buckets("reference-like", bin_of, m, shapes, problem, table, t0)
 
 
 def reference_exact_schedule(
@@ -151,7 +159,7 @@ def reference_exact_schedule(
     bins = microbatches * problem.llm_dp
     hint = _lpt(per_sample_costs(tokens, tiles, table), bins)
     bin_of = minmax_bins(per_tile * tiles, per_tok * tokens, bins, hint, deterministic_time)
-    return _fit_buckets("reference-exact", bin_of, microbatches, tokens, tiles, problem, table, t0)
+    return _fit_buckets("reference-exact", bin_of, microbatches, shapes, problem, table, t0)
 
 
 def maxtext_packer_schedule(
@@ -191,7 +199,7 @@ def maxtext_packer_schedule(
     info = {"extra_microbatches": m - microbatches}
     return _report(
         "maxtext-packer", bin_of, m, top + len(table.tiles) - 1, top + len(table.lengths) - 1,
-        tokens, tiles, problem, table, t0, info,
+        shapes, problem, table, t0, info,
     )  # fmt: skip
 
 
@@ -246,12 +254,13 @@ def _lpt(cost: np.ndarray, bins: int) -> np.ndarray:
     return bin_of
 
 
-def _fit_buckets(name, bin_of, m, tokens, tiles, problem, table, t0) -> Schedule:
+def _fit_buckets(name, bin_of, m, shapes, problem, table, t0) -> Schedule:
     """Bucket-blind bins -> cheapest fitting buckets per microbatch, repaired when over the largest."""
+    tokens, tiles = _loads(shapes)
     bin_of, m2, moves = _repair(bin_of, m, tokens, tiles, problem, table)
     _, _, ti, si = evaluate(bin_of, m2, tokens, tiles, problem, table)
     info = {"repaired_moves": moves, "extra_microbatches": m2 - m}
-    return _report(name, bin_of, m2, ti, si, tokens, tiles, problem, table, t0, info)
+    return _report(name, bin_of, m2, ti, si, shapes, problem, table, t0, info)
 
 
 def _repair(bin_of, m, tokens, tiles, problem, table) -> tuple[np.ndarray, int, int]:

@@ -17,6 +17,7 @@ The lower bound is in `bound.py`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -184,6 +185,20 @@ def to_plans(
     )
 
 
+def with_audio(
+    plans: tuple[ScheduledMicrobatch, ...], shapes: Sequence[SampleShape], buckets: BucketSet
+) -> tuple[ScheduledMicrobatch, ...]:
+    """`plans` with each microbatch's audio bucket: the smallest that holds its fullest row's audio
+    frames (`SampleShape.audio_frames`; rows are not balanced on them). Unchanged without audio."""
+    if not buckets.audio:
+        return plans
+    return tuple(
+        dataclasses.replace(p, audio_bucket=buckets.audio_bucket(
+            max(sum(shapes[i].audio_frames for i in row) for row in p.shards)))
+        for p in plans
+    )  # fmt: skip
+
+
 def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
     """Raises ValueError naming the first sample no bucket can hold (the data layer filters these)."""
     b: BucketSet = problem.buckets
@@ -200,6 +215,11 @@ def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:
             raise ValueError(
                 f"sample {s.id!r} (index {i}) has {s.tiles} tiles > encoder_dp*largest tile bucket "
                 f"{problem.encoder_dp}*{b.tiles[-1]}"
+            )
+        if s.audio_windows and s.audio_frames > (b.audio[-1] if b.audio else 0):
+            raise ValueError(
+                f"sample {s.id!r} (index {i}) has {s.audio_frames} audio frames > largest audio "
+                f"bucket {b.audio[-1] if b.audio else 0} (buckets.audio={list(b.audio)})"
             )
         if problem.tiles_by_row and s.tiles > b.tiles[-1]:
             raise ValueError(

@@ -47,6 +47,7 @@ from dflop_jax.scheduler.objective import (
     load_balance,
     padding_ratios,
     to_plans,
+    with_audio,
 )
 from dflop_jax.scheduler.order import makespan_lower_bound, order_microbatches
 from dflop_jax.scheduler.select import finish, pick_by_makespan
@@ -117,7 +118,7 @@ def schedule_batch(
     plans = _ordered_plans(
         bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
     )
-    return Schedule(plans, obj, lb, solver, elapsed(), info)
+    return Schedule(with_audio(plans, shapes, problem.buckets), obj, lb, solver, elapsed(), info)
 
 
 def _greedy(tokens, tiles, capped, table, pool, elapsed):

@@ -1,0 +1,142 @@
+"""Audio as a third resource of a microbatch: the audio ladder (`BucketSet.audio`), each scheduled
+microbatch's audio bucket (the smallest holding its fullest row's frames), the planner's audio ladder
+fitted to the data, and packing a schedule's audio rows."""
+
+import numpy as np
+import pytest
+
+from dflop_jax.contracts import SampleShape, kept_frames, schedule_digest
+from dflop_jax.contracts.shapes import encoder_outputs, row_audio_frames
+from dflop_jax.planner.buckets import ShapeStats, bucket_set, fullest_rows
+from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig, schedule_batch
+from dflop_jax.scheduler.baselines import data_blind_schedule
+
+
+def _omni_shapes(n: int, seed: int = 0) -> list[SampleShape]:
+    """Images, text and speech-length clips (1-35 s: 1-2 windows), as the omni mix holds them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        kind = rng.choice(["image", "text", "audio"], p=[0.4, 0.3, 0.3])
+        if kind == "audio":
+            seconds = float(np.clip(rng.lognormal(2.3, 0.55), 1, 35))
+            frames = round(seconds * 100)
+            windows = (3000, frames - 3000) if frames > 3003 else (frames,)
+            out.append(SampleShape(i, 0, 60 + sum(w // 4 for w in windows), "audio", windows))
+        else:
+            tiles = int(rng.integers(1, 10)) if kind == "image" else 0
+            out.append(SampleShape(i, tiles, int(rng.integers(40, 500)) + 180 * tiles, kind))
+    return out
+
+
+def _problem(buckets: BucketSet, llm_dp: int = 2) -> ScheduleProblem:
+    def cost(t, s):  # encoder then LLM stage, seconds grow with the buckets
+        return np.array([[1e-3 * t, 2e-3 * t], [1e-5 * s, 2e-5 * s]])
+
+    return ScheduleProblem(llm_dp, llm_dp, 2, (2, 6), buckets, cost, tiles_by_row=True)
+
+
+def test_the_audio_ladder_is_validated_and_written():
+    with pytest.raises(ValueError, match="multiples of 4"):
+        BucketSet((4,), (512,), audio=(6, 12))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        BucketSet((4,), (512,), audio=(16, 8))
+    b = BucketSet((4,), (512,), audio=(400, 1200, 3600))
+    assert BucketSet.from_dict(b.to_dict()) == b and "audio" in b.to_dict()
+    assert "audio" not in BucketSet((4,), (512,)).to_dict()  # plan files without audio unchanged
+    assert [b.audio_bucket(f) for f in (0, 1, 400, 401, 3600)] == [0, 400, 400, 1200, 3600]
+    with pytest.raises(ValueError, match="3604 audio frames .* largest audio bucket 3600"):
+        b.audio_bucket(3604)
+
+
+@pytest.mark.parametrize("solver", ["greedy", "baseline"])
+def test_each_microbatch_takes_the_smallest_audio_bucket_of_its_fullest_row(solver):
+    shapes = _omni_shapes(48)
+    ladder = (800, 1600, 3200, 6400)
+    problem = _problem(BucketSet((4, 8, 16), (1024, 2048, 4096), audio=ladder))
+    if solver == "greedy":
+        sched = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy"))
+    else:
+        sched = data_blind_schedule(shapes, problem, 4)
+    seen = set()
+    for mb in sched.microbatches:
+        fullest = max(sum(shapes[i].audio_frames for i in row) for row in mb.shards)
+        seen.add(mb.audio_bucket)
+        if fullest == 0:
+            assert mb.audio_bucket == 0
+        else:
+            assert mb.audio_bucket == min(a for a in ladder if a >= fullest)
+    assert len(seen - {0}) >= 1
+    assert sorted(i for mb in sched.microbatches for i in mb.samples()) == list(range(48))
+
+
+def test_samples_beyond_the_audio_ladder_are_refused():
+    shapes = _omni_shapes(24)
+    no_ladder = _problem(BucketSet((16,), (4096,)))
+    with pytest.raises(ValueError, match="audio frames > largest audio bucket 0"):
+        schedule_batch(shapes, no_ladder, SchedulerConfig(solver="greedy"))
+    small = _problem(BucketSet((16,), (4096,), audio=(400,)))
+    with pytest.raises(ValueError, match="largest audio bucket 400"):
+        schedule_batch(shapes, small, SchedulerConfig(solver="greedy"))
+
+
+def test_the_digest_sees_audio_buckets_and_is_unchanged_without_them():
+    shapes = [s for s in _omni_shapes(40) if not s.audio_windows]
+    plain = schedule_batch(shapes, _problem(BucketSet((16,), (4096,))), SchedulerConfig())
+    same = schedule_batch(
+        shapes, _problem(BucketSet((16,), (4096,), audio=(400,))), SchedulerConfig()
+    )
+    assert all(mb.audio_bucket == 0 for mb in same.microbatches)
+    assert schedule_digest(same) == schedule_digest(plain)
+    heard = _omni_shapes(40)
+    a = schedule_batch(heard, _problem(BucketSet((16,), (4096,), audio=(8000,))), SchedulerConfig())
+    b = schedule_batch(
+        heard, _problem(BucketSet((16,), (4096,), audio=(4000, 8000))), SchedulerConfig()
+    )
+    assert [mb.shards for mb in a.microbatches] == [mb.shards for mb in b.microbatches]
+    assert [mb.audio_bucket for mb in a.microbatches] != [mb.audio_bucket for mb in b.microbatches]
+    assert schedule_digest(a) != schedule_digest(b)
+
+
+def test_the_planners_audio_ladder_fits_the_fullest_rows():
+    shapes = _omni_shapes(400, seed=3)
+    stats = ShapeStats.of(shapes)
+    assert len(stats.audio) == 400 and ShapeStats.of(shapes[:0] + [shapes[0]]).audio in ((), (0,))
+    one = bucket_set(stats, 64, 8, 2, 2, 1, 128, by_row=True)
+    four = bucket_set(stats, 64, 8, 2, 2, 4, 128, by_row=True)
+    assert len(one.audio) == 1 and len(four.audio) > 1
+    # the top holds a row of the top length bucket full of audio
+    assert four.audio[-1] == one.audio[-1] == row_audio_frames(four.lengths[-1])
+    assert all(a % 4 == 0 for a in four.audio)
+    rows = np.maximum(fullest_rows(np.asarray(stats.audio), 8, 2), 4)
+
+    def padding(ladder):
+        return sum(min(a for a in ladder if a >= r) - r for r in rows)
+
+    assert padding(four.audio) < padding(one.audio)
+    no_audio = ShapeStats.of([s for s in shapes if not s.audio_windows])
+    assert no_audio.audio == () and bucket_set(no_audio, 64, 8, 2, 2, 4, 128, True).audio == ()
+
+
+def test_a_row_full_of_audio_fits_the_top_audio_bucket():
+    """Rows of clips as the processor tokenizes them (bos, one token per output, eos), tiny and
+    long: their frames never pass `row_audio_frames` of their tokens."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        frames = tokens = 0
+        for _ in range(int(rng.integers(1, 12))):
+            seconds = float(rng.choice([rng.uniform(0.03, 0.2), rng.uniform(0.2, 200)]))
+            valid = round(seconds * 100)
+            windows = [3000] * (valid // 3000) + ([valid % 3000] if valid % 3000 else [])
+            windows = [w for w in windows if encoder_outputs(w)]
+            if not windows:
+                continue
+            frames += sum(kept_frames(w) for w in windows)
+            tokens += 2 + sum(encoder_outputs(w) for w in windows)
+        assert frames <= row_audio_frames(tokens)
+
+
+def test_kept_frames_is_the_encoders_rule():
+    assert [kept_frames(v) for v in (1, 9, 22, 2997, 3000)] == [4, 12, 24, 3000, 3000]
+    shape = SampleShape(0, 0, 10, "audio", (3000, 9))
+    assert shape.audio_frames == 3012 and shape.audio_seconds == pytest.approx(30.09)
