@@ -5,9 +5,11 @@ from dflop_jax.costs import get_arch, get_device, AnalyticCostProvider, layout_s
 
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.architectures import (
+    AUDIO_PRESETS,
     DEFAULT_ARCH,
     LLM_PRESETS,
     VISION_PRESETS,
+    AudioArch,
     LLMArch,
     MLLMArch,
     ProjectorArch,
@@ -31,6 +33,9 @@ from dflop_jax.costs.device_specs import (
     preset_for_kind,
 )
 from dflop_jax.costs.flops import (
+    audio_flops,
+    audio_layer_flops,
+    audio_params,
     batch_model_flops,
     causal_pairs,
     hardware_flops,
@@ -68,12 +73,14 @@ from dflop_jax.costs.provider import (
 )
 
 __all__ = [
+    "AUDIO_PRESETS",
     "DEFAULT_ARCH",
     "DEVICE_PRESETS",
     "DeviceConfig",
     "LLM_PRESETS",
     "VISION_PRESETS",
     "AnalyticCostProvider",
+    "AudioArch",
     "CostProvider",
     "DeviceSpec",
     "LLMArch",
@@ -85,6 +92,9 @@ __all__ = [
     "StageSpec",
     "VisionArch",
     "arch_from_configs",
+    "audio_flops",
+    "audio_layer_flops",
+    "audio_params",
     "arch_of_model",
     "batch_model_flops",
     "causal_pairs",

@@ -24,6 +24,10 @@ LayerNorm + MLP after a 0.5 pixel shuffle). Sizes are copied from the published 
 - internvit-6b-dflop: the reference's own "6b" InternViT: 30 layers of hidden 3200 with 16 heads of 200
   (~3.69B params), unlike the published 45-layer, 25-head tower above; kept so its figures can be compared.
 - LLMs: Qwen/Qwen2.5-{0.5B,7B,32B,72B} and meta-llama/Meta-Llama-3-{8B,70B} config.json values.
+- Audio encoders (`AUDIO_PRESETS`): openai/whisper-large-v3's encoder (32 layers, d_model 1280, 20
+  heads, FFN 5120, 128 mel bins, 1500 positions), Qwen/Qwen2-Audio-7B's tower (the same, pooled by 2,
+  its projector a single linear into the LLM), and openai/whisper-base's (6 layers, 512, 8 heads,
+  2048, 80 mel bins).
 - tiny: a small demo model (may be changed later to match configs/demo.yaml).
 """
 
@@ -143,6 +147,41 @@ class ProjectorArch:
     def __post_init__(self):
         if self.kind not in ("mlp2x_gelu", "internvl_mlp"):
             raise ValueError(f"projector kind={self.kind!r}: use 'mlp2x_gelu' or 'internvl_mlp'")
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioArch:
+    """A Whisper-style audio encoder (two 1-D convolutions, pre-LN layers; `models.whisper`).
+
+    Attributes:
+      num_layers, hidden_size (D), num_heads (H), intermediate_size (F): transformer sizes.
+      num_mel_bins (M): log-mel input width.
+      max_source_positions: conv outputs of one 30 s window (attention stays within a window).
+      pool: average pool over time before the projector (2 for Qwen2-Audio, 1 for Whisper).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    num_mel_bins: int
+    max_source_positions: int = 1500
+    pool: int = 2
+
+    @property
+    def dh(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+AUDIO_PRESETS: dict[str, AudioArch] = {
+    a.name: a
+    for a in (
+        AudioArch("whisper-large-v3", 32, 1280, 20, 5120, 128, pool=1),
+        AudioArch("qwen2-audio", 32, 1280, 20, 5120, 128, pool=2),
+        AudioArch("whisper-base", 6, 512, 8, 2048, 80, pool=1),
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Model FLOPs and parameter counts of the vision tower, projector and LLM (pure arithmetic).
+"""Model FLOPs and parameter counts of the vision tower, projector, audio encoder and LLM (pure arithmetic).
 
 Conventions (the usual ones, e.g. Kaplan et al. 2020 / Narayanan et al. 2021 "Megatron-LM at scale"):
 - A matmul [n, a] x [a, b] costs 2*n*a*b FLOPs, so a linear layer costs 2 * params per token.
@@ -8,7 +8,11 @@ Conventions (the usual ones, e.g. Kaplan et al. 2020 / Narayanan et al. 2021 "Me
   over its segments (attention never crosses samples).
 - GQA: the K and V projections are D x (K * Dh) each, i.e. 2 * D * K * Dh FLOPs per token each (the
   reference scales them by H / K instead of K / H; that is its bug, not ours).
-- Norms, activations, softmax, RoPE, residual adds and the embedding gather are ignored (< 1%).
+- Norms, activations, softmax, RoPE, residual adds and the embedding gather are ignored (< 1% of
+  XLA's count for the LLM and ViT; Whisper's exact GELU is 4-20% of XLA's count at small widths,
+  which the audio formulas leave out too: they equal the lowered program's matmul work).
+- Audio (Whisper): a row of A mel frames runs the convolutions over A and A / 2 positions and the
+  layers over A / 2, attention within 30 s windows (a bucket is priced as whole windows).
 - Model FLOPs of training = 3 x forward (backward = 2 x forward) with no recompute; MFU uses these.
   `hardware_flops(recompute=True)` adds one extra forward of the transformer layers (full remat).
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
+from dflop_jax.costs.architectures import AudioArch, LLMArch, MLLMArch, ProjectorArch, VisionArch
 
 # ---------------------------------------------------------------- parameter counts
 
@@ -49,6 +53,21 @@ def vision_params(v: VisionArch) -> int:
 def projector_params(p: ProjectorArch) -> int:
     norm = 2 * p.in_dim if p.kind == "internvl_mlp" else 0
     return norm + p.in_dim * p.out_dim + p.out_dim + p.out_dim * p.out_dim + p.out_dim
+
+
+def audio_layer_params(a: AudioArch) -> int:
+    """One Whisper layer: 2 LayerNorms, q/k/v (biases on q and v), out proj (+bias), fc1/fc2 (+bias)."""
+    d, f = a.hidden_size, a.intermediate_size
+    return 3 * d * d + 2 * d + d * d + d + d * f + f + f * d + d + 2 * 2 * d
+
+
+def audio_params(a: AudioArch, out_dim: int = 0) -> int:
+    """The whole audio encoder: convolutions (+biases), position table, layers, final LayerNorm, and
+    a linear projector (+bias) into `out_dim` when given."""
+    d, m = a.hidden_size, a.num_mel_bins
+    embed = 3 * m * d + d + 3 * d * d + d + a.max_source_positions * d
+    projector = d * out_dim + out_dim if out_dim else 0
+    return embed + a.num_layers * audio_layer_params(a) + 2 * d + projector
 
 
 def llm_layer_params(m: LLMArch) -> int:
@@ -103,6 +122,32 @@ def projector_flops_per_tile(arch: MLLMArch) -> float:
     """Forward FLOPs of the projector for one tile's tokens (after pixel shuffle for InternVL)."""
     p = arch.projector
     return 2.0 * arch.vision.tokens_per_tile * (p.in_dim * p.out_dim + p.out_dim * p.out_dim)
+
+
+def audio_layer_flops(a: AudioArch, frames: float) -> float:
+    """Forward FLOPs of one audio layer over a row of `frames` mel frames (`frames` / 2 positions
+    after the stride-2 convolution): its projections and MLP, and bidirectional attention within
+    each 30 s window, the row taken as whole windows (a bucket's worst case)."""
+    t, d, f = frames / 2, a.hidden_size, a.intermediate_size
+    pairs = t * min(t, a.max_source_positions)
+    return 2 * t * (4 * d * d + 2 * d * f) + 2 * 2 * d * pairs
+
+
+def audio_embedding_flops(a: AudioArch, frames: float) -> float:
+    """Forward FLOPs of the two convolutions (kernel 3; the second at stride 2) over `frames`."""
+    d, m = a.hidden_size, a.num_mel_bins
+    return 2 * frames * 3 * m * d + 2 * (frames / 2) * 3 * d * d
+
+
+def audio_projector_flops(a: AudioArch, frames: float, out_dim: int) -> float:
+    """Forward FLOPs of the linear projector over the pooled outputs of `frames`."""
+    return 2 * frames / (2 * a.pool) * a.hidden_size * out_dim
+
+
+def audio_flops(a: AudioArch, frames: float, out_dim: int = 0) -> float:
+    """Forward FLOPs of the whole audio encoder (+ projector into `out_dim`) over `frames`."""
+    body = a.num_layers * audio_layer_flops(a, frames) + audio_embedding_flops(a, frames)
+    return body + (audio_projector_flops(a, frames, out_dim) if out_dim else 0.0)
 
 
 def causal_pairs(segment_lengths: Sequence[int]) -> float:
