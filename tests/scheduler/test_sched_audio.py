@@ -140,3 +140,21 @@ def test_kept_frames_is_the_encoders_rule():
     assert [kept_frames(v) for v in (1, 9, 22, 2997, 3000)] == [4, 12, 24, 3000, 3000]
     shape = SampleShape(0, 0, 10, "audio", (3000, 9))
     assert shape.audio_frames == 3012 and shape.audio_seconds == pytest.approx(30.09)
+
+
+def test_planning_leaves_out_the_samples_a_run_skips(tmp_path, caplog):
+    """No layout runs an audio encoder yet: the loader skips samples with audio, so the planner's
+    shapes leave them out too (a plan for work the run never does would misprice every layout)."""
+    from dflop_jax.contracts.shape_distribution import save_shape_distribution
+    from dflop_jax.planner.resolve import load_shapes
+
+    shapes = _omni_shapes(60)
+    save_shape_distribution(shapes, tmp_path / "d.json", "omni", {})
+    with caplog.at_level("WARNING"):
+        kept = load_shapes(str(tmp_path / "d.json"))
+    heard = sum(1 for s in shapes if s.audio_windows)
+    assert len(kept) == 60 - heard and not any(s.audio_windows for s in kept)
+    assert f"without the {heard} of 60 profiled samples that hold audio" in caplog.text
+    save_shape_distribution([s for s in shapes if s.audio_windows], tmp_path / "a.json", "a", {})
+    with pytest.raises(ValueError, match="every profiled sample holds audio"):
+        load_shapes(str(tmp_path / "a.json"))
