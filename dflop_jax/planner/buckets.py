@@ -19,10 +19,14 @@ row over microbatches drawn from the data (`fullest_rows`: samples drawn, split 
 the scheduler balances tiles, longest first), an exact dynamic program (`padding_ladder`).
 
 Audio (samples with `audio_windows`): each LLM row packs its samples' audio frames, so the audio ladder
-counts frames per row and is placed like the by-row tile ladder, on the fullest row's frames, in
-multiples of 4 (packed windows' alignment). Its top is the most frames a row of the top length
-bucket can hold (`row_audio_frames`, about 4 per token): the scheduler balances rows on tokens and
-tiles, not frames, and every row it packs must have an audio bucket.
+counts frames per row and is placed on the fullest row's frames, in multiples of 4 (packed windows'
+alignment): n - 1 sizes up to the fullest row drawn, then one size that holds any row of the top
+length bucket (`row_audio_frames`, about 4 frames per token), so every row the scheduler packs has
+an audio bucket and only rows past every draw pay for it. Rows are drawn as the scheduler fills
+them: balanced on tokens (`token_rows`; a clip's tokens follow its frames, 4 to 1, so that balances
+audio-only rows, and mixed rows hold their audio as it falls). The scheduler re-packs a
+microbatch's rows for audio only where its buckets leave room (`scheduler.objective.balance_audio`),
+which rows filled to their length bucket do not.
 """
 
 from __future__ import annotations
@@ -114,6 +118,25 @@ def fullest_rows(tiles: np.ndarray, samples: int, rows: int, draws: int = ROW_DR
     return load.max(axis=1)
 
 
+def token_rows(
+    tokens: np.ndarray, values: np.ndarray, samples: int, rows: int, draws: int = ROW_DRAWS
+) -> np.ndarray:
+    """The fullest row's `values` (e.g. audio frames) of `draws` microbatches of `samples` samples,
+    split over `rows` rows balanced on `tokens`: most tokens first, each to the row with the
+    fewest (as the scheduler fills rows)."""
+    rng = np.random.default_rng(ROW_SEED)
+    idx = rng.integers(0, len(tokens), size=(draws, max(samples, 1)))
+    order = np.argsort(-tokens[idx], axis=1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=1)
+    load, out = np.zeros((draws, rows)), np.zeros((draws, rows))
+    at = np.arange(draws)
+    for j in range(idx.shape[1]):
+        r = load.argmin(axis=1)
+        load[at, r] += tokens[idx[:, j]]
+        out[at, r] += values[idx[:, j]]
+    return out.max(axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShapeStats:
     """What the ladders need of a shape distribution (computed once per search)."""
@@ -124,14 +147,17 @@ class ShapeStats:
     max_tiles: int
     tiles: tuple[int, ...] = ()  # every sample's tiles (the by-row tile ladder draws from them)
     audio: tuple[int, ...] = ()  # every sample's audio frames; () when no sample has audio
+    tokens: tuple[int, ...] = ()  # every sample's tokens, with audio (the audio ladder's rows)
 
     @classmethod
     def of(cls, shapes: Sequence[SampleShape]) -> ShapeStats:
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
         audio = tuple(s.audio_frames for s in shapes)
+        heard = any(audio)
         return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()),
-                   tuple(int(s.tiles) for s in shapes), audio if any(audio) else ())  # fmt: skip
+                   tuple(int(s.tiles) for s in shapes), audio if heard else (),
+                   tuple(int(s.tokens) for s in shapes) if heard else ())  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)  # the planner's candidates share few (M, dp) combinations
@@ -168,18 +194,21 @@ def bucket_set(
     samples = round(global_batch / microbatches)
     if by_row and len(tile_sizes) > 1 and stats.tiles:
         tile_sizes = _row_ladder(stats.tiles, samples, llm_dp, tile_sizes[-1], num_buckets)
-    audio = _audio_ladder(stats.audio, samples, llm_dp, row_audio_frames(lengths[-1]), num_buckets)
+    audio = _audio_ladder(stats, samples, llm_dp, row_audio_frames(lengths[-1]), num_buckets)
     return BucketSet(tiles=tile_sizes, lengths=lengths, audio=audio)
 
 
-def _audio_ladder(audio: tuple[int, ...], samples: int, rows: int, top: int, n: int):
+def _audio_ladder(stats: ShapeStats, samples: int, rows: int, top: int, n: int):
     """The audio ladder (frames per row; module docstring) ending at `top`, () without audio. Rows
     without audio count as the smallest size, 4 frames."""
-    if not audio:
+    if not stats.audio:
         return ()
-    if n == 1:
+    tokens, audio = np.asarray(stats.tokens, float), np.asarray(stats.audio, float)
+    fullest = np.maximum(token_rows(tokens, audio, samples, rows), 4)
+    drawn = _round_up(float(fullest.max()), 4)
+    if n == 1 or drawn >= top:
         return (top,)
-    return padding_ladder(np.maximum(fullest_rows(np.asarray(audio), samples, rows), 4), top, n)
+    return (*padding_ladder(fullest, drawn, n - 1), top)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -189,14 +189,46 @@ def with_audio(
     plans: tuple[ScheduledMicrobatch, ...], shapes: Sequence[SampleShape], buckets: BucketSet
 ) -> tuple[ScheduledMicrobatch, ...]:
     """`plans` with each microbatch's audio bucket: the smallest that holds its fullest row's audio
-    frames (`SampleShape.audio_frames`; rows are not balanced on them). Unchanged without audio."""
+    frames (`SampleShape.audio_frames`), after its rows are re-packed to balance those frames
+    where the microbatch's own tile and length buckets allow (`balance_audio`). Unchanged without
+    audio."""
     if not buckets.audio:
         return plans
-    return tuple(
-        dataclasses.replace(p, audio_bucket=buckets.audio_bucket(
-            max(sum(shapes[i].audio_frames for i in row) for row in p.shards)))
-        for p in plans
-    )  # fmt: skip
+    out = []
+    for p in plans:
+        p = balance_audio(p, shapes)
+        fullest = max(sum(shapes[i].audio_frames for i in row) for row in p.shards)
+        out.append(dataclasses.replace(p, audio_bucket=buckets.audio_bucket(fullest)))
+    return tuple(out)
+
+
+def balance_audio(plan: ScheduledMicrobatch, shapes: Sequence[SampleShape]) -> ScheduledMicrobatch:
+    """`plan` with its samples re-packed over its rows, most audio frames first, each to the row
+    with the fewest frames that still holds it within the microbatch's length bucket (and, packed by
+    row, its tile bucket): the tiles and tokens the buckets were chosen for still fit, so the
+    vision and LLM programs do not change, and the fullest row's frames set a smaller audio bucket.
+    Kept only when it lowers them; deterministic (index tie-breaks), samples in batch order."""
+    members = sorted(plan.samples())
+    frames = {i: shapes[i].audio_frames for i in members}
+    rows = len(plan.shards)
+    old = max(sum(frames[i] for i in row) for row in plan.shards)
+    if rows < 2 or old == 0:
+        return plan
+    tile_cap = plan.tile_bucket if plan.tiles_by_row else float("inf")
+    audio, tok, til = np.zeros(rows), np.zeros(rows), np.zeros(rows)
+    new: list[list[int]] = [[] for _ in range(rows)]
+    for i in sorted(members, key=lambda i: (-frames[i], -shapes[i].tokens, i)):
+        fits = (tok + shapes[i].tokens <= plan.length_bucket) & (til + shapes[i].tiles <= tile_cap)
+        if not fits.any():
+            return plan
+        r = int(np.lexsort((np.arange(rows), tok, audio, ~fits))[0])
+        new[r].append(i)
+        audio[r] += frames[i]
+        tok[r] += shapes[i].tokens
+        til[r] += shapes[i].tiles
+    if audio.max() >= old:
+        return plan
+    return dataclasses.replace(plan, shards=tuple(tuple(sorted(row)) for row in new))
 
 
 def check_fits(shapes: list[SampleShape], problem: ScheduleProblem) -> None:

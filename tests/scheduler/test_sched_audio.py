@@ -7,7 +7,7 @@ import pytest
 
 from dflop_jax.contracts import SampleShape, kept_frames, schedule_digest
 from dflop_jax.contracts.shapes import encoder_outputs, row_audio_frames
-from dflop_jax.planner.buckets import ShapeStats, bucket_set, fullest_rows
+from dflop_jax.planner.buckets import ShapeStats, bucket_set, token_rows
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig, schedule_batch
 from dflop_jax.scheduler.baselines import data_blind_schedule
 
@@ -99,23 +99,57 @@ def test_the_digest_sees_audio_buckets_and_is_unchanged_without_them():
 
 
 def test_the_planners_audio_ladder_fits_the_fullest_rows():
+    """n - 1 sizes placed on the fullest rows of token-balanced draws, up to the fullest drawn, then
+    the size that holds any row of the top length bucket."""
     shapes = _omni_shapes(400, seed=3)
     stats = ShapeStats.of(shapes)
-    assert len(stats.audio) == 400 and ShapeStats.of(shapes[:0] + [shapes[0]]).audio in ((), (0,))
+    assert len(stats.audio) == 400 and len(stats.tokens) == 400
     one = bucket_set(stats, 64, 8, 2, 2, 1, 128, by_row=True)
     four = bucket_set(stats, 64, 8, 2, 2, 4, 128, by_row=True)
-    assert len(one.audio) == 1 and len(four.audio) > 1
-    # the top holds a row of the top length bucket full of audio
-    assert four.audio[-1] == one.audio[-1] == row_audio_frames(four.lengths[-1])
+    assert one.audio == (row_audio_frames(one.lengths[-1]),)
+    assert four.audio[-1] == row_audio_frames(four.lengths[-1]) and len(four.audio) == 4
     assert all(a % 4 == 0 for a in four.audio)
-    rows = np.maximum(fullest_rows(np.asarray(stats.audio), 8, 2), 4)
+    rows = np.maximum(token_rows(np.asarray(stats.tokens, float), np.asarray(stats.audio, float),
+                                 8, 2), 4)  # fmt: skip
+    assert four.audio[-2] >= rows.max()  # only rows past every draw take the top
 
     def padding(ladder):
         return sum(min(a for a in ladder if a >= r) - r for r in rows)
 
-    assert padding(four.audio) < padding(one.audio)
+    assert padding(four.audio) < padding(one.audio) / 4
     no_audio = ShapeStats.of([s for s in shapes if not s.audio_windows])
     assert no_audio.audio == () and bucket_set(no_audio, 64, 8, 2, 2, 4, 128, True).audio == ()
+
+
+def test_token_rows_balance_tokens_and_carry_the_values():
+    tokens = np.array([100.0, 100.0, 100.0, 100.0])
+    audio = np.array([400.0, 0.0, 0.0, 0.0])
+    fullest = token_rows(tokens, audio, samples=4, rows=4, draws=64)
+    # one sample per row: the fullest row holds one sample's audio, 400 when it was drawn
+    assert set(fullest.tolist()) <= {0.0, 400.0} and fullest.max() == 400.0
+
+
+def test_balance_audio_repacks_rows_within_their_buckets():
+    from dflop_jax.contracts import ScheduledMicrobatch
+    from dflop_jax.scheduler.objective import balance_audio
+
+    shapes = [
+        SampleShape(0, 0, 300, "audio", (1000,)),
+        SampleShape(1, 0, 300, "audio", (1000,)),
+        SampleShape(2, 2, 300, "image"),
+        SampleShape(3, 2, 300, "image"),
+    ]
+    plan = ScheduledMicrobatch(2, 600, ((0, 1), (2, 3)), tiles_by_row=True)
+    better = balance_audio(plan, shapes)
+    frames = [sum(shapes[i].audio_frames for i in row) for row in better.shards]
+    assert frames == [1004, 1004] and sorted(better.samples()) == [0, 1, 2, 3]
+    assert all(sum(shapes[i].tiles for i in row) <= 2 for row in better.shards)
+    full = ScheduledMicrobatch(2, 600, ((0, 1), (2, 3)), tiles_by_row=True)
+    tight = [SampleShape(0, 0, 300, "audio", (1000,)), SampleShape(1, 0, 300, "audio", (1000,)),
+             SampleShape(2, 2, 300, "image"), SampleShape(3, 0, 300, "text")]  # fmt: skip
+    assert balance_audio(full, tight).shards != full.shards  # the text sample swaps in
+    no_room = ScheduledMicrobatch(1, 600, ((0, 1), (2, 3)), tiles_by_row=True)
+    assert balance_audio(no_room, shapes) == no_room  # two images cannot share one tile
 
 
 def test_a_row_full_of_audio_fits_the_top_audio_bucket():
