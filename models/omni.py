@@ -18,14 +18,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.llava_onevision import LlavaOnevisionConfig
 from models.mllm import EncoderStage, LLMStage
-from models.placement import flatten_tiles, place_features
+from models.placement import TEXT, flatten_tiles, place_features
 from models.qwen2_audio import AudioEncoderStage, Qwen2AudioConfig
 
-__all__ = ["Omni", "OmniConfig"]
+__all__ = ["Omni", "OmniConfig", "OmniFirstStage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +101,43 @@ class Omni(nnx.Module):
         h = self.embed(tiles, tile_pool, audio, audio_lengths, tokens, feature_index, audio_index,
                        feature_weight)  # fmt: skip
         return self.llm.logits(self.llm(h, segment_ids, positions))
+
+
+class OmniFirstStage(nnx.Module):
+    """The first LLM stage of the omni model with the whole audio encoder on its devices (and, with
+    `encoder`, the whole vision encoder too): each LLM row's audio windows arrive packed in that
+    row's own audio row (`dflop_jax.data.packing`), the encoder runs them as packed windows on the
+    row's shard, and each row places only its own outputs, so no feature crosses shards.
+    Params: `encoder` (optional), `audio` and `llm`, the names and init of `Omni`'s."""
+
+    def __init__(
+        self, audio: AudioEncoderStage, llm: LLMStage, encoder: EncoderStage | None = None
+    ):
+        self.audio, self.llm = audio, llm
+        if encoder is not None:
+            self.encoder = encoder
+
+    def embed(self, features, tokens, feature_index, feature_weight, audio, windows, valid,
+              audio_index) -> jax.Array:  # fmt: skip
+        """The rows' embeddings [B,S,D] with every feature placed.
+
+        features: the vision features [B*T, tokens_per_tile, D] from the encoder stages, or, with
+        a colocated `encoder`, its inputs (tiles [B*T,H,W,3], tile_pool [B*T]); None: no image.
+        audio, windows, valid: [B, A, M] / [B, A] packed audio rows (None: no audio);
+        audio_index [B,S]: global output rows (row b's in [b*A/4, (b+1)*A/4)) or TEXT.
+        """
+        if hasattr(self, "encoder") and features is not None:
+            tiles, tile_pool = features
+            features = self.encoder(tiles, tile_pool) if tiles.shape[0] else None
+        h = self.llm.embed(tokens, features, feature_index, feature_weight, per_row=True)
+        if audio is None or audio.shape[1] == 0:
+            return h
+        clips = self.audio(audio, None, windows, valid).astype(h.dtype)  # [B, A/4, D]
+        local = jnp.where(audio_index >= 0, audio_index % clips.shape[1], TEXT)
+        return place_features(h, clips, local)
+
+    def __call__(self, h, segment_ids, positions) -> jax.Array:
+        return self.llm(h, segment_ids, positions)
+
+    def loss(self, h, targets, loss_mask) -> tuple[jax.Array, jax.Array]:
+        return self.llm.loss(h, targets, loss_mask)

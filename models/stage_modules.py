@@ -5,7 +5,9 @@
 A `DecoderConfig` gives `DecoderStage`s (module "llm" only); an MLLM config (LLaVA-OV, InternVL) gives
 `EncoderStage` ("encoder": vision layers, + patch embedding if first, + projector if last) or
 `LLMStage` ("llm"); a Qwen2-Audio config `AudioEncoderStage` (audio layers, + conv embedding if
-first, + pool, norm and projector if last) or `LLMStage`. Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
+first, + pool, norm and projector if last) or `LLMStage`; an omni config (`models.omni`) its vision
+`EncoderStage`, an `OmniFirstStage` (the whole audio encoder on the first LLM stage, and with
+`colocated` the whole vision encoder too) or `LLMStage`. Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
 so `stage_module(cfg, ..., rngs=nnx.Rngs(s))` holds exactly the params that the whole model built with
 `nnx.Rngs(s)` holds for that range: a stage can be initialized alone, in its own sharding.
 """
@@ -19,6 +21,7 @@ from flax import nnx
 from models.decoder import DecoderStage
 from models.decoder_config import DecoderConfig
 from models.mllm import ColocatedStage, EncoderStage, LLMStage
+from models.omni import OmniConfig, OmniFirstStage
 from models.qwen2_audio import AudioEncoderStage, Qwen2AudioConfig
 
 MODULES = ("encoder", "llm")
@@ -57,6 +60,9 @@ def stage_module(
     """
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
+    if isinstance(cfg, OmniConfig):
+        return _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs,
+                           colocated)  # fmt: skip
     if colocated:
         if (
             isinstance(cfg, DecoderConfig | Qwen2AudioConfig)
@@ -82,25 +88,49 @@ def stage_module(
     return (encoder if module == "encoder" else LLMStage)(cfg, **flags)
 
 
+def _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs, colocated):
+    flags = dict(first_layer=first_layer, num_layers=num_layers, has_embedding=has_embedding,
+                 has_head=has_head, rngs=rngs)  # fmt: skip
+    if module == "encoder" or not has_embedding:
+        if colocated:
+            raise ValueError("colocated: only the first LLM stage can hold the encoders")
+        return (EncoderStage if module == "encoder" else LLMStage)(cfg.vision, **flags)
+    whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
+    encoder = None
+    if colocated:
+        encoder = EncoderStage(cfg.vision, num_layers=cfg.vision.vision.num_layers, **whole)
+    audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
+    return OmniFirstStage(audio, LLMStage(cfg.vision, **flags), encoder)
+
+
 def with_attention(model_cfg, implementation: str, vision: str | None = None):
     """`model_cfg` whose decoder runs attention `implementation` ("xla", "pallas" or "cudnn":
     `models.attention`) and whose vision tower (when it has one) runs `vision` (None: the same)."""
     if isinstance(model_cfg, DecoderConfig):
         return model_cfg.replace(attention_impl=implementation)
+    if isinstance(model_cfg, OmniConfig):  # each part's towers, the audio one as an encoder
+        parts = (
+            with_attention(p, implementation, vision) for p in (model_cfg.vision, model_cfg.audio)
+        )
+        return OmniConfig(*parts)
+    tower = "audio" if isinstance(model_cfg, Qwen2AudioConfig) else "vision"
     return dataclasses.replace(
         model_cfg,
-        vision=model_cfg.vision.replace(attention_impl=vision or implementation),
+        **{tower: getattr(model_cfg, tower).replace(attention_impl=vision or implementation)},
         text=model_cfg.text.replace(attention_impl=implementation),
     )
 
 
 def with_remat(model_cfg, remat: dict[str, str]):
     """`model_cfg` with the per-module activation recomputation `remat` ({"vision": ..., "llm": ...},
-    each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder."""
+    each "none" / "full" / "dots"): the `remat` of its vision tower and of its decoder. An audio
+    tower takes `remat["audio"]`, else the vision tower's policy (the encoders' one)."""
     if isinstance(model_cfg, DecoderConfig):
         return model_cfg.replace(remat=remat["llm"])
-    return dataclasses.replace(
-        model_cfg,
-        vision=model_cfg.vision.replace(remat=remat["vision"]),
-        text=model_cfg.text.replace(remat=remat["llm"]),
-    )
+    if isinstance(model_cfg, OmniConfig):
+        return OmniConfig(with_remat(model_cfg.vision, remat), with_remat(model_cfg.audio, remat))
+    if isinstance(model_cfg, Qwen2AudioConfig):
+        tower = {"audio": model_cfg.audio.replace(remat=remat.get("audio", remat["vision"]))}
+    else:
+        tower = {"vision": model_cfg.vision.replace(remat=remat["vision"])}
+    return dataclasses.replace(model_cfg, **tower, text=model_cfg.text.replace(remat=remat["llm"]))
