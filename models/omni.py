@@ -31,35 +31,42 @@ __all__ = ["Omni", "OmniConfig", "OmniFirstStage"]
 
 @dataclasses.dataclass(frozen=True)
 class OmniConfig:
-    """`vision`: the LLaVA-OneVision config (vision tower, projector and the decoder `text`);
+    """`llava`: the LLaVA-OneVision config (vision tower, projector and the decoder `text`);
     `audio`: the Qwen2-Audio config whose `text` is that same decoder (its projector's output width
-    is the decoder's)."""
+    is the decoder's). `vision` and `text` are the vision tower's and the decoder's configs, as an
+    MLLM config names them."""
 
-    vision: LlavaOnevisionConfig
+    llava: LlavaOnevisionConfig
     audio: Qwen2AudioConfig
 
     def __post_init__(self):
-        if self.audio.text != self.vision.text:
+        if self.audio.text != self.llava.text:
             raise ValueError(
                 "OmniConfig: the audio config's decoder must be the vision config's (one LLM); "
                 "build it with OmniConfig.compose"
             )
 
     @classmethod
-    def compose(cls, vision: LlavaOnevisionConfig, audio: Qwen2AudioConfig) -> OmniConfig:
+    def compose(cls, llava: LlavaOnevisionConfig, audio: Qwen2AudioConfig) -> OmniConfig:
         """The omni config of a LLaVA-OneVision model and a Qwen2-Audio model's audio part: the
         decoder is the vision model's; the audio projector must already project into its width."""
-        if audio.text.hidden_size != vision.text.hidden_size:
+        if audio.text.hidden_size != llava.text.hidden_size:
             raise ValueError(
                 f"the audio projector writes {audio.text.hidden_size}-wide features but the "
-                f"decoder is {vision.text.hidden_size} wide: pick a Qwen2-Audio checkpoint whose "
+                f"decoder is {llava.text.hidden_size} wide: pick a Qwen2-Audio checkpoint whose "
                 "LLM has the vision model's width"
             )
-        return cls(vision, audio.replace(text=vision.text))
+        return cls(llava, audio.replace(text=llava.text))
+
+    @property
+    def vision(self):
+        """The vision tower's config."""
+        return self.llava.vision
 
     @property
     def text(self):
-        return self.vision.text
+        """The decoder's config."""
+        return self.llava.text
 
     has_newline = True  # LLaVA-OneVision's image newline
 
@@ -73,9 +80,9 @@ class Omni(nnx.Module):
     def __init__(self, cfg: OmniConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
-        self.encoder = EncoderStage(cfg.vision, num_layers=cfg.vision.vision.num_layers, **whole)
+        self.encoder = EncoderStage(cfg.llava, num_layers=cfg.vision.num_layers, **whole)
         self.audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
-        self.llm = LLMStage(cfg.vision, num_layers=cfg.text.num_layers, **whole)
+        self.llm = LLMStage(cfg.llava, num_layers=cfg.text.num_layers, **whole)
 
     def embed(self, tiles, tile_pool, audio, audio_lengths, tokens, feature_index, audio_index,
               feature_weight=None) -> jax.Array:  # fmt: skip

@@ -94,13 +94,13 @@ def _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, r
     if module == "encoder" or not has_embedding:
         if colocated:
             raise ValueError("colocated: only the first LLM stage can hold the encoders")
-        return (EncoderStage if module == "encoder" else LLMStage)(cfg.vision, **flags)
+        return (EncoderStage if module == "encoder" else LLMStage)(cfg.llava, **flags)
     whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
     encoder = None
     if colocated:
-        encoder = EncoderStage(cfg.vision, num_layers=cfg.vision.vision.num_layers, **whole)
+        encoder = EncoderStage(cfg.llava, num_layers=cfg.vision.num_layers, **whole)
     audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
-    return OmniFirstStage(audio, LLMStage(cfg.vision, **flags), encoder)
+    return OmniFirstStage(audio, LLMStage(cfg.llava, **flags), encoder)
 
 
 def with_attention(model_cfg, implementation: str, vision: str | None = None):
@@ -110,7 +110,7 @@ def with_attention(model_cfg, implementation: str, vision: str | None = None):
         return model_cfg.replace(attention_impl=implementation)
     if isinstance(model_cfg, OmniConfig):  # each part's towers, the audio one as an encoder
         parts = (
-            with_attention(p, implementation, vision) for p in (model_cfg.vision, model_cfg.audio)
+            with_attention(p, implementation, vision) for p in (model_cfg.llava, model_cfg.audio)
         )
         return OmniConfig(*parts)
     tower = "audio" if isinstance(model_cfg, Qwen2AudioConfig) else "vision"
@@ -128,7 +128,7 @@ def with_remat(model_cfg, remat: dict[str, str]):
     if isinstance(model_cfg, DecoderConfig):
         return model_cfg.replace(remat=remat["llm"])
     if isinstance(model_cfg, OmniConfig):
-        return OmniConfig(with_remat(model_cfg.vision, remat), with_remat(model_cfg.audio, remat))
+        return OmniConfig(with_remat(model_cfg.llava, remat), with_remat(model_cfg.audio, remat))
     if isinstance(model_cfg, Qwen2AudioConfig):
         tower = {"audio": model_cfg.audio.replace(remat=remat.get("audio", remat["vision"]))}
     else:

@@ -67,10 +67,10 @@ def save_omni(model: Omni, cfg: OmniConfig, path: str | Path) -> list[Path]:
     n_text = cfg.text.num_layers
     vision_tensors = {
         **dict(export_tensors(model.encoder, hf_llava_ov.encoder_name_map(
-            cfg.vision, hf_llava_ov.LAYOUT_SAVED, num_layers=cfg.vision.vision.num_layers,
+            cfg.llava, hf_llava_ov.LAYOUT_SAVED, num_layers=cfg.vision.num_layers,
             **_WHOLE))),
         **dict(export_tensors(model.llm, hf_llava_ov.llm_name_map(
-            cfg.vision, hf_llava_ov.LAYOUT_SAVED, num_layers=n_text, **_WHOLE))),
+            cfg.llava, hf_llava_ov.LAYOUT_SAVED, num_layers=n_text, **_WHOLE))),
     }  # fmt: skip
     audio_tensors = {
         **dict(export_tensors(model.audio, hf_qwen2_audio.encoder_name_map(
@@ -83,7 +83,7 @@ def save_omni(model: Omni, cfg: OmniConfig, path: str | Path) -> list[Path]:
     }  # fmt: skip
     files = []
     for folder, config, tensors in (
-        (vision, hf_llava_ov.config_to_hf(cfg.vision), vision_tensors),
+        (vision, hf_llava_ov.config_to_hf(cfg.llava), vision_tensors),
         (audio, hf_qwen2_audio.config_to_hf(cfg.audio), audio_tensors),
     ):
         folder.mkdir(parents=True, exist_ok=True)

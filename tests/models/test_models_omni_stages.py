@@ -107,10 +107,10 @@ def test_stage_modules_hold_the_whole_models_params(config):
 
 def test_settings_reach_every_tower(config):
     fast = with_attention(config, "pallas", vision="xla")
-    assert fast.vision.vision.attention_impl == fast.audio.audio.attention_impl == "xla"
+    assert fast.vision.attention_impl == fast.audio.audio.attention_impl == "xla"
     assert fast.text.attention_impl == fast.audio.text.attention_impl == "pallas"
     saved = with_remat(config, {"vision": "full", "llm": "dots"})
-    assert saved.vision.vision.remat == saved.audio.audio.remat == "full"
+    assert saved.vision.remat == saved.audio.audio.remat == "full"
     assert saved.text.remat == "dots"
     assert (
         with_remat(config, {"vision": "full", "audio": "none", "llm": "dots"}).audio.audio.remat
@@ -131,7 +131,7 @@ def test_packed_stages_give_each_samples_logits_alone(packed, config, colocated)
     if colocated:
         features = (tiles, pool)
     else:
-        encoder = stage_module(config, "encoder", num_layers=config.vision.vision.num_layers,
+        encoder = stage_module(config, "encoder", num_layers=config.vision.num_layers,
                                has_head=True, **flags)  # fmt: skip
         features = run(encoder, tiles, pool)
     args = (jnp.asarray(mb.tokens), jnp.asarray(mb.feature_taps), jnp.asarray(mb.feature_weight),
