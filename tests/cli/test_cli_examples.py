@@ -26,9 +26,9 @@ COMMANDS = [
     "dflop_jax.data.synth",
     "dflop_jax.bench",
 ]
-BENCHES = ["attention", "cluster", "colocated", "costmodel", "dispatch", "first_step", "gpu",
-           "loader", "loss", "multihost", "scheduler", "step", "train", "zero1"]  # fmt: skip
-FAST_BENCHES = ["attention", "cluster", "loader", "loss", "scheduler"]
+BENCHES = ["attention", "audio", "cluster", "colocated", "costmodel", "dispatch", "first_step",
+           "gpu", "loader", "loss", "multihost", "scheduler", "step", "train", "zero1"]  # fmt: skip
+FAST_BENCHES = ["attention", "audio", "cluster", "loader", "loss", "scheduler"]
 COMMANDS += [f"dflop_jax.bench {name}" for name in BENCHES]
 FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_jax.profile",
         "dflop_jax.bench", *(f"dflop_jax.bench {name}" for name in FAST_BENCHES)]  # fmt: skip
