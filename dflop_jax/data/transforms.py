@@ -81,11 +81,13 @@ class PackSpec:
 
 
 def record_location(record: Any) -> str:
-    return (
-        str(record["record_location"])
-        if isinstance(record, dict) and "record_location" in record
-        else repr(record)[:80]
-    )
+    """Where a record came from (its `_location`: file:line, shard:row), else its id, else how it
+    starts."""
+    if isinstance(record, dict):
+        for key in ("_location", "id"):
+            if key in record:
+                return str(record[key])
+    return repr(record)[:80]
 
 
 class SkipLog:

@@ -218,11 +218,13 @@ def test_shapes_survive_the_cache_and_the_distribution_file(proc, clips, tmp_pat
     assert [s.audio_windows for s in loaded] == [(3000, 3000, 500), ()]
 
 
-def test_a_model_without_an_audio_encoder_skips_audio_samples_counted(proc, clips):
+def test_a_model_without_an_audio_encoder_skips_audio_samples_counted(proc, clips, caplog):
     spec = PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4)
-    stage = ShapeStage(proc, spec, strict=False, quiet=True)
-    heard = stage(_rec(clips, audio="short.wav", conversations=_conv()))
+    stage = ShapeStage(proc, spec, strict=False)
+    with caplog.at_level("WARNING"):
+        heard = stage(_rec(clips, _location="d.jsonl:7", audio="short.wav", conversations=_conv()))
     assert heard.shape is None and heard.reason == "no_audio_encoder"
+    assert "d.jsonl:7" in caplog.text and "no audio encoder" in caplog.text  # where, and why
     text = stage(_rec(clips, conversations=_conv("Hi", "Yo")))
     assert text.shape is not None
     hearing = ShapeStage(proc, PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio_mels=128),
