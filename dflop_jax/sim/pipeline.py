@@ -33,6 +33,14 @@ reduces its gradients from the end of its own last operation, the global-norm ba
 group's reduce, then each applies its optimizer step; the step ends with the slowest apply. Without
 an update the step is the pipeline's makespan.
 
+Encoder branches (`children`: two encoders, each on its own stages, feeding the first LLM stage): the
+stages form an in-tree. F(k, s) needs F(k, p) of every parent p (the stages feeding s; at most two)
+plus each one's transfer, B(k, s) needs B(k, child) plus the transfer back, and a stage runs the 1F1B
+or GPipe order of the chain stage as many stages from the end as it is (`contracts.pipeline_order.
+depths`), so a branch keeps as many microbatches in flight as its depth. `transfer[k, s]` is the hop
+from stage s to its child. Branched pipelines run every stage forward and backward (no forward-only
+prefix) and are not interleaved.
+
 For uniform stages (forward f, backward b, zero transfer) 1F1B and GPipe give a step time of
 (M + P - 1) * (f + b); interleaving with v chunks of f / v, b / v cuts the bubble to (P - 1)(f + b) / v.
 """
@@ -46,7 +54,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from dflop_jax.contracts.pipeline_order import stage_order
+from dflop_jax.contracts.pipeline_order import chain_position, depths, stage_order
 
 ScheduleKind = Literal["1f1b", "gpipe", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
@@ -217,6 +225,7 @@ def simulate(
     schedule: ScheduleKind = "1f1b",
     chunks: int = 1,
     update: StepUpdate | None = None,
+    children: tuple[int, ...] | None = None,
 ) -> SimResult:
     """Simulates one training step of a pipeline.
 
@@ -227,6 +236,8 @@ def simulate(
       schedule: "1f1b", "gpipe" or "interleaved".
       chunks: model chunks per device group (interleaved only): virtual stage j runs on group j % P.
       update: the update after the pipeline, per device group (None: the step ends with it).
+      children: per stage, the stage its output feeds (-1 for the last): encoder branches (module
+        docstring); None: a chain.
 
     Returns:
       The SimResult (step time, busy time per device group, idle fraction, events).
@@ -234,19 +245,26 @@ def simulate(
     times, xfer = _check_inputs(times, transfer)
     m, nv, _ = times.shape
     p = _check_schedule(schedule, nv, chunks)
-    plan = _op_plan(schedule, p, m, chunks, 0 if chunks > 1 else forward_only_prefix(times))
+    if children is not None:
+        children = _check_children(children, nv, schedule)
+    prefix = 0 if chunks > 1 or children is not None else forward_only_prefix(times)
+    plan = _op_plan(schedule, p, m, chunks, prefix, children)
     # plain Python lists: this loop is the planner's inner loop (the scheduler's order search runs it
     # tens of thousands of times per plan), and list indexing is ~10x numpy's
     dur = times.ravel().tolist()
     hop = xfer.ravel().tolist() + [0.0]  # the last entry: "no transfer"
     start = [0.0] * (len(plan.deps) + 1)
     end = [0.0] * (len(plan.deps) + 1)  # end[0] = 0.0: "no dependency"
+    joins = dict(plan.joins)  # op -> (second parent's op, its transfer); empty for a chain
     for i, (q, a, b, h, t) in enumerate(plan.deps, 1):
         s, x, y = end[q], end[a], end[b] + hop[h]
         if x > s:
             s = x
         if y > s:
             s = y
+        if joins and i in joins:
+            c, g = joins[i]
+            s = max(s, end[c] + hop[g])
         start[i] = s
         end[i] = s + dur[t]
     pipeline = max(end[i] for i in plan.last)
@@ -276,10 +294,25 @@ class _OpPlan(NamedTuple):
     deps: tuple[tuple[int, int, int, int, int], ...]  # per op (q, a, b, h, t), see `_op_plan`
     ops: tuple[tuple[int, str, int, int], ...]  # per op (device group, kind, microbatch, stage)
     last: tuple[int, ...]  # per device group, its last op's position (1-based)
+    joins: tuple[tuple[int, tuple[int, int]], ...] = ()  # (op, (second parent's op, transfer))
+
+
+def _check_children(children, nv: int, schedule: str) -> tuple[int, ...]:
+    children = tuple(int(c) for c in children)
+    if len(children) != nv:
+        raise ValueError(f"children has {len(children)} stages, times {nv}")
+    depths(children)  # validates the in-tree
+    if schedule == "interleaved":
+        raise ValueError("encoder branches (children) run 1f1b or gpipe, not interleaved")
+    if any(children.count(j) > 2 for j in range(nv)):
+        raise ValueError(f"children={list(children)}: a stage takes at most two parents")
+    return children
 
 
 @functools.lru_cache(maxsize=1024)
-def _op_plan(schedule: str, p: int, m: int, chunks: int, forward_only: int = 0) -> _OpPlan:
+def _op_plan(
+    schedule: str, p: int, m: int, chunks: int, forward_only: int = 0, children=None
+) -> _OpPlan:
     """Every operation of the schedule in an order where all its inputs come earlier, with what it
     waits for as positions: op i (1-based) starts at max(end[q], end[a], end[b] + hop[h]) and lasts
     dur[t], q = the previous op of its device group, a = F(k, j) for B(k, j), b = F(k, j-1) for a
@@ -290,17 +323,36 @@ def _op_plan(schedule: str, p: int, m: int, chunks: int, forward_only: int = 0) 
     next op as soon as its inputs exist); it depends only on (schedule, P, M, chunks), never on the
     times, so it is built once and every simulation is one pass over it. The first `forward_only`
     stages (chunks = 1) run their forwards only; the backward of the next stage then waits for nothing
-    upstream.
+    upstream. With `children` (encoder branches), a forward's parents are the stages feeding it, a
+    backward's child the one it feeds; a second parent goes to `joins`.
     """
     nv = p * chunks
-    orders = [device_order(schedule, d, p, m, chunks) for d in range(p)]
-    for d in range(min(forward_only, p)):
-        orders[d] = [("F", k, d) for k in range(m)]
+    if children is None:
+        orders = [device_order(schedule, d, p, m, chunks) for d in range(p)]
+        for d in range(min(forward_only, p)):
+            orders[d] = [("F", k, d) for k in range(m)]
+        parents = [[j - 1] if j else [] for j in range(nv)]
+        child = [j + 1 if j < nv - 1 else -1 for j in range(nv)]
+        near = [[t % p for t in (d - 1, d + 1) if chunks > 1 or 0 <= t < p] for d in range(p)]
+    else:
+        depth = depths(children)
+        orders = [[(f, k, d) for f, k in stage_order(schedule, chain_position(depth[d], p), p, m)]
+                  for d in range(p)]  # fmt: skip
+        parents = [[i for i in range(p) if children[i] == j] for j in range(p)]
+        child = list(children)
+        near = [parents[d] + ([child[d]] if child[d] >= 0 else []) for d in range(p)]
+    return _plan_ops(schedule, orders, parents, child, near, m, nv)
+
+
+def _plan_ops(schedule, orders, parents, child, near, m: int, nv: int) -> _OpPlan:
+    """`_op_plan`'s worklist over device groups' `orders` of (kind, microbatch, virtual stage): a
+    forward waits for its `parents`' forwards (a second one goes to `joins`), a backward for its
+    forward and its `child`'s backward; `near[d]`: the groups that may wait for group d."""
+    p = len(orders)
     pos: dict[tuple[str, int, int], int] = {}
-    deps, ops = [], []
+    deps, ops, joins = [], [], []
     next_op, last = [0] * p, [0] * p
     none = m * (nv - 1)
-    near = [[t % p for t in (d - 1, d + 1) if chunks > 1 or 0 <= t < p] for d in range(p)]
     # Worklist: a group is re-examined only when a neighbour finished something it may wait for.
     todo, queued = collections.deque(range(p)), [True] * p
     while todo:
@@ -310,18 +362,18 @@ def _op_plan(schedule: str, p: int, m: int, chunks: int, forward_only: int = 0) 
         while i < len(order):
             kind, k, j = order[i]
             if kind == "F":
-                a, (b, h) = (
-                    0,
-                    ((0, none) if j == 0 else (pos.get(("F", k, j - 1)), k * (nv - 1) + j - 1)),
-                )
+                a = 0
+                ups = [(pos.get(("F", k, u)), k * (nv - 1) + u) for u in parents[j]]
             else:
-                a = pos.get(("F", k, j))
-                b, h = (0, none) if j == nv - 1 else (pos.get(("B", k, j + 1)), k * (nv - 1) + j)
-            if a is None or b is None:
+                a, c = pos.get(("F", k, j)), child[j]
+                ups = [] if c < 0 else [(pos.get(("B", k, c)), k * (nv - 1) + j)]
+            if a is None or any(b is None for b, _ in ups):
                 break
+            (b, h), extra = (ups[0], ups[1:]) if ups else ((0, none), [])
             deps.append((last[d], a, b, h, (k * nv + j) * 2 + (kind == "B")))
             ops.append((d, kind, k, j))
             pos[kind, k, j] = last[d] = len(deps)
+            joins += [(len(deps), e) for e in extra]
             i += 1
         if i > next_op[d]:
             for t in near[d]:
@@ -331,7 +383,7 @@ def _op_plan(schedule: str, p: int, m: int, chunks: int, forward_only: int = 0) 
         next_op[d] = i
     if any(next_op[d] < len(orders[d]) for d in range(p)):  # impossible for the orders above
         raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked")
-    return _OpPlan(tuple(deps), tuple(ops), tuple(last))
+    return _OpPlan(tuple(deps), tuple(ops), tuple(last), tuple(joins))
 
 
 class _Timeline(NamedTuple):
