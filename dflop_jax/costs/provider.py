@@ -44,6 +44,7 @@ import numpy as np
 
 from dflop_jax.contracts.batch_schedule import StageCostFn
 from dflop_jax.contracts.layout import Layout, StageSpec
+from dflop_jax.contracts.pipeline_order import depths
 from dflop_jax.contracts.shapes import BucketSet
 from dflop_jax.costs import flops
 from dflop_jax.costs.architectures import MLLMArch
@@ -440,12 +441,13 @@ def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCos
     return costs
 
 
-def one_f_one_b_in_flight(num_stages: int, microbatches: int | None = None) -> list[int]:
-    """Microbatches whose activations are alive at once on each stage under 1F1B: min(P - i, M)."""
-    return [
-        num_stages - i if microbatches is None else min(num_stages - i, microbatches)
-        for i in range(num_stages)
-    ]
+def one_f_one_b_in_flight(
+    num_stages: int, microbatches: int | None = None, children: tuple[int, ...] | None = None
+) -> list[int]:
+    """Microbatches whose activations are alive at once on each stage under 1F1B: min(P - i, M), or
+    with encoder branches (`children`, `contracts.pipeline_order.depths`) min(depth, M)."""
+    ahead = depths(children) if children is not None else range(num_stages, 0, -1)
+    return [d if microbatches is None else min(d, microbatches) for d in ahead]
 
 
 def residual_policies(

@@ -96,6 +96,11 @@ def test_the_slower_branch_sets_the_pace_and_in_flight_follows_depth():
     d = depths(children)
     assert d == (3, 4, 3, 2, 1)
     assert res.peak_in_flight() == [min(x, m) for x in d]
+    # the memory model's bound is the simulated one
+    from dflop_jax.costs import one_f_one_b_in_flight
+
+    assert one_f_one_b_in_flight(5, m, children) == res.peak_in_flight()
+    assert one_f_one_b_in_flight(5, 3, children) == [3, 3, 3, 2, 1]
 
 
 def test_bad_branches_are_refused():
