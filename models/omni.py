@@ -68,8 +68,6 @@ class OmniConfig:
         """The decoder's config."""
         return self.llava.text
 
-    has_newline = True  # LLaVA-OneVision's image newline
-
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
