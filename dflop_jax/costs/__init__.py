@@ -57,6 +57,7 @@ from dflop_jax.costs.flops import (
 from dflop_jax.costs.measured import MeasuredCostProvider
 from dflop_jax.costs.memory import (
     StageMemory,
+    audio_activation_bytes_per_position,
     llm_activation_bytes_per_token,
     stage_memory,
     vision_activation_bytes_per_token,
@@ -92,6 +93,7 @@ __all__ = [
     "StageSpec",
     "VisionArch",
     "arch_from_configs",
+    "audio_activation_bytes_per_position",
     "audio_flops",
     "audio_layer_flops",
     "audio_params",

@@ -94,7 +94,7 @@ import dataclasses
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs import flops
-from dflop_jax.costs.architectures import LLMArch, MLLMArch, ProjectorArch, VisionArch
+from dflop_jax.costs.architectures import AudioArch, LLMArch, MLLMArch, ProjectorArch, VisionArch
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, StageRole, stage_role
 
 PARAM_BYTES = 4  # fp32 parameters = master copy
@@ -204,6 +204,22 @@ def vision_activation_bytes_per_token(
     sharded = (4 * inner + 6 * v.intermediate_size) * cb + F32 * v.num_heads
     if v.qk_norm:
         sharded += 2 * (2 * F32 + cb) * inner  # f32 input and normalized value, cast output
+    return replicated + sharded / tp
+
+
+def audio_activation_bytes_per_position(
+    a: AudioArch, tp: int = 1, remat: bool = False, compute_bytes: int = 2
+) -> float:
+    """Activation bytes saved per position (a conv output: 2 mel frames) per audio layer on one
+    device (flash attention; a packed row's dense square, masked to its windows, is
+    `dense_attention_bytes(..., causal=True)`): its two LayerNorms as a ViT's, q, k, v and the
+    attention output, and fc1's output through exact GELU, whose backward reads four compute-dtype
+    values (`models.whisper.AudioLayer`, per `print_saved_residuals`)."""
+    d, cb, inner = a.hidden_size, compute_bytes, a.num_heads * a.dh
+    if remat:
+        return float(d * cb)
+    replicated = 2 * (3 * F32 + cb) * d
+    sharded = (4 * inner + 4 * a.intermediate_size) * cb + F32 * a.num_heads
     return replicated + sharded / tp
 
 

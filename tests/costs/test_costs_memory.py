@@ -307,3 +307,31 @@ def test_held_residuals_match_the_residual_programs_outputs(policy):
             _, kept = jax.eval_shape(fwd, prog.params_abs, prog.x_abs, prog.side_abs)
         mem = stage_memory(arch, spec, tokens, residuals=policy)  # residuals instead of the input
         assert mem.activations_per_microbatch == pytest.approx(per_device_bytes(kept), rel=0.1)
+
+
+def test_audio_activations_match_jax_saved_residuals():
+    """`models.whisper.AudioLayer` itself (bf16 compute from fp32 weights, the dense path of a
+    packed row masked to its windows): what autodiff saves per position, against the model."""
+    from flax import nnx
+
+    from dflop_jax.costs import AudioArch
+    from dflop_jax.costs.memory import audio_activation_bytes_per_position
+    from models.whisper import AudioLayer, WhisperEncoderConfig
+
+    t, d, h, f = 100, 256, 4, 1024
+    cfg = WhisperEncoderConfig(hidden_size=d, intermediate_size=f, num_layers=1, num_heads=h,
+                               num_mel_bins=16, dtype="bfloat16")  # fmt: skip
+    graph, state = nnx.split(AudioLayer(cfg, nnx.Rngs(0)))
+    windows = jnp.concatenate([jnp.ones((2, 60), jnp.int32), 2 * jnp.ones((2, 40), jnp.int32)], 1)
+
+    def layer(state, x):
+        return nnx.merge(graph, state)(x, windows)
+
+    per_token, square = _saved_bytes(layer, [state, jnp.ones((2, t, d), jnp.bfloat16)], t)
+    per_token /= 2  # two rows
+    arch = AudioArch("probe", 1, d, h, f, 16)
+    flash_lse = 4 * h
+    model = audio_activation_bytes_per_position(arch)
+    assert per_token == pytest.approx(model - flash_lse, rel=0.01)
+    assert square == pytest.approx(2 * dense_attention_bytes(h, t, 1, causal=True), rel=0.01)
+    assert audio_activation_bytes_per_position(arch, remat=True) == d * 2
