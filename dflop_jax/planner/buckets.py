@@ -23,7 +23,7 @@ counts frames per row and is placed on the fullest row's frames, in multiples of
 alignment): n - 1 sizes up to the fullest row drawn, then one size that holds any row of the top
 length bucket (`row_audio_frames`, about 4 frames per token), so every row the scheduler packs has
 an audio bucket and only rows past every draw pay for it. Rows are drawn as the scheduler fills
-them: balanced on tokens (`token_rows`; a clip's tokens follow its frames, 4 to 1, so that balances
+them: balanced on tokens (`fullest_rows(..., by=tokens)`; a clip's tokens follow its frames, 4 to 1, so that balances
 audio-only rows, and mixed rows hold their audio as it falls). The scheduler re-packs a
 microbatch's rows for audio only where its buckets leave room (`scheduler.objective.balance_audio`),
 which rows filled to their length bucket do not.
@@ -105,34 +105,26 @@ def padding_ladder(values: np.ndarray, top: int, n: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def fullest_rows(tiles: np.ndarray, samples: int, rows: int, draws: int = ROW_DRAWS) -> np.ndarray:
-    """The fullest row's tiles of `draws` microbatches of `samples` samples drawn from `tiles` (each
-    sample's tile count), split over `rows` rows as the scheduler balances them: most tiles first,
-    each to the row with the fewest (`scheduler/rows.py`)."""
-    rng = np.random.default_rng(ROW_SEED)
-    picks = -np.sort(-rng.choice(tiles, size=(draws, max(samples, 1))), axis=1)
-    load = np.zeros((draws, rows))
-    at = np.arange(draws)
-    for j in range(picks.shape[1]):
-        load[at, load.argmin(axis=1)] += picks[:, j]
-    return load.max(axis=1)
-
-
-def token_rows(
-    tokens: np.ndarray, values: np.ndarray, samples: int, rows: int, draws: int = ROW_DRAWS
+def fullest_rows(
+    values: np.ndarray,
+    samples: int,
+    rows: int,
+    draws: int = ROW_DRAWS,
+    by: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The fullest row's `values` (e.g. audio frames) of `draws` microbatches of `samples` samples,
-    split over `rows` rows balanced on `tokens`: most tokens first, each to the row with the
-    fewest (as the scheduler fills rows)."""
+    """The fullest row's `values` of `draws` microbatches of `samples` samples drawn from `values`
+    (one per sample: tiles, audio frames), split over `rows` rows as the scheduler balances them on
+    `by` (default: the values themselves): most first, each to the row with the least
+    (`scheduler/rows.py`; audio rides on the rows the scheduler balances on tokens)."""
+    by = values if by is None else by
     rng = np.random.default_rng(ROW_SEED)
-    idx = rng.integers(0, len(tokens), size=(draws, max(samples, 1)))
-    order = np.argsort(-tokens[idx], axis=1, kind="stable")
-    idx = np.take_along_axis(idx, order, axis=1)
+    idx = rng.integers(0, len(values), size=(draws, max(samples, 1)))
+    idx = np.take_along_axis(idx, np.argsort(-by[idx], axis=1, kind="stable"), axis=1)
     load, out = np.zeros((draws, rows)), np.zeros((draws, rows))
     at = np.arange(draws)
     for j in range(idx.shape[1]):
         r = load.argmin(axis=1)
-        load[at, r] += tokens[idx[:, j]]
+        load[at, r] += by[idx[:, j]]
         out[at, r] += values[idx[:, j]]
     return out.max(axis=1)
 
@@ -204,7 +196,7 @@ def _audio_ladder(stats: ShapeStats, samples: int, rows: int, top: int, n: int):
     if not stats.audio:
         return ()
     tokens, audio = np.asarray(stats.tokens, float), np.asarray(stats.audio, float)
-    fullest = np.maximum(token_rows(tokens, audio, samples, rows), 4)
+    fullest = np.maximum(fullest_rows(audio, samples, rows, by=tokens), 4)
     drawn = _round_up(float(fullest.max()), 4)
     if n == 1 or drawn >= top:
         return (top,)

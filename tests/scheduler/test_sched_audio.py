@@ -7,7 +7,7 @@ import pytest
 
 from dflop_jax.contracts import SampleShape, kept_frames, schedule_digest
 from dflop_jax.contracts.shapes import encoder_outputs, row_audio_frames
-from dflop_jax.planner.buckets import ShapeStats, bucket_set, token_rows
+from dflop_jax.planner.buckets import ShapeStats, bucket_set, fullest_rows
 from dflop_jax.scheduler import BucketSet, ScheduleProblem, SchedulerConfig, schedule_batch
 from dflop_jax.scheduler.baselines import data_blind_schedule
 
@@ -109,8 +109,8 @@ def test_the_planners_audio_ladder_fits_the_fullest_rows():
     assert one.audio == (row_audio_frames(one.lengths[-1]),)
     assert four.audio[-1] == row_audio_frames(four.lengths[-1]) and len(four.audio) == 4
     assert all(a % 4 == 0 for a in four.audio)
-    rows = np.maximum(token_rows(np.asarray(stats.tokens, float), np.asarray(stats.audio, float),
-                                 8, 2), 4)  # fmt: skip
+    rows = np.maximum(fullest_rows(np.asarray(stats.audio, float), 8, 2,
+                                   by=np.asarray(stats.tokens, float)), 4)  # fmt: skip
     assert four.audio[-2] >= rows.max()  # only rows past every draw take the top
 
     def padding(ladder):
@@ -121,10 +121,10 @@ def test_the_planners_audio_ladder_fits_the_fullest_rows():
     assert no_audio.audio == () and bucket_set(no_audio, 64, 8, 2, 2, 4, 128, True).audio == ()
 
 
-def test_token_rows_balance_tokens_and_carry_the_values():
+def test_rows_balanced_on_tokens_carry_the_values():
     tokens = np.array([100.0, 100.0, 100.0, 100.0])
     audio = np.array([400.0, 0.0, 0.0, 0.0])
-    fullest = token_rows(tokens, audio, samples=4, rows=4, draws=64)
+    fullest = fullest_rows(audio, samples=4, rows=4, draws=64, by=tokens)
     # one sample per row: the fullest row holds one sample's audio, 400 when it was drawn
     assert set(fullest.tolist()) <= {0.0, 400.0} and fullest.max() == 400.0
 
