@@ -5,10 +5,10 @@ output-length formula, scipy's polyphase resampler, and PCM written with the std
 from __future__ import annotations
 
 import io
-import wave
 
 import numpy as np
 import pytest
+from audio_fixtures import wav_bytes
 
 from dflop_jax.data import audio
 from dflop_jax.data.audio import (
@@ -23,17 +23,6 @@ from dflop_jax.data.bad_sample import BadSample
 
 pytest.importorskip("av")
 SR = audio.SAMPLE_RATE
-
-
-def _wav(pcm: np.ndarray, rate: int) -> bytes:
-    """WAV bytes of int16 PCM [N, channels] (stdlib `wave`)."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(pcm.shape[1])
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def _sweep_with_gap(seconds: float = 4.0) -> np.ndarray:
@@ -91,7 +80,7 @@ def test_mel_filters_equal_transformers(n_mels):
 @pytest.mark.parametrize("signal", ["noise", "sweep_wav", "full_window", "tiny"])
 def test_features_match_whisper_feature_extractor(n_mels, signal):
     if signal == "sweep_wav":  # written as 16-bit PCM, decoded through PyAV
-        samples = decode_audio(_wav(_sweep_with_gap(), SR), "sweep")
+        samples = decode_audio(wav_bytes(_sweep_with_gap(), SR), "sweep")
     else:
         samples = _noise({"noise": 3 * SR + 37, "full_window": 30 * SR, "tiny": 700}[signal])
     (window,) = audio_windows(samples, "test", n_mels=n_mels)
@@ -143,7 +132,7 @@ def test_decode_resamples_every_channel_and_averages_them():
     t = np.arange(int(2.5 * rate)) / rate
     stereo = np.stack([0.5 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 1000 * t)], 1)
     pcm = np.round(stereo * 32767).astype(np.int16)
-    got = decode_audio(_wav(pcm, rate), "stereo")
+    got = decode_audio(wav_bytes(pcm, rate), "stereo")
     want = resample_poly((pcm / 32768.0).mean(axis=1), 160, 441)  # mean of channels, 16 kHz
     assert got.dtype == np.float32 and got.shape == want.shape == (40000,)
     # Two different anti-alias filters; away from the edges both pass these tones to ~1e-3.
@@ -152,7 +141,7 @@ def test_decode_resamples_every_channel_and_averages_them():
 
 def test_decode_of_16khz_mono_pcm_is_exact(tmp_path):
     pcm = _sweep_with_gap(1.0)
-    data = _wav(pcm, SR)
+    data = wav_bytes(pcm, SR)
     (tmp_path / "a.wav").write_bytes(data)
     from_bytes, from_path = decode_audio(data, "b"), decode_audio(tmp_path / "a.wav", "p")
     np.testing.assert_array_equal(from_bytes, pcm[:, 0] / np.float32(32768))
@@ -166,11 +155,11 @@ def test_bad_audio_raises_each_reason(tmp_path, monkeypatch):
 
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, "PNG")
-    three_seconds = _wav(_sweep_with_gap(3.0), SR)
+    three_seconds = wav_bytes(_sweep_with_gap(3.0), SR)
     cases = {
         "missing_file": (tmp_path / "absent.wav", {}),
         "unreadable_audio": (b"RIFF not really a wave file" * 20, {}),
-        "empty_audio": (_wav(np.zeros((0, 1), np.int16), SR), {}),
+        "empty_audio": (wav_bytes(np.zeros((0, 1), np.int16), SR), {}),
         "audio_too_long": (three_seconds, {"max_seconds": 2.0}),
     }
     for reason, (src, kw) in cases.items():

@@ -7,13 +7,12 @@ frames = ceil(samples / 160)), written out here, not taken from the code under t
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import wave
 
 import numpy as np
 import pytest
+from audio_fixtures import tone, wav_bytes
 
 from dflop_jax.contracts import SampleShape
 from dflop_jax.contracts.shape_distribution import (
@@ -34,18 +33,6 @@ pytest.importorskip("av")
 RATE = 8000  # written clips are resampled to 16 kHz when read
 
 
-def _wav_bytes(seconds: float, rate: int = RATE) -> bytes:
-    t = np.arange(round(seconds * rate)) / rate
-    pcm = (8000 * np.sin(2 * np.pi * 440 * t)).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
-
-
 def _qwen2_audio_tokens(seconds: float) -> int:
     """Qwen2-Audio's token count of one window of `seconds` (at most 30)."""
     frames = math.ceil(round(seconds * 16000) / 160)
@@ -61,7 +48,7 @@ def _conv(q: str = "<audio>\nWhat is said?", a: str = "Hello.") -> list[dict]:
 def clips(tmp_path_factory):
     d = tmp_path_factory.mktemp("clips")
     for name, seconds in (("short", 3.7), ("long", 65.0), ("tiny", 0.01)):
-        (d / f"{name}.wav").write_bytes(_wav_bytes(seconds))
+        (d / f"{name}.wav").write_bytes(wav_bytes(tone(seconds, 440, RATE, 8000), RATE))
     (d / "broken.wav").write_bytes(b"RIFF....WAVEfmt not really")
     return d
 

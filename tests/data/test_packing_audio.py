@@ -4,12 +4,10 @@ the model's per-clip path (`lengths` and `audio_feature_index`, the HF-parity pa
 
 from __future__ import annotations
 
-import io
-import wave
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from audio_fixtures import tone, wav_bytes
 from flax import nnx
 from models_fixtures import tiny_decoder_config
 
@@ -26,19 +24,8 @@ MELS = 16
 run = nnx.jit(lambda m, *a: m(*a))
 
 
-def _wav(seconds: float, hz: float) -> bytes:
-    t = np.arange(round(seconds * 16000)) / 16000
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes((6000 * np.sin(2 * np.pi * hz * t)).astype("<i2").tobytes())
-    return buf.getvalue()
-
-
 def _record(i: int, clips: list[float]) -> dict:
-    audio = [{"bytes": _wav(s, 200 + 150 * i + 40 * j), "path": f"{i}-{j}.wav"}
+    audio = [{"bytes": wav_bytes(tone(s, 200 + 150 * i + 40 * j), 16000), "path": f"{i}-{j}.wav"}
              for j, s in enumerate(clips)]  # fmt: skip
     question = "".join("<audio>" for _ in clips) + f"Question {i}?"
     conv = [{"from": "human", "value": question}, {"from": "gpt", "value": f"Answer {i}."}]

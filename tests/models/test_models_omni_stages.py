@@ -6,11 +6,11 @@ row's audio row), give every sample the logits of the whole model run on that sa
 from __future__ import annotations
 
 import io
-import wave
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from audio_fixtures import tone, wav_bytes
 from flax import nnx
 from models_fixtures import tiny_llava_ov_config
 from PIL import Image
@@ -27,17 +27,6 @@ from models.whisper import WhisperEncoderConfig
 pytest.importorskip("av")
 MELS, TILE = 16, 28
 run = nnx.jit(lambda m, *a: m(*a))
-
-
-def _wav(seconds: float, hz: float) -> bytes:
-    t = np.arange(round(seconds * 16000)) / 16000
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes((6000 * np.sin(2 * np.pi * hz * t)).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def _png(w: int, h: int, colour) -> bytes:
@@ -58,10 +47,10 @@ def packed():
     proc = Processor(data)
     records = [
         {"id": "a", "image": {"bytes": _png(50, 40, (200, 30, 90)), "path": "a.png"},
-         "audio": {"bytes": _wav(1.3, 300), "path": "a.wav"}, "conversations": _conv("What?")},
+         "audio": {"bytes": wav_bytes(tone(1.3, 300), 16000), "path": "a.wav"}, "conversations": _conv("What?")},
         {"id": "t", "conversations": _conv("Just text.")},
-        {"id": "b", "audio": [{"bytes": _wav(1.3, 500), "path": "b1.wav"},
-                              {"bytes": _wav(0.6, 700), "path": "b2.wav"}],
+        {"id": "b", "audio": [{"bytes": wav_bytes(tone(1.3, 500), 16000), "path": "b1.wav"},
+                              {"bytes": wav_bytes(tone(0.6, 700), 16000), "path": "b2.wav"}],
          "conversations": _conv("<audio> then <audio>?")},
     ]  # fmt: skip
     shapes = [proc.shape(r) for r in records]
