@@ -255,7 +255,7 @@ def simulate(
     hop = xfer.ravel().tolist() + [0.0]  # the last entry: "no transfer"
     start = [0.0] * (len(plan.deps) + 1)
     end = [0.0] * (len(plan.deps) + 1)  # end[0] = 0.0: "no dependency"
-    joins = dict(plan.joins)  # op -> (second parent's op, its transfer); empty for a chain
+    joins = plan.joins  # op -> (second parent's op, its transfer); empty for a chain
     for i, (q, a, b, h, t) in enumerate(plan.deps, 1):
         s, x, y = end[q], end[a], end[b] + hop[h]
         if x > s:
@@ -294,7 +294,8 @@ class _OpPlan(NamedTuple):
     deps: tuple[tuple[int, int, int, int, int], ...]  # per op (q, a, b, h, t), see `_op_plan`
     ops: tuple[tuple[int, str, int, int], ...]  # per op (device group, kind, microbatch, stage)
     last: tuple[int, ...]  # per device group, its last op's position (1-based)
-    joins: tuple[tuple[int, tuple[int, int]], ...] = ()  # (op, (second parent's op, transfer))
+    # op -> (its second parent's op, that transfer); built once with the cached plan, never changed
+    joins: dict[int, tuple[int, int]]
 
 
 def _check_children(children, nv: int, schedule: str) -> tuple[int, ...]:
@@ -350,7 +351,7 @@ def _plan_ops(schedule, orders, parents, child, near, m: int, nv: int) -> _OpPla
     forward and its `child`'s backward; `near[d]`: the groups that may wait for group d."""
     p = len(orders)
     pos: dict[tuple[str, int, int], int] = {}
-    deps, ops, joins = [], [], []
+    deps, ops, joins = [], [], {}
     next_op, last = [0] * p, [0] * p
     none = m * (nv - 1)
     # Worklist: a group is re-examined only when a neighbour finished something it may wait for.
@@ -373,7 +374,7 @@ def _plan_ops(schedule, orders, parents, child, near, m: int, nv: int) -> _OpPla
             deps.append((last[d], a, b, h, (k * nv + j) * 2 + (kind == "B")))
             ops.append((d, kind, k, j))
             pos[kind, k, j] = last[d] = len(deps)
-            joins += [(len(deps), e) for e in extra]
+            joins.update((len(deps), e) for e in extra)
             i += 1
         if i > next_op[d]:
             for t in near[d]:
@@ -383,7 +384,7 @@ def _plan_ops(schedule, orders, parents, child, near, m: int, nv: int) -> _OpPla
         next_op[d] = i
     if any(next_op[d] < len(orders[d]) for d in range(p)):  # impossible for the orders above
         raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked")
-    return _OpPlan(tuple(deps), tuple(ops), tuple(last), tuple(joins))
+    return _OpPlan(tuple(deps), tuple(ops), tuple(last), joins)
 
 
 class _Timeline(NamedTuple):
