@@ -68,6 +68,11 @@ class OmniConfig:
         """The decoder's config."""
         return self.llava.text
 
+    @property
+    def tokens_per_tile(self) -> int:
+        """LLM tokens per vision tile (the vision model's)."""
+        return self.llava.tokens_per_tile
+
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 

@@ -35,12 +35,21 @@ def param_part(path: tuple[str, ...]) -> str:
     stage's "vision" / "projector" subtrees, else "llm". LLaVA-OV's image newline (in the first LLM
     stage) counts as "llm", as in LLaVA-NeXT's train.py, where `mm_language_model` unfreezes every
     parameter outside the vision tower and `mm_projector`. A colocated stage (`ColocatedStage`) holds
-    them under "encoder" (and its LLM layers under "llm")."""
-    if path[0] == "encoder" and len(path) > 1:
+    them under "encoder" (and its LLM layers under "llm"); an omni first stage (`OmniFirstStage`)
+    also holds the audio encoder under "audio".
+
+    The parts are the recipe's (an encoder tower, the projectors, the LLM): an audio tower counts as
+    "vision" (the encoder towers a recipe freezes or trains together) and its projector as
+    "projector", so LLaVA's stage-1 recipe (projectors only) aligns both modalities."""
+    if path[0] in ("encoder", "audio") and len(path) > 1 and path[1] in _ENCODER_PARTS:
         path = path[1:]
     if path[0] in ("vision", "projector"):
         return path[0]
-    return "llm"
+    return "vision" if path[0] == "audio" else "llm"
+
+
+# The subtrees of an encoder stage: a vision tower, an audio tower, their projector.
+_ENCODER_PARTS = ("vision", "audio", "projector")
 
 
 def stage_module(

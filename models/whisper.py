@@ -146,15 +146,18 @@ class AudioAttention(nnx.Module):
         self.o_kernel = make_param(rngs, init, (h, dh, d), ("heads", "head_dim", "embed"), pd)
         self.o_bias = make_param(rngs, zeros, (d,), ("embed",), pd)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """x [B,T,D]; segment_ids [B,T] (1 valid, 0 padding) or None -> [B,T,D]."""
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None, packed: bool = False
+    ) -> jax.Array:
+        """x [B,T,D]; segment_ids [B,T] (1 valid, 0 padding) or None, or with `packed` the
+        windows' numbers (`packed_segments`: several per row) -> [B,T,D]."""
         y = jnp.einsum("btd,dchk->btchk", x, self.qkv_kernel[...].astype(x.dtype))  # [B,T,3,H,Dh]
         bias = self.qv_bias[...].astype(x.dtype)
         q, k, v = y[:, :, 0] + bias[0], y[:, :, 1], y[:, :, 2] + bias[1]
         q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
         o = attention(
             q, k, v, segment_ids=segment_ids, causal=False,
-            implementation=self.cfg.attention_impl, single_sample=True,
+            implementation=self.cfg.attention_impl, single_sample=not packed,
         )  # fmt: skip
         out = jnp.einsum("bthk,hkd->btd", o, self.o_kernel[...].astype(x.dtype))
         return out + self.o_bias[...].astype(x.dtype)
@@ -170,9 +173,11 @@ class AudioLayer(nnx.Module):
         self.norm2 = Norm(cfg.hidden_size, "layer_norm", cfg.norm_eps, pd, rngs)
         self.mlp = ViTMLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """x [B,T,D] -> [B,T,D]."""
-        x = x + self.attn(self.norm1(x), segment_ids)
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None, packed: bool = False
+    ) -> jax.Array:
+        """x [B,T,D] -> [B,T,D] (`AudioAttention`'s arguments)."""
+        x = x + self.attn(self.norm1(x), segment_ids, packed)
         return constrain(x + self.mlp(self.norm2(x)), ("batch", "length", "act_embed"))
 
 
@@ -323,7 +328,8 @@ class AudioStage(nnx.Module):
             segment_ids = packed_segments(windows, valid)
         else:
             segment_ids = valid_segments(lengths, self.cfg, x.shape[1])
-        x = run_layers(self.layers, x, segment_ids, remat=self.cfg.remat)
+        packed = windows is not None  # several windows per row: not a one-sample row's kernel
+        x = run_layers(self.layers, x, segment_ids, packed, remat=self.cfg.remat)
         return self.head(x) if self.has_head else x
 
 

@@ -6,6 +6,9 @@
   tiles packed by row, each row's feature indices into its own block of tile slots.
 - The encoder COLOCATED on the first LLM stage (`colocated_layout`), for LLaVA-OV and InternVL: row r's
   tiles in slots [r*T, (r+1)*T), its feature indices GLOBAL slot rows inside that range.
+- The omni model (`OMNI`: that LLaVA-OV + an audio encoder on the first LLM stage): the colocated
+  rows plus each row's audio windows packed in its own audio row; the reference encodes each
+  window as a clip of its own (`omni_microbatch`, `omni_loss_sum`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import numpy as np
 from flax import nnx
 
 from dflop_jax.contracts.layout import Layout, StageSpec
+from dflop_jax.contracts.shapes import encoder_outputs, kept_frames
 from dflop_jax.data.sample_arrays import plain_taps
 from models.decoder_config import DecoderConfig
 from models.internvit import InternViTConfig
 from models.internvl import InternVL, internvl_config
 from models.llava_onevision import LlavaOnevision, llava_onevision_config
 from models.loss import cross_entropy_sum
+from models.omni import Omni, OmniConfig
+from models.qwen2_audio import Qwen2AudioConfig
 from models.siglip import SiglipConfig
+from models.whisper import WhisperEncoderConfig
 
 # -- The decoder over 3 LLM stages ---------------------------------------------------------------
 
@@ -235,3 +242,66 @@ def colocated_model(family: str):
         if family == "internvl":
             return InternVL(internvl_config(COLOCATED_INTERNVIT, MLLM_TEXT), rngs=nnx.Rngs(0))
         return LlavaOnevision(llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT), rngs=nnx.Rngs(0))
+
+
+# -- The omni model: the tiny LLaVA-OV + a Whisper-style audio encoder on the first LLM stage ------
+
+OMNI_WHISPER = WhisperEncoderConfig(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                                    num_mel_bins=8, max_source_positions=32, pool=2)  # fmt: skip
+OMNI = OmniConfig.compose(COLOCATED_LLAVA, Qwen2AudioConfig(OMNI_WHISPER, MLLM_TEXT))
+OMNI_LENGTH = 64  # tokens per row: image features at 1..46, audio tokens at 48..57 (segment 1)
+OMNI_VALID = (13, 30)  # valid frames of each row's two windows: 3 + 7 = 10 audio tokens
+OMNI_AUDIO_BUCKET = 64  # frames per audio row: kept 16 + 32, then padding
+OMNI_CLIP_FRAMES = 32  # the reference's frames per clip (each clip alone, zero-padded)
+
+
+def omni_model() -> Omni:
+    """The unsplit omni model of `OMNI` (seed 0)."""
+    with jax.default_device(jax.devices()[0]):
+        return Omni(OMNI, rngs=nnx.Rngs(0))
+
+
+def omni_microbatch(rng, rows: int, tpt: int, *, audio: bool, taps: bool, video: bool) -> tuple:
+    """(packed microbatch, the reference's inputs): `colocated_microbatch`'s rows (4 tiles each),
+    with `audio` two windows per row packed in the row's audio row (`data.packing`'s layout: kept
+    frames back to back, window numbers, valid frames, GLOBAL output rows r*A/4 + frame/4 + j) and,
+    for the reference, the same windows as separate clips (`Omni.embed`: clip c's outputs at rows
+    c*F/4 + j of the flattened clips). Without `audio` the audio fields are None."""
+    mb = colocated_microbatch(rng, rows, OMNI_LENGTH, tpt, taps=taps, video=video, tiles=4)
+    ref = dict(mb, audio=None, audio_lengths=None, audio_index=None)
+    mb.update(audio=None, audio_windows=None, audio_valid=None, audio_index=None)
+    if not audio:
+        return mb, ref
+    A, F, mels = OMNI_AUDIO_BUCKET, OMNI_CLIP_FRAMES, OMNI.audio.audio.num_mel_bins
+    mb["audio"] = np.zeros((rows, A, mels), np.float32)
+    mb["audio_windows"] = np.zeros((rows, A), np.int32)
+    mb["audio_valid"] = np.zeros((rows, A), bool)
+    mb["audio_index"] = np.full((rows, OMNI_LENGTH), -1, np.int32)
+    clips = np.zeros((rows * len(OMNI_VALID), F, mels), np.float32)
+    ref_index = np.full((rows, OMNI_LENGTH), -1, np.int32)
+    for r in range(rows):
+        frame, token = 0, 48
+        for w, valid in enumerate(OMNI_VALID):
+            kept, n = kept_frames(valid), encoder_outputs(valid)
+            feats = rng.normal(size=(kept, mels)).astype(np.float32)
+            mb["audio"][r, frame : frame + kept] = feats
+            mb["audio_windows"][r, frame : frame + kept] = w + 1
+            mb["audio_valid"][r, frame : frame + valid] = True
+            mb["audio_index"][r, token : token + n] = r * A // 4 + frame // 4 + np.arange(n)
+            c = r * len(OMNI_VALID) + w
+            clips[c, :kept] = feats
+            ref_index[r, token : token + n] = c * F // 4 + np.arange(n)
+            frame, token = frame + kept, token + n
+    lengths = np.tile(np.asarray(OMNI_VALID, np.int32), rows)
+    ref.update(audio=clips, audio_lengths=lengths, audio_index=ref_index)
+    return mb, ref
+
+
+def omni_loss_sum(m, ref):
+    """The summed loss of the unsplit `Omni` on `omni_microbatch`'s reference inputs: each clip
+    encoded alone, every feature placed by its GLOBAL index into the whole microbatch's outputs."""
+    index = ref["feature_taps"] if ref["feature_taps"] is not None else ref["feature_index"]
+    h = m.embed(ref["tiles"], ref["tile_pool"], ref["audio"], ref["audio_lengths"], ref["tokens"],
+                index, ref["audio_index"], ref["feature_weight"])  # fmt: skip
+    h = m.llm(h, ref["segment_ids"], ref["positions"])
+    return m.llm.loss(h, ref["targets"], ref["loss_mask"])[0]

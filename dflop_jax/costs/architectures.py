@@ -186,12 +186,14 @@ AUDIO_PRESETS: dict[str, AudioArch] = {
 
 @dataclasses.dataclass(frozen=True)
 class MLLMArch:
-    """A multimodal LLM: vision encoder + projector + LLM."""
+    """A multimodal LLM: vision encoder + projector + LLM (+ an audio encoder, whose linear projector
+    into the LLM width is counted with it: `audio_params`)."""
 
     name: str
     vision: VisionArch
     projector: ProjectorArch
     llm: LLMArch
+    audio: AudioArch | None = None
 
 
 VISION_PRESETS: dict[str, VisionArch] = {
@@ -313,6 +315,12 @@ def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
     """The cost-model `MLLMArch` of a `models` config (duck-typed): an MLLM config (vision, text,
     tokens_per_tile) or a decoder-only config, whose vision arch ("tiny") is never used because its
     tiles are never encoded."""
+    if hasattr(model_cfg, "llava"):  # an omni model: the vision model's arch + the audio encoder
+        arch = arch_of_model(model_cfg.llava, name)
+        a = model_cfg.audio.audio
+        audio = AudioArch(f"{name}-audio", a.num_layers, a.hidden_size, a.num_heads,
+                          a.intermediate_size, a.num_mel_bins, a.max_source_positions, a.pool)  # fmt: skip
+        return dataclasses.replace(arch, audio=audio)
     if hasattr(model_cfg, "vision"):
         return arch_from_configs(model_cfg.vision, model_cfg.text, model_cfg.tokens_per_tile, name)
     llm = llm_arch_from_config(model_cfg, f"{name}-llm")

@@ -9,7 +9,10 @@ The runtime compiles every program once per shape it receives, before step 1
   - an encoder stage sees a tile bucket: one signature per tile bucket of the pairs;
   - the first LLM stage of an MLLM (taking the encoder's features, or running the encoder colocated)
     sees both: one per allowed (tile, length) pair, which is why a sparse pair set pays;
-  - any other LLM stage sees a length bucket: one per length bucket of the pairs.
+  - any other LLM stage sees a length bucket: one per length bucket of the pairs;
+  - with audio buckets (a model whose first LLM stage runs the audio encoder), that stage sees
+    each pair with and without audio: one per (pair, audio bucket or none); no other stage sees
+    the audio bucket.
 Per signature an inner stage with a backward compiles two programs (its forward and its backward, or
 the residual-saving pair), a forward-only stage one, the last stage one (forward, loss and backward
 fused); the last stage also compiles a loss-token count per length bucket. Every stage boundary moves
@@ -85,25 +88,40 @@ class CompileCost:
 
 def stage_buckets(layout: Layout, buckets: BucketSet, multimodal: bool) -> list[list[tuple]]:
     """Per stage, the bucket signatures it receives (module docstring): (tile bucket,) for an
-    encoder stage, (tile, length) for an MLLM's first LLM stage, (length,) for the others."""
+    encoder stage, (tile, length) for an MLLM's first LLM stage ((tile, length, audio) with audio
+    buckets, audio 0 for a microbatch without audio), (length,) for the others."""
     pairs = buckets.allowed()
     tiles = sorted({(t,) for t, _ in pairs})
     lengths = sorted({(s,) for _, s in pairs})
+    first = list(pairs)
+    if buckets.audio:
+        first = [p + (a,) for p in pairs for a in (0, *buckets.audio)]
     out = []
     for stage in layout.stages:
         if stage.module == "encoder":
             out.append(tiles)
         elif multimodal and stage.has_embedding:
-            out.append(list(pairs))
+            out.append(first)
         else:
             out.append(lengths)
     return out
 
 
-def _roles(layout: Layout, multimodal: bool, trainable: tuple[str, ...]):
+def signature_length(sig: tuple) -> int:
+    """The length bucket of an LLM stage's signature ((length,), (tile, length[, audio]))."""
+    return sig[1] if len(sig) > 1 else sig[0]
+
+
+def _roles(layout: Layout, multimodal: bool, trainable: tuple[str, ...], audio: bool):
     colocated = multimodal and not layout.encoder_stages
     return [
-        stage_role(s, trainable, multimodal, colocated=colocated and i == 0)
+        stage_role(
+            s,
+            trainable,
+            multimodal,
+            colocated=colocated and i == 0,
+            audio=audio and s.module == "llm" and s.has_embedding,
+        )  # fmt: skip
         for i, s in enumerate(layout.stages)
     ]
 
@@ -116,7 +134,7 @@ def program_counts(
 ) -> ProgramCounts:
     """The programs a run of `layout` with `buckets` compiles before step 1 (module docstring)."""
     sigs = stage_buckets(layout, buckets, multimodal)
-    roles = _roles(layout, multimodal, trainable)
+    roles = _roles(layout, multimodal, trainable, bool(buckets.audio))
     last = layout.num_stages - 1
     stage = []
     for i, (n, role) in enumerate(zip(sigs, roles)):
@@ -124,10 +142,11 @@ def program_counts(
         stage.append(len(n) * per_signature)
     transfers = 0
     for i in range(last):
-        shapes = len({sig[-1:] if layout.stages[i].module == "llm" else sig[:1] for sig in sigs[i]})
+        llm = layout.stages[i].module == "llm"
+        shapes = len({signature_length(sig) if llm else sig[0] for sig in sigs[i]})
         back = roles[i + 1].input_grad
         transfers += shapes * TRANSFER_PROGRAMS * (2 if back else 1)
-    count = len({sig[-1] for sig in sigs[last]})
+    count = len({signature_length(sig) for sig in sigs[last]})
     trains = [role.kind == "train" for role in roles]
     step = sum(OPTIMIZER_PROGRAMS if t else 1 for t in trains)
     step += TRANSFER_PROGRAMS * (sum(trains[:last]) + last)  # norms in, statistics out
@@ -150,14 +169,21 @@ def compile_cost(
     sigs = stage_buckets(layout, buckets, multimodal)
     colocated = multimodal and not layout.encoder_stages
     encoder = colocated_encoder_stage(provider.arch, layout) if colocated else None
+    audio = getattr(provider.arch, "audio", None)
+    # the audio encoder's blocks (its layers, the convolutions, the head), at the nominal figure
+    audio_s = (audio.num_layers + 2) * provider.device.compile_block_s if audio else 0.0
     per_stage = []
     for i, stage in enumerate(layout.stages):
         seconds = 0.0
         for sig in sigs[i]:
-            bucket = layout.encoder_tiles(sig[0]) if stage.module == "encoder" else sig[-1]
+            bucket = (
+                layout.encoder_tiles(sig[0]) if stage.module == "encoder" else signature_length(sig)
+            )
             seconds += _compile_time(provider, stage, bucket)
             if encoder is not None and i == 0:
                 seconds += _compile_time(provider, encoder, layout.encoder_tiles(sig[0]))
+            if len(sig) == 3 and sig[2]:
+                seconds += audio_s
         per_stage.append(seconds)
     small = counts.transfers + counts.count + counts.step
     hosts = _stage_hosts(layout, provider.device.devices_per_host)

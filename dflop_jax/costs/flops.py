@@ -243,9 +243,17 @@ def hardware_flops(arch: MLLMArch, tiles: int, tokens: int, recompute: bool = Tr
     return model + extra
 
 
-def batch_model_flops(arch: MLLMArch, shapes: Sequence[tuple[int, int]]) -> float:
-    """Training model FLOPs of a batch of (tiles, tokens) samples (real work only, no padding)."""
-    return float(sum(sample_model_flops(arch, tiles, tokens) for tiles, tokens in shapes))
+def batch_model_flops(
+    arch: MLLMArch, shapes: Sequence[tuple[int, int]], audio_windows: Sequence[int] = ()
+) -> float:
+    """Training model FLOPs of a batch of (tiles, tokens) samples and, for a model with an audio
+    encoder, of its audio windows (each window's valid frames, encoder and projector; 3 x forward):
+    real work only, no padding."""
+    flops = float(sum(sample_model_flops(arch, tiles, tokens) for tiles, tokens in shapes))
+    if arch.audio is not None:
+        d = arch.llm.hidden_size
+        flops += 3.0 * sum(audio_flops(arch.audio, frames, d) for frames in audio_windows)
+    return flops
 
 
 def mfu(model_flops: float, step_time_s: float, num_devices: int, peak_flops: float) -> float:

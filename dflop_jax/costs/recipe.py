@@ -60,11 +60,12 @@ def check_trainable(trainable: Iterable[str], key: str = "trainable") -> tuple[s
     return chosen
 
 
-def stage_parts(stage: StageSpec, colocated: bool = False) -> tuple[str, ...]:
+def stage_parts(stage: StageSpec, colocated: bool = False, audio: bool = False) -> tuple[str, ...]:
     """The recipe parts whose parameters `stage` holds (encoder layers/embedding: vision; encoder
-    head: projector; any LLM stage: llm; the colocated stage: all three)."""
+    head: projector; any LLM stage: llm; the colocated stage, and an LLM stage holding the audio
+    encoder (`audio`: its tower counts as "vision", its projector as "projector"): all three)."""
     if stage.module == "llm":
-        return TRAINABLE_PARTS if colocated else ("llm",)
+        return TRAINABLE_PARTS if colocated or audio else ("llm",)
     body = ("vision",) if stage.num_layers or stage.has_embedding else ()
     return body + (("projector",) if stage.has_head else ())
 
@@ -114,7 +115,11 @@ ALL_TRAIN = StageRole(TRAINABLE_PARTS, (), True)
 
 
 def stage_role(
-    stage: StageSpec, trainable: Iterable[str], multimodal: bool = True, colocated: bool = False
+    stage: StageSpec,
+    trainable: Iterable[str],
+    multimodal: bool = True,
+    colocated: bool = False,
+    audio: bool = False,
 ) -> StageRole:
     """The role of `stage` under `trainable` (module docstring).
 
@@ -124,9 +129,11 @@ def stage_role(
         encoder stages, as the runtime builds it): one program of all three parts, no stage input.
         The cost models leave it False and cost that stage as LLM stage 0 plus the encoder
         (`colocated_backward`).
+      audio: `stage` also holds the whole audio encoder (an omni model's first LLM stage): it holds
+        all three parts; its input (the vision features, when not colocated) is as LLM stage 0's.
     """
     chosen = set(trainable)
-    parts = stage_parts(stage, colocated)
+    parts = stage_parts(stage, colocated, audio)
     return StageRole(
         tuple(p for p in parts if p in chosen),
         tuple(p for p in parts if p not in chosen),

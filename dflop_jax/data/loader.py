@@ -493,7 +493,8 @@ def capped(data_cfg: Any, problem: ScheduleProblem) -> Any:
 def pack_spec(data_cfg: Any, problem: ScheduleProblem) -> PackSpec:
     """The static shapes the loader packs `problem`'s microbatches into, for `data_cfg`'s encoder."""
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
-    return PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg))
+    return PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg),
+                                 data_cfg.audio_mels)  # fmt: skip
 
 
 def check_records(

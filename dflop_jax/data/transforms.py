@@ -54,6 +54,8 @@ class PackSpec:
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
       audio_mels: mel bins of the model's audio encoder, 0 when it has none: then a sample with
         audio is a counted skip ("no_audio_encoder"), never trained on as placeholder tokens.
+      max_audio_frames: most audio frames one sample may have (the largest audio bucket); more is
+        a counted "too_long" skip.
     """
 
     encoder_dp: int
@@ -64,11 +66,20 @@ class PackSpec:
     max_tokens: int
     feature_taps: int = 0
     audio_mels: int = 0
+    max_audio_frames: int = 0
 
     @classmethod
     def from_problem(
-        cls, problem: ScheduleProblem, tile_shape, tokens_per_tile: int, feature_taps: int = 0
+        cls,
+        problem: ScheduleProblem,
+        tile_shape,
+        tokens_per_tile: int,
+        feature_taps: int = 0,
+        audio_mels: int = 0,
     ) -> PackSpec:
+        """The shapes of `problem`'s microbatches; `audio_mels` is read only when its buckets
+        have audio (a plan for a model with an audio encoder), else the spec takes no audio."""
+        audio = problem.buckets.audio
         return cls(
             problem.encoder_dp,
             problem.llm_dp,
@@ -77,6 +88,8 @@ class PackSpec:
             problem.buckets.tiles[-1] * (1 if problem.tiles_by_row else problem.encoder_dp),
             problem.buckets.lengths[-1],
             feature_taps,
+            audio_mels if audio else 0,
+            audio[-1] if audio else 0,
         )
 
 
@@ -147,6 +160,13 @@ class ShapeStage:
                     record_location(record),
                     f"{shape.tiles} tiles/{shape.tokens} tokens > largest buckets "
                     f"{self.spec.max_tiles}/{self.spec.max_tokens}",
+                )
+            if shape.audio_frames > self.spec.max_audio_frames and self.spec.audio_mels:
+                raise BadSample(
+                    "too_long",
+                    record_location(record),
+                    f"{shape.audio_frames} audio frames > largest audio bucket "
+                    f"{self.spec.max_audio_frames}",
                 )
         except BadSample as e:
             if self.strict:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.layout import Layout
-from dflop_jax.costs.compile import stage_buckets
+from dflop_jax.costs.compile import signature_length, stage_buckets
 from dflop_jax.costs.flops import stage_forward_flops
 from dflop_jax.costs.provider import colocated_encoder_stage
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
@@ -48,7 +48,9 @@ def stage_flops(
 
     def analytic(i: int, sig: tuple) -> float:
         stage = layout.stages[i]
-        bucket = layout.encoder_tiles(sig[0]) if stage.module == "encoder" else sig[-1]
+        bucket = (
+            layout.encoder_tiles(sig[0]) if stage.module == "encoder" else signature_length(sig)
+        )
         flops = stage_forward_flops(arch, stage, bucket)
         if encoder is not None and i == 0:
             flops += stage_forward_flops(arch, encoder, layout.encoder_tiles(sig[0]))

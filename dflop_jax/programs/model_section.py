@@ -30,7 +30,10 @@ class ModelConfig:
         (random weights unless `hf_dir` is given); "" = the fields below. Its kind is set from it.
       kind: "llava_ov" (SigLIP-style ViT + mlp2x_gelu projector + decoder), "internvl" (InternViT-style
         ViT + pixel shuffle 0.5 + LayerNorm/MLP projector + decoder; (tile/patch / 2)^2 tokens per tile,
-        256 at 448 px) or "decoder" (text only). An MLLM kind must equal data.model_family.
+        256 at 448 px), "omni" (llava_ov's vision tower and projector + Qwen2-Audio's Whisper audio
+        encoder and linear projector + the decoder: `models.omni`; from the fields only, its
+        log-mel bins data.audio_mels; the audio encoder runs on the first LLM stage) or "decoder"
+        (text only). An MLLM kind must equal data.model_family (omni: llava_ov).
       hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from `arch` or
         the fields. With `arch` too, the directory's config.json must describe that architecture.
         Its tokenizer (tokenizer.json there) replaces the bundled byte tokenizer (`data.tokenizer`
@@ -38,6 +41,8 @@ class ModelConfig:
       vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
       vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
+      audio_*: the audio encoder's shapes (omni): a Whisper encoder over 30 s windows (1500
+        positions), pooled by 2, as Qwen2-Audio's.
       init_seed: seed of the random initialization (ignored when loading).
       vision_remat, llm_remat: activation recomputation in the backward of each vision / decoder
         layer: "none", "full" (keep only the layer's input) or "dots" (also keep the matmul
@@ -60,7 +65,7 @@ class ModelConfig:
 
     SHORTHAND = "arch"  # a bare string given for the section sets this key
 
-    kind: Literal["llava_ov", "internvl", "decoder"] = "llava_ov"
+    kind: Literal["llava_ov", "internvl", "omni", "decoder"] = "llava_ov"
     arch: str = ""
     hf_dir: str = ""
     vocab_size: int = 0
@@ -74,6 +79,10 @@ class ModelConfig:
     vision_intermediate_size: int = 64
     vision_num_layers: int = 2
     vision_num_heads: int = 2
+    audio_hidden_size: int = 32
+    audio_intermediate_size: int = 64
+    audio_num_layers: int = 2
+    audio_num_heads: int = 2
     init_seed: int = 0
     vision_remat: str = "none"
     llm_remat: str = "none"
@@ -82,6 +91,8 @@ class ModelConfig:
     llm_layers_kept: int = 0
 
     def __post_init__(self):
+        fix = "an omni model is built from the fields (model.arch and model.hf_dir give '')"
+        require(self.kind != "omni" or not (self.arch or self.hf_dir), "model.kind", self.kind, fix)
         if self.arch:
             from dflop_jax.costs import get_arch, list_archs
 
@@ -116,12 +127,13 @@ class ModelConfig:
             f"must be a multiple of model.num_kv_heads={self.num_kv_heads} (grouped-query attention)",
         )
         require(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "must be even (RoPE)")
-        require(
-            self.vision_hidden_size % self.vision_num_heads == 0,
-            "model.vision_hidden_size",
-            self.vision_hidden_size,
-            f"must be a multiple of model.vision_num_heads={self.vision_num_heads}",
-        )
+        for tower in ("vision", "audio"):
+            width, heads = (
+                getattr(self, f"{tower}_hidden_size"),
+                getattr(self, f"{tower}_num_heads"),
+            )
+            require(width % heads == 0, f"model.{tower}_hidden_size", width,
+                    f"must be a multiple of model.{tower}_num_heads={heads}")  # fmt: skip
         require_seed(self.init_seed, "model.init_seed")
 
     def inputs(self) -> list[InputPath]:
@@ -191,6 +203,7 @@ class ModelConfig:
         patch_size: int,
         compute_dtype: str,
         pixel_norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+        audio_mels: int = 128,
     ):
         """The `models` config of the model (fp32 master params): from the fields, or from `hf_dir`'s
         config.json. No parameter is made here: each pipeline stage makes its own
@@ -203,9 +216,11 @@ class ModelConfig:
           compute_dtype: dtype of the matmuls.
           pixel_norm: the data's (mean, std) (`DataConfig.mean`, `.std`), which the first encoder
             stage applies to the uint8 tiles; None = the vision family's default.
+          audio_mels: the data's log-mel bins (`data.audio_mels`), the audio encoder's input width
+            (omni).
 
         Returns:
-          A `DecoderConfig`, `LlavaOnevisionConfig` or `InternVLConfig`.
+          A `DecoderConfig`, `LlavaOnevisionConfig`, `InternVLConfig` or `OmniConfig`.
         """
         from models.decoder_config import DecoderConfig
 
@@ -257,7 +272,25 @@ class ModelConfig:
         from models.llava_onevision import llava_onevision_config
         from models.siglip import SiglipConfig
 
-        return _with_pixel_norm(llava_onevision_config(SiglipConfig(**vision), dcfg), pixel_norm)
+        llava = _with_pixel_norm(llava_onevision_config(SiglipConfig(**vision), dcfg), pixel_norm)
+        if self.kind != "omni":
+            return llava
+        return self._omni(llava, audio_mels, compute_dtype, vision_impl)
+
+    def _omni(self, llava, audio_mels: int, compute_dtype: str, impl: str):
+        """The `OmniConfig` of `llava` and an audio encoder of the `audio_*` sizes (its remat and
+        attention kernel the vision tower's: the encoders')."""
+        from models.omni import OmniConfig
+        from models.qwen2_audio import Qwen2AudioConfig
+        from models.whisper import WhisperEncoderConfig
+
+        tower = WhisperEncoderConfig(
+            hidden_size=self.audio_hidden_size, intermediate_size=self.audio_intermediate_size,
+            num_layers=self.audio_num_layers, num_heads=self.audio_num_heads,
+            num_mel_bins=audio_mels, pool=2, dtype=compute_dtype, remat=self.vision_remat,
+            attention_impl=impl,
+        )  # fmt: skip
+        return OmniConfig.compose(llava, Qwen2AudioConfig(tower, llava.text))
 
     def _cut(self, model_cfg):
         """`model_cfg` with only its first `llm_layers_kept` decoder layers (unchanged at 0)."""
@@ -285,6 +318,7 @@ def _with_pixel_norm(model_cfg, pixel_norm):
 MODEL_SIZES = (
     "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
     "vision_hidden_size", "vision_intermediate_size", "vision_num_layers", "vision_num_heads",
+    "audio_hidden_size", "audio_intermediate_size", "audio_num_layers", "audio_num_heads",
 )  # fmt: skip
 
 

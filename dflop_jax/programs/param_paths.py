@@ -1,7 +1,8 @@
 """Where a parameter lives: its path in a stage, in the whole model, its part and whether it trains.
 
 A stage's params are one module's layer range (`contracts.layout.StageSpec`), or for the colocated
-stage the whole encoder beside the first LLM layers (`COLOCATED_MODULES` at the top). The model-level
+stage (and an omni model's first LLM stage) whole encoders beside the first LLM layers
+(`COLOCATED_MODULES` at the top). The model-level
 path of a leaf (`model_paths`: module, names, layer indices offset to global ones) is what
 checkpoints store and what ties a parameter held by two stages (`tied_groups`: a tied embedding);
 its part (`param_labels`: vision, projector, llm, by `models.stage_modules.param_part`) is what a training
@@ -30,8 +31,10 @@ def key_name(k) -> str:
     return str(k)
 
 
-# Top-level keys of a stage that holds the colocated encoder (`models.mllm.ColocatedStage`).
-COLOCATED_MODULES = ("encoder", "llm")
+# Top-level keys of a stage that holds a whole encoder beside its LLM layers: the colocated vision
+# encoder (`models.mllm.ColocatedStage`) and the audio encoder of an omni model's first LLM stage
+# (`models.omni.OmniFirstStage`).
+COLOCATED_MODULES = ("encoder", "audio", "llm")
 
 
 def global_path(path, spec: StageSpec) -> tuple[str, ...]:
@@ -47,9 +50,10 @@ def _offset_layers(names: list[str], first_layer: int) -> tuple[str, ...]:
 
 
 def holds_encoder(params: PyTree) -> bool:
-    """Whether a stage's params are a colocated stage's (`COLOCATED_MODULES` at the top)."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return bool(flat) and all(key_name(path[0]) in COLOCATED_MODULES for path, _ in flat)
+    """Whether a stage's params are a colocated stage's (`COLOCATED_MODULES` at the top, "llm" among
+    them: an audio encoder stage alone also has an "audio" subtree)."""
+    tops = {key_name(path[0]) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return "llm" in tops and tops <= set(COLOCATED_MODULES)
 
 
 def model_paths(path, spec: StageSpec, colocated: bool = False) -> list[tuple[str, ...]]:

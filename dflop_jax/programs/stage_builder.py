@@ -11,9 +11,10 @@ The one builder of real-model stage programs, used by the trainer and by the mod
 The programs themselves come from `programs/stage_jits.py` (`stage_jits`). The profiler compiles
 `abstract_stage(...)` through `stage_jits`; the trainer wraps `init_stage(...)` in a `StageProgram`.
 
-Two model kinds: a decoder-only LLM (`models.decoder.Decoder`, stage module `DecoderStage`) and a
+Three model kinds: a decoder-only LLM (`models.decoder.Decoder`, stage module `DecoderStage`), a
 ViT + projector + decoder MLLM (`models.mllm.MLLM`, e.g. LLaVA-OneVision or InternVL; stage modules
-`EncoderStage`, `LLMStage`). Each stage's params are made on its own mesh, never whole on one device or
+`EncoderStage`, `LLMStage`) and an omni model (`models.omni.Omni`: that MLLM + an audio encoder, whose
+first LLM stage is an `OmniFirstStage`). Each stage's params are made on its own mesh, never whole on one device or
 host: a seeded random init keyed by global layer index (so every layout of a run starts from the same
 weights, equal to the unsplit model built with the same seed: the parity tests rely on it), or the
 stage's own tensors of an HF checkpoint, read slice by slice. A stage with no device on this process
@@ -46,6 +47,12 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     tile_pool, tokens, feature_index, ... -> hidden [l_dp, S, D] (or the loss); no x.
                     Tiles and rows are both sharded over "data", and each row gathers only its own
                     tiles' features: the encoder is data-parallel and no feature crosses shards.
+  omni, first LLM:  an omni model's first LLM stage (`models.omni.OmniFirstStage`) also runs the
+                    whole audio encoder: the audio rows (`AUDIO_KEYS`: audio [l_dp, A, M],
+                    audio_windows, audio_valid [l_dp, A], audio_index [l_dp, S]), sharded over
+                    "data" like the LLM rows, each row placing only its own outputs; optional (a
+                    microbatch without audio has none), the vision features arriving as above
+                    (or, colocated, the tiles).
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ from dflop_jax.programs.stage_program import StageProgram
 from models.stage_modules import TRAINABLE_PARTS
 
 TAP_KEYS = ("feature_taps", "feature_weight")
+# The audio rows of a microbatch that has audio (`data.packing`), in `OmniFirstStage.embed`'s order.
+AUDIO_KEYS = ("audio", "audio_windows", "audio_valid", "audio_index")
 # How the first LLM stage of an MLLM takes the encoder features [tiles, tokens_per_tile, D] from the
 # transfer: the tile axis (packed by row) split over every device of its mesh, so one copy crosses
 # the boundary and row r's block lands on row r's tp devices ...
@@ -87,10 +96,24 @@ def is_multimodal(model_cfg) -> bool:
     return not isinstance(model_cfg, DecoderConfig)
 
 
+def has_audio(model_cfg) -> bool:
+    """True for a model with an audio encoder (`models.omni.OmniConfig`): its first LLM stage holds
+    the whole audio encoder (`models.omni.OmniFirstStage`)."""
+    from models.omni import OmniConfig
+
+    return isinstance(model_cfg, OmniConfig)
+
+
+def holds_audio(model_cfg, spec: StageSpec) -> bool:
+    """Whether `spec` is the stage that runs the audio encoder: an omni model's first LLM stage."""
+    return has_audio(model_cfg) and spec.module == "llm" and spec.has_embedding
+
+
 def stage_rules(model_cfg, spec: StageSpec, *, colocated: bool = False) -> Rules:
     """The rules of a stage: its kind's table, replicating the axes whose sizes tp does not divide
-    (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage `colocated` replicates an
-    axis that either model's tp does not divide (both use one table: the same logical names)."""
+    (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage holding a whole encoder
+    (`colocated`, or the audio encoder of an omni model's first LLM stage) replicates an axis that
+    any of its models' tp does not divide (all use one table: the same logical names)."""
     v = model_cfg.vision if is_multimodal(model_cfg) else None
     vision = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size) if v else {}
     t = model_cfg.text if is_multimodal(model_cfg) else model_cfg
@@ -100,6 +123,9 @@ def stage_rules(model_cfg, spec: StageSpec, *, colocated: bool = False) -> Rules
         kind, sizes = "vision", [vision]
     else:
         kind, sizes = "decoder", [text, vision] if colocated else [text]
+    if holds_audio(model_cfg, spec):
+        a = model_cfg.audio.audio
+        sizes.append(dict(heads=a.num_heads, kv_heads=a.num_heads, mlp=a.intermediate_size))
     odd = {name for part in sizes for name, n in part.items() if n % spec.tp}
     return rules_for(kind, {name: None for name in odd})
 
@@ -121,17 +147,25 @@ def check_colocated(model_cfg, layout: Layout) -> None:
             f"tp={stage.tp} (an encoder at its own smaller tp is not implemented); plan without it"
         )
     heads = {"vision": model_cfg.vision.num_heads, "text": model_cfg.text.num_heads}
+    if has_audio(model_cfg):
+        heads["audio"] = model_cfg.audio.audio.num_heads
     bad = {name: n for name, n in heads.items() if n % stage.tp}
     if bad:
         raise ValueError(
-            f"encoder colocated on LLM stage 0 at tp={stage.tp}: tp must divide both models' "
+            f"encoder colocated on LLM stage 0 at tp={stage.tp}: tp must divide every model's "
             f"attention heads ({', '.join(f'{k} {v}' for k, v in heads.items())}); choose a tp "
             "dividing both or give the encoder its own stages (layout.encoder_layers)"
         )
 
 
 def stage_fns(
-    graphdef, spec: StageSpec, rules: Rules, *, multimodal: bool, colocated: bool = False
+    graphdef,
+    spec: StageSpec,
+    rules: Rules,
+    *,
+    multimodal: bool,
+    colocated: bool = False,
+    audio: bool = False,
 ) -> StageFns:
     """Pure functions of one stage module (`EncoderStage`, `LLMStage`, `DecoderStage` or, with
     `colocated`, `ColocatedStage`).
@@ -142,11 +176,14 @@ def stage_fns(
       rules: its logical->mesh rules (`stage_rules`).
       multimodal: an MLLM (the first LLM stage takes the encoder's features as x).
       colocated: the first LLM stage also runs the encoder (tiles in, no x).
+      audio: the first LLM stage also runs the audio encoder (`OmniFirstStage`) on the
+        microbatch's audio rows, when it has them (`AUDIO_KEYS`: a microbatch without audio is
+        another signature, one more compile of this stage only).
     """
     if spec.module == "encoder":
         return _encoder_fns(graphdef, spec, rules)
     features = multimodal and spec.has_embedding
-    return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated)
+    return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated, audio=audio)
 
 
 def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
@@ -164,7 +201,7 @@ def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
 
 
 def _llm_fns(
-    graphdef, spec: StageSpec, rules: Rules, *, features: bool, colocated: bool
+    graphdef, spec: StageSpec, rules: Rules, *, features: bool, colocated: bool, audio: bool
 ) -> StageFns:
     side = ("segment_ids", "positions")
     if spec.has_embedding:
@@ -175,7 +212,11 @@ def _llm_fns(
     def hidden(params, x, s):
         with nnx.logical_axis_rules(rules):
             stage = nnx.merge(graphdef, params)
-            if colocated:
+            if audio:  # OmniFirstStage: the vision features (or the tiles) and the audio rows
+                vision = (s["tiles"], s["tile_pool"]) if colocated else x
+                sound = tuple(s[k] for k in AUDIO_KEYS) if "audio" in s else (None,) * 4
+                x = stage.embed(vision, s["tokens"], *_placement(s), *sound)
+            elif colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:
                 x = stage.embed(s["tokens"], x, *_placement(s), per_row=True)
@@ -188,7 +229,7 @@ def _llm_fns(
         x_spec = None
     # each row's features arrive split over its tp devices and are gathered over them (docstring)
     inner = ROW_FEATURES_SPEC if features and not colocated else None
-    optional = TAP_KEYS if features else ()
+    optional = (TAP_KEYS if features else ()) + (AUDIO_KEYS if audio else ())
     if not spec.has_head:
         return StageFns(
             forward=lambda p, x, s: hidden(p, x, s)[1],
@@ -243,7 +284,7 @@ def stage_blueprint(
     rules = stage_rules(model_cfg, spec, colocated=colocated)
     graphdef, state = nnx.split(module)
     fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg),
-                    colocated=colocated)  # fmt: skip
+                    colocated=colocated, audio=holds_audio(model_cfg, spec))  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
 
 
@@ -318,6 +359,11 @@ def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, coloc
     from models.hf import load_stage
     from models.mllm import ColocatedStage
 
+    if has_audio(model_cfg):
+        raise ValueError(
+            "an omni model's stages are built from a seed (model.init_seed); loading them from HF "
+            "checkpoints is models.hf.omni.load_omni's, not the pipeline's yet"
+        )
     llm = load_stage(source, model_cfg, spec.module, **_flags(spec), mesh=mesh, rules=rules)
     if not colocated:
         return llm
@@ -376,7 +422,13 @@ def build_stages(
             "(a decoder-only model has only 'llm')"
         )
     roles = [
-        stage_role(spec, trainable, is_multimodal(model_cfg), colocated=coloc and i == 0)
+        stage_role(
+            spec,
+            trainable,
+            is_multimodal(model_cfg),
+            colocated=coloc and i == 0,
+            audio=holds_audio(model_cfg, spec),
+        )  # fmt: skip
         for i, spec in enumerate(layout.stages)
     ]
     return [

@@ -38,6 +38,9 @@ class LayoutConfig:
       llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
       llm_dp: LLM data-parallel degree.
       tiles, lengths: bucket sets (tiles per LLM row, packed by row; tokens per LLM row).
+      audio: audio buckets, audio encoder frames per LLM row (multiples of 4, ascending; a 30 s
+        window keeps up to 3000): only for a model with an audio encoder (model.kind=omni), which
+        needs them; the audio encoder runs on the first LLM stage.
       microbatches: (min, max) microbatches per global batch.
     """
 
@@ -51,6 +54,7 @@ class LayoutConfig:
     lengths: tuple[int, ...] = (1024, 2048)
     microbatches: tuple[int, int] = (2, 6)
     encoder_colocated: bool = False
+    audio: tuple[int, ...] = ()
 
     def __post_init__(self):
         require(len(self.llm_layers) >= 1, "layout.llm_layers", self.llm_layers, "need >= 1 stage")
@@ -79,6 +83,10 @@ class LayoutConfig:
                 values,
                 "give >= 1 bucket size, increasing, no repeats",
             )
+        audio = list(self.audio)
+        ok = audio == sorted(set(audio)) and all(a >= 4 and a % 4 == 0 for a in audio)
+        fix = "give audio buckets as multiples of 4, increasing, no repeats ([] without audio)"
+        require(ok, "layout.audio", self.audio, fix)
         require(
             1 <= self.microbatches[0] <= self.microbatches[1],
             "layout.microbatches",
@@ -93,7 +101,7 @@ class LayoutConfig:
         return Layout(enc, _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
 
     def buckets(self) -> BucketSet:
-        return BucketSet(tuple(self.tiles), tuple(self.lengths))
+        return BucketSet(tuple(self.tiles), tuple(self.lengths), audio=tuple(self.audio))
 
 
 def _all_positive(values: tuple[int, ...], key: str, what: str) -> None:
@@ -256,12 +264,17 @@ class TrainConfig:
         )
         require(self.global_batch >= 1, "global_batch", self.global_batch, "must be >= 1")
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        family = "llava_ov" if self.model.kind == "omni" else self.model.kind
         require(
-            self.model.kind in ("decoder", self.data.model_family),
+            family in ("decoder", self.data.model_family),
             "model.kind",
             self.model.kind,
-            f"must match data.model_family={self.data.model_family} (or be decoder)",
+            f"must match data.model_family={self.data.model_family} (or be decoder; omni's "
+            "vision tower is llava_ov's)",
         )
+        fix = ("an omni model trains on an explicit layout (the planner does not place the audio "
+               "encoder yet): use plan=explicit with layout.audio buckets")  # fmt: skip
+        require(self.model.kind != "omni" or self.plan == "explicit", "plan", self.plan, fix)
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
         fix = "0 (the devices JAX sees) or the device count to plan for"
         require(self.num_devices >= 0, "num_devices", self.num_devices, fix)
@@ -306,7 +319,8 @@ class TrainConfig:
         return self.model.model_config(vocab, tile_px=self.data.tile_px,
                                        patch_size=self.data.patch_size,
                                        compute_dtype=self.compute_dtype,
-                                       pixel_norm=(self.data.mean, self.data.std))  # fmt: skip
+                                       pixel_norm=(self.data.mean, self.data.std),
+                                       audio_mels=self.data.audio_mels)  # fmt: skip
 
     def inputs(self) -> list[InputPath]:
         if self.plan in ("explicit", "auto", "analytic"):
@@ -335,6 +349,9 @@ class TrainConfig:
         if self.model.kind == "decoder":
             why = "model.kind=decoder has no vision encoder"
             out.update({f"model.{n}": why for n in MODEL_SIZES if n.startswith("vision_")})
+        if self.model.kind != "omni":
+            why = f"model.kind={self.model.kind} has no audio encoder"
+            out.update({f"model.{n}": why for n in MODEL_SIZES if n.startswith("audio_")})
         if self.model.hf_dir or self.model.arch:
             why = "the shapes come from model.hf_dir's config.json or model.arch"
             out.update({f"model.{name}": why for name in ("vocab_size", *MODEL_SIZES, "init_seed")})
@@ -383,7 +400,16 @@ def _take_hf_data_settings(cfg: TrainConfig) -> None:
 
 
 def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
-    """An explicit layout must place every layer of the model and split its heads evenly."""
+    """An explicit layout must place every layer of the model and split its heads evenly, and has
+    audio buckets exactly when the model has an audio encoder."""
+    if m.kind == "omni":
+        fix = "model.kind=omni needs audio buckets (frames of audio per LLM row), e.g. [752, 3000]"
+        require(bool(lay.audio), "layout.audio", lay.audio, fix)
+        fix = f"each must divide model.audio_num_heads={m.audio_num_heads} (LLM stage 0 runs the audio encoder) too"
+        require(m.audio_num_heads % lay.llm_tp[0] == 0, "layout.llm_tp", lay.llm_tp, fix)
+    else:
+        fix = f"model.kind={m.kind} has no audio encoder: leave it []"
+        require(not lay.audio, "layout.audio", lay.audio, fix)
     if m.kind == "decoder":
         fix = "model.kind=decoder has no encoder: give layout.encoder_layers=[]"
         require(not lay.encoder_layers, "layout.encoder_layers", lay.encoder_layers, fix)

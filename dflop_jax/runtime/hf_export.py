@@ -270,6 +270,11 @@ def export_run(
     )
 
     run_dir, out = Path(run_dir), Path(out)
+    if cfg.model.kind == "omni":  # two HF directories (`models.hf.omni.save_omni`), not one
+        raise ExportError(
+            f"{run_dir} trained an omni model: exporting it from a checkpoint is not supported "
+            "yet (models.hf.omni.save_omni writes the vision and audio HF directories of a model)"
+        )
     model_cfg = with_token_ids(model_cfg, cfg)
     checkpoints = run_dir / "checkpoints"
     try:

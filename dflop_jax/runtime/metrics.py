@@ -36,6 +36,7 @@ CONSOLE_COLUMNS = (
     ("mfu", "MFU", "{:.2%}"),
     ("llm_padding_ratio", "padding", "{:.1%}"),
     ("tile_padding_ratio", "tile padding", "{:.1%}"),
+    ("audio_padding_ratio", "audio padding", "{:.1%}"),
     ("data_wait_s", "data wait", "{:.2f}s"),
     ("microbatches", "microbatches", "{:d}"),
     ("recompiles", "compiles", "{:d}"),
@@ -58,6 +59,8 @@ class StepMetrics:
         {"tokens": r} (LLM stage), {"tiles": r, "tokens": r} (the colocated stage).
       tile_padding_ratio: the tile padding of a run whose stages encode tiles (console "tile
         padding"), None without an encoder.
+      audio_padding_ratio: of the audio frames the audio encoder ran (each LLM row's audio row),
+        the share that was padding (console "audio padding"); None when the step ran no audio.
       microbatches, loss_tokens, skipped: the global batch.
       scheduler_latency_s, scheduler_gap, scheduler_solver, predicted_step_time_s: the schedule.
       data_wait_s: time the step waited for the loader.
@@ -136,6 +139,7 @@ class StepMetrics:
     eval_recompiles: int | None = None
     stage_padding: list[dict[str, float]] = dataclasses.field(default_factory=list)
     tile_padding_ratio: float | None = None
+    audio_padding_ratio: float | None = None
     plan_regret: float | None = None
     plan_regret_step: int | None = None
 
@@ -179,6 +183,9 @@ def step_metrics(
         stage_padding_ratio=[tiles if m == "encoder" else tokens for m in stage_modules],
         stage_padding=[pads[m] for m in stage_modules],
         tile_padding_ratio=tiles if encodes else None,
+        audio_padding_ratio=st.packed.audio_padding_ratio
+        if st.packed.audio_frames_computed
+        else None,
         microbatches=len(batch.microbatches),
         loss_tokens=batch.num_loss_tokens,
         scheduler_latency_s=st.scheduler_latency_s,
@@ -226,6 +233,13 @@ def real_work(batch: GlobalBatch, has_encoder: bool) -> list[tuple[int, int]]:
             work.append((sum(s.tiles for s in samples), 0))
         work += [(0, s.tokens) for s in samples]
     return work
+
+
+def real_audio_windows(batch: GlobalBatch) -> list[int]:
+    """The valid frames of every audio window of a global batch's samples, as scheduled (MFU's
+    audio work, `costs.batch_model_flops`)."""
+    return [w for plan in batch.schedule.microbatches for shard in plan.shards for i in shard
+            for w in batch.shapes[i].audio_windows]  # fmt: skip
 
 
 class MetricsLog:

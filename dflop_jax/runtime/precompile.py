@@ -32,6 +32,7 @@ step's `recompiles` (0 when everything was compiled ahead) and the summary's `pr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -121,21 +122,25 @@ class PrecompileReport:
 def bucket_microbatches(problem: ScheduleProblem, data_cfg) -> list[dict[str, np.ndarray]]:
     """One all-padding microbatch per allowed (tile bucket, length bucket) pair of the plan
     (`BucketSet.allowed`), packed as the run's loader packs (same geometry, feature taps,
-    colocation): the shapes every step may run."""
+    colocation): the shapes every step may run. With audio buckets, one per pair and audio
+    bucket, none included (a microbatch without audio): only the stage running the audio encoder
+    sees the audio bucket, so the others compile nothing more for them."""
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     out = []
-    for t, s in problem.buckets.allowed():
+    for (t, s), a in itertools.product(problem.buckets.allowed(), (0, *problem.buckets.audio)):
         plan = ScheduledMicrobatch(
             t,
             s,
             ((),) * problem.llm_dp,
             tiles_by_row=problem.tiles_by_row,
             row_align=problem.row_align,
+            audio_bucket=a,
         )
         mb, _ = pack_microbatch(plan, [], [], encoder_dp=problem.encoder_dp,
                                 llm_dp=problem.llm_dp, tile_shape=tile_shape,
                                 tokens_per_tile=tokens_per_tile,
-                                feature_taps=pack_taps(data_cfg))  # fmt: skip
+                                feature_taps=pack_taps(data_cfg),
+                                audio_mels=data_cfg.audio_mels)  # fmt: skip
         out.append({f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)})
     return out
 

@@ -60,6 +60,7 @@ from dflop_jax.runtime.metrics import (
     MetricsLog,
     StepMetrics,
     dispatch_metrics,
+    real_audio_windows,
     real_work,
     stage_modules,
     step_metrics,
@@ -466,7 +467,8 @@ class _Trainer:
         self.last_done_s = f.done_s[0]
         correction = f.batch.schedule.info.get("correction") or self.scheduler.prediction_error()
         observed_before, self.observed = self.observed, correction["observations"]
-        flops = batch_model_flops(self.arch, real_work(f.batch, self.has_encoder))
+        flops = batch_model_flops(self.arch, real_work(f.batch, self.has_encoder),
+                                  real_audio_windows(f.batch))  # fmt: skip
         return step_metrics(
             f.step, f.batch, stage_modules(self.layout, self.has_encoder), correction,
             observed_before=observed_before, loss=stats["loss"], grad_norm=stats["grad_norm"],

@@ -7,6 +7,7 @@ frames = ceil(samples / 160)), written out here, not taken from the code under t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -214,9 +215,14 @@ def test_a_model_without_an_audio_encoder_skips_audio_samples_counted(proc, clip
     assert "d.jsonl:7" in caplog.text and "no audio encoder" in caplog.text  # where, and why
     text = stage(_rec(clips, conversations=_conv("Hi", "Yo")))
     assert text.shape is not None
-    hearing = ShapeStage(proc, PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio_mels=128),
-                         strict=False, quiet=True)  # fmt: skip
+    hears = PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio_mels=128,
+                     max_audio_frames=3000)  # fmt: skip
+    hearing = ShapeStage(proc, hears, strict=False, quiet=True)
     assert hearing(_rec(clips, audio="short.wav", conversations=_conv())).shape is not None
+    # more audio than the largest audio bucket holds: a counted too_long skip, like too many tokens
+    small = ShapeStage(proc, dataclasses.replace(hears, max_audio_frames=100), strict=False,
+                       quiet=True)  # fmt: skip
+    assert small(_rec(clips, audio="short.wav", conversations=_conv())).reason == "too_long"
 
 
 def test_synthetic_omni_mix_and_its_profile(tmp_path):

@@ -13,7 +13,6 @@ from dflop_jax.contracts import cost_table
 from dflop_jax.contracts.layout import Module
 from dflop_jax.costs import memory
 from dflop_jax.data import sample_arrays as data_types
-from dflop_jax.programs import param_paths
 from models import (
     cudnn_packed,
     decoder_config,
@@ -73,7 +72,6 @@ RESTATED = {
     "MODULES": [
         (tuple(Module.__args__), "contracts.layout.Module"),
         (tuple(stage_modules.MODULES), "models.stage_modules"),
-        (tuple(param_paths.COLOCATED_MODULES), "programs.param_paths"),
     ],  # fmt: skip
 }
 

@@ -115,7 +115,7 @@ def test_colocated_layout_refused_when_tp_splits_a_head():
     """tp 4 divides the decoder's 4 heads but not the ViT's 2: refused, saying why."""
     cfg = llava_onevision_config(COLOCATED_SIGLIP, MLLM_TEXT)
     layout = Layout((), (StageSpec("llm", 0, 3, tp=4, has_embedding=True, has_head=True),))
-    with pytest.raises(ValueError, match=r"tp must divide both models' attention heads"):
+    with pytest.raises(ValueError, match=r"tp must divide every model's attention heads"):
         build_stages(cfg, layout, stage_meshes(layout), 0)
 
 

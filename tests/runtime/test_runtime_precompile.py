@@ -1,12 +1,16 @@
 """What the runtime compiles before step 1 is what the planner prices: the programs
 `precompile` lowers for a layout and a (sparse) set of bucket pairs, counted without compiling, equal
 `costs.compile.program_counts` for separate encoder stages (tp 2 LLM stages), a colocated stage and
-a colocated pipeline; a stage compiles once per bucket it sees (an encoder stage per tile bucket, a
-later LLM stage per length bucket, the first LLM stage per pair)."""
+a colocated pipeline, also for an omni model; a stage compiles once per bucket it sees (an encoder
+stage per tile bucket, a later LLM stage per length bucket, the first LLM stage per pair, and with
+audio per pair and audio bucket)."""
+
+import dataclasses
 
 import jax
 import pytest
 from models_fixtures import tiny_llava_ov_config
+from pipeline_fixtures import OMNI
 
 from dflop_jax.contracts import BucketSet, ScheduleProblem
 from dflop_jax.contracts.layout import Layout, StageSpec
@@ -37,26 +41,37 @@ BUCKETS = BucketSet((2, 4), (64, 128), ((2, 64), (4, 64), (4, 128)))
 DATA = DataConfig(tile_size=28, patch_size=7)
 
 
+OMNI_BUCKETS = dataclasses.replace(BUCKETS, audio=(64, 128))
+OMNI_DATA = dataclasses.replace(DATA, audio_mels=OMNI.audio.audio.num_mel_bins)
+
+
 @pytest.mark.parametrize(
-    "layout", [SEPARATE, COLOCATED, COLOCATED_PP], ids=["separate", "colocated", "pp"]
-)
-def test_precompile_lowers_what_the_planner_counts(layout):
-    model_cfg = tiny_llava_ov_config()
+    "layout,omni",
+    [(SEPARATE, False), (COLOCATED, False), (COLOCATED_PP, False), (SEPARATE, True),
+     (COLOCATED_PP, True)],
+    ids=["separate", "colocated", "pp", "omni-separate", "omni-pp"],
+)  # fmt: skip
+def test_precompile_lowers_what_the_planner_counts(layout, omni):
+    """With audio buckets (omni) only the first LLM stage multiplies its signatures, by the audio
+    buckets and none: 3 pairs x 3."""
+    model_cfg = OMNI if omni else tiny_llava_ov_config()
+    buckets, data = (OMNI_BUCKETS, OMNI_DATA) if omni else (BUCKETS, DATA)
     stages = build_stages(model_cfg, layout, stage_meshes(layout), 0, compute_dtype=jax.numpy.float32,
                           residuals=["all"] * layout.num_stages)  # fmt: skip
-    problem = ScheduleProblem(layout.encoder_dp, layout.llm_dp, layout.num_stages, (1, 2), BUCKETS,
+    problem = ScheduleProblem(layout.encoder_dp, layout.llm_dp, layout.num_stages, (1, 2), buckets,
                               lambda t, s: None, tiles_by_row=True, row_align=layout.row_align)  # fmt: skip
     seen, lowered = set(), []
-    for batch in bucket_microbatches(problem, DATA):
+    for batch in bucket_microbatches(problem, data):
         lowered += pipeline_lowerings(stages, batch, seen=seen)
     # a forward keeping residuals is followed, once compiled, by its backward from them
     runtime = len(lowered) + sum(lw.then is not None for lw in lowered)
     opts = [StageOptimizer(s, OptimizerConfig().build()) for s in stages]
     step = sum(len(o.lower()) for o in opts) + len(lower_update(opts, 1.0)) + 1  # + the rate
-    counts = program_counts(layout, BUCKETS)
+    counts = program_counts(layout, buckets)
     assert (runtime, step) == (counts.bucket_programs, counts.step)
     kinds = [s.module for s in layout.stages]
+    first = 3 * (3 if omni else 1)
     for i, stage in enumerate(stages):  # signatures per stage: tiles, pairs or lengths
         sigs = {sig[1:] for sig in stage.signatures if sig[0] in ("fwd_res", "last", "fwd")}
-        want = 2 if kinds[i] == "encoder" else 3 if i == len(layout.encoder_stages) else 2
+        want = 2 if kinds[i] == "encoder" else first if i == len(layout.encoder_stages) else 2
         assert len(sigs) == want, (i, sigs)
