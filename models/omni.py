@@ -117,13 +117,19 @@ class OmniFirstStage(nnx.Module):
     """The first LLM stage of the omni model with the whole audio encoder on its devices (and, with
     `encoder`, the whole vision encoder too): each LLM row's audio windows arrive packed in that
     row's own audio row (`dflop_jax.data.packing`), the encoder runs them as packed windows on the
-    row's shard, and each row places only its own outputs, so no feature crosses shards.
-    Params: `encoder` (optional), `audio` and `llm`, the names and init of `Omni`'s."""
+    row's shard, and each row places only its own outputs, so no feature crosses shards. Without
+    `audio` (the audio encoder on stages of its own) the rows' audio features arrive encoded.
+    Params: `encoder` (optional), `audio` (optional) and `llm`, the names and init of `Omni`'s."""
 
     def __init__(
-        self, audio: AudioEncoderStage, llm: LLMStage, encoder: EncoderStage | None = None
+        self,
+        audio: AudioEncoderStage | None,
+        llm: LLMStage,
+        encoder: EncoderStage | None = None,
     ):
-        self.audio, self.llm = audio, llm
+        self.llm = llm
+        if audio is not None:
+            self.audio = audio
         if encoder is not None:
             self.encoder = encoder
 
@@ -133,7 +139,8 @@ class OmniFirstStage(nnx.Module):
 
         features: the vision features [B*T, tokens_per_tile, D] from the encoder stages, or, with
         a colocated `encoder`, its inputs (tiles [B*T,H,W,3], tile_pool [B*T]); None: no image.
-        audio, windows, valid: [B, A, M] / [B, A] packed audio rows (None: no audio);
+        audio, windows, valid: [B, A, M] / [B, A] packed audio rows (None: no audio); without
+        an `audio` encoder, audio is the rows' encoded features [B, A/4, D] (windows, valid unused);
         audio_index [B,S]: global output rows (row b's in [b*A/4, (b+1)*A/4)) or TEXT.
         """
         if hasattr(self, "encoder") and features is not None:
@@ -142,7 +149,9 @@ class OmniFirstStage(nnx.Module):
         h = self.llm.embed(tokens, features, feature_index, feature_weight, per_row=True)
         if audio is None or audio.shape[1] == 0:
             return h
-        clips = self.audio(audio, None, windows, valid).astype(h.dtype)  # [B, A/4, D]
+        if hasattr(self, "audio"):
+            audio = self.audio(audio, None, windows, valid)
+        clips = audio.astype(h.dtype)  # [B, A/4, D]
         local = jnp.where(audio_index >= 0, audio_index % clips.shape[1], TEXT)
         return place_features(h, clips, local)
 

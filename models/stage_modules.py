@@ -6,7 +6,8 @@ A `DecoderConfig` gives `DecoderStage`s (module "llm" only); an MLLM config (LLa
 `EncoderStage` ("encoder": vision layers, + patch embedding if first, + projector if last) or
 `LLMStage` ("llm"); a Qwen2-Audio config `AudioEncoderStage` (audio layers, + conv embedding if
 first, + pool, norm and projector if last) or `LLMStage`; an omni config (`models.omni`) its vision
-`EncoderStage`, an `OmniFirstStage` (the whole audio encoder on the first LLM stage, and with
+`EncoderStage`, its `AudioEncoderStage` ("audio": the audio encoder on stages of its own), an
+`OmniFirstStage` (the first LLM stage: with the whole audio encoder unless `audio_apart`, and with
 `colocated` the whole vision encoder too) or `LLMStage`. Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
 so `stage_module(cfg, ..., rngs=nnx.Rngs(s))` holds exactly the params that the whole model built with
 `nnx.Rngs(s)` holds for that range: a stage can be initialized alone, in its own sharding.
@@ -24,7 +25,9 @@ from models.mllm import ColocatedStage, EncoderStage, LLMStage
 from models.omni import OmniConfig, OmniFirstStage
 from models.qwen2_audio import AudioEncoderStage, Qwen2AudioConfig
 
-MODULES = ("encoder", "llm")
+MODULES = ("encoder", "audio", "llm")
+# The stage modules of a vision MLLM (what its HF checkpoints hold); an omni model adds "audio".
+MLLM_MODULES = ("encoder", "llm")
 # The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
 # mm_mlp_adapter, mm_language_model).
 TRAINABLE_PARTS = ("vision", "projector", "llm")
@@ -62,16 +65,21 @@ def stage_module(
     has_head: bool,
     rngs: nnx.Rngs,
     colocated: bool = False,
+    audio_apart: bool = False,
 ) -> nnx.Module:
     """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`.
 
     colocated: the first LLM stage of an MLLM also holds the whole encoder (`ColocatedStage`).
+    audio_apart: an omni model's audio encoder runs on stages of its own (module "audio"), so its
+      first LLM stage takes the audio features instead of holding the encoder.
     """
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
     if isinstance(cfg, OmniConfig):
         return _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs,
-                           colocated)  # fmt: skip
+                           colocated, audio_apart)  # fmt: skip
+    if module == "audio":
+        raise ValueError("stage module='audio' is an omni model's (models.omni.OmniConfig)")
     if colocated:
         if (
             isinstance(cfg, DecoderConfig | Qwen2AudioConfig)
@@ -97,18 +105,22 @@ def stage_module(
     return (encoder if module == "encoder" else LLMStage)(cfg, **flags)
 
 
-def _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs, colocated):
+def _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs, colocated,
+                audio_apart):  # fmt: skip
     flags = dict(first_layer=first_layer, num_layers=num_layers, has_embedding=has_embedding,
                  has_head=has_head, rngs=rngs)  # fmt: skip
-    if module == "encoder" or not has_embedding:
+    if module != "llm" or not has_embedding:
         if colocated:
             raise ValueError("colocated: only the first LLM stage can hold the encoders")
+        if module == "audio":
+            return AudioEncoderStage(cfg.audio, **flags)
         return (EncoderStage if module == "encoder" else LLMStage)(cfg.llava, **flags)
     whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
-    encoder = None
+    encoder = audio = None
     if colocated:
         encoder = EncoderStage(cfg.llava, num_layers=cfg.vision.num_layers, **whole)
-    audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
+    if not audio_apart:
+        audio = AudioEncoderStage(cfg.audio, num_layers=cfg.audio.audio.num_layers, **whole)
     return OmniFirstStage(audio, LLMStage(cfg.llava, **flags), encoder)
 
 

@@ -38,6 +38,9 @@ class ScheduleProblem:
         runtime runs packs so (an encoder colocated on the LLM's shards, or one on its own stages).
       row_align: a row's block of tile slots is a multiple of this (the first LLM stage's tp, over
         whose devices the block arrives split; 1 for a colocated encoder).
+      audio_always: every microbatch takes an audio bucket, at least the smallest (the audio
+        encoder on stages of its own runs every microbatch: the pipeline's programs are static);
+        otherwise a microbatch without audio takes none.
     """
 
     encoder_dp: int
@@ -48,6 +51,7 @@ class ScheduleProblem:
     stage_costs: StageCostFn
     tiles_by_row: bool = False
     row_align: int = 1
+    audio_always: bool = False
 
     def __post_init__(self):
         if self.row_align < 1:

@@ -1,7 +1,9 @@
 """Pipeline layouts: which layers each stage holds and on how many devices (tp x dp).
 
-A layout is encoder stages first, then LLM stages (DESIGN section 5). Pure Python: the planner, the
-scheduler, the simulator and the runtime all speak it.
+A layout is encoder stages first, then (a model with an audio encoder on stages of its own) audio
+stages, then LLM stages (DESIGN section 5): a chain, or two encoder branches that both feed the first
+LLM stage (`Layout.children`). Pure Python: the planner, the scheduler, the simulator and the
+runtime all speak it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Literal
 
 from dflop_jax.contracts.batch_schedule import row_tile_slots
 
-Module = Literal["encoder", "llm"]
+Module = Literal["encoder", "audio", "llm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,13 +21,15 @@ class StageSpec:
     """One pipeline stage: a contiguous layer range of one module on a (dp x tp) submesh.
 
     Attributes:
-      module: "encoder" (ViT) or "llm" (decoder).
+      module: "encoder" (ViT), "audio" (the audio encoder: Whisper-style) or "llm" (decoder).
       first_layer: index of the first transformer layer held.
       num_layers: number of transformer layers held (may be 0 for an embedding-only stage).
       tp: tensor-parallel degree (devices per replica, within a host).
       dp: data-parallel degree (replicas).
-      has_embedding: encoder: patch + position embedding; llm: token embedding + image-feature placement.
-      has_head: encoder: post-norm + projector; llm: final norm + LM head + loss.
+      has_embedding: encoder: patch + position embedding; audio: the convolutions + positions;
+        llm: token embedding + feature placement.
+      has_head: encoder: post-norm + projector; audio: pool, norm + projector; llm: final norm +
+        LM head + loss.
     """
 
     module: Module
@@ -37,8 +41,8 @@ class StageSpec:
     has_head: bool = False
 
     def __post_init__(self):
-        if self.module not in ("encoder", "llm"):
-            raise ValueError(f"module={self.module!r}: must be 'encoder' or 'llm'")
+        if self.module not in ("encoder", "audio", "llm"):
+            raise ValueError(f"module={self.module!r}: must be 'encoder', 'audio' or 'llm'")
         if self.first_layer < 0 or self.num_layers < 0:
             raise ValueError(
                 f"layers [{self.first_layer}, +{self.num_layers}): must be non-negative"
@@ -57,20 +61,35 @@ class StageSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A whole pipeline: encoder stages then LLM stages, each on its own disjoint devices.
+    """A whole pipeline: encoder stages, audio stages, then LLM stages, each on its own disjoint
+    devices.
 
     With no encoder stages the encoder runs colocated on LLM stage 0's devices, at that stage's tp or,
     with `colocated_encoder_tp`, at its own (a divisor of stage 0's tp): each tp group of stage 0 then
-    holds tp / colocated_encoder_tp encoder replicas, each on its own share of the tiles.
+    holds tp / colocated_encoder_tp encoder replicas, each on its own share of the tiles. Audio
+    stages (a model with an audio encoder; none: it runs on LLM stage 0) form a second branch: the
+    last encoder stage and the last audio stage both feed LLM stage 0 (`children`). Their dp
+    divides the LLM's: each audio replica encodes whole LLM rows' audio.
     """
 
     encoder_stages: tuple[StageSpec, ...]
     llm_stages: tuple[StageSpec, ...]
     colocated_encoder_tp: int | None = None
+    audio_stages: tuple[StageSpec, ...] = ()
 
     def __post_init__(self):
         if not self.llm_stages:
             raise ValueError("a layout needs at least one LLM stage")
+        for s in self.audio_stages:
+            if s.module != "audio":
+                raise ValueError(f"audio_stages holds a {s.module} stage")
+        if self.audio_stages and self.llm_dp % self.audio_stages[0].dp:
+            raise ValueError(
+                f"audio dp {self.audio_stages[0].dp} must divide the LLM's dp {self.llm_dp} (each "
+                "audio replica encodes whole LLM rows)"
+            )
+        if len({s.dp for s in self.audio_stages}) > 1:
+            raise ValueError("all stages of one module must share one dp degree")
         cet = self.colocated_encoder_tp
         if cet is not None and (self.encoder_stages or cet < 1 or self.llm_stages[0].tp % cet):
             raise ValueError(
@@ -89,7 +108,28 @@ class Layout:
 
     @property
     def stages(self) -> tuple[StageSpec, ...]:
-        return self.encoder_stages + self.llm_stages
+        return self.encoder_stages + self.audio_stages + self.llm_stages
+
+    @property
+    def first_llm(self) -> int:
+        """The index of LLM stage 0 in `stages`."""
+        return len(self.encoder_stages) + len(self.audio_stages)
+
+    @property
+    def children(self) -> tuple[int, ...]:
+        """Per stage, the stage its output feeds (-1 for the last): the next stage of its module,
+        or, for the last encoder and the last audio stage, LLM stage 0
+        (`contracts.pipeline_order.depths`)."""
+        first, out = self.first_llm, []
+        for group_end in (len(self.encoder_stages), first):
+            start = len(out)
+            out += [i + 1 for i in range(start, group_end - 1)] + [first] * (group_end > start)
+        out += list(range(first + 1, self.num_stages)) + [-1]
+        return tuple(out)
+
+    def parents(self, stage: int) -> tuple[int, ...]:
+        """The stages whose outputs `stage` takes, ascending (none for a branch's first stage)."""
+        return tuple(j for j, c in enumerate(self.children) if c == stage)
 
     @property
     def num_stages(self) -> int:

@@ -11,8 +11,10 @@ The runtime compiles every program once per shape it receives, before step 1
     sees both: one per allowed (tile, length) pair, which is why a sparse pair set pays;
   - any other LLM stage sees a length bucket: one per length bucket of the pairs;
   - with audio buckets (a model whose first LLM stage runs the audio encoder), that stage sees
-    each pair with and without audio: one per (pair, audio bucket or none); no other stage sees
-    the audio bucket.
+    each pair with and without audio: one per (pair, audio bucket or none); with the audio encoder
+    on stages of its own, every microbatch has audio (`ScheduleProblem.audio_always`): an audio
+    stage sees the audio bucket alone, the first LLM stage (taking its features) each (pair,
+    audio bucket); no other stage sees the audio bucket.
 Per signature an inner stage with a backward compiles two programs (its forward and its backward, or
 the residual-saving pair), a forward-only stage one, the last stage one (forward, loss and backward
 fused); the last stage also compiles a loss-token count per length bucket. Every stage boundary moves
@@ -95,11 +97,14 @@ def stage_buckets(layout: Layout, buckets: BucketSet, multimodal: bool) -> list[
     lengths = sorted({(s,) for _, s in pairs})
     first = list(pairs)
     if buckets.audio:
-        first = [p + (a,) for p in pairs for a in (0, *buckets.audio)]
+        audio = buckets.audio if layout.audio_stages else (0, *buckets.audio)
+        first = [p + (a,) for p in pairs for a in audio]
     out = []
     for stage in layout.stages:
         if stage.module == "encoder":
             out.append(tiles)
+        elif stage.module == "audio":
+            out.append([(a,) for a in buckets.audio])
         elif multimodal and stage.has_embedding:
             out.append(first)
         else:
@@ -113,15 +118,17 @@ def signature_length(sig: tuple) -> int:
 
 
 def _roles(layout: Layout, multimodal: bool, trainable: tuple[str, ...], audio: bool):
-    colocated = multimodal and not layout.encoder_stages
+    colocated, first = multimodal and not layout.encoder_stages, layout.first_llm
+    apart = bool(layout.audio_stages)
     return [
         stage_role(
             s,
             trainable,
             multimodal,
-            colocated=colocated and i == 0,
-            audio=audio and s.module == "llm" and s.has_embedding,
-        )  # fmt: skip
+            colocated=colocated and i == first,
+            audio=audio and i == first and not apart,
+            audio_x=apart and i == first,
+        )
         for i, s in enumerate(layout.stages)
     ]
 
@@ -140,11 +147,11 @@ def program_counts(
     for i, (n, role) in enumerate(zip(sigs, roles)):
         per_signature = 1 if i == last or not role.has_backward else 2
         stage.append(len(n) * per_signature)
-    transfers = 0
+    transfers, children = 0, layout.children
     for i in range(last):
         llm = layout.stages[i].module == "llm"
         shapes = len({signature_length(sig) if llm else sig[0] for sig in sigs[i]})
-        back = roles[i + 1].input_grad
+        back = roles[children[i]].input_grad
         transfers += shapes * TRANSFER_PROGRAMS * (2 if back else 1)
     count = len({signature_length(sig) for sig in sigs[last]})
     trains = [role.kind == "train" for role in roles]
@@ -176,13 +183,16 @@ def compile_cost(
     for i, stage in enumerate(layout.stages):
         seconds = 0.0
         for sig in sigs[i]:
+            if stage.module == "audio":  # nominal: the blocks, whatever the frames
+                seconds += _compile_time(provider, stage, sig[0])
+                continue
             bucket = (
                 layout.encoder_tiles(sig[0]) if stage.module == "encoder" else signature_length(sig)
             )
             seconds += _compile_time(provider, stage, bucket)
-            if encoder is not None and i == 0:
+            if encoder is not None and i == layout.first_llm:
                 seconds += _compile_time(provider, encoder, layout.encoder_tiles(sig[0]))
-            if len(sig) == 3 and sig[2]:
+            if len(sig) == 3 and sig[2] and not layout.audio_stages:
                 seconds += audio_s
         per_stage.append(seconds)
     small = counts.transfers + counts.count + counts.step

@@ -203,8 +203,16 @@ def llm_head_flops(llm: LLMArch, tokens: float) -> float:
 
 def stage_forward_flops(arch: MLLMArch, stage, bucket: int) -> float:
     """Forward FLOPs of one data shard of a pipeline stage (`contracts.layout.StageSpec`) at `bucket`:
-    tiles through an encoder stage's blocks, or one packed row of `bucket` tokens through an LLM
-    stage's (attention over S^2 / 2 causal pairs, as the analytic time prices it)."""
+    tiles through an encoder stage's blocks, `bucket` mel frames through an audio stage's, or one
+    packed row of `bucket` tokens through an LLM stage's (attention over S^2 / 2 causal pairs, as
+    the analytic time prices it)."""
+    if stage.module == "audio":
+        a = arch.audio
+        body = stage.num_layers * audio_layer_flops(a, bucket)
+        body += audio_embedding_flops(a, bucket) if stage.has_embedding else 0.0
+        return body + (
+            audio_projector_flops(a, bucket, arch.llm.hidden_size) if stage.has_head else 0.0
+        )
     if stage.module == "encoder":
         per_tile = stage.num_layers * vision_layer_flops(arch.vision)
         per_tile += vision_embedding_flops(arch.vision) if stage.has_embedding else 0.0

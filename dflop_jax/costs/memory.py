@@ -494,6 +494,61 @@ def encoder_stage_memory(
                    held if saves else None, residuals)  # fmt: skip
 
 
+def audio_stage_memory(
+    arch: MLLMArch,
+    stage: StageSpec,
+    frames: int,
+    remat: bool | str = False,
+    compute_bytes: int = 2,
+    flash_attention: bool = True,
+    trainable: tuple[str, ...] = TRAINABLE_PARTS,
+    dot_bytes: int | None = None,
+    residuals: str = "recompute",
+    attention_impl: str = "xla",
+) -> StageMemory:
+    """Memory of an audio encoder stage (its layers, + the convolutions / the projector if it holds
+    them) at `frames` mel frames per data shard (its LLM rows' audio rows), as `encoder_stage_memory`
+    counts a vision stage: the recipe's parts (tower "vision", projector "projector"), every layer's
+    residuals per position (`audio_activation_bytes_per_position`; flash attention, the windows'
+    dense squares not counted), the policy's kept layer inputs under remat."""
+    del flash_attention, attention_impl
+    a, tp, cb = arch.audio, stage.tp, compute_bytes
+    remat = _policy_remat(residuals, remat_policy(remat))
+    role = stage_role(stage, trainable, True)
+    forward = role.kind == "forward"
+    n_layer = _sharded(flops.audio_layer_params(a), 4 * a.hidden_size, tp)
+    n_body = stage.num_layers * n_layer
+    positions = frames // 2  # the stride-2 convolution's outputs
+    full = audio_activation_bytes_per_position(a, tp, False, cb)
+    kept = _kept_per_token(a.hidden_size, float(a.hidden_size * cb), cb, remat)
+    saves = residuals != "recompute" and not forward
+    temp = (
+        full * positions if forward else _residuals(stage.num_layers, positions, kept, full, remat)
+    )
+    held = _held(stage.num_layers, positions, kept, full, remat, n_layer * cb) if saves else 0.0
+    hidden = positions * a.hidden_size * cb
+    if stage.has_embedding:
+        d, m = a.hidden_size, a.num_mel_bins
+        n_body += 3 * m * d + d + 3 * d * d + d + a.max_source_positions * d
+        inputs = frames * (m * F32 + 4 + 1)  # the log-mel rows (float32), window ids, validity
+        temp += frames * m * cb
+    else:
+        inputs = hidden + frames * 5
+        temp += hidden if role.input_grad and not forward else 0.0  # dx
+    n_head = 0.0
+    if stage.has_head:
+        out = positions // a.pool * arch.llm.hidden_size * cb
+        n_head = (a.hidden_size * arch.llm.hidden_size + arch.llm.hidden_size) / tp
+        n_body += 2 * a.hidden_size  # the final LayerNorm
+        temp += 2 * out if not forward else out  # the features, and dy
+    elif not forward:
+        temp += hidden  # dy
+    trained, frozen = _split(role, {"vision": n_body, "projector": n_head})
+    loop = (0, 0.0, 0.0) if "vision" in role.trains else (stage.num_layers, n_layer, 0.0)
+    return _memory(role, trained, frozen, loop, stage.dp, cb, inputs, temp, dot_bytes,
+                   held if saves else None, residuals)  # fmt: skip
+
+
 def llm_stage_memory(
     arch: MLLMArch,
     stage: StageSpec,
@@ -582,10 +637,13 @@ def stage_memory(
     residuals: str = "recompute",
     attention_impl: str = "xla",
 ) -> StageMemory:
-    """Memory of one stage at its bucket (tiles per shard for encoder stages, tokens for LLM stages)
+    """Memory of one stage at its bucket (tiles per shard for encoder stages, mel frames per shard
+    for audio stages, tokens for LLM stages)
     under the recipe `trainable` (`dot_bytes`: `encoder_stage_memory`), residual policy and
     `attention_impl`."""
-    fn = encoder_stage_memory if stage.module == "encoder" else llm_stage_memory
+    fn = {"encoder": encoder_stage_memory, "audio": audio_stage_memory}.get(
+        stage.module, llm_stage_memory
+    )
     return fn(arch, stage, bucket, remat, compute_bytes, flash_attention, trainable, dot_bytes,
               residuals, attention_impl)  # fmt: skip
 

@@ -158,7 +158,7 @@ class AnalyticCostProvider:
         ar = self._allreduce_s(ar_bytes, tp)
         fwd = fwd_flops / rate + 2 * layers * ar + blocks * dev.layer_overhead_s
         bwd = 2 * fwd_flops / rate + 2 * layers * ar + 2 * blocks * dev.layer_overhead_s
-        if self.policy["vision" if stage.module == "encoder" else "llm"] != "none":
+        if self.policy["llm" if stage.module == "llm" else "vision"] != "none":
             bwd += layer_flops / rate + 2 * layers * ar + layers * dev.layer_overhead_s
         return fwd, bwd
 
@@ -192,9 +192,10 @@ class AnalyticCostProvider:
         return fwd, bwd
 
     def _check_stage(self, stage: StageSpec) -> None:
-        total = (
-            self.arch.vision.num_layers if stage.module == "encoder" else self.arch.llm.num_layers
-        )
+        if stage.module == "audio" and self.arch.audio is None:
+            raise ValueError(f"an audio stage, but {self.arch.name} has no audio encoder")
+        total = {"encoder": self.arch.vision.num_layers, "llm": self.arch.llm.num_layers,
+                 "audio": getattr(self.arch.audio, "num_layers", 0)}[stage.module]  # fmt: skip
         if stage.first_layer + stage.num_layers > total:
             raise ValueError(
                 f"{stage.module} stage layers [{stage.first_layer}, {stage.first_layer + stage.num_layers})"
@@ -205,7 +206,7 @@ class AnalyticCostProvider:
         if bucket < 0:
             raise ValueError(f"bucket={bucket}: must be >= 0")
         self._check_stage(stage)
-        if bucket == 0:
+        if bucket == 0 or stage.module == "audio":  # the audio encoder is not priced yet
             return 0.0, 0.0
         return self._recipe_time(stage, bucket, recipe_backward)
 
@@ -260,7 +261,7 @@ class AnalyticCostProvider:
         key = (stage, bucket, residuals)
         if key not in self._memory:
             self._check_stage(stage)
-            remat = self.policy["vision" if stage.module == "encoder" else "llm"]
+            remat = self.policy["llm" if stage.module == "llm" else "vision"]
             self._memory[key] = stage_memory(
                 self.arch,
                 stage,
@@ -336,7 +337,9 @@ def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list
     """Each stage's bucket: an encoder stage's tiles per shard (`Layout.encoder_tiles`: with tiles
     packed by row, llm_dp padded row blocks over the encoder's shards), an LLM stage's length."""
     tiles = layout.encoder_tiles(tile_bucket)
-    return [tiles if s.module == "encoder" else length_bucket for s in layout.stages]
+    # an audio stage's bucket (frames) is not in the key: 0, unpriced (`stage_time`)
+    by = {"encoder": tiles, "audio": 0, "llm": length_bucket}
+    return [by[s.module] for s in layout.stages]
 
 
 def layout_stage_costs(
@@ -364,8 +367,10 @@ def layout_stage_costs(
             out = np.array(
                 [t.stage_time(s, b) for t, s, b in zip(timers, stages, buckets)], dtype=np.float64
             )
-            if coloc is not None:
-                out[0] += colocated_encoder_time(encoder, coloc, layout.encoder_tiles(key[0]))
+            if coloc is not None:  # on LLM stage 0 (after any audio stages)
+                out[layout.first_llm] += colocated_encoder_time(
+                    encoder, coloc, layout.encoder_tiles(key[0])
+                )
             out.setflags(write=False)
             cache[key] = out
         return cache[key]
@@ -381,7 +386,7 @@ def policy_provider(provider: CostProvider, module: str, residuals: str | None) 
     `ProfiledCostTable.residuals`) price themselves."""
     if residuals in (None, "all") or not isinstance(provider, AnalyticCostProvider):
         return provider
-    part = "vision" if module == "encoder" else "llm"
+    part = "llm" if module == "llm" else "vision"  # an audio stage: the encoders' remat
     if provider.policy[part] != "none":
         return provider
     return provider.with_remat({**provider.policy, part: "full"})
@@ -506,8 +511,14 @@ def layout_memory(
         return provider.stage_memory(stage, bucket, policy)
 
     buckets_of = _stage_buckets(layout, tile_bucket, length_bucket)
+    if layout.audio_stages and isinstance(buckets, BucketSet) and buckets.audio:
+        # an audio shard's frames: its LLM rows' audio rows at the largest audio bucket
+        rows = layout.llm_dp // layout.audio_stages[0].dp
+        buckets_of = [rows * buckets.audio[-1] if s.module == "audio" else b
+                      for s, b in zip(layout.stages, buckets_of)]  # fmt: skip
     mems = [memory(s, b, r) for s, b, r in zip(layout.stages, buckets_of, policies)]
     if not layout.encoder_stages:
+        first = layout.first_llm
         encoder = colocated_encoder_stage(provider.arch, layout)
-        mems[0] = mems[0] + memory(encoder, tile_bucket, policies[0])
+        mems[first] = mems[first] + memory(encoder, tile_bucket, policies[first])
     return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]

@@ -70,12 +70,14 @@ def stage_parts(stage: StageSpec, colocated: bool = False, audio: bool = False) 
     return body + (("projector",) if stage.has_head else ())
 
 
-def _upstream(stage: StageSpec, multimodal: bool, colocated: bool) -> tuple[str, ...]:
+def _upstream(
+    stage: StageSpec, multimodal: bool, colocated: bool, audio_x: bool = False
+) -> tuple[str, ...]:
     """Parts that run before `stage`'s input (encoder stages first, then LLM stages; none before
-    the colocated stage, which takes the tiles)."""
+    the colocated stage, which takes the tiles, unless it takes the audio stages' features)."""
     if colocated:
-        return ()
-    if stage.module == "encoder":
+        return ("vision", "projector") if audio_x else ()
+    if stage.module in ("encoder", "audio"):  # an encoder branch: its tower, then its head
         return () if stage.has_embedding else ("vision",)
     mm = ("vision", "projector") if multimodal else ()
     return mm if stage.has_embedding else mm + ("llm",)
@@ -120,6 +122,7 @@ def stage_role(
     multimodal: bool = True,
     colocated: bool = False,
     audio: bool = False,
+    audio_x: bool = False,
 ) -> StageRole:
     """The role of `stage` under `trainable` (module docstring).
 
@@ -131,13 +134,15 @@ def stage_role(
         (`colocated_backward`).
       audio: `stage` also holds the whole audio encoder (an omni model's first LLM stage): it holds
         all three parts; its input (the vision features, when not colocated) is as LLM stage 0's.
+      audio_x: `stage` takes the features of the audio encoder's own stages (an omni model's first
+        LLM stage): a colocated one has an input, the audio branch's.
     """
     chosen = set(trainable)
     parts = stage_parts(stage, colocated, audio)
     return StageRole(
         tuple(p for p in parts if p in chosen),
         tuple(p for p in parts if p not in chosen),
-        any(p in chosen for p in _upstream(stage, multimodal, colocated)),
+        any(p in chosen for p in _upstream(stage, multimodal, colocated, audio_x)),
     )
 
 

@@ -54,6 +54,7 @@ class ResolvedPlan:
         return ScheduleProblem(
             lay.encoder_dp, lay.llm_dp, lay.num_stages, self.microbatches, self.buckets, costs,
             tiles_by_row=lay.tiles_by_row, row_align=lay.row_align,
+            audio_always=bool(lay.audio_stages),
         )  # fmt: skip
 
     def describe(self, multimodal: bool, devices: list[list[int]] | None = None) -> list[str]:

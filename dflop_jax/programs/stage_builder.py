@@ -104,12 +104,21 @@ def has_audio(model_cfg) -> bool:
     return isinstance(model_cfg, OmniConfig)
 
 
-def holds_audio(model_cfg, spec: StageSpec) -> bool:
-    """Whether `spec` is the stage that runs the audio encoder: an omni model's first LLM stage."""
-    return has_audio(model_cfg) and spec.module == "llm" and spec.has_embedding
+def holds_audio(model_cfg, spec: StageSpec, audio_apart: bool = False) -> bool:
+    """Whether `spec` is the stage that runs the whole audio encoder: an omni model's first LLM
+    stage, unless the audio encoder has stages of its own (`audio_apart`)."""
+    return has_audio(model_cfg) and spec.module == "llm" and spec.has_embedding and not audio_apart
 
 
-def stage_rules(model_cfg, spec: StageSpec, *, colocated: bool = False) -> Rules:
+def takes_audio(model_cfg, spec: StageSpec, audio_apart: bool) -> bool:
+    """Whether `spec` takes the audio encoder's features from its stages: an omni model's first LLM
+    stage when the audio encoder has stages of its own."""
+    return has_audio(model_cfg) and spec.module == "llm" and spec.has_embedding and audio_apart
+
+
+def stage_rules(
+    model_cfg, spec: StageSpec, *, colocated: bool = False, audio_apart: bool = False
+) -> Rules:
     """The rules of a stage: its kind's table, replicating the axes whose sizes tp does not divide
     (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage holding a whole encoder
     (`colocated`, or the audio encoder of an omni model's first LLM stage) replicates an axis that
@@ -119,13 +128,18 @@ def stage_rules(model_cfg, spec: StageSpec, *, colocated: bool = False) -> Rules
     t = model_cfg.text if is_multimodal(model_cfg) else model_cfg
     text = dict(vocab=t.vocab_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
                 mlp=t.intermediate_size)  # fmt: skip
+    audio = {}
+    if has_audio(model_cfg):
+        a = model_cfg.audio.audio
+        audio = dict(heads=a.num_heads, kv_heads=a.num_heads, mlp=a.intermediate_size)
     if spec.module == "encoder":
         kind, sizes = "vision", [vision]
+    elif spec.module == "audio":
+        kind, sizes = "vision", [audio]
     else:
         kind, sizes = "decoder", [text, vision] if colocated else [text]
-    if holds_audio(model_cfg, spec):
-        a = model_cfg.audio.audio
-        sizes.append(dict(heads=a.num_heads, kv_heads=a.num_heads, mlp=a.intermediate_size))
+    if holds_audio(model_cfg, spec, audio_apart):
+        sizes.append(audio)
     odd = {name for part in sizes for name, n in part.items() if n % spec.tp}
     return rules_for(kind, {name: None for name in odd})
 
@@ -147,7 +161,7 @@ def check_colocated(model_cfg, layout: Layout) -> None:
             f"tp={stage.tp} (an encoder at its own smaller tp is not implemented); plan without it"
         )
     heads = {"vision": model_cfg.vision.num_heads, "text": model_cfg.text.num_heads}
-    if has_audio(model_cfg):
+    if has_audio(model_cfg) and not layout.audio_stages:
         heads["audio"] = model_cfg.audio.audio.num_heads
     bad = {name: n for name, n in heads.items() if n % stage.tp}
     if bad:
@@ -166,6 +180,7 @@ def stage_fns(
     multimodal: bool,
     colocated: bool = False,
     audio: bool = False,
+    audio_x: bool = False,
 ) -> StageFns:
     """Pure functions of one stage module (`EncoderStage`, `LLMStage`, `DecoderStage` or, with
     `colocated`, `ColocatedStage`).
@@ -179,9 +194,15 @@ def stage_fns(
       audio: the first LLM stage also runs the audio encoder (`OmniFirstStage`) on the
         microbatch's audio rows, when it has them (`AUDIO_KEYS`: a microbatch without audio is
         another signature, one more compile of this stage only).
+      audio_x: the first LLM stage takes the audio encoder's features from its own stages
+        (`_joining_fns`).
     """
     if spec.module == "encoder":
         return _encoder_fns(graphdef, spec, rules)
+    if spec.module == "audio":
+        return _audio_fns(graphdef, spec, rules)
+    if audio_x:
+        return _joining_fns(graphdef, spec, rules, colocated=colocated)
     features = multimodal and spec.has_embedding
     return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated, audio=audio)
 
@@ -198,6 +219,55 @@ def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
     return StageFns(
         forward=forward, side_keys=side, x_spec=None if spec.has_embedding else P("data")
     )
+
+
+def _audio_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
+    """An audio encoder stage (`AudioEncoderStage` on packed rows): the first takes the audio rows,
+    the others the hidden rows; every one reads the windows (its attention stays within each)."""
+    side = (("audio",) if spec.has_embedding else ()) + ("audio_windows", "audio_valid")
+
+    def forward(params, x, s):
+        with nnx.logical_axis_rules(rules):
+            stage = nnx.merge(graphdef, params)
+            inp = s["audio"] if spec.has_embedding else x
+            return stage(inp, None, s["audio_windows"], s["audio_valid"])
+
+    return StageFns(
+        forward=forward, side_keys=side, x_spec=None if spec.has_embedding else P("data")
+    )
+
+
+def _joining_fns(graphdef, spec: StageSpec, rules: Rules, *, colocated: bool) -> StageFns:
+    """An omni model's first LLM stage when the audio encoder has stages of its own: x is the two
+    branches' outputs, {"encoder": vision features, "audio": audio features [l_dp, A/4, D]} (the
+    vision features as `_llm_fns` takes them), or with the vision encoder colocated the audio
+    features alone. Each row places its own audio outputs (`audio_index` modulo A/4)."""
+    side = ("tokens", "feature_index", "segment_ids", "positions", "audio_index")
+    if colocated:
+        side = ("tiles", "tile_pool") + side
+
+    def hidden(params, x, s):
+        with nnx.logical_axis_rules(rules):
+            stage = nnx.merge(graphdef, params)
+            vision = (s["tiles"], s["tile_pool"]) if colocated else x["encoder"]
+            sound = x if colocated else x["audio"]
+            x = stage.embed(vision, s["tokens"], *_placement(s), sound, None, None,
+                            s["audio_index"])  # fmt: skip
+            return stage, stage(x, s["segment_ids"], s["positions"])
+
+    x_spec = P("data") if colocated else {"encoder": FEATURES_SPEC, "audio": P("data")}
+    inner = None if colocated else {"encoder": ROW_FEATURES_SPEC, "audio": P("data")}
+    if not spec.has_head:
+        return StageFns(forward=lambda p, x, s: hidden(p, x, s)[1], side_keys=side,
+                        optional_keys=TAP_KEYS, x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
+
+    def loss(params, x, s):
+        stage, h = hidden(params, x, s)
+        with nnx.logical_axis_rules(rules):
+            return stage.loss(h, s["targets"], s["loss_mask"])
+
+    return StageFns(loss=loss, side_keys=side + ("targets", "loss_mask"), optional_keys=TAP_KEYS,
+                    x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
 
 
 def _llm_fns(
@@ -278,13 +348,21 @@ class StageBlueprint:
 
 
 def stage_blueprint(
-    module: nnx.Module, model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False
+    module: nnx.Module,
+    model_cfg,
+    spec: StageSpec,
+    mesh: Mesh,
+    *,
+    colocated: bool = False,
+    audio_apart: bool = False,
 ) -> StageBlueprint:
-    """The blueprint of a stage module of `model_cfg` on `mesh` (`colocated`: a `ColocatedStage`)."""
-    rules = stage_rules(model_cfg, spec, colocated=colocated)
+    """The blueprint of a stage module of `model_cfg` on `mesh` (`colocated`: a `ColocatedStage`;
+    `audio_apart`: an omni model's audio encoder has stages of its own)."""
+    rules = stage_rules(model_cfg, spec, colocated=colocated, audio_apart=audio_apart)
     graphdef, state = nnx.split(module)
     fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg),
-                    colocated=colocated, audio=holds_audio(model_cfg, spec))  # fmt: skip
+                    colocated=colocated, audio=holds_audio(model_cfg, spec, audio_apart),
+                    audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
 
 
@@ -294,25 +372,30 @@ def _flags(spec: StageSpec) -> dict:
 
 
 def stage_module(
-    model_cfg, spec: StageSpec, rngs: nnx.Rngs, *, colocated: bool = False
+    model_cfg,
+    spec: StageSpec,
+    rngs: nnx.Rngs,
+    *,
+    colocated: bool = False,
+    audio_apart: bool = False,
 ) -> nnx.Module:
     """A fresh stage module of `spec` (`models.stage_modules.stage_module`: random init keyed by global layer)."""
     from models.stage_modules import stage_module as build
 
-    return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, colocated=colocated)
+    return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, colocated=colocated,
+                 audio_apart=audio_apart)  # fmt: skip
 
 
 def abstract_stage(
-    model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False
+    model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False, audio_apart: bool = False
 ) -> StageBlueprint:
     """The blueprint of a fresh stage module without allocating it: `state` holds ShapeDtypeStructs
     carrying their shardings (what the profiler compiles from, and a non-local stage's params)."""
-    rules = stage_rules(model_cfg, spec, colocated=colocated)
+    where = dict(colocated=colocated, audio_apart=audio_apart)
+    rules = stage_rules(model_cfg, spec, **where)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        module = nnx.eval_shape(
-            lambda: stage_module(model_cfg, spec, nnx.Rngs(0), colocated=colocated)
-        )
-    bp = stage_blueprint(module, model_cfg, spec, mesh, colocated=colocated)
+        module = nnx.eval_shape(lambda: stage_module(model_cfg, spec, nnx.Rngs(0), **where))
+    bp = stage_blueprint(module, model_cfg, spec, mesh, **where)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), bp.state, bp.shardings
     )
@@ -326,7 +409,13 @@ def is_local(mesh: Mesh) -> bool:
 
 
 def init_stage(
-    model_cfg, spec: StageSpec, mesh: Mesh, source: ParamSource, *, colocated: bool = False
+    model_cfg,
+    spec: StageSpec,
+    mesh: Mesh,
+    source: ParamSource,
+    *,
+    colocated: bool = False,
+    audio_apart: bool = False,
 ) -> StageBlueprint:
     """The blueprint of a stage with its params created directly in their stage sharding.
 
@@ -337,21 +426,20 @@ def init_stage(
 
     A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
     their shardings): nothing of it is compiled, read or allocated here. `colocated`: the stage
-    also holds the whole encoder (`ColocatedStage`).
+    also holds the whole encoder (`ColocatedStage`); `audio_apart`: an omni model's audio encoder
+    has stages of its own.
     """
+    where = dict(colocated=colocated, audio_apart=audio_apart)
     if not is_local(mesh):
-        return abstract_stage(model_cfg, spec, mesh, colocated=colocated)
-    rules = stage_rules(model_cfg, spec, colocated=colocated)
+        return abstract_stage(model_cfg, spec, mesh, **where)
+    rules = stage_rules(model_cfg, spec, **where)
     if isinstance(source, int):
         module = create_sharded(
-            lambda rngs: stage_module(model_cfg, spec, rngs, colocated=colocated),
-            source,
-            mesh,
-            rules,
+            lambda rngs: stage_module(model_cfg, spec, rngs, **where), source, mesh, rules
         )
     else:
         module = _load_hf(source, model_cfg, spec, mesh, rules, colocated)
-    return stage_blueprint(module, model_cfg, spec, mesh, colocated=colocated)
+    return stage_blueprint(module, model_cfg, spec, mesh, **where)
 
 
 def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, colocated: bool):
@@ -410,8 +498,19 @@ def build_stages(
     coloc = colocated(model_cfg, layout)
     if coloc:
         check_colocated(model_cfg, layout)
+    apart = bool(layout.audio_stages)
+    if apart and not has_audio(model_cfg):
+        raise ValueError("a layout with audio stages needs a model with an audio encoder (omni)")
+    first = layout.first_llm
     blueprints = [
-        init_stage(stage_config(model_cfg, policy), spec, mesh, source, colocated=coloc and i == 0)
+        init_stage(
+            stage_config(model_cfg, policy),
+            spec,
+            mesh,
+            source,
+            colocated=coloc and i == first,
+            audio_apart=apart,
+        )  # fmt: skip
         for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals))
     ]
     masks = [trained_mask(bp.state, trainable) for bp in blueprints]
@@ -426,12 +525,13 @@ def build_stages(
             spec,
             trainable,
             is_multimodal(model_cfg),
-            colocated=coloc and i == 0,
-            audio=holds_audio(model_cfg, spec),
+            colocated=coloc and i == first,
+            audio=holds_audio(model_cfg, spec, apart),
+            audio_x=takes_audio(model_cfg, spec, apart),
         )  # fmt: skip
         for i, spec in enumerate(layout.stages)
     ]
-    return [
+    stages = [
         StageProgram(
             mesh,
             bp.fns,
@@ -443,6 +543,9 @@ def build_stages(
         )  # fmt: skip
         for bp, mesh, mask, role, policy in zip(blueprints, meshes, masks, roles, residuals)
     ]
+    for stage, child in zip(stages, layout.children):
+        stage.feeds = child
+    return stages
 
 
 def stage_config(model_cfg, residuals: str):

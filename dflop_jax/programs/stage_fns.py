@@ -37,8 +37,26 @@ def check_residual_policy(policy: str) -> str:
 def signature(x, side: Mapping[str, Any]) -> tuple:
     """The input-shape signature of a stage program call: (x shape and dtype, side shapes and
     dtypes), from arrays, ShapeDtypeStructs or tracers alike (a jit compiles once per signature)."""
-    xshape = None if x is None else (tuple(x.shape), str(x.dtype))
-    return xshape, tuple((k, tuple(side[k].shape), str(side[k].dtype)) for k in sorted(side))
+    return x_signature(x), tuple(
+        (k, tuple(side[k].shape), str(side[k].dtype)) for k in sorted(side)
+    )
+
+
+def x_signature(x) -> tuple | None:
+    """x's shape and dtype (a stage joining two branches: per part, by name)."""
+    if x is None:
+        return None
+    if isinstance(x, Mapping):
+        return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(x.items()))
+    return tuple(x.shape), str(x.dtype)
+
+
+def per_part(fn: Callable, value):
+    """`fn` of `value`, or of each part of a stage input made of parts (a dict by branch: the first
+    LLM stage joining the vision and the audio branch), kept in its dict."""
+    if isinstance(value, Mapping):
+        return {k: fn(v) for k, v in value.items()}
+    return fn(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +71,9 @@ class StageFns:
         the exact feature taps of LLaVA-OV data; the functions test `key in side` (a separate compile).
       x_spec: PartitionSpec of the stage input x on this stage's mesh, as the transfer delivers it
         (None: the stage has no x). An axis it shards that its devices do not divide arrives
-        padded with zeros at the end (`boundary_shape`).
+        padded with zeros at the end (`boundary_shape`). A stage joining two branches takes x as
+        a dict of parts, one per parent stage's module ("encoder", "audio"), and gives a spec per
+        part (`per_part`); so do `x_compute_spec` and dL/dx.
       x_compute_spec: the spec the functions take x in, when it differs from `x_spec` (None: the
         same): the programs reshard x to it on entry, an in-mesh collective (e.g. the all-gather
         of features that arrive split over the stage's devices), and dL/dx back to `x_spec` (the
@@ -66,8 +86,8 @@ class StageFns:
     loss: LossFn | None = None
     side_keys: tuple[str, ...] = ()
     optional_keys: tuple[str, ...] = ()
-    x_spec: P | None = None
-    x_compute_spec: P | None = None
+    x_spec: P | dict[str, P] | None = None
+    x_compute_spec: P | dict[str, P] | None = None
     y_spec: P = P("data")
 
     def __post_init__(self):

@@ -25,7 +25,14 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 from dflop_jax.programs.dispatch import STAGE, issue
-from dflop_jax.programs.stage_fns import PyTree, StageFns, boundary_shape, signature
+from dflop_jax.programs.stage_fns import (
+    PyTree,
+    StageFns,
+    boundary_shape,
+    per_part,
+    signature,
+    x_signature,
+)
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.programs.trees import accumulator_structs, all_trained
@@ -100,12 +107,17 @@ class StageProgram:
         self.role = role
         self.input_grad = role.input_grad and fns.x_spec is not None
         self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
-        self.x_sharding = None if fns.x_spec is None else NamedSharding(mesh, fns.x_spec)
+        self.x_sharding = (
+            None if fns.x_spec is None else per_part(lambda p: NamedSharding(mesh, p), fns.x_spec)
+        )
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
         self.jits = stage_jits(
             mesh, fns, self.param_shardings, compute_dtype, trained, role, residuals
         )
+        # the stage this one's output feeds (`Layout.children`), set by `build_stages`; None: the
+        # next stage (a chain of stages built by hand)
+        self.feeds: int | None = None
         self._signatures: set[tuple] = set()
         self._seen: dict[tuple, tuple] = {}  # (kind, shapes and dtypes) -> its `signature`
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
@@ -148,28 +160,35 @@ class StageProgram:
     def has_x(self) -> bool:
         return self.fns.x_spec is not None
 
-    def x_struct(self, y) -> jax.ShapeDtypeStruct:
+    def x_struct(self, y, part: str | None = None) -> jax.ShapeDtypeStruct:
         """The stage input made of the previous stage's output `y` (its shape and dtype): on
         `x_sharding`, padded where its devices do not divide an axis (`boundary_shape`). The
         transfer delivers x as this; dL/dx goes back to y's shape. An x the stage regathers
         (`x_compute_spec`: the MLLM's features, in row blocks) must split evenly: end padding
-        would shift its blocks, so a microbatch packed for another layout is refused here."""
-        key = (y.shape, y.dtype)
+        would shift its blocks, so a microbatch packed for another layout is refused here. A
+        stage joining two branches takes y as its x's `part` (the sending stage's module)."""
+        key = (y.shape, y.dtype, part)
         if key in self._x_structs:
             return self._x_structs[key]
-        shape = boundary_shape(y.shape, self.x_sharding)
+        sharding = self.x_sharding if part is None else self.x_sharding[part]
+        shape = boundary_shape(y.shape, sharding)
         if shape != tuple(y.shape) and self.fns.x_compute_spec is not None:
             raise ValueError(
-                f"stage input {tuple(y.shape)} does not split evenly over {self.x_sharding.spec} "
+                f"stage input {tuple(y.shape)} does not split evenly over {sharding.spec} "
                 f"on a {dict(self.mesh.shape)} mesh: a microbatch packed for another layout? "
                 "(tiles packed by row: blocks of `contracts.row_tile_slots` tiles per row)"
             )
-        out = self._x_structs[key] = jax.ShapeDtypeStruct(shape, y.dtype, sharding=self.x_sharding)
+        out = self._x_structs[key] = jax.ShapeDtypeStruct(shape, y.dtype, sharding=sharding)
         return out
+
+    @property
+    def x_parts(self) -> tuple[str, ...]:
+        """The parts of a joining stage's x (the modules of its parent stages); () otherwise."""
+        return tuple(self.x_sharding) if isinstance(self.x_sharding, dict) else ()
 
     def y_struct(self, y) -> jax.ShapeDtypeStruct:
         """`y`'s shape and dtype on `y_sharding` (where dL/dy goes back to), made once per shape."""
-        key = (y.shape, y.dtype, None)
+        key = (y.shape, y.dtype, None, "y")
         if key not in self._x_structs:
             self._x_structs[key] = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=self.y_sharding)
         return self._x_structs[key]
@@ -198,7 +217,7 @@ class StageProgram:
     def _record(self, kind: str, x, side) -> tuple:
         """Records that program `kind` runs on (x, side) (`signatures`); returns their
         `signature`, computed once per shapes and dtypes (a call looks it up by the arrays' own)."""
-        xs = None if x is None else (x.shape, x.dtype)
+        xs = None if x is None else x_signature(x) if isinstance(x, dict) else (x.shape, x.dtype)
         key = (kind, xs, tuple([(k, a.shape, a.dtype) for k, a in side.items()]))
         sig = self._seen.get(key)
         if sig is None:

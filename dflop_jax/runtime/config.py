@@ -40,7 +40,13 @@ class LayoutConfig:
       tiles, lengths: bucket sets (tiles per LLM row, packed by row; tokens per LLM row).
       audio: audio buckets, audio encoder frames per LLM row (multiples of 4, ascending; a 30 s
         window keeps up to 3000): only for a model with an audio encoder (model.kind=omni), which
-        needs them; the audio encoder runs on the first LLM stage.
+        needs them.
+      audio_layers: audio encoder layers held by each audio stage (empty: the audio encoder runs
+        on the first LLM stage); the audio stages run beside the encoder stages, both feeding
+        the first LLM stage.
+      audio_tp: tensor-parallel degree per audio stage (one value = all stages).
+      audio_dp: the audio stages' data-parallel degree (divides llm_dp: each replica encodes whole
+        LLM rows' audio).
       microbatches: (min, max) microbatches per global batch.
     """
 
@@ -55,6 +61,9 @@ class LayoutConfig:
     microbatches: tuple[int, int] = (2, 6)
     encoder_colocated: bool = False
     audio: tuple[int, ...] = ()
+    audio_layers: tuple[int, ...] = ()
+    audio_tp: tuple[int, ...] = (1,)
+    audio_dp: int = 1
 
     def __post_init__(self):
         require(len(self.llm_layers) >= 1, "layout.llm_layers", self.llm_layers, "need >= 1 stage")
@@ -62,7 +71,7 @@ class LayoutConfig:
             fix = "the colocated encoder runs on LLM stage 0: give an empty list"
             require(not self.encoder_layers, "layout.encoder_layers", self.encoder_layers, fix)
             require(not self.encoder_tp, "layout.encoder_tp", self.encoder_tp, fix)
-        for module in ("encoder", "llm"):
+        for module in ("encoder", "audio", "llm"):
             layers, tps = getattr(self, f"{module}_layers"), getattr(self, f"{module}_tp")
             _all_positive(layers, f"layout.{module}_layers", "layers per stage")
             _all_positive(tps, f"layout.{module}_tp", "tensor-parallel degrees")
@@ -73,6 +82,12 @@ class LayoutConfig:
                 f"give one value or one per {module} stage ({len(layers)})",
             )
         require(self.encoder_dp >= 1, "layout.encoder_dp", self.encoder_dp, "must be >= 1")
+        fix = f"must divide layout.llm_dp={self.llm_dp} (each audio replica encodes whole LLM rows)"
+        require(self.audio_dp >= 1 and self.llm_dp % self.audio_dp == 0, "layout.audio_dp",
+                self.audio_dp, fix)  # fmt: skip
+        fix = "audio stages encode audio: give layout.audio buckets too"
+        require(not self.audio_layers or bool(self.audio), "layout.audio_layers",
+                self.audio_layers, fix)  # fmt: skip
         require(self.llm_dp >= 1, "layout.llm_dp", self.llm_dp, "must be >= 1")
         for name in ("tiles", "lengths"):
             values = getattr(self, name)
@@ -95,10 +110,12 @@ class LayoutConfig:
         )
 
     def layout(self) -> Layout:
+        audio = _stages("audio", self.audio_layers, self.audio_tp, self.audio_dp)
+        llm = _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp)
         if self.encoder_colocated:
-            return Layout((), _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
+            return Layout((), llm, audio_stages=audio)
         enc = _stages("encoder", self.encoder_layers, self.encoder_tp, self.encoder_dp)
-        return Layout(enc, _stages("llm", self.llm_layers, self.llm_tp, self.llm_dp))
+        return Layout(enc, llm, audio_stages=audio)
 
     def buckets(self) -> BucketSet:
         return BucketSet(tuple(self.tiles), tuple(self.lengths), audio=tuple(self.audio))
@@ -405,11 +422,21 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     if m.kind == "omni":
         fix = "model.kind=omni needs audio buckets (frames of audio per LLM row), e.g. [752, 3000]"
         require(bool(lay.audio), "layout.audio", lay.audio, fix)
-        fix = f"each must divide model.audio_num_heads={m.audio_num_heads} (LLM stage 0 runs the audio encoder) too"
-        require(m.audio_num_heads % lay.llm_tp[0] == 0, "layout.llm_tp", lay.llm_tp, fix)
+        if lay.audio_layers:
+            fix = f"must add up to model.audio_num_layers={m.audio_num_layers}"
+            require(sum(lay.audio_layers) == m.audio_num_layers, "layout.audio_layers",
+                    lay.audio_layers, fix)  # fmt: skip
+            fix = f"each must divide model.audio_num_heads={m.audio_num_heads}"
+            require(all(m.audio_num_heads % tp == 0 for tp in lay.audio_tp), "layout.audio_tp",
+                    lay.audio_tp, fix)  # fmt: skip
+        else:
+            fix = (f"each must divide model.audio_num_heads={m.audio_num_heads} too (LLM stage 0 "
+                   "runs the audio encoder without layout.audio_layers)")  # fmt: skip
+            require(m.audio_num_heads % lay.llm_tp[0] == 0, "layout.llm_tp", lay.llm_tp, fix)
     else:
         fix = f"model.kind={m.kind} has no audio encoder: leave it []"
         require(not lay.audio, "layout.audio", lay.audio, fix)
+        require(not lay.audio_layers, "layout.audio_layers", lay.audio_layers, fix)
     if m.kind == "decoder":
         fix = "model.kind=decoder has no encoder: give layout.encoder_layers=[]"
         require(not lay.encoder_layers, "layout.encoder_layers", lay.encoder_layers, fix)

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.contracts.pipeline_order import stage_order
+from dflop_jax.contracts.pipeline_order import chain_position, depths, stage_order
 from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.stage_fns import PyTree
@@ -65,38 +65,70 @@ class Op:
 
 
 def stage_ops(
-    stage: int, num_stages: int, num_mb: int, order: Order, backward: bool = True
+    stage: int,
+    num_stages: int,
+    num_mb: int,
+    order: Order,
+    backward: bool = True,
+    depth: int | None = None,
 ) -> list[Op]:
     """The op sequence one stage executes (`contracts.pipeline_order.stage_order`, the simulator's too).
     The last stage's forward is fused with its backward; a
-    stage without `backward` (frozen, forward only) executes forwards only."""
+    stage without `backward` (frozen, forward only) executes forwards only. `depth`: the stages
+    from this one to the last (`contracts.pipeline_order.depths`; None: a chain's)."""
     if stage == num_stages - 1 or not backward:
         return [Op(stage, m, "F") for m in range(num_mb)]
-    return [Op(stage, m, kind) for kind, m in stage_order(order, stage, num_stages, num_mb)]
+    at = stage if depth is None else chain_position(depth, num_stages)
+    return [Op(stage, m, kind) for kind, m in stage_order(order, at, num_stages, num_mb)]
 
 
 @functools.cache
-def _order(num_stages: int, num_mb: int, order: Order, forward_only: int) -> tuple[Op, ...]:
-    return tuple(pipeline_order(num_stages, num_mb, order, forward_only))
+def _order(num_stages: int, num_mb: int, order: Order, forward_only: int,
+           children: tuple[int, ...] | None) -> tuple[Op, ...]:  # fmt: skip
+    return tuple(pipeline_order(num_stages, num_mb, order, forward_only, children))
 
 
-def pipeline_order(num_stages: int, num_mb: int, order: Order, forward_only: int = 0) -> list[Op]:
+def chain(num_stages: int) -> tuple[int, ...]:
+    """The children of a chain of stages (each feeds the next)."""
+    return tuple(range(1, num_stages)) + (-1,)
+
+
+def stage_tree(stages: Sequence[StageProgram]) -> tuple[int, ...]:
+    """Per stage, the stage its output feeds: as `build_stages` recorded it from the layout
+    (`StageProgram.feeds`), a chain for stages built without one."""
+    feeds = [s.feeds for s in stages]
+    return chain(len(stages)) if None in feeds else tuple(feeds)
+
+
+def pipeline_order(
+    num_stages: int,
+    num_mb: int,
+    order: Order,
+    forward_only: int = 0,
+    children: tuple[int, ...] | None = None,
+) -> list[Op]:
     """Merges the per-stage sequences into one dispatch order respecting data dependencies.
 
-    Round by round, each stage issues its next op if its input is ready (a forward needs the previous
-    stage's forward of that microbatch; a backward needs the next stage's backward, or the next stage's
-    fused forward+backward when that stage is the last).
+    Round by round, each stage issues its next op if its input is ready (a forward needs every
+    stage feeding it to have run its forward of that microbatch; a backward needs the stage it feeds
+    to have run its backward, or its fused forward+backward when that stage is the last).
 
     forward_only: how many leading stages run forward only (frozen; module docstring): they are left
     out of the backward wave, and stage s of them issues the forward of microbatch m only after the
-    next stage's forward of m - (num_stages - s).
+    next stage's forward of m - depth(s) (num_stages - s in a chain).
+    children: per stage, the stage its output feeds (`contracts.layout.Layout.children`: two
+    encoder branches joining at the first LLM stage); None: a chain. A branch stage runs the 1F1B
+    order of the chain stage as far from the end (`contracts.pipeline_order.chain_position`).
     """
     if not 0 <= forward_only < num_stages:
         raise ValueError(
             f"forward_only={forward_only}: between 0 and {num_stages - 1} (the last stage trains)"
         )
+    children = chain(num_stages) if children is None else tuple(children)
+    depth = depths(children)
+    parents = [[j for j, c in enumerate(children) if c == s] for s in range(num_stages)]
     queues = [
-        stage_ops(s, num_stages, num_mb, order, backward=s >= forward_only)
+        stage_ops(s, num_stages, num_mb, order, backward=s >= forward_only, depth=depth[s])
         for s in range(num_stages)
     ]
     done: set[Op] = set()
@@ -109,13 +141,14 @@ def pipeline_order(num_stages: int, num_mb: int, order: Order, forward_only: int
             if heads[s] == len(queues[s]):
                 continue
             op = queues[s][heads[s]]
+            child = children[s]
             if op.kind == "F":
-                ready = s == 0 or Op(s - 1, op.mb, "F") in done
-                lead = op.mb - (num_stages - s)
+                ready = all(Op(p, op.mb, "F") in done for p in parents[s])
+                lead = op.mb - depth[s]
                 if s < forward_only and lead >= 0:
-                    ready = ready and Op(s + 1, lead, "F") in done
+                    ready = ready and Op(child, lead, "F") in done
             else:
-                ready = Op(s + 1, op.mb, "F" if s + 1 == last else "B") in done
+                ready = Op(child, op.mb, "F" if child == last else "B") in done
             if ready:
                 issued.append(op)
                 heads[s] += 1
@@ -160,11 +193,12 @@ def run_pipeline(
     sample: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     placed: Sequence[Sequence[dict | None]] | None = None,
+    children: Sequence[int] | None = None,
 ) -> StepOutput:
     """Forward + backward of one global batch through the pipeline, accumulating gradients.
 
     Args:
-      stages: stage programs in pipeline order (encoder stages, then LLM stages).
+      stages: stage programs in pipeline order (encoder stages, audio stages, then LLM stages).
       microbatches: the packed microbatches (`PackedMicrobatch`, or its arrays by field name), global
         shapes; in a multi-process run only this process's shards need to be filled in.
       normalizer: loss tokens of the whole global batch; each microbatch's loss sum is divided by it,
@@ -176,19 +210,23 @@ def run_pipeline(
       clock: the timer of measured steps (seconds).
       placed: the microbatches' side inputs already on the local stages' devices (`place_sides`,
         run in the loader's prefetch thread); None: placed here, on the dispatching thread.
+      children: per stage, the stage its output feeds (`Layout.children`); None: the stages'
+        own (`stage_tree`).
 
     Returns:
       StepOutput with the loss contributions and the accumulated gradients.
     """
     num_stages, num_mb = len(stages), len(microbatches)
+    children = stage_tree(stages) if children is None else tuple(children)
     batches = [microbatch_fields(mb) for mb in microbatches]
     if normalizer is None and stages[-1].local:
         normalizer = _loss_tokens(stages[-1], batches, placed)
-    step = _InFlight.start(stages, num_mb)
+    step = _InFlight.start(stages, num_mb, children)
     measure = sample is not None
     times = np.zeros((num_mb, num_stages, 2)) if measure else None
     valid = np.arange(num_mb) == sample if measure else None
-    for op in _order(num_stages, num_mb, order, _forward_only(stages)):  # the same every such step
+    forward_only = _forward_only(stages, children)
+    for op in _order(num_stages, num_mb, order, forward_only, children):  # the same every step
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F":
@@ -203,7 +241,7 @@ def run_pipeline(
             jax.block_until_ready(out)
             times[m, s, 0 if op.kind == "F" else 1] = clock() - t0
             valid[m] &= stage.compiles == compiles
-        step.moved += step.pass_on(op, stages, sent)
+        step.moved += step.pass_on(op, stages, sent, children)
     return StepOutput(step.losses, step.grads, step.moved, times, valid)
 
 
@@ -239,7 +277,7 @@ class _InFlight:
     """
 
     grads: list[PyTree | None]
-    inputs: dict[tuple[int, int], jax.Array | None]
+    inputs: dict[tuple[int, int], jax.Array | dict | None]
     losses: list[jax.Array | None]
     sides: dict[tuple[int, int], dict] = dataclasses.field(default_factory=dict)
     held: dict[tuple[int, int], Held] = dataclasses.field(default_factory=dict)
@@ -248,9 +286,14 @@ class _InFlight:
     moved: int = 0
 
     @classmethod
-    def start(cls, stages: Sequence[StageProgram], num_mb: int) -> _InFlight:
-        return cls(grads=[s.zero_grads() if s.local else None for s in stages],
-                   inputs={(0, m): None for m in range(num_mb)}, losses=[None] * num_mb)  # fmt: skip
+    def start(cls, stages: Sequence[StageProgram], num_mb: int, children) -> _InFlight:
+        """No input yet but for each branch's first stage (none: it takes side inputs only);
+        a joining stage's parts arrive one by one."""
+        firsts = [s for s in range(len(stages)) if s not in children]
+        inputs = {(s, m): None for s in firsts for m in range(num_mb)}
+        inputs |= {(s, m): {} for s, st in enumerate(stages) if st.x_parts for m in range(num_mb)}
+        return cls(grads=[s.zero_grads() if s.local else None for s in stages], inputs=inputs,
+                   losses=[None] * num_mb)  # fmt: skip
 
     def inputs_of(self, s: int, m: int) -> tuple:
         """Everything op (s, m) reads (what a timed op waits for before its clock starts)."""
@@ -277,21 +320,41 @@ class _InFlight:
                                       self.grads[s])  # fmt: skip
         return gx, (gx, self.grads[s])
 
-    def pass_on(self, op: Op, stages: Sequence[StageProgram], sent) -> int:
-        """Moves a forward's y to the next stage or a dL/dx back to the previous one's output;
-        the bytes moved."""
+    def pass_on(self, op: Op, stages: Sequence[StageProgram], sent, children) -> int:
+        """Moves a forward's y to the stage it feeds (a joining stage's part of x) or a dL/dx back
+        to the output of each stage feeding this one; the bytes moved."""
         s, m = op.stage, op.mb
         stage = stages[s]
         if op.kind == "F" and not stage.is_last:
-            nxt = stages[s + 1]
-            self.inputs[s + 1, m], n = _send(sent, nxt.x_struct(sent))
+            c = children[s]
+            nxt, part = stages[c], part_of(s, c, stages, children)
+            x, n = _send(sent, nxt.x_struct(sent, part))
+            if part is None:
+                self.inputs[c, m] = x
+            else:
+                self.inputs[c, m][part] = x
             if nxt.input_grad:
                 self.outputs[s, m] = stage.y_struct(sent)
             return n
-        if stage.input_grad:  # dL/dx goes back to the previous stage's output
-            self.cotangents[s - 1, m], n = _send(sent, self.outputs.pop((s - 1, m)))
-            return n
-        return 0
+        if not stage.input_grad:
+            return 0
+        moved = 0  # dL/dx goes back to the output of each stage feeding this one
+        for p in (j for j, c in enumerate(children) if c == s):
+            part = part_of(p, s, stages, children)
+            g = sent if part is None else sent[part]
+            self.cotangents[p, m], n = _send(g, self.outputs.pop((p, m)))
+            moved += n
+        return moved
+
+
+def part_of(sender: int, receiver: int, stages: Sequence[StageProgram], children) -> str | None:
+    """The part of `receiver`'s x that `sender`'s output is (its parents in order are its parts in
+    order: the encoder branch, then the audio branch), None where x is one array."""
+    parts = stages[receiver].x_parts
+    if not parts:
+        return None
+    parents = [j for j, c in enumerate(children) if c == receiver]
+    return parts[parents.index(sender)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +362,7 @@ class BoundaryBytes:
     """Bytes one microbatch's transfers move between devices across the boundary after stage `stage`.
 
     Attributes:
-      stage: the sending stage's index (its output goes to stage + 1).
+      stage: the sending stage's index (its output goes to the stage it feeds).
       forward: the activations (stage's y -> the next stage's x sharding).
       backward: dL/dx back to the stage's output sharding (0 where the next stage passes none back).
     """
@@ -310,19 +373,53 @@ class BoundaryBytes:
 
 
 def transfer_bytes_per_microbatch(
-    stages: Sequence[StageProgram], microbatch: PackedMicrobatch | Mapping[str, np.ndarray]
+    stages: Sequence[StageProgram],
+    microbatch: PackedMicrobatch | Mapping[str, np.ndarray],
+    children: Sequence[int] | None = None,
 ) -> list[BoundaryBytes]:
     """Per stage boundary of a built pipeline, the bytes its transfer programs move between devices
     for one microbatch of `microbatch`'s shapes (`Transfer.bytes_moved`: the pieces that cross
     devices, local copies excluded; what `run_pipeline` adds to `StepOutput.transfer_bytes`). Only
     shapes are traced; no stage program runs or compiles, and any process may call it."""
     batch = microbatch_fields(microbatch)
-    out, x = [], None
-    for s, (a, b) in enumerate(zip(stages, stages[1:])):
-        y = a.output_struct(x, a.side_structs(batch))
-        x = b.x_struct(y)
-        back = transfer_bytes(x, a.y_sharding, y.shape) if b.input_grad else 0
+    out = []
+    for s, y, x in boundary_structs(stages, batch, children):
+        b = stages[_child(s, stages, children)]
+        back = transfer_bytes(x, stages[s].y_sharding, y.shape) if b.input_grad else 0
         out.append(BoundaryBytes(s, transfer_bytes(y, x.sharding, x.shape), back))
+    return out
+
+
+def _child(s: int, stages, children) -> int:
+    return (stage_tree(stages) if children is None else children)[s]
+
+
+def boundary_structs(
+    stages: Sequence[StageProgram], batch: Mapping[str, np.ndarray], children=None, visit=None
+):
+    """Per stage boundary, in stage order, (sending stage, its output y, the receiving stage's x
+    part made of it) of one microbatch of `batch`'s shapes, traced (`output_struct`), nothing
+    compiled. `visit(stage index, x, side)`, when given, is called on every stage's whole input
+    (a joining stage's once both parts are in), before its output is traced."""
+    children = stage_tree(stages) if children is None else tuple(children)
+    inputs: dict[int, object] = {}
+    out = []
+    for s, stage in enumerate(stages):
+        side = stage.side_structs(batch)
+        x = inputs.pop(s, None)
+        if visit is not None:
+            visit(s, x, side)
+        if stage.is_last:
+            break
+        y = stage.output_struct(x, side)
+        c = children[s]
+        part = part_of(s, c, stages, children)
+        xc = stages[c].x_struct(y, part)
+        if part is None:
+            inputs[c] = xc
+        else:
+            inputs.setdefault(c, {})[part] = xc
+        out.append((s, y, xc))
     return out
 
 
@@ -344,14 +441,15 @@ def placed_batch(stages: Sequence[StageProgram], batch):
     return batch
 
 
-def _forward_only(stages: Sequence[StageProgram]) -> int:
+def _forward_only(stages: Sequence[StageProgram], children) -> int:
     """How many leading stages run forward only (their roles decide, `costs.recipe.stage_role`);
     raises unless they are a prefix (a stage behind a trainable one must pass cotangents back) and
     each stage's input gradient agrees with it: what `build_stages` makes from the roles, checked
-    here for stage lists built by hand."""
+    here for stage lists built by hand. A stage fed by a trained one passes dL/dx back."""
     backward = [s.has_backward for s in stages]
     k = backward.index(True) if True in backward else len(stages)
-    wants = [s.has_x and i > k for i, s in enumerate(stages)]
+    fed = [any(backward[j] for j, c in enumerate(children) if c == i) for i in range(len(stages))]
+    wants = [s.has_x and fed[i] for i, s in enumerate(stages)]
     if not all(backward[k:]) or [s.input_grad for s in stages] != wants:
         raise ValueError(
             f"stages with a backward {backward} and input gradients "
@@ -361,7 +459,7 @@ def _forward_only(stages: Sequence[StageProgram]) -> int:
     return k
 
 
-def connect(stages: Sequence[StageProgram]) -> None:
+def connect(stages: Sequence[StageProgram], children: Sequence[int] | None = None) -> None:
     """Sets up the communicator of every pair of stages that exchange data with one tiny transfer each:
     neighbours (activations, cotangents) and every stage with the last (the step's norms and
     statistics, `train_state.apply_updates`).
@@ -371,7 +469,9 @@ def connect(stages: Sequence[StageProgram]) -> None:
     first step a process whose stages compile longer can be later than that. Transfers in both
     directions between two stages share the communicator (`transfer` orders devices by id).
     """
-    pairs = list(zip(stages, stages[1:])) + [(a, stages[-1]) for a in stages[:-2]]
+    children = stage_tree(stages) if children is None else children
+    pairs = [(a, stages[c]) for a, c in zip(stages, children) if c >= 0]
+    pairs += [(a, stages[-1]) for a, c in zip(stages, children) if 0 <= c < len(stages) - 1]
     for a, b in pairs:
         x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
         jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
@@ -408,9 +508,12 @@ def _last(stage: StageProgram, x, side, normalizer, gacc):
 
 
 def _like_x(stage: StageProgram, x):
-    """The shape of dL/dx (None when the stage passes none back)."""
+    """The shape of dL/dx (None when the stage passes none back; per part for a joining stage)."""
     if x is None or not stage.input_grad:
         return None
+    if isinstance(x, dict):
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=stage.x_sharding[k])
+                for k, v in x.items()}  # fmt: skip
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
 
 

@@ -39,7 +39,7 @@ from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import put_host, transfer
-from dflop_jax.runtime.driver import microbatch_fields, placed_batch
+from dflop_jax.runtime.driver import microbatch_fields, part_of, placed_batch, stage_tree
 from dflop_jax.scheduler import Scheduler
 from dflop_jax.scheduler.config import SchedulerConfig
 
@@ -60,21 +60,28 @@ def forward_losses(
       placed: per microbatch, the local stages' side inputs already on their devices
         (`driver.place_sides`, run by the eval loader's prefetch thread); None: placed here.
     """
-    last = stages[-1]
+    last, children = stages[-1], stage_tree(stages)
     for i, mb in enumerate(microbatches):
         fields = microbatch_fields(mb)
-        x = None
+        inputs: dict[int, object] = {}  # a stage's x (a joining stage's by part)
         for s, stage in enumerate(stages):
             if not stage.local:
                 side = stage.side_structs(fields)
             else:
                 side = placed[i][s] if placed is not None else stage.put_side(fields)
+            x = inputs.pop(s, None)
             if stage is last:
                 totals = stage.eval_loss(x, side, totals) if stage.local else totals
+                continue
+            y = stage.forward(x, side) if stage.local else stage.output_struct(x, side)
+            c = children[s]
+            part = part_of(s, c, stages, children)
+            to = stages[c].x_struct(y, part)
+            x = transfer(y, to.sharding, to.shape)
+            if part is None:
+                inputs[c] = x
             else:
-                y = stage.forward(x, side) if stage.local else stage.output_struct(x, side)
-                x = stages[s + 1].x_struct(y)
-                x = transfer(y, x.sharding, x.shape)
+                inputs.setdefault(c, {})[part] = x
     return totals
 
 

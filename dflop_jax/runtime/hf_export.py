@@ -19,6 +19,12 @@ model never builds (SigLIP's post-layernorm and pooling head, vision layers past
 The image processor's preprocessor_config.json is hf_dir's, or the family's, with the run's data
 settings (`data.hf_settings.processor_config`: what `model.hf_dir=<export>` reads back), beside
 hf_dir's other processor files and the run's tokenizer files.
+
+An omni run (`model.kind: omni`) exports two directories, as `models.hf.omni.save_omni` writes a
+model: `vision/` (LLaVA-OneVision: the vision tower, its projector and the decoder) and `audio/`
+(Qwen2-Audio: the audio tower, its projector and the same decoder, with a Whisper feature
+extractor's preprocessor_config.json), each loadable alone; the checkpoint's "audio" module is
+Qwen2-Audio's "encoder".
 """
 
 from __future__ import annotations
@@ -102,6 +108,14 @@ def with_token_ids(model_cfg, cfg: TrainConfig):
     tok = load_tokenizer(cfg.data.tokenizer)
     if not hasattr(model_cfg, "vision"):
         return model_cfg
+    if cfg.model.kind == "omni":
+        llava = dataclasses.replace(
+            model_cfg.llava,
+            image_token_id=tok.token_id("<image>"),
+            video_token_id=tok.token_id("<video>"),
+        )
+        audio = dataclasses.replace(model_cfg.audio, audio_token_id=tok.token_id("<|AUDIO|>"))
+        return dataclasses.replace(model_cfg, llava=llava, audio=audio)
     if cfg.model.kind == "internvl":
         return dataclasses.replace(model_cfg, image_token_id=tok.token_id("<IMG_CONTEXT>"))
     return dataclasses.replace(
@@ -115,17 +129,21 @@ def _variable_suffix() -> tuple[str, ...]:
     return tuple(key_name(k) for k in path)
 
 
-def hf_tensors(model_cfg) -> dict[str, _Tensor]:
-    """HF key -> where its tensor is stored, in module then parameter order (tied copies once)."""
+def hf_tensors(model_cfg, stored_as: dict[str, str] | None = None) -> dict[str, _Tensor]:
+    """HF key -> where its tensor is stored, in module then parameter order (tied copies once).
+    `stored_as`: the checkpoint's module of an HF module where they differ (an omni run's audio
+    tower, Qwen2-Audio's "encoder", is stored as "audio")."""
     from models.hf import module_tensors
-    from models.stage_modules import MODULES
+    from models.qwen2_audio import Qwen2AudioConfig
+    from models.stage_modules import MLLM_MODULES
 
     suffix = _variable_suffix()
-    modules = MODULES if hasattr(model_cfg, "vision") else ("llm",)
+    encoder = hasattr(model_cfg, "vision") or isinstance(model_cfg, Qwen2AudioConfig)
+    modules = MLLM_MODULES if encoder else ("llm",)
     out: dict[str, _Tensor] = {}
     for module in modules:
         for path, value, tm in module_tensors(model_cfg, module):
-            stored = (module, "params", *map(str, path), *suffix)
+            stored = ((stored_as or {}).get(module, module), "params", *map(str, path), *suffix)
             elements = math.prod(jax.eval_shape(tm.to_hf, value).shape)
             out.setdefault(tm.hf_key, _Tensor(stored, tuple(value.shape), tm.to_hf, elements))
     return out
@@ -270,17 +288,14 @@ def export_run(
     )
 
     run_dir, out = Path(run_dir), Path(out)
-    if cfg.model.kind == "omni":  # two HF directories (`models.hf.omni.save_omni`), not one
-        raise ExportError(
-            f"{run_dir} trained an omni model: exporting it from a checkpoint is not supported "
-            "yet (models.hf.omni.save_omni writes the vision and audio HF directories of a model)"
-        )
     model_cfg = with_token_ids(model_cfg, cfg)
     checkpoints = run_dir / "checkpoints"
     try:
         saved = SavedState(checkpoints, step)
     except FileNotFoundError as e:
         raise ExportError(f"{e} (train with checkpoint.every=N to write checkpoints)") from None
+    if cfg.model.kind == "omni":
+        return _export_omni(cfg, model_cfg, saved, checkpoints, out, max_shard_bytes)
     try:
         tensors = hf_tensors(model_cfg)
         _check_fits(saved, tensors, checkpoints)
@@ -307,3 +322,64 @@ def export_run(
         saved.close()
     files = [out / "config.json", *files, *copy_tokenizer(cfg, out), *write_processor(cfg, out)]
     return ExportReport(saved.step, files, len(sizes), sum(sizes.values()), len(kept))
+
+
+# The omni checkpoint's modules per exported directory (`models.hf.omni.save_omni`'s layout).
+OMNI_DIRS = {"vision": {}, "audio": {"encoder": "audio"}}
+
+
+def _export_omni(cfg, model_cfg, saved: SavedState, checkpoints: Path, out: Path,
+                 max_shard_bytes: int) -> ExportReport:  # fmt: skip
+    """`vision/` and `audio/` (module docstring) from one checkpoint: every stored param in one of
+    them (the decoder in both), each with its config.json, tokenizer and processor files."""
+    from models.hf import adapter_of, shard_plan, write_shards
+
+    parts = {"vision": model_cfg.llava, "audio": model_cfg.audio}
+    try:
+        tensors = {d: hf_tensors(parts[d], OMNI_DIRS[d]) for d in parts}
+        _check_fits(saved, {f"{d}/{k}": t for d, ts in tensors.items() for k, t in ts.items()},
+                    checkpoints)  # fmt: skip
+        files, count, total = [], 0, 0
+        for d, part in parts.items():
+            where = out / d
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "config.json").write_text(
+                json.dumps(adapter_of(part)[1].config_to_hf(part), indent=2)
+            )
+            ts = tensors[d]
+            sizes = {k: t.elements * _itemsize(saved, t) for k, t in ts.items()}
+            get = lambda key, ts=ts: np.asarray(ts[key].to_hf(saved.read(ts[key].stored)))  # noqa: E731
+            files += [where / "config.json", *write_shards(shard_plan(sizes, max_shard_bytes), get,
+                                                            where)]  # fmt: skip
+            files += copy_tokenizer(cfg, where)
+            count, total = count + len(sizes), total + sum(sizes.values())
+        files += write_processor(cfg, out / "vision")
+        files.append(_write_feature_extractor(cfg, out / "audio"))
+    finally:
+        saved.close()
+    return ExportReport(saved.step, files, count, total, 0)
+
+
+def _write_feature_extractor(cfg: TrainConfig, out: Path) -> Path:
+    """Whisper's feature extractor settings with the run's mel bins (what `data/audio.py`
+    computes: 16 kHz, 10 ms hops, 25 ms windows, 30 s chunks), as Qwen2-Audio's processor reads."""
+    from dflop_jax.contracts.shapes import WINDOW_FRAMES
+    from dflop_jax.data.audio import HOP, N_FFT, SAMPLE_RATE, WINDOW_SAMPLES
+
+    config = {
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "processor_class": "Qwen2AudioProcessor",
+        "feature_size": cfg.data.audio_mels,
+        "sampling_rate": SAMPLE_RATE,
+        "hop_length": HOP,
+        "n_fft": N_FFT,
+        "chunk_length": WINDOW_SAMPLES // SAMPLE_RATE,
+        "n_samples": WINDOW_SAMPLES,
+        "nb_max_frames": WINDOW_FRAMES,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+    }
+    target = out / "preprocessor_config.json"
+    target.write_text(json.dumps(config, indent=2))
+    return target

@@ -56,6 +56,7 @@ class StepMetrics:
       llm_padding_ratio, encoder_padding_ratio, stage_padding_ratio: padding per module / per stage
         (stage_padding_ratio: of a stage's main work, the colocated stage's tokens).
       stage_padding: per stage, the padding of each thing it computes: {"tiles": r} (encoder stage),
+        {"audio": r} (audio stage: its frames),
         {"tokens": r} (LLM stage), {"tiles": r, "tokens": r} (the colocated stage).
       tile_padding_ratio: the tile padding of a run whose stages encode tiles (console "tile
         padding"), None without an encoder.
@@ -149,10 +150,11 @@ COLOCATED = "encoder+llm"
 
 
 def stage_modules(layout, multimodal: bool) -> list[str]:
-    """What each stage of `layout` computes: "encoder", "llm", or COLOCATED for LLM stage 0 of an MLLM
-    layout without encoder stages (the runtime's `stage_builder.colocated`)."""
-    colocated = multimodal and not layout.encoder_stages
-    return [COLOCATED if colocated and i == 0 else s.module for i, s in enumerate(layout.stages)]
+    """What each stage of `layout` computes: "encoder", "audio", "llm", or COLOCATED for LLM stage 0
+    of an MLLM layout without encoder stages (the runtime's `stage_builder.colocated`)."""
+    colocated, first = multimodal and not layout.encoder_stages, layout.first_llm
+    return [COLOCATED if colocated and i == first else s.module
+            for i, s in enumerate(layout.stages)]  # fmt: skip
 
 
 def step_metrics(
@@ -167,12 +169,13 @@ def step_metrics(
     """The record of one step: `update` (loss, grad_norm, lr, step_time_s, mfu, compiles, recompiles,
     stage_times_measured), the batch's stats and schedule, and the scheduler's `prediction_error()`
     (`correction`; `observed_before`: its observation count before this step). `stage_modules`:
-    per stage "encoder", "llm" or COLOCATED (`stage_modules()`)."""
+    per stage "encoder", "audio", "llm" or COLOCATED (`stage_modules()`)."""
     st, schedule, time_s = batch.stats, batch.schedule, update["step_time_s"]
     tiles, tokens = st.encoder_padding_ratio, st.llm_padding_ratio
-    pads = {"encoder": {"tiles": tiles}, "llm": {"tokens": tokens},
+    audio = st.packed.audio_padding_ratio if st.packed.audio_frames_computed else None
+    pads = {"encoder": {"tiles": tiles}, "llm": {"tokens": tokens}, "audio": {"audio": audio},
             COLOCATED: {"tiles": tiles, "tokens": tokens}}  # fmt: skip
-    encodes = any(m != "llm" for m in stage_modules)
+    encodes = any(m not in ("llm", "audio") for m in stage_modules)
     return StepMetrics(
         step=step,
         tokens_per_s=st.packed.tokens_real / time_s,
@@ -180,12 +183,12 @@ def step_metrics(
         llm_padding_ratio=st.llm_padding_ratio,
         encoder_padding_ratio=st.encoder_padding_ratio,
         # Every stage of a module computes the same bucket shapes: its module's padding ratio.
-        stage_padding_ratio=[tiles if m == "encoder" else tokens for m in stage_modules],
+        stage_padding_ratio=[
+            {"encoder": tiles, "audio": audio}.get(m, tokens) for m in stage_modules
+        ],
         stage_padding=[pads[m] for m in stage_modules],
         tile_padding_ratio=tiles if encodes else None,
-        audio_padding_ratio=st.packed.audio_padding_ratio
-        if st.packed.audio_frames_computed
-        else None,
+        audio_padding_ratio=audio,
         microbatches=len(batch.microbatches),
         loss_tokens=batch.num_loss_tokens,
         scheduler_latency_s=st.scheduler_latency_s,

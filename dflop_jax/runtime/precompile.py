@@ -47,6 +47,7 @@ from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.programs.stage_program import Lowering, StageProgram
 from dflop_jax.programs.transfer import lower_transfer
+from dflop_jax.runtime.driver import boundary_structs, stage_tree
 
 # jax.monitoring's event for building one executable (the backend compile's duration event), and
 # the one for finding it in the persistent compilation cache instead.
@@ -123,11 +124,13 @@ def bucket_microbatches(problem: ScheduleProblem, data_cfg) -> list[dict[str, np
     """One all-padding microbatch per allowed (tile bucket, length bucket) pair of the plan
     (`BucketSet.allowed`), packed as the run's loader packs (same geometry, feature taps,
     colocation): the shapes every step may run. With audio buckets, one per pair and audio
-    bucket, none included (a microbatch without audio): only the stage running the audio encoder
-    sees the audio bucket, so the others compile nothing more for them."""
+    bucket, none included (a microbatch without audio) unless every microbatch has audio
+    (`ScheduleProblem.audio_always`): only the stages running or taking the audio encoder see the
+    audio bucket, so the others compile nothing more for them."""
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     out = []
-    for (t, s), a in itertools.product(problem.buckets.allowed(), (0, *problem.buckets.audio)):
+    audio = problem.buckets.audio if problem.audio_always else (0, *problem.buckets.audio)
+    for (t, s), a in itertools.product(problem.buckets.allowed(), audio or (0,)):
         plan = ScheduledMicrobatch(
             t,
             s,
@@ -150,24 +153,24 @@ def pipeline_lowerings(
     batch: dict[str, np.ndarray],
     evaluation: bool = False,
     seen: set | None = None,
+    children: Sequence[int] | None = None,
 ) -> list[Lowering]:
     """The programs one microbatch shaped like `batch` runs on this process's devices that are not
     lowered yet, lowered: each local stage's (`StageProgram.lower`) and each transfer's, both
-    directions (driver order); `seen` collects the transfers lowered so far (one per shape)."""
+    directions (driver order); `seen` collects the transfers lowered so far (one per shape).
+    `children`: the stages' tree (`Layout.children`; None: the stages' own, `stage_tree`)."""
     seen = set() if seen is None else seen
-    out, x = [], None
-    for s, stage in enumerate(stages):
-        side = stage.side_structs(batch)
-        if stage.local:
-            out += stage.lower(x, side, evaluation)
-        if stage.is_last:
-            break
-        y = stage.output_struct(x, side)
-        nxt = stages[s + 1]
-        x = nxt.x_struct(y)
+    out: list[Lowering] = []
+
+    def lower(s, x, side):
+        if stages[s].local:
+            out.extend(stages[s].lower(x, side, evaluation))
+
+    for s, y, x in boundary_structs(stages, batch, children, visit=lower):
         out += _transfer(y, x.sharding, x.shape, seen)
-        if nxt.input_grad:  # dL/dx back to this stage's output
-            out += _transfer(x, stage.y_sharding, y.shape, seen)
+        child = stages[(stage_tree(stages) if children is None else children)[s]]
+        if child.input_grad:  # dL/dx back to this stage's output
+            out += _transfer(x, stages[s].y_sharding, y.shape, seen)
     return out
 
 

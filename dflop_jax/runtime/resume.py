@@ -27,21 +27,19 @@ def layout_from_dict(d: dict) -> Layout:
         tuple(StageSpec(**s) for s in d["encoder_stages"]),
         tuple(StageSpec(**s) for s in d["llm_stages"]),
         d.get("colocated_encoder_tp"),
+        tuple(StageSpec(**s) for s in d.get("audio_stages", ())),
     )
 
 
 def stage_keys(layout: Layout) -> list[tuple]:
     """What a stage's programs depend on, per stage of `layout` in pipeline order: its spec, and for
-    LLM stage 0 of a colocated layout the encoder it also runs."""
+    LLM stage 0 of a colocated layout the encoder it also runs (and whether the audio encoder has
+    stages of its own)."""
     colocated = not layout.encoder_stages
-    first_llm = len(layout.encoder_stages)
-    return [
-        (
-            dataclasses.astuple(s),
-            (colocated, layout.colocated_encoder_tp) if i == first_llm else None,
-        )
-        for i, s in enumerate(layout.stages)
-    ]
+    first_llm = layout.first_llm
+    own = (colocated, layout.colocated_encoder_tp) + ((True,) if layout.audio_stages else ())
+    return [(dataclasses.astuple(s), own if i == first_llm else None)
+            for i, s in enumerate(layout.stages)]  # fmt: skip
 
 
 def stage_map(old: Layout, new: Layout) -> list[int | None]:

@@ -75,7 +75,7 @@ def _report(name, bin_of, m, ti, si, shapes, problem, table, t0, info) -> Schedu
     info.update(load_balance(bin_of, m, tokens, tiles, problem.llm_dp))
     info["microbatches"] = m
     info["simulated_makespan_s"] = simulate(table.stage[ti, si]).step_time
-    plans = with_audio(plans, shapes, problem.buckets)
+    plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
     return Schedule(plans, obj, lb, name, time.perf_counter() - t0, info)
 
 

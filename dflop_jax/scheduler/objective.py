@@ -186,19 +186,23 @@ def to_plans(
 
 
 def with_audio(
-    plans: tuple[ScheduledMicrobatch, ...], shapes: Sequence[SampleShape], buckets: BucketSet
+    plans: tuple[ScheduledMicrobatch, ...],
+    shapes: Sequence[SampleShape],
+    buckets: BucketSet,
+    always: bool = False,
 ) -> tuple[ScheduledMicrobatch, ...]:
     """`plans` with each microbatch's audio bucket: the smallest that holds its fullest row's audio
     frames (`SampleShape.audio_frames`), after its rows are re-packed to balance those frames
-    where the microbatch's own tile and length buckets allow (`balance_audio`). Unchanged without
-    audio."""
+    where the microbatch's own tile and length buckets allow (`balance_audio`); with `always`
+    (`ScheduleProblem.audio_always`) at least the smallest bucket. Unchanged without audio."""
     if not buckets.audio:
         return plans
     out = []
     for p in plans:
         p = balance_audio(p, shapes)
         fullest = max(sum(shapes[i].audio_frames for i in row) for row in p.shards)
-        out.append(dataclasses.replace(p, audio_bucket=buckets.audio_bucket(fullest)))
+        bucket = buckets.audio_bucket(fullest) or (buckets.audio[0] if always else 0)
+        out.append(dataclasses.replace(p, audio_bucket=bucket))
     return tuple(out)
 
 

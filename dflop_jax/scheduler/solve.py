@@ -118,7 +118,14 @@ def schedule_batch(
     plans = _ordered_plans(
         bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
     )
-    return Schedule(with_audio(plans, shapes, problem.buckets), obj, lb, solver, elapsed(), info)
+    return Schedule(
+        with_audio(plans, shapes, problem.buckets, problem.audio_always),
+        obj,
+        lb,
+        solver,
+        elapsed(),
+        info,
+    )
 
 
 def _greedy(tokens, tiles, capped, table, pool, elapsed):

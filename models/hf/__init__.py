@@ -32,7 +32,7 @@ from models.hf.io import (
     write_safetensors,
     write_shards,
 )
-from models.stage_modules import MODULES, stage_module
+from models.stage_modules import MLLM_MODULES, stage_module
 
 MODEL_TYPES: dict[str, ModelAdapter] = {
     "qwen2": qwen2.ADAPTER,
@@ -190,7 +190,7 @@ def unread_tensors(config, keys: list[str]) -> dict[str, str]:
     if adapter.stage_name_map is None:
         raise CheckpointError(f"model_type={model_type!r} has no pipeline stages")
     read, prefixes = set(), set()
-    for module in MODULES if _encoder(config) is not None else ("llm",):
+    for module in MLLM_MODULES if _encoder(config) is not None else ("llm",):
         flags = dict(first_layer=0, num_layers=module_layers(config, module),
                      has_embedding=True, has_head=True)  # fmt: skip
         ours = adapter.stage_name_map(config, [], module, **flags)

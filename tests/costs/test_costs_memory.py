@@ -335,3 +335,30 @@ def test_audio_activations_match_jax_saved_residuals():
     assert per_token == pytest.approx(model - flash_lse, rel=0.01)
     assert square == pytest.approx(2 * dense_attention_bytes(h, t, 1, causal=True), rel=0.01)
     assert audio_activation_bytes_per_position(arch, remat=True) == d * 2
+
+
+def test_audio_stage_memory_counts_the_audio_stage_params():
+    """`audio_stage_memory`'s parameters (fp32 bytes / 4) equal the real `AudioEncoderStage`'s of
+    each part an audio stage can hold (layers; + the convolutions and positions; + the pool's norm
+    and the projector), counted from the nnx module; a frozen tower (projector-only recipe) moves
+    the tower's bytes out of the gradients and optimizer state."""
+    from flax import nnx
+    from pipeline_fixtures import OMNI
+
+    from dflop_jax.contracts.layout import StageSpec
+    from dflop_jax.costs import arch_of_model
+    from dflop_jax.costs.memory import audio_stage_memory
+    from models.qwen2_audio import AudioEncoderStage
+
+    arch = arch_of_model(OMNI)
+    layers = OMNI.audio.audio.num_layers
+    for emb, head in [(True, True), (False, True), (True, False), (False, False)]:
+        spec = StageSpec("audio", 0, layers, has_embedding=emb, has_head=head)
+        module = AudioEncoderStage(OMNI.audio, first_layer=0, num_layers=layers,
+                                   has_embedding=emb, has_head=head, rngs=nnx.Rngs(0))  # fmt: skip
+        real = sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+        assert audio_stage_memory(arch, spec, 64).params == 4 * real, (emb, head)
+    whole = StageSpec("audio", 0, layers, has_embedding=True, has_head=True)
+    frozen = audio_stage_memory(arch, whole, 64, trainable=("projector",))
+    trained = audio_stage_memory(arch, whole, 64)
+    assert frozen.params == trained.params and frozen.optimizer < trained.optimizer

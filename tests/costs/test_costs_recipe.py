@@ -46,6 +46,24 @@ def test_roles_follow_the_pipeline_order():
     assert stage_role(first, ("llm",), multimodal=False).input_grad is False
 
 
+def test_audio_roles_follow_the_branches():
+    """An audio stage is an encoder branch (tower "vision", head "projector"); an omni model's
+    first LLM stage holding the audio encoder holds every part, and one taking the audio stages'
+    features passes dL/dx back to them when they train, also when the vision encoder is
+    colocated there (its one input is then the audio branch's)."""
+    audio = StageSpec("audio", 0, 32, has_embedding=True, has_head=True)
+    assert stage_role(audio, ("projector",)).head_only
+    assert stage_role(audio, ("llm",)).kind == "forward"
+    first = StageSpec("llm", 0, 7, has_embedding=True)
+    holding = stage_role(first, ("projector",), audio=True)
+    assert holding.trains == ("projector",) and holding.input_grad  # the vision projector trains
+    assert stage_role(first, ("projector",), colocated=True).input_grad is False
+    taking = stage_role(first, ("projector",), colocated=True, audio_x=True)
+    assert taking.kind == "train" and taking.input_grad  # its vision projector; dx to the audio
+    assert stage_role(first, ("projector",), audio_x=True).kind == "dx"
+    assert stage_role(first, ("llm",), colocated=True, audio_x=True).input_grad is False
+
+
 def test_frozen_encoder_stage_memory_by_hand():
     """A forward-only encoder stage: fp32 params only, no accumulator, no optimizer state, no stage
     input kept; its transient is one layer's activations (its tiles' attention squares included:

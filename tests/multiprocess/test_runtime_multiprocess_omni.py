@@ -1,11 +1,15 @@
 """An omni model across real processes: 2 jax processes x 4 CPU devices train `configs/omni_demo.yaml`,
-the vision encoder's 2 stages on process 0 and the LLM's 2 stages on process 1 (the first of them
-running the audio encoder); every step's loss equals a single-process run of the same layout (8
-devices, same data and schedule) to 1e-5 (float32).
+every step's loss equal to a single-process run of the same layout (8 devices, same data and
+schedule) to 1e-5 (float32), on two layouts:
 
-What crosses processes here and nowhere else: the vision features go to the process that runs the
-audio encoder, and process 1's loader packs every LLM row's audio windows (process 0 packs only
-tiles), each process deciding the same audio buckets from the same schedule."""
+- "separate": the vision encoder's 2 stages on process 0, the LLM's 2 stages on process 1 (the first
+  running the audio encoder): the vision features go to the process that runs the audio encoder,
+  whose loader packs every LLM row's audio windows (process 0 packs only tiles);
+- "audio_stage": the vision and the audio encoder each on a stage of its own, both on process 0,
+  feeding LLM stage 0 on process 1: two branches join across processes (both processes walk the
+  same branched op order), and process 0 packs the audio rows its audio stage holds.
+
+Each process decides the same audio buckets from the same schedule."""
 
 import numpy as np
 import pytest
@@ -23,19 +27,28 @@ def _args(tmp_path, run_dir) -> list[str]:
             "scheduler.solver=greedy", "distributed.timeout_s=60", f"run_dir={run_dir}"]  # fmt: skip
 
 
+LAYOUTS = {
+    "separate": [],
+    "audio_stage": ["layout.encoder_layers=[2]", "layout.audio_layers=[2]", "layout.audio_dp=2"],
+}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_processes_train_the_omni_model_like_one(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_processes_train_the_omni_model_like_one(tmp_path, layout):
     config = REPO / "configs" / "omni_demo.yaml"
     run_dir = tmp_path / "mp"
     logs = tmp_path / "logs"
     logs.mkdir()
-    args = ["--config", str(config), *_args(tmp_path, run_dir), "num_cpu_devices=4"]
+    args = ["--config", str(config), *_args(tmp_path, run_dir), *LAYOUTS[layout],
+            "num_cpu_devices=4"]  # fmt: skip
     finish(launch(logs, 2, args, limit_s=300), 320)
     multi = rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in multi] == [1, 2, 3]
     assert any(r["audio_padding_ratio"] is not None for r in multi)  # the audio encoder ran
 
-    cfg = load_config(TrainConfig, config, _args(tmp_path, tmp_path / "sp") + ["num_cpu_devices=8"])
+    cfg = load_config(TrainConfig, config,
+                      [*_args(tmp_path, tmp_path / "sp"), *LAYOUTS[layout], "num_cpu_devices=8"])  # fmt: skip
     single = run(cfg)
     np.testing.assert_allclose([r["loss"] for r in multi], single.losses, rtol=1e-5, atol=0)

@@ -36,6 +36,43 @@ def test_pipeline_order_is_complete_and_respects_dependencies(order, stages, mbs
             assert pos[nxt] < pos[op]
 
 
+# Two encoder branches joining at the first LLM stage: vision 0 -> 1 -> LLM 3, audio 2 -> LLM 3,
+# then LLM 3 -> 4 (`Layout.children`).
+BRANCHED = Layout(
+    (StageSpec("encoder", 0, 1, has_embedding=True), StageSpec("encoder", 1, 1, has_head=True)),
+    (StageSpec("llm", 0, 1, has_embedding=True), StageSpec("llm", 1, 1, has_head=True)),
+    audio_stages=(StageSpec("audio", 0, 2, has_embedding=True, has_head=True),),
+)
+
+
+@pytest.mark.parametrize("order", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("mbs", [1, 3, 6])
+def test_branched_pipeline_order_joins_both_branches(order, mbs):
+    """The first LLM stage runs a microbatch's forward only after BOTH branches' last stages ran
+    theirs, each branch stage's backward follows the joining stage's; under 1F1B a stage keeps at
+    most its depth (stages from it to the last) microbatches in flight, like the chain stage as far
+    from the end: the audio stage (depth 3) as the vision encoder's second stage, not its first."""
+    children = BRANCHED.children
+    assert children == (1, 3, 3, 4, -1) and BRANCHED.parents(3) == (1, 2)
+    seq = pipeline_order(5, mbs, order, children=children)
+    assert len(seq) == len(set(seq)) == (2 * 4 + 1) * mbs
+    pos = {op: i for i, op in enumerate(seq)}
+    for op in seq:
+        for p in BRANCHED.parents(op.stage):
+            if op.kind == "F":
+                assert pos[Op(p, op.mb, "F")] < pos[op]
+        if op.kind == "B":
+            c = children[op.stage]
+            assert pos[Op(c, op.mb, "F" if c == 4 else "B")] < pos[op]
+    if order == "1f1b":
+        for stage, depth in enumerate((4, 3, 3, 2)):  # the last stage fuses F and B
+            live = peak = 0
+            for op in (o for o in seq if o.stage == stage):
+                live += 1 if op.kind == "F" else -1
+                peak = max(peak, live)
+            assert peak == min(depth, mbs), stage
+
+
 def test_meshes_disjoint_and_shaped():
     layout = Layout(
         (StageSpec("encoder", 0, 1, tp=1, dp=2, has_embedding=True, has_head=True),),

@@ -20,7 +20,7 @@ from dflop_jax.data.config import DataConfig
 from dflop_jax.export import main
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_section import ModelConfig
-from dflop_jax.programs.param_paths import key_name
+from dflop_jax.programs.param_paths import holds_encoder, key_name, model_paths
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.resolve import RunContext
 from dflop_jax.runtime.checkpoint import Checkpointer
@@ -47,12 +47,21 @@ def _bump(path: tuple[str, ...], x):
     return x + 0.1 * jnp.asarray(noise)
 
 
-def _run_config(tmp_path, kind: str) -> TrainConfig:
+# An omni model: the audio encoder on the first LLM stage (tp 2), or on a stage of its own.
+OMNI_LAYOUTS = {
+    "audio_on_llm": dataclasses.replace(MLLM_LAYOUT, audio=(64,)),
+    "audio_stage": dataclasses.replace(MLLM_LAYOUT, audio=(64,), audio_layers=(2,)),
+}
+
+
+def _run_config(tmp_path, kind: str, layout: LayoutConfig | None = None) -> TrainConfig:
     family = "internvl" if kind == "internvl" else "llava_ov"
     return TrainConfig(
         model=ModelConfig(kind=kind, **SMALL),
-        data=DataConfig(model_family=family, tile_size=TINY_TILE, patch_size=TINY_PATCH),
-        layout=TEXT_LAYOUT if kind == "decoder" else MLLM_LAYOUT,
+        data=DataConfig(
+            model_family=family, tile_size=TINY_TILE, patch_size=TINY_PATCH, audio_mels=16
+        ),  # fmt: skip
+        layout=layout or (TEXT_LAYOUT if kind == "decoder" else MLLM_LAYOUT),
         compute_dtype="float32",
         run_dir=str(tmp_path / "run"),
     )
@@ -73,9 +82,10 @@ def _write_run(tmp_path, kind: str, steps=(2,), cfg: TrainConfig | None = None):
     ckpt = Checkpointer(run / "checkpoints")
     for step in steps:
         for spec, s in zip(layout.stages, stages):
+            both = holds_encoder(s.params)  # a stage holding a whole encoder: by its own module
             s.params = jax.tree_util.tree_map_with_path(
-                lambda p, x, spec=spec, step=step: _bump(
-                    (spec.module, *_global(p, spec), str(step)), x
+                lambda p, x, spec=spec, step=step, both=both: _bump(
+                    (*model_paths(p, spec, both)[0], str(step)), x
                 ),
                 s.params,
             )
@@ -93,12 +103,6 @@ def _saved_params(run, step) -> dict:
     out = {p: saved.read(p) for p in saved.leaves if p[1] == "params"}
     saved.close()
     return out
-
-
-def _global(path, spec):
-    from dflop_jax.programs.param_paths import global_path
-
-    return global_path(path, spec)
 
 
 def _reference(model_cfg, cls, steps=(2,)):
@@ -143,6 +147,38 @@ def test_llava_ov_export_loads_in_transformers_with_our_logits(tmp_path):
     assert hf_tok(text)["input_ids"] == list(load_tokenizer("bundled").encode(text)[0])
     # The family's image processor with the run's data settings, as an HF directory brings them.
     _assert_processor_of_run(out, _run_config(tmp_path, "llava_ov"), "LlavaOnevisionImageProcessor")
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("layout", list(OMNI_LAYOUTS))
+def test_omni_export_loads_in_both_hf_classes_with_our_logits(tmp_path, layout):
+    """An omni run's checkpoint (the audio encoder on the first LLM stage, or on a stage of its
+    own) exports `vision/` and `audio/`: transformers' LLaVA-OneVision and Qwen2-Audio load them
+    with nothing missing or left over, each with the logits of our unsplit `Omni` on its modality,
+    the decoder the same in both; the tokenizer and each processor's settings travel along."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from models_fixtures import assert_qwen2_audio_logits_equal
+
+    from models.llava_onevision import LlavaOnevision
+    from models.omni import Omni
+
+    cfg = _run_config(tmp_path, "omni", OMNI_LAYOUTS[layout])
+    _, model_cfg, run = _write_run(tmp_path, "omni", cfg=cfg)
+    out = tmp_path / "hf"
+    _export(run, out)
+    ours = _reference(model_cfg, Omni)
+    graphdef, state = nnx.split(LlavaOnevision(model_cfg.llava, rngs=nnx.Rngs(0)))
+    state["encoder"], state["llm"] = nnx.state(ours)["encoder"], nnx.state(ours)["llm"]
+    assert_llava_ov_logits_equal(out / "vision", nnx.merge(graphdef, state), model_cfg.llava)
+    assert_qwen2_audio_logits_equal(out / "audio", ours, model_cfg)
+    _, info = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
+        out / "audio", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    features = transformers.WhisperFeatureExtractor.from_pretrained(out / "audio")
+    assert (features.feature_size, features.sampling_rate) == (16, 16000)
+    _assert_processor_of_run(out / "vision", cfg, "LlavaOnevisionImageProcessor")
 
 
 def _assert_processor_of_run(out, cfg: TrainConfig, name: str):

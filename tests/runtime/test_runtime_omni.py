@@ -12,6 +12,7 @@ the two microbatches has no audio: the first LLM stage's second signature.
 Also: the run config's checks for an omni run, and the demo config training end to end (slow).
 """
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -27,10 +28,11 @@ from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
+from dflop_jax.resolve import RunContext
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
 from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.hf_export import ExportError, export_run, run_config
+from dflop_jax.runtime.hf_export import export_run, run_config
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 from dflop_jax.train import run
@@ -48,21 +50,52 @@ SEPARATE = Layout(
 )
 
 
+# The audio encoder on a stage of its own (dp 1: both rows' audio on one replica), beside the
+# vision encoder's stage: two branches joining at LLM stage 0 (tp 2).
+AUDIO_APART = Layout(
+    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (
+        StageSpec("llm", 0, 2, tp=2, dp=1, has_embedding=True),
+        StageSpec("llm", 2, 1, tp=1, dp=1, has_head=True),
+    ),
+    audio_stages=(
+        StageSpec("audio", 0, 1, tp=1, dp=1, has_embedding=True),
+        StageSpec("audio", 1, 1, tp=1, dp=1, has_head=True),
+    ),
+)
+# Both encoders on stages of their own at dp 2, as the LLM: each audio replica one row's audio.
+AUDIO_APART_DP2 = Layout(
+    (StageSpec("encoder", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+    (StageSpec("llm", 0, 2, tp=1, dp=2, has_embedding=True),
+     StageSpec("llm", 2, 1, tp=1, dp=2, has_head=True)),
+    audio_stages=(StageSpec("audio", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+)  # fmt: skip
+# The vision encoder colocated on LLM stage 0, the audio encoder on a stage of its own: LLM
+# stage 0 takes the audio features as its one input.
+COLOCATED_AUDIO_APART = dataclasses.replace(
+    colocated_layout(2, 2),
+    audio_stages=(StageSpec("audio", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
+)
+LAYOUTS = {"separate": SEPARATE, "colocated": colocated_layout(2, 2), "audio_apart": AUDIO_APART,
+           "audio_apart_dp2": AUDIO_APART_DP2, "colocated_audio_apart": COLOCATED_AUDIO_APART}  # fmt: skip
+
+
 @functools.cache
-def _batch() -> tuple[list[dict], list[dict]]:
+def _batch(all_audio: bool = False) -> tuple[list[dict], list[dict]]:
     """(packed microbatches, their reference inputs): an anyres microbatch with audio and a video
-    one without."""
+    one, without audio unless `all_audio` (a layout with audio stages runs audio in every
+    microbatch: the scheduler gives each one an audio bucket)."""
     rng = np.random.default_rng(3)
     tpt = OMNI.tokens_per_tile
     pairs = [omni_microbatch(rng, ROWS, tpt, audio=True, taps=True, video=False),
-             omni_microbatch(rng, ROWS, tpt, audio=False, taps=False, video=True)]  # fmt: skip
+             omni_microbatch(rng, ROWS, tpt, audio=all_audio, taps=False, video=True)]  # fmt: skip
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
 @functools.cache
-def _reference() -> tuple[float, dict]:
+def _reference(all_audio: bool = False) -> tuple[float, dict]:
     model = omni_model()
-    mbs, refs = _batch()
+    mbs, refs = _batch(all_audio)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     loss, new, _ = reference_step(model, refs, norm, OPT, omni_loss_sum)
     whole = StageSpec("llm", 0, OMNI.text.num_layers, has_embedding=True, has_head=True)
@@ -70,10 +103,14 @@ def _reference() -> tuple[float, dict]:
     return loss, jax.device_get(model_tree([whole], [parts], [{}]))
 
 
-@pytest.mark.parametrize("layout", ["separate", "colocated"])
+@pytest.mark.parametrize(
+    "layout",
+    [*LAYOUTS][:3] + [pytest.param(k, marks=pytest.mark.slow) for k in [*LAYOUTS][3:]],
+)
 def test_omni_step_matches_single_device(layout):
-    lay = SEPARATE if layout == "separate" else colocated_layout(2, 2)
-    mbs, _ = _batch()
+    lay = LAYOUTS[layout]
+    apart = bool(lay.audio_stages)
+    mbs, _ = _batch(apart)
     norm = sum(float(m["loss_mask"].sum()) for m in mbs)
     stages = build_stages(OMNI, lay, stage_meshes(lay), 0, compute_dtype=jnp.float32)
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
@@ -82,7 +119,7 @@ def test_omni_step_matches_single_device(layout):
     loss = sum(float(x) for x in out.loss)
     apply_updates(opts, out.grads, OPT.clip_norm)
 
-    ref_loss, ref_tree = _reference()
+    ref_loss, ref_tree = _reference(apart)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     got = model_tree(list(lay.stages), [s.params for s in stages], [{} for _ in stages])
     assert set(got) == {"encoder", "audio", "llm"}
@@ -108,30 +145,43 @@ def test_omni_run_config_checks():
     assert cfg.layout.buckets().audio == (1024, 4096)
     bad = {
         "layout.audio=[]": "layout.audio.*needs audio buckets",
-        "layout.audio=[1000, 998]": "layout.audio.*multiples of 4",
+        "layout.audio=[1000,998]": "layout.audio.*multiples of 4",
         "layout.llm_tp=[4]": "layout.llm_tp",  # divides the decoder's 4 heads, not the tower's 2
         "plan=analytic": "plan.*explicit layout",
         "model.arch=siglip-so400m+qwen2.5-0.5b": "model.kind.*built from the fields",
+        "layout.audio_layers=[1]": "layout.audio_layers.*audio_num_layers=2",
+        "layout.audio_layers=[2] layout.audio_dp=3": "layout.audio_dp.*divide layout.llm_dp",
     }
     for override, match in bad.items():
         with pytest.raises(ConfigError, match=match):
-            _omni_cfg(tmp, override)
+            _omni_cfg(tmp, *override.split())
+    apart = _omni_cfg(tmp, *VARIANTS["audio_stage"]).layout.layout()
+    assert [s.module for s in apart.stages] == ["encoder", "audio", "llm", "llm"]
+    assert apart.children == (2, 2, 3, -1)
     with pytest.raises(ConfigError, match="layout.audio.*no audio encoder"):
         _omni_cfg(tmp, "model.kind=llava_ov")
 
 
+# The demo's layout variants: the vision encoder colocated on LLM stage 0 (the audio encoder there
+# too), or both encoders on a stage of their own, side by side (2 + 2 + 4 devices).
+VARIANTS = {
+    "separate": [],
+    "colocated": ["layout.encoder_colocated=true", "layout.encoder_layers=[]",
+                  "layout.encoder_tp=[]", "layout.llm_tp=[2]"],
+    "audio_stage": ["layout.encoder_layers=[2]", "layout.audio_layers=[2]", "layout.audio_dp=2"],
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("colocated", [False, True], ids=["separate", "colocated"])
-def test_omni_demo_trains_and_resumes(tmp_path, colocated):
-    """configs/omni_demo.yaml on 8 devices, with the vision encoder on its own stages or colocated:
-        audio windows reach the audio encoder (audio padding reported), nothing compiles after the
-        precompile, a checkpointed run resumes with the audio encoder's state, and its export is refused
-    in one line (not supported yet)."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_omni_demo_trains_and_resumes(tmp_path, variant):
+    """configs/omni_demo.yaml on 8 devices, with the vision encoder on its own stages or colocated,
+    and the audio encoder on LLM stage 0 or on its own stage: audio windows reach the audio encoder
+    (audio padding reported), nothing compiles after the precompile, a checkpointed run resumes with
+    the audio encoder's state, and exports as two HF directories (`vision/`, `audio/`)."""
     extra = ["steps=2", "checkpoint.every=2", "data.synth_samples=48", "compute_dtype=float32",
-             "scheduler.solver=greedy"]  # fmt: skip
-    if colocated:
-        extra += ["layout.encoder_colocated=true", "layout.encoder_layers=[]",
-                  "layout.encoder_tp=[]", "layout.llm_tp=[2]"]  # fmt: skip
+             "scheduler.solver=greedy", *VARIANTS[variant]]  # fmt: skip
+    colocated = variant == "colocated"
     report = run(_omni_cfg(tmp_path, *extra))
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     assert report.summary["programs_after_precompile"] == 0
@@ -139,8 +189,14 @@ def test_omni_demo_trains_and_resumes(tmp_path, colocated):
     heard = [r["audio_padding_ratio"] for r in rows if r["audio_padding_ratio"] is not None]
     assert heard and min(heard) < 1.0  # the audio encoder ran real frames
     assert report.layout.encoder_stages == () if colocated else len(report.layout.encoder_stages)
+    assert len(report.layout.audio_stages) == (variant == "audio_stage")
+    if variant == "audio_stage":  # every microbatch runs the audio stage: an audio bucket each
+        assert all(r["audio_padding_ratio"] is not None for r in rows)
     again = run(_omni_cfg(tmp_path, *extra[1:], "steps=3"))
     assert again.first_step == 2 and len(again.losses) == 1 and np.isfinite(again.losses[0])
     run_dir = tmp_path / "run"
-    with pytest.raises(ExportError, match="omni model.*not supported"):  # one line, no traceback
-        export_run(run_config(run_dir), None, run_dir, tmp_path / "hf")
+    cfg = run_config(run_dir)
+    model_cfg = RunContext.build(cfg, read_plan=False).model_cfg
+    report = export_run(cfg, model_cfg, run_dir, tmp_path / "hf")
+    assert report.step == 3  # the resumed run's last step
+    assert {p.parent.name for p in report.files} == {"vision", "audio"}

@@ -42,24 +42,31 @@ DATA = DataConfig(tile_size=28, patch_size=7)
 
 
 OMNI_BUCKETS = dataclasses.replace(BUCKETS, audio=(64, 128))
+# the audio encoder on a stage of its own, beside the vision encoder's
+AUDIO_APART = dataclasses.replace(
+    SEPARATE,
+    audio_stages=(StageSpec("audio", 0, 2, tp=1, dp=1, has_embedding=True, has_head=True),),
+)
 OMNI_DATA = dataclasses.replace(DATA, audio_mels=OMNI.audio.audio.num_mel_bins)
 
 
 @pytest.mark.parametrize(
     "layout,omni",
     [(SEPARATE, False), (COLOCATED, False), (COLOCATED_PP, False), (SEPARATE, True),
-     (COLOCATED_PP, True)],
-    ids=["separate", "colocated", "pp", "omni-separate", "omni-pp"],
+     (COLOCATED_PP, True), (AUDIO_APART, True)],
+    ids=["separate", "colocated", "pp", "omni-separate", "omni-pp", "omni-audio-stage"],
 )  # fmt: skip
 def test_precompile_lowers_what_the_planner_counts(layout, omni):
     """With audio buckets (omni) only the first LLM stage multiplies its signatures, by the audio
-    buckets and none: 3 pairs x 3."""
+    buckets and none: 3 pairs x 3; with the audio encoder on a stage of its own, every microbatch
+    has audio: the audio stage sees the 2 audio buckets, the first LLM stage 3 pairs x 2."""
     model_cfg = OMNI if omni else tiny_llava_ov_config()
     buckets, data = (OMNI_BUCKETS, OMNI_DATA) if omni else (BUCKETS, DATA)
     stages = build_stages(model_cfg, layout, stage_meshes(layout), 0, compute_dtype=jax.numpy.float32,
                           residuals=["all"] * layout.num_stages)  # fmt: skip
     problem = ScheduleProblem(layout.encoder_dp, layout.llm_dp, layout.num_stages, (1, 2), buckets,
-                              lambda t, s: None, tiles_by_row=True, row_align=layout.row_align)  # fmt: skip
+                              lambda t, s: None, tiles_by_row=True, row_align=layout.row_align,
+                              audio_always=bool(layout.audio_stages))  # fmt: skip
     seen, lowered = set(), []
     for batch in bucket_microbatches(problem, data):
         lowered += pipeline_lowerings(stages, batch, seen=seen)
@@ -70,8 +77,8 @@ def test_precompile_lowers_what_the_planner_counts(layout, omni):
     counts = program_counts(layout, buckets)
     assert (runtime, step) == (counts.bucket_programs, counts.step)
     kinds = [s.module for s in layout.stages]
-    first = 3 * (3 if omni else 1)
-    for i, stage in enumerate(stages):  # signatures per stage: tiles, pairs or lengths
+    first = 3 * (1 + len(buckets.audio) - bool(layout.audio_stages))
+    for i, stage in enumerate(stages):  # signatures per stage: tiles, audio, pairs or lengths
         sigs = {sig[1:] for sig in stage.signatures if sig[0] in ("fwd_res", "last", "fwd")}
-        want = 2 if kinds[i] == "encoder" else first if i == len(layout.encoder_stages) else 2
+        want = 2 if kinds[i] != "llm" else first if i == layout.first_llm else 2
         assert len(sigs) == want, (i, sigs)
