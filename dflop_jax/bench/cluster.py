@@ -29,6 +29,17 @@ own tp, and give a separate encoder a tp the LLM cannot take (5 for InternViT-6B
 and the evaluation cost frozen parts as the runtime runs them (costs/recipe.py), e.g. the frozen-encoder
 row (LLaVA-OV stage 2 with the vision tower frozen); the model cell names the recipe.
 
+Omni rows (`models=[omni-7b, omni-32b]`: SigLIP-SO400M + Qwen2.5-7B / 32B + Qwen2-Audio's 32-layer
+audio encoder, on `scheduler.omni_mix`: LLaVA-OV's mix with a share of speech and sound samples, one
+row per `audio_shares`): the planners choose the vision and LLM layout as above and do not place
+the audio encoder yet, so in both arms it runs on the first LLM stage at its tp, each LLM row's
+audio on that row's shard (as the runtime runs it), and its time (`AnalyticCostProvider.audio_time`)
+is added to that stage per microbatch. DFLOP packs each row's windows back to back at the kept
+frames and runs the microbatch's audio bucket (the planner's ladder; the scheduler balances the
+rows' frames, `scheduler.objective.with_audio`); data-blind pads every clip to whole 30 s windows,
+as HF's Qwen2-Audio processor does, and every row to the fullest (its dynamic-shape variant: each
+rank its own row's windows). Useful work counts each row's valid frames.
+
 All are evaluated on the same fresh global batches (a seed the planner never saw) by the pipeline
 simulator. Reported: mean step time, speedup, the pipeline idle fraction (DESIGN section 9:
 sum_s (step - busy_s) / (P x step); padding counts as busy, data-parallel waiting is invisible) and the
@@ -49,6 +60,8 @@ import numpy as np
 
 from dflop_jax.bench._cli import command, load
 from dflop_jax.config import ConfigError, require
+from dflop_jax.contracts.layout import StageSpec
+from dflop_jax.contracts.shapes import WINDOW_FRAMES
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 from dflop_jax.costs.recipe import check_trainable
 from dflop_jax.planner import (
@@ -64,7 +77,7 @@ from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.progress import progress_bar
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
 from dflop_jax.planner.variants import plan_costs, plan_virtual_layout
-from dflop_jax.scheduler import Schedule, llava_ov_mix, omnibal_shapes
+from dflop_jax.scheduler import Schedule, llava_ov_mix, omni_mix, omnibal_shapes
 from dflop_jax.scheduler.baselines import BASELINES, run_baselines
 
 MODELS = {
@@ -88,6 +101,12 @@ PAPER_MODELS = {
     for arch in archs
 }  # fmt: skip
 MODELS.update(PAPER_MODELS)
+# vision + audio + LLM on `scheduler.omni_mix`; not in the default run
+OMNI_MODELS = {
+    "omni-7b": ("siglip-so400m+qwen2.5-7b+qwen2-audio", "omni"),
+    "omni-32b": ("siglip-so400m+qwen2.5-32b+qwen2-audio", "omni"),
+}
+MODELS.update(OMNI_MODELS)
 DEFAULT_MODELS = ("llava-ov", "internvl")
 EVAL_SEED = 12345  # evaluation batches: never the planner's (seed 0)
 
@@ -100,19 +119,82 @@ class Measured:
     padding_tokens: float
 
 
-def evaluate(plan: Plan, batches, scheduler, costs: LayoutCosts, dynamic: bool = False) -> Measured:
-    """Mean simulated step / idle / device idle of `plan` over `batches` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class AudioCost:
+    """The audio encoder on a plan's first LLM stage (module docstring, omni rows): what it adds to
+    that stage per microbatch.
+
+    Attributes:
+      provider: prices the encoder (`AnalyticCostProvider.audio_time`).
+      stage: the whole audio encoder at the first LLM stage's tp.
+      index: the first LLM stage's index in the plan's stages.
+      padded: the data-blind packing (every clip in whole 30 s windows, every row to the fullest);
+        else DFLOP's (the microbatch's audio bucket).
+    """
+
+    provider: AnalyticCostProvider
+    stage: StageSpec
+    index: int
+    padded: bool
+
+    @classmethod
+    def of(cls, plan: Plan, provider: AnalyticCostProvider, padded: bool) -> AudioCost:
+        if not padded and not plan.buckets.audio:
+            raise ValueError("the plan has no audio buckets: its shapes hold no audio")
+        first = plan.layout.llm_stages[0]
+        a = provider.arch.audio
+        stage = StageSpec("audio", 0, a.num_layers, tp=first.tp, dp=first.dp,
+                          has_embedding=True, has_head=True)  # fmt: skip
+        return cls(provider, stage, len(plan.layout.encoder_stages), padded)
+
+    def time(self, frames: int) -> np.ndarray:
+        return np.asarray(self.provider.audio_time(self.stage, int(frames)))
+
+    def windows(self, row, batch) -> int:
+        """A row's frames as the data-blind packing computes them: each clip in whole windows."""
+        return WINDOW_FRAMES * sum(len(batch[i].audio_windows) for i in row)
+
+    def computed(self, mb, batch) -> int:
+        """Frames per row the microbatch computes (each shard runs one row's)."""
+        if self.padded:
+            return max((self.windows(row, batch) for row in mb.shards), default=0)
+        return mb.audio_bucket
+
+    def add(self, times: np.ndarray, frames: int) -> np.ndarray:
+        """`times` [P, 2] with the encoder over `frames` per row added to the first LLM stage."""
+        out = np.array(times, dtype=float)
+        out[self.index] += self.time(frames)
+        return out
+
+
+def evaluate(
+    plan: Plan,
+    batches,
+    scheduler,
+    costs: LayoutCosts,
+    dynamic: bool = False,
+    audio: AudioCost | None = None,
+) -> Measured:
+    """Mean simulated step / idle / device idle of `plan` over `batches` (see the module docstring);
+    `audio`: an omni model's audio encoder on the first LLM stage."""
     problem = problem_for(costs, plan.microbatch_range, plan.buckets)
     rows = []
     for batch in batches:
         sched = scheduler(batch, problem)
-        shard = _shard_costs(sched, batch, costs, plan)  # [M, R, P, 2] at the real loads
+        # [M, R, P, 2] at the real loads (the rows' valid audio frames: useful work)
+        shard = _shard_costs(sched, batch, costs, plan, audio, "valid")
         if dynamic:
-            times, loads = shard.max(axis=1), _real_loads(sched, batch, plan)
+            times, loads = (
+                _shard_costs(sched, batch, costs, plan, audio, "own").max(axis=1),
+                _real_loads(sched, batch, plan),
+            )
         else:
             times = np.stack(
                 [costs.stage(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
             )
+            if audio is not None:
+                times = np.stack([audio.add(t, audio.computed(mb, batch))
+                                  for t, mb in zip(times, sched.microbatches)])  # fmt: skip
             loads = [(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
         res = costs.simulate(
             times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule
@@ -143,17 +225,32 @@ def _real_loads(sched: Schedule, batch, plan: Plan) -> list[tuple[int, int]]:
     ]
 
 
-def _shard_costs(sched: Schedule, batch, costs: LayoutCosts, plan: Plan) -> np.ndarray:
+def _shard_costs(
+    sched: Schedule, batch, costs: LayoutCosts, plan: Plan, audio: AudioCost | None = None,
+    frames: str = "valid",
+) -> np.ndarray:  # fmt: skip
     """[M, R, P, 2]: each LLM data-parallel rank's stage costs at its real load (tiles as
-    `_tiles_per_shard` counts them); a rank whose load is lighter than another's waits for it."""
+    `_tiles_per_shard` counts them; with `audio`, its row's "valid" mel frames, or with "own" the
+    frames the data-blind packing computes for its own row alone); a rank whose load is lighter
+    than another's waits for it."""
     out = []
     for mb in sched.microbatches:
         t = _tiles_per_shard(mb, batch, plan)
-        out.append([costs.stage(t, max(sum(batch[i].tokens for i in sh), 1)) for sh in mb.shards])
+        ranks = []
+        for sh in mb.shards:
+            cost = costs.stage(t, max(sum(batch[i].tokens for i in sh), 1))
+            if audio is not None:
+                own = audio.windows(sh, batch) if frames == "own" else None
+                cost = audio.add(cost, own if own is not None else
+                                 sum(sum(batch[i].audio_windows) for i in sh))  # fmt: skip
+            ranks.append(cost)
+        out.append(ranks)
     return np.asarray(out)
 
 
-def baseline_steps(plan: Plan, batches, costs: LayoutCosts, names) -> dict[str, dict]:
+def baseline_steps(
+    plan: Plan, batches, costs: LayoutCosts, names, audio: AudioCost | None = None
+) -> dict[str, dict]:
     """Per scheduler baseline on `plan`'s layout: its `Measured` figures (as dicts) through `evaluate`,
     or {"error": ...} when it cannot schedule a batch (e.g. it overflows the largest buckets)."""
     out = {}
@@ -163,7 +260,7 @@ def baseline_steps(plan: Plan, batches, costs: LayoutCosts, names) -> dict[str, 
             return run_baselines(batch, problem, plan.microbatches, [name])[name]
 
         try:
-            out[name] = dataclasses.asdict(evaluate(plan, batches, sched, costs))
+            out[name] = dataclasses.asdict(evaluate(plan, batches, sched, costs, audio=audio))
         except ValueError as e:
             out[name] = {"error": str(e).replace("|", "/")}
     return out
@@ -186,9 +283,13 @@ def run_case(
     remat: bool,
     progress,
     baselines: tuple[str, ...] = tuple(BASELINES),
+    audio_share: float = 0.3,
 ) -> dict:
+    """One row: both plans, evaluated (module docstring); `audio_share`: an omni model's share of
+    samples with audio."""
     arch_name, data = MODELS[model]
-    shapes = llava_ov_mix(4000, 0) if data == "llava-ov" else omnibal_shapes()
+    shapes = {"llava-ov": lambda: llava_ov_mix(4000, 0), "omnibal": omnibal_shapes,
+              "omni": lambda: omni_mix(4000, 0, audio_share)}[data]()  # fmt: skip
     arch, device = get_arch(arch_name), get_device("h100")
     provider = AnalyticCostProvider(arch, device, remat=remat, trainable=config.trainable)
     args = (arch, device, num_devices, shapes, config, provider, progress)
@@ -197,12 +298,16 @@ def run_case(
         raise PlanningError(f"DFLOP: {_outcome(dflop, arch)}; data-blind: {_outcome(blind, arch)}")
     batches = sample_batches(shapes, config.global_batch, eval_batches, EVAL_SEED)
     d_costs, b_costs = plan_costs(dflop, provider), plan_costs(blind, provider)
-    d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
-    b = evaluate(blind, batches, data_blind_scheduler(), b_costs)
-    bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True)
-    base = baseline_steps(dflop, batches, d_costs, baselines)
+    omni = arch.audio is not None
+    d_audio = AudioCost.of(dflop, provider, padded=False) if omni else None
+    b_audio = AudioCost.of(blind, provider, padded=True) if omni else None
+    d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs, audio=d_audio)
+    b = evaluate(blind, batches, data_blind_scheduler(), b_costs, audio=b_audio)
+    bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True, audio=b_audio)
+    base = baseline_steps(dflop, batches, d_costs, baselines, d_audio)
+    name = model + (f" audio {audio_share:.0%}" if omni else "") + _recipe(config.trainable)
     return {
-        "model": model + _recipe(config.trainable), "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
+        "model": name, "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,
         "dflop_layout": _layout_cell(dflop, arch), "blind_layout": _layout_cell(blind, arch),
         "dflop": dataclasses.asdict(d), "blind": dataclasses.asdict(b), "blind_dynamic": dataclasses.asdict(bd),
         "speedup": b.step_s / d.step_s, "speedup_vs_dynamic": bd.step_s / d.step_s,
@@ -338,6 +443,7 @@ class ClusterBenchConfig:
       baselines: scheduler baselines run on DFLOP's layout ([] for none; reference-exact spends ~1 s of
         CP-SAT per evaluation batch).
       trainable: trained parts (a training recipe), e.g. [projector, llm]: a frozen encoder.
+      audio_shares: for an omni model, the shares of samples with audio, one row each.
       json_out: also write the rows as JSON here, after every case ("" = none).
     """
 
@@ -348,6 +454,7 @@ class ClusterBenchConfig:
     remat: bool = True
     baselines: tuple[str, ...] = tuple(BASELINES)
     trainable: tuple[str, ...] = ("vision", "projector", "llm")
+    audio_shares: tuple[float, ...] = (0.1, 0.3, 0.6)
     json_out: str = ""
 
     def __post_init__(self):
@@ -356,6 +463,8 @@ class ClusterBenchConfig:
         require(not unknown, "models", list(self.models), f"choose from {', '.join(MODELS)}")
         require(self.eval_batches >= 0, "eval_batches", self.eval_batches, "must be >= 0")
         require(self.samples >= 0, "samples", self.samples, "must be >= 0")
+        ok = bool(self.audio_shares) and all(0 < a <= 1 for a in self.audio_shares)
+        require(ok, "audio_shares", list(self.audio_shares), "give shares in (0, 1]")
         bad = [b for b in self.baselines if b not in BASELINES]
         require(not bad, "baselines", list(self.baselines),
                 f"unknown baseline {bad[:1]}; choose from {', '.join(BASELINES)} or []")  # fmt: skip
@@ -398,14 +507,21 @@ def _run_one(
     failures: list,
 ) -> None:
     """One case appended to `rows`, or, with no plan, to `failures`; a one-line summary on stderr."""
-    try:
-        r = run_case(model, n, _planner_config(n, cfg, args), eval_batches, cfg.remat, progress,
-                     cfg.baselines)  # fmt: skip
-    except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
-        print(f"error: {model} x{n}: {e}", file=sys.stderr)
-        failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
-        return
-    rows.append(r)
+    for share in cfg.audio_shares if model in OMNI_MODELS else (0.0,):
+        try:
+            r = run_case(model, n, _planner_config(n, cfg, args), eval_batches, cfg.remat,
+                         progress, cfg.baselines, share)  # fmt: skip
+        except (FileNotFoundError, ValueError) as e:  # PlanningError is a ValueError
+            print(f"error: {model} x{n}: {e}", file=sys.stderr)
+            failures.append({"model": model, "gpus": n, "error": str(e).replace("|", "/")})
+            continue
+        rows.append(r)
+        _report(r)
+
+
+def _report(r: dict) -> None:
+    """A case's one-line summary on stderr."""
+    model, n = r["model"], r["gpus"]
     sb = r["strongest_baseline"]
     vs = "" if sb["name"] is None else f", {sb['speedup']:.2f}x vs {sb['name']} on its layout"
     print(f"{model} x{n}: speedup {r['speedup']:.2f}x{vs}, device idle {r['dflop']['device_idle']:.1%} vs "

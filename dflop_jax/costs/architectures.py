@@ -261,22 +261,32 @@ def get_llm(name: str) -> LLMArch:
 
 
 def get_arch(name: str) -> MLLMArch:
-    """An `MLLMArch` by name: "tiny" or "<vision>+<llm>" (e.g. "siglip-so400m+qwen2.5-7b").
+    """An `MLLMArch` by name: "tiny" or "<vision>+<llm>" (e.g. "siglip-so400m+qwen2.5-7b"), or with
+    an audio encoder "<vision>+<llm>+<audio>" (e.g. "siglip-so400m+qwen2.5-7b+qwen2-audio", an
+    omni model; `AUDIO_PRESETS`).
 
     Raises:
-      ValueError: unknown name, listing the known vision and LLM presets.
+      ValueError: unknown name, listing the known vision, LLM and audio presets.
     """
     if name == "tiny":
-        vision, llm = VISION_PRESETS["tiny"], LLM_PRESETS["tiny"]
-    else:
-        parts = name.split("+")
-        if len(parts) != 2 or parts[0] not in VISION_PRESETS or parts[1] not in LLM_PRESETS:
-            raise ValueError(
-                f"unknown arch {name!r}: use 'tiny' or '<vision>+<llm>' with vision in "
-                f"{{{', '.join(VISION_PRESETS)}}} and llm in {{{', '.join(LLM_PRESETS)}}}"
-            )
-        vision, llm = VISION_PRESETS[parts[0]], LLM_PRESETS[parts[1]]
-    return MLLMArch(name, vision, projector_for(vision, llm), llm)
+        return MLLMArch(name, VISION_PRESETS["tiny"], projector_for(VISION_PRESETS["tiny"],
+                        LLM_PRESETS["tiny"]), LLM_PRESETS["tiny"])  # fmt: skip
+    parts = name.split("+")
+    known = (
+        len(parts) in (2, 3)
+        and parts[0] in VISION_PRESETS
+        and parts[1] in LLM_PRESETS
+        and (len(parts) == 2 or parts[2] in AUDIO_PRESETS)
+    )
+    if not known:
+        raise ValueError(
+            f"unknown arch {name!r}: use 'tiny', '<vision>+<llm>' or '<vision>+<llm>+<audio>' with "
+            f"vision in {{{', '.join(VISION_PRESETS)}}}, llm in {{{', '.join(LLM_PRESETS)}}} and "
+            f"audio in {{{', '.join(AUDIO_PRESETS)}}}"
+        )
+    vision, llm = VISION_PRESETS[parts[0]], LLM_PRESETS[parts[1]]
+    audio = AUDIO_PRESETS[parts[2]] if len(parts) == 3 else None
+    return MLLMArch(name, vision, projector_for(vision, llm), llm, audio)
 
 
 def llm_arch_from_config(cfg, name: str = "custom-llm") -> LLMArch:

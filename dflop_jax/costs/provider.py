@@ -177,6 +177,22 @@ class AnalyticCostProvider:
             bwd += self._allreduce_s(out_tokens * p.in_dim * cb, stage.tp)
         return fwd, bwd
 
+    def audio_time(self, stage: StageSpec, frames: int) -> tuple[float, float]:
+        """(fwd, bwd) seconds of an audio encoder stage (its layers, + the convolutions, + the pool,
+        norm and projector) over `frames` mel frames per data shard, priced as a vision stage is
+        (FLOPs / effective peak, tp all-reduces per layer, per-block overhead, the encoders' remat;
+        the backward by its role under the recipe). Attention stays within 30 s windows
+        (`costs.flops.audio_layer_flops`)."""
+        if frames <= 0:
+            return 0.0, 0.0
+        self._check_stage(stage)
+        a, cb = self.arch.audio, self.compute_bytes
+        layer = stage.num_layers * flops.audio_layer_flops(a, frames)
+        total = flops.stage_forward_flops(self.arch, stage, frames)
+        blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
+        fwd, bwd = self._time(stage, total, layer, frames / 2 * a.hidden_size * cb, blocks)
+        return fwd, recipe_backward(stage_role(stage, self.trainable, True), fwd, bwd)
+
     def _llm_time(self, stage: StageSpec, tokens: int) -> tuple[float, float]:
         m = self.arch.llm
         pairs = tokens * tokens / 2.0 if self.flash_attention else float(tokens * tokens)

@@ -49,28 +49,30 @@ def _offset_layers(names: list[str], first_layer: int) -> tuple[str, ...]:
     return tuple(names)
 
 
-def holds_encoder(params: PyTree) -> bool:
-    """Whether a stage's params are a colocated stage's (`COLOCATED_MODULES` at the top, "llm" among
-    them: an audio encoder stage alone also has an "audio" subtree)."""
+def held_modules(params: PyTree) -> tuple[str, ...]:
+    """The modules a stage holding whole encoders beside its LLM layers holds (`COLOCATED_MODULES`
+    at the top of its params, "llm" among them: an audio encoder stage alone also has an "audio"
+    subtree), in `COLOCATED_MODULES` order; () for a stage of one module."""
     tops = {key_name(path[0]) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-    return "llm" in tops and tops <= set(COLOCATED_MODULES)
+    if "llm" not in tops or not tops <= set(COLOCATED_MODULES):
+        return ()
+    return tuple(m for m in COLOCATED_MODULES if m in tops)
 
 
-def model_paths(path, spec: StageSpec, colocated: bool = False) -> list[tuple[str, ...]]:
+def model_paths(path, spec: StageSpec, held: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """A stage leaf's paths (module, *names) in the model-level tree, the stage's own first.
 
-    colocated: the stage holds the colocated encoder; a leaf under a `COLOCATED_MODULES` key
-    (wherever it sits, e.g. inside an optimizer's moment tree) goes to that module without the key,
-    the encoder's layers counted from 0; a leaf under neither (an optimizer step count) to both modules.
+    held: the modules of a stage holding whole encoders (`held_modules`); a leaf under one of their
+    keys (wherever it sits, e.g. inside an optimizer's moment tree) goes to that module without the
+    key, an encoder's layers counted from 0; a leaf under none (an optimizer step count) to every
+    module the stage holds.
     """
     names = [key_name(k) for k in path]
-    if not colocated:
+    if not held:
         return [(spec.module, *_offset_layers(names, spec.first_layer))]
-    part = next((i for i, n in enumerate(names) if n in COLOCATED_MODULES), None)
+    part = next((i for i, n in enumerate(names) if n in held), None)
     if part is None:
-        return [
-            (m, *names) for m in (spec.module, *(m for m in COLOCATED_MODULES if m != spec.module))
-        ]
+        return [(m, *names) for m in (spec.module, *(m for m in held if m != spec.module))]
     module = names.pop(part)
     first = spec.first_layer if module == spec.module else 0
     return [(module, *_offset_layers(names, first))]
@@ -97,9 +99,7 @@ def tied_groups(specs: list[StageSpec], params: list[PyTree]) -> list[TiedGroup]
     """Leaves that several stages hold (same model-level path): one group per tied parameter."""
     where: dict[tuple, list] = {}
     for i, (spec, tree) in enumerate(zip(specs, params)):
-        colocated = holds_encoder(tree)
+        held = held_modules(tree)
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where.setdefault(model_paths(path, spec, colocated)[0], []).append(
-                (i, leaf_names(path))
-            )
+            where.setdefault(model_paths(path, spec, held)[0], []).append((i, leaf_names(path)))
     return [tuple(group) for group in where.values() if len(group) > 1]

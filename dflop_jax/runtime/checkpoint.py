@@ -7,10 +7,11 @@ flattened with GLOBAL layer indices (a path component after a `layers` key is of
 any other layout of the same model (or another process count) restores from it: each new stage
 picks its own keys and orbax reads them straight into the new stage's shardings, each process
 reading only the slices its own devices hold. Leaves shared by several stages (optimizer step
-counts) are stored once per group below. A stage holding the colocated encoder (its params are
-`{"encoder": ..., "llm": ...}`, `models.mllm.ColocatedStage`) maps each part to its module (encoder
-layers from 0) and its shared leaves to both, so a colocated run resumes on a layout with encoder
-stages and back.
+counts) are stored once per group below. A stage holding whole encoders beside its LLM layers
+(the colocated encoder, `{"encoder": ..., "llm": ...}`, `models.mllm.ColocatedStage`; an omni
+model's audio encoder, "audio", `models.omni.OmniFirstStage`) maps each part to its module (encoder
+layers from 0) and its shared leaves to every module it holds (`param_paths.held_modules`), so a
+colocated run resumes on a layout with encoder (or audio) stages and back.
 
 Process groups: the stages are grouped by the set of processes their meshes span ("owners"), and
 each group is one orbax `CheckpointManager` under `<directory>/procs_<i-j-...>/` that only the
@@ -40,7 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from dflop_jax.contracts.layout import StageSpec
-from dflop_jax.programs.param_paths import holds_encoder, key_name, model_paths
+from dflop_jax.programs.param_paths import held_modules, key_name, model_paths
 from dflop_jax.programs.stage_fns import PyTree
 
 
@@ -66,10 +67,10 @@ def model_tree(specs: list[StageSpec], params: list[PyTree], opt_states: list[Py
     """The layout-independent tree {module: {"params": ..., "opt": ...}} of these stages' state."""
     tree: dict = {}
     for spec, p, o in zip(specs, params, opt_states):
-        colocated = holds_encoder(p)
+        held = held_modules(p)
         for kind, sub in (("params", p), ("opt", o)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-                for module, *names in model_paths(path, spec, colocated):
+                for module, *names in model_paths(path, spec, held):
                     _insert(tree, (module, kind, *names), leaf)
     return tree
 
@@ -381,11 +382,11 @@ def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:
 def _stage_trees(spec: StageSpec, params: PyTree, opt_state: PyTree, tree: dict):
     """Inverse of `model_tree` for one stage: (params, opt state) shaped like the templates."""
 
-    colocated = holds_encoder(params)
+    held = held_modules(params)
 
     def pick(kind, template):
         def one(path, _):
-            module, *names = model_paths(path, spec, colocated)[0]
+            module, *names = model_paths(path, spec, held)[0]
             return _lookup(tree, (module, kind, *names))
 
         return jax.tree_util.tree_map_with_path(one, template)

@@ -15,6 +15,7 @@ single-image subsets, M4-Instruct and LLaVA-Video-178K, plus some text-only turn
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -27,7 +28,7 @@ from dflop_jax.contracts.shape_distribution import (  # noqa: F401 - re-exported
     load_shape_distribution,
     save_shape_distribution,
 )
-from dflop_jax.contracts.shapes import BucketSet, SampleShape
+from dflop_jax.contracts.shapes import WINDOW_FRAMES, BucketSet, SampleShape, encoder_outputs
 
 OMNIBAL_SUBSETS = ("ai2d", "chartqa", "docvqa", "synthdog_en")
 LLAVA_OV_MIX = {"image": 0.45, "multi_image": 0.20, "video": 0.25, "text": 0.10}
@@ -64,6 +65,35 @@ def llava_ov_mix(n: int, seed: int = 0) -> list[SampleShape]:
     rng = np.random.default_rng(seed)
     kinds = rng.choice(list(LLAVA_OV_MIX), size=n, p=list(LLAVA_OV_MIX.values()))
     return [SampleShape(f"ov:{j}", *_ov_sample(str(k), rng), str(k)) for j, k in enumerate(kinds)]
+
+
+def omni_mix(n: int, seed: int = 0, audio_share: float = 0.3) -> list[SampleShape]:
+    """n samples of LLaVA-OV's mix (`llava_ov_mix`) of which a share `audio_share` hold audio,
+    ids "omni:j": 70% speech (1-35 s, lognormal around 10 s, LibriSpeech-like: transcribed or asked
+    about) and 30% sound (20-65 s: two or three 30 s encoder windows, described); each clip's mel
+    frames (100 a second) cut into windows (`SampleShape.audio_windows`), its LLM tokens
+    Qwen2-Audio's (`<|audio_bos|>`, one per encoder output, `<|audio_eos|>`) plus the text's
+    (about 3.5 BPE tokens a second of speech when transcribed)."""
+    if not 0.0 <= audio_share <= 1.0:
+        raise ValueError(f"audio_share={audio_share}: between 0 and 1")
+    rng = np.random.default_rng(seed)
+    base = llava_ov_mix(n, seed)
+    heard = rng.random(n) < audio_share
+    out = []
+    for j, (s, h) in enumerate(zip(base, heard)):
+        if not h:
+            out.append(dataclasses.replace(s, id=f"omni:{j}"))
+            continue
+        speech = rng.random() < 0.7
+        seconds = float(np.clip(rng.lognormal(2.3, 0.55), 1, 35)) if speech else rng.uniform(20, 65)
+        frames = math.ceil(seconds * 100)
+        windows = (WINDOW_FRAMES,) * (frames // WINDOW_FRAMES) + (
+            (frames % WINDOW_FRAMES,) if frames % WINDOW_FRAMES else ()
+        )
+        text = int(3.5 * seconds) + 20 if speech else _text_tokens(rng, 120, 20, 400)
+        tokens = sum(encoder_outputs(v) for v in windows) + 2 + text
+        out.append(SampleShape(f"omni:{j}", 0, tokens, "speech" if speech else "sound", windows))
+    return out
 
 
 def _text_tokens(rng: np.random.Generator, median: float, lo: int, hi: int) -> int:

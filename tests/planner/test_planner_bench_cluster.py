@@ -4,7 +4,7 @@ import pytest
 
 from dflop_jax.bench.cluster import evaluate, format_tables
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
-from dflop_jax.planner import LayoutCosts, PlannerConfig, make_plan
+from dflop_jax.planner import LayoutCosts, PlannerConfig, make_plan, problem_for
 from dflop_jax.planner.baseline import data_blind_scheduler
 from dflop_jax.planner.scoring import online_scheduler, sample_batches
 from dflop_jax.scheduler import llava_ov_mix
@@ -141,3 +141,40 @@ def test_bad_recipe_is_a_one_line_error(capsys):
         main(["--quick", "trainable=vision,bogus"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("config error: trainable=") and "\n" not in err
+
+
+def test_omni_rows_price_the_audio_encoder_on_the_first_llm_stage():
+    """Omni rows: the audio encoder's time is added to the first LLM stage per microbatch, at the
+    microbatch's audio bucket (DFLOP's packing: at least its fullest row's kept frames) or, packed
+    data-blind, at 30 s per clip window of the fullest row; it costs time, and the padded packing
+    computes at least the frames of every row's whole windows."""
+    import dataclasses
+
+    from dflop_jax.bench.cluster import AudioCost
+    from dflop_jax.contracts.shapes import WINDOW_FRAMES
+    from dflop_jax.costs import AudioArch
+    from dflop_jax.scheduler import omni_mix
+
+    arch = dataclasses.replace(get_arch("tiny"), audio=AudioArch("tiny-audio", 2, 64, 4, 128, 16))
+    shapes = omni_mix(300, 0, 0.5)
+    assert 0.4 < sum(bool(s.audio_windows) for s in shapes) / 300 < 0.6
+    cfg = PlannerConfig(global_batch=16, microbatches=(2, 4), samples=1, screen_top=2,
+                        screen_per_group=0, llm_pp=(1, 2))  # fmt: skip
+    plan = make_plan(arch, "cpu", 4, shapes, cfg, mode="uniform")
+    assert plan.buckets.audio  # the planner's audio ladder
+    provider = AnalyticCostProvider(arch, get_device("cpu"))
+    costs = LayoutCosts.build(provider, plan.layout)
+    batches = sample_batches(shapes, 16, 2, 99)
+    packed, padded = AudioCost.of(plan, provider, False), AudioCost.of(plan, provider, True)
+    sched = online_scheduler("greedy", 0)(batches[0], problem_for(costs, plan.microbatch_range,
+                                                                  plan.buckets))  # fmt: skip
+    for mb in sched.microbatches:
+        rows = [[batches[0][i] for i in row] for row in mb.shards]
+        fullest = max(sum(s.audio_frames for s in row) for row in rows)
+        assert packed.computed(mb, batches[0]) == mb.audio_bucket >= fullest
+        windows = max(sum(len(s.audio_windows) for s in row) for row in rows)
+        assert padded.computed(mb, batches[0]) == WINDOW_FRAMES * windows
+    silent = evaluate(plan, batches, online_scheduler("greedy", 0), costs)
+    heard = evaluate(plan, batches, online_scheduler("greedy", 0), costs, audio=packed)
+    assert heard.step_s > silent.step_s
+    assert packed.time(3000)[0] > packed.time(752)[0] > 0

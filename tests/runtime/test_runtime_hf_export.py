@@ -20,7 +20,7 @@ from dflop_jax.data.config import DataConfig
 from dflop_jax.export import main
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_section import ModelConfig
-from dflop_jax.programs.param_paths import holds_encoder, key_name, model_paths
+from dflop_jax.programs.param_paths import held_modules, key_name, model_paths
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.resolve import RunContext
 from dflop_jax.runtime.checkpoint import Checkpointer
@@ -82,10 +82,10 @@ def _write_run(tmp_path, kind: str, steps=(2,), cfg: TrainConfig | None = None):
     ckpt = Checkpointer(run / "checkpoints")
     for step in steps:
         for spec, s in zip(layout.stages, stages):
-            both = holds_encoder(s.params)  # a stage holding a whole encoder: by its own module
+            held = held_modules(s.params)  # a stage holding whole encoders: each by its module
             s.params = jax.tree_util.tree_map_with_path(
-                lambda p, x, spec=spec, step=step, both=both: _bump(
-                    (*model_paths(p, spec, both)[0], str(step)), x
+                lambda p, x, spec=spec, step=step, held=held: _bump(
+                    (*model_paths(p, spec, held)[0], str(step)), x
                 ),
                 s.params,
             )

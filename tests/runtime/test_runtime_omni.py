@@ -200,3 +200,43 @@ def test_omni_demo_trains_and_resumes(tmp_path, variant):
     report = export_run(cfg, model_cfg, run_dir, tmp_path / "hf")
     assert report.step == 3  # the resumed run's last step
     assert {p.parent.name for p in report.files} == {"vision", "audio"}
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_the_audio_encoder_between_llm_stage_0_and_its_own_stage(tmp_path):
+    """The audio encoder's params and optimizer state saved from LLM stage 0 (`OmniFirstStage`)
+    restore exactly into a layout giving it a stage of its own and back: the model-level tree
+    (`runtime/checkpoint.py`) stores it as module "audio" whichever stage held it, and the restored
+    run computes the same next loss."""
+    from dflop_jax.runtime.checkpoint import Checkpointer
+
+    mbs, _ = _batch(True)  # every microbatch has audio: both layouts run both
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+
+    def built(lay, seed):
+        stages = build_stages(OMNI, lay, stage_meshes(lay), seed, compute_dtype=jnp.float32)
+        return stages, [StageOptimizer(s, OPT.build()) for s in stages]
+
+    def step(stages, opts):
+        out = run_pipeline(stages, mbs, norm, "1f1b")
+        apply_updates(opts, out.grads, OPT.clip_norm)
+        return sum(float(x) for x in out.loss)
+
+    def tree(lay, stages, opts):
+        return model_tree(list(lay.stages), [s.params for s in stages], [o.state for o in opts])
+
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3, async_save=False)
+    layouts = [SEPARATE, AUDIO_APART, SEPARATE]
+    stages, opts = built(layouts[0], 0)
+    step(stages, opts)
+    for n, (old, new) in enumerate(zip(layouts, layouts[1:]), start=1):
+        ckpt.save(n, list(old.stages), [s.params for s in stages], [o.state for o in opts], meta={})
+        moved, moved_opts = built(new, n)  # another init: the restore must overwrite all of it
+        params, states, _ = ckpt.restore(list(new.stages), [s.params for s in moved],
+                                         [o.state for o in moved_opts], n)  # fmt: skip
+        for s, o, p, st in zip(moved, moved_opts, params, states):
+            s.params, o.state = p, st
+        assert_trees_close(tree(new, moved, moved_opts), tree(old, stages, opts), rtol=0, atol=0)
+        np.testing.assert_allclose(step(moved, moved_opts), step(stages, opts), rtol=1e-5)
+        stages, opts = moved, moved_opts
+    ckpt.close()
