@@ -20,7 +20,17 @@ from flax import nnx
 from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.programs.param_paths import key_name
 from dflop_jax.runtime.checkpoint import model_tree
+from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
+from dflop_jax.runtime.train_state import apply_updates
+
+
+def pipeline_step(stages, opts, mbs: list[dict], clip_norm: float) -> float:
+    """One pipelined 1F1B step of `mbs` (loss normalized by their loss tokens) and the runtime's
+    update after it (`apply_updates`); the step's loss."""
+    out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs), "1f1b")
+    apply_updates(opts, out.grads, clip_norm)
+    return sum(float(x) for x in out.loss)
 
 
 def reference_step(model, mbs: list[dict], norm: float, opt, loss_sum: Callable):

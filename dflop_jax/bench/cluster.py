@@ -154,6 +154,13 @@ class AudioCost:
         """A row's frames as the data-blind packing computes them: each clip in whole windows."""
         return WINDOW_FRAMES * sum(len(batch[i].audio_windows) for i in row)
 
+    def row_frames(self, row, batch, frames: str) -> int:
+        """A row's frames on its own rank: "valid" (its clips' valid frames: useful work) or
+        "own" (what the data-blind packing computes for it alone: `windows`)."""
+        if frames == "own":
+            return self.windows(row, batch)
+        return sum(sum(batch[i].audio_windows) for i in row)
+
     def computed(self, mb, batch) -> int:
         """Frames per row the microbatch computes (each shard runs one row's)."""
         if self.padded:
@@ -240,9 +247,7 @@ def _shard_costs(
         for sh in mb.shards:
             cost = costs.stage(t, max(sum(batch[i].tokens for i in sh), 1))
             if audio is not None:
-                own = audio.windows(sh, batch) if frames == "own" else None
-                cost = audio.add(cost, own if own is not None else
-                                 sum(sum(batch[i].audio_windows) for i in sh))  # fmt: skip
+                cost = audio.add(cost, audio.row_frames(sh, batch, frames))
             ranks.append(cost)
         out.append(ranks)
     return np.asarray(out)

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal
 
 from dflop_jax.contracts.batch_schedule import row_tile_slots
+from dflop_jax.contracts.pipeline_order import parents
 
 Module = Literal["encoder", "audio", "llm"]
 
@@ -129,7 +130,7 @@ class Layout:
 
     def parents(self, stage: int) -> tuple[int, ...]:
         """The stages whose outputs `stage` takes, ascending (none for a branch's first stage)."""
-        return tuple(j for j, c in enumerate(self.children) if c == stage)
+        return parents(self.children, stage)
 
     @property
     def num_stages(self) -> int:

@@ -14,6 +14,8 @@ it to the last (`depths`): a branch stage runs as the stage of a chain that many
 
 from __future__ import annotations
 
+import functools
+
 SCHEDULES_BY_STAGE = ("1f1b", "gpipe")
 
 
@@ -53,6 +55,13 @@ def depths(children: tuple[int, ...]) -> tuple[int, ...]:
     for j in range(p - 2, -1, -1):
         out[j] = out[children[j]] + 1
     return tuple(out)
+
+
+@functools.cache  # the driver asks per dispatched op: one tuple per (tree, stage)
+def parents(children: tuple[int, ...], stage: int) -> tuple[int, ...]:
+    """The stages whose outputs `stage` takes (those whose child it is), ascending: none for a
+    branch's first stage, two for the stage joining two branches."""
+    return tuple(j for j, c in enumerate(children) if c == stage)
 
 
 def chain_position(depth: int, num_stages: int) -> int:

@@ -257,17 +257,7 @@ def _joining_fns(graphdef, spec: StageSpec, rules: Rules, *, colocated: bool) ->
 
     x_spec = P("data") if colocated else {"encoder": FEATURES_SPEC, "audio": P("data")}
     inner = None if colocated else {"encoder": ROW_FEATURES_SPEC, "audio": P("data")}
-    if not spec.has_head:
-        return StageFns(forward=lambda p, x, s: hidden(p, x, s)[1], side_keys=side,
-                        optional_keys=TAP_KEYS, x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
-
-    def loss(params, x, s):
-        stage, h = hidden(params, x, s)
-        with nnx.logical_axis_rules(rules):
-            return stage.loss(h, s["targets"], s["loss_mask"])
-
-    return StageFns(loss=loss, side_keys=side + ("targets", "loss_mask"), optional_keys=TAP_KEYS,
-                    x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
+    return _decoder_stage_fns(hidden, spec, rules, side, TAP_KEYS, x_spec, inner)
 
 
 def _llm_fns(
@@ -300,27 +290,23 @@ def _llm_fns(
     # each row's features arrive split over its tp devices and are gathered over them (docstring)
     inner = ROW_FEATURES_SPEC if features and not colocated else None
     optional = (TAP_KEYS if features else ()) + (AUDIO_KEYS if audio else ())
+    return _decoder_stage_fns(hidden, spec, rules, side, optional, x_spec, inner)
+
+
+def _decoder_stage_fns(hidden, spec: StageSpec, rules: Rules, side, optional, x_spec, inner):
+    """The `StageFns` of an LLM stage from its `hidden(params, x, side) -> (stage, h)`: the
+    forward, or on the last stage the loss of h (which also reads the targets and loss mask)."""
     if not spec.has_head:
-        return StageFns(
-            forward=lambda p, x, s: hidden(p, x, s)[1],
-            side_keys=side,
-            optional_keys=optional,
-            x_spec=x_spec,
-            x_compute_spec=inner,
-        )
+        return StageFns(forward=lambda p, x, s: hidden(p, x, s)[1], side_keys=side,
+                        optional_keys=optional, x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
 
     def loss(params, x, s):
         stage, h = hidden(params, x, s)
         with nnx.logical_axis_rules(rules):
             return stage.loss(h, s["targets"], s["loss_mask"])
 
-    return StageFns(
-        loss=loss,
-        side_keys=side + ("targets", "loss_mask"),
-        optional_keys=optional,
-        x_spec=x_spec,
-        x_compute_spec=inner,
-    )
+    return StageFns(loss=loss, side_keys=side + ("targets", "loss_mask"), optional_keys=optional,
+                    x_spec=x_spec, x_compute_spec=inner)  # fmt: skip
 
 
 def _placement(side) -> tuple:

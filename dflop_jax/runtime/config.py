@@ -423,12 +423,7 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
         fix = "model.kind=omni needs audio buckets (frames of audio per LLM row), e.g. [752, 3000]"
         require(bool(lay.audio), "layout.audio", lay.audio, fix)
         if lay.audio_layers:
-            fix = f"must add up to model.audio_num_layers={m.audio_num_layers}"
-            require(sum(lay.audio_layers) == m.audio_num_layers, "layout.audio_layers",
-                    lay.audio_layers, fix)  # fmt: skip
-            fix = f"each must divide model.audio_num_heads={m.audio_num_heads}"
-            require(all(m.audio_num_heads % tp == 0 for tp in lay.audio_tp), "layout.audio_tp",
-                    lay.audio_tp, fix)  # fmt: skip
+            _check_module_stages(lay, "audio", m)
         else:
             fix = (f"each must divide model.audio_num_heads={m.audio_num_heads} too (LLM stage 0 "
                    "runs the audio encoder without layout.audio_layers)")  # fmt: skip
@@ -448,10 +443,7 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
         require(bool(lay.encoder_layers), "layout.encoder_layers", lay.encoder_layers, fix)
     if m.hf_dir or m.arch:  # the shapes are known once config.json (or the arch) is read
         return
-    fix = f"must add up to model.num_layers={m.num_layers}"
-    require(sum(lay.llm_layers) == m.num_layers, "layout.llm_layers", lay.llm_layers, fix)
-    fix = f"each must divide model.num_heads={m.num_heads}"
-    require(all(m.num_heads % tp == 0 for tp in lay.llm_tp), "layout.llm_tp", lay.llm_tp, fix)
+    _check_module_stages(lay, "llm", m)
     if m.kind == "decoder":
         return
     if lay.encoder_colocated:  # the colocated stage runs both models at LLM stage 0's tp
@@ -459,9 +451,16 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
         tp0 = lay.llm_tp[0]
         require(m.vision_num_heads % tp0 == 0, "layout.llm_tp", lay.llm_tp, fix)
         return
-    fix = f"must add up to model.vision_num_layers={m.vision_num_layers}"
-    require(sum(lay.encoder_layers) == m.vision_num_layers, "layout.encoder_layers",
-            lay.encoder_layers, fix)  # fmt: skip
-    fix = f"each must divide model.vision_num_heads={m.vision_num_heads}"
-    require(all(m.vision_num_heads % tp == 0 for tp in lay.encoder_tp), "layout.encoder_tp",
-            lay.encoder_tp, fix)  # fmt: skip
+    _check_module_stages(lay, "encoder", m)
+
+
+def _check_module_stages(lay: LayoutConfig, module: str, m: ModelConfig) -> None:
+    """`layout.<module>_layers` add up to the model's layers of that module and each
+    `layout.<module>_tp` divides its attention heads (model.num_*, vision_num_*, audio_num_*)."""
+    sizes = {"llm": "", "encoder": "vision_", "audio": "audio_"}[module]
+    layers, tps = getattr(lay, f"{module}_layers"), getattr(lay, f"{module}_tp")
+    total, heads = getattr(m, f"{sizes}num_layers"), getattr(m, f"{sizes}num_heads")
+    fix = f"must add up to model.{sizes}num_layers={total}"
+    require(sum(layers) == total, f"layout.{module}_layers", layers, fix)
+    fix = f"each must divide model.{sizes}num_heads={heads}"
+    require(all(heads % tp == 0 for tp in tps), f"layout.{module}_tp", tps, fix)

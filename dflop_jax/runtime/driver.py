@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.contracts.pipeline_order import chain_position, depths, stage_order
+from dflop_jax.contracts.pipeline_order import chain_position, depths, parents, stage_order
 from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.stage_fns import PyTree
@@ -126,7 +126,6 @@ def pipeline_order(
         )
     children = chain(num_stages) if children is None else tuple(children)
     depth = depths(children)
-    parents = [[j for j, c in enumerate(children) if c == s] for s in range(num_stages)]
     queues = [
         stage_ops(s, num_stages, num_mb, order, backward=s >= forward_only, depth=depth[s])
         for s in range(num_stages)
@@ -143,7 +142,7 @@ def pipeline_order(
             op = queues[s][heads[s]]
             child = children[s]
             if op.kind == "F":
-                ready = all(Op(p, op.mb, "F") in done for p in parents[s])
+                ready = all(Op(p, op.mb, "F") in done for p in parents(children, s))
                 lead = op.mb - depth[s]
                 if s < forward_only and lead >= 0:
                     ready = ready and Op(child, lead, "F") in done
@@ -288,10 +287,9 @@ class _InFlight:
     @classmethod
     def start(cls, stages: Sequence[StageProgram], num_mb: int, children) -> _InFlight:
         """No input yet but for each branch's first stage (none: it takes side inputs only);
-        a joining stage's parts arrive one by one."""
+        a joining stage's parts arrive one by one (`deliver`)."""
         firsts = [s for s in range(len(stages)) if s not in children]
         inputs = {(s, m): None for s in firsts for m in range(num_mb)}
-        inputs |= {(s, m): {} for s, st in enumerate(stages) if st.x_parts for m in range(num_mb)}
         return cls(grads=[s.zero_grads() if s.local else None for s in stages], inputs=inputs,
                    losses=[None] * num_mb)  # fmt: skip
 
@@ -329,17 +327,14 @@ class _InFlight:
             c = children[s]
             nxt, part = stages[c], part_of(s, c, stages, children)
             x, n = _send(sent, nxt.x_struct(sent, part))
-            if part is None:
-                self.inputs[c, m] = x
-            else:
-                self.inputs[c, m][part] = x
+            deliver(self.inputs, (c, m), part, x)
             if nxt.input_grad:
                 self.outputs[s, m] = stage.y_struct(sent)
             return n
         if not stage.input_grad:
             return 0
         moved = 0  # dL/dx goes back to the output of each stage feeding this one
-        for p in (j for j, c in enumerate(children) if c == s):
+        for p in parents(children, s):
             part = part_of(p, s, stages, children)
             g = sent if part is None else sent[part]
             self.cotangents[p, m], n = _send(g, self.outputs.pop((p, m)))
@@ -351,10 +346,16 @@ def part_of(sender: int, receiver: int, stages: Sequence[StageProgram], children
     """The part of `receiver`'s x that `sender`'s output is (its parents in order are its parts in
     order: the encoder branch, then the audio branch), None where x is one array."""
     parts = stages[receiver].x_parts
-    if not parts:
-        return None
-    parents = [j for j, c in enumerate(children) if c == receiver]
-    return parts[parents.index(sender)]
+    return parts[parents(children, receiver).index(sender)] if parts else None
+
+
+def deliver(inputs: dict, key, part: str | None, x) -> None:
+    """Sets the stage input `inputs[key]` to `x`, or, where `part` names one, that part of a
+    joining stage's input (its dict filled as its parents' outputs arrive)."""
+    if part is None:
+        inputs[key] = x
+    else:
+        inputs.setdefault(key, {})[part] = x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,10 +416,7 @@ def boundary_structs(
         c = children[s]
         part = part_of(s, c, stages, children)
         xc = stages[c].x_struct(y, part)
-        if part is None:
-            inputs[c] = xc
-        else:
-            inputs.setdefault(c, {})[part] = xc
+        deliver(inputs, c, part, xc)
         out.append((s, y, xc))
     return out
 
@@ -448,7 +446,7 @@ def _forward_only(stages: Sequence[StageProgram], children) -> int:
     here for stage lists built by hand. A stage fed by a trained one passes dL/dx back."""
     backward = [s.has_backward for s in stages]
     k = backward.index(True) if True in backward else len(stages)
-    fed = [any(backward[j] for j, c in enumerate(children) if c == i) for i in range(len(stages))]
+    fed = [any(backward[j] for j in parents(children, i)) for i in range(len(stages))]
     wants = [s.has_x and fed[i] for i, s in enumerate(stages)]
     if not all(backward[k:]) or [s.input_grad for s in stages] != wants:
         raise ValueError(

@@ -39,7 +39,13 @@ from dflop_jax.data import HostShardSpec, make_loader
 from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import put_host, transfer
-from dflop_jax.runtime.driver import microbatch_fields, part_of, placed_batch, stage_tree
+from dflop_jax.runtime.driver import (
+    deliver,
+    microbatch_fields,
+    part_of,
+    placed_batch,
+    stage_tree,
+)
 from dflop_jax.scheduler import Scheduler
 from dflop_jax.scheduler.config import SchedulerConfig
 
@@ -77,11 +83,7 @@ def forward_losses(
             c = children[s]
             part = part_of(s, c, stages, children)
             to = stages[c].x_struct(y, part)
-            x = transfer(y, to.sharding, to.shape)
-            if part is None:
-                inputs[c] = x
-            else:
-                inputs.setdefault(c, {})[part] = x
+            deliver(inputs, c, part, transfer(y, to.sharding, to.shape))
     return totals
 
 

@@ -282,9 +282,7 @@ def export_run(
         CheckpointReader,
         adapter_of,
         read_config,
-        shard_plan,
         unread_tensors,
-        write_shards,
     )
 
     run_dir, out = Path(run_dir), Path(out)
@@ -299,7 +297,6 @@ def export_run(
     try:
         tensors = hf_tensors(model_cfg)
         _check_fits(saved, tensors, checkpoints)
-        out.mkdir(parents=True, exist_ok=True)
         config = adapter_of(model_cfg)[1].config_to_hf(model_cfg)
         # The starting checkpoint's tensors the model never builds: copied, one at a time.
         source = CheckpointReader(cfg.model.hf_dir) if cfg.model.hf_dir else None
@@ -308,20 +305,33 @@ def export_run(
         kept = without_cut_layers(kept, tensors)
         if kept:
             config = _with_source_structure(config, read_config(cfg.model.hf_dir))
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-        sizes = {k: t.elements * _itemsize(saved, t) for k, t in tensors.items()}
-        sizes |= {k: source.get(key).nbytes for k, key in kept.items()}
-
-        def get(key: str) -> np.ndarray:
-            if key in kept:
-                return source.get(kept[key])
-            return np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored)))
-
-        files = write_shards(shard_plan(sizes, max_shard_bytes), get, out)
+        files, sizes = _write_weights(out, config, tensors, saved, max_shard_bytes, source, kept)
     finally:
         saved.close()
-    files = [out / "config.json", *files, *copy_tokenizer(cfg, out), *write_processor(cfg, out)]
+    files += [*copy_tokenizer(cfg, out), *write_processor(cfg, out)]
     return ExportReport(saved.step, files, len(sizes), sum(sizes.values()), len(kept))
+
+
+def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: SavedState,
+                   max_shard_bytes: int, source=None, kept: dict[str, str] | None = None):  # fmt: skip
+    """`out`'s config.json and safetensors shards: `tensors` read from the checkpoint and `kept`
+    ones (export name -> key) copied from the `source` checkpoint, one tensor at a time. Returns
+    (the files written, bytes per tensor)."""
+    from models.hf import shard_plan, write_shards
+
+    kept = kept or {}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    sizes = {k: t.elements * _itemsize(saved, t) for k, t in tensors.items()}
+    sizes |= {k: source.get(key).nbytes for k, key in kept.items()}
+
+    def get(key: str) -> np.ndarray:
+        if key in kept:
+            return source.get(kept[key])
+        return np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored)))
+
+    shards = write_shards(shard_plan(sizes, max_shard_bytes), get, out)
+    return [out / "config.json", *shards], sizes
 
 
 # The omni checkpoint's modules per exported directory (`models.hf.omni.save_omni`'s layout).
@@ -332,7 +342,7 @@ def _export_omni(cfg, model_cfg, saved: SavedState, checkpoints: Path, out: Path
                  max_shard_bytes: int) -> ExportReport:  # fmt: skip
     """`vision/` and `audio/` (module docstring) from one checkpoint: every stored param in one of
     them (the decoder in both), each with its config.json, tokenizer and processor files."""
-    from models.hf import adapter_of, shard_plan, write_shards
+    from models.hf import adapter_of
 
     parts = {"vision": model_cfg.llava, "audio": model_cfg.audio}
     try:
@@ -341,17 +351,9 @@ def _export_omni(cfg, model_cfg, saved: SavedState, checkpoints: Path, out: Path
                     checkpoints)  # fmt: skip
         files, count, total = [], 0, 0
         for d, part in parts.items():
-            where = out / d
-            where.mkdir(parents=True, exist_ok=True)
-            (where / "config.json").write_text(
-                json.dumps(adapter_of(part)[1].config_to_hf(part), indent=2)
-            )
-            ts = tensors[d]
-            sizes = {k: t.elements * _itemsize(saved, t) for k, t in ts.items()}
-            get = lambda key, ts=ts: np.asarray(ts[key].to_hf(saved.read(ts[key].stored)))  # noqa: E731
-            files += [where / "config.json", *write_shards(shard_plan(sizes, max_shard_bytes), get,
-                                                            where)]  # fmt: skip
-            files += copy_tokenizer(cfg, where)
+            config = adapter_of(part)[1].config_to_hf(part)
+            written, sizes = _write_weights(out / d, config, tensors[d], saved, max_shard_bytes)
+            files += [*written, *copy_tokenizer(cfg, out / d)]
             count, total = count + len(sizes), total + sum(sizes.values())
         files += write_processor(cfg, out / "vision")
         files.append(_write_feature_extractor(cfg, out / "audio"))

@@ -31,7 +31,12 @@ from pipeline_fixtures import (
     colocated_model,
     mllm_loss_sum,
 )
-from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
+from pipeline_reference import (
+    assert_trees_close,
+    no_host_round_trip,
+    pipeline_step,
+    reference_step,
+)
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts import BucketSet, SampleShape, ScheduleProblem
@@ -136,9 +141,7 @@ def _run(layout, seed):
 
 
 def _step(stages, opts, mbs) -> float:
-    out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs))
-    apply_updates(opts, out.grads, OPT.clip_norm)
-    return sum(float(x) for x in out.loss)
+    return pipeline_step(stages, opts, mbs, OPT.clip_norm)
 
 
 def _tree(layout, stages, opts) -> dict:
