@@ -31,14 +31,15 @@ row (LLaVA-OV stage 2 with the vision tower frozen); the model cell names the re
 
 Omni rows (`models=[omni-7b, omni-32b]`: SigLIP-SO400M + Qwen2.5-7B / 32B + Qwen2-Audio's 32-layer
 audio encoder, on `scheduler.omni_mix`: LLaVA-OV's mix with a share of speech and sound samples, one
-row per `audio_shares`): the planners choose the vision and LLM layout as above and do not place
-the audio encoder yet, so in both arms it runs on the first LLM stage at its tp, each LLM row's
-audio on that row's shard (as the runtime runs it), and its time (`AnalyticCostProvider.audio_time`)
-is added to that stage per microbatch. DFLOP packs each row's windows back to back at the kept
-frames and runs the microbatch's audio bucket (the planner's ladder; the scheduler balances the
-rows' frames, `scheduler.objective.with_audio`); data-blind pads every clip to whole 30 s windows,
-as HF's Qwen2-Audio processor does, and every row to the fullest (its dynamic-shape variant: each
-rank its own row's windows). Useful work counts each row's valid frames.
+row per `audio_shares`): DFLOP's planner also places the audio encoder, on the first LLM stage
+(each LLM row's audio on that row's shard) or on audio stages of its own (a second encoder branch,
+simulated as an in-tree), at its own tp and dp; the data-blind baseline runs it on the first LLM
+stage at the uniform tp. The cost model prices it at each microbatch's audio frames per row
+(`costs.layout_stage_costs`). DFLOP packs each row's windows back to back at the kept frames and
+runs the microbatch's audio bucket (the planner's ladder; the scheduler balances the rows' frames,
+`scheduler.objective.with_audio`); data-blind pads every clip to whole 30 s windows, as HF's
+Qwen2-Audio processor does, and every row to the fullest (its dynamic-shape variant: each rank its
+own row's windows). Useful work counts each row's valid frames.
 
 All are evaluated on the same fresh global batches (a seed the planner never saw) by the pipeline
 simulator. Reported: mean step time, speedup, the pipeline idle fraction (DESIGN section 9:
@@ -60,7 +61,6 @@ import numpy as np
 
 from dflop_jax.bench._cli import command, load
 from dflop_jax.config import ConfigError, require
-from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.contracts.shapes import WINDOW_FRAMES
 from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
 from dflop_jax.costs.recipe import check_trainable
@@ -120,35 +120,15 @@ class Measured:
 
 
 @dataclasses.dataclass(frozen=True)
-class AudioCost:
-    """The audio encoder on a plan's first LLM stage (module docstring, omni rows): what it adds to
-    that stage per microbatch.
+class AudioFrames:
+    """An omni arm's audio frames per LLM row, which the cost model prices (module docstring).
 
     Attributes:
-      provider: prices the encoder (`AnalyticCostProvider.audio_time`).
-      stage: the whole audio encoder at the first LLM stage's tp.
-      index: the first LLM stage's index in the plan's stages.
       padded: the data-blind packing (every clip in whole 30 s windows, every row to the fullest);
         else DFLOP's (the microbatch's audio bucket).
     """
 
-    provider: AnalyticCostProvider
-    stage: StageSpec
-    index: int
     padded: bool
-
-    @classmethod
-    def of(cls, plan: Plan, provider: AnalyticCostProvider, padded: bool) -> AudioCost:
-        if not padded and not plan.buckets.audio:
-            raise ValueError("the plan has no audio buckets: its shapes hold no audio")
-        first = plan.layout.llm_stages[0]
-        a = provider.arch.audio
-        stage = StageSpec("audio", 0, a.num_layers, tp=first.tp, dp=first.dp,
-                          has_embedding=True, has_head=True)  # fmt: skip
-        return cls(provider, stage, len(plan.layout.encoder_stages), padded)
-
-    def time(self, frames: int) -> np.ndarray:
-        return np.asarray(self.provider.audio_time(self.stage, int(frames)))
 
     def windows(self, row, batch) -> int:
         """A row's frames as the data-blind packing computes them: each clip in whole windows."""
@@ -162,16 +142,10 @@ class AudioCost:
         return sum(sum(batch[i].audio_windows) for i in row)
 
     def computed(self, mb, batch) -> int:
-        """Frames per row the microbatch computes (each shard runs one row's)."""
+        """Frames per row the microbatch computes (each row's audio is encoded at this size)."""
         if self.padded:
             return max((self.windows(row, batch) for row in mb.shards), default=0)
         return mb.audio_bucket
-
-    def add(self, times: np.ndarray, frames: int) -> np.ndarray:
-        """`times` [P, 2] with the encoder over `frames` per row added to the first LLM stage."""
-        out = np.array(times, dtype=float)
-        out[self.index] += self.time(frames)
-        return out
 
 
 def evaluate(
@@ -180,11 +154,12 @@ def evaluate(
     scheduler,
     costs: LayoutCosts,
     dynamic: bool = False,
-    audio: AudioCost | None = None,
+    audio: AudioFrames | None = None,
 ) -> Measured:
     """Mean simulated step / idle / device idle of `plan` over `batches` (see the module docstring);
-    `audio`: an omni model's audio encoder on the first LLM stage."""
+    `audio`: an omni model's audio frames per row (None: the schedule's audio buckets)."""
     problem = problem_for(costs, plan.microbatch_range, plan.buckets)
+    audio = audio or AudioFrames(padded=False)
     rows = []
     for batch in batches:
         sched = scheduler(batch, problem)
@@ -196,16 +171,11 @@ def evaluate(
                 _real_loads(sched, batch, plan),
             )
         else:
-            times = np.stack(
-                [costs.stage(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
-            )
-            if audio is not None:
-                times = np.stack([audio.add(t, audio.computed(mb, batch))
-                                  for t, mb in zip(times, sched.microbatches)])  # fmt: skip
-            loads = [(mb.tile_bucket, mb.length_bucket) for mb in sched.microbatches]
-        res = costs.simulate(
-            times, np.stack([costs.transfer(t, s) for t, s in loads]), plan.schedule
-        )
+            loads = [(mb.tile_bucket, mb.length_bucket, audio.computed(mb, batch))
+                     for mb in sched.microbatches]  # fmt: skip
+            times = np.stack([costs.stage(*key) for key in loads])
+        res = costs.simulate(times, np.stack([costs.transfer(*key) for key in loads]),
+                             plan.schedule)  # fmt: skip
         useful = shard.mean(axis=1).sum()
         rows.append((res.step_time, res.idle_fraction, 1 - useful / (res.num_stages * res.step_time),
                      0.0 if dynamic else sched.info["padding_tokens"]))  # fmt: skip
@@ -220,42 +190,36 @@ def _tiles_per_shard(mb, batch, plan: Plan) -> int:
     return math.ceil(sum(batch[i].tiles for i in mb.samples()) / plan.layout.encoder_dp)
 
 
-def _real_loads(sched: Schedule, batch, plan: Plan) -> list[tuple[int, int]]:
-    """Per microbatch (its tiles in tile-bucket units, tokens of the largest LLM shard) actually
-    present."""
+def _real_loads(sched: Schedule, batch, plan: Plan) -> list[tuple[int, int, int]]:
+    """Per microbatch (its tiles in tile-bucket units, tokens of the largest LLM shard, 30 s
+    windows' frames of the fullest row) actually present (the transfers' sizes)."""
+    padded = AudioFrames(padded=True)
     return [
         (
             _tiles_per_shard(mb, batch, plan),
             max(max(sum(batch[i].tokens for i in sh) for sh in mb.shards), 1),
+            padded.computed(mb, batch),
         )
         for mb in sched.microbatches
     ]
 
 
 def _shard_costs(
-    sched: Schedule, batch, costs: LayoutCosts, plan: Plan, audio: AudioCost | None = None,
-    frames: str = "valid",
-) -> np.ndarray:  # fmt: skip
+    sched: Schedule, batch, costs: LayoutCosts, plan: Plan, audio: AudioFrames, frames: str
+) -> np.ndarray:
     """[M, R, P, 2]: each LLM data-parallel rank's stage costs at its real load (tiles as
-    `_tiles_per_shard` counts them; with `audio`, its row's "valid" mel frames, or with "own" the
-    frames the data-blind packing computes for its own row alone); a rank whose load is lighter
-    than another's waits for it."""
+    `_tiles_per_shard` counts them; its row's "valid" mel frames, or with "own" the frames the
+    data-blind packing computes for its own row alone; an audio stage's shard at that many frames
+    per row it holds); a rank whose load is lighter than another's waits for it."""
     out = []
     for mb in sched.microbatches:
         t = _tiles_per_shard(mb, batch, plan)
-        ranks = []
-        for sh in mb.shards:
-            cost = costs.stage(t, max(sum(batch[i].tokens for i in sh), 1))
-            if audio is not None:
-                cost = audio.add(cost, audio.row_frames(sh, batch, frames))
-            ranks.append(cost)
-        out.append(ranks)
+        out.append([costs.stage(t, max(sum(batch[i].tokens for i in sh), 1),
+                                audio.row_frames(sh, batch, frames)) for sh in mb.shards])  # fmt: skip
     return np.asarray(out)
 
 
-def baseline_steps(
-    plan: Plan, batches, costs: LayoutCosts, names, audio: AudioCost | None = None
-) -> dict[str, dict]:
+def baseline_steps(plan: Plan, batches, costs: LayoutCosts, names) -> dict[str, dict]:
     """Per scheduler baseline on `plan`'s layout: its `Measured` figures (as dicts) through `evaluate`,
     or {"error": ...} when it cannot schedule a batch (e.g. it overflows the largest buckets)."""
     out = {}
@@ -265,7 +229,7 @@ def baseline_steps(
             return run_baselines(batch, problem, plan.microbatches, [name])[name]
 
         try:
-            out[name] = dataclasses.asdict(evaluate(plan, batches, sched, costs, audio=audio))
+            out[name] = dataclasses.asdict(evaluate(plan, batches, sched, costs))
         except ValueError as e:
             out[name] = {"error": str(e).replace("|", "/")}
     return out
@@ -304,12 +268,11 @@ def run_case(
     batches = sample_batches(shapes, config.global_batch, eval_batches, EVAL_SEED)
     d_costs, b_costs = plan_costs(dflop, provider), plan_costs(blind, provider)
     omni = arch.audio is not None
-    d_audio = AudioCost.of(dflop, provider, padded=False) if omni else None
-    b_audio = AudioCost.of(blind, provider, padded=True) if omni else None
-    d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs, audio=d_audio)
-    b = evaluate(blind, batches, data_blind_scheduler(), b_costs, audio=b_audio)
-    bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True, audio=b_audio)
-    base = baseline_steps(dflop, batches, d_costs, baselines, d_audio)
+    padded = AudioFrames(padded=True)
+    d = evaluate(dflop, batches, online_scheduler("greedy", 0), d_costs)
+    b = evaluate(blind, batches, data_blind_scheduler(), b_costs, audio=padded)
+    bd = evaluate(blind, batches, data_blind_scheduler(), b_costs, dynamic=True, audio=padded)
+    base = baseline_steps(dflop, batches, d_costs, baselines)
     name = model + (f" audio {audio_share:.0%}" if omni else "") + _recipe(config.trainable)
     return {
         "model": name, "arch": arch_name, "gpus": num_devices, "global_batch": config.global_batch,

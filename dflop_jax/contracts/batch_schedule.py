@@ -18,7 +18,9 @@ from dflop_jax.contracts.shapes import BucketSet, SampleShape
 
 # (tile_bucket, length_bucket) -> array [num_stages, 2] of (forward, backward) seconds for one microbatch,
 # stages in pipeline order (encoder stages, then LLM stages). Buckets are per data-parallel shard.
-StageCostFn = Callable[[int, int], np.ndarray]
+# (tile_bucket, length_bucket[, audio_bucket]) -> [P, 2] (fwd, bwd) seconds per stage; called with
+# the audio bucket only where `BucketSet.audio` is not empty
+StageCostFn = Callable[..., np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,12 @@ class ScheduleProblem:
     def __post_init__(self):
         if self.row_align < 1:
             raise ValueError(f"row_align={self.row_align}: need >= 1")
+
+    def microbatch_costs(self, mb: ScheduledMicrobatch) -> np.ndarray:
+        """[P, 2] predicted (fwd, bwd) seconds of `mb` at its buckets, its audio bucket included
+        where the problem has an audio ladder."""
+        audio = (mb.audio_bucket,) if self.buckets.audio else ()
+        return np.asarray(self.stage_costs(mb.tile_bucket, mb.length_bucket, *audio))
 
     @property
     def tile_shards(self) -> int:

@@ -9,6 +9,7 @@ runtime all speak it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 from dflop_jax.contracts.batch_schedule import row_tile_slots
@@ -116,7 +117,7 @@ class Layout:
         """The index of LLM stage 0 in `stages`."""
         return len(self.encoder_stages) + len(self.audio_stages)
 
-    @property
+    @functools.cached_property  # the planner's cost functions ask per boundary and bucket
     def children(self) -> tuple[int, ...]:
         """Per stage, the stage its output feeds (-1 for the last): the next stage of its module,
         or, for the last encoder and the last audio stage, LLM stage 0
@@ -181,3 +182,11 @@ class Layout:
             return tile_bucket
         row = row_tile_slots(tile_bucket, self.encoder_dp, self.llm_dp, self.row_align)
         return self.llm_dp * row // self.encoder_dp
+
+    def audio_frames(self, audio_bucket: int) -> int:
+        """Mel frames per audio encoder shard of a microbatch at `audio_bucket` (frames per LLM row):
+        an audio stage's replica encodes llm_dp / dp whole rows, back to back; on LLM stage 0 each
+        shard encodes its own row."""
+        if not self.audio_stages:
+            return audio_bucket
+        return self.llm_dp // self.audio_stages[0].dp * audio_bucket

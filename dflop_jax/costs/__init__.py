@@ -65,6 +65,7 @@ from dflop_jax.costs.memory import (
 from dflop_jax.costs.provider import (
     AnalyticCostProvider,
     CostProvider,
+    colocated_audio_stage,
     colocated_encoder_stage,
     layout_memory,
     layout_stage_costs,
@@ -100,6 +101,7 @@ __all__ = [
     "arch_of_model",
     "batch_model_flops",
     "causal_pairs",
+    "colocated_audio_stage",
     "colocated_encoder_stage",
     "get_arch",
     "get_device",

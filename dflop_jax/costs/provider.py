@@ -140,6 +140,7 @@ class AnalyticCostProvider:
             + trainable_suffix(self.trainable)
         )
         self._memory: dict[tuple[StageSpec, int], StageMemory] = {}  # the planner asks ~10^5 times
+        self._times: dict[tuple[StageSpec, int], tuple[float, float]] = {}
 
     # ------------------------------------------------------------ compute
 
@@ -177,11 +178,14 @@ class AnalyticCostProvider:
             bwd += self._allreduce_s(out_tokens * p.in_dim * cb, stage.tp)
         return fwd, bwd
 
-    def audio_time(self, stage: StageSpec, frames: int) -> tuple[float, float]:
+    def audio_time(
+        self, stage: StageSpec, frames: int, rule=recipe_backward
+    ) -> tuple[float, float]:
         """(fwd, bwd) seconds of an audio encoder stage (its layers, + the convolutions, + the pool,
         norm and projector) over `frames` mel frames per data shard, priced as a vision stage is
         (FLOPs / effective peak, tp all-reduces per layer, per-block overhead, the encoders' remat;
-        the backward by its role under the recipe). Attention stays within 30 s windows
+        the backward by its role under the recipe and `rule`: `colocated_backward` for the encoder
+        run inside LLM stage 0's program). Attention stays within 30 s windows
         (`costs.flops.audio_layer_flops`)."""
         if frames <= 0:
             return 0.0, 0.0
@@ -191,7 +195,7 @@ class AnalyticCostProvider:
         total = flops.stage_forward_flops(self.arch, stage, frames)
         blocks = stage.num_layers + int(stage.has_embedding) + int(stage.has_head)
         fwd, bwd = self._time(stage, total, layer, frames / 2 * a.hidden_size * cb, blocks)
-        return fwd, recipe_backward(stage_role(stage, self.trainable, True), fwd, bwd)
+        return fwd, rule(stage_role(stage, self.trainable, True), fwd, bwd)
 
     def _llm_time(self, stage: StageSpec, tokens: int) -> tuple[float, float]:
         m = self.arch.llm
@@ -219,11 +223,20 @@ class AnalyticCostProvider:
             )
 
     def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        """Memoized per (stage, bucket): the planner asks ~10^6 times, for few distinct ones."""
+        key = (stage, bucket)
+        if key not in self._times:
+            self._times[key] = self._stage_time(stage, bucket)
+        return self._times[key]
+
+    def _stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         if bucket < 0:
             raise ValueError(f"bucket={bucket}: must be >= 0")
         self._check_stage(stage)
-        if bucket == 0 or stage.module == "audio":  # the audio encoder is not priced yet
+        if bucket == 0:
             return 0.0, 0.0
+        if stage.module == "audio":  # `bucket`: mel frames per data shard
+            return self.audio_time(stage, bucket)
         return self._recipe_time(stage, bucket, recipe_backward)
 
     def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
@@ -294,6 +307,10 @@ class AnalyticCostProvider:
     def output_bytes(self, stage: StageSpec, bucket: int) -> float:
         """Bytes of one shard's output activations (the projector output if the stage holds it)."""
         a, cb = self.arch, self.compute_bytes
+        if stage.module == "audio":  # `bucket` frames: conv stride 2, then the head's pool of 2
+            if stage.has_head:
+                return float(bucket // 4 * a.llm.hidden_size * cb)
+            return float(bucket // 2 * a.audio.hidden_size * cb)
         if stage.module == "encoder":
             if stage.has_head:
                 return float(bucket * a.vision.tokens_per_tile * a.llm.hidden_size * cb)
@@ -349,44 +366,71 @@ def colocated_encoder_time(
     )
 
 
-def _stage_buckets(layout: Layout, tile_bucket: int, length_bucket: int) -> list[int]:
+def colocated_audio_stage(arch: MLLMArch, layout: Layout) -> StageSpec | None:
+    """The whole audio encoder (+ convolutions + projector) on LLM stage 0's devices, at its tp with
+    one replica per LLM row, as the runtime runs it without audio stages; None for a model without
+    audio or a layout with audio stages."""
+    if arch.audio is None or layout.audio_stages:
+        return None
+    first = layout.llm_stages[0]
+    return StageSpec("audio", 0, arch.audio.num_layers, tp=first.tp, dp=first.dp,
+                     has_embedding=True, has_head=True)  # fmt: skip
+
+
+def colocated_audio_time(
+    provider: CostProvider, audio: StageSpec, frames: int
+) -> tuple[float, float]:
+    """(fwd, bwd) seconds the audio encoder adds to LLM stage 0's program at `frames` per row: its
+    cost as a stage, a frozen encoder re-run forward in that program's backward
+    (`recipe.colocated_backward`); a provider without an audio model prices it at 0."""
+    timed = getattr(provider, "audio_time", None)
+    return timed(audio, frames, colocated_backward) if timed is not None else (0.0, 0.0)
+
+
+def _stage_buckets(
+    layout: Layout, tile_bucket: int, length_bucket: int, audio_bucket: int = 0
+) -> list[int]:
     """Each stage's bucket: an encoder stage's tiles per shard (`Layout.encoder_tiles`: with tiles
-    packed by row, llm_dp padded row blocks over the encoder's shards), an LLM stage's length."""
-    tiles = layout.encoder_tiles(tile_bucket)
-    # an audio stage's bucket (frames) is not in the key: 0, unpriced (`stage_time`)
-    by = {"encoder": tiles, "audio": 0, "llm": length_bucket}
+    packed by row, llm_dp padded row blocks over the encoder's shards), an audio stage's mel frames
+    per shard (`Layout.audio_frames`), an LLM stage's length."""
+    by = {"encoder": layout.encoder_tiles(tile_bucket), "audio": layout.audio_frames(audio_bucket),
+          "llm": length_bucket}  # fmt: skip
     return [by[s.module] for s in layout.stages]
 
 
 def layout_stage_costs(
     provider: CostProvider, layout: Layout, residuals: Sequence[str] | None = None
 ) -> StageCostFn:
-    """(tile_bucket, length_bucket) -> [num_stages, 2] (fwd, bwd) seconds, stages in pipeline order.
+    """(tile_bucket, length_bucket, audio_bucket=0) -> [num_stages, 2] (fwd, bwd) seconds, stages in
+    pipeline order.
 
     With no encoder stages, the encoder runs colocated on LLM stage 0 (one colocated program) and its
-    cost at the tile bucket (`colocated_encoder_time`) is added to stage 0: the colocated stage is ONE
-    stage, as the runtime runs and times it. `residuals`: each stage's residual policy; a stage
+    cost at the tile bucket (`colocated_encoder_time`) is added to that stage: the colocated stage is
+    ONE stage, as the runtime runs and times it. So is a model's audio encoder without audio stages
+    (`colocated_audio_time`, at the audio bucket: frames per LLM row); audio stages are priced at
+    their shard's frames (`Layout.audio_frames`). `residuals`: each stage's residual policy; a stage
     whose backward runs its forward again ("layers", "recompute") costs it (`policy_provider`).
-    Results are memoized per bucket pair.
+    Results are memoized per bucket triple.
     """
-    stages = layout.stages
+    stages, first = layout.stages, layout.first_llm
     policies = residuals or [None] * len(stages)
     timers = [policy_provider(provider, s.module, r) for s, r in zip(stages, policies)]
     coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
-    encoder = policy_provider(provider, "encoder", policies[0])
-    cache: dict[tuple[int, int], np.ndarray] = {}
+    audio = colocated_audio_stage(provider.arch, layout)
+    encoder = policy_provider(provider, "encoder", policies[first])
+    cache: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
-        key = (int(tile_bucket), int(length_bucket))
+    def costs(tile_bucket: int, length_bucket: int, audio_bucket: int = 0) -> np.ndarray:
+        key = (int(tile_bucket), int(length_bucket), int(audio_bucket))
         if key not in cache:
             buckets = _stage_buckets(layout, *key)
             out = np.array(
                 [t.stage_time(s, b) for t, s, b in zip(timers, stages, buckets)], dtype=np.float64
             )
             if coloc is not None:  # on LLM stage 0 (after any audio stages)
-                out[layout.first_llm] += colocated_encoder_time(
-                    encoder, coloc, layout.encoder_tiles(key[0])
-                )
+                out[first] += colocated_encoder_time(encoder, coloc, layout.encoder_tiles(key[0]))
+            if audio is not None:
+                out[first] += colocated_audio_time(encoder, audio, key[2])
             out.setflags(write=False)
             cache[key] = out
         return cache[key]
@@ -409,16 +453,21 @@ def policy_provider(provider: CostProvider, module: str, residuals: str | None) 
 
 
 def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> bool:
-    """Whether stages `index` and `index + 1` span more than one host, placing stages on consecutive
-    device ids in pipeline order (host = device_id // devices_per_host)."""
-    start = sum(s.num_devices for s in layout.stages[:index])
-    end = start + layout.stages[index].num_devices + layout.stages[index + 1].num_devices - 1
-    return start // devices_per_host != end // devices_per_host
+    """Whether stage `index` and the stage it feeds (`Layout.children`) span more than one host,
+    placing stages on consecutive device ids in pipeline order (host = device_id // devices_per_host)."""
+    ends = np.cumsum([s.num_devices for s in layout.stages])
+
+    def hosts(i: int) -> set[int]:
+        first, last = ends[i] - layout.stages[i].num_devices, ends[i] - 1
+        return set(range(first // devices_per_host, last // devices_per_host + 1))
+
+    return len(hosts(index) | hosts(layout.children[index])) > 1
 
 
 def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, float]:
-    """(across, within): the bytes the boundary after stage `index` moves in sequence at `bucket`
-    (the sending stage's), in units of one sending data shard's output.
+    """(across, within): the bytes the boundary after stage `index` (to the stage it feeds,
+    `Layout.children`) moves in sequence at `bucket` (the sending stage's), in units of one sending
+    data shard's output.
 
     across: what its busiest device sends or receives over the link between the stages. Between
     stages of one module each device of the next stage takes its own shard: 1. The encoder's
@@ -431,7 +480,7 @@ def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, flo
     program, a ring in which each device receives the tp - 1 other pieces of its row's block (0
     where tp = 1); dL/dx's reduce-scatter moves the same.
     """
-    a, b = layout.stages[index], layout.stages[index + 1]
+    a, b = layout.stages[index], layout.stages[layout.children[index]]
     if not (a.module == "encoder" and b.module == "llm") or bucket < 1:
         return 1.0, 0.0
     block = -(-a.dp * bucket // b.num_devices)  # tiles per LLM device
@@ -440,16 +489,17 @@ def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, flo
 
 
 def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:
-    """(tile_bucket, length_bucket) -> [num_stages - 1] seconds to move activations across each
-    boundary (`boundary_shards`): the busiest device's bytes at the link's bandwidth between the
+    """(tile_bucket, length_bucket, audio_bucket=0) -> [num_stages - 1] seconds to move activations
+    from each stage to the one it feeds (`boundary_shards`; an audio stage's shard sends its rows'
+    features from one replica): the busiest device's bytes at the link's bandwidth between the
     stages, plus an in-mesh gather at the receiving stage's own (inter-host where it spans hosts)."""
-    stages = layout.stages
+    stages, children = layout.stages, layout.children
     per_host = provider.device.devices_per_host
     cross = [stage_crosses_host(layout, i, per_host) for i in range(len(stages) - 1)]
-    spans = [stages[i + 1].num_devices > per_host for i in range(len(stages) - 1)]
+    spans = [stages[children[i]].num_devices > per_host for i in range(len(stages) - 1)]
 
-    def costs(tile_bucket: int, length_bucket: int) -> np.ndarray:
-        buckets = _stage_buckets(layout, tile_bucket, length_bucket)
+    def costs(tile_bucket: int, length_bucket: int, audio_bucket: int = 0) -> np.ndarray:
+        buckets = _stage_buckets(layout, tile_bucket, length_bucket, audio_bucket)
         out = []
         for i in range(len(stages) - 1):
             across, within = boundary_shards(layout, i, buckets[i])
@@ -526,15 +576,15 @@ def layout_memory(
             return provider.stage_memory(stage, bucket)
         return provider.stage_memory(stage, bucket, policy)
 
-    buckets_of = _stage_buckets(layout, tile_bucket, length_bucket)
-    if layout.audio_stages and isinstance(buckets, BucketSet) and buckets.audio:
-        # an audio shard's frames: its LLM rows' audio rows at the largest audio bucket
-        rows = layout.llm_dp // layout.audio_stages[0].dp
-        buckets_of = [rows * buckets.audio[-1] if s.module == "audio" else b
-                      for s, b in zip(layout.stages, buckets_of)]  # fmt: skip
+    # an audio shard's frames: its LLM rows' audio rows at the largest audio bucket
+    audio_bucket = buckets.audio[-1] if isinstance(buckets, BucketSet) and buckets.audio else 0
+    buckets_of = _stage_buckets(layout, tile_bucket, length_bucket, audio_bucket)
     mems = [memory(s, b, r) for s, b, r in zip(layout.stages, buckets_of, policies)]
+    first = layout.first_llm
     if not layout.encoder_stages:
-        first = layout.first_llm
         encoder = colocated_encoder_stage(provider.arch, layout)
         mems[first] = mems[first] + memory(encoder, tile_bucket, policies[first])
+    audio = colocated_audio_stage(provider.arch, layout)
+    if audio is not None and audio_bucket:
+        mems[first] = mems[first] + memory(audio, audio_bucket, policies[first])
     return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]

@@ -31,10 +31,10 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 
 
 def balanced_layout(
-    provider, layout: Layout, stage_costs: np.ndarray, tile_bucket: int, length_bucket: int
+    provider, layout: Layout, stage_costs: np.ndarray, buckets: tuple[int, ...]
 ) -> Layout:
     """`layout` with each pipelined module's layers re-split to balance `stage_costs` ([P, 2] at the
-    mean-shape buckets: the tile bucket, tokens per LLM row).
+    mean-shape `buckets`: the tile bucket, tokens per LLM row, and audio frames per LLM row).
 
     Returns `layout` itself when no split changes.
     """
@@ -44,22 +44,22 @@ def balanced_layout(
         one = _with_layers(stages[0], 1)
         return [float(sum(provider.stage_time(one, bucket)))] * len(stages)
 
-    return _rebalanced_layout(layout, totals, slopes, (tile_bucket, length_bucket))
+    return _rebalanced_layout(layout, totals, slopes, buckets)
 
 
 def memory_balanced_layout(
-    provider, layout: Layout, stage_bytes: Sequence[float], buckets: tuple[int, int],
+    provider, layout: Layout, stage_bytes: Sequence[float], buckets: tuple[int, ...],
     in_flight: Sequence[int],
 ) -> Layout:  # fmt: skip
     """`layout` with each pipelined module's layers re-split to balance `stage_bytes` (peak bytes per
-    device of each stage at the largest (tile, length) `buckets` with `in_flight[s]` microbatches alive).
+    device of each stage at the largest (tile, length, audio) `buckets` with `in_flight[s]`
+    microbatches alive).
 
     Returns `layout` itself when no split changes.
     """
-    e = len(layout.encoder_stages)
 
     def slopes(stages: tuple[StageSpec, ...], bucket: int) -> list[float]:
-        offset = 0 if stages[0].module == "encoder" else e
+        offset = layout.stages.index(stages[0])
         out = []
         for i, s in enumerate(stages):
             one, two = (provider.stage_memory(_with_layers(s, n), bucket) for n in (1, 2))
@@ -75,13 +75,16 @@ def _with_layers(stage: StageSpec, n: int) -> StageSpec:
     return StageSpec(stage.module, 0, n, tp=stage.tp, dp=stage.dp)
 
 
-def _rebalanced_layout(layout: Layout, totals: np.ndarray, slopes, buckets: tuple[int, int]):
-    e = len(layout.encoder_stages)
+def _rebalanced_layout(layout: Layout, totals: np.ndarray, slopes, buckets: tuple[int, ...]):
+    """`buckets`: (tile, length[, audio]); each module's stages balanced at its shard's bucket."""
+    e, f = len(layout.encoder_stages), layout.first_llm
+    audio = layout.audio_frames(buckets[2] if len(buckets) > 2 else 0)
     enc = _rebalanced(layout.encoder_stages, totals[:e], slopes, layout.encoder_tiles(buckets[0]))
-    llm = _rebalanced(layout.llm_stages, totals[e:], slopes, buckets[1])
-    if enc == layout.encoder_stages and llm == layout.llm_stages:
+    aud = _rebalanced(layout.audio_stages, totals[e:f], slopes, audio)
+    llm = _rebalanced(layout.llm_stages, totals[f:], slopes, buckets[1])
+    if (enc, aud, llm) == (layout.encoder_stages, layout.audio_stages, layout.llm_stages):
         return layout
-    return dataclasses.replace(layout, encoder_stages=enc, llm_stages=llm)
+    return dataclasses.replace(layout, encoder_stages=enc, audio_stages=aud, llm_stages=llm)
 
 
 def _rebalanced(stages: tuple[StageSpec, ...], totals, slopes, bucket: int):

@@ -84,19 +84,19 @@ def padding_ladder(values: np.ndarray, top: int, n: int) -> tuple[int, ...]:
     cum_n = np.concatenate([[0], counts.cumsum()])
     cum_s = np.concatenate([[0.0], (cand * counts).cumsum()])  # a candidate's values all equal it
 
-    def pad(i: int, j: int) -> float:  # values of candidates i+1..j held by candidate j
+    def pad(i, j: int):  # values of candidates i+1..j held by candidate j (i: int or array)
         return cand[j] * (cum_n[j + 1] - cum_n[i + 1]) - (cum_s[j + 1] - cum_s[i + 1])
 
     c, k_max = len(cand), min(n, len(cand))
     best = np.full((k_max + 1, c), np.inf)
     prev = np.zeros((k_max + 1, c), dtype=np.int64)
-    for j in range(c):
-        best[1, j] = pad(-1, j)
+    best[1] = pad(-1, np.arange(c))
     for k in range(2, k_max + 1):
-        for j in range(k - 1, c):
-            options = [best[k - 1, i] + pad(i, j) for i in range(k - 2, j)]
-            i = int(np.argmin(options))
-            best[k, j], prev[k, j] = options[i], i + k - 2
+        for j in range(k - 1, c):  # the previous size i in k-2..j-1, one array op per j
+            i = np.arange(k - 2, j)
+            options = best[k - 1, i] + pad(i, j)
+            at = int(np.argmin(options))
+            best[k, j], prev[k, j] = options[at], i[at]
     k = int(np.argmin(best[1:, c - 1])) + 1  # fewer sizes when more would not pad less
     sizes, j = [], c - 1
     for kk in range(k, 0, -1):
@@ -129,7 +129,7 @@ def fullest_rows(
     return out.max(axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: the memos below key on it
 class ShapeStats:
     """What the ladders need of a shape distribution (computed once per search)."""
 
@@ -140,6 +140,7 @@ class ShapeStats:
     tiles: tuple[int, ...] = ()  # every sample's tiles (the by-row tile ladder draws from them)
     audio: tuple[int, ...] = ()  # every sample's audio frames; () when no sample has audio
     tokens: tuple[int, ...] = ()  # every sample's tokens, with audio (the audio ladder's rows)
+    mean_audio: float = 0.0  # mean audio frames per sample
 
     @classmethod
     def of(cls, shapes: Sequence[SampleShape]) -> ShapeStats:
@@ -149,7 +150,8 @@ class ShapeStats:
         heard = any(audio)
         return cls(float(tokens.mean()), float(tiles.mean()), int(tokens.max()), int(tiles.max()),
                    tuple(int(s.tiles) for s in shapes), audio if heard else (),
-                   tuple(int(s.tokens) for s in shapes) if heard else ())  # fmt: skip
+                   tuple(int(s.tokens) for s in shapes) if heard else (),
+                   float(np.mean(audio)) if heard else 0.0)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)  # the planner's candidates share few (M, dp) combinations
@@ -195,7 +197,14 @@ def _audio_ladder(stats: ShapeStats, samples: int, rows: int, top: int, n: int):
     without audio count as the smallest size, 4 frames."""
     if not stats.audio:
         return ()
-    tokens, audio = np.asarray(stats.tokens, float), np.asarray(stats.audio, float)
+    return _row_audio_ladder(stats.audio, stats.tokens, samples, rows, top, n)
+
+
+@functools.lru_cache(maxsize=1024)  # the search asks per candidate; few (samples, rows, top) differ
+def _row_audio_ladder(
+    audio: tuple[int, ...], tokens: tuple[int, ...], samples: int, rows: int, top: int, n: int
+):
+    tokens, audio = np.asarray(tokens, float), np.asarray(audio, float)
     fullest = np.maximum(fullest_rows(audio, samples, rows, by=tokens), 4)
     drawn = _round_up(float(fullest.max()), 4)
     if n == 1 or drawn >= top:

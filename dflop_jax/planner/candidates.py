@@ -2,8 +2,10 @@
 
 DFLOP search: LLM (tp, pp, dp) times either a separate encoder (tp, pp, dp) on its own devices or the
 encoder colocated on the first LLM stage (at that stage's tp or at its own, a divisor of it, with
-tp / encoder tp replicas per LLM replica: `Layout.colocated_encoder_tp`), using between `num_devices - max_idle_devices` and
-`num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
+tp / encoder tp replicas per LLM replica: `Layout.colocated_encoder_tp`), and for a model with an
+audio encoder, times its placement: on the first LLM stage (each row's audio on the row's shard) or
+on audio stages of its own (tp, pp, and a dp dividing the LLM's), using between
+`num_devices - max_idle_devices` and `num_devices` devices. Uniform (data-blind) search: the encoder colocated, one tp for the whole model
 (it must divide the LLM's heads; the encoder's heads are padded up to a multiple of it, Megatron's way,
 when `pad_heads`, else they must divide too), dp = devices / (tp x pp). Either search crosses its
 layouts with `PlannerConfig.remat` (remat on/off per candidate) when that is given.
@@ -81,8 +83,10 @@ def physical_layout(virtual: Layout, chunks: int) -> Layout:
 
 def describe_layout(layout: Layout, chunks: int = 1) -> str:
     """e.g. "enc tp1 pp1 dp8 | llm tp4 pp2[14+14] dp7", "enc@llm0 | llm tp2 pp1 dp8", a colocated
-    encoder at its own tp "enc@llm0 tp1 dp32 | llm tp4 pp1 dp8", or with virtual stages
-    "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage)."""
+    encoder at its own tp "enc@llm0 tp1 dp32 | llm tp4 pp1 dp8", with virtual stages
+    "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage), with audio
+    stages "enc tp1 pp1 dp8 | aud tp1 pp1 dp4 | llm tp4 pp2[14+14] dp8" (an audio encoder without
+    stages runs on LLM stage 0, unnamed)."""
 
     def part(name: str, stages: tuple[StageSpec, ...], v: int = 1) -> str:
         split = f"[{'+'.join(str(s.num_layers) for s in stages)}]" if len(stages) > 1 else ""
@@ -92,7 +96,8 @@ def describe_layout(layout: Layout, chunks: int = 1) -> str:
     enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
     if layout.colocated_encoder_tp is not None:
         enc += f" tp{layout.colocated_encoder_tp} dp{layout.encoder_dp}"
-    return f"{enc} | {part('llm', layout.llm_stages, chunks)}"
+    aud = f"{part('aud', layout.audio_stages)} | " if layout.audio_stages else ""
+    return f"{enc} | {aud}{part('llm', layout.llm_stages, chunks)}"
 
 
 def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -154,20 +159,44 @@ def enumerate_candidates(
     layouts: list[Layout] = []
     for tp, pp, dp in _module_shapes(llm_tps, config.llm_pp, lm.num_layers, num_devices):
         llm = module_stages("llm", lm.num_layers, tp, pp, dp)
-        used = tp * pp * dp
-        if config.colocate and used >= low:  # the encoder at any tp dividing the stage's
-            own = (t for t in enc_tps if tp % t == 0) if config.colocate_own_tp else (tp,)
-            for etp in (t for t in own if t in enc_tps):
-                layouts.append(Layout((), llm, None if etp == tp else etp))
-        separate = (
-            _module_shapes(enc_tps, config.encoder_pp, v.num_layers, num_devices - used)
-            if config.encoder_stages
-            else []
-        )
-        for etp, epp, edp in separate:
-            if used + etp * epp * edp >= low:
-                layouts.append(Layout(module_stages("encoder", v.num_layers, etp, epp, edp), llm))
+        for audio in _audio_placements(arch, config, (tp, dp), num_devices - tp * pp * dp,
+                                       devices_per_host):  # fmt: skip
+            used = tp * pp * dp + sum(s.num_devices for s in audio)
+            if config.colocate and used >= low:  # the encoder at any tp dividing the stage's
+                own = (t for t in enc_tps if tp % t == 0) if config.colocate_own_tp else (tp,)
+                for etp in (t for t in own if t in enc_tps):
+                    layouts.append(Layout((), llm, None if etp == tp else etp, audio))
+            separate = (
+                _module_shapes(enc_tps, config.encoder_pp, v.num_layers, num_devices - used)
+                if config.encoder_stages
+                else []
+            )
+            for etp, epp, edp in separate:
+                if used + etp * epp * edp >= low:
+                    enc = module_stages("encoder", v.num_layers, etp, epp, edp)
+                    layouts.append(Layout(enc, llm, audio_stages=audio))
     return _with_microbatches(layouts, config)
+
+
+def _audio_placements(
+    arch, config: PlannerConfig, llm: tuple[int, int], room: int, devices_per_host: int
+) -> list[tuple[StageSpec, ...]]:
+    """The audio encoder's placements beside an LLM of (tp, dp) `llm` with `room` devices left: ()
+    (on the first LLM stage, at its tp: where that tp divides the audio encoder's heads and MLP;
+    the only one for a model without audio), then audio stages of their own at each (tp, pp, dp)
+    fitting, dp dividing the LLM's."""
+    a = arch.audio
+    if a is None:
+        return [()]
+    split = (a.num_heads, a.intermediate_size)
+    on_llm = [()] if valid_tp((llm[0],), split, devices_per_host) else []
+    if not config.audio_stages:
+        return on_llm
+    tps = valid_tp(config.audio_tp or config.tp, split, devices_per_host)
+    own = [module_stages("audio", a.num_layers, tp, pp, dp)
+           for tp, pp, dp in _module_shapes(tps, config.audio_pp, a.num_layers, room)
+           if llm[1] % dp == 0]  # fmt: skip
+    return on_llm + own
 
 
 def uniform_heads(arch, pad_heads: bool) -> tuple[int, ...]:

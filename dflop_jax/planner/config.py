@@ -34,6 +34,13 @@ class PlannerConfig:
         cannot (InternViT-6B's 25 heads: 1 or 5, Qwen2.5's 28 / 64 heads: 1, 2, 4, 8). A colocated
         encoder's tp must still divide LLM stage 0's; the uniform baseline uses one tp for both.
       encoder_pp: candidate encoder pipeline depths (separate encoder stages).
+      audio_stages: a model with an audio encoder: also consider layouts with it on stages of its
+        own (a second encoder branch beside the vision one, `Layout.audio_stages`); it is always
+        considered on the first LLM stage.
+      audio_tp: candidate tensor-parallel degrees of audio stages (kept only if they divide the
+        audio encoder's heads and MLP and fit in a host); empty = `tp`.
+      audio_pp: candidate audio pipeline depths; audio dp is any divisor of the LLM's dp (each
+        audio replica encodes whole LLM rows).
       llm_pp: candidate LLM pipeline depths (layers split into balanced contiguous ranges).
       microbatches: candidate microbatch counts M per global batch.
       microbatch_slack: the scheduler may use M .. ceil(M x (1 + slack)) microbatches (absorbs batches
@@ -91,6 +98,9 @@ class PlannerConfig:
     tp: tuple[int, ...] = (1, 2, 4, 8)
     encoder_tp: tuple[int, ...] = ()
     encoder_pp: tuple[int, ...] = (1, 2)
+    audio_stages: bool = True
+    audio_tp: tuple[int, ...] = ()
+    audio_pp: tuple[int, ...] = (1,)
     llm_pp: tuple[int, ...] = (1, 2, 4, 7, 8)
     microbatches: tuple[int, ...] = (8, 16, 32, 64)
     microbatch_slack: float = 0.25
@@ -125,7 +135,17 @@ class PlannerConfig:
     def __post_init__(self):
         if self.encoder_tp:
             _positive_ints(self.encoder_tp, "planner.encoder_tp")
-        for key in ("tp", "encoder_pp", "llm_pp", "microbatches", "num_buckets", "virtual_stages"):
+        if self.audio_tp:
+            _positive_ints(self.audio_tp, "planner.audio_tp")
+        for key in (
+            "tp",
+            "encoder_pp",
+            "audio_pp",
+            "llm_pp",
+            "microbatches",
+            "num_buckets",
+            "virtual_stages",
+        ):
             _positive_ints(getattr(self, key), f"planner.{key}")
         require(
             self.microbatch_slack >= 0,

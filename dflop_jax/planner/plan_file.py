@@ -363,6 +363,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         tuple(s for s in stages if s.module == "encoder"),
         tuple(s for s in stages if s.module == "llm"),
         d.get("encoder_colocated_tp"),
+        tuple(s for s in stages if s.module == "audio"),
     )
     pred = d["predicted"]
     return Plan(

@@ -68,7 +68,8 @@ class ResolvedPlan:
                          f" dp={s.dp} tp={s.tp} emb={s.has_embedding} head={s.has_head}{where}")  # fmt: skip
         b = self.buckets
         pairs = "" if b.grid else f" pairs={len(b.pairs)} of {len(b.tiles) * len(b.lengths)}"
-        lines.append(f"buckets tiles={b.tiles} lengths={b.lengths}{pairs} microbatches="
+        audio = f" audio={b.audio}" if b.audio else ""
+        lines.append(f"buckets tiles={b.tiles} lengths={b.lengths}{pairs}{audio} microbatches="
                      f"{self.microbatches} residuals={list(self.residuals or ['recompute'])}")  # fmt: skip
         trainable = getattr(self.provider, "trainable", TRAINABLE_PARTS)
         cost = compile_cost(self.provider, self.layout, b, multimodal, trainable)
@@ -193,11 +194,11 @@ def plan_data_note(plan: Plan, path: str, shapes: str | Path) -> str:
     )
 
 
-def load_shapes(source, samples: int = 4000, seed: int = 0):
+def load_shapes(source, samples: int = 4000, seed: int = 0, audio: bool = False):
     """The shape distribution (list of SampleShape) of a synthetic mix's name (`samples` of it,
-    seeded) or of a shape-distribution JSON path, less the samples with audio: no layout runs an
-    audio encoder yet, so the loader skips them (`no_audio_encoder`) and a plan counting them would
-    plan for work the run never does."""
+    seeded) or of a shape-distribution JSON path. For a model without an audio encoder (`audio`
+    False) less the samples with audio: the loader skips them (`no_audio_encoder`) and a plan
+    counting them would plan for work the run never does."""
     from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
 
     if source == "llava-ov":
@@ -206,10 +207,11 @@ def load_shapes(source, samples: int = 4000, seed: int = 0):
         return omnibal_shapes()
     shapes = load_shape_distribution(source)
     heard = sum(1 for s in shapes if s.audio_windows)
-    if heard:
+    if heard and not audio:
         log.warning("planning without the %d of %d profiled samples that hold audio: the model has "
                     "no audio encoder, so the run skips them", heard, len(shapes))  # fmt: skip
         shapes = [s for s in shapes if not s.audio_windows]
     if not shapes:
-        raise ValueError(f"{source}: every profiled sample holds audio, which no layout runs yet")
+        raise ValueError(f"{source}: every profiled sample holds audio, and the model has no "
+                         "audio encoder")  # fmt: skip
     return shapes

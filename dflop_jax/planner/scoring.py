@@ -10,6 +10,7 @@ microbatch's per-stage costs and transfers at its buckets. The same K batches sc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -44,11 +45,12 @@ SchedulePolicy = Callable[[Sequence[SampleShape], ScheduleProblem], Schedule]
 
 @dataclasses.dataclass(frozen=True)
 class LayoutCosts:
-    """A layout's cost functions, memoized per bucket pair."""
+    """A layout's cost functions, memoized per bucket triple (tile, length, audio; audio 0 for a
+    model without audio)."""
 
     layout: Layout  # with chunks > 1 the virtual layout (one entry per virtual stage)
-    stage: Callable[[int, int], np.ndarray]  # (T, S) -> [P, 2]
-    transfer: Callable[[int, int], np.ndarray]  # (T, S) -> [P - 1]
+    stage: Callable[..., np.ndarray]  # (T, S, A=0) -> [P, 2]
+    transfer: Callable[..., np.ndarray]  # (T, S, A=0) -> [P - 1]
     chunks: int = 1  # model chunks per device group: > 1 simulates interleaved 1F1B
     update: StepUpdate | None = None  # the per-step update after the pipeline (costs/update.py)
 
@@ -62,12 +64,12 @@ class LayoutCosts:
         reduce-scatter, global-norm barrier, AdamW, all-gather (`costs/update.py`). Stage times are
         those of each stage's residual policy (`residuals`, `costs.layout_stage_costs`)."""
         xfer = layout_transfer_costs(provider, layout)
-        cache: dict[tuple[int, int], np.ndarray] = {}
+        cache: dict[tuple[int, int, int], np.ndarray] = {}
 
-        def transfer(t: int, s: int) -> np.ndarray:
-            if (t, s) not in cache:
-                cache[t, s] = xfer(t, s)
-            return cache[t, s]
+        def transfer(t: int, s: int, a: int = 0) -> np.ndarray:
+            if (t, s, a) not in cache:
+                cache[t, s, a] = xfer(t, s, a)
+            return cache[t, s, a]
 
         groups = layout_update_times(provider, layout, chunks)
         update = StepUpdate(tuple(r for r, _ in groups), tuple(a for _, a in groups),
@@ -80,9 +82,11 @@ class LayoutCosts:
 
         Interleaving needs a multiple of the stage count; a schedule with more (the data-blind
         scheduler spills past its M when a microbatch overflows its bucket) is padded with empty,
-        zero-cost microbatches up to the next multiple: Megatron would run a full group there."""
+        zero-cost microbatches up to the next multiple: Megatron would run a full group there.
+        A layout with audio stages is an in-tree of two encoder branches (`Layout.children`)."""
         if self.chunks == 1:
-            return simulate(times, transfer, kind, update=self.update)
+            children = self.layout.children if self.layout.audio_stages else None
+            return simulate(times, transfer, kind, update=self.update, children=children)
         p = self.layout.num_stages // self.chunks
         times = np.asarray(times, dtype=np.float64)
         extra = -len(times) % p
@@ -204,28 +208,32 @@ def problem_for(
         stage_costs=costs.stage,
         tiles_by_row=lay.tiles_by_row,
         row_align=lay.row_align,
+        audio_always=bool(lay.audio_stages),
     )
 
 
 def simulate_schedule(schedule: Schedule, costs: LayoutCosts, kind: str = "1f1b") -> SimResult:
     """Simulates one step of `schedule`: per-microbatch stage costs [M, P, 2] and transfers at its buckets."""
     mbs = schedule.microbatches
-    times = np.stack([costs.stage(mb.tile_bucket, mb.length_bucket) for mb in mbs])
-    xfer = np.stack([costs.transfer(mb.tile_bucket, mb.length_bucket) for mb in mbs])
+    keys = [(mb.tile_bucket, mb.length_bucket, mb.audio_bucket) for mb in mbs]
+    times = np.stack([costs.stage(*k) for k in keys])
+    xfer = np.stack([costs.transfer(*k) for k in keys])
     return costs.simulate(times, xfer, kind)
 
 
 def mean_shape_buckets(
     cand: Candidate, buckets: BucketSet, stats: ShapeStats, config: PlannerConfig
-) -> tuple[int, int]:
-    """(tile, length) bucket of a microbatch carrying exactly the mean load (smallest that holds it)."""
+) -> tuple[int, int, int]:
+    """(tile, length, audio) buckets of a microbatch carrying exactly the mean load (smallest that
+    holds it; audio per LLM row, 0 without an audio ladder)."""
     lay = cand.layout
     g, m = config.global_batch, cand.microbatches
     tok = stats.mean_tokens * g / (m * lay.llm_dp)
     til = stats.mean_tiles * g / (m * lay.encoder_dp)
-    return _smallest_at_least(buckets.tiles, math.ceil(til - 1e-9)), _smallest_at_least(
-        buckets.lengths, tok
-    )
+    frames = stats.mean_audio * g / (m * lay.llm_dp)
+    return (_smallest_at_least(buckets.tiles, math.ceil(til - 1e-9)),
+            _smallest_at_least(buckets.lengths, tok),
+            _audio_bucket(buckets, frames, bool(lay.audio_stages)))  # fmt: skip
 
 
 def mean_shape_surrogate(
@@ -239,57 +247,74 @@ def mean_shape_surrogate(
     buckets holding the mean load, plus the step's update: cheap, computed for every candidate, over
     memory or not."""
     lay, m = costs.layout, cand.microbatches
-    t, s = mean_shape_buckets(cand, buckets, stats, config)
+    key = mean_shape_buckets(cand, buckets, stats, config)
     tail = costs.update.tail if costs.update is not None else 0.0
-    return float((m + lay.num_stages - 1) * costs.stage(t, s).sum(axis=1).max() + tail)
+    return float((m + lay.num_stages - 1) * costs.stage(*key).sum(axis=1).max() + tail)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScreenBatch:
     """A typical global batch for the screen: `global_batch` samples at evenly spaced quantiles of the
     shape distribution's token counts, sorted by tokens (deterministic: no sampling noise in the
-    ranking). tokens and tiles: [G] per sample."""
+    ranking). tokens, tiles and audio (mel frames, `SampleShape.audio_frames`): [G] per sample."""
 
     tokens: np.ndarray
     tiles: np.ndarray
+    audio: np.ndarray
 
     @classmethod
     def of(cls, shapes: Sequence[SampleShape], global_batch: int) -> ScreenBatch:
         order = sorted(shapes, key=lambda s: (s.tokens, s.tiles))
         picks = [order[int((i + 0.5) * len(order) / global_batch)] for i in range(global_batch)]
-        return cls(np.array([s.tokens for s in picks], dtype=np.float64),
-                   np.array([s.tiles for s in picks], dtype=np.float64))  # fmt: skip
+        return cls(
+            *(
+                np.array([get(s) for s in picks], dtype=np.float64)
+                for get in (lambda s: s.tokens, lambda s: s.tiles, lambda s: s.audio_frames)
+            )
+        )
 
 
 def screen_buckets(
     cand: Candidate, buckets: BucketSet, batch: ScreenBatch
-) -> list[tuple[int, int]]:
-    """Per microbatch of the screen, its (tile, length) bucket: the typical batch, sorted, cut into M
+) -> list[tuple[int, int, int]]:
+    """Per microbatch of the screen, its (tile, length, audio) buckets: the typical batch, sorted, cut into M
     consecutive microbatches (a bucket-aware scheduler groups samples of like length), each at the
     smallest buckets holding its FULLEST shard. A packed row holds whole samples, so that shard holds
     at least the microbatch's longest sample, and at least the mean load; so does a row's block of
     tiles packed by row (`Layout.tiles_by_row`: the tile bucket is per row); otherwise the encoder
     shards split the tiles evenly. With about one sample per shard (high dp, few microbatches) the fullest shard is
-    the longest sample, not the mean one: a mean-load screen ranks such layouts far too well."""
-    lay, out = cand.layout, []
-    by_row = lay.tiles_by_row
-    for tok, til in zip(
-        *(np.array_split(a, cand.microbatches) for a in (batch.tokens, batch.tiles))
-    ):
+    the longest sample, not the mean one: a mean-load screen ranks such layouts far too well. A
+    row's audio frames likewise (the scheduler balances them over the rows, `balance_audio`)."""
+    lay = cand.layout
+    shape = (lay.llm_dp, lay.encoder_dp, lay.tiles_by_row, bool(lay.audio_stages))
+    return list(_screen_keys(batch, shape, cand.microbatches, buckets))
+
+
+@functools.lru_cache(maxsize=4096)  # candidates differing in tp, pp or placement share these
+def _screen_keys(
+    batch: ScreenBatch, shape: tuple[int, int, bool, bool], microbatches: int, buckets: BucketSet
+) -> tuple[tuple[int, int, int], ...]:
+    """`screen_buckets` of a layout's (llm_dp, encoder_dp, tiles_by_row, audio stages or not)."""
+    llm_dp, encoder_dp, by_row, always = shape
+    out = []
+    split = (np.array_split(a, microbatches) for a in (batch.tokens, batch.tiles, batch.audio))
+    for tok, til, aud in zip(*split):
         if not len(tok):
-            out.append((buckets.tiles[0], buckets.lengths[0]))
+            out.append((buckets.tiles[0], buckets.lengths[0], _audio_bucket(buckets, 0, always)))
             continue
-        length = max(tok.sum() / lay.llm_dp, tok.max())
-        tiles = max(til.sum() / lay.llm_dp, til.max()) if by_row else til.sum() / lay.encoder_dp
+        length = max(tok.sum() / llm_dp, tok.max())
+        tiles = max(til.sum() / llm_dp, til.max()) if by_row else til.sum() / encoder_dp
+        frames = max(aud.sum() / llm_dp, aud.max())
         out.append((_smallest_at_least(buckets.tiles, math.ceil(tiles - 1e-9)),
-                    _smallest_at_least(buckets.lengths, length)))  # fmt: skip
-    return out
+                    _smallest_at_least(buckets.lengths, length),
+                    _audio_bucket(buckets, frames, always)))  # fmt: skip
+    return tuple(out)
 
 
 def screen_pairs(cand: Candidate, buckets: BucketSet, batch: ScreenBatch) -> BucketSet:
     """`buckets` narrowed to the pairs the screen's typical batch uses and the largest: the screen's
     guess of the sparse pair set, for its compile estimate."""
-    pairs = {*screen_buckets(cand, buckets, batch), buckets.top}
+    pairs = {(t, s) for t, s, _ in screen_buckets(cand, buckets, batch)} | {buckets.top}
     return dataclasses.replace(buckets, pairs=tuple(sorted(pairs)))
 
 
@@ -297,9 +322,9 @@ def screen_step_time(
     costs: LayoutCosts, cand: Candidate, buckets: BucketSet, batch: ScreenBatch, kind: str
 ) -> float:
     """Screening score: the typical batch's M microbatches (`screen_buckets`), simulated."""
-    pairs = screen_buckets(cand, buckets, batch)
-    times = np.stack([costs.stage(t, s) for t, s in pairs])
-    xfer = np.stack([costs.transfer(t, s) for t, s in pairs])
+    keys = screen_buckets(cand, buckets, batch)
+    times = np.stack([costs.stage(*k) for k in keys])
+    xfer = np.stack([costs.transfer(*k) for k in keys])
     return costs.simulate(times, xfer, kind).step_time
 
 
@@ -308,6 +333,15 @@ def _smallest_at_least(sizes: tuple[int, ...], need: float) -> int:
         if x >= need:
             return x
     return sizes[-1]
+
+
+def _audio_bucket(buckets: BucketSet, frames: float, always: bool) -> int:
+    """The audio bucket of a row holding `frames` mel frames: 0 without audio, unless the layout's
+    audio stages run every microbatch (`always`: `ScheduleProblem.audio_always`); 0 without an
+    audio ladder."""
+    if not buckets.audio or (frames <= 0 and not always):
+        return 0
+    return _smallest_at_least(buckets.audio, frames)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -312,12 +312,14 @@ def _screen_all(
     for i, cand in enumerate(cands):
         provider = variants.get(cand.layout, cand.remat)
         out.append(evaluate(cand, provider))
-        if len(cand.layout.llm_stages) > 1 or len(cand.layout.encoder_stages) > 1:
+        if any(len(m) > 1 for m in (cand.layout.llm_stages, cand.layout.encoder_stages,
+                                    cand.layout.audio_stages)):  # fmt: skip
             even = out[-1]
-            t, s = mean_shape_buckets(cand, even.buckets, stats, config)
-            layouts = [balanced_layout(provider, cand.layout, even.costs.stage(t, s), t, s)]
+            key = mean_shape_buckets(cand, even.buckets, stats, config)
+            layouts = [balanced_layout(provider, cand.layout, even.costs.stage(*key), key)]
             if max(even.memory) > usable and cand.chunks == 1:  # fewer layers where more in flight
-                largest = (even.buckets.tiles[-1], even.buckets.lengths[-1])
+                b = even.buckets
+                largest = (b.tiles[-1], b.lengths[-1], b.audio[-1] if b.audio else 0)
                 counts = stage_in_flight(cand, config)
                 layouts.append(
                     memory_balanced_layout(provider, cand.layout, even.memory, largest, counts)

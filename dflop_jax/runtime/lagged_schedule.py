@@ -53,7 +53,7 @@ class Observation:
         """The observation of a measured step (None when no microbatch is valid)."""
         times = np.array(times, dtype=np.float64)
         for m, mb in enumerate(schedule.microbatches):
-            f, b = np.asarray(problem.stage_costs(mb.tile_bucket, mb.length_bucket))[-1]
+            f, b = problem.microbatch_costs(mb)[-1]
             total = times[m, -1, 0]
             times[m, -1] = (total * f / (f + b), total * b / (f + b)) if f + b > 0 else (total, 0)
         keep = np.flatnonzero(valid)

@@ -62,7 +62,9 @@ class CostCorrection:
         """A StageCostFn applying the factors to `raw_fn`."""
         ti_of = {t: i for i, t in enumerate(self.tiles)}
         si_of = {s: i for i, s in enumerate(self.lengths)}
-        return lambda t, s: np.asarray(raw_fn(t, s)) * self.factor(ti_of[int(t)], si_of[int(s)])
+        return lambda t, s, *audio: (
+            np.asarray(raw_fn(t, s, *audio)) * self.factor(ti_of[int(t)], si_of[int(s)])
+        )
 
 
 def _mape(pred: np.ndarray, measured: np.ndarray) -> float:

@@ -46,6 +46,7 @@ from dflop_jax.scheduler.objective import (
     evaluate,
     load_balance,
     padding_ratios,
+    surrogate_step_time,
     to_plans,
     with_audio,
 )
@@ -118,14 +119,10 @@ def schedule_batch(
     plans = _ordered_plans(
         bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
     )
-    return Schedule(
-        with_audio(plans, shapes, problem.buckets, problem.audio_always),
-        obj,
-        lb,
-        solver,
-        elapsed(),
-        info,
-    )
+    plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
+    if problem.buckets.audio:  # the objective with each microbatch's audio encoder priced
+        obj = surrogate_step_time(np.stack([problem.microbatch_costs(p) for p in plans]))
+    return Schedule(plans, obj, lb, solver, elapsed(), info)
 
 
 def _greedy(tokens, tiles, capped, table, pool, elapsed):

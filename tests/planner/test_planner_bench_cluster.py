@@ -143,14 +143,14 @@ def test_bad_recipe_is_a_one_line_error(capsys):
     assert e.value.code == 2 and err.startswith("config error: trainable=") and "\n" not in err
 
 
-def test_omni_rows_price_the_audio_encoder_on_the_first_llm_stage():
-    """Omni rows: the audio encoder's time is added to the first LLM stage per microbatch, at the
-    microbatch's audio bucket (DFLOP's packing: at least its fullest row's kept frames) or, packed
-    data-blind, at 30 s per clip window of the fullest row; it costs time, and the padded packing
-    computes at least the frames of every row's whole windows."""
+def test_omni_rows_price_the_audio_encoder_at_each_microbatchs_frames():
+    """Omni rows: the cost model prices the audio encoder on the first LLM stage of a plan without
+    audio stages, at the microbatch's audio bucket (DFLOP's packing: at least its fullest row's
+    kept frames) or, packed data-blind, at 30 s per clip window of the fullest row; it costs time,
+    and the padded packing computes at least the frames of every row's whole windows."""
     import dataclasses
 
-    from dflop_jax.bench.cluster import AudioCost
+    from dflop_jax.bench.cluster import AudioFrames
     from dflop_jax.contracts.shapes import WINDOW_FRAMES
     from dflop_jax.costs import AudioArch
     from dflop_jax.scheduler import omni_mix
@@ -159,13 +159,13 @@ def test_omni_rows_price_the_audio_encoder_on_the_first_llm_stage():
     shapes = omni_mix(300, 0, 0.5)
     assert 0.4 < sum(bool(s.audio_windows) for s in shapes) / 300 < 0.6
     cfg = PlannerConfig(global_batch=16, microbatches=(2, 4), samples=1, screen_top=2,
-                        screen_per_group=0, llm_pp=(1, 2))  # fmt: skip
-    plan = make_plan(arch, "cpu", 4, shapes, cfg, mode="uniform")
-    assert plan.buckets.audio  # the planner's audio ladder
+                        screen_per_group=0, llm_pp=(1, 2), audio_stages=False)  # fmt: skip
+    plan = make_plan(arch, "cpu", 4, shapes, cfg)
+    assert len(plan.buckets.audio) > 1 and not plan.layout.audio_stages  # the planner's ladder
     provider = AnalyticCostProvider(arch, get_device("cpu"))
     costs = LayoutCosts.build(provider, plan.layout)
     batches = sample_batches(shapes, 16, 2, 99)
-    packed, padded = AudioCost.of(plan, provider, False), AudioCost.of(plan, provider, True)
+    packed, padded = AudioFrames(padded=False), AudioFrames(padded=True)
     sched = online_scheduler("greedy", 0)(batches[0], problem_for(costs, plan.microbatch_range,
                                                                   plan.buckets))  # fmt: skip
     for mb in sched.microbatches:
@@ -174,7 +174,14 @@ def test_omni_rows_price_the_audio_encoder_on_the_first_llm_stage():
         assert packed.computed(mb, batches[0]) == mb.audio_bucket >= fullest
         windows = max(sum(len(s.audio_windows) for s in row) for row in rows)
         assert padded.computed(mb, batches[0]) == WINDOW_FRAMES * windows
-    silent = evaluate(plan, batches, online_scheduler("greedy", 0), costs)
-    heard = evaluate(plan, batches, online_scheduler("greedy", 0), costs, audio=packed)
-    assert heard.step_s > silent.step_s
-    assert packed.time(3000)[0] > packed.time(752)[0] > 0
+    heard = evaluate(plan, batches, online_scheduler("greedy", 0), costs)
+    padded_step = evaluate(plan, batches, online_scheduler("greedy", 0), costs, audio=padded)
+    assert padded_step.step_s > heard.step_s
+    t, s = plan.buckets.top
+    first = plan.layout.first_llm
+    silent, short, window = (costs.stage(t, s, a)[first].sum() for a in (0, 752, 3000))
+    assert window > short > silent > 0
+    # exactly the encoder's own price (`audio_time`) at the stage's tp, one row per shard
+    stage = dataclasses.replace(plan.layout.llm_stages[0], module="audio", first_layer=0,
+                                num_layers=2, has_embedding=True, has_head=True)  # fmt: skip
+    assert short - silent == pytest.approx(sum(provider.audio_time(stage, 752)), rel=1e-9)

@@ -37,13 +37,13 @@ def test_screen_buckets_by_hand():
     cand = Candidate(_colocated(1, 2), microbatches=2, num_buckets=4)
     # microbatch 0: 100, 200, 300, 400 on 2 rows: 500 tokens per row on average, the longest 400
     # -> 512; microbatch 1: 500..900: (500+600+...)/2 = 1450 > the top bucket -> 1024 (clamped)
-    lengths = [s for _, s in screen_buckets(cand, buckets, batch)]
+    lengths = [s for _, s, _ in screen_buckets(cand, buckets, batch)]
     assert lengths == [512, 1024]
     one_per_row = Candidate(_colocated(1, 4), microbatches=2, num_buckets=4)
     # 4 samples on 4 rows: the row of the longest sample sets the bucket (400 -> 512, 900 -> 1024)
-    assert [s for _, s in screen_buckets(one_per_row, buckets, batch)] == [512, 1024]
+    assert [s for _, s, _ in screen_buckets(one_per_row, buckets, batch)] == [512, 1024]
     # tiles stay on their rows (a colocated encoder at the stage's tp): the fullest row's tiles
-    tiles = [t for t, _ in screen_buckets(one_per_row, buckets, batch)]
+    tiles = [t for t, _, _ in screen_buckets(one_per_row, buckets, batch)]
     by_tokens = sorted(shapes, key=lambda s: (s.tokens, s.tiles))
     assert tiles == [min(b for b in buckets.tiles if b >= max(s.tiles for s in half))
                      for half in (by_tokens[:4], by_tokens[4:])]  # fmt: skip
@@ -58,11 +58,11 @@ def test_one_sample_per_shard_is_screened_at_its_longest_samples():
     buckets = candidate_buckets(cand, stats, config)
     pairs = screen_buckets(cand, buckets, batch)
     slices = np.array_split(batch.tokens, 8)
-    for (_, length), part in zip(pairs, slices):
+    for (_, length, _), part in zip(pairs, slices):
         assert length >= min(part.max(), buckets.lengths[-1])
     # the mean-load bucket the former screen used for all 8 is far below the longer slices'
     mean_length = mean_shape_buckets(cand, buckets, stats, config)[1]
-    assert mean_length < sorted(s for _, s in pairs)[-2]
+    assert mean_length < sorted(s for _, s, _ in pairs)[-2]
     provider = AnalyticCostProvider(arch, h100, remat=True, trainable=("projector",))
     costs = LayoutCosts.build(provider, cand.layout)
     mean_step = 8 * costs.stage(*mean_shape_buckets(cand, buckets, stats, config)).sum()

@@ -219,11 +219,11 @@ def test_balanced_split_offloads_the_stage_running_the_encoder():
 
     layout = Layout((), module_stages("llm", 6, 1, 2, 1))  # 3 + 3 layers
     # stage 0 also runs the encoder (2 s): [2 + 3, 3] -> balanced [2 + 2, 4]
-    out = balanced_layout(PerLayer(), layout, np.array([[5.0, 0.0], [3.0, 0.0]]), 4, 128)
+    out = balanced_layout(PerLayer(), layout, np.array([[5.0, 0.0], [3.0, 0.0]]), (4, 128))
     assert [s.num_layers for s in out.llm_stages] == [2, 4]
     assert [s.first_layer for s in out.llm_stages] == [0, 2]
     assert out.llm_stages[0].has_embedding and out.llm_stages[1].has_head
-    same = balanced_layout(PerLayer(), layout, np.array([[3.0, 0.0], [3.0, 0.0]]), 4, 128)
+    same = balanced_layout(PerLayer(), layout, np.array([[3.0, 0.0], [3.0, 0.0]]), (4, 128))
     assert same is layout
 
 
@@ -235,7 +235,7 @@ def test_balanced_split_moves_encoder_layers_off_the_projector_stage_only_within
     # encoder 4 + 4 layers, its last stage also runs the projector (2 s); LLM 3 + 3, already even
     layout = Layout(module_stages("encoder", 8, 1, 2, 1), module_stages("llm", 6, 1, 2, 1))
     costs = np.array([[4.0, 0.0], [6.0, 0.0], [3.0, 0.0], [3.0, 0.0]])
-    out = balanced_layout(PerLayer(), layout, costs, 4, 128)
+    out = balanced_layout(PerLayer(), layout, costs, (4, 128))
     assert [s.num_layers for s in out.encoder_stages] == [5, 3]
     assert [s.first_layer for s in out.encoder_stages] == [0, 5]
     assert out.encoder_stages[1].has_head and out.llm_stages == layout.llm_stages

@@ -31,6 +31,7 @@ from pipeline_reference import (
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts.layout import Layout, StageSpec
+from dflop_jax.planner.plan_file import load_plan
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.resolve import RunContext
@@ -142,7 +143,8 @@ def _omni_cfg(tmp_path, *extra) -> TrainConfig:
 
 def test_omni_run_config_checks():
     """An omni run: its model, an explicit layout with audio buckets, LLM stage 0's tp dividing
-    the audio heads; refused in one line naming the key otherwise."""
+    the audio heads, a plan the profiler need not time; refused in one line naming the key
+    otherwise."""
     tmp = Path("/nonexistent")  # nothing is written at config load
     cfg = _omni_cfg(tmp)
     model = cfg.model_config()
@@ -152,7 +154,7 @@ def test_omni_run_config_checks():
         "layout.audio=[]": "layout.audio.*needs audio buckets",
         "layout.audio=[1000,998]": "layout.audio.*multiples of 4",
         "layout.llm_tp=[4]": "layout.llm_tp",  # divides the decoder's 4 heads, not the tower's 2
-        "plan=analytic": "plan.*explicit layout",
+        "plan=auto": "plan.*profiler does not time the audio encoder",
         "model.arch=siglip-so400m+qwen2.5-0.5b": "model.kind.*built from the fields",
         "layout.audio_layers=[1]": "layout.audio_layers.*audio_num_layers=2",
         "layout.audio_layers=[2] layout.audio_dp=3": "layout.audio_dp.*divide layout.llm_dp",
@@ -242,3 +244,22 @@ def test_checkpoint_moves_the_audio_encoder_between_llm_stage_0_and_its_own_stag
         np.testing.assert_allclose(step(moved, moved_opts), step(stages, opts), rtol=1e-5)
         stages, opts = moved, moved_opts
     ckpt.close()
+
+
+@pytest.mark.slow
+def test_omni_demo_trains_the_planners_layout(tmp_path):
+    """plan=analytic on the omni demo: the planner places both encoders and picks the audio ladder
+    on the data's shapes (audio included), the run trains that plan with nothing compiled after
+    the precompile, and its plan.yaml trains again as a plan file."""
+    extra = ["steps=2", "data.synth_samples=48", "compute_dtype=float32", "plan=analytic",
+             "checkpoint.every=0"]  # fmt: skip
+    report = run(_omni_cfg(tmp_path, *extra))
+    assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
+    assert report.summary["programs_after_precompile"] == 0
+    plan = load_plan(tmp_path / "run" / "plan.yaml")
+    assert plan.layout == report.layout and plan.buckets.audio
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["audio_padding_ratio"] is not None for r in rows)
+    again = run(_omni_cfg(tmp_path, *extra[:-2], f"plan={tmp_path / 'run' / 'plan.yaml'}",
+                          f"run_dir={tmp_path / 'again'}", "steps=1"))  # fmt: skip
+    assert again.layout == plan.layout and np.isfinite(again.losses[0])

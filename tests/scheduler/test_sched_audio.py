@@ -29,9 +29,11 @@ def _omni_shapes(n: int, seed: int = 0) -> list[SampleShape]:
     return out
 
 
-def _problem(buckets: BucketSet, llm_dp: int = 2) -> ScheduleProblem:
-    def cost(t, s):  # encoder then LLM stage, seconds grow with the buckets
-        return np.array([[1e-3 * t, 2e-3 * t], [1e-5 * s, 2e-5 * s]])
+def _problem(buckets: BucketSet, llm_dp: int = 2, audio_s: float = 1e-6) -> ScheduleProblem:
+    def cost(t, s, a=0):  # encoder then LLM stage (running the audio encoder), seconds grow
+        return np.array(
+            [[1e-3 * t, 2e-3 * t], [1e-5 * s + audio_s * a, 2e-5 * s + 2 * audio_s * a]]
+        )
 
     return ScheduleProblem(llm_dp, llm_dp, 2, (2, 6), buckets, cost, tiles_by_row=True)
 
@@ -68,6 +70,24 @@ def test_each_microbatch_takes_the_smallest_audio_bucket_of_its_fullest_row(solv
             assert mb.audio_bucket == min(a for a in ladder if a >= fullest)
     assert len(seen - {0}) >= 1
     assert sorted(i for mb in sched.microbatches for i in mb.samples()) == list(range(48))
+
+
+def test_the_objective_prices_each_microbatchs_audio_bucket():
+    """The schedule's predicted step (its surrogate) includes the audio encoder at each
+    microbatch's audio bucket: equal to the surrogate of its microbatches' costs with audio, and
+    above the same schedule's with the audio encoder free."""
+    from dflop_jax.scheduler import surrogate_step_time
+
+    shapes = _omni_shapes(48)
+    buckets = BucketSet((4, 8, 16), (1024, 2048, 4096), audio=(800, 1600, 3200, 6400))
+    heard, free = _problem(buckets), _problem(buckets, audio_s=0.0)
+    sched = schedule_batch(shapes, heard, SchedulerConfig(solver="greedy"))
+    costs = np.stack([heard.stage_costs(mb.tile_bucket, mb.length_bucket, mb.audio_bucket)
+                      for mb in sched.microbatches])  # fmt: skip
+    assert sched.objective == pytest.approx(surrogate_step_time(costs), rel=1e-12)
+    silent = schedule_batch(shapes, free, SchedulerConfig(solver="greedy"))
+    assert [mb.shards for mb in silent.microbatches] == [mb.shards for mb in sched.microbatches]
+    assert sched.objective > silent.objective
 
 
 def test_samples_beyond_the_audio_ladder_are_refused():
@@ -177,8 +197,9 @@ def test_kept_frames_is_the_encoders_rule():
 
 
 def test_planning_leaves_out_the_samples_a_run_skips(tmp_path, caplog):
-    """No layout runs an audio encoder yet: the loader skips samples with audio, so the planner's
-    shapes leave them out too (a plan for work the run never does would misprice every layout)."""
+    """A model without an audio encoder: the loader skips samples with audio, so the planner's
+    shapes leave them out too (a plan for work the run never does would misprice every layout);
+    a model with one plans on every sample."""
     from dflop_jax.contracts.shape_distribution import save_shape_distribution
     from dflop_jax.planner.resolve import load_shapes
 
@@ -189,6 +210,7 @@ def test_planning_leaves_out_the_samples_a_run_skips(tmp_path, caplog):
     heard = sum(1 for s in shapes if s.audio_windows)
     assert len(kept) == 60 - heard and not any(s.audio_windows for s in kept)
     assert f"without the {heard} of 60 profiled samples that hold audio" in caplog.text
+    assert load_shapes(str(tmp_path / "d.json"), audio=True) == shapes
     save_shape_distribution([s for s in shapes if s.audio_windows], tmp_path / "a.json", "a", {})
     with pytest.raises(ValueError, match="every profiled sample holds audio"):
         load_shapes(str(tmp_path / "a.json"))
