@@ -61,8 +61,9 @@ def check_compiled(cfg, plan_file: Path, progress=None) -> tuple:
     would train them: its remat, the run's compute dtype and recipe, and the residual policy each
     stage trains under (`residuals`, "auto": the least backward work that fits)."""
     from dflop_jax.resolve import RunContext, resolve_plan
-    from dflop_jax.resolve.dry_run import compile_stages
+    from dflop_jax.resolve.dry_run import compile_stages, refuse_uncompilable
 
+    refuse_uncompilable(cfg, "plan --check")
     ctx = RunContext.build(dataclasses.replace(cfg, plan=str(plan_file)))
     return tuple(compile_stages(ctx, resolve_plan(ctx), progress))
 

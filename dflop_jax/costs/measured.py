@@ -397,6 +397,24 @@ class MeasuredCostProvider:
         self._note(kind, how)
         return self._colocated_recipe(encoder, tile_bucket, fwd, bwd)
 
+    def audio_time(
+        self, stage: StageSpec, frames: int, rule=recipe_backward
+    ) -> tuple[float, float]:
+        """(fwd, bwd) seconds of the audio encoder `stage` over `frames` per shard, under `rule`
+        (`AnalyticCostProvider.audio_time`): the profiler does not time the audio encoder, so the
+        fallback prices it (noted as a fallback source, warned once)."""
+        if frames <= 0:
+            return 0.0, 0.0
+        if self.fallback is None:
+            raise KeyError("the cost table has no audio encoder entries and there is no fallback: "
+                           "pass fallback=AnalyticCostProvider(...)")  # fmt: skip
+        if ("audio", stage.tp) not in self._warned:
+            self._warned.add(("audio", stage.tp))
+            log.warning("the cost table has no audio encoder entries: using %s for them",
+                        self.fallback.name)  # fmt: skip
+        self._note("audio_encoder", "fallback")
+        return self._part_fallback().audio_time(stage, frames, rule)
+
     def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         """(fwd, bwd) of `stage` as this table times it with the recipe's backward rule undone:
         the trainable programs' for an all-trained table; under a recipe table, the recipe's."""

@@ -121,3 +121,30 @@ def test_branched_layouts_simulate_as_an_in_tree_and_round_trip_plan_files(tmp_p
     assert back.buckets.audio == plan.buckets.audio
     assert [s.module for s in back.layout.stages][:2] == ["encoder", "audio"]
     assert isinstance(back.layout.audio_stages[0], StageSpec)
+
+
+def test_a_measured_table_prices_the_audio_encoder_by_its_fallback():
+    """The profiler does not time the audio encoder: a measured provider prices it, on its own
+    stages or on LLM stage 0, as its analytic fallback does, and its sources say so."""
+    from dflop_jax.costs import MeasuredCostProvider
+    from dflop_jax.profiling.table import CostEntry, ProfiledCostTable
+
+    table = ProfiledCostTable("h100", "h100", 8, "h", "c", model=ARCH.name)
+    for b in (256, 512):
+        for kind, n in (
+            ("llm_layers", 1),
+            ("llm_layers", 2),
+            ("llm_embedding", 0),
+            ("llm_head", 0),
+        ):
+            table.add(CostEntry(kind, 1, b, n, fwd_s=1e-3 * b, bwd_s=2e-3 * b, param_bytes=1.0))
+    fallback = AnalyticCostProvider(ARCH, H100)
+    measured = MeasuredCostProvider(table, ARCH, H100, fallback=fallback)
+    lay = _layout(audio_dp=None)
+    on_llm = layout_stage_costs(measured, lay)
+    added = on_llm(4, 256, 1000)[lay.first_llm] - on_llm(4, 256, 0)[lay.first_llm]
+    stage = colocated_audio_stage(ARCH, lay)
+    np.testing.assert_allclose(added, fallback.audio_time(stage, 1000, colocated_backward))
+    assert measured.sources()["audio_encoder"] == {"fallback": 1}
+    own = _layout(audio_dp=2)
+    assert layout_stage_costs(measured, own)(4, 256, 1000)[1].sum() > 0

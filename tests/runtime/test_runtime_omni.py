@@ -169,6 +169,19 @@ def test_omni_run_config_checks():
         _omni_cfg(tmp, "model.kind=llava_ov")
 
 
+def test_the_memory_check_refuses_an_omni_run_in_one_line(tmp_path, capsys):
+    """`train --dry-run` and `plan --check` compile stage inputs the audio encoder does not take:
+    an omni run is refused before anything compiles, one line naming the flag."""
+    from dflop_jax import plan, train
+
+    args = ["--config", str(OMNI_DEMO), f"run_dir={tmp_path}", f"data.synth_dir={tmp_path / 's'}"]
+    assert train.main([*args, "--dry-run"]) == 2
+    assert plan.main([*args, "--check", "--no-progress"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("config error")]
+    assert [x.split(":")[1].strip() for x in lines] == ["--dry-run", "plan --check"]
+    assert all("memory check does not compile an omni model" in x for x in lines)
+
+
 # The demo's layout variants: the vision encoder colocated on LLM stage 0 (the audio encoder there
 # too), or both encoders on a stage of their own, side by side (2 + 2 + 4 devices).
 VARIANTS = {
