@@ -36,7 +36,7 @@ class PlannerConfig:
       encoder_pp: candidate encoder pipeline depths (separate encoder stages).
       audio_stages: a model with an audio encoder: also consider layouts with it on stages of its
         own (a second encoder branch beside the vision one, `Layout.audio_stages`); it is always
-        considered on the first LLM stage.
+        considered on the first LLM stage too, where that stage's tp divides its heads and MLP.
       audio_tp: candidate tensor-parallel degrees of audio stages (kept only if they divide the
         audio encoder's heads and MLP and fit in a host); empty = `tp`.
       audio_pp: candidate audio pipeline depths; audio dp is any divisor of the LLM's dp (each
