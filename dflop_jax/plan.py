@@ -39,8 +39,11 @@ def run(cfg, progress=None, check: bool = False):
     the plan. With `check` the stage programs are compiled too (JAX must see the run's devices)."""
     from dflop_jax.planner import save_plan
     from dflop_jax.resolve import RunContext
+    from dflop_jax.resolve.dry_run import refuse_uncompilable
     from dflop_jax.resolve.plan_sources import plan_from_run_dir
 
+    if check:  # before planning: nothing is planned for a check that cannot run
+        refuse_uncompilable(cfg, "plan --check")
     plan = plan_from_run_dir(RunContext.build(cfg), progress)
     out = plan_path(cfg)
     dump_yaml(cfg, out.with_name("plan.config.yaml"))
@@ -61,9 +64,8 @@ def check_compiled(cfg, plan_file: Path, progress=None) -> tuple:
     would train them: its remat, the run's compute dtype and recipe, and the residual policy each
     stage trains under (`residuals`, "auto": the least backward work that fits)."""
     from dflop_jax.resolve import RunContext, resolve_plan
-    from dflop_jax.resolve.dry_run import compile_stages, refuse_uncompilable
+    from dflop_jax.resolve.dry_run import compile_stages
 
-    refuse_uncompilable(cfg, "plan --check")
     ctx = RunContext.build(dataclasses.replace(cfg, plan=str(plan_file)))
     return tuple(compile_stages(ctx, resolve_plan(ctx), progress))
 

@@ -85,6 +85,7 @@ from dflop_jax.costs.recipe import (
 )
 
 log = logging.getLogger(__name__)
+_FALLBACK = "fallback=AnalyticCostProvider(...)"  # what a table without an entry needs
 
 
 def interpolate(xs: np.ndarray, ys: np.ndarray, x: float) -> tuple[float, str]:
@@ -292,21 +293,25 @@ class MeasuredCostProvider:
 
     def _fallback_part(self, module: str, part: str, stage: StageSpec, bucket: int) -> _Part:
         kind = f"{module}_{part}"
-        if self.fallback is None:
-            raise KeyError(
-                f"cost table has no {kind} entries for tp={stage.tp} and there is no fallback; "
-                f"profile tp={stage.tp} or pass fallback=AnalyticCostProvider(...)"
-            )
-        if (kind, stage.tp) not in self._warned:
-            self._warned.add((kind, stage.tp))
-            log.warning("cost table has no %s entries at tp=%d: using %s for them",
-                        kind, stage.tp, self.fallback.name)  # fmt: skip
-        self._note(kind, "fallback")
+        missing = f"cost table has no {kind} entries for tp={stage.tp}"
+        fallback = self._use_fallback(kind, stage.tp, missing,
+                                      f"profile tp={stage.tp} or pass {_FALLBACK}")  # fmt: skip
         spec = _part_spec(module, part, stage)
-        fallback = self._part_fallback()
         fwd, bwd = fallback.stage_time(spec, bucket)
         mem = fallback.stage_memory(spec, bucket)
         return _Part(fwd, bwd, 0.0, 0.0, mem.params, mem.activations_per_microbatch, mem.temp)
+
+    def _use_fallback(self, kind: str, tp: int, missing: str, fix: str):
+        """The fallback (under the table's recipe, `_part_fallback`) for `kind` at `tp`, which the
+        table lacks (`missing` says what): a KeyError without one; warned once per (kind, tp) and
+        noted as a fallback source."""
+        if self.fallback is None:
+            raise KeyError(f"{missing} and there is no fallback; {fix}")
+        if (kind, tp) not in self._warned:
+            self._warned.add((kind, tp))
+            log.warning("%s: using %s for them", missing, self.fallback.name)
+        self._note(kind, "fallback")
+        return self._part_fallback()
 
     def _part_fallback(self):
         """The fallback for a part: under a table profiled under the recipe, which holds each
@@ -405,15 +410,10 @@ class MeasuredCostProvider:
         fallback prices it (noted as a fallback source, warned once)."""
         if frames <= 0:
             return 0.0, 0.0
-        if self.fallback is None:
-            raise KeyError("the cost table has no audio encoder entries and there is no fallback: "
-                           "pass fallback=AnalyticCostProvider(...)")  # fmt: skip
-        if ("audio", stage.tp) not in self._warned:
-            self._warned.add(("audio", stage.tp))
-            log.warning("the cost table has no audio encoder entries: using %s for them",
-                        self.fallback.name)  # fmt: skip
-        self._note("audio_encoder", "fallback")
-        return self._part_fallback().audio_time(stage, frames, rule)
+        fallback = self._use_fallback("audio_encoder", stage.tp,
+                                      "the cost table has no audio encoder entries",
+                                      f"pass {_FALLBACK}")  # fmt: skip
+        return fallback.audio_time(stage, frames, rule)
 
     def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         """(fwd, bwd) of `stage` as this table times it with the recipe's backward rule undone:
