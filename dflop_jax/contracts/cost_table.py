@@ -22,8 +22,11 @@ program on LLM stage 0's mesh) adds colocated_embedding (COLOCATED_KINDS): that 
 layer (ViT + projector + token embedding + each row placing its own tiles' features), at `bucket`
 tiles per shard and a row of `length` tokens; the provider takes the colocated stage's encoder share
 from it (`costs/measured.py`).
+A model with an audio encoder (omni) adds the audio encoder's parts (AUDIO_KINDS): audio_embedding
+(the two convolutions + positions), audio_layers (1 and 2), audio_head (pool + norm + projector), each
+the runtime's audio stage program (`programs.stage_builder`'s audio stage) over one packed audio row.
 Buckets: tiles per encoder shard for encoder kinds (and the colocated kind), tokens of the packed row
-for LLM kinds.
+for LLM kinds, mel frames of the one packed audio row per shard for audio kinds.
 A table is profiled under a training recipe (`trainable`, the parts trained; absent in files written
 before recipes existed, which profiled everything trained): each part's programs are the runtime's for
 that part under the recipe (`programs.stage_jits.stage_jits` with `trained` / `input_grad`): a frozen
@@ -53,8 +56,9 @@ ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
 LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
 STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
 COLOCATED_KINDS = ("colocated_embedding",)
-ALL_KINDS = STAGE_KINDS + COLOCATED_KINDS
-LAYER_KINDS = ("encoder_layers", "llm_layers")
+AUDIO_KINDS = ("audio_layers", "audio_embedding", "audio_head")
+ALL_KINDS = STAGE_KINDS + COLOCATED_KINDS + AUDIO_KINDS
+LAYER_KINDS = ("encoder_layers", "llm_layers", "audio_layers")
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "peak")
 TRAINABLE_PARTS = ("vision", "projector", "llm")  # what a training recipe trains or freezes
 # What an inner stage keeps per in-flight microbatch for its backward (`programs.stage_jits` builds them):
@@ -73,7 +77,7 @@ class CostEntry:
     Attributes:
       kind: one of ALL_KINDS.
       tp: tensor-parallel degree (devices of the ("data", "model") = (1, tp) mesh).
-      bucket: tiles (encoder kinds) or tokens (LLM kinds) of one shard.
+      bucket: tiles (encoder kinds), tokens (LLM kinds) or mel frames (audio kinds) of one shard.
       layers: transformer layers in the program (1 or 2 for *_layers kinds, else 0).
       status: "ok" or "skipped".
       reason: why skipped ("" if ok).

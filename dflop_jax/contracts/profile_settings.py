@@ -28,6 +28,8 @@ class ProfileSettings:
       tps: candidate tensor-parallel degrees (kept if they divide the heads and fit the devices).
       encoder_buckets: tiles per encoder shard to profile.
       llm_buckets: tokens per packed LLM row to profile.
+      audio_buckets: mel frames of one packed audio row per shard to profile (multiples of 4: each
+        audio window starts at one); only a model with an audio encoder profiles them.
       kinds: stage parts to profile (default: all, the colocated stage's program included).
       warmup: untimed runs per program after compiling.
       runs: timed runs per program.
@@ -45,6 +47,7 @@ class ProfileSettings:
     tps: tuple[int, ...] = (1, 2, 4, 8)
     encoder_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     llm_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    audio_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     kinds: tuple[str, ...] = ALL_KINDS
     warmup: int = 2
     runs: int = 5
@@ -57,12 +60,14 @@ class ProfileSettings:
         require(bool(self.data_source), "profile.data_source", self.data_source,
                 f"give 'dataset', a shape-distribution JSON or one of {SYNTHETIC_SHAPES}")  # fmt: skip
         require(self.data_samples >= 1, "profile.data_samples", self.data_samples, "must be >= 1")
-        for key in ("tps", "encoder_buckets", "llm_buckets"):
+        for key in ("tps", "encoder_buckets", "llm_buckets", "audio_buckets"):
             values = getattr(self, key)
             require(len(values) > 0 and min(values) >= 1, f"profile.{key}", values,
                     "give integers >= 1")  # fmt: skip
             require(list(values) == sorted(set(values)), f"profile.{key}", values,
                     "give increasing values, no repeats")  # fmt: skip
+        require(all(b % 4 == 0 for b in self.audio_buckets), "profile.audio_buckets",
+                self.audio_buckets, "give multiples of 4 (audio windows start at one)")  # fmt: skip
         bad = [k for k in self.kinds if k not in ALL_KINDS]
         require(not bad, "profile.kinds", self.kinds, f"use names from {ALL_KINDS}")
         require(self.runs >= 1, "profile.runs", self.runs, "must be >= 1")

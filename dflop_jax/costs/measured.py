@@ -55,6 +55,12 @@ row of `entry.length` tokens) minus the llm_embedding part at that row, piecewis
 bucket; LLM stage 0 then costs its LLM parts plus that share. Without colocated_embedding entries at
 the stage's tp it is the encoder's parts summed as a separate stage (noted per source as usual).
 
+The audio encoder (a model with one) is the sum of its measured parts (audio_embedding, audio_layers,
+audio_head; one packed row of `bucket` mel frames each) wherever it runs: on audio stages over each
+shard's rows, and on LLM stage 0 (a layout without audio stages) as those parts, a frozen encoder
+re-run in that program's backward (`audio_time`). No colocated audio program is profiled: that stage
+is priced as its LLM parts plus the audio parts, the program's fixed cost counted once per part.
+
 Missing entries (a tp or kind never profiled, a skipped entry) fall back to `fallback` with a warning
 logged once per (kind, tp); without a fallback they raise KeyError. Transfers are not profiled: they
 come from the analytic model's output bytes / bandwidth.
@@ -403,17 +409,38 @@ class MeasuredCostProvider:
         return self._colocated_recipe(encoder, tile_bucket, fwd, bwd)
 
     def audio_time(
-        self, stage: StageSpec, frames: int, rule=recipe_backward
+        self, stage: StageSpec, frames: int, rule=recipe_backward, rows: int = 1
     ) -> tuple[float, float]:
-        """(fwd, bwd) seconds of the audio encoder `stage` over `frames` per shard, under `rule`
-        (`AnalyticCostProvider.audio_time`): the profiler does not time the audio encoder, so the
-        fallback prices it (noted as a fallback source, warned once)."""
-        if frames <= 0:
+        """(fwd, bwd) seconds of the audio encoder `stage` over `rows` packed audio rows of `frames`
+        mel frames per shard, under `rule` (`recipe_backward`; `colocated_backward` for the encoder
+        inside LLM stage 0's program, whose backward re-runs a frozen encoder's forward under
+        "recompute"). Its parts are the audio kinds measured at one row of `frames` (module
+        docstring); `rows` rows run as one program: `rows` x the row's time less the extra rows'
+        fixed per-program cost. A table without the audio kinds at the stage's tp prices the whole
+        encoder by the fallback (noted as "audio_encoder: fallback", warned once)."""
+        if frames <= 0 or rows <= 0:
             return 0.0, 0.0
-        fallback = self._use_fallback("audio_encoder", stage.tp,
-                                      "the cost table has no audio encoder entries",
-                                      f"pass {_FALLBACK}")  # fmt: skip
-        return fallback.audio_time(stage, frames, rule)
+        parts = [
+            self._measured_part(f"audio_{part}", stage.tp, frames,
+                                stage.num_layers if part == "layers" else 0)
+            for _, part in _held_parts(stage)
+        ]  # fmt: skip
+        if any(p is None for p in parts):
+            fallback = self._use_fallback("audio_encoder", stage.tp,
+                                          f"the cost table has no audio encoder entries for "
+                                          f"tp={stage.tp}",
+                                          f"profile the audio kinds or pass {_FALLBACK}")  # fmt: skip
+            return fallback.audio_time(stage, frames, rule, rows)
+        role = stage_role(stage, self.trainable, self._multimodal)
+        colocated = rule is colocated_backward  # inside a program that has a backward
+        if self._measured_recipe:
+            bwds = self._recipe_bwds(stage, parts, colocated or role.has_backward)
+            fwd, bwd = self._summed(parts, bwds)
+        else:
+            fwd, bwd = self._summed(parts, [p.bwd for p in parts])
+            head = self._measured_part("audio_head", stage.tp, frames, 0)
+            bwd = rule(role, fwd, bwd, head.fwd, head.bwd, self.table.residuals)
+        return _rows_time(parts, float(fwd), float(bwd), rows)
 
     def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         """(fwd, bwd) of `stage` as this table times it with the recipe's backward rule undone:
@@ -528,6 +555,14 @@ class MeasuredCostProvider:
     def sources(self) -> dict[str, dict[str, int]]:
         """Per entry kind, how many lookups were measured / interpolated / extrapolated / fallback."""
         return {k: dict(v) for k, v in sorted(self._sources.items())}
+
+
+def _rows_time(parts: list[_Part], fwd: float, bwd: float, rows: int) -> tuple[float, float]:
+    """(fwd, bwd) of `rows` rows of one row's (fwd, bwd) in one program: the fixed per-program cost
+    (the layers part's fitted base, at most the row's time) paid once."""
+    base = next((p for p in parts if p.base_fwd > 0 or p.base_bwd > 0), None)
+    fixed = (0.0, 0.0) if base is None else (min(base.base_fwd, fwd), min(base.base_bwd, bwd))
+    return (rows * fwd - (rows - 1) * fixed[0], rows * bwd - (rows - 1) * fixed[1])
 
 
 def _held_parts(stage: StageSpec) -> list[tuple[str, str]]:

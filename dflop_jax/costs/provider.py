@@ -179,14 +179,21 @@ class AnalyticCostProvider:
         return fwd, bwd
 
     def audio_time(
-        self, stage: StageSpec, frames: int, rule=recipe_backward
+        self, stage: StageSpec, frames: int, rule=recipe_backward, rows: int = 1
     ) -> tuple[float, float]:
         """(fwd, bwd) seconds of an audio encoder stage (its layers, + the convolutions, + the pool,
-        norm and projector) over `frames` mel frames per data shard, priced as a vision stage is
+        norm and projector) over `rows` packed rows of `frames` mel frames per data shard (the work
+        of rows x frames frames: attention stays within windows), priced as a vision stage is
         (FLOPs / effective peak, tp all-reduces per layer, per-block overhead, the encoders' remat;
         the backward by its role under the recipe and `rule`: `colocated_backward` for the encoder
         run inside LLM stage 0's program). Attention stays within 30 s windows
-        (`costs.flops.audio_layer_flops`)."""
+        (`costs.flops.audio_layer_flops`). Memoized, as `stage_time` is."""
+        key = ("audio", stage, frames, rule, rows)
+        if key not in self._times:
+            self._times[key] = self._audio_time(stage, frames * rows, rule)
+        return self._times[key]
+
+    def _audio_time(self, stage: StageSpec, frames: int, rule) -> tuple[float, float]:
         if frames <= 0:
             return 0.0, 0.0
         self._check_stage(stage)
@@ -407,8 +414,9 @@ def layout_stage_costs(
     With no encoder stages, the encoder runs colocated on LLM stage 0 (one colocated program) and its
     cost at the tile bucket (`colocated_encoder_time`) is added to that stage: the colocated stage is
     ONE stage, as the runtime runs and times it. So is a model's audio encoder without audio stages
-    (`colocated_audio_time`, at the audio bucket: frames per LLM row); audio stages are priced at
-    their shard's frames (`Layout.audio_frames`). `residuals`: each stage's residual policy; a stage
+    (`colocated_audio_time`, at the audio bucket: frames per LLM row); audio stages are priced over
+    their shard's rows, llm_dp / audio dp rows of the audio bucket each (`audio_time`'s `rows`).
+    `residuals`: each stage's residual policy; a stage
     whose backward runs its forward again ("layers", "recompute") costs it (`policy_provider`).
     Results are memoized per bucket triple.
     """
@@ -418,6 +426,7 @@ def layout_stage_costs(
     coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
     audio = colocated_audio_stage(provider.arch, layout)
     encoder = policy_provider(provider, "encoder", policies[first])
+    rows = layout.llm_dp // layout.audio_stages[0].dp if layout.audio_stages else 1
     cache: dict[tuple[int, int, int], np.ndarray] = {}
 
     def costs(tile_bucket: int, length_bucket: int, audio_bucket: int = 0) -> np.ndarray:
@@ -425,7 +434,8 @@ def layout_stage_costs(
         if key not in cache:
             buckets = _stage_buckets(layout, *key)
             out = np.array(
-                [t.stage_time(s, b) for t, s, b in zip(timers, stages, buckets)], dtype=np.float64
+                [_timed(t, s, b, key[2], rows) for t, s, b in zip(timers, stages, buckets)],
+                dtype=np.float64,
             )
             if coloc is not None:  # on LLM stage 0 (after any audio stages)
                 out[first] += colocated_encoder_time(encoder, coloc, layout.encoder_tiles(key[0]))
@@ -436,6 +446,15 @@ def layout_stage_costs(
         return cache[key]
 
     return costs
+
+
+def _timed(provider, stage: StageSpec, bucket: int, audio_bucket: int, rows: int):
+    """(fwd, bwd) of `stage` at its `bucket`; an audio stage by `audio_time` over its `rows` rows
+    of `audio_bucket` frames each (a provider without it: `stage_time` at the shard's frames)."""
+    timed = getattr(provider, "audio_time", None)
+    if stage.module != "audio" or timed is None:
+        return provider.stage_time(stage, bucket)
+    return timed(stage, audio_bucket, rows=rows)
 
 
 def policy_provider(provider: CostProvider, module: str, residuals: str | None) -> CostProvider:

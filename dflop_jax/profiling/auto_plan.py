@@ -162,6 +162,8 @@ def model_profile(
     settings = dataclasses.replace(cfg.profile, memory_limit_bytes=device.memory_bytes)
     table_path = cost_table_file(cache)
     grid = [settings.tps, settings.encoder_buckets, settings.llm_buckets, settings.kinds]
+    if hasattr(model_cfg, "audio"):  # a digest unchanged for the models without audio
+        grid.append(settings.audio_buckets)
     recipe = cfg.planner.trainable  # profiled as it trains: frozen parts' own programs
     model_digest = config_hash([model_profiler.table_hash(model_cfg, settings, devices, recipe),
                                 grid, code_version(*model_profiler.CODE_PACKAGES)])  # fmt: skip
@@ -234,7 +236,7 @@ def ensure_plan(
         provider = MeasuredCostProvider(
             table_path, arch, device, AnalyticCostProvider(arch, device)
         )
-        shapes = load_shapes(shapes_src, cfg.data_samples, cfg.seed)
+        shapes = load_shapes(shapes_src, cfg.data_samples, cfg.seed, audio=arch.audio is not None)
         plan = make_plan(arch, device, cfg.num_devices, shapes, cfg.planner, provider, progress)
         save_plan(plan, plan_path)
         sources = provider.sources()

@@ -26,6 +26,13 @@ stage 0 of a layout without encoder stages) with no LLM layer, at each encoder b
 and a row of the smallest LLM bucket, at the tps dividing both models' heads. The cost provider takes
 the colocated stage's encoder share from it (`costs/measured.py`), so a colocated plan is scored with the
 program that trains, not with a separately compiled encoder.
+
+A model with an audio encoder (omni) adds the audio encoder's parts (AUDIO_KINDS: audio_embedding,
+audio_layers, audio_head), each the runtime's audio stage program over one packed audio row of
+`profile.audio_buckets` mel frames (windows of at most 30 s back to back), at the tps dividing the
+audio heads and MLP. The provider prices audio stages from them, and the audio encoder LLM stage 0
+runs (a layout without audio stages) as the same parts summed, re-run in that program's backward
+when frozen (`costs/measured.py`); no audio encoder: no audio entries.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from dflop_jax.profiling.programs import (
     per_device_bytes,
 )
 from dflop_jax.profiling.table import (
+    AUDIO_KINDS,
     COLOCATED_KINDS,
     LAYER_KINDS,
     STAGE_KINDS,
@@ -79,7 +87,12 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
     """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices; a
     colocated kind runs both models at one tp (`programs.stage_builder.check_colocated`)."""
     text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
-    if kind in COLOCATED_KINDS:
+    if kind in AUDIO_KINDS:  # the audio stage's tp splits its heads and its MLP
+        if not hasattr(model_cfg, "audio"):
+            return []
+        a = model_cfg.audio.audio
+        heads = (a.num_heads, a.intermediate_size)
+    elif kind in COLOCATED_KINDS:
         heads = (model_cfg.vision.num_heads, *text)
     elif kind.startswith("encoder"):
         heads = (model_cfg.vision.num_heads,)
@@ -231,6 +244,8 @@ def _grid(
     for kind in settings.kinds:
         tiles = kind.startswith("encoder") or kind in COLOCATED_KINDS
         buckets = settings.encoder_buckets if tiles else settings.llm_buckets
+        if kind in AUDIO_KINDS:
+            buckets = settings.audio_buckets
         layer_counts = (1, 2) if kind in LAYER_KINDS else (0,)
         for tp in candidate_tps(model_cfg, kind, settings.tps, num_devices):
             grid += [(kind, tp, b, n) for b in sorted(set(buckets)) for n in layer_counts]
@@ -328,12 +343,12 @@ def plot_table(table: ProfiledCostTable, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in STAGE_KINDS if table.tps(k)]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
-    for ax, kind in zip(axes.flat, STAGE_KINDS):
-        if kind not in kinds:
-            ax.set_visible(False)
-            continue
+    kinds = [k for k in (*STAGE_KINDS, *AUDIO_KINDS) if table.tps(k)]
+    rows = max(2, -(-len(kinds) // 3))
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(kinds) :]:
+        ax.set_visible(False)
+    for ax, kind in zip(axes.flat, kinds):
         for tp in table.tps(kind):
             for n in (1, 2) if kind in LAYER_KINDS else (0,):
                 bs = table.buckets(kind, tp, n)
@@ -343,7 +358,8 @@ def plot_table(table: ProfiledCostTable, path: str | Path) -> Path:
                 ]
                 ax.plot(bs, ms, marker="o", label=f"tp{tp}" + (f" L{n}" if n else ""))
         ax.set_title(kind)
-        ax.set_xlabel("tiles" if kind.startswith("encoder") else "tokens")
+        unit = {"encoder": "tiles", "audio": "mel frames"}.get(kind.split("_")[0], "tokens")
+        ax.set_xlabel(unit)
         ax.set_ylabel("fwd + bwd ms")
         ax.legend(fontsize=7)
     fig.suptitle(f"{table.model} on {table.device_count} x {table.device_kind}")

@@ -27,6 +27,11 @@ The LLM embedding part places image features of F = max(1, S // (2 tokens_per_ti
 block padded to a multiple of tp: `contracts.row_tile_slots`), through the exact feature taps when
 the model family packs them (LLaVA-OV, as `data.loader.pack_taps` does).
 
+Audio kinds (a model with an audio encoder) take per data shard one packed audio row of A = b mel
+frames (the audio features [1,A,M] for the embedding, hidden [1,A/2,Da] otherwise), its windows of at
+most 30 s (the encoder's longest) back to back, every frame valid: the rows an audio stage encodes
+and LLM stage 0 encodes when it runs the audio encoder.
+
 The colocated stage (`tile_bucket` given: `models.mllm.ColocatedStage`, built by
 `abstract_stage(..., colocated=True)` as the trainer builds it) takes per data shard T tiles and one
 row of S tokens, packed `tiles_by_row` (row r's tiles in its own shard's slots); the row's second half
@@ -102,7 +107,7 @@ class StageShape:
     whole stages (several components in one program) to check the sum-of-parts prediction.
     """
 
-    module: str  # "encoder" | "llm"
+    module: str  # "encoder" | "llm" | "audio"
     layers: int
     has_embedding: bool = False
     has_head: bool = False
@@ -133,9 +138,12 @@ def _microbatch(
     tiles per row's shard (`tiles_by_row`)."""
     from models.internvl import InternVLConfig
 
-    v = model_cfg.vision
+    v, mels = model_cfg.vision, 0
     enc = st.module == "encoder"
-    if tile_bucket is not None:
+    if st.module == "audio":  # one audio row of `bucket` frames per shard, a token per row
+        plan, enc_dp = ScheduledMicrobatch(0, 1, ((),) * dp, audio_bucket=bucket), dp
+        mels = model_cfg.audio.audio.num_mel_bins
+    elif tile_bucket is not None:
         plan, enc_dp = ScheduledMicrobatch(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
     elif enc:
         plan, enc_dp = ScheduledMicrobatch(bucket, 1, ((),) * dp), dp
@@ -145,13 +153,17 @@ def _microbatch(
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
     mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=dp,
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
-                            tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps)  # fmt: skip
+                            tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps,
+                            audio_mels=mels)  # fmt: skip
     return dataclasses.asdict(mb)
 
 
 def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
     """Random pixels and tokens, one sample per row, the second half of the row image features of
-    the row's own block of tiles (packed by row, as the trainer packs)."""
+    the row's own block of tiles (packed by row, as the trainer packs); audio rows of random
+    features, every frame valid, in windows of the encoder's longest."""
+    if batch.get("audio") is not None:
+        _fill_audio(batch, model_cfg, rng)
     vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
     tiles = batch["tiles"].shape[0] // rows
     n_features = tiles * model_cfg.tokens_per_tile
@@ -172,14 +184,26 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
         batch["feature_weight"][...] = weights.reshape(rows, length, k)
 
 
+def _fill_audio(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
+    """Random log-mel-like features; windows of `max_frames` (30 s) numbered from 1, all valid."""
+    longest = model_cfg.audio.audio.max_frames
+    frames = batch["audio"].shape[1]
+    batch["audio"][...] = rng.standard_normal(batch["audio"].shape)
+    batch["audio_windows"][...] = np.arange(frames) // longest + 1
+    batch["audio_valid"][...] = True
+
+
 def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool):
-    """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first),
-    global over `dp` data shards; the first LLM part's x is the projected features of `features`
+    """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first
+    and an audio branch's first), global over `dp` data shards; the first LLM part's x is the projected features of `features`
     tiles per row, each row's block padded to a multiple of tp (none for the colocated stage: it
     encodes its tiles itself)."""
     v, t = model_cfg.vision, model_cfg.text
     if colocated:
         return None
+    if st.module == "audio":  # the previous audio stage's hidden rows, after the stride-2 conv
+        a = model_cfg.audio.audio
+        return None if st.has_embedding else ((dp, bucket // 2, a.hidden_size), jnp.dtype(a.dtype))
     if st.module == "encoder":
         hidden = (dp * bucket, v.seq_len, v.hidden_size)
         return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))

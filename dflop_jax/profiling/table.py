@@ -11,6 +11,7 @@ from typing import Any
 
 from dflop_jax.contracts.cost_table import (
     ALL_KINDS,
+    AUDIO_KINDS,
     COLOCATED_KINDS,
     ENCODER_KINDS,
     LAYER_KINDS,
@@ -48,6 +49,7 @@ def code_version(*packages: str) -> str:
 
 __all__ = [
     "ALL_KINDS",
+    "AUDIO_KINDS",
     "COLOCATED_KINDS",
     "ENCODER_KINDS",
     "LAYER_KINDS",

@@ -289,9 +289,6 @@ class TrainConfig:
             f"must match data.model_family={self.data.model_family} (or be decoder; omni's "
             "vision tower is llava_ov's)",
         )
-        fix = ("the model profiler does not time the audio encoder: plan an omni model with "
-               "plan=analytic (or explicit, or a plan.yaml)")  # fmt: skip
-        require(self.model.kind != "omni" or self.plan != "auto", "plan", self.plan, fix)
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
         fix = "0 (the devices JAX sees) or the device count to plan for"
         require(self.num_devices >= 0, "num_devices", self.num_devices, fix)

@@ -123,9 +123,10 @@ def test_branched_layouts_simulate_as_an_in_tree_and_round_trip_plan_files(tmp_p
     assert isinstance(back.layout.audio_stages[0], StageSpec)
 
 
-def test_a_measured_table_prices_the_audio_encoder_by_its_fallback():
-    """The profiler does not time the audio encoder: a measured provider prices it, on its own
-    stages or on LLM stage 0, as its analytic fallback does, and its sources say so."""
+def test_a_measured_table_without_audio_entries_prices_the_audio_encoder_by_its_fallback():
+    """A table without the audio kinds (profiled without them): a measured provider prices the
+    audio encoder, on its own stages or on LLM stage 0, as its analytic fallback does, and its
+    sources say so."""
     from dflop_jax.costs import MeasuredCostProvider
     from dflop_jax.profiling.table import CostEntry, ProfiledCostTable
 

@@ -143,8 +143,7 @@ def _omni_cfg(tmp_path, *extra) -> TrainConfig:
 
 def test_omni_run_config_checks():
     """An omni run: its model, an explicit layout with audio buckets, LLM stage 0's tp dividing
-    the audio heads, a plan the profiler need not time; refused in one line naming the key
-    otherwise."""
+    the audio heads; refused in one line naming the key otherwise."""
     tmp = Path("/nonexistent")  # nothing is written at config load
     cfg = _omni_cfg(tmp)
     model = cfg.model_config()
@@ -154,7 +153,6 @@ def test_omni_run_config_checks():
         "layout.audio=[]": "layout.audio.*needs audio buckets",
         "layout.audio=[1000,998]": "layout.audio.*multiples of 4",
         "layout.llm_tp=[4]": "layout.llm_tp",  # divides the decoder's 4 heads, not the tower's 2
-        "plan=auto": "plan.*profiler does not time the audio encoder",
         "model.arch=siglip-so400m+qwen2.5-0.5b": "model.kind.*built from the fields",
         "layout.audio_layers=[1]": "layout.audio_layers.*audio_num_layers=2",
         "layout.audio_layers=[2] layout.audio_dp=3": "layout.audio_dp.*divide layout.llm_dp",
@@ -261,18 +259,26 @@ def test_checkpoint_moves_the_audio_encoder_between_llm_stage_0_and_its_own_stag
 
 @pytest.mark.slow
 def test_omni_demo_trains_the_planners_layout(tmp_path):
-    """plan=analytic on the omni demo: the planner places both encoders and picks the audio ladder
-    on the data's shapes (audio included), the run trains that plan with nothing compiled after
-    the precompile, and its plan.yaml trains again as a plan file."""
-    extra = ["steps=2", "data.synth_samples=48", "compute_dtype=float32", "plan=analytic",
+    """plan=auto on the omni demo: the model profiler times both encoders (the audio kinds too),
+    the planner places them from those measured costs and picks the audio ladder on the data's
+    shapes (audio included), the run trains that plan with nothing compiled after the precompile,
+    and its plan.yaml trains again as a plan file."""
+    profile = ["profile.tps=[1]", "profile.encoder_buckets=[8]", "profile.llm_buckets=[1024]",
+               "profile.audio_buckets=[1024,4096]", "profile.warmup=0", "profile.runs=1",
+               "profile.data_samples=48", "profile.compute_dtype=float32", "planner.tp=[1]"]  # fmt: skip
+    extra = ["steps=2", "data.synth_samples=48", "compute_dtype=float32", "plan=auto", *profile,
              "checkpoint.every=0"]  # fmt: skip
     report = run(_omni_cfg(tmp_path, *extra))
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     assert report.summary["programs_after_precompile"] == 0
-    plan = load_plan(tmp_path / "run" / "plan.yaml")
+    plan_file = tmp_path / "run" / "auto_plan" / "plan.yaml"
+    plan = load_plan(plan_file)
     assert plan.layout == report.layout and plan.buckets.audio
+    sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
+    assert {"audio_embedding", "audio_layers", "audio_head"} <= set(sources)
+    assert "audio_encoder" not in sources  # priced from its entries, not the fallback
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["audio_padding_ratio"] is not None for r in rows)
-    again = run(_omni_cfg(tmp_path, *extra[:-2], f"plan={tmp_path / 'run' / 'plan.yaml'}",
+    again = run(_omni_cfg(tmp_path, *extra[:3], f"plan={plan_file}",
                           f"run_dir={tmp_path / 'again'}", "steps=1"))  # fmt: skip
     assert again.layout == plan.layout and np.isfinite(again.losses[0])
