@@ -22,6 +22,9 @@ What is promised (DESIGN section 4):
   candidate -- any the greedy built, or the refinement's -- with the lowest simulated 1F1B makespan
   (`select.py`); the objective reported stays that candidate's static-bucket surrogate, and the
   lower bound the surrogate's, so `gap` can exceed the surrogate-best candidate's.
+- Audio (a problem with an audio ladder): every microbatch is priced at its audio bucket, and the
+  answer is the better of the tile/length search's and three-resource packings (`audio_packing.py`),
+  ordered by those audio-priced costs.
 - No empty microbatch: with fewer samples than the smallest allowed count, the count shrinks to the
   number of samples (`info["microbatches_below_range"]`); no microbatch ever computes only padding.
 """
@@ -36,6 +39,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dflop_jax.contracts import SampleShape, Schedule, ScheduleProblem
+from dflop_jax.scheduler.audio_packing import pick_with_audio
 from dflop_jax.scheduler.baselines import data_blind_schedule
 from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.greedy import ensure_nonempty, greedy_schedule
@@ -46,7 +50,6 @@ from dflop_jax.scheduler.objective import (
     evaluate,
     load_balance,
     padding_ratios,
-    surrogate_step_time,
     to_plans,
     with_audio,
 )
@@ -120,8 +123,9 @@ def schedule_batch(
         bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
     )
     plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
-    if problem.buckets.audio:  # the objective with each microbatch's audio encoder priced
-        obj = surrogate_step_time(np.stack([problem.microbatch_costs(p) for p in plans]))
+    if problem.buckets.audio:  # audio frames weighed, every microbatch priced at its audio bucket
+        plans, obj = pick_with_audio(plans, shapes, problem, eff, table,
+                                     config.order_evaluations, info)  # fmt: skip
     return Schedule(plans, obj, lb, solver, elapsed(), info)
 
 

@@ -75,19 +75,50 @@ def test_each_microbatch_takes_the_smallest_audio_bucket_of_its_fullest_row(solv
 def test_the_objective_prices_each_microbatchs_audio_bucket():
     """The schedule's predicted step (its surrogate) includes the audio encoder at each
     microbatch's audio bucket: equal to the surrogate of its microbatches' costs with audio, and
-    above the same schedule's with the audio encoder free."""
+    above the same batch's with the audio encoder free."""
     from dflop_jax.scheduler import surrogate_step_time
 
     shapes = _omni_shapes(48)
     buckets = BucketSet((4, 8, 16), (1024, 2048, 4096), audio=(800, 1600, 3200, 6400))
     heard, free = _problem(buckets), _problem(buckets, audio_s=0.0)
     sched = schedule_batch(shapes, heard, SchedulerConfig(solver="greedy"))
-    costs = np.stack([heard.stage_costs(mb.tile_bucket, mb.length_bucket, mb.audio_bucket)
-                      for mb in sched.microbatches])  # fmt: skip
-    assert sched.objective == pytest.approx(surrogate_step_time(costs), rel=1e-12)
+    assert sched.objective == pytest.approx(surrogate_step_time(_audio_costs(sched, heard)),
+                                            rel=1e-12)  # fmt: skip
     silent = schedule_batch(shapes, free, SchedulerConfig(solver="greedy"))
-    assert [mb.shards for mb in silent.microbatches] == [mb.shards for mb in sched.microbatches]
     assert sched.objective > silent.objective
+
+
+def _audio_costs(sched, problem) -> np.ndarray:
+    """[M, P, 2] of the schedule's microbatches in run order at their own buckets."""
+    return np.stack([problem.stage_costs(mb.tile_bucket, mb.length_bucket, mb.audio_bucket)
+                     for mb in sched.microbatches])  # fmt: skip
+
+
+def test_the_packing_weighs_audio_frames_where_the_audio_encoder_costs():
+    """With the audio encoder the dearest part of a microbatch, the schedule packs on audio frames
+    too: never dearer than the tile/length packing (the schedule the same batch gets with the
+    audio encoder free) priced at its audio buckets, and much cheaper where that packing crowds
+    clips into one row; run in the order its audio-priced 1F1B simulation chose."""
+    from dflop_jax.scheduler import surrogate_step_time
+    from dflop_jax.scheduler.objective import with_audio
+    from dflop_jax.sim.pipeline import simulate
+
+    buckets = BucketSet((4, 8, 16), (1024, 2048, 4096), audio=(800, 1600, 3200, 6400, 16384))
+    heard, free = _problem(buckets, audio_s=1e-4), _problem(buckets, audio_s=0.0)
+    gains = []
+    for seed in range(6):
+        shapes = _omni_shapes(64, seed)
+        sched = schedule_batch(shapes, heard, SchedulerConfig(solver="greedy"))
+        assert sorted(i for mb in sched.microbatches for i in mb.samples()) == list(range(64))
+        costs = _audio_costs(sched, heard)
+        assert sched.objective == pytest.approx(surrogate_step_time(costs), rel=1e-12)
+        assert sched.info["simulated_makespan_s"] == pytest.approx(simulate(costs).step_time)
+        blind = schedule_batch(shapes, free, SchedulerConfig(solver="greedy")).microbatches
+        blind = with_audio(blind, shapes, buckets)
+        priced = surrogate_step_time(np.stack([heard.microbatch_costs(mb) for mb in blind]))
+        assert sched.objective <= priced * (1 + 1e-12)
+        gains.append(priced / sched.objective)
+    assert sum(g > 1.15 for g in gains) >= 2, gains
 
 
 def test_samples_beyond_the_audio_ladder_are_refused():

@@ -1,0 +1,129 @@
+"""Audio frames in the packing search: an omni batch's third resource (DESIGN section 4).
+
+The tile/length search (greedy, refinement, the makespan pick) packs on tiles and tokens; a
+microbatch's audio bucket is then its fullest row's frames (`objective.with_audio`, which first
+re-packs the rows within the chosen buckets). That search cannot see that two clips in one row
+double the microbatch's audio bucket, so beside its answer `pick_with_audio` builds one candidate
+per microbatch count the greedy tries with a three-resource LPT (`lpt_assign_audio`: each sample to
+the row whose worst normalized load, the row's tokens, its microbatch's tiles or the row's audio
+frames, grows least), finished as the runtime receives any candidate (`select.finish`) and given its
+audio buckets. The lowest objective with every microbatch priced at its audio bucket
+(`ScheduleProblem.microbatch_costs`) wins, the tile/length answer on ties; the winner's microbatches
+are then ordered by those audio-priced costs (`order.order_microbatches`), so the 1F1B order sees the
+audio encoder too. Deterministic, as the rest of the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dflop_jax.contracts import SampleShape, ScheduledMicrobatch, ScheduleProblem
+from dflop_jax.scheduler.greedy import candidate_counts
+from dflop_jax.scheduler.objective import (
+    CostTable,
+    evaluate,
+    padding_ratios,
+    surrogate_step_time,
+    to_plans,
+    with_audio,
+)
+from dflop_jax.scheduler.order import order_microbatches
+from dflop_jax.scheduler.select import finish
+
+
+def lpt_assign_audio(
+    tokens: np.ndarray, tiles: np.ndarray, frames: np.ndarray, m: int, problem: ScheduleProblem
+) -> np.ndarray:
+    """Vector LPT over three resources; bin_of [N] with bins k * llm_dp + r (rows).
+
+    Loads are normalized by their mean per bin (tokens, audio frames; tiles too when packed by row,
+    where a row's tiles stay in its block) or per microbatch (tiles otherwise); samples go in
+    decreasing order of their summed normalized sizes, each to the bin whose largest normalized
+    load after it is smallest (ties: the lower token load, then the lower bin)."""
+    ldp = problem.llm_dp
+    nb = m * ldp
+    by_row = problem.tiles_by_row
+    tok_t = max(tokens.sum() / nb, 1.0)
+    tile_t = max(tiles.sum() / (nb if by_row else m), 1.0)
+    audio_t = max(frames.sum() / nb, 1.0)
+    key = tokens / tok_t + tiles / tile_t + frames / audio_t
+    order = np.lexsort((np.arange(len(tokens)), -key))
+    tok_load, audio_load = np.zeros(nb), np.zeros(nb)
+    tile_load = np.zeros(nb if by_row else m)
+    tile_bin = np.arange(nb) if by_row else np.arange(nb) // ldp  # the tile load each bin adds to
+    bin_of = np.empty(len(tokens), dtype=np.int64)
+    for i in order:
+        score = np.maximum.reduce([(tok_load + tokens[i]) / tok_t,
+                                   (tile_load[tile_bin] + tiles[i]) / tile_t,
+                                   (audio_load + frames[i]) / audio_t])  # fmt: skip
+        b = int(np.lexsort((np.arange(nb), tok_load, score))[0])
+        bin_of[i] = b
+        tok_load[b] += tokens[i]
+        audio_load[b] += frames[i]
+        tile_load[tile_bin[b]] += tiles[i]
+    return bin_of
+
+
+def _candidate(tokens, tiles, frames, m, shapes, problem, capped, table):
+    """The three-resource LPT's plans at m microbatches with their audio buckets, or None where a
+    microbatch needs more than the largest buckets (LPT balances loads, it does not cap them)."""
+    bin_of = lpt_assign_audio(tokens, tiles, frames, m, capped)
+    bin_of, m = finish(bin_of, m, tokens, tiles, capped, table, capped.microbatches[0])
+    try:
+        obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, capped, table)
+        if not np.isfinite(obj):  # packed by row: a row over the largest tile bucket
+            return None
+        plans = to_plans(bin_of, m, ti, si, problem, table)
+        return with_audio(plans, shapes, problem.buckets, problem.audio_always)
+    except ValueError:  # over the largest length or audio bucket
+        return None
+
+
+def audio_costs(plans: Sequence[ScheduledMicrobatch], problem: ScheduleProblem) -> np.ndarray:
+    """[M, P, 2] stage costs of `plans`, each at its audio bucket."""
+    return np.stack([problem.microbatch_costs(p) for p in plans])
+
+
+def pick_with_audio(
+    plans: tuple[ScheduledMicrobatch, ...],
+    shapes: Sequence[SampleShape],
+    problem: ScheduleProblem,
+    capped: ScheduleProblem,
+    table: CostTable,
+    order_evaluations: int,
+    info: dict,
+) -> tuple[tuple[ScheduledMicrobatch, ...], float]:
+    """(plans in run order, objective) of the better of `plans` (the tile/length search's answer,
+    with audio buckets) and the three-resource candidates (module docstring); `capped`: the problem
+    with its microbatch counts capped at the batch size. Records in `info` which packing won, both
+    objectives, the audio-priced 1F1B makespan and the winner's padding (its load-balance figures
+    stay the tile/length answer's)."""
+    frames = np.array([s.audio_frames for s in shapes], dtype=np.float64)
+    best, best_obj = plans, surrogate_step_time(audio_costs(plans, problem))
+    searched = best_obj
+    if frames.any():
+        tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
+        tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
+        for m in candidate_counts(capped, len(shapes)):
+            cand = _candidate(tokens, tiles, frames, m, shapes, problem, capped, table)
+            if cand is None:
+                continue
+            obj = surrogate_step_time(audio_costs(cand, problem))
+            if obj < best_obj * (1 - 1e-12):
+                best, best_obj = cand, obj
+    costs = audio_costs(best, problem)
+    order, makespan = order_microbatches(costs, order_evaluations)
+    if best is not plans:  # the report's padding is the winner's
+        tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
+        tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
+        info.update(padding_ratios(best, tokens, tiles, problem))
+    info.update(
+        audio_packing="three resources" if best is not plans else "tiles and tokens",
+        audio_searched_objective=searched,
+        audio_objective=best_obj,
+        microbatches=len(best),
+        simulated_makespan_s=makespan,
+    )
+    return tuple(best[k] for k in order), best_obj
