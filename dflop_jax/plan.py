@@ -39,11 +39,8 @@ def run(cfg, progress=None, check: bool = False):
     the plan. With `check` the stage programs are compiled too (JAX must see the run's devices)."""
     from dflop_jax.planner import save_plan
     from dflop_jax.resolve import RunContext
-    from dflop_jax.resolve.dry_run import refuse_uncompilable
     from dflop_jax.resolve.plan_sources import plan_from_run_dir
 
-    if check:  # before planning: nothing is planned for a check that cannot run
-        refuse_uncompilable(cfg, "plan --check")
     plan = plan_from_run_dir(RunContext.build(cfg), progress)
     out = plan_path(cfg)
     dump_yaml(cfg, out.with_name("plan.config.yaml"))

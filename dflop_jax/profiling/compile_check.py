@@ -39,6 +39,10 @@ builds them): grads and optimizer cover the trained leaves only; a forward-only 
 trained, nothing trained before it) compiles its forward program, has no accumulator and no
 optimizer state, and keeps no input for a backward (in_flight 1: the one its forward reads).
 
+An omni model's audio encoder runs inside LLM stage 0's program (compiled with the microbatch's
+audio rows at the largest audio bucket) or on audio stages of their own (each on its LLM rows' audio,
+LLM stage 0 then taking the two branches' outputs), as `build_stages` builds them.
+
 A colocated encoder (`encoder_colocated` plans) runs inside LLM stage 0's program: that stage is
 compiled as the runtime trains it, ONE colocated program (`models.mllm.ColocatedStage`, built by
 `abstract_stage(..., colocated=True)`, part "encoder+llm") at the largest tile and length buckets,
@@ -144,13 +148,13 @@ def check_layout(
     if len(policies) != layout.num_stages:
         raise ValueError(f"residuals has {len(policies)} entries for {layout.num_stages} stages")
     kinds = [_stage_kind(layout, i, policies[i]) for i in range(layout.num_stages)]
-    tiles, length = buckets.tiles[-1], buckets.lengths[-1]
+    tiles, length, audio = buckets.tiles[-1], buckets.lengths[-1], _largest_audio(buckets)
     compiled: dict[tuple, tuple[PartCheck, bool]] = {}
     out = []
     for i, (mesh, policy, kind) in enumerate(zip(meshes, policies, kinds)):
         if kind not in compiled:
             part, prog = stage_program_at(layout, i, model_cfg, mesh, tiles, length,
-                                          compute_dtype, trainable, policy)  # fmt: skip
+                                          compute_dtype, trainable, policy, audio)  # fmt: skip
             compiled[kind] = (compile_part(part, prog), prog.bwd is not None)
             progress("memory check: compiling stage programs", len(compiled), len(set(kinds)))
         check, trains = compiled[kind]
@@ -166,7 +170,7 @@ def _stage_kind(layout: Layout, index: int, policy: str) -> tuple:
     first LLM stage takes the features; the first stage of a colocated layout runs the encoder)
     and its residual policy."""
     spec = layout.stages[index]
-    return (dataclasses.replace(spec, first_layer=0), index == len(layout.encoder_stages), policy)
+    return (dataclasses.replace(spec, first_layer=0), index == layout.first_llm, policy)
 
 
 def stage_programs(
@@ -181,14 +185,21 @@ def stage_programs(
     """(part, programs) of each stage of `layout` on its mesh, at the largest of `buckets`, as the
     runtime builds them (the colocated stage as one "encoder+llm" program) under each stage's
     residual policy (None: "recompute" everywhere). Nothing is compiled."""
-    tiles, length = buckets.tiles[-1], buckets.lengths[-1]
+    tiles, length, audio = buckets.tiles[-1], buckets.lengths[-1], _largest_audio(buckets)
     policies = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
     if len(policies) != layout.num_stages:
         raise ValueError(f"residuals has {len(policies)} entries for {layout.num_stages} stages")
     return [
-        stage_program_at(layout, i, model_cfg, mesh, tiles, length, compute_dtype, trainable, r)
+        stage_program_at(
+            layout, i, model_cfg, mesh, tiles, length, compute_dtype, trainable, r, audio
+        )  # fmt: skip
         for i, (mesh, r) in enumerate(zip(meshes, policies))
     ]
+
+
+def _largest_audio(buckets: BucketSet) -> int:
+    """The largest audio bucket (frames per LLM row), 0 without an audio ladder."""
+    return buckets.audio[-1] if buckets.audio else 0
 
 
 def stage_program_at(
@@ -201,22 +212,26 @@ def stage_program_at(
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: str = "recompute",
+    audio: int = 0,
 ) -> tuple[str, PartProgram]:
-    """(part, programs) of stage `stage` of `layout` for microbatches at tile bucket `tiles` and
-    `length` tokens per LLM row: an encoder stage runs at its tiles per shard
-    (`Layout.encoder_tiles`), an LLM stage at the length (the first one taking each row's block of
-    features, `encoder_dp` x that / `llm_dp` tiles per row), the colocated stage at both."""
+    """(part, programs) of stage `stage` of `layout` for microbatches at tile bucket `tiles`,
+    `length` tokens per LLM row and `audio` frames per LLM row (an omni model): an encoder stage
+    runs at its tiles per shard (`Layout.encoder_tiles`), an audio stage on its LLM rows' audio,
+    an LLM stage at the length (the first one taking each row's block of features, `encoder_dp` x
+    that / `llm_dp` tiles per row, and running the audio encoder or taking its stages' features),
+    the colocated stage at both."""
     spec = layout.stages[stage]
+    where = dict(trainable=trainable, residuals=residuals, audio_bucket=audio,
+                 audio_apart=bool(layout.audio_stages), audio_rows=layout.llm_dp)  # fmt: skip
     if stage == colocated_stage_index(layout, model_cfg):
         prog = stage_program(model_cfg, spec, mesh, length, compute_dtype, tile_bucket=tiles,
-                             trainable=trainable, residuals=residuals)  # fmt: skip
+                             **where)  # fmt: skip
         return "encoder+llm", prog
     per_shard = layout.encoder_tiles(tiles)
-    bucket = per_shard if spec.module == "encoder" else length
+    bucket = {"encoder": per_shard, "audio": audio}.get(spec.module, length)
     first_llm = spec.module == "llm" and spec.has_embedding and layout.encoder_stages
     features = layout.encoder_dp * per_shard // layout.llm_dp if first_llm else None
-    prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features,
-                         trainable=trainable, residuals=residuals)  # fmt: skip
+    prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features, **where)
     return spec.module, prog
 
 
@@ -252,15 +267,15 @@ def lower_stage_programs(
 
 
 def colocated_stage_index(layout: Layout, model_cfg) -> int | None:
-    """The index of the stage that also runs the encoder (0 when an MLLM layout has no encoder
-    stages: the runtime's `stage_builder.colocated`), else None."""
+    """The index of the stage that also runs the encoder (the first LLM stage when an MLLM layout
+    has no encoder stages: the runtime's `stage_builder.colocated`), else None."""
     from dflop_jax.programs.stage_builder import check_colocated, colocated
 
     if not colocated(model_cfg, layout):
         return None
     # the runtime refuses what it cannot colocate: so does the check
     check_colocated(model_cfg, layout)
-    return 0
+    return layout.first_llm
 
 
 def _devices(needed: int) -> list[jax.Device]:

@@ -56,7 +56,13 @@ from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.programs.param_paths import trained_mask
-from dflop_jax.programs.stage_builder import abstract_stage, is_multimodal, stage_config
+from dflop_jax.programs.stage_builder import (
+    abstract_stage,
+    holds_audio,
+    is_multimodal,
+    stage_config,
+    takes_audio,
+)
 from dflop_jax.programs.stage_fns import boundary_shape, signature
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.trees import accumulator_structs
@@ -130,19 +136,22 @@ def _feature_tiles(model_cfg, bucket: int) -> int:
 
 
 def _microbatch(
-    model_cfg, st, bucket: int, dp: int, features: int, tile_bucket: int | None
-) -> dict[str, np.ndarray]:
+    model_cfg, st, bucket: int, dp: int, features: int, tile_bucket: int | None,
+    audio: tuple[int, int] = (0, 0),
+) -> dict[str, np.ndarray]:  # fmt: skip
     """An all-padding microbatch of the part's bucket on `dp` data shards, packed by the data layer
     (its shapes, dtypes); an LLM part places the features of `features` tiles per row (packed by
     row, blocks of a multiple of the stage's tp); the colocated stage (`tile_bucket` T) packs T
-    tiles per row's shard (`tiles_by_row`)."""
+    tiles per row's shard (`tiles_by_row`). `audio` (A, rows): the microbatch's audio rows of A
+    frames, one per LLM row (an audio stage's `bucket` is A; `rows` its LLM rows, default `dp`)."""
     from models.internvl import InternVLConfig
 
-    v, mels = model_cfg.vision, 0
+    v = model_cfg.vision
+    frames, rows = audio
+    mels = model_cfg.audio.audio.num_mel_bins if (frames or st.module == "audio") else 0
     enc = st.module == "encoder"
-    if st.module == "audio":  # one audio row of `bucket` frames per shard, a token per row
-        plan, enc_dp = ScheduledMicrobatch(0, 1, ((),) * dp, audio_bucket=bucket), dp
-        mels = model_cfg.audio.audio.num_mel_bins
+    if st.module == "audio":  # its rows' audio, a token per row
+        plan, enc_dp = ScheduledMicrobatch(0, 1, ((),) * (rows or dp), audio_bucket=bucket), dp
     elif tile_bucket is not None:
         plan, enc_dp = ScheduledMicrobatch(tile_bucket, bucket, ((),) * dp, tiles_by_row=True), dp
     elif enc:
@@ -150,8 +159,10 @@ def _microbatch(
     else:
         plan = ScheduledMicrobatch(features, bucket, ((),) * dp, tiles_by_row=True, row_align=st.tp)
         enc_dp = 1
+    if frames and st.module == "llm":
+        plan = dataclasses.replace(plan, audio_bucket=frames)
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
-    mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=dp,
+    mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=len(plan.shards),
                             tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps,
                             audio_mels=mels)  # fmt: skip
@@ -195,9 +206,9 @@ def _fill_audio(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generato
 
 def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool):
     """(shape, dtype) of the activation the previous stage hands over (None: the pipeline's first
-    and an audio branch's first), global over `dp` data shards; the first LLM part's x is the projected features of `features`
-    tiles per row, each row's block padded to a multiple of tp (none for the colocated stage: it
-    encodes its tiles itself)."""
+    and an audio branch's first), global over `dp` data shards (an audio stage: its rows); the
+    first LLM part's x is the projected features of `features` tiles per row, each row's block
+    padded to a multiple of tp (none for the colocated stage: it encodes its tiles itself)."""
     v, t = model_cfg.vision, model_cfg.text
     if colocated:
         return None
@@ -211,6 +222,24 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool
         tiles = dp * row_tile_slots(features, 1, dp, st.tp)
         return (tiles, model_cfg.tokens_per_tile, t.hidden_size), jnp.dtype(v.dtype)
     return (dp, bucket, t.hidden_size), jnp.dtype(t.dtype)
+
+
+def _audio_features(model_cfg, dp: int, frames: int):
+    """(shape, dtype) of the audio stages' output LLM stage 0 takes: [rows, A/4, D], projected in
+    the audio encoder's dtype."""
+    a = model_cfg.audio.audio
+    return (dp, frames // 4, model_cfg.text.hidden_size), jnp.dtype(a.dtype)
+
+
+def _abstract_x(shapes, x_spec, mesh: Mesh):
+    """Abstract x of `shapes` ((shape, dtype), or a dict of them for a joining stage) on the
+    stage's x shardings, padded where the devices do not divide (as the transfer delivers it)."""
+    if shapes is None:
+        return None
+    if isinstance(shapes, dict):
+        return {k: _abstract_x(v, x_spec[k], mesh) for k, v in shapes.items()}
+    sharding = NamedSharding(mesh, x_spec)
+    return jax.ShapeDtypeStruct(boundary_shape(shapes[0], sharding), shapes[1], sharding=sharding)
 
 
 def build_part(
@@ -258,6 +287,9 @@ def stage_program(
     tile_bucket: int | None = None,
     trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: str = "recompute",
+    audio_bucket: int = 0,
+    audio_apart: bool = False,
+    audio_rows: int | None = None,
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
     shard, with inputs. Nothing is compiled.
@@ -271,26 +303,36 @@ def stage_program(
         its input needs a gradient iff a part before it trains, as `build_stages` decides per stage).
       residuals: the stage's residual policy, as `build_stages` applies it (a "layers" stage is
         built with layer remat); `jits` then holds its residual-saving programs.
+      audio_bucket: an omni model's audio frames per LLM row: the first LLM stage runs the audio
+        encoder on them (or, `audio_apart`, takes the audio stages' features of them); an audio
+        stage's `bucket` is its frames per row and `audio_rows` the LLM rows it encodes (default
+        its dp).
+      audio_apart: the layout gives the audio encoder stages of its own (`build_stages`).
     """
     model_cfg = stage_config(model_cfg, residuals)
     dp = mesh.shape["data"]
     colocated = tile_bucket is not None
     if colocated and not (spec.module == "llm" and spec.has_embedding):
         raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
-    bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated)
+    bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated, audio_apart=audio_apart)
     mask = trained_mask(bp.state, trainable)
-    role = stage_role(spec, trainable, is_multimodal(model_cfg), colocated=colocated)
+    audio = dict(audio=holds_audio(model_cfg, spec, audio_apart),
+                 audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
+    role = stage_role(spec, trainable, is_multimodal(model_cfg), colocated=colocated, **audio)
     jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, role, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
-    batch = _microbatch(model_cfg, spec, bucket, dp, features, tile_bucket)
+    frames = audio_bucket if (audio["audio"] or audio["audio_x"]) else 0
+    rows = audio_rows or dp
+    batch = _microbatch(model_cfg, spec, bucket, dp, features, tile_bucket, (frames, rows))
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
-    x_shape = _x_shape(model_cfg, spec, bucket, dp, features, colocated)
-    x_sharding = None if bp.fns.x_spec is None else NamedSharding(mesh, bp.fns.x_spec)
-    if x_shape is not None:  # as the transfer delivers it: padded where the devices do not divide
-        x_shape = (boundary_shape(x_shape[0], x_sharding), x_shape[1])
-    x_abs = None if x_shape is None else jax.ShapeDtypeStruct(*x_shape, sharding=x_sharding)
+    x_shapes = _x_shape(model_cfg, spec, bucket, rows if spec.module == "audio" else dp,
+                        features, colocated)  # fmt: skip
+    if audio["audio_x"]:  # the two branches' outputs, or with the encoder colocated the audio's
+        sound = _audio_features(model_cfg, dp, audio_bucket)
+        x_shapes = sound if colocated else {"encoder": x_shapes, "audio": sound}
+    x_abs = _abstract_x(x_shapes, bp.fns.x_spec, mesh)
     if head:
         seed_abs = jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)
     else:
@@ -345,10 +387,13 @@ def _abstract(a: np.ndarray, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
-def _random(a: jax.ShapeDtypeStruct | None, rng: np.random.Generator):
-    """A standard-normal array like `a` (a loss normalizer: positive) on its sharding."""
+def _random(a, rng: np.random.Generator):
+    """A standard-normal array like `a` (a loss normalizer: positive) on its sharding; a dict of
+    them (a joining stage's x) likewise."""
     if a is None:
         return None
+    if isinstance(a, dict):
+        return {k: _random(v, rng) for k, v in a.items()}
     value = (
         np.abs(rng.standard_normal(a.shape)) + 1 if a.shape == () else rng.standard_normal(a.shape)
     )

@@ -28,7 +28,7 @@ from dflop_jax.contracts import BucketSet
 from dflop_jax.contracts.layout import Layout
 from dflop_jax.costs.compile import signature_length, stage_buckets
 from dflop_jax.costs.flops import stage_forward_flops
-from dflop_jax.costs.provider import colocated_encoder_stage
+from dflop_jax.costs.provider import colocated_audio_stage, colocated_encoder_stage
 from dflop_jax.costs.recipe import TRAINABLE_PARTS
 from dflop_jax.planner.plan_file import StageCheck
 from dflop_jax.programs.stage_fns import boundary_shape
@@ -45,15 +45,20 @@ def stage_flops(
     encoder = (
         colocated_encoder_stage(arch, layout) if multimodal and not layout.encoder_stages else None
     )
+    audio, first = colocated_audio_stage(arch, layout), layout.first_llm
 
     def analytic(i: int, sig: tuple) -> float:
         stage = layout.stages[i]
+        if stage.module == "audio":  # its rows' frames
+            return stage_forward_flops(arch, stage, layout.audio_frames(sig[0]))
         bucket = (
             layout.encoder_tiles(sig[0]) if stage.module == "encoder" else signature_length(sig)
         )
         flops = stage_forward_flops(arch, stage, bucket)
-        if encoder is not None and i == 0:
+        if encoder is not None and i == first:
             flops += stage_forward_flops(arch, encoder, layout.encoder_tiles(sig[0]))
+        if audio is not None and i == first and len(sig) > 2:  # the audio encoder on LLM stage 0
+            flops += stage_forward_flops(arch, audio, sig[2])
         return flops
 
     out = []
@@ -72,8 +77,9 @@ def transfer_bytes_per_microbatch(
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
 ) -> list[dict]:
-    """Per stage boundary, the bytes one microbatch at the largest of `buckets` moves between
-    devices: `forward_bytes` (the stage's output into the next stage's input sharding) and
+    """Per stage boundary (each stage to the one its output feeds, `Layout.children`: the last
+    vision and audio stages both feed LLM stage 0), the bytes one microbatch at the largest of
+    `buckets` moves between devices: `forward_bytes` (the stage's output into the next stage's input sharding) and
     `backward_bytes` (dL/dx back, 0 where the next stage passes none under the recipe). The figures
     are the runtime's transfer programs' (`programs.transfer.transfer_bytes`, what a training step
     adds to `StepOutput.transfer_bytes`) between the shardings of the stage programs the dry run
@@ -81,18 +87,27 @@ def transfer_bytes_per_microbatch(
     from dflop_jax.costs.recipe import stage_role
     from dflop_jax.profiling.compile_check import _devices, stage_programs
     from dflop_jax.programs.meshes import stage_meshes
-    from dflop_jax.programs.stage_builder import is_multimodal
+    from dflop_jax.programs.stage_builder import holds_audio, is_multimodal, takes_audio
     from dflop_jax.programs.transfer import transfer_bytes
 
     meshes = stage_meshes(layout, _devices(layout.num_devices))
     progs = [p for _, p in stage_programs(layout, buckets, model_cfg, meshes, compute_dtype,
                                           trainable)]  # fmt: skip
+    mm, apart = is_multimodal(model_cfg), bool(layout.audio_stages)
+    colocated = mm and not layout.encoder_stages
     out = []
-    for s, (a, b, spec) in enumerate(zip(progs, progs[1:], layout.stages[1:])):
-        y, x = a.seed_abs, b.x_abs  # an inner stage's backward seed is dL/dy: y's struct
+    for s, c in enumerate(layout.children):
+        if c < 0:
+            continue
+        y, x = progs[s].seed_abs, progs[c].x_abs  # an inner stage's backward seed is dL/dy
+        if isinstance(x, dict):  # a joining stage: the part this branch delivers
+            x = x[layout.stages[s].module]
         if boundary_shape(y.shape, x.sharding) != x.shape:
-            raise ValueError(f"stage {s} outputs {y.shape}, stage {s + 1} takes {x.shape}")
-        back = stage_role(spec, trainable, is_multimodal(model_cfg)).input_grad
+            raise ValueError(f"stage {s} outputs {y.shape}, stage {c} takes {x.shape}")
+        spec = layout.stages[c]
+        back = stage_role(spec, trainable, mm, colocated=colocated and c == layout.first_llm,
+                          audio=holds_audio(model_cfg, spec, apart),
+                          audio_x=takes_audio(model_cfg, spec, apart)).input_grad  # fmt: skip
         out.append({"stage": s, "forward_bytes": transfer_bytes(y, x.sharding, x.shape),
                     "backward_bytes": transfer_bytes(x, y.sharding, y.shape) if back else 0})  # fmt: skip
     return out

@@ -42,7 +42,6 @@ def dry_run(cfg: TrainConfig, show=print) -> list[dict]:
     from dflop_jax.planner.progress import progress_bar
     from dflop_jax.profiling.stage_report import SCALED, stage_flops, transfer_bytes_per_microbatch
 
-    refuse_uncompilable(cfg, "--dry-run")
     note = ""
     if cfg.plan == "auto" and jax.devices()[0].platform != "gpu":
         note = DRY_RUN_ANALYTIC_NOTE.format(platform=jax.devices()[0].platform)
@@ -76,18 +75,6 @@ def _compute_dtype(ctx: RunContext):
     import jax.numpy as jnp
 
     return jnp.dtype(ctx.cfg.compute_dtype)
-
-
-def refuse_uncompilable(cfg, flag: str) -> None:
-    """Raises ConfigError for a run whose stages the memory check cannot compile: an omni model's
-    (`profiling/compile_check.py` builds the vision encoder's and the LLM's stage inputs, not the
-    audio encoder's); its training run's precompile compiles every program."""
-    from dflop_jax.config import ConfigError
-
-    if cfg.model.kind == "omni":
-        raise ConfigError(f"{flag}: the memory check does not compile an omni model's stages (the "
-                          "audio encoder's inputs); train it without the flag (its precompile "
-                          "compiles every program before step 1)")  # fmt: skip
 
 
 def compile_stages(ctx: RunContext, resolved: ResolvedPlan, progress=None) -> list:

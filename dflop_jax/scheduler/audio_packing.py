@@ -7,10 +7,12 @@ double the microbatch's audio bucket, so beside its answer `pick_with_audio` bui
 per microbatch count the greedy tries with a three-resource LPT (`lpt_assign_audio`: each sample to
 the row whose worst normalized load, the row's tokens, its microbatch's tiles or the row's audio
 frames, grows least), finished as the runtime receives any candidate (`select.finish`) and given its
-audio buckets. The lowest objective with every microbatch priced at its audio bucket
-(`ScheduleProblem.microbatch_costs`) wins, the tile/length answer on ties; the winner's microbatches
-are then ordered by those audio-priced costs (`order.order_microbatches`), so the 1F1B order sees the
-audio encoder too. Deterministic, as the rest of the scheduler.
+audio buckets. Every candidate is priced with each microbatch at its audio bucket
+(`ScheduleProblem.microbatch_costs`) and chosen by the rule the tile/length search uses (`select.py`:
+the 1F1B makespan of a good order with several stages, else the objective), the tile/length answer
+on ties; the winner's microbatches run in the order found for those audio-priced costs
+(`order.order_microbatches`), so the 1F1B order sees the audio encoder too. Deterministic, as the
+rest of the scheduler.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dflop_jax.contracts import SampleShape, ScheduledMicrobatch, ScheduleProblem
+from dflop_jax.scheduler.config import SchedulerConfig
 from dflop_jax.scheduler.greedy import candidate_counts
 from dflop_jax.scheduler.objective import (
     CostTable,
@@ -92,38 +95,50 @@ def pick_with_audio(
     problem: ScheduleProblem,
     capped: ScheduleProblem,
     table: CostTable,
-    order_evaluations: int,
+    config: SchedulerConfig,
     info: dict,
 ) -> tuple[tuple[ScheduledMicrobatch, ...], float]:
-    """(plans in run order, objective) of the better of `plans` (the tile/length search's answer,
+    """(plans in run order, objective) of the best of `plans` (the tile/length search's answer,
     with audio buckets) and the three-resource candidates (module docstring); `capped`: the problem
-    with its microbatch counts capped at the batch size. Records in `info` which packing won, both
+    with its microbatch counts capped at the batch size. Records in `info` which packing won, the
     objectives, the audio-priced 1F1B makespan and the winner's padding (its load-balance figures
-    stay the tile/length answer's)."""
+    stay the tile/length answer's).
+
+    Chosen as `select.py` chooses (`config.select`): with several stages by the 1F1B makespan of
+    each candidate's audio-priced costs (a short order search each, then the full one for the
+    tile/length answer and the two best others, so the answer is never slower than the tile/length
+    answer in its full search), else by the objective; ties to the tile/length answer."""
+    cands = [plans]
     frames = np.array([s.audio_frames for s in shapes], dtype=np.float64)
-    best, best_obj = plans, surrogate_step_time(audio_costs(plans, problem))
-    searched = best_obj
     if frames.any():
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
         for m in candidate_counts(capped, len(shapes)):
             cand = _candidate(tokens, tiles, frames, m, shapes, problem, capped, table)
-            if cand is None:
-                continue
-            obj = surrogate_step_time(audio_costs(cand, problem))
-            if obj < best_obj * (1 - 1e-12):
-                best, best_obj = cand, obj
-    costs = audio_costs(best, problem)
-    order, makespan = order_microbatches(costs, order_evaluations)
-    if best is not plans:  # the report's padding is the winner's
+            if cand is not None:
+                cands.append(cand)
+    costs = [audio_costs(c, problem) for c in cands]
+    objs = [surrogate_step_time(c) for c in costs]
+    if config.select == "makespan" and problem.num_stages > 1:
+        quick = [order_microbatches(c, config.select_evaluations)[1] for c in costs]
+        ranked = sorted(range(1, len(cands)), key=lambda i: (quick[i], objs[i], i))
+        finals = {
+            i: order_microbatches(costs[i], config.order_evaluations) for i in [0, *ranked[:2]]
+        }
+        best = min(finals, key=lambda i: (finals[i][1], objs[i], i))
+        order, makespan = finals[best]
+    else:
+        best = min(range(len(cands)), key=lambda i: (objs[i], i))
+        order, makespan = order_microbatches(costs[best], config.order_evaluations)
+    if best:  # the report's padding is the winner's
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
-        info.update(padding_ratios(best, tokens, tiles, problem))
+        info.update(padding_ratios(cands[best], tokens, tiles, problem))
     info.update(
-        audio_packing="three resources" if best is not plans else "tiles and tokens",
-        audio_searched_objective=searched,
-        audio_objective=best_obj,
-        microbatches=len(best),
+        audio_packing="three resources" if best else "tiles and tokens",
+        audio_searched_objective=objs[0],
+        audio_objective=objs[best],
+        microbatches=len(cands[best]),
         simulated_makespan_s=makespan,
     )
-    return tuple(best[k] for k in order), best_obj
+    return tuple(cands[best][k] for k in order), objs[best]

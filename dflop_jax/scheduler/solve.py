@@ -23,8 +23,8 @@ What is promised (DESIGN section 4):
   (`select.py`); the objective reported stays that candidate's static-bucket surrogate, and the
   lower bound the surrogate's, so `gap` can exceed the surrogate-best candidate's.
 - Audio (a problem with an audio ladder): every microbatch is priced at its audio bucket, and the
-  answer is the better of the tile/length search's and three-resource packings (`audio_packing.py`),
-  ordered by those audio-priced costs.
+  answer is the best of the tile/length search's and three-resource packings by the same rule
+  (`audio_packing.py`), ordered by those audio-priced costs.
 - No empty microbatch: with fewer samples than the smallest allowed count, the count shrinks to the
   number of samples (`info["microbatches_below_range"]`); no microbatch ever computes only padding.
 """
@@ -124,8 +124,7 @@ def schedule_batch(
     )
     plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
     if problem.buckets.audio:  # audio frames weighed, every microbatch priced at its audio bucket
-        plans, obj = pick_with_audio(plans, shapes, problem, eff, table,
-                                     config.order_evaluations, info)  # fmt: skip
+        plans, obj = pick_with_audio(plans, shapes, problem, eff, table, config, info)
     return Schedule(plans, obj, lb, solver, elapsed(), info)
 
 

@@ -132,6 +132,57 @@ def test_omni_step_matches_single_device(layout):
     assert_trees_close(got, ref_tree)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [*LAYOUTS][:3] + [pytest.param(k, marks=pytest.mark.slow) for k in [*LAYOUTS][3:]],
+)
+def test_the_memory_check_compiles_the_omni_stages_as_built(layout):
+    """`train --dry-run`'s abstract stage programs of an omni layout are the built pipeline's: the
+    transfers along each branch (vision and audio into LLM stage 0) move the bytes the built
+    stages' transfers move for a microbatch at the same buckets, and each compiled stage holds
+    the built stage's parameters (the audio encoder's on LLM stage 0 without audio stages) and
+    takes its inputs (the audio rows there)."""
+    from pipeline_fixtures import OMNI_AUDIO_BUCKET, OMNI_LENGTH
+
+    from dflop_jax.contracts import BucketSet
+    from dflop_jax.profiling.compile_check import check_layout
+    from dflop_jax.profiling.programs import per_device_bytes
+    from dflop_jax.profiling.stage_report import transfer_bytes_per_microbatch as dry_run_bytes
+    from dflop_jax.runtime.driver import transfer_bytes_per_microbatch
+
+    lay = LAYOUTS[layout]
+    mb = _first_rows(_batch(True)[0][0], lay.llm_dp)  # one row per LLM shard, as packed
+    buckets = BucketSet((4,), (OMNI_LENGTH,), audio=(OMNI_AUDIO_BUCKET,))
+    stages = build_stages(OMNI, lay, stage_meshes(lay), 0, compute_dtype=jnp.float32)
+    built = transfer_bytes_per_microbatch(stages, mb, lay.children)
+    dry = dry_run_bytes(lay, buckets, OMNI, jnp.float32)
+    assert dry == [{"stage": b.stage, "forward_bytes": b.forward, "backward_bytes": b.backward}
+                   for b in built]  # fmt: skip
+    assert len(dry) == lay.num_stages - 1 and all(d["forward_bytes"] > 0 for d in dry)
+    n = lay.num_stages
+    checks = check_layout(lay, buckets, [1] * n, [1.0] * n, OMNI, compute_dtype=jnp.float32)
+    for check, stage in zip(checks, stages):
+        assert check.params == per_device_bytes(stage.params)
+    first = checks[lay.first_llm]
+    if not lay.audio_stages:  # the audio rows of each of its shard's rows are its inputs
+        rows = (
+            mb["audio"][:1].nbytes + mb["audio_windows"][:1].nbytes + mb["audio_valid"][:1].nbytes
+        )
+        assert first.inputs > rows
+
+
+def _first_rows(mb: dict, n: int) -> dict:
+    """The microbatch's first `n` rows with their tiles (4 a row) and audio rows: each row's
+    features and audio are its own, so the slice is a microbatch of `n` rows."""
+
+    def cut(a):
+        if a is None or a.shape[0] not in (ROWS, 4 * ROWS):
+            return a
+        return a[: n if a.shape[0] == ROWS else 4 * n]
+
+    return {k: cut(v) for k, v in mb.items()}
+
+
 OMNI_DEMO = Path(__file__).parents[2] / "configs" / "omni_demo.yaml"
 
 
@@ -167,17 +218,27 @@ def test_omni_run_config_checks():
         _omni_cfg(tmp, "model.kind=llava_ov")
 
 
-def test_the_memory_check_refuses_an_omni_run_in_one_line(tmp_path, capsys):
-    """`train --dry-run` and `plan --check` compile stage inputs the audio encoder does not take:
-    an omni run is refused before anything compiles, one line naming the flag."""
+def test_the_dry_run_checks_an_omni_run_with_its_audio_stage(tmp_path):
+    """`train --dry-run` of the omni demo with the audio encoder on a stage of its own: every stage
+    compiled beside its prediction, the audio stage's FLOPs counted, and the two branches'
+    transfers into LLM stage 0 reported; `plan --check` of the same config compiles every stage
+    of the plan it makes."""
+    import yaml
+
     from dflop_jax import plan, train
 
-    args = ["--config", str(OMNI_DEMO), f"run_dir={tmp_path}", f"data.synth_dir={tmp_path / 's'}"]
-    assert train.main([*args, "--dry-run"]) == 2
-    assert plan.main([*args, "--check", "--no-progress"]) == 2
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("config error")]
-    assert [x.split(":")[1].strip() for x in lines] == ["--dry-run", "plan --check"]
-    assert all("memory check does not compile an omni model" in x for x in lines)
+    args = ["--config", str(OMNI_DEMO), f"run_dir={tmp_path}", f"data.synth_dir={tmp_path / 's'}",
+            "compilation_cache=", *VARIANTS["audio_stage"]]  # fmt: skip
+    assert train.main([*args, "--dry-run"]) == 0
+    report = yaml.safe_load((tmp_path / "dry_run.yaml").read_text())
+    stages = report["layout"]
+    assert len(stages) == 4 and all(s["compiled"]["params"] > 0 for s in stages)
+    assert stages[1]["compiled"]["parts"] == ["audio"] and stages[1]["flops_forward"] > 0
+    # the vision stage and the audio stage both feed LLM stage 0 (stage 2)
+    assert [t["stage"] for t in report["transfers"]] == [0, 1, 2]
+    assert plan.main([*args, "--check", "--no-progress"]) == 0
+    checked = load_plan(tmp_path / "plan.yaml")
+    assert len(checked.checks) == checked.layout.num_stages >= 2
 
 
 # The demo's layout variants: the vision encoder colocated on LLM stage 0 (the audio encoder there
