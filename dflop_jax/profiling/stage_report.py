@@ -100,7 +100,7 @@ def transfer_bytes_per_microbatch(
         if c < 0:
             continue
         y, x = progs[s].seed_abs, progs[c].x_abs  # an inner stage's backward seed is dL/dy
-        if isinstance(x, dict):  # a joining stage: the part this branch delivers
+        if isinstance(x, dict):  # a joining stage: the part this encoder delivers
             x = x[layout.stages[s].module]
         if boundary_shape(y.shape, x.sharding) != x.shape:
             raise ValueError(f"stage {s} outputs {y.shape}, stage {c} takes {x.shape}")
