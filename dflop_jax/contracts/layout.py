@@ -183,10 +183,13 @@ class Layout:
         row = row_tile_slots(tile_bucket, self.encoder_dp, self.llm_dp, self.row_align)
         return self.llm_dp * row // self.encoder_dp
 
+    @property
+    def audio_rows(self) -> int:
+        """LLM rows whose audio one audio encoder shard encodes: an audio stage's replica llm_dp /
+        dp whole rows, back to back; on LLM stage 0 each shard its own row."""
+        return self.llm_dp // self.audio_stages[0].dp if self.audio_stages else 1
+
     def audio_frames(self, audio_bucket: int) -> int:
-        """Mel frames per audio encoder shard of a microbatch at `audio_bucket` (frames per LLM row):
-        an audio stage's replica encodes llm_dp / dp whole rows, back to back; on LLM stage 0 each
-        shard encodes its own row."""
-        if not self.audio_stages:
-            return audio_bucket
-        return self.llm_dp // self.audio_stages[0].dp * audio_bucket
+        """Mel frames per audio encoder shard of a microbatch at `audio_bucket` (frames per LLM
+        row): `audio_rows` rows of it."""
+        return self.audio_rows * audio_bucket

@@ -353,15 +353,20 @@ class MeasuredCostProvider:
             raise ValueError(f"bucket={bucket}: must be >= 0")
         if bucket == 0:
             return 0.0, 0.0
-        role = stage_role(stage, self.trainable, self._multimodal)
-        parts = self._parts(stage, bucket)
-        if self._measured_recipe:  # each part's recipe program was timed (module docstring)
-            fwd, bwd = self._summed(parts, self._recipe_bwds(stage, parts, role.has_backward))
-            return float(fwd), float(bwd)
-        fwd, bwd = self._summed(parts, [p.bwd for p in parts])
-        # Frozen stages: derived from the trainable programs' timings (costs/recipe.py)
-        bwd = recipe_backward(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd, self.table.residuals)
+        fwd, bwd = self._priced(stage, self._parts(stage, bucket))
         return float(fwd), float(bwd)  # plain floats: plans are written as YAML
+
+    def _priced(self, stage: StageSpec, parts: list[_Part], rule=recipe_backward):
+        """(fwd, bwd) of `stage` run as one program of `parts` under the recipe: each part's
+        recipe program as timed (a table profiled under it, module docstring), else derived from
+        the trainable programs' timings by `rule` (`recipe_backward`; `colocated_backward` for
+        parts run inside a program that has a backward, costs/recipe.py)."""
+        role = stage_role(stage, self.trainable, self._multimodal)
+        if self._measured_recipe:
+            inside = rule is colocated_backward  # the enclosing program re-runs a frozen forward
+            return self._summed(parts, self._recipe_bwds(stage, parts, inside or role.has_backward))
+        fwd, bwd = self._summed(parts, [p.bwd for p in parts])
+        return fwd, rule(role, fwd, bwd, parts[-1].fwd, parts[-1].bwd, self.table.residuals)
 
     @staticmethod
     def _summed(parts: list[_Part], bwds: list[float]) -> tuple[float, float]:
@@ -431,15 +436,7 @@ class MeasuredCostProvider:
                                           f"tp={stage.tp}",
                                           f"profile the audio kinds or pass {_FALLBACK}")  # fmt: skip
             return fallback.audio_time(stage, frames, rule, rows)
-        role = stage_role(stage, self.trainable, self._multimodal)
-        colocated = rule is colocated_backward  # inside a program that has a backward
-        if self._measured_recipe:
-            bwds = self._recipe_bwds(stage, parts, colocated or role.has_backward)
-            fwd, bwd = self._summed(parts, bwds)
-        else:
-            fwd, bwd = self._summed(parts, [p.bwd for p in parts])
-            head = self._measured_part("audio_head", stage.tp, frames, 0)
-            bwd = rule(role, fwd, bwd, head.fwd, head.bwd, self.table.residuals)
+        fwd, bwd = self._priced(stage, parts, rule)
         return _rows_time(parts, float(fwd), float(bwd), rows)
 
     def _trainable_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:

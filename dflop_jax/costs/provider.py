@@ -426,7 +426,7 @@ def layout_stage_costs(
     coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
     audio = colocated_audio_stage(provider.arch, layout)
     encoder = policy_provider(provider, "encoder", policies[first])
-    rows = layout.llm_dp // layout.audio_stages[0].dp if layout.audio_stages else 1
+    rows = layout.audio_rows
     cache: dict[tuple[int, int, int], np.ndarray] = {}
 
     def costs(tile_bucket: int, length_bucket: int, audio_bucket: int = 0) -> np.ndarray:

@@ -541,13 +541,13 @@ def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
 def _host_shards(layout: Layout, meshes, has_encoder: bool) -> HostShardSpec | None:
     """The data shards this process's stages hold (None: one process holds them all); a colocated
     encoder's shards are LLM stage 0's; an audio stage's replica j holds LLM rows j*k .. j*k+k-1
-    (k = llm_dp / audio dp), whose audio rows this process packs."""
+    (k = `Layout.audio_rows`), whose audio rows this process packs."""
     if jax.process_count() == 1:
         return None
     grids = [m.devices for m in meshes]
     n, first = len(layout.encoder_stages), layout.first_llm
     encoder = grids[:n] if n or not has_encoder else grids[first : first + 1]
-    k = layout.llm_dp // layout.audio_stages[0].dp if layout.audio_stages else 1
+    k = layout.audio_rows
     audio = [np.repeat(g, k, axis=0) for g in grids[n:first]]  # one grid row per LLM row
     return HostShardSpec.from_meshes(encoder, grids[first:] + audio, jax.process_index())
 
