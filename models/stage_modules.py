@@ -4,8 +4,10 @@
 
 A `DecoderConfig` gives `DecoderStage`s (module "llm" only); an MLLM config (LLaVA-OV, InternVL) gives
 `EncoderStage` ("encoder": vision layers, + patch embedding if first, + projector if last) or
-`LLMStage` ("llm"); a Qwen2-Audio config `AudioEncoderStage` (audio layers, + conv embedding if
-first, + pool, norm and projector if last) or `LLMStage`; an omni config (`models.omni`) its vision
+`LLMStage` ("llm"); a Qwen2-Audio config `AudioEncoderStage` ("audio", or "encoder" as its HF
+checkpoint names its one encoder: audio layers, + conv embedding if first, + pool, norm and
+projector if last) or `LLMStage` (with `joins_audio`, the first one an `OmniFirstStage`, as in an
+omni model); an omni config (`models.omni`) its vision
 `EncoderStage`, its `AudioEncoderStage` ("audio": the audio encoder on stages of its own), an
 `OmniFirstStage` (the first LLM stage: with the whole audio encoder unless `audio_apart`, and with
 `colocated` the whole vision encoder too) or `LLMStage`. Random init is keyed by global layer index and part name (`models.layers.keyed_rngs`),
@@ -31,6 +33,14 @@ MLLM_MODULES = ("encoder", "llm")
 # The parts a training recipe freezes or slows down (LLaVA-NeXT `mm_tunable_parts`: mm_vision_tower,
 # mm_mlp_adapter, mm_language_model).
 TRAINABLE_PARTS = ("vision", "projector", "llm")
+
+
+def audio_part(cfg) -> Qwen2AudioConfig | None:
+    """The Qwen2-Audio config of a model's audio encoder and projector (a Qwen2-Audio model's own
+    config, an omni model's `audio`), None for a model without one."""
+    if isinstance(cfg, OmniConfig):
+        return cfg.audio
+    return cfg if isinstance(cfg, Qwen2AudioConfig) else None
 
 
 def param_part(path: tuple[str, ...]) -> str:
@@ -66,26 +76,29 @@ def stage_module(
     rngs: nnx.Rngs,
     colocated: bool = False,
     audio_apart: bool = False,
+    joins_audio: bool = False,
 ) -> nnx.Module:
     """A fresh stage module of `cfg` holding layers [first_layer, first_layer + num_layers) of `module`.
 
     colocated: the first LLM stage of an MLLM also holds the whole encoder (`ColocatedStage`).
     audio_apart: an omni model's audio encoder runs on stages of its own (module "audio"), so its
       first LLM stage takes the audio features instead of holding the encoder.
+    joins_audio: a Qwen2-Audio model's first LLM stage joins the audio branch as a pipeline's does
+      (`OmniFirstStage`: the whole audio encoder inside, or its features with `audio_apart`);
+      without it that stage is the HF checkpoint's plain `LLMStage` (`models.hf.load_stage`).
     """
     if module not in MODULES:
         raise ValueError(f"stage module={module!r}; use one of {MODULES}")
     if isinstance(cfg, OmniConfig):
         return _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs,
                            colocated, audio_apart)  # fmt: skip
+    if isinstance(cfg, Qwen2AudioConfig):
+        return _audio_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs,
+                            colocated, audio_apart, joins_audio)  # fmt: skip
     if module == "audio":
-        raise ValueError("stage module='audio' is an omni model's (models.omni.OmniConfig)")
+        raise ValueError("stage module='audio' is an audio model's (Qwen2AudioConfig, OmniConfig)")
     if colocated:
-        if (
-            isinstance(cfg, DecoderConfig | Qwen2AudioConfig)
-            or module != "llm"
-            or not has_embedding
-        ):
+        if isinstance(cfg, DecoderConfig) or module != "llm" or not has_embedding:
             raise ValueError(
                 "colocated: only a vision MLLM's first LLM stage (module='llm', has_embedding) "
                 "can hold the encoder"
@@ -101,8 +114,29 @@ def stage_module(
         if module == "encoder":
             raise ValueError("a decoder-only model has no encoder stage; use module='llm'")
         return DecoderStage(cfg, **flags)
-    encoder = AudioEncoderStage if isinstance(cfg, Qwen2AudioConfig) else EncoderStage
-    return (encoder if module == "encoder" else LLMStage)(cfg, **flags)
+    return (EncoderStage if module == "encoder" else LLMStage)(cfg, **flags)
+
+
+def _audio_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs, colocated,
+                 audio_apart, joins_audio):  # fmt: skip
+    """A Qwen2-Audio model's stage: its audio encoder's ("audio" or "encoder") or its decoder's."""
+    if colocated:
+        raise ValueError(
+            "colocated: a Qwen2-Audio model has no vision encoder; its first LLM stage holds the "
+            "audio encoder with joins_audio"
+        )
+    flags = dict(first_layer=first_layer, num_layers=num_layers, has_embedding=has_embedding,
+                 has_head=has_head, rngs=rngs)  # fmt: skip
+    if module != "llm":
+        return AudioEncoderStage(cfg, **flags)
+    llm = LLMStage(cfg, **flags)
+    if not (joins_audio and has_embedding):
+        return llm
+    whole = dict(first_layer=0, has_embedding=True, has_head=True, rngs=rngs)
+    audio = (
+        None if audio_apart else AudioEncoderStage(cfg, num_layers=cfg.audio.num_layers, **whole)
+    )
+    return OmniFirstStage(audio, llm)
 
 
 def _omni_stage(cfg, module, first_layer, num_layers, has_embedding, has_head, rngs, colocated,

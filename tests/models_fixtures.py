@@ -183,19 +183,21 @@ def assert_llava_ov_logits_equal(
 
 
 def assert_qwen2_audio_logits_equal(hf_dir, ours, omni_cfg, valid=(9, 40)) -> None:
-    """transformers' Qwen2-Audio loaded from `hf_dir` and our omni model `ours` (`models.omni.Omni`,
-    config `omni_cfg`) give the same logits (float32) on text around two audio clips of `valid`
-    mel frames, each padded to a whole window (as HF requires), with no image."""
+    """transformers' Qwen2-Audio loaded from `hf_dir` and our model `ours` (`models.omni.Omni` of
+    config `omni_cfg`, or `models.qwen2_audio.Qwen2Audio` of its config) give the same logits
+    (float32) on text around two audio clips of `valid` mel frames, each padded to a whole window
+    (as HF requires), with no image."""
     import jax.numpy as jnp
     import torch
     import transformers
     from flax import nnx
 
     from models import layouts
-    from models.qwen2_audio import audio_feature_index
+    from models.qwen2_audio import Qwen2Audio, audio_feature_index
 
     ref = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(hf_dir).eval()
-    a, valid = omni_cfg.audio, np.asarray(valid)
+    alone = isinstance(ours, Qwen2Audio)
+    a, valid = (omni_cfg if alone else omni_cfg.audio), np.asarray(valid)
     frames = 2 * a.audio.max_source_positions
     outputs = a.audio.output_lengths(valid)
     tok = a.audio_token_id
@@ -206,15 +208,20 @@ def assert_qwen2_audio_logits_equal(hf_dir, ours, omni_cfg, valid=(9, 40)) -> No
     with torch.no_grad():
         want = ref(input_ids=torch.from_numpy(tokens), input_features=torch.from_numpy(mel),
                    feature_attention_mask=torch.from_numpy(mask)).logits.numpy()  # fmt: skip
-    s, px = tokens.shape[1], omni_cfg.vision.image_size
-    got = nnx.jit(lambda m, *x: m(*x))(
-        ours, jnp.zeros((0, px, px, 3), jnp.uint8), jnp.zeros((0,), bool),
-        jnp.asarray(mel.transpose(0, 2, 1)), jnp.asarray(valid), jnp.asarray(tokens, jnp.int32),
-        jnp.ones((1, s), jnp.int32), jnp.arange(s, dtype=jnp.int32)[None],
-        jnp.full((1, s, 1), layouts.TEXT, jnp.int32),
-        jnp.asarray(audio_feature_index(tokens, tok, outputs, frames // 4)),
-        jnp.ones((1, s, 1), jnp.float32),
-    )  # fmt: skip
+    s = tokens.shape[1]
+    audio = (jnp.asarray(mel.transpose(0, 2, 1)), jnp.asarray(valid))
+    text = (jnp.asarray(tokens, jnp.int32), jnp.ones((1, s), jnp.int32),
+            jnp.arange(s, dtype=jnp.int32)[None])  # fmt: skip
+    audio_index = jnp.asarray(audio_feature_index(tokens, tok, outputs, frames // 4))
+    if alone:
+        got = nnx.jit(lambda m, *x: m(*x))(ours, *audio, *text, audio_index)
+    else:
+        px = omni_cfg.vision.image_size
+        got = nnx.jit(lambda m, *x: m(*x))(
+            ours, jnp.zeros((0, px, px, 3), jnp.uint8), jnp.zeros((0,), bool), *audio, *text,
+            jnp.full((1, s, 1), layouts.TEXT, jnp.int32), audio_index,
+            jnp.ones((1, s, 1), jnp.float32),
+        )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), want, atol=HF_LOGITS_TOL)
 
 

@@ -305,3 +305,33 @@ def omni_loss_sum(m, ref):
                 index, ref["audio_index"], ref["feature_weight"])  # fmt: skip
     h = m.llm(h, ref["segment_ids"], ref["positions"])
     return m.llm.loss(h, ref["targets"], ref["loss_mask"])[0]
+
+
+# -- A Qwen2-Audio model: that audio encoder + the MLLM decoder, no vision -------------------------
+
+QWEN2_AUDIO = Qwen2AudioConfig(OMNI_WHISPER, MLLM_TEXT)
+
+
+def qwen2_audio_model():
+    """The unsplit Qwen2-Audio model of `QWEN2_AUDIO` (seed 0)."""
+    from models.qwen2_audio import Qwen2Audio
+
+    with jax.default_device(jax.devices()[0]):
+        return Qwen2Audio(QWEN2_AUDIO, rngs=nnx.Rngs(0))
+
+
+def audio_microbatch(rng, rows: int, *, audio: bool) -> tuple:
+    """(packed microbatch, the reference's inputs): `omni_microbatch`'s rows without images (every
+    feature index TEXT, no tile), with `audio` two windows per row as there."""
+    mb, ref = omni_microbatch(rng, rows, OMNI.tokens_per_tile, audio=audio, taps=False, video=False)
+    for d in (mb, ref):
+        d.update(feature_index=np.full_like(d["feature_index"], -1),
+                 tiles=d["tiles"][:0], tile_valid=d["tile_valid"][:0], tile_pool=d["tile_pool"][:0])  # fmt: skip
+    return mb, ref
+
+
+def qwen2_audio_loss_sum(m, ref):
+    """The summed loss of the unsplit `Qwen2Audio` on `audio_microbatch`'s reference inputs: each
+    clip encoded alone, every feature placed by its GLOBAL index into the microbatch's outputs."""
+    return m.loss(ref["audio"], ref["audio_lengths"], ref["tokens"], ref["segment_ids"],
+                  ref["positions"], ref["audio_index"], ref["targets"], ref["loss_mask"])[0]  # fmt: skip

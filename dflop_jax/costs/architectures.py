@@ -323,19 +323,23 @@ def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "cu
 
 def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
     """The cost-model `MLLMArch` of a `models` config (duck-typed): an MLLM config (vision, text,
-    tokens_per_tile) or a decoder-only config, whose vision arch ("tiny") is never used because its
-    tiles are never encoded."""
+    tokens_per_tile), an omni config (`llava` + `audio`), a Qwen2-Audio config (`audio` tower +
+    `text`) or a decoder-only config. A model without a vision tower gets the "tiny" one, never
+    used because it encodes no tile."""
     if hasattr(model_cfg, "llava"):  # an omni model: the vision model's arch + the audio encoder
         arch = arch_of_model(model_cfg.llava, name)
-        a = model_cfg.audio.audio
-        audio = AudioArch(f"{name}-audio", a.num_layers, a.hidden_size, a.num_heads,
-                          a.intermediate_size, a.num_mel_bins, a.max_source_positions, a.pool)  # fmt: skip
-        return dataclasses.replace(arch, audio=audio)
-    if hasattr(model_cfg, "vision"):
+    elif hasattr(model_cfg, "vision"):
         return arch_from_configs(model_cfg.vision, model_cfg.text, model_cfg.tokens_per_tile, name)
-    llm = llm_arch_from_config(model_cfg, f"{name}-llm")
-    vision = get_vision("tiny")
-    return MLLMArch(name, vision, projector_for(vision, llm), llm)
+    else:
+        llm = llm_arch_from_config(getattr(model_cfg, "text", model_cfg), f"{name}-llm")
+        vision = get_vision("tiny")
+        arch = MLLMArch(name, vision, projector_for(vision, llm), llm)
+    if not hasattr(model_cfg, "audio"):
+        return arch
+    a = getattr(model_cfg.audio, "audio", model_cfg.audio)  # an omni model's Qwen2-Audio part's
+    audio = AudioArch(f"{name}-audio", a.num_layers, a.hidden_size, a.num_heads,
+                      a.intermediate_size, a.num_mel_bins, a.max_source_positions, a.pool)  # fmt: skip
+    return dataclasses.replace(arch, audio=audio)
 
 
 def pad_vision_heads(arch: MLLMArch, tp: int) -> MLLMArch:

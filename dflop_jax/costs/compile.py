@@ -105,7 +105,7 @@ def stage_buckets(layout: Layout, buckets: BucketSet, multimodal: bool) -> list[
             out.append(tiles)
         elif stage.module == "audio":
             out.append([(a,) for a in buckets.audio])
-        elif multimodal and stage.has_embedding:
+        elif (multimodal or buckets.audio) and stage.has_embedding:
             out.append(first)
         else:
             out.append(lengths)
@@ -124,7 +124,7 @@ def _roles(layout: Layout, multimodal: bool, trainable: tuple[str, ...], audio: 
         stage_role(
             s,
             trainable,
-            multimodal,
+            multimodal or audio,
             colocated=colocated and i == first,
             audio=audio and i == first and not apart,
             audio_x=apart and i == first,

@@ -22,6 +22,7 @@ REASONS = (
     "empty_audio",  # decodes to no samples, or too few for one encoder output
     "audio_too_long",  # longer than the `max_seconds` the caller allows (`data.max_audio_s`)
     "no_audio_encoder",  # a sample with audio, for a model without an audio encoder
+    "no_vision_encoder",  # a sample with images or video, for a model without a vision encoder
 )
 
 

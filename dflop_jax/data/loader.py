@@ -416,6 +416,7 @@ def make_loader(
     precompute_shapes: bool = False,
     num_batches: int | None = None,
     place: Callable[[GlobalBatch], GlobalBatch] | None = None,
+    vision: bool = True,
 ) -> Loader:
     """Builds the loader for one run.
 
@@ -444,6 +445,7 @@ def make_loader(
       num_batches: global batches in all (None = as many as the epochs give).
       place: applied to each packed batch in the prefetch thread (the trainer puts the stages'
         side inputs on their devices there, `GlobalBatch.placed`).
+      vision: the model has a vision encoder (else samples with images are counted skips).
     """
     from dflop_jax.data.dataset import load_source
 
@@ -461,7 +463,7 @@ def make_loader(
         from dflop_jax.data.process import Processor
 
         shapes = MetadataCache(data_cfg.cache_dir, Processor(data_cfg)).shapes(records)
-    spec = pack_spec(data_cfg, problem)
+    spec = pack_spec(data_cfg, problem, vision)
     workers = resolve_decode_workers(data_cfg, records, decode_workers, num_workers)
     pool = DecodePool(processor, workers) if workers else None
     ds = build_dataset(
@@ -490,21 +492,27 @@ def capped(data_cfg: Any, problem: ScheduleProblem) -> Any:
     return data_cfg
 
 
-def pack_spec(data_cfg: Any, problem: ScheduleProblem) -> PackSpec:
-    """The static shapes the loader packs `problem`'s microbatches into, for `data_cfg`'s encoder."""
+def pack_spec(data_cfg: Any, problem: ScheduleProblem, vision: bool = True) -> PackSpec:
+    """The static shapes the loader packs `problem`'s microbatches into, for `data_cfg`'s encoder
+    (`vision` False: a model without one)."""
     tile_shape, tokens_per_tile = pack_geometry(data_cfg)
     return PackSpec.from_problem(problem, tile_shape, tokens_per_tile, pack_taps(data_cfg),
-                                 data_cfg.audio_mels)  # fmt: skip
+                                 data_cfg.audio_mels, vision)  # fmt: skip
 
 
 def check_records(
-    data_cfg: Any, records: Sequence[Any], problem: ScheduleProblem, global_batch_size: int
+    data_cfg: Any,
+    records: Sequence[Any],
+    problem: ScheduleProblem,
+    global_batch_size: int,
+    vision: bool = True,
 ) -> int:
     """How many of `records` the loader of `make_loader(data_cfg, records, problem, ...)` would
     keep, counted until one global batch's worth (`check_usable`); raises `TooFewRecords` (a
     one-line ConfigError on `global_batch`) when fewer than `global_batch_size` are usable."""
     data_cfg = capped(data_cfg, problem)
-    stage = ShapeStage(LazyProcessor(data_cfg), pack_spec(data_cfg, problem), False, quiet=True)
+    spec = pack_spec(data_cfg, problem, vision)
+    stage = ShapeStage(LazyProcessor(data_cfg), spec, False, quiet=True)
     return check_usable(records, stage, global_batch_size)[0]
 
 

@@ -54,6 +54,8 @@ class PackSpec:
         interpolated features are not a gather), 0 for none (InternVL); see `packing`.
       audio_mels: mel bins of the model's audio encoder, 0 when it has none: then a sample with
         audio is a counted skip ("no_audio_encoder"), never trained on as placeholder tokens.
+      vision: the model has a vision encoder; without one a sample with images or video is a
+        counted skip ("no_vision_encoder"), never trained on as placeholder tokens.
       max_audio_frames: most audio frames one sample may have (the largest audio bucket); more is
         a counted "too_long" skip.
     """
@@ -67,6 +69,7 @@ class PackSpec:
     feature_taps: int = 0
     audio_mels: int = 0
     max_audio_frames: int = 0
+    vision: bool = True
 
     @classmethod
     def from_problem(
@@ -76,9 +79,11 @@ class PackSpec:
         tokens_per_tile: int,
         feature_taps: int = 0,
         audio_mels: int = 0,
+        vision: bool = True,
     ) -> PackSpec:
         """The shapes of `problem`'s microbatches; `audio_mels` is read only when its buckets
-        have audio (a plan for a model with an audio encoder), else the spec takes no audio."""
+        have audio (a plan for a model with an audio encoder), else the spec takes no audio;
+        `vision` False: the model encodes no image."""
         audio = problem.buckets.audio
         return cls(
             problem.encoder_dp,
@@ -90,6 +95,7 @@ class PackSpec:
             feature_taps,
             audio_mels if audio else 0,
             audio[-1] if audio else 0,
+            vision,
         )
 
 
@@ -153,6 +159,12 @@ class ShapeStage:
                     "no_audio_encoder",
                     record_location(record),
                     f"{shape.audio_seconds:.1f} s of audio, but the model has no audio encoder",
+                )
+            if shape.tiles and not self.spec.vision:
+                raise BadSample(
+                    "no_vision_encoder",
+                    record_location(record),
+                    f"{shape.tiles} image tiles, but the model has no vision encoder",
                 )
             if shape.tokens > self.spec.max_tokens or shape.tiles > self.spec.max_tiles:
                 raise BadSample(

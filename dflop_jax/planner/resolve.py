@@ -84,7 +84,8 @@ class ResolvedPlan:
 
 
 def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
-    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files).
+    """Raises ValueError if the runtime cannot run `layout` (also used at config load, on plan files);
+    `multimodal`: the model has a vision encoder.
 
     An encoder colocated on LLM stage 0 runs at that stage's tp (`programs/stage_builder.py`); the
     heads check needs the model and is made when the stages are built."""
@@ -96,7 +97,10 @@ def check_runnable(layout: Layout, mode: str, multimodal: bool) -> None:
             "encoder at the stage's tp); plan for training (plan=auto/analytic restrict it)"
         )
     if not multimodal and layout.encoder_stages:
-        raise ValueError("model.kind=decoder has no encoder: give layout.encoder_layers=[]")
+        raise ValueError(
+            "the model has no vision encoder (model.kind decoder or qwen2_audio): the plan's "
+            "vision encoder stages cannot run; give layout.encoder_layers=[]"
+        )
 
 
 def training_planner(
@@ -194,10 +198,13 @@ def plan_data_note(plan: Plan, path: str, shapes: str | Path) -> str:
     )
 
 
-def load_shapes(source, samples: int = 4000, seed: int = 0, audio: bool = False):
+def load_shapes(
+    source, samples: int = 4000, seed: int = 0, audio: bool = False, vision: bool = True
+):
     """The shape distribution (list of SampleShape) of a synthetic mix's name (`samples` of it,
     seeded) or of a shape-distribution JSON path. For a model without an audio encoder (`audio`
-    False) less the samples with audio: the loader skips them (`no_audio_encoder`) and a plan
+    False) less the samples with audio, and without a vision encoder (`vision` False) less those
+    with images: the loader skips them (`no_audio_encoder`, `no_vision_encoder`) and a plan
     counting them would plan for work the run never does."""
     from dflop_jax.scheduler import llava_ov_mix, load_shape_distribution, omnibal_shapes
 
@@ -211,7 +218,12 @@ def load_shapes(source, samples: int = 4000, seed: int = 0, audio: bool = False)
         log.warning("planning without the %d of %d profiled samples that hold audio: the model has "
                     "no audio encoder, so the run skips them", heard, len(shapes))  # fmt: skip
         shapes = [s for s in shapes if not s.audio_windows]
+    seen = sum(1 for s in shapes if s.tiles)
+    if seen and not vision:
+        log.warning("planning without the %d of %d profiled samples that hold images: the model "
+                    "has no vision encoder, so the run skips them", seen, len(shapes))  # fmt: skip
+        shapes = [s for s in shapes if not s.tiles]
     if not shapes:
-        raise ValueError(f"{source}: every profiled sample holds audio, and the model has no "
-                         "audio encoder")  # fmt: skip
+        raise ValueError(f"{source}: every profiled sample holds media the model has no encoder "
+                         "for")  # fmt: skip
     return shapes

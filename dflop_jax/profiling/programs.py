@@ -58,8 +58,9 @@ from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, plain_taps
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.stage_builder import (
     abstract_stage,
+    has_encoder,
+    has_vision,
     holds_audio,
-    is_multimodal,
     stage_config,
     takes_audio,
 )
@@ -132,7 +133,17 @@ def part_shape(kind: str, layers: int) -> StageShape:
 
 
 def _feature_tiles(model_cfg, bucket: int) -> int:
+    """Tiles per row whose features fill half the row's `bucket` tokens (0 without vision)."""
+    if not has_vision(model_cfg):
+        return 0
     return max(1, bucket // (2 * model_cfg.tokens_per_tile))
+
+
+def _audio_tower(model_cfg):
+    """The Whisper config of the model's audio encoder (omni or Qwen2-Audio)."""
+    from models.stage_modules import audio_part
+
+    return audio_part(model_cfg).audio
 
 
 def _microbatch(
@@ -146,9 +157,9 @@ def _microbatch(
     frames, one per LLM row (an audio stage's `bucket` is A; `rows` its LLM rows, default `dp`)."""
     from models.internvl import InternVLConfig
 
-    v = model_cfg.vision
+    v = getattr(model_cfg, "vision", None)
     frames, rows = audio
-    mels = model_cfg.audio.audio.num_mel_bins if (frames or st.module == "audio") else 0
+    mels = _audio_tower(model_cfg).num_mel_bins if (frames or st.module == "audio") else 0
     enc = st.module == "encoder"
     if st.module == "audio":  # its rows' audio, a token per row
         plan, enc_dp = ScheduledMicrobatch(0, 1, ((),) * (rows or dp), audio_bucket=bucket), dp
@@ -162,10 +173,10 @@ def _microbatch(
     if frames and st.module == "llm":
         plan = dataclasses.replace(plan, audio_bucket=frames)
     taps = 0 if isinstance(model_cfg, InternVLConfig) else FEATURE_TAPS
+    tile_shape = (v.image_size, v.image_size, v.num_channels) if v else (1, 1, 3)  # no tile
     mb, _ = pack_microbatch(plan, [], [], encoder_dp=enc_dp, llm_dp=len(plan.shards),
-                            tile_shape=(v.image_size, v.image_size, v.num_channels),
-                            tokens_per_tile=model_cfg.tokens_per_tile, feature_taps=taps,
-                            audio_mels=mels)  # fmt: skip
+                            tile_shape=tile_shape, tokens_per_tile=_tokens_per_tile(model_cfg),
+                            feature_taps=taps, audio_mels=mels)  # fmt: skip
     return dataclasses.asdict(mb)
 
 
@@ -175,9 +186,9 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
     features, every frame valid, in windows of the encoder's longest."""
     if batch.get("audio") is not None:
         _fill_audio(batch, model_cfg, rng)
-    vocab, (rows, length) = model_cfg.text.vocab_size, batch["tokens"].shape
+    vocab, (rows, length) = _text(model_cfg).vocab_size, batch["tokens"].shape
     tiles = batch["tiles"].shape[0] // rows
-    n_features = tiles * model_cfg.tokens_per_tile
+    n_features = tiles * _tokens_per_tile(model_cfg)
     batch["tiles"][...] = rng.integers(0, 256, batch["tiles"].shape, np.uint8)  # uint8, as trained
     batch["tokens"][...] = rng.integers(0, vocab, (rows, length))
     batch["targets"][...] = rng.integers(0, vocab, (rows, length))
@@ -197,7 +208,7 @@ def _fill(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> 
 
 def _fill_audio(batch: dict[str, np.ndarray], model_cfg, rng: np.random.Generator) -> None:
     """Random log-mel-like features; windows of `max_frames` (30 s) numbered from 1, all valid."""
-    longest = model_cfg.audio.audio.max_frames
+    longest = _audio_tower(model_cfg).max_frames
     frames = batch["audio"].shape[1]
     batch["audio"][...] = rng.standard_normal(batch["audio"].shape)
     batch["audio_windows"][...] = np.arange(frames) // longest + 1
@@ -209,15 +220,17 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool
     and an audio branch's first), global over `dp` data shards (an audio stage: its rows); the
     first LLM part's x is the projected features of `features` tiles per row, each row's block
     padded to a multiple of tp (none for the colocated stage: it encodes its tiles itself)."""
-    v, t = model_cfg.vision, model_cfg.text
+    v, t = getattr(model_cfg, "vision", None), _text(model_cfg)
     if colocated:
         return None
     if st.module == "audio":  # the previous audio stage's hidden rows, after the stride-2 conv
-        a = model_cfg.audio.audio
+        a = _audio_tower(model_cfg)
         return None if st.has_embedding else ((dp, bucket // 2, a.hidden_size), jnp.dtype(a.dtype))
     if st.module == "encoder":
         hidden = (dp * bucket, v.seq_len, v.hidden_size)
         return None if st.has_embedding else (hidden, jnp.dtype(v.dtype))
+    if st.has_embedding and v is None:  # tokens only (its audio, if any, comes apart)
+        return None
     if st.has_embedding:  # the projector's features, computed in the vision dtype
         tiles = dp * row_tile_slots(features, 1, dp, st.tp)
         return (tiles, model_cfg.tokens_per_tile, t.hidden_size), jnp.dtype(v.dtype)
@@ -227,8 +240,18 @@ def _x_shape(model_cfg, st, bucket: int, dp: int, features: int, colocated: bool
 def _audio_features(model_cfg, dp: int, frames: int):
     """(shape, dtype) of the audio stages' output LLM stage 0 takes: [rows, A/4, D], projected in
     the audio encoder's dtype."""
-    a = model_cfg.audio.audio
-    return (dp, frames // 4, model_cfg.text.hidden_size), jnp.dtype(a.dtype)
+    a = _audio_tower(model_cfg)
+    return (dp, frames // 4, _text(model_cfg).hidden_size), jnp.dtype(a.dtype)
+
+
+def _text(model_cfg):
+    """The decoder's config (a decoder-only model's is the model's own)."""
+    return getattr(model_cfg, "text", model_cfg)
+
+
+def _tokens_per_tile(model_cfg) -> int:
+    """LLM tokens per vision tile (1 for a model without vision: it packs no tile)."""
+    return getattr(model_cfg, "tokens_per_tile", 1)
 
 
 def _abstract_x(shapes, x_spec, mesh: Mesh):
@@ -318,7 +341,7 @@ def stage_program(
     mask = trained_mask(bp.state, trainable)
     audio = dict(audio=holds_audio(model_cfg, spec, audio_apart),
                  audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
-    role = stage_role(spec, trainable, is_multimodal(model_cfg), colocated=colocated, **audio)
+    role = stage_role(spec, trainable, has_encoder(model_cfg), colocated=colocated, **audio)
     jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, role, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
@@ -329,9 +352,10 @@ def stage_program(
     side_abs = {k: _abstract(batch[k], data) for k in bp.fns.fields(batch)}
     x_shapes = _x_shape(model_cfg, spec, bucket, rows if spec.module == "audio" else dp,
                         features, colocated)  # fmt: skip
-    if audio["audio_x"]:  # the two branches' outputs, or with the encoder colocated the audio's
+    if audio["audio_x"]:  # the two branches' outputs, or (colocated, no vision) the audio's
         sound = _audio_features(model_cfg, dp, audio_bucket)
-        x_shapes = sound if colocated else {"encoder": x_shapes, "audio": sound}
+        alone = colocated or not has_vision(model_cfg)
+        x_shapes = sound if alone else {"encoder": x_shapes, "audio": sound}
     x_abs = _abstract_x(x_shapes, bp.fns.x_spec, mesh)
     if head:
         seed_abs = jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)

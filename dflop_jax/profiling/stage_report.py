@@ -87,14 +87,14 @@ def transfer_bytes_per_microbatch(
     from dflop_jax.costs.recipe import stage_role
     from dflop_jax.profiling.compile_check import _devices, stage_programs
     from dflop_jax.programs.meshes import stage_meshes
-    from dflop_jax.programs.stage_builder import holds_audio, is_multimodal, takes_audio
+    from dflop_jax.programs.stage_builder import has_encoder, has_vision, holds_audio, takes_audio
     from dflop_jax.programs.transfer import transfer_bytes
 
     meshes = stage_meshes(layout, _devices(layout.num_devices))
     progs = [p for _, p in stage_programs(layout, buckets, model_cfg, meshes, compute_dtype,
                                           trainable)]  # fmt: skip
-    mm, apart = is_multimodal(model_cfg), bool(layout.audio_stages)
-    colocated = mm and not layout.encoder_stages
+    apart = bool(layout.audio_stages)
+    colocated = has_vision(model_cfg) and not layout.encoder_stages
     out = []
     for s, c in enumerate(layout.children):
         if c < 0:
@@ -105,7 +105,7 @@ def transfer_bytes_per_microbatch(
         if boundary_shape(y.shape, x.sharding) != x.shape:
             raise ValueError(f"stage {s} outputs {y.shape}, stage {c} takes {x.shape}")
         spec = layout.stages[c]
-        back = stage_role(spec, trainable, mm, colocated=colocated and c == layout.first_llm,
+        back = stage_role(spec, trainable, has_encoder(model_cfg), colocated=colocated and c == layout.first_llm,
                           audio=holds_audio(model_cfg, spec, apart),
                           audio_x=takes_audio(model_cfg, spec, apart)).input_grad  # fmt: skip
         out.append({"stage": s, "forward_bytes": transfer_bytes(y, x.sharding, x.shape),

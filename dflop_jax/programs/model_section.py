@@ -32,8 +32,10 @@ class ModelConfig:
         ViT + pixel shuffle 0.5 + LayerNorm/MLP projector + decoder; (tile/patch / 2)^2 tokens per tile,
         256 at 448 px), "omni" (llava_ov's vision tower and projector + Qwen2-Audio's Whisper audio
         encoder and linear projector + the decoder: `models.omni`; from the fields only, its
-        log-mel bins data.audio_mels; the audio encoder runs on the first LLM stage) or "decoder"
-        (text only). An MLLM kind must equal data.model_family (omni: llava_ov).
+        log-mel bins data.audio_mels; the audio encoder runs on the first LLM stage),
+        "qwen2_audio" (Qwen2-Audio: that audio encoder and projector + the decoder, no vision; from
+        the fields or a Qwen2-Audio `hf_dir`) or "decoder" (text only). A vision kind must equal
+        data.model_family (omni: llava_ov).
       hf_dir: an HF model directory (config.json + safetensors) to load; "" = build from `arch` or
         the fields. With `arch` too, the directory's config.json must describe that architecture.
         Its tokenizer (tokenizer.json there) replaces the bundled byte tokenizer (`data.tokenizer`
@@ -41,8 +43,8 @@ class ModelConfig:
       vocab_size: 0 = the tokenizer's vocabulary size (padded to a multiple of 128).
       hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: decoder shapes.
       vision_*: ViT shapes (llava_ov); its image and patch sizes are the data's tile and patch sizes.
-      audio_*: the audio encoder's shapes (omni): a Whisper encoder over 30 s windows (1500
-        positions), pooled by 2, as Qwen2-Audio's.
+      audio_*: the audio encoder's shapes (omni, qwen2_audio): a Whisper encoder over 30 s windows
+        (1500 positions), pooled by 2, as Qwen2-Audio's.
       init_seed: seed of the random initialization (ignored when loading).
       vision_remat, llm_remat: activation recomputation in the backward of each vision / decoder
         layer: "none", "full" (keep only the layer's input) or "dots" (also keep the matmul
@@ -65,7 +67,7 @@ class ModelConfig:
 
     SHORTHAND = "arch"  # a bare string given for the section sets this key
 
-    kind: Literal["llava_ov", "internvl", "omni", "decoder"] = "llava_ov"
+    kind: Literal["llava_ov", "internvl", "omni", "qwen2_audio", "decoder"] = "llava_ov"
     arch: str = ""
     hf_dir: str = ""
     vocab_size: int = 0
@@ -93,6 +95,8 @@ class ModelConfig:
     def __post_init__(self):
         fix = "an omni model is built from the fields (model.arch and model.hf_dir give '')"
         require(self.kind != "omni" or not (self.arch or self.hf_dir), "model.kind", self.kind, fix)
+        fix = "the named architectures are vision models: build it from the fields or model.hf_dir"
+        require(self.kind != "qwen2_audio" or not self.arch, "model.kind", self.kind, fix)
         if self.arch:
             from dflop_jax.costs import get_arch, list_archs
 
@@ -145,6 +149,16 @@ class ModelConfig:
         return [InputPath("hf_dir", self.hf_dir, "dir", fix, contains="config.json")]
 
     @property
+    def has_vision(self) -> bool:
+        """Whether the model has a vision encoder (its tiles are encoded)."""
+        return self.kind in ("llava_ov", "internvl", "omni")
+
+    @property
+    def has_audio(self) -> bool:
+        """Whether the model has an audio encoder (its audio windows are encoded)."""
+        return self.kind in ("omni", "qwen2_audio")
+
+    @property
     def remat(self) -> dict[str, str]:
         """The per-module policy, as plan.yaml records it ({"vision": ..., "llm": ...})."""
         return {"vision": self.vision_remat, "llm": self.llm_remat}
@@ -164,6 +178,14 @@ class ModelConfig:
             "head_dim": text.head_dim,
         }  # fmt: skip
         vision = getattr(model_cfg, "vision", None)
+        audio = getattr(model_cfg, "audio", None)
+        if vision is None and audio is not None:  # Qwen2-Audio
+            sizes |= {
+                "audio_hidden_size": audio.hidden_size,
+                "audio_intermediate_size": audio.intermediate_size,
+                "audio_num_layers": audio.num_layers, "audio_num_heads": audio.num_heads,
+            }  # fmt: skip
+            return dataclasses.replace(self, kind="qwen2_audio", **sizes)
         if vision is None:
             return dataclasses.replace(self, kind="decoder", **sizes)
         sizes |= {
@@ -220,7 +242,8 @@ class ModelConfig:
             (omni).
 
         Returns:
-          A `DecoderConfig`, `LlavaOnevisionConfig`, `InternVLConfig` or `OmniConfig`.
+          A `DecoderConfig`, `LlavaOnevisionConfig`, `InternVLConfig`, `OmniConfig` or
+          `Qwen2AudioConfig`.
         """
         from models.decoder_config import DecoderConfig
 
@@ -236,6 +259,7 @@ class ModelConfig:
             from models.stage_modules import with_attention, with_remat
 
             cfg = load_config(self.hf_dir, dtype=compute_dtype, param_dtype="float32")
+            self._check_hf_kind(cfg, audio_mels)
             cfg = with_attention(with_remat(cfg, self.remat), llm_impl, vision_impl)
             return _with_pixel_norm(self._cut(cfg), pixel_norm)
         dcfg = DecoderConfig(
@@ -264,6 +288,10 @@ class ModelConfig:
         }
         if self.kind == "decoder":
             return dcfg
+        if self.kind == "qwen2_audio":
+            from models.qwen2_audio import Qwen2AudioConfig
+
+            return Qwen2AudioConfig(self._audio_tower(audio_mels, compute_dtype, vision_impl), dcfg)
         if self.kind == "internvl":
             from models.internvit import InternViTConfig
             from models.internvl import internvl_config
@@ -278,19 +306,41 @@ class ModelConfig:
         return self._omni(llava, audio_mels, compute_dtype, vision_impl)
 
     def _omni(self, llava, audio_mels: int, compute_dtype: str, impl: str):
-        """The `OmniConfig` of `llava` and an audio encoder of the `audio_*` sizes (its remat and
-        attention kernel the vision tower's: the encoders')."""
+        """The `OmniConfig` of `llava` and an audio encoder of the `audio_*` sizes."""
         from models.omni import OmniConfig
         from models.qwen2_audio import Qwen2AudioConfig
+
+        tower = self._audio_tower(audio_mels, compute_dtype, impl)
+        return OmniConfig.compose(llava, Qwen2AudioConfig(tower, llava.text))
+
+    def _audio_tower(self, audio_mels: int, compute_dtype: str, impl: str):
+        """The Whisper encoder of the `audio_*` sizes, pooled by 2 (its remat and attention kernel
+        the vision tower's: the encoders')."""
         from models.whisper import WhisperEncoderConfig
 
-        tower = WhisperEncoderConfig(
+        return WhisperEncoderConfig(
             hidden_size=self.audio_hidden_size, intermediate_size=self.audio_intermediate_size,
             num_layers=self.audio_num_layers, num_heads=self.audio_num_heads,
             num_mel_bins=audio_mels, pool=2, dtype=compute_dtype, remat=self.vision_remat,
             attention_impl=impl,
         )  # fmt: skip
-        return OmniConfig.compose(llava, Qwen2AudioConfig(tower, llava.text))
+
+    def _check_hf_kind(self, model_cfg, audio_mels: int) -> None:
+        """Raises ConfigError when `hf_dir` holds a Qwen2-Audio model and `kind` is not
+        qwen2_audio, or the other way round (the kind decides the layout and the data's media),
+        or when its audio encoder reads other mel bins than the data's `audio_mels`."""
+        from models.qwen2_audio import Qwen2AudioConfig
+
+        audio = isinstance(model_cfg, Qwen2AudioConfig)
+        what = "a Qwen2-Audio model" if audio else f"a {type(model_cfg).__name__}"
+        fix = f"{self.hf_dir} holds {what}: set model.kind to " + (
+            "qwen2_audio" if audio else "the model's family (llava_ov, internvl or decoder)"
+        )
+        require(audio == (self.kind == "qwen2_audio"), "model.kind", self.kind, fix)
+        if audio:
+            mels = model_cfg.audio.num_mel_bins
+            fix = f"{self.hf_dir}'s audio encoder reads {mels} log-mel bins: set data.audio_mels={mels}"
+            require(mels == audio_mels, "data.audio_mels", audio_mels, fix)
 
     def _cut(self, model_cfg):
         """`model_cfg` with only its first `llm_layers_kept` decoder layers (unchanged at 0)."""

@@ -89,19 +89,25 @@ ROW_FEATURES_SPEC = P("data")
 ParamSource = int | str | os.PathLike
 
 
-def is_multimodal(model_cfg) -> bool:
-    """True for an MLLM config (vision + text), False for a decoder-only `DecoderConfig`."""
-    from models.decoder_config import DecoderConfig
-
-    return not isinstance(model_cfg, DecoderConfig)
+def has_vision(model_cfg) -> bool:
+    """True for a model with a vision encoder (LLaVA-OV, InternVL, omni), whose features the first LLM
+    stage takes; False for a decoder-only or a Qwen2-Audio model."""
+    return hasattr(model_cfg, "vision")
 
 
 def has_audio(model_cfg) -> bool:
-    """True for a model with an audio encoder (`models.omni.OmniConfig`): its first LLM stage holds
-    the whole audio encoder (`models.omni.OmniFirstStage`)."""
-    from models.omni import OmniConfig
+    """True for a model with an audio encoder (`models.omni.OmniConfig`,
+    `models.qwen2_audio.Qwen2AudioConfig`): its first LLM stage joins the audio branch
+    (`models.omni.OmniFirstStage`)."""
+    from models.stage_modules import audio_part
 
-    return isinstance(model_cfg, OmniConfig)
+    return audio_part(model_cfg) is not None
+
+
+def has_encoder(model_cfg) -> bool:
+    """True for a model with a vision or an audio encoder: something runs before the first LLM
+    stage's layers (`costs.recipe.stage_role`'s `multimodal`)."""
+    return has_vision(model_cfg) or has_audio(model_cfg)
 
 
 def holds_audio(model_cfg, spec: StageSpec, audio_apart: bool = False) -> bool:
@@ -123,14 +129,16 @@ def stage_rules(
     (e.g. an odd HF vocabulary, or fewer KV heads than tp). A stage holding a whole encoder
     (`colocated`, or the audio encoder of an omni model's first LLM stage) replicates an axis that
     any of its models' tp does not divide (all use one table: the same logical names)."""
-    v = model_cfg.vision if is_multimodal(model_cfg) else None
+    from models.stage_modules import audio_part
+
+    v = getattr(model_cfg, "vision", None)
     vision = dict(heads=v.num_heads, kv_heads=v.num_heads, mlp=v.intermediate_size) if v else {}
-    t = model_cfg.text if is_multimodal(model_cfg) else model_cfg
+    t = getattr(model_cfg, "text", model_cfg)
     text = dict(vocab=t.vocab_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
                 mlp=t.intermediate_size)  # fmt: skip
     audio = {}
     if has_audio(model_cfg):
-        a = model_cfg.audio.audio
+        a = audio_part(model_cfg).audio
         audio = dict(heads=a.num_heads, kv_heads=a.num_heads, mlp=a.intermediate_size)
     if spec.module == "encoder":
         kind, sizes = "vision", [vision]
@@ -145,8 +153,8 @@ def stage_rules(
 
 
 def colocated(model_cfg, layout: Layout) -> bool:
-    """Whether `layout` runs the encoder of this MLLM colocated on LLM stage 0 (no encoder stages)."""
-    return is_multimodal(model_cfg) and not layout.encoder_stages
+    """Whether `layout` runs the vision encoder colocated on LLM stage 0 (no encoder stages)."""
+    return has_vision(model_cfg) and not layout.encoder_stages
 
 
 def check_colocated(model_cfg, layout: Layout) -> None:
@@ -162,7 +170,7 @@ def check_colocated(model_cfg, layout: Layout) -> None:
         )
     heads = {"vision": model_cfg.vision.num_heads, "text": model_cfg.text.num_heads}
     if has_audio(model_cfg) and not layout.audio_stages:
-        heads["audio"] = model_cfg.audio.audio.num_heads
+        heads["audio"] = model_cfg.audio.audio.num_heads  # an omni model's (it has vision)
     bad = {name: n for name, n in heads.items() if n % stage.tp}
     if bad:
         raise ValueError(
@@ -189,7 +197,7 @@ def stage_fns(
       graphdef: the stage module's nnx graphdef (its params are the functions' `params`).
       spec: the stage (module, layers, embedding / head).
       rules: its logical->mesh rules (`stage_rules`).
-      multimodal: an MLLM (the first LLM stage takes the encoder's features as x).
+      multimodal: a model with a vision encoder (the first LLM stage takes its features as x).
       colocated: the first LLM stage also runs the encoder (tiles in, no x).
       audio: the first LLM stage also runs the audio encoder (`OmniFirstStage`) on the
         microbatch's audio rows, when it has them (`AUDIO_KEYS`: a microbatch without audio is
@@ -202,7 +210,7 @@ def stage_fns(
     if spec.module == "audio":
         return _audio_fns(graphdef, spec, rules)
     if audio_x:
-        return _joining_fns(graphdef, spec, rules, colocated=colocated)
+        return _joining_fns(graphdef, spec, rules, colocated=colocated, vision=multimodal)
     features = multimodal and spec.has_embedding
     return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated, audio=audio)
 
@@ -237,27 +245,36 @@ def _audio_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
     )
 
 
-def _joining_fns(graphdef, spec: StageSpec, rules: Rules, *, colocated: bool) -> StageFns:
-    """An omni model's first LLM stage when the audio encoder has stages of its own: x is the two
+def _joining_fns(
+    graphdef, spec: StageSpec, rules: Rules, *, colocated: bool, vision: bool
+) -> StageFns:
+    """The first LLM stage of a model with an audio encoder on stages of its own: x is the two
     branches' outputs, {"encoder": vision features, "audio": audio features [l_dp, A/4, D]} (the
-    vision features as `_llm_fns` takes them), or with the vision encoder colocated the audio
-    features alone. Each row places its own audio outputs (`audio_index` modulo A/4)."""
-    side = ("tokens", "feature_index", "segment_ids", "positions", "audio_index")
+    vision features as `_llm_fns` takes them), or, with the vision encoder colocated or without
+    one (`vision` False: Qwen2-Audio), the audio features alone. Each row places its own audio
+    outputs (`audio_index` modulo A/4)."""
+    placed = ("feature_index",) if vision else ()
+    side = ("tokens", *placed, "segment_ids", "positions", "audio_index")
     if colocated:
         side = ("tiles", "tile_pool") + side
+    branches = vision and not colocated  # x holds both branches' outputs
 
     def hidden(params, x, s):
         with nnx.logical_axis_rules(rules):
             stage = nnx.merge(graphdef, params)
-            vision = (s["tiles"], s["tile_pool"]) if colocated else x["encoder"]
-            sound = x if colocated else x["audio"]
-            x = stage.embed(vision, s["tokens"], *_placement(s), sound, None, None,
+            if branches:
+                features, sound = x["encoder"], x["audio"]
+            else:  # the tiles of a colocated vision encoder, or no vision at all
+                features, sound = ((s["tiles"], s["tile_pool"]) if colocated else None), x
+            placement = _placement(s) if vision else (None, None)
+            x = stage.embed(features, s["tokens"], *placement, sound, None, None,
                             s["audio_index"])  # fmt: skip
             return stage, stage(x, s["segment_ids"], s["positions"])
 
-    x_spec = P("data") if colocated else {"encoder": FEATURES_SPEC, "audio": P("data")}
-    inner = None if colocated else {"encoder": ROW_FEATURES_SPEC, "audio": P("data")}
-    return _decoder_stage_fns(hidden, spec, rules, side, TAP_KEYS, x_spec, inner)
+    x_spec = {"encoder": FEATURES_SPEC, "audio": P("data")} if branches else P("data")
+    inner = {"encoder": ROW_FEATURES_SPEC, "audio": P("data")} if branches else None
+    taps = TAP_KEYS if vision else ()
+    return _decoder_stage_fns(hidden, spec, rules, side, taps, x_spec, inner)
 
 
 def _llm_fns(
@@ -275,7 +292,8 @@ def _llm_fns(
             if audio:  # OmniFirstStage: the vision features (or the tiles) and the audio rows
                 vision = (s["tiles"], s["tile_pool"]) if colocated else x
                 sound = tuple(s[k] for k in AUDIO_KEYS) if "audio" in s else (None,) * 4
-                x = stage.embed(vision, s["tokens"], *_placement(s), *sound)
+                placement = _placement(s) if features or colocated else (None, None)
+                x = stage.embed(vision, s["tokens"], *placement, *sound)
             elif colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:
@@ -346,7 +364,7 @@ def stage_blueprint(
     `audio_apart`: an omni model's audio encoder has stages of its own)."""
     rules = stage_rules(model_cfg, spec, colocated=colocated, audio_apart=audio_apart)
     graphdef, state = nnx.split(module)
-    fns = stage_fns(graphdef, spec, rules, multimodal=is_multimodal(model_cfg),
+    fns = stage_fns(graphdef, spec, rules, multimodal=has_vision(model_cfg),
                     colocated=colocated, audio=holds_audio(model_cfg, spec, audio_apart),
                     audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
@@ -369,7 +387,7 @@ def stage_module(
     from models.stage_modules import stage_module as build
 
     return build(model_cfg, spec.module, **_flags(spec), rngs=rngs, colocated=colocated,
-                 audio_apart=audio_apart)  # fmt: skip
+                 audio_apart=audio_apart, joins_audio=True)  # fmt: skip
 
 
 def abstract_stage(
@@ -424,21 +442,32 @@ def init_stage(
             lambda rngs: stage_module(model_cfg, spec, rngs, **where), source, mesh, rules
         )
     else:
-        module = _load_hf(source, model_cfg, spec, mesh, rules, colocated)
+        module = _load_hf(source, model_cfg, spec, mesh, rules, colocated, audio_apart)
     return stage_blueprint(module, model_cfg, spec, mesh, **where)
 
 
-def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, colocated: bool):
-    """The stage's tensors of an HF checkpoint; with the encoder, its stage and the LLM's, joined."""
+def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, colocated: bool,
+             audio_apart: bool):  # fmt: skip
+    """The stage's tensors of an HF checkpoint; with an encoder, its stage and the LLM's, joined."""
     from models.hf import load_stage
     from models.mllm import ColocatedStage
+    from models.omni import OmniConfig, OmniFirstStage
 
-    if has_audio(model_cfg):
+    if isinstance(model_cfg, OmniConfig):
         raise ValueError(
             "an omni model's stages are built from a seed (model.init_seed); loading them from HF "
             "checkpoints is models.hf.omni.load_omni's, not the pipeline's yet"
         )
-    llm = load_stage(source, model_cfg, spec.module, **_flags(spec), mesh=mesh, rules=rules)
+    # A Qwen2-Audio checkpoint names its audio encoder "encoder" (the pipeline's "audio" module).
+    module = "encoder" if spec.module == "audio" else spec.module
+    llm = load_stage(source, model_cfg, module, **_flags(spec), mesh=mesh, rules=rules)
+    if has_audio(model_cfg) and spec.module == "llm" and spec.has_embedding:
+        audio = None
+        if holds_audio(model_cfg, spec, audio_apart):
+            whole = dict(first_layer=0, num_layers=model_cfg.audio.num_layers, has_embedding=True,
+                         has_head=True)  # fmt: skip
+            audio = load_stage(source, model_cfg, "encoder", **whole, mesh=mesh, rules=rules)
+        return OmniFirstStage(audio, llm)
     if not colocated:
         return llm
     whole = dict(first_layer=0, num_layers=model_cfg.vision.num_layers, has_embedding=True,
@@ -477,16 +506,19 @@ def build_stages(
         raise ValueError(
             f"{len(residuals)} residual policies for a layout of {layout.num_stages} stages"
         )
-    if not is_multimodal(model_cfg) and layout.encoder_stages:
+    if not has_vision(model_cfg) and layout.encoder_stages:
         raise ValueError(
-            "a decoder-only model has no encoder: give a layout without encoder stages"
+            "a model without a vision encoder (decoder-only, Qwen2-Audio) has no encoder stages: "
+            "give a layout without them"
         )
     coloc = colocated(model_cfg, layout)
     if coloc:
         check_colocated(model_cfg, layout)
     apart = bool(layout.audio_stages)
     if apart and not has_audio(model_cfg):
-        raise ValueError("a layout with audio stages needs a model with an audio encoder (omni)")
+        raise ValueError(
+            "a layout with audio stages needs a model with an audio encoder (omni, qwen2_audio)"
+        )
     first = layout.first_llm
     blueprints = [
         init_stage(
@@ -510,7 +542,7 @@ def build_stages(
         stage_role(
             spec,
             trainable,
-            is_multimodal(model_cfg),
+            has_encoder(model_cfg),
             colocated=coloc and i == first,
             audio=holds_audio(model_cfg, spec, apart),
             audio_x=takes_audio(model_cfg, spec, apart),

@@ -164,7 +164,8 @@ def plan_shapes(ctx: RunContext):
         return load_shapes(source, cfg.profile.data_samples, cfg.seed), source
     path = shape_file(ctx.auto_plan_dir) if source == "dataset" else Path(source)
     if path.is_file():
-        return load_shapes(str(path), audio=ctx.arch.audio is not None), _file_input(path)
+        shapes = load_shapes(str(path), audio=ctx.arch.audio is not None, vision=ctx.multimodal)
+        return shapes, _file_input(path)
     log.warning("no shape distribution at %s (python -m dflop_jax.profile data writes it): "
                 "planning on the data's shapes from metadata", path)  # fmt: skip
     return sample_shapes(cfg), "dataset"

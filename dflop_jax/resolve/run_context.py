@@ -80,7 +80,8 @@ class RunContext:
 
     @property
     def multimodal(self) -> bool:
-        return self.cfg.model.kind != "decoder"
+        """Whether the model has a vision encoder (the planner places its stages)."""
+        return self.cfg.model.has_vision
 
     @property
     def trainable(self) -> tuple[str, ...]:

@@ -39,8 +39,8 @@ class LayoutConfig:
       llm_dp: LLM data-parallel degree.
       tiles, lengths: bucket sets (tiles per LLM row, packed by row; tokens per LLM row).
       audio: audio buckets, audio encoder frames per LLM row (multiples of 4, ascending; a 30 s
-        window keeps up to 3000): only for a model with an audio encoder (model.kind=omni), which
-        needs them.
+        window keeps up to 3000): only for a model with an audio encoder (model.kind omni or
+        qwen2_audio), which needs them.
       audio_layers: audio encoder layers held by each audio stage (empty: the audio encoder runs
         on the first LLM stage); the audio stages run beside the encoder stages, both feeding
         the first LLM stage.
@@ -283,11 +283,11 @@ class TrainConfig:
         require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         family = "llava_ov" if self.model.kind == "omni" else self.model.kind
         require(
-            family in ("decoder", self.data.model_family),
+            not self.model.has_vision or family == self.data.model_family,
             "model.kind",
             self.model.kind,
-            f"must match data.model_family={self.data.model_family} (or be decoder; omni's "
-            "vision tower is llava_ov's)",
+            f"must match data.model_family={self.data.model_family} (or be decoder or "
+            "qwen2_audio; omni's vision tower is llava_ov's)",
         )
         require(self.num_cpu_devices >= 1, "num_cpu_devices", self.num_cpu_devices, "must be >= 1")
         fix = "0 (the devices JAX sees) or the device count to plan for"
@@ -317,8 +317,8 @@ class TrainConfig:
         replans = self.planner.replan_every and self.planner.replan == "on_drift"
         ok = not replans or (self.checkpoint.every > 0 and self.checkpoint.resume)
         require(ok, "planner.replan", self.planner.replan, fix + " and checkpoint.resume=true")
-        fix = "plan=auto profiles multimodal models only; use plan=analytic or explicit"
-        require(self.plan != "auto" or self.model.kind != "decoder", "plan", self.plan, fix)
+        fix = "plan=auto profiles models with a vision encoder; use plan=analytic or explicit"
+        require(self.plan != "auto" or self.model.has_vision, "plan", self.plan, fix)
 
     def model_config(self):
         """The run's `models` config (`ModelConfig.model_config`: no parameter is made), with the
@@ -349,7 +349,7 @@ class TrainConfig:
         from dflop_jax.planner.plan_file import load_plan
         from dflop_jax.planner.resolve import check_runnable
 
-        check_runnable(load_plan(path).layout, self.plan, self.model.kind != "decoder")
+        check_runnable(load_plan(path).layout, self.plan, self.model.has_vision)
 
     def ignored_keys(self) -> dict[str, str]:
         """Sections this run does not read, given `plan` and `model.hf_dir` (set keys there are warned).
@@ -360,10 +360,10 @@ class TrainConfig:
             out["layout"] = f"read only with plan=explicit (plan={self.plan})"
         elif self.layout.encoder_colocated:
             out["layout.encoder_dp"] = "the colocated encoder's dp is layout.llm_dp"
-        if self.model.kind == "decoder":
-            why = "model.kind=decoder has no vision encoder"
+        if not self.model.has_vision:
+            why = f"model.kind={self.model.kind} has no vision encoder"
             out.update({f"model.{n}": why for n in MODEL_SIZES if n.startswith("vision_")})
-        if self.model.kind != "omni":
+        if not self.model.has_audio:
             why = f"model.kind={self.model.kind} has no audio encoder"
             out.update({f"model.{n}": why for n in MODEL_SIZES if n.startswith("audio_")})
         if self.model.hf_dir or self.model.arch:
@@ -401,7 +401,7 @@ def _take_hf_data_settings(cfg: TrainConfig) -> None:
         "max_grid": d.max_grid == 0,
         "max_tiles": d.max_tiles == 0,
     }
-    side = vision_image_size(hf_dir) if cfg.model.kind != "decoder" else None
+    side = vision_image_size(hf_dir) if cfg.model.has_vision else None
     if side and "tile_size" not in found:  # no preprocessor size: the tower's own
         found["tile_size"] = side
     take = {k: v for k, v in found.items() if unset[k]}
@@ -416,10 +416,13 @@ def _take_hf_data_settings(cfg: TrainConfig) -> None:
 def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     """An explicit layout must place every layer of the model and split its heads evenly, and has
     audio buckets exactly when the model has an audio encoder."""
-    if m.kind == "omni":
-        fix = "model.kind=omni needs audio buckets (frames of audio per LLM row), e.g. [752, 3000]"
+    if m.has_audio:
+        fix = (f"model.kind={m.kind} needs audio buckets (frames of audio per LLM row), "
+               "e.g. [752, 3000]")  # fmt: skip
         require(bool(lay.audio), "layout.audio", lay.audio, fix)
-        if lay.audio_layers:
+        if m.hf_dir:  # the audio shapes are known once config.json is read
+            pass
+        elif lay.audio_layers:
             _check_module_stages(lay, "audio", m)
         else:
             fix = (f"each must divide model.audio_num_heads={m.audio_num_heads} too (LLM stage 0 "
@@ -429,10 +432,10 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
         fix = f"model.kind={m.kind} has no audio encoder: leave it []"
         require(not lay.audio, "layout.audio", lay.audio, fix)
         require(not lay.audio_layers, "layout.audio_layers", lay.audio_layers, fix)
-    if m.kind == "decoder":
-        fix = "model.kind=decoder has no encoder: give layout.encoder_layers=[]"
+    if not m.has_vision:
+        fix = f"model.kind={m.kind} has no vision encoder: give layout.encoder_layers=[]"
         require(not lay.encoder_layers, "layout.encoder_layers", lay.encoder_layers, fix)
-        fix = "model.kind=decoder has no encoder to colocate"
+        fix = f"model.kind={m.kind} has no vision encoder to colocate"
         require(not lay.encoder_colocated, "layout.encoder_colocated", True, fix)
     elif not lay.encoder_colocated:
         fix = (f"model.kind={m.kind} needs >= 1 encoder stage, or layout.encoder_colocated=true "
@@ -441,7 +444,7 @@ def _check_layout_fits_model(lay: LayoutConfig, m: ModelConfig) -> None:
     if m.hf_dir or m.arch:  # the shapes are known once config.json (or the arch) is read
         return
     _check_module_stages(lay, "llm", m)
-    if m.kind == "decoder":
+    if not m.has_vision:
         return
     if lay.encoder_colocated:  # the colocated stage runs both models at LLM stage 0's tp
         fix = f"with layout.encoder_colocated it must divide model.vision_num_heads={m.vision_num_heads} too"

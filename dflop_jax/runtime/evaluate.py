@@ -124,6 +124,7 @@ class Evaluator:
       seed: the order the records are batched in (the same at every evaluation).
       host: this process's shards (`HostShardSpec`; None = all).
       prefetch: eval batches the loader prepares ahead.
+      vision: the model has a vision encoder (else records with images are counted skips).
     """
 
     def __init__(
@@ -138,8 +139,10 @@ class Evaluator:
         seed: int = 0,
         host: HostShardSpec | None = None,
         prefetch: int = 1,
+        vision: bool = True,
     ):
         self.records, self.data_cfg, self.problem = list(records), data_cfg, problem
+        self.vision = vision
         self.schedule_fn = FixedSchedules(problem, scheduler_cfg)
         self.global_batch, self.seed, self.host, self.prefetch = global_batch, seed, host, prefetch
         self.num_batches = batches or None
@@ -153,6 +156,7 @@ class Evaluator:
             global_batch_size=self.global_batch, seed=self.seed, host=self.host,
             prefetch=self.prefetch, num_epochs=1, num_batches=self.num_batches,
             place=None if stages is None else functools.partial(placed_batch, stages),
+            vision=self.vision,
         )  # fmt: skip
         with loader:
             yield from loader

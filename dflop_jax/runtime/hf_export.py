@@ -20,6 +20,8 @@ The image processor's preprocessor_config.json is hf_dir's, or the family's, wit
 settings (`data.hf_settings.processor_config`: what `model.hf_dir=<export>` reads back), beside
 hf_dir's other processor files and the run's tokenizer files.
 
+A Qwen2-Audio run (`model.kind: qwen2_audio`) exports one Qwen2-Audio directory with a Whisper feature
+extractor's preprocessor_config.json; its checkpoint's "audio" module is Qwen2-Audio's "encoder".
 An omni run (`model.kind: omni`) exports two directories, as `models.hf.omni.save_omni` writes a
 model: `vision/` (LLaVA-OneVision: the vision tower, its projector and the decoder) and `audio/`
 (Qwen2-Audio: the audio tower, its projector and the same decoder, with a Whisper feature
@@ -106,6 +108,8 @@ def with_token_ids(model_cfg, cfg: TrainConfig):
     from dflop_jax.data import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.kind == "qwen2_audio":
+        return dataclasses.replace(model_cfg, audio_token_id=tok.token_id("<|AUDIO|>"))
     if not hasattr(model_cfg, "vision"):
         return model_cfg
     if cfg.model.kind == "omni":
@@ -209,6 +213,8 @@ def write_processor(cfg: TrainConfig, out: Path) -> list[Path]:
     if cfg.model.kind == "decoder":
         return []
     hf_dir = Path(cfg.model.hf_dir) if cfg.model.hf_dir else None
+    if cfg.model.kind == "qwen2_audio":  # no image processor: the audio feature extractor's
+        return [_write_feature_extractor(cfg, out), *_copy_processor_files(hf_dir, out)]
     source = hf_dir / "preprocessor_config.json" if hf_dir else None
     base = json.loads(source.read_text()) if source and source.is_file() else None
     config, target = processor_config(cfg.data, base), out / "preprocessor_config.json"
@@ -216,7 +222,12 @@ def write_processor(cfg: TrainConfig, out: Path) -> list[Path]:
         shutil.copyfile(source, target)
     else:
         target.write_text(json.dumps(config, indent=2))
-    files = [target]
+    return [target, *_copy_processor_files(hf_dir, out)]
+
+
+def _copy_processor_files(hf_dir: Path | None, out: Path) -> list[Path]:
+    """model.hf_dir's `PROCESSOR_FILES` into `out` (none without an hf_dir)."""
+    files = []
     for name in PROCESSOR_FILES if hf_dir else ():
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out / name)
@@ -295,7 +306,7 @@ def export_run(
     if cfg.model.kind == "omni":
         return _export_omni(cfg, model_cfg, saved, checkpoints, out, max_shard_bytes)
     try:
-        tensors = hf_tensors(model_cfg)
+        tensors = hf_tensors(model_cfg, AUDIO_STORED if cfg.model.kind == "qwen2_audio" else None)
         _check_fits(saved, tensors, checkpoints)
         config = adapter_of(model_cfg)[1].config_to_hf(model_cfg)
         # The starting checkpoint's tensors the model never builds: copied, one at a time.
@@ -334,8 +345,10 @@ def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: 
     return [out / "config.json", *shards], sizes
 
 
+# Qwen2-Audio's "encoder" module, stored as the pipeline's "audio" module (an omni or qwen2_audio run).
+AUDIO_STORED = {"encoder": "audio"}
 # The omni checkpoint's modules per exported directory (`models.hf.omni.save_omni`'s layout).
-OMNI_DIRS = {"vision": {}, "audio": {"encoder": "audio"}}
+OMNI_DIRS = {"vision": {}, "audio": AUDIO_STORED}
 
 
 def _export_omni(cfg, model_cfg, saved: SavedState, checkpoints: Path, out: Path,

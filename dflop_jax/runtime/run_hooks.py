@@ -69,7 +69,7 @@ class HeldOutEval:
             )
         return cls(Evaluator(
             records, cfg.data, problem, cfg.scheduler, global_batch=cfg.global_batch,
-            batches=cfg.eval.batches, seed=cfg.eval.seed, host=host,
+            batches=cfg.eval.batches, seed=cfg.eval.seed, host=host, vision=cfg.model.has_vision,
         ))  # fmt: skip
 
     def dispatch(self, step: int, stages, counter) -> None:
@@ -102,7 +102,7 @@ class DriftWatch:
 
     def __init__(self, cfg: TrainConfig, plan: ResolvedPlan, arch: MLLMArch, device: DeviceSpec):
         self.cfg = cfg
-        config = training_planner(cfg.planner, cfg.global_batch, cfg.model.kind != "decoder",
+        config = training_planner(cfg.planner, cfg.global_batch, cfg.model.has_vision,
                                   cfg.optimizer.trainable, cfg.steps)  # fmt: skip
         measure = functools.partial(measure_drift, running=plan, arch=arch, device=device,
                                     config=config, kind=cfg.pipeline)  # fmt: skip

@@ -50,7 +50,7 @@ from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.processes import host_scalars, lower_reads
-from dflop_jax.programs.stage_builder import build_stages, is_multimodal
+from dflop_jax.programs.stage_builder import build_stages, has_vision
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.runtime.checkpoint import Checkpointer
 from dflop_jax.runtime.config import TrainConfig
@@ -235,7 +235,7 @@ class _Trainer:
         # the stages' initialization counts as the run's
         self.counter_start = self.counter.count if counter_start is None else counter_start
         meshes = stage_meshes(plan.layout)
-        self.has_encoder = is_multimodal(model_cfg)  # on its own stages or colocated on stage 0
+        self.has_encoder = has_vision(model_cfg)  # a vision encoder, on its own stages or colocated
         _print_plan(console, plan, meshes, model_cfg)
         self.problem = plan.problem()
         # Enough data for a global batch, checked before any parameter is made (loading weights).
@@ -262,7 +262,7 @@ class _Trainer:
         self.loader = make_loader(
             cfg.data, records, self.problem, self.schedule_fn,
             seed=cfg.seed, global_batch_size=cfg.global_batch, prefetch=cfg.prefetch,
-            host=host, num_batches=cfg.steps, place=self._place,
+            host=host, num_batches=cfg.steps, place=self._place, vision=self.has_encoder,
         )  # fmt: skip
         self.eval = HeldOutEval.build(cfg, self.problem, host, held_out) if cfg.eval.every else None
         self.restored_eval: dict | None = None
@@ -526,7 +526,7 @@ def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
     """The run after `step`'s checkpoint on the plan the drift measurement found, on the same
     devices, restored from that checkpoint (`runtime/replan.py`)."""
     plan = next_plan(old.drift.latest, old.plan)
-    plan = plan.check_runnable("replan", is_multimodal(model_cfg))
+    plan = plan.check_runnable("replan", has_vision(model_cfg))
     old.console.print(
         describe(old.drift.latest, old.plan, plan, step), highlight=False, soft_wrap=True
     )
@@ -560,7 +560,7 @@ def _training_records(cfg: TrainConfig, problem) -> tuple:
         load_source(cfg.data, cfg.seed), cfg.eval.fraction, cfg.eval.seed
     )
     try:
-        check_records(cfg.data, records, problem, cfg.global_batch)
+        check_records(cfg.data, records, problem, cfg.global_batch, cfg.model.has_vision)
     except TooFewRecords as e:
         raise (e.with_held_out(len(held_out), cfg.eval.fraction) if held_out else e) from None
     return records, held_out
@@ -575,7 +575,7 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
 def _print_plan(console: Console, plan: ResolvedPlan, meshes, model_cfg) -> None:
     console.print("[bold]plan[/bold]")
     devices = [[d.id for d in m.devices.flat] for m in meshes]
-    for line in plan.describe(is_multimodal(model_cfg), devices):
+    for line in plan.describe(has_vision(model_cfg), devices):
         console.print(f"  {line}", highlight=False)
     vision = getattr(model_cfg, "vision", None)  # the kernels the model runs ("auto" resolved)
     kernels = f"vision={vision.attention_impl or 'xla'} " if vision is not None else ""

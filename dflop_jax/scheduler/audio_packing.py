@@ -90,7 +90,7 @@ def audio_costs(plans: Sequence[ScheduledMicrobatch], problem: ScheduleProblem) 
 
 
 def pick_with_audio(
-    plans: tuple[ScheduledMicrobatch, ...],
+    plans: tuple[ScheduledMicrobatch, ...] | None,
     shapes: Sequence[SampleShape],
     problem: ScheduleProblem,
     capped: ScheduleProblem,
@@ -99,7 +99,8 @@ def pick_with_audio(
     info: dict,
 ) -> tuple[tuple[ScheduledMicrobatch, ...], float]:
     """(plans in run order, objective) of the best of `plans` (the tile/length search's answer,
-    with audio buckets) and the three-resource candidates (module docstring); `capped`: the problem
+    with audio buckets; None where one of its rows holds more audio than the largest bucket) and
+    the three-resource candidates (module docstring); `capped`: the problem
     with its microbatch counts capped at the batch size. Records in `info` which packing won, the
     objectives, the audio-priced 1F1B makespan and the winner's padding (its load-balance figures
     stay the tile/length answer's).
@@ -108,7 +109,7 @@ def pick_with_audio(
     each candidate's audio-priced costs (a short order search each, then the full one for the
     tile/length answer and the two best others, so the answer is never slower than the tile/length
     answer in its full search), else by the objective; ties to the tile/length answer."""
-    cands = [plans]
+    cands = [plans] if plans is not None else []
     frames = np.array([s.audio_frames for s in shapes], dtype=np.float64)
     if frames.any():
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
@@ -117,26 +118,36 @@ def pick_with_audio(
             cand = _candidate(tokens, tiles, frames, m, shapes, problem, capped, table)
             if cand is not None:
                 cands.append(cand)
+    if not cands:
+        raise ValueError(
+            f"no packing of these {len(shapes)} samples keeps each LLM row's audio within the "
+            f"largest audio bucket {problem.buckets.audio[-1]} frames: give a larger audio bucket "
+            "or allow more microbatches"
+        )
+    searched = [0] if plans is not None else []  # the tile/length answer: always fully ordered
     costs = [audio_costs(c, problem) for c in cands]
     objs = [surrogate_step_time(c) for c in costs]
     if config.select == "makespan" and problem.num_stages > 1:
         quick = [order_microbatches(c, config.select_evaluations)[1] for c in costs]
-        ranked = sorted(range(1, len(cands)), key=lambda i: (quick[i], objs[i], i))
+        others = range(len(searched), len(cands))
+        ranked = sorted(others, key=lambda i: (quick[i], objs[i], i))
         finals = {
-            i: order_microbatches(costs[i], config.order_evaluations) for i in [0, *ranked[:2]]
+            i: order_microbatches(costs[i], config.order_evaluations)
+            for i in [*searched, *ranked[: 3 - len(searched)]]
         }
         best = min(finals, key=lambda i: (finals[i][1], objs[i], i))
         order, makespan = finals[best]
     else:
         best = min(range(len(cands)), key=lambda i: (objs[i], i))
         order, makespan = order_microbatches(costs[best], config.order_evaluations)
-    if best:  # the report's padding is the winner's
+    audio_won = best or not searched
+    if audio_won:  # the report's padding is the winner's
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
         info.update(padding_ratios(cands[best], tokens, tiles, problem))
     info.update(
-        audio_packing="three resources" if best else "tiles and tokens",
-        audio_searched_objective=objs[0],
+        audio_packing="three resources" if audio_won else "tiles and tokens",
+        audio_searched_objective=objs[0] if searched else float("inf"),
         audio_objective=objs[best],
         microbatches=len(cands[best]),
         simulated_makespan_s=makespan,

@@ -122,8 +122,11 @@ def schedule_batch(
     plans = _ordered_plans(
         bin_of, m, (ti, si), ordered, tokens, tiles, problem, table, config, info
     )
-    plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
     if problem.buckets.audio:  # audio frames weighed, every microbatch priced at its audio bucket
+        try:
+            plans = with_audio(plans, shapes, problem.buckets, problem.audio_always)
+        except ValueError:  # a row's audio over the largest bucket: the audio packings only
+            plans = None
         plans, obj = pick_with_audio(plans, shapes, problem, eff, table, config, info)
     return Schedule(plans, obj, lb, solver, elapsed(), info)
 

@@ -225,6 +225,26 @@ def test_a_model_without_an_audio_encoder_skips_audio_samples_counted(proc, clip
     assert small(_rec(clips, audio="short.wav", conversations=_conv())).reason == "too_long"
 
 
+def test_a_model_without_a_vision_encoder_skips_image_samples_counted(proc, clips, caplog):
+    """A Qwen2-Audio (or decoder-only) model's loader: a sample with image tiles is a counted
+    "no_vision_encoder" skip (never placeholder tokens trained as text); audio and text pass."""
+    from dflop_jax.contracts import SampleShape
+    from dflop_jax.data.transforms import Known
+
+    hears = PackSpec(1, 1, (384, 384, 3), 729, 64, 100_000, 4, audio_mels=128,
+                     max_audio_frames=3000, vision=False)  # fmt: skip
+    stage = ShapeStage(proc, hears, strict=False)
+    record = {"id": "img", "_location": "d.jsonl:3", "conversations": _conv()}
+    with caplog.at_level("WARNING"):
+        seen = stage(Known(record, SampleShape("img", 4, 3000, "image")))
+    assert seen.shape is None and seen.reason == "no_vision_encoder"
+    assert "d.jsonl:3" in caplog.text and "no vision encoder" in caplog.text
+    assert stage(_rec(clips, audio="short.wav", conversations=_conv())).shape is not None
+    assert stage(_rec(clips, conversations=_conv("Hi", "Yo"))).shape is not None
+    seeing = ShapeStage(proc, dataclasses.replace(hears, vision=True), strict=False)
+    assert seeing(Known(record, SampleShape("img", 4, 3000, "image"))).shape is not None
+
+
 def test_synthetic_omni_mix_and_its_profile(tmp_path):
     cfg = DataConfig(synth_dir=str(tmp_path / "omni"), synth_samples=80, synth_mix="omni",
                      cache_dir="", max_tokens=32768)  # fmt: skip

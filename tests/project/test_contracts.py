@@ -94,7 +94,7 @@ def test_resolved_plan_rejects_layouts_the_runtime_cannot_run():
     own_tp = ResolvedPlan(Layout((), llm, 1), BucketSet((4,), (256,)), (1, 2), provider=None)
     with pytest.raises(ValueError, match="plan=auto: the encoder is colocated at its own tp=1"):
         own_tp.check_runnable("auto", multimodal=True)
-    with pytest.raises(ValueError, match="model.kind=decoder has no encoder"):
+    with pytest.raises(ValueError, match="the model has no vision encoder"):
         _resolved(1).check_runnable("explicit", multimodal=False)
 
 

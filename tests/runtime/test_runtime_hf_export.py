@@ -54,6 +54,15 @@ OMNI_LAYOUTS = {
 }
 
 
+# A Qwen2-Audio model (no vision): the audio encoder on the first LLM stage (tp 2), or on stages of
+# its own (2 stages at tp 2).
+AUDIO_LAYOUTS = {
+    "audio_on_llm": dataclasses.replace(TEXT_LAYOUT, audio=(64,)),
+    "audio_stage": dataclasses.replace(TEXT_LAYOUT, audio=(64,), audio_layers=(1, 1),
+                                       audio_tp=(2,)),
+}  # fmt: skip
+
+
 def _run_config(tmp_path, kind: str, layout: LayoutConfig | None = None) -> TrainConfig:
     family = "internvl" if kind == "internvl" else "llava_ov"
     return TrainConfig(
@@ -179,6 +188,43 @@ def test_omni_export_loads_in_both_hf_classes_with_our_logits(tmp_path, layout):
     features = transformers.WhisperFeatureExtractor.from_pretrained(out / "audio")
     assert (features.feature_size, features.sampling_rate) == (16, 16000)
     _assert_processor_of_run(out / "vision", cfg, "LlavaOnevisionImageProcessor")
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("layout", list(AUDIO_LAYOUTS))
+def test_qwen2_audio_export_loads_in_transformers_with_our_logits(tmp_path, layout):
+    """A Qwen2-Audio run's checkpoint (the audio encoder on the first LLM stage, or split over
+    stages of its own at tp 2) exports one directory that transformers' Qwen2-Audio loads with
+    nothing missing or left over and with the logits of our unsplit `Qwen2Audio`; the audio token
+    is the run tokenizer's, and the feature extractor has the run's mel bins."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from models_fixtures import assert_qwen2_audio_logits_equal
+
+    from dflop_jax.data import load_tokenizer
+    from models.qwen2_audio import Qwen2Audio
+
+    cfg = _run_config(tmp_path, "qwen2_audio", AUDIO_LAYOUTS[layout])
+    _, model_cfg, run = _write_run(tmp_path, "qwen2_audio", cfg=cfg)
+    out = tmp_path / "hf"
+    _export(run, out)
+    # The unsplit model's encoder is the checkpoint's "audio" module: bumped under that name.
+    model = Qwen2Audio(model_cfg, rngs=nnx.Rngs(SEED))
+    graphdef, state = nnx.split(model)
+    renamed = nnx.State({"audio": state["encoder"], "llm": state["llm"]})
+    for step in (2,):
+        renamed = jax.tree_util.tree_map_with_path(
+            lambda p, x, step=step: _bump((*map(key_name, p), str(step)), x), renamed
+        )
+    state["encoder"], state["llm"] = renamed["audio"], renamed["llm"]
+    assert_qwen2_audio_logits_equal(out, nnx.merge(graphdef, state), model_cfg)
+    hf, info = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.config.audio_token_index == load_tokenizer("bundled").token_id("<|AUDIO|>")
+    features = transformers.WhisperFeatureExtractor.from_pretrained(out)
+    assert (features.feature_size, features.sampling_rate) == (16, 16000)
 
 
 def _assert_processor_of_run(out, cfg: TrainConfig, name: str):

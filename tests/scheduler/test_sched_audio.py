@@ -238,7 +238,8 @@ def test_kept_frames_is_the_encoders_rule():
 def test_planning_leaves_out_the_samples_a_run_skips(tmp_path, caplog):
     """A model without an audio encoder: the loader skips samples with audio, so the planner's
     shapes leave them out too (a plan for work the run never does would misprice every layout);
-    a model with one plans on every sample."""
+    a model with one plans on every sample. A model without a vision encoder (Qwen2-Audio) leaves
+    out the samples with images in the same way."""
     from dflop_jax.contracts.shape_distribution import save_shape_distribution
     from dflop_jax.planner.resolve import load_shapes
 
@@ -251,5 +252,23 @@ def test_planning_leaves_out_the_samples_a_run_skips(tmp_path, caplog):
     assert f"without the {heard} of 60 profiled samples that hold audio" in caplog.text
     assert load_shapes(str(tmp_path / "d.json"), audio=True) == shapes
     save_shape_distribution([s for s in shapes if s.audio_windows], tmp_path / "a.json", "a", {})
-    with pytest.raises(ValueError, match="every profiled sample holds audio"):
+    with pytest.raises(ValueError, match="every profiled sample holds media the model has no"):
         load_shapes(str(tmp_path / "a.json"))
+    hearing = load_shapes(str(tmp_path / "d.json"), audio=True, vision=False)
+    seen = sum(1 for s in shapes if s.tiles)
+    assert hearing == [s for s in shapes if not s.tiles] and len(hearing) == 60 - seen > 0
+
+
+@pytest.mark.parametrize("select", ["makespan", "surrogate"])
+def test_rows_stay_within_the_largest_audio_bucket_where_tokens_alone_would_overfill_one(select):
+    """Audio-only samples whose tokens two of fit one length bucket but whose frames two of do not
+    fit the largest audio bucket: the tile/length search's packing overfills a row's audio, so the
+    three-resource packings decide, and every row holds at most the largest bucket's frames."""
+    frames = [2732, 2600, 2900, 2800, 2700, 2650, 2750]  # one 30 s window each (<= 3000)
+    shapes = [SampleShape(i, 0, 40 + f // 4, "audio", (f,)) for i, f in enumerate(frames)]
+    problem = _problem(BucketSet((1,), (2048,), audio=(1024, 4096)))
+    sched = schedule_batch(shapes, problem, SchedulerConfig(solver="greedy", select=select))
+    for mb in sched.microbatches:
+        assert max(sum(shapes[i].audio_frames for i in row) for row in mb.shards) <= 4096
+    assert sorted(i for mb in sched.microbatches for i in mb.samples()) == list(range(7))
+    assert sched.info["audio_packing"] == "three resources"
