@@ -187,13 +187,16 @@ AUDIO_PRESETS: dict[str, AudioArch] = {
 @dataclasses.dataclass(frozen=True)
 class MLLMArch:
     """A multimodal LLM: vision encoder + projector + LLM (+ an audio encoder, whose linear projector
-    into the LLM width is counted with it: `audio_params`)."""
+    into the LLM width is counted with it: `audio_params`). `has_vision` False: a model without a
+    vision encoder (decoder-only, Qwen2-Audio), whose `vision` ("tiny") is a placeholder that
+    nothing prices: no tile is encoded and no encoder is colocated."""
 
     name: str
     vision: VisionArch
     projector: ProjectorArch
     llm: LLMArch
     audio: AudioArch | None = None
+    has_vision: bool = True
 
 
 VISION_PRESETS: dict[str, VisionArch] = {
@@ -324,8 +327,8 @@ def arch_from_configs(vision_cfg, llm_cfg, tokens_per_tile: int, name: str = "cu
 def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
     """The cost-model `MLLMArch` of a `models` config (duck-typed): an MLLM config (vision, text,
     tokens_per_tile), an omni config (`llava` + `audio`), a Qwen2-Audio config (`audio` tower +
-    `text`) or a decoder-only config. A model without a vision tower gets the "tiny" one, never
-    used because it encodes no tile."""
+    `text`) or a decoder-only config. A model without a vision tower gets the "tiny" one as a
+    placeholder (`has_vision` False)."""
     if hasattr(model_cfg, "llava"):  # an omni model: the vision model's arch + the audio encoder
         arch = arch_of_model(model_cfg.llava, name)
     elif hasattr(model_cfg, "vision"):
@@ -333,7 +336,7 @@ def arch_of_model(model_cfg, name: str = "run") -> MLLMArch:
     else:
         llm = llm_arch_from_config(getattr(model_cfg, "text", model_cfg), f"{name}-llm")
         vision = get_vision("tiny")
-        arch = MLLMArch(name, vision, projector_for(vision, llm), llm)
+        arch = MLLMArch(name, vision, projector_for(vision, llm), llm, has_vision=False)
     if not hasattr(model_cfg, "audio"):
         return arch
     a = getattr(model_cfg.audio, "audio", model_cfg.audio)  # an omni model's Qwen2-Audio part's

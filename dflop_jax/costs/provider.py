@@ -354,9 +354,12 @@ def remat_suffix(policy: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------- layouts
 
 
-def colocated_encoder_stage(arch: MLLMArch, layout: Layout) -> StageSpec:
+def colocated_encoder_stage(arch: MLLMArch, layout: Layout) -> StageSpec | None:
     """The whole encoder (+ embedding + projector) on LLM stage 0's devices, at the layout's encoder
-    tp with `layout.encoder_dp` replicas (the data-blind baseline: LLM stage 0's tp and dp)."""
+    tp with `layout.encoder_dp` replicas (the data-blind baseline: LLM stage 0's tp and dp); None
+    for a model without a vision encoder."""
+    if not arch.has_vision:
+        return None
     return StageSpec("encoder", 0, arch.vision.num_layers, tp=layout.encoder_tp,
                      dp=layout.encoder_dp, has_embedding=True, has_head=True)  # fmt: skip
 
@@ -600,8 +603,8 @@ def layout_memory(
     buckets_of = _stage_buckets(layout, tile_bucket, length_bucket, audio_bucket)
     mems = [memory(s, b, r) for s, b, r in zip(layout.stages, buckets_of, policies)]
     first = layout.first_llm
-    if not layout.encoder_stages:
-        encoder = colocated_encoder_stage(provider.arch, layout)
+    encoder = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
+    if encoder is not None:
         mems[first] = mems[first] + memory(encoder, tile_bucket, policies[first])
     audio = colocated_audio_stage(provider.arch, layout)
     if audio is not None and audio_bucket:

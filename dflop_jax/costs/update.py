@@ -77,8 +77,7 @@ def layout_update_times(provider, layout: Layout, chunks: int = 1) -> list[tuple
       layout: the layout, or with chunks > 1 its virtual layout (virtual stage j on group j % P,
         P = num_stages / chunks; the first P entries sit where the groups' devices do).
     """
-    colocates = not layout.encoder_stages and provider.arch.vision is not None
-    coloc = colocated_encoder_stage(provider.arch, layout) if colocates else None
+    coloc = None if layout.encoder_stages else colocated_encoder_stage(provider.arch, layout)
     groups = layout.num_stages // chunks
     spans = [stage_spans_hosts(layout, d, provider.device.devices_per_host) for d in range(groups)]
     out = [(0.0, 0.0)] * groups

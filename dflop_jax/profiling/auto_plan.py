@@ -274,8 +274,8 @@ def profiled_plan(
     from dflop_jax.planner import load_plan
     from dflop_jax.programs.processes import share_files
 
-    if not hasattr(model_cfg, "vision"):
-        raise ValueError("plan=auto profiles multimodal models only; use plan=analytic or explicit")
+    if not (hasattr(model_cfg, "vision") or hasattr(model_cfg, "audio")):
+        raise ValueError("plan=auto profiles models with an encoder; use plan=analytic or explicit")
     # Timings differ between processes, so each would plan differently: process 0 profiles on its
     # own devices and plans for all of them; every other process takes its plan and cost table.
     if jax.process_index() == 0:

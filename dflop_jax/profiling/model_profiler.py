@@ -86,12 +86,18 @@ CODE_PACKAGES = (
 def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) -> list[int]:
     """The tps of `tps` usable for `kind`: dividing its heads (and KV heads), within the devices; a
     colocated kind runs both models at one tp (`programs.stage_builder.check_colocated`)."""
+    from models.stage_modules import audio_part
+
     text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
     if kind in AUDIO_KINDS:  # the audio stage's tp splits its heads and its MLP
-        if not hasattr(model_cfg, "audio"):
+        if audio_part(model_cfg) is None:
             return []
-        a = model_cfg.audio.audio
+        a = audio_part(model_cfg).audio
         heads = (a.num_heads, a.intermediate_size)
+    elif not hasattr(model_cfg, "vision") and (
+        kind in COLOCATED_KINDS or kind.startswith("encoder")
+    ):
+        return []  # no vision encoder to time
     elif kind in COLOCATED_KINDS:
         heads = (model_cfg.vision.num_heads, *text)
     elif kind.startswith("encoder"):
@@ -280,7 +286,8 @@ def profile_model(
     """Profiles every (part, tp, bucket, layers) of the grid; returns the (saved) cost table.
 
     Args:
-      model_cfg: a `models` MLLM config (e.g. `LlavaOnevisionConfig`: vision, text, tokens_per_tile...).
+      model_cfg: a `models` config with an encoder (e.g. `LlavaOnevisionConfig`: vision, text,
+        tokens_per_tile...; a `Qwen2AudioConfig`: audio and text, no vision kinds).
       devices: devices to profile on (default `jax.devices()`); tp programs use the first tp.
       settings: the grid and the timing settings (None: `ProfileSettings()`).
       out_path: cost-table JSON path (resumed if it holds entries of the same config and code).

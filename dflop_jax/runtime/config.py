@@ -317,8 +317,9 @@ class TrainConfig:
         replans = self.planner.replan_every and self.planner.replan == "on_drift"
         ok = not replans or (self.checkpoint.every > 0 and self.checkpoint.resume)
         require(ok, "planner.replan", self.planner.replan, fix + " and checkpoint.resume=true")
-        fix = "plan=auto profiles models with a vision encoder; use plan=analytic or explicit"
-        require(self.plan != "auto" or self.model.has_vision, "plan", self.plan, fix)
+        fix = "plan=auto profiles models with an encoder; use plan=analytic or explicit"
+        encoder = self.model.has_vision or self.model.has_audio
+        require(self.plan != "auto" or encoder, "plan", self.plan, fix)
 
     def model_config(self):
         """The run's `models` config (`ModelConfig.model_config`: no parameter is made), with the

@@ -60,7 +60,7 @@ def test_train_rejects_bad_configs_in_one_line(args, key, fix):
         (["model.num_kv_heads=0"], "model.num_kv_heads=0: must be >= 1"),
         (
             ["plan=auto", "model.kind=decoder", "layout.encoder_layers=[]"],
-            "plan='auto': plan=auto profiles models with a vision encoder",
+            "plan='auto': plan=auto profiles models with an encoder",
         ),
         (["model.head_dim=15"], "model.head_dim=15: must be even (RoPE)"),
         (["model.num_layers=3"], "layout.llm_layers=(2, 2): must add up to model.num_layers=3"),

@@ -106,3 +106,28 @@ def test_a_frozen_audio_tower_on_llm_stage_0_costs_its_projector_backward(table)
     assert bwd == pytest.approx(head.bwd_s + (fwd - head.fwd_s), rel=1e-9)
     assert 0 < bwd < _provider(table).audio_time(whole, 512)[1] + fwd
     np.testing.assert_array_less(0, [fwd, bwd])
+
+
+def test_a_model_without_vision_profiles_and_prices_its_audio_and_llm_parts_only(tmp_path):
+    """A Qwen2-Audio model (`plan: auto`): the profiler times its audio and LLM parts, no vision
+    kind (there is no tower to time), and a layout without encoder stages is priced from those
+    entries alone: no colocated vision encoder, no analytic fallback."""
+    from dflop_jax.contracts.layout import Layout
+    from dflop_jax.costs import colocated_encoder_stage
+    from dflop_jax.costs.provider import layout_stage_costs
+    from tests.pipeline_fixtures import QWEN2_AUDIO
+
+    settings = ProfileSettings(tps=(1,), llm_buckets=(64, 128), audio_buckets=(128, 256),
+                               warmup=0, runs=1, compute_dtype="float32", residuals="recompute")  # fmt: skip
+    t = profile_model(QWEN2_AUDIO, jax.devices()[:1], settings, tmp_path / "t.json", plot=False)
+    kinds = {k for k, *_ in t.entries}
+    assert kinds == {*AUDIO_KINDS, "llm_embedding", "llm_layers", "llm_head"}
+    arch = arch_of_model(QWEN2_AUDIO)
+    assert not arch.has_vision and arch.audio is not None
+    provider = MeasuredCostProvider(t, arch, get_device("cpu"))  # a missing entry raises
+    lay = Layout((), (StageSpec("llm", 0, 3, tp=1, dp=1, has_embedding=True, has_head=True),))
+    assert colocated_encoder_stage(arch, lay) is None
+    with_audio, text_only = layout_stage_costs(provider, lay)(1, 128, 256), layout_stage_costs(
+        provider, lay)(1, 128, 0)  # fmt: skip
+    assert with_audio[0, 0] > text_only[0, 0] > 0  # the audio encoder runs on the one stage
+    assert "fallback" not in str(provider.sources())

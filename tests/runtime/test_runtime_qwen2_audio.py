@@ -183,11 +183,11 @@ def test_qwen2_audio_run_config_checks():
     assert not hasattr(model, "vision") and cfg.model.has_audio and not cfg.model.has_vision
     assert "model.vision_hidden_size" in cfg.ignored_keys()
     assert "model.audio_hidden_size" not in cfg.ignored_keys()
+    assert _demo_cfg(tmp, "plan=auto").plan == "auto"  # its audio and LLM parts are profiled
     refused = {
         "layout.audio=[]": "layout.audio",
         "layout.encoder_layers=[2]": "layout.encoder_layers",
         "layout.encoder_colocated=true": "layout.encoder_colocated",
-        "plan=auto": "plan",
         "model.arch=tiny": "model.kind",
     }
     for override, key in refused.items():
