@@ -9,7 +9,9 @@ schedule) to 1e-5 (float32), on two layouts:
   feeding LLM stage 0 on process 1: two branches join across processes (both processes walk the
   same branched op order), and process 0 packs the audio rows its audio stage holds.
 
-Each process decides the same audio buckets from the same schedule."""
+Each process decides the same audio buckets from the same schedule. A Qwen2-Audio model
+(`configs/qwen2_audio_demo.yaml`, no vision) crosses processes the same way: its audio stages on
+process 0 feed LLM stage 0 on process 1."""
 
 import numpy as np
 import pytest
@@ -30,14 +32,17 @@ def _args(tmp_path, run_dir) -> list[str]:
 LAYOUTS = {
     "separate": [],
     "audio_stage": ["layout.encoder_layers=[2]", "layout.audio_layers=[2]", "layout.audio_dp=2"],
+    # Qwen2-Audio (no vision): its audio encoder's 2 stages on process 0, the LLM's on process 1
+    "qwen2_audio": ["layout.audio_layers=[1,1]", "layout.audio_dp=2", "layout.llm_dp=2"],
 }
+CONFIGS = {"qwen2_audio": "qwen2_audio_demo.yaml"}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_processes_train_the_omni_model_like_one(tmp_path, layout):
-    config = REPO / "configs" / "omni_demo.yaml"
+    config = REPO / "configs" / CONFIGS.get(layout, "omni_demo.yaml")
     run_dir = tmp_path / "mp"
     logs = tmp_path / "logs"
     logs.mkdir()
