@@ -100,10 +100,10 @@ def pick_with_audio(
 ) -> tuple[tuple[ScheduledMicrobatch, ...], float]:
     """(plans in run order, objective) of the best of `plans` (the tile/length search's answer,
     with audio buckets; None where one of its rows holds more audio than the largest bucket) and
-    the three-resource candidates (module docstring); `capped`: the problem
-    with its microbatch counts capped at the batch size. Records in `info` which packing won, the
-    objectives, the audio-priced 1F1B makespan and the winner's padding (its load-balance figures
-    stay the tile/length answer's).
+    the three-resource candidates (module docstring); `capped`: the problem with its microbatch
+    counts capped at the batch size. Records in `info` which packing won, the objectives, the
+    audio-priced 1F1B makespan and the winner's padding (its load-balance figures stay the
+    tile/length answer's).
 
     Chosen as `select.py` chooses (`config.select`): with several stages by the 1F1B makespan of
     each candidate's audio-priced costs (a short order search each, then the full one for the
@@ -140,7 +140,7 @@ def pick_with_audio(
     else:
         best = min(range(len(cands)), key=lambda i: (objs[i], i))
         order, makespan = order_microbatches(costs[best], config.order_evaluations)
-    audio_won = best or not searched
+    audio_won = best != 0 or plans is None
     if audio_won:  # the report's padding is the winner's
         tokens = np.array([s.tokens for s in shapes], dtype=np.float64)
         tiles = np.array([s.tiles for s in shapes], dtype=np.float64)
