@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -31,6 +32,25 @@ def pipeline_step(stages, opts, mbs: list[dict], clip_norm: float) -> float:
     out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs), "1f1b")
     apply_updates(opts, out.grads, clip_norm)
     return sum(float(x) for x in out.loss)
+
+
+def guarded_step(model_cfg, layout, mbs: list[dict], opt) -> tuple[float, dict]:
+    """(loss, updated params by module) of one 1F1B step of `model_cfg`'s stages on `layout`
+    (seed 0, float32), the pipeline under `no_host_round_trip`, then the runtime's update: what a
+    parity test compares with `reference_step`'s (its tree through `model_tree` too)."""
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.stage_builder import build_stages
+    from dflop_jax.runtime.train_state import StageOptimizer
+
+    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
+    stages = build_stages(model_cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32)
+    opts = [StageOptimizer(s, opt.build()) for s in stages]
+    with no_host_round_trip():
+        out = run_pipeline(stages, mbs, norm, "1f1b")
+    loss = sum(float(x) for x in out.loss)
+    apply_updates(opts, out.grads, opt.clip_norm)
+    tree = model_tree(list(layout.stages), [s.params for s in stages], [{} for _ in stages])
+    return loss, tree
 
 
 def reference_step(model, mbs: list[dict], norm: float, opt, loss_sum: Callable):

@@ -165,7 +165,7 @@ def test_omni_export_loads_in_both_hf_classes_with_our_logits(tmp_path, layout):
     own) exports `vision/` and `audio/`: transformers' LLaVA-OneVision and Qwen2-Audio load them
     with nothing missing or left over, each with the logits of our unsplit `Omni` on its modality,
     the decoder the same in both; the tokenizer and each processor's settings travel along."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("torch")
     from models_fixtures import assert_qwen2_audio_logits_equal
 
@@ -181,12 +181,7 @@ def test_omni_export_loads_in_both_hf_classes_with_our_logits(tmp_path, layout):
     state["encoder"], state["llm"] = nnx.state(ours)["encoder"], nnx.state(ours)["llm"]
     assert_llava_ov_logits_equal(out / "vision", nnx.merge(graphdef, state), model_cfg.llava)
     assert_qwen2_audio_logits_equal(out / "audio", ours, model_cfg)
-    _, info = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
-        out / "audio", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    features = transformers.WhisperFeatureExtractor.from_pretrained(out / "audio")
-    assert (features.feature_size, features.sampling_rate) == (16, 16000)
+    _assert_whole_qwen2_audio(out / "audio")
     _assert_processor_of_run(out / "vision", cfg, "LlavaOnevisionImageProcessor")
 
 
@@ -197,7 +192,7 @@ def test_qwen2_audio_export_loads_in_transformers_with_our_logits(tmp_path, layo
     stages of its own at tp 2) exports one directory that transformers' Qwen2-Audio loads with
     nothing missing or left over and with the logits of our unsplit `Qwen2Audio`; the audio token
     is the run tokenizer's, and the feature extractor has the run's mel bins."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("torch")
     from models_fixtures import assert_qwen2_audio_logits_equal
 
@@ -218,13 +213,22 @@ def test_qwen2_audio_export_loads_in_transformers_with_our_logits(tmp_path, layo
         )
     state["encoder"], state["llm"] = renamed["audio"], renamed["llm"]
     assert_qwen2_audio_logits_equal(out, nnx.merge(graphdef, state), model_cfg)
+    hf = _assert_whole_qwen2_audio(out)
+    assert hf.config.audio_token_index == load_tokenizer("bundled").token_id("<|AUDIO|>")
+
+
+def _assert_whole_qwen2_audio(out):
+    """transformers' Qwen2-Audio loaded from `out` with nothing missing or left over, beside a
+    Whisper feature extractor of the run's 16 mel bins at 16 kHz; returns the model."""
+    import transformers
+
     hf, info = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(
         out, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert hf.config.audio_token_index == load_tokenizer("bundled").token_id("<|AUDIO|>")
     features = transformers.WhisperFeatureExtractor.from_pretrained(out)
     assert (features.feature_size, features.sampling_rate) == (16, 16000)
+    return hf
 
 
 def _assert_processor_of_run(out, cfg: TrainConfig, name: str):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from pipeline_fixtures import QWEN2_AUDIO, audio_microbatch, qwen2_audio_loss_sum, qwen2_audio_model
-from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
+from pipeline_reference import assert_trees_close, guarded_step, reference_step
 
 from dflop_jax.config import ConfigError, load_config
 from dflop_jax.contracts.layout import Layout, StageSpec
@@ -26,9 +26,7 @@ from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.config import TrainConfig
-from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
-from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
 
 OPT = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=10, clip_norm=1.0)
 ROWS = 2
@@ -73,20 +71,10 @@ def _reference(all_audio: bool) -> tuple[float, dict]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_qwen2_audio_step_matches_single_device(layout):
-    lay = LAYOUTS[layout]
-    apart = bool(lay.audio_stages)
-    mbs, _ = _batch(apart)
-    norm = sum(float(m["loss_mask"].sum()) for m in mbs)
-    stages = build_stages(QWEN2_AUDIO, lay, stage_meshes(lay), 0, compute_dtype=jnp.float32)
-    opts = [StageOptimizer(s, OPT.build()) for s in stages]
-    with no_host_round_trip():
-        out = run_pipeline(stages, mbs, norm, "1f1b")
-    loss = sum(float(x) for x in out.loss)
-    apply_updates(opts, out.grads, OPT.clip_norm)
-
+    apart = bool(LAYOUTS[layout].audio_stages)
+    loss, got = guarded_step(QWEN2_AUDIO, LAYOUTS[layout], _batch(apart)[0], OPT)
     ref_loss, ref_tree = _reference(apart)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    got = model_tree(list(lay.stages), [s.params for s in stages], [{} for _ in stages])
     assert set(got) == {"audio", "llm"}
     assert_trees_close(got, ref_tree)
 
