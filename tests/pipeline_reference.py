@@ -147,18 +147,36 @@ def assert_trees_close(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> Non
 @contextlib.contextmanager
 def no_host_round_trip():
     """Fails the test on any host round trip of device data: implicit device->host copies (transfer
-    guard) and explicit `jax.device_put`, whose reshard between non-aligned shardings falls back to a
-    copy through host memory that the guard does not see (DESIGN section 11)."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError(
-            "jax.device_put in the pipelined step (stage data must move by transfer)"
-        )
-
+    guard) and an explicit `jax.device_put` between non-aligned shardings, whose reshard falls back
+    to a copy through host memory that the guard does not see (DESIGN section 11). A device_put
+    whose source shards, in their order, hold the blocks the destination's devices take in theirs
+    (on other devices) is a device-to-device copy of each block and passes (`programs/transfer.py`
+    routes aligned stage transfers so)."""
     original = jax.device_put
-    jax.device_put = forbidden
+
+    def aligned_only(x, device=None, *args, **kwargs):
+        if not (isinstance(x, jax.Array) and isinstance(device, jax.sharding.NamedSharding)
+                and _blocks_line_up(x, device)):  # fmt: skip
+            raise AssertionError(
+                "jax.device_put between non-aligned shardings in the pipelined step (stage data "
+                "must move by transfer)"
+            )
+        return original(x, device, *args, **kwargs)
+
+    jax.device_put = aligned_only
     try:
         with jax.transfer_guard_device_to_host("disallow"):
             yield
     finally:
         jax.device_put = original
+
+
+def _blocks_line_up(x: jax.Array, dst: jax.sharding.NamedSharding) -> bool:
+    """x's shards, in order, hold the boxes dst's devices (in mesh order, all other devices) take."""
+    held = [tuple(i.indices(n)[:2] for i, n in zip(s.index, x.shape)) for s in x.addressable_shards]
+    boxes = dst.devices_indices_map(x.shape)
+    want = [
+        tuple(i.indices(n)[:2] for i, n in zip(boxes[d], x.shape)) for d in dst.mesh.devices.flat
+    ]
+    others = x.sharding.device_set.isdisjoint(dst.device_set)
+    return others and held == want

@@ -1,6 +1,6 @@
 """Host time per dispatched program: the trainer's dispatch path against its own executables in a loop.
 
-    python -m dflop_jax.bench dispatch [parts=demo,real] [steps=8] [rounds=5] [out=runs/bench_dispatch]
+    python -m dflop_jax.bench dispatch [parts=demo,real,jax] [steps=8] [rounds=5] [out=runs/bench_dispatch]
 
   demo  configs/demo.yaml's model on an explicit layout of 8 simulated CPU devices (2 encoder stages
         of dp 2, 2 LLM stages of tp 2; 8-tile, 1024-token buckets; 4-8 microbatches of a global batch
@@ -19,6 +19,11 @@
         shapes (nothing is compiled or run): host microseconds per program call of OUR layers at
         the real stage's parameter, residual and side-input counts (jax's own dispatch excluded:
         the demo's floor measures it).
+  jax   jax's own call of a jitted program on this backend, nothing of ours around it: host CPU
+        microseconds per call of a program taking n [64, 64] f32 leaves (replicated on 1, 2 or 4
+        devices) and returning 1 or n of them, in a tight loop; and a least-squares fit per device
+        count, microseconds = fixed + per input leaf x inputs + per output leaf x outputs. It names
+        what the demo's floor is made of: a program's outputs, not its inputs, dominate.
 
 Figures are medians. On CPU the 8 simulated devices run programs on the cores the dispatching
 thread uses, and a program on several devices returns only once XLA:CPU's client pool has launched
@@ -39,7 +44,7 @@ import numpy as np
 from dflop_jax.bench._cli import command, load
 from dflop_jax.config import require
 
-PARTS = ("demo", "real")
+PARTS = ("demo", "real", "jax")
 WARMUP = 2  # first steps left out of the trainer's figures (step 1 compiles its small programs)
 DEMO_LAYOUT = [
     "plan=explicit", "layout.encoder_layers=[1, 1]", "layout.encoder_tp=[1]",
@@ -296,6 +301,64 @@ def _print_real(rep: dict) -> None:
           f"{rep['trees_us_per_call']:.1f} us (CPU {rep['trees_cpu_us_per_call']:.1f})")  # fmt: skip
 
 
+JAX_CALL = dict(devices=(1, 2, 4), leaves=(1, 16, 64), calls=100)
+
+
+def jax_part(rounds: int, devices=JAX_CALL["devices"], leaves=JAX_CALL["leaves"],
+             calls: int = JAX_CALL["calls"]) -> dict:  # fmt: skip
+    """jax's own call cost (module docstring): per (devices, inputs, outputs) the median over
+    `rounds` of the dispatching thread's CPU microseconds per call, and per device count the fit."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    one = jax.jit(lambda xs: xs[0] * 2.0)
+    every = jax.jit(lambda xs: [x * 2.0 for x in xs])
+    rows = []
+    for d in devices:
+        sharding = NamedSharding(Mesh(np.array(jax.devices()[:d]), ("d",)), P())
+        for n in leaves:
+            xs = [jax.device_put(np.ones((64, 64), np.float32), sharding) for _ in range(n)]
+            for fn, outputs in ((one, 1), (every, n)) if n > 1 else ((one, 1),):
+                jax.block_until_ready(fn(xs))  # compiled outside the timing
+                cpu = []
+                for _ in range(rounds):
+                    outs = []
+                    _, c = _times(
+                        lambda fn=fn, xs=xs, outs=outs: outs.extend(fn(xs) for _ in range(calls))
+                    )
+                    cpu.append(c / calls * 1e6)
+                    jax.block_until_ready(outs)
+                rows.append({"devices": d, "inputs": n, "outputs": outputs,
+                             "cpu_us_per_call": float(np.median(cpu))})  # fmt: skip
+    return {"rows": rows, "fit": _fit_call_cost(rows)}
+
+
+def _fit_call_cost(rows: list[dict]) -> dict:
+    """Per device count, microseconds = fixed + per_input x inputs + per_output x outputs
+    (least squares over that count's rows)."""
+    out = {}
+    for d in sorted({r["devices"] for r in rows}):
+        mine = [r for r in rows if r["devices"] == d]
+        a = np.array([[1.0, r["inputs"], r["outputs"]] for r in mine])
+        y = np.array([r["cpu_us_per_call"] for r in mine])
+        fixed, per_input, per_output = np.linalg.lstsq(a, y, rcond=None)[0]
+        out[str(d)] = {"fixed_us": float(fixed), "per_input_us": float(per_input),
+                       "per_output_us": float(per_output)}  # fmt: skip
+    return out
+
+
+def _print_jax(rep: dict) -> None:
+    print("\n## jax's own call: CPU us per call of a program on replicated [64, 64] f32 leaves")
+    print("| devices | inputs | outputs | CPU us per call |")
+    print("|---|---|---|---|")
+    for r in rep["rows"]:
+        print(f"| {r['devices']} | {r['inputs']} | {r['outputs']} | {r['cpu_us_per_call']:.0f} |")
+    for d, f in rep["fit"].items():
+        print(f"{d} device(s): {f['fixed_us']:.0f} us + {f['per_input_us']:.2f} us per input leaf "
+              f"+ {f['per_output_us']:.2f} us per output leaf")  # fmt: skip
+
+
 COMMAND = command(
     "dispatch",
     __doc__.split("\n\n")[0],
@@ -308,9 +371,10 @@ class DispatchBenchConfig:
     """What to measure, how long, and where the runs go.
 
     Attributes:
-      parts: from demo and real.
+      parts: from demo, real and jax.
       steps: training steps of the demo part (the first 2 are left out of its figures).
-      rounds: timed rounds of the dispatch path and of its floor (median), and of the real part.
+      rounds: timed rounds of the dispatch path and of its floor (median), and of the real and
+        jax parts.
       out: folder for the demo's run, data and compilation cache.
       json_out: write the report as JSON here ("" = none).
     """
@@ -339,6 +403,9 @@ def run(cfg: DispatchBenchConfig) -> dict:
     if "real" in cfg.parts:
         report["real"] = real_part(cfg.rounds)
         _print_real(report["real"])
+    if "jax" in cfg.parts:
+        report["jax"] = jax_part(cfg.rounds)
+        _print_jax(report["jax"])
     if cfg.json_out:
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_out).write_text(json.dumps(report, indent=1))

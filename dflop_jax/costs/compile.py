@@ -19,12 +19,14 @@ Per signature an inner stage with a backward compiles two programs (its forward 
 the residual-saving pair), a forward-only stage one, the last stage one (forward, loss and backward
 fused); the last stage also compiles a loss-token count per length bucket. Every stage boundary moves
 one shape per signature of its sending stage, forward and (where the next stage passes a gradient
-back) backward, two programs each (`programs/transfer.py`: the transport and its zero blocks).
-The per-step programs: each stage's optimizer (4 where it trains: fresh accumulator, reduction, norm,
-update; 1 otherwise), the update's glue (each trained stage's norm to the last stage and the
-statistics back to every stage, 2 programs per transfer; the loss sum and the statistics, 2) and the
-learning rate (1). Not counted: evaluation's forward programs, tied parameters' glue, a padded
-optimizer's checkpoint program and multi-process reads (`runtime/precompile.py` lists them all).
+back) backward, two programs each (`programs/transfer.py`: the transport and its zero blocks), none
+where both stages lie on one host and their blocks line up (`copied`: the transfer is a
+device-to-device copy). The per-step programs: each stage's optimizer (4 where it trains: fresh
+accumulator, reduction, norm, update; 1 otherwise), the update's glue (each trained stage's norm to
+the last stage and the statistics back to every stage, 2 programs per transfer, none between stages
+of as many devices on one host; the loss sum and the statistics, 2) and the learning rate (1). Not
+counted: evaluation's forward programs, tied parameters' glue, a padded optimizer's checkpoint
+program and multi-process reads (`runtime/precompile.py` lists them all).
 
 Seconds: each signature's programs cost the provider's `compile_time(stage, bucket)` (a measured
 table's lowering + compile seconds of the stage's parts, or the analytic per-block estimate), the
@@ -138,8 +140,10 @@ def program_counts(
     buckets: BucketSet,
     multimodal: bool = True,
     trainable: tuple[str, ...] = TRAINABLE_PARTS,
+    devices_per_host: int | None = None,
 ) -> ProgramCounts:
-    """The programs a run of `layout` with `buckets` compiles before step 1 (module docstring)."""
+    """The programs a run of `layout` with `buckets` compiles before step 1 (module docstring);
+    `devices_per_host`: None for a run on one host."""
     sigs = stage_buckets(layout, buckets, multimodal)
     roles = _roles(layout, multimodal, trainable, bool(buckets.audio))
     last = layout.num_stages - 1
@@ -147,18 +151,49 @@ def program_counts(
     for i, (n, role) in enumerate(zip(sigs, roles)):
         per_signature = 1 if i == last or not role.has_backward else 2
         stage.append(len(n) * per_signature)
-    transfers, children = 0, layout.children
+    hosts = _stage_host_spans(layout, devices_per_host)
+    transfers, children, stages = 0, layout.children, layout.stages
     for i in range(last):
-        llm = layout.stages[i].module == "llm"
+        c = children[i]
+        features = stages[i].module == "encoder" and stages[c].module == "llm"
+        if hosts[i] == hosts[c] is not None and copied(stages[i], stages[c], features):
+            continue
+        llm = stages[i].module == "llm"
         shapes = len({signature_length(sig) if llm else sig[0] for sig in sigs[i]})
-        back = roles[children[i]].input_grad
+        back = roles[c].input_grad
         transfers += shapes * TRANSFER_PROGRAMS * (2 if back else 1)
     count = len({signature_length(sig) for sig in sigs[last]})
     trains = [role.kind == "train" for role in roles]
     step = sum(OPTIMIZER_PROGRAMS if t else 1 for t in trains)
-    step += TRANSFER_PROGRAMS * (sum(trains[:last]) + last)  # norms in, statistics out
+    for i in range(last):  # its norm in (where it trains), the statistics out
+        copy = (
+            hosts[i] == hosts[last] is not None
+            and stages[i].num_devices == stages[last].num_devices
+        )
+        step += 0 if copy else TRANSFER_PROGRAMS * (1 + trains[i])
     step += 2 + 1  # the loss sum and `_combine`; the learning rate
     return ProgramCounts(tuple(stage), transfers, count, step)
+
+
+def copied(a: StageSpec, b: StageSpec, features: bool) -> bool:
+    """Whether stage `a`'s output reaches stage `b` (and dL/dx comes back) by device-to-device
+    copies, no program (`programs/transfer.py`'s `copies`, for two stages on one host): the
+    encoder's features (`features`: split over "data" at the encoder, over all of the LLM stage's
+    devices there) from tp 1 and dp n into a stage of n devices; any other output (split over
+    "data" on both sides) at the receiving stage's own dp and tp."""
+    if features:
+        return a.tp == 1 and a.dp == b.dp * b.tp
+    return (a.dp, a.tp) == (b.dp, b.tp)
+
+
+def _stage_host_spans(layout: Layout, devices_per_host: int | None) -> list[int | None]:
+    """Each stage's host, None for a stage that spans hosts; all 0 without `devices_per_host`
+    (one host)."""
+    if devices_per_host is None:
+        return [0] * layout.num_stages
+    hosts = _stage_hosts(layout, devices_per_host)
+    ends = _stage_hosts(layout, devices_per_host, last_device=True)
+    return [h if h == e else None for h, e in zip(hosts, ends)]
 
 
 def compile_cost(
@@ -172,7 +207,9 @@ def compile_cost(
     (module docstring)."""
     from dflop_jax.costs.provider import colocated_encoder_stage
 
-    counts = program_counts(layout, buckets, multimodal, trainable)
+    counts = program_counts(
+        layout, buckets, multimodal, trainable, provider.device.devices_per_host
+    )
     sigs = stage_buckets(layout, buckets, multimodal)
     colocated = multimodal and not layout.encoder_stages
     encoder = colocated_encoder_stage(provider.arch, layout) if colocated else None
@@ -214,11 +251,12 @@ def _compile_time(provider, stage: StageSpec, bucket: int) -> float:
     return block_count(stage) * provider.device.compile_block_s
 
 
-def _stage_hosts(layout: Layout, devices_per_host: int) -> list[int]:
-    """The host of each stage's first device, stages on consecutive devices in pipeline order."""
+def _stage_hosts(layout: Layout, devices_per_host: int, last_device: bool = False) -> list[int]:
+    """The host of each stage's first device (its last with `last_device`), stages on consecutive
+    devices in pipeline order."""
     out, start = [], 0
     for s in layout.stages:
-        out.append(start // devices_per_host)
+        out.append((start + (s.num_devices - 1 if last_device else 0)) // devices_per_host)
         start += s.num_devices
     return out
 

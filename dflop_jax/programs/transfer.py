@@ -15,6 +15,13 @@ devices by id, on one axis "u"):
    `dynamic_slice` / `dynamic_update_slice` (a device that keeps a piece copies it locally);
 3. the destination shards of the result are wrapped as an array on the destination sharding.
 
+Within one process, between disjoint device sets whose shardings hold the same block at the same
+position of their device lists (stage to stage at the same dp and tp, features from encoder dp n to an
+LLM stage of n devices, replicated vectors between stages of as many devices), a transfer is
+`jax.device_put`: jax copies each block device to device, no program to compile or launch and no zero
+blocks (`copies`; jax's own test for that path is the same: equal HLO shardings over device lists of
+one length).
+
 The piece plan depends only on metadata (`devices_indices_map` of both shardings), so every process
 computes the same plan and program. It runs the same on CPU (gloo) and GPU (NCCL), in both directions,
 and never touches host memory; dispatch returns at once (only a read of the result waits).
@@ -103,6 +110,8 @@ def transfer(
     route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
     if route.same and isinstance(x, jax.Array):
         return x
+    if route.copy:  # jax copies each block to the device at its position (module docstring)
+        return issue(TRANSFER, None, jax.device_put, x, dst)
     if route.program is None:  # nothing moves: the same shards, re-labelled
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
         shards = [held[d] for d in dst.addressable_devices]
@@ -116,7 +125,7 @@ def lower_transfer(
     """The programs `transfer(x, dst, shape)` runs on this process, lowered (none when nothing
     moves)."""
     shape = tuple(x.shape) if shape is None else tuple(shape)
-    if _same_layout(x, dst, shape):
+    if _same_layout(x, dst, shape) or copies(x.sharding, dst, tuple(x.shape), shape):
         return []
     return _program_of(x, dst, shape).lower()
 
@@ -126,16 +135,19 @@ def transfer_bytes(
 ) -> int:
     """Bytes `transfer(x, dst, shape)` moves between devices (0 when the layout already matches)."""
     route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
-    return 0 if route.program is None else route.program.bytes_moved
+    return route.bytes_moved
 
 
 @dataclasses.dataclass(frozen=True)
 class _Route:
     """What `transfer` does for one (source sharding, destination, shapes, dtype): `same`: return x
-    itself (when it is an array); else re-label its shards (`program` None) or run `program`."""
+    itself (when it is an array); `copy`: `jax.device_put` (`copies`); else re-label its shards
+    (`program` None) or run `program`. `bytes_moved`: between devices, per call."""
 
     same: bool
     program: Transfer | None
+    copy: bool = False
+    bytes_moved: int = 0
 
 
 @functools.cache
@@ -145,7 +157,34 @@ def _route(src: Sharding, dst: Sharding, shape: tuple[int, ...], dst_shape: tupl
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=src)
     if _same_layout(x, dst, tuple(dst_shape)):
         return _Route(same, None)
-    return _Route(same, _program_of(x, dst, tuple(dst_shape)))
+    if copies(src, dst, tuple(shape), tuple(dst_shape)):
+        block = int(np.prod(dst.shard_shape(tuple(shape)))) * jnp.dtype(dtype).itemsize
+        return _Route(same, None, copy=True, bytes_moved=block * len(dst.device_set))
+    program = _program_of(x, dst, tuple(dst_shape))
+    return _Route(same, program, bytes_moved=program.bytes_moved)
+
+
+def copies(
+    src: Sharding, dst: Sharding, shape: tuple[int, ...], dst_shape: tuple[int, ...]
+) -> bool:
+    """Whether `transfer` moves an array of `shape` from `src` to `dst` by `jax.device_put`: one
+    shape, both shardings on this process's devices (a device_put across processes needs one device
+    set), the device sets disjoint, and each position of the destination's device list taking the
+    block the same position of the source's holds. The last is jax's own condition for copying
+    block by block (equal HLO shardings, device lists of one length), asked through the public
+    `is_equivalent_to` of the destination's sharding moved onto the source's devices."""
+    if shape != dst_shape or not (
+        isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)
+    ):
+        return False
+    if not (src.is_fully_addressable and dst.is_fully_addressable):
+        return False
+    if not src.device_set.isdisjoint(dst.device_set) or len(src.device_set) != len(dst.device_set):
+        return False
+    devices = np.array(list(src.mesh.devices.flat)).reshape(dst.mesh.devices.shape)
+    moved = NamedSharding(Mesh(devices, dst.mesh.axis_names, axis_types=dst.mesh.axis_types),
+                          dst.spec, memory_kind=dst.memory_kind)  # fmt: skip
+    return src.is_equivalent_to(moved, len(shape))
 
 
 def _same_layout(x, dst: Sharding, shape: tuple[int, ...]) -> bool:

@@ -460,7 +460,8 @@ def _forward_only(stages: Sequence[StageProgram], children) -> int:
 def connect(stages: Sequence[StageProgram], children: Sequence[int] | None = None) -> None:
     """Sets up the communicator of every pair of stages that exchange data with one tiny transfer each:
     neighbours (activations, cotangents) and every stage with the last (the step's norms and
-    statistics, `train_state.apply_updates`).
+    statistics, `train_state.apply_updates`). A pair whose transfers are device-to-device copies
+    (`transfer.copies`) needs none; its tiny transfer is one copy.
 
     Call it where every process arrives at about the same time (after building the stages): the
     first use of a communicator waits only 30 s for late peers (gloo's rendezvous on CPU), and in the

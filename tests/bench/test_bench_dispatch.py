@@ -1,5 +1,6 @@
 """`python -m dflop_jax.bench dispatch`: the real-size stage's Python layers with its programs stubbed
-(fast: traced, never compiled), and the demo's dispatch path against its floor (slow: it trains)."""
+(fast: traced, never compiled), jax's own call cost by inputs and outputs, and the demo's dispatch path
+against its floor (slow: it trains)."""
 
 import json
 
@@ -14,6 +15,28 @@ def test_real_part_times_our_layers_at_real_leaf_counts():
     assert rep["calls"] == 1 + 2 * m  # a zero accumulator, a forward and a backward per microbatch
     assert rep["param_leaves"] > 0 and rep["residual_leaves"] > rep["param_leaves"]
     assert 0 < rep["us_per_call"] < rep["trees_us_per_call"]  # leaves cost less than trees
+
+
+def test_jax_part_measures_every_shape_and_fits_its_cost():
+    rep = bench.jax_part(rounds=1, devices=(1, 2), leaves=(1, 4), calls=3)
+    got = {(r["devices"], r["inputs"], r["outputs"]) for r in rep["rows"]}
+    assert got == {(d, n, o) for d in (1, 2) for n in (1, 4) for o in {1, n}}
+    assert len(rep["rows"]) == len(got)  # one row each
+    assert all(r["cpu_us_per_call"] >= 0 for r in rep["rows"]) and set(rep["fit"]) == {"1", "2"}
+
+
+def test_call_cost_fit_recovers_known_coefficients():
+    """The fit separates a fixed cost, a per-input and a per-output cost per device count."""
+    cost = {1: (10.0, 0.5, 4.0), 2: (20.0, 1.0, 7.0)}
+    rows = [{"devices": d, "inputs": n, "outputs": o,
+             "cpu_us_per_call": cost[d][0] + cost[d][1] * n + cost[d][2] * o}
+            for d in cost for n in (1, 16, 64) for o in {1, n}]  # fmt: skip
+    fit = bench._fit_call_cost(rows)
+    for d, (fixed, per_in, per_out) in cost.items():
+        f = fit[str(d)]
+        assert (f["fixed_us"], f["per_input_us"], f["per_output_us"]) == pytest.approx(
+            (fixed, per_in, per_out)
+        )
 
 
 def test_unknown_part_is_one_line_error(capsys):

@@ -13,8 +13,9 @@ from dflop_jax.train import run
 
 def _expected(m: int, stages: int = 2) -> dict[str, int]:
     """Programs one step of M microbatches issues on a pipeline of `stages` LLM stages, each
-    training every leaf, stage-to-stage transfers between disjoint devices (each runs 2 programs:
-    its zero blocks for the destination's devices and the transport)."""
+    training every leaf, stage-to-stage transfers between disjoint devices whose blocks do not line
+    up (the fixture's tp 1 and tp 2 stages: each transfer runs 2 programs, its zero blocks for the
+    destination's devices and the transport)."""
     boundaries = stages - 1
     stage = (
         2 * boundaries * m  # inner stages: forward (keeping residuals) + backward per microbatch

@@ -82,3 +82,14 @@ def test_precompile_lowers_what_the_planner_counts(layout, omni):
         sigs = {sig[1:] for sig in stage.signatures if sig[0] in ("fwd_res", "last", "fwd")}
         want = 2 if kinds[i] != "llm" else first if i == layout.first_llm else 2
         assert len(sigs) == want, (i, sigs)
+
+
+def test_stages_on_other_hosts_transfer_by_program():
+    """Two LLM stages at the same dp and tp copy between them on one host (the runtime's count,
+    above); on hosts of their own every transfer is a program and its zero blocks: each of the 2
+    length buckets forward and back, the norm in and the statistics out."""
+    one = program_counts(COLOCATED_PP, BUCKETS)
+    apart = program_counts(COLOCATED_PP, BUCKETS, devices_per_host=2)
+    assert one.transfers == 0 and apart.transfers == 2 * 2 * 2
+    assert apart.step - one.step == 2 * 2
+    assert apart.stage == one.stage and apart.count == one.count

@@ -28,7 +28,12 @@ CASES = {
     "same devices, new spec": (((0, 1, 2, 3), (4,), P("data")), ((0, 1, 2, 3), (2, 2), P(None, "data"))),
     "overlapping devices": (((0, 1, 2, 3), (4,), P("data")), ((2, 3, 4, 5, 6, 7), (6,), P("data"))),
     "dp3 replicated->dp2": (((2, 3, 4), (3,), P()), ((0, 1), (2,), P("data"))),
+    # blocks that line up: device-to-device copies (`transfer.copies`), no program
+    "dp2->dp2 aligned": (((0, 1), (2,), P("data")), ((2, 3), (2,), P("data"))),
+    "tp2->tp2 aligned": (((0, 1), (1, 2), P("data")), ((4, 5), (1, 2), P("data"))),
+    "dp4->2x2 features aligned": (((0, 1, 2, 3), (4,), P("data")), ((4, 5, 6, 7), (2, 2), P(("data", "model")))),
 }  # fmt: skip
+ALIGNED = sorted(name for name in CASES if name.endswith("aligned"))
 
 
 def _placed(sharding):
@@ -73,6 +78,28 @@ def test_one_program_per_signature_and_bytes():
         )
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_only_aligned_blocks_are_copied_without_a_program(name):
+    """Where the blocks line up, the transfer compiles nothing and is one counted copy; its bytes
+    are what the union program's piece plan would move. Elsewhere it stays the program."""
+    from dflop_jax.programs.dispatch import ISSUED, TRANSFER
+
+    src, dst = (_sharding(*c) for c in CASES[name])
+    x = jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=src)
+    aligned = name in ALIGNED
+    assert tr.copies(src, dst, SHAPE, SHAPE) == aligned
+    assert (tr.lower_transfer(x, dst) == []) == aligned
+    if not aligned:
+        return
+    assert tr.transfer_bytes(x, dst) == tr.Transfer(src, dst, SHAPE, np.float32).bytes_moved > 0
+    _, placed = _placed(src)
+    before = ISSUED.snapshot()[TRANSFER]
+    jax.block_until_ready(tr.transfer(placed, dst))
+    assert ISSUED.snapshot()[TRANSFER] == before + 1
+    # a padded destination shape needs the program
+    assert not tr.copies(src, dst, SHAPE, (SHAPE[0] + 4, *SHAPE[1:]))
+
+
 def test_identical_layout_moves_nothing():
     src = _sharding((0, 1), (2,), P("data"))
     same = NamedSharding(
@@ -111,3 +138,18 @@ def test_lowered_ahead_the_call_builds_nothing_and_keeps_no_buffer():
     gc.collect()
     held = jax.tree.leaves(list(vars(program).values()))
     assert not [a for a in held if isinstance(a, jax.Array)]
+
+
+def test_the_pipeline_guard_passes_aligned_copies_only():
+    """`no_host_round_trip` (the parity tests' guard) lets a device_put whose blocks line up
+    through and fails one that reshards."""
+    from pipeline_reference import no_host_round_trip
+
+    (src, dst), (_, bad) = (
+        [_sharding(*c) for c in CASES[n]] for n in ("dp2->dp2 aligned", "dp2->dp3 sharded")
+    )
+    _, x = _placed(src)
+    with no_host_round_trip():
+        jax.block_until_ready(jax.device_put(x, dst))
+        with pytest.raises(AssertionError, match="non-aligned"):
+            jax.device_put(x, bad)
