@@ -58,14 +58,20 @@ class ResolvedPlan:
         )  # fmt: skip
 
     def describe(self, multimodal: bool, devices: list[list[int]] | None = None) -> list[str]:
-        """The plan for people, a line per stage (with its device ids when given), its buckets
-        (the sparse pairs' count where narrowed), microbatches and residual policies, and what
-        compiling it costs (`costs.compile.compile_cost` with the plan's provider)."""
-        lines = []
-        for i, s in enumerate(self.layout.stages):
+        """The plan for people, a line per stage (with its device ids when given, and the
+        encoders the first LLM stage runs itself), its buckets (the sparse pairs' count where
+        narrowed), microbatches and residual policies, and what compiling it costs
+        (`costs.compile.compile_cost` with the plan's provider)."""
+        lay, lines = self.layout, []
+        colocated = [name for name, here in (
+            ("vision encoder", multimodal and not lay.encoder_stages),
+            ("audio encoder", bool(self.buckets.audio) and not lay.audio_stages)) if here]  # fmt: skip
+        for i, s in enumerate(lay.stages):
             where = f" devices={devices[i]}" if devices else ""
-            lines.append(f"stage {i}: {s.module} layers {s.first_layer}..{s.first_layer + s.num_layers - 1}"
-                         f" dp={s.dp} tp={s.tp} emb={s.has_embedding} head={s.has_head}{where}")  # fmt: skip
+            runs = f" + {' + '.join(colocated)}" if colocated and i == lay.first_llm else ""
+            lines.append(f"stage {i}: {s.module}{runs} layers {s.first_layer}.."
+                         f"{s.first_layer + s.num_layers - 1} dp={s.dp} tp={s.tp} "
+                         f"emb={s.has_embedding} head={s.has_head}{where}")  # fmt: skip
         b = self.buckets
         pairs = "" if b.grid else f" pairs={len(b.pairs)} of {len(b.tiles) * len(b.lengths)}"
         audio = f" audio={b.audio}" if b.audio else ""

@@ -76,3 +76,23 @@ def test_the_plan_records_each_stages_residual_policy_and_plans_its_memory(tmp_p
     resolved = ResolvedPlan.of(back, provider)
     ctx = RunContext.of(TrainConfig(), model_config_for_arch("tiny", "float32"))  # residuals: auto
     assert stage_residuals(ctx, resolved) == plan.residuals
+
+
+def test_described_plan_names_the_encoders_the_first_llm_stage_runs():
+    """A colocated plan says that LLM stage 0 runs the vision encoder (and with audio buckets and no
+    audio stages, the audio encoder); a plan with encoder stages says it of no stage."""
+    from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+    from dflop_jax.planner.resolve import ResolvedPlan
+
+    provider = AnalyticCostProvider(get_arch("tiny"), get_device("h100"))
+    colocated = _plan(20)
+    assert not colocated.layout.encoder_stages
+    lines = ResolvedPlan.of(colocated, provider).describe(True)
+    assert lines[0].startswith("stage 0: llm + vision encoder layers")
+    heard = dataclasses.replace(colocated.buckets, audio=(256,))
+    lines = ResolvedPlan.of(dataclasses.replace(colocated, buckets=heard), provider).describe(True)
+    assert lines[0].startswith("stage 0: llm + vision encoder + audio encoder layers")
+    assert ResolvedPlan.of(colocated, provider).describe(False)[0].startswith("stage 0: llm layers")
+    apart = make_plan("tiny", "h100", 3, SHAPES, dataclasses.replace(SPACE, encoder_stages=True,
+                                                                     colocate=False))  # fmt: skip
+    assert not any("+" in line for line in ResolvedPlan.of(apart, provider).describe(True)[:-2])
