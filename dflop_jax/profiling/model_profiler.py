@@ -90,9 +90,10 @@ def candidate_tps(model_cfg, kind: str, tps: Sequence[int], num_devices: int) ->
 
     text = (model_cfg.text.num_heads, model_cfg.text.num_kv_heads)
     if kind in AUDIO_KINDS:  # the audio stage's tp splits its heads and its MLP
-        if audio_part(model_cfg) is None:
+        part = audio_part(model_cfg)
+        if part is None:
             return []
-        a = audio_part(model_cfg).audio
+        a = part.audio
         heads = (a.num_heads, a.intermediate_size)
     elif not hasattr(model_cfg, "vision") and (
         kind in COLOCATED_KINDS or kind.startswith("encoder")

@@ -123,11 +123,9 @@ def lower_transfer(
     x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
 ) -> list[jax.stages.Lowered]:
     """The programs `transfer(x, dst, shape)` runs on this process, lowered (none when nothing
-    moves)."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if _same_layout(x, dst, shape) or copies(x.sharding, dst, tuple(x.shape), shape):
-        return []
-    return _program_of(x, dst, shape).lower()
+    moves, or when it is a copy)."""
+    route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
+    return [] if route.program is None else route.program.lower()
 
 
 def transfer_bytes(
