@@ -72,12 +72,19 @@ class Layout:
     stages (a model with an audio encoder; none: it runs on LLM stage 0) form a second branch: the
     last encoder stage and the last audio stage both feed LLM stage 0 (`children`). Their dp
     divides the LLM's: each audio replica encodes whole LLM rows' audio.
+
+    An encoder on stages of its own takes a microbatch's tiles either packed by LLM row (each row's
+    tiles in its own block: the first LLM stage receives each row only its features, and the
+    encoder computes llm_dp blocks of the fullest row's size) or, with `pooled_tiles`, as one pool
+    split evenly over its shards (the encoder computes the microbatch's tiles rounded up to its
+    bucket; the first LLM stage gathers the whole pool onto every device). The planner prices both.
     """
 
     encoder_stages: tuple[StageSpec, ...]
     llm_stages: tuple[StageSpec, ...]
     colocated_encoder_tp: int | None = None
     audio_stages: tuple[StageSpec, ...] = ()
+    pooled_tiles: bool = False
 
     def __post_init__(self):
         if not self.llm_stages:
@@ -97,6 +104,12 @@ class Layout:
             raise ValueError(
                 f"colocated_encoder_tp={cet}: needs a colocated encoder (no encoder stages) and a "
                 f"divisor of LLM stage 0's tp {self.llm_stages[0].tp}"
+            )
+        if self.pooled_tiles and (not self.encoder_stages or self.audio_stages):
+            raise ValueError(
+                "pooled_tiles: needs an encoder on stages of its own and no audio stages (a "
+                "colocated encoder encodes each row's tiles on the row's shard; a stage joining the "
+                "audio branch takes its vision features by row)"
             )
         for s in self.encoder_stages:
             if s.module != "encoder":
@@ -165,9 +178,10 @@ class Layout:
         (`ScheduledMicrobatch.tiles_by_row`, tile buckets per row): every layout the runtime runs, an
         encoder on its own stages (the first LLM stage then receives each row only its own
         samples' features) or colocated at LLM stage 0's tp and dp (each shard encodes its own
-        row's tiles). Not an encoder colocated at its own tp (`colocated_encoder_tp`), which the
-        planner alone models, its tiles split over its replicas as one pool."""
-        return self.colocated_encoder_tp is None
+        row's tiles). Not an encoder with `pooled_tiles`, nor one colocated at its own tp
+        (`colocated_encoder_tp`, which the planner alone models): their tiles are split over the
+        encoder's replicas as one pool."""
+        return self.colocated_encoder_tp is None and not self.pooled_tiles
 
     @property
     def row_align(self) -> int:

@@ -500,14 +500,17 @@ def boundary_shards(layout: Layout, index: int, bucket: int) -> tuple[float, flo
     replicas, about T / tp tiles each (the transfer sends every piece from one replica).
     within: the in-mesh all-gather of each row's block over its tp devices inside the LLM stage's
     program, a ring in which each device receives the tp - 1 other pieces of its row's block (0
-    where tp = 1); dL/dx's reduce-scatter moves the same.
+    where tp = 1); dL/dx's reduce-scatter moves the same. Tiles pooled (`Layout.pooled_tiles`): the
+    pool arrives split the same way and is gathered whole, each device receiving the dp x tp - 1
+    other pieces.
     """
     a, b = layout.stages[index], layout.stages[layout.children[index]]
     if not (a.module == "encoder" and b.module == "llm") or bucket < 1:
         return 1.0, 0.0
     block = -(-a.dp * bucket // b.num_devices)  # tiles per LLM device
     sent = -(-bucket // a.tp)  # tiles per encoder device
-    return max(block, sent) / bucket, (b.tp - 1) * block / bucket
+    gathered = b.num_devices if layout.pooled_tiles else b.tp
+    return max(block, sent) / bucket, (gathered - 1) * block / bucket
 
 
 def layout_transfer_costs(provider: CostProvider, layout: Layout) -> TransferCostFn:
@@ -609,4 +612,19 @@ def layout_memory(
     audio = colocated_audio_stage(provider.arch, layout)
     if audio is not None and audio_bucket:
         mems[first] = mems[first] + memory(audio, audio_bucket, policies[first])
+    if layout.pooled_tiles:
+        extra = pooled_features_bytes(provider, layout, tile_bucket)
+        mems[first] = dataclasses.replace(mems[first], temp=mems[first].temp + extra)
     return [dataclasses.replace(m, in_flight=c) for m, c in zip(mems, counts)]
+
+
+def pooled_features_bytes(provider: CostProvider, layout: Layout, tile_bucket: int) -> float:
+    """What the first LLM stage of a layout with pooled tiles (`Layout.pooled_tiles`) holds beyond
+    a row's features, per device: the whole pool gathered (encoder_dp x `tile_bucket` tiles of
+    tokens_per_tile features) and its gradient, each replica's share of which is summed over
+    "data". An upper bound: the row's own features, which the stage model counts, are not taken
+    off."""
+    arch = provider.arch
+    cb = getattr(provider, "compute_bytes", 2)
+    pool = layout.encoder_dp * tile_bucket * arch.vision.tokens_per_tile
+    return 2.0 * pool * arch.llm.hidden_size * cb

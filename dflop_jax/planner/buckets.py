@@ -164,6 +164,7 @@ def bucket_set(
     num_buckets: int,
     length_align: int,
     by_row: bool = False,
+    pooled: bool = False,
 ) -> BucketSet:
     """The tile and length ladders for one (global batch, M, dp) combination; see the module docstring.
 
@@ -177,6 +178,8 @@ def bucket_set(
       by_row: tiles are packed by LLM row (`Layout.tiles_by_row`): tile buckets count a row's tiles
         (its share of the llm_dp rows), and the largest holds the largest sample, not its share of
         encoder_dp shards.
+      pooled: tiles are pooled by an encoder of its own (`Layout.pooled_tiles`): the lower tile
+        sizes pad a microbatch's pool least, its tiles split evenly over the encoder's shards.
     """
     token_load = global_batch * stats.mean_tokens / (microbatches * llm_dp)
     tile_load = (
@@ -188,6 +191,8 @@ def bucket_set(
     samples = round(global_batch / microbatches)
     if by_row and len(tile_sizes) > 1 and stats.tiles:
         tile_sizes = _row_ladder(stats.tiles, samples, llm_dp, tile_sizes[-1], num_buckets)
+    elif pooled and len(tile_sizes) > 1 and stats.tiles:
+        tile_sizes = _pool_ladder(stats.tiles, samples, encoder_dp, tile_sizes[-1], num_buckets)
     audio = _audio_ladder(stats, samples, llm_dp, row_audio_frames(lengths[-1]), num_buckets)
     return BucketSet(tiles=tile_sizes, lengths=lengths, audio=audio)
 
@@ -210,6 +215,14 @@ def _row_audio_ladder(
     if n == 1 or drawn >= top:
         return (top,)
     return (*padding_ladder(fullest, drawn, n - 1), top)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pool_ladder(tiles: tuple[int, ...], samples: int, shards: int, top: int, n: int):
+    """A pooled ladder ending at `top`: the sizes that pad a microbatch's tiles per encoder shard
+    least (the pool of `samples` drawn samples split evenly over `shards`)."""
+    pool = np.ceil(fullest_rows(np.asarray(tiles), samples, 1) / shards)
+    return padding_ladder(pool, top, n)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -45,6 +45,7 @@ class Candidate:
         return (
             tuple((s.module, s.first_layer, s.num_layers, s.tp, s.dp) for s in self.layout.stages),
             self.layout.colocated_encoder_tp or 0,
+            self.layout.pooled_tiles,
             self.chunks,
             self.microbatches,
             self.num_buckets,
@@ -86,7 +87,7 @@ def describe_layout(layout: Layout, chunks: int = 1) -> str:
     encoder at its own tp "enc@llm0 tp1 dp32 | llm tp4 pp1 dp8", with virtual stages
     "enc@llm0 | llm tp8 pp2x2[9+16+16+16] dp4" (pp x chunks, layers per virtual stage), with audio
     stages "enc tp1 pp1 dp8 | aud tp1 pp1 dp4 | llm tp4 pp2[14+14] dp8" (an audio encoder without
-    stages runs on LLM stage 0, unnamed)."""
+    stages runs on LLM stage 0, unnamed), tiles pooled "enc tp1 pp1 dp8 pooled | ..."."""
 
     def part(name: str, stages: tuple[StageSpec, ...], v: int = 1) -> str:
         split = f"[{'+'.join(str(s.num_layers) for s in stages)}]" if len(stages) > 1 else ""
@@ -96,6 +97,7 @@ def describe_layout(layout: Layout, chunks: int = 1) -> str:
     enc = part("enc", layout.encoder_stages) if layout.encoder_stages else "enc@llm0"
     if layout.colocated_encoder_tp is not None:
         enc += f" tp{layout.colocated_encoder_tp} dp{layout.encoder_dp}"
+    enc += " pooled" if layout.pooled_tiles else ""
     aud = f"{part('aud', layout.audio_stages)} | " if layout.audio_stages else ""
     return f"{enc} | {aud}{part('llm', layout.llm_stages, chunks)}"
 
@@ -174,8 +176,15 @@ def enumerate_candidates(
             for etp, epp, edp in separate:
                 if used + etp * epp * edp >= low:
                     enc = module_stages("encoder", v.num_layers, etp, epp, edp)
-                    layouts.append(Layout(enc, llm, audio_stages=audio))
+                    for pooled in _tile_packings(config, audio):
+                        layouts.append(Layout(enc, llm, audio_stages=audio, pooled_tiles=pooled))
     return _with_microbatches(layouts, config)
+
+
+def _tile_packings(config: PlannerConfig, audio: tuple[StageSpec, ...]) -> tuple[bool, ...]:
+    """`Layout.pooled_tiles` values to try for an encoder on stages of its own: by row, and pooled
+    where `PlannerConfig.pooled_tiles` allows it and no audio stage joins the first LLM stage."""
+    return (False, True) if config.pooled_tiles and not audio else (False,)
 
 
 def _audio_placements(

@@ -64,6 +64,9 @@ class PlannerConfig:
       colocate: also consider layouts with the encoder colocated on the first LLM stage.
       encoder_stages: also consider layouts with separate encoder stages (a decoder-only
         training run's planner turns it off: it has no encoder to place).
+      pooled_tiles: an encoder on stages of its own may also take a microbatch's tiles as one
+        pool (`Layout.pooled_tiles`: fewer padded tiles, the first LLM stage gathering the whole
+        pool) besides packed by LLM row (fewer bytes): both priced, chosen per layout.
       colocate_own_tp: a colocated encoder may also run at its own tp, a divisor of the stage's
         (`Layout.colocated_encoder_tp`; the trainer's planner turns it off: the runtime runs the
         colocated encoder at the stage's tp).
@@ -115,6 +118,7 @@ class PlannerConfig:
     colocate: bool = True
     colocate_own_tp: bool = True
     encoder_stages: bool = True
+    pooled_tiles: bool = True
     virtual_stages: tuple[int, ...] = (1,)
     remat: tuple[bool, ...] = ()
     screen_top: int = 8

@@ -340,10 +340,12 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path}: malformed plan: {type(e).__name__}: {e}") from None
 
 
-def _colocated_tp(layout: Layout) -> dict[str, int]:
-    """The colocated encoder's own tp, written only when it has one (older plans stay unchanged)."""
+def _colocated_tp(layout: Layout) -> dict[str, int | bool]:
+    """The colocated encoder's own tp, written only when it has one, and `pooled_tiles`, only when
+    set (older plans stay unchanged)."""
     tp = layout.colocated_encoder_tp
-    return {} if tp is None else {"encoder_colocated_tp": tp}
+    out: dict[str, int | bool] = {} if tp is None else {"encoder_colocated_tp": tp}
+    return out | ({"pooled_tiles": True} if layout.pooled_tiles else {})
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -364,6 +366,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         tuple(s for s in stages if s.module == "llm"),
         d.get("encoder_colocated_tp"),
         tuple(s for s in stages if s.module == "audio"),
+        bool(d.get("pooled_tiles", False)),
     )
     pred = d["predicted"]
     return Plan(

@@ -75,7 +75,9 @@ class ResolvedPlan:
         b = self.buckets
         pairs = "" if b.grid else f" pairs={len(b.pairs)} of {len(b.tiles) * len(b.lengths)}"
         audio = f" audio={b.audio}" if b.audio else ""
-        lines.append(f"buckets tiles={b.tiles} lengths={b.lengths}{pairs}{audio} microbatches="
+        per = "encoder shard, pooled" if lay.pooled_tiles else "row"
+        per = f" (per {per})" if multimodal and lay.encoder_stages else ""
+        lines.append(f"buckets tiles={b.tiles}{per} lengths={b.lengths}{pairs}{audio} microbatches="
                      f"{self.microbatches} residuals={list(self.residuals or ['recompute'])}")  # fmt: skip
         trainable = getattr(self.provider, "trainable", TRAINABLE_PARTS)
         cost = compile_cost(self.provider, self.layout, b, multimodal, trainable)

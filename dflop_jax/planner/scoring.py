@@ -110,6 +110,7 @@ def candidate_buckets(cand: Candidate, stats: ShapeStats, config: PlannerConfig)
         cand.num_buckets,
         config.length_align,
         by_row=lay.tiles_by_row,
+        pooled=lay.pooled_tiles,
     )
 
 

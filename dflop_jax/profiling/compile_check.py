@@ -218,8 +218,8 @@ def stage_program_at(
     `length` tokens per LLM row and `audio` frames per LLM row (an omni model): an encoder stage
     runs at its tiles per shard (`Layout.encoder_tiles`), an audio stage on its LLM rows' audio,
     an LLM stage at the length (the first one taking each row's block of features, `encoder_dp` x
-    that / `llm_dp` tiles per row, and running the audio encoder or taking its stages' features),
-    the colocated stage at both."""
+    that / `llm_dp` tiles per row, and running the audio encoder or taking its stages' features;
+    with pooled tiles the whole pool, the same tiles over its rows), the colocated stage at both."""
     spec = layout.stages[stage]
     where = dict(trainable=trainable, residuals=residuals, audio_bucket=audio,
                  audio_apart=bool(layout.audio_stages), audio_rows=layout.llm_dp)  # fmt: skip
@@ -230,8 +230,10 @@ def stage_program_at(
     per_shard = layout.encoder_tiles(tiles)
     bucket = {"encoder": per_shard, "audio": audio}.get(spec.module, length)
     first_llm = spec.module == "llm" and spec.has_embedding and layout.encoder_stages
-    features = layout.encoder_dp * per_shard // layout.llm_dp if first_llm else None
-    prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features, **where)
+    features = -(-layout.encoder_dp * per_shard // layout.llm_dp) if first_llm else None
+    pooled = bool(first_llm) and layout.pooled_tiles
+    prog = stage_program(model_cfg, spec, mesh, bucket, compute_dtype, features, **where,
+                         pooled=pooled)  # fmt: skip
     return spec.module, prog
 
 

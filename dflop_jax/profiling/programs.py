@@ -313,6 +313,7 @@ def stage_program(
     audio_bucket: int = 0,
     audio_apart: bool = False,
     audio_rows: int | None = None,
+    pooled: bool = False,
 ) -> PartProgram:
     """The runtime's programs of stage `spec` on its ("data", "model") `mesh` at `bucket` per data
     shard, with inputs. Nothing is compiled.
@@ -331,13 +332,16 @@ def stage_program(
         stage's `bucket` is its frames per row and `audio_rows` the LLM rows it encodes (default
         its dp).
       audio_apart: the layout gives the audio encoder stages of its own (`build_stages`).
+      pooled: the first LLM stage takes a pooled encoder's features (`Layout.pooled_tiles`):
+        `feature_tiles` per row make the pool it gathers whole, each row's taps in its own part.
     """
     model_cfg = stage_config(model_cfg, residuals)
     dp = mesh.shape["data"]
     colocated = tile_bucket is not None
     if colocated and not (spec.module == "llm" and spec.has_embedding):
         raise ValueError(f"tile_bucket={tile_bucket}: only the first LLM stage holds the encoder")
-    bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated, audio_apart=audio_apart)
+    bp = abstract_stage(model_cfg, spec, mesh, colocated=colocated, audio_apart=audio_apart,
+                        pooled=pooled)  # fmt: skip
     mask = trained_mask(bp.state, trainable)
     audio = dict(audio=holds_audio(model_cfg, spec, audio_apart),
                  audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip

@@ -39,6 +39,11 @@ Stage functions (side inputs are `PackedMicrobatch` fields, sharded over "data")
                     taps taken modulo the block, the row-local index). dL/dx comes back the same
                     way (per row, to its tp devices' pieces). So the boundary carries one copy and
                     each device holds one row's features whatever l_dp.
+                    Tiles POOLED (`Layout.pooled_tiles`): the encoder's v_dp*T slots hold the
+                    microbatch's tiles in sample order; they arrive the same way (end-padded to
+                    split evenly), the program gathers the whole pool on every device
+                    (POOLED_FEATURES_SPEC = P()) and rows place features by their pool slot
+                    (`per_row=False`); each data replica's share of dL/dx is summed over "data".
   LLM, other:       hidden -> hidden; the last one (+ targets, loss_mask) -> (loss_sum, count)
                     (`DecoderStage.loss`: chunked cross-entropy, no full-vocabulary logits)
   colocated:        a layout with no encoder stages runs the whole encoder on LLM stage 0's mesh
@@ -83,8 +88,10 @@ AUDIO_KEYS = ("audio", "audio_windows", "audio_valid", "audio_index")
 # transfer: the tile axis (packed by row) split over every device of its mesh, so one copy crosses
 # the boundary and row r's block lands on row r's tp devices ...
 FEATURES_SPEC = P(("data", "model"))
-# ... and how its programs compute on them: each row's block gathered over its tp devices only.
+# ... and how its programs compute on them: each row's block gathered over its tp devices only,
 ROW_FEATURES_SPEC = P("data")
+# or, tiles pooled (`Layout.pooled_tiles`), the whole pool gathered onto every device.
+POOLED_FEATURES_SPEC = P()
 # Where a run's params come from: an int seed (keyed random init) or an HF model directory.
 ParamSource = int | str | os.PathLike
 
@@ -189,6 +196,7 @@ def stage_fns(
     colocated: bool = False,
     audio: bool = False,
     audio_x: bool = False,
+    pooled: bool = False,
 ) -> StageFns:
     """Pure functions of one stage module (`EncoderStage`, `LLMStage`, `DecoderStage` or, with
     `colocated`, `ColocatedStage`).
@@ -204,6 +212,9 @@ def stage_fns(
         another signature, one more compile of this stage only).
       audio_x: the first LLM stage takes the audio encoder's features from its own stages
         (`_joining_fns`).
+      pooled: the first LLM stage takes the features of a pooled encoder (`Layout.pooled_tiles`):
+        it gathers the whole pool onto every device and each row places its features by their
+        slots in the pool.
     """
     if spec.module == "encoder":
         return _encoder_fns(graphdef, spec, rules)
@@ -212,7 +223,8 @@ def stage_fns(
     if audio_x:
         return _joining_fns(graphdef, spec, rules, colocated=colocated, vision=multimodal)
     features = multimodal and spec.has_embedding
-    return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated, audio=audio)
+    return _llm_fns(graphdef, spec, rules, features=features, colocated=colocated, audio=audio,
+                    pooled=pooled)  # fmt: skip
 
 
 def _encoder_fns(graphdef, spec: StageSpec, rules: Rules) -> StageFns:
@@ -278,7 +290,14 @@ def _joining_fns(
 
 
 def _llm_fns(
-    graphdef, spec: StageSpec, rules: Rules, *, features: bool, colocated: bool, audio: bool
+    graphdef,
+    spec: StageSpec,
+    rules: Rules,
+    *,
+    features: bool,
+    colocated: bool,
+    audio: bool,
+    pooled: bool = False,
 ) -> StageFns:
     side = ("segment_ids", "positions")
     if spec.has_embedding:
@@ -297,7 +316,7 @@ def _llm_fns(
             elif colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:
-                x = stage.embed(s["tokens"], x, *_placement(s), per_row=True)
+                x = stage.embed(s["tokens"], x, *_placement(s), per_row=not pooled)
             elif spec.has_embedding:
                 x = stage.embed(s["tokens"])
             return stage, stage(x, s["segment_ids"], s["positions"])
@@ -305,8 +324,11 @@ def _llm_fns(
     x_spec = (FEATURES_SPEC if features else None) if spec.has_embedding else P("data")
     if colocated:
         x_spec = None
-    # each row's features arrive split over its tp devices and are gathered over them (docstring)
-    inner = ROW_FEATURES_SPEC if features and not colocated else None
+    # the features arrive split over the stage's devices; each row's block is gathered over its
+    # tp devices (docstring), or a pool is gathered whole
+    inner = None
+    if features and not colocated:
+        inner = POOLED_FEATURES_SPEC if pooled else ROW_FEATURES_SPEC
     optional = (TAP_KEYS if features else ()) + (AUDIO_KEYS if audio else ())
     return _decoder_stage_fns(hidden, spec, rules, side, optional, x_spec, inner)
 
@@ -359,14 +381,16 @@ def stage_blueprint(
     *,
     colocated: bool = False,
     audio_apart: bool = False,
+    pooled: bool = False,
 ) -> StageBlueprint:
     """The blueprint of a stage module of `model_cfg` on `mesh` (`colocated`: a `ColocatedStage`;
-    `audio_apart`: an omni model's audio encoder has stages of its own)."""
+    `audio_apart`: an omni model's audio encoder has stages of its own; `pooled`: the first LLM
+    stage takes a pooled encoder's features, `stage_fns`)."""
     rules = stage_rules(model_cfg, spec, colocated=colocated, audio_apart=audio_apart)
     graphdef, state = nnx.split(module)
     fns = stage_fns(graphdef, spec, rules, multimodal=has_vision(model_cfg),
                     colocated=colocated, audio=holds_audio(model_cfg, spec, audio_apart),
-                    audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
+                    audio_x=takes_audio(model_cfg, spec, audio_apart), pooled=pooled)  # fmt: skip
     return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
 
 
@@ -391,7 +415,13 @@ def stage_module(
 
 
 def abstract_stage(
-    model_cfg, spec: StageSpec, mesh: Mesh, *, colocated: bool = False, audio_apart: bool = False
+    model_cfg,
+    spec: StageSpec,
+    mesh: Mesh,
+    *,
+    colocated: bool = False,
+    audio_apart: bool = False,
+    pooled: bool = False,
 ) -> StageBlueprint:
     """The blueprint of a fresh stage module without allocating it: `state` holds ShapeDtypeStructs
     carrying their shardings (what the profiler compiles from, and a non-local stage's params)."""
@@ -399,7 +429,7 @@ def abstract_stage(
     rules = stage_rules(model_cfg, spec, **where)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         module = nnx.eval_shape(lambda: stage_module(model_cfg, spec, nnx.Rngs(0), **where))
-    bp = stage_blueprint(module, model_cfg, spec, mesh, **where)
+    bp = stage_blueprint(module, model_cfg, spec, mesh, **where, pooled=pooled)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), bp.state, bp.shardings
     )
@@ -420,6 +450,7 @@ def init_stage(
     *,
     colocated: bool = False,
     audio_apart: bool = False,
+    pooled: bool = False,
 ) -> StageBlueprint:
     """The blueprint of a stage with its params created directly in their stage sharding.
 
@@ -431,11 +462,11 @@ def init_stage(
     A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
     their shardings): nothing of it is compiled, read or allocated here. `colocated`: the stage
     also holds the whole encoder (`ColocatedStage`); `audio_apart`: an omni model's audio encoder
-    has stages of its own.
+    has stages of its own; `pooled`: as `stage_fns`'s.
     """
     where = dict(colocated=colocated, audio_apart=audio_apart)
     if not is_local(mesh):
-        return abstract_stage(model_cfg, spec, mesh, **where)
+        return abstract_stage(model_cfg, spec, mesh, **where, pooled=pooled)
     rules = stage_rules(model_cfg, spec, **where)
     if isinstance(source, int):
         module = create_sharded(
@@ -443,7 +474,7 @@ def init_stage(
         )
     else:
         module = _load_hf(source, model_cfg, spec, mesh, rules, colocated, audio_apart)
-    return stage_blueprint(module, model_cfg, spec, mesh, **where)
+    return stage_blueprint(module, model_cfg, spec, mesh, **where, pooled=pooled)
 
 
 def _load_hf(source, model_cfg, spec: StageSpec, mesh: Mesh, rules: Rules, colocated: bool,
@@ -528,6 +559,7 @@ def build_stages(
             source,
             colocated=coloc and i == first,
             audio_apart=apart,
+            pooled=layout.pooled_tiles and i == first,
         )  # fmt: skip
         for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals))
     ]

@@ -164,15 +164,21 @@ class StageProgram:
         """The stage input made of the previous stage's output `y` (its shape and dtype): on
         `x_sharding`, padded where its devices do not divide an axis (`boundary_shape`). The
         transfer delivers x as this; dL/dx goes back to y's shape. An x the stage regathers
-        (`x_compute_spec`: the MLLM's features, in row blocks) must split evenly: end padding
-        would shift its blocks, so a microbatch packed for another layout is refused here. A
-        stage joining two branches takes y as its x's `part` (the sending stage's module)."""
+        in row blocks (`x_compute_spec` P("data"): the MLLM's features packed by row) must split
+        evenly: end padding would shift its blocks, so a microbatch packed for another layout is
+        refused here. A pool gathered whole (P()) keeps its slots under end padding. A stage
+        joining two branches takes y as its x's `part` (the sending stage's module)."""
         key = (y.shape, y.dtype, part)
         if key in self._x_structs:
             return self._x_structs[key]
         sharding = self.x_sharding if part is None else self.x_sharding[part]
         shape = boundary_shape(y.shape, sharding)
-        if shape != tuple(y.shape) and self.fns.x_compute_spec is not None:
+        blocks = self.fns.x_compute_spec
+        if (
+            shape != tuple(y.shape)
+            and blocks is not None
+            and (isinstance(blocks, dict) or any(blocks))
+        ):
             raise ValueError(
                 f"stage input {tuple(y.shape)} does not split evenly over {sharding.spec} "
                 f"on a {dict(self.mesh.shape)} mesh: a microbatch packed for another layout? "

@@ -37,7 +37,11 @@ class LayoutConfig:
       llm_layers: decoder layers held by each LLM stage (sum = model layers).
       llm_tp: tensor-parallel degree per LLM stage (one value = all stages).
       llm_dp: LLM data-parallel degree.
-      tiles, lengths: bucket sets (tiles per LLM row, packed by row; tokens per LLM row).
+      pooled_tiles: the encoder stages take a microbatch's tiles as one pool split over their
+        shards, the first LLM stage gathering the whole pool (`Layout.pooled_tiles`); else each
+        LLM row's tiles in its own block.
+      tiles, lengths: bucket sets (tiles per LLM row, packed by row, or with pooled_tiles per
+        encoder shard; tokens per LLM row).
       audio: audio buckets, audio encoder frames per LLM row (multiples of 4, ascending; a 30 s
         window keeps up to 3000): only for a model with an audio encoder (model.kind omni or
         qwen2_audio), which needs them.
@@ -56,6 +60,7 @@ class LayoutConfig:
     llm_layers: tuple[int, ...] = (2, 2)
     llm_tp: tuple[int, ...] = (1,)
     llm_dp: int = 1
+    pooled_tiles: bool = False
     tiles: tuple[int, ...] = (4,)
     lengths: tuple[int, ...] = (1024, 2048)
     microbatches: tuple[int, int] = (2, 6)
@@ -82,6 +87,10 @@ class LayoutConfig:
                 f"give one value or one per {module} stage ({len(layers)})",
             )
         require(self.encoder_dp >= 1, "layout.encoder_dp", self.encoder_dp, "must be >= 1")
+        fix = "pooled tiles need encoder stages of their own and no audio stages"
+        require(not self.pooled_tiles or (bool(self.encoder_layers) and not self.encoder_colocated
+                                          and not self.audio_layers),
+                "layout.pooled_tiles", self.pooled_tiles, fix)  # fmt: skip
         fix = f"must divide layout.llm_dp={self.llm_dp} (each audio replica encodes whole LLM rows)"
         require(self.audio_dp >= 1 and self.llm_dp % self.audio_dp == 0, "layout.audio_dp",
                 self.audio_dp, fix)  # fmt: skip
@@ -115,7 +124,7 @@ class LayoutConfig:
         if self.encoder_colocated:
             return Layout((), llm, audio_stages=audio)
         enc = _stages("encoder", self.encoder_layers, self.encoder_tp, self.encoder_dp)
-        return Layout(enc, llm, audio_stages=audio)
+        return Layout(enc, llm, audio_stages=audio, pooled_tiles=self.pooled_tiles)
 
     def buckets(self) -> BucketSet:
         return BucketSet(tuple(self.tiles), tuple(self.lengths), audio=tuple(self.audio))

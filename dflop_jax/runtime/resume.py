@@ -28,16 +28,18 @@ def layout_from_dict(d: dict) -> Layout:
         tuple(StageSpec(**s) for s in d["llm_stages"]),
         d.get("colocated_encoder_tp"),
         tuple(StageSpec(**s) for s in d.get("audio_stages", ())),
+        bool(d.get("pooled_tiles", False)),
     )
 
 
 def stage_keys(layout: Layout) -> list[tuple]:
     """What a stage's programs depend on, per stage of `layout` in pipeline order: its spec, and for
     LLM stage 0 of a colocated layout the encoder it also runs (and whether the audio encoder has
-    stages of its own)."""
+    stages of its own, or the encoder's tiles come pooled)."""
     colocated = not layout.encoder_stages
     first_llm = layout.first_llm
     own = (colocated, layout.colocated_encoder_tp) + ((True,) if layout.audio_stages else ())
+    own += ("pooled",) if layout.pooled_tiles else ()
     return [(dataclasses.astuple(s), own if i == first_llm else None)
             for i, s in enumerate(layout.stages)]  # fmt: skip
 

@@ -10,6 +10,8 @@ The 48-token microbatches carry exact LLaVA-OV feature taps (4 taps with fractio
 data path packs for interpolated image features); the 32-token one only a plain feature_index, so one
 step covers both placements of the first LLM stage."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from pipeline_fixtures import (
     MLLM_TEXT,
     SEPARATE_LAYOUT,
     SEPARATE_ROWS,
+    SEPARATE_TPT,
     SEPARATE_VISION,
     mllm_loss_sum,
     separate_batch,
@@ -68,13 +71,13 @@ def reference_two_rows():
     return _reference(2)
 
 
-def _pipelined_step(layout, rows, residuals="recompute"):
-    """(loss, updated model tree) of one step of `layout` on `separate_batch(rows)`."""
+def _pipelined_step(layout, rows, residuals="recompute", mbs=None):
+    """(loss, updated model tree) of one step of `layout` on `mbs` (`separate_batch(rows)`)."""
     cfg = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT)
     stages = build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
                           residuals=[residuals] * layout.num_stages)  # fmt: skip
     opts = [StageOptimizer(s, OPT.build()) for s in stages]
-    mbs = separate_batch(rows)
+    mbs = separate_batch(rows) if mbs is None else mbs
     with no_host_round_trip():
         out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs))
     apply_updates(opts, out.grads, OPT.clip_norm)
@@ -131,5 +134,42 @@ def test_row_local_features_on_three_rows_match_single_device():
     devices, each row gathering its own): the step equals the single-device one."""
     loss, got = _pipelined_step(THREE_ROWS, 3)
     ref_loss, ref_tree = _reference(3)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(got, ref_tree)
+
+
+def _as_pool(mb: dict, rng: np.random.Generator, spare: int) -> dict:
+    """`mb` packed as one pool: its tiles shuffled over the slots plus `spare` unused ones (so the
+    pool no longer splits evenly over the LLM stage's devices), every feature index moved with its
+    tile. Rows now read features outside their block, which only a pooled stage places right."""
+    n = mb["tiles"].shape[0]
+    to = rng.permutation(n + spare)[:n]  # tile slot i -> slot to[i] of n + spare
+
+    def moved(idx):
+        slot, k = np.divmod(np.maximum(idx, 0), SEPARATE_TPT)
+        return np.where(idx >= 0, to[slot] * SEPARATE_TPT + k, idx).astype(idx.dtype)
+
+    out = dict(mb, feature_index=moved(mb["feature_index"]))
+    if mb["feature_taps"] is not None:
+        out["feature_taps"] = moved(mb["feature_taps"])
+    for key in ("tiles", "tile_valid", "tile_pool"):
+        pool = np.zeros((n + spare,) + mb[key].shape[1:], mb[key].dtype)
+        pool[to] = mb[key]
+        out[key] = pool
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout,rows", [(THREE_ROWS, 3), (WIDE, 2)], ids=["dp1-dp3tp2", "dp2-dp2tp2"]
+)
+def test_pooled_features_match_single_device(layout, rows):
+    """Tiles pooled (`Layout.pooled_tiles`), shuffled over the pool so rows read across blocks:
+    the encoder's features arrive split over every device of the first LLM stage (the pool
+    end-padded), which gathers the whole pool and places each row's features by their slots;
+    dL/dx is each replica's share summed over "data". The step equals the single-device one."""
+    rng = np.random.default_rng(1)
+    mbs = [_as_pool(mb, rng, layout.encoder_dp) for mb in separate_batch(rows)]
+    loss, got = _pipelined_step(dataclasses.replace(layout, pooled_tiles=True), rows, mbs=mbs)
+    ref_loss, ref_tree = _reference(rows)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(got, ref_tree)

@@ -53,8 +53,8 @@ OMNI_DATA = dataclasses.replace(DATA, audio_mels=OMNI.audio.audio.num_mel_bins)
 @pytest.mark.parametrize(
     "layout,omni",
     [(SEPARATE, False), (COLOCATED, False), (COLOCATED_PP, False), (SEPARATE, True),
-     (COLOCATED_PP, True), (AUDIO_APART, True)],
-    ids=["separate", "colocated", "pp", "omni-separate", "omni-pp", "omni-audio-stage"],
+     (COLOCATED_PP, True), (AUDIO_APART, True), (dataclasses.replace(SEPARATE, pooled_tiles=True), False)],
+    ids=["separate", "colocated", "pp", "omni-separate", "omni-pp", "omni-audio-stage", "pooled"],
 )  # fmt: skip
 def test_precompile_lowers_what_the_planner_counts(layout, omni):
     """With audio buckets (omni) only the first LLM stage multiplies its signatures, by the audio
@@ -65,7 +65,8 @@ def test_precompile_lowers_what_the_planner_counts(layout, omni):
     stages = build_stages(model_cfg, layout, stage_meshes(layout), 0, compute_dtype=jax.numpy.float32,
                           residuals=["all"] * layout.num_stages)  # fmt: skip
     problem = ScheduleProblem(layout.encoder_dp, layout.llm_dp, layout.num_stages, (1, 2), buckets,
-                              lambda t, s: None, tiles_by_row=True, row_align=layout.row_align,
+                              lambda t, s: None, tiles_by_row=layout.tiles_by_row,
+                              row_align=layout.row_align,
                               audio_always=bool(layout.audio_stages))  # fmt: skip
     seen, lowered = set(), []
     for batch in bucket_microbatches(problem, data):

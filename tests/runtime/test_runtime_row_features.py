@@ -82,3 +82,21 @@ def test_a_global_gather_would_be_caught():
     assert _groups("replica_groups={{0,1},{2,3}}") == [(0, 1), (2, 3)]
     assert _groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}") == [(0, 2), (1, 3)]
     assert _groups("replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}") == [(0, 1, 2, 3)]
+
+
+def test_pooled_features_gather_the_whole_pool_over_every_device():
+    """Tiles pooled (`Layout.pooled_tiles`): the same features arrive split over the 4 devices, and
+    the forward program gathers the whole pool onto every device, over "data" and "model" both
+    (the one features-shaped gather), where the by-row program gathers a row's block over its tp
+    devices only."""
+    mesh = stage_meshes(LAYOUT)[1]
+    prog = stage_program(CFG, FIRST, mesh, S, jnp.float32, ROW_TILES, pooled=True)
+    with jax.set_mesh(mesh):
+        fwd = prog.fwd.lower(prog.params_abs, prog.x_abs, prog.side_abs).compile().as_text()
+    whole = (DP * ROW_TILES, CFG.tokens_per_tile, CFG.text.hidden_size)
+    assert prog.x_abs.shape == whole
+    assert prog.x_abs.sharding.shard_shape(whole) == (ROW_TILES // TP, *whole[1:])
+    ops = _feature_collectives(fwd, whole[1:])
+    assert [(op, shape, groups) for op, shape, groups in ops if op == "all-gather"] == [
+        ("all-gather", whole, [tuple(range(DP * TP))])
+    ]
