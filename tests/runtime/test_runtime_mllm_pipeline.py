@@ -160,8 +160,10 @@ def _as_pool(mb: dict, rng: np.random.Generator, spare: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "layout,rows", [(THREE_ROWS, 3), (WIDE, 2)], ids=["dp1-dp3tp2", "dp2-dp2tp2"]
-)
+    "layout,rows",
+    [pytest.param(THREE_ROWS, 3, id="dp1-dp3tp2"),
+     pytest.param(WIDE, 2, id="dp2-dp2tp2", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_pooled_features_match_single_device(layout, rows):
     """Tiles pooled (`Layout.pooled_tiles`), shuffled over the pool so rows read across blocks:
     the encoder's features arrive split over every device of the first LLM stage (the pool
