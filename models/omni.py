@@ -134,7 +134,7 @@ class OmniFirstStage(nnx.Module):
             self.encoder = encoder
 
     def embed(self, features, tokens, feature_index, feature_weight, audio, windows, valid,
-              audio_index) -> jax.Array:  # fmt: skip
+              audio_index, *, per_row: bool = True) -> jax.Array:  # fmt: skip
         """The rows' embeddings [B,S,D] with every feature placed.
 
         features: the vision features [B*T, tokens_per_tile, D] from the encoder stages, or, with
@@ -142,11 +142,13 @@ class OmniFirstStage(nnx.Module):
         audio, windows, valid: [B, A, M] / [B, A] packed audio rows (None: no audio); without
         an `audio` encoder, audio is the rows' encoded features [B, A/4, D] (windows, valid unused);
         audio_index [B,S]: global output rows (row b's in [b*A/4, (b+1)*A/4)) or TEXT.
+        per_row: the vision features are packed by row (`LLMStage.embed`); False: one pool, placed
+        by pool slot (`Layout.pooled_tiles`).
         """
         if hasattr(self, "encoder") and features is not None:
             tiles, tile_pool = features
             features = self.encoder(tiles, tile_pool) if tiles.shape[0] else None
-        h = self.llm.embed(tokens, features, feature_index, feature_weight, per_row=True)
+        h = self.llm.embed(tokens, features, feature_index, feature_weight, per_row=per_row)
         if audio is None or audio.shape[1] == 0:
             return h
         if hasattr(self, "audio"):

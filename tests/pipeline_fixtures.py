@@ -335,3 +335,25 @@ def qwen2_audio_loss_sum(m, ref):
     clip encoded alone, every feature placed by its GLOBAL index into the microbatch's outputs."""
     return m.loss(ref["audio"], ref["audio_lengths"], ref["tokens"], ref["segment_ids"],
                   ref["positions"], ref["audio_index"], ref["targets"], ref["loss_mask"])[0]  # fmt: skip
+
+
+def as_pool(mb: dict, rng: np.random.Generator, spare: int, tpt: int) -> dict:
+    """`mb` packed as one pool: its tiles shuffled over the slots plus `spare` unused ones (so the
+    pool no longer splits evenly over the LLM stage's devices), every feature index moved with its
+    tile (`tpt` feature rows a tile). Rows now read features outside their block, which only a
+    pooled stage (`Layout.pooled_tiles`) places right."""
+    n = mb["tiles"].shape[0]
+    to = rng.permutation(n + spare)[:n]  # tile slot i -> slot to[i] of n + spare
+
+    def moved(idx):
+        slot, k = np.divmod(np.maximum(idx, 0), tpt)
+        return np.where(idx >= 0, to[slot] * tpt + k, idx).astype(idx.dtype)
+
+    out = dict(mb, feature_index=moved(mb["feature_index"]))
+    if mb.get("feature_taps") is not None:
+        out["feature_taps"] = moved(mb["feature_taps"])
+    for key in ("tiles", "tile_valid", "tile_pool"):
+        pool = np.zeros((n + spare,) + mb[key].shape[1:], mb[key].dtype)
+        pool[to] = mb[key]
+        out[key] = pool
+    return out

@@ -362,7 +362,8 @@ def _print_jax(rep: dict) -> None:
 COMMAND = command(
     "dispatch",
     __doc__.split("\n\n")[0],
-    "python -m dflop_jax.bench dispatch parts=demo steps=3 rounds=2 out=runs/bench_dispatch",
+    "python -m dflop_jax.bench dispatch parts=demo steps=3 rounds=2 out=runs/bench_dispatch "
+    "json_out=runs/bench_dispatch/report.json",
 )
 
 

@@ -312,7 +312,7 @@ def _llm_fns(
                 vision = (s["tiles"], s["tile_pool"]) if colocated else x
                 sound = tuple(s[k] for k in AUDIO_KEYS) if "audio" in s else (None,) * 4
                 placement = _placement(s) if features or colocated else (None, None)
-                x = stage.embed(vision, s["tokens"], *placement, *sound)
+                x = stage.embed(vision, s["tokens"], *placement, *sound, per_row=not pooled)
             elif colocated:
                 x = stage.embed(s["tiles"], s["tile_pool"], s["tokens"], *_placement(s))
             elif features:

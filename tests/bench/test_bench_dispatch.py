@@ -5,6 +5,7 @@ against its floor (slow: it trains)."""
 import json
 
 import pytest
+from example_fixtures import example_argv, run_example
 
 from dflop_jax.bench import dispatch as bench
 
@@ -46,13 +47,12 @@ def test_unknown_part_is_one_line_error(capsys):
 
 
 @pytest.mark.slow  # trains the demo's model (compiles its stages): over a minute
-def test_demo_part_compares_the_path_with_its_floor(tmp_path, capsys):
-    out = tmp_path / "b"
-    assert bench.main(["parts=demo", "steps=3", "rounds=1", f"out={out}",
-                       f"json_out={out / 'r.json'}"]) == 0  # fmt: skip
-    rep = json.loads((out / "r.json").read_text())["demo"]
+def test_demo_part_compares_the_path_with_its_floor(tmp_path):
+    """The benchmark's `--help` example (the demo part), as a user runs it."""
+    printed = run_example(example_argv(bench.COMMAND), tmp_path).stdout
+    rep = json.loads((tmp_path / "runs" / "bench_dispatch" / "report.json").read_text())["demo"]
     iso = rep["isolated"]
     assert iso["programs"] == iso["recorded"] > 0  # the floor calls every program the path issued
     assert iso["path_over_floor"] > 0 and iso["path_over_floor_cpu"] > 0
     assert rep["trainer"]["dispatch_programs"] > 0
-    assert "path / floor" in capsys.readouterr().out
+    assert "path / floor" in printed

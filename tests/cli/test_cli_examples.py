@@ -36,7 +36,7 @@ FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_
 LONG_BENCHES = ["colocated", "costmodel", "first_step"]
 # The benchmarks whose own test runs their example and checks the figures it writes
 # (tests/bench/test_bench_<name>.py).
-EXAMPLE_RUN_BY_OWN_TEST = ["train", "zero1"]
+EXAMPLE_RUN_BY_OWN_TEST = ["dispatch", "train", "zero1"]
 SLOW_BENCHES = [
     pytest.param(
         f"dflop_jax.bench {name}", marks=[pytest.mark.long] if name in LONG_BENCHES else []

@@ -256,9 +256,13 @@ def test_audio_remat_matches_plain():
     remat = nnx.jit(nnx.value_and_grad(loss))(AudioTower(_tiny(remat="full"), rngs=nnx.Rngs(1)))
     np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
     want = dict(nnx.to_flat_state(plain[1]))
+    # Remat recomputes each layer's forward inside its backward, an order of float32 operations
+    # XLA:CPU vectorizes differently per CPU model (an AMD EPYC host differs from the plain
+    # gradient by 1.06e-6 of a leaf's largest entry, about 9 float32 ulps): 4e-6 of the largest
+    # (32 ulps) bounds that round-off; a wrong rematerialization differs by whole values.
     for path, g in nnx.to_flat_state(remat[1]):
         np.testing.assert_allclose(
-            g[...], want[path][...], atol=1e-6 * np.abs(want[path][...]).max()
+            g[...], want[path][...], atol=4e-6 * np.abs(want[path][...]).max()
         )
 
 

@@ -2,20 +2,29 @@
 on a layout where the encoder's dp (1, at tp 2) differs from the LLM's (3) and the first LLM stage spans
 processes: 2 processes x 4 devices (LLaVA-OV) and 4 x 2 (InternVL, where process 0 holds the encoder
 alone) give the single-process run's per-step losses, and each process compiles, and decodes, only
-its own share (`bench multihost` runs the processes)."""
+its own share (`bench multihost` runs the processes). LLaVA-OV also with its tiles pooled
+(`layout.pooled_tiles`): the encoder's shard and the first LLM stage's rows then hold tiles of any
+row, gathered across processes."""
 
 import pytest
 
 from dflop_jax.bench.multihost import TINY_INTERNVL, TINY_LLAVA_OV, launch
 
-MODELS = {"llava_ov": TINY_LLAVA_OV, "internvl": TINY_INTERNVL}
+MODELS = {
+    "llava_ov": TINY_LLAVA_OV,
+    "internvl": TINY_INTERNVL,
+    # the pool holds the 3 rows' tiles: one bucket of 3 x 16
+    "llava_ov_pooled": [*TINY_LLAVA_OV, "layout.pooled_tiles=true"],
+}
+TILES = {"llava_ov_pooled": 48}
 _single: dict[str, list[dict]] = {}
 
 
 def _run(tmp_path_factory, model: str, processes: int) -> list[dict]:
-    synth = tmp_path_factory.getbasetemp() / f"synth_{model}"
+    synth = tmp_path_factory.getbasetemp() / f"synth_{model.removesuffix('_pooled')}"
     # One tile bucket (the layout's largest): what is tested is who compiles and decodes what.
-    overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2", "layout.tiles=[16]"]
+    tiles = TILES.get(model, 16)
+    overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2", f"layout.tiles=[{tiles}]"]
     return launch(processes, overrides, tmp_path_factory.mktemp(f"{model}_{processes}p"), 400)
 
 
@@ -27,7 +36,9 @@ def _reference(tmp_path_factory, model: str) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("model, processes", [("llava_ov", 2), ("internvl", 4)])
+@pytest.mark.parametrize(
+    "model, processes", [("llava_ov", 2), ("internvl", 4), ("llava_ov_pooled", 2)]
+)
 def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, processes):
     single = _reference(tmp_path_factory, model)
     reports = _run(tmp_path_factory, model, processes)
@@ -57,3 +68,6 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
             assert {i for i, _ in r["decoded"]} == {i for i, t in single["decoded"] if t > 0}
             assert len(r["decoded"]) < len(single["decoded"])
     assert reports[0]["transfer_bytes"] == single["transfer_bytes"]
+    if model.endswith("_pooled"):  # the same samples packed by row: the same math
+        by_row = _reference(tmp_path_factory, model.removesuffix("_pooled"))
+        assert single["losses"] == pytest.approx(by_row["losses"], rel=1e-5, abs=1e-6)

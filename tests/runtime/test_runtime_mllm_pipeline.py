@@ -22,6 +22,7 @@ from pipeline_fixtures import (
     SEPARATE_ROWS,
     SEPARATE_TPT,
     SEPARATE_VISION,
+    as_pool,
     mllm_loss_sum,
     separate_batch,
     separate_model,
@@ -138,27 +139,6 @@ def test_row_local_features_on_three_rows_match_single_device():
     assert_trees_close(got, ref_tree)
 
 
-def _as_pool(mb: dict, rng: np.random.Generator, spare: int) -> dict:
-    """`mb` packed as one pool: its tiles shuffled over the slots plus `spare` unused ones (so the
-    pool no longer splits evenly over the LLM stage's devices), every feature index moved with its
-    tile. Rows now read features outside their block, which only a pooled stage places right."""
-    n = mb["tiles"].shape[0]
-    to = rng.permutation(n + spare)[:n]  # tile slot i -> slot to[i] of n + spare
-
-    def moved(idx):
-        slot, k = np.divmod(np.maximum(idx, 0), SEPARATE_TPT)
-        return np.where(idx >= 0, to[slot] * SEPARATE_TPT + k, idx).astype(idx.dtype)
-
-    out = dict(mb, feature_index=moved(mb["feature_index"]))
-    if mb["feature_taps"] is not None:
-        out["feature_taps"] = moved(mb["feature_taps"])
-    for key in ("tiles", "tile_valid", "tile_pool"):
-        pool = np.zeros((n + spare,) + mb[key].shape[1:], mb[key].dtype)
-        pool[to] = mb[key]
-        out[key] = pool
-    return out
-
-
 @pytest.mark.parametrize(
     "layout,rows",
     [pytest.param(THREE_ROWS, 3, id="dp1-dp3tp2"),
@@ -170,7 +150,7 @@ def test_pooled_features_match_single_device(layout, rows):
     end-padded), which gathers the whole pool and places each row's features by their slots;
     dL/dx is each replica's share summed over "data". The step equals the single-device one."""
     rng = np.random.default_rng(1)
-    mbs = [_as_pool(mb, rng, layout.encoder_dp) for mb in separate_batch(rows)]
+    mbs = [as_pool(mb, rng, layout.encoder_dp, SEPARATE_TPT) for mb in separate_batch(rows)]
     loss, got = _pipelined_step(dataclasses.replace(layout, pooled_tiles=True), rows, mbs=mbs)
     ref_loss, ref_tree = _reference(rows)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pipeline_fixtures import OMNI, colocated_layout, omni_loss_sum, omni_microbatch, omni_model
+from pipeline_fixtures import (
+    OMNI,
+    as_pool,
+    colocated_layout,
+    omni_loss_sum,
+    omni_microbatch,
+    omni_model,
+)
 from pipeline_reference import (
     assert_trees_close,
     guarded_step,
@@ -82,7 +89,8 @@ COLOCATED_AUDIO_APART = dataclasses.replace(
     audio_stages=(StageSpec("audio", 0, 2, tp=1, dp=2, has_embedding=True, has_head=True),),
 )
 LAYOUTS = {"separate": SEPARATE, "colocated": colocated_layout(2, 2), "audio_apart": AUDIO_APART,
-           "audio_apart_dp2": AUDIO_APART_DP2, "colocated_audio_apart": COLOCATED_AUDIO_APART}  # fmt: skip
+           "audio_apart_dp2": AUDIO_APART_DP2, "colocated_audio_apart": COLOCATED_AUDIO_APART,
+           "separate_pooled": dataclasses.replace(SEPARATE, pooled_tiles=True)}  # fmt: skip
 
 
 @functools.cache
@@ -113,8 +121,15 @@ def _reference(all_audio: bool = False) -> tuple[float, dict]:
     [*LAYOUTS][:3] + [pytest.param(k, marks=pytest.mark.slow) for k in [*LAYOUTS][3:]],
 )
 def test_omni_step_matches_single_device(layout):
-    apart = bool(LAYOUTS[layout].audio_stages)
-    loss, got = guarded_step(OMNI, LAYOUTS[layout], _batch(apart)[0], OPT)
+    """Each layout's step equals the single-device one; with pooled tiles (the audio encoder on
+    LLM stage 0) the tiles are shuffled over an end-padded pool (`as_pool`)."""
+    lay = LAYOUTS[layout]
+    apart = bool(lay.audio_stages)
+    mbs = _batch(apart)[0]
+    if lay.pooled_tiles:
+        rng = np.random.default_rng(4)
+        mbs = [as_pool(mb, rng, lay.encoder_dp, OMNI.tokens_per_tile) for mb in mbs]
+    loss, got = guarded_step(OMNI, lay, mbs, OPT)
     ref_loss, ref_tree = _reference(apart)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert set(got) == {"encoder", "audio", "llm"}
@@ -245,8 +260,11 @@ VARIANTS = {
 def test_omni_demo_trains_and_resumes(tmp_path, variant):
     """configs/omni_demo.yaml on 8 devices, with the vision encoder on its own stages or colocated,
     and the audio encoder on LLM stage 0 or on its own stage: audio windows reach the audio encoder
-    (audio padding reported), nothing compiles after the precompile, a checkpointed run resumes with
-    the audio encoder's state, and exports as two HF directories (`vision/`, `audio/`)."""
+    (audio padding reported) and nothing compiles after the precompile; with the audio encoder on
+    LLM stage 0 (colocated) and on its own stage, a checkpointed run resumes with the audio
+    encoder's state and exports as two HF directories (`vision/`, `audio/`). (The "separate"
+    layout's checkpoint holds the audio encoder where "colocated" does, on LLM stage 0;
+    tests/multiprocess/test_runtime_multiprocess_omni.py trains it across processes.)"""
     extra = ["steps=2", "checkpoint.every=2", "data.synth_samples=48", "compute_dtype=float32",
              "scheduler.solver=greedy", *VARIANTS[variant]]  # fmt: skip
     colocated = variant == "colocated"
@@ -260,6 +278,8 @@ def test_omni_demo_trains_and_resumes(tmp_path, variant):
     assert len(report.layout.audio_stages) == (variant == "audio_stage")
     if variant == "audio_stage":  # every microbatch runs the audio stage: an audio bucket each
         assert all(r["audio_padding_ratio"] is not None for r in rows)
+    if variant == "separate":
+        return
     again = run(_omni_cfg(tmp_path, *extra[1:], "steps=3"))
     assert again.first_step == 2 and len(again.losses) == 1 and np.isfinite(again.losses[0])
     run_dir = tmp_path / "run"
