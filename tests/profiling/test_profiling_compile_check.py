@@ -390,3 +390,20 @@ def test_dx_only_whole_llm_stage_transient_matches_the_memory_model():
     compiled = compile_part("llm", prog).transient
     model = llm_stage_memory(arch, spec, tokens, True, trainable=recipe, dot_bytes=CPU_DOT_BYTES)
     assert model.temp == pytest.approx(compiled, rel=0.10)
+
+
+def test_a_pooled_first_llm_stage_holds_no_more_than_the_model_adds():
+    """The first LLM stage at llm dp 4 compiled for the same 32 tiles packed by row (8 a row) and
+    pooled: the pooled program's transient grows (the pool gathered whole, each replica's share
+    of its gradient), by no more than `pooled_features_bytes`, what the memory model adds for it."""
+    from dflop_jax.costs.provider import pooled_features_bytes
+
+    row = Layout((StageSpec("encoder", 0, 2, tp=1, dp=1, has_embedding=True, has_head=True),),
+                 (StageSpec("llm", 0, 4, tp=1, dp=4, has_embedding=True, has_head=True),))  # fmt: skip
+    pool = dataclasses.replace(row, pooled_tiles=True)
+    grown = [
+        check_layout(lay, BucketSet((tiles,), (256,)), [1, 1], [1.0, 1.0], CFG)[1].transient
+        for lay, tiles in ((row, 8), (pool, 32))
+    ]
+    provider = AnalyticCostProvider(get_arch("tiny"), get_device("cpu"))
+    assert 0 < grown[1] - grown[0] <= pooled_features_bytes(provider, pool, 32)
