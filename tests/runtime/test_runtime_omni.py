@@ -211,6 +211,9 @@ def test_omni_run_config_checks():
         "model.arch=siglip-so400m+qwen2.5-0.5b": "model.kind.*built from the fields",
         "layout.audio_layers=[1]": "layout.audio_layers.*audio_num_layers=2",
         "layout.audio_layers=[2] layout.audio_dp=3": "layout.audio_dp.*divide layout.llm_dp",
+        "layout.audio_layers=[2] layout.pooled_tiles=true": "layout.pooled_tiles.*no audio stages",
+        "layout.encoder_colocated=true layout.encoder_layers=[] layout.encoder_tp=[] "
+        "layout.pooled_tiles=true": "layout.pooled_tiles.*encoder stages of their own",
     }
     for override, match in bad.items():
         with pytest.raises(ConfigError, match=match):
