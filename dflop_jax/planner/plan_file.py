@@ -212,7 +212,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "mode": plan.mode,
         "encoder_colocated": not plan.layout.encoder_stages,
         "remat": plan.remat,
-        **_colocated_tp(plan.layout),
+        **_optional_layout_keys(plan.layout),
         "schedule": plan.schedule,
         "global_batch": plan.global_batch,
         "microbatches": plan.microbatches,
@@ -340,9 +340,9 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path}: malformed plan: {type(e).__name__}: {e}") from None
 
 
-def _colocated_tp(layout: Layout) -> dict[str, int | bool]:
-    """The colocated encoder's own tp, written only when it has one, and `pooled_tiles`, only when
-    set (older plans stay unchanged)."""
+def _optional_layout_keys(layout: Layout) -> dict[str, int | bool]:
+    """The layout's keys written only when set (older plans stay unchanged): the colocated
+    encoder's own tp, and `pooled_tiles`."""
     tp = layout.colocated_encoder_tp
     out: dict[str, int | bool] = {} if tp is None else {"encoder_colocated_tp": tp}
     return out | ({"pooled_tiles": True} if layout.pooled_tiles else {})
