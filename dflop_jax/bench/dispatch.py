@@ -11,7 +11,9 @@
         `rounds` times each, devices idle at the start: the dispatch path (`run_pipeline` +
         `apply_updates`, as the trainer calls them) against its floor, the same executables called
         in a tight loop (recorded from one dispatch with `programs.dispatch.record`, their arguments
-        made ahead, donated ones fresh per round); the ratio path / floor, wall and CPU.
+        made ahead, donated ones fresh per round); the ratio path / floor, wall and CPU; and the
+        floor per program (calls, arrays in and out, CPU microseconds per call), which names what
+        the floor is made of.
   real  the stage programs of a real-size stage (Qwen2.5-7B, 4 LLM layers at tp 4, 4096 tokens per
         row, abstract parameters from `programs.stage_builder.abstract_stage`): the Python layers of the
         dispatch path (`StageProgram.zero_grads`, `forward_train`, `backward_from` over 4
@@ -33,6 +35,7 @@ does not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -126,19 +129,18 @@ def path_and_floor(stages, opts, microbatches, clip_norm: float, rounds: int) ->
         go()
     jax.block_until_ready(state["stats"])
     fixed = [_arguments(c.args, c.donated, fresh=False) for c in calls]
-    floor = []
+    floor, each = [], [[] for _ in calls]
     for _ in range(rounds):
         args = [_arguments(c.args, c.donated, fresh=True, kept=f) for c, f in zip(calls, fixed)]
         jax.block_until_ready(args)
         outs = []
 
         def loop(args=args, outs=outs):
-            for c, a in zip(calls, args):
-                if c.mesh is None:
+            for c, a, mine in zip(calls, args, each):
+                c0 = time.thread_time()
+                with contextlib.nullcontext() if c.mesh is None else jax.set_mesh(c.mesh):
                     outs.append(c.fn(*a))
-                else:
-                    with jax.set_mesh(c.mesh):
-                        outs.append(c.fn(*a))
+                mine.append(time.thread_time() - c0)
 
         floor.append(_times(loop))
         jax.block_until_ready(outs)
@@ -151,7 +153,32 @@ def path_and_floor(stages, opts, microbatches, clip_norm: float, rounds: int) ->
            "floor_cpu_us_per_program": med(floor, 1) / len(calls) * 1e6}  # fmt: skip
     out["path_over_floor"] = out["path_us_per_program"] / out["floor_us_per_program"]
     out["path_over_floor_cpu"] = out["path_cpu_us_per_program"] / out["floor_cpu_us_per_program"]
+    out["floor_by_program"] = floor_by_program(calls, outs, each)
     return out
+
+
+def floor_by_program(calls, outs, each) -> list[dict]:
+    """The floor per program (kind and jax's name for it): calls, arrays in and out per call, and
+    the dispatching thread's median CPU microseconds per call, most total time first."""
+    import jax
+
+    from dflop_jax.programs.dispatch import KINDS
+
+    rows: dict[tuple, dict] = {}
+    for c, o, times in zip(calls, outs, each):
+        name = getattr(c.fn, "__name__", type(c.fn).__name__)
+        arrays_in = sum(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(c.args))
+        r = rows.setdefault((KINDS[c.kind], name), {"kind": KINDS[c.kind], "program": name,
+                                                    "calls": 0, "in": 0, "out": 0, "us": []})  # fmt: skip
+        r["calls"] += 1
+        r["in"] += arrays_in
+        r["out"] += len(jax.tree.leaves(o))
+        r["us"].append(float(np.median(times)) * 1e6)
+    table = [{"kind": r["kind"], "program": r["program"], "calls": r["calls"],
+              "inputs": r["in"] / r["calls"], "outputs": r["out"] / r["calls"],
+              "cpu_us_per_call": float(np.mean(r["us"])), "cpu_us_total": float(np.sum(r["us"]))}
+             for r in rows.values()]  # fmt: skip
+    return sorted(table, key=lambda r: -r["cpu_us_total"])
 
 
 def _arguments(args: tuple, donated: tuple[bool, ...], fresh: bool, kept: tuple | None = None):
@@ -209,6 +236,14 @@ def _print_demo(rep: dict) -> None:
           f"{f['floor_us_per_program']:.0f} | {f['floor_cpu_us_per_program']:.0f} |")  # fmt: skip
     print(f"path / floor: {f['path_over_floor']:.2f}x wall, {f['path_over_floor_cpu']:.2f}x CPU "
           f"(median of {f['rounds']} rounds of {FLOOR_MICROBATCHES} microbatches)")  # fmt: skip
+    print("floor by program (CPU us per call: median over rounds, mean over calls):")
+    print("| kind | program | calls | arrays in | arrays out | CPU us per call | CPU us total |")
+    print("|---|---|---|---|---|---|---|")
+    for r in f["floor_by_program"]:
+        print(
+            f"| {r['kind']} | {r['program']} | {r['calls']} | {r['inputs']:.0f} | "
+            f"{r['outputs']:.0f} | {r['cpu_us_per_call']:.0f} | {r['cpu_us_total']:.0f} |"
+        )
 
 
 REAL = dict(arch="siglip-so400m+qwen2.5-7b", first=4, layers=4, tp=4, tokens=4096, microbatches=4)
@@ -250,9 +285,10 @@ def real_part(rounds: int) -> dict:
         accs = jax.eval_shape(jits.zeros.jit, stage.leaves)
     gx = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
 
-    params, acc_tree = stage.params, jits.zeros.outs
-
-    acc = acc_tree.unflatten(accs)
+    # the accumulator as the tree of its leaves (how it crossed the jit boundary before packing)
+    params, acc_tree = stage.params, stage.accumulator.tree
+    acc_leaves = [jax.ShapeDtypeStruct((1, *s.shape), jnp.float32) for s in stage.accumulator.slots]
+    acc = acc_tree.unflatten(acc_leaves)
 
     def stub(out, trees: bool, acc_in: bool, acc_out: bool):
         def program(*args):
@@ -260,7 +296,7 @@ def real_part(rounds: int) -> dict:
             if trees:  # as when the parameter and accumulator trees crossed the jit boundary
                 jax.tree.flatten((params, acc) if acc_in else params)
                 if acc_out:
-                    acc_tree.unflatten(accs)
+                    acc_tree.unflatten(acc_leaves)
             return out
 
         return program
@@ -271,7 +307,8 @@ def real_part(rounds: int) -> dict:
         for _, h in held:
             _, acc = stage.backward_from(h, y, acc)
 
-    out = {**r, "param_leaves": len(stage.leaves), "accumulator_leaves": len(accs),
+    out = {**r, "param_leaves": len(stage.leaves), "accumulator_leaves": len(stage.accumulator.slots),
+           "accumulator_buffers": len(accs),
            "residual_leaves": len(kept), "side_inputs": len(side)}  # fmt: skip
     for name, trees in (("", False), ("trees_", True)):
         jits.zeros.jit = stub(accs, trees, False, True)
@@ -293,7 +330,8 @@ def _print_real(rep: dict) -> None:
     print(f"\n## real-size stage: {rep['arch']} LLM layers {rep['first']}..."
           f"{rep['first'] + rep['layers'] - 1} at tp {rep['tp']}, {rep['tokens']} tokens, "
           f"{rep['microbatches']} microbatches; programs stubbed (our layers only)")  # fmt: skip
-    print(f"{rep['param_leaves']} parameter leaves, {rep['accumulator_leaves']} accumulator leaves, "
+    print(f"{rep['param_leaves']} parameter leaves, {rep['accumulator_leaves']} accumulator leaves "
+          f"(in {rep['accumulator_buffers']} buffers), "
           f"{rep['residual_leaves']} residual leaves, {rep['side_inputs']} side inputs: "
           f"{rep['calls']} calls per round, {rep['us_per_call']:.1f} us per call "
           f"(CPU {rep['cpu_us_per_call']:.1f}); with the parameter and accumulator trees "

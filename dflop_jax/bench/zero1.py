@@ -13,7 +13,7 @@ switch: the compiled-HLO evidence, no data-axis all-reduce in a microbatch's bac
 step's reduce, is `tests/runtime/test_runtime_zero1.py`'s).
 
 Reported per arm: the state each stage holds per device after training (fp32 params, AdamW state, the
-per-replica gradient accumulator `programs.trees.accumulator_structs` allocates every step), the host's
+per-replica gradient accumulator `programs.accumulator.accumulator_structs` allocates every step), the host's
 peak RSS (all 8 simulated devices live in one process), and the median step and wall time over the
 steps after the first 2 (compiles). On simulated devices sharing the host's cores, collectives are
 memory copies: the memory figures are the real ones; the time figures show that ZeRO-1's sharded update
@@ -108,7 +108,7 @@ def measure_arm(overrides: list[str]) -> dict:
 
     from dflop_jax.config import load_config
     from dflop_jax.profiling.programs import per_device_bytes
-    from dflop_jax.programs.trees import accumulator_structs
+    from dflop_jax.programs.accumulator import accumulator_structs
     from dflop_jax.runtime.config import TrainConfig
     from dflop_jax.train import run
 

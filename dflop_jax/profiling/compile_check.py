@@ -12,7 +12,7 @@ host without enough accelerators, simulated CPU devices), at the plan's largest 
 What the runtime holds per device for a stage, term by term (`StageCheck`):
   params      fp32 master weights (the program's parameter arguments)
   grads       the fp32 per-data-replica gradient accumulator (a donated argument, aliased with its
-              output; each device holds its replica's sum, `programs.trees.accumulator_structs`)
+              output; each device holds its replica's sum, `programs.accumulator.accumulator_structs`)
   optimizer   AdamW m and v, fp32, the parameters' shapes in the ZeRO-1 layout (sharded over dp too,
               padded where no axis divides: `programs.zero1_layout.zero1_layout`)
   inputs      the stage inputs (x + side arrays) of the microbatches in flight: 1F1B keeps

@@ -55,6 +55,7 @@ from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, plain_taps
+from dflop_jax.programs.accumulator import accumulator_structs
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.stage_builder import (
     abstract_stage,
@@ -66,7 +67,6 @@ from dflop_jax.programs.stage_builder import (
 )
 from dflop_jax.programs.stage_fns import boundary_shape, signature
 from dflop_jax.programs.stage_jits import stage_jits
-from dflop_jax.programs.trees import accumulator_structs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class PartProgram:
       params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
         seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
-        gacc_abs the per-replica gradient accumulator (`programs.trees.accumulator_structs`).
+        gacc_abs the per-replica gradient accumulator (`programs.accumulator.accumulator_structs`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
       trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
       jits: all the stage's programs (`programs.stage_jits.StageJits`), e.g. the residual-saving pair.
@@ -346,7 +346,7 @@ def stage_program(
     audio = dict(audio=holds_audio(model_cfg, spec, audio_apart),
                  audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
     role = stage_role(spec, trainable, has_encoder(model_cfg), colocated=colocated, **audio)
-    jits = stage_jits(mesh, bp.fns, bp.shardings, compute_dtype, mask, role, residuals)
+    jits = stage_jits(mesh, bp.fns, bp.state, compute_dtype, mask, role, residuals)
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)

@@ -3,7 +3,8 @@
 One builder of stage programs (`stage_builder.build_stages` -> `stage_jits.stage_jits`, wrapped in
 `stage_program.StageProgram`), so the profiler times the programs the run trains; the logical ->
 mesh sharding rules (`sharding`), the stage meshes (`meshes`), the transfers between them
-(`transfer`), the ZeRO-1 layout of optimizer state (`zero1_layout`), parameter paths and training
+(`transfer`), the packed gradient accumulator (`accumulator`), the ZeRO-1 layout of optimizer
+state (`zero1_layout`), parameter paths and training
 masks (`param_paths`), the accelerator and its kernels (`devices`), the job's processes and their
 exchanges (`processes`, `watchdog`), and the run config's `model:` section with the `models` config
 it becomes (`model_section`). It imports neither `profiling` nor `runtime`.

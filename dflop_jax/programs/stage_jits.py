@@ -38,8 +38,9 @@ pipeline (a stage after a trainable one needs dL/dx).
 One data-parallel reduction per step: the backward programs run their body per data replica (a
 `shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
 replica's gradient, UNREDUCED, into a donated fp32 accumulator with a leading data-replica axis
-(`accumulator_structs`: shape (dp, *param.shape), sharded over "data" on that axis and like the
-param on the rest), so a microbatch's backward moves no gradient between replicas. The step's one
+(`programs/accumulator.py`: per leaf (dp, *param.shape), sharded over "data" on that axis and like
+the param on the rest, the leaves whole on every device packed into one flat buffer), so a
+microbatch's backward moves no gradient between replicas. The step's one
 reduction (a sum over that axis, reduce-scattered into the ZeRO-1 optimizer's shards) is
 `runtime/train_state.py`'s. JAX's reduced/unreduced sharding types would say the same without the
 extra axis, but need Explicit mesh axes, which the models' Auto-axis meshes are not (DESIGN 11).
@@ -57,11 +58,12 @@ runs for every bucket before step 1: `runtime/precompile.py`), which is the numb
 compilations JAX performs for these jits (a jit recompiles iff the abstract signature changes;
 shardings and dtypes are fixed here).
 
-Dispatch: each program is a `LeafProgram` (`programs/leaf_program.py`): the parameter and accumulator
-trees cross the jit boundary as lists of leaves. `StageProgram` keeps its parameters' leaves
-(`leaves`, flattened when the parameters are set) and passes the accumulator as leaves from
-`zero_grads` to the last backward of a step, so a call flattens no tree; its programs are issued
-through `programs.dispatch.issue` (counted per step).
+Dispatch: each program is a `LeafProgram` (`programs/leaf_program.py`): the parameter tree crosses
+the jit boundary as a list of leaves, the accumulator as its few buffers (`Accumulator`: a
+program's call costs per output array). `StageProgram` keeps its parameters' leaves (`leaves`,
+flattened when the parameters are set) and passes the accumulator's buffers from `zero_grads` to
+the last backward of a step, so a call flattens no tree; its programs are issued through
+`programs.dispatch.issue` (counted per step).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.programs.accumulator import Accumulator
 from dflop_jax.programs.leaf_program import LeafProgram
 from dflop_jax.programs.stage_fns import (
     PyTree,
@@ -85,7 +88,6 @@ from dflop_jax.programs.stage_fns import (
     signature,
 )
 from dflop_jax.programs.trees import (
-    accumulator_sharding,
     all_trained,
     cast_floating,
     graft,
@@ -97,18 +99,18 @@ from dflop_jax.programs.trees import (
 @dataclasses.dataclass(frozen=True)
 class StageJits:
     """The jitted programs of one stage (jit compiles lazily: a program never called is never built),
-    each a `LeafProgram`: called (or lowered) with the parameter and accumulator trees as below, or
-    through its `jit` with their leaves.
+    each a `LeafProgram`: called (or lowered) with the parameter tree as below, or through its `jit`
+    with its leaves; `gacc` is the accumulator's buffers (`Accumulator`) either way.
 
     Attributes:
       forward: (params, x, side) -> y; on the last stage -> (loss_sum, count), the forward half of
         `last` (evaluation and the profiler's forward timing; training uses `last`).
       backward: (params, x, side, gy, gacc) -> (dL/dx or None, gacc + dL/dparams), `gacc` donated
-        (per data replica, trained leaves only: `accumulator_structs`); None for a stage that
+        (per data replica, trained leaves only: `Accumulator`); None for a stage that
         runs forward only (nothing trained, no input gradient).
       last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
         gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
-      zeros: params -> a zero accumulator (`accumulator_structs`).
+      zeros: params -> a zero accumulator's buffers (`Accumulator`).
       eval_loss: last stage only (None elsewhere): (params, x, side, totals) -> totals + (loss_sum,
         count), float32[2] replicated, `totals` donated: the forward and loss without gradients or
         accumulator, summed over an evaluation's microbatches on device (`runtime/evaluate.py`).
@@ -146,7 +148,7 @@ def _only_data(entry):
 def stage_jits(
     mesh: Mesh,
     fns: StageFns,
-    param_shardings: PyTree,
+    params: PyTree,
     compute_dtype,
     trained: PyTree | None = None,
     role: StageRole = ALL_TRAIN,
@@ -157,7 +159,7 @@ def stage_jits(
     Args:
       mesh: the stage's ("data", "model") mesh.
       fns: the stage's pure functions.
-      param_shardings: NamedShardings of the fp32 parameters (same tree as the params).
+      params: the fp32 parameters, arrays or ShapeDtypeStructs, each with a NamedSharding.
       compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
       trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
         frozen (no accumulator, no weight gradient computed).
@@ -166,9 +168,9 @@ def stage_jits(
       residuals: the residual policy (`RESIDUAL_POLICIES`); "all" and "layers" make the same
         programs (which residuals a stage has is its functions' layer remat, `build_stages`).
     """
-    trained = all_trained(param_shardings) if trained is None else trained
-    stage = _Stage.of(mesh, fns, param_shardings, compute_dtype, trained, role)
-    if jax.tree.leaves(stage.acc_shardings) and not role.has_backward:
+    trained = all_trained(params) if trained is None else trained
+    stage = _Stage.of(mesh, fns, params, compute_dtype, trained, role)
+    if stage.acc.structs and not role.has_backward:
         raise ValueError(f"a stage of role {role} runs forward only but holds trained parameters")
     saves = (
         check_residual_policy(residuals) != "recompute" and fns.loss is None and role.has_backward
@@ -202,7 +204,8 @@ class _Stage:
       side_sharding: the microbatch arrays' (split over "data" on the leading axis).
       scalar: a replicated value's.
       y_sharding: the forward's output's; on the last stage (scalar, scalar): loss sum and count.
-      acc_shardings: the accumulator's (`accumulator_structs`: trained leaves, per data replica).
+      acc: the accumulator's packing (`programs/accumulator.py`: trained leaves, per data replica);
+        the programs take and return its buffers.
       x_inner: the spec the functions take x in (`x_compute_spec`, else `x_spec`).
       x_local, y_local, gx_local: the specs x, y and dL/dx have inside `per_replica`.
       x_replicated: x is taken replicated over "data" with dp > 1: each replica's share of dL/dx
@@ -221,7 +224,7 @@ class _Stage:
     side_sharding: NamedSharding
     scalar: NamedSharding
     y_sharding: NamedSharding | tuple[NamedSharding, NamedSharding]
-    acc_shardings: PyTree
+    acc: Accumulator
     x_inner: P | dict[str, P] | None
     x_local: P | dict[str, P] | None
     y_local: P | None
@@ -229,9 +232,10 @@ class _Stage:
     x_replicated: bool
 
     @classmethod
-    def of(cls, mesh: Mesh, fns: StageFns, param_shardings: PyTree, compute_dtype,
+    def of(cls, mesh: Mesh, fns: StageFns, params: PyTree, compute_dtype,
            trained: PyTree, role: StageRole) -> _Stage:  # fmt: skip
         """The context of `stage_jits`'s arguments (`trained` given, not None)."""
+        param_shardings = jax.tree.map(lambda a: a.sharding, params)
         dx = role.input_grad and fns.x_spec is not None
         xs = None if fns.x_spec is None else per_part(lambda p: NamedSharding(mesh, p), fns.x_spec)
         scalar = NamedSharding(mesh, P())
@@ -263,7 +267,7 @@ class _Stage:
             y_sharding=(scalar, scalar)
             if fns.loss is not None
             else NamedSharding(mesh, fns.y_spec),
-            acc_shardings=jax.tree.map(accumulator_sharding, prune(param_shardings, trained)),
+            acc=Accumulator.of(params, trained),
             x_inner=inner,
             x_local=xl,
             y_local=_local_spec(fns.y_spec),
@@ -274,10 +278,6 @@ class _Stage:
     @property
     def param_tree(self) -> jax.tree_util.PyTreeDef:
         return jax.tree.structure(self.param_shardings)
-
-    @property
-    def acc_tree(self) -> jax.tree_util.PyTreeDef:
-        return jax.tree.structure(self.acc_shardings)
 
     def share_gx(self, gx):
         """One replica's dL/dx as `per_replica` returns it (stacked on "data" when `x_replicated`)."""
@@ -344,11 +344,6 @@ class _Stage:
                                 cast_floating(prune(params, self.frozen), cd)))  # fmt: skip
 
 
-def _accumulate(gacc, gp):
-    """The accumulator (leading data-replica axis) plus this replica's gradient `gp`."""
-    return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), gacc, gp)
-
-
 def _forward(stage: _Stage) -> LeafProgram:
     """`StageJits.forward`: the stage's function without gradients."""
     c = stage
@@ -371,7 +366,7 @@ def _backward_recomputing(stage: _Stage) -> LeafProgram:
         f, primals = c.differentiable(params, x, side)
         _, vjp = jax.vjp(f, *primals)
         gp, *gx = vjp(gy)
-        return (c.share_gx(gx[0]) if c.dx else None), _accumulate(gacc, gp)
+        return (c.share_gx(gx[0]) if c.dx else None), c.acc.add(gacc, gp)
 
     def backward_recomputing(params, x, side, gy, gacc):
         specs = (P(), c.x_local, P("data"), c.y_local, P("data"))
@@ -379,19 +374,18 @@ def _backward_recomputing(stage: _Stage) -> LeafProgram:
         gx, gacc = body(params, c.gather(x), side, gy, gacc)
         return c.whole_gx(gx), gacc
 
-    at = c.acc_tree
     return LeafProgram(
         backward_recomputing,
-        (c.param_tree, None, None, None, at),
-        (None, at),
+        (c.param_tree, None, None, None, None),
+        None,
         in_shardings=(
             c.param_shardings,
             c.x_sharding,
             c.side_sharding,
             c.y_sharding,
-            c.acc_shardings,
+            c.acc.shardings,
         ),  # fmt: skip
-        out_shardings=(c.gx_sharding, c.acc_shardings),
+        out_shardings=(c.gx_sharding, c.acc.shardings),
         donate_argnums=(4,),
         name="bwd",
     )
@@ -411,7 +405,7 @@ def _last_step(stage: _Stage) -> LeafProgram:
         argnums = tuple(range(len(primals)))
         (loss, count), (gp, *gx) = jax.value_and_grad(objective, argnums, has_aux=True)(*primals)
         loss, count = jax.lax.psum((loss, count), "data")  # two scalars, not the gradient
-        return loss, count, (c.share_gx(gx[0]) if c.dx else None), _accumulate(gacc, gp)
+        return loss, count, (c.share_gx(gx[0]) if c.dx else None), c.acc.add(gacc, gp)
 
     def forward_loss_backward(params, x, side, normalizer, gacc):
         specs = (P(), c.x_local, P("data"), P(), P("data"))
@@ -419,13 +413,12 @@ def _last_step(stage: _Stage) -> LeafProgram:
         loss, count, gx, gacc = body(params, c.gather(x), side, normalizer, gacc)
         return loss, count, c.whole_gx(gx), gacc
 
-    at = c.acc_tree
     return LeafProgram(
         forward_loss_backward,
-        (c.param_tree, None, None, None, at),
-        (None, None, None, at),
-        in_shardings=(c.param_shardings, c.x_sharding, c.side_sharding, c.scalar, c.acc_shardings),
-        out_shardings=(c.scalar, c.scalar, c.gx_sharding, c.acc_shardings),
+        (c.param_tree, None, None, None, None),
+        None,
+        in_shardings=(c.param_shardings, c.x_sharding, c.side_sharding, c.scalar, c.acc.shardings),
+        out_shardings=(c.scalar, c.scalar, c.gx_sharding, c.acc.shardings),
         donate_argnums=(4,),
         name="last",
     )
@@ -434,16 +427,13 @@ def _last_step(stage: _Stage) -> LeafProgram:
 def _zero_accumulator(stage: _Stage) -> LeafProgram:
     """`StageJits.zeros`: a zero accumulator of the trained leaves, one per data replica."""
     c = stage
-    dp = c.mesh.shape["data"]
     return LeafProgram(
         # a lambda: the XLA program is named after it (`jit__lambda`) in compile logs and profiles
-        lambda p: jax.tree.map(
-            lambda a: jnp.zeros((dp, *a.shape), jnp.float32), prune(p, c.trained)
-        ),
+        lambda p: c.acc.zeros(),
         (c.param_tree,),
-        c.acc_tree,
+        None,
         in_shardings=(c.param_shardings,),
-        out_shardings=c.acc_shardings,
+        out_shardings=c.acc.shardings,
     )
 
 
@@ -526,20 +516,19 @@ def _backward_from_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafPro
             leaves = [next(it)[0] if w is None else copies[w] for w in where]
             gp, *gx = jax.tree_util.tree_unflatten(tree, leaves)(gy)
             gx = jax.tree.map(lambda g, d: g.astype(d), gx[0], x_dtype) if c.dx else None
-            return (c.share_gx(gx) if c.dx else None), _accumulate(gacc, gp)
+            return (c.share_gx(gx) if c.dx else None), c.acc.add(gacc, gp)
 
         specs = (P(), P("data"), c.y_local, P("data"))
         body = c.per_replica(pull_back, specs, (c.gx_local, P("data")))
         gx, gacc = body(params, kept, gy, gacc)
         return c.whole_gx(gx), gacc
 
-    at = c.acc_tree
     return LeafProgram(
         backward_from_residuals,
-        (c.param_tree, None, None, at, None),
-        (None, at),
+        (c.param_tree, None, None, None, None),
+        None,
         static_argnums=(4,),
-        out_shardings=(c.gx_sharding, c.acc_shardings),
+        out_shardings=(c.gx_sharding, c.acc.shardings),
         donate_argnums=(3,),
         name="bwd_res",
     )

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
+from dflop_jax.programs.accumulator import Accumulator
 from dflop_jax.programs.dispatch import STAGE, issue
 from dflop_jax.programs.stage_fns import (
     PyTree,
@@ -35,7 +36,7 @@ from dflop_jax.programs.stage_fns import (
 )
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.transfer import put_host
-from dflop_jax.programs.trees import accumulator_structs, all_trained
+from dflop_jax.programs.trees import all_trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +113,9 @@ class StageProgram:
         )
         self.y_sharding = NamedSharding(mesh, fns.y_spec)
         self.side_sharding = NamedSharding(mesh, P("data"))
-        self.jits = stage_jits(
-            mesh, fns, self.param_shardings, compute_dtype, trained, role, residuals
-        )
+        self.jits = stage_jits(mesh, fns, params, compute_dtype, trained, role, residuals)
+        # the packing of its gradient accumulator (what the backward programs take and return)
+        self.accumulator = Accumulator.of(params, self.trained)
         # the stage this one's output feeds (`Layout.children`), set by `build_stages`; None: the
         # next stage (a chain of stages built by hand)
         self.feeds: int | None = None
@@ -265,7 +266,7 @@ class StageProgram:
         length bucket) is lowered once."""
         sig, out = signature(x, side), []
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(self.mesh, P()))
-        accs = accumulator_structs(self.params, self.trained)
+        accs = list(self.accumulator.structs)
 
         def add(kind, jit, *args, then=None):
             if (kind, *sig) in self._signatures:
@@ -315,7 +316,7 @@ class StageProgram:
         return total
 
     def zero_grads(self) -> list:
-        """A zero accumulator of the trained leaves (`accumulator_structs`), as its leaves (what
+        """A zero accumulator of the trained leaves, as its buffers (`accumulator`: what
         the backward programs take and return; none when nothing of the stage is trained)."""
         if not self.trains:
             return []  # no leaves: nothing to compile or place
@@ -355,10 +356,10 @@ class StageProgram:
         return issue(STAGE, self.mesh, jit, self._leaves, held.values, gy, gacc, held.sig)
 
     def backward(self, x, side, gy, gacc: PyTree) -> tuple[jax.Array | None, PyTree]:
-        """Returns (dL/dx or None, gacc + dL/dparams) with the accumulator as a tree (`gacc`: its
-        tree or its leaves, donated)."""
-        gx, acc = self._backward(x, side, gy, jax.tree.leaves(gacc))
-        return gx, self.jits.backward.outs[1].unflatten(acc)
+        """Returns (dL/dx or None, gacc + dL/dparams) with the accumulator as a tree like the
+        trained params (`accumulator.unpack`); `gacc`: its buffers (`zero_grads`), donated."""
+        gx, acc = self._backward(x, side, gy, list(gacc))
+        return gx, self.accumulator.unpack(acc)
 
     def _backward(self, x, side, gy, gacc: list) -> tuple[jax.Array | None, list]:
         if self.jits.backward is None:

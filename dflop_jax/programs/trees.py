@@ -1,4 +1,4 @@
-"""Parameter-tree helpers of the stage programs: trained / frozen halves, casts, accumulators."""
+"""Parameter-tree helpers of the stage programs: trained / frozen halves, casts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 
@@ -43,27 +41,3 @@ def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     return jax.tree.map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
     )
-
-
-def accumulator_sharding(param_sharding: NamedSharding) -> NamedSharding:
-    """The accumulator of a param: a leading data-replica axis over "data", the param's spec after."""
-    spec = tuple(param_sharding.spec)
-    if any("data" in ((e,) if isinstance(e, str) else tuple(e or ())) for e in spec):
-        raise ValueError(
-            f"a parameter sharded over 'data' ({param_sharding.spec}) is not supported"
-        )
-    return NamedSharding(param_sharding.mesh, P("data", *spec))
-
-
-def accumulator_structs(params: PyTree, trained: PyTree | None = None) -> PyTree:
-    """Abstract per-replica gradient accumulator of `params` (leaves with shardings): fp32 leaves of
-    shape (dp, *param.shape), replica r's gradient sum at [r]; only the `trained` leaves (a bool tree
-    like `params`, None = all), the frozen ones are None (`prune`)."""
-
-    def leaf(a):
-        dp = a.sharding.mesh.shape["data"]
-        return jax.ShapeDtypeStruct(
-            (dp, *a.shape), jnp.float32, sharding=accumulator_sharding(a.sharding)
-        )
-
-    return jax.tree.map(leaf, prune(params, trained))

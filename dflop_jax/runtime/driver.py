@@ -165,9 +165,9 @@ class StepOutput:
     Attributes:
       loss: per-microbatch normalized loss contributions (sum = the step's loss), on the last stage
         (stand-ins without shards on a process that does not hold it; `host_scalars` reads them).
-      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only:
-        `trees.accumulator_structs`), as the accumulator's leaves (`StageProgram.zero_grads`), on
-        each stage's mesh (None for non-local stages).
+      grads: accumulated fp32 gradients per stage (per data replica, trained leaves only), as the
+        accumulator's buffers (`StageProgram.accumulator`, `zero_grads`), on each stage's mesh
+        (None for non-local stages).
       transfer_bytes: bytes the step's stage-to-stage transfers moved between devices (all processes).
       stage_times: measured steps only: [M, P, 2] seconds (fwd, bwd) per microbatch and stage, the
         sampled microbatch's row filled; the last stage's fused forward+backward program is reported
@@ -490,7 +490,7 @@ def _forward_train(stage: StageProgram, x, side) -> tuple[jax.Array, Held]:
 
 
 def _backward(stage: StageProgram, held: Held, gy, gacc):
-    """(dL/dx or None, gacc + dL/dparams, as leaves); non-local: (dL/dx's shape or None, None)."""
+    """(dL/dx or None, gacc + dL/dparams, as buffers); non-local: (dL/dx's shape or None, None)."""
     if stage.local:
         return stage.backward_from(held, gy, gacc)
     return _like_x(stage, held.values[0]), None

@@ -15,7 +15,7 @@ Optimizer state is created by `jax.jit(tx.init)` WITH out_shardings derived from
 (a plain `jax.jit(tx.init)` would put it on one device; DESIGN section 11).
 
 ZeRO-1 and one reduction per step: the stage programs leave each data replica's gradient sum in a
-per-replica accumulator (`programs/stage_jits.py`). Once per step, `StageOptimizer.reduce` sums it over the
+per-replica accumulator (`programs/accumulator.py`). Once per step, `StageOptimizer.reduce` sums it over the
 replicas straight into the ZeRO-1 layout (`programs/zero1_layout.py`: each leaf's largest divisible axis also
 sharded over "data", or its largest axis padded with zeros to a multiple when none divides; XLA
 makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the update computes AdamW
@@ -63,7 +63,7 @@ from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer, put_host, stand_in, transfer
-from dflop_jax.programs.trees import accumulator_sharding, accumulator_structs, graft, negate, prune
+from dflop_jax.programs.trees import graft, negate, prune
 from dflop_jax.programs.zero1_layout import (
     pad,
     replicated_layout,
@@ -189,17 +189,18 @@ class StageOptimizer:
         stage, scalar = self.stage, self.scalar
         trained, frozen = stage.trained, negate(stage.trained)
         ps = stage.param_shardings
-        accs = jax.tree.map(accumulator_sharding, prune(ps, trained))
-        # The per-step programs take and return trees as their leaves (`LeafProgram`).
-        at, gt = jax.tree.structure(accs), jax.tree.structure(self.grad_shardings)
+        acc = stage.accumulator
+        # The per-step programs take and return trees as their leaves (`LeafProgram`), the
+        # accumulator as its buffers.
+        gt = jax.tree.structure(self.grad_shardings)
         pt, st = jax.tree.structure(prune(ps, trained)), self._state_tree
         reduce = LeafProgram(
-            lambda acc: jax.tree.map(
-                lambda a, lay: jnp.sum(pad(a, lay.padded), axis=0), acc, grad_layout
+            lambda bufs: jax.tree.map(
+                lambda a, lay: jnp.sum(pad(a, lay.padded), axis=0), acc.unpack(bufs), grad_layout
             ),
-            (at,),
+            (None,),
             gt,
-            in_shardings=(accs,),
+            in_shardings=(acc.shardings,),
             out_shardings=self.grad_shardings,
         )
 
@@ -303,7 +304,7 @@ class StageOptimizer:
         with jax.set_mesh(stage.mesh):  # as `apply`, `reduce`, `sq_norm` call them
             out.append(self._update.lower(trained, self.shards, self.grad_structs(), stats))
             if self.trains:
-                accs = accumulator_structs(stage.params, stage.trained)
+                accs = list(stage.accumulator.structs)
                 out += [self._reduce.lower(accs), self._sq_norm.lower(self.grad_structs())]
         return out
 
@@ -321,12 +322,12 @@ class StageOptimizer:
             return [self._unpad.lower(shards)]
 
     def reduce(self, acc: PyTree) -> PyTree:
-        """The step's data-parallel gradient sum, in the ZeRO-1 layout (`acc` is not donated: its
-        buffer has another shape; the caller drops it)."""
+        """The step's data-parallel gradient sum, in the ZeRO-1 layout, of the accumulator's buffers
+        (`acc`, not donated: the sum has other shapes; the caller drops it)."""
         return issue(UPDATE, self.stage.mesh, self._reduce, acc)
 
     def reduce_leaves(self, acc: list) -> list:
-        """`reduce` of the accumulator's leaves (`StageProgram.zero_grads`), as the gradient's
+        """`reduce` of the accumulator's buffers (`StageProgram.zero_grads`), as the gradient's
         leaves (`grad_tree` makes them a tree)."""
         return issue(UPDATE, self.stage.mesh, self._reduce.jit, acc)
 
@@ -484,7 +485,7 @@ def apply_updates(
     # A non-local stage (no gradients here, None) takes part by its shapes and a stand-in norm.
     # A stage with nothing trained has no gradient: no reduction, no norm (its update still runs).
     grads = [
-        opt.reduce_leaves(jax.tree.leaves(g)) if here and opt.trains else opt.grad_leaves
+        opt.reduce_leaves(list(g)) if here and opt.trains else opt.grad_leaves
         for opt, g, here in zip(optimizers, grads, local)
     ]
     corrections = []

@@ -54,5 +54,10 @@ def test_demo_part_compares_the_path_with_its_floor(tmp_path):
     iso = rep["isolated"]
     assert iso["programs"] == iso["recorded"] > 0  # the floor calls every program the path issued
     assert iso["path_over_floor"] > 0 and iso["path_over_floor_cpu"] > 0
+    assert sum(r["calls"] for r in iso["floor_by_program"]) == iso["recorded"]
+    by_program = {r["program"]: r for r in iso["floor_by_program"] if r["kind"] == "stage"}
+    # a backward returns dL/dx and its packed accumulator (at most 2 buffers), not a leaf per param
+    assert 0 < by_program["bwd_res"]["outputs"] <= 3 < by_program["bwd_res"]["inputs"]
+    assert "floor by program" in printed
     assert rep["trainer"]["dispatch_programs"] > 0
     assert "path / floor" in printed

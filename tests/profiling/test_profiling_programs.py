@@ -18,10 +18,10 @@ from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.sample_arrays import FEATURE_TAPS
 from dflop_jax.profiling.programs import StageShape, build_program, profile_mesh, stage_program
+from dflop_jax.programs.accumulator import accumulator_structs
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import build_stages
-from dflop_jax.programs.trees import accumulator_structs
 
 TINY = model_config_for_arch("tiny", "bfloat16")
 CFG = dataclasses.replace(TINY, text=TINY.text.replace(vocab_size=511))

@@ -20,13 +20,13 @@ from pipeline_reference import assert_trees_close
 
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.profiling.programs import stage_program
+from dflop_jax.programs.accumulator import accumulator_structs
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.model_section import model_config_for_arch
 from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.programs.stage_fns import StageFns
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import put_host
-from dflop_jax.programs.trees import accumulator_structs
 from dflop_jax.programs.zero1_layout import zero1_layout, zero1_sharding
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
 from dflop_jax.runtime.train_state import StageOptimizer, apply_updates
@@ -128,17 +128,20 @@ def _stages_and_grads(zero1: bool, layout: Layout = LAYOUT, seed: int = 0):
     return stages, opts
 
 
+def _placed(stage, leaves: list) -> list:
+    """The stage's accumulator buffers holding `leaves` (host arrays, each (dp, *param.shape))."""
+    acc = stage.accumulator
+    bufs = acc.pack(acc.tree.unflatten(leaves))
+    return [put_host(b, s.sharding) for b, s in zip(bufs, acc.structs)]
+
+
 def _random_accumulators(stages, rng) -> list:
     """Per-replica accumulators with different values per replica (their sum is the gradient)."""
     out = []
     for s in stages:
-        structs = accumulator_structs(s.params)
-        out.append(
-            jax.tree.map(
-                lambda a: put_host(rng.normal(size=a.shape).astype(np.float32), a.sharding),
-                structs,
-            )
-        )
+        dp = s.mesh.shape["data"]
+        shapes = [(dp, *slot.shape) for slot in s.accumulator.slots]
+        out.append(_placed(s, [rng.normal(size=a).astype(np.float32) for a in shapes]))
     return out
 
 
@@ -220,16 +223,15 @@ def _gradient_accumulators(stages, step: int) -> list:
     the params' shapes only (not on dp): runs at different dp see the same reduced gradients."""
     out = []
     for i, s in enumerate(stages):
-        structs = accumulator_structs(s.params)
-        leaves, treedef = jax.tree.flatten(structs)
+        dp = s.mesh.shape["data"]
         rng = np.random.default_rng(1000 * step + i)
         accs = []
-        for a in leaves:
-            g = rng.normal(size=a.shape[1:]).astype(np.float32)
-            share = np.stack([g * (r + 1) for r in range(a.shape[0])])
-            share /= sum(r + 1 for r in range(a.shape[0]))
-            accs.append(put_host(share.astype(np.float32), a.sharding))
-        out.append(jax.tree.unflatten(treedef, accs))
+        for slot in s.accumulator.slots:
+            g = rng.normal(size=slot.shape).astype(np.float32)
+            share = np.stack([g * (r + 1) for r in range(dp)])
+            share /= sum(r + 1 for r in range(dp))
+            accs.append(share.astype(np.float32))
+        out.append(_placed(s, accs))
     return out
 
 
