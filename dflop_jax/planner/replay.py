@@ -52,7 +52,9 @@ def replay(
     png: str | None = None,
 ) -> dict:
     """Schedules and simulates each batch on the plan's layout; returns a JSON-able report."""
-    costs = LayoutCosts.build(provider_for(plan), *plan_virtual_layout(plan))
+    costs = LayoutCosts.build(
+        provider_for(plan), *plan_virtual_layout(plan), plan.residuals or None
+    )
     problem = problem_for(costs, plan.microbatch_range, plan.buckets)
     fn = (
         data_blind_scheduler() if scheduler == "data_blind" else online_scheduler(scheduler, seed=0)

@@ -90,9 +90,10 @@ def plan_virtual_layout(plan) -> tuple[Layout, int]:
 
 
 def plan_costs(plan, base):
-    """`LayoutCosts` of `plan` with the provider it was chosen with (`plan_provider`), interleaved
-    plans on their virtual layout."""
+    """`LayoutCosts` of `plan` with the provider it was chosen with (`plan_provider`) and the stage
+    residual policies it was planned under (`Plan.residuals`: a stage that runs its forward again in
+    the backward costs it), interleaved plans on their virtual layout (planned as "recompute")."""
     from dflop_jax.planner.scoring import LayoutCosts
 
     layout, chunks = plan_virtual_layout(plan)
-    return LayoutCosts.build(plan_provider(plan, base), layout, chunks)
+    return LayoutCosts.build(plan_provider(plan, base), layout, chunks, plan.residuals or None)

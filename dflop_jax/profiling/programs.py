@@ -55,7 +55,6 @@ from dflop_jax.contracts.layout import StageSpec
 from dflop_jax.costs.recipe import TRAINABLE_PARTS, stage_role
 from dflop_jax.data.packing import pack_microbatch
 from dflop_jax.data.sample_arrays import FEATURE_TAPS, TEXT, plain_taps
-from dflop_jax.programs.accumulator import accumulator_structs
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.stage_builder import (
     abstract_stage,
@@ -80,7 +79,7 @@ class PartProgram:
       params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
         seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
-        gacc_abs the per-replica gradient accumulator (`programs.accumulator.accumulator_structs`).
+        gacc_abs the per-replica gradient accumulator's buffers (`programs.accumulator`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
       trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
       jits: all the stage's programs (`programs.stage_jits.StageJits`), e.g. the residual-saving pair.
@@ -383,7 +382,7 @@ def stage_program(
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 
     return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
-                       side_abs, seed_abs, accumulator_structs(bp.state, mask), make_params,
+                       side_abs, seed_abs, list(jits.accumulator.structs), make_params,
                        make_inputs, mask, jits)  # fmt: skip
 
 

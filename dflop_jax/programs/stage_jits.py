@@ -39,8 +39,8 @@ One data-parallel reduction per step: the backward programs run their body per d
 `shard_map` manual over "data" only; "model" stays Auto for the models' tp sharding) and add each
 replica's gradient, UNREDUCED, into a donated fp32 accumulator with a leading data-replica axis
 (`programs/accumulator.py`: per leaf (dp, *param.shape), sharded over "data" on that axis and like
-the param on the rest, the leaves whole on every device packed into one flat buffer), so a
-microbatch's backward moves no gradient between replicas. The step's one
+the param on the rest, the leaves packed into at most two buffers), so a microbatch's backward
+moves no gradient between replicas. The step's one
 reduction (a sum over that axis, reduce-scattered into the ZeRO-1 optimizer's shards) is
 `runtime/train_state.py`'s. JAX's reduced/unreduced sharding types would say the same without the
 extra axis, but need Explicit mesh axes, which the models' Auto-axis meshes are not (DESIGN 11).
@@ -121,6 +121,7 @@ class StageJits:
         (dL/dx or None, gacc + dL/dparams), `gacc` donated, `sig` (static) the forward call's
         `signature(x, side)`; it runs no forward (module docstring: backward designs).
       residuals: the stage's residual policy (`RESIDUAL_POLICIES`).
+      accumulator: the packing of the buffers `gacc` is (`Accumulator`).
     """
 
     forward: Callable
@@ -131,6 +132,7 @@ class StageJits:
     forward_residuals: Callable | None = None
     backward_residuals: Callable | None = None
     residuals: str = "recompute"
+    accumulator: Accumulator | None = None
 
 
 def _local_spec(spec: P | None) -> P | None:
@@ -185,6 +187,7 @@ def stage_jits(
         forward_residuals=_forward_saving_residuals(stage, vjps) if saves else None,
         backward_residuals=_backward_from_residuals(stage, vjps) if saves else None,
         residuals=residuals,
+        accumulator=stage.acc,
     )
 
 

@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
-from dflop_jax.programs.accumulator import Accumulator
 from dflop_jax.programs.dispatch import STAGE, issue
 from dflop_jax.programs.stage_fns import (
     PyTree,
@@ -115,7 +114,7 @@ class StageProgram:
         self.side_sharding = NamedSharding(mesh, P("data"))
         self.jits = stage_jits(mesh, fns, params, compute_dtype, trained, role, residuals)
         # the packing of its gradient accumulator (what the backward programs take and return)
-        self.accumulator = Accumulator.of(params, self.trained)
+        self.accumulator = self.jits.accumulator
         # the stage this one's output feeds (`Layout.children`), set by `build_stages`; None: the
         # next stage (a chain of stages built by hand)
         self.feeds: int | None = None

@@ -140,3 +140,31 @@ def test_plan_check_compiles_the_residual_policy_the_run_trains(policy, tmp_path
         assert s["checked_memory_gib"] == round(c["predicted"] / 2**30, 2)
         total = sum(c[k] for k in terms)
         assert s["compiled_vs_predicted"] == round(total / c["predicted"] - 1, 3)
+
+
+def test_a_plan_is_evaluated_under_the_residual_policies_it_records(tiny_plan):
+    """What a plan is evaluated on after planning (`plan_costs`: `bench cluster`; `replay`: the
+    simulate CLI) prices each stage's recorded residual policy, as the planner scored it: a stage
+    that runs its forward again in its backward ("recompute") costs that forward."""
+    import dataclasses
+
+    from dflop_jax.costs import AnalyticCostProvider, get_arch, get_device
+    from dflop_jax.planner.variants import plan_costs
+
+    n = tiny_plan.layout.num_stages
+    base = AnalyticCostProvider(get_arch("tiny"), get_device("cpu"))
+    t, s = tiny_plan.buckets.tiles[-1], tiny_plan.buckets.lengths[-1]
+    saving, again = (
+        dataclasses.replace(tiny_plan, residuals=(r,) * n) for r in ("all", "recompute")
+    )
+    fast, slow = (plan_costs(p, base).stage(t, s) for p in (saving, again))
+    assert (slow[:, 1] > fast[:, 1]).any() and (slow[:, 0] == fast[:, 0]).all()
+    batch = [_sample(i) for i in range(8)]
+    steps = [replay(p, [batch], "greedy", "1f1b")["step_time_mean_s"] for p in (saving, again)]
+    assert steps[1] > steps[0]
+
+
+def _sample(i: int):
+    from dflop_jax.contracts import SampleShape
+
+    return SampleShape(i, i % 3, 100 + 50 * i, "image" if i % 3 else "text")
