@@ -321,7 +321,7 @@ class StageOptimizer:
         with jax.set_mesh(self.stage.mesh):
             return [self._unpad.lower(shards)]
 
-    def reduce(self, acc: PyTree) -> PyTree:
+    def reduce(self, acc: list) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout, of the accumulator's buffers
         (`acc`, not donated: the sum has other shapes; the caller drops it)."""
         return issue(UPDATE, self.stage.mesh, self._reduce, acc)
