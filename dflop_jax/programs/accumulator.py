@@ -36,23 +36,20 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.programs.sharding import mesh_axes
 from dflop_jax.programs.trees import PyTree, prune
 
 WHOLE, SPLIT = "whole", "split"
-
-
-def _names(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _split(sharding: NamedSharding) -> tuple[str, int, str | None]:
     """(kind, the param dimension split, the mesh axis splitting it) of a param's sharding: WHOLE when
     no mesh axis larger than 1 splits it, SPLIT when one axis ("model": "data" is refused) splits
     one dimension."""
-    if any("data" in _names(e) for e in sharding.spec):
+    if any("data" in mesh_axes(e) for e in sharding.spec):
         raise ValueError(f"a parameter sharded over 'data' ({sharding.spec}) is not supported")
     size = sharding.mesh.shape
-    cuts = [(d, n) for d, e in enumerate(sharding.spec) for n in _names(e) if size[n] > 1]
+    cuts = [(d, n) for d, e in enumerate(sharding.spec) for n in mesh_axes(e) if size[n] > 1]
     if len(cuts) > 1:
         raise ValueError(
             f"a parameter split on several dimensions ({sharding.spec}) is not supported"

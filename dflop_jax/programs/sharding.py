@@ -33,6 +33,13 @@ from jax.sharding import Mesh
 
 Rules = tuple[tuple[str, str | None], ...]
 
+
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names: None -> (), "model" -> ("model",),
+    ("data", "model") -> both."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 DECODER_RULES: Rules = (
     ("batch", "data"),
     ("length", None),

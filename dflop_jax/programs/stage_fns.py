@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.cost_table import RESIDUAL_POLICIES
+from dflop_jax.programs.sharding import mesh_axes
 
 PyTree = Any
 ForwardFn = Callable[[PyTree, Any, Mapping[str, jax.Array]], jax.Array]
@@ -110,7 +111,6 @@ def boundary_shape(shape: Sequence[int], sharding: NamedSharding) -> tuple[int, 
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     out = []
     for n, entry in zip(shape, spec):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        k = int(np.prod([sharding.mesh.shape[a] for a in names], dtype=int))
+        k = int(np.prod([sharding.mesh.shape[a] for a in mesh_axes(entry)], dtype=int))
         out.append(-(-n // k) * k)
     return tuple(out)

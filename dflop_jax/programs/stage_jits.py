@@ -80,6 +80,7 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 from dflop_jax.programs.accumulator import Accumulator
 from dflop_jax.programs.leaf_program import LeafProgram
+from dflop_jax.programs.sharding import mesh_axes
 from dflop_jax.programs.stage_fns import (
     PyTree,
     StageFns,
@@ -143,8 +144,7 @@ def _local_spec(spec: P | None) -> P | None:
 
 
 def _only_data(entry):
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return "data" if "data" in names else None
+    return "data" if "data" in mesh_axes(entry) else None
 
 
 def stage_jits(

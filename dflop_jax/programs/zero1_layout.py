@@ -22,6 +22,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflop_jax.programs.sharding import mesh_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class Zero1Leaf:
@@ -44,10 +46,6 @@ class Zero1Leaf:
         return self.padded != self.shape
 
 
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
 def zero1_layout(shape: tuple[int, ...], sharding: NamedSharding) -> Zero1Leaf:
     """The layout of a leaf of `shape` in the stage sharding `sharding` (see the module docstring).
     A scalar, or a stage with dp 1, keeps the stage sharding."""
@@ -57,12 +55,12 @@ def zero1_layout(shape: tuple[int, ...], sharding: NamedSharding) -> Zero1Leaf:
     dp = mesh.shape["data"]
     if dp == 1 or not shape:
         return Zero1Leaf(shape, shape, sharding, sharding)
-    ways = [int(np.prod([mesh.shape[n] for n in _names(e)], dtype=int)) * dp for e in spec]
+    ways = [int(np.prod([mesh.shape[n] for n in mesh_axes(e)], dtype=int)) * dp for e in spec]
     fits = [i for i, n in enumerate(shape) if n % ways[i] == 0]
     axis = max(fits or range(len(shape)), key=lambda i: (shape[i], -i))
     padded = list(shape)
     padded[axis] = -(-shape[axis] // ways[axis]) * ways[axis]
-    spec[axis] = (*_names(spec[axis]), "data") if spec[axis] is not None else "data"
+    spec[axis] = (*mesh_axes(spec[axis]), "data") if spec[axis] is not None else "data"
     return Zero1Leaf(shape, tuple(padded), NamedSharding(mesh, P(*spec)), sharding)
 
 
