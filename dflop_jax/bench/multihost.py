@@ -7,7 +7,7 @@ Every run uses 8 CPU devices in all (8 / processes per process) and the same exp
 `TINY_LLAVA_OV`: one encoder stage at tp 2, two LLM stages at dp 3, so the encoder's dp differs from the
 LLM's and the first LLM stage spans processes at 2 and 4 processes). Each process is a real
 `jax.distributed` process on 127.0.0.1 (`worker`, launched like `scripts/run_training.sh`) and reports:
-  xla_compiles      XLA compilations on this process (`jax.monitoring` compile events), and those
+  xla_compiles      executables built on this process (`jax.monitoring` compile events), and those
                     inside training steps (stage programs, transfers, updates: the per-process share;
                     the rest is model building, which is whole-model on every process for now),
                     and the stage programs among them
@@ -94,21 +94,29 @@ TINY_INTERNVL = [
 STAGE_PROGRAMS = ("jit(apply)", "jit(bwd)", "jit(last)", "jit(fwd_res)", "jit(bwd_res)")
 
 
-def launch(processes: int, overrides: list[str], out: Path, timeout_s: int = 600) -> list[dict]:
+def launch(
+    processes: int,
+    overrides: list[str],
+    out: Path,
+    timeout_s: int = 600,
+    cache: Path | None = None,
+) -> list[dict]:
     """Runs `worker` in `processes` OS processes (DEVICES / processes CPU devices each) and returns
-    their reports, by process index. Raises with the failing process's output tail."""
+    their reports, by process index. Raises with the failing process's output tail.
+
+    `cache`: the runs' compilation cache (`compilation_cache`); None: none."""
     if DEVICES % processes:
         raise ValueError(f"processes={processes}: must divide the {DEVICES} devices")
     out.mkdir(parents=True, exist_ok=True)
-    # Each process asks for its own devices (and pool), and compiles what it runs: with a shared
-    # compilation cache a process would load what another compiled, and its share would not show.
+    # Each process asks for its own devices (and pool), and compiles what it runs: with the suite's
+    # compilation cache a process would load what another run compiled, and its share would not show.
     env = own_devices_env(os.environ)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])]
     )
     common = [*overrides, f"num_cpu_devices={DEVICES // processes}", f"run_dir={out / 'run'}",
-              "compilation_cache="]  # fmt: skip
+              f"compilation_cache={cache or ''}"]  # fmt: skip
     if processes > 1:
         base = _free_ports(2)  # the coordinator and, next to it, the watchdog hub
         env.update(DFLOP_NUM_PROCESSES=str(processes), DFLOP_COORDINATOR=f"127.0.0.1:{base}")
@@ -169,6 +177,7 @@ def worker(report_path: Path, overrides: list[str]) -> None:
 
     from dflop_jax.data import loader as loader_mod
     from dflop_jax.runtime import trainer as trainer_mod
+    from dflop_jax.runtime.precompile import CompileCounter
     from dflop_jax.train import run
 
     compiles, in_step = [], [False]  # (program name, compiled inside a training step)
@@ -207,8 +216,10 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "xla_stage_programs_in_steps": sum(
             inside and name in STAGE_PROGRAMS for name, inside in compiles
         ),
-        # the run's own count (`runtime/precompile.py`): programs built after the precompile
+        # the run's own count (`runtime/precompile.py`): programs built after the precompile, and
+        # those loaded from a compilation cache (JAX's, or the executable store of processes > 0)
         "programs_after_precompile": report.summary.get("programs_after_precompile"),
+        "cache_hits": CompileCounter().cache_hits,
         "decoded": sorted(decoded),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "transfer_bytes": moved,

@@ -4,7 +4,10 @@ The trainer runs a stage through it (`runtime/driver.py`), calling its programs 
 and accumulator trees as leaves (`programs/leaf_program.py`: flattened when they change, not per
 call) through `programs.dispatch.issue` (counted per step). It records the input signature of each
 call and each program lowered ahead (`lower`, `runtime/precompile.py`), so `compiles` is the XLA
-compilations its jits perform (a jit recompiles iff the abstract signature changes). A stage whose
+compilations its jits perform (a jit recompiles iff the abstract signature changes). On a process
+whose stage programs come from an executable store (`programs/executable_store.py`), each call
+runs the compiled program the precompile kept for its (program, signature) instead of the jit
+(`_program`). A stage whose
 mesh has no device of this process is NON-LOCAL (`local` False): nothing of it is compiled or
 dispatched here; the driver only needs the shapes of its outputs (`output_struct`, a trace without
 compilation) to take part in transfers from it. Between a forward and its backward an in-flight
@@ -47,11 +50,18 @@ class Lowering:
       lowered: the program, traced and lowered from abstract inputs.
       then: given the compiled program, further lowerings that need its compiled output shardings
         (the backward from residuals of a forward with residuals); None when there are none.
+      devices: the global ids of the devices it runs on: a stage program's, which a process whose
+        compiled programs JAX's persistent cache does not keep stores itself
+        (`programs.executable_store`); None for the others.
+      keep: takes the compiled program where it comes from that store, to be called in place of
+        the jit (whose cache does not know it); None for the others.
     """
 
     kind: str
     lowered: jax.stages.Lowered
     then: Callable[[jax.stages.Compiled], list[Lowering]] | None = None
+    devices: tuple[int, ...] | None = None
+    keep: Callable[[jax.stages.Compiled], None] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -120,6 +130,10 @@ class StageProgram:
         self.feeds: int | None = None
         self._signatures: set[tuple] = set()
         self._seen: dict[tuple, tuple] = {}  # (kind, shapes and dtypes) -> its `signature`
+        # (kind, signature) -> the compiled stage program called in place of its jit: filled by a
+        # precompile with an executable store (`Lowering.keep`), else empty
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._device_ids = tuple(d.id for d in mesh.devices.flat)
         self._outputs: dict[tuple, jax.ShapeDtypeStruct] = {}
         self._x_structs: dict[tuple, jax.ShapeDtypeStruct] = {}
         scalar = NamedSharding(mesh, P())
@@ -271,7 +285,7 @@ class StageProgram:
             if (kind, *sig) in self._signatures:
                 return
             self._record(kind, x, side)
-            out.append(Lowering(kind, jit.lower(self._leaves, *args), then))
+            out.append(self._lowering(kind, sig, jit.lower(self._leaves, *args), then))
 
         with jax.set_mesh(self.mesh):
             if self.is_last:
@@ -293,7 +307,7 @@ class StageProgram:
                 self._signatures.add(("bwd_res", *sig))
                 with jax.set_mesh(self.mesh):
                     bwd = self.jits.backward_residuals.lower(self._leaves, kept, y, accs, sig)
-                return [Lowering("bwd_res", bwd)]
+                return [self._lowering("bwd_res", sig, bwd)]
 
             if self.jits.forward_residuals is not None:
                 add("fwd_res", self.jits.forward_residuals, x, side, then=backward_residuals)
@@ -302,6 +316,17 @@ class StageProgram:
             if self.jits.forward_residuals is None and self.jits.backward is not None:
                 add("bwd", self.jits.backward, x, side, y, accs)
         return out
+
+    def _lowering(self, kind: str, sig: tuple, lowered, then=None) -> Lowering:
+        def keep(compiled: jax.stages.Compiled) -> None:
+            self._compiled[(kind, sig)] = compiled
+
+        return Lowering(kind, lowered, then, self._device_ids, keep)
+
+    def _program(self, kind: str, sig: tuple, jit: Callable) -> Callable:
+        """What a call of program `kind` on inputs of signature `sig` calls: the compiled program
+        the executable store gave (`_compiled`), else the jit."""
+        return self._compiled.get((kind, sig), jit) if self._compiled else jit
 
     def loss_tokens(self, masks: list[np.ndarray]) -> jax.Array:
         """Sum of the microbatches' `loss_mask`s (every shard's, not only this host's) as a replicated
@@ -323,14 +348,14 @@ class StageProgram:
 
     def forward(self, x, side) -> jax.Array:
         """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
-        self._record("fwd", x, side)
-        return issue(STAGE, self.mesh, self.jits.forward.jit, self._leaves, x, side)
+        fwd = self._program("fwd", self._record("fwd", x, side), self.jits.forward.jit)
+        return issue(STAGE, self.mesh, fwd, self._leaves, x, side)
 
     def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
         """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
         gradients; `totals` (float32[2], replicated on this mesh) is donated."""
-        self._record("eval", x, side)
-        return issue(STAGE, self.mesh, self.jits.eval_loss.jit, self._leaves, x, side, totals)
+        fn = self._program("eval", self._record("eval", x, side), self.jits.eval_loss.jit)
+        return issue(STAGE, self.mesh, fn, self._leaves, x, side, totals)
 
     def forward_train(self, x, side) -> tuple[jax.Array, Held]:
         """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
@@ -338,7 +363,8 @@ class StageProgram:
         if self.jits.forward_residuals is None:
             return self.forward(x, side), Held(None, (x, side))
         sig = self._record("fwd_res", x, side)
-        y, kept = issue(STAGE, self.mesh, self.jits.forward_residuals.jit, self._leaves, x, side)
+        fwd = self._program("fwd_res", sig, self.jits.forward_residuals.jit)
+        y, kept = issue(STAGE, self.mesh, fwd, self._leaves, x, side)
         return y, Held(sig, kept)
 
     def backward_from(self, held: Held, gy, gacc: list) -> tuple[jax.Array | None, list]:
@@ -351,6 +377,9 @@ class StageProgram:
         if key not in self._seen:
             self._seen[key] = held.sig
             self._signatures.add(("bwd_res", *held.sig))
+        compiled = self._compiled.get(key) if self._compiled else None
+        if compiled is not None:  # compiled with the signature static: not an argument of its own
+            return issue(STAGE, self.mesh, compiled, self._leaves, held.values, gy, gacc)
         jit = self.jits.backward_residuals.jit
         return issue(STAGE, self.mesh, jit, self._leaves, held.values, gy, gacc, held.sig)
 
@@ -363,16 +392,16 @@ class StageProgram:
     def _backward(self, x, side, gy, gacc: list) -> tuple[jax.Array | None, list]:
         if self.jits.backward is None:
             raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
-        self._record("bwd", x, side)
-        return issue(STAGE, self.mesh, self.jits.backward.jit, self._leaves, x, side, gy, gacc)
+        bwd = self._program("bwd", self._record("bwd", x, side), self.jits.backward.jit)
+        return issue(STAGE, self.mesh, bwd, self._leaves, x, side, gy, gacc)
 
     def forward_backward_loss(self, x, side, normalizer, gacc: list):
         """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, the
         accumulator's leaves + dL/dparams); `gacc` (leaves, `zero_grads`) is donated.
 
         `normalizer`: a number, or a replicated scalar on this mesh (`loss_tokens`)."""
-        self._record("last", x, side)
+        last = self._program("last", self._record("last", x, side), self.jits.last.jit)
         norm = normalizer
         if not isinstance(normalizer, jax.Array):
             norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
-        return issue(STAGE, self.mesh, self.jits.last.jit, self._leaves, x, side, norm, gacc)
+        return issue(STAGE, self.mesh, last, self._leaves, x, side, norm, gacc)

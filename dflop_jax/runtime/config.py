@@ -234,7 +234,9 @@ class TrainConfig:
         `num_devices`, when set, instead).
       tensorboard: also write TensorBoard event files to run_dir/tb.
       compilation_cache: persistent XLA compilation cache directory ("" = JAX's own setting: off
-        unless JAX_COMPILATION_CACHE_DIR names one).
+        unless JAX_COMPILATION_CACHE_DIR names one). JAX writes it from process 0; the other
+        processes of a multi-process run keep their stage programs in its `dflop_executables`
+        folder (`programs/executable_store.py`).
       distributed: multi-process settings (else env DFLOP_COORDINATOR/NUM_PROCESSES/PROCESS_ID).
       measure_stage_times_every: every this many steps, time each stage program of one sampled
         microbatch (step % M; the other microbatches are not waited for: `runtime/driver.py`) and

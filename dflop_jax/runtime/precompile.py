@@ -20,11 +20,14 @@ multi-process runs) and the checkpoint's (`StageOptimizer.lower_save`). Lowering
 calling thread (tracing holds the GIL); compiling runs in a thread pool (XLA compiles outside it).
 A compiled program lands in JAX's in-memory caches, so the step's own call of the same jit on
 arrays of the same shapes and shardings finds it, and in the persistent compilation cache when the
-run enables one (`compilation_cache`), where a second run of the same plan finds it.
+run enables one (`compilation_cache`), where a second run of the same plan finds it. JAX writes that
+cache from process 0 only; on the other processes of a multi-process run the stage programs go
+through an `ExecutableStore` in the same folder instead (`programs/executable_store.py`), and the
+stages call the compiled programs it gives them.
 
 Counting: `CompileCounter` listens to JAX's backend-compile event (`jax.monitoring`), which fires once
 per executable JAX builds, whether XLA compiles it or loads it from the persistent cache (those
-loads are counted apart, `cache_hits`); a jit whose cache already holds the executable fires
+loads are counted apart, `cache_hits`, with the programs an `ExecutableStore` loads); a jit whose cache already holds the executable fires
 nothing. The run's one count of programs is the executables it built: the precompile line, each
 step's `recompiles` (0 when everything was compiled ahead) and the summary's `programs` all read it.
 """
@@ -45,6 +48,7 @@ import numpy as np
 from dflop_jax.contracts import ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
+from dflop_jax.programs.executable_store import ExecutableStore
 from dflop_jax.programs.stage_program import Lowering, StageProgram
 from dflop_jax.programs.transfer import lower_transfer
 from dflop_jax.runtime.driver import boundary_structs, stage_tree
@@ -79,6 +83,14 @@ class CompileCounter:
     @property
     def cache_hits(self) -> int:
         return CompileCounter._hits
+
+    @staticmethod
+    def note_loaded() -> None:
+        """One executable deserialized from an `ExecutableStore` (no jax event fires for it): built
+        by this process and found in a cache, as a persistent-cache hit is."""
+        with CompileCounter._lock:
+            CompileCounter._count += 1
+            CompileCounter._hits += 1
 
 
 def _on_duration(event: str, duration_s: float, **_) -> None:
@@ -190,10 +202,14 @@ def precompile(
     evaluation: bool = False,
     extra: Sequence[jax.stages.Lowered] = (),
     workers: int | None = None,
+    store: ExecutableStore | None = None,
 ) -> PrecompileReport:
     """Lowers and compiles every program the microbatches' shapes run (module docstring) and the
     `extra` lowered programs (the per-step ones), in a thread pool, reporting
-    `progress("compile", done, total)` as programs finish."""
+    `progress("compile", done, total)` as programs finish. With `store` (a process JAX's
+    persistent cache does not write from: `ExecutableStore.for_this_process`), the stage programs
+    are loaded from it or compiled and written to it, and each stage calls them itself
+    (`Lowering.keep`)."""
     report = progress or (lambda *_: None)
     t0, seen = time.perf_counter(), set()
     todo: list[Lowering] = []
@@ -205,17 +221,19 @@ def precompile(
     total, done, seconds = len(todo), 0, {}
     workers = workers or max(os.cpu_count() or 1, 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="dflop-compile") as pool:
-        running = {pool.submit(_timed, lw.lowered): lw for lw in todo}
+        running = {pool.submit(_timed, lw, store): lw for lw in todo}
         report("compile", 0, total)
         while running:
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
                 lw, (compiled, s) = running.pop(future), future.result()
+                if store is not None and lw.keep is not None:
+                    lw.keep(compiled)
                 done += 1
                 seconds[lw.kind] = seconds.get(lw.kind, 0.0) + s
                 more = lw.then(compiled) if lw.then else []  # lowered here, on this thread
                 total += len(more)
-                running.update({pool.submit(_timed, m.lowered): m for m in more})
+                running.update({pool.submit(_timed, m, store): m for m in more})
             report("compile", done, total)
     wall = time.perf_counter() - t0
     return PrecompileReport(
@@ -223,6 +241,11 @@ def precompile(
     )
 
 
-def _timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float]:
+def _timed(lw: Lowering, store: ExecutableStore | None) -> tuple[jax.stages.Compiled, float]:
     t0 = time.perf_counter()
-    return lowered.compile(), time.perf_counter() - t0
+    if store is None or lw.devices is None:
+        return lw.lowered.compile(), time.perf_counter() - t0
+    compiled, source = store.compile(lw.lowered, lw.devices)
+    if source == "loaded":
+        CompileCounter.note_loaded()
+    return compiled, time.perf_counter() - t0

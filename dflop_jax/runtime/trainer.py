@@ -47,6 +47,7 @@ from dflop_jax.planner.resolve import ResolvedPlan
 from dflop_jax.programs import watchdog
 from dflop_jax.programs.devices import enable_compilation_cache
 from dflop_jax.programs.dispatch import ISSUED
+from dflop_jax.programs.executable_store import ExecutableStore
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.processes import host_scalars, lower_reads
@@ -225,13 +226,17 @@ class _Trainer:
     and the step itself."""
 
     def __init__(self, cfg: TrainConfig, model_cfg, arch, device: DeviceSpec, plan: ResolvedPlan,
-                 console, clock, counter_start: int | None = None):  # fmt: skip
+                 console, clock, counter_start: int | None = None,
+                 store: ExecutableStore | None = None):  # fmt: skip
         """`counter_start`: the compile count where the run began (a re-planned trainer continues
-        its predecessor's count); None: now."""
+        its predecessor's count); None: now. `store`: a re-planned trainer's predecessor's (the
+        programs it holds); None: this process's own (`ExecutableStore.for_this_process`)."""
         self.cfg, self.layout, self.arch, self.console = cfg, plan.layout, arch, console
         self.plan, self.device = plan, device
         self.clock = clock
         self.counter = CompileCounter()
+        # where JAX's persistent cache does not write (processes other than 0), the stage programs'
+        self.store = store or ExecutableStore.for_this_process(cfg.compilation_cache)
         # the stages' initialization counts as the run's
         self.counter_start = self.counter.count if counter_start is None else counter_start
         meshes = stage_meshes(plan.layout)
@@ -295,7 +300,8 @@ class _Trainer:
         extra.append(self.lr.lower(jax.ShapeDtypeStruct((), jnp.int32)))
         with progress_bar(jax.process_index() == 0) as progress:
             done = precompile(self.stages, batches, progress,
-                              evaluation=self.eval is not None, extra=extra)  # fmt: skip
+                              evaluation=self.eval is not None, extra=extra,
+                              store=self.store)  # fmt: skip
         self.precompiled = done
         loaded = self.counter.cache_hits - hits
         self.console.print(
@@ -532,7 +538,7 @@ def _replanned(old: _Trainer, step: int, model_cfg) -> _Trainer:
     )
     old.close()  # waits for the checkpoint
     new = _Trainer(old.cfg, model_cfg, old.arch, old.device, plan, old.console, old.clock,
-                   old.counter_start)  # fmt: skip
+                   old.counter_start, old.store)  # fmt: skip
     new.restore()
     new.precompile()  # the new plan's programs, before it runs a step
     return new

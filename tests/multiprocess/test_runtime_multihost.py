@@ -71,3 +71,29 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
     if model.endswith("_pooled"):  # the same samples packed by row: the same math
         by_row = _reference(tmp_path_factory, model.removesuffix("_pooled"))
         assert single["losses"] == pytest.approx(by_row["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_second_run_loads_every_stage_program_on_every_process(tmp_path_factory):
+    """JAX's persistent cache writes from process 0 only: process 1's stage programs (the second LLM
+    stage's, and its share of the first's) come back from the executable store
+    (`programs/executable_store.py`) in the same cache folder, so the second run of the same plan
+    compiles no stage program on any process, and trains the same losses."""
+    synth = tmp_path_factory.getbasetemp() / "synth_llava_ov"
+    overrides = [*TINY_LLAVA_OV, f"data.synth_dir={synth}", "steps=2", "layout.tiles=[16]"]
+    cache = tmp_path_factory.mktemp("cache")
+    first, second = (
+        launch(2, overrides, tmp_path_factory.mktemp(f"run{i}"), 400, cache=cache) for i in range(2)
+    )
+    assert [r["cache_hits"] for r in first] == [0, 0]
+    assert first[1]["xla_stage_programs"] > 0
+    # process 0: everything from JAX's cache (its hits fire the compile event too); process 1: its
+    # stage programs from the store, none compiled
+    assert (
+        second[0]["cache_hits"] >= second[0]["xla_stage_programs"] == first[0]["xla_stage_programs"]
+    )
+    assert second[1]["xla_stage_programs"] == 0
+    assert second[1]["cache_hits"] == first[1]["xla_stage_programs"]
+    for a, b in zip(first, second):
+        assert b["losses"] == a["losses"]
+        assert b["programs_after_precompile"] == 0

@@ -1,0 +1,134 @@
+"""Compiled stage programs kept on disk for the processes JAX's persistent cache does not write from.
+
+    store = ExecutableStore.for_this_process(cfg.compilation_cache)   # None on process 0
+    compiled, source = store.compile(lowered, devices)   # "loaded", "compiled" or "held"
+
+Why: JAX's persistent compilation cache reads on every process but writes only from process 0 (to
+spare shared filesystems concurrent writers; jax/_src/compiler.py). In a
+pipeline every process runs its own stages, so the programs of stages without a device on process
+0 were compiled again by every run: a second run of the same plan was as slow to start on those
+processes as the first. The store closes that gap with jax's public AOT serialization
+(`jax.experimental.serialize_executable`): a process other than 0 writes each stage program it
+compiles to `<compilation_cache>/dflop_executables/<key>.pkl`, and a later run deserializes it
+instead of compiling. A program deserialized this way is a `jax.stages.Compiled`, which no jit
+cache knows about, so the stage calls it itself (`StageProgram`'s table of compiled programs,
+filled by `runtime/precompile.py`).
+
+The key is a hash of what decides the executable: the lowered module's text (shapes, shardings,
+donation, the program itself), the devices it runs on (by global id: stages alike but for their
+devices lower to the same text), jax's and the backend's versions, and `XLA_FLAGS`. A file that
+does not load (truncated, another jax's) is logged, compiled again and rewritten. Writes go
+through a temporary file and a rename, so a reader never sees half a file, and two processes
+writing one key (a program spanning both) leave one whole file.
+
+Only stage programs (forward, backward, the last stage's fused step, evaluation) go through it:
+they are the programs that take minutes at real sizes. Transfers and per-step programs on those
+processes still compile in each run (seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+SUBDIR = "dflop_executables"
+
+
+class ExecutableStore:
+    """Serialized compiled programs under `root` (module docstring).
+
+    Attributes:
+      loaded, saved: programs this store deserialized / wrote so far.
+      failed: files that did not load (compiled again) or programs that did not serialize.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.loaded = self.saved = self.failed = 0
+        self._lock = threading.Lock()  # precompile's pool compiles in threads
+        # key -> the program this process compiled or loaded: XLA:CPU fails to run a program
+        # deserialized in the process that compiled it ("Function ... not found"), and a re-plan
+        # (which keeps the store) lowers again programs its predecessor already has
+        self._held: dict[str, jax.stages.Compiled] = {}
+
+    @classmethod
+    def for_this_process(cls, cache_dir: str | Path | None) -> ExecutableStore | None:
+        """The store of a multi-process run's processes other than 0 when the run has a compilation
+        cache (`compilation_cache`); None where JAX's own cache writes (process 0, one process)
+        or there is no cache."""
+        if not cache_dir or jax.process_count() == 1 or jax.process_index() == 0:
+            return None
+        return cls(Path(cache_dir) / SUBDIR)
+
+    def key(self, lowered: jax.stages.Lowered, devices: Sequence[int]) -> str:
+        """The file name of `lowered` compiled for the devices of global ids `devices`, in the
+        order of its device assignment (the flat order of the mesh it was lowered on)."""
+        backend = jax.devices()[0].client
+        h = hashlib.sha256()
+        for part in (jax.__version__, backend.platform, backend.platform_version,
+                     os.environ.get("XLA_FLAGS", ""), repr(tuple(devices)), lowered.as_text()):  # fmt: skip
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def compile(
+        self, lowered: jax.stages.Lowered, devices: Sequence[int]
+    ) -> tuple[jax.stages.Compiled, str]:
+        """`lowered` compiled, and where it came from: "loaded" from the store's folder,
+        "compiled" by XLA (and written there) or "held" (this store gave it before)."""
+        key = self.key(lowered, devices)
+        if key in self._held:
+            return self._held[key], "held"
+        path = self.root / f"{key}.pkl"
+        compiled = self._load(path, devices) if path.is_file() else None
+        loaded = compiled is not None
+        if loaded:
+            self._count("loaded")
+        else:
+            compiled = lowered.compile()
+            self._save(path, compiled)
+        self._held[key] = compiled
+        return compiled, "loaded" if loaded else "compiled"
+
+    def _load(self, path: Path, devices: Sequence[int]) -> jax.stages.Compiled | None:
+        # the executable's own devices, in its order (the stage mesh's): without them jax would
+        # load it for every device of the backend
+        by_id = {d.id: d for d in jax.devices()}
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in devices]
+            )
+        except Exception as e:  # a file of another jax, or cut short: compile it again
+            self._count("failed")
+            log.warning("compiled program %s did not load (%s: %s); compiling it again",
+                        path.name, type(e).__name__, e)  # fmt: skip
+            return None
+
+    def _save(self, path: Path, compiled: jax.stages.Compiled) -> None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception as e:  # a program the backend cannot serialize: it compiles every run
+            self._count("failed")
+            log.warning("compiled program not stored (%s: %s)", type(e).__name__, e)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+        self._count("saved")
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
