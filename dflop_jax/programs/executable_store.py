@@ -21,6 +21,9 @@ does not load (truncated, another jax's) is logged, compiled again and rewritten
 through a temporary file and a rename, so a reader never sees half a file, and two processes
 writing one key (a program spanning both) leave one whole file.
 
+Loading a file runs what it holds (pickle, and an executable): point `compilation_cache` only at a
+folder you trust, as with JAX's own cache.
+
 Only stage programs (forward, backward, the last stage's fused step, evaluation) go through it:
 they are the programs that take minutes at real sizes. Transfers and per-step programs on those
 processes still compile in each run (seconds).
@@ -123,10 +126,15 @@ class ExecutableStore:
             self._count("failed")
             log.warning("compiled program not stored (%s: %s)", type(e).__name__, e)
             return
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as e:  # a full or read-only disk: the run goes on, the next one compiles
+            self._count("failed")
+            log.warning("compiled program not stored in %s (%s)", self.root, e)
+            return
         self._count("saved")
 
     def _count(self, what: str) -> None:

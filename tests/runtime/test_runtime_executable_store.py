@@ -152,3 +152,16 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
     loss, grads = _step(stages, mbs)
     assert loss == want_loss
     jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
+
+
+def test_a_folder_it_cannot_write_is_logged_and_the_program_still_runs(tmp_path, caplog):
+    jit, lowered, s = _lowered(jax.devices()[:2])
+    store = ExecutableStore(tmp_path / "store")
+    (tmp_path / "store").rmdir()
+    (tmp_path / "store").write_text("")  # its folder gone: a file in its place
+    compiled, source = store.compile(lowered, (0, 1))
+    assert (source, store.saved, store.failed) == ("compiled", 0, 1)
+    assert "not stored" in caplog.text
+    x = jax.device_put(np.ones(4, np.float32), s)
+    w = [jax.device_put(np.ones((4, 3), np.float32), s) for _ in range(2)]
+    np.testing.assert_array_equal(np.asarray(compiled(w, x)[0]), np.full((4, 3), 12.0))
