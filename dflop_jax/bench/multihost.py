@@ -12,6 +12,9 @@ LLM's and the first LLM stage spans processes at 2 and 4 processes). Each proces
                     the rest is model building, which is whole-model on every process for now),
                     and the stage programs among them
   stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
+  cache_hits        executables loaded from the run's compilation cache: JAX's (also counted in
+                    xla_compiles) and, on a process other than 0, the stage programs of its
+                    executable store (not counted there: no jax event fires)
   decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
   transfer_mib      bytes moved between stages per step (every transfer of the step, all processes)

@@ -112,6 +112,7 @@ class StageJits:
       last: (params, x, side, normalizer, gacc) -> (loss / normalizer, count, dL/dx or None,
         gacc + dL/dparams), `gacc` donated (per data replica); loss and count are over all replicas.
       zeros: params -> a zero accumulator's buffers (`Accumulator`).
+      accumulator: the packing of the buffers `gacc` is (`Accumulator`).
       eval_loss: last stage only (None elsewhere): (params, x, side, totals) -> totals + (loss_sum,
         count), float32[2] replicated, `totals` donated: the forward and loss without gradients or
         accumulator, summed over an evaluation's microbatches on device (`runtime/evaluate.py`).
@@ -122,18 +123,17 @@ class StageJits:
         (dL/dx or None, gacc + dL/dparams), `gacc` donated, `sig` (static) the forward call's
         `signature(x, side)`; it runs no forward (module docstring: backward designs).
       residuals: the stage's residual policy (`RESIDUAL_POLICIES`).
-      accumulator: the packing of the buffers `gacc` is (`Accumulator`).
     """
 
     forward: Callable
     backward: Callable | None
     last: Callable
     zeros: Callable
+    accumulator: Accumulator
     eval_loss: Callable | None = None
     forward_residuals: Callable | None = None
     backward_residuals: Callable | None = None
     residuals: str = "recompute"
-    accumulator: Accumulator | None = None
 
 
 def _local_spec(spec: P | None) -> P | None:
