@@ -4,15 +4,15 @@
     compiled, source = store.compile(lowered, devices)   # "loaded", "compiled" or "held"
 
 Why: JAX's persistent compilation cache reads on every process but writes only from process 0 (to
-spare shared filesystems concurrent writers; jax/_src/compiler.py). In a
-pipeline every process runs its own stages, so the programs of stages without a device on process
-0 were compiled again by every run: a second run of the same plan was as slow to start on those
-processes as the first. The store closes that gap with jax's public AOT serialization
-(`jax.experimental.serialize_executable`): a process other than 0 writes each stage program it
-compiles to `<compilation_cache>/dflop_executables/<key>.pkl`, and a later run deserializes it
-instead of compiling. A program deserialized this way is a `jax.stages.Compiled`, which no jit
-cache knows about, so the stage calls it itself (`StageProgram`'s table of compiled programs,
-filled by `runtime/precompile.py`).
+spare shared filesystems concurrent writers; jax/_src/compiler.py). In a pipeline every process runs
+its own stages, so the programs of stages without a device on process 0 were compiled again by every
+run: a second run of the same plan was as slow to start on those processes as the first. The store
+closes that gap with jax's public AOT serialization (`jax.experimental.serialize_executable`): a
+process other than 0 writes each stage program it compiles to
+`<compilation_cache>/dflop_executables/<key>.pkl`, and a later run deserializes it instead of
+compiling. A program deserialized this way is a `jax.stages.Compiled`, which no jit cache knows
+about, so the stage calls it itself (`StageProgram`'s table of compiled programs, filled by
+`runtime/precompile.py`).
 
 The key is a hash of what decides the executable: the lowered module's text (shapes, shardings,
 donation, the program itself), the devices it runs on (by global id: stages alike but for their
@@ -61,8 +61,8 @@ class ExecutableStore:
         self.loaded = self.saved = self.failed = 0
         self._lock = threading.Lock()  # precompile's pool compiles in threads
         # key -> the program this process compiled or loaded: XLA:CPU fails to run a program
-        # deserialized in the process that compiled it ("Function ... not found"), and a re-plan
-        # (which keeps the store) lowers again programs its predecessor already has
+        # deserialized in the process that serialized it ("Function ... not found"), and a
+        # re-plan (which keeps the store) lowers again programs its predecessor already has
         self._held: dict[str, jax.stages.Compiled] = {}
 
     @classmethod

@@ -7,11 +7,11 @@ call and each program lowered ahead (`lower`, `runtime/precompile.py`), so `comp
 compilations its jits perform (a jit recompiles iff the abstract signature changes). On a process
 whose stage programs come from an executable store (`programs/executable_store.py`), each call
 runs the compiled program the precompile kept for its (program, signature) instead of the jit
-(`_program`). A stage whose
-mesh has no device of this process is NON-LOCAL (`local` False): nothing of it is compiled or
-dispatched here; the driver only needs the shapes of its outputs (`output_struct`, a trace without
-compilation) to take part in transfers from it. Between a forward and its backward an in-flight
-microbatch keeps `Held`: its residuals (saving policies) or its input (recompute).
+(`_program`). A stage whose mesh has no device of this process is NON-LOCAL (`local` False):
+nothing of it is compiled or dispatched here; the driver only needs the shapes of its outputs
+(`output_struct`, a trace without compilation) to take part in transfers from it. Between a
+forward and its backward an in-flight microbatch keeps `Held`: its residuals (saving policies) or
+its input (recompute).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ stages call the compiled programs it gives them.
 
 Counting: `CompileCounter` listens to JAX's backend-compile event (`jax.monitoring`), which fires once
 per executable JAX builds, whether XLA compiles it or loads it from the persistent cache (those
-loads are counted apart, `cache_hits`, with the programs an `ExecutableStore` loads); a jit whose cache already holds the executable fires
-nothing. The run's one count of programs is the executables it built: the precompile line, each
+loads are counted apart, `cache_hits`, with the programs an `ExecutableStore` loads); a jit whose
+cache already holds the executable fires nothing. The run's one count of programs is the executables it built: the precompile line, each
 step's `recompiles` (0 when everything was compiled ahead) and the summary's `programs` all read it.
 """
 
