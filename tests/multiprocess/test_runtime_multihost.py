@@ -17,21 +17,29 @@ MODELS = {
     "llava_ov_pooled": [*TINY_LLAVA_OV, "layout.pooled_tiles=true"],
 }
 TILES = {"llava_ov_pooled": 48}
-_single: dict[str, list[dict]] = {}
+_runs: dict[tuple[str, int], list[dict]] = {}  # each multi-process run, made once per session
 
 
-def _run(tmp_path_factory, model: str, processes: int) -> list[dict]:
+def _run(tmp_path_factory, model: str, processes: int, again: bool = False) -> list[dict]:
+    """The run's reports; each run has a compilation cache of its own, which `again` (a second run
+    of the same plan) finds filled by the first."""
     synth = tmp_path_factory.getbasetemp() / f"synth_{model.removesuffix('_pooled')}"
+    cache = tmp_path_factory.getbasetemp() / f"cache_{model}_{processes}p"
     # One tile bucket (the layout's largest): what is tested is who compiles and decodes what.
     tiles = TILES.get(model, 16)
     overrides = [*MODELS[model], f"data.synth_dir={synth}", "steps=2", f"layout.tiles=[{tiles}]"]
-    return launch(processes, overrides, tmp_path_factory.mktemp(f"{model}_{processes}p"), 400)
+    key = (model, processes)
+    if key not in _runs:
+        out = tmp_path_factory.mktemp(f"{model}_{processes}p")
+        _runs[key] = launch(processes, overrides, out, 400, cache=cache if processes > 1 else None)
+    if not again:
+        return _runs[key]
+    return launch(processes, overrides, tmp_path_factory.mktemp(f"{model}_{processes}p_again"),
+                  400, cache=cache)  # fmt: skip
 
 
 def _reference(tmp_path_factory, model: str) -> dict:
-    if model not in _single:
-        _single[model] = _run(tmp_path_factory, model, 1)
-    return _single[model][0]
+    return _run(tmp_path_factory, model, 1)[0]
 
 
 @pytest.mark.multiprocess
@@ -74,17 +82,15 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_second_run_loads_every_stage_program_on_every_process(tmp_path_factory):
     """JAX's persistent cache writes from process 0 only: process 1's stage programs (the second LLM
     stage's, and its share of the first's) come back from the executable store
     (`programs/executable_store.py`) in the same cache folder, so the second run of the same plan
-    compiles no stage program on any process, and trains the same losses."""
-    synth = tmp_path_factory.getbasetemp() / "synth_llava_ov"
-    overrides = [*TINY_LLAVA_OV, f"data.synth_dir={synth}", "steps=2", "layout.tiles=[16]"]
-    cache = tmp_path_factory.mktemp("cache")
-    first, second = (
-        launch(2, overrides, tmp_path_factory.mktemp(f"run{i}"), 400, cache=cache) for i in range(2)
-    )
+    compiles no stage program on any process, and trains the same losses. The first run is the
+    2-process LLaVA-OV run above."""
+    first = _run(tmp_path_factory, "llava_ov", 2)
+    second = _run(tmp_path_factory, "llava_ov", 2, again=True)
     assert [r["cache_hits"] for r in first] == [0, 0]
     assert first[1]["xla_stage_programs"] > 0
     # process 0: everything from JAX's cache (its hits fire the compile event too); process 1: its
