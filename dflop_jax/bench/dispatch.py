@@ -25,9 +25,7 @@
         microseconds per call of a program taking n [64, 64] f32 leaves (replicated on 1, 2 or 4
         devices) and returning 1 or n of them, in a tight loop; and a least-squares fit per device
         count, microseconds = fixed + per input leaf x inputs + per output leaf x outputs. It names
-        what the demo's floor is made of: a program's outputs, not its inputs, dominate. And one
-        small 2-device program's call with XLA:CPU's client pool idle against the same call while
-        the pool runs other programs, as it does under the trainer's dispatch.
+        what the demo's floor is made of: a program's outputs, not its inputs, dominate.
 
 Figures are medians. On CPU the 8 simulated devices run programs on the cores the dispatching
 thread uses, and a program on several devices returns only once XLA:CPU's client pool has launched
@@ -371,33 +369,7 @@ def jax_part(rounds: int, devices=JAX_CALL["devices"], leaves=JAX_CALL["leaves"]
                     jax.block_until_ready(outs)
                 rows.append({"devices": d, "inputs": n, "outputs": outputs,
                              "cpu_us_per_call": float(np.median(cpu))})  # fmt: skip
-    return {"rows": rows, "fit": _fit_call_cost(rows), "pool": _busy_pool(rounds, calls)}
-
-
-def _busy_pool(rounds: int, calls: int) -> dict:
-    """CPU microseconds per call of a one-leaf program on 2 devices with XLA:CPU's client pool idle,
-    and while that pool runs other programs (4 queued [1024, 1024] matmuls on the same devices), as
-    it does whenever the trainer dispatches: the dispatching thread then pays more per call."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("d",)), P())
-    small = jax.device_put(np.ones((64, 64), np.float32), sharding)
-    big = jax.device_put(np.ones((1024, 1024), np.float32), sharding)
-    one, matmul = jax.jit(lambda x: x * 2.0), jax.jit(lambda a: a @ a)
-    jax.block_until_ready((one(small), matmul(big)))  # compiled outside the timing
-    out = {}
-    for pool in ("idle", "busy"):
-        cpu = []
-        for _ in range(rounds):
-            running = [matmul(big) for _ in range(4)] if pool == "busy" else []
-            outs = []
-            _, c = _times(lambda outs=outs: outs.extend(one(small) for _ in range(calls)))
-            cpu.append(c / calls * 1e6)
-            jax.block_until_ready((outs, running))
-        out[f"{pool}_cpu_us_per_call"] = float(np.median(cpu))
-    return out
+    return {"rows": rows, "fit": _fit_call_cost(rows)}
 
 
 def _fit_call_cost(rows: list[dict]) -> dict:
@@ -423,9 +395,6 @@ def _print_jax(rep: dict) -> None:
     for d, f in rep["fit"].items():
         print(f"{d} device(s): {f['fixed_us']:.0f} us + {f['per_input_us']:.2f} us per input leaf "
               f"+ {f['per_output_us']:.2f} us per output leaf")  # fmt: skip
-    pool = rep["pool"]
-    print(f"2 devices, 1 leaf: {pool['idle_cpu_us_per_call']:.0f} us per call with XLA:CPU's pool "
-          f"idle, {pool['busy_cpu_us_per_call']:.0f} us while it runs other programs")  # fmt: skip
 
 
 COMMAND = command(
