@@ -165,6 +165,17 @@ def separate_model():
         return LlavaOnevision(llava_onevision_config(SEPARATE_VISION, MLLM_TEXT), rngs=nnx.Rngs(0))
 
 
+def separate_stages(residuals: str = "recompute"):
+    """The separate layout's stages (seed 0, float32), every stage under the residual policy
+    `residuals` (a new set each call)."""
+    from dflop_jax.programs.meshes import stage_meshes
+    from dflop_jax.programs.stage_builder import build_stages
+
+    cfg, layout = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT), SEPARATE_LAYOUT
+    return build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jax.numpy.float32,
+                        residuals=[residuals] * layout.num_stages)  # fmt: skip
+
+
 # -- The encoder colocated on the first LLM stage --------------------------------------------------
 
 COLOCATED_SIGLIP = SiglipConfig(

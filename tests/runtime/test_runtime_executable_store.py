@@ -15,14 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_fixtures import MLLM_TEXT, SEPARATE_LAYOUT, SEPARATE_VISION, separate_batch
+from pipeline_fixtures import separate_batch, separate_stages
 
 from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.precompile import CompileCounter, precompile
-from models.llava_onevision import llava_onevision_config
 
 
 def _scaled(ws, x, k):
@@ -84,30 +81,16 @@ def test_one_process_has_no_store(tmp_path):
     assert ExecutableStore.for_this_process("") is None
 
 
-def _stages():
-    cfg = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT)
-    layout = SEPARATE_LAYOUT
-    return build_stages(cfg, layout, stage_meshes(layout), 0, compute_dtype=jnp.float32,
-                        residuals=["all"] * layout.num_stages)  # fmt: skip
-
-
-# A first run's process: precompiles the stages of `_stages` into the store at argv[1]. Its own
+# A first run's process: precompiles `separate_stages("all")` into the store at argv[1]. Its own
 # process, as a run's is: XLA:CPU fails to run a program deserialized in the process that
 # serialized it ("Function ... not found"; the store hands such a process its own copy instead).
 _FIRST_RUN = """
 import sys
-import jax.numpy as jnp
-from models.llava_onevision import llava_onevision_config
-from pipeline_fixtures import MLLM_TEXT, SEPARATE_LAYOUT, SEPARATE_VISION, separate_batch
+from pipeline_fixtures import separate_batch, separate_stages
 from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.programs.meshes import stage_meshes
-from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.precompile import precompile
-stages = build_stages(llava_onevision_config(SEPARATE_VISION, MLLM_TEXT), SEPARATE_LAYOUT,
-                      stage_meshes(SEPARATE_LAYOUT), 0, compute_dtype=jnp.float32,
-                      residuals=["all"] * SEPARATE_LAYOUT.num_stages)
 store = ExecutableStore(sys.argv[1])
-precompile(stages, separate_batch(), store=store)
+precompile(separate_stages("all"), separate_batch(), store=store)
 print("saved", store.saved)
 """
 
@@ -130,8 +113,8 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.split()[-2:] == ["saved", "14"]  # 3 stages x 2 shapes x 2 + the last's 2
     mbs = separate_batch()
-    want_loss, want_grads = _step(_stages(), mbs)  # the jits
-    stages, store, counter = _stages(), ExecutableStore(tmp_path), CompileCounter()
+    want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
+    stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
     hits = counter.cache_hits
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # only the store's loads are hits
