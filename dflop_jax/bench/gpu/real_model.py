@@ -82,22 +82,18 @@ def _captured_run(run_dir: Path):
     from dflop_jax.runtime import metrics, precompile, trainer
 
     seen: dict = {"programs": [], "train": None}
-    update_ids: set[int] = set()
-    timed, pre, train = precompile._timed, trainer.precompile, trainer.train
+    timed, train = precompile._timed, trainer.train
     log = metrics.MetricsLog.log
 
-    def timed_(lowered):
-        compiled, seconds = timed(lowered)
+    def timed_(lowering, store):
+        compiled, seconds = timed(lowering, store)
         try:
             size = program_bytes(compiled)
         except Exception:  # a platform without memory analysis: the figure is left out
             size = None
-        seen["programs"].append({"update": id(lowered) in update_ids, "bytes": size})
+        # the per-step programs are the precompile's `extra`, its "step" kind
+        seen["programs"].append({"update": lowering.kind == "step", "bytes": size})
         return compiled, seconds
-
-    def pre_(*args, **kwargs):
-        update_ids.update(id(lw) for lw in kwargs.get("extra", ()))
-        return pre(*args, **kwargs)
 
     def train_(cfg, model_cfg, arch, device, plan, *args, **kwargs):
         seen["train"] = (cfg, model_cfg, plan)
@@ -109,12 +105,12 @@ def _captured_run(run_dir: Path):
             json.dumps({"step": row.step, **device_memory()})
         )
 
-    precompile._timed, trainer.precompile, trainer.train = timed_, pre_, train_
+    precompile._timed, trainer.train = timed_, train_
     metrics.MetricsLog.log = log_
     try:
         yield seen
     finally:
-        precompile._timed, trainer.precompile, trainer.train = timed, pre, train
+        precompile._timed, trainer.train = timed, train
         metrics.MetricsLog.log = log
 
 
