@@ -61,9 +61,9 @@ class ExecutableStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.loaded = self.saved = self.failed = 0
         self._lock = threading.Lock()  # precompile's pool compiles in threads
-        # key -> the program this process compiled or loaded: XLA:CPU fails to run a program
-        # deserialized in the process that serialized it ("Function ... not found"), and a
-        # re-plan (which keeps the store) lowers again programs its predecessor already has
+        # key -> the program this process compiled or loaded: XLA:CPU fails to run an executable
+        # deserialized a second time in one process ("Function ... not found"), and a re-plan
+        # (which keeps the store) lowers again programs its predecessor already has
         self._held: dict[str, jax.stages.Compiled] = {}
 
     @classmethod

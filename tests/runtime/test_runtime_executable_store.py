@@ -82,9 +82,8 @@ def test_one_process_has_no_store(tmp_path):
     assert ExecutableStore.for_this_process("") is None
 
 
-# A first run's process: precompiles `separate_stages("all")` into the store at argv[1]. Its own
-# process, as a run's is: XLA:CPU fails to run a program deserialized in the process that
-# serialized it ("Function ... not found"; the store hands such a process its own copy instead).
+# A first run's process: precompiles `separate_stages("all")` into the store at argv[1], as a
+# run's own process does.
 _FIRST_RUN = """
 import sys
 from pipeline_fixtures import separate_batch, separate_stages
@@ -115,12 +114,15 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
     mbs = separate_batch()[::2]
-    want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
-    stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
-    hits = counter.cache_hits
+    # Without JAX's cache here: the first process filled it with these very programs, and XLA:CPU
+    # fails to run an executable deserialized twice in one process; and only the store's loads
+    # are then cache hits.
     cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # only the store's loads are hits
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
+        want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
+        stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
+        hits = counter.cache_hits
         precompile(stages, mbs, store=store)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
