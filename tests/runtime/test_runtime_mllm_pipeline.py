@@ -26,6 +26,7 @@ from pipeline_fixtures import (
     mllm_loss_sum,
     separate_batch,
     separate_model,
+    separate_stages,
 )
 from pipeline_reference import assert_trees_close, no_host_round_trip, reference_step
 
@@ -88,10 +89,7 @@ def _pipelined_step(layout, rows, residuals="recompute", mbs=None):
 
 @pytest.fixture(scope="module")
 def pipeline():
-    cfg = llava_onevision_config(SEPARATE_VISION, MLLM_TEXT)
-    stages = build_stages(
-        cfg, SEPARATE_LAYOUT, stage_meshes(SEPARATE_LAYOUT), 0, compute_dtype=jnp.float32
-    )
+    stages = separate_stages()
     initial = [jax.device_get(s.params) for s in stages]
     return stages, [StageOptimizer(s, OPT.build()) for s in stages], initial
 
