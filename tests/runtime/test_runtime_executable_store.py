@@ -16,11 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_fixtures import separate_batch, separate_stages
 
 from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.precompile import CompileCounter, precompile
 
 
 def _scaled(ws, x, k):
@@ -94,51 +91,65 @@ precompile(separate_stages("all"), separate_batch()[::2], store=store)
 print("saved", store.saved)
 """
 
-
-def _step(stages, mbs):
+# A second run's process: one step through the jits (the reference), then one through the programs
+# the store at argv[1] loads, with every stage jit replaced by one that raises; both steps' losses
+# and gradients go to argv[2]. A fresh process, with JAX's cache off: XLA:CPU fails to run an
+# executable deserialized twice in one process, and a test worker may already have loaded these
+# very programs from the suite's JAX cache.
+_SECOND_RUN = """
+import sys
+import jax
+import numpy as np
+from pipeline_fixtures import separate_batch, separate_stages
+from dflop_jax.programs.executable_store import ExecutableStore
+from dflop_jax.runtime.driver import run_pipeline
+from dflop_jax.runtime.precompile import CompileCounter, precompile
+jax.config.update("jax_enable_compilation_cache", False)
+mbs = separate_batch()[::2]
+def step(stages):
     out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs), "1f1b")
-    return [float(x) for x in out.loss], [jax.device_get(g) for g in out.grads]
+    return [float(x) for x in out.loss], jax.tree.leaves(jax.device_get(out.grads))
+want_loss, want_grads = step(separate_stages("all"))
+stages, store, counter = separate_stages("all"), ExecutableStore(sys.argv[1]), CompileCounter()
+hits = counter.cache_hits
+precompile(stages, mbs, store=store)
+def not_called(*_):
+    raise AssertionError("a stage called its jit instead of the loaded program")
+for stage in stages:
+    for name in ("forward", "forward_residuals", "backward", "backward_residuals", "last"):
+        if (program := getattr(stage.jits, name)) is not None:
+            program.jit = not_called
+loss, grads = step(stages)
+np.savez(sys.argv[2], loaded=store.loaded, saved=store.saved, hits=counter.cache_hits - hits,
+         want_loss=want_loss, loss=loss, **{f"want_{i}": g for i, g in enumerate(want_grads)},
+         **{f"got_{i}": g for i, g in enumerate(grads)})
+"""
 
 
-@pytest.mark.slow  # 15-30 s: two processes compile the pipeline
-def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypatch):
+@pytest.mark.slow  # 20-40 s: two processes compile the pipeline
+def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path):
     """Two microbatches of one bucket shape over 2 encoder and 2 LLM stages (dp 2, tp 2) that keep
     residuals: the forward with residuals, the backward from them and the last stage's fused step,
-    written by a first run's process and loaded here."""
+    written by a first run's process and loaded by a second's, where they give the jit-run
+    pipeline's loss and gradients bit for bit."""
     tests = Path(__file__).resolve().parents[1]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
     )
-    first = subprocess.run([sys.executable, "-c", _FIRST_RUN, str(tmp_path)], env=env,
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert first.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
-    mbs = separate_batch()[::2]
-    # Without JAX's cache here: the first process filled it with these very programs, and XLA:CPU
-    # fails to run an executable deserialized twice in one process; and only the store's loads
-    # are then cache hits.
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
-        stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
-        hits = counter.cache_hits
-        precompile(stages, mbs, store=store)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
-    assert (store.loaded, store.saved, counter.cache_hits - hits) == (7, 0, 7)
-
-    def not_called(*_):
-        raise AssertionError("a stage called its jit instead of the loaded program")
-
-    for stage in stages:
-        for name in ("forward", "forward_residuals", "backward", "backward_residuals", "last"):
-            program = getattr(stage.jits, name)
-            if program is not None:
-                monkeypatch.setattr(program, "jit", not_called)
-    loss, grads = _step(stages, mbs)
-    assert loss == want_loss
-    jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
+    for script, *args in ((_FIRST_RUN, tmp_path / "store"),
+                          (_SECOND_RUN, tmp_path / "store", tmp_path / "steps.npz")):  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        if script is _FIRST_RUN:
+            assert run.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
+    steps = np.load(tmp_path / "steps.npz")
+    assert (steps["loaded"], steps["saved"], steps["hits"]) == (7, 0, 7)
+    np.testing.assert_array_equal(steps["loss"], steps["want_loss"])
+    grads = [k for k in steps.files if k.startswith("got_")]
+    assert len(grads) == sum(k.startswith("want_") for k in steps.files) - 1 > 0  # - want_loss
+    for k in grads:
+        np.testing.assert_array_equal(steps[k], steps[k.replace("got_", "want_")])
 
 
 def test_a_folder_it_cannot_write_is_logged_and_the_program_still_runs(tmp_path, caplog):
