@@ -64,7 +64,8 @@ def test_format_tables_has_both_tables():
     )
 
 
-@pytest.mark.slow  # a full 32-GPU search: 70 s on 2 cores, over the fast tier's minute
+@pytest.mark.slow
+@pytest.mark.long  # a full 32-GPU search, 60-70 s on 2 cores; the report's form: the tests above
 def test_paper_smoke_one_model_at_32_gpus(capsys):
     """`--paper` on one of the reference's models (its default "6B" SigLIP + Qwen2.5-7B): both planners
     find a layout, the baseline's encoder runs colocated, the report says it is a simulation."""
