@@ -68,6 +68,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     try:
         import jax
 
@@ -79,3 +80,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def _longest_first(items):
+    """Tests marked `seconds(n)` first, the longest first (the rest in their order): started last,
+    one of them would run alone at the end of a parallel tier while the other worker idles
+    (xdist hands out tests in collection order, where the slow tier's longest came last)."""
+
+    def seconds(item):
+        mark = item.get_closest_marker("seconds")
+        return mark.args[0] if mark else 0
+
+    items.sort(key=lambda item: -seconds(item))  # stable: the unmarked keep their order

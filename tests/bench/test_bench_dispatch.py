@@ -47,6 +47,7 @@ def test_unknown_part_is_one_line_error(capsys):
 
 
 @pytest.mark.slow  # trains the demo's model (compiles its stages): over a minute
+@pytest.mark.seconds(43)
 def test_demo_part_compares_the_path_with_its_floor(tmp_path):
     """The benchmark's `--help` example (the demo part), as a user runs it."""
     printed = run_example(example_argv(bench.COMMAND), tmp_path).stdout

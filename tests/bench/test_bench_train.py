@@ -13,6 +13,7 @@ from dflop_jax.planner import load_plan
 
 
 @pytest.mark.slow
+@pytest.mark.seconds(60)
 def test_ab_arms_train_the_same_batches_to_the_same_losses(tmp_path):
     """The benchmark's `--help` example, as a user runs it: the demo LLaVA-OV, DFLOP planned with
     analytic costs (no profiling), 3 steps of 48 samples in float32 (the arms' losses then agree to

@@ -104,6 +104,7 @@ def test_a_setting_given_as_a_flag_is_one_line(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chain", SLOW_CHAINS, ids=" then ".join)
+@pytest.mark.seconds(45)
 def test_examples_that_train_or_plan_work(chain, tmp_path):
     for module in chain:
         run_example(help_example(module), tmp_path)

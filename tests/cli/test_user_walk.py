@@ -106,6 +106,7 @@ def ok(out: subprocess.CompletedProcess) -> str:
     return out.stdout
 
 
+@pytest.mark.seconds(75)
 def test_hf_model_on_llava_json_from_profile_to_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")

@@ -368,6 +368,7 @@ TRAIN = ["plan=explicit", "layout.encoder_colocated=true", "layout.encoder_layer
 
 
 @pytest.mark.slow
+@pytest.mark.seconds(50)
 def test_three_formats_train_to_the_same_losses(tmp_path):
     """3 steps with the same seed on the JSONL, the parquet shards and the tar shards: the same
     per-step losses (float32)."""

@@ -26,6 +26,7 @@ def test_heap_water_fill_equals_the_scan(seed):
     assert water_fill(fixed, slopes, total) == _scan_water_fill(fixed, slopes, total)
 
 
+@pytest.mark.seconds(22)
 def test_remat_pruning_never_discards_the_optimum_on_an_exhaustive_case():
     """Every candidate that fits, pruned or not, scored on the planner's own batches: each pruned one
     (remat on, its remat-off twin fits) is no faster than its twin, and the plan is the optimum of all."""

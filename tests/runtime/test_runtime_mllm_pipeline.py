@@ -128,6 +128,7 @@ def test_split_features_on_a_dp_tp_llm_stage_match_single_device(residuals, refe
     assert_trees_close(got, ref_tree)
 
 
+@pytest.mark.seconds(22)
 def test_row_local_features_on_three_rows_match_single_device():
     """Encoder dp 1 -> one LLM stage at dp 3 x tp 2 (the encoder's 3 row blocks split over 6
     devices, each row gathering its own): the step equals the single-device one."""

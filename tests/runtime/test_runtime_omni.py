@@ -120,6 +120,7 @@ def _reference(all_audio: bool = False) -> tuple[float, dict]:
     "layout",
     [*LAYOUTS][:3] + [pytest.param(k, marks=pytest.mark.slow) for k in [*LAYOUTS][3:]],
 )
+@pytest.mark.seconds(30)
 def test_omni_step_matches_single_device(layout):
     """Each layout's step equals the single-device one; with pooled tiles (the audio encoder on
     LLM stage 0) the tiles are shuffled over an end-padded pool (`as_pool`)."""
@@ -225,6 +226,7 @@ def test_omni_run_config_checks():
         _omni_cfg(tmp, "model.kind=llava_ov")
 
 
+@pytest.mark.seconds(28)
 def test_the_dry_run_checks_an_omni_run_with_its_audio_stage(tmp_path):
     """`train --dry-run` of the omni demo with the audio encoder on a stage of its own: every stage
     compiled beside its prediction, the audio stage's FLOPs counted, and the two branches'
@@ -260,6 +262,7 @@ VARIANTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["colocated", "audio_stage"])
+@pytest.mark.seconds(140)
 def test_omni_demo_trains_and_resumes(tmp_path, variant):
     """configs/omni_demo.yaml on 8 devices, with the vision encoder colocated on LLM stage 0 (the
     audio encoder there too) or the audio encoder on a stage of its own: audio windows reach the
@@ -292,6 +295,7 @@ def test_omni_demo_trains_and_resumes(tmp_path, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.seconds(45)
 def test_checkpoint_moves_the_audio_encoder_between_llm_stage_0_and_its_own_stage(tmp_path):
     """The audio encoder's params and optimizer state saved from LLM stage 0 (`OmniFirstStage`)
     restore exactly into a layout giving it a stage of its own and back: the model-level tree
@@ -329,6 +333,7 @@ def test_checkpoint_moves_the_audio_encoder_between_llm_stage_0_and_its_own_stag
 
 
 @pytest.mark.slow
+@pytest.mark.seconds(75)
 def test_omni_demo_trains_the_planners_layout(tmp_path):
     """plan=auto on the omni demo: the model profiler times both encoders (the audio kinds too),
     the planner places them from those measured costs and picks the audio ladder on the data's

@@ -37,6 +37,7 @@ def _losses(tmp_path, impl) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.seconds(43)
 def test_demo_trains_alike_with_pallas_and_xla_attention(tmp_path):
     xla = _losses(tmp_path, "xla")
     pallas = _losses(tmp_path, "pallas")

@@ -203,6 +203,7 @@ def test_an_hf_directory_of_the_other_kind_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.hf
+@pytest.mark.seconds(70)
 def test_the_demo_trains_and_its_export_loads_in_transformers(tmp_path):
     """`configs/qwen2_audio_demo.yaml` trains on 8 simulated devices with the audio encoder on its
     own stages (loss falls, nothing compiled after step 1), and its export loads in transformers'
