@@ -1,7 +1,7 @@
 """Multi-process training on this machine: the same run at 1, 2 and 4 processes, each process's share.
 
     python -m dflop_jax.bench multihost [processes=1,2,4] [steps=4] [out=runs/bench_multihost]
-                                        [train_overrides=[key=value,...]]
+                                        [second_run=true] [train_overrides=[key=value,...]]
 
 Every run uses 8 CPU devices in all (8 / processes per process) and the same explicit layout (default
 `TINY_LLAVA_OV`: one encoder stage at tp 2, two LLM stages at dp 3, so the encoder's dp differs from the
@@ -10,15 +10,18 @@ LLM's and the first LLM stage spans processes at 2 and 4 processes). Each proces
   xla_compiles      executables built on this process (`jax.monitoring` compile events), and those
                     inside training steps (stage programs, transfers, updates: the per-process share;
                     the rest is model building, which is whole-model on every process for now),
-                    and the stage programs among them
+                    and the stage programs among them; `xla_compiled`: how many per program name,
+                    `xla_compile_s`: their seconds
   stage_compiles    stage programs compiled, per stage (0 for stages without devices here)
   cache_hits        executables loaded from the run's compilation cache: JAX's (also counted in
-                    xla_compiles) and, on a process other than 0, the stage programs of its
-                    executable store (not counted there: no jax event fires)
+                    xla_compiles) and, on a process other than 0, the programs of its executable
+                    store (not counted there: no jax event fires)
   decoded           samples this process decoded (only those its local shards need), [id, tiles]
   rss_mib           peak resident host memory
   transfer_mib      bytes moved between stages per step (every transfer of the step, all processes)
   step_s            host time issuing a step (data wait, dispatch), after the first (compiling) one
+With `second_run=true` each process count runs twice with one compilation cache: the second run's
+rows show what a second run of the same plan still compiles, process by process.
 The losses of every process count are printed side by side: they must agree (to float32 round-off).
 On CPU the simulated devices share the host's cores, so time per step says how much extra work the
 processes do (dispatch, gloo transfers), not how a cluster would scale.
@@ -26,6 +29,7 @@ processes do (dispatch, gloo transfers), not how a cluster would scale.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -183,11 +187,11 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     from dflop_jax.runtime.precompile import CompileCounter
     from dflop_jax.train import run
 
-    compiles, in_step = [], [False]  # (program name, compiled inside a training step)
+    compiles, in_step = [], [False]  # (program name, compiled inside a training step, seconds)
 
-    def on_event(event, _seconds, **kw):
+    def on_event(event, seconds, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append((kw.get("fun_name"), in_step[0]))
+            compiles.append((kw.get("fun_name"), in_step[0], seconds))
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     decoded, moved, step_s = [], [], []
@@ -212,12 +216,14 @@ def worker(report_path: Path, overrides: list[str]) -> None:
         "local_stages": [s.local for s in report.stages],
         "stage_compiles": [s.compiles for s in report.stages],
         "xla_compiles": len(compiles),
-        "xla_compiles_in_steps": sum(inside for _, inside in compiles),
+        "xla_compiled": dict(collections.Counter(name for name, *_ in compiles)),
+        "xla_compile_s": sum(seconds for *_, seconds in compiles),
+        "xla_compiles_in_steps": sum(inside for _, inside, _ in compiles),
         # Stage programs (`stage_jits`) XLA compiled here, before step 1 (`runtime/precompile.py`) and
         # inside steps: the per-process share.
-        "xla_stage_programs": sum(name in STAGE_PROGRAMS for name, _ in compiles),
+        "xla_stage_programs": sum(name in STAGE_PROGRAMS for name, *_ in compiles),
         "xla_stage_programs_in_steps": sum(
-            inside and name in STAGE_PROGRAMS for name, inside in compiles
+            inside and name in STAGE_PROGRAMS for name, inside, _ in compiles
         ),
         # the run's own count (`runtime/precompile.py`): programs built after the precompile, and
         # those loaded from a compilation cache (JAX's, or the executable store of processes > 0)
@@ -237,19 +243,22 @@ def _record(value, into: list, attr: str | None = None):
     return value
 
 
-def summarize(runs: dict[int, list[dict]]) -> list[dict]:
-    """One row per (process count, process): the figures of the module docstring."""
+def summarize(runs: dict[tuple[int, int], list[dict]]) -> list[dict]:
+    """One row per (process count, run, process): the figures of the module docstring."""
     rows = []
-    for n, reports in sorted(runs.items()):
+    for (n, run), reports in sorted(runs.items()):
         for r in reports:
             later = r["step_s"][1:] or r["step_s"]
             rows.append({
                 "processes": n,
+                "run": run,
                 "process": r["process"],
                 "local_stages": "".join("x" if here else "." for here in r["local_stages"]),
                 "xla_compiles": r["xla_compiles"],
                 "xla_compiles_in_steps": r["xla_compiles_in_steps"],
                 "xla_stage_programs": r["xla_stage_programs"],
+                "xla_compile_s": round(r["xla_compile_s"], 2),
+                "cache_hits": r["cache_hits"],
                 "stage_compiles": sum(r["stage_compiles"]),
                 "decoded": len(r["decoded"]),
                 "rss_mib": round(r["rss_mib"], 1),
@@ -277,6 +286,8 @@ class MultihostBenchConfig:
       out: folder for the runs, their logs and multihost.json.
       timeout_s: seconds per launch.
       train_overrides: extra key=value overrides of every run's training config, e.g. [optimizer.lr=1e-3].
+      second_run: run each process count twice with one compilation cache (a fresh one), the
+        second run's rows (`run` 2) showing what a second run of the same plan still compiles.
     """
 
     processes: tuple[int, ...] = (1, 2, 4)
@@ -285,6 +296,7 @@ class MultihostBenchConfig:
     out: str = "runs/bench_multihost"
     timeout_s: int = 600
     train_overrides: tuple[str, ...] = ()
+    second_run: bool = False
 
     def __post_init__(self):
         ok = bool(self.processes) and all(n >= 1 and DEVICES % n == 0 for n in self.processes)
@@ -304,17 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for n in cfg.processes:
         shutil.rmtree(out / f"p{n}", ignore_errors=True)
-        runs[n] = launch(n, overrides, out / f"p{n}", cfg.timeout_s)
+        cache = out / f"p{n}" / "cache" if cfg.second_run else None
+        for run in (1, 2) if cfg.second_run else (1,):
+            runs[n, run] = launch(n, overrides, out / f"p{n}" / f"run{run}", cfg.timeout_s, cache)
     rows = summarize(runs)
     keys = list(rows[0])
     print(" | ".join(keys))
     for row in rows:
         print(" | ".join(str(row[k]) for k in keys))
-    for n, reports in sorted(runs.items()):
-        print(f"losses at {n} process(es): {[round(x, 6) for x in reports[0]['losses']]}")
+    for (n, run), reports in sorted(runs.items()):
+        losses = [round(x, 6) for x in reports[0]["losses"]]
+        print(f"losses at {n} process(es){f', run {run}' * cfg.second_run}: {losses}")
     loadavg = os.getloadavg()
     (out / "multihost.json").write_text(json.dumps({"rows": rows, "loadavg": loadavg,
-        "losses": {n: r[0]["losses"] for n, r in runs.items()}}, indent=1))  # fmt: skip
+        "losses": {f"{n}/{run}": r[0]["losses"] for (n, run), r in runs.items()}}, indent=1))  # fmt: skip
     print(
         f"load average {loadavg[0]:.2f} {loadavg[1]:.2f} {loadavg[2]:.2f}; wrote {out / 'multihost.json'}"
     )

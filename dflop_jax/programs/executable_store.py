@@ -1,4 +1,4 @@
-"""Compiled stage programs kept on disk for the processes JAX's persistent cache does not write from.
+"""Compiled programs kept on disk for the processes JAX's persistent cache does not write from.
 
     store = ExecutableStore.for_this_process(cfg.compilation_cache)   # None on process 0
     compiled, source = store.compile(lowered, devices)   # "loaded", "compiled" or "held"
@@ -8,11 +8,12 @@ spare shared filesystems concurrent writers; jax/_src/compiler.py). In a pipelin
 its own stages, so the programs of stages without a device on process 0 were compiled again by every
 run: a second run of the same plan was as slow to start on those processes as the first. The store
 closes that gap with jax's public AOT serialization (`jax.experimental.serialize_executable`): a
-process other than 0 writes each stage program it compiles to
+process other than 0 writes each program it compiles through the store to
 `<compilation_cache>/dflop_executables/<key>.pkl`, and a later run deserializes it instead of
 compiling. A program deserialized this way is a `jax.stages.Compiled`, which no jit cache knows
-about, so the stage calls it itself (`StageProgram`'s table of compiled programs, filled by
-`runtime/precompile.py`).
+about, so its owner calls it itself: a stage (`StageProgram`'s table of compiled programs), a
+program of one signature (`programs/lowering.py`'s `KeptProgram`, `LeafProgram.run`), or the one
+call of an initialization (`call_once`).
 
 The key is a hash of what decides the executable: the lowered module's text (shapes, shardings,
 donation, the program itself), the devices it runs on (by global id: stages alike but for their
@@ -24,10 +25,14 @@ writing one key (a program spanning both) leave one whole file.
 Loading a file runs what it holds (pickle, and an executable): point `compilation_cache` only at a
 folder you trust, as with JAX's own cache.
 
-Only stage programs (forward, backward, the last stage's fused step, evaluation) go through it:
-they take longest to compile (8-41 s each for the 7B and 32B x64 plans' stages on a 2-core CPU,
-docs/benchmarks.md). Transfers, per-step and parameter initialization programs on those processes
-still compile in each run (small programs; their time at real sizes is not measured).
+What goes through it: the stage programs (forward, backward, the last stage's fused step,
+evaluation), which take longest to compile (8-41 s each for the 7B and 32B x64 plans' stages on a
+2-core CPU, docs/benchmarks.md); each stage's parameter and optimizer-state initialization; the
+optimizers' per-step programs; and the transfers compiled ahead (`runtime/precompile.py`). The
+update's glue between stages, the host reads, the learning-rate schedule, the transfers the
+processes' start-up runs and jax's own small programs (a key's seeding) still compile in each run:
+on the tiny 2-process LLaVA-OV run, process 1's second run compiles 16 programs in 0.5 s, where
+its first compiled 47 in 44 s (`bench multihost second_run=true`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 SUBDIR = "dflop_executables"
+# jax.monitoring's event for one program deserialized from a store: `runtime.precompile`'s count of
+# the programs a run builds counts it as built and found in a cache, as JAX's own cache hits.
+STORE_LOAD_EVENT = "/dflop_jax/executable_store/load"
 
 
 class ExecutableStore:
@@ -99,6 +107,7 @@ class ExecutableStore:
         loaded = compiled is not None
         if loaded:
             self._count("loaded")
+            jax.monitoring.record_event(STORE_LOAD_EVENT)
         else:
             compiled = lowered.compile()
             self._save(path, compiled)
@@ -141,3 +150,13 @@ class ExecutableStore:
     def _count(self, what: str) -> None:
         with self._lock:
             setattr(self, what, getattr(self, what) + 1)
+
+
+def call_once(jit, args: tuple, devices: Sequence[jax.Device], store: ExecutableStore | None):
+    """`jit(*args)` for a program a run calls once (a stage's parameter initialization, an
+    optimizer's fresh state), through `store` where there is one: loaded from it, or compiled and
+    written to it. `devices`: the program's mesh's, in its order."""
+    if store is None:
+        return jit(*args)
+    compiled, _ = store.compile(jit.lower(*args), [d.id for d in devices])
+    return compiled(*args)

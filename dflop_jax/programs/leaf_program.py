@@ -2,6 +2,7 @@
 
     prog = LeafProgram(fn, (params_treedef, None), acc_treedef, in_shardings=..., ...)
     acc_leaves = prog.jit(param_leaves, x)     # the hot path: leaves flattened once by the caller
+    new_leaves = prog.run(param_leaves, x)     # a program of one signature: a store's, or the jit
     acc_tree = prog(params, x)                 # the same program called with the trees
 
 Why: jax flattens a jit's arguments on every call. A list of arrays is flattened in C++; an nnx
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+
+from dflop_jax.programs.lowering import Lowering
 
 
 class LeafProgram:
@@ -55,7 +58,7 @@ class LeafProgram:
             )
         if out_shardings is not None:
             jit["out_shardings"] = self._leaves_out(out_shardings)
-        self.jit = jax.jit(on_leaves, **jit)
+        self.jit = self.run = jax.jit(on_leaves, **jit)
 
     def _leaves_out(self, out):
         if not self._many:
@@ -79,6 +82,17 @@ class LeafProgram:
         """The program lowered for the trees `args` (or their leaves); compiled, it is called
         with the trees too (`_Compiled`)."""
         return _Lowered(self.jit.lower(*self.leaves_of(args)), self)
+
+    def lowering(self, kind: str, devices: tuple[int, ...], *args) -> Lowering:
+        """The program lowered for the trees `args` as `precompile` takes it: a program of one
+        signature, whose compiled form an executable store may give (`keep`: `run` calls it);
+        `devices`: its mesh's device ids, in the mesh's order."""
+        return Lowering(kind, self.jit.lower(*self.leaves_of(args)), devices=devices,
+                        keep=self.keep)  # fmt: skip
+
+    def keep(self, compiled: jax.stages.Compiled) -> None:
+        """Calls `compiled` (a store's, over leaves) in place of the jit from now on (`run`)."""
+        self.run = compiled
 
     def trace(self, *args) -> jax.stages.Traced:
         return self.jit.trace(*self.leaves_of(args))

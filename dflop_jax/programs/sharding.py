@@ -31,6 +31,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from dflop_jax.programs.executable_store import ExecutableStore, call_once
+
 Rules = tuple[tuple[str, str | None], ...]
 
 
@@ -101,7 +103,11 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.
 
 
 def create_sharded(
-    module_factory: Callable[[nnx.Rngs], nnx.Module], seed: int, mesh: Mesh, rules: Rules
+    module_factory: Callable[[nnx.Rngs], nnx.Module],
+    seed: int,
+    mesh: Mesh,
+    rules: Rules,
+    store: ExecutableStore | None = None,
 ) -> nnx.Module:
     """Builds `module_factory(nnx.Rngs(seed))` with every parameter created directly in its sharding.
 
@@ -109,7 +115,8 @@ def create_sharded(
     inside one `jit` with `out_shardings`, so no parameter is ever whole on one device. The seed is
     the jit's argument, not a constant inside it: with a constant key XLA folds the whole random
     init at compile time in its HLO interpreter (tens of seconds for a test-sized model). The
-    parameters come out bit-identical either way (checked on the test LLaVA-OV model).
+    parameters come out bit-identical either way (checked on the test LLaVA-OV model). With a
+    `store` (`programs/executable_store.py`) the init program is loaded from it or written to it.
     """
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: module_factory(nnx.Rngs(seed))))
@@ -117,4 +124,5 @@ def create_sharded(
         init = jax.jit(
             lambda key: nnx.state(module_factory(nnx.Rngs(key))), out_shardings=shardings
         )
-        return nnx.merge(graphdef, init(jax.random.key(seed)))
+        state = call_once(init, (jax.random.key(seed),), list(mesh.devices.flat), store)
+        return nnx.merge(graphdef, state)

@@ -75,6 +75,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import stage_role
+from dflop_jax.programs.executable_store import ExecutableStore
 from dflop_jax.programs.param_paths import trained_mask
 from dflop_jax.programs.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.programs.stage_fns import StageFns, check_residual_policy
@@ -451,6 +452,7 @@ def init_stage(
     colocated: bool = False,
     audio_apart: bool = False,
     pooled: bool = False,
+    store: ExecutableStore | None = None,
 ) -> StageBlueprint:
     """The blueprint of a stage with its params created directly in their stage sharding.
 
@@ -462,7 +464,8 @@ def init_stage(
     A stage whose mesh has no device of this process gets abstract params (ShapeDtypeStructs with
     their shardings): nothing of it is compiled, read or allocated here. `colocated`: the stage
     also holds the whole encoder (`ColocatedStage`); `audio_apart`: an omni model's audio encoder
-    has stages of its own; `pooled`: as `stage_fns`'s.
+    has stages of its own; `pooled`: as `stage_fns`'s; `store`: where a random init's program
+    comes from on a process JAX's cache does not write from (`programs/executable_store.py`).
     """
     where = dict(colocated=colocated, audio_apart=audio_apart)
     if not is_local(mesh):
@@ -470,7 +473,7 @@ def init_stage(
     rules = stage_rules(model_cfg, spec, **where)
     if isinstance(source, int):
         module = create_sharded(
-            lambda rngs: stage_module(model_cfg, spec, rngs, **where), source, mesh, rules
+            lambda rngs: stage_module(model_cfg, spec, rngs, **where), source, mesh, rules, store
         )
     else:
         module = _load_hf(source, model_cfg, spec, mesh, rules, colocated, audio_apart)
@@ -516,6 +519,7 @@ def build_stages(
     compute_dtype=jnp.bfloat16,
     trainable: Sequence[str] = TRAINABLE_PARTS,
     residuals: Sequence[str] | None = None,
+    store: ExecutableStore | None = None,
 ) -> list[StageProgram]:
     """One StageProgram per stage of `layout` (encoder stages, then LLM stages), each stage's params
     made on its own mesh (`init_stage`): the whole model never exists on one device or host.
@@ -531,6 +535,7 @@ def build_stages(
         stage runs as its role says (`costs.recipe.stage_role`: trained, dx-only or forward-only).
       residuals: each stage's residual policy (`contracts.cost_table.RESIDUAL_POLICIES`; None: "recompute"
         everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
+      store: this process's executable store, if any (`init_stage`).
     """
     residuals = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
     if len(residuals) != layout.num_stages:
@@ -560,6 +565,7 @@ def build_stages(
             colocated=coloc and i == first,
             audio_apart=apart,
             pooled=layout.pooled_tiles and i == first,
+            store=store,
         )  # fmt: skip
         for i, (spec, mesh, policy) in enumerate(zip(layout.stages, meshes, residuals))
     ]

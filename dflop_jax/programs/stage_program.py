@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 from dflop_jax.programs.dispatch import STAGE, issue
+from dflop_jax.programs.lowering import Lowering
 from dflop_jax.programs.stage_fns import (
     PyTree,
     StageFns,
@@ -39,29 +40,6 @@ from dflop_jax.programs.stage_fns import (
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.transfer import put_host
 from dflop_jax.programs.trees import all_trained
-
-
-@dataclasses.dataclass(frozen=True)
-class Lowering:
-    """A lowered program to compile before the step that runs it (`StageProgram.lower`).
-
-    Attributes:
-      kind: which program ("fwd", "fwd_res", "bwd", "bwd_res", "last", "eval", "count", ...).
-      lowered: the program, traced and lowered from abstract inputs.
-      then: given the compiled program, further lowerings that need its compiled output shardings
-        (the backward from residuals of a forward with residuals); None when there are none.
-      devices: the global ids of the devices it runs on: a stage program's, which a process whose
-        compiled programs JAX's persistent cache does not keep stores itself
-        (`programs.executable_store`); None for the others.
-      keep: takes the compiled program where it comes from that store, to be called in place of
-        the jit (whose cache does not know it); None for the others.
-    """
-
-    kind: str
-    lowered: jax.stages.Lowered
-    then: Callable[[jax.stages.Compiled], list[Lowering]] | None = None
-    devices: tuple[int, ...] | None = None
-    keep: Callable[[jax.stages.Compiled], None] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -344,7 +322,7 @@ class StageProgram:
         the backward programs take and return; none when nothing of the stage is trained)."""
         if not self.trains:
             return []  # no leaves: nothing to compile or place
-        return issue(STAGE, None, self.jits.zeros.jit, self._leaves)
+        return issue(STAGE, None, self.jits.zeros.run, self._leaves)
 
     def forward(self, x, side) -> jax.Array:
         """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""

@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.programs.dispatch import TRANSFER, issue
+from dflop_jax.programs.lowering import KeptProgram, Lowering
 
 AXIS = "u"
 Block = tuple[slice, ...]
@@ -121,7 +122,7 @@ def transfer(
 
 def lower_transfer(
     x: jax.Array | jax.ShapeDtypeStruct, dst: Sharding, shape: Sequence[int] | None = None
-) -> list[jax.stages.Lowered]:
+) -> list[Lowering]:
     """The programs `transfer(x, dst, shape)` runs on this process, lowered (none when nothing
     moves, or when it is a copy)."""
     route = _route(x.sharding, dst, x.shape, x.shape if shape is None else tuple(shape), x.dtype)
@@ -245,10 +246,13 @@ class Transfer:
         # one small program, so no activation-sized buffer outlives the transfer.
         self._fill = [d for d in self._local if d not in src.device_set]
         self._zeros = _zero_blocks(self._fill, self.src_block, self.dtype)
-        self._run = jax.jit(
-            jax.shard_map(
-                self._body, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False
-            )
+        self._run = KeptProgram(
+            jax.jit(
+                jax.shard_map(
+                    self._body, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False
+                )
+            ),
+            self.devices,
         )
         size = self.dtype.itemsize
         self.bytes_moved = sum(
@@ -265,28 +269,29 @@ class Transfer:
         if not self.participates:
             return stand_in(self.dst_shape, self.dtype, self.dst)
         union = self._union_input(x)
-        out = issue(TRANSFER, self.mesh, self._run, union)
+        out = issue(TRANSFER, self.mesh, self._run.run, union)
         mine = {s.device: s.data for s in out.addressable_shards}
         return jax.make_array_from_single_device_arrays(
             self.dst_shape, self.dst, [mine[d] for d in self._dst_devices], dtype=self.dtype
         )
 
-    def lower(self) -> list[jax.stages.Lowered]:
+    def lower(self) -> list[Lowering]:
         """The programs a call runs (the zero blocks', the transport), lowered for compiling ahead
-        (`runtime/precompile.py`); none on a process outside the union."""
+        (`runtime/precompile.py`), each of one signature that an executable store may give; none
+        on a process outside the union."""
         if not self.participates:
             return []
         shape = (len(self.devices) * self.src_block[0], *self.src_block[1:])
         union = jax.ShapeDtypeStruct(shape, self.dtype, sharding=NamedSharding(self.mesh, P(AXIS)))
         with jax.set_mesh(self.mesh):
-            run = self._run.lower(union)
-        return [run] + ([self._zeros.lower()] if self._fill else [])
+            run = self._run.lowering("transfer", union)
+        return [run] + ([self._zeros.lowering("transfer")] if self._fill else [])
 
     def _union_input(self, x) -> jax.Array:
         """x's local shards plus zero blocks on this process's destination-only devices, as one
         union-mesh array [n * block0, *block[1:]] sharded over "u" (no copy of x)."""
         held = {s.device: s.data for s in x.addressable_shards} if isinstance(x, jax.Array) else {}
-        zeros = _blocks(issue(TRANSFER, None, self._zeros), self._fill) if self._fill else []
+        zeros = _blocks(issue(TRANSFER, None, self._zeros.run), self._fill) if self._fill else []
         blocks = [held[d] if k is None else zeros[k] for d, k in self._where]
         return jax.make_array_from_single_device_arrays(
             self._union_shape, self._union_sharding, blocks, dtype=self.dtype
@@ -403,14 +408,17 @@ def _block_shape(sharding: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sharding.shard_shape(shape))
 
 
-def _zero_blocks(devices: Sequence[jax.Device], block: tuple[int, ...], dtype):
+def _zero_blocks(
+    devices: Sequence[jax.Device], block: tuple[int, ...], dtype
+) -> KeptProgram | None:
     """The program making one zero block per device of `devices`, on the devices themselves
     (`jnp.zeros(device=...)` would copy its fill value from the host); None without devices."""
     if not devices:
         return None
     mesh = Mesh(np.array(devices), (AXIS,))
     shape = (len(devices) * block[0], *block[1:])
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(AXIS)))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, P(AXIS)))
+    return KeptProgram(zeros, devices)
 
 
 def _blocks(zeros: jax.Array, devices: Sequence[jax.Device]) -> list[jax.Array]:

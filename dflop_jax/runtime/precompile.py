@@ -21,13 +21,15 @@ calling thread (tracing holds the GIL); compiling runs in a thread pool (XLA com
 A compiled program lands in JAX's in-memory caches, so the step's own call of the same jit on
 arrays of the same shapes and shardings finds it, and in the persistent compilation cache when the
 run enables one (`compilation_cache`), where a second run of the same plan finds it. JAX writes that
-cache from process 0 only; on the other processes of a multi-process run the stage programs go
-through an `ExecutableStore` in the same folder instead (`programs/executable_store.py`), and the
-stages call the compiled programs it gives them.
+cache from process 0 only; on the other processes of a multi-process run the programs whose owners
+take a compiled program (`Lowering.keep`: the stages', the transfers', the optimizers', each
+stage's parameter initialization) go through an `ExecutableStore` in the same folder instead
+(`programs/executable_store.py`), and their owners call the compiled programs it gives them.
 
 Counting: `CompileCounter` listens to JAX's backend-compile event (`jax.monitoring`), which fires once
 per executable JAX builds, whether XLA compiles it or loads it from the persistent cache (those
-loads are counted apart, `cache_hits`, with the programs an `ExecutableStore` loads); a jit whose
+loads are counted apart, `cache_hits`, with the programs an `ExecutableStore` loads: its own
+event, `STORE_LOAD_EVENT`); a jit whose
 cache already holds the executable fires nothing. The run's one count of programs is the executables it built: the precompile line, each
 step's `recompiles` (0 when everything was compiled ahead) and the summary's `programs` all read it.
 """
@@ -48,8 +50,9 @@ import numpy as np
 from dflop_jax.contracts import ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
-from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.programs.stage_program import Lowering, StageProgram
+from dflop_jax.programs.executable_store import STORE_LOAD_EVENT, ExecutableStore
+from dflop_jax.programs.lowering import Lowering
+from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer
 from dflop_jax.runtime.driver import boundary_structs, stage_tree
 
@@ -84,14 +87,6 @@ class CompileCounter:
     def cache_hits(self) -> int:
         return CompileCounter._hits
 
-    @staticmethod
-    def note_loaded() -> None:
-        """One executable deserialized from an `ExecutableStore` (no jax event fires for it): built
-        by this process and found in a cache, as a persistent-cache hit is."""
-        with CompileCounter._lock:
-            CompileCounter._count += 1
-            CompileCounter._hits += 1
-
 
 def _on_duration(event: str, duration_s: float, **_) -> None:
     if event == BACKEND_COMPILE_EVENT:
@@ -102,6 +97,10 @@ def _on_duration(event: str, duration_s: float, **_) -> None:
 def _on_event(event: str, **_) -> None:
     if event == CACHE_HIT_EVENT:
         with CompileCounter._lock:
+            CompileCounter._hits += 1
+    elif event == STORE_LOAD_EVENT:  # no jax event fires for it: built here, found in a cache
+        with CompileCounter._lock:
+            CompileCounter._count += 1
             CompileCounter._hits += 1
 
 
@@ -191,7 +190,7 @@ def _transfer(x, dst, shape, seen: set) -> list[Lowering]:
     if key in seen:
         return []
     seen.add(key)
-    return [Lowering("transfer", lw) for lw in lower_transfer(x, dst, shape)]
+    return lower_transfer(x, dst, shape)
 
 
 def precompile(
@@ -200,15 +199,16 @@ def precompile(
     progress: ProgressFn | None = None,
     *,
     evaluation: bool = False,
-    extra: Sequence[jax.stages.Lowered] = (),
+    extra: Sequence[Lowering | jax.stages.Lowered] = (),
     workers: int | None = None,
     store: ExecutableStore | None = None,
 ) -> PrecompileReport:
     """Lowers and compiles every program the microbatches' shapes run (module docstring) and the
     `extra` lowered programs (the per-step ones), in a thread pool, reporting
     `progress("compile", done, total)` as programs finish. With `store` (a process JAX's
-    persistent cache does not write from: `ExecutableStore.for_this_process`), the stage programs
-    are loaded from it or compiled and written to it, and each stage calls them itself
+    persistent cache does not write from: `ExecutableStore.for_this_process`), each program whose
+    `Lowering` names its devices (the stages', the transfers', the optimizers'; not a bare
+    `Lowered`) is loaded from it or compiled and written to it, and its owner calls it itself
     (`Lowering.keep`)."""
     report = progress or (lambda *_: None)
     t0, seen = time.perf_counter(), set()
@@ -217,7 +217,7 @@ def precompile(
         todo += pipeline_lowerings(stages, batch, evaluation, seen)
         report("lower", i + 1, len(microbatches))
     lower_s = time.perf_counter() - t0
-    todo += [Lowering("step", lw) for lw in extra]
+    todo += [lw if isinstance(lw, Lowering) else Lowering("step", lw) for lw in extra]
     total, done, seconds = len(todo), 0, {}
     workers = workers or max(os.cpu_count() or 1, 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="dflop-compile") as pool:
@@ -245,7 +245,4 @@ def _timed(lw: Lowering, store: ExecutableStore | None) -> tuple[jax.stages.Comp
     t0 = time.perf_counter()
     if store is None or lw.devices is None:
         return lw.lowered.compile(), time.perf_counter() - t0
-    compiled, source = store.compile(lw.lowered, lw.devices)
-    if source == "loaded":
-        CompileCounter.note_loaded()
-    return compiled, time.perf_counter() - t0
+    return store.compile(lw.lowered, lw.devices)[0], time.perf_counter() - t0

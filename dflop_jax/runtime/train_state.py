@@ -58,7 +58,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.programs.dispatch import UPDATE, issue
+from dflop_jax.programs.executable_store import ExecutableStore, call_once
 from dflop_jax.programs.leaf_program import LeafProgram
+from dflop_jax.programs.lowering import Lowering
 from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
@@ -110,10 +112,13 @@ class StageOptimizer:
       state: (property) the same state in the params' shapes, for checkpoints; settable.
     """
 
-    def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True):
+    def __init__(self, stage: StageProgram, tx: optax.GradientTransformation, zero1: bool = True,
+                 store: ExecutableStore | None = None):  # fmt: skip
         """The gradients are the stage's trained leaves (`stage.trained`); `tx` must keep no state
-        for its frozen ones (`OptimizerConfig.build` of the same trainable parts)."""
-        self.stage = stage
+        for its frozen ones (`OptimizerConfig.build` of the same trainable parts). `store`: where
+        the fresh state's program comes from on a process JAX's cache does not write from
+        (`programs/executable_store.py`); the per-step programs go through it in `precompile`."""
+        self.stage, self.store = stage, store
         self.tx = tx
         ps = stage.param_shardings
         self.scalar = NamedSharding(stage.mesh, P())
@@ -280,8 +285,9 @@ class StageOptimizer:
 
     def _fresh(self) -> PyTree:
         """Fresh optimizer state for the stage's current params, in the (padded) ZeRO-1 layout."""
-        with jax.set_mesh(self.stage.mesh):
-            return self._init(self.stage.params)
+        mesh = self.stage.mesh
+        with jax.set_mesh(mesh):
+            return call_once(self._init, (self.stage.params,), list(mesh.devices.flat), self.store)
 
     def init_state(self) -> PyTree:
         """Fresh optimizer state for the stage's current params, shaped like `state` (to set it)."""
@@ -291,21 +297,24 @@ class StageOptimizer:
         with jax.set_mesh(self.stage.mesh):
             return self._unpad(fresh)
 
-    def lower(self) -> list[jax.stages.Lowered]:
+    def lower(self) -> list[Lowering]:
         """The per-step programs (a fresh accumulator, `reduce`, `sq_norm`, `apply`), lowered from
-        abstract inputs for compiling before step 1 (`runtime/precompile.py`); none when the stage
-        is not local."""
+        abstract inputs for compiling before step 1 (`runtime/precompile.py`), each one signature
+        that an executable store may give; none when the stage is not local."""
         stage = self.stage
         if not getattr(stage, "local", True):
             return []
+        ids = tuple(d.id for d in stage.mesh.devices.flat)
         stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.scalar)
         trained = prune(stage.params, stage.trained)
-        out = [stage.jits.zeros.lower(stage.params)] if self.trains else []  # as `zero_grads`
+        out = [stage.jits.zeros.lowering("step", ids, stage.params)] if self.trains else []
         with jax.set_mesh(stage.mesh):  # as `apply`, `reduce`, `sq_norm` call them
-            out.append(self._update.lower(trained, self.shards, self.grad_structs(), stats))
+            update = (trained, self.shards, self.grad_structs(), stats)
+            out.append(self._update.lowering("step", ids, *update))
             if self.trains:
                 accs = list(stage.accumulator.structs)
-                out += [self._reduce.lower(accs), self._sq_norm.lower(self.grad_structs())]
+                out += [self._reduce.lowering("step", ids, accs),
+                        self._sq_norm.lowering("step", ids, self.grad_structs())]  # fmt: skip
         return out
 
     def lower_save(self) -> list[jax.stages.Lowered]:
@@ -329,7 +338,7 @@ class StageOptimizer:
     def reduce_leaves(self, acc: list) -> list:
         """`reduce` of the accumulator's buffers (`StageProgram.zero_grads`), as the gradient's
         leaves (`grad_tree` makes them a tree)."""
-        return issue(UPDATE, self.stage.mesh, self._reduce.jit, acc)
+        return issue(UPDATE, self.stage.mesh, self._reduce.run, acc)
 
     def grad_tree(self, leaves: list) -> PyTree:
         """The reduced gradient's tree (`grad_structs`'s) of its leaves."""
@@ -348,7 +357,7 @@ class StageOptimizer:
     def sq_norm(self, grads: PyTree) -> jax.Array:
         """|grads|^2 (the trained leaves; a tree or its leaves) as a [1] vector, replicated on the
         stage's mesh."""
-        return issue(UPDATE, self.stage.mesh, self._sq_norm.jit, jax.tree.leaves(grads))
+        return issue(UPDATE, self.stage.mesh, self._sq_norm.run, jax.tree.leaves(grads))
 
     def apply(self, grads: PyTree, stats: jax.Array) -> None:
         """Updates the stage's params and state in place (old buffers donated) from REDUCED gradients
@@ -358,7 +367,7 @@ class StageOptimizer:
         leaves, mask = stage.leaves, stage.trained_leaves
         trained = [a for a, k in zip(leaves, mask) if k]
         args = (trained, self.shard_leaves, jax.tree.leaves(grads), stats)
-        new, state = issue(UPDATE, stage.mesh, self._update.jit, *args)
+        new, state = issue(UPDATE, stage.mesh, self._update.run, *args)
         self._shards, self.shard_leaves = None, state
         it = iter(new)
         stage.set_leaves([next(it) if k else a for a, k in zip(leaves, mask)])

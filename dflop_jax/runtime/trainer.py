@@ -235,7 +235,7 @@ class _Trainer:
         self.plan, self.device = plan, device
         self.clock = clock
         self.counter = CompileCounter()
-        # where JAX's persistent cache does not write (processes other than 0), the stage programs'
+        # where JAX's persistent cache does not write (processes other than 0), the programs'
         self.store = store or ExecutableStore.for_this_process(cfg.compilation_cache)
         # the stages' initialization counts as the run's
         self.counter_start = self.counter.count if counter_start is None else counter_start
@@ -249,9 +249,9 @@ class _Trainer:
         self.stages = build_stages(
             model_cfg, plan.layout, meshes, cfg.model.source,
             compute_dtype=jnp.dtype(cfg.compute_dtype), trainable=opt.trainable,
-            residuals=plan.residuals,
+            residuals=plan.residuals, store=self.store,
         )  # fmt: skip
-        self.opts = [StageOptimizer(s, opt.build(), opt.zero1) for s in self.stages]
+        self.opts = [StageOptimizer(s, opt.build(), opt.zero1, self.store) for s in self.stages]
         if jax.process_count() > 1:
             connect(self.stages)  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.

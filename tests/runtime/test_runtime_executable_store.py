@@ -17,7 +17,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflop_jax.programs.executable_store import ExecutableStore
+from dflop_jax.programs.executable_store import ExecutableStore, call_once
+from dflop_jax.programs.leaf_program import LeafProgram
+from dflop_jax.programs.lowering import KeptProgram
+from dflop_jax.runtime.precompile import CompileCounter
 
 
 def _scaled(ws, x, k):
@@ -74,6 +77,48 @@ def test_the_key_tells_devices_apart_and_a_bad_file_is_compiled_again(tmp_path, 
     assert ExecutableStore(tmp_path).compile(on_01, (0, 1))[1] == "loaded"  # rewritten whole
 
 
+def test_programs_of_one_signature_and_initializations_run_what_a_store_gave(tmp_path):
+    """A program of one signature (a transfer's: `KeptProgram`; an optimizer's, trees as leaves:
+    `LeafProgram`) calls the program a store loaded once `precompile` hands it over (`keep`), and
+    an initialization (`call_once`) runs the store's program; each gives the jit's values, and
+    each load counts as a program built and found in a cache. The programs hold this process's id:
+    no other process (an xdist worker filling the suite's JAX cache) compiles them, so the store's
+    load is their first deserialization here (XLA:CPU cannot run a second one)."""
+    salt = float(os.getpid())
+    devices = jax.devices()[:2]
+    s = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+    x = jax.device_put(np.arange(8, dtype=np.float32), s)
+    counter = CompileCounter()
+
+    def loaded(lw, folder):
+        ExecutableStore(tmp_path / folder).compile(lw.lowered, lw.devices)  # a first run's
+        built, hits = counter.count, counter.cache_hits
+        compiled, source = ExecutableStore(tmp_path / folder).compile(lw.lowered, lw.devices)
+        assert source == "loaded" and (counter.count, counter.cache_hits) == (built + 1, hits + 1)
+        lw.keep(compiled)
+        return compiled
+
+    kept = KeptProgram(jax.jit(lambda v: v * salt, out_shardings=s), devices)
+    assert loaded(kept.lowering("transfer", x), "kept") is kept.run
+    np.testing.assert_array_equal(np.asarray(kept.run(x)), np.arange(8) * np.float32(salt))
+
+    tree = {"a": x, "b": x + 1}
+    leaf = LeafProgram(lambda t: {"sum": t["a"] + t["b"] + salt}, (jax.tree.structure(tree),),
+                       jax.tree.structure({"sum": 0}))  # fmt: skip
+    assert loaded(leaf.lowering("step", (0, 1), tree), "leaf") is leaf.run
+    (total,) = leaf.run(jax.tree.leaves(tree))  # leaves in, leaves out, as the jit's
+    np.testing.assert_array_equal(np.asarray(total), np.arange(8) * 2.0 + 1 + np.float32(salt))
+
+    init = jax.jit(lambda k: jax.random.normal(k, (8,)) + salt, out_shardings=s)
+    key = jax.random.key(3)
+    want = np.asarray(init(key))
+    call_once(init, (key,), devices, ExecutableStore(tmp_path / "init"))  # a first run's
+    store = ExecutableStore(tmp_path / "init")
+    got = call_once(init, (key,), devices, store)
+    assert (store.loaded, store.saved) == (1, 0) and got.sharding == s
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_one_process_has_no_store(tmp_path):
     assert ExecutableStore.for_this_process(tmp_path) is None
     assert ExecutableStore.for_this_process("") is None
@@ -93,9 +138,10 @@ print("saved", store.saved)
 
 # A second run's process: one step through the jits (the reference), then one through the programs
 # the store at argv[1] loads, with every stage jit replaced by one that raises; both steps' losses
-# and gradients go to argv[2]. A fresh process, with JAX's cache off: XLA:CPU fails to run an
-# executable deserialized twice in one process, and a test worker may already have loaded these
-# very programs from the suite's JAX cache.
+# and gradients go to argv[2]. A fresh process, with JAX's cache off before its first compile (JAX
+# decides once per process whether it reads its cache): XLA:CPU fails to run an executable
+# deserialized twice in one process, and the first run filled the suite's JAX cache with these very
+# programs (a test worker, whose cache is on, may hold them already).
 _SECOND_RUN = """
 import sys
 import jax

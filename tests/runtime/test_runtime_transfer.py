@@ -127,7 +127,7 @@ def test_lowered_ahead_the_call_builds_nothing_and_keeps_no_buffer():
     lowered = tr.lower_transfer(jax.ShapeDtypeStruct(SHAPE, x.dtype, sharding=src), dst)
     assert len(lowered) == 2  # the transport and the zero blocks of the receive-only devices
     counter = CompileCounter()
-    built = [lw.compile() for lw in lowered]
+    built = [lw.lowered.compile() for lw in lowered]
     before = counter.count
     assert built and before >= 2
     y = jax.block_until_ready(tr.transfer(x, dst))

@@ -63,7 +63,7 @@ def _hlo_bytes(x: jax.ShapeDtypeStruct, dst: jax.ShapeDtypeStruct) -> int:
         sharding=jax.sharding.NamedSharding(program.mesh, jax.sharding.PartitionSpec(tr.AXIS)),
     )  # fmt: skip
     with jax.set_mesh(program.mesh):
-        hlo = program._run.lower(union).compile().as_text()
+        hlo = program._run.jit.lower(union).compile().as_text()
     total = 0
     op = r"= (\w+)\[([\d,]*)\][^ ]* collective-permute\(.*?source_target_pairs=\{(.*?)\}\}"
     for m in re.finditer(op, hlo):

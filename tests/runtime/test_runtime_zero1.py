@@ -324,8 +324,8 @@ def test_update_programs_of_a_padded_stage_compile_ahead_and_match_reduce():
     stages, opts = _stages_and_grads(True, LAYOUT_DP3)
     for stage, opt in zip(stages, opts):
         assert any(lay.is_padded for lay in jax.tree.leaves(opt.layout))
-        for lowered in opt.lower():
-            lowered.compile()
+        for lowering in opt.lower():
+            lowering.lowered.compile()
         acc = _gradient_accumulators([stage], 0)[0]
         reduced = opt.reduce(acc)
         structs = opt.grad_structs()
