@@ -18,9 +18,12 @@ call of an initialization (`call_once`).
 The key is a hash of what decides the executable: the lowered module's text (shapes, shardings,
 donation, the program itself), the devices it runs on (by global id: stages alike but for their
 devices lower to the same text), jax's and the backend's versions, and `XLA_FLAGS`. A file that
-does not load (truncated, another jax's) is logged, compiled again and rewritten. Writes go
-through a temporary file and a rename, so a reader never sees half a file, and two processes
-writing one key (a program spanning both) leave one whole file.
+does not load (truncated, another jax's) is logged, compiled again and rewritten. A program JAX's
+persistent cache serves (one process 0 also compiles) is left to that cache and not written: on
+XLA:CPU (jax 0.10.2) an executable JAX loaded from its cache serializes into a file that loads but
+fails to run ("Function ... not found"). Writes go through a temporary file and a rename, so a
+reader never sees half a file, and two processes writing one key (a program spanning both) leave
+one whole file.
 
 Loading a file runs what it holds (pickle, and an executable): point `compilation_cache` only at a
 folder you trust, as with JAX's own cache.
@@ -54,6 +57,32 @@ SUBDIR = "dflop_executables"
 # jax.monitoring's event for one program deserialized from a store: `runtime.precompile`'s count of
 # the programs a run builds counts it as built and found in a cache, as JAX's own cache hits.
 STORE_LOAD_EVENT = "/dflop_jax/executable_store/load"
+# jax.monitoring's event for a program found in JAX's persistent cache (jax/_src/compiler.py).
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# Per compiling thread: whether JAX's persistent cache served the compile in progress (its event
+# fires on the thread that compiles; `precompile` compiles in a pool of threads).
+_compiling = threading.local()
+_listening = threading.Lock()  # held while the one listener is registered (listeners stay)
+_listener: list[bool] = []
+
+
+def _on_event(event: str, **_) -> None:
+    if event == JAX_CACHE_HIT_EVENT and getattr(_compiling, "watched", False):
+        _compiling.served = True
+
+
+def _compile_fresh_or_served(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """`lowered` compiled, and whether JAX's persistent cache served it (a process other than 0
+    reads that cache: a program process 0 also compiles, one spanning both, may be there)."""
+    with _listening:
+        if not _listener:
+            jax.monitoring.register_event_listener(_on_event)
+            _listener.append(True)
+    _compiling.watched, _compiling.served = True, False
+    try:
+        return lowered.compile(), _compiling.served
+    finally:
+        _compiling.watched = False
 
 
 class ExecutableStore:
@@ -69,9 +98,8 @@ class ExecutableStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.loaded = self.saved = self.failed = 0
         self._lock = threading.Lock()  # precompile's pool compiles in threads
-        # key -> the program this process compiled or loaded: XLA:CPU fails to run an executable
-        # deserialized a second time in one process ("Function ... not found"), and a re-plan
-        # (which keeps the store) lowers again programs its predecessor already has
+        # key -> the program this process compiled or loaded: a re-plan (which keeps the store)
+        # lowers again programs its predecessor already has, and gets the same executable back
         self._held: dict[str, jax.stages.Compiled] = {}
 
     @classmethod
@@ -98,7 +126,8 @@ class ExecutableStore:
         self, lowered: jax.stages.Lowered, devices: Sequence[int]
     ) -> tuple[jax.stages.Compiled, str]:
         """`lowered` compiled, and where it came from: "loaded" from the store's folder,
-        "compiled" by XLA (and written there) or "held" (this store gave it before)."""
+        "compiled" (by XLA, and written there; or found in JAX's persistent cache, which keeps it)
+        or "held" (this store gave it before)."""
         key = self.key(lowered, devices)
         if key in self._held:
             return self._held[key], "held"
@@ -109,8 +138,12 @@ class ExecutableStore:
             self._count("loaded")
             jax.monitoring.record_event(STORE_LOAD_EVENT)
         else:
-            compiled = lowered.compile()
-            self._save(path, compiled)
+            compiled, served = _compile_fresh_or_served(lowered)
+            # What JAX's cache served stays there, and is not written here: on XLA:CPU (jax
+            # 0.10.2) an executable JAX loaded from its cache serializes into a file that loads but
+            # fails to run ("Function ... not found").
+            if not served:
+                self._save(path, compiled)
         self._held[key] = compiled
         return compiled, "loaded" if loaded else "compiled"
 

@@ -1,10 +1,12 @@
-"""The executable store (what a process JAX's persistent cache does not write from keeps of its stage
+"""The executable store (what a process JAX's persistent cache does not write from keeps of its
 programs): a second store on the same folder loads what the first compiled, and the loaded program
-computes what the jit computes; the key tells devices apart; a file that does not load is compiled
-again. A pipeline whose stage programs came from the store runs them (its stages' jits are never
-called) and gives the jit-run pipeline's loss and gradients. Across real processes:
-tests/multiprocess/test_runtime_multihost.py."""
+computes what the jit computes, also where JAX's cache held the program (compiled afresh); the key
+tells devices apart; a file that does not load is compiled again; the owners of programs of one
+signature and of initializations call what a store gave. A pipeline whose stage programs came from
+the store runs them (its stages' jits are never called) and gives the jit-run pipeline's loss and
+gradients. Across real processes: tests/multiprocess/test_runtime_multihost.py."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -16,28 +18,40 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from pipeline_fixtures import separate_batch, separate_stages
 
 from dflop_jax.programs.executable_store import ExecutableStore, call_once
 from dflop_jax.programs.leaf_program import LeafProgram
 from dflop_jax.programs.lowering import KeptProgram
-from dflop_jax.runtime.precompile import CompileCounter
+from dflop_jax.runtime.driver import run_pipeline
+from dflop_jax.runtime.precompile import CompileCounter, precompile
+
+_SALTS = itertools.count(1)
+
+
+def _salt() -> int:
+    """A constant no other test's or process's program holds: a program built with it is compiled
+    by XLA in this test first, not served by the suite's JAX cache (which the store leaves such
+    programs to)."""
+    return os.getpid() % 100_000 * 100 + next(_SALTS)  # under 2**24: exact in float32
 
 
 def _scaled(ws, x, k):
     return [w * jnp.sum(x) * k for w in ws]
 
 
-def _lowered(devices):
+def _lowered(devices, k):
     mesh = Mesh(np.array(devices), ("data",))
     s = NamedSharding(mesh, P("data"))
     ws = [jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=s) for _ in range(2)]
     x = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=s)
     jit = jax.jit(_scaled, static_argnums=2, donate_argnums=0)
-    return jit, jit.lower(ws, x, 3), s
+    return jit, jit.lower(ws, x, k), s
 
 
 def test_a_second_store_loads_what_the_first_compiled(tmp_path):
-    jit, lowered, s = _lowered(jax.devices()[:2])
+    k = _salt()
+    jit, lowered, s = _lowered(jax.devices()[:2], k)
     first = ExecutableStore(tmp_path)
     assert first.compile(lowered, (0, 1))[1] == "compiled"
     assert first.compile(lowered, (0, 1))[1] == "held"
@@ -55,15 +69,16 @@ def test_a_second_store_loads_what_the_first_compiled(tmp_path):
     ws, x = args()
     got = compiled(ws, x)  # the static argument is part of the program, not an argument
     assert ws[0].is_deleted()  # donated, as the jit's are
-    want = jit(*args(), 3)
+    want = jit(*args(), k)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         assert g.sharding == s
 
 
 def test_the_key_tells_devices_apart_and_a_bad_file_is_compiled_again(tmp_path, caplog):
-    _, on_01, _ = _lowered(jax.devices()[:2])
-    _, on_23, _ = _lowered(jax.devices()[2:4])
+    k = _salt()
+    _, on_01, _ = _lowered(jax.devices()[:2], k)
+    _, on_23, _ = _lowered(jax.devices()[2:4], k)
     store = ExecutableStore(tmp_path)
     assert on_01.as_text() == on_23.as_text()  # the module alone does not say where it runs
     assert store.key(on_01, (0, 1)) != store.key(on_23, (2, 3))
@@ -81,10 +96,8 @@ def test_programs_of_one_signature_and_initializations_run_what_a_store_gave(tmp
     """A program of one signature (a transfer's: `KeptProgram`; an optimizer's, trees as leaves:
     `LeafProgram`) calls the program a store loaded once `precompile` hands it over (`keep`), and
     an initialization (`call_once`) runs the store's program; each gives the jit's values, and
-    each load counts as a program built and found in a cache. The programs hold this process's id:
-    no other process (an xdist worker filling the suite's JAX cache) compiles them, so the store's
-    load is their first deserialization here (XLA:CPU cannot run a second one)."""
-    salt = float(os.getpid())
+    each load counts as a program built and found in a cache."""
+    salt = float(_salt())
     devices = jax.devices()[:2]
     s = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
     x = jax.device_put(np.arange(8, dtype=np.float32), s)
@@ -100,14 +113,16 @@ def test_programs_of_one_signature_and_initializations_run_what_a_store_gave(tmp
 
     kept = KeptProgram(jax.jit(lambda v: v * salt, out_shardings=s), devices)
     assert loaded(kept.lowering("transfer", x), "kept") is kept.run
-    np.testing.assert_array_equal(np.asarray(kept.run(x)), np.arange(8) * np.float32(salt))
+    want = np.arange(8, dtype=np.float32) * np.float32(salt)
+    np.testing.assert_array_equal(np.asarray(kept.run(x)), want)
 
     tree = {"a": x, "b": x + 1}
     leaf = LeafProgram(lambda t: {"sum": t["a"] + t["b"] + salt}, (jax.tree.structure(tree),),
                        jax.tree.structure({"sum": 0}))  # fmt: skip
     assert loaded(leaf.lowering("step", (0, 1), tree), "leaf") is leaf.run
     (total,) = leaf.run(jax.tree.leaves(tree))  # leaves in, leaves out, as the jit's
-    np.testing.assert_array_equal(np.asarray(total), np.arange(8) * 2.0 + 1 + np.float32(salt))
+    want = np.arange(8, dtype=np.float32) * 2 + 1 + np.float32(salt)
+    np.testing.assert_array_equal(np.asarray(total), want)
 
     init = jax.jit(lambda k: jax.random.normal(k, (8,)) + salt, out_shardings=s)
     key = jax.random.key(3)
@@ -119,15 +134,42 @@ def test_programs_of_one_signature_and_initializations_run_what_a_store_gave(tmp
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_a_program_jax_cache_serves_is_left_to_it(tmp_path):
+    """A program JAX's persistent cache serves (the suite's cache is on, as a process other than
+    0 reads process 0's) is not written to the store: on XLA:CPU an executable JAX loaded from its
+    cache serializes into a file that loads but fails to run ("Function ... not found"), so the
+    store leaves it to that cache, and the program runs and gives the jit's values."""
+    salt = float(_salt())
+
+    def program():  # a new function each time: a new jit, which JAX's in-memory caches do not know
+        return jax.jit(lambda w, x: jnp.tanh(w @ x) * salt + jnp.exp(-x))
+
+    w, x = np.ones((16, 16), np.float32) / 16, np.linspace(0, 1, 16, dtype=np.float32)
+    want = np.asarray(program()(w, x))  # XLA compiles it, and JAX writes it to its cache
+    counter = CompileCounter()
+    hits = counter.cache_hits
+    device = (jax.devices()[0].id,)
+    for _ in range(2):  # a first run's store, then a second's
+        store = ExecutableStore(tmp_path)
+        compiled, source = store.compile(program().lower(w, x), device)
+        assert (source, store.saved, store.failed) == ("compiled", 0, 0)
+        np.testing.assert_array_equal(np.asarray(compiled(w, x)), want)
+    assert counter.cache_hits == hits + 2  # both from JAX's cache
+    assert not list(tmp_path.glob("*.pkl"))
+
+
 def test_one_process_has_no_store(tmp_path):
     assert ExecutableStore.for_this_process(tmp_path) is None
     assert ExecutableStore.for_this_process("") is None
 
 
 # A first run's process: precompiles `separate_stages("all")` into the store at argv[1], as a
-# run's own process does.
+# process other than 0 does (JAX's cache off before its first compile: JAX decides once per process
+# whether it reads it; the suite's may hold these programs, which the store would leave to it).
 _FIRST_RUN = """
 import sys
+import jax
+jax.config.update("jax_enable_compilation_cache", False)  # XLA compiles them: the store writes them
 from pipeline_fixtures import separate_batch, separate_stages
 from dflop_jax.programs.executable_store import ExecutableStore
 from dflop_jax.runtime.precompile import precompile
@@ -136,70 +178,51 @@ precompile(separate_stages("all"), separate_batch()[::2], store=store)
 print("saved", store.saved)
 """
 
-# A second run's process: one step through the jits (the reference), then one through the programs
-# the store at argv[1] loads, with every stage jit replaced by one that raises; both steps' losses
-# and gradients go to argv[2]. A fresh process, with JAX's cache off before its first compile (JAX
-# decides once per process whether it reads its cache): XLA:CPU fails to run an executable
-# deserialized twice in one process, and the first run filled the suite's JAX cache with these very
-# programs (a test worker, whose cache is on, may hold them already).
-_SECOND_RUN = """
-import sys
-import jax
-import numpy as np
-from pipeline_fixtures import separate_batch, separate_stages
-from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.runtime.driver import run_pipeline
-from dflop_jax.runtime.precompile import CompileCounter, precompile
-jax.config.update("jax_enable_compilation_cache", False)
-mbs = separate_batch()[::2]
-def step(stages):
+
+def _step(stages, mbs):
     out = run_pipeline(stages, mbs, sum(float(m["loss_mask"].sum()) for m in mbs), "1f1b")
-    return [float(x) for x in out.loss], jax.tree.leaves(jax.device_get(out.grads))
-want_loss, want_grads = step(separate_stages("all"))
-stages, store, counter = separate_stages("all"), ExecutableStore(sys.argv[1]), CompileCounter()
-hits = counter.cache_hits
-precompile(stages, mbs, store=store)
-def not_called(*_):
-    raise AssertionError("a stage called its jit instead of the loaded program")
-for stage in stages:
-    for name in ("forward", "forward_residuals", "backward", "backward_residuals", "last"):
-        if (program := getattr(stage.jits, name)) is not None:
-            program.jit = not_called
-loss, grads = step(stages)
-np.savez(sys.argv[2], loaded=store.loaded, saved=store.saved, hits=counter.cache_hits - hits,
-         want_loss=want_loss, loss=loss, **{f"want_{i}": g for i, g in enumerate(want_grads)},
-         **{f"got_{i}": g for i, g in enumerate(grads)})
-"""
+    return [float(x) for x in out.loss], [jax.device_get(g) for g in out.grads]
 
 
-@pytest.mark.slow  # 20-40 s: two processes compile the pipeline
-def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path):
+@pytest.mark.slow  # 20-30 s: two processes compile the pipeline
+def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypatch):
     """Two microbatches of one bucket shape over 2 encoder and 2 LLM stages (dp 2, tp 2) that keep
     residuals: the forward with residuals, the backward from them and the last stage's fused step,
-    written by a first run's process and loaded by a second's, where they give the jit-run
-    pipeline's loss and gradients bit for bit."""
+    written by a first run's process (which may find them in the suite's JAX cache: the store
+    compiles them afresh) and loaded here, where they give the jit-run pipeline's loss and
+    gradients bit for bit."""
     tests = Path(__file__).resolve().parents[1]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
     )
-    for script, *args in ((_FIRST_RUN, tmp_path / "store"),
-                          (_SECOND_RUN, tmp_path / "store", tmp_path / "steps.npz")):  # fmt: skip
-        run = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert run.returncode == 0, run.stderr[-3000:]
-        if script is _FIRST_RUN:
-            assert run.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
-    steps = np.load(tmp_path / "steps.npz")
-    assert (steps["loaded"], steps["saved"], steps["hits"]) == (7, 0, 7)
-    np.testing.assert_array_equal(steps["loss"], steps["want_loss"])
-    grads = [k for k in steps.files if k.startswith("got_")]
-    assert len(grads) == sum(k.startswith("want_") for k in steps.files) - 1 > 0  # - want_loss
-    for k in grads:
-        np.testing.assert_array_equal(steps[k], steps[k.replace("got_", "want_")])
+    first = subprocess.run([sys.executable, "-c", _FIRST_RUN, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
+    mbs = separate_batch()[::2]
+    want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
+    stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
+    hits = counter.cache_hits
+    precompile(stages, mbs, store=store)
+    assert (store.loaded, store.saved) == (7, 0)
+    assert counter.cache_hits - hits >= 7  # the store's loads (JAX's cache may serve the rest)
+
+    def not_called(*_):
+        raise AssertionError("a stage called its jit instead of the loaded program")
+
+    for stage in stages:
+        for name in ("forward", "forward_residuals", "backward", "backward_residuals", "last"):
+            program = getattr(stage.jits, name)
+            if program is not None:
+                monkeypatch.setattr(program, "jit", not_called)
+    loss, grads = _step(stages, mbs)
+    assert loss == want_loss
+    jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
 
 
 def test_a_folder_it_cannot_write_is_logged_and_the_program_still_runs(tmp_path, caplog):
-    jit, lowered, s = _lowered(jax.devices()[:2])
+    k = _salt()
+    jit, lowered, s = _lowered(jax.devices()[:2], k)
     store = ExecutableStore(tmp_path / "store")
     (tmp_path / "store").rmdir()
     (tmp_path / "store").write_text("")  # its folder gone: a file in its place
@@ -208,4 +231,5 @@ def test_a_folder_it_cannot_write_is_logged_and_the_program_still_runs(tmp_path,
     assert "not stored" in caplog.text
     x = jax.device_put(np.ones(4, np.float32), s)
     w = [jax.device_put(np.ones((4, 3), np.float32), s) for _ in range(2)]
-    np.testing.assert_array_equal(np.asarray(compiled(w, x)[0]), np.full((4, 3), 12.0))
+    want = np.full((4, 3), np.float32(4) * np.float32(k))  # w * sum(x) * k
+    np.testing.assert_array_equal(np.asarray(compiled(w, x)[0]), want)
