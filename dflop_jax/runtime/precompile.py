@@ -50,7 +50,11 @@ import numpy as np
 from dflop_jax.contracts import ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.data.loader import pack_geometry, pack_taps
 from dflop_jax.data.packing import pack_microbatch
-from dflop_jax.programs.executable_store import STORE_LOAD_EVENT, ExecutableStore
+from dflop_jax.programs.executable_store import (
+    JAX_CACHE_HIT_EVENT,
+    STORE_LOAD_EVENT,
+    ExecutableStore,
+)
 from dflop_jax.programs.lowering import Lowering
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer
@@ -59,7 +63,6 @@ from dflop_jax.runtime.driver import boundary_structs, stage_tree
 # jax.monitoring's event for building one executable (the backend compile's duration event), and
 # the one for finding it in the persistent compilation cache instead.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 ProgressFn = Callable[[str, int, int], None]
 
 
@@ -95,7 +98,7 @@ def _on_duration(event: str, duration_s: float, **_) -> None:
 
 
 def _on_event(event: str, **_) -> None:
-    if event == CACHE_HIT_EVENT:
+    if event == JAX_CACHE_HIT_EVENT:
         with CompileCounter._lock:
             CompileCounter._hits += 1
     elif event == STORE_LOAD_EVENT:  # no jax event fires for it: built here, found in a cache
