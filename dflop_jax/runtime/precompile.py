@@ -60,8 +60,8 @@ from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer
 from dflop_jax.runtime.driver import boundary_structs, stage_tree
 
-# jax.monitoring's event for building one executable (the backend compile's duration event), and
-# the one for finding it in the persistent compilation cache instead.
+# jax.monitoring's event for building one executable (the backend compile's duration event); the
+# one for finding it in the persistent compilation cache instead is the store's JAX_CACHE_HIT_EVENT.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ProgressFn = Callable[[str, int, int], None]
 
