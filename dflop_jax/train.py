@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config_error(e)
     simulate_cpu_devices(cfg.num_devices or cfg.num_cpu_devices)
     if dist is not None:
-        initialize(dist)  # before any other JAX call; bounded by distributed.timeout_s
+        # before any other JAX call; bounded by distributed.timeout_s
+        initialize(dist, cfg.compilation_cache)
 
     from dflop_jax.programs.meshes import LayoutError
 

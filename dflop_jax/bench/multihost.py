@@ -179,7 +179,7 @@ def worker(report_path: Path, overrides: list[str]) -> None:
     dist = resolve(cfg.distributed, os.environ)
     simulate_cpu_devices(cfg.num_cpu_devices)
     if dist is not None:
-        initialize(dist)
+        initialize(dist, cfg.compilation_cache)
     import jax
 
     from dflop_jax.data import loader as loader_mod

@@ -28,14 +28,15 @@ one whole file.
 Loading a file runs what it holds (pickle, and an executable): point `compilation_cache` only at a
 folder you trust, as with JAX's own cache.
 
-What goes through it: the stage programs (forward, backward, the last stage's fused step,
-evaluation), which take longest to compile (8-41 s each for the 7B and 32B x64 plans' stages on a
-2-core CPU, docs/benchmarks.md); each stage's parameter and optimizer-state initialization; the
-optimizers' per-step programs; and the transfers compiled ahead (`runtime/precompile.py`). The
-update's glue between stages, the host reads, the learning-rate schedule, the transfers the
-processes' start-up runs and jax's own small programs (a key's seeding) still compile in each run:
-on the tiny 2-process LLaVA-OV run, process 1's second run compiles 16 programs in 0.5 s, where
-its first compiled 47 in 44 s (`bench multihost second_run=true`, docs/benchmarks.md).
+What goes through it: the stage programs (forward, backward, the last stage's fused step and
+loss-token count, evaluation), which take longest to compile (8-41 s each for the 7B and 32B x64
+plans' stages on a 2-core CPU, docs/benchmarks.md); each stage's parameter and optimizer-state
+initialization; the optimizers' per-step programs and the update's statistics; the transfers and
+host reads, those compiled ahead (`runtime/precompile.py`) and those the start-up runs before it
+(`hand_over`); the learning rate's program. On the tiny 2-process LLaVA-OV run, process 1's second
+run compiles nothing, where its first compiled 41 programs in 38 s (`bench multihost
+second_run=true`, docs/benchmarks.md). Still compiled each run: a tied embedding's gradient sums
+across stages, a resumed run's optimizer-state padding.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
+
+from dflop_jax.programs.lowering import Lowering
 
 log = logging.getLogger(__name__)
 SUBDIR = "dflop_executables"
@@ -193,3 +196,14 @@ def call_once(jit, args: tuple, devices: Sequence[jax.Device], store: Executable
         return jit(*args)
     compiled, _ = store.compile(jit.lower(*args), [d.id for d in devices])
     return compiled(*args)
+
+
+def hand_over(lowerings: Sequence[Lowering], store: ExecutableStore | None) -> None:
+    """Gives each lowering's owner (`Lowering.keep`) the program `store` loads or compiles for it,
+    one after the other: for the few programs a run calls before `precompile` (the transfers that
+    set up the processes' communicators). Nothing without a store."""
+    if store is None:
+        return
+    for lw in lowerings:
+        if lw.keep is not None and lw.devices is not None:
+            lw.keep(store.compile(lw.lowered, lw.devices)[0])

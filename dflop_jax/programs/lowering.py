@@ -23,7 +23,7 @@ class Lowering:
 
     Attributes:
       kind: which program ("fwd", "fwd_res", "bwd", "bwd_res", "last", "eval", "count",
-        "transfer", "step").
+        "transfer", "read", "step").
       lowered: the program, traced and lowered from abstract inputs.
       then: given the compiled program, further lowerings that need its compiled output shardings
         (the backward from residuals of a forward with residuals); None when there are none.

@@ -30,6 +30,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
+from dflop_jax.programs.devices import enable_compilation_cache
+from dflop_jax.programs.executable_store import ExecutableStore, hand_over
+from dflop_jax.programs.lowering import KeptProgram, Lowering
 from dflop_jax.programs.transfer import lower_transfer, transfer
 from dflop_jax.programs.watchdog import JobError, Watchdog, WatchdogSettings, install
 
@@ -86,11 +89,13 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str]) -> DistributedConfig
     return dataclasses.replace(cfg, coordinator=coordinator, num_processes=n, process_id=pid)
 
 
-def initialize(cfg: DistributedConfig) -> None:
+def initialize(cfg: DistributedConfig, compilation_cache: str | None = None) -> None:
     """Joins the job (before any other JAX call); a peer that never arrives fails after timeout_s.
 
     First every process meets the watchdog hub (a missing peer is named there, `watchdog.py`), then
-    `jax.distributed.initialize` runs with every peer known to be up.
+    `jax.distributed.initialize` runs with every peer known to be up. `compilation_cache`: the
+    run's (`TrainConfig.compilation_cache`), turned on here so that the start-up's own programs
+    come from it in a second run (JAX's cache on process 0, the executable store on the others).
     """
     host, port = cfg.coordinator.rsplit(":", 1)
     # Said up front: when a peer never arrives the runtime may abort the process from C++ (no Python
@@ -126,10 +131,13 @@ def initialize(cfg: DistributedConfig) -> None:
             f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
             f"unreachable): {str(e).splitlines()[0]}"
         ) from None
+    if compilation_cache:
+        enable_compilation_cache(compilation_cache)
     # Sets up the all-device communicator of `host_scalars` now, while every process is here.
     first = min(jax.devices(), key=lambda d: d.id)
     zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())
     value = jax.make_array_from_callback((), zero, lambda _: np.float32(0), dtype=np.float32)
+    hand_over(lower_reads([value]), ExecutableStore.for_this_process(compilation_cache))
     host_scalars([value], "start-up", cfg.timeout_s)
 
 
@@ -171,18 +179,19 @@ def _as_vector(value: jax.Array):
     shape = (max(int(np.prod(value.shape)), 1),)
     if value.addressable_shards:
         with jax.set_mesh(value.sharding.mesh):
-            return _vector_program(sharding, shape)(value)
+            return _vector_program(sharding, shape).run(value)
     return jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
 
 
 @functools.cache
-def _vector_program(sharding: NamedSharding, shape: tuple[int, ...]):
+def _vector_program(sharding: NamedSharding, shape: tuple[int, ...]) -> KeptProgram:
     """The jitted reshape of a value into a replicated vector on `sharding` (one program: an eager
     reshape would compile at its first read, out of `lower_reads`' reach)."""
-    return jax.jit(lambda v: v.reshape(shape), out_shardings=sharding)
+    jit = jax.jit(lambda v: v.reshape(shape), out_shardings=sharding)
+    return KeptProgram(jit, list(sharding.mesh.devices.flat))
 
 
-def lower_reads(values: list[jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
+def lower_reads(values: list[jax.ShapeDtypeStruct | jax.Array]) -> list[Lowering]:
     """The programs `host_scalars(values)` runs on this process, lowered from the values' shapes
     (none in a single-process run, which reads its values directly)."""
     if jax.process_count() == 1:
@@ -194,7 +203,7 @@ def lower_reads(values: list[jax.ShapeDtypeStruct]) -> list[jax.stages.Lowered]:
         vector = jax.ShapeDtypeStruct(shape, v.dtype, sharding=sharding)
         if any(d.process_index == jax.process_index() for d in v.sharding.device_set):
             with jax.set_mesh(v.sharding.mesh):
-                out.append(_vector_program(sharding, shape).lower(v))
+                out.append(_vector_program(sharding, shape).lowering("read", v))
         out += lower_transfer(vector, _readers())
     return out
 

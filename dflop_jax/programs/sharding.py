@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -114,15 +115,17 @@ def create_sharded(
     The factory runs once abstractly (`nnx.eval_shape`) to get the state tree and its shardings, then
     inside one `jit` with `out_shardings`, so no parameter is ever whole on one device. The seed is
     the jit's argument, not a constant inside it: with a constant key XLA folds the whole random
-    init at compile time in its HLO interpreter (tens of seconds for a test-sized model). The
-    parameters come out bit-identical either way (checked on the test LLaVA-OV model). With a
-    `store` (`programs/executable_store.py`) the init program is loaded from it or written to it.
+    init at compile time in its HLO interpreter (tens of seconds for a test-sized model). The key
+    is made from it inside the program: `jax.random.key` called outside compiles two programs of
+    its own, which no executable store holds. The parameters come out bit-identical either way
+    (checked on the test LLaVA-OV model). With a `store` (`programs/executable_store.py`) the init program is loaded from it or written to it.
     """
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: module_factory(nnx.Rngs(seed))))
         shardings = nnx.get_named_sharding(abs_state, mesh)
         init = jax.jit(
-            lambda key: nnx.state(module_factory(nnx.Rngs(key))), out_shardings=shardings
+            lambda s: nnx.state(module_factory(nnx.Rngs(jax.random.key(s)))),
+            out_shardings=shardings,
         )
-        state = call_once(init, (jax.random.key(seed),), list(mesh.devices.flat), store)
+        state = call_once(init, (np.int32(seed),), list(mesh.devices.flat), store)
         return nnx.merge(graphdef, state)

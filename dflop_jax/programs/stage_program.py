@@ -269,10 +269,10 @@ class StageProgram:
             if self.is_last:
                 add("last", self.jits.last, x, side, scalar, accs)
                 mask = side.get("loss_mask")
-                count = None if mask is None else ("count", *signature(None, {"loss_mask": mask}))
-                if count and count not in self._signatures:  # `loss_tokens`, per length bucket
-                    self._signatures.add(count)
-                    out.append(Lowering("count", self._count.lower(scalar, mask)))
+                count = None if mask is None else _mask_signature(mask)
+                if count and ("count", *count) not in self._signatures:  # `loss_tokens`, per length
+                    self._signatures.add(("count", *count))
+                    out.append(self._lowering("count", count, self._count.lower(scalar, mask)))
                 if evaluation:
                     totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=scalar.sharding)
                     add("eval", self.jits.eval_loss, x, side, totals)
@@ -314,7 +314,8 @@ class StageProgram:
         total = self._zero
         for mask in masks:  # host masks, or masks already placed (`driver.place_sides`)
             placed = mask if isinstance(mask, jax.Array) else put_host(mask, self.side_sharding)
-            total = issue(STAGE, self.mesh, self._count, total, placed)
+            count = self._program("count", _mask_signature(placed), self._count)
+            total = issue(STAGE, self.mesh, count, total, placed)
         return total
 
     def zero_grads(self) -> list:
@@ -383,3 +384,8 @@ class StageProgram:
         if not isinstance(normalizer, jax.Array):
             norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
         return issue(STAGE, self.mesh, last, self._leaves, x, side, norm, gacc)
+
+
+def _mask_signature(mask) -> tuple:
+    """The signature of `loss_tokens`' count program: one per loss mask shape (length bucket)."""
+    return tuple(mask.shape), str(mask.dtype)

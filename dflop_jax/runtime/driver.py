@@ -48,9 +48,16 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.contracts.pipeline_order import chain_position, depths, parents, stage_order
 from dflop_jax.data.sample_arrays import PackedMicrobatch
 from dflop_jax.programs.dispatch import ISSUED
+from dflop_jax.programs.executable_store import ExecutableStore, hand_over
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import Held, StageProgram
-from dflop_jax.programs.transfer import put_host, stand_in, transfer, transfer_bytes
+from dflop_jax.programs.transfer import (
+    lower_transfer,
+    put_host,
+    stand_in,
+    transfer,
+    transfer_bytes,
+)
 
 Order = Literal["1f1b", "gpipe"]
 
@@ -457,7 +464,11 @@ def _forward_only(stages: Sequence[StageProgram], children) -> int:
     return k
 
 
-def connect(stages: Sequence[StageProgram], children: Sequence[int] | None = None) -> None:
+def connect(
+    stages: Sequence[StageProgram],
+    children: Sequence[int] | None = None,
+    store: ExecutableStore | None = None,
+) -> None:
     """Sets up the communicator of every pair of stages that exchange data with one tiny transfer each:
     neighbours (activations, cotangents) and every stage with the last (the step's norms and
     statistics, `train_state.apply_updates`). A pair whose transfers are device-to-device copies
@@ -467,13 +478,17 @@ def connect(stages: Sequence[StageProgram], children: Sequence[int] | None = Non
     first use of a communicator waits only 30 s for late peers (gloo's rendezvous on CPU), and in the
     first step a process whose stages compile longer can be later than that. Transfers in both
     directions between two stages share the communicator (`transfer` orders devices by id).
+    `store`: where these transfers' programs come from on a process JAX's cache does not write
+    from (`programs/executable_store.py`; they run before `precompile`).
     """
     children = stage_tree(stages) if children is None else children
     pairs = [(a, stages[c]) for a, c in zip(stages, children) if c >= 0]
     pairs += [(a, stages[-1]) for a, c in zip(stages, children) if 0 <= c < len(stages) - 1]
     for a, b in pairs:
         x = put_host(np.zeros(1, np.float32), NamedSharding(a.mesh, P()))
-        jax.block_until_ready(transfer(x, NamedSharding(b.mesh, P())))
+        dst = NamedSharding(b.mesh, P())
+        hand_over(lower_transfer(x, dst), store)
+        jax.block_until_ready(transfer(x, dst))
 
 
 def _forward(stage: StageProgram, x, side):

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.programs.dispatch import UPDATE, issue
 from dflop_jax.programs.executable_store import ExecutableStore, call_once
 from dflop_jax.programs.leaf_program import LeafProgram
-from dflop_jax.programs.lowering import Lowering
+from dflop_jax.programs.lowering import KeptProgram, Lowering
 from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
@@ -131,9 +133,11 @@ class StageOptimizer:
         )
         abstract = jax.eval_shape(tx.init, padded)
         _check_frozen_stateless(tx, abstract, stage.trained)
-        self.state_shardings = self._over_state(abstract, lambda x, lay: lay.sharding, self.scalar)
+        self.state_shardings = _abstractly(
+            lambda: self._over_state(abstract, lambda x, lay: lay.sharding, self.scalar)
+        )
         self._padded = any(lay.is_padded for lay in jax.tree.leaves(self.layout))
-        self._view = self._unpadded_view(abstract)  # what checkpoints see
+        self._view = _abstractly(lambda: self._unpadded_view(abstract))  # what checkpoints see
         self._init, self._unpad, self._pad = self._layout_programs()
         self._state_tree = jax.tree.structure(abstract)
         # A non-local stage (`StageProgram.local` False) keeps its state's shapes only: nothing compiled.
@@ -153,6 +157,10 @@ class StageOptimizer:
             grad_layout,
         )
         self._reduce, self._sq_norm, self._update = self._step_programs(grad_layout, padded)
+        # The step's statistics, which `apply_updates` computes on the last stage's mesh: the loss
+        # summed one microbatch at a time (one program for any count) and `_combine`.
+        devices = list(stage.mesh.devices.flat)
+        self.loss_add, self.combine = KeptProgram(_add, devices), KeptProgram(_combine, devices)
 
     def _unpadded_view(self, abstract: PyTree) -> PyTree:
         """The state's shapes and shardings in the params' shapes: a padded leaf unpadded in its
@@ -179,6 +187,7 @@ class StageOptimizer:
             in_shardings=(self.state_shardings,),
             out_shardings=view_shardings,
         )
+        unpad_state = KeptProgram(unpad_state, list(self.stage.mesh.devices.flat))
         pad_state = jax.jit(
             lambda st: self._over_state(st, lambda x, lay: pad(x, lay.padded)),
             in_shardings=(view_shardings,),
@@ -272,7 +281,7 @@ class StageOptimizer:
         if not getattr(self.stage, "local", True):
             return self._view
         with jax.set_mesh(self.stage.mesh):
-            return self._unpad(self.shards)
+            return self._unpad.run(self.shards)
 
     @state.setter
     def state(self, value: PyTree) -> None:
@@ -295,7 +304,7 @@ class StageOptimizer:
         if not self._padded:
             return fresh
         with jax.set_mesh(self.stage.mesh):
-            return self._unpad(fresh)
+            return self._unpad.run(fresh)
 
     def lower(self) -> list[Lowering]:
         """The per-step programs (a fresh accumulator, `reduce`, `sq_norm`, `apply`), lowered from
@@ -317,7 +326,7 @@ class StageOptimizer:
                         self._sq_norm.lowering("step", ids, self.grad_structs())]  # fmt: skip
         return out
 
-    def lower_save(self) -> list[jax.stages.Lowered]:
+    def lower_save(self) -> list[Lowering]:
         """The program a checkpoint runs (`state`: the padded leaves cut back), lowered; none when
         nothing is padded or the stage is not local."""
         if not self._padded or not getattr(self.stage, "local", True):
@@ -328,7 +337,7 @@ class StageOptimizer:
             self.state_shardings,
         )
         with jax.set_mesh(self.stage.mesh):
-            return [self._unpad.lower(shards)]
+            return [self._unpad.lowering("step", shards)]
 
     def reduce(self, acc: list) -> PyTree:
         """The step's data-parallel gradient sum, in the ZeRO-1 layout, of the accumulator's buffers
@@ -377,6 +386,15 @@ def _masked(x) -> bool:
     return isinstance(x, optax.MaskedNode)  # a frozen leaf's (absent) optimizer state
 
 
+def _abstractly(fn: Callable[[], Any]) -> Any:
+    """`fn()` traced: `optax.tree_map_params` runs `tx.init` on placeholders, and run eagerly the
+    arrays it makes (AdamW's step count) compile programs of their own, which no executable store
+    holds. `fn` maps shapes and shardings, not arrays, so its result is taken as it is."""
+    out = []
+    jax.eval_shape(lambda: out.append(fn()))
+    return out[0]
+
+
 def _check_frozen_stateless(tx, abstract_state: PyTree, trained: PyTree) -> None:
     """Raises when `tx` keeps optimizer state for a frozen leaf (the stage and the optimizer not
     built from the same `optimizer.trainable`)."""
@@ -388,7 +406,7 @@ def _check_frozen_stateless(tx, abstract_state: PyTree, trained: PyTree) -> None
         return x
 
     index = jax.tree.unflatten(treedef, list(range(len(leaves))))
-    optax.tree_map_params(tx, mark, abstract_state, index, is_leaf=_masked)
+    _abstractly(lambda: optax.tree_map_params(tx, mark, abstract_state, index, is_leaf=_masked))
     if any(has and not keep for has, keep in zip(stateful, leaves)):
         raise ValueError(
             "the optimizer keeps state for a parameter the stage does not train: build the stages "
@@ -507,7 +525,8 @@ def apply_updates(
         for opt, g, here in zip(optimizers, grads, local)
         if opt.trains
     ]
-    home = optimizers[-1].scalar
+    last = optimizers[-1]
+    home = last.scalar
     parts = [transfer(x, home) for x in sq + corrections]
     if local[-1]:
         prev = (
@@ -517,8 +536,10 @@ def apply_updates(
         # argument would compile `_combine` once per count)
         total = _zero(home)
         for x in loss:
-            total = issue(UPDATE, home.mesh, _add, total, x)
-        stats = issue(UPDATE, home.mesh, _combine, parts, total, prev, np.float32(clip_norm))
+            total = issue(UPDATE, home.mesh, last.loss_add.run, total, x)
+        stats = issue(
+            UPDATE, home.mesh, last.combine.run, parts, total, prev, np.float32(clip_norm)
+        )
     else:
         stats = stand_in((len(STATS),), jnp.float32, home)
     copies = [transfer(stats, opt.scalar) for opt in optimizers]
@@ -530,7 +551,7 @@ def apply_updates(
 
 def lower_update(
     optimizers: list[StageOptimizer], clip_norm: float, tied: list[TiedGroup] = ()
-) -> list[jax.stages.Lowered]:
+) -> list[Lowering | jax.stages.Lowered]:
     """The programs `apply_updates` runs on this process beyond each optimizer's own
     (`StageOptimizer.lower`), lowered from shapes: the tied groups' transfers, sums and norm
     corrections, the norm and statistics transfers, the loss sum and `_combine`. What
@@ -555,7 +576,8 @@ def lower_update(
         if local[s0]:
             out.append(_tie_correction(scalar).lower(total, len(group)))
         corrections.append(jax.ShapeDtypeStruct((1,), jnp.float32, sharding=scalar))
-    home = optimizers[-1].scalar
+    last = optimizers[-1]
+    home = last.scalar
     sq = [
         jax.ShapeDtypeStruct((1,), jnp.float32, sharding=o.scalar) for o in optimizers if o.trains
     ]
@@ -566,8 +588,8 @@ def lower_update(
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=home)
         parts = [jax.ShapeDtypeStruct((1,), jnp.float32, sharding=home)] * len(sq + corrections)
         with jax.set_mesh(home.mesh):  # as `apply_updates` calls them (the mesh keys the cache)
-            out.append(_add.lower(scalar, scalar))
-            out.append(_combine.lower(parts, scalar, stats, np.float32(clip_norm)))
+            out.append(last.loss_add.lowering("step", scalar, scalar))
+            out.append(last.combine.lowering("step", parts, scalar, stats, np.float32(clip_norm)))
     for opt in optimizers:
         out += lower_transfer(stats, opt.scalar)
     return out

@@ -48,6 +48,7 @@ from dflop_jax.programs import watchdog
 from dflop_jax.programs.devices import enable_compilation_cache
 from dflop_jax.programs.dispatch import ISSUED
 from dflop_jax.programs.executable_store import ExecutableStore
+from dflop_jax.programs.lowering import KeptProgram
 from dflop_jax.programs.meshes import stage_meshes
 from dflop_jax.programs.param_paths import tied_groups
 from dflop_jax.programs.processes import host_scalars, lower_reads
@@ -253,7 +254,9 @@ class _Trainer:
         )  # fmt: skip
         self.opts = [StageOptimizer(s, opt.build(), opt.zero1, self.store) for s in self.stages]
         if jax.process_count() > 1:
-            connect(self.stages)  # while the processes are together (see `connect`)
+            connect(
+                self.stages, store=self.store
+            )  # while the processes are together (see `connect`)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         # Processes must solve alike whatever their load: no wall-clock cut-off (`schedule_agreement.py`).
@@ -273,8 +276,8 @@ class _Trainer:
         self.restored_eval: dict | None = None
         self.ckpt = _checkpointer(cfg)
         self.peak_flops = device.peak_flops  # the preset's: nothing is timed
-        # jitted (and compiled ahead) so reading a step's rate compiles nothing
-        self.lr = jax.jit(cfg.optimizer.schedule())
+        # jitted (and compiled ahead, or given by the store) so reading a step's rate compiles nothing
+        self.lr = KeptProgram(jax.jit(cfg.optimizer.schedule()), jax.local_devices()[:1])
         self.stats: jax.Array | None = None  # the last dispatched step's STATS (its skip counter)
         self.in_flight: list[_InFlight] = []
         self.observed = 0  # observations the last read batch was scheduled with
@@ -297,7 +300,7 @@ class _Trainer:
         extra += lower_reads([stats] + ([totals] if self.eval is not None else []))
         if self.cfg.checkpoint.every:
             extra += [lw for opt in self.opts for lw in opt.lower_save()]
-        extra.append(self.lr.lower(jax.ShapeDtypeStruct((), jnp.int32)))
+        extra.append(self.lr.lowering("step", jax.ShapeDtypeStruct((), jnp.int32)))
         with progress_bar(jax.process_index() == 0) as progress:
             done = precompile(self.stages, batches, progress,
                               evaluation=self.eval is not None, extra=extra,
@@ -478,7 +481,7 @@ class _Trainer:
         return step_metrics(
             f.step, f.batch, stage_modules(self.layout, self.has_encoder), correction,
             observed_before=observed_before, loss=stats["loss"], grad_norm=stats["grad_norm"],
-            lr=float(self.lr(np.int32(f.step - 1))), step_time_s=step_time,
+            lr=float(self.lr.run(np.int32(f.step - 1))), step_time_s=step_time,
             mfu=mfu(flops, step_time, self.layout.num_devices, self.peak_flops),
             compiles=f.compiles, recompiles=f.recompiles, stage_times_measured=f.measured,
             wall_s=wall, update_skipped=stats["applied"] == 0,

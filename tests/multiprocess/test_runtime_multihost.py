@@ -86,10 +86,11 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
 def test_a_second_run_loads_its_programs_on_every_process(tmp_path_factory):
     """JAX's persistent cache writes from process 0 only: process 1's programs (the second LLM
     stage's and its share of the first's stage programs, their parameters' and optimizer states'
-    initialization, the optimizers' per-step programs, the transfers compiled ahead) come back from
-    the executable store (`programs/executable_store.py`) in the same cache folder, so the second
-    run of the same plan compiles none of them on any process, writes nothing new there, and trains
-    the same losses. The first run is the 2-process LLaVA-OV run above."""
+    initialization, the optimizers' per-step programs, the update's statistics, the transfers and
+    host reads, the learning rate's) come back from the executable store
+    (`programs/executable_store.py`) in the same cache folder, so the second run of the same plan
+    compiles nothing on any process, writes nothing new there, and trains the same losses. The
+    first run is the 2-process LLaVA-OV run above."""
     first = _run(tmp_path_factory, "llava_ov", 2)
     store = tmp_path_factory.getbasetemp() / "cache_llava_ov_2p" / "dflop_executables"
     stored = {p: p.stat().st_mtime_ns for p in store.glob("*.pkl")}
@@ -97,24 +98,14 @@ def test_a_second_run_loads_its_programs_on_every_process(tmp_path_factory):
     assert {p: p.stat().st_mtime_ns for p in store.glob("*.pkl")} == stored  # nothing rewritten
     assert [r["cache_hits"] for r in first] == [0, 0]
     assert first[1]["xla_stage_programs"] > 0
-    # process 0: everything from JAX's cache (its hits fire the compile event too); process 1: the
-    # store's programs, loaded once each, none compiled
-    assert (
-        second[0]["cache_hits"] >= second[0]["xla_stage_programs"] == first[0]["xla_stage_programs"]
-    )
-    assert second[1]["xla_stage_programs"] == 0
-    assert second[1]["cache_hits"] >= len(stored) > first[1]["xla_stage_programs"]
     optimizer = ("jit(on_leaves)", "jit(sq_norm)")  # the update's and the norm's programs
     assert all(first[1]["xla_compiled"].get(name) for name in optimizer)
-    assert not any(second[1]["xla_compiled"].get(name) for name in optimizer)
-    # the initializations (`<lambda>`: each local stage's parameters and optimizer state)
-    inits = 2 * sum(first[1]["local_stages"])
-    lambdas = [r[1]["xla_compiled"].get("jit(<lambda>)", 0) for r in (first, second)]
-    assert lambdas[1] <= lambdas[0] - inits
-    # the transfers (`_body`) compiled ahead; those the processes' start and host reads run
-    # outside the precompile still compile
-    bodies = [r[1]["xla_compiled"].get("jit(_body)", 0) for r in (first, second)]
-    assert bodies[1] < bodies[0]
+    # process 0: every program from JAX's cache (its hits fire the compile event too); process 1:
+    # every program it compiled in the first run loaded from the store, none compiled (the folder
+    # also holds the start-up's, loaded before the worker counts)
+    assert second[0]["cache_hits"] >= second[0]["xla_compiles"] == first[0]["xla_compiles"]
+    assert second[1]["xla_compiled"] == {}
+    assert len(stored) >= second[1]["cache_hits"] == first[1]["xla_compiles"]
     for a, b in zip(first, second):
         assert b["losses"] == a["losses"]
         assert b["programs_after_precompile"] == 0

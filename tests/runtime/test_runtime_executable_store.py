@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_fixtures import separate_batch, separate_stages
 
-from dflop_jax.programs.executable_store import ExecutableStore, call_once
+from dflop_jax.programs.executable_store import ExecutableStore, call_once, hand_over
 from dflop_jax.programs.leaf_program import LeafProgram
 from dflop_jax.programs.lowering import KeptProgram
 from dflop_jax.runtime.driver import run_pipeline
@@ -133,6 +133,27 @@ def test_programs_of_one_signature_and_initializations_run_what_a_store_gave(tmp
     np.testing.assert_array_equal(np.asarray(got), np.asarray(init(key)))  # the jit's, after
 
 
+def test_hand_over_gives_each_owner_the_program_the_store_loads(tmp_path):
+    """`hand_over` (the start-up's transfers, which run before `precompile`): the owner of a
+    lowering calls the program a second run's store loaded; without a store it keeps its jit."""
+    salt = float(_salt())
+    devices = jax.devices()[:2]
+    s = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+    x = jax.device_put(np.arange(8, dtype=np.float32), s)
+
+    def owner():
+        return KeptProgram(jax.jit(lambda v: v - salt, out_shardings=s), devices)
+
+    hand_over([owner().lowering("transfer", x)], ExecutableStore(tmp_path))  # a first run's
+    second, store = owner(), ExecutableStore(tmp_path)
+    hand_over([second.lowering("transfer", x)], store)
+    assert (store.loaded, store.saved) == (1, 0) and second.run is not second.jit
+    np.testing.assert_array_equal(np.asarray(second.run(x)), np.asarray(second.jit(x)))
+    alone = owner()
+    hand_over([alone.lowering("transfer", x)], None)
+    assert alone.run is alone.jit
+
+
 def test_a_program_jax_cache_serves_is_left_to_it(tmp_path):
     """A program JAX's persistent cache serves (the suite's cache is on, as a process other than
     0 reads process 0's) is not written to the store: on XLA:CPU an executable JAX loaded from its
@@ -189,7 +210,7 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
     residuals: the forward with residuals, the backward from them and the last stage's fused step,
     written by a first run's process (which may find them in the suite's JAX cache: the store
     compiles them afresh) and loaded here, where they give the jit-run pipeline's loss and
-    gradients bit for bit."""
+    gradients bit for bit, and the last stage's loss-token count its sum."""
     tests = Path(__file__).resolve().parents[1]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
@@ -197,14 +218,15 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
     first = subprocess.run([sys.executable, "-c", _FIRST_RUN, str(tmp_path)], env=env,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    assert first.stdout.split()[-2:] == ["saved", "7"]  # 3 stages x 2 programs + the last's 1
+    # 3 stages x 2 programs + the last's fused step and its loss-token count
+    assert first.stdout.split()[-2:] == ["saved", "8"]
     mbs = separate_batch()[::2]
     want_loss, want_grads = _step(separate_stages("all"), mbs)  # the jits
     stages, store, counter = separate_stages("all"), ExecutableStore(tmp_path), CompileCounter()
     hits = counter.cache_hits
     precompile(stages, mbs, store=store)
-    assert (store.loaded, store.saved) == (7, 0)
-    assert counter.cache_hits - hits >= 7  # the store's loads (JAX's cache may serve the rest)
+    assert (store.loaded, store.saved) == (8, 0)
+    assert counter.cache_hits - hits >= 8  # the store's loads (JAX's cache may serve the rest)
 
     def not_called(*_):
         raise AssertionError("a stage called its jit instead of the loaded program")
@@ -214,6 +236,9 @@ def test_a_pipeline_runs_the_stage_programs_the_store_loaded(tmp_path, monkeypat
             program = getattr(stage.jits, name)
             if program is not None:
                 monkeypatch.setattr(program, "jit", not_called)
+    monkeypatch.setattr(stages[-1], "_count", not_called)  # `loss_tokens`' jit
+    tokens = stages[-1].loss_tokens([m["loss_mask"] for m in mbs])
+    assert float(tokens) == sum(float(m["loss_mask"].sum()) for m in mbs)
     loss, grads = _step(stages, mbs)
     assert loss == want_loss
     jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
