@@ -31,12 +31,11 @@ folder you trust, as with JAX's own cache.
 What goes through it: the stage programs (forward, backward, the last stage's fused step and
 loss-token count, evaluation), which take longest to compile (8-41 s each for the 7B and 32B x64
 plans' stages on a 2-core CPU, docs/benchmarks.md); each stage's parameter and optimizer-state
-initialization; the optimizers' per-step programs and the update's statistics; the transfers and
-host reads, those compiled ahead (`runtime/precompile.py`) and those the start-up runs before it
-(`hand_over`); the learning rate's program. On the tiny 2-process LLaVA-OV run, process 1's second
-run compiles nothing, where its first compiled 41 programs in 38 s (`bench multihost
-second_run=true`, docs/benchmarks.md). Still compiled each run: a tied embedding's gradient sums
-across stages, a resumed run's optimizer-state padding.
+initialization (and a restore's padding of it); the optimizers' per-step programs, the update's
+statistics and a tied embedding's gradient sums; the transfers and host reads, those compiled
+ahead (`runtime/precompile.py`) and those the start-up runs before it (`hand_over`); the learning
+rate's program. On the tiny 2-process LLaVA-OV run, process 1's second run compiles nothing, where
+its first compiled 41 programs in 38 s (`bench multihost second_run=true`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -80,15 +80,19 @@ from dflop_jax.programs.zero1_layout import (
 _add = jax.jit(operator.add)
 
 
-@functools.cache
-def _tie_correction(scalar: NamedSharding):
-    """-(copies - 1) |summed gradient|^2, the tied group's norm correction, as a [1] vector on
-    `scalar`."""
-    return jax.jit(
-        lambda total, copies: (-(copies - 1) * jnp.sum(jnp.square(total))).reshape(1),
-        static_argnums=1,
-        out_shardings=scalar,
-    )
+class TiedSum:
+    """A tied group's programs on its first copy's mesh, each of one signature (a store may give
+    them): `add` sums one more copy's gradient into the first's, `correction` is -(copies - 1)
+    |summed gradient|^2 as a [1] vector (so the global norm counts the parameter once)."""
+
+    def __init__(self, sharding: NamedSharding, copies: int):
+        devices = list(sharding.mesh.devices.flat)
+        scalar = NamedSharding(sharding.mesh, P())
+        correction = jax.jit(
+            lambda total: (-(copies - 1) * jnp.sum(jnp.square(total))).reshape(1),
+            out_shardings=scalar,
+        )
+        self.add, self.correction = KeptProgram(_add, devices), KeptProgram(correction, devices)
 
 
 @functools.cache
@@ -161,6 +165,7 @@ class StageOptimizer:
         # summed one microbatch at a time (one program for any count) and `_combine`.
         devices = list(stage.mesh.devices.flat)
         self.loss_add, self.combine = KeptProgram(_add, devices), KeptProgram(_combine, devices)
+        self._tied: dict[str, TiedSum] = {}  # by the leaf path of a tied group's first copy here
 
     def _unpadded_view(self, abstract: PyTree) -> PyTree:
         """The state's shapes and shardings in the params' shapes: a padded leaf unpadded in its
@@ -289,8 +294,14 @@ class StageOptimizer:
         if not self._padded:
             self.shards = value
         elif getattr(self.stage, "local", True):
-            with jax.set_mesh(self.stage.mesh):
-                self.shards = self._pad(value)
+            mesh = self.stage.mesh
+            with jax.set_mesh(mesh):  # a restore's, before `precompile`: through the store
+                self.shards = call_once(self._pad, (value,), list(mesh.devices.flat), self.store)
+
+    @property
+    def state_structs(self) -> PyTree:
+        """`state`'s shapes and shardings (what a restore reads into), computing nothing."""
+        return self._view
 
     def _fresh(self) -> PyTree:
         """Fresh optimizer state for the stage's current params, in the (padded) ZeRO-1 layout."""
@@ -305,6 +316,13 @@ class StageOptimizer:
             return fresh
         with jax.set_mesh(self.stage.mesh):
             return self._unpad.run(fresh)
+
+    def tied_sum(self, path: str, first: jax.Array | jax.ShapeDtypeStruct, copies: int) -> TiedSum:
+        """The programs of the tied group whose first copy is this stage's gradient leaf `path`
+        (`first`: that leaf), made once."""
+        if path not in self._tied:
+            self._tied[path] = TiedSum(first.sharding, copies)
+        return self._tied[path]
 
     def lower(self) -> list[Lowering]:
         """The per-step programs (a fresh accumulator, `reduce`, `sq_norm`, `apply`), lowered from
@@ -438,9 +456,10 @@ def _guarded_update(tx, layout, frozen, trained, params, state, grads, stats):
 
 
 def tie_gradients(
-    grads: list[PyTree], groups: list[TiedGroup]
+    grads: list[PyTree], groups: list[TiedGroup], optimizers: list[StageOptimizer]
 ) -> tuple[list[PyTree], list[jax.Array]]:
-    """Every copy of a tied parameter gets the sum of the copies' gradients.
+    """Every copy of a tied parameter gets the sum of the copies' gradients (the programs of
+    `StageOptimizer.tied_sum`, the first copy's stage's).
 
     Copies move between stage meshes with `transfer` (device to device, across processes too). A
     non-local stage's tree holds `jax.ShapeDtypeStruct`s (with shardings): this process only takes
@@ -459,15 +478,16 @@ def tie_gradients(
             continue  # frozen: no gradient (all copies are one parameter, so all frozen)
         (s0, p0), *rest = group
         total = leaves[s0][index[s0][p0]]
+        sums = optimizers[s0].tied_sum(p0, total, len(group))
         for s, p in rest:
             moved = transfer(leaves[s][index[s][p]], total.sharding)
-            total = issue(UPDATE, None, _add, total, moved) if _holds(total) else total
+            total = issue(UPDATE, None, sums.add.run, total, moved) if _holds(total) else total
         for s, p in group:
             j = index[s][p]
             leaves[s][j] = transfer(total, leaves[s][j].sharding)
         scalar = NamedSharding(total.sharding.mesh, P())
         corrections.append(
-            issue(UPDATE, None, _tie_correction(scalar), total, len(group))
+            issue(UPDATE, None, sums.correction.run, total)
             if _holds(total)
             else stand_in((1,), jnp.float32, scalar)
         )
@@ -518,7 +538,7 @@ def apply_updates(
     corrections = []
     if tied:  # by the gradients' trees (their leaf paths name the tied copies)
         trees = [opt.grad_tree(g) for opt, g in zip(optimizers, grads)]
-        trees, corrections = tie_gradients(trees, list(tied))
+        trees, corrections = tie_gradients(trees, list(tied), optimizers)
         grads = [jax.tree.leaves(t) for t in trees]
     sq = [
         opt.sq_norm(g) if here else stand_in((1,), jnp.float32, opt.scalar)
@@ -551,7 +571,7 @@ def apply_updates(
 
 def lower_update(
     optimizers: list[StageOptimizer], clip_norm: float, tied: list[TiedGroup] = ()
-) -> list[Lowering | jax.stages.Lowered]:
+) -> list[Lowering]:
     """The programs `apply_updates` runs on this process beyond each optimizer's own
     (`StageOptimizer.lower`), lowered from shapes: the tied groups' transfers, sums and norm
     corrections, the norm and statistics transfers, the loss sum and `_combine`. What
@@ -567,14 +587,14 @@ def lower_update(
             continue
         (s0, p0), *rest = group
         total = index[s0][p0]
+        sums = optimizers[s0].tied_sum(p0, total, len(group))
         for s, p in rest:
             out += lower_transfer(index[s][p], total.sharding)
-            if local[s0]:
-                out.append(_add.lower(total, total))
         out += [lw for s, p in group for lw in lower_transfer(total, index[s][p].sharding)]
         scalar = NamedSharding(total.sharding.mesh, P())
         if local[s0]:
-            out.append(_tie_correction(scalar).lower(total, len(group)))
+            out += [sums.add.lowering("step", total, total)] if rest else []
+            out.append(sums.correction.lowering("step", total))
         corrections.append(jax.ShapeDtypeStruct((1,), jnp.float32, sharding=scalar))
     last = optimizers[-1]
     home = last.scalar

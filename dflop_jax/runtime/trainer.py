@@ -338,7 +338,7 @@ class _Trainer:
             params, states, meta = self.ckpt.restore(
                 list(self.layout.stages),
                 [s.params for s in self.stages],
-                [o.state for o in self.opts],
+                [o.state_structs for o in self.opts],
                 latest,
                 progress,
             )

@@ -21,7 +21,7 @@ from dflop_jax.programs.stage_builder import build_stages
 from dflop_jax.runtime.checkpoint import model_tree
 from dflop_jax.runtime.driver import run_pipeline
 from dflop_jax.runtime.optimizer_config import OptimizerConfig
-from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates
+from dflop_jax.runtime.train_state import STATS, StageOptimizer, apply_updates, lower_update
 from models.decoder import Decoder
 
 # A small clip_norm so that clipping is active on every step (the gradient norm is ~1 here).
@@ -71,8 +71,17 @@ def _stats(copies) -> dict:
     return dict(zip(STATS, np.asarray(copies[-1]).tolist()))
 
 
-def test_device_update_matches_optax_over_steps_without_host_transfers():
+@pytest.mark.parametrize("kept", [False, True])
+def test_device_update_matches_optax_over_steps_without_host_transfers(kept):
+    """`kept`: every program of the update (the optimizers', a tied group's sum and correction,
+    the step's statistics, the transfers) named with its devices and run as the compiled program
+    handed to its owner, as a process's executable store gives them (`programs/executable_store.py`)."""
     decoder, stages, opts, tied, batches = _setup()
+    if kept:
+        lowerings = lower_update(opts, OPT.clip_norm, tied) + [lw for o in opts for lw in o.lower()]
+        assert tied and all(lw.devices and lw.keep for lw in lowerings)
+        for lw in lowerings:
+            lw.keep(lw.lowered.compile())
     want_losses, want_norms, want_params = _reference_run(decoder, batches)
     stats, got = None, []
     for mbs in batches:
