@@ -118,7 +118,8 @@ def create_sharded(
     init at compile time in its HLO interpreter (tens of seconds for a test-sized model). The key
     is made from it inside the program: `jax.random.key` called outside compiles two programs of
     its own, which no executable store holds. The parameters come out bit-identical either way
-    (checked on the test LLaVA-OV model). With a `store` (`programs/executable_store.py`) the init program is loaded from it or written to it.
+    (checked on the test LLaVA-OV model). With a `store` (`programs/executable_store.py`) the init
+    program is loaded from it or written to it.
     """
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: module_factory(nnx.Rngs(seed))))

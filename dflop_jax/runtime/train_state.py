@@ -178,9 +178,10 @@ class StageOptimizer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.scalar),
         )
 
-    def _layout_programs(self) -> tuple[jax.stages.Wrapped, ...]:
+    def _layout_programs(self) -> tuple[jax.stages.Wrapped, KeptProgram, jax.stages.Wrapped]:
         """The jitted programs between the params' shapes and the ZeRO-1 layout: fresh state from
-        the params (padded), the state's padding cut back (`state`) and put back (its setter)."""
+        the params (padded), the state's padding cut back (`state`: each checkpoint's, compiled
+        ahead) and put back (its setter: a restore's, once)."""
         view_shardings = jax.tree.map(lambda v: v.sharding, self._view)
         init = jax.jit(
             lambda p: self.tx.init(jax.tree.map(lambda a, lay: pad(a, lay.padded), p, self.layout)),
