@@ -254,9 +254,8 @@ class _Trainer:
         )  # fmt: skip
         self.opts = [StageOptimizer(s, opt.build(), opt.zero1, self.store) for s in self.stages]
         if jax.process_count() > 1:
-            connect(
-                self.stages, store=self.store
-            )  # while the processes are together (see `connect`)
+            # while the processes are together (see `connect`)
+            connect(self.stages, store=self.store)
         # A tied embedding split over the first and last LLM stage: one parameter, two copies.
         self.tied = tied_groups(list(plan.layout.stages), [s.params for s in self.stages])
         # Processes must solve alike whatever their load: no wall-clock cut-off (`schedule_agreement.py`).
