@@ -461,17 +461,65 @@ def _timed(provider, stage: StageSpec, bucket: int, audio_bucket: int, rows: int
 
 
 def policy_provider(provider: CostProvider, module: str, residuals: str | None) -> CostProvider:
-    """The provider whose times are a stage's under residual policy `residuals`: an analytic
-    provider without layer remat for `module` prices "layers" and "recompute" as its layer-remat
-    twin (the backward runs the layers' forward again; "recompute" also re-runs the embedding and
-    head, left out); "all", None, and any other provider (a measured table times its own policy,
-    `ProfiledCostTable.residuals`) price themselves."""
-    if residuals in (None, "all") or not isinstance(provider, AnalyticCostProvider):
+    """The provider whose times are a stage's under residual policy `residuals` (None: the
+    provider's own). An analytic provider without layer remat for `module` prices "layers" and
+    "recompute" as its layer-remat twin (the backward runs the layers' forward again; "recompute"
+    also re-runs the embedding and head, left out). A measured table times the programs of one
+    policy (`ProfiledCostTable.residuals`); a stage under a policy whose backward re-runs the
+    forward where the table's does not, or the other way round, is priced by `RerunTimes`."""
+    if residuals is None:
         return provider
-    part = "llm" if module == "llm" else "vision"  # an audio stage: the encoders' remat
-    if provider.policy[part] != "none":
+    if isinstance(provider, AnalyticCostProvider):
+        if residuals == "all":
+            return provider
+        part = "llm" if module == "llm" else "vision"  # an audio stage: the encoders' remat
+        if provider.policy[part] != "none":
+            return provider
+        return provider.with_remat({**provider.policy, part: "full"})
+    timed = getattr(getattr(provider, "table", None), "residuals", None)
+    if timed is None:
         return provider
-    return provider.with_remat({**provider.policy, part: "full"})
+    rerun = _reruns_forward(residuals) - _reruns_forward(timed)
+    return RerunTimes(provider, rerun) if rerun else provider
+
+
+def _reruns_forward(residuals: str) -> int:
+    """1 where a backward under `residuals` runs its stage's forward again ("recompute": the whole
+    stage; "layers": each layer's, rebuilt from its saved input), 0 where it starts from the saved
+    residuals ("all")."""
+    return int(residuals != "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class RerunTimes:
+    """A measured provider's times for a stage under a residual policy its table did not time:
+    `rerun` +1, a backward that re-runs the forward ("recompute", "layers") where the table timed
+    the backward from saved residuals, costs the measured forward more; -1 the other way round.
+    First order: under "layers" the embedding and head are not run again, so +1 overstates such
+    a stage by their forward. Forwards, memory and everything else are the provider's own."""
+
+    provider: CostProvider
+    rerun: int
+
+    def _moved(self, times: tuple[float, float]) -> tuple[float, float]:
+        fwd, bwd = times
+        if bwd <= 0:  # a stage that runs forward only has no backward to re-run it in
+            return fwd, bwd
+        return fwd, max(bwd + self.rerun * fwd, 0.0)
+
+    def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
+        return self._moved(self.provider.stage_time(stage, bucket))
+
+    def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
+        return self._moved(colocated_encoder_time(self.provider, encoder, tile_bucket))
+
+    def audio_time(self, *args, **kwargs) -> tuple[float, float]:
+        return self._moved(self.provider.audio_time(*args, **kwargs))
+
+    def __getattr__(self, name: str):
+        if name == "provider":  # not set yet (copy, pickle): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.provider, name)
 
 
 def stage_crosses_host(layout: Layout, index: int, devices_per_host: int) -> bool:

@@ -67,7 +67,12 @@ from dflop_jax.runtime.metrics import (
     stage_modules,
     step_metrics,
 )
-from dflop_jax.runtime.precompile import CompileCounter, bucket_microbatches, precompile
+from dflop_jax.runtime.precompile import (
+    CompileCounter,
+    PrecompileReport,
+    bucket_microbatches,
+    precompile,
+)
 from dflop_jax.runtime.replan import describe, next_plan
 from dflop_jax.runtime.resume import carry_corrections, layout_from_dict, same_buckets
 from dflop_jax.runtime.run_hooks import DriftWatch, HeldOutEval, Hook
@@ -291,14 +296,19 @@ class _Trainer:
         update's glue, the host reads, the checkpoint's); one line says how many programs the run
         has built so far (`programs`), the count every later figure continues."""
         hits, t0 = self.counter.cache_hits, time.perf_counter()
+        before = self.programs  # the initializations (and a re-planned run's earlier programs)
         batches = bucket_microbatches(self.problem, self.cfg.data)
         extra = [lw for opt in self.opts for lw in opt.lower()]
         extra += lower_update(self.opts, self.cfg.optimizer.clip_norm, self.tied)
         stats = jax.ShapeDtypeStruct((len(STATS),), jnp.float32, sharding=self.opts[-1].scalar)
         totals = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=self.opts[-1].scalar)
         extra += lower_reads([stats] + ([totals] if self.eval is not None else []))
-        if self.cfg.checkpoint.every:
-            extra += [lw for opt in self.opts for lw in opt.lower_save()]
+        saves = (
+            [lw for opt in self.opts for lw in opt.lower_save()]
+            if self.cfg.checkpoint.every
+            else []
+        )
+        extra += saves
         extra.append(self.lr.lowering("step", jax.ShapeDtypeStruct((), jnp.int32)))
         with progress_bar(jax.process_index() == 0) as progress:
             done = precompile(self.stages, batches, progress,
@@ -307,8 +317,7 @@ class _Trainer:
         self.precompiled = done
         loaded = self.counter.cache_hits - hits
         self.console.print(
-            f"compiled {self.programs} programs ({done.stage_programs} stage and transfer programs "
-            f"for {done.pairs} bucket pair{'s' * (done.pairs != 1)}, {done.step_programs} per-step"
+            f"compiled {self.programs} programs ({_program_kinds(done, before, len(saves))}"
             f"{f'; {loaded} from the persistent cache' if loaded else ''}) in "
             f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
@@ -578,6 +587,23 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
     """orbax checkpoints for any layout and process count (one manager per group of owning processes)."""
     directory = Path(cfg.run_dir) / "checkpoints"
     return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+
+
+def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
+    """The run's programs by kind, for the precompile line: the stage and transfer programs and the
+    per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built
+    before `precompile` (the stages' and optimizers' initializations; a re-planned run's earlier
+    plan too)."""
+    pairs = done.pairs
+    kinds = [
+        f"{done.stage_programs} stage and transfer programs for {pairs} bucket pair{'s' * (pairs != 1)}",
+        f"{done.step_programs - saves} per-step",
+    ]
+    if saves:
+        kinds.append(f"{saves} for checkpoints")
+    if before:
+        kinds.append(f"{before} built before (initializations)")
+    return ", ".join(kinds)
 
 
 def _print_plan(console: Console, plan: ResolvedPlan, meshes, model_cfg) -> None:

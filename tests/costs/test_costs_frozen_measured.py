@@ -3,10 +3,12 @@ measured (a stage's backward is its parts' measured backwards, a frozen part wit
 own re-run forward inside a stage that has one under "recompute", not from saved residuals), one
 profiled under another frozen recipe is refused, an all-trainable table (and one written before
 recipes) still derives; the colocated encoder's share of the colocated stage honours the recipe in
-the analytic and the measured provider."""
+the analytic and the measured provider; a stage under a residual policy the table did not time is priced
+with its measured forward moved into (or out of) its backward."""
 
 import json
 
+import numpy as np
 import pytest
 
 from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_table, save_table
@@ -203,3 +205,30 @@ def test_profile_model_profiles_the_run_recipe():
                                           "optimizer.trainable=[projector]"])  # fmt: skip
     auto = auto_plan_config(RunContext.build(cfg))
     assert auto.planner.trainable == ("projector",)
+
+
+def test_a_stage_under_a_policy_the_table_did_not_time_moves_its_forward():
+    """A table timed under "all" (backwards from saved residuals): a stage the plan trains under
+    "recompute" or "layers" costs its forward once more in its backward, one under "all" the
+    table's own times; a table timed under "recompute" prices an "all" stage's backward without
+    that forward. The colocated encoder on LLM stage 0 moves with that stage's policy."""
+    enc = Spec("encoder", 0, 2, tp=1, dp=1, has_embedding=True, has_head=True)
+    llm = Spec("llm", 0, 3, tp=1, dp=1, has_embedding=True, has_head=True)
+    apart, colocated = Layout((enc,), (llm,)), Layout((), (llm,))
+    saving = MeasuredCostProvider(table(residuals="all"), ARCH, DEV)
+    own = [saving.stage_time(enc, apart.encoder_tiles(2)), saving.stage_time(llm, 256)]
+    assert all(f > 0 and b > 0 for f, b in own)
+    for policy in ("recompute", "layers"):
+        got = layout_stage_costs(saving, apart, [policy, "all"])(2, 256)
+        want = [[own[0][0], own[0][1] + own[0][0]], own[1]]
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(layout_stage_costs(saving, apart, ["all", "all"])(2, 256), own)
+    rerun = MeasuredCostProvider(table(residuals="recompute"), ARCH, DEV)
+    f, b = rerun.stage_time(llm, 256)
+    assert layout_stage_costs(rerun, apart, ["all", "all"])(2, 256)[1] == pytest.approx((f, b - f))
+    assert layout_stage_costs(rerun, apart, ["recompute"] * 2)(2, 256)[1] == pytest.approx((f, b))
+    share = saving.colocated_encoder_time(colocated_encoder_stage(ARCH, colocated), 2)
+    row = [a + c for a, c in zip(own[1], share)]
+    assert layout_stage_costs(saving, colocated, ["all"])(2, 256)[0] == pytest.approx(row)
+    moved = [row[0], row[1] + row[0]]
+    assert layout_stage_costs(saving, colocated, ["recompute"])(2, 256)[0] == pytest.approx(moved)

@@ -136,11 +136,13 @@ def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, m
     assert len(report.losses) == 5 and all(np.isfinite(report.losses))
 
 
-def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch):
+def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch, capsys):
     """An explicit layout with a length bucket that step 1 does not use (samples of at most 256
     tokens, 4 per data shard): every stage and transfer program of every bucket compiles before
     step 1, and 8 steps (stage times measured, microbatch counts varying) build no executable,
-    step 1 included; side inputs arrive on the devices from the loader's thread."""
+    step 1 included; side inputs arrive on the devices from the loader's thread. The precompile
+    line's kinds add up to its count: the plan's estimate (stage, transfer and per-step programs),
+    a checkpoint's (none here) and two initializations per stage (parameters, optimizer state)."""
     from dflop_jax.runtime import trainer as trainer_mod
 
     used, pipeline = [], trainer_mod.run_pipeline
@@ -155,6 +157,13 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch):
         decoder_train_config(tmp_path, "aot", steps=8, **{"layout.lengths": "[256, 2048]"}),
         clock=millisecond_clock(),
     )
+    out = capsys.readouterr().out
+    estimate = int(re.search(r"compile: (\d+) programs before step 1", out)[1])
+    line = re.search(r"compiled (\d+) programs \((\d+) stage and transfer programs for \d+ bucket "
+                     r"pairs, (\d+) per-step, (?:(\d+) for checkpoints, )?(\d+) built before", out)  # fmt: skip
+    total, stage, step, saves, before = (int(n or 0) for n in line.groups())
+    assert stage + step == estimate and total == stage + step + saves + before
+    assert before == 2 * len(report.stages) and report.summary["programs"] == total
     rows = [json.loads(r) for r in (tmp_path / "aot" / "metrics.jsonl").read_text().splitlines()]
     assert used[0] != {256, 2048}  # step 1 leaves a bucket to the ahead-of-time compile
     assert len(rows) == 8
