@@ -35,7 +35,7 @@ initialization (and a restore's padding of it); the optimizers' per-step program
 statistics and a tied embedding's gradient sums; the transfers and host reads, those compiled
 ahead (`runtime/precompile.py`) and those the start-up runs before it (`hand_over`); the learning
 rate's program. On the tiny 2-process LLaVA-OV run, process 1's second run compiles nothing, where
-its first compiled 41 programs in 38 s (`bench multihost second_run=true`, docs/benchmarks.md).
+its first compiled 41 programs in 41 s (`bench multihost second_run=true`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

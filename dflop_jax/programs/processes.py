@@ -30,7 +30,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflop_jax.config import require
-from dflop_jax.programs.devices import enable_compilation_cache
 from dflop_jax.programs.executable_store import ExecutableStore, hand_over
 from dflop_jax.programs.lowering import KeptProgram, Lowering
 from dflop_jax.programs.transfer import lower_transfer, transfer
@@ -94,8 +93,10 @@ def initialize(cfg: DistributedConfig, compilation_cache: str | None = None) -> 
 
     First every process meets the watchdog hub (a missing peer is named there, `watchdog.py`), then
     `jax.distributed.initialize` runs with every peer known to be up. `compilation_cache`: the
-    run's (`TrainConfig.compilation_cache`), turned on here so that the start-up's own programs
-    come from it in a second run (JAX's cache on process 0, the executable store on the others).
+    run's (`TrainConfig.compilation_cache`), whose executable store gives the processes other than
+    0 the start-up's host read in a second run. JAX's own cache turns on later, after the plan
+    (`runtime.trainer.train`: a model profile times cold compiles), so process 0 compiles the
+    start-up's few transfer programs in every run.
     """
     host, port = cfg.coordinator.rsplit(":", 1)
     # Said up front: when a peer never arrives the runtime may abort the process from C++ (no Python
@@ -131,8 +132,6 @@ def initialize(cfg: DistributedConfig, compilation_cache: str | None = None) -> 
             f"{cfg.coordinator} within {cfg.timeout_s}s (a peer never arrived or the coordinator is "
             f"unreachable): {str(e).splitlines()[0]}"
         ) from None
-    if compilation_cache:
-        enable_compilation_cache(compilation_cache)
     # Sets up the all-device communicator of `host_scalars` now, while every process is here.
     first = min(jax.devices(), key=lambda d: d.id)
     zero = NamedSharding(Mesh(np.array([first]), ("all",)), P())

@@ -95,7 +95,7 @@ class TrainReport:
 
 
 def prepare_run_dir(cfg: TrainConfig, model_cfg=None) -> Path:
-    """Creates `run_dir`, writes the resolved config (process 0) and turns on the compilation cache.
+    """Creates `run_dir` and writes the resolved config (process 0).
 
     With `model_cfg` (the model the run builds), config.yaml records its kind and sizes in the
     `model` section also where `model.hf_dir` or `model.arch` gives them (`ModelConfig.with_sizes_of`):
@@ -106,8 +106,6 @@ def prepare_run_dir(cfg: TrainConfig, model_cfg=None) -> Path:
         if model_cfg is not None:
             cfg = dataclasses.replace(cfg, model=cfg.model.with_sizes_of(model_cfg))
         dump_yaml(cfg, run_dir / "config.yaml")
-    if cfg.compilation_cache:
-        enable_compilation_cache(cfg.compilation_cache)
     return run_dir
 
 
@@ -123,11 +121,17 @@ def train(
     """Trains the model of `model_cfg` on `plan`, each stage's params made on its own mesh from
     `cfg.model.source` (init seed or HF directory).
 
+    The run's persistent compilation cache (`compilation_cache`) turns on here, after the plan: a
+    model profile (`plan: auto`) times its compiles cold, whatever the cache already holds, since
+    the planner prices the run's compilation by them (`costs/compile.py`).
+
     Args:
       arch: the model's cost-model architecture (MFU).
       device: the run's accelerator spec (peak FLOP/s for MFU; the drift measurements' planner).
       clock: times the sampled stage programs of measured steps (tests pass a deterministic one).
     """
+    if cfg.compilation_cache:
+        enable_compilation_cache(cfg.compilation_cache)
     console = console or Console(quiet=jax.process_index() != 0)
     trainer = _Trainer(cfg, model_cfg, arch, device, plan, console, clock)
     metrics = MetricsLog(

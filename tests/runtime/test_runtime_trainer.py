@@ -136,6 +136,26 @@ def test_steps_are_issued_without_host_reads_and_read_after_the_next(tmp_path, m
     assert len(report.losses) == 5 and all(np.isfinite(report.losses))
 
 
+def test_the_compilation_cache_turns_on_after_the_plan(tmp_path, monkeypatch):
+    """The run's persistent compilation cache turns on once its plan is resolved, not before: a
+    model profile (`plan: auto`) times cold compiles, by which the planner prices the run's
+    compilation, whatever the cache holds from an earlier run."""
+    import dflop_jax.resolve as resolve_mod
+    from dflop_jax.runtime import trainer as trainer_mod
+
+    events, resolve_plan = [], resolve_mod.resolve_plan
+
+    def resolved(*args, **kwargs):
+        events.append("plan")
+        return resolve_plan(*args, **kwargs)
+
+    monkeypatch.setattr(resolve_mod, "resolve_plan", resolved)
+    monkeypatch.setattr(trainer_mod, "enable_compilation_cache", lambda d: events.append(str(d)))
+    cache = str(tmp_path / "jax_cache")
+    run(decoder_train_config(tmp_path, "cache", steps=1, compilation_cache=cache))
+    assert events == ["plan", cache]
+
+
 def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch, capsys):
     """An explicit layout with a length bucket that step 1 does not use (samples of at most 256
     tokens, 4 per data shard): every stage and transfer program of every bucket compiles before
