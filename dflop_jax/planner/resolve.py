@@ -81,7 +81,7 @@ class ResolvedPlan:
                      f"{self.microbatches} residuals={list(self.residuals or ['recompute'])}")  # fmt: skip
         trainable = getattr(self.provider, "trainable", TRAINABLE_PARTS)
         cost = compile_cost(self.provider, self.layout, b, multimodal, trainable)
-        lines.append(f"compile: {cost.programs} programs before step 1, estimated "
+        lines.append(f"compile: {cost.programs} stage, transfer and per-step programs, estimated "
                      f"{cost.seconds:.0f}s ({self.provider.name})")  # fmt: skip
         return lines
 

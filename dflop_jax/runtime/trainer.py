@@ -595,9 +595,9 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
 
 def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
     """The run's programs by kind, for the precompile line: the stage and transfer programs and the
-    per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built
-    before `precompile` (the stages' and optimizers' initializations; a re-planned run's earlier
-    plan too)."""
+    per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built at
+    start-up, before `precompile` (the stages' and optimizers' initializations, a restore's
+    padding of the optimizer state, a re-planned run's earlier plan)."""
     pairs = done.pairs
     kinds = [
         f"{done.stage_programs} stage and transfer programs for {pairs} bucket pair{'s' * (pairs != 1)}",
@@ -606,7 +606,7 @@ def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
     if saves:
         kinds.append(f"{saves} for checkpoints")
     if before:
-        kinds.append(f"{before} built before (initializations)")
+        kinds.append(f"{before} at start-up")
     return ", ".join(kinds)
 
 

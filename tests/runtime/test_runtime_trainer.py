@@ -178,9 +178,9 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch, capsys):
         clock=millisecond_clock(),
     )
     out = capsys.readouterr().out
-    estimate = int(re.search(r"compile: (\d+) programs before step 1", out)[1])
+    estimate = int(re.search(r"compile: (\d+) stage, transfer and per-step programs", out)[1])
     line = re.search(r"compiled (\d+) programs \((\d+) stage and transfer programs for \d+ bucket "
-                     r"pairs, (\d+) per-step, (?:(\d+) for checkpoints, )?(\d+) built before", out)  # fmt: skip
+                     r"pairs, (\d+) per-step, (?:(\d+) for checkpoints, )?(\d+) at start-up", out)  # fmt: skip
     total, stage, step, saves, before = (int(n or 0) for n in line.groups())
     assert stage + step == estimate and total == stage + step + saves + before
     assert before == 2 * len(report.stages) and report.summary["programs"] == total
