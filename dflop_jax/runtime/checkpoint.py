@@ -280,9 +280,10 @@ class Checkpointer:
         meta = self._meta(0, step)
         if meta["process_count"] == jax.process_count() and me != 0:
             meta = self._meta(me, step)
-        reader = ocp.Checkpointer(_tree_handler((me,)), multiprocessing_options=_options((me,)))
+        handler = _tree_handler((me,))
+        reader = ocp.Checkpointer(handler, multiprocessing_options=_options((me,)))
         sources = [self.directory / g / str(step) / "state" for g in meta["groups"]]
-        stored = [(d, set(_flat(_metadata_tree(reader, d)))) for d in sources if d.is_dir()]
+        stored = [(d, set(_flat(_metadata_tree(handler, d)))) for d in sources if d.is_dir()]
         new_p, new_o = list(params), list(opt_states)
         report = progress or (lambda *_: None)
         report("restore checkpoint", 0, len(specs))
@@ -325,13 +326,13 @@ class SavedState:
             )
         self.step = steps[-1] if step is None else step
         self.meta = _meta(directory, 0, self.step)
-        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_options((0,)))
-        self._reader = ocp.Checkpointer(handler, multiprocessing_options=_options((0,)))
+        self._handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_options((0,)))
+        self._reader = ocp.Checkpointer(self._handler, multiprocessing_options=_options((0,)))
         self.leaves: dict[tuple[str, ...], tuple[Path, Any]] = {}
         for g in self.meta["groups"]:
             state = directory / g / str(self.step) / "state"
             if state.is_dir():
-                for path, md in _flat(_metadata_tree(self._reader, state)).items():
+                for path, md in _flat(_metadata_tree(self._handler, state)).items():
                     self.leaves.setdefault(path, (state, md))
 
     def read(self, path: tuple[str, ...]) -> np.ndarray:
@@ -347,10 +348,12 @@ class SavedState:
         self._reader.close()
 
 
-def _metadata_tree(reader: ocp.Checkpointer, directory: Path) -> dict:
+def _metadata_tree(handler: ocp.PyTreeCheckpointHandler, directory: Path) -> dict:
     """The stored tree structure of one pytree item (no array data read). `directory` must be
-    absolute: orbax reads no item metadata under a relative path."""
-    return reader.metadata(directory).item_metadata.tree
+    absolute: orbax reads no item metadata under a relative path. Asked of the item's handler, not
+    a `Checkpointer`: that one also reads step metadata, which lives a directory up, beside the
+    items (`<step>/_CHECKPOINT_METADATA`), and warns on every restore that it is missing here."""
+    return handler.metadata(directory).tree
 
 
 def _read(reader: ocp.Checkpointer, stored, target: dict, step: int) -> dict:

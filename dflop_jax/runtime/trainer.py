@@ -597,7 +597,9 @@ def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
     """The run's programs by kind, for the precompile line: the stage and transfer programs and the
     per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built at
     start-up, before `precompile` (the stages' and optimizers' initializations, a restore's
-    padding of the optimizer state, a re-planned run's earlier plan)."""
+    padding of the optimizer state, a re-planned run's earlier plan). The kinds count the programs
+    lowered and compiled, the line's total the executables XLA built: in a fresh process they
+    agree; one whose jits already hold some of them (a re-plan's transfers) builds fewer."""
     pairs = done.pairs
     kinds = [
         f"{done.stage_programs} stage and transfer programs for {pairs} bucket pair{'s' * (pairs != 1)}",

@@ -5,6 +5,7 @@ of steps <= k - prefetch); the embedded
 demo (LLaVA-OV-style, 2 encoder + 2 LLM stages) trains and its loss decreases."""
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_plan_settings_are_validated(override, message):
         load_config(TrainConfig, REPO / "configs" / "demo.yaml", [override])
 
 
-def test_train_loss_decreases_and_resume_is_exact(tmp_path):
+def test_train_loss_decreases_and_resume_is_exact(tmp_path, caplog):
     straight = run(decoder_train_config(tmp_path, "a", steps=6), clock=millisecond_clock())
     assert np.mean(straight.losses[-2:]) < straight.losses[0] - 0.3
     assert (tmp_path / "a" / "config.yaml").is_file()
@@ -75,11 +76,16 @@ def test_train_loss_decreases_and_resume_is_exact(tmp_path):
         decoder_train_config(tmp_path, "b", steps=3, **{"checkpoint.every": 3}),
         clock=millisecond_clock(),
     )
+    caplog.clear()
     resumed = run(
         decoder_train_config(tmp_path, "b", steps=6, **{"checkpoint.every": 3}),
         clock=millisecond_clock(),
     )
     assert resumed.first_step == 3
+    # orbax (its logs go through absl) warns of nothing on a restore: its step metadata lives
+    # beside the items, not in them
+    assert not [r.getMessage() for r in caplog.records
+                if r.name == "absl" and r.levelno >= logging.WARNING]  # fmt: skip
     assert half.losses + resumed.losses == straight.losses
     for s_a, s_b in zip(straight.stages, resumed.stages):
         jax.tree.map(
@@ -161,7 +167,7 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch, capsys):
     tokens, 4 per data shard): every stage and transfer program of every bucket compiles before
     step 1, and 8 steps (stage times measured, microbatch counts varying) build no executable,
     step 1 included; side inputs arrive on the devices from the loader's thread. The precompile
-    line's kinds add up to its count: the plan's estimate (stage, transfer and per-step programs),
+    line names its programs' kinds: the plan's estimate (stage, transfer and per-step programs),
     a checkpoint's (none here) and two initializations per stage (parameters, optimizer state)."""
     from dflop_jax.runtime import trainer as trainer_mod
 
@@ -182,8 +188,10 @@ def test_every_bucket_compiles_before_step_1(tmp_path, monkeypatch, capsys):
     line = re.search(r"compiled (\d+) programs \((\d+) stage and transfer programs for \d+ bucket "
                      r"pairs, (\d+) per-step, (?:(\d+) for checkpoints, )?(\d+) at start-up", out)  # fmt: skip
     total, stage, step, saves, before = (int(n or 0) for n in line.groups())
-    assert stage + step == estimate and total == stage + step + saves + before
-    assert before == 2 * len(report.stages) and report.summary["programs"] == total
+    assert stage + step == estimate and before == 2 * len(report.stages)
+    # equal in a fresh process; one that already holds some of the run's small programs (an
+    # earlier test's transfers, under xdist) builds fewer than it lowers
+    assert total <= stage + step + saves + before and report.summary["programs"] == total
     rows = [json.loads(r) for r in (tmp_path / "aot" / "metrics.jsonl").read_text().splitlines()]
     assert used[0] != {256, 2048}  # step 1 leaves a bucket to the ahead-of-time compile
     assert len(rows) == 8
