@@ -249,6 +249,7 @@ class _Trainer:
         self.store = store or ExecutableStore.for_this_process(cfg.compilation_cache)
         # the stages' initialization counts as the run's
         self.counter_start = self.counter.count if counter_start is None else counter_start
+        self.replanned = counter_start is not None  # built by a re-plan, during the run
         meshes = stage_meshes(plan.layout)
         self.has_encoder = has_vision(model_cfg)  # a vision encoder, on its own stages or colocated
         _print_plan(console, plan, meshes, model_cfg)
@@ -300,7 +301,7 @@ class _Trainer:
         update's glue, the host reads, the checkpoint's); one line says how many programs the run
         has built so far (`programs`), the count every later figure continues."""
         hits, t0 = self.counter.cache_hits, time.perf_counter()
-        before = self.programs  # the initializations (and a re-planned run's earlier programs)
+        before = self.programs  # initializations, a restore's; a re-planned run's earlier ones
         batches = bucket_microbatches(self.problem, self.cfg.data)
         extra = [lw for opt in self.opts for lw in opt.lower()]
         extra += lower_update(self.opts, self.cfg.optimizer.clip_norm, self.tied)
@@ -321,7 +322,8 @@ class _Trainer:
         self.precompiled = done
         loaded = self.counter.cache_hits - hits
         self.console.print(
-            f"compiled {self.programs} programs ({_program_kinds(done, before, len(saves))}"
+            f"compiled {self.programs} programs "
+            f"({_program_kinds(done, before, len(saves), self.replanned)}"
             f"{f'; {loaded} from the persistent cache' if loaded else ''}) in "
             f"{time.perf_counter() - t0:.1f}s",
             highlight=False,
@@ -593,13 +595,14 @@ def _checkpointer(cfg: TrainConfig) -> Checkpointer:
     return Checkpointer(directory, cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
 
-def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
+def _program_kinds(done: PrecompileReport, before: int, saves: int, replanned: bool) -> str:
     """The run's programs by kind, for the precompile line: the stage and transfer programs and the
-    per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built at
-    start-up, before `precompile` (the stages' and optimizers' initializations, a restore's
-    padding of the optimizer state, a re-planned run's earlier plan). The kinds count the programs
-    lowered and compiled, the line's total the executables XLA built: in a fresh process they
-    agree; one whose jits already hold some of them (a re-plan's transfers) builds fewer."""
+    per-step ones (what the plan's `compile:` estimate counts), a checkpoint's, and those built
+    before `precompile`: at start-up the stages' and optimizers' initializations and a restore's
+    padding of the optimizer state; in a re-plan (`replanned`) everything the run built before it.
+    The kinds count the programs lowered and compiled, the line's total the executables XLA built:
+    in a fresh process they agree; one whose jits already hold some of them (a re-plan's
+    transfers) builds fewer."""
     pairs = done.pairs
     kinds = [
         f"{done.stage_programs} stage and transfer programs for {pairs} bucket pair{'s' * (pairs != 1)}",
@@ -608,7 +611,7 @@ def _program_kinds(done: PrecompileReport, before: int, saves: int) -> str:
     if saves:
         kinds.append(f"{saves} for checkpoints")
     if before:
-        kinds.append(f"{before} at start-up")
+        kinds.append(f"{before} before this plan" if replanned else f"{before} at start-up")
     return ", ".join(kinds)
 
 
