@@ -1,11 +1,20 @@
 """Test setup: 8 simulated CPU devices (before any JAX call), float32 matmuls for parity tests, XLA's
 CPU backend at LLVM -O0, and one persistent compilation cache for the whole run."""
 
+import importlib.metadata
 import os
 import shutil
 import tempfile
 
 from dflop_jax.host_devices import simulate_cpu_devices  # no jax
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor), read without importing jax (whose XLA flags are set
+    below, before its first import)."""
+    major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
+    return int(major), int(minor)
+
 
 simulate_cpu_devices(8)  # and the CPU client's thread pool for them (DESIGN 11)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,10 +25,13 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # 2.5x faster; docs/design.md). Sharding, collectives and buffer assignment (what the tests
     # inspect) are decided in the HLO passes, before code generation. Inherited by every jax
     # process a test starts (`host_devices.own_devices_env` keeps all XLA flags but the device count).
+    # jaxlib 0.11 knows no such flag, and an unknown XLA flag aborts the process: there the MLIR
+    # emitters compile.
+    legacy = " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 11) else ""
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-        + " --xla_cpu_use_fusion_emitters=false"
+        + legacy
     ).strip()
 
 import pytest  # noqa: E402

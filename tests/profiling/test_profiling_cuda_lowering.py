@@ -63,7 +63,12 @@ def _seven_b(layers):
 
 def _lower_all(model_cfg, layout, buckets, meshes, impl):
     cfg = with_attention(model_cfg, impl)
-    lowered = lower_stage_programs(layout, buckets, cfg, meshes, "cuda")
+    try:
+        lowered = lower_stage_programs(layout, buckets, cfg, meshes, "cuda")
+    except RuntimeError as e:  # jax 0.11's Pallas lowering asks the GPU for its target
+        if impl == "pallas" and "No supported GPU devices found" in str(e):
+            pytest.skip(f"jax {jax.__version__} lowers Pallas' Triton kernels only beside a GPU")
+        raise
     assert len(lowered) == layout.num_stages
     texts = []
     for stage, programs in zip(layout.stages, lowered):

@@ -24,7 +24,7 @@ TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfo
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny LLaVA-OV (28 px tiles) with a tokenizer carrying a chat template and an image processor
     with non-default mean/std, each written by transformers' `save_pretrained`."""
-    import transformers
+    transformers = pytest.importorskip("transformers")
 
     path = save_tiny_llava_ov(tmp_path_factory.mktemp("hf") / "model")
     tok = transformers.PreTrainedTokenizerFast(
