@@ -3,8 +3,8 @@ measured (a stage's backward is its parts' measured backwards, a frozen part wit
 own re-run forward inside a stage that has one under "recompute", not from saved residuals), one
 profiled under another frozen recipe is refused, an all-trainable table (and one written before
 recipes) still derives; the colocated encoder's share of the colocated stage honours the recipe in
-the analytic and the measured provider; a stage under a residual policy the table did not time is priced
-with its measured forward moved into (or out of) its backward."""
+the analytic and the measured provider; a stage under a residual policy the table did not time is
+priced with its measured forward moved into (or out of) its backward."""
 
 import json
 
