@@ -29,9 +29,16 @@ def _args(tmp_path, run_dir) -> list[str]:
             "scheduler.solver=greedy", "distributed.timeout_s=60", f"run_dir={run_dir}"]  # fmt: skip
 
 
+# The omni layouts keep one tile bucket of the demo's two: half the programs to compile, while the
+# processes still agree on a bucket of two ladders for every microbatch (lengths and audio).
 LAYOUTS = {
-    "separate": [],
-    "audio_stage": ["layout.encoder_layers=[2]", "layout.audio_layers=[2]", "layout.audio_dp=2"],
+    "separate": ["layout.tiles=[8]"],
+    "audio_stage": [
+        "layout.tiles=[8]",
+        "layout.encoder_layers=[2]",
+        "layout.audio_layers=[2]",
+        "layout.audio_dp=2",
+    ],
     # Qwen2-Audio (no vision): its audio encoder's 2 stages on process 0, the LLM's on process 1
     "qwen2_audio": ["layout.audio_layers=[1,1]", "layout.audio_dp=2", "layout.llm_dp=2"],
 }
