@@ -269,9 +269,9 @@ def test_omni_demo_trains_and_resumes(tmp_path, variant):
     audio encoder (audio padding reported), nothing compiles after the precompile, and a
     checkpointed run resumes with the audio encoder's state and exports as two HF directories
     (`vision/`, `audio/`). One tile bucket of the demo's two halves the programs to compile; the
-    length and audio ladders keep two each. (The demo's own layout, both encoders apart and the audio encoder on LLM
-    stage 0 as in "colocated", trains in tests/multiprocess/test_runtime_multiprocess_omni.py,
-    across processes and in one.)"""
+    length and audio ladders keep two each. (The demo's own layout, both encoders apart and the
+    audio encoder on LLM stage 0 as in "colocated", trains in
+    tests/multiprocess/test_runtime_multiprocess_omni.py, across processes and in one.)"""
     extra = ["steps=2", "checkpoint.every=2", "data.synth_samples=48", "compute_dtype=float32",
              "scheduler.solver=greedy", "layout.tiles=[8]", *VARIANTS[variant]]  # fmt: skip
     colocated = variant == "colocated"
