@@ -501,9 +501,12 @@ class RerunTimes:
     provider: CostProvider
     rerun: int
 
-    def _moved(self, times: tuple[float, float]) -> tuple[float, float]:
+    def _moved(self, times: tuple[float, float], inside: bool = False) -> tuple[float, float]:
+        """`inside`: an encoder run in LLM stage 0's program, whose backward re-runs (or stops
+        re-running) the encoder's forward with the stage's, even a frozen encoder's (no backward
+        of its own)."""
         fwd, bwd = times
-        if bwd <= 0:  # a stage that runs forward only has no backward to re-run it in
+        if bwd <= 0 and not inside:  # a forward-only stage has no backward to re-run it in
             return fwd, bwd
         return fwd, max(bwd + self.rerun * fwd, 0.0)
 
@@ -511,10 +514,13 @@ class RerunTimes:
         return self._moved(self.provider.stage_time(stage, bucket))
 
     def colocated_encoder_time(self, encoder: StageSpec, tile_bucket: int) -> tuple[float, float]:
-        return self._moved(colocated_encoder_time(self.provider, encoder, tile_bucket))
+        return self._moved(colocated_encoder_time(self.provider, encoder, tile_bucket), True)
 
-    def audio_time(self, *args, **kwargs) -> tuple[float, float]:
-        return self._moved(self.provider.audio_time(*args, **kwargs))
+    def audio_time(
+        self, stage: StageSpec, frames: int, rule=recipe_backward, rows: int = 1
+    ) -> tuple[float, float]:
+        times = self.provider.audio_time(stage, frames, rule, rows)
+        return self._moved(times, inside=rule is colocated_backward)
 
     def __getattr__(self, name: str):
         if name == "provider":  # not set yet (copy, pickle): no recursion through __getattr__

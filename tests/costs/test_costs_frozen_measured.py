@@ -15,7 +15,8 @@ from dflop_jax.contracts.cost_table import CostEntry, ProfiledCostTable, load_ta
 from dflop_jax.contracts.layout import StageSpec as Spec
 from dflop_jax.costs import AnalyticCostProvider, Layout, StageSpec, get_arch, get_device
 from dflop_jax.costs.measured import MeasuredCostProvider
-from dflop_jax.costs.provider import colocated_encoder_stage, layout_stage_costs
+from dflop_jax.costs.provider import RerunTimes, colocated_encoder_stage, layout_stage_costs
+from dflop_jax.costs.recipe import colocated_backward, recipe_backward
 
 ARCH, DEV = get_arch("tiny"), get_device("cpu")
 H100, BIG = get_device("h100"), get_arch("siglip-so400m+qwen2.5-7b")
@@ -211,7 +212,8 @@ def test_a_stage_under_a_policy_the_table_did_not_time_moves_its_forward():
     """A table timed under "all" (backwards from saved residuals): a stage the plan trains under
     "recompute" or "layers" costs its forward once more in its backward, one under "all" the
     table's own times; a table timed under "recompute" prices an "all" stage's backward without
-    that forward. The colocated encoder on LLM stage 0 moves with that stage's policy."""
+    that forward. The colocated encoder on LLM stage 0 moves with that stage's policy, a frozen
+    one too."""
     enc = Spec("encoder", 0, 2, tp=1, dp=1, has_embedding=True, has_head=True)
     llm = Spec("llm", 0, 3, tp=1, dp=1, has_embedding=True, has_head=True)
     apart, colocated = Layout((enc,), (llm,)), Layout((), (llm,))
@@ -232,3 +234,31 @@ def test_a_stage_under_a_policy_the_table_did_not_time_moves_its_forward():
     assert layout_stage_costs(saving, colocated, ["all"])(2, 256)[0] == pytest.approx(row)
     moved = [row[0], row[1] + row[0]]
     assert layout_stage_costs(saving, colocated, ["recompute"])(2, 256)[0] == pytest.approx(moved)
+    # A frozen colocated encoder has no backward of its own, yet LLM stage 0's recomputing
+    # backward re-runs its forward: "recompute" costs the whole row's forward more than "all",
+    # from a table timed under either policy.
+    for timed in ("all", "recompute"):
+        frozen = MeasuredCostProvider(table(None, timed), ARCH, DEV).with_trainable(("llm",))
+        enc_fwd, enc_bwd = frozen.colocated_encoder_time(
+            colocated_encoder_stage(ARCH, colocated), 2
+        )
+        assert enc_fwd > 0 and enc_bwd == (0.0 if timed == "all" else pytest.approx(enc_fwd))
+        kept, rerun = (
+            layout_stage_costs(frozen, colocated, [p])(2, 256)[0] for p in ("all", "recompute")
+        )
+        assert kept[0] == rerun[0] and rerun[1] - kept[1] == pytest.approx(kept[0])
+        assert kept[0] == pytest.approx(frozen.stage_time(llm, 256)[0] + enc_fwd)
+
+
+def test_a_frozen_audio_encoder_moves_its_forward_only_inside_llm_stage_0():
+    """A frozen audio encoder (forward only) re-runs in LLM stage 0's recomputing backward when it
+    runs inside that stage's program (`colocated_backward`), never as a stage of its own."""
+
+    class Frozen:
+        def audio_time(self, stage, frames, rule, rows):
+            return 2.0, 0.0
+
+    stage = Spec("audio", 0, 2, tp=1, dp=1, has_embedding=True, has_head=True)
+    assert RerunTimes(Frozen(), 1).audio_time(stage, 1024, colocated_backward) == (2.0, 2.0)
+    assert RerunTimes(Frozen(), 1).audio_time(stage, 1024, recipe_backward) == (2.0, 0.0)
+    assert RerunTimes(Frozen(), -1).audio_time(stage, 1024, colocated_backward) == (2.0, 0.0)
