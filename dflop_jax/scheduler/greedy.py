@@ -3,7 +3,9 @@
 1. Vector LPT: samples in decreasing order of (tokens / mean bin tokens + tiles / mean microbatch
    tiles); each goes to the bin whose worse normalized load (its tokens, or its microbatch's tiles)
    grows least. This balances the shards of a microbatch (the max shard sets S_k) and the tiles per
-   microbatch (which set T_k).
+   microbatch (which set T_k). Tiles packed by row (the fullest row sets T_k), a second LPT per
+   count balances each row's tiles instead (per bin, over the mean bin tiles): the rows' tile
+   balance then comes from the packing, not only from re-packing rows afterwards (`rows.py`).
 2. Bucket shrinking: buckets are discrete, so perfectly balanced loads just above a bucket boundary waste
    a whole bucket step. For each microbatch, most expensive first, we try the next cheaper bucket pairs
    and move the excess samples into bins that have room under their *current* buckets (so no other
@@ -45,26 +47,29 @@ def candidate_counts(problem: ScheduleProblem, n: int) -> list[int]:
 
 
 def lpt_assign(
-    tokens: np.ndarray, tiles: np.ndarray, m: int, problem: ScheduleProblem
+    tokens: np.ndarray, tiles: np.ndarray, m: int, problem: ScheduleProblem, rows: bool = False
 ) -> np.ndarray:
-    """Vector LPT. Returns bin_of [N] with bins k * l_dp + r."""
+    """Vector LPT. Returns bin_of [N] with bins k * l_dp + r. `rows`: balance each bin's (row's)
+    tiles rather than each microbatch's."""
     ldp = problem.llm_dp
     nb = m * ldp
     tok_t = max(tokens.sum() / nb, 1.0)
-    tile_t = max(tiles.sum() / m, 1.0)
+    tile_t = max(tiles.sum() / (nb if rows else m), 1.0)
     key = tokens / tok_t + tiles / tile_t
     order = np.lexsort((np.arange(len(tokens)), -key))
     tok_load = np.zeros(nb)
-    tile_load = np.zeros(m)
-    mb = np.arange(nb) // ldp
+    tile_load = np.zeros(nb if rows else m)
+    tile_bin = np.arange(nb) if rows else np.arange(nb) // ldp  # the tile load each bin adds to
     bin_of = np.empty(len(tokens), dtype=np.int64)
     for i in order:
-        score = np.maximum((tok_load + tokens[i]) / tok_t, (tile_load[mb] + tiles[i]) / tile_t)
+        score = np.maximum(
+            (tok_load + tokens[i]) / tok_t, (tile_load[tile_bin] + tiles[i]) / tile_t
+        )
         # tie-break on the token load so equal scores spread over shards
         b = int(np.lexsort((tok_load, score))[0])
         bin_of[i] = b
         tok_load[b] += tokens[i]
-        tile_load[mb[b]] += tiles[i]
+        tile_load[tile_bin[b]] += tiles[i]
     return bin_of
 
 
@@ -335,13 +340,18 @@ def _filled(tokens, tiles, target, problem, table, lb=0.0) -> tuple[np.ndarray, 
     return best
 
 
-def _lpt_shrunk(tokens, tiles, m, problem, table) -> tuple[np.ndarray, int, float] | None:
-    """LPT + shrink at count m: (bin_of, m, surrogate), or None if it overflows the largest buckets."""
-    try:
-        bin_of = shrink(lpt_assign(tokens, tiles, m, problem), m, tokens, tiles, problem, table)
-        return bin_of, m, evaluate(bin_of, m, tokens, tiles, problem, table)[0]
-    except ValueError:
-        return None
+def _lpt_shrunk(tokens, tiles, m, problem, table) -> list[tuple[np.ndarray, int, float]]:
+    """LPT + shrink at count m: [(bin_of, m, surrogate)], a candidate per LPT (the microbatches'
+    tiles balanced; packed by row, also the rows'), none that overflows the largest buckets."""
+    out = []
+    for rows in (False, True) if problem.tiles_by_row else (False,):
+        try:
+            bin_of = lpt_assign(tokens, tiles, m, problem, rows)
+            bin_of = shrink(bin_of, m, tokens, tiles, problem, table)
+            out.append((bin_of, m, evaluate(bin_of, m, tokens, tiles, problem, table)[0]))
+        except ValueError:
+            continue
+    return out
 
 
 def _better(a, b):
@@ -438,14 +448,16 @@ def _best_lpt(tokens, tiles, problem, table, target, better):
         counts.append(len(target))
     best, tried = None, set()
     for m in counts:
-        best = better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+        for cand in _lpt_shrunk(tokens, tiles, m, problem, table):
+            best = better(best, cand)
         tried.add(m)
     step = 1
     while best is not None and step <= 2:  # neighbours of the best count
         cand = [m for m in (best[1] - step, best[1] + step) if lo <= m <= hi and m not in tried]
         before = best
         for m in cand:
-            best = better(best, _lpt_shrunk(tokens, tiles, m, problem, table))
+            for shrunk in _lpt_shrunk(tokens, tiles, m, problem, table):
+                best = better(best, shrunk)
             tried.add(m)
         step = 1 if best is not before else step + 1
     return best

@@ -117,14 +117,7 @@ def lower_tile_buckets(bin_of, m, tokens, tiles, ldp, table: CostTable) -> None:
                                  count)  # fmt: skip
             if moved is None:
                 break
-            for i, c in moved:
-                t_load[bin_of[i]] -= tiles[i]
-                s_load[bin_of[i]] -= tokens[i]
-                count[bin_of[i] // ldp] -= 1
-                bin_of[i] = c
-                t_load[c] += tiles[i]
-                s_load[c] += tokens[i]
-                count[c // ldp] += 1
+            _apply(moved, bin_of, tokens, tiles, ldp, t_load, s_load, count)
             moves += len(moved)
             ti[k], si[k] = t2, s2
             cap_t[k], cap_s[k] = table.tiles[t2], table.lengths[s2]
@@ -143,16 +136,22 @@ def _moves_under(bin_of, k, tokens, tiles, ldp, t_load, s_load, caps_t, caps_s, 
             step = step or _swap(where, b, tokens, tiles, t_load, s_load, caps_t, caps_s)
             if not step:
                 return None
-            for i, c in step:
-                t_load[where[i]] -= tiles[i]
-                s_load[where[i]] -= tokens[i]
-                count[where[i] // ldp] -= 1
-                where[i] = c
-                t_load[c] += tiles[i]
-                s_load[c] += tokens[i]
-                count[c // ldp] += 1
+            _apply(step, where, tokens, tiles, ldp, t_load, s_load, count)
             out += step
     return out
+
+
+def _apply(moves, bin_of, tokens, tiles, ldp, t_load, s_load, count) -> None:
+    """Each (sample, bin) of `moves` in turn, in place: the sample's bin and the bins' loads and
+    the microbatches' sample counts."""
+    for i, c in moves:
+        t_load[bin_of[i]] -= tiles[i]
+        s_load[bin_of[i]] -= tokens[i]
+        count[bin_of[i] // ldp] -= 1
+        bin_of[i] = c
+        t_load[c] += tiles[i]
+        s_load[c] += tokens[i]
+        count[c // ldp] += 1
 
 
 def _ordered_members(where, b, tiles, excess):
