@@ -4,9 +4,9 @@ The tile/length search (greedy, refinement, the makespan pick) packs on tiles an
 microbatch's audio bucket is then its fullest row's frames (`objective.with_audio`, which first
 re-packs the rows within the chosen buckets). That search cannot see that two clips in one row
 double the microbatch's audio bucket, so beside its answer `pick_with_audio` builds one candidate
-per microbatch count the greedy tries with a three-resource LPT (`lpt_assign_audio`: each sample to
-the row whose worst normalized load, the row's tokens, its microbatch's tiles or the row's audio
-frames, grows least), finished as the runtime receives any candidate (`select.finish`) and given its
+per microbatch count the greedy tries with a three-resource LPT (`greedy.lpt_assign` with frames:
+each sample to the row whose worst normalized load, the row's tokens, its tiles (its microbatch's
+when tiles are pooled) or the row's audio frames, grows least), finished as the runtime receives any candidate (`select.finish`) and given its
 audio buckets. Every candidate is priced with each microbatch at its audio bucket
 (`ScheduleProblem.microbatch_costs`) and chosen by the rule the tile/length search uses (`select.py`:
 the 1F1B makespan of a good order with several stages, else the objective), the tile/length answer
@@ -23,7 +23,7 @@ import numpy as np
 
 from dflop_jax.contracts import SampleShape, ScheduledMicrobatch, ScheduleProblem
 from dflop_jax.scheduler.config import SchedulerConfig
-from dflop_jax.scheduler.greedy import candidate_counts
+from dflop_jax.scheduler.greedy import candidate_counts, lpt_assign
 from dflop_jax.scheduler.objective import (
     CostTable,
     evaluate,
@@ -36,43 +36,10 @@ from dflop_jax.scheduler.order import order_microbatches
 from dflop_jax.scheduler.select import finish
 
 
-def lpt_assign_audio(
-    tokens: np.ndarray, tiles: np.ndarray, frames: np.ndarray, m: int, problem: ScheduleProblem
-) -> np.ndarray:
-    """Vector LPT over three resources; bin_of [N] with bins k * llm_dp + r (rows).
-
-    Loads are normalized by their mean per bin (tokens, audio frames; tiles too when packed by row,
-    where a row's tiles stay in its block) or per microbatch (tiles otherwise); samples go in
-    decreasing order of their summed normalized sizes, each to the bin whose largest normalized
-    load after it is smallest (ties: the lower token load, then the lower bin)."""
-    ldp = problem.llm_dp
-    nb = m * ldp
-    by_row = problem.tiles_by_row
-    tok_t = max(tokens.sum() / nb, 1.0)
-    tile_t = max(tiles.sum() / (nb if by_row else m), 1.0)
-    audio_t = max(frames.sum() / nb, 1.0)
-    key = tokens / tok_t + tiles / tile_t + frames / audio_t
-    order = np.lexsort((np.arange(len(tokens)), -key))
-    tok_load, audio_load = np.zeros(nb), np.zeros(nb)
-    tile_load = np.zeros(nb if by_row else m)
-    tile_bin = np.arange(nb) if by_row else np.arange(nb) // ldp  # the tile load each bin adds to
-    bin_of = np.empty(len(tokens), dtype=np.int64)
-    for i in order:
-        score = np.maximum.reduce([(tok_load + tokens[i]) / tok_t,
-                                   (tile_load[tile_bin] + tiles[i]) / tile_t,
-                                   (audio_load + frames[i]) / audio_t])  # fmt: skip
-        b = int(np.lexsort((np.arange(nb), tok_load, score))[0])
-        bin_of[i] = b
-        tok_load[b] += tokens[i]
-        audio_load[b] += frames[i]
-        tile_load[tile_bin[b]] += tiles[i]
-    return bin_of
-
-
 def _candidate(tokens, tiles, frames, m, shapes, problem, capped, table):
     """The three-resource LPT's plans at m microbatches with their audio buckets, or None where a
     microbatch needs more than the largest buckets (LPT balances loads, it does not cap them)."""
-    bin_of = lpt_assign_audio(tokens, tiles, frames, m, capped)
+    bin_of = lpt_assign(tokens, tiles, m, capped, capped.tiles_by_row, frames)
     bin_of, m = finish(bin_of, m, tokens, tiles, capped, table, capped.microbatches[0])
     try:
         obj, _, ti, si = evaluate(bin_of, m, tokens, tiles, capped, table)

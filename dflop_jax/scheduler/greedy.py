@@ -47,28 +47,40 @@ def candidate_counts(problem: ScheduleProblem, n: int) -> list[int]:
 
 
 def lpt_assign(
-    tokens: np.ndarray, tiles: np.ndarray, m: int, problem: ScheduleProblem, rows: bool = False
+    tokens: np.ndarray,
+    tiles: np.ndarray,
+    m: int,
+    problem: ScheduleProblem,
+    rows: bool = False,
+    frames: np.ndarray | None = None,
 ) -> np.ndarray:
     """Vector LPT. Returns bin_of [N] with bins k * l_dp + r. `rows`: balance each bin's (row's)
-    tiles rather than each microbatch's."""
+    tiles rather than each microbatch's. `frames`: a third load per bin, audio frames
+    (`audio_packing.py`). Each load is normalized by its mean per bin (tiles: per microbatch
+    without `rows`); samples go in decreasing order of their summed normalized sizes, each to the
+    bin whose largest normalized load after it is smallest (ties: the lower token load, then the
+    lower bin)."""
     ldp = problem.llm_dp
     nb = m * ldp
+    frames = np.zeros_like(tokens) if frames is None else frames
     tok_t = max(tokens.sum() / nb, 1.0)
     tile_t = max(tiles.sum() / (nb if rows else m), 1.0)
-    key = tokens / tok_t + tiles / tile_t
+    audio_t = max(frames.sum() / nb, 1.0)
+    key = tokens / tok_t + tiles / tile_t + frames / audio_t
     order = np.lexsort((np.arange(len(tokens)), -key))
-    tok_load = np.zeros(nb)
+    tok_load, audio_load = np.zeros(nb), np.zeros(nb)
     tile_load = np.zeros(nb if rows else m)
     tile_bin = np.arange(nb) if rows else np.arange(nb) // ldp  # the tile load each bin adds to
     bin_of = np.empty(len(tokens), dtype=np.int64)
     for i in order:
-        score = np.maximum(
-            (tok_load + tokens[i]) / tok_t, (tile_load[tile_bin] + tiles[i]) / tile_t
-        )
+        score = np.maximum.reduce([(tok_load + tokens[i]) / tok_t,
+                                   (tile_load[tile_bin] + tiles[i]) / tile_t,
+                                   (audio_load + frames[i]) / audio_t])  # fmt: skip
         # tie-break on the token load so equal scores spread over shards
         b = int(np.lexsort((tok_load, score))[0])
         bin_of[i] = b
         tok_load[b] += tokens[i]
+        audio_load[b] += frames[i]
         tile_load[tile_bin[b]] += tiles[i]
     return bin_of
 

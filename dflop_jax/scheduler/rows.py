@@ -82,11 +82,7 @@ def _spill(bin_of, m, tokens, tiles, ldp, table) -> None:
             if not room.any() or tiles[i] == 0:
                 continue
             c = int(np.flatnonzero(room)[np.argmin(t_load[room])])
-            bin_of[i] = c
-            t_load[b] -= tiles[i]
-            t_load[c] += tiles[i]
-            s_load[b] -= tokens[i]
-            s_load[c] += tokens[i]
+            _apply([(i, c)], bin_of, tokens, tiles, ldp, t_load, s_load)
 
 
 _MOVE_BUDGET = 2000  # sample moves per call: a deterministic bound on the pass's time
@@ -141,17 +137,18 @@ def _moves_under(bin_of, k, tokens, tiles, ldp, t_load, s_load, caps_t, caps_s, 
     return out
 
 
-def _apply(moves, bin_of, tokens, tiles, ldp, t_load, s_load, count) -> None:
-    """Each (sample, bin) of `moves` in turn, in place: the sample's bin and the bins' loads and
-    the microbatches' sample counts."""
+def _apply(moves, bin_of, tokens, tiles, ldp, t_load, s_load, count=None) -> None:
+    """Each (sample, bin) of `moves` in turn, in place: the sample's bin and the bins' loads (and
+    the microbatches' sample counts, where kept)."""
     for i, c in moves:
         t_load[bin_of[i]] -= tiles[i]
         s_load[bin_of[i]] -= tokens[i]
-        count[bin_of[i] // ldp] -= 1
+        if count is not None:
+            count[bin_of[i] // ldp] -= 1
+            count[c // ldp] += 1
         bin_of[i] = c
         t_load[c] += tiles[i]
         s_load[c] += tokens[i]
-        count[c // ldp] += 1
 
 
 def _ordered_members(where, b, tiles, excess):
