@@ -281,7 +281,7 @@ def real_part(rounds: int) -> dict:
     x = jax.ShapeDtypeStruct((1, r["tokens"], hidden), jnp.bfloat16, sharding=stage.x_sharding)
     jits = stage.jits
     with jax.set_mesh(mesh):  # traced, not compiled
-        y, kept = jax.eval_shape(jits.forward_residuals, stage.leaves, x, side)
+        y, kept = jax.eval_shape(jits.forward_residuals, stage.compute_leaves, x, side)
         accs = jax.eval_shape(jits.zeros.jit, stage.leaves)
     gx = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stage.x_sharding)
 

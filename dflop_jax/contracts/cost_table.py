@@ -4,7 +4,7 @@ The profiler writes it, `dflop_jax.costs.measured.MeasuredCostProvider` reads it
 two, so pure Python that imports nothing from dflop_jax.
 JSON, indented, one entry per line-group, e.g.:
 
-    {"version": 1, "device_kind": "cpu", "platform": "cpu", "device_count": 8,
+    {"version": 2, "device_kind": "cpu", "platform": "cpu", "device_count": 8,
      "jax_version": "0.10.2", "flax_version": "0.12.8", "config_hash": "3f2a...", "code_version": "9c1e...",
      "model": "tiny", "settings": {"warmup": 2, "runs": 5, "compute_dtype": "float32"},
      "entries": [{"kind": "llm_layers", "tp": 1, "bucket": 256, "layers": 1, "status": "ok",
@@ -51,7 +51,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
 LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
 STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
@@ -87,6 +87,9 @@ class CostEntry:
         "bytes accessed" (per device for sharded programs).
       memory_fwd, memory_bwd: `compiled.memory_analysis()` bytes per device (MEMORY_FIELDS).
       param_bytes: parameter bytes per device (fp32 masters, sharded by tp).
+      copy_bytes: bytes per device of the parameters' compute-dtype copies, which the stage holds
+        beside the masters and its programs take in their place (0: the programs take the masters,
+        at fp32 compute).
       input_bytes: bytes per device of the program's stage input (x and the side arrays).
       length: tokens of the packed row of a colocated kind's program (0 for the other kinds).
       grad_bytes: bytes per device of the program's gradient accumulator (its trained leaves, per
@@ -113,11 +116,18 @@ class CostEntry:
     memory_fwd: dict[str, float] = dataclasses.field(default_factory=dict)
     memory_bwd: dict[str, float] = dataclasses.field(default_factory=dict)
     param_bytes: float = 0.0
+    copy_bytes: float = 0.0
     input_bytes: float = 0.0
     length: int = 0
     grad_bytes: float | None = None
     residual_bytes: float = 0.0
     compile_s: float = 0.0
+
+    @property
+    def program_param_bytes(self) -> float:
+        """Bytes per device of the parameters as the programs take them (the copies, else the
+        masters): the part of a program's peak that is held parameters."""
+        return self.copy_bytes or self.param_bytes
 
     @property
     def accumulator_bytes(self) -> float:

@@ -56,6 +56,9 @@ class DeviceSpec:
         embedding, a head) of a stage's programs for one shape (forward and backward together):
         what `costs/compile.py` prices a plan's programs at when no measured table gives it.
       small_compile_s: nominal seconds per small program (a transfer, an optimizer step's glue).
+      dot_bytes: bytes per weight element its matmuls read of bf16 weights: None, the compute
+        dtype's (GPUs run bf16 dots natively); 4 on XLA:CPU, which upcasts them to f32 (what a
+        frozen layer loop holds: `costs.memory.frozen_weight_bytes`).
     """
 
     name: str
@@ -70,6 +73,7 @@ class DeviceSpec:
     collective_latency_s: float = 0.0
     compile_block_s: float = 1.5
     small_compile_s: float = 0.2
+    dot_bytes: int | None = None
 
     def __post_init__(self):
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_host_bandwidth",
@@ -120,6 +124,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
             100e-6,
             compile_block_s=1.0,
             small_compile_s=0.1,
+            dot_bytes=4,
         ),  # fmt: skip
     )
 }

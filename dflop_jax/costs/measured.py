@@ -208,6 +208,8 @@ class MeasuredCostProvider:
         if trainable is not None:
             self._set_recipe(trainable)
         self._transfer = AnalyticCostProvider(arch, device)
+        # the profiled programs' compute dtype: the bytes of the weight copies an update makes
+        self.compute_bytes = 4 if self.table.settings.get("compute_dtype") == "float32" else 2
         self._curves: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._sources: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._warned: set[tuple[str, int]] = set()
@@ -223,17 +225,18 @@ class MeasuredCostProvider:
             rows = []
             for b in buckets:
                 e = self.table.get(kind, tp, b, layers)
-                params = e.param_bytes
+                params = e.param_bytes + e.copy_bytes  # held: the masters and their copies
+                taken = e.program_param_bytes  # a program's share of them
                 # the program the part runs: its backward, or its forward when it has none
                 peak = (e.memory_bwd or e.memory_fwd).get("peak", 0.0)
-                temp = max(0.0, peak - params - e.accumulator_bytes - e.input_bytes)
+                temp = max(0.0, peak - taken - e.accumulator_bytes - e.input_bytes)
                 forward_temp = 0.0
                 if e.residual_bytes:  # a saving pair: each program's transient beyond the state,
                     # the input and the residuals, both kept unclamped (linear in the layers); the
                     # larger one counts (`_measured_part`), as `compile_check` assembles a stage
                     kept = e.residual_bytes
-                    temp = peak - params - e.accumulator_bytes - kept
-                    forward_temp = e.memory_fwd.get("peak", 0.0) - params - e.input_bytes - kept
+                    temp = peak - taken - e.accumulator_bytes - kept
+                    forward_temp = e.memory_fwd.get("peak", 0.0) - taken - e.input_bytes - kept
                 rows.append([e.fwd_s, e.bwd_s, params, e.input_bytes, temp, e.residual_bytes,
                              forward_temp])  # fmt: skip
             self._curves[key] = (

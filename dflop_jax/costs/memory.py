@@ -1,8 +1,9 @@
 """Per-device memory of a pipeline stage, as the runtime holds it: state, in-flight inputs, transient.
 
 State, per parameter, sharded by tensor parallelism (matrices split over tp, norms replicated): fp32
-parameters that double as the master copy (4 B, replicated over data parallelism; the models keep
-`param_dtype=float32` and cast to the compute dtype inside each program), the fp32 gradient
+master parameters (4 B, replicated over data parallelism) and their compute-dtype copies (2 B at
+bf16), which every program takes in their place (cast once per step by the optimizer's update:
+`programs/stage_program.py`), the fp32 gradient
 accumulator (4 B: each device holds its own data replica's sum, reduced once per step), AdamW m and v
 (8 B, ZeRO-1: sharded over the stage's dp, `programs/zero1_layout.py`; a leaf no axis of which divides is
 padded to a multiple, so 8 / dp holds up to that padding).
@@ -23,8 +24,8 @@ microbatch's input (the one a forward reads) is alive, in the transient.
 Transient (`temp`): one microbatch's training program on top of that: the residuals saved for
 backward (all layers' without remat; with remat each layer's input, or under "dots" also its matmul
 outputs, plus one layer rebuilt at a time), the incoming gradient dy and outgoing dx, one loss
-chunk's logits on the last stage, and per parameter the compute-dtype weight copy, its gradient in
-the compute dtype and that gradient's fp32 form (`weight_transient_bytes`: 8 B at bf16). The
+chunk's logits on the last stage, and per trained parameter its gradient in the compute dtype and
+that gradient's fp32 form (`weight_transient_bytes`: 6 B at bf16). The
 backward from saved residuals cannot free them (they are its arguments): without remat it holds
 one layer's cotangents on top (`_workspace`; with remat they reuse the rebuilt layer's space).
 
@@ -65,22 +66,21 @@ By attention implementation (`attention_impl`, `models.attention`; `attention_tr
   layer). The "cudnn" figures are reasoned from jax's source, not measured (no GPU has run them).
   The encoder stage prices the decoder's implementation (the provider holds one): Pallas's partials
   where the vision tower runs cuDNN beside a Pallas decoder, an overstatement.
-Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters stay, but they get no
-gradient accumulator and no optimizer state, and the program holds only a weight copy (no weight
-gradient), in the dtype the backend's dots read (`dot_bytes`). On an accelerator that is the compute
-dtype (a GPU runs bf16 dots natively: 2 B per parameter; reasoned from the HLO, not measured on a GPU).
-XLA:CPU has no bf16 dot: it rounds the weights to bf16 and converts them back to f32, and what the
-layer loop's dots (the backward's transposed ones included) read is an f32 stack of every layer's
-weights (`convert(convert(concatenate))`, f32[L, ...] in the buffer assignment) plus one layer's f32
-slice in the loop body: `dot_bytes=CPU_DOT_BYTES` (4), measured 4.0 B per frozen layer parameter on a
-dx-only Qwen2.5-7B-width stage at tp 1 (4.1 at tp 4; tests/profiling/test_profiling_compile_check.py,
-docs/benchmarks.md). The LM head's copy stays in the compute dtype on CPU too, and a frozen token
-embedding read only by its gather holds no copy at all (measured on CPU: the gather converts the rows
-it reads). The trained parameters' 8 B above are not split by backend (XLA:CPU measures ~6 B per layer
-parameter there: the f32 weight stack and the bf16 gradient stack, the fp32 form fused into the
-accumulator add). A forward-only stage keeps no stage input for a backward
-(`activations_per_microbatch` 0) and no residuals: its transient is one layer's activations at a time,
-its input and the weight copies. An encoder head stage training only its projector keeps no residuals
+Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters and copies stay, but
+they get no gradient accumulator and no optimizer state, and the program holds nothing more for them
+where the backend's dots read the compute dtype (`dot_bytes`; a GPU runs bf16 dots natively,
+reasoned from the HLO, not measured on a GPU). XLA:CPU (`DeviceSpec.dot_bytes` 4) has no bf16 dot:
+it converts the weights to f32, and what the layer loop's transposed dots in a dx-only backward read
+is an f32 stack of every layer's weights (f32[L, ...] in the buffer assignment) plus one layer's f32
+slice in the loop body, measured 4.0 B per frozen layer parameter on a dx-only Qwen2.5-7B-width
+stage at tp 1 (tests/profiling/test_profiling_compile_check.py); a forward-only program converts one
+layer's slice at a time. The other frozen weights a dot reads (the LM head) XLA:CPU lays out anew in
+the compute dtype (measured: the whole dx-only stage's transient is the model's within 10%), while a
+frozen token embedding read only by its gather is read in place. The trained parameters' 6 B above
+are not split by backend (XLA:CPU's f32 weight stack and bf16 gradient stack are 6 B too).
+A forward-only stage keeps no stage input for a backward
+(`activations_per_microbatch` 0) and no residuals: its transient is one layer's activations at a time
+and its input (and on XLA:CPU the weights it converts). An encoder head stage training only its projector keeps no residuals
 of its frozen layers (one layer's at a time while they are recomputed). No input gradient (dx, or the image features'
 gradient on the first LLM stage) is held where the stage input needs none.
 `python -m dflop_jax.plan --check` compares these terms with the compiled programs
@@ -172,7 +172,8 @@ def state_bytes(num_params: float, dp: int = 1) -> tuple[float, float, float]:
 
 
 def weight_copy_bytes(num_params: float, compute_bytes: int) -> float:
-    """Bytes of the compute-dtype weight casts autodiff saves per in-flight microbatch."""
+    """Bytes of `num_params` parameters' compute-dtype copies (none when the compute dtype is the
+    masters' fp32)."""
     return num_params * compute_bytes if compute_bytes < PARAM_BYTES else 0.0
 
 
@@ -287,9 +288,10 @@ def remat_policy(remat: bool | str) -> str:
 
 
 def weight_transient_bytes(num_params: float, compute_bytes: int) -> float:
-    """Bytes per parameter the training program holds while it runs: the compute-dtype copy of the
-    weights, their gradient in the compute dtype, and its fp32 form added into the accumulator."""
-    return num_params * ((2 * compute_bytes + F32) if compute_bytes < F32 else F32)
+    """Bytes per trained parameter the training program holds while it runs: the weights'
+    gradient in the compute dtype and its fp32 form added into the accumulator (the program takes
+    the weights as their resident compute-dtype copies: no cast of its own)."""
+    return num_params * ((compute_bytes + F32) if compute_bytes < F32 else F32)
 
 
 def _held(
@@ -356,20 +358,22 @@ def frozen_weight_bytes(
     compute_bytes: int,
     dot_bytes: int | None = None,
     gathered: float = 0.0,
+    backward: bool = True,
 ) -> float:
-    """Bytes the program holds for `num_params` frozen parameters, `layers` x `layer_params` of them
-    in its layer loop and `gathered` of them a table only a gather reads (a frozen untied token
-    embedding: the gather converts the rows it reads, no copy of the table): their compute-dtype copy,
-    the loop's stacked weights in the dtype its dots read (`dot_bytes`, default the compute dtype)
-    and, where that is an upcast (XLA:CPU), one layer's converted slice in the loop body too (module
-    docstring)."""
+    """Bytes the program holds for `num_params` frozen parameters beyond their resident
+    compute-dtype copies: `layers` x `layer_params` of them in its layer loop and `gathered` of them
+    a table only a gather reads. Nothing where the backend's dots read the compute dtype
+    (`dot_bytes`, default the compute dtype: the program reads the copies as they are). Where they
+    read an upcast (XLA:CPU): one layer's converted slice in the loop body, and with a `backward`
+    (dx) the loop's whole stack in that dtype, which its transposed dots read; and a compute-dtype
+    copy of the other weights a dot reads (XLA:CPU lays them out anew for its dots; a gathered
+    table is read in place). Module docstring."""
     dot = compute_bytes if dot_bytes is None else dot_bytes
-    num_params -= gathered
     if dot <= compute_bytes:
-        return weight_copy_bytes(num_params, compute_bytes)
-    loop = layers * layer_params  # a rounded copy even at f32: convert(convert(w))
-    held = (loop + layer_params) * dot if layers else 0.0
-    return weight_copy_bytes(num_params - loop, compute_bytes) + held
+        return 0.0
+    loop = layers * layer_params
+    held = ((loop if backward else 0.0) + layer_params) * dot if layers else 0.0
+    return weight_copy_bytes(num_params - gathered - loop, compute_bytes) + held
 
 
 def _state(
@@ -379,13 +383,14 @@ def _state(
     cb: int,
     loop: tuple[int, float, float],
     dot_bytes: int | None,
+    backward: bool = True,
 ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, weight transient) bytes: frozen parameters keep their fp32 copy and
-    their weight copy for the dots, nothing else."""
+    """(params, grads, optimizer, weight transient) bytes: every parameter keeps its fp32 master
+    and its compute-dtype copy; frozen ones nothing else but what the dots read (`dot_bytes`)."""
     params, grads, optimizer = state_bytes(n_trained, dp)
-    params += n_frozen * PARAM_BYTES
+    params += n_frozen * PARAM_BYTES + weight_copy_bytes(n_trained + n_frozen, cb)
     layers, layer, gathered = loop
-    frozen = frozen_weight_bytes(n_frozen, layers, layer, cb, dot_bytes, gathered)
+    frozen = frozen_weight_bytes(n_frozen, layers, layer, cb, dot_bytes, gathered, backward)
     return params, grads, optimizer, weight_transient_bytes(n_trained, cb) + frozen
 
 
@@ -407,8 +412,10 @@ def _memory(
     residual bytes each in-flight microbatch keeps from its forward to its backward, which `temp`
     counts as the recomputing backward's; None where the stage keeps its input instead ("recompute",
     the last stage's fused program). A forward-only stage holds its input only while it runs."""
-    params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes)
-    if role.kind == "forward":
+    forward = role.kind == "forward"
+    params, grads, optimizer, weights = _state(trained, frozen, dp, cb, loop, dot_bytes,
+                                               not forward)  # fmt: skip
+    if forward:
         return StageMemory(params, grads, optimizer, 0.0, temp + inputs + weights)
     if held is None:
         return StageMemory(params, grads, optimizer, inputs, temp + weights, residuals=residuals)

@@ -78,6 +78,7 @@ class CostProvider(Protocol):
     name: str
     device: DeviceSpec
     arch: MLLMArch
+    compute_bytes: int  # bytes per element of the programs' compute dtype (2: bf16, 4: fp32)
 
     def stage_time(self, stage: StageSpec, bucket: int) -> tuple[float, float]:
         """(forward seconds, backward seconds)."""
@@ -306,6 +307,7 @@ class AnalyticCostProvider:
                 self.compute_bytes,
                 self.flash_attention,
                 self.trainable,
+                dot_bytes=self.device.dot_bytes,
                 residuals=residuals,
                 attention_impl=self.attention_impl,
             )

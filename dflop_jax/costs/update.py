@@ -11,7 +11,8 @@ no accumulator and cost nothing here), dp its data replicas and L the device's c
             (2 L); no stage applies its update before every stage's reduce has ended;
   apply   = AdamW on the shard (reads param, gradient, m, v, writes param, m, v: 28N / dp bytes at
             memory bandwidth), then the ring all-gather of the new fp32 params into the stage
-            sharding: (dp - 1) / dp x 4N bytes + (dp - 1) L.
+            sharding: (dp - 1) / dp x 4N bytes + (dp - 1) L, and their compute-dtype copies for the
+            next step's programs (read 4N, write 2N bytes at bf16: `programs/stage_program.py`).
 
 The dp group's bandwidth: intra-host when the stage's devices sit on one host (stages on consecutive
 device ids, as `stage_crosses_host` places them), else inter-host (a NIC per device: the ring's slowest
@@ -53,7 +54,10 @@ def stage_update_time(
     if not trained:
         return 0.0, 0.0
     reduce = ring * trained * GRAD_BYTES + steps + trained * GRAD_BYTES / dp / dev.memory_bandwidth
+    cb = provider.compute_bytes
+    cast = trained * (PARAM_BYTES + cb) / dev.memory_bandwidth if cb < PARAM_BYTES else 0.0
     apply = trained * ADAMW_BYTES / dp / dev.memory_bandwidth + ring * trained * PARAM_BYTES + steps
+    apply += cast
     return reduce, apply
 
 

@@ -308,7 +308,7 @@ def compile_part(part: str, prog: PartProgram) -> PartCheck:
     compiled = forward if prog.bwd is None else compiled
     total = program_bytes(compiled)  # the backward holds the memory
     params, grads, optimizer, inputs = _state_and_inputs(prog)
-    transient = total - params - grads - inputs
+    transient = total - per_device_bytes(prog.params_abs) - grads - inputs
     # the forward's count from its compiled program (an uncompiled lowering counts what XLA drops)
     fwd = program_flops(forward)
     bwd = 0.0 if prog.bwd is None else program_flops(compiled)
@@ -327,8 +327,9 @@ def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     seconds = time.perf_counter() - t0
     params, grads, optimizer, inputs = _state_and_inputs(prog)
     residuals = held_residual_bytes(prog, fwd)
-    forward = program_bytes(fwd) - params - inputs - residuals  # y and temporaries
-    backward = program_bytes(bwd) - params - grads - residuals  # dy, dx and temporaries
+    taken = per_device_bytes(prog.params_abs)  # the weights the programs take: their copies
+    forward = program_bytes(fwd) - taken - inputs - residuals  # y and temporaries
+    backward = program_bytes(bwd) - taken - grads - residuals  # dy, dx and temporaries
     return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,
                      inputs, max(forward, backward), seconds, residuals, program_flops(fwd),
                      program_flops(bwd))  # fmt: skip
@@ -343,10 +344,11 @@ def program_flops(program) -> float:
 
 
 def _state_and_inputs(prog: PartProgram) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, inputs of one microbatch) of `prog`, bytes per device."""
-    params = per_device_bytes(prog.params_abs)
+    """(params, grads, optimizer, inputs of one microbatch) of `prog`, bytes per device; params:
+    the fp32 masters and the compute-dtype copies the programs take (`PartProgram.copy_bytes`)."""
+    params = per_device_bytes(prog.masters) + prog.copy_bytes
     grads = per_device_bytes(prog.gacc_abs)  # the trained leaves' accumulator
-    optimizer = 2 * per_device_bytes(_zero1(prune(prog.params_abs, prog.trained)))  # m and v
+    optimizer = 2 * per_device_bytes(_zero1(prune(prog.masters, prog.trained)))  # m and v
     return params, grads, optimizer, per_device_bytes((prog.x_abs, prog.side_abs))
 
 

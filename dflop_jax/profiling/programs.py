@@ -66,6 +66,7 @@ from dflop_jax.programs.stage_builder import (
 )
 from dflop_jax.programs.stage_fns import boundary_shape, signature
 from dflop_jax.programs.stage_jits import stage_jits
+from dflop_jax.programs.trees import compute_structs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +77,15 @@ class PartProgram:
       mesh: the (1, tp) mesh the programs run on.
       fwd: fwd(params, x, side); bwd: bwd(params, x, side, seed, gacc) with `gacc` donated, None when
         the part runs forward only under its recipe.
-      params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments; x_abs
+      params_abs, x_abs, side_abs, seed_abs, gacc_abs: abstract (ShapeDtypeStruct with sharding) arguments
+        (params_abs: the parameters' compute-dtype copies, as the trainer's programs take them); x_abs
         is None when the part takes no activation (the encoder embedding reads its tiles from side);
         seed_abs is the backward's seed: gy = dL/dy for inner parts, the loss normalizer for the head;
         gacc_abs the per-replica gradient accumulator's buffers (`programs.accumulator`).
       make_params(rng): real (random) sharded params; make_inputs(rng) -> (x, side, seed) real arrays.
       trained: bool per leaf of params_abs, whether the recipe trains it (None: all).
       jits: all the stage's programs (`programs.stage_jits.StageJits`), e.g. the residual-saving pair.
+      master_abs: the fp32 master parameters the stage holds beside `params_abs` (None: the same).
     """
 
     mesh: Mesh
@@ -97,6 +100,19 @@ class PartProgram:
     make_inputs: Callable[[np.random.Generator], tuple]
     trained: Any = None
     jits: Any = None
+    master_abs: Any = None
+
+    @property
+    def masters(self) -> Any:
+        """The fp32 master parameters' structs (`master_abs`, else `params_abs`)."""
+        return self.params_abs if self.master_abs is None else self.master_abs
+
+    @property
+    def copy_bytes(self) -> float:
+        """Bytes per device of the compute-dtype weight copies the stage holds beside its masters:
+        the leaves its programs take in another dtype than the masters' (none at fp32 compute)."""
+        pairs = zip(jax.tree.leaves(self.params_abs), jax.tree.leaves(self.masters))
+        return per_device_bytes([c for c, m in pairs if c.dtype != m.dtype])
 
 
 def profile_mesh(devices, tp: int) -> Mesh:
@@ -346,6 +362,7 @@ def stage_program(
                  audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
     role = stage_role(spec, trainable, has_encoder(model_cfg), colocated=colocated, **audio)
     jits = stage_jits(mesh, bp.fns, bp.state, compute_dtype, mask, role, residuals)
+    copies = compute_structs(bp.state, compute_dtype)  # what the trainer's programs take
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)
@@ -364,7 +381,7 @@ def stage_program(
         seed_abs = jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar)
     else:
         with jax.set_mesh(mesh):
-            y = jax.eval_shape(jits.forward, bp.state, x_abs, side_abs)
+            y = jax.eval_shape(jits.forward, copies, x_abs, side_abs)
         seed_abs = jax.ShapeDtypeStruct(
             y.shape, y.dtype, sharding=NamedSharding(mesh, bp.fns.y_spec)
         )
@@ -374,16 +391,16 @@ def stage_program(
         def leaf(a):
             return jax.device_put((0.02 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding)
 
-        return jax.tree.map(leaf, bp.state)
+        return jax.tree.map(leaf, copies)
 
     def make_inputs(rng: np.random.Generator):
         _fill(batch, model_cfg, rng)
         side = {k: jax.device_put(batch[k], a.sharding) for k, a in side_abs.items()}
         return _random(x_abs, rng), side, _random(seed_abs, rng)
 
-    return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, bp.state, x_abs,
+    return PartProgram(mesh, jits.forward, jits.last if head else jits.backward, copies, x_abs,
                        side_abs, seed_abs, list(jits.accumulator.structs), make_params,
-                       make_inputs, mask, jits)  # fmt: skip
+                       make_inputs, mask, jits, bp.state)  # fmt: skip
 
 
 def compile_residual_programs(prog: PartProgram) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:

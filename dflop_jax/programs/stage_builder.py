@@ -530,12 +530,13 @@ def build_stages(
         `check_colocated`).
       meshes: one mesh per stage (`programs.meshes.stage_meshes`).
       source: an int seed or an HF model directory (see `init_stage`).
-      compute_dtype: dtype the stage programs compute in (params cast inside the program).
+      compute_dtype: dtype the stage programs compute in (they take the params' copies in it).
       trainable: the parts trained (`optimizer.trainable`); a frozen leaf gets no gradient, and each
         stage runs as its role says (`costs.recipe.stage_role`: trained, dx-only or forward-only).
       residuals: each stage's residual policy (`contracts.cost_table.RESIDUAL_POLICIES`; None: "recompute"
         everywhere); a "layers" stage is built with layer remat ("full") whatever `model_cfg` says.
-      store: this process's executable store, if any (`init_stage`).
+      store: this process's executable store, if any (`init_stage`, and the cast making the
+        weights' compute-dtype copies: `StageProgram`).
     """
     residuals = ["recompute"] * layout.num_stages if residuals is None else list(residuals)
     if len(residuals) != layout.num_stages:
@@ -596,6 +597,7 @@ def build_stages(
             trained=mask,
             role=role,
             residuals=policy,
+            store=store,
         )  # fmt: skip
         for bp, mesh, mask, role, policy in zip(blueprints, meshes, masks, roles, residuals)
     ]

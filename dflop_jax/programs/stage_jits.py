@@ -19,7 +19,7 @@ treedef (its linear program) stays in a table of the jit, keyed by the input sig
 and the backward program (`backward_residuals`, that signature a static argument) rebuilds the
 function from it and the residuals and applies it: no forward runs again. Residual leaves that are the
 compute-dtype weight copies are not returned (1F1B would hold a copy per in-flight microbatch); the
-backward casts the params again. "layers" is the same pair of programs over a stage built with layer
+backward takes the params again (the copies themselves, as the trainer calls it). "layers" is the same pair of programs over a stage built with layer
 remat, whose residuals are the layer inputs (each layer's forward rebuilt inside the backward). The
 driver holds each microbatch's residuals (`Held`) from its forward to its backward. The last stage
 fuses forward, loss and backward in one program under every policy.
@@ -45,8 +45,11 @@ reduction (a sum over that axis, reduce-scattered into the ZeRO-1 optimizer's sh
 `runtime/train_state.py`'s. JAX's reduced/unreduced sharding types would say the same without the
 extra axis, but need Explicit mesh axes, which the models' Auto-axis meshes are not (DESIGN 11).
 
-Compute dtype: params (and a floating `x`) are cast to `compute_dtype` inside the program, so gradients
-w.r.t. the fp32 masters come back in fp32; side arrays enter as the data layer packs them.
+Compute dtype: the trainer's programs take the params as their compute-dtype copies, cast once per
+step (`programs/stage_program.py`); a floating `x`, and params given in another floating dtype (the
+fp32 masters, as tests and tools may call a program), are cast to `compute_dtype` inside. Either way
+the gradient is the compute-dtype one, added into the fp32 accumulator (`Accumulator.add` upcasts
+it, which is the cast's transpose); side arrays enter as the data layer packs them.
 
 Multi-process runs: a stage whose mesh has no device of this process is NON-LOCAL (`local` False):
 nothing of it is compiled or dispatched here; the driver only needs the shapes of its outputs
@@ -161,7 +164,8 @@ def stage_jits(
     Args:
       mesh: the stage's ("data", "model") mesh.
       fns: the stage's pure functions.
-      params: the fp32 parameters, arrays or ShapeDtypeStructs, each with a NamedSharding.
+      params: the parameters, arrays or ShapeDtypeStructs, each with a NamedSharding (their
+        shapes and shardings; the programs take them in any floating dtype, module docstring).
       compute_dtype: dtype the programs compute in (params and a floating `x` are cast inside).
       trained: bool per parameter leaf, whether it gets a gradient (None: all); the others are
         frozen (no accumulator, no weight gradient computed).
@@ -464,7 +468,8 @@ def _eval_loss(stage: _Stage) -> LeafProgram:
 # (the linear program) stays in the table both programs share (`vjps`: signature -> (vjp treedef,
 # weight-copy slot per leaf, x dtype)), per input signature, from the forward's trace. Residual
 # leaves that ARE a weight copy are not returned (1F1B would hold one copy per in-flight
-# microbatch): the backward casts the params again, a cheap elementwise op.
+# microbatch): the backward takes the params again (the trainer's copies: no cast; fp32 masters
+# given: a cheap elementwise cast).
 
 
 def _forward_saving_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafProgram:
@@ -506,7 +511,7 @@ def _forward_saving_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafPr
 
 def _backward_from_residuals(stage: _Stage, vjps: dict[tuple, tuple]) -> LeafProgram:
     """`StageJits.backward_residuals`: the vjp rebuilt from `vjps`' treedef of the forward's
-    signature and the saved residuals (the weight copies cast again) and applied; no forward."""
+    signature and the saved residuals (the weight copies taken again) and applied; no forward."""
     c = stage
 
     def backward_from_residuals(params, kept, gy, gacc, sig):

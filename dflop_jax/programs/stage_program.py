@@ -12,6 +12,16 @@ nothing of it is compiled or dispatched here; the driver only needs the shapes o
 (`output_struct`, a trace without compilation) to take part in transfers from it. Between a
 forward and its backward an in-flight microbatch keeps `Held`: its residuals (saving policies) or
 its input (recompute).
+
+Weights cast once per step: beside the fp32 master parameters (`params`, `leaves`: what the
+optimizer updates and checkpoints save) a stage keeps their compute-dtype copies (`compute_leaves`:
+each floating leaf in `compute_dtype`, `programs.trees.is_cast`), and every stage program takes
+those. The optimizer's update makes the trained leaves' copies from the new masters in the same
+program (`runtime/train_state.py`); a frozen leaf's copy is made once, when the params are set
+(`cast`, one program per stage). So a step casts each weight once, not once per microbatch program,
+and a program computes exactly what it computed casting inside: the gradient w.r.t. a copy is the
+one w.r.t. its master before the cast's transpose (an upcast), which the accumulator applies
+(`Accumulator.add`). The copies cost `compute_dtype` bytes per parameter, held for the run.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflop_jax.costs.recipe import ALL_TRAIN, StageRole
 from dflop_jax.programs.dispatch import STAGE, issue
+from dflop_jax.programs.executable_store import ExecutableStore, call_once
 from dflop_jax.programs.lowering import Lowering
 from dflop_jax.programs.stage_fns import (
     PyTree,
@@ -39,7 +50,7 @@ from dflop_jax.programs.stage_fns import (
 )
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.transfer import put_host
-from dflop_jax.programs.trees import all_trained
+from dflop_jax.programs.trees import all_trained, compute_structs, is_cast
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +80,8 @@ class StageProgram:
         `stage_jits`.
       residuals: what a microbatch keeps for its backward (`RESIDUAL_POLICIES`; "layers" expects
         `fns` built with layer remat, as `build_stages` does).
+      store: this process's executable store, if any: the cast program that makes the weights'
+        compute-dtype copies when the params are set comes from it (`call_once`).
     """
 
     def __init__(
@@ -81,17 +94,26 @@ class StageProgram:
         trained: PyTree | None = None,
         role: StageRole = ALL_TRAIN,
         residuals: str = "recompute",
+        store: ExecutableStore | None = None,
     ):
         self.mesh = mesh
         self.fns = fns
-        self.params = params
         self.compute_dtype = compute_dtype
         self.trained = all_trained(params) if trained is None else trained
-        # per parameter leaf (`leaves` order): trained or not
+        # per parameter leaf (`leaves` order): trained or not; taken as a compute-dtype copy or not
         self.trained_leaves = tuple(bool(k) for k in jax.tree.leaves(self.trained))
+        self.cast_leaves = tuple(is_cast(a, compute_dtype) for a in jax.tree.leaves(params))
         self.trains = any(self.trained_leaves)
         me = jax.process_index()
         self.local = any(d.process_index == me for d in mesh.devices.flat)
+        self._store = store
+        leaves = jax.tree.leaves(params)
+        casts = [a.sharding for a, c in zip(leaves, self.cast_leaves) if c]
+        # the copies of the cast leaves from their masters: when the params are set (`params`)
+        self._cast = jax.jit(
+            lambda masters: [a.astype(compute_dtype) for a in masters], out_shardings=casts
+        )
+        self.params = params
         self.role = role
         self.input_grad = role.input_grad and fns.x_spec is not None
         self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
@@ -124,25 +146,69 @@ class StageProgram:
 
     @property
     def params(self) -> PyTree:
-        """The fp32 parameters (a tree like the one given). The programs take them as `leaves`
-        (flattened once, when set: `set_leaves` after an update); the tree is rebuilt on reading."""
+        """The fp32 master parameters (a tree like the one given), kept as `leaves` (flattened
+        once, when set: `set_leaves` after an update); the tree is rebuilt on reading. Setting
+        them makes their compute-dtype copies (`compute_leaves`)."""
         if self._params is None:
             self._params = self._treedef.unflatten(self._leaves)
         return self._params
 
     @params.setter
     def params(self, value: PyTree) -> None:
+        leaves, self._treedef = jax.tree.flatten(value)
+        self.set_leaves(leaves)
         self._params = value
-        self._leaves, self._treedef = jax.tree.flatten(value)
 
     @property
     def leaves(self) -> list:
-        """The parameters' leaves (`jax.tree.leaves(params)` order), as the programs take them."""
+        """The master parameters' leaves (`jax.tree.leaves(params)` order)."""
         return self._leaves
 
-    def set_leaves(self, leaves: Sequence) -> None:
-        """Replaces the parameters by `leaves` (same order, shapes and shardings)."""
+    @property
+    def compute_leaves(self) -> list:
+        """What the programs take for the parameters, per leaf of `leaves`: its compute-dtype copy
+        where it is cast (`cast_leaves`), else the master itself (module docstring)."""
+        return self._compute
+
+    @property
+    def compute_params(self) -> PyTree:
+        """`compute_leaves` as a tree like `params`."""
+        return self._treedef.unflatten(self._compute)
+
+    def set_leaves(self, leaves: Sequence, copies: Sequence | None = None) -> None:
+        """Replaces the master parameters by `leaves` (same order, shapes and shardings) and their
+        compute-dtype copies by `copies`: one per trained cast leaf, in leaf order, as the
+        optimizer's update makes them (the frozen leaves' copies stay); None: every copy cast
+        from `leaves` here (`cast`, one program)."""
         self._leaves, self._params = list(leaves), None
+        if copies is None:
+            self._compute = self._copies(self._leaves)
+            return
+        it, old = iter(copies), self._compute
+        self._compute = [
+            (next(it) if t else c) if k else a
+            for a, c, k, t in zip(self._leaves, old, self.cast_leaves, self.trained_leaves)
+        ]
+
+    def drop_trained_copies(self) -> None:
+        """Lets go of the trained leaves' copies before the update makes new ones, so the device
+        never holds two (the programs still reading them keep them alive until they have run)."""
+        self._compute = [
+            None if k and t else c
+            for c, k, t in zip(self._compute, self.cast_leaves, self.trained_leaves)
+        ]
+
+    def _copies(self, leaves: list) -> list:
+        """Per leaf: the compute-dtype copy of a cast leaf, else the leaf itself; abstract
+        (ShapeDtypeStructs) on a non-local stage, whose params are."""
+        if not any(self.cast_leaves):
+            return list(leaves)
+        if not self.local or not isinstance(leaves[0], jax.Array):
+            return jax.tree.leaves(compute_structs(leaves, self.compute_dtype))
+        masters = [a for a, k in zip(leaves, self.cast_leaves) if k]
+        devices = list(self.mesh.devices.flat)
+        it = iter(call_once(self._cast, (masters,), devices, self._store))
+        return [next(it) if k else a for a, k in zip(leaves, self.cast_leaves)]
 
     @property
     def is_last(self) -> bool:
@@ -241,7 +307,7 @@ class StageProgram:
         key = self._record("shape", x, side)
         if key not in self._outputs:
             with jax.set_mesh(self.mesh):
-                out = jax.eval_shape(self.jits.forward, self._leaves, x, side)
+                out = jax.eval_shape(self.jits.forward, self._compute, x, side)
             self._outputs[key] = jax.ShapeDtypeStruct(
                 out.shape, out.dtype, sharding=self.y_sharding
             )
@@ -263,7 +329,7 @@ class StageProgram:
             if (kind, *sig) in self._signatures:
                 return
             self._record(kind, x, side)
-            out.append(self._lowering(kind, sig, jit.lower(self._leaves, *args), then))
+            out.append(self._lowering(kind, sig, jit.lower(self._compute, *args), then))
 
         with jax.set_mesh(self.mesh):
             if self.is_last:
@@ -284,7 +350,7 @@ class StageProgram:
                 _, kept = forward.out_info
                 self._signatures.add(("bwd_res", *sig))
                 with jax.set_mesh(self.mesh):
-                    bwd = self.jits.backward_residuals.lower(self._leaves, kept, y, accs, sig)
+                    bwd = self.jits.backward_residuals.lower(self._compute, kept, y, accs, sig)
                 return [self._lowering("bwd_res", sig, bwd)]
 
             if self.jits.forward_residuals is not None:
@@ -328,13 +394,13 @@ class StageProgram:
     def forward(self, x, side) -> jax.Array:
         """y of an inner stage (on the last stage: (loss_sum, count), without gradients)."""
         fwd = self._program("fwd", self._record("fwd", x, side), self.jits.forward.jit)
-        return issue(STAGE, self.mesh, fwd, self._leaves, x, side)
+        return issue(STAGE, self.mesh, fwd, self._compute, x, side)
 
     def eval_loss(self, x, side, totals: jax.Array) -> jax.Array:
         """Last stage, evaluation: `totals` + (loss sum, loss tokens) of the microbatch, without
         gradients; `totals` (float32[2], replicated on this mesh) is donated."""
         fn = self._program("eval", self._record("eval", x, side), self.jits.eval_loss.jit)
-        return issue(STAGE, self.mesh, fn, self._leaves, x, side, totals)
+        return issue(STAGE, self.mesh, fn, self._compute, x, side, totals)
 
     def forward_train(self, x, side) -> tuple[jax.Array, Held]:
         """y of an inner stage with a backward, and what its backward needs (`backward_from`): the
@@ -343,7 +409,7 @@ class StageProgram:
             return self.forward(x, side), Held(None, (x, side))
         sig = self._record("fwd_res", x, side)
         fwd = self._program("fwd_res", sig, self.jits.forward_residuals.jit)
-        y, kept = issue(STAGE, self.mesh, fwd, self._leaves, x, side)
+        y, kept = issue(STAGE, self.mesh, fwd, self._compute, x, side)
         return y, Held(sig, kept)
 
     def backward_from(self, held: Held, gy, gacc: list) -> tuple[jax.Array | None, list]:
@@ -358,9 +424,9 @@ class StageProgram:
             self._signatures.add(("bwd_res", *held.sig))
         compiled = self._compiled.get(key) if self._compiled else None
         if compiled is not None:  # compiled with the signature static: not an argument of its own
-            return issue(STAGE, self.mesh, compiled, self._leaves, held.values, gy, gacc)
+            return issue(STAGE, self.mesh, compiled, self._compute, held.values, gy, gacc)
         jit = self.jits.backward_residuals.jit
-        return issue(STAGE, self.mesh, jit, self._leaves, held.values, gy, gacc, held.sig)
+        return issue(STAGE, self.mesh, jit, self._compute, held.values, gy, gacc, held.sig)
 
     def backward(self, x, side, gy, gacc: PyTree) -> tuple[jax.Array | None, PyTree]:
         """Returns (dL/dx or None, gacc + dL/dparams) with the accumulator as a tree like the
@@ -372,7 +438,7 @@ class StageProgram:
         if self.jits.backward is None:
             raise RuntimeError("this stage runs forward only (nothing trained, no input gradient)")
         bwd = self._program("bwd", self._record("bwd", x, side), self.jits.backward.jit)
-        return issue(STAGE, self.mesh, bwd, self._leaves, x, side, gy, gacc)
+        return issue(STAGE, self.mesh, bwd, self._compute, x, side, gy, gacc)
 
     def forward_backward_loss(self, x, side, normalizer, gacc: list):
         """Last stage: returns (loss / normalizer, loss-token count, dL/dx or None, the
@@ -383,7 +449,7 @@ class StageProgram:
         norm = normalizer
         if not isinstance(normalizer, jax.Array):
             norm = put_host(np.float32(normalizer), NamedSharding(self.mesh, P()))
-        return issue(STAGE, self.mesh, last, self._leaves, x, side, norm, gacc)
+        return issue(STAGE, self.mesh, last, self._compute, x, side, norm, gacc)
 
 
 def _mask_signature(mask) -> tuple:

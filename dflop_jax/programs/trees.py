@@ -36,8 +36,24 @@ def all_trained(params: PyTree) -> PyTree:
     return jax.tree.map(lambda _: True, params)
 
 
+def is_cast(leaf, dtype) -> bool:
+    """Whether a leaf (array or ShapeDtypeStruct) in the compute dtype `dtype` is a cast copy: a
+    floating leaf of another dtype (integer leaves and leaves already in `dtype` stay as they are)."""
+    return jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.dtype(leaf.dtype) != jnp.dtype(dtype)
+
+
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
-    """Casts the floating leaves of `tree` to `dtype` (integer leaves untouched)."""
+    """Casts the floating leaves of `tree` to `dtype`; a leaf already in it is returned itself (no
+    op in a trace: a program given the compute-dtype copies casts nothing)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if is_cast(a, dtype) else a, tree)
+
+
+def compute_structs(tree: PyTree, dtype: jnp.dtype) -> PyTree:
+    """`tree`'s leaves (arrays or ShapeDtypeStructs with shardings) as ShapeDtypeStructs of the
+    copies the stage programs take: floating leaves in `dtype`, same shapes and shardings."""
     return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, dtype if is_cast(a, dtype) else a.dtype, sharding=a.sharding
+        ),
+        tree,
     )

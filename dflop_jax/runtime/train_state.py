@@ -21,11 +21,11 @@ sharded over "data", or its largest axis padded with zeros to a multiple when no
 makes that sum a reduce-scatter, or an all-reduce plus a slice on CPU), and the update computes AdamW
 on those shards with the moments stored sharded (and padded) the same way, each replica reading its
 slice of the replicated fp32 params, and all-gathers the new params (padding cut off) into their
-stage sharding for the next step's programs. `StageOptimizer.shards` is the live state;
+stage sharding for the next step's programs, with their compute-dtype copies, cast once here for the
+whole step (`programs/stage_program.py`). `StageOptimizer.shards` is the live state;
 `StageOptimizer.state` its unpadded, layout-independent form (what checkpoints save and restore).
-The fp32 params double as the master copy (the programs cast to the compute dtype inside), so
-ZeRO-1 here shards m and v: per device 4 (params) + 4 (accumulator) + 8 / dp bytes per parameter,
-not 16.
+The fp32 params are the master copy, so ZeRO-1 here shards m and v: per device 4 (params) + 2 (their
+bf16 copies) + 4 (accumulator) + 8 / dp bytes per parameter.
 
 Tied parameters (a tied embedding: the first LLM stage embeds with it, the last one projects with its
 own copy, `models.decoder`): one parameter held by several stages. `tied_groups` finds them (the same
@@ -241,13 +241,26 @@ class StageOptimizer:
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
         update = functools.partial(_guarded_update, self.tx, grad_layout,
                                    prune(padded, frozen), trained)  # fmt: skip
+        # the trained leaves the programs take as compute-dtype copies, in leaf order: the update
+        # makes their copies from the new masters (`StageProgram`: weights cast once per step)
+        leaves = jax.tree.leaves(ps)
+        mine = [(s, c) for s, c, t in zip(leaves, stage.cast_leaves, stage.trained_leaves) if t]
+        copies = [s for s, c in mine if c]
+        casts = [c for _, c in mine]
+
+        def update_and_cast(params, state, grads, stats):
+            new, new_state = update(params, state, grads, stats)
+            cd = stage.compute_dtype
+            return new, new_state, [p.astype(cd) for p, c in zip(jax.tree.leaves(new), casts) if c]
+
         update_program = LeafProgram(
-            update,
+            update_and_cast,
             (pt, st, gt, None),
-            (pt, st),
+            (pt, st, None),
             in_shardings=(prune(ps, trained), self.state_shardings, self.grad_shardings, scalar),
-            out_shardings=(prune(ps, trained), self.state_shardings),
+            out_shardings=(prune(ps, trained), self.state_shardings, copies),
             donate_argnums=(0, 1),
+            name="update",
         )
         return reduce, sq_norm_program, update_program
 
@@ -395,10 +408,11 @@ class StageOptimizer:
         leaves, mask = stage.leaves, stage.trained_leaves
         trained = [a for a, k in zip(leaves, mask) if k]
         args = (trained, self.shard_leaves, jax.tree.leaves(grads), stats)
-        new, state = issue(UPDATE, stage.mesh, self._update.run, *args)
+        stage.drop_trained_copies()
+        new, state, copies = issue(UPDATE, stage.mesh, self._update.run, *args)
         self._shards, self.shard_leaves = None, state
         it = iter(new)
-        stage.set_leaves([next(it) if k else a for a, k in zip(leaves, mask)])
+        stage.set_leaves([next(it) if k else a for a, k in zip(leaves, mask)], copies)
 
 
 def _masked(x) -> bool:

@@ -17,6 +17,7 @@ class _Stub:
 
     arch = get_arch("siglip-so400m+qwen2.5-7b")
     device = H100
+    compute_bytes = 2
 
     def __init__(self, grads: float = 4e9):
         self.grads = grads
@@ -35,18 +36,19 @@ def test_stage_update_time_by_hand():
     # reduce = 3/4 x 4e9 B / 450e9 B/s + 3 x 20 us + 4e9 / 4 B / 3.35e12 B/s
     #        = 6.666667e-3 + 6e-5 + 2.985075e-4 = 7.025174e-3 s
     # apply  = 28e9 / 4 B / 3.35e12 B/s + 3/4 x 4e9 / 450e9 + 3 x 20 us
-    #        = 2.089552e-3 + 6.666667e-3 + 6e-5 = 8.816219e-3 s
+    #          + (4 + 2) x 1e9 B / 3.35e12 B/s (the bf16 copies of the new params)
+    #        = 2.089552e-3 + 6.666667e-3 + 6e-5 + 1.791045e-3 = 10.607264e-3 s
     reduce, apply = stage_update_time(_Stub(), _llm(2, 4), multi_host=False)
     assert reduce == pytest.approx(7.025174e-3, rel=1e-6)
-    assert apply == pytest.approx(8.816219e-3, rel=1e-6)
+    assert apply == pytest.approx(10.607264e-3, rel=1e-6)
     # across hosts the ring runs at 50 GB/s: 3/4 x 4e9 / 50e9 = 0.06 s each way
     reduce, apply = stage_update_time(_Stub(), _llm(2, 4), multi_host=True)
     assert reduce == pytest.approx(0.06 + 6e-5 + 2.985075e-4, rel=1e-6)
-    assert apply == pytest.approx(2.089552e-3 + 0.06 + 6e-5, rel=1e-6)
+    assert apply == pytest.approx(2.089552e-3 + 0.06 + 6e-5 + 1.791045e-3, rel=1e-6)
     # dp 1: no collective, the whole optimizer step and norm on the device
     reduce, apply = stage_update_time(_Stub(), _llm(8, 1), multi_host=False)
     assert reduce == pytest.approx(4e9 / 3.35e12, rel=1e-9)
-    assert apply == pytest.approx(28e9 / 3.35e12, rel=1e-9)
+    assert apply == pytest.approx((28e9 + 6e9) / 3.35e12, rel=1e-9)
     # nothing trained (a frozen stage): nothing to reduce or apply
     assert stage_update_time(_Stub(0.0), _llm(2, 4), multi_host=True) == (0.0, 0.0)
     assert norm_barrier_time(_Stub()) == pytest.approx(40e-6)

@@ -98,7 +98,7 @@ def test_a_second_run_loads_its_programs_on_every_process(tmp_path_factory):
     assert {p: p.stat().st_mtime_ns for p in store.glob("*.pkl")} == stored  # nothing rewritten
     assert [r["cache_hits"] for r in first] == [0, 0]
     assert first[1]["xla_stage_programs"] > 0
-    optimizer = ("jit(on_leaves)", "jit(sq_norm)")  # the update's and the norm's programs
+    optimizer = ("jit(update)", "jit(sq_norm)")  # the update's and the norm's programs
     assert all(first[1]["xla_compiled"].get(name) for name in optimizer)
     # process 0: every program from JAX's cache (its hits fire the compile event too); process 1:
     # every program it compiled in the first run loaded from the store, none compiled (the folder

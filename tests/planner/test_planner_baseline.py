@@ -57,6 +57,7 @@ def test_baseline_without_padding_or_remat_search_has_nothing_that_fits(intern6b
 
     class Measured:  # not analytic: no variants can be built, so no padding
         name, arch, device = "fixed", provider.arch, provider.device
+        compute_bytes = provider.compute_bytes
         stage_time, stage_memory = provider.stage_time, provider.stage_memory
         transfer_time = provider.transfer_time
 

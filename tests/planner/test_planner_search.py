@@ -38,6 +38,7 @@ class HugeMemory:
     def __init__(self, scale=1.0, extra=0.0, max_layers=None):
         self.inner = AnalyticCostProvider(ARCH, DEVICE)
         self.name, self.arch, self.device = "huge-memory", ARCH, DEVICE
+        self.compute_bytes = self.inner.compute_bytes
         self.scale, self.extra, self.max_layers = scale, extra, max_layers
 
     def stage_time(self, stage, bucket):

@@ -64,7 +64,7 @@ def trained():
     batch = dataclasses.asdict(mb)
     out, y = [], None
     for spec, stage in zip(LAYOUT.stages, stages):
-        params, side = _abstract(stage.params), _abstract(stage.put_side(batch))
+        params, side = _abstract(stage.compute_params), _abstract(stage.put_side(batch))
         x = None if y is None else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.x_sharding)
         with jax.set_mesh(stage.mesh):
             if stage.is_last:
@@ -139,7 +139,10 @@ def test_profiled_colocated_stage_lowers_to_the_trained_one():
     mb, _ = pack_microbatch(ScheduledMicrobatch(T, S, ((),), tiles_by_row=True), [], [], encoder_dp=1,
                             llm_dp=1, tile_shape=(v.image_size, v.image_size, v.num_channels),
                             tokens_per_tile=CFG.tokens_per_tile, feature_taps=FEATURE_TAPS)  # fmt: skip
-    params, side = _abstract(stage.params), _abstract(stage.put_side(dataclasses.asdict(mb)))
+    params, side = (
+        _abstract(stage.compute_params),
+        _abstract(stage.put_side(dataclasses.asdict(mb))),
+    )
     with jax.set_mesh(stage.mesh):
         y = jax.eval_shape(stage.jits.forward, params, None, side)
     seed = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=stage.y_sharding)
