@@ -123,10 +123,12 @@ def test_model_parts_train_the_1gpu_config_both_ways(tmp_path, capsys):
     assert model["programs_after_precompile"] == 0 and model["compiles_after_step_1"] == 0
     assert model["stage_time_mape_raw"] is not None and model["correction_observations"] >= 1
     mem = model["memory"]
+    # the largest program (the weights' bf16 copies among its arguments), the moments, the masters
     assert mem["compiled_gib"] == pytest.approx(
-        mem["compiled_program_gib"] + mem["optimizer_state_gib"]
+        mem["compiled_program_gib"] + mem["optimizer_state_gib"] + mem["master_params_gib"]
     )
     assert 0 < mem["optimizer_state_gib"] < mem["compiled_gib"] and mem["predicted_gib"] > 0
+    assert mem["master_params_gib"] > 0
     assert mem["measured_peak_gib"] is None  # CPU keeps no allocator statistics
     # the figures are those of the runs' metrics; the ratio is the two arms' steady tokens/s
     rows = lambda d: [

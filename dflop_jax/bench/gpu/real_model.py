@@ -10,8 +10,9 @@ model        trains `configs/llava_ov_7b_1gpu.yaml` (the size's overrides: none 
              and the memory of its stage (one device: one stage), three ways (`memory_figures`):
                predicted  the memory model at the plan's largest buckets under the residual policy
                           the run trains (`resolve.dry_run.predicted_stage_memory`, as the dry run);
-               compiled   the largest stage program the trainer compiled (arguments + outputs -
-                          aliased + temporaries) plus its optimizer state's bytes;
+               compiled   the largest stage program the trainer compiled (arguments, the weights'
+                          bf16 copies among them, + outputs - aliased + temporaries) plus its
+                          optimizer state's and fp32 master weights' bytes;
                measured   `jax.devices()[0].memory_stats()`: peak bytes in use (None where the
                           platform keeps no statistics, e.g. CPU), also written after every step
                           to the run's device_memory.json (a run cut short keeps it).
@@ -136,9 +137,11 @@ def memory_figures(seen: dict, report) -> dict:
     sizes = [p["bytes"] for p in seen["programs"] if not p["update"] and p["bytes"] is not None]
     if sizes and report.optimizers:
         opt = max(_device_bytes(o.shards) for o in report.optimizers)
+        masters = max(_device_bytes(o.stage.params) for o in report.optimizers)
         out["compiled_program_gib"] = max(sizes) / _GIB
         out["optimizer_state_gib"] = opt / _GIB
-        out["compiled_gib"] = (max(sizes) + opt) / _GIB
+        out["master_params_gib"] = masters / _GIB
+        out["compiled_gib"] = (max(sizes) + opt + masters) / _GIB
     return out | device_memory()
 
 
