@@ -102,12 +102,12 @@ class StageProgram:
         self.trained = all_trained(params) if trained is None else trained
         # per parameter leaf (`leaves` order): trained or not; taken as a compute-dtype copy or not
         self.trained_leaves = tuple(bool(k) for k in jax.tree.leaves(self.trained))
-        self.cast_leaves = tuple(is_cast(a, compute_dtype) for a in jax.tree.leaves(params))
+        leaves = jax.tree.leaves(params)
+        self.cast_leaves = tuple(is_cast(a, compute_dtype) for a in leaves)
         self.trains = any(self.trained_leaves)
         me = jax.process_index()
         self.local = any(d.process_index == me for d in mesh.devices.flat)
         self._store = store
-        leaves = jax.tree.leaves(params)
         casts = [a.sharding for a, c in zip(leaves, self.cast_leaves) if c]
         # the copies of the cast leaves from their masters: when the params are set (`params`)
         self._cast = jax.jit(

@@ -67,7 +67,7 @@ from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer, put_host, stand_in, transfer
-from dflop_jax.programs.trees import graft, negate, prune
+from dflop_jax.programs.trees import graft, is_cast, negate, prune
 from dflop_jax.programs.zero1_layout import (
     pad,
     replicated_layout,
@@ -241,17 +241,15 @@ class StageOptimizer:
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
         update = functools.partial(_guarded_update, self.tx, grad_layout,
                                    prune(padded, frozen), trained)  # fmt: skip
-        # the trained leaves the programs take as compute-dtype copies, in leaf order: the update
-        # makes their copies from the new masters (`StageProgram`: weights cast once per step)
-        leaves = jax.tree.leaves(ps)
-        mine = [(s, c) for s, c, t in zip(leaves, stage.cast_leaves, stage.trained_leaves) if t]
-        copies = [s for s, c in mine if c]
-        casts = [c for _, c in mine]
+        # the update also makes the compute-dtype copies of the trained leaves the programs take
+        # cast, from the new masters, in leaf order (`StageProgram`: weights cast once per step)
+        cd = stage.compute_dtype
+        flags = zip(jax.tree.leaves(ps), stage.cast_leaves, stage.trained_leaves)
+        copies = [s for s, c, t in flags if c and t]
 
         def update_and_cast(params, state, grads, stats):
             new, new_state = update(params, state, grads, stats)
-            cd = stage.compute_dtype
-            return new, new_state, [p.astype(cd) for p, c in zip(jax.tree.leaves(new), casts) if c]
+            return new, new_state, [p.astype(cd) for p in jax.tree.leaves(new) if is_cast(p, cd)]
 
         update_program = LeafProgram(
             update_and_cast,
