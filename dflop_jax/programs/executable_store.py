@@ -23,7 +23,8 @@ persistent cache serves (one process 0 also compiles) is left to that cache and 
 XLA:CPU (jax 0.10.2) an executable JAX loaded from its cache serializes into a file that loads but
 fails to run ("Function ... not found"). Writes go through a temporary file and a rename, so a
 reader never sees half a file, and two processes writing one key (a program spanning both) leave
-one whole file.
+one whole file. Within a process, threads asking for one key at once wait for the first, which
+builds it once.
 
 Loading a file runs what it holds (pickle, and an executable): point `compilation_cache` only at a
 folder you trust, as with JAX's own cache.
@@ -103,6 +104,9 @@ class ExecutableStore:
         # key -> the program this process compiled or loaded: a re-plan (which keeps the store)
         # lowers again programs its predecessor already has, and gets the same executable back
         self._held: dict[str, jax.stages.Compiled] = {}
+        # key -> the lock its first caller holds while it loads or compiles: two threads of the
+        # pool asking for one program (two stages' identical initializations) build it once
+        self._building: dict[str, threading.Lock] = {}
 
     @classmethod
     def for_this_process(cls, cache_dir: str | Path | None) -> ExecutableStore | None:
@@ -131,8 +135,17 @@ class ExecutableStore:
         "compiled" (by XLA, and written there; or found in JAX's persistent cache, which keeps it)
         or "held" (this store gave it before)."""
         key = self.key(lowered, devices)
-        if key in self._held:
-            return self._held[key], "held"
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        with building:
+            if key in self._held:
+                return self._held[key], "held"
+            return self._build(key, lowered, devices)
+
+    def _build(
+        self, key: str, lowered: jax.stages.Lowered, devices: Sequence[int]
+    ) -> tuple[jax.stages.Compiled, str]:
+        """`compile` for a key this store holds nothing for yet (its caller holds the key's lock)."""
         path = self.root / f"{key}.pkl"
         compiled = self._load(path, devices) if path.is_file() else None
         loaded = compiled is not None

@@ -60,7 +60,12 @@ def test_processes_train_like_one_and_do_their_share(tmp_path_factory, model, pr
             assert (n > 0) == here
         assert r["xla_stage_programs_in_steps"] == 0
         assert r["programs_after_precompile"] == 0  # the reads' and update's programs too
-        assert 0 < r["xla_stage_programs"] < single["xla_stage_programs"]
+        assert r["xla_stage_programs"] < single["xla_stage_programs"]
+    # A stage spanning processes is one program on each of them: processes other than 0 share the
+    # executable store, so the first of them to compile it writes it and a later one loads it
+    # (InternVL's process 2, whose two stages both span, may load all of its stage programs).
+    # Between them the processes compiled every stage's programs at least once.
+    assert sum(r["xla_stage_programs"] for r in reports) >= single["xla_stage_programs"]
     # Devices: encoder [0, 1] (tp 2), LLM stage 0 [2, 3, 4] (spans processes), stage 1 [5, 6, 7].
     per_process = 8 // processes
     for r in reports:

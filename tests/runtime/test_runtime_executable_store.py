@@ -6,10 +6,13 @@ signature and of initializations call what a store gave. A pipeline whose stage 
 the store runs them (its stages' jits are never called) and gives the jit-run pipeline's loss and
 gradients. Across real processes: tests/multiprocess/test_runtime_multihost.py."""
 
+import concurrent.futures
 import itertools
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -73,6 +76,32 @@ def test_a_second_store_loads_what_the_first_compiled(tmp_path):
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         assert g.sharding == s
+
+
+def test_threads_asking_for_one_program_at_once_build_it_once(tmp_path, monkeypatch):
+    """`precompile` compiles in a pool of threads, and two stages' initializations can lower to
+    one program: the first thread builds it and the others get it "held", so each program is
+    compiled (or loaded) once and the runs' counts do not depend on which thread came first."""
+    from dflop_jax.programs import executable_store
+
+    _, lowered, _ = _lowered(jax.devices()[:2], _salt())
+    compile_fresh, entered = executable_store._compile_fresh_or_served, threading.Event()
+
+    def slow(lw):  # the first thread is still compiling when the second asks
+        entered.set()
+        time.sleep(0.5)
+        return compile_fresh(lw)
+
+    monkeypatch.setattr(executable_store, "_compile_fresh_or_served", slow)
+    store = ExecutableStore(tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(store.compile, lowered, (0, 1))
+        entered.wait(10)
+        second = pool.submit(store.compile, lowered, (0, 1))
+        sources = [first.result()[1], second.result()[1]]
+    assert sources == ["compiled", "held"]
+    assert first.result()[0] is second.result()[0]
+    assert store.saved == 1
 
 
 def test_the_key_tells_devices_apart_and_a_bad_file_is_compiled_again(tmp_path, caplog):
@@ -188,6 +217,8 @@ def test_one_process_has_no_store(tmp_path):
 # whether it reads it; the suite's may hold these programs, which the store would leave to it).
 _FIRST_RUN = """
 import sys
+import threading
+import time
 import jax
 jax.config.update("jax_enable_compilation_cache", False)  # XLA compiles them: the store writes them
 from pipeline_fixtures import separate_batch, separate_stages
