@@ -142,6 +142,13 @@ class DecoderStage(nnx.Module):
                     head, init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd
                 )
 
+    def gathered_params(self) -> tuple[tuple[str, ...], ...]:
+        """The paths (from this stage) of the params it reads only by a gather of rows, cast after
+        it (`Embedding.__call__`): its token embedding, unless that is also its tied head."""
+        if self.has_embedding and not (self.has_head and self.cfg.tie_embeddings):
+            return (("embed_tokens", "weight"),)
+        return ()
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B,S] int32 -> [B,S,D] in the compute dtype."""
         if not self.has_embedding:

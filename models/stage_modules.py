@@ -35,6 +35,18 @@ MLLM_MODULES = ("encoder", "llm")
 TRAINABLE_PARTS = ("vision", "projector", "llm")
 
 
+def gathered_paths(module: nnx.Module) -> frozenset[tuple[str, ...]]:
+    """The paths (key names from the stage module's root) of the params it reads only by a gather
+    of rows (`DecoderStage.gathered_params`, wherever a decoder stage sits in it): a frozen one
+    needs no compute-dtype copy (`programs/stage_program.py`)."""
+    return frozenset(
+        (*map(str, path), *names)
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, DecoderStage)
+        for names in node.gathered_params()
+    )
+
+
 def audio_part(cfg) -> Qwen2AudioConfig | None:
     """The Qwen2-Audio config of a model's audio encoder and projector (a Qwen2-Audio model's own
     config, an omni model's `audio`), None for a model without one."""

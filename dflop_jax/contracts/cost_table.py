@@ -51,7 +51,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TABLE_VERSION = 2
+TABLE_VERSION = 3
 ENCODER_KINDS = ("encoder_layers", "encoder_embedding", "encoder_head")
 LLM_KINDS = ("llm_layers", "llm_embedding", "llm_head")
 STAGE_KINDS = ENCODER_KINDS + LLM_KINDS
@@ -90,6 +90,9 @@ class CostEntry:
       copy_bytes: bytes per device of the parameters' compute-dtype copies, which the stage holds
         beside the masters and its programs take in their place (0: the programs take the masters,
         at fp32 compute).
+      taken_param_bytes: bytes per device of the parameters as the programs take them: the copies,
+        and the masters of the leaves without one (a frozen table only a gather reads); None: the
+        masters (`param_bytes`).
       input_bytes: bytes per device of the program's stage input (x and the side arrays).
       length: tokens of the packed row of a colocated kind's program (0 for the other kinds).
       grad_bytes: bytes per device of the program's gradient accumulator (its trained leaves, per
@@ -117,6 +120,7 @@ class CostEntry:
     memory_bwd: dict[str, float] = dataclasses.field(default_factory=dict)
     param_bytes: float = 0.0
     copy_bytes: float = 0.0
+    taken_param_bytes: float | None = None
     input_bytes: float = 0.0
     length: int = 0
     grad_bytes: float | None = None
@@ -125,9 +129,9 @@ class CostEntry:
 
     @property
     def program_param_bytes(self) -> float:
-        """Bytes per device of the parameters as the programs take them (the copies, else the
-        masters): the part of a program's peak that is held parameters."""
-        return self.copy_bytes or self.param_bytes
+        """Bytes per device of the parameters as the programs take them (`taken_param_bytes`):
+        the part of a program's peak that is held parameters."""
+        return self.param_bytes if self.taken_param_bytes is None else self.taken_param_bytes
 
     @property
     def accumulator_bytes(self) -> float:

@@ -66,10 +66,12 @@ By attention implementation (`attention_impl`, `models.attention`; `attention_tr
   layer). The "cudnn" figures are reasoned from jax's source, not measured (no GPU has run them).
   The encoder stage prices the decoder's implementation (the provider holds one): Pallas's partials
   where the vision tower runs cuDNN beside a Pallas decoder, an overstatement.
-Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters and copies stay, but
-they get no gradient accumulator and no optimizer state, and the program holds nothing more for them
-where the backend's dots read the compute dtype (`dot_bytes`; a GPU runs bf16 dots natively,
-reasoned from the HLO, not measured on a GPU). XLA:CPU (`DeviceSpec.dot_bytes` 4) has no bf16 dot:
+Frozen parts (a recipe's `trainable`, costs/recipe.py): their fp32 parameters and copies stay (a
+frozen token embedding only its gather reads has no copy: the programs convert only the rows they
+gather from its master, `programs/stage_program.py`), but they get no gradient accumulator and no
+optimizer state, and the program holds nothing more for them where the backend's dots read the
+compute dtype (`dot_bytes`; a GPU runs bf16 dots natively, reasoned from the HLO, not measured on a
+GPU). XLA:CPU (`DeviceSpec.dot_bytes` 4) has no bf16 dot:
 it converts the weights to f32, and what the layer loop's transposed dots in a dx-only backward read
 is an f32 stack of every layer's weights (f32[L, ...] in the buffer assignment) plus one layer's f32
 slice in the loop body, measured 4.0 B per frozen layer parameter on a dx-only Qwen2.5-7B-width
@@ -386,10 +388,11 @@ def _state(
     backward: bool = True,
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, weight transient) bytes: every parameter keeps its fp32 master
-    and its compute-dtype copy; frozen ones nothing else but what the dots read (`dot_bytes`)."""
-    params, grads, optimizer = state_bytes(n_trained, dp)
-    params += n_frozen * PARAM_BYTES + weight_copy_bytes(n_trained + n_frozen, cb)
+    and its compute-dtype copy, but a frozen table only a gather reads (`loop`'s last term: the
+    programs read its master); frozen ones nothing else but what the dots read (`dot_bytes`)."""
     layers, layer, gathered = loop
+    params, grads, optimizer = state_bytes(n_trained, dp)
+    params += n_frozen * PARAM_BYTES + weight_copy_bytes(n_trained + n_frozen - gathered, cb)
     frozen = frozen_weight_bytes(n_frozen, layers, layer, cb, dot_bytes, gathered, backward)
     return params, grads, optimizer, weight_transient_bytes(n_trained, cb) + frozen
 

@@ -43,7 +43,8 @@ class StageCheck:
       stage: index in layout order.
       parts: the programs compiled ("llm", or "encoder" then "llm" for a colocated encoder).
       program_bytes: per part, `memory_analysis()` arguments + outputs - aliased + temporaries.
-      params, grads, optimizer: fp32 master weights, gradient accumulator, AdamW m + v.
+      params, grads, optimizer: fp32 master weights and their compute-dtype copies, gradient
+        accumulator, AdamW m + v.
       inputs: stage inputs of the `in_flight` microbatches alive under 1F1B (under a saving residual
         policy one microbatch's: the others keep their residuals instead).
       transient: the largest part's temporaries, incoming dy and outgoing dx.

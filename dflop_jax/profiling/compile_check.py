@@ -10,7 +10,8 @@ stage_jits`) on the stage's own ("data", "model") mesh of the layout (`programs.
 host without enough accelerators, simulated CPU devices), at the plan's largest buckets, and compiled.
 
 What the runtime holds per device for a stage, term by term (`StageCheck`):
-  params      fp32 master weights (the program's parameter arguments)
+  params      fp32 master weights and their compute-dtype copies (the programs take the copies, and
+              the masters of the leaves without one: `programs/stage_program.py`)
   grads       the fp32 per-data-replica gradient accumulator (a donated argument, aliased with its
               output; each device holds its replica's sum, `programs.accumulator.accumulator_structs`)
   optimizer   AdamW m and v, fp32, the parameters' shapes in the ZeRO-1 layout (sharded over dp too,
@@ -20,10 +21,12 @@ What the runtime holds per device for a stage, term by term (`StageCheck`):
   residuals   0 under "recompute"; under a saving policy ("all", "layers") the residuals each
               in-flight microbatch keeps from its forward to its backward (`programs.stage_program.Held`)
   transient   the rest of the program's peak: temporaries (`temp_size_in_bytes`: the residuals of the
-              recomputed forward, the cast weights, XLA workspace), the incoming gradient dy and the
+              recomputed forward, XLA workspace), the incoming gradient dy and the
               outgoing dx.
 `program_bytes` is `memory_analysis()`'s arguments + outputs - aliased + temporaries of the compiled
-program; `total = program_bytes + optimizer + (in_flight - 1) x inputs`.
+program; `total = params + grads + optimizer + in_flight x inputs + transient`, where the
+transient is `program_bytes` less the parameters as the programs take them, the accumulator and
+one microbatch's inputs.
 
 Under each stage's residual policy (`residuals=`, `contracts.cost_table.RESIDUAL_POLICIES`; default
 "recompute" everywhere) an inner stage under "all" / "layers" trains with two programs, the forward
@@ -327,7 +330,7 @@ def _compile_saving(part: str, prog: PartProgram) -> PartCheck:
     seconds = time.perf_counter() - t0
     params, grads, optimizer, inputs = _state_and_inputs(prog)
     residuals = held_residual_bytes(prog, fwd)
-    taken = per_device_bytes(prog.params_abs)  # the weights the programs take: their copies
+    taken = per_device_bytes(prog.params_abs)  # the weights as the programs take them
     forward = program_bytes(fwd) - taken - inputs - residuals  # y and temporaries
     backward = program_bytes(bwd) - taken - grads - residuals  # dy, dx and temporaries
     return PartCheck(part, max(program_bytes(fwd), program_bytes(bwd)), params, grads, optimizer,

@@ -167,7 +167,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     (`prog.jits.forward_residuals` set) the forward that keeps its residuals and the backward from
     them, else the forward and the backward that recomputes it.
 
-    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, copy_bytes, input_bytes,
+    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, copy_bytes, taken_param_bytes, input_bytes,
     compile_s (the seconds lowering and compiling took), and fwd_s / bwd_s, or status "skipped" with
     a reason. With repeats > 1 the timing is repeated (independent medians)
     and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
@@ -185,7 +185,7 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     stats = dict(
         flops_fwd=flops_f, flops_bwd=flops_b, bytes_fwd=bytes_f, bytes_bwd=bytes_b,
         memory_fwd=mem_f, memory_bwd=mem_b, param_bytes=per_device_bytes(prog.masters),
-        copy_bytes=prog.copy_bytes,
+        copy_bytes=prog.copy_bytes, taken_param_bytes=per_device_bytes(prog.params_abs),
         input_bytes=per_device_bytes((prog.x_abs, prog.side_abs)),
         grad_bytes=per_device_bytes(prog.gacc_abs), residual_bytes=max(kept, 0.0),
         compile_s=compile_s,

@@ -66,7 +66,7 @@ from dflop_jax.programs.stage_builder import (
 )
 from dflop_jax.programs.stage_fns import boundary_shape, signature
 from dflop_jax.programs.stage_jits import stage_jits
-from dflop_jax.programs.trees import compute_structs
+from dflop_jax.programs.trees import compute_structs, copied_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +362,10 @@ def stage_program(
                  audio_x=takes_audio(model_cfg, spec, audio_apart))  # fmt: skip
     role = stage_role(spec, trainable, has_encoder(model_cfg), colocated=colocated, **audio)
     jits = stage_jits(mesh, bp.fns, bp.state, compute_dtype, mask, role, residuals)
-    copies = compute_structs(bp.state, compute_dtype)  # what the trainer's programs take
+    # what the trainer's programs take (`StageProgram`)
+    copies = compute_structs(
+        bp.state, compute_dtype, copied_leaves(bp.state, compute_dtype, mask, bp.gathered)
+    )
     head = bp.fns.loss is not None
     data, scalar = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     features = feature_tiles or _feature_tiles(model_cfg, bucket)

@@ -88,6 +88,17 @@ def trained_mask(params: PyTree, trainable: Sequence[str]) -> PyTree:
     return jax.tree.map(lambda part: part in trainable, param_labels(params))
 
 
+def gathered_mask(params: PyTree, paths: frozenset[tuple[str, ...]]) -> PyTree:
+    """Bool per leaf of a stage's params: whether it lies at one of `paths`, the params the stage
+    reads only by a gather (`models.stage_modules.gathered_paths`)."""
+
+    def at(path, _) -> bool:
+        names = leaf_names(path)
+        return any(names[: len(p)] == p for p in paths)
+
+    return jax.tree_util.tree_map_with_path(at, params)
+
+
 TiedGroup = tuple[tuple[int, tuple[str, ...]], ...]  # ((stage index, leaf path in its params), ...)
 
 

@@ -76,11 +76,11 @@ from jax.sharding import PartitionSpec as P
 from dflop_jax.contracts.layout import Layout, StageSpec
 from dflop_jax.costs.recipe import stage_role
 from dflop_jax.programs.executable_store import ExecutableStore
-from dflop_jax.programs.param_paths import trained_mask
+from dflop_jax.programs.param_paths import gathered_mask, trained_mask
 from dflop_jax.programs.sharding import Rules, create_sharded, rules_for, state_shardings
 from dflop_jax.programs.stage_fns import StageFns, check_residual_policy
 from dflop_jax.programs.stage_program import StageProgram
-from models.stage_modules import TRAINABLE_PARTS
+from models.stage_modules import TRAINABLE_PARTS, gathered_paths
 
 TAP_KEYS = ("feature_taps", "feature_weight")
 # The audio rows of a microbatch that has audio (`data.packing`), in `OmniFirstStage.embed`'s order.
@@ -366,12 +366,16 @@ class StageBlueprint:
       state: its params (real arrays, or ShapeDtypeStructs from `abstract_stage`).
       shardings: NamedShardings of `state` on the stage mesh.
       fns: the stage's pure functions.
+      gathered: bool per leaf of `state`, whether the stage reads it only by a gather
+        (`models.stage_modules.gathered_paths`): frozen, it needs no compute-dtype copy
+        (`StageProgram`).
     """
 
     graphdef: Any
     state: nnx.State
     shardings: nnx.State
     fns: StageFns
+    gathered: Any
 
 
 def stage_blueprint(
@@ -392,7 +396,8 @@ def stage_blueprint(
     fns = stage_fns(graphdef, spec, rules, multimodal=has_vision(model_cfg),
                     colocated=colocated, audio=holds_audio(model_cfg, spec, audio_apart),
                     audio_x=takes_audio(model_cfg, spec, audio_apart), pooled=pooled)  # fmt: skip
-    return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns)
+    gathered = gathered_mask(state, gathered_paths(module))
+    return StageBlueprint(graphdef, state, state_shardings(state, mesh, rules), fns, gathered)
 
 
 def _flags(spec: StageSpec) -> dict:
@@ -598,6 +603,7 @@ def build_stages(
             role=role,
             residuals=policy,
             store=store,
+            gathered=bp.gathered,
         )  # fmt: skip
         for bp, mesh, mask, role, policy in zip(blueprints, meshes, masks, roles, residuals)
     ]

@@ -15,13 +15,16 @@ its input (recompute).
 
 Weights cast once per step: beside the fp32 master parameters (`params`, `leaves`: what the
 optimizer updates and checkpoints save) a stage keeps their compute-dtype copies (`compute_leaves`:
-each floating leaf in `compute_dtype`, `programs.trees.is_cast`), and every stage program takes
-those. The optimizer's update makes the trained leaves' copies from the new masters in the same
+each floating leaf in `compute_dtype`, `programs.trees.copied_leaves`), and every stage program
+takes those. The optimizer's update makes the trained leaves' copies from the new masters in the same
 program (`runtime/train_state.py`); a frozen leaf's copy is made once, when the params are set
 (`cast`, one program per stage). So a step casts each weight once, not once per microbatch program,
 and a program computes exactly what it computed casting inside: the gradient w.r.t. a copy is the
 one w.r.t. its master before the cast's transpose (an upcast), which the accumulator applies
-(`Accumulator.add`). The copies cost `compute_dtype` bytes per parameter, held for the run.
+(`Accumulator.add`). The copies cost `compute_dtype` bytes per parameter, held for the run; a
+frozen leaf read only by a gather (`gathered`: a token embedding that is not also the tied head)
+has none: its programs take the master, and XLA fuses the convert into the gather, so only the
+gathered rows are converted.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from dflop_jax.programs.stage_fns import (
 )
 from dflop_jax.programs.stage_jits import stage_jits
 from dflop_jax.programs.transfer import put_host
-from dflop_jax.programs.trees import all_trained, compute_structs, is_cast
+from dflop_jax.programs.trees import all_trained, compute_structs, copied_leaves
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +85,8 @@ class StageProgram:
         `fns` built with layer remat, as `build_stages` does).
       store: this process's executable store, if any: the cast program that makes the weights'
         compute-dtype copies when the params are set comes from it (`call_once`).
+      gathered: bool per leaf of `params`, whether the stage reads it only by a gather
+        (`StageBlueprint.gathered`; None: none is): frozen, it gets no copy (module docstring).
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class StageProgram:
         role: StageRole = ALL_TRAIN,
         residuals: str = "recompute",
         store: ExecutableStore | None = None,
+        gathered: PyTree | None = None,
     ):
         self.mesh = mesh
         self.fns = fns
@@ -103,7 +109,7 @@ class StageProgram:
         # per parameter leaf (`leaves` order): trained or not; taken as a compute-dtype copy or not
         self.trained_leaves = tuple(bool(k) for k in jax.tree.leaves(self.trained))
         leaves = jax.tree.leaves(params)
-        self.cast_leaves = tuple(is_cast(a, compute_dtype) for a in leaves)
+        self.cast_leaves = copied_leaves(params, compute_dtype, self.trained, gathered)
         self.trains = any(self.trained_leaves)
         me = jax.process_index()
         self.local = any(d.process_index == me for d in mesh.devices.flat)
@@ -204,7 +210,7 @@ class StageProgram:
         if not any(self.cast_leaves):
             return list(leaves)
         if not self.local or not isinstance(leaves[0], jax.Array):
-            return jax.tree.leaves(compute_structs(leaves, self.compute_dtype))
+            return compute_structs(leaves, self.compute_dtype, self.cast_leaves)
         masters = [a for a, k in zip(leaves, self.cast_leaves) if k]
         devices = list(self.mesh.devices.flat)
         it = iter(call_once(self._cast, (masters,), devices, self._store))

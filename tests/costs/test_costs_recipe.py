@@ -105,6 +105,24 @@ def test_dx_only_and_projector_only_memory_by_hand():
     assert head.optimizer == pytest.approx(8 * proj / 4)
 
 
+def test_a_frozen_token_embedding_holds_no_copy_by_hand():
+    """The first LLM stage under projector-only: every frozen parameter keeps its fp32 master and
+    bf16 copy but the token embedding, which only its gather reads (its programs take the master).
+    Trained, the embedding keeps its copy; the untied LM head, which a dot reads, keeps it frozen
+    too."""
+    first = StageSpec("llm", 0, 7, tp=2, dp=2, has_embedding=True)
+    last = StageSpec("llm", 21, 7, tp=2, dp=2, has_head=True)
+    embed = ARCH.llm.vocab_size * ARCH.llm.hidden_size / 2  # vocab-parallel over tp 2
+    frozen = AnalyticCostProvider(ARCH, H100, trainable=("projector",))
+    trained = AnalyticCostProvider(ARCH, H100)
+    n = trained.stage_memory(first, 4096).params / (4 + 2)  # every parameter: master and copy
+    assert n > embed + 7 * llm_layer_params(ARCH.llm) / 2
+    assert frozen.stage_memory(first, 4096).params == pytest.approx((4 + 2) * n - 2 * embed)
+    assert frozen.stage_memory(last, 4096).params == pytest.approx(
+        trained.stage_memory(last, 4096).params
+    )
+
+
 def test_recipe_times():
     all_ = AnalyticCostProvider(ARCH, H100)
     proj = AnalyticCostProvider(ARCH, H100, trainable=("projector",))

@@ -6,10 +6,15 @@ equals, bit for bit, the same run whose programs are given the fp32 masters and 
 the same losses, accumulated gradients and masters. After every update each copy is its master
 rounded to bf16. What the programs trace to shows it: given the copies, the forward and backward
 (and the last stage's fused program) convert no weight from f32 to bf16; given the masters, they
-do. At fp32 compute the copies are the masters themselves (no memory added).
+do. At fp32 compute the copies are the masters themselves (no memory added). A frozen token
+embedding, which only its gather reads, has no copy, and its compiled programs convert only the
+rows they gather.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +149,88 @@ def test_at_fp32_the_copies_are_the_masters():
     for stage in _stages(jnp.float32):
         assert not any(stage.cast_leaves)
         assert all(c is m for c, m in zip(stage.compute_leaves, stage.leaves))
+
+
+def _projector_only_stages(trainable=("projector",)):
+    """LLaVA-OV over 2 encoder + 2 LLM stages in bf16 under LLaVA's stage-1 recipe (projectors
+    only): the first LLM stage (tp 2) holds the frozen token embedding, which only its gather
+    reads; the head stage's untied LM head is frozen too, and a dot reads it. The vocabulary is 80
+    so that the table's per-device shard, [40, 32], is a shape no other array of the stage has."""
+    from pipeline_fixtures import MLLM_TEXT, SEPARATE_LAYOUT, SEPARATE_VISION
+
+    from models.llava_onevision import llava_onevision_config
+
+    text = dataclasses.replace(MLLM_TEXT, vocab_size=TABLE[0])
+    cfg = llava_onevision_config(SEPARATE_VISION, text)
+    return build_stages(cfg, SEPARATE_LAYOUT, stage_meshes(SEPARATE_LAYOUT), 0,
+                        compute_dtype=jnp.bfloat16, trainable=trainable)  # fmt: skip
+
+
+TABLE = (80, 32)  # the token embedding's shape in `_projector_only_stages`
+
+
+def _materialized(hlo: str, shape: str) -> bool:
+    """Whether the compiled program's HLO text holds a buffer of `shape` (e.g. "bf16[40,32]"): an
+    instruction of that shape outside the computations fusions call. Inside a fusion a value is
+    computed per element of the fusion's output (the table's convert fused into the gather that
+    reads its rows), not stored."""
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", hlo))
+    computations = re.split(r"\n(?=\S)", hlo)  # each starts at an unindented header line
+    return any(
+        shape in line.split("=", 1)[-1].split("(", 1)[0]
+        for comp in computations
+        if comp.split("(", 1)[0].split()[-1] not in fused
+        for line in comp.splitlines()[1:]
+        if "=" in line
+    )
+
+
+def test_a_frozen_table_only_a_gather_reads_has_no_copy_and_is_never_cast_whole():
+    """The frozen token embedding of the first LLM stage: its programs take the fp32 master (no
+    resident copy) and XLA converts only the gathered rows: the compiled forward and dx-only
+    backward hold no bf16 array of the table's per-device shape, where the same programs given a
+    bf16 copy of the table do (so the check can fail). The forward's output is the same bit for
+    bit (a row cast after the gather is that row of the cast table). Trained, or read by a dot
+    (the frozen LM head), a leaf keeps its copy."""
+    from pipeline_fixtures import separate_batch
+
+    stages = _projector_only_stages()
+    first, head = stages[2], stages[3]
+    (e,) = [i for i, a in enumerate(first.leaves) if a.shape == TABLE]
+    assert first.compute_leaves[e] is first.leaves[e]
+    others = [c.dtype for i, c in enumerate(first.compute_leaves) if i != e]
+    assert others and set(others) == {jnp.dtype(jnp.bfloat16)}
+    assert all(head.cast_leaves)  # the untied head (a dot reads it) and the final norm
+    trained = _projector_only_stages(("projector", "llm"))[2]
+    assert trained.cast_leaves[e] and trained.compute_leaves[e].dtype == jnp.bfloat16
+
+    mb = separate_batch()[0]
+    y = None
+    for s in stages[:2]:
+        y = s.output_struct(s.x_struct(y) if s.has_x else None, s.side_structs(mb))
+    x, side = first.x_struct(y), first.side_structs(mb)
+    gy = first.y_struct(first.output_struct(x, side))
+    copied = list(first.compute_leaves)
+    copied[e] = first.leaves[e].astype(jnp.bfloat16)
+    shard = f"bf16[{TABLE[0] // 2},{TABLE[1]}]"
+
+    def hlo(leaves) -> list[str]:
+        params = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in leaves]
+        with jax.set_mesh(first.mesh):
+            fwd = first.jits.forward.jit.lower(params, x, side)
+            bwd = first.jits.backward.jit.lower(
+                params, x, side, gy, list(first.accumulator.structs)
+            )
+        return [p.compile().as_text() for p in (fwd, bwd)]
+
+    assert not any(_materialized(text, shard) for text in hlo(first.compute_leaves))
+    assert all(_materialized(text, shard) for text in hlo(copied))
+
+    rng = np.random.default_rng(0)
+    xs = jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding)
+    sides = first.put_side(mb)
+    with jax.set_mesh(first.mesh):
+        got = first.jits.forward.jit(first.compute_leaves, xs, sides)
+        want = first.jits.forward.jit(copied, xs, sides)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.float32)))  # fmt: skip
