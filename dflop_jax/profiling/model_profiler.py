@@ -167,9 +167,9 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
     (`prog.jits.forward_residuals` set) the forward that keeps its residuals and the backward from
     them, else the forward and the backward that recomputes it.
 
-    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, copy_bytes, taken_param_bytes, input_bytes,
-    compile_s (the seconds lowering and compiling took), and fwd_s / bwd_s, or status "skipped" with
-    a reason. With repeats > 1 the timing is repeated (independent medians)
+    Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, copy_bytes,
+    taken_param_bytes, input_bytes, compile_s (the seconds lowering and compiling took), and fwd_s /
+    bwd_s, or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
     and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
     """
     saving = prog.jits is not None and prog.jits.forward_residuals is not None

@@ -16,8 +16,8 @@ its input (recompute).
 Weights cast once per step: beside the fp32 master parameters (`params`, `leaves`: what the
 optimizer updates and checkpoints save) a stage keeps their compute-dtype copies (`compute_leaves`:
 each floating leaf in `compute_dtype`, `programs.trees.copied_leaves`), and every stage program
-takes those. The optimizer's update makes the trained leaves' copies from the new masters in the same
-program (`runtime/train_state.py`); a frozen leaf's copy is made once, when the params are set
+takes those. The optimizer's update makes the trained leaves' copies from the new masters in the
+same program (`runtime/train_state.py`); a frozen leaf's copy is made once, when the params are set
 (`cast`, one program per stage). So a step casts each weight once, not once per microbatch program,
 and a program computes exactly what it computed casting inside: the gradient w.r.t. a copy is the
 one w.r.t. its master before the cast's transpose (an upcast), which the accumulator applies

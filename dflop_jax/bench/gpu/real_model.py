@@ -12,7 +12,8 @@ model        trains `configs/llava_ov_7b_1gpu.yaml` (the size's overrides: none 
                           the run trains (`resolve.dry_run.predicted_stage_memory`, as the dry run);
                compiled   the largest stage program the trainer compiled (arguments, the weights'
                           bf16 copies among them, + outputs - aliased + temporaries) plus its
-                          optimizer state's and fp32 master weights' bytes;
+                          optimizer state's bytes and those of the fp32 master weights it
+                          takes as copies;
                measured   `jax.devices()[0].memory_stats()`: peak bytes in use (None where the
                           platform keeps no statistics, e.g. CPU), also written after every step
                           to the run's device_memory.json (a run cut short keeps it).
@@ -137,7 +138,11 @@ def memory_figures(seen: dict, report) -> dict:
     sizes = [p["bytes"] for p in seen["programs"] if not p["update"] and p["bytes"] is not None]
     if sizes and report.optimizers:
         opt = max(_device_bytes(o.shards) for o in report.optimizers)
-        masters = max(_device_bytes(o.stage.params) for o in report.optimizers)
+        # the masters beside the copies the programs take (a master they take is in `sizes`)
+        masters = max(
+            _device_bytes([a for a, c in zip(o.stage.leaves, o.stage.cast_leaves) if c])
+            for o in report.optimizers
+        )
         out["compiled_program_gib"] = max(sizes) / _GIB
         out["optimizer_state_gib"] = opt / _GIB
         out["master_params_gib"] = masters / _GIB
