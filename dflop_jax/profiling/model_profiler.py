@@ -169,8 +169,8 @@ def measure_program(prog, settings: ProfileSettings, seed: int = 0, repeats: int
 
     Returns CostEntry fields: flops_*, bytes_*, memory_*, param_bytes, copy_bytes,
     taken_param_bytes, input_bytes, compile_s (the seconds lowering and compiling took), and fwd_s /
-    bwd_s, or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent medians)
-    and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
+    bwd_s, or status "skipped" with a reason. With repeats > 1 the timing is repeated (independent
+    medians) and "fwd_reps" / "bwd_reps" list them (fwd_s / bwd_s are the first).
     """
     saving = prog.jits is not None and prog.jits.forward_residuals is not None
     t0 = time.perf_counter()

@@ -67,7 +67,7 @@ from dflop_jax.programs.param_paths import TiedGroup, leaf_names
 from dflop_jax.programs.stage_fns import PyTree
 from dflop_jax.programs.stage_program import StageProgram
 from dflop_jax.programs.transfer import lower_transfer, put_host, stand_in, transfer
-from dflop_jax.programs.trees import graft, is_cast, negate, prune
+from dflop_jax.programs.trees import graft, negate, prune
 from dflop_jax.programs.zero1_layout import (
     pad,
     replicated_layout,
@@ -241,15 +241,18 @@ class StageOptimizer:
         # `set_to_zero` ignores them, so XLA drops them; the frozen params are never touched.
         update = functools.partial(_guarded_update, self.tx, grad_layout,
                                    prune(padded, frozen), trained)  # fmt: skip
-        # the update also makes the compute-dtype copies of the trained leaves the programs take
-        # cast, from the new masters, in leaf order (`StageProgram`: weights cast once per step)
+        # the update also makes, from the new masters, the compute-dtype copies of the trained
+        # leaves the programs take as copies (`StageProgram.cast_leaves`, `trees.copied_leaves`:
+        # weights cast once per step), in leaf order; `update` returns the trained leaves only
         cd = stage.compute_dtype
+        casts = [c for c, t in zip(stage.cast_leaves, stage.trained_leaves) if t]
         flags = zip(jax.tree.leaves(ps), stage.cast_leaves, stage.trained_leaves)
         copies = [s for s, c, t in flags if c and t]
 
         def update_and_cast(params, state, grads, stats):
             new, new_state = update(params, state, grads, stats)
-            return new, new_state, [p.astype(cd) for p in jax.tree.leaves(new) if is_cast(p, cd)]
+            pairs = zip(jax.tree.leaves(new), casts, strict=True)
+            return new, new_state, [p.astype(cd) for p, c in pairs if c]
 
         update_program = LeafProgram(
             update_and_cast,
