@@ -31,6 +31,7 @@ Qwen2-Audio's "encoder".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -325,9 +326,9 @@ def export_run(
 
 def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: SavedState,
                    max_shard_bytes: int, source=None, kept: dict[str, str] | None = None):  # fmt: skip
-    """`out`'s config.json and safetensors shards: `tensors` read from the checkpoint and `kept`
-    ones (export name -> key) copied from the `source` checkpoint, one tensor at a time. Returns
-    (the files written, bytes per tensor)."""
+    """`out`'s config.json and safetensors shards: `tensors` read from the checkpoint (one read per
+    shard file, `SavedState.read_many`) and `kept` ones (export name -> key) copied from the
+    `source` checkpoint. Returns (the files written, bytes per tensor)."""
     from models.hf import shard_plan, write_shards
 
     kept = kept or {}
@@ -336,12 +337,22 @@ def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: 
     sizes = {k: t.elements * _itemsize(saved, t) for k, t in tensors.items()}
     sizes |= {k: source.get(key).nbytes for k, key in kept.items()}
 
-    def get(key: str) -> np.ndarray:
-        if key in kept:
-            return source.get(kept[key])
-        return np.asarray(tensors[key].to_hf(saved.read(tensors[key].stored)))
+    def read(keys: list[str]) -> dict[str, np.ndarray]:
+        paths = [tensors[k].stored for k in keys if k not in kept]
+        stored, uses = saved.read_many(paths), collections.Counter(paths)
+        out = {}
+        for k in keys:
+            if k in kept:
+                out[k] = source.get(kept[k])
+                continue
+            path = tensors[k].stored
+            out[k] = np.asarray(tensors[k].to_hf(stored[path]))
+            uses[path] -= 1
+            if not uses[path]:  # let it go once converted: the file's tensors, plus one, in memory
+                del stored[path]
+        return out
 
-    shards = write_shards(shard_plan(sizes, max_shard_bytes), get, out)
+    shards = write_shards(shard_plan(sizes, max_shard_bytes), read, out)
     return [out / "config.json", *shards], sizes
 
 

@@ -205,11 +205,14 @@ def shard_plan(sizes: Mapping[str, int], max_shard_bytes: int | None = None) -> 
 
 
 def write_shards(
-    shards: list[list[str]], get: Callable[[str], np.ndarray], path: str | Path
+    shards: list[list[str]],
+    read: Callable[[list[str]], Mapping[str, np.ndarray]],
+    path: str | Path,
 ) -> list[Path]:
     """Writes `shard_plan`'s files (`model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
-    `model.safetensors.index.json`), fetching each tensor with `get(key)` when its file is written:
-    one file's tensors are in memory at a time. Returns the files written."""
+    `model.safetensors.index.json`), fetching each file's tensors with one `read(keys)` when it is
+    written (a checkpoint reader reads them together): one file's tensors are in memory at a time.
+    Returns the files written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
@@ -218,7 +221,9 @@ def write_shards(
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = 0
     for name, keys in zip(names, shards):
-        tensors = {key: np.ascontiguousarray(get(key)) for key in keys}
+        read_in = read(keys)
+        tensors = {key: np.ascontiguousarray(read_in[key]) for key in keys}
+        del read_in
         total += sum(a.nbytes for a in tensors.values())
         save_file(tensors, str(path / name), metadata={"format": "pt"})
         del tensors
@@ -238,7 +243,9 @@ def write_safetensors(
     """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when the total
     exceeds `max_shard_bytes`. Returns the files written."""
     sizes = {key: np.asarray(tensors[key]).nbytes for key in sorted(tensors)}
-    return write_shards(shard_plan(sizes, max_shard_bytes), tensors.__getitem__, path)
+    return write_shards(
+        shard_plan(sizes, max_shard_bytes), lambda keys: {k: tensors[k] for k in keys}, path
+    )
 
 
 def _listing(title: str, items: list[str]) -> str:

@@ -404,6 +404,37 @@ def test_a_two_process_checkpoint_reads_on_one_host(tmp_path):
     saved.close()
 
 
+def test_a_sharded_export_reads_each_file_in_one_restore_and_holds_every_saved_param(
+    tmp_path, monkeypatch
+):
+    """Each safetensors file's tensors come from one orbax restore (per group directory; a decoder
+    run saves one), not one per tensor: a restore parses the item's whole tree metadata, so reading
+    leaf by leaf grows as tensors x leaves. The shards hold every saved param bit for bit."""
+    import orbax.checkpoint as ocp
+
+    from models.hf import load_pretrained
+
+    _, model_cfg, run = _write_run(tmp_path, "decoder")
+    restores = []
+    real = ocp.Checkpointer.restore
+    monkeypatch.setattr(ocp.Checkpointer, "restore",
+                        lambda self, *a, **k: restores.append(1) or real(self, *a, **k))  # fmt: skip
+    out = tmp_path / "hf"
+    _export(run, out, "shard_gb=0.00002")  # 20 kB files: several tensors each, several files
+    files = sorted(out.glob("model-*.safetensors"))
+    assert 2 < len(files) < len(json.loads((out / "model.safetensors.index.json").read_text())[
+        "weight_map"])  # fmt: skip
+    assert len(restores) == len(files)
+    monkeypatch.undo()
+    again, _ = load_pretrained(out)
+    saved = _saved_params(run, 2)  # read leaf by leaf
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(again))[0]
+    assert len(flat) == len(saved)
+    for path, x in flat:
+        stored = ("llm", "params", *(key_name(k) for k in path[1:]))
+        np.testing.assert_array_equal(np.asarray(x), saved[stored], err_msg=str(stored))
+
+
 def test_a_relative_run_path_exports(tmp_path, monkeypatch):
     """`run=` relative to the working directory (as the CLI is used) reads the checkpoint's tree."""
     _, _, run = _write_run(tmp_path, "decoder")
