@@ -340,17 +340,17 @@ def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: 
     def read(keys: list[str]) -> dict[str, np.ndarray]:
         paths = [tensors[k].stored for k in keys if k not in kept]
         stored, uses = saved.read_many(paths), collections.Counter(paths)
-        out = {}
+        arrays = {}
         for k in keys:
             if k in kept:
-                out[k] = source.get(kept[k])
+                arrays[k] = source.get(kept[k])
                 continue
             path = tensors[k].stored
-            out[k] = np.asarray(tensors[k].to_hf(stored[path]))
+            arrays[k] = np.asarray(tensors[k].to_hf(stored[path]))
             uses[path] -= 1
             if not uses[path]:  # let it go once converted: the file's tensors, plus one, in memory
                 del stored[path]
-        return out
+        return arrays
 
     shards = write_shards(shard_plan(sizes, max_shard_bytes), read, out)
     return [out / "config.json", *shards], sizes

@@ -414,7 +414,7 @@ def test_a_sharded_export_reads_each_file_in_one_restore_and_holds_every_saved_p
 
     from models.hf import load_pretrained
 
-    _, model_cfg, run = _write_run(tmp_path, "decoder")
+    _, _, run = _write_run(tmp_path, "decoder")
     restores = []
     real = ocp.Checkpointer.restore
     monkeypatch.setattr(ocp.Checkpointer, "restore",
