@@ -339,6 +339,7 @@ def _write_weights(out: Path, config: dict, tensors: dict[str, _Tensor], saved: 
 
     def read(keys: list[str]) -> dict[str, np.ndarray]:
         paths = [tensors[k].stored for k in keys if k not in kept]
+        # a fused stored param (qkv) gives several HF tensors: read once, kept until the last
         stored, uses = saved.read_many(paths), collections.Counter(paths)
         arrays = {}
         for k in keys:

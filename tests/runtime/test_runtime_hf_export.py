@@ -114,6 +114,21 @@ def _saved_params(run, step) -> dict:
     return out
 
 
+def _decoder_export_holds_saved_params(out, run, step):
+    """Asserts our HF importer reads the decoder export `out` back as the checkpoint's params of
+    `step`, bit for bit (read leaf by leaf, `_saved_params`); returns the config it read."""
+    from models.hf import load_pretrained
+
+    again, again_cfg = load_pretrained(out)
+    saved = _saved_params(run, step)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(again))[0]
+    assert len(flat) == len(saved)
+    for path, x in flat:
+        stored = ("llm", "params", *(key_name(k) for k in path[1:]))  # "stage" -> module "llm"
+        np.testing.assert_array_equal(np.asarray(x), saved[stored], err_msg=str(stored))
+    return again_cfg
+
+
 def _reference(model_cfg, cls, steps=(2,)):
     """The unsplit model (same seed: equal to the stages' init) with the same bumps (a `Decoder`'s
     state lives under "stage", the checkpoint's under module "llm")."""
@@ -344,7 +359,6 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from models.decoder import Decoder
-    from models.hf import load_pretrained
 
     _, model_cfg, run = _write_run(tmp_path, "decoder", steps=(2, 4))
     tokens = np.random.default_rng(1).integers(0, model_cfg.vocab_size, (2, 12)).astype(np.int32)
@@ -358,14 +372,7 @@ def test_decoder_export_of_the_chosen_step_loads_in_transformers(tmp_path):
         ours = _reference(model_cfg, Decoder, bumps)
         np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), want, atol=HF_LOGITS_TOL)
     # Our importer reads the export back bit for bit (a run can train on from it: model.hf_dir).
-    again, again_cfg = load_pretrained(out)
-    assert again_cfg == model_cfg
-    saved = _saved_params(run, 4)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(again))[0]
-    assert len(flat) == len(saved)
-    for path, x in flat:
-        stored = ("llm", "params", *(key_name(k) for k in path[1:]))  # "stage" -> module "llm"
-        np.testing.assert_array_equal(np.asarray(x), saved[stored], err_msg=str(stored))
+    assert _decoder_export_holds_saved_params(out, run, 4) == model_cfg
     assert (tmp_path / "hf4" / "model.safetensors").is_file()  # one file under the default size
 
 
@@ -412,8 +419,6 @@ def test_a_sharded_export_reads_each_file_in_one_restore_and_holds_every_saved_p
     leaf by leaf grows as tensors x leaves. The shards hold every saved param bit for bit."""
     import orbax.checkpoint as ocp
 
-    from models.hf import load_pretrained
-
     _, _, run = _write_run(tmp_path, "decoder")
     restores = []
     real = ocp.Checkpointer.restore
@@ -426,13 +431,7 @@ def test_a_sharded_export_reads_each_file_in_one_restore_and_holds_every_saved_p
         "weight_map"])  # fmt: skip
     assert len(restores) == len(files)
     monkeypatch.undo()
-    again, _ = load_pretrained(out)
-    saved = _saved_params(run, 2)  # read leaf by leaf
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(again))[0]
-    assert len(flat) == len(saved)
-    for path, x in flat:
-        stored = ("llm", "params", *(key_name(k) for k in path[1:]))
-        np.testing.assert_array_equal(np.asarray(x), saved[stored], err_msg=str(stored))
+    _decoder_export_holds_saved_params(out, run, 2)
 
 
 def test_a_relative_run_path_exports(tmp_path, monkeypatch):
