@@ -309,11 +309,17 @@ class StageProgram:
 
     def output_struct(self, x, side) -> jax.ShapeDtypeStruct:
         """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
-        (once per input signature)."""
+        (once per input signature). A local stage that saves residuals traces the forward that
+        saves them, the program `lower` lowers next for this signature: jax keeps the trace, so
+        the forward is traced once, not twice (a stage program's trace costs about as much as
+        its lowering on CPU)."""
         key = self._record("shape", x, side)
         if key not in self._outputs:
+            saving = self.local and self.jits.forward_residuals is not None
+            program = self.jits.forward_residuals if saving else self.jits.forward
             with jax.set_mesh(self.mesh):
-                out = jax.eval_shape(self.jits.forward, self._compute, x, side)
+                out = program.trace(self._compute, x, side).out_info
+            out = out[0] if saving else out  # (y, residuals)
             self._outputs[key] = jax.ShapeDtypeStruct(
                 out.shape, out.dtype, sharding=self.y_sharding
             )
