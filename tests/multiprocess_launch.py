@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from models_fixtures import TINY_TRAIN_DECODER
 
@@ -18,6 +21,7 @@ from dflop_jax import host_devices
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "run_training.sh"
+T = TypeVar("T")
 
 
 def decoder_args(tmp_path: Path, run_dir: Path) -> list[str]:
@@ -127,6 +131,25 @@ def finish(procs: dict[int, tuple[subprocess.Popen, Path]], limit_s: int = 420) 
         assert proc.returncode == 0, f"process {rank} exited {proc.returncode}:\n{tail(log)}"
         outs.append(log.read_text())
     return outs
+
+
+def finish_beside(
+    procs: dict[int, tuple[subprocess.Popen, Path]], reference: Callable[[], T], limit_s: int = 420
+) -> tuple[list[str], T]:
+    """`reference()` (the single-process run a test compares with) run in this process while the
+    processes of `launch` run, then `finish(procs, limit_s)`: their outputs and its result. Why: two
+    processes of a pipeline leave about a third of 2 cores idle (each waits on the other's stages),
+    and the reference fills it instead of running after them. If the reference raises, the processes
+    are stopped first."""
+    try:
+        result = reference()
+    except BaseException:
+        for proc, _ in procs.values():
+            if not group_gone(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+    return finish(procs, limit_s), result
 
 
 def wait_for_rows(path: Path, rows: int, timeout_s: float, procs) -> None:

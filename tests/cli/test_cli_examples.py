@@ -35,8 +35,9 @@ FAST = ["dflop_jax.costs", "dflop_jax.schedule", "dflop_jax.data.synth", "dflop_
 # The benchmarks that have no small size: their examples take 5-15 minutes (the third tier, `long`).
 LONG_BENCHES = ["colocated", "costmodel", "first_step"]
 # The benchmarks whose own test runs their example and checks the figures it writes
-# (tests/bench/test_bench_<name>.py).
-EXAMPLE_RUN_BY_OWN_TEST = ["dispatch", "train", "zero1"]
+# (tests/bench/test_bench_<name>.py); `bench gpu`'s runs the example's part and size (attention,
+# smoke) in the fast tier, beside the stage part.
+EXAMPLE_RUN_BY_OWN_TEST = ["dispatch", "gpu", "train", "zero1"]
 SLOW_BENCHES = [
     pytest.param(
         f"dflop_jax.bench {name}", marks=[pytest.mark.long] if name in LONG_BENCHES else []
@@ -85,6 +86,12 @@ def test_a_bad_benchmark_value_is_one_config_error_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: tp=5")
+
+
+def test_the_gpu_example_is_what_its_own_test_runs():
+    """`bench gpu`'s example runs in tests/bench/test_bench_gpu.py (`EXAMPLE_RUN_BY_OWN_TEST`)."""
+    argv = help_example("dflop_jax.bench gpu")[4:]
+    assert sorted(argv) == ["parts=attention", "runs=1", "size=smoke", "warmup=0"]
 
 
 @pytest.mark.parametrize("module", FAST)

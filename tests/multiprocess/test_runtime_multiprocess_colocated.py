@@ -9,7 +9,7 @@ output goes to the other process's stage, and the loader packs each sample's til
 
 import numpy as np
 import pytest
-from multiprocess_launch import REPO, finish, launch, rows
+from multiprocess_launch import REPO, finish_beside, launch, rows
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -34,13 +34,12 @@ def test_two_processes_colocated_encoder_train_like_one(tmp_path):
     run_dir = tmp_path / "mp"
     logs = tmp_path / "logs"
     logs.mkdir()
-    finish(launch(logs, 2, _args(tmp_path, run_dir) + ["num_cpu_devices=4"], limit_s=240), 260)
+    cfg = load_config(TrainConfig, REPO / "configs" / "demo.yaml",
+                      _args(tmp_path, tmp_path / "sp") + ["num_cpu_devices=8"])  # fmt: skip
+    procs = launch(logs, 2, _args(tmp_path, run_dir) + ["num_cpu_devices=4"], limit_s=240)
+    _, single = finish_beside(procs, lambda: run(cfg), 260)
     multi = rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in multi] == [1, 2, 3]
     assert min(r["encoder_padding_ratio"] for r in multi) < 1.0  # the colocated stage encoded tiles
-
-    cfg = load_config(TrainConfig, REPO / "configs" / "demo.yaml",
-                      _args(tmp_path, tmp_path / "sp") + ["num_cpu_devices=8"])  # fmt: skip
-    single = run(cfg)
     assert cfg.layout.layout().encoder_stages == ()
     np.testing.assert_allclose([r["loss"] for r in multi], single.losses, rtol=1e-5, atol=0)

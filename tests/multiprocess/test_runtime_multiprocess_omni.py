@@ -15,7 +15,7 @@ process 0 feed LLM stage 0 on process 1."""
 
 import numpy as np
 import pytest
-from multiprocess_launch import REPO, finish, launch, rows
+from multiprocess_launch import REPO, finish_beside, launch, rows
 
 from dflop_jax.config import load_config
 from dflop_jax.runtime.config import TrainConfig
@@ -55,15 +55,13 @@ def test_two_processes_train_the_omni_model_like_one(tmp_path, layout):
     logs.mkdir()
     args = ["--config", str(config), *_args(tmp_path, run_dir), *LAYOUTS[layout],
             "num_cpu_devices=4"]  # fmt: skip
-    finish(launch(logs, 2, args, limit_s=300), 320)
+    cfg = load_config(TrainConfig, config,
+                      [*_args(tmp_path, tmp_path / "sp"), *LAYOUTS[layout], "num_cpu_devices=8"])  # fmt: skip
+    _, single = finish_beside(launch(logs, 2, args, limit_s=300), lambda: run(cfg), 320)
     multi = rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in multi] == [1, 2, 3]
     assert all(r["recompiles"] == 0 for r in multi)  # process 0's rows: nothing after precompile
     heard = [r["audio_padding_ratio"] for r in multi if r["audio_padding_ratio"] is not None]
     assert heard and min(heard) < 1.0  # the audio encoder ran real frames
-
-    cfg = load_config(TrainConfig, config,
-                      [*_args(tmp_path, tmp_path / "sp"), *LAYOUTS[layout], "num_cpu_devices=8"])  # fmt: skip
-    single = run(cfg)
     assert single.summary["programs_after_precompile"] == 0
     np.testing.assert_allclose([r["loss"] for r in multi], single.losses, rtol=1e-5, atol=0)

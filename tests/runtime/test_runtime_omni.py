@@ -260,39 +260,43 @@ VARIANTS = {
 }  # fmt: skip
 
 
+def _metrics(tmp_path) -> list[dict]:
+    return [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.seconds(140)
-def test_omni_demo_trains_and_resumes(tmp_path, variant):
-    """configs/omni_demo.yaml on 8 devices, with the vision encoder colocated on LLM stage 0 (the
-    audio encoder there too) or the audio encoder on a stage of its own: audio windows reach the
-    audio encoder (audio padding reported), nothing compiles after the precompile, and a
-    checkpointed run resumes with the audio encoder's state and exports as two HF directories
-    (`vision/`, `audio/`). One tile bucket of the demo's two halves the programs to compile; the
-    length and audio ladders keep two each. (The demo's own layout, both encoders apart and the
-    audio encoder on LLM stage 0 as in "colocated", trains in
+@pytest.mark.seconds(110)
+def test_omni_demo_trains_and_resumes_on_the_other_variant(tmp_path):
+    """configs/omni_demo.yaml on 8 devices with the vision encoder colocated on LLM stage 0 (the
+    audio encoder there too), then resumed from its checkpoint with both encoders on a stage of their
+    own: in both, audio windows reach the audio encoder (audio padding reported) and nothing
+    compiles after the precompile; the resumed run takes the audio encoder's state from LLM stage 0
+    into a stage of its own and exports as two HF directories (`vision/`, `audio/`). One tile bucket
+    of the demo's two halves the programs to compile; the length and audio ladders keep two each.
+    (The demo's own layout, both encoders apart and the audio encoder on LLM stage 0, trains in
     tests/multiprocess/test_runtime_multiprocess_omni.py, across processes and in one.)"""
-    extra = ["steps=2", "checkpoint.every=2", "data.synth_samples=48", "compute_dtype=float32",
-             "scheduler.solver=greedy", "layout.tiles=[8]", *VARIANTS[variant]]  # fmt: skip
-    colocated = variant == "colocated"
-    report = run(_omni_cfg(tmp_path, *extra))
+    common = ["checkpoint.every=2", "data.synth_samples=48", "compute_dtype=float32",
+              "scheduler.solver=greedy", "layout.tiles=[8]"]  # fmt: skip
+    report = run(_omni_cfg(tmp_path, "steps=2", *common, *VARIANTS["colocated"]))
     assert len(report.losses) == 2 and np.all(np.isfinite(report.losses))
     assert report.summary["programs_after_precompile"] == 0
-    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    heard = [r["audio_padding_ratio"] for r in rows if r["audio_padding_ratio"] is not None]
-    assert heard and min(heard) < 1.0  # the audio encoder ran real frames
-    assert report.layout.encoder_stages == () if colocated else len(report.layout.encoder_stages)
-    assert len(report.layout.audio_stages) == (variant == "audio_stage")
-    if variant == "audio_stage":  # every microbatch runs the audio stage: an audio bucket each
-        assert all(r["audio_padding_ratio"] is not None for r in rows)
-    again = run(_omni_cfg(tmp_path, *extra[1:], "steps=3"))
+    assert report.layout.encoder_stages == () and report.layout.audio_stages == ()
+    heard = [r["audio_padding_ratio"] for r in _metrics(tmp_path)]
+    assert min(h for h in heard if h is not None) < 1.0  # the audio encoder ran real frames
+
+    again = run(_omni_cfg(tmp_path, "steps=3", *common, *VARIANTS["audio_stage"]))
     assert again.first_step == 2 and len(again.losses) == 1 and np.isfinite(again.losses[0])
+    assert again.summary["programs_after_precompile"] == 0
+    assert len(again.layout.encoder_stages) == len(again.layout.audio_stages) == 1
+    resumed = [r for r in _metrics(tmp_path) if r["step"] == 3]
+    # every microbatch runs the audio stage: an audio bucket each
+    assert resumed and all(r["audio_padding_ratio"] is not None for r in resumed)
     run_dir = tmp_path / "run"
     cfg = run_config(run_dir)
     model_cfg = RunContext.build(cfg, read_plan=False).model_cfg
-    report = export_run(cfg, model_cfg, run_dir, tmp_path / "hf")
-    assert report.step == 3  # the resumed run's last step
-    assert {p.parent.name for p in report.files} == {"vision", "audio"}
+    exported = export_run(cfg, model_cfg, run_dir, tmp_path / "hf")
+    assert exported.step == 3  # the resumed run's last step
+    assert {p.parent.name for p in exported.files} == {"vision", "audio"}
 
 
 @pytest.mark.slow
@@ -354,7 +358,7 @@ def test_omni_demo_trains_the_planners_layout(tmp_path):
     sources = json.loads((tmp_path / "run" / "auto_plan" / "cost_sources.json").read_text())
     assert {"audio_embedding", "audio_layers", "audio_head"} <= set(sources)
     assert "audio_encoder" not in sources  # priced from its entries, not the fallback
-    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _metrics(tmp_path)
     assert any(r["audio_padding_ratio"] is not None for r in rows)
     again = run(_omni_cfg(tmp_path, *extra[:3], f"plan={plan_file}",
                           f"run_dir={tmp_path / 'again'}", "steps=1"))  # fmt: skip
