@@ -138,7 +138,7 @@ def finish_beside(
 ) -> tuple[list[str], T]:
     """`reference()` (the single-process run a test compares with) run in this process while the
     processes of `launch` run, then `finish(procs, limit_s)`: their outputs and its result. Why: two
-    processes of a pipeline leave about a third of 2 cores idle (each waits on the other's stages),
+    processes of a pipeline leave about a fifth of 2 cores idle (each waits on the other's stages),
     and the reference fills it instead of running after them. If the reference raises, the processes
     are stopped first."""
     try:

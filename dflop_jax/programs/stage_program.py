@@ -311,8 +311,7 @@ class StageProgram:
         """Shape, dtype and sharding of `forward(x, side)` of an inner stage, traced without compiling
         (once per input signature). A local stage that saves residuals traces the forward that
         saves them, the program `lower` lowers next for this signature: jax keeps the trace, so
-        the forward is traced once, not twice (a stage program's trace costs about as much as
-        its lowering on CPU)."""
+        the forward is traced once, not twice (tracing is most of a stage program's lowering)."""
         key = self._record("shape", x, side)
         if key not in self._outputs:
             saving = self.local and self.jits.forward_residuals is not None

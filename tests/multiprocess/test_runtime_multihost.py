@@ -43,7 +43,7 @@ def _launch(tmp_path_factory, model: str, processes: int) -> list[dict]:
 def _run(tmp_path_factory, model: str, processes: int, again: bool = False) -> list[dict]:
     """The run's reports; each run has a compilation cache of its own, which `again` (a second run
     of the same plan) finds filled by the first. A 2-process run and the single-process reference
-    run side by side: two processes of a pipeline leave about a third of 2 cores idle (with 4 the
+    run side by side: two processes of a pipeline leave about a fifth of 2 cores idle (with 4 the
     cores are already over-subscribed, and the reference runs after them)."""
     counts = [n for n in {processes, 1} if (model, n) not in _runs]
     together = processes == 2 and len(counts) == 2
