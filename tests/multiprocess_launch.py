@@ -144,12 +144,17 @@ def finish_beside(
     try:
         result = reference()
     except BaseException:
-        for proc, _ in procs.values():
-            if not group_gone(proc.pid):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(procs)
         raise
     return finish(procs, limit_s), result
+
+
+def stop(procs: dict[int, tuple[subprocess.Popen, Path]]) -> None:
+    """SIGKILLs every process group of `launch` still alive and reaps its process."""
+    for proc, _ in procs.values():
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_for_rows(path: Path, rows: int, timeout_s: float, procs) -> None:

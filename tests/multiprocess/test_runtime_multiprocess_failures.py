@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from multiprocess_launch import decoder_args, group_gone, launch, tail, wait_for_rows
+from multiprocess_launch import decoder_args, group_gone, launch, stop, tail, wait_for_rows
 
 from dflop_jax.programs.watchdog import EXIT_CODE
 
@@ -34,9 +34,7 @@ def test_a_lost_process_stops_the_other_within_60s(tmp_path, sig, victim, expect
         rc = survivor.wait(timeout=90)
         elapsed = time.monotonic() - t0
     finally:
-        for proc, _ in procs.values():
-            os.killpg(proc.pid, signal.SIGKILL) if not group_gone(proc.pid) else None
-            proc.wait()
+        stop(procs)
     assert rc == EXIT_CODE, tail(log)
     assert elapsed < 60, f"took {elapsed:.0f}s"
     last = log.read_text().strip().splitlines()[-1]

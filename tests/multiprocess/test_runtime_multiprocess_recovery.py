@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess_launch import REPO, decoder_args, env, group_gone, launch, tail
+from multiprocess_launch import REPO, decoder_args, env, launch, stop, tail
 
 from dflop_jax.config import load_config
 from dflop_jax.programs.watchdog import EXIT_CODE
@@ -56,9 +56,7 @@ def test_a_run_that_lost_a_process_resumes_on_the_other_with_a_new_layout(tmp_pa
         _kill_after_a_checkpoint(procs, run_dir, victim=1)
         rc = survivor.wait(timeout=90)
     finally:
-        for proc, _ in procs.values():
-            os.killpg(proc.pid, signal.SIGKILL) if not group_gone(proc.pid) else None
-            proc.wait()
+        stop(procs)
     assert rc == EXIT_CODE, tail(log)
     lines = log.read_text().strip().splitlines()
     last = next((line for line in reversed(lines) if "to resume on the" in line), lines[-1])
